@@ -1,0 +1,45 @@
+"""The `continuum` console script.
+
+Subcommands are named here as `module` paths and imported only when run, so `continuum --help`
+stays fast and heavy dependencies load only for the command that needs them. Each command
+module provides `add_arguments(parser)` and `main(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
+    "bench": {
+        "scheduler": ("engine.bench.scheduler", "CPU cost of one scheduler step"),
+    },
+}
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser; only the subcommand named in `argv` has its module imported."""
+    parser = argparse.ArgumentParser(prog="continuum", description=__doc__.splitlines()[0])
+    groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
+    for group, commands in COMMANDS.items():
+        group_parser = groups.add_parser(group, help=f"{group} commands")
+        subparsers = group_parser.add_subparsers(dest="command", required=True, metavar="NAME")
+        for name, (module_path, help_text) in commands.items():
+            sub = subparsers.add_parser(name, help=help_text)
+            if list(argv[:2]) == [group, name]:
+                module = importlib.import_module(module_path)
+                module.add_arguments(sub)
+                sub.set_defaults(run=module.main)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Frozen configuration objects, one per concern, validated on construction.
+
+Configs are never mutated after construction; derive a new one with `dataclasses.replace`.
+Every invalid value raises `ValueError` naming the field, so a bad flag or API argument fails
+before any engine state exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _require_positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache layout.
+
+    `num_kv_blocks` fixes the pool size; `None` lets the model runner size the pool from the
+    device memory it profiles (`gpu_memory_utilization` of it).
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        _require_positive("block_size", self.block_size)
+        _require_positive("num_kv_blocks", self.num_kv_blocks)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token budget and batching limits of one scheduler step (vLLM V1 semantics).
+
+    - `max_num_batched_tokens`: the unified token budget per step (prefill and decode tokens).
+    - `max_num_seqs`: at most this many requests are RUNNING at once.
+    - `max_model_len`: the longest sequence (prompt + output tokens) a request may reach.
+    - `long_prefill_token_threshold`: a request computes at most this many tokens per step
+      (`None`: no cap beyond the budget).
+    - `enable_chunked_prefill`: a prompt may be split across steps; when off, a prompt must fit
+      the budget whole.
+    - `policy`: the scheduling policy, a registry name or a `module:Class` path.
+    """
+
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    long_prefill_token_threshold: int | None = None
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require_positive("max_model_len", self.max_model_len)
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+        if self.long_prefill_token_threshold is not None and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold requires enable_chunked_prefill")
+        if not self.policy:
+            raise ValueError("policy must be a non-empty name")
+
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and how to load it.
+
+    `model` is a local Hugging Face directory or `"tiny"` (the embedded default model).
+    `max_model_len=None` takes the model's own context length.
+    """
+
+    model: str = "tiny"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a non-empty name or path")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            )
+        _require_positive("max_model_len", self.max_model_len)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance needs; the cross-field checks live here."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        model_len = self.model.max_model_len
+        if model_len is not None and model_len != self.scheduler.max_model_len:
+            raise ValueError(
+                f"model max_model_len ({model_len}) disagrees with the scheduler's "
+                f"({self.scheduler.max_model_len})"
+            )
+        num_blocks = self.cache.num_kv_blocks
+        if num_blocks is not None:
+            check_pool_fits_one_sequence(num_blocks, self.cache.block_size,
+                                         self.scheduler.max_model_len)
+
+
+def check_pool_fits_one_sequence(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """A pool that cannot hold one `max_model_len` sequence could wedge a lone request forever."""
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"the KV pool ({num_blocks} blocks x {block_size} tokens) cannot hold one sequence "
+            f"of max_model_len={max_model_len} tokens; add blocks or lower max_model_len"
+        )

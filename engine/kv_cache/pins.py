@@ -1,0 +1,135 @@
+"""Pins: the mechanism that keeps a finished turn's KV blocks on the device for its job.
+
+A pin is a block holder, like a running request: it owns one reference on each of its blocks
+until it is released. Policies decide *when* to pin and release; this module only keeps the
+books, so that every release carries a reason and reference counts stay exact.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from engine.kv_cache.block import KVCacheBlock
+from engine.kv_cache.block_pool import BlockPool
+
+
+class PinReleaseReason(str, enum.Enum):
+    """Why a pin stopped holding its blocks."""
+
+    REUSED = "reused"  # the job's next turn was admitted and took the blocks itself
+    EXPIRED = "expired"  # the TTL ran out with no turn of the job waiting
+    PRESSURE = "pressure"  # memory was needed for running or waiting requests
+    JOB_END = "job_end"  # the job's last turn finished or the job timed out
+    REPLACED = "replaced"  # a newer turn of the same job was pinned
+    RELEASE = "release"  # a client released the job explicitly
+    ABORT = "abort"  # the job's next turn was aborted
+
+
+@dataclass(slots=True)
+class Pin:
+    """The blocks of one finished turn, held for `job_id` until `deadline_s` (policy time).
+
+    `blocks` are the turn's prefix-cached blocks in sequence order.
+    """
+
+    job_id: str
+    request_id: str
+    blocks: list[KVCacheBlock]
+    pinned_at_s: float
+    ttl_s: float
+    release_reason: PinReleaseReason | None = None
+    released_at_s: float | None = None
+
+    @property
+    def deadline_s(self) -> float:
+        return self.pinned_at_s + self.ttl_s
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class PinTable:
+    """At most one live pin per job, in pin order (oldest first).
+
+    Owns the block references of live pins. Called by the scheduler: `add` when a policy
+    retains a finished turn, `release` on admission of the job's next turn, under memory
+    pressure, on expiry, job end, explicit release or abort.
+    """
+
+    def __init__(self, block_pool: BlockPool) -> None:
+        self._block_pool = block_pool
+        self._pins: dict[str, Pin] = {}
+        self.num_pinned_blocks = 0
+        self.num_created = 0
+        self.num_released: Counter[PinReleaseReason] = Counter()
+
+    def add(
+        self,
+        job_id: str,
+        request_id: str,
+        blocks: list[KVCacheBlock],
+        *,
+        now_s: float,
+        ttl_s: float,
+    ) -> Pin:
+        """Creates a pin that takes over the caller's references on `blocks`.
+
+        A live pin of the same job is released with reason REPLACED (after the new one holds its
+        blocks, so shared blocks never touch the free queue).
+        """
+        if not blocks:
+            raise ValueError("a pin must hold at least one block")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        previous = self._pins.pop(job_id, None)
+        pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s)
+        self._pins[job_id] = pin
+        self.num_pinned_blocks += pin.num_blocks
+        self.num_created += 1
+        if previous is not None:
+            self._drop(previous, PinReleaseReason.REPLACED, now_s)
+        return pin
+
+    def release(self, job_id: str, reason: PinReleaseReason, *, now_s: float) -> Pin | None:
+        """Releases the job's pin, if any: its blocks become ordinary evictable cache."""
+        pin = self._pins.pop(job_id, None)
+        if pin is not None:
+            self._drop(pin, reason, now_s)
+        return pin
+
+    def get(self, job_id: str) -> Pin | None:
+        return self._pins.get(job_id)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._pins
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def __iter__(self) -> Iterator[Pin]:
+        return iter(list(self._pins.values()))
+
+    def _drop(self, pin: Pin, reason: PinReleaseReason, now_s: float) -> None:
+        self.num_pinned_blocks -= pin.num_blocks
+        self.num_released[reason] += 1
+        pin.release_reason = reason
+        pin.released_at_s = now_s
+        self._block_pool.free_blocks(reversed(pin.blocks))
+
+    def check_invariants(self) -> None:
+        """Pins are keyed by their job, hold cached blocks, and the block count is exact."""
+        total = 0
+        for job_id, pin in self._pins.items():
+            assert pin.job_id == job_id, f"pin of {pin.job_id} filed under {job_id}"
+            assert pin.release_reason is None, f"released pin of {job_id} still live"
+            for block in pin.blocks:
+                assert block.ref_cnt > 0, f"pin of {job_id} holds unreferenced {block}"
+                assert block.block_hash is not None, f"pin of {job_id} holds uncached {block}"
+            total += pin.num_blocks
+        assert total == self.num_pinned_blocks, "pinned block count drifted"
+        released = sum(self.num_released.values())
+        assert self.num_created == released + len(self._pins), "pins created != released + live"

@@ -1,0 +1,38 @@
+"""What the model runner returns to the scheduler, and what the engine core reports per request.
+
+Both are msgspec Structs: they cross process boundaries (executor workers, the ZMQ link to the
+frontend). Fields are append-only.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.request import FinishReason
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    """Tokens sampled in one step, `sampled_token_ids[i]` for `req_ids[i]`.
+
+    A request whose prefill is still partial after the step may be given an empty list; the
+    scheduler ignores tokens for such requests either way.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+
+    def req_id_to_index(self) -> dict[str, int]:
+        return {req_id: index for index, req_id in enumerate(self.req_ids)}
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens of one request from one step; `finish_reason` is set on its last output.
+
+    `num_cached_tokens` is the prefix-cache hit of the request's first admission.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0

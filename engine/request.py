@@ -1,0 +1,149 @@
+"""Engine-side request state, owned by the scheduler from `add_request` until it finishes."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished, as reported to clients (`str()` gives the OpenAI spelling).
+
+    Codes start at 1 so that every reason is truthy.
+    """
+
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class JobInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The agent-job a request belongs to (one turn of one agent program).
+
+    `tool_name` is the tool this turn is known to call, when the client says so.
+    """
+
+    job_id: str
+    is_last_step: bool = False
+    tool_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.job_id, str) or not self.job_id:
+            raise ValueError(f"job_id must be a non-empty string, got {self.job_id!r}")
+        if self.tool_name is not None and not self.tool_name:
+            raise ValueError("tool_name must be non-empty when given")
+
+
+class Request:
+    """One generation request as the scheduler tracks it.
+
+    Token ids grow as outputs are appended; `num_computed_tokens` counts the tokens whose KV is
+    computed (or scheduled to be computed in the step being built). `block_hashes` holds the
+    chained hashes of the full blocks of `all_token_ids`, extended by the KV cache manager.
+    `num_cached_tokens` is the prefix-cache hit of the first admission (`None` before it).
+    """
+
+    __slots__ = (
+        "all_token_ids", "arrival_time_s", "block_hashes", "cache_salt", "eos_token_id", "job",
+        "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_prompt_tokens",
+        "priority", "request_id", "sampling_params", "status", "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        arrival_time_s: float,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        job: JobInfo | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
+            raise ValueError("prompt token ids must be non-negative integers")
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.arrival_time_s = arrival_time_s
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.job = job
+        self.cache_salt = cache_salt
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.stop_reason: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def job_id(self) -> str | None:
+        return None if self.job is None else self.job.job_id
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, job={self.job_id!r})"
+        )

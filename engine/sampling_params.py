@@ -1,0 +1,101 @@
+"""Sampling parameters: a torch-free, immutable wire type validated on construction.
+
+The scheduler reads the stop-related fields (`max_tokens`, `min_tokens`, `stop_token_ids`,
+`ignore_eos`); the model runner reads the rest. Stop *strings* are matched on text by the
+frontend, never by the scheduler.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_MAX_SEED = 2**63 - 1
+_MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How one completion is sampled and when it stops.
+
+    - `max_tokens`: cap on generated tokens; `None` means up to the model's `max_model_len`.
+    - `min_tokens`: EOS and stop token ids are ignored until this many tokens were generated.
+    - `temperature == 0` is greedy decoding; `top_k == 0` disables top-k.
+    - `seed`: per-request seed, reproducible whatever else is in the batch.
+    - `logprobs`: number of top log-probabilities to return per generated token.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_distribution()
+        self._check_penalties()
+        self._check_stops()
+
+    def _check_counts(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=-_MAX_SEED - 1, maximum=_MAX_SEED)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0, maximum=_MAX_LOGPROBS)
+
+    def _check_distribution(self) -> None:
+        _check_range("temperature", self.temperature, 0.0, 2.0)
+        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, minimum=0)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+
+    def _check_penalties(self) -> None:
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+
+    def _check_stops(self) -> None:
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids entry", token_id, minimum=0)
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop strings must be non-empty, got {text!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def _check_range(
+    name: str, value: float, low: float, high: float, *, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high or value != value:
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise ValueError(f"{name} must be in {interval}, got {value}")

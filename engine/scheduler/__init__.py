@@ -1,0 +1,27 @@
+"""The scheduler (torch-free): V1 semantics, with decisions delegated to policy objects."""
+
+from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
+from engine.scheduler.policy import BasePolicy, SchedulerView, SchedulingPolicy, Victim
+from engine.scheduler.registry import POLICY_REGISTRY, make_policy, resolve_policy_class
+from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestQueue
+from engine.scheduler.scheduler import Scheduler
+
+__all__ = [
+    "POLICY_REGISTRY",
+    "BasePolicy",
+    "CachedRequestData",
+    "FCFSPolicy",
+    "FCFSRequestQueue",
+    "NewRequestData",
+    "PriorityPolicy",
+    "PriorityRequestQueue",
+    "RequestQueue",
+    "Scheduler",
+    "SchedulerOutput",
+    "SchedulerView",
+    "SchedulingPolicy",
+    "Victim",
+    "make_policy",
+    "resolve_policy_class",
+]

@@ -1,0 +1,54 @@
+"""The plan of one scheduler step, consumed by the executor (model runner)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """A request the runner has no state for: new, or resumed after preemption, sent in full.
+
+    `output_token_ids` is non-empty for a resumed request (penalties need them);
+    `num_computed_tokens` is the prefix-cache hit whose KV the runner can reuse.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True):
+    """Requests the runner already holds, as deltas (parallel lists).
+
+    The runner appends the tokens it sampled itself, so no token ids are sent; `new_block_ids`
+    lists blocks appended since the last step, `num_computed_tokens` is the count before it.
+    """
+
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    """Everything the runner needs to execute one step.
+
+    `num_scheduled_tokens` maps every scheduled request to its token count this step.
+    `finished_req_ids` and `preempted_req_ids` tell the runner whose state to drop.
+    """
+
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

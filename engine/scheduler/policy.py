@@ -1,0 +1,114 @@
+"""The scheduling policy interface: the scheduler is mechanism, a policy object decides.
+
+A policy decides the order of waiting requests, whether a finished turn's blocks are retained
+(pinned, with a TTL), which running request or pin gives way under memory pressure, and which
+pins to release so that a waiting request can be admitted. The scheduler calls it; the policy
+acts on the scheduler only through `SchedulerView`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
+from engine.request import Request
+from engine.scheduler.request_queue import RequestQueue
+
+Victim = Request | Pin
+
+
+class SchedulerView(Protocol):
+    """What a policy may see of the scheduler (read-only) and the one action it may take."""
+
+    @property
+    def running(self) -> list[Request]:
+        """RUNNING requests in admission order (do not mutate)."""
+        ...
+
+    @property
+    def waiting(self) -> RequestQueue:
+        """The waiting queue, in the policy's own order."""
+        ...
+
+    @property
+    def pins(self) -> PinTable:
+        """Live pins, oldest first."""
+        ...
+
+    def release_pin(self, job_id: str, reason: PinReleaseReason) -> Pin | None:
+        """Releases the job's pin (for example on TTL expiry); its blocks become evictable."""
+        ...
+
+
+class SchedulingPolicy(Protocol):
+    """Decisions the scheduler delegates. Times are seconds on the scheduler's clock.
+
+    Call order: `bind` once at scheduler construction; `on_step_start` at the start of every
+    `schedule()`; `on_request_arrived` from `add_request`; `on_request_admitted` after a waiting
+    request took its blocks (and its job's pin was released); `on_request_finished` for every
+    finished request, before `retention_ttl_s`; `on_job_ended` when a job's last turn
+    finished or the job was released.
+    """
+
+    def bind(self, scheduler: SchedulerView) -> None: ...
+
+    def new_waiting_queue(self) -> RequestQueue: ...
+
+    def on_step_start(self, now_s: float) -> None: ...
+
+    def on_request_arrived(self, request: Request, now_s: float) -> None: ...
+
+    def on_request_admitted(self, request: Request, now_s: float) -> None: ...
+
+    def on_request_finished(self, request: Request, now_s: float) -> None: ...
+
+    def on_job_ended(self, job_id: str, now_s: float) -> None: ...
+
+    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
+        """For a request of a job that finished normally: seconds to pin its blocks, or None
+        to free them at once."""
+        ...
+
+    def select_victim(self, request: Request) -> Victim:
+        """`request` (RUNNING) cannot get blocks: a running request to preempt (possibly
+        `request` itself) or a live pin to release."""
+        ...
+
+    def select_pin_to_release(self, request: Request) -> Pin | None:
+        """The waiting head `request` cannot get blocks: a live pin to release for it, or None
+        to leave it waiting. Must not return None forever while pins alone block an otherwise
+        idle engine."""
+        ...
+
+
+class BasePolicy:
+    """Defaults shared by policies: no retention, notifications ignored, and pins released for
+    admission only when nothing is running (most recently pinned first)."""
+
+    scheduler: SchedulerView
+
+    def bind(self, scheduler: SchedulerView) -> None:
+        self.scheduler = scheduler
+
+    def on_step_start(self, now_s: float) -> None:
+        pass
+
+    def on_request_arrived(self, request: Request, now_s: float) -> None:
+        pass
+
+    def on_request_admitted(self, request: Request, now_s: float) -> None:
+        pass
+
+    def on_request_finished(self, request: Request, now_s: float) -> None:
+        pass
+
+    def on_job_ended(self, job_id: str, now_s: float) -> None:
+        pass
+
+    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
+        return None
+
+    def select_pin_to_release(self, request: Request) -> Pin | None:
+        if self.scheduler.running:
+            return None
+        return max(self.scheduler.pins, key=lambda pin: pin.pinned_at_s, default=None)

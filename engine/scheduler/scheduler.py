@@ -1,0 +1,421 @@
+"""The V1-style scheduler: a unified token budget over running and waiting requests.
+
+Mechanism only. Order, retention, victims and pin releases for admission are delegated to a
+`SchedulingPolicy`; this module never asks which policy it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.clock import Clock
+from engine.config import CacheConfig, SchedulerConfig, check_pool_fits_one_sequence
+from engine.kv_cache.block import KVCacheBlock
+from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine.request import Request, RequestStatus
+from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.scheduler.policy import SchedulingPolicy
+from engine.scheduler.request_queue import RequestQueue
+from engine.scheduler.stop import check_stop
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What one `schedule()` call has decided so far."""
+
+    token_budget: int
+    admitted: list[Request] = field(default_factory=list)
+    continuing: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+
+    def add_continuing(
+        self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]
+    ) -> None:
+        self.continuing.append(request)
+        if new_blocks:
+            self.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+        self.add(request, num_tokens)
+
+    def drop_continuing(self, request: Request) -> None:
+        """Undoes the scheduling of a running request that became a victim later this step."""
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.continuing.remove(request)
+        self.new_block_ids.pop(request.request_id, None)
+
+
+class Scheduler:
+    """Owns every unfinished request, the KV cache manager and the pin table.
+
+    Called by the engine core, once per step: `schedule()`, then (after the executor ran the
+    step) `update_from_output()`. `add_request` and `finish_requests` (abort) may be called
+    between steps. Times come from the injected `clock` (seconds).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        policy: SchedulingPolicy,
+        *,
+        num_kv_blocks: int | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        num_blocks = num_kv_blocks or cache_config.num_kv_blocks
+        if num_blocks is None:
+            raise ValueError("the KV pool size is unknown: pass num_kv_blocks")
+        check_pool_fits_one_sequence(num_blocks, cache_config.block_size,
+                                     scheduler_config.max_model_len)
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.clock = clock
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self._pins = PinTable(self.kv_cache_manager.block_pool)
+        self._requests: dict[str, Request] = {}
+        self._running: list[Request] = []
+        self.policy = policy
+        self._waiting = policy.new_waiting_queue()
+        self._finished_req_ids: set[str] = set()
+        self.step_id = 0
+        self.num_preemptions = 0
+        policy.bind(self)
+
+    # SchedulerView: what policies may see.
+    @property
+    def running(self) -> list[Request]:
+        return self._running
+
+    @property
+    def waiting(self) -> RequestQueue:
+        return self._waiting
+
+    @property
+    def pins(self) -> PinTable:
+        return self._pins
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self._requests
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request; ValueError (and no change) if it can never be served."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_output_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a fresh request")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens exceeds max_model_len "
+                f"({self.config.max_model_len})"
+            )
+        self._requests[request.request_id] = request
+        self._waiting.add_request(request)
+        self.policy.on_request_arrived(request, self.clock())
+
+    def schedule(self) -> SchedulerOutput:
+        """Plans one step: running requests first, then waiting ones if nobody was preempted."""
+        now_s = self.clock()
+        self.policy.on_step_start(now_s)
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan, now_s)
+        return self._emit(plan)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Appends sampled tokens, applies stop conditions and finishes stopped requests."""
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        index_of = runner_output.req_id_to_index()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self._requests.get(req_id)
+            if request is None or request.num_computed_tokens < request.num_tokens:
+                continue  # aborted since, or its prefill is still partial
+            token_ids = runner_output.sampled_token_ids[index_of[req_id]]
+            if not token_ids:
+                continue
+            new_token_ids = self._append_output(request, token_ids)
+            if request.status.is_finished:
+                stopped.append(request)
+            outputs.append(EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_token_ids,
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens or 0,
+            ))
+        if stopped:
+            self._retire(stopped)
+        return outputs
+
+    def finish_requests(
+        self,
+        request_ids: Iterable[str],
+        status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> None:
+        """Finishes requests from outside the step loop (abort). Unknown ids are ignored.
+
+        An aborted turn of a job also releases that job's pin (reason ABORT).
+        """
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        now_s = self.clock()
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self._running.remove(request)
+            else:
+                self._waiting.remove_request(request)
+            self._finish(request, status, now_s)
+            if status is RequestStatus.FINISHED_ABORTED and request.job_id is not None:
+                self.release_pin(request.job_id, PinReleaseReason.ABORT)
+
+    def release_pin(self, job_id: str, reason: PinReleaseReason) -> Pin | None:
+        return self._pins.release(job_id, reason, now_s=self.clock())
+
+    def end_job(
+        self, job_id: str, reason: PinReleaseReason = PinReleaseReason.RELEASE
+    ) -> Pin | None:
+        """Ends a job: releases its pin (if any) and tells the policy; returns the pin."""
+        pin = self.release_pin(job_id, reason)
+        self.policy.on_job_ended(job_id, self.clock())
+        return pin
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets all cached prefixes; False (no change) while any block is held."""
+        return self.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    # Scheduling.
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self._running) and plan.token_budget > 0:
+            request = self._running[index]
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan)
+            if num_new_tokens == 0:
+                index += 1
+                continue
+            num_preempted = len(plan.preempted)
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if new_blocks is None:
+                break
+            plan.add_continuing(request, num_new_tokens, new_blocks)
+            if len(plan.preempted) != num_preempted:
+                index = self._running.index(request)  # earlier victims shifted it
+            index += 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, plan: _StepPlan
+    ) -> list[KVCacheBlock] | None:
+        """Blocks for a running request, freeing victims until they fit; None if `request`
+        itself was preempted."""
+        while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+            victim = self.policy.select_victim(request)
+            if isinstance(victim, Pin):
+                released = self.release_pin(victim.job_id, PinReleaseReason.PRESSURE)
+                assert released is victim, f"victim pin of {victim.job_id} is not live"
+                continue
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+        return new_blocks
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self._running.remove(request)
+        if request.request_id in plan.num_scheduled_tokens:
+            plan.drop_continuing(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.prepend_request(request)
+        plan.preempted.append(request)
+
+    def _schedule_waiting(self, plan: _StepPlan, now_s: float) -> None:
+        max_num_seqs = self.config.max_num_seqs
+        while self._waiting and plan.token_budget > 0 and len(self._running) < max_num_seqs:
+            if not self._admit(self._waiting.peek_request(), plan, now_s):
+                break
+
+    def _admit(self, request: Request, plan: _StepPlan, now_s: float) -> bool:
+        """Moves the waiting head to running if its blocks fit (releasing pins the policy
+        offers); its job's pin is released only after it took its own references."""
+        hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        num_new_tokens = self._num_new_tokens(request, num_hit_tokens, plan)
+        if num_new_tokens == 0:
+            return False
+        allocate = self.kv_cache_manager.allocate_slots
+        while allocate(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
+            pin = self.policy.select_pin_to_release(request)
+            if pin is None:
+                return False
+            released = self.release_pin(pin.job_id, PinReleaseReason.PRESSURE)
+            assert released is pin, f"pin of {pin.job_id} offered for admission is not live"
+        self._waiting.remove_request(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit_tokens
+        self._running.append(request)
+        plan.admitted.append(request)
+        plan.add(request, num_new_tokens)
+        if request.job_id is not None:
+            self.release_pin(request.job_id, PinReleaseReason.REUSED)
+        self.policy.on_request_admitted(request, now_s)
+        return True
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: _StepPlan) -> int:
+        """Tokens `request` may compute this step: its remainder, capped by the long-prefill
+        threshold and the budget (0 if it must go whole and does not fit)."""
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None and num_new_tokens > threshold:
+            num_new_tokens = threshold
+        if num_new_tokens > plan.token_budget:
+            return plan.token_budget if self.config.enable_chunked_prefill else 0
+        return num_new_tokens
+
+    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
+        """Builds the step's output and advances `num_computed_tokens` of everything scheduled."""
+        block_ids_of = self.kv_cache_manager.get_block_ids
+        new_reqs = [
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=request.output_token_ids,
+                sampling_params=request.sampling_params,
+                block_ids=block_ids_of(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+            for request in plan.admitted
+        ]
+        cached = CachedRequestData(
+            req_ids=[request.request_id for request in plan.continuing],
+            new_block_ids=[plan.new_block_ids.get(r.request_id, []) for r in plan.continuing],
+            num_computed_tokens=[request.num_computed_tokens for request in plan.continuing],
+        )
+        num_scheduled = plan.num_scheduled_tokens
+        for request in plan.continuing:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        for request in plan.admitted:
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        output = SchedulerOutput(
+            step_id=self.step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - plan.token_budget,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids={request.request_id for request in plan.preempted},
+        )
+        self._finished_req_ids = set()
+        self.step_id += 1
+        return output
+
+    # Finishing.
+    def _append_output(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Appends tokens up to the first that stops the request; returns those appended."""
+        max_model_len = self.config.max_model_len
+        for count, token_id in enumerate(token_ids, start=1):
+            request.append_output_token_id(token_id)
+            status = check_stop(request, max_model_len)
+            if status is not None:
+                request.status = status
+                return token_ids[:count]
+        return token_ids
+
+    def _retire(self, stopped: list[Request]) -> None:
+        stopped_ids = {request.request_id for request in stopped}
+        self._running = [r for r in self._running if r.request_id not in stopped_ids]
+        now_s = self.clock()
+        for request in stopped:
+            self._finish(request, request.status, now_s)
+
+    def _finish(self, request: Request, status: RequestStatus, now_s: float) -> None:
+        """Final bookkeeping of a request that left running/waiting: pin or free its blocks."""
+        request.status = status
+        del self._requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+        self.policy.on_request_finished(request, now_s)
+        if not self._pin_if_retained(request, now_s):
+            self.kv_cache_manager.free(request)
+        if request.job is not None and request.job.is_last_step:
+            self.end_job(request.job.job_id, PinReleaseReason.JOB_END)
+
+    def _pin_if_retained(self, request: Request, now_s: float) -> bool:
+        """Pins the request's cached blocks if the policy retains them; True if handled."""
+        if request.job is None or request.status is RequestStatus.FINISHED_ABORTED:
+            return False
+        ttl_s = self.policy.retention_ttl_s(request, now_s)
+        if ttl_s is None or not ttl_s > 0:
+            return False
+        blocks = self.kv_cache_manager.detach_cached_blocks(request)
+        if blocks:
+            self._pins.add(request.job.job_id, request.request_id, blocks,
+                           now_s=now_s, ttl_s=ttl_s)
+        return True
+
+    def check_invariants(self) -> None:
+        """Asserts the scheduler's and the KV cache's invariants; tests call it every step.
+
+        Every block is free (in the free queue, unreferenced) or held, and its `ref_cnt` is
+        the number of running requests plus pins holding it.
+        """
+        self.kv_cache_manager.check_invariants()
+        self._pins.check_invariants()
+        self._check_request_sets()
+        expected: Counter[int] = Counter()
+        for blocks in self.kv_cache_manager.req_to_blocks.values():
+            expected.update(block.block_id for block in blocks)
+        for pin in self._pins:
+            expected.update(block.block_id for block in pin.blocks)
+        for block in self.kv_cache_manager.block_pool.blocks:
+            assert block.ref_cnt == expected[block.block_id], (
+                f"{block} has ref_cnt {block.ref_cnt}, holders {expected[block.block_id]}"
+            )
+
+    def _check_request_sets(self) -> None:
+        running_ids = [request.request_id for request in self._running]
+        waiting_ids = [request.request_id for request in self._waiting]
+        assert len(set(running_ids)) == len(running_ids), "a request runs twice"
+        assert len(set(waiting_ids)) == len(waiting_ids), "a request waits twice"
+        assert not set(running_ids) & set(waiting_ids), "a request both runs and waits"
+        assert set(running_ids) | set(waiting_ids) == self._requests.keys(), "lost a request"
+        assert len(running_ids) <= self.config.max_num_seqs, "max_num_seqs exceeded"
+        assert self.kv_cache_manager.req_to_blocks.keys() == set(running_ids), (
+            "block owners differ from the running requests"
+        )
+        for request in self._running:
+            assert request.status is RequestStatus.RUNNING, f"{request} in running"
+            num_blocks = len(self.kv_cache_manager.req_to_blocks[request.request_id])
+            assert request.num_computed_tokens <= min(
+                request.num_tokens, num_blocks * self.block_size
+            ), f"{request} computed beyond its tokens or blocks"
+        for request in self._waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (
+                f"{request} in waiting"
+            )
+            assert request.num_computed_tokens == 0, f"waiting {request} has computed tokens"

@@ -1,0 +1,1 @@
+"""Tool-call latency estimation and TTL computation (never imports engine)."""

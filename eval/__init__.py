@@ -1,0 +1,1 @@
+"""Workload loaders, the replay client, the simulator and reports."""

@@ -1,0 +1,173 @@
+"""Fast, exact fixtures for scheduler and KV cache tests: a fake clock and a fake runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine.request import JobInfo, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import SchedulerOutput
+from engine.scheduler.policies import FCFSPolicy
+from engine.scheduler.policy import SchedulingPolicy
+from engine.scheduler.scheduler import Scheduler
+
+
+class FakeClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start_s: float = 0.0) -> None:
+        self.now_s = start_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    *,
+    max_tokens: int | None = 16,
+    arrival_time_s: float = 0.0,
+    eos_token_id: int | None = None,
+    priority: int = 0,
+    job_id: str | None = None,
+    is_last_step: bool = False,
+    **sampling: object,
+) -> Request:
+    job = None if job_id is None else JobInfo(job_id=job_id, is_last_step=is_last_step)
+    return Request(
+        request_id,
+        prompt_token_ids,
+        SamplingParams(max_tokens=max_tokens, **sampling),
+        arrival_time_s=arrival_time_s,
+        eos_token_id=eos_token_id,
+        priority=priority,
+        job=job,
+    )
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    max_model_len: int = 64,
+    long_prefill_token_threshold: int | None = None,
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool = True,
+    policy: SchedulingPolicy | None = None,
+    clock: FakeClock | None = None,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
+        policy if policy is not None else FCFSPolicy(),
+        num_kv_blocks=num_blocks,
+        clock=clock if clock is not None else FakeClock(),
+    )
+
+
+@dataclass
+class _RunnerState:
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+class FakeRunner:
+    """Plays the model runner's side of the protocol, without a model.
+
+    Keeps per-request state only from what `SchedulerOutput` sends (new requests in full,
+    continuing ones as deltas) and asserts it agrees with the scheduler, so tests also check
+    that the output carries everything a real runner needs. Samples `sample(req_id, position)`
+    (default: token 1) for every request whose known tokens are all computed after the step.
+    """
+
+    def __init__(
+        self, block_size: int, sample: Callable[[str, int], int] | None = None
+    ) -> None:
+        self.block_size = block_size
+        self.sample = sample or (lambda req_id, position: 1)
+        self.states: dict[str, _RunnerState] = {}
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in output.finished_req_ids | output.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for new in output.scheduled_new_reqs:
+            assert new.req_id not in self.states, f"{new.req_id} sent in full twice"
+            self.states[new.req_id] = _RunnerState(
+                new.prompt_token_ids + new.output_token_ids,
+                new.num_computed_tokens,
+                list(new.block_ids),
+            )
+        cached = output.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.states[req_id]
+            assert state.num_computed_tokens == num_computed, f"{req_id} computed count drifted"
+            state.block_ids.extend(block_ids)
+        return self._run(output.num_scheduled_tokens)
+
+    def _run(self, num_scheduled_tokens: dict[str, int]) -> ModelRunnerOutput:
+        req_ids, sampled = [], []
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            state = self.states[req_id]
+            state.num_computed_tokens += num_tokens
+            assert state.num_computed_tokens <= len(state.token_ids), f"{req_id} overran"
+            assert len(state.block_ids) * self.block_size >= state.num_computed_tokens
+            tokens: list[int] = []
+            if state.num_computed_tokens == len(state.token_ids):
+                token_id = self.sample(req_id, len(state.token_ids))
+                state.token_ids.append(token_id)
+                tokens.append(token_id)
+            req_ids.append(req_id)
+            sampled.append(tokens)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+
+def run_step(
+    scheduler: Scheduler, runner: FakeRunner
+) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    """One engine step against the fake runner, with the invariants checked afterwards."""
+    output = scheduler.schedule()
+    outputs = scheduler.update_from_output(output, runner.execute(output))
+    scheduler.check_invariants()
+    return output, outputs
+
+
+def run_until_done(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> int:
+    """Steps until no request is left; returns the number of steps taken."""
+    for step in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return step
+        run_step(scheduler, runner)
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+class PinningPolicy(FCFSPolicy):
+    """Test policy: retains every finished turn of a job for `ttl_s`; under pressure it
+    releases the oldest pin before preempting anyone."""
+
+    def __init__(self, ttl_s: float = 10.0) -> None:
+        self.ttl_s = ttl_s
+
+    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
+        return self.ttl_s
+
+    def select_victim(self, request: Request):
+        pins = list(self.scheduler.pins)
+        return pins[0] if pins else super().select_victim(request)

@@ -1,0 +1,62 @@
+"""Dependency rules of DESIGN.md section 2, checked mechanically."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCHEDULER_SIDE = [
+    "engine.config",
+    "engine.request",
+    "engine.sampling_params",
+    "engine.outputs",
+    "engine.kv_cache",
+    "engine.scheduler",
+    "engine.bench.scheduler",
+]
+
+
+def test_scheduler_side_does_not_import_torch() -> None:
+    pytest.importorskip("torch")  # the check means something only where torch is installed
+    imports = "; ".join(f"import {module}" for module in SCHEDULER_SIDE)
+    code = (
+        f"import sys; {imports}; "
+        "from engine.scheduler.registry import make_policy; make_policy('fcfs'); "
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "False"
+
+
+def _engine_sources() -> list[Path]:
+    return sorted((ROOT / "engine").rglob("*.py"))
+
+
+def test_engine_has_no_policy_branches() -> None:
+    pattern = re.compile(r"policy(_name)?\s*(==|!=|\bin\b|\bis\b)|isinstance\([^)]*Policy\)")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in _engine_sources()
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if pattern.search(line)
+    ]
+    assert offenders == []
+
+
+def test_engine_never_imports_policy_or_estimator_packages() -> None:
+    pattern = re.compile(r"^\s*(import|from)\s+(continuum|estimator|eval)\b")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in _engine_sources()
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if pattern.search(line)
+    ]
+    assert offenders == []

@@ -1,0 +1,1 @@
+"""Scheduler trace records, the JSONL writer and reader, and trace analysis."""
