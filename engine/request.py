@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
 from engine.sampling_params import SamplingParams
+
+MAX_TOKEN_ID = 2**32 - 1
 
 
 class RequestStatus(enum.IntEnum):
@@ -93,8 +96,12 @@ class Request:
             raise ValueError("request_id must be a non-empty string")
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
-            raise ValueError("prompt token ids must be non-negative integers")
+        if any(not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {MAX_TOKEN_ID}]")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(arrival_time_s, (int, float)) or not math.isfinite(arrival_time_s):
+            raise ValueError(f"arrival_time_s must be a finite number, got {arrival_time_s!r}")
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.arrival_time_s = arrival_time_s

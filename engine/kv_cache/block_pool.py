@@ -78,7 +78,7 @@ class BlockPool:
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             if block.block_hash is not None:
-                self._evict(block)
+                self.uncache(block)
             block.ref_cnt = 1
         return blocks
 
@@ -123,8 +123,9 @@ class BlockPool:
         self.cached_blocks = BlockHashToBlockMap()
         return True
 
-    def _evict(self, block: KVCacheBlock) -> None:
-        assert block.block_hash is not None
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Removes a block from the prefix cache (eviction, or KV that was never computed)."""
+        assert block.block_hash is not None, f"{block} is not cached"
         self.cached_blocks.pop(block.block_hash, block.block_id)
         block.block_hash = None
 

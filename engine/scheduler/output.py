@@ -37,6 +37,10 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
 class SchedulerOutput(msgspec.Struct, kw_only=True):
     """Everything the runner needs to execute one step.
 
+    Blocks are registered in the prefix cache when scheduled, so a request admitted in this
+    step may reuse KV that another request computes in this same step: the runner must write
+    the step's new KV of every request before attention reads the cache (per layer).
+
     `num_scheduled_tokens` maps every scheduled request to its token count this step.
     `finished_req_ids` and `preempted_req_ids` tell the runner whose state to drop.
     """

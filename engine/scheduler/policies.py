@@ -20,10 +20,19 @@ class FCFSPolicy(BasePolicy):
 
 class PriorityPolicy(BasePolicy):
     """Stock V1 priority scheduling: lower `priority` first, then earlier arrival; the victim is
-    the running request that sorts last by the same key."""
+    the running request that sorts last by the same key.
+
+    Ties go to the most recently admitted request (V1 takes the first in running order, which
+    lets two equal requests preempt each other forever as each re-admission reorders them).
+    """
 
     def new_waiting_queue(self) -> PriorityRequestQueue:
         return PriorityRequestQueue()
 
     def select_victim(self, request: Request) -> Victim:
-        return max(self.scheduler.running, key=lambda r: (r.priority, r.arrival_time_s))
+        running = self.scheduler.running
+        index = max(
+            range(len(running)),
+            key=lambda i: (running[i].priority, running[i].arrival_time_s, i),
+        )
+        return running[index]

@@ -83,7 +83,8 @@ class SchedulingPolicy(Protocol):
 
 class BasePolicy:
     """Defaults shared by policies: no retention, notifications ignored, and pins released for
-    admission only when nothing is running (most recently pinned first)."""
+    admission only when nothing is running: other jobs' pins first (most recently pinned
+    first), the request's own job's pin last (its prefix hit usually needs those blocks)."""
 
     scheduler: SchedulerView
 
@@ -111,4 +112,8 @@ class BasePolicy:
     def select_pin_to_release(self, request: Request) -> Pin | None:
         if self.scheduler.running:
             return None
-        return max(self.scheduler.pins, key=lambda pin: pin.pinned_at_s, default=None)
+        return max(
+            self.scheduler.pins,
+            key=lambda pin: (pin.job_id != request.job_id, pin.pinned_at_s),
+            default=None,
+        )

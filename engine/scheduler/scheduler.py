@@ -6,6 +6,7 @@ Mechanism only. Order, retention, victims and pin releases for admission are del
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -22,6 +23,12 @@ from engine.scheduler.output import CachedRequestData, NewRequestData, Scheduler
 from engine.scheduler.policy import SchedulingPolicy
 from engine.scheduler.request_queue import RequestQueue
 from engine.scheduler.stop import check_stop
+
+
+class _Admission(enum.Enum):
+    ADMITTED = "admitted"
+    OVER_BUDGET = "over_budget"  # the prompt must go whole and does not fit this step
+    NO_MEMORY = "no_memory"
 
 
 @dataclass(slots=True)
@@ -127,8 +134,8 @@ class Scheduler:
                 f"prompt of {request.num_tokens} tokens exceeds max_model_len "
                 f"({self.config.max_model_len})"
             )
-        self._requests[request.request_id] = request
         self._waiting.add_request(request)
+        self._requests[request.request_id] = request
         self.policy.on_request_arrived(request, self.clock())
 
     def schedule(self) -> SchedulerOutput:
@@ -234,13 +241,19 @@ class Scheduler:
         while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
             victim = self.policy.select_victim(request)
             if isinstance(victim, Pin):
-                released = self.release_pin(victim.job_id, PinReleaseReason.PRESSURE)
-                assert released is victim, f"victim pin of {victim.job_id} is not live"
+                self._release_for_pressure(victim)
                 continue
+            if victim.status is not RequestStatus.RUNNING:
+                raise RuntimeError(f"policy chose {victim} as a victim, which is not running")
             self._preempt(victim, plan)
             if victim is request:
                 return None
         return new_blocks
+
+    def _release_for_pressure(self, pin: Pin) -> None:
+        if self._pins.get(pin.job_id) is not pin:
+            raise RuntimeError(f"policy chose the pin of job {pin.job_id!r}, which is not live")
+        self.release_pin(pin.job_id, PinReleaseReason.PRESSURE)
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
         self._running.remove(request)
@@ -255,25 +268,35 @@ class Scheduler:
         plan.preempted.append(request)
 
     def _schedule_waiting(self, plan: _StepPlan, now_s: float) -> None:
+        """Admits waiting requests in policy order until one cannot get blocks. Without
+        chunked prefill, a prompt that does not fit the remaining budget is passed over (it
+        keeps its place) and the next one is tried, as in vLLM V1."""
         max_num_seqs = self.config.max_num_seqs
+        passed_over: list[Request] = []
         while self._waiting and plan.token_budget > 0 and len(self._running) < max_num_seqs:
-            if not self._admit(self._waiting.peek_request(), plan, now_s):
+            request = self._waiting.peek_request()
+            admission = self._admit(request, plan, now_s)
+            if admission is _Admission.NO_MEMORY:
                 break
+            if admission is _Admission.OVER_BUDGET:
+                self._waiting.remove_request(request)
+                passed_over.append(request)
+        for request in reversed(passed_over):
+            self._waiting.prepend_request(request)
 
-    def _admit(self, request: Request, plan: _StepPlan, now_s: float) -> bool:
-        """Moves the waiting head to running if its blocks fit (releasing pins the policy
+    def _admit(self, request: Request, plan: _StepPlan, now_s: float) -> _Admission:
+        """Moves a waiting request to running if its blocks fit (releasing pins the policy
         offers); its job's pin is released only after it took its own references."""
         hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         num_new_tokens = self._num_new_tokens(request, num_hit_tokens, plan)
         if num_new_tokens == 0:
-            return False
+            return _Admission.OVER_BUDGET
         allocate = self.kv_cache_manager.allocate_slots
         while allocate(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
             pin = self.policy.select_pin_to_release(request)
             if pin is None:
-                return False
-            released = self.release_pin(pin.job_id, PinReleaseReason.PRESSURE)
-            assert released is pin, f"pin of {pin.job_id} offered for admission is not live"
+                return _Admission.NO_MEMORY
+            self._release_for_pressure(pin)
         self._waiting.remove_request(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
@@ -285,7 +308,7 @@ class Scheduler:
         if request.job_id is not None:
             self.release_pin(request.job_id, PinReleaseReason.REUSED)
         self.policy.on_request_admitted(request, now_s)
-        return True
+        return _Admission.ADMITTED
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: _StepPlan) -> int:
         """Tokens `request` may compute this step: its remainder, capped by the long-prefill

@@ -10,7 +10,7 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
 
     EOS (unless `ignore_eos`) and stop token ids count only once `min_tokens` tokens were
     generated; `max_tokens` and `max_model_len` always apply. A stop token wins over the length
-    limit when both hold, as in OpenAI's API (finish reason "stop").
+    limit when both hold (finish reason "stop"), as in vLLM V1.
     """
     params = request.sampling_params
     num_output_tokens = request.num_output_tokens

@@ -92,8 +92,11 @@ class FakeRunner:
 
     Keeps per-request state only from what `SchedulerOutput` sends (new requests in full,
     continuing ones as deltas) and asserts it agrees with the scheduler, so tests also check
-    that the output carries everything a real runner needs. Samples `sample(req_id, position)`
-    (default: token 1) for every request whose known tokens are all computed after the step.
+    that the output carries everything a real runner needs. It also keeps a fake KV cache (the
+    token written to each slot) and asserts that every prefix hit reads back exactly the
+    tokens of the request: a hit on a block whose KV was never computed fails loudly.
+    Samples `sample(req_id, position)` (default: token 1) for every request whose known tokens
+    are all computed after the step.
     """
 
     def __init__(
@@ -102,17 +105,20 @@ class FakeRunner:
         self.block_size = block_size
         self.sample = sample or (lambda req_id, position: 1)
         self.states: dict[str, _RunnerState] = {}
+        self.kv: dict[tuple[int, int], int] = {}  # (block id, slot) -> token id
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in output.finished_req_ids | output.preempted_req_ids:
             self.states.pop(req_id, None)
+        new_states = {}
         for new in output.scheduled_new_reqs:
             assert new.req_id not in self.states, f"{new.req_id} sent in full twice"
-            self.states[new.req_id] = _RunnerState(
+            new_states[new.req_id] = _RunnerState(
                 new.prompt_token_ids + new.output_token_ids,
                 new.num_computed_tokens,
                 list(new.block_ids),
             )
+        self.states.update(new_states)
         cached = output.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -120,15 +126,38 @@ class FakeRunner:
             state = self.states[req_id]
             assert state.num_computed_tokens == num_computed, f"{req_id} computed count drifted"
             state.block_ids.extend(block_ids)
-        return self._run(output.num_scheduled_tokens)
+        # Like a real forward pass, each layer writes the whole step's new KV before attention
+        # reads it, so a hit may rely on KV that another request computes in this same step.
+        self._write_kv(output.num_scheduled_tokens)
+        for req_id, state in new_states.items():
+            self._check_prefix_hit(req_id, state)
+        return self._sample(output.num_scheduled_tokens)
 
-    def _run(self, num_scheduled_tokens: dict[str, int]) -> ModelRunnerOutput:
+    def _slot(self, state: _RunnerState, position: int) -> tuple[int, int]:
+        return state.block_ids[position // self.block_size], position % self.block_size
+
+    def _write_kv(self, num_scheduled_tokens: dict[str, int]) -> None:
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            state = self.states[req_id]
+            end = state.num_computed_tokens + num_tokens
+            assert end <= len(state.token_ids), f"{req_id} overran its tokens"
+            assert len(state.block_ids) * self.block_size >= end, f"{req_id} overran its blocks"
+            for position in range(state.num_computed_tokens, end):
+                self.kv[self._slot(state, position)] = state.token_ids[position]
+
+    def _check_prefix_hit(self, req_id: str, state: _RunnerState) -> None:
+        for position in range(state.num_computed_tokens):
+            cached = self.kv.get(self._slot(state, position))
+            assert cached == state.token_ids[position], (
+                f"{req_id} hit stale KV at position {position}: {cached} != "
+                f"{state.token_ids[position]}"
+            )
+
+    def _sample(self, num_scheduled_tokens: dict[str, int]) -> ModelRunnerOutput:
         req_ids, sampled = [], []
         for req_id, num_tokens in num_scheduled_tokens.items():
             state = self.states[req_id]
             state.num_computed_tokens += num_tokens
-            assert state.num_computed_tokens <= len(state.token_ids), f"{req_id} overran"
-            assert len(state.block_ids) * self.block_size >= state.num_computed_tokens
             tokens: list[int] = []
             if state.num_computed_tokens == len(state.token_ids):
                 token_id = self.sample(req_id, len(state.token_ids))

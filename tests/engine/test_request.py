@@ -30,3 +30,18 @@ def test_job_info_validation() -> None:
         JobInfo(job_id="")
     with pytest.raises(ValueError, match="tool_name"):
         JobInfo(job_id="j", tool_name="")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt_token_ids": [2**64]}, "token ids"),
+        ({"priority": None}, "priority"),
+        ({"priority": 1.5}, "priority"),
+        ({"arrival_time_s": float("nan")}, "arrival_time_s"),
+    ],
+)
+def test_values_that_would_break_hashing_or_ordering_are_rejected(kwargs, message) -> None:
+    args = {"prompt_token_ids": [1, 2], "arrival_time_s": 0.0, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        Request("r", args.pop("prompt_token_ids"), SamplingParams(), **args)

@@ -147,3 +147,22 @@ def test_pin_table_rejects_empty_and_non_positive_pins() -> None:
     with pytest.raises(ValueError, match="ttl_s"):
         table.add("job", "r", pool_blocks, now_s=0.0, ttl_s=0.0)
     assert len(table) == 0
+
+
+def test_admission_releases_other_jobs_pins_before_its_own() -> None:
+    scheduler, runner, clock = pinned_setup(num_blocks=8)  # job holds 3 blocks
+    clock.advance(1.0)
+    scheduler.add_request(make_request("other0", list(range(200, 210)), max_tokens=3,
+                                       job_id="other"))
+    run_until_done(scheduler, runner)  # other holds 3 blocks, pinned later than job's
+    # job's next turn shares job's prefix and needs 7 blocks in all: other's pin must go,
+    # and job's own pin (its prefix hit) must survive until admission reuses it.
+    turn1 = make_request("turn1", [*PROMPT, 1, 1, 1, *range(300, 315)], max_tokens=1,
+                         job_id="job")
+    scheduler.add_request(turn1)
+    output, _ = run_step(scheduler, runner)
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 12
+    counts = scheduler.pins.num_released
+    assert counts[PinReleaseReason.PRESSURE] == 1 and counts[PinReleaseReason.REUSED] == 1
+    assert "other" not in scheduler.pins
+    assert scheduler.pins.get("job").request_id == "turn1"  # turn1 finished and was pinned

@@ -3,7 +3,7 @@ import pytest
 from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
 from engine.scheduler.registry import POLICY_REGISTRY, make_policy, resolve_policy_class
 from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
-from tests.engine.helpers import FakeRunner, make_request, make_scheduler, run_step
+from tests.engine.helpers import FakeRunner, make_request, make_scheduler, run_step, run_until_done
 
 
 def waiting_ids(scheduler) -> list[str]:
@@ -83,3 +83,40 @@ def test_registry_resolves_names_and_dotted_paths() -> None:
 def test_unknown_policies_are_clear_errors(name: str) -> None:
     with pytest.raises(ValueError, match="policy"):
         resolve_policy_class(name)
+
+
+def test_priority_ties_cannot_preempt_each_other_forever() -> None:
+    # Equal priority and arrival: the victim is the most recently admitted request, so the
+    # other one keeps its progress and both finish (ties used to make them thrash).
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=4,
+                               max_num_seqs=2, max_model_len=24, long_prefill_token_threshold=1,
+                               enable_prefix_caching=False, policy=PriorityPolicy())
+    runner = FakeRunner(4)
+    for name in ("first", "second"):
+        scheduler.add_request(make_request(name, [7] * 9, max_tokens=9, priority=1))
+    assert run_until_done(scheduler, runner, max_steps=200) < 100
+    assert scheduler.num_preemptions <= 2
+
+
+class _BrokenPolicy(FCFSPolicy):
+    def __init__(self, victim) -> None:
+        self.victim = victim
+
+    def select_victim(self, request):
+        return self.victim
+
+
+def test_a_policy_returning_an_invalid_victim_fails_loudly_instead_of_looping() -> None:
+    from engine.kv_cache.pins import Pin
+
+    stale_pin = Pin("ghost", "r", [], pinned_at_s=0.0, ttl_s=1.0)
+    waiting_request = make_request("never-admitted", [1])
+    for victim, message in [(stale_pin, "not live"), (waiting_request, "not running")]:
+        scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16,
+                                   policy=_BrokenPolicy(victim))
+        runner = FakeRunner(4)
+        scheduler.add_request(make_request("a", list(range(7)), max_tokens=9))
+        scheduler.add_request(make_request("b", list(range(20, 27)), max_tokens=9))
+        with pytest.raises(RuntimeError, match=message):
+            for _ in range(10):
+                run_step(scheduler, runner)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
@@ -33,7 +33,6 @@ operation = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     policy_name=st.sampled_from(sorted(POLICIES)),
     num_blocks=st.integers(6, 12),

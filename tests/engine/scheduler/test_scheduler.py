@@ -79,6 +79,21 @@ def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole() -> None:
     assert output.num_scheduled_tokens == {"a": 1, "b": 10}
 
 
+def test_without_chunked_prefill_a_too_long_prompt_is_passed_over_not_blocking() -> None:
+    scheduler = make_scheduler(
+        max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False
+    )
+    runner = FakeRunner(4)
+    scheduler.add_request(make_request("a", list(range(10)), max_tokens=5))
+    scheduler.add_request(make_request("big", list(range(100, 112)), max_tokens=1))
+    scheduler.add_request(make_request("small", [7, 8, 9], max_tokens=1))
+    output, _ = run_step(scheduler, runner)
+    assert output.num_scheduled_tokens == {"a": 10, "small": 3}  # big (12) > 6 left
+    assert [r.request_id for r in scheduler.waiting] == ["big"]  # kept its place
+    output, _ = run_step(scheduler, runner)
+    assert output.num_scheduled_tokens == {"a": 1, "big": 12}
+
+
 def test_max_num_seqs_caps_running_requests() -> None:
     scheduler = make_scheduler(max_num_seqs=2)
     runner = FakeRunner(4)
@@ -153,24 +168,36 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     scheduler.check_invariants()
 
 
-def test_victim_scheduled_earlier_in_the_step_is_unscheduled() -> None:
+def test_victim_scheduled_earlier_in_the_step_is_unscheduled_and_uncached() -> None:
+    from engine.kv_cache.hashing import hash_block_tokens
     from engine.scheduler.policies import PriorityPolicy
 
     scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16,
                                policy=PriorityPolicy())
     runner = FakeRunner(4)
-    scheduler.add_request(make_request("low", list(range(7)), max_tokens=8, priority=5))
-    scheduler.add_request(make_request("high", list(range(20, 27)), max_tokens=8, priority=0))
-    run_step(scheduler, runner)
-    assert [r.request_id for r in scheduler.running] == ["high", "low"]
-    scheduler.requests["low"].arrival_time_s = -1.0  # irrelevant: priority decides
-    output, _ = run_step(scheduler, runner)  # both fit (7 -> 8 tokens)
-    output = scheduler.schedule()  # high needs a block; low (priority 5) is the victim
+    low_prompt = list(range(6))
+    scheduler.add_request(make_request("low", low_prompt, max_tokens=8, priority=5))
+    run_step(scheduler, runner)  # low: 6 computed, 7 tokens, 2 blocks
+    scheduler.add_request(make_request("high", list(range(20, 28)), max_tokens=8, priority=0))
+    run_step(scheduler, runner)  # low: 7 computed; high: 8 computed, 9 tokens; pool full
+    assert [r.request_id for r in scheduler.running] == ["low", "high"]
+
+    # low is scheduled first (its 8th token fills block 1, which is cached at once); then
+    # high needs a 3rd block and the victim is low, already scheduled in this step.
+    output = scheduler.schedule()
     assert output.preempted_req_ids == {"low"}
     assert output.num_scheduled_tokens == {"high": 1}
     assert output.total_num_scheduled_tokens == 1
+    assert output.scheduled_cached_reqs.req_ids == ["high"]
+    # The block low would have completed holds no KV: it must not stay a prefix-cache hit.
+    low_tokens = scheduler.requests["low"].all_token_ids
+    first = hash_block_tokens(None, low_tokens[:4])
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_cached_block(first) is not None
+    assert pool.get_cached_block(hash_block_tokens(first, low_tokens[4:8])) is None
     scheduler.update_from_output(output, runner.execute(output))
     scheduler.check_invariants()
+    run_until_done(scheduler, runner)  # the runner checks every later hit's KV content
 
 
 def test_abort_of_waiting_and_running_requests_frees_every_block() -> None:
