@@ -78,7 +78,7 @@ class Scheduler:
         num_kv_blocks: int | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        num_blocks = num_kv_blocks or cache_config.num_kv_blocks
+        num_blocks = cache_config.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
         if num_blocks is None:
             raise ValueError("the KV pool size is unknown: pass num_kv_blocks")
         check_pool_fits_one_sequence(num_blocks, cache_config.block_size,
