@@ -3,10 +3,7 @@
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "default", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile(
-    "stress", max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+_SHARED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("default", max_examples=300, **_SHARED)
+settings.register_profile("stress", max_examples=5000, **_SHARED)
 settings.load_profile("default")

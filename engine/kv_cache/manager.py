@@ -97,27 +97,27 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Drops every block reference of `request`, tail first (prefixes outlive suffixes)."""
-        blocks = self._release_ownership(request)
+        blocks, _ = self._release_ownership(request)
         self.block_pool.free_blocks(reversed(blocks))
 
     def detach_cached_blocks(self, request: Request) -> list[KVCacheBlock]:
         """Stops tracking `request`; hands its prefix-cached blocks, still referenced, to the
         caller (a pin) and frees the rest (the partial tail, whose KV no lookup can find)."""
-        blocks = self._release_ownership(request)
-        num_cached = sum(block.block_hash is not None for block in blocks)
+        blocks, num_cached = self._release_ownership(request)
         self.block_pool.free_blocks(reversed(blocks[num_cached:]))
         return blocks[:num_cached]
 
-    def _release_ownership(self, request: Request) -> list[KVCacheBlock]:
+    def _release_ownership(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Forgets `request`'s blocks (references unchanged) and un-caches those registered
         for KV that was never computed: blocks cached when scheduled in a step that was then
-        undone because the request was preempted later in the same `schedule()`."""
+        undone because the request was preempted later in the same `schedule()`.
+        Returns the blocks and how many of them (a prefix) stay cached."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         num_cached = self.num_cached_blocks.pop(request.request_id, 0)
         num_computed_blocks = request.num_computed_tokens // self.block_size
         for block in blocks[num_computed_blocks:num_cached]:
             self.block_pool.uncache(block)
-        return blocks
+        return blocks, min(num_cached, num_computed_blocks)
 
     def _admit(
         self,
