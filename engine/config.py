@@ -19,14 +19,16 @@ def _require_positive(name: str, value: int | None) -> None:
 class CacheConfig:
     """Paged KV cache layout.
 
-    `num_kv_blocks` fixes the pool size; `None` lets the model runner size the pool from the
-    device memory it profiles (`gpu_memory_utilization` of it).
+    `num_kv_blocks` fixes the pool size; `None` lets the model runner size it: on CUDA from
+    the device memory it profiles (`gpu_memory_utilization` of the total), on CPU from
+    `cpu_kv_cache_space_gib`.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space_gib: float = 2.0
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -34,6 +36,10 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not self.cpu_kv_cache_space_gib > 0:
+            raise ValueError(
+                f"cpu_kv_cache_space_gib must be positive, got {self.cpu_kv_cache_space_gib!r}"
             )
 
 
@@ -76,6 +82,7 @@ class SchedulerConfig:
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _LOAD_FORMATS = ("auto", "dummy")
+_DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,9 @@ class ModelConfig:
     """Which model to run and how to load it.
 
     `model` is a local Hugging Face directory or `"tiny"` (the embedded default model).
-    `max_model_len=None` takes the model's own context length.
+    `max_model_len=None` takes the model's own context length. `dtype="auto"` is float32 on
+    CPU and bfloat16 on CUDA; `device="auto"` is CUDA when one is available. `seed` draws the
+    weights of `tiny` and of `load_format="dummy"`, and the sampling of unseeded requests.
     """
 
     model: str = "tiny"
@@ -91,6 +100,7 @@ class ModelConfig:
     load_format: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -102,6 +112,8 @@ class ModelConfig:
                 f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
             )
         _require_positive("max_model_len", self.max_model_len)
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
 
 
 @dataclass(frozen=True)

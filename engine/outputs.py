@@ -11,15 +11,29 @@ import msgspec
 from engine.request import FinishReason
 
 
+class TokenLogprobs(msgspec.Struct, kw_only=True, frozen=True):
+    """Log-probabilities at one generated position: the sampled token's, with its rank
+    (1 = most likely), and the `len(top_token_ids)` most likely tokens', best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     """Tokens sampled in one step, `sampled_token_ids[i]` for `req_ids[i]`.
 
     A request whose prefill is still partial after the step may be given an empty list; the
-    scheduler ignores tokens for such requests either way.
+    scheduler ignores tokens for such requests either way. `logprobs[i]`, when the list is
+    present, holds one entry per token of `sampled_token_ids[i]` for requests that asked for
+    logprobs and is `None` for the others.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None = None
 
     def req_id_to_index(self) -> dict[str, int]:
         return {req_id: index for index, req_id in enumerate(self.req_ids)}

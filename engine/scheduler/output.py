@@ -11,7 +11,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     """A request the runner has no state for: new, or resumed after preemption, sent in full.
 
     `output_token_ids` is non-empty for a resumed request (penalties need them);
-    `num_computed_tokens` is the prefix-cache hit whose KV the runner can reuse.
+    `num_computed_tokens` is the prefix-cache hit whose KV the runner can reuse;
+    `eos_token_id` is banned by the sampler until `min_tokens` (unless `ignore_eos`).
     """
 
     req_id: str
@@ -20,6 +21,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -332,6 +332,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=block_ids_of(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
+                eos_token_id=request.eos_token_id,
             )
             for request in plan.admitted
         ]

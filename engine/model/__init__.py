@@ -1,0 +1,1 @@
+"""Model code: Llama-family transformers on a paged KV cache (imports torch)."""

@@ -1,0 +1,191 @@
+"""Paged attention over per-layer KV tensors addressed by block tables and slot mappings.
+
+Layout of one layer's cache: `[2, num_blocks * block_size, num_kv_heads, head_dim]` (K then V);
+token `p` of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
+
+A step's batch is flattened into one token dimension with its single-token queries (decodes)
+first. Every layer first writes the K/V of all the step's tokens, then attends: a request
+admitted this step may hit prefix blocks another request fills in this very step.
+
+- Decodes are attended together: their blocks are gathered into a padded `[B, L]` view and
+  one SDPA call runs with a length mask.
+- Every longer query (a prefill, or a chunk on top of cached tokens) is attended on its own.
+  With no cached context it attends to its fresh K/V under a plain causal mask; otherwise it
+  gathers its whole sequence from the cache under a bottom-right-aligned causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Single-token queries: `block_table` [B, max_blocks], `mask` [B, 1, 1, L] (True attends)."""
+
+    block_table: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """A multi-token query at `[query_start, query_start + query_len)` of the flat batch.
+
+    `kv_slots` (all `context_len + query_len` slots of the sequence) and `mask` are `None`
+    when the query has no cached context and no sliding window: then a plain causal mask over
+    the fresh K/V is enough.
+    """
+
+    query_start: int
+    query_len: int
+    context_len: int
+    kv_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """How one step's flattened tokens map onto the paged cache; built once, read by every layer."""
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode: DecodeBatch | None
+    prefills: tuple[PrefillSeq, ...]
+    block_size: int
+
+
+def build_attention_metadata(
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+) -> tuple[np.ndarray, AttentionMetadata]:
+    """Positions [num_tokens] (numpy) and metadata for sequences given decodes-first.
+
+    `query_lens[i]` new tokens of sequence `i` follow `context_lens[i]` tokens already in the
+    cache; `block_table[i]` lists its block ids (padded on the right with any block id).
+    """
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    context_lens = np.asarray(context_lens, dtype=np.int64)
+    num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else len(query_lens)
+    assert (query_lens[num_decodes:] > 1).all(), "single-token queries must come first"
+    seq_lens = context_lens + query_lens
+    rows = np.repeat(np.arange(len(query_lens)), query_lens)
+    starts = np.cumsum(query_lens) - query_lens
+    positions = np.arange(rows.size) - np.repeat(starts, query_lens) + context_lens[rows]
+    slots = block_table[rows, positions // block_size] * block_size + positions % block_size
+    metadata = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        num_decode_tokens=num_decodes,
+        decode=_decode_batch(seq_lens[:num_decodes], block_table[:num_decodes], block_size,
+                             sliding_window, device) if num_decodes else None,
+        prefills=tuple(
+            _prefill_seq(int(starts[i]), int(query_lens[i]), int(context_lens[i]),
+                         block_table[i], block_size, sliding_window, device)
+            for i in range(num_decodes, len(query_lens))
+        ),
+        block_size=block_size,
+    )
+    return positions, metadata
+
+
+def _decode_batch(
+    seq_lens: np.ndarray, block_table: np.ndarray, block_size: int,
+    sliding_window: int | None, device: torch.device,
+) -> DecodeBatch:
+    num_blocks = int(-(-seq_lens.max() // block_size))
+    key_positions = np.arange(num_blocks * block_size)
+    allowed = key_positions[None, :] < seq_lens[:, None]
+    if sliding_window is not None:
+        allowed &= key_positions[None, :] > seq_lens[:, None] - 1 - sliding_window
+    return DecodeBatch(
+        block_table=torch.from_numpy(np.ascontiguousarray(block_table[:, :num_blocks])).to(device),
+        mask=torch.from_numpy(allowed[:, None, None, :]).to(device),
+    )
+
+
+def _prefill_seq(
+    query_start: int, query_len: int, context_len: int, block_ids: np.ndarray,
+    block_size: int, sliding_window: int | None, device: torch.device,
+) -> PrefillSeq:
+    if context_len == 0 and sliding_window is None:
+        return PrefillSeq(query_start, query_len, context_len, None, None)
+    seq_len = context_len + query_len
+    key_positions = np.arange(seq_len)
+    slots = block_ids[key_positions // block_size] * block_size + key_positions % block_size
+    query_positions = np.arange(context_len, seq_len)[:, None]
+    allowed = key_positions[None, :] <= query_positions
+    if sliding_window is not None:
+        allowed &= key_positions[None, :] > query_positions - sliding_window
+    return PrefillSeq(
+        query_start, query_len, context_len,
+        kv_slots=torch.from_numpy(slots).to(device),
+        mask=torch.from_numpy(allowed[None, None]).to(device),
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Writes this step's `key`/`value` into `kv_cache`, then attends.
+
+    `query` [tokens, heads, head_dim], `key`/`value` [tokens, kv_heads, head_dim];
+    returns [tokens, heads, head_dim].
+    """
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache.index_copy_(0, metadata.slot_mapping, key)
+    v_cache.index_copy_(0, metadata.slot_mapping, value)
+    output = torch.empty_like(query)
+    if metadata.decode is not None:
+        count = metadata.num_decode_tokens
+        output[:count] = _attend_decodes(query[:count], k_cache, v_cache, metadata, scale)
+    for seq in metadata.prefills:
+        end = seq.query_start + seq.query_len
+        if seq.kv_slots is None:
+            seq_key, seq_value = key[seq.query_start:end], value[seq.query_start:end]
+        else:
+            seq_key, seq_value = k_cache[seq.kv_slots], v_cache[seq.kv_slots]
+        output[seq.query_start:end] = _sdpa(
+            query[seq.query_start:end].unsqueeze(0), seq_key.unsqueeze(0),
+            seq_value.unsqueeze(0), seq.mask, scale,
+        ).squeeze(0)
+    return output
+
+
+def _attend_decodes(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    metadata: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    decode = metadata.decode
+    assert decode is not None
+    batch, num_blocks = decode.block_table.shape
+    kv_heads, head_dim = k_cache.shape[1:]
+    blocks_shape = (-1, metadata.block_size, kv_heads, head_dim)
+    seq_shape = (batch, num_blocks * metadata.block_size, kv_heads, head_dim)
+    keys = k_cache.view(blocks_shape)[decode.block_table].view(seq_shape)
+    values = v_cache.view(blocks_shape)[decode.block_table].view(seq_shape)
+    return _sdpa(query.unsqueeze(1), keys, values, decode.mask, scale).squeeze(1)
+
+
+def _sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    mask: torch.Tensor | None, scale: float,
+) -> torch.Tensor:
+    """SDPA on [batch, tokens, heads, head_dim] tensors; `mask=None` means causal."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=query.shape[2] != key.shape[2],
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,167 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) on the paged KV cache.
+
+Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
+fused into `qkv_proj` and `gate_up_proj` (fewer, larger matmuls); `load_weights` maps the
+checkpoint's separate tensors into their shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.model.arch import ModelArch
+from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.layers import RMSNorm, SwiGLUMLP
+from engine.model.rope import RotaryEmbedding
+
+# checkpoint projection name -> (fused parameter name, shard index)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.shard_sizes = (arch.q_size, arch.kv_size, arch.kv_size)
+        self.qkv_proj = nn.Linear(arch.hidden_size, sum(self.shard_sizes), bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = rotary
+        self.scale = arch.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        query, key, value = self.qkv_proj(hidden).split(self.shard_sizes, dim=-1)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = self.rotary(positions, query, key)
+        out = paged_attention(query, key, value, kv_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, rotary)
+        self.mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
+                                         metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, rotary) for _ in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model. The runner owns the KV caches and passes them to every forward."""
+
+    def __init__(self, arch: ModelArch, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, max_positions)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [tokens, hidden] of a flattened batch (see `attention`)."""
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [rows, vocab] of selected hidden states."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (Hugging Face names) into the parameters.
+
+        Raises `ValueError` for a tensor with no matching parameter, a shape mismatch, or a
+        parameter the checkpoint leaves unset.
+        """
+        params = dict(self.named_parameters())
+        unset = {key for name in params if not self._is_tied_head(name)
+                 for key in self._load_keys(name)}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or self._is_tied_head(name):
+                continue
+            target, loaded_key = self._target_for(name, params)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            unset.discard(loaded_key)
+        if unset:
+            raise ValueError(f"checkpoint does not set parameters: {sorted(unset)[:8]}")
+
+    def _load_keys(self, param_name: str) -> list[str]:
+        """What must be loaded into a parameter: the whole of it, or each of its shards."""
+        fused_name = param_name.split(".")[-2] if "." in param_name else ""
+        if fused_name in ("qkv_proj", "gate_up_proj"):
+            return [f"{param_name}#{shard}" for shard in range(len(self._shard_sizes(fused_name)))]
+        return [param_name]
+
+    def _is_tied_head(self, name: str) -> bool:
+        return self.arch.tie_word_embeddings and name.startswith("lm_head.")
+
+    def _target_for(
+        self, name: str, params: dict[str, nn.Parameter]
+    ) -> tuple[torch.Tensor, str]:
+        parts = name.split(".")
+        fused = _FUSED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
+        if fused is None:
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name} matches no model parameter")
+            return params[name], name
+        fused_name, shard = fused
+        param_name = ".".join([*parts[:-2], fused_name, parts[-1]])
+        if param_name not in params:
+            raise ValueError(f"checkpoint tensor {name} matches no model parameter")
+        sizes = self._shard_sizes(fused_name)
+        start = sum(sizes[:shard])
+        return params[param_name].narrow(0, start, sizes[shard]), f"{param_name}#{shard}"
+
+    def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
+        if fused_name == "qkv_proj":
+            return (self.arch.q_size, self.arch.kv_size, self.arch.kv_size)
+        return (self.arch.intermediate_size, self.arch.intermediate_size)

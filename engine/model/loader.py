@@ -1,0 +1,114 @@
+"""Builds a model from a `ModelConfig`: resolves the directory, dtype and device, loads weights.
+
+`model="tiny"` is the embedded default model (files in `engine/model/tiny/`, weights drawn from
+`ModelConfig.seed`). Any other name is a local Hugging Face directory holding `config.json` and
+safetensors weights (one file, several, or a sharded `model.safetensors.index.json`).
+`load_format="dummy"` draws random weights from the seed instead of reading any.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.model.arch import ModelArch
+from engine.model.llama import LlamaForCausalLM
+from engine.model.tiny import TINY_MODEL_DIR
+
+TINY_MODEL_NAME = "tiny"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DUMMY_INIT_STD = 0.02
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The directory holding the model's `config.json` (and tokenizer files)."""
+    if model == TINY_MODEL_NAME:
+        return TINY_MODEL_DIR
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {model!r} is neither 'tiny' nor a local directory with a config.json "
+            "(models are never downloaded)"
+        )
+    return path
+
+
+def load_arch(model: str) -> ModelArch:
+    config = json.loads((resolve_model_dir(model) / "config.json").read_text())
+    return ModelArch.from_hf_config(config)
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on CPU and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def load_model(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int
+) -> LlamaForCausalLM:
+    """The model in eval mode on `device`, weights loaded; RoPE covers `max_positions`."""
+    arch = load_arch(config.model)
+    if max_positions > arch.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {max_positions} exceeds the model's max_position_embeddings "
+            f"{arch.max_position_embeddings}"
+        )
+    with torch.device(device):
+        model = LlamaForCausalLM(arch, max_positions)
+    if config.load_format == "dummy" or config.model == TINY_MODEL_NAME:
+        init_dummy_weights(model, config.seed)
+    else:
+        model.load_weights(iterate_safetensors(resolve_model_dir(config.model)))
+    return model.to(dtype=dtype).eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Deterministic random weights: matrices ~ N(0, 0.02), norms 1, biases 0.
+
+    Drawn on the CPU from one seeded generator, so every device gets the same weights.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            values = torch.randn(param.shape, generator=generator) * _DUMMY_INIT_STD
+            param.copy_(values)
+
+
+def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of every safetensors file the checkpoint names."""
+    from safetensors import safe_open
+
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no safetensors weights in {model_dir}; use --load-format dummy for random weights"
+        )
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, handle.get_tensor(name)

@@ -1,0 +1,47 @@
+"""Per-step sampling inputs of a batch, one row per request that samples this step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """OpenAI presence/frequency penalties (on output tokens) and the multiplicative repetition
+    penalty (on prompt and output tokens), with the token counts they read."""
+
+    presence: torch.Tensor  # [rows] float32
+    frequency: torch.Tensor  # [rows] float32
+    repetition: torch.Tensor  # [rows] float32
+    output_counts: torch.Tensor  # [rows, vocab] float32: occurrences in the output so far
+    seen_mask: torch.Tensor  # [rows, vocab] bool: occurs in the prompt or the output
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """What the sampler needs beside the logits.
+
+    Filters that no row uses are `None`, so a plain greedy or plain temperature batch does no
+    extra work. `seeds[i]` is row `i`'s request seed (`None`: draw from the runner's shared
+    generator); `output_positions[i]` is the index of the token row `i` samples, so a seeded
+    request draws the same randomness for its n-th token whatever the batch or preemptions.
+    `banned_token_ids[i]` lists tokens row `i` may not produce yet (EOS and stop ids before
+    `min_tokens`).
+    """
+
+    temperature: torch.Tensor  # [rows] float32, 0 means greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [rows] int64, vocab size where disabled
+    top_p: torch.Tensor | None  # [rows] float32
+    min_p: torch.Tensor | None  # [rows] float32
+    seeds: list[int | None]
+    output_positions: list[int]
+    penalties: Penalties | None
+    banned_token_ids: list[list[int]]
+    max_num_logprobs: int | None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seeds)

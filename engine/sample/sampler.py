@@ -1,0 +1,147 @@
+"""The sampler: logits [rows, vocab] -> one token id per row, plus optional logprobs.
+
+Order of operations: ban not-yet-allowed stop tokens, apply penalties, then either take the
+argmax (greedy rows) or divide by the temperature, apply min-p, top-k and top-p, and sample.
+Sampling uses the exponential race (`argmax(p / q)` with `q ~ Exp(1)`), which draws exactly
+one categorical sample per row from noise that can be seeded per row.
+
+Logprobs are those of the raw model distribution (log-softmax of the unprocessed logits), as
+in vLLM's default: the sampled token's logprob and rank, and the top-n alternatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sample.metadata import Penalties, SamplingMetadata
+
+_SEED_MULTIPLIER = 6364136223846793005
+_SEED_MODULUS = 2**63
+
+
+@dataclass(frozen=True)
+class SampledLogprobs:
+    """Row `i`: `token_ids[i, 0]` is the sampled token, columns 1.. the top alternatives."""
+
+    token_ids: torch.Tensor  # [rows, 1 + max_num_logprobs] int64
+    logprobs: torch.Tensor  # [rows, 1 + max_num_logprobs] float32
+    sampled_ranks: torch.Tensor  # [rows] int64, 1 = most likely
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [rows] int64
+    logprobs: SampledLogprobs | None
+
+
+def per_token_seed(seed: int, output_position: int) -> int:
+    """The generator seed of a seeded request's `output_position`-th sampled token."""
+    return (seed * _SEED_MULTIPLIER + output_position) % _SEED_MODULUS
+
+
+class Sampler:
+    """Stateless but for `generator`, the shared noise source of unseeded rows (owned here)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        raw_logits = logits
+        logits = logits.float()
+        if any(metadata.banned_token_ids):
+            logits = _ban_tokens(logits, metadata.banned_token_ids)
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
+        sampled = logits.argmax(dim=-1)
+        if not metadata.all_greedy:
+            random_sampled = self._sample(logits, metadata)
+            sampled = torch.where(metadata.temperature == 0, sampled, random_sampled)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = gather_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        if metadata.top_k is not None or metadata.top_p is not None:
+            logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+        return (probs / self._exponential_noise(probs, metadata)).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        unseeded = [row for row, seed in enumerate(metadata.seeds) if seed is None]
+        if unseeded:
+            shared = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
+            noise[unseeded] = shared.exponential_(generator=self.generator)
+        for row, seed in enumerate(metadata.seeds):
+            if seed is not None:
+                generator = torch.Generator(device=probs.device)
+                generator.manual_seed(per_token_seed(seed, metadata.output_positions[row]))
+                noise[row].exponential_(generator=generator)
+        return noise
+
+
+def _ban_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
+    logits = logits.clone()
+    for row, token_ids in enumerate(banned_token_ids):
+        if token_ids:
+            logits[row, token_ids] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """Repetition penalty divides positive (multiplies negative) logits of seen tokens; then
+    `logit -= frequency * count + presence * (count > 0)` over output tokens."""
+    repetition = penalties.repetition.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(penalties.seen_mask, penalised, logits)
+    counts = penalties.output_counts
+    logits = logits - penalties.frequency.unsqueeze(1) * counts
+    return logits - penalties.presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below `min_p` times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keeps each row's `top_k` highest logits (ties at the cut all kept), then the smallest
+    set of tokens whose probability mass reaches `top_p` (the top token always kept)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        cut_index = (vocab_size - top_k.clamp(1, vocab_size)).unsqueeze(1)
+        threshold = sorted_logits.gather(1, cut_index)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def gather_logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
+) -> SampledLogprobs:
+    """Logprobs of the sampled tokens and of each row's `num_logprobs` most likely tokens."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
+    return SampledLogprobs(
+        token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+        sampled_ranks=ranks,
+    )

@@ -1,0 +1,1 @@
+"""The model runner and the state it keeps between steps (imports torch)."""

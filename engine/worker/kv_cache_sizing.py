@@ -1,0 +1,39 @@
+"""How many KV blocks the pool gets: fixed by config, or from a memory budget."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig, check_pool_fits_one_sequence
+from engine.model.arch import ModelArch
+
+_GIB = 2**30
+
+
+def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block holds across all layers (K and V)."""
+    return block_size * arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
+def determine_num_kv_blocks(
+    cache_config: CacheConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device,
+    max_model_len: int, activation_peak_bytes: int = 0,
+) -> int:
+    """`num_kv_blocks` when set; on CUDA, what fits in `gpu_memory_utilization` of the device
+    after what is already allocated and the activation peak; on CPU, what fits in
+    `cpu_kv_cache_space_gib`. Raises `ValueError` when the pool cannot hold one sequence."""
+    if cache_config.num_kv_blocks is not None:
+        num_blocks = cache_config.num_kv_blocks
+    else:
+        budget_bytes = _budget_bytes(cache_config, device, activation_peak_bytes)
+        num_blocks = max(budget_bytes, 0) // kv_block_bytes(arch, cache_config.block_size, dtype)
+    check_pool_fits_one_sequence(int(num_blocks), cache_config.block_size, max_model_len)
+    return int(num_blocks)
+
+
+def _budget_bytes(cache_config: CacheConfig, device: torch.device, activation_peak: int) -> int:
+    if device.type == "cuda":
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        used_bytes = total_bytes - free_bytes
+        return int(total_bytes * cache_config.gpu_memory_utilization) - used_bytes - activation_peak
+    return int(cache_config.cpu_kv_cache_space_gib * _GIB)

@@ -1,0 +1,159 @@
+"""The model runner: executes one `SchedulerOutput` and returns the sampled tokens.
+
+Owned by an executor; `execute_model` is called once per engine step. Each step it
+1. updates the persistent batch (drops finished and preempted requests, adds new and resumed
+   ones, appends new blocks),
+2. lays the scheduled tokens out decodes-first and builds positions, slot mapping and
+   attention metadata,
+3. runs the model, computes logits only for requests that reach the end of their known tokens
+   (a partial prefill samples nothing), samples, and appends the sampled tokens to its rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.model.attention import AttentionMetadata, build_attention_metadata
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_model, resolve_device, resolve_dtype
+from engine.outputs import ModelRunnerOutput, TokenLogprobs
+from engine.sample.sampler import SampledLogprobs, Sampler
+from engine.scheduler.output import SchedulerOutput
+from engine.worker.input_batch import InputBatch
+from engine.worker.kv_cache_sizing import determine_num_kv_blocks
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The flattened batch of one step: request order, model inputs, and sampling rows."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # token index of each sampling request's last token
+    sampling_rows: list[int]  # batch rows of the sampling requests, in `logits_indices` order
+    sampling_req_ids: list[str]
+
+
+class ModelRunner:
+    """Holds the model, the KV caches (one tensor per layer) and the persistent batch."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        max_model_len = config.scheduler.max_model_len
+        self.model: LlamaForCausalLM = load_model(
+            config.model, self.device, self.dtype, max_model_len
+        )
+        self.arch = self.model.arch
+        self.block_size = config.cache.block_size
+        self.num_kv_blocks = determine_num_kv_blocks(
+            config.cache, self.arch, self.dtype, self.device, max_model_len
+        )
+        self.kv_caches = self._allocate_kv_caches()
+        self.batch = InputBatch(
+            max_num_reqs=config.scheduler.max_num_seqs,
+            max_model_len=max_model_len,
+            max_blocks_per_req=-(-max_model_len // self.block_size),
+            vocab_size=self.arch.vocab_size,
+        )
+        generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        self.sampler = Sampler(generator)
+
+    def _allocate_kv_caches(self) -> list[torch.Tensor]:
+        shape = (2, self.num_kv_blocks * self.block_size, self.arch.num_key_value_heads,
+                 self.arch.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.arch.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step; returns one (possibly empty) token list per scheduled request."""
+        self.update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = self.prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        sampled: dict[str, list[int]] = {req_id: [] for req_id in inputs.req_ids}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        if inputs.sampling_rows:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            metadata = self.batch.sampling_metadata(inputs.sampling_rows, self.device)
+            output = self.sampler(logits, metadata)
+            token_ids = output.sampled_token_ids.tolist()
+            for row, req_id, token_id in zip(inputs.sampling_rows, inputs.sampling_req_ids,
+                                             token_ids, strict=True):
+                self.batch.append_token(row, token_id)
+                sampled[req_id] = [token_id]
+            if output.logprobs is not None:
+                logprobs = self._per_request_logprobs(inputs, output.logprobs)
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            sampled_token_ids=[sampled[req_id] for req_id in inputs.req_ids],
+            logprobs=[logprobs.get(req_id) for req_id in inputs.req_ids] if logprobs else None,
+        )
+
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Applies the scheduler's deltas to the persistent batch."""
+        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+            self.batch.remove(req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            self.batch.append_blocks(req_id, new_block_ids)
+            self.batch.num_computed_tokens[self.batch.row_of[req_id]] = num_computed
+        for new in scheduler_output.scheduled_new_reqs:
+            self.batch.add(new)
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """Token ids, positions and attention metadata of the step, decodes first."""
+        batch = self.batch
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        req_ids = sorted(num_scheduled, key=lambda req_id: num_scheduled[req_id] != 1)
+        rows = np.array([batch.row_of[req_id] for req_id in req_ids], dtype=np.int64)
+        query_lens = np.array([num_scheduled[req_id] for req_id in req_ids], dtype=np.int64)
+        context_lens = batch.num_computed_tokens[rows]
+        positions, metadata = build_attention_metadata(
+            query_lens, context_lens, batch.block_table[rows], self.block_size, self.device,
+            self.arch.sliding_window,
+        )
+        token_rows = np.repeat(rows, query_lens)
+        input_ids = batch.token_ids[token_rows, positions]
+        samples = context_lens + query_lens >= batch.num_tokens[rows]
+        last_token_indices = np.cumsum(query_lens) - 1
+        return StepInputs(
+            req_ids=req_ids,
+            input_ids=torch.from_numpy(input_ids).to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
+            metadata=metadata,
+            logits_indices=torch.from_numpy(last_token_indices[samples]).to(self.device),
+            sampling_rows=rows[samples].tolist(),
+            sampling_req_ids=[req_id for req_id, s in zip(req_ids, samples, strict=True) if s],
+        )
+
+    def _per_request_logprobs(
+        self, inputs: StepInputs, logprobs: SampledLogprobs
+    ) -> dict[str, list[TokenLogprobs]]:
+        token_ids = logprobs.token_ids.tolist()
+        values = logprobs.logprobs.tolist()
+        ranks = logprobs.sampled_ranks.tolist()
+        result = {}
+        for index, (row, req_id) in enumerate(
+            zip(inputs.sampling_rows, inputs.sampling_req_ids, strict=True)
+        ):
+            num_top = self.batch.rows[row].sampling_params.logprobs
+            if num_top is None:
+                continue
+            result[req_id] = [TokenLogprobs(
+                token_id=token_ids[index][0], logprob=values[index][0], rank=ranks[index],
+                top_token_ids=token_ids[index][1 : 1 + num_top],
+                top_logprobs=values[index][1 : 1 + num_top],
+            )]
+        return result
