@@ -1,0 +1,167 @@
+"""The model runner on the embedded tiny model, driven by the real scheduler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.model.loader import load_arch
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import NewRequestData
+from engine.scheduler.policies import FCFSPolicy
+from engine.scheduler.scheduler import Scheduler
+from engine.worker.input_batch import InputBatch
+from engine.worker.kv_cache_sizing import determine_num_kv_blocks, kv_block_bytes
+from engine.worker.model_runner import ModelRunner
+from tests.engine.helpers import FakeClock
+
+BLOCK_SIZE = 4
+
+
+def make_runner(num_kv_blocks: int = 128, max_num_batched_tokens: int = 64) -> ModelRunner:
+    return ModelRunner(EngineConfig(
+        model=ModelConfig(model="tiny"),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks),
+        scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_num_seqs=8),
+    ))
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (length,), generator=generator).tolist()
+
+
+def run(runner: ModelRunner, requests: list[Request]) -> tuple[dict[str, list[int]], int]:
+    """Runs the requests to completion; returns their tokens and the number of preemptions."""
+    config = runner.config
+    scheduler = Scheduler(config.scheduler, config.cache, FCFSPolicy(),
+                          num_kv_blocks=runner.num_kv_blocks, clock=FakeClock())
+    for request in requests:
+        scheduler.add_request(request)
+    outputs: dict[str, list[int]] = {request.request_id: [] for request in requests}
+    num_preempted = 0
+    while scheduler.requests:
+        scheduler_output = scheduler.schedule()
+        num_preempted += len(scheduler_output.preempted_req_ids)
+        runner_output = runner.execute_model(scheduler_output)
+        for output in scheduler.update_from_output(scheduler_output, runner_output):
+            outputs[output.request_id].extend(output.new_token_ids)
+        scheduler.check_invariants()
+    runner.execute_model(scheduler.schedule())
+    assert runner.batch.num_reqs == 0
+    return outputs, num_preempted
+
+
+def request(req_id: str, tokens: list[int], **params: object) -> Request:
+    return Request(req_id, tokens, SamplingParams(ignore_eos=True, **params), arrival_time_s=0.0)
+
+
+def test_seeded_request_is_reproducible_across_batches_and_preemption() -> None:
+    seeded = {"seed": 1234, "temperature": 1.0, "max_tokens": 14}
+    alone, _ = run(make_runner(), [request("r", prompt(10, 0), **seeded)])
+    crowd = [request(f"o{i}", prompt(6 + 3 * i, i + 1), temperature=1.0, max_tokens=14)
+             for i in range(5)]
+    together, num_preempted = run(make_runner(num_kv_blocks=16),
+                                  [*crowd[:2], request("r", prompt(10, 0), **seeded), *crowd[2:]])
+    assert num_preempted > 0
+    assert together["r"] == alone["r"]
+    assert len(set(alone["r"])) > 1
+
+
+def test_unseeded_sampling_follows_the_model_seed() -> None:
+    params = {"temperature": 1.0, "max_tokens": 10}
+    first, _ = run(make_runner(), [request("r", prompt(8, 0), **params)])
+    again, _ = run(make_runner(), [request("r", prompt(8, 0), **params)])
+    assert first == again
+
+
+def test_partial_prefill_samples_nothing_and_logprobs_are_returned() -> None:
+    runner = make_runner(max_num_batched_tokens=16)
+    scheduler = Scheduler(runner.config.scheduler, runner.config.cache, FCFSPolicy(),
+                          num_kv_blocks=runner.num_kv_blocks, clock=FakeClock())
+    scheduler.add_request(request("long", prompt(30, 1), temperature=0.0, logprobs=3))
+    scheduler.add_request(request("plain", prompt(3, 2), temperature=0.0))
+    scheduler_output = scheduler.schedule()
+    output = runner.execute_model(scheduler_output)
+    scheduler.update_from_output(scheduler_output, output)
+    tokens = dict(zip(output.req_ids, output.sampled_token_ids, strict=True))
+    assert tokens == {"long": []}  # the budget holds only a chunk of it
+    assert output.logprobs is None
+    while True:
+        scheduler_output = scheduler.schedule()
+        output = runner.execute_model(scheduler_output)
+        scheduler.update_from_output(scheduler_output, output)
+        index = output.req_ids.index("long") if "long" in output.req_ids else None
+        if index is not None and output.sampled_token_ids[index]:
+            break
+    assert output.logprobs is not None
+    entry, = output.logprobs[index]
+    assert entry.token_id == output.sampled_token_ids[index][0]
+    assert entry.rank == 1 and len(entry.top_token_ids) == 3
+    assert entry.top_token_ids[0] == entry.token_id
+    assert entry.top_logprobs == sorted(entry.top_logprobs, reverse=True)
+    assert all(lp is None for i, lp in enumerate(output.logprobs) if i != index)
+
+
+def new_request(req_id: str, tokens: list[int], outputs: list[int], blocks: list[int],
+                **params: object) -> NewRequestData:
+    return NewRequestData(req_id=req_id, prompt_token_ids=tokens, output_token_ids=outputs,
+                          sampling_params=SamplingParams(**params), block_ids=blocks,
+                          num_computed_tokens=0, eos_token_id=9)
+
+
+def test_input_batch_keeps_rows_dense() -> None:
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4, vocab_size=32)
+    for index in range(3):
+        batch.add(new_request(f"r{index}", [index] * (index + 2), [], [10 * index, 10 * index + 1]))
+    batch.remove("r0")
+    assert batch.num_reqs == 2 and batch.row_of == {"r2": 0, "r1": 1}
+    assert batch.token_ids[0, : batch.num_tokens[0]].tolist() == [2, 2, 2, 2]
+    assert batch.block_table[0, :2].tolist() == [20, 21]
+    batch.append_blocks("r2", [22])
+    batch.append_token(0, 7)
+    assert batch.output_token_ids(0).tolist() == [7]
+    assert batch.block_table[0, :3].tolist() == [20, 21, 22]
+
+
+def test_sampling_metadata_bans_stops_until_min_tokens_and_counts_penalties() -> None:
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4, vocab_size=32)
+    batch.add(new_request("a", [1, 2], [5, 5], [0], min_tokens=3, stop_token_ids=(4,),
+                          frequency_penalty=0.5))
+    batch.add(new_request("b", [3], [], [1], min_tokens=3, ignore_eos=True, temperature=0.0))
+    metadata = batch.sampling_metadata([0, 1], torch.device("cpu"))
+    assert metadata.banned_token_ids == [[4, 9], []]  # b's stop list is empty, EOS ignored
+    assert metadata.output_positions == [2, 0]
+    assert metadata.penalties is not None
+    assert metadata.penalties.output_counts[0, 5].item() == 2.0
+    assert metadata.penalties.seen_mask[0, [1, 2, 5]].all()
+    assert metadata.penalties.seen_mask[1, 3] and not metadata.penalties.seen_mask[1, 5]
+    batch.append_token(0, 6)
+    assert batch.sampling_metadata([0], torch.device("cpu")).banned_token_ids == [[]]
+
+
+def test_kv_pool_sized_from_the_cpu_budget() -> None:
+    arch = load_arch("tiny")
+    block_bytes = kv_block_bytes(arch, 16, torch.float32)
+    assert block_bytes == 16 * 2 * 4 * 2 * 32 * 4
+    config = CacheConfig(block_size=16, cpu_kv_cache_space_gib=0.01)
+    num_blocks = determine_num_kv_blocks(config, arch, torch.float32, torch.device("cpu"), 2048)
+    assert num_blocks == int(0.01 * 2**30) // block_bytes
+    fixed = CacheConfig(block_size=16, num_kv_blocks=300)
+    assert determine_num_kv_blocks(fixed, arch, torch.float32, torch.device("cpu"), 2048) == 300
+    tiny_budget = CacheConfig(block_size=16, cpu_kv_cache_space_gib=0.0001)
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        determine_num_kv_blocks(tiny_budget, arch, torch.float32, torch.device("cpu"), 2048)
+
+
+def test_runner_allocates_the_pool_it_reports() -> None:
+    runner = make_runner(num_kv_blocks=40)
+    arch = runner.arch
+    assert len(runner.kv_caches) == arch.num_hidden_layers
+    assert runner.kv_caches[0].shape == (2, 40 * BLOCK_SIZE, arch.num_key_value_heads,
+                                         arch.head_dim)
+    assert np.all(runner.batch.num_tokens == 0)
