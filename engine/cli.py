@@ -15,6 +15,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
     "bench": {
         "scheduler": ("engine.bench.scheduler", "CPU cost of one scheduler step"),
+        "forward": ("engine.bench.forward", "our model's prefill/decode vs transformers"),
     },
 }
 

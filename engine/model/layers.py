@@ -23,13 +23,17 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLUMLP(nn.Module):
-    """`down(silu(gate(x)) * up(x))` with gate and up fused into one matmul."""
+    """`down(silu(gate(x)) * up(x))`.
+
+    Gate and up stay two matmuls: on CPU one fused matmul measured about 4% slower at these
+    shapes (`continuum bench forward`), and the activation then reads strided halves.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)).mul_(self.up_proj(x)))

@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) on the paged KV cache.
 
-Parameter names follow Hugging Face checkpoints, except that q/k/v and gate/up projections are
-fused into `qkv_proj` and `gate_up_proj` (fewer, larger matmuls); `load_weights` maps the
-checkpoint's separate tensors into their shards.
+Parameter names follow Hugging Face checkpoints, except that the q/k/v projections are fused
+into `qkv_proj` (one larger matmul, measurably faster); `load_weights` maps the checkpoint's
+separate tensors into its shards.
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from engine.model.layers import RMSNorm, SwiGLUMLP
 from engine.model.rope import RotaryEmbedding
 
 # checkpoint projection name -> (fused parameter name, shard index)
-_FUSED_SHARDS = {
+_QKV_SHARDS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -137,8 +135,8 @@ class LlamaForCausalLM(nn.Module):
     def _load_keys(self, param_name: str) -> list[str]:
         """What must be loaded into a parameter: the whole of it, or each of its shards."""
         fused_name = param_name.split(".")[-2] if "." in param_name else ""
-        if fused_name in ("qkv_proj", "gate_up_proj"):
-            return [f"{param_name}#{shard}" for shard in range(len(self._shard_sizes(fused_name)))]
+        if fused_name == "qkv_proj":
+            return [f"{param_name}#{shard}" for shard in range(3)]
         return [param_name]
 
     def _is_tied_head(self, name: str) -> bool:
@@ -148,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         self, name: str, params: dict[str, nn.Parameter]
     ) -> tuple[torch.Tensor, str]:
         parts = name.split(".")
-        fused = _FUSED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
+        fused = _QKV_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
         if fused is None:
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name} matches no model parameter")
@@ -157,11 +155,6 @@ class LlamaForCausalLM(nn.Module):
         param_name = ".".join([*parts[:-2], fused_name, parts[-1]])
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name} matches no model parameter")
-        sizes = self._shard_sizes(fused_name)
+        sizes = (self.arch.q_size, self.arch.kv_size, self.arch.kv_size)
         start = sum(sizes[:shard])
         return params[param_name].narrow(0, start, sizes[shard]), f"{param_name}#{shard}"
-
-    def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
-        if fused_name == "qkv_proj":
-            return (self.arch.q_size, self.arch.kv_size, self.arch.kv_size)
-        return (self.arch.intermediate_size, self.arch.intermediate_size)

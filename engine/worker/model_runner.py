@@ -53,8 +53,13 @@ class ModelRunner:
         )
         self.arch = self.model.arch
         self.block_size = config.cache.block_size
+        activation_peak_bytes = (
+            self._profile_activation_peak_bytes()
+            if self.device.type == "cuda" and config.cache.num_kv_blocks is None else 0
+        )
         self.num_kv_blocks = determine_num_kv_blocks(
-            config.cache, self.arch, self.dtype, self.device, max_model_len
+            config.cache, self.arch, self.dtype, self.device, max_model_len,
+            activation_peak_bytes,
         )
         self.kv_caches = self._allocate_kv_caches()
         self.batch = InputBatch(
@@ -65,6 +70,35 @@ class ModelRunner:
         )
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
+
+    @torch.inference_mode()
+    def _profile_activation_peak_bytes(self) -> int:
+        """Peak memory of one full-budget forward (plus logits for every sequence it could
+        sample), measured on a scratch cache before the real pool is sized."""
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens,
+                         self.config.scheduler.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        shape = (2, num_blocks * self.block_size, self.arch.num_key_value_heads,
+                 self.arch.head_dim)
+        scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                   for _ in range(self.arch.num_hidden_layers)]
+        positions, metadata = build_attention_metadata(
+            np.array([num_tokens]), np.array([0]), np.arange(num_blocks)[None],
+            self.block_size, self.device, self.arch.sliding_window, self.dtype,
+        )
+        torch.cuda.synchronize(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), scratch,
+                            metadata)
+        num_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        self.model.compute_logits(hidden[:num_rows]).softmax(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return peak
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         shape = (2, self.num_kv_blocks * self.block_size, self.arch.num_key_value_heads,
@@ -122,7 +156,7 @@ class ModelRunner:
         context_lens = batch.num_computed_tokens[rows]
         positions, metadata = build_attention_metadata(
             query_lens, context_lens, batch.block_table[rows], self.block_size, self.device,
-            self.arch.sliding_window,
+            self.arch.sliding_window, self.dtype,
         )
         token_rows = np.repeat(rows, query_lens)
         input_ids = batch.token_ids[token_rows, positions]

@@ -42,3 +42,19 @@ def test_unknown_command_exits_with_usage_error(capsys) -> None:
         main(["bench", "nope"])
     assert excinfo.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_bench_forward_compares_with_transformers(tmp_path, capsys) -> None:
+    out = tmp_path / "forward.json"
+    code = main(["bench", "forward", "--prefill-batch", "2", "--prefill-len", "16",
+                 "--batch-size", "4", "--context-len", "20", "--decode-steps", "3",
+                 "--repeats", "1", "--json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    assert results["model"] == "tiny" and results["dtype"] == "float32"
+    for key in ("ours_prefill_tok_s", "ours_decode_tok_s", "transformers_prefill_tok_s",
+                "transformers_decode_tok_s"):
+        assert results[key] > 0
+    assert results["decode_speedup"] == pytest.approx(
+        results["ours_decode_tok_s"] / results["transformers_decode_tok_s"])
+    assert "decode_speedup" in capsys.readouterr().out

@@ -69,6 +69,7 @@ class PagedSequences:
     """Drives the model directly over a paged cache: sequences, block tables, one step at a time."""
 
     model: LlamaForCausalLM
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     kv_caches: list[torch.Tensor] = field(init=False)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     num_computed: dict[str, int] = field(default_factory=dict)
@@ -79,7 +80,9 @@ class PagedSequences:
         arch = self.model.arch
         shape = (2, NUM_BLOCKS * BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
         # Unwritten slots hold a huge value: attending to one by mistake ruins the logits.
-        self.kv_caches = [torch.full(shape, 1e3) for _ in range(arch.num_hidden_layers)]
+        dtype = self.model.lm_head.weight.dtype
+        self.kv_caches = [torch.full(shape, 1e3, dtype=dtype, device=self.device)
+                          for _ in range(arch.num_hidden_layers)]
 
     def add(self, seq_id: str, tokens: list[int], shared_from: str | None = None,
             num_shared_blocks: int = 0) -> None:
@@ -103,15 +106,17 @@ class PagedSequences:
         lens = np.array([query_lens[s] for s in order])
         contexts = np.array([self.num_computed[s] for s in order])
         positions, metadata = build_attention_metadata(
-            lens, contexts, table, BLOCK_SIZE, torch.device("cpu"), self.model.arch.sliding_window
+            lens, contexts, table, BLOCK_SIZE, self.device, self.model.arch.sliding_window,
+            self.model.lm_head.weight.dtype,
         )
         input_ids = torch.tensor([
             token for seq_id in order for token in
             self.tokens[seq_id][self.num_computed[seq_id]:][: query_lens[seq_id]]
-        ])
+        ], device=self.device)
         with torch.no_grad():
-            hidden = self.model(input_ids, torch.from_numpy(positions), self.kv_caches, metadata)
-            logits = self.model.compute_logits(hidden)
+            hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device),
+                                self.kv_caches, metadata)
+            logits = self.model.compute_logits(hidden).cpu()
         result, start = {}, 0
         for seq_id in order:
             result[seq_id] = logits[start : start + query_lens[seq_id]]
@@ -218,3 +223,29 @@ def test_greedy_continuations_of_a_batch_match_generate(checkpoint: Checkpoint) 
 
     expected = greedy_outputs(hf_generate, prompts)
     assert [outputs[str(index)] for index in range(len(prompts))] == expected
+
+
+# bfloat16 keeps 8 bits of mantissa: logits of these tiny models (magnitude up to ~10) differ
+# from float32 transformers by a few hundredths; 2% of the logit range bounds it with margin.
+CUDA_BF16_RELATIVE_TOLERANCE = 0.02
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bfloat16_mixed_batch_close_to_float32_reference(checkpoint: Checkpoint) -> None:
+    device = torch.device("cuda")
+    model = load_model(ModelConfig(model=str(checkpoint.path)), device, torch.bfloat16, 512)
+    paged = PagedSequences(model, device)
+    first, second = random_tokens(45, seed=60), random_tokens(30, seed=61)
+    paged.add("first", first)
+    paged.add("second", second)
+    paged.step({"first": 45, "second": 17})
+    third = first[:36] + random_tokens(9, seed=62)
+    paged.add("third", third, shared_from="first", num_shared_blocks=9)
+    first.append(7)
+    paged.tokens["first"] = list(first)
+    logits = paged.step({"first": 1, "second": 13, "third": 9})
+    for name, tokens, count in (("first", first, 1), ("second", second, 13),
+                                ("third", third, 9)):
+        expected = hf_logits(checkpoint.hf_model, tokens)[-count:]
+        tolerance = CUDA_BF16_RELATIVE_TOLERANCE * expected.abs().max().item()
+        assert (logits[name].float() - expected).abs().max().item() < tolerance

@@ -1,0 +1,229 @@
+"""`continuum bench forward`: our model code against transformers' forward, same shapes.
+
+Measures, for the same weights in both implementations:
+- prefill throughput: `--prefill-batch` prompts of `--prefill-len` tokens in one forward;
+- batched decode throughput: `--batch-size` sequences, each with `--context-len` tokens
+  already cached, advanced by `--decode-steps` single-token steps.
+
+Ours runs exactly as the model runner does (flattened batch, paged KV cache, attention
+metadata built every step, logits for the last token of each sequence only). Transformers runs
+its own `forward` with its own KV cache (`DynamicCache`) and `logits_to_keep=1`. Contexts are
+prefilled once, untimed; each timed decode run starts again from them. Weights are random
+(`dummy`); `--shape qwen2.5-0.5b` uses that model's shapes without its weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.bench.report import emit
+from engine.config import ModelConfig
+from engine.model.attention import build_attention_metadata
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_model, resolve_device, resolve_dtype, resolve_model_dir
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "hidden_act": "silu",
+    },
+}
+_BLOCK_SIZE = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="'tiny' or a local HF directory")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="use a known model's shapes with random weights instead of --model")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--prefill-batch", type=int, default=4)
+    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--context-len", type=int, default=256)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is kept")
+    parser.add_argument("--json", dest="json_path", default=None, help="write results here")
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = _model_dir(args, Path(scratch))
+        results = run(args, model_dir)
+    emit(f"forward pass, {results['model']} ({results['dtype']}, {results['device']})",
+         results, args.json_path)
+    return 0
+
+
+def _model_dir(args: argparse.Namespace, scratch: Path) -> str:
+    if args.shape is None:
+        return args.model
+    (scratch / "config.json").write_text(json.dumps(SHAPES[args.shape]))
+    return str(scratch)
+
+
+@torch.inference_mode()
+def run(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    max_len = max(args.prefill_len, args.context_len + args.decode_steps + 1)
+    ours = load_model(ModelConfig(model=model_dir, load_format="dummy"), device, dtype, max_len)
+    theirs = _transformers_model(model_dir, ours, device, dtype)
+    results: dict[str, Any] = {
+        "model": args.shape or args.model, "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type, "threads": torch.get_num_threads(),
+    }
+    prefill_tokens = args.prefill_batch * args.prefill_len
+    decode_tokens = args.batch_size * args.decode_steps
+    for name, prefill, decode in (
+        ("ours", _our_prefill(ours, args, device), _our_decode(ours, args, device)),
+        ("transformers", _hf_prefill(theirs, args, device), _hf_decode(theirs, args, device)),
+    ):
+        results[f"{name}_prefill_tok_s"] = prefill_tokens / _median_s(prefill, args.repeats)
+        results[f"{name}_decode_tok_s"] = decode_tokens / _median_s(decode, args.repeats)
+        del prefill, decode  # free this implementation's KV cache before the next one
+    results["decode_speedup"] = results["ours_decode_tok_s"] / results["transformers_decode_tok_s"]
+    results["prefill_speedup"] = (
+        results["ours_prefill_tok_s"] / results["transformers_prefill_tok_s"]
+    )
+    results.update({key: getattr(args, key) for key in (
+        "prefill_batch", "prefill_len", "batch_size", "context_len", "decode_steps")})
+    return results
+
+
+def _transformers_model(
+    model_dir: str, ours: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """Transformers' implementation holding exactly our weights (the fused QKV split back)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(model_dir))
+    theirs = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    arch = ours.arch
+    state = {}
+    for name, tensor in ours.state_dict().items():
+        if "qkv_proj" in name:
+            shards = tensor.split((arch.q_size, arch.kv_size, arch.kv_size))
+            for projection, shard in zip(("q_proj", "k_proj", "v_proj"), shards, strict=True):
+                state[name.replace("qkv_proj", projection)] = shard
+        else:
+            state[name] = tensor
+    theirs.load_state_dict(state, strict=False)
+    return theirs
+
+
+def _median_s(timed: Callable[[], None], repeats: int) -> float:
+    """Median wall time of `timed` after one warm-up run."""
+    timed()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        timed()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+class _PagedState:
+    """A paged KV cache holding `num_seqs` sequences in consecutive blocks."""
+
+    def __init__(self, model: LlamaForCausalLM, num_seqs: int, max_len: int,
+                 device: torch.device):
+        arch = model.arch
+        self.blocks_per_seq = -(-max_len // _BLOCK_SIZE)
+        num_slots = num_seqs * self.blocks_per_seq * _BLOCK_SIZE
+        self.dtype = model.lm_head.weight.dtype
+        self.kv_caches = [
+            torch.zeros((2, num_slots, arch.num_key_value_heads, arch.head_dim),
+                        dtype=self.dtype, device=device)
+            for _ in range(arch.num_hidden_layers)
+        ]
+        self.block_table = np.arange(num_seqs * self.blocks_per_seq).reshape(num_seqs, -1)
+        self.model, self.device = model, device
+
+    def forward(self, input_ids: torch.Tensor, query_lens: np.ndarray,
+                context_lens: np.ndarray) -> torch.Tensor:
+        """What the runner does per step: metadata, forward, last-token logits."""
+        positions, metadata = build_attention_metadata(
+            query_lens, context_lens, self.block_table, _BLOCK_SIZE, self.device,
+            self.model.arch.sliding_window, self.dtype)
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device),
+                            self.kv_caches, metadata)
+        last = torch.from_numpy(np.cumsum(query_lens) - 1).to(self.device)
+        return self.model.compute_logits(hidden[last])
+
+
+def _random_ids(vocab_size: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.randint(0, vocab_size, shape, device=device)
+
+
+def _our_prefill(model: LlamaForCausalLM, args: argparse.Namespace,
+                 device: torch.device) -> Callable[[], None]:
+    state = _PagedState(model, args.prefill_batch, args.prefill_len, device)
+    ids = _random_ids(model.arch.vocab_size, (args.prefill_batch * args.prefill_len,), device)
+    lens = np.full(args.prefill_batch, args.prefill_len)
+    return lambda: _sync(state.forward(ids, lens, np.zeros_like(lens)))
+
+
+def _our_decode(model: LlamaForCausalLM, args: argparse.Namespace,
+                device: torch.device) -> Callable[[], None]:
+    batch = args.batch_size
+    state = _PagedState(model, batch, args.context_len + args.decode_steps + 1, device)
+    ids = _random_ids(model.arch.vocab_size, (batch * args.context_len,), device)
+    state.forward(ids, np.full(batch, args.context_len), np.zeros(batch, dtype=np.int64))
+    first_ids = _random_ids(model.arch.vocab_size, (batch,), device)
+
+    def decode() -> None:
+        next_ids = first_ids
+        for step in range(args.decode_steps):
+            context = np.full(batch, args.context_len + step)
+            next_ids = state.forward(next_ids, np.ones(batch, dtype=np.int64), context).argmax(-1)
+        _sync(next_ids)
+    return decode
+
+
+def _hf_prefill(model: torch.nn.Module, args: argparse.Namespace,
+                device: torch.device) -> Callable[[], None]:
+    ids = _random_ids(model.config.vocab_size, (args.prefill_batch, args.prefill_len), device)
+    return lambda: _sync(model(ids, logits_to_keep=1).logits)
+
+
+def _hf_decode(model: torch.nn.Module, args: argparse.Namespace,
+               device: torch.device) -> Callable[[], None]:
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    cache = DynamicCache(config=model.config)
+    model(_random_ids(vocab, (args.batch_size, args.context_len), device),
+          past_key_values=cache, use_cache=True, logits_to_keep=1)
+    first_ids = _random_ids(vocab, (args.batch_size, 1), device)
+
+    def decode() -> None:
+        extra = cache.get_seq_length() - args.context_len
+        if extra:
+            cache.crop(-extra)  # a negative count removes that many tokens
+        next_ids = first_ids
+        for _ in range(args.decode_steps):
+            logits = model(next_ids, past_key_values=cache, use_cache=True,
+                           logits_to_keep=1).logits
+            next_ids = logits[:, -1].argmax(-1, keepdim=True)
+        _sync(next_ids)
+    return decode
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
