@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--context-len", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is kept")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the median is kept")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
 
 
@@ -87,15 +87,16 @@ def run(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
         "model": args.shape or args.model, "dtype": str(dtype).removeprefix("torch."),
         "device": device.type, "threads": torch.get_num_threads(),
     }
-    prefill_tokens = args.prefill_batch * args.prefill_len
-    decode_tokens = args.batch_size * args.decode_steps
-    for name, prefill, decode in (
-        ("ours", _our_prefill(ours, args, device), _our_decode(ours, args, device)),
-        ("transformers", _hf_prefill(theirs, args, device), _hf_decode(theirs, args, device)),
-    ):
-        results[f"{name}_prefill_tok_s"] = prefill_tokens / _median_s(prefill, args.repeats)
-        results[f"{name}_decode_tok_s"] = decode_tokens / _median_s(decode, args.repeats)
-        del prefill, decode  # free this implementation's KV cache before the next one
+    timed = {
+        "ours_prefill": _our_prefill(ours, args, device),
+        "ours_decode": _our_decode(ours, args, device),
+        "transformers_prefill": _hf_prefill(theirs, args, device),
+        "transformers_decode": _hf_decode(theirs, args, device),
+    }
+    tokens = {"prefill": args.prefill_batch * args.prefill_len,
+              "decode": args.batch_size * args.decode_steps}
+    for name, seconds in _interleaved_medians_s(timed, args.repeats).items():
+        results[f"{name}_tok_s"] = tokens[name.rsplit("_", 1)[1]] / seconds
     results["decode_speedup"] = results["ours_decode_tok_s"] / results["transformers_decode_tok_s"]
     results["prefill_speedup"] = (
         results["ours_prefill_tok_s"] / results["transformers_prefill_tok_s"]
@@ -126,15 +127,23 @@ def _transformers_model(
     return theirs
 
 
-def _median_s(timed: Callable[[], None], repeats: int) -> float:
-    """Median wall time of `timed` after one warm-up run."""
-    timed()
-    samples = []
+def _interleaved_medians_s(
+    timed: dict[str, Callable[[], None]], repeats: int
+) -> dict[str, float]:
+    """Median wall time of each function after one warm-up run each.
+
+    Repeats run round-robin, so slow drift of a shared machine (other load, thermal state)
+    affects both implementations alike instead of whichever ran second.
+    """
+    for function in timed.values():
+        function()
+    samples: dict[str, list[float]] = {name: [] for name in timed}
     for _ in range(repeats):
-        start = time.perf_counter()
-        timed()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for name, function in timed.items():
+            start = time.perf_counter()
+            function()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 class _PagedState:

@@ -150,9 +150,11 @@ def paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_cache.index_copy_(0, metadata.slot_mapping, key)
     v_cache.index_copy_(0, metadata.slot_mapping, value)
+    count = metadata.num_decode_tokens
+    if not metadata.prefills:
+        return _attend_decodes(query, k_cache, v_cache, metadata, scale)
     output = torch.empty_like(query)
     if metadata.decode is not None:
-        count = metadata.num_decode_tokens
         output[:count] = _attend_decodes(query[:count], k_cache, v_cache, metadata, scale)
     for seq in metadata.prefills:
         end = seq.query_start + seq.query_len

@@ -26,7 +26,7 @@ _QKV_SHARDS = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArch):
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
@@ -36,11 +36,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = rotary
         self.scale = arch.head_dim**-0.5
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+        self, cos_sin: tuple[torch.Tensor, ...], hidden: torch.Tensor, kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -50,24 +49,24 @@ class LlamaAttention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary(positions, query, key)
+        query, key = RotaryEmbedding.apply(cos_sin, query, key)
         out = paged_attention(query, key, value, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArch):
         super().__init__()
-        self.self_attn = LlamaAttention(arch, rotary)
+        self.self_attn = LlamaAttention(arch)
         self.mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+        self, cos_sin: tuple[torch.Tensor, ...], hidden: torch.Tensor, kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
+        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache,
                                          metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -76,10 +75,9 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta, arch.rope_scaling)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, rotary) for _ in range(arch.num_hidden_layers)
-        )
+        self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta,
+                                      arch.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -100,8 +98,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of a flattened batch (see `attention`)."""
         hidden = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata)
+            hidden = layer(cos_sin, hidden, kv_cache, metadata)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

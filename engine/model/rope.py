@@ -37,21 +37,30 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key heads from a cos/sin table of `max_positions` rows."""
+    """RoPE from a cos/sin table of `max_positions` rows.
+
+    `cos_sin(positions)` is looked up once per forward pass and shared by every layer;
+    `apply` rotates one layer's query and key heads with it.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
         super().__init__()
         inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+        self.register_buffer("table", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
         self.max_positions = max_positions
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """(cos, sin), each [tokens, 1, head_dim / 2], in the activations' dtype."""
+        return self.table[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+
+    @staticmethod
+    def apply(
+        cos_sin: tuple[torch.Tensor, ...], query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`query` [tokens, heads, head_dim] and `key` [tokens, kv_heads, head_dim]."""
-        cos, sin = self.cos_sin[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = cos_sin
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 
