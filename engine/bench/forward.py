@@ -1,6 +1,6 @@
 """`continuum bench forward`: our model code against transformers' forward, same shapes.
 
-Measures, for the same weights in both implementations:
+Measures, for each implementation:
 - prefill throughput: `--prefill-batch` prompts of `--prefill-len` tokens in one forward;
 - batched decode throughput: `--batch-size` sequences, each with `--context-len` tokens
   already cached, advanced by `--decode-steps` single-token steps.
@@ -9,7 +9,11 @@ Ours runs exactly as the model runner does (flattened batch, paged KV cache, att
 metadata built every step, logits for the last token of each sequence only). Transformers runs
 its own `forward` with its own KV cache (`DynamicCache`) and `logits_to_keep=1`. Contexts are
 prefilled once, untimed; each timed decode run starts again from them. Weights are random
-(`dummy`); `--shape qwen2.5-0.5b` uses that model's shapes without its weights.
+(timing does not depend on their values; `--shape qwen2.5-0.5b` uses that model's shapes).
+
+Each implementation is measured in its own fresh process, alternating over `--rounds`: in one
+process, whichever model was loaded first ran its matmuls measurably slower (up to 10% on this
+2-core machine), which would bias a same-process comparison.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,6 +47,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         "hidden_act": "silu",
     },
 }
+IMPLEMENTATIONS = ("ours", "transformers")
+_SHAPE_ARGS = ("prefill_batch", "prefill_len", "batch_size", "context_len", "decode_steps")
 _BLOCK_SIZE = 16
 
 
@@ -55,18 +63,83 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--context-len", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the median is kept")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs per process; the median is kept")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="fresh processes per implementation; the median is kept")
+    parser.add_argument("--impl", choices=("both", *IMPLEMENTATIONS), default="both",
+                        help="measure one implementation in this process (used by 'both')")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
 
 
 def main(args: argparse.Namespace) -> int:
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as scratch:
-        model_dir = _model_dir(args, Path(scratch))
-        results = run(args, model_dir)
+    results = compare(args) if args.impl == "both" else measure(args)
     emit(f"forward pass, {results['model']} ({results['dtype']}, {results['device']})",
          results, args.json_path)
     return 0
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Medians over `--rounds` fresh processes per implementation, in alternating order."""
+    samples: dict[str, list[dict[str, Any]]] = {impl: [] for impl in IMPLEMENTATIONS}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(args.rounds):
+            order = IMPLEMENTATIONS if round_index % 2 == 0 else IMPLEMENTATIONS[::-1]
+            for impl in order:
+                path = Path(scratch) / f"{impl}-{round_index}.json"
+                subprocess.run([sys.executable, "-m", "engine.cli", "bench", "forward",
+                                *_forwarded_flags(args), "--impl", impl, "--json", str(path)],
+                               check=True, capture_output=True, text=True)
+                samples[impl].append(json.loads(path.read_text()))
+    first = samples["ours"][0]
+    results: dict[str, Any] = {key: first[key] for key in ("model", "dtype", "device", "threads")}
+    for impl, runs in samples.items():
+        for phase in ("prefill", "decode"):
+            results[f"{impl}_{phase}_tok_s"] = statistics.median(
+                run[f"{phase}_tok_s"] for run in runs)
+    for phase in ("decode", "prefill"):
+        results[f"{phase}_speedup"] = (
+            results[f"ours_{phase}_tok_s"] / results[f"transformers_{phase}_tok_s"])
+    results.update({key: getattr(args, key) for key in (*_SHAPE_ARGS, "repeats", "rounds")})
+    return results
+
+
+def _forwarded_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+             "--repeats", str(args.repeats)]
+    if args.shape is not None:
+        flags += ["--shape", args.shape]
+    for key in _SHAPE_ARGS:
+        flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return flags
+
+
+@torch.inference_mode()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Prefill and decode throughput of one implementation, in this process."""
+    torch.manual_seed(0)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = _model_dir(args, Path(scratch))
+        if args.impl == "ours":
+            max_len = max(args.prefill_len, args.context_len + args.decode_steps + 1)
+            model = load_model(ModelConfig(model=model_dir, load_format="dummy"), device, dtype,
+                               max_len)
+            timed = {"prefill": _our_prefill(model, args, device),
+                     "decode": _our_decode(model, args, device)}
+        else:
+            model = _transformers_model(model_dir, device, dtype)
+            timed = {"prefill": _hf_prefill(model, args, device),
+                     "decode": _hf_decode(model, args, device)}
+    seconds = _interleaved_medians_s(timed, args.repeats)
+    return {
+        "model": args.shape or args.model, "impl": args.impl,
+        "dtype": str(dtype).removeprefix("torch."), "device": device.type,
+        "threads": torch.get_num_threads(),
+        "prefill_tok_s": args.prefill_batch * args.prefill_len / seconds["prefill"],
+        "decode_tok_s": args.batch_size * args.decode_steps / seconds["decode"],
+    }
 
 
 def _model_dir(args: argparse.Namespace, scratch: Path) -> str:
@@ -76,55 +149,12 @@ def _model_dir(args: argparse.Namespace, scratch: Path) -> str:
     return str(scratch)
 
 
-@torch.inference_mode()
-def run(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    max_len = max(args.prefill_len, args.context_len + args.decode_steps + 1)
-    ours = load_model(ModelConfig(model=model_dir, load_format="dummy"), device, dtype, max_len)
-    theirs = _transformers_model(model_dir, ours, device, dtype)
-    results: dict[str, Any] = {
-        "model": args.shape or args.model, "dtype": str(dtype).removeprefix("torch."),
-        "device": device.type, "threads": torch.get_num_threads(),
-    }
-    timed = {
-        "ours_prefill": _our_prefill(ours, args, device),
-        "ours_decode": _our_decode(ours, args, device),
-        "transformers_prefill": _hf_prefill(theirs, args, device),
-        "transformers_decode": _hf_decode(theirs, args, device),
-    }
-    tokens = {"prefill": args.prefill_batch * args.prefill_len,
-              "decode": args.batch_size * args.decode_steps}
-    for name, seconds in _interleaved_medians_s(timed, args.repeats).items():
-        results[f"{name}_tok_s"] = tokens[name.rsplit("_", 1)[1]] / seconds
-    results["decode_speedup"] = results["ours_decode_tok_s"] / results["transformers_decode_tok_s"]
-    results["prefill_speedup"] = (
-        results["ours_prefill_tok_s"] / results["transformers_prefill_tok_s"]
-    )
-    results.update({key: getattr(args, key) for key in (
-        "prefill_batch", "prefill_len", "batch_size", "context_len", "decode_steps")})
-    return results
-
-
-def _transformers_model(
-    model_dir: str, ours: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
-) -> torch.nn.Module:
-    """Transformers' implementation holding exactly our weights (the fused QKV split back)."""
+def _transformers_model(model_dir: str, device: torch.device, dtype: torch.dtype
+                        ) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(resolve_model_dir(model_dir))
-    theirs = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
-    arch = ours.arch
-    state = {}
-    for name, tensor in ours.state_dict().items():
-        if "qkv_proj" in name:
-            shards = tensor.split((arch.q_size, arch.kv_size, arch.kv_size))
-            for projection, shard in zip(("q_proj", "k_proj", "v_proj"), shards, strict=True):
-                state[name.replace("qkv_proj", projection)] = shard
-        else:
-            state[name] = tensor
-    theirs.load_state_dict(state, strict=False)
-    return theirs
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
 
 def _interleaved_medians_s(

@@ -48,10 +48,11 @@ def test_bench_forward_compares_with_transformers(tmp_path, capsys) -> None:
     out = tmp_path / "forward.json"
     code = main(["bench", "forward", "--prefill-batch", "2", "--prefill-len", "16",
                  "--batch-size", "4", "--context-len", "20", "--decode-steps", "3",
-                 "--repeats", "1", "--json", str(out)])
+                 "--repeats", "1", "--rounds", "1", "--json", str(out)])
     assert code == 0
     results = json.loads(out.read_text())
     assert results["model"] == "tiny" and results["dtype"] == "float32"
+    assert results["rounds"] == 1 and results["decode_steps"] == 3
     for key in ("ours_prefill_tok_s", "ours_decode_tok_s", "transformers_prefill_tok_s",
                 "transformers_decode_tok_s"):
         assert results[key] > 0
