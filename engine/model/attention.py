@@ -76,8 +76,8 @@ def build_attention_metadata(
     """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
-    num_decodes = int(np.argmax(query_lens != 1)) if (query_lens != 1).any() else len(query_lens)
-    assert (query_lens[num_decodes:] > 1).all(), "single-token queries must come first"
+    num_decodes = int((query_lens == 1).sum())
+    assert (query_lens[:num_decodes] == 1).all(), "single-token queries must come first"
     seq_lens = context_lens + query_lens
     rows = np.repeat(np.arange(len(query_lens)), query_lens)
     starts = np.cumsum(query_lens) - query_lens
@@ -150,11 +150,11 @@ def paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_cache.index_copy_(0, metadata.slot_mapping, key)
     v_cache.index_copy_(0, metadata.slot_mapping, value)
-    count = metadata.num_decode_tokens
     if not metadata.prefills:
         return _attend_decodes(query, k_cache, v_cache, metadata, scale)
     output = torch.empty_like(query)
     if metadata.decode is not None:
+        count = metadata.num_decode_tokens
         output[:count] = _attend_decodes(query[:count], k_cache, v_cache, metadata, scale)
     for seq in metadata.prefills:
         end = seq.query_start + seq.query_len

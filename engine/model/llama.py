@@ -17,12 +17,8 @@ from engine.model.attention import AttentionMetadata, paged_attention
 from engine.model.layers import RMSNorm, SwiGLUMLP
 from engine.model.rope import RotaryEmbedding
 
-# checkpoint projection name -> (fused parameter name, shard index)
-_QKV_SHARDS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-}
+# checkpoint projection name -> its shard index in the fused `qkv_proj`
+_QKV_SHARDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 
 
 class LlamaAttention(nn.Module):
@@ -145,13 +141,12 @@ class LlamaForCausalLM(nn.Module):
         self, name: str, params: dict[str, nn.Parameter]
     ) -> tuple[torch.Tensor, str]:
         parts = name.split(".")
-        fused = _QKV_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
-        if fused is None:
+        shard = _QKV_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
+        if shard is None:
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name} matches no model parameter")
             return params[name], name
-        fused_name, shard = fused
-        param_name = ".".join([*parts[:-2], fused_name, parts[-1]])
+        param_name = ".".join([*parts[:-2], "qkv_proj", parts[-1]])
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name} matches no model parameter")
         sizes = (self.arch.q_size, self.arch.kv_size, self.arch.kv_size)

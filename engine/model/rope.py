@@ -49,7 +49,6 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("table", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
-        self.max_positions = max_positions
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """(cos, sin), each [tokens, 1, head_dim / 2], in the activations' dtype."""

@@ -36,7 +36,6 @@ class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
                  vocab_size: int):
         self.max_num_reqs = max_num_reqs
-        self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)

@@ -30,6 +30,8 @@ def test_defaults_are_valid_and_frozen() -> None:
         (ModelConfig, {"dtype": "int3"}, "dtype"),
         (ModelConfig, {"load_format": "magic"}, "load_format"),
         (ModelConfig, {"model": ""}, "model"),
+        (ModelConfig, {"device": "tpu"}, "device"),
+        (CacheConfig, {"cpu_kv_cache_space_gib": 0}, "cpu_kv_cache_space_gib"),
     ],
 )
 def test_invalid_values_are_rejected(factory, kwargs, message) -> None:

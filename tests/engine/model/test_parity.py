@@ -6,7 +6,6 @@ model runner uses; greedy continuations run through the real scheduler and model
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,12 +180,6 @@ def test_mixed_batch_of_decodes_chunks_prefills_and_hits(checkpoint: Checkpoint)
             assert_close(rows, hf_logits(hf_model, seqs[name][:end])[end - query_lens[name]:])
 
 
-def greedy_outputs(
-    run: Callable[[list[int]], list[int]], prompts: list[list[int]]
-) -> list[list[int]]:
-    return [run(prompt) for prompt in prompts]
-
-
 def test_greedy_continuations_of_a_batch_match_generate(checkpoint: Checkpoint) -> None:
     prompts = [random_tokens(length, seed=30 + i)
                for i, length in enumerate([3, 9, 17, 24, 31, 40, 52, 61, 70, 12])]
@@ -221,7 +214,7 @@ def test_greedy_continuations_of_a_batch_match_generate(checkpoint: Checkpoint) 
         )
         return generated[0, len(prompt):].tolist()
 
-    expected = greedy_outputs(hf_generate, prompts)
+    expected = [hf_generate(prompt) for prompt in prompts]
     assert [outputs[str(index)] for index in range(len(prompts))] == expected
 
 
