@@ -16,6 +16,7 @@ COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
     "bench": {
         "scheduler": ("engine.bench.scheduler", "CPU cost of one scheduler step"),
         "forward": ("engine.bench.forward", "our model's prefill/decode vs transformers"),
+        "throughput": ("engine.bench.throughput", "offline LLM.generate vs transformers"),
     },
 }
 

@@ -118,13 +118,19 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything one engine instance needs; the cross-field checks live here."""
+    """Everything one engine instance needs; the cross-field checks live here.
+
+    `executor` names what runs the steps: `"torch"` (the real model) or a `module:Class` path.
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    executor: str = "torch"
 
     def __post_init__(self) -> None:
+        if not self.executor:
+            raise ValueError("executor must be a non-empty name")
         model_len = self.model.max_model_len
         if model_len is not None and model_len != self.scheduler.max_model_len:
             raise ValueError(

@@ -42,7 +42,9 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New tokens of one request from one step; `finish_reason` is set on its last output.
 
-    `num_cached_tokens` is the prefix-cache hit of the request's first admission.
+    `num_cached_tokens` is the prefix-cache hit of the request's first admission. `logprobs`
+    has one entry per new token when the request asked for them. `error` is set (with
+    `finish_reason` ABORT and no tokens) when the core rejected the request.
     """
 
     request_id: str
@@ -50,3 +52,5 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None

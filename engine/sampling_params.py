@@ -7,10 +7,21 @@ frontend, never by the scheduler.
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 _MAX_SEED = 2**63 - 1
 _MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed output of a request holds: everything so far, only what is new since
+    the previous output, or nothing until the single final output."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -21,6 +32,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     - `temperature == 0` is greedy decoding; `top_k == 0` disables top-k.
     - `seed`: per-request seed, reproducible whatever else is in the batch.
     - `logprobs`: number of top log-probabilities to return per generated token.
+    - `stop`: strings that end the completion (matched on the text by the frontend, also across
+      tokens); the match is cut from the text unless `include_stop_str_in_output`.
+    - `skip_special_tokens`, `output_kind`: how the frontend detokenizes and streams.
     """
 
     n: int = 1
@@ -38,6 +52,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._check_counts()

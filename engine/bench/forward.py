@@ -35,8 +35,9 @@ import torch
 from engine.bench.report import emit
 from engine.config import ModelConfig
 from engine.model.attention import build_attention_metadata
+from engine.model.directory import resolve_model_dir
 from engine.model.llama import LlamaForCausalLM
-from engine.model.loader import load_model, resolve_device, resolve_dtype, resolve_model_dir
+from engine.model.loader import load_model, resolve_device, resolve_dtype
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": {

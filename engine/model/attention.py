@@ -7,8 +7,8 @@ A step's batch is flattened into one token dimension with its single-token queri
 first. Every layer first writes the K/V of all the step's tokens, then attends: a request
 admitted this step may hit prefix blocks another request fills in this very step.
 
-- Decodes are attended together: their blocks are gathered into a padded `[B, L]` view and
-  one SDPA call runs with a length mask.
+- Decodes are attended in groups of similar length: each group's blocks are gathered into a
+  padded `[B, L]` view (in a reused workspace) and one SDPA call runs with a length mask.
 - Every longer query (a prefill, or a chunk on top of cached tokens) is attended on its own.
   With no cached context it attends to its fresh K/V under a plain causal mask; otherwise it
   gathers its whole sequence from the cache under a bottom-right-aligned causal mask.
@@ -16,20 +16,55 @@ admitted this step may hit prefix blocks another request fills in this very step
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+_DECODE_GROUP_LENGTH_RATIO = 0.75
+_MIN_DECODE_GROUP = 16
+
+
+class GatherWorkspace:
+    """Reusable buffers for K/V rows gathered out of the paged cache (index 0 for K, 1 for V).
+
+    Allocating the gathered tensors afresh in every layer of every step costs more than the
+    attention itself on CPU (large allocations are fresh pages, faulted in and zeroed). The
+    buffers only grow; the model runner keeps one workspace for its lifetime.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def gather(self, which: int, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """`source.index_select(0, index)`, written into buffer `which`; valid until the next
+        gather into the same buffer."""
+        row_shape = source.shape[1:]
+        num_elements = index.numel() * math.prod(row_shape)
+        buffer = self._buffers[which]
+        if (buffer is None or buffer.numel() < num_elements or buffer.dtype != source.dtype
+                or buffer.device != source.device):
+            buffer = torch.empty(num_elements, dtype=source.dtype, device=source.device)
+            self._buffers[which] = buffer
+        out = buffer[:num_elements].view(index.numel(), *row_shape)
+        return torch.index_select(source, 0, index, out=out)
+
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """Single-token queries: `block_table` [B, max_blocks], `mask` [B, 1, 1, L] additive
-    (0 attends, -inf does not; built once per step, cheaper for SDPA than a boolean mask)."""
+class DecodeGroup:
+    """Single-token queries `[start, start + B)` of similar length, attended in one call:
+    `block_table` [B, max_blocks], `mask` [B, 1, 1, L] additive (0 attends, -inf does not;
+    cheaper for SDPA than a boolean mask)."""
 
+    start: int
     block_table: torch.Tensor
     mask: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        return self.block_table.shape[0]
 
 
 @dataclass(frozen=True)
@@ -54,9 +89,10 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int
-    decode: DecodeBatch | None
+    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSeq, ...]
     block_size: int
+    workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
 
 
 def build_attention_metadata(
@@ -67,12 +103,14 @@ def build_attention_metadata(
     device: torch.device,
     sliding_window: int | None = None,
     dtype: torch.dtype = torch.float32,
+    workspace: GatherWorkspace | None = None,
 ) -> tuple[np.ndarray, AttentionMetadata]:
     """Positions [num_tokens] (numpy) and metadata for sequences given decodes-first.
 
     `query_lens[i]` new tokens of sequence `i` follow `context_lens[i]` tokens already in the
     cache; `block_table[i]` lists its block ids (padded on the right with any block id).
-    `dtype` is the model's activation dtype (that of the additive decode mask).
+    `dtype` is the model's activation dtype (that of the additive decode mask); `workspace`
+    is reused for gathered K/V if given (else a fresh one serves this step).
     """
     query_lens = np.asarray(query_lens, dtype=np.int64)
     context_lens = np.asarray(context_lens, dtype=np.int64)
@@ -86,29 +124,58 @@ def build_attention_metadata(
     metadata = AttentionMetadata(
         slot_mapping=torch.from_numpy(slots).to(device),
         num_decode_tokens=num_decodes,
-        decode=_decode_batch(seq_lens[:num_decodes], block_table[:num_decodes], block_size,
-                             sliding_window, device, dtype) if num_decodes else None,
+        decode_groups=tuple(
+            _decode_group(start, seq_lens[start:end], block_table[start:end], block_size,
+                          sliding_window, device, dtype)
+            for start, end in group_decodes(seq_lens[:num_decodes])
+        ),
         prefills=tuple(
             _prefill_seq(int(starts[i]), int(query_lens[i]), int(context_lens[i]),
                          block_table[i], block_size, sliding_window, device)
             for i in range(num_decodes, len(query_lens))
         ),
         block_size=block_size,
+        workspace=GatherWorkspace() if workspace is None else workspace,
     )
     return positions, metadata
 
 
-def _decode_batch(
-    seq_lens: np.ndarray, block_table: np.ndarray, block_size: int,
+def group_decodes(seq_lens: np.ndarray) -> list[tuple[int, int]]:
+    """Splits decodes into contiguous `[start, end)` groups of similar length.
+
+    Each group is padded to its longest sequence, so grouping sequences whose lengths are
+    within `_DECODE_GROUP_LENGTH_RATIO` of each other bounds the padding; the runner orders
+    decodes longest first so that groups are contiguous. Groups have at least
+    `_MIN_DECODE_GROUP` members (but the last), as every group costs one attention call.
+    """
+    groups = []
+    start = 0
+    longest = shortest = 0
+    for index, seq_len in enumerate(seq_lens.tolist()):
+        if index == start:
+            longest = shortest = seq_len
+            continue
+        longest, shortest = max(longest, seq_len), min(shortest, seq_len)
+        if index - start >= _MIN_DECODE_GROUP and shortest < _DECODE_GROUP_LENGTH_RATIO * longest:
+            groups.append((start, index))
+            start, longest, shortest = index, seq_len, seq_len
+    if len(seq_lens):
+        groups.append((start, len(seq_lens)))
+    return groups
+
+
+def _decode_group(
+    start: int, seq_lens: np.ndarray, block_table: np.ndarray, block_size: int,
     sliding_window: int | None, device: torch.device, dtype: torch.dtype,
-) -> DecodeBatch:
+) -> DecodeGroup:
     num_blocks = int(-(-seq_lens.max() // block_size))
     key_positions = np.arange(num_blocks * block_size)
     allowed = key_positions[None, :] < seq_lens[:, None]
     if sliding_window is not None:
         allowed &= key_positions[None, :] > seq_lens[:, None] - 1 - sliding_window
     mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
-    return DecodeBatch(
+    return DecodeGroup(
+        start=start,
         block_table=torch.from_numpy(np.ascontiguousarray(block_table[:, :num_blocks])).to(device),
         mask=torch.from_numpy(mask[:, None, None, :]).to(device=device, dtype=dtype),
     )
@@ -150,19 +217,21 @@ def paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_cache.index_copy_(0, metadata.slot_mapping, key)
     v_cache.index_copy_(0, metadata.slot_mapping, value)
-    if not metadata.prefills:
-        return _attend_decodes(query, k_cache, v_cache, metadata, scale)
+    if not metadata.prefills and len(metadata.decode_groups) == 1:
+        return _attend_decodes(query, k_cache, v_cache, metadata, metadata.decode_groups[0],
+                               scale)
     output = torch.empty_like(query)
-    if metadata.decode is not None:
-        count = metadata.num_decode_tokens
-        output[:count] = _attend_decodes(query[:count], k_cache, v_cache, metadata, scale)
+    for group in metadata.decode_groups:
+        end = group.start + group.size
+        output[group.start:end] = _attend_decodes(query[group.start:end], k_cache, v_cache,
+                                                  metadata, group, scale)
     for seq in metadata.prefills:
         end = seq.query_start + seq.query_len
         if seq.kv_slots is None:
             seq_key, seq_value = key[seq.query_start:end], value[seq.query_start:end]
         else:
-            seq_key = k_cache.index_select(0, seq.kv_slots)
-            seq_value = v_cache.index_select(0, seq.kv_slots)
+            seq_key = metadata.workspace.gather(0, k_cache, seq.kv_slots)
+            seq_value = metadata.workspace.gather(1, v_cache, seq.kv_slots)
         output[seq.query_start:end] = _sdpa(
             query[seq.query_start:end].unsqueeze(0), seq_key.unsqueeze(0),
             seq_value.unsqueeze(0), seq.mask, scale,
@@ -172,23 +241,22 @@ def paged_attention(
 
 def _attend_decodes(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    metadata: AttentionMetadata, scale: float,
+    metadata: AttentionMetadata, group: DecodeGroup, scale: float,
 ) -> torch.Tensor:
-    decode = metadata.decode
-    assert decode is not None
-    batch, num_blocks = decode.block_table.shape
+    batch, num_blocks = group.block_table.shape
     kv_heads, head_dim = k_cache.shape[1:]
     blocks_shape = (-1, metadata.block_size, kv_heads, head_dim)
     seq_shape = (batch, num_blocks * metadata.block_size, kv_heads, head_dim)
-    block_ids = decode.block_table.flatten()
-    keys = k_cache.view(blocks_shape).index_select(0, block_ids).view(seq_shape)
-    values = v_cache.view(blocks_shape).index_select(0, block_ids).view(seq_shape)
+    block_ids = group.block_table.flatten()
+    workspace = metadata.workspace
+    keys = workspace.gather(0, k_cache.view(blocks_shape), block_ids).view(seq_shape)
+    values = workspace.gather(1, v_cache.view(blocks_shape), block_ids).view(seq_shape)
     # The query heads sharing a KV head attend as a group of "positions" over that head: no
     # K/V expansion for GQA (about 2x faster than `enable_gqa` on CPU), same result.
     num_heads = query.shape[1]
     grouped = query.view(batch, kv_heads, num_heads // kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
-        grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=decode.mask,
+        grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.mask,
         scale=scale,
     )
     return out.reshape(batch, num_heads, head_dim)

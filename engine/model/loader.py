@@ -15,31 +15,11 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
-from engine.model.arch import ModelArch
+from engine.model.directory import TINY_MODEL_NAME, load_arch, resolve_model_dir
 from engine.model.llama import LlamaForCausalLM
-from engine.model.tiny import TINY_MODEL_DIR
 
-TINY_MODEL_NAME = "tiny"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DUMMY_INIT_STD = 0.02
-
-
-def resolve_model_dir(model: str) -> Path:
-    """The directory holding the model's `config.json` (and tokenizer files)."""
-    if model == TINY_MODEL_NAME:
-        return TINY_MODEL_DIR
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model {model!r} is neither 'tiny' nor a local directory with a config.json "
-            "(models are never downloaded)"
-        )
-    return path
-
-
-def load_arch(model: str) -> ModelArch:
-    config = json.loads((resolve_model_dir(model) / "config.json").read_text())
-    return ModelArch.from_hf_config(config)
 
 
 def resolve_device(device: str) -> torch.device:

@@ -6,10 +6,10 @@ strings and imported only when chosen (inside the engine-core process).
 
 from __future__ import annotations
 
-import importlib
 from types import MappingProxyType
 from typing import Any
 
+from engine.plugins import load_named
 from engine.scheduler.policy import SchedulingPolicy
 
 POLICY_REGISTRY = MappingProxyType({
@@ -20,17 +20,7 @@ POLICY_REGISTRY = MappingProxyType({
 
 def resolve_policy_class(name: str) -> type:
     """The class for a registry name or a `module:Class` path; ValueError if unknown."""
-    path = POLICY_REGISTRY.get(name, name if ":" in name else None)
-    if path is None:
-        known = ", ".join(sorted(POLICY_REGISTRY))
-        raise ValueError(f"unknown scheduling policy {name!r}; known: {known}")
-    module_name, _, class_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-        return getattr(module, class_name)
-    except (ImportError, AttributeError) as error:
-        message = f"scheduling policy {name!r} ({path}) cannot be loaded: {error}"
-        raise ValueError(message) from error
+    return load_named("scheduling policy", name, POLICY_REGISTRY)
 
 
 def make_policy(name: str, **kwargs: Any) -> SchedulingPolicy:

@@ -165,12 +165,14 @@ class Scheduler:
             new_token_ids = self._append_output(request, token_ids)
             if request.status.is_finished:
                 stopped.append(request)
+            logprobs = runner_output.logprobs and runner_output.logprobs[index_of[req_id]]
             outputs.append(EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_token_ids,
                 finish_reason=request.finish_reason,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens or 0,
+                logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
             ))
         if stopped:
             self._retire(stopped)

@@ -17,7 +17,11 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.model.attention import AttentionMetadata, build_attention_metadata
+from engine.model.attention import (
+    AttentionMetadata,
+    GatherWorkspace,
+    build_attention_metadata,
+)
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model, resolve_device, resolve_dtype
 from engine.outputs import ModelRunnerOutput, TokenLogprobs
@@ -68,6 +72,7 @@ class ModelRunner:
             max_blocks_per_req=-(-max_model_len // self.block_size),
             vocab_size=self.arch.vocab_size,
         )
+        self.gather_workspace = GatherWorkspace()
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
 
@@ -150,13 +155,18 @@ class ModelRunner:
         """Token ids, positions and attention metadata of the step, decodes first."""
         batch = self.batch
         num_scheduled = scheduler_output.num_scheduled_tokens
-        req_ids = sorted(num_scheduled, key=lambda req_id: num_scheduled[req_id] != 1)
-        rows = np.array([batch.row_of[req_id] for req_id in req_ids], dtype=np.int64)
-        query_lens = np.array([num_scheduled[req_id] for req_id in req_ids], dtype=np.int64)
+        scheduled_ids = list(num_scheduled)
+        rows = np.array([batch.row_of[req_id] for req_id in scheduled_ids], dtype=np.int64)
+        query_lens = np.array([num_scheduled[req_id] for req_id in scheduled_ids],
+                              dtype=np.int64)
+        # Decodes first, longest context first: attention groups decodes of similar length.
+        order = np.lexsort((-batch.num_computed_tokens[rows], query_lens != 1))
+        rows, query_lens = rows[order], query_lens[order]
+        req_ids = [scheduled_ids[index] for index in order.tolist()]
         context_lens = batch.num_computed_tokens[rows]
         positions, metadata = build_attention_metadata(
             query_lens, context_lens, batch.block_table[rows], self.block_size, self.device,
-            self.arch.sliding_window, self.dtype,
+            self.arch.sliding_window, self.dtype, self.gather_workspace,
         )
         token_rows = np.repeat(rows, query_lens)
         input_ids = batch.token_ids[token_rows, positions]

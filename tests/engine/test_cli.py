@@ -59,3 +59,17 @@ def test_bench_forward_compares_with_transformers(tmp_path, capsys) -> None:
     assert results["decode_speedup"] == pytest.approx(
         results["ours_decode_tok_s"] / results["transformers_decode_tok_s"])
     assert "decode_speedup" in capsys.readouterr().out
+
+
+def test_bench_throughput_compares_the_engine_with_transformers(tmp_path) -> None:
+    out = tmp_path / "throughput.json"
+    code = main(["bench", "throughput", "--num-requests", "6", "--prompt-len", "8", "24",
+                 "--output-len", "4", "12", "--hf-batch-size", "4", "--max-model-len", "128",
+                 "--num-kv-blocks", "64", "--json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    for key in ("tokens_per_s", "hf_tokens_per_s", "ratio", "engine_efficiency"):
+        assert results[key] > 0
+    assert results["ratio"] == pytest.approx(results["tokens_per_s"] / results["hf_tokens_per_s"])
+    assert 0 < results["engine_efficiency"] <= 1
+    assert results["num_requests"] == 6

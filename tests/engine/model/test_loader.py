@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.config import ModelConfig
-from engine.model.loader import load_arch, load_model, resolve_dtype, resolve_model_dir
+from engine.model.directory import load_arch, resolve_model_dir
+from engine.model.loader import load_model, resolve_dtype
 from engine.model.tiny import TINY_MODEL_DIR
 from tests.engine.model.checkpoints import make_hf_model, save_checkpoint
 

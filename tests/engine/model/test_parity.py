@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.model.attention import build_attention_metadata
+from engine.model.attention import build_attention_metadata, group_decodes
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.request import Request
@@ -33,7 +33,7 @@ from tests.engine.model.checkpoints import (
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
-NUM_BLOCKS = 256
+NUM_BLOCKS = 640
 
 
 @dataclass
@@ -93,7 +93,8 @@ class PagedSequences:
 
     def step(self, query_lens: dict[str, int]) -> dict[str, torch.Tensor]:
         """Computes `query_lens[seq]` more tokens of each sequence; returns their logits."""
-        order = sorted(query_lens, key=lambda seq_id: query_lens[seq_id] != 1)
+        order = sorted(query_lens, key=lambda seq_id: (query_lens[seq_id] != 1,
+                                                       -self.num_computed[seq_id]))
         for seq_id in order:
             needed = -(-(self.num_computed[seq_id] + query_lens[seq_id]) // BLOCK_SIZE)
             while len(self.blocks[seq_id]) < needed:
@@ -178,6 +179,19 @@ def test_mixed_batch_of_decodes_chunks_prefills_and_hits(checkpoint: Checkpoint)
         for name, rows in logits.items():
             end = paged.num_computed[name]
             assert_close(rows, hf_logits(hf_model, seqs[name][:end])[end - query_lens[name]:])
+
+
+def test_many_decodes_of_varied_lengths_attend_in_groups(checkpoint: Checkpoint) -> None:
+    lengths = list(range(6, 6 + 3 * 34, 3))
+    seqs = {f"s{i}": random_tokens(length, seed=200 + i) for i, length in enumerate(lengths)}
+    assert len(group_decodes(np.array(sorted(lengths, reverse=True)))) > 1
+    paged = PagedSequences(checkpoint.model)
+    for name, tokens in seqs.items():
+        paged.add(name, tokens)
+    paged.step({name: len(tokens) - 1 for name, tokens in seqs.items()})
+    logits = paged.step(dict.fromkeys(seqs, 1))
+    for name, rows in logits.items():
+        assert_close(rows, hf_logits(checkpoint.hf_model, seqs[name])[-1:])
 
 
 def test_greedy_continuations_of_a_batch_match_generate(checkpoint: Checkpoint) -> None:

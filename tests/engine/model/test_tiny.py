@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.model.loader import load_arch
+from engine.model.directory import load_arch
 from engine.model.tiny import TINY_MODEL_DIR
 
 

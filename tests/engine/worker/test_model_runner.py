@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.model.loader import load_arch
+from engine.model.directory import load_arch
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import NewRequestData

@@ -1,0 +1,1 @@
+"""The engine core (scheduler + executor step loop), its process, and the clients of both."""

@@ -1,0 +1,136 @@
+"""The engine core: one scheduler and one executor, advanced one step at a time.
+
+Torch-free: the executor is created by name and may be a cost model. Used directly by the
+in-process client, and inside `EngineCoreProc` for the multiprocess clients.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.clock import Clock
+from engine.config import EngineConfig
+from engine.core.wire import EngineCoreRequest, EngineStats
+from engine.executor.base import Executor, make_executor
+from engine.kv_cache.pins import PinReleaseReason
+from engine.outputs import EngineCoreOutput
+from engine.request import Request
+from engine.scheduler.policy import SchedulingPolicy
+from engine.scheduler.registry import make_policy
+from engine.scheduler.scheduler import Scheduler
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; every call comes from one thread.
+
+    `add_request` and `abort_requests` may be called between steps; `step` runs one scheduler
+    step through the executor and returns the outputs it produced. The utility methods named
+    in `UTILITIES` may be called remotely (`UtilityCall`).
+    """
+
+    UTILITIES = frozenset({"stats", "reset_prefix_cache", "release_job", "check_invariants"})
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        executor: Executor | None = None,
+        policy: SchedulingPolicy | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.executor = make_executor(config) if executor is None else executor
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache,
+            make_policy(config.scheduler.policy) if policy is None else policy,
+            num_kv_blocks=self.executor.num_kv_blocks, clock=clock,
+        )
+        self.vocab_size = self.executor.vocab_size
+        self.num_steps = 0
+        self.step_time_s = 0.0
+        self.execute_time_s = 0.0
+
+    def add_request(self, core_request: EngineCoreRequest) -> None:
+        """Queues a request; ValueError (and no change) if it is invalid for this engine."""
+        self.scheduler.add_request(self._to_request(core_request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests to run, or pins whose TTL may expire."""
+        return self.scheduler.has_unfinished_requests() or len(self.scheduler.pins) > 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedules one step (the policy's step start included), executes it, and applies
+        the sampled tokens; returns the outputs of the requests that produced tokens."""
+        started_s = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        execute_started_s = time.perf_counter()
+        runner_output = self.executor.execute(scheduler_output)
+        self.execute_time_s += time.perf_counter() - execute_started_s
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_steps += 1
+        self.step_time_s += time.perf_counter() - started_s
+        return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    # Utilities.
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        prefix_stats = scheduler.kv_cache_manager.stats
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_kv_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            kv_usage=pool.usage,
+            num_pins=len(scheduler.pins),
+            num_pinned_blocks=scheduler.pins.num_pinned_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_query_tokens=prefix_stats.num_query_tokens,
+            prefix_cache_hit_tokens=prefix_stats.num_hit_tokens,
+            num_steps=self.num_steps,
+            step_time_s=self.step_time_s,
+            execute_time_s=self.execute_time_s,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def release_job(self, job_id: str) -> bool:
+        """Ends the job's state in the core (its pin is released); True if it held a pin."""
+        if not isinstance(job_id, str) or not job_id:
+            raise ValueError(f"job_id must be a non-empty string, got {job_id!r}")
+        return self.scheduler.end_job(job_id, PinReleaseReason.RELEASE) is not None
+
+    def check_invariants(self) -> bool:
+        self.scheduler.check_invariants()
+        return True
+
+    def _to_request(self, core_request: EngineCoreRequest) -> Request:
+        params = core_request.sampling_params
+        if params.n != 1:
+            raise ValueError(f"the core runs one sequence per request; got n={params.n}")
+        token_ids = core_request.prompt_token_ids
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        eos_token_id = core_request.eos_token_id
+        if eos_token_id is not None and not 0 <= eos_token_id < self.vocab_size:
+            raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary")
+        arrival_time_s = core_request.arrival_time_s
+        return Request(
+            core_request.request_id, token_ids, params,
+            arrival_time_s=self.clock() if arrival_time_s is None else arrival_time_s,
+            eos_token_id=eos_token_id,
+            priority=core_request.priority,
+            job=core_request.job,
+            cache_salt=core_request.cache_salt,
+        )

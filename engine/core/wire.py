@@ -1,0 +1,118 @@
+"""Messages between the frontend and the engine core, as msgspec msgpack tagged unions.
+
+Frontend -> core (`CoreInput`, on the input ROUTER/DEALER link): add a request, abort
+requests, call a utility, shut down. Core -> frontend: `CoreHello` once on the input link (the
+startup handshake), then `CoreEvent`s on the output PUSH/PULL link. Fields are append-only;
+nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.outputs import EngineCoreOutput
+from engine.request import JobInfo
+from engine.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True, omit_defaults=True):
+    """One sequence to generate: the frontend has tokenized and validated it already.
+
+    `arrival_time_s` is on the core's clock; `None` means the time the core received it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0
+    job: JobInfo | None = None
+    cache_salt: str | None = None
+    arrival_time_s: float | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    """Finish these requests now (unknown or finished ids are ignored)."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility", kw_only=True):
+    """Call the named `EngineCore` utility (see `EngineCore.UTILITIES`); answered by a
+    `UtilityResult` with the same `call_id`."""
+
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Stop the busy loop, release the executor and exit."""
+
+
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+
+
+class CoreReady(msgspec.Struct, tag="ready", kw_only=True):
+    """Handshake: the core is built and serving; what it allocated."""
+
+    num_kv_blocks: int
+    vocab_size: int
+    max_model_len: int
+
+
+class CoreStartupFailed(msgspec.Struct, tag="startup_failed"):
+    """Handshake: building the core failed; the process exits after sending this."""
+
+    error: str
+
+
+CoreHello = CoreReady | CoreStartupFailed
+
+
+class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
+    """The per-request outputs of one step (or request rejections), stamped on the core's clock."""
+
+    outputs: list[EngineCoreOutput]
+    timestamp_s: float
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result", kw_only=True, omit_defaults=True):
+    """The answer to the `UtilityCall` with `call_id`: its result, or the error it raised."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class CoreFailed(msgspec.Struct, tag="core_failed"):
+    """The busy loop died; the process exits after sending this."""
+
+    error: str
+
+
+CoreEvent = EngineCoreOutputs | UtilityResult | CoreFailed
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """A snapshot of the core: queue lengths, KV pool use, prefix cache, pins, step timings.
+
+    Counters are cumulative since the core started; times are seconds of wall time
+    (`execute_time_s` inside the executor, `step_time_s` in whole steps).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    num_pins: int
+    num_pinned_blocks: int
+    num_preemptions: int
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_steps: int
+    step_time_s: float
+    execute_time_s: float

@@ -1,0 +1,101 @@
+"""Flat engine arguments (the command-line flags and `LLM(...)` keywords) -> `EngineConfig`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.model.directory import load_arch
+
+_HELP = {
+    "model": "'tiny' (the embedded default model) or a local Hugging Face directory",
+    "dtype": "auto | float32 | float16 | bfloat16",
+    "load_format": "auto (read weights) | dummy (random weights from --seed)",
+    "device": "auto | cpu | cuda",
+    "seed": "seed of dummy weights and of unseeded sampling",
+    "max_model_len": "longest sequence (prompt + output); default: the model's",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "fix the KV pool size (default: sized from memory)",
+    "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV",
+    "cpu_kv_cache_space_gib": "KV pool size on CPU, GiB",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one step",
+    "long_prefill_token_threshold": "most tokens one request computes per step",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "scheduling_policy": "fcfs | priority | a module:Class path",
+    "executor": "torch (run the model) | a module:Class path",
+}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine setting as one flat, frozen record; see `_HELP` for each field."""
+
+    model: str = "tiny"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space_gib: float = 2.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    executor: str = "torch"
+
+    def to_engine_config(self) -> EngineConfig:
+        """The validated config; ValueError naming the bad field."""
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = load_arch(self.model).max_position_embeddings
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, load_format=self.load_format,
+                              max_model_len=max_model_len, seed=self.seed, device=self.device),
+            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              cpu_kv_cache_space_gib=self.cpu_kv_cache_space_gib),
+            scheduler=SchedulerConfig(
+                max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+            ),
+            executor=self.executor,
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Adds one `--flag-name` per field (booleans also get `--no-...`)."""
+        group = parser.add_argument_group("engine")
+        for spec in fields(EngineArgs):
+            flag = "--" + spec.name.replace("_", "-")
+            default = spec.default
+            help_text = f"{_HELP[spec.name]} (default: {default})"
+            if isinstance(default, bool):
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                   help=help_text)
+            else:
+                group.add_argument(flag, type=_flag_type(spec.type), default=default,
+                                   help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{spec.name: getattr(args, spec.name) for spec in fields(cls)})
+
+
+def _flag_type(annotation: object) -> type:
+    text = str(annotation)
+    for name, kind in (("int", int), ("float", float)):
+        if text.startswith(name):
+            return kind
+    return str

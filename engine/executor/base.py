@@ -1,0 +1,43 @@
+"""The executor interface, and executors by name.
+
+An executor is created and owned by the `EngineCore` (inside the engine-core process when one
+is used). It is called once per step with the scheduler's plan and returns the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Protocol
+
+from engine.config import EngineConfig
+from engine.outputs import ModelRunnerOutput
+from engine.plugins import load_named
+from engine.scheduler.output import SchedulerOutput
+
+EXECUTOR_REGISTRY = MappingProxyType({
+    "torch": "engine.executor.torch_executor:TorchExecutor",
+})
+
+
+class Executor(Protocol):
+    """Runs scheduler steps on a device.
+
+    `num_kv_blocks` is the KV pool size the executor allocated (the scheduler's pool must match
+    it); `vocab_size` bounds the token ids it accepts. `execute` is called once per engine step,
+    `shutdown` once when the engine stops.
+    """
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor named by `config.executor` (a registry name or `module:Class`)."""
+    return load_named("executor", config.executor, EXECUTOR_REGISTRY)(config)

@@ -1,0 +1,29 @@
+"""The `torch` executor: one model runner in the engine-core process (CPU or one GPU)."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.outputs import ModelRunnerOutput
+from engine.scheduler.output import SchedulerOutput
+from engine.worker.model_runner import ModelRunner
+
+
+class TorchExecutor:
+    """Runs the real model; loads weights and allocates the KV pool on construction."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = ModelRunner(config)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_kv_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.arch.vocab_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.runner.kv_caches.clear()

@@ -1,0 +1,1 @@
+"""The frontend: tokenization, validation, detokenization, and the public engine APIs."""

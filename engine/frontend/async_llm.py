@@ -1,0 +1,130 @@
+"""`AsyncLLM`: the asyncio engine API (the HTTP server's), over a core process.
+
+Each request gets its own queue of outputs, read by the `generate` async generator that the
+caller iterates. One output-handler task reads the core's outputs, turns them into request
+outputs, and routes them to those queues. A caller that stops iterating (or is cancelled)
+aborts its request; when the core dies, every caller gets `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from engine.config import EngineConfig
+from engine.core.client import AsyncMPClient, EngineDeadError
+from engine.core.wire import EngineStats
+from engine.engine_args import EngineArgs
+from engine.frontend.output_processor import OutputProcessor
+from engine.frontend.outputs import RequestOutput
+from engine.frontend.processor import InputProcessor, Prompt
+from engine.request import JobInfo
+from engine.sampling_params import SamplingParams
+
+
+class AsyncLLM:
+    """Starts the core process on construction; `shutdown()` stops it. All methods must be
+    called from one event loop."""
+
+    def __init__(
+        self, config: EngineConfig, *, tokenizer: Any = None, startup_timeout_s: float = 600.0
+    ) -> None:
+        self.config = config
+        self.processor = InputProcessor.for_config(config, tokenizer)
+        self.tokenizer = self.processor.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
+        self._output_handler: asyncio.Task[None] | None = None
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(args.to_engine_config(), **kwargs)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.client.is_dead
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        job: JobInfo | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs (per its `output_kind`) until the finished one.
+
+        ValueError if the request is invalid (raised before anything is queued) or the core
+        rejected it; EngineDeadError if the core died.
+        """
+        if request_id is None:
+            request_id = f"async-{next(self._request_counter)}"
+        processed = self.processor.process(request_id, prompt, sampling_params, job=job,
+                                           priority=priority)
+        self._ensure_output_handler()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.output_processor.add_request(processed, queue)
+        finished = False
+        try:
+            for core_request in processed.core_requests:
+                await self.client.add_request_async(core_request)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:
+                    raise ValueError(item.error)
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stops the request (if unfinished) and frees its KV blocks in the core."""
+        core_ids = self.output_processor.abort_requests([request_id])
+        if core_ids and not self.client.is_dead:
+            with contextlib.suppress(EngineDeadError):  # a dead core has nothing to free
+                await self.client.abort_requests_async(core_ids)
+
+    async def get_stats(self) -> EngineStats:
+        return msgspec.convert(await self.client.call_utility_async("stats"), EngineStats)
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.client.call_utility_async("reset_prefix_cache"))
+
+    async def release_job(self, job_id: str) -> bool:
+        """Ends the job's state in the core, releasing its pin; True if it held one."""
+        return bool(await self.client.call_utility_async("release_job", job_id))
+
+    async def check_invariants(self) -> None:
+        """Asks the core to check its scheduler and KV invariants (AssertionError -> failure)."""
+        await self.client.call_utility_async("check_invariants")
+
+    def shutdown(self) -> None:
+        if self._output_handler is not None and not self._output_handler.done():
+            self._output_handler.cancel()
+        self.client.shutdown()
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._handle_outputs(), name="async-llm-outputs"
+            )
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                core_outputs = await self.client.get_output_async()
+                processed = self.output_processor.process_outputs(core_outputs)
+                if processed.core_requests_to_abort:
+                    await self.client.abort_requests_async(processed.core_requests_to_abort)
+        except EngineDeadError as error:
+            self.output_processor.propagate_error(error)

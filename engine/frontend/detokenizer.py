@@ -1,0 +1,58 @@
+"""Incremental detokenization: text from a growing list of token ids, one piece at a time.
+
+A character may span several tokens (byte-level vocabularies split UTF-8 sequences), and some
+tokenizers decode a token differently at the start of a sequence than after others. So each
+new piece is the difference between decoding a short window of recent tokens with and without
+the new ones; a window that decodes to a trailing U+FFFD (an incomplete character) is held
+back until a later token completes it or the request finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+_REPLACEMENT_CHAR = "\ufffd"
+_NUM_CONTEXT_TOKENS = 6  # prompt tokens decoded ahead of the output, for their spacing
+
+
+def make_decode_fn(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """A fast `ids -> text` function: the Rust tokenizer's when there is one (the Python
+    wrapper costs several times more per call), else `tokenizer.decode`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one completion. `push` is called with each batch of new token ids and
+    returns the text they completed; `flush` at the end returns whatever was held back."""
+
+    def __init__(
+        self, decode: Callable[[list[int]], str], prompt_token_ids: list[int]
+    ) -> None:
+        self._decode = decode
+        self._ids = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # start of the decoding window
+        self._read_offset = len(self._ids)  # tokens before this are already in the text
+
+    def push(self, token_ids: list[int]) -> str:
+        pieces = []
+        for token_id in token_ids:
+            self._ids.append(token_id)
+            pieces.append(self._next_piece(final=False))
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        return self._next_piece(final=True) if self._read_offset < len(self._ids) else ""
+
+    def _next_piece(self, *, final: bool) -> str:
+        window = self._ids[self._prefix_offset :]
+        known_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(window)
+        if not final and (len(text) <= len(known_text) or text.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return text[len(known_text) :]

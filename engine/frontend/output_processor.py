@@ -1,0 +1,267 @@
+"""Output processing: core outputs (new token ids) -> `RequestOutput`s (text, tokens, logprobs).
+
+Owns the frontend state of every unfinished request: detokenizers, stop-string matching, and
+what has been reported so far for each output kind. Called by `LLMEngine` / `AsyncLLM` once
+per batch of core outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.frontend.detokenizer import IncrementalDetokenizer, make_decode_fn
+from engine.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.frontend.processor import ProcessedRequest
+from engine.frontend.stop_strings import find_stop_string, num_held_back_chars
+from engine.outputs import EngineCoreOutput, TokenLogprobs
+from engine.request import FinishReason
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class _Completion:
+    """Frontend state of one completion (one core request)."""
+
+    index: int
+    core_request_id: str
+    detokenizer: IncrementalDetokenizer | None  # None: decoded once, at the end
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _RequestState:
+    processed: ProcessedRequest
+    completions: list[_Completion]
+    metrics: RequestMetrics
+    queue: asyncio.Queue[Any] | None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(completion.finished for completion in self.completions)
+
+
+@dataclass
+class ProcessedOutputs:
+    """`request_outputs` for requests without a queue; `core_requests_to_abort`: completions
+    that a stop string finished while the core is still generating them."""
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    core_requests_to_abort: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Frontend state of unfinished requests, keyed by request id and by core request id."""
+
+    def __init__(self, tokenizer: Any, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self._decode_fns = {
+            skip: make_decode_fn(tokenizer, skip) for skip in (True, False)
+        }
+        self._requests: dict[str, _RequestState] = {}
+        self._by_core_id: dict[str, tuple[_RequestState, _Completion]] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def add_request(
+        self, processed: ProcessedRequest, queue: asyncio.Queue[Any] | None = None
+    ) -> None:
+        """Starts tracking a request; its outputs go to `queue` if given, else are returned
+        by `process_outputs`. ValueError if its id is in use."""
+        if processed.request_id in self._requests:
+            raise ValueError(f"request id {processed.request_id!r} is already in use")
+        params = processed.sampling_params
+        state = _RequestState(
+            processed=processed, completions=[],
+            metrics=RequestMetrics(arrival_time_s=self.clock()), queue=queue,
+        )
+        for index, core_request in enumerate(processed.core_requests):
+            completion = _Completion(
+                index=index, core_request_id=core_request.request_id,
+                detokenizer=self._detokenizer(params, processed.prompt_token_ids),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            state.completions.append(completion)
+            self._by_core_id[core_request.request_id] = (state, completion)
+        self._requests[processed.request_id] = state
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forgets the requests; returns the core request ids of their unfinished completions."""
+        core_ids = []
+        for request_id in request_ids:
+            state = self._requests.get(request_id)
+            if state is not None:
+                self._forget(state)
+                core_ids.extend(c.core_request_id for c in state.completions if not c.finished)
+        return core_ids
+
+    def _forget(self, state: _RequestState) -> None:
+        del self._requests[state.processed.request_id]
+        for completion in state.completions:
+            del self._by_core_id[completion.core_request_id]
+
+    def propagate_error(self, error: BaseException) -> None:
+        """Hands `error` to every request with a queue (the engine died)."""
+        for state in self._requests.values():
+            if state.queue is not None:
+                state.queue.put_nowait(error)
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        now_s = self.clock()
+        touched: dict[str, tuple[_RequestState, list[_Completion]]] = {}
+        for core_output in core_outputs:
+            entry = self._by_core_id.get(core_output.request_id)
+            if entry is None:
+                continue  # aborted by the frontend since
+            state, completion = entry
+            if completion.finished:
+                continue  # a stop string ended it; the core had not heard yet
+            if self._apply(state, completion, core_output, now_s):
+                result.core_requests_to_abort.append(completion.core_request_id)
+            touched.setdefault(state.processed.request_id, (state, []))[1].append(completion)
+        for state, completions in touched.values():
+            self._emit(state, completions, now_s, result)
+        return result
+
+    def _detokenizer(
+        self, params: SamplingParams, prompt_token_ids: list[int]
+    ) -> IncrementalDetokenizer | None:
+        if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop:
+            return None
+        return IncrementalDetokenizer(self._decode_fns[params.skip_special_tokens],
+                                      prompt_token_ids)
+
+    def _apply(
+        self, state: _RequestState, completion: _Completion, output: EngineCoreOutput,
+        now_s: float,
+    ) -> bool:
+        """Applies one core output; True if a stop string ended a completion the core is
+        still running."""
+        if output.error is not None:
+            state.error = output.error
+            completion.finish_reason = FinishReason.ABORT
+            return False
+        if output.new_token_ids:
+            state.metrics.first_token_time_s = state.metrics.first_token_time_s or now_s
+            state.metrics.last_token_time_s = now_s
+        state.num_cached_tokens = output.num_cached_tokens
+        completion.token_ids.extend(output.new_token_ids)
+        if completion.logprobs is not None and output.logprobs:
+            completion.logprobs.extend(output.logprobs)
+        stopped_by_string = self._detokenize(state, completion, output.new_token_ids)
+        if stopped_by_string:
+            return output.finish_reason is None
+        if output.finish_reason is not None:
+            completion.finish_reason = output.finish_reason
+            completion.stop_reason = output.stop_reason
+            self._finish_text(state, completion)
+        return False
+
+    def _detokenize(
+        self, state: _RequestState, completion: _Completion, new_token_ids: list[int]
+    ) -> bool:
+        """Extends the text; True if that completed a stop string (which finishes it)."""
+        if completion.detokenizer is None:
+            return False
+        num_old_chars = len(completion.text)
+        completion.text += completion.detokenizer.push(new_token_ids)
+        params = state.processed.sampling_params
+        match = params.stop and find_stop_string(completion.text, params.stop, num_old_chars)
+        if not match:
+            return False
+        start, stop_string = match
+        end = start + len(stop_string) if params.include_stop_str_in_output else start
+        completion.text = completion.text[:end]
+        completion.finish_reason = FinishReason.STOP
+        completion.stop_reason = stop_string
+        return True
+
+    def _finish_text(self, state: _RequestState, completion: _Completion) -> None:
+        if completion.detokenizer is None:
+            decode = self._decode_fns[state.processed.sampling_params.skip_special_tokens]
+            completion.text = decode(completion.token_ids)
+        else:
+            completion.text += completion.detokenizer.flush()
+
+    def _emit(
+        self, state: _RequestState, completions: list[_Completion], now_s: float,
+        result: ProcessedOutputs,
+    ) -> None:
+        finished = state.finished
+        if finished:
+            state.metrics.finished_time_s = now_s
+            self._forget(state)
+        output = self._request_output(state, completions, finished)
+        if output is None:
+            return
+        if state.queue is not None:
+            state.queue.put_nowait(output)
+        else:
+            result.request_outputs.append(output)
+
+    def _request_output(
+        self, state: _RequestState, changed: list[_Completion], finished: bool
+    ) -> RequestOutput | None:
+        """The output to report now for the request's kind, or None if there is nothing."""
+        kind = state.processed.sampling_params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind is RequestOutputKind.DELTA:
+            reported = [self._completion_output(state, c, delta=True) for c in changed]
+            reported = [c for c in reported if c.text or c.token_ids or c.finished]
+            if not reported and not finished:
+                return None
+        else:
+            reported = [self._completion_output(state, c, delta=False)
+                        for c in state.completions]
+        processed = state.processed
+        return RequestOutput(
+            request_id=processed.request_id, prompt=processed.prompt,
+            prompt_token_ids=processed.prompt_token_ids, outputs=reported, finished=finished,
+            num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+            error=state.error,
+        )
+
+    def _completion_output(
+        self, state: _RequestState, completion: _Completion, *, delta: bool
+    ) -> CompletionOutput:
+        params = state.processed.sampling_params
+        num_chars = len(completion.text)
+        if not completion.finished:
+            num_chars -= num_held_back_chars(params.stop, params.include_stop_str_in_output)
+        first_char = completion.num_sent_chars if delta else 0
+        first_token = completion.num_sent_tokens if delta else 0
+        num_chars = max(num_chars, completion.num_sent_chars)
+        completion.num_sent_chars = num_chars
+        completion.num_sent_tokens = len(completion.token_ids)
+        logprobs = completion.logprobs
+        return CompletionOutput(
+            index=completion.index,
+            text=completion.text[first_char:num_chars],
+            token_ids=completion.token_ids[first_token:],
+            logprobs=None if logprobs is None else logprobs[first_token:],
+            finish_reason=None if completion.finish_reason is None
+            else str(completion.finish_reason),
+            stop_reason=completion.stop_reason,
+        )

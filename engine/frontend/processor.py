@@ -1,0 +1,152 @@
+"""Input processing: validate a prompt and its sampling parameters, tokenize, and split a
+request with `n` completions into `n` core requests.
+
+Everything a request can get wrong is caught here with a `ValueError`, before the engine core
+sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.config import EngineConfig
+from engine.core.wire import EngineCoreRequest
+from engine.frontend.tokenizer import load_tokenizer, render_chat
+from engine.model.directory import load_arch
+from engine.request import JobInfo
+from engine.sampling_params import SamplingParams
+
+_MAX_SEED = 2**63 - 1
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A validated request: its prompt as text (when given as text) and token ids, and one
+    core request per completion (`n` of them, in completion order)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    core_requests: list[EngineCoreRequest]
+
+
+class InputProcessor:
+    """Turns user prompts into core requests for one model.
+
+    `eos_token_ids` are the model's end-of-sequence ids: the tokenizer's EOS is the request's
+    `eos_token_id`, the others become extra stop token ids (unless `ignore_eos`).
+    """
+
+    def __init__(
+        self, tokenizer: Any, *, vocab_size: int, max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_id = tokenizer_eos if tokenizer_eos is not None else (
+            eos_token_ids[0] if eos_token_ids else None
+        )
+        self.extra_stop_token_ids = tuple(t for t in eos_token_ids if t != self.eos_token_id)
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, tokenizer: Any = None) -> InputProcessor:
+        """The processor of the configured model (its own tokenizer unless one is given)."""
+        arch = load_arch(config.model.model)
+        return cls(
+            load_tokenizer(config.model.model) if tokenizer is None else tokenizer,
+            vocab_size=arch.vocab_size, max_model_len=config.scheduler.max_model_len,
+            eos_token_ids=arch.eos_token_ids,
+        )
+
+    def process(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling_params: SamplingParams,
+        *,
+        job: JobInfo | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> ProcessedRequest:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        prompt_text, token_ids = self.tokenize(prompt)
+        self._check_tokens(token_ids, sampling_params)
+        return ProcessedRequest(
+            request_id=request_id, prompt=prompt_text, prompt_token_ids=token_ids,
+            sampling_params=sampling_params,
+            core_requests=[
+                EngineCoreRequest(
+                    request_id=core_request_id(request_id, index, sampling_params.n),
+                    prompt_token_ids=token_ids,
+                    sampling_params=self._completion_params(sampling_params, index),
+                    eos_token_id=self.eos_token_id, priority=priority, job=job,
+                    cache_salt=cache_salt,
+                )
+                for index in range(sampling_params.n)
+            ],
+        )
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a text or token-id prompt."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt)}")
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids of a conversation rendered by the chat template."""
+        text = render_chat(self.tokenizer, messages, tools=tools,
+                           add_generation_prompt=add_generation_prompt,
+                           chat_template_kwargs=chat_template_kwargs)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _check_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab_size = self.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
+               for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, which leaves no room for output "
+                f"within max_model_len ({self.max_model_len})"
+            )
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+
+    def _completion_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        """Parameters of completion `index`: one sequence, its own seed, the model's EOS ids."""
+        changes: dict[str, Any] = {"n": 1}
+        if params.seed is not None and index:
+            changes["seed"] = (params.seed + index) % _MAX_SEED
+        if not params.ignore_eos and self.extra_stop_token_ids:
+            extra = [t for t in self.extra_stop_token_ids if t not in params.stop_token_ids]
+            changes["stop_token_ids"] = (*params.stop_token_ids, *extra)
+        return msgspec.structs.replace(params, **changes)
+
+
+def core_request_id(request_id: str, index: int, n: int) -> str:
+    """The core's id for completion `index` of a request: the request id itself when n == 1."""
+    return request_id if n == 1 else f"{request_id}-{index}"

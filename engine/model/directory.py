@@ -1,0 +1,34 @@
+"""Where a model's files live, and its architecture read from them; torch-free.
+
+`"tiny"` names the embedded default model (`engine/model/tiny/`); any other name is a local
+Hugging Face directory. Models are never downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.model.arch import ModelArch
+from engine.model.tiny import TINY_MODEL_DIR
+
+TINY_MODEL_NAME = "tiny"
+
+
+def resolve_model_dir(model: str) -> Path:
+    """The directory holding the model's `config.json` (and tokenizer files)."""
+    if model == TINY_MODEL_NAME:
+        return TINY_MODEL_DIR
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {model!r} is neither 'tiny' nor a local directory with a config.json "
+            "(models are never downloaded)"
+        )
+    return path
+
+
+def load_arch(model: str) -> ModelArch:
+    """The architecture described by the model's `config.json`."""
+    config = json.loads((resolve_model_dir(model) / "config.json").read_text())
+    return ModelArch.from_hf_config(config)

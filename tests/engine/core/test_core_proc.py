@@ -1,0 +1,151 @@
+"""The engine core in its own process, through the sync and asyncio ZMQ clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgspec
+import pytest
+
+from engine.config import EngineConfig, ModelConfig
+from engine.core.client import AsyncMPClient, EngineDeadError, InprocClient, SyncMPClient
+from engine.core.wire import UtilityCall
+from engine.request import FinishReason
+from tests.engine.core.conftest import SMALL_CONFIG, core_request
+
+
+def collect(client: SyncMPClient, request_ids: set[str]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+    unfinished = set(request_ids)
+    while unfinished:
+        for output in client.get_output(timeout_s=30):
+            if output.request_id not in tokens:
+                continue  # a late output of an earlier test's aborted request
+            tokens[output.request_id].extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                unfinished.discard(output.request_id)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def client():
+    client = SyncMPClient(SMALL_CONFIG)
+    yield client
+    client.shutdown()
+
+
+def test_outputs_match_the_in_process_core(client: SyncMPClient) -> None:
+    requests = [core_request(f"r{i}", [i + 1] * (3 + 5 * i), max_tokens=6 + i) for i in range(4)]
+    for request in requests:
+        client.add_request(request)
+    remote = collect(client, {r.request_id for r in requests})
+    local_client = InprocClient(SMALL_CONFIG)
+    for request in requests:
+        local_client.add_request(request)
+    local: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while local_client.core.has_unfinished_requests():
+        for output in local_client.get_output():
+            local[output.request_id].extend(output.new_token_ids)
+    assert remote == local
+
+
+def test_utilities_answer_and_report_errors(client: SyncMPClient) -> None:
+    stats = client.call_utility("stats")
+    assert stats["num_kv_blocks"] == client.num_kv_blocks == 128
+    assert client.call_utility("reset_prefix_cache") is True
+    with pytest.raises(ValueError, match="job_id"):
+        client.call_utility("release_job", "")
+    with pytest.raises(ValueError, match="unknown utility"):
+        client.call_utility("shutdown")
+
+
+def test_abort_mid_generation_frees_every_block(client: SyncMPClient) -> None:
+    client.add_request(core_request("long", list(range(1, 120)), max_tokens=120))
+    assert client.get_output(timeout_s=30)
+    client.abort_requests(["long"])
+    deadline_s = time.monotonic() + 10
+    while (stats := client.call_utility("stats"))["num_running"] and time.monotonic() < deadline_s:
+        time.sleep(0.01)
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+    assert client.call_utility("check_invariants") is True
+
+
+def send_raw(client: SyncMPClient, payload: bytes) -> None:
+    client._proc.input_socket.send_multipart([client._proc.identity, payload])
+
+
+def test_malformed_messages_never_kill_the_core(client: SyncMPClient) -> None:
+    encode = msgspec.msgpack.encode
+    send_raw(client, b"\xc1 not msgpack")
+    send_raw(client, encode({"type": "no-such-type"}))
+    send_raw(client, encode([1, 2, 3]))
+    send_raw(client, encode({"type": "add", "request_id": "broken", "prompt_token_ids": "x"}))
+    send_raw(client, encode({"type": "utility", "call_id": 10_000, "method": 5}))
+    client.add_request(core_request("bad-ids", [1, 99999]))
+    rejected = {}
+    while len(rejected) < 2:
+        for output in client.get_output(timeout_s=30):
+            if output.request_id in ("broken", "bad-ids"):
+                rejected[output.request_id] = output
+    assert all(o.finish_reason is FinishReason.ABORT and o.error for o in rejected.values())
+    assert "prompt token ids" in rejected["bad-ids"].error
+    assert "malformed" in utility_error(client, 10_000)
+    client._send(UtilityCall(call_id=10_001, method="release_job", args=[1, 2, 3]))
+    assert "TypeError" in utility_error(client, 10_001)
+    client.add_request(core_request("after", max_tokens=4))
+    assert len(collect(client, {"after"})["after"]) == 4
+
+
+def utility_error(client: SyncMPClient, call_id: int) -> str | None:
+    while call_id not in client._utility_results:
+        client._receive(None)
+    return client._utility_results.pop(call_id).error
+
+
+def test_a_core_that_fails_to_start_reports_why() -> None:
+    bad = EngineConfig(model=ModelConfig(model="/nonexistent/model"))
+    started_s = time.monotonic()
+    with pytest.raises(RuntimeError, match="neither 'tiny' nor a local directory"):
+        SyncMPClient(bad)
+    assert time.monotonic() - started_s < 60
+
+
+def test_killing_the_sync_clients_core_fails_calls_promptly() -> None:
+    client = SyncMPClient(SMALL_CONFIG)
+    try:
+        client.add_request(core_request("a", max_tokens=200))
+        os.kill(client.process.pid, signal.SIGKILL)
+        started_s = time.monotonic()
+        with pytest.raises(EngineDeadError, match="died"):
+            while True:
+                client.get_output()
+        assert time.monotonic() - started_s < 5
+        with pytest.raises(EngineDeadError):
+            client.add_request(core_request("b"))
+    finally:
+        client.shutdown()
+
+
+def test_async_client_streams_outputs_and_utilities() -> None:
+    async def scenario() -> None:
+        client = AsyncMPClient(SMALL_CONFIG)
+        try:
+            await client.add_request_async(core_request("a", max_tokens=3))
+            tokens = []
+            while len(tokens) < 3:
+                tokens += [t for o in await client.get_output_async() for t in o.new_token_ids]
+            stats = await client.call_utility_async("stats")
+            assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+            os.kill(client.process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(client.get_output_async(), timeout=5)
+            with pytest.raises(EngineDeadError):
+                await client.call_utility_async("stats")
+        finally:
+            client.shutdown()
+
+    asyncio.run(scenario())

@@ -1,0 +1,103 @@
+"""`EngineCore` in process, on the tiny model."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from engine.core.client import InprocClient
+from engine.core.engine_core import EngineCore
+from engine.core.wire import EngineStats
+from engine.request import FinishReason, JobInfo
+from engine.scheduler.policies import FCFSPolicy
+from tests.engine.core.conftest import SMALL_CONFIG, core_request
+from tests.engine.helpers import FakeClock
+
+
+def run_to_completion(core: EngineCore) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while core.scheduler.has_unfinished_requests():
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        core.check_invariants()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def core() -> EngineCore:
+    return EngineCore(SMALL_CONFIG)
+
+
+def test_steps_generate_until_every_request_finishes(core: EngineCore) -> None:
+    core.add_request(core_request("a", max_tokens=5))
+    core.add_request(core_request("b", [9, 8, 7], max_tokens=3, logprobs=2))
+    outputs = []
+    while core.has_work():
+        outputs += core.step()
+    assert [o.request_id for o in outputs].count("a") == 5
+    last_b = [o for o in outputs if o.request_id == "b"][-1]
+    assert last_b.finish_reason is FinishReason.LENGTH
+    assert len(last_b.logprobs) == 1 and len(last_b.logprobs[0].top_token_ids) == 2
+    stats = core.stats()
+    assert isinstance(stats, EngineStats)
+    assert stats.num_free_blocks == stats.num_kv_blocks
+    assert stats.execute_time_s <= stats.step_time_s
+
+
+@pytest.mark.parametrize(("prompt", "params", "message"), [
+    ([1, 272], {}, "prompt token ids"),
+    ([1] * 300, {}, "max_model_len"),
+    ([1], {"n": 2}, "one sequence"),
+])
+def test_invalid_requests_raise_and_change_nothing(core: EngineCore, prompt, params,
+                                                   message: str) -> None:
+    request = core_request("bad", prompt, **params)
+    with pytest.raises(ValueError, match=message):
+        core.add_request(request)
+    assert not core.has_work()
+    core.check_invariants()
+
+
+def test_abort_frees_blocks(core: EngineCore) -> None:
+    core.add_request(core_request("long", list(range(100)), max_tokens=100))
+    core.step()
+    assert core.stats().num_free_blocks < core.stats().num_kv_blocks
+    core.abort_requests(["long", "unknown"])
+    core.check_invariants()
+    assert core.stats().num_free_blocks == core.stats().num_kv_blocks
+    assert not core.has_work()
+
+
+def test_utilities(core: EngineCore) -> None:
+    assert core.reset_prefix_cache() is True
+    assert core.release_job("no-such-job") is False
+    with pytest.raises(ValueError, match="job_id"):
+        core.release_job("")
+
+
+class RetainEveryTurn(FCFSPolicy):
+    def retention_ttl_s(self, request, now_s):
+        return 10.0
+
+
+def test_release_job_frees_a_pin_and_pins_keep_the_core_stepping() -> None:
+    clock = FakeClock()
+    core = EngineCore(SMALL_CONFIG, policy=RetainEveryTurn(), clock=clock)
+    request = core_request("turn", list(range(40)), max_tokens=4)
+    core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job")))
+    run_to_completion(core)
+    assert core.stats().num_pins == 1
+    assert core.has_work()  # a live pin: its TTL must be able to expire
+    assert core.release_job("job") is True
+    assert core.stats().num_pins == 0 and not core.has_work()
+
+
+def test_inproc_client_runs_steps_on_get_output() -> None:
+    client = InprocClient(SMALL_CONFIG)
+    client.add_request(core_request("a", max_tokens=2))
+    first, second = client.get_output(), client.get_output()
+    assert [o.request_id for o in first + second] == ["a", "a"]
+    assert client.get_output() == []
+    with pytest.raises(ValueError, match="unknown utility"):
+        client.call_utility("shutdown")
+    client.shutdown()

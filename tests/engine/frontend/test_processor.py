@@ -1,0 +1,79 @@
+"""Input validation, tokenization and chat templates."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig, SchedulerConfig
+from engine.frontend.processor import InputProcessor
+from engine.request import JobInfo
+from engine.sampling_params import SamplingParams
+
+IM_END, END_OF_TEXT = 258, 256
+
+
+@pytest.fixture
+def processor(tokenizer) -> InputProcessor:
+    return InputProcessor.for_config(EngineConfig(scheduler=SchedulerConfig(max_model_len=32)),
+                                     tokenizer)
+
+
+def test_text_prompts_are_tokenized_and_token_prompts_kept(processor) -> None:
+    processed = processor.process("a", "hi 日", SamplingParams())
+    assert processed.prompt == "hi 日"
+    assert processed.prompt_token_ids == list("hi 日".encode())
+    assert processor.process("b", [5, 6], SamplingParams()).prompt is None
+
+
+def test_model_eos_ids_become_the_eos_and_extra_stop_ids(processor) -> None:
+    core_request = processor.process("a", [1], SamplingParams()).core_requests[0]
+    assert core_request.eos_token_id == IM_END
+    assert core_request.sampling_params.stop_token_ids == (END_OF_TEXT,)
+    ignoring = processor.process("b", [1], SamplingParams(ignore_eos=True)).core_requests[0]
+    assert ignoring.sampling_params.stop_token_ids == ()
+
+
+def test_job_info_and_priority_reach_every_core_request(processor) -> None:
+    job = JobInfo(job_id="job-1", tool_name="bash")
+    processed = processor.process("a", [1], SamplingParams(n=3), job=job, priority=2)
+    assert [(c.job, c.priority) for c in processed.core_requests] == [(job, 2)] * 3
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ("", "must not be empty"),
+    ([], "at least one token"),
+    ([1, 272], r"in \[0, 272\)"),
+    ([1, -1], r"in \[0, 272\)"),
+    ([1, True], r"in \[0, 272\)"),
+    ([1] * 32, "no room for output"),
+    ({"text": "x"}, "string or a list"),
+])
+def test_bad_prompts_are_rejected(processor, prompt, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        processor.process("a", prompt, SamplingParams())
+
+
+def test_bad_ids_and_params_are_rejected(processor) -> None:
+    with pytest.raises(ValueError, match="request_id"):
+        processor.process("", [1], SamplingParams())
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        processor.process("a", [1], SamplingParams(stop_token_ids=(999,)))
+    with pytest.raises(ValueError, match="SamplingParams"):
+        processor.process("a", [1], {"temperature": 0})
+
+
+def test_chat_prompt_renders_the_template_with_tools(processor, tokenizer) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    messages = [{"role": "user", "content": "weather?"}]
+    token_ids = processor.chat_prompt(messages, tools=tools)
+    text = tokenizer.decode(token_ids)
+    assert text.startswith("<|im_start|>system\n# Tools")
+    assert '"name": "get_weather"' in text
+    assert text.endswith("<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_bad_chat_input_is_rejected(processor) -> None:
+    with pytest.raises(ValueError, match="non-empty list"):
+        processor.chat_prompt([])
+    with pytest.raises(ValueError, match="chat template"):
+        processor.chat_prompt([{"role": "user"}, 5])
