@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256),
                         metavar=("MIN", "MAX"))
     parser.add_argument("--workload-seed", type=int, default=0)
-    parser.add_argument("--hf-batch-size", type=int, default=32,
+    parser.add_argument("--hf-batch-size", type=int, default=16,
                         help="static batch size of transformers' generate")
     parser.add_argument("--impl", choices=("both", *_IMPLEMENTATIONS), default="both",
                         help="run one side in this process (used by 'both')")

@@ -318,6 +318,8 @@ class AsyncMPClient(_MPClientBase):
                 self._dispatch(self._decoder.decode(await self._output.recv()))
         except EngineDeadError as error:
             self._fail_waiters(error)
+        except (zmq.ZMQError, msgspec.DecodeError) as error:
+            self._fail_waiters(self._mark_dead(f"the link to the engine core broke: {error}"))
 
     def _dispatch(self, event: CoreEvent) -> None:
         assert self._outputs is not None

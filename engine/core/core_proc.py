@@ -126,7 +126,7 @@ class EngineCoreProc:
             return UtilityResult(call_id=call.call_id, error=f"unknown utility {call.method!r}")
         try:
             result = getattr(self.core, call.method)(*call.args)
-        except (TypeError, ValueError) as error:
+        except Exception as error:  # a failed check or bad arguments answer the caller only
             return UtilityResult(call_id=call.call_id, error=f"{type(error).__name__}: {error}")
         return UtilityResult(call_id=call.call_id, result=result)
 

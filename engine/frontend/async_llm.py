@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +26,8 @@ from engine.frontend.outputs import RequestOutput
 from engine.frontend.processor import InputProcessor, Prompt
 from engine.request import JobInfo
 from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
@@ -128,3 +131,7 @@ class AsyncLLM:
                     await self.client.abort_requests_async(processed.core_requests_to_abort)
         except EngineDeadError as error:
             self.output_processor.propagate_error(error)
+        except Exception as error:
+            logger.exception("output processing failed; failing every request in flight")
+            self.output_processor.propagate_error(error)
+            self.client.shutdown()

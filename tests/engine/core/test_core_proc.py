@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -35,6 +38,7 @@ def client():
     client = SyncMPClient(SMALL_CONFIG)
     yield client
     client.shutdown()
+    assert client.process.exitcode == 0  # a clean shutdown, not a kill
 
 
 def test_outputs_match_the_in_process_core(client: SyncMPClient) -> None:
@@ -149,3 +153,39 @@ def test_async_client_streams_outputs_and_utilities() -> None:
             client.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_the_core_exits_when_its_frontend_process_is_killed(tmp_path) -> None:
+    script = (
+        "import sys, time\n"
+        "from engine.core.client import SyncMPClient\n"
+        "from tests.engine.core.conftest import SMALL_CONFIG\n"
+        "if __name__ == '__main__':\n"
+        "    client = SyncMPClient(SMALL_CONFIG)\n"
+        "    print(client.process.pid, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    path = tmp_path / "frontend.py"
+    path.write_text(script)
+    root = Path(__file__).resolve().parents[3]
+    frontend = subprocess.Popen([sys.executable, str(path)], cwd=root, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        core_pid = int(frontend.stdout.readline())
+        frontend.kill()
+        frontend.wait()
+        deadline_s = time.monotonic() + 10
+        while _process_exists(core_pid) and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+        assert not _process_exists(core_pid)
+    finally:
+        frontend.kill()
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split()[2] == "Z")  # zombies are gone
