@@ -161,25 +161,30 @@ def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.model.directory import resolve_model_dir
+    from engine.model.loader import resolve_device, resolve_dtype
 
     config = AutoConfig.from_pretrained(resolve_model_dir(args.model))
     torch.manual_seed(args.workload_seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    device = resolve_device(args.device)  # the engine's device and dtype rules
+    model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(args.dtype, device))
+    model = model.to(device).eval()
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
     workload = make_workload(args)
     batches = [workload[i : i + args.hf_batch_size]
                for i in range(0, len(workload), args.hf_batch_size)]
-    _generate_batch(model, batches[0][:2], pad_id)  # warm-up
+    _generate_batch(model, batches[0][:2], pad_id, device)  # warm-up
     start = time.perf_counter()
     for batch in batches:
-        _generate_batch(model, batch, pad_id)
+        _generate_batch(model, batch, pad_id, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     wall_s = time.perf_counter() - start
     num_output_tokens = sum(r.output_len for r in workload)
     return {"output_tokens": num_output_tokens, "wall_s": wall_s,
             "tokens_per_s": num_output_tokens / wall_s}
 
 
-def _generate_batch(model: Any, batch: list[BenchRequest], pad_id: int) -> None:
+def _generate_batch(model: Any, batch: list[BenchRequest], pad_id: int, device: Any) -> None:
     import torch
 
     width = max(len(r.prompt_token_ids) for r in batch)
@@ -191,6 +196,7 @@ def _generate_batch(model: Any, batch: list[BenchRequest], pad_id: int) -> None:
         attention_mask[row, width - length :] = 1
     num_new_tokens = max(r.output_len for r in batch)
     with torch.inference_mode():
-        model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+        model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                       do_sample=False,
                        max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
                        pad_token_id=pad_id)

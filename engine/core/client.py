@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core.core_proc import run_engine_core
+from engine.core.core_proc import POLL_INTERVAL_MS, run_engine_core
 from engine.core.engine_core import EngineCore
 from engine.core.wire import (
     AbortRequests,
@@ -41,8 +41,6 @@ from engine.core.wire import (
     UtilityResult,
 )
 from engine.outputs import EngineCoreOutput
-
-_POLL_MS = 100
 
 
 class EngineDeadError(RuntimeError):
@@ -61,12 +59,14 @@ class InprocClient:
         self.num_kv_blocks = self.core.executor.num_kv_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues the request in the core; ValueError (and no change) if it is rejected."""
         self.core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.core.abort_requests(request_ids)
 
     def get_output(self) -> list[EngineCoreOutput]:
+        """Runs one core step (if there is work) and returns its outputs."""
         return self.core.step() if self.core.has_work() else []
 
     def call_utility(self, method: str, *args: Any) -> Any:
@@ -86,7 +86,9 @@ class _CoreProcess:
     `CoreReady`; raises RuntimeError with the core's message if it failed to start.
     """
 
-    def __init__(self, config: EngineConfig, context: zmq.Context, startup_timeout_s: float):
+    def __init__(
+        self, config: EngineConfig, context: zmq.Context, startup_timeout_s: float
+    ) -> None:
         self._directory = tempfile.mkdtemp(prefix="continuum-core-")
         input_address = f"ipc://{self._directory}/input"
         output_address = f"ipc://{self._directory}/output"
@@ -111,7 +113,7 @@ class _CoreProcess:
     def _handshake(self, timeout_s: float) -> CoreReady:
         decoder = msgspec.msgpack.Decoder(CoreHello)
         deadline_s = time.monotonic() + timeout_s
-        while not self.input_socket.poll(_POLL_MS):
+        while not self.input_socket.poll(POLL_INTERVAL_MS):
             if self.process.exitcode is not None:
                 raise RuntimeError(
                     f"the engine core process exited during startup "
@@ -154,7 +156,11 @@ class _MPClientBase:
 
     def __init__(self, config: EngineConfig, *, startup_timeout_s: float = 600.0) -> None:
         self._context = zmq.Context()
-        self._proc = _CoreProcess(config, self._context, startup_timeout_s)
+        try:
+            self._proc = _CoreProcess(config, self._context, startup_timeout_s)
+        except BaseException:
+            self._context.term()
+            raise
         self.num_kv_blocks = self._proc.ready.num_kv_blocks
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreEvent)
@@ -187,6 +193,7 @@ class _MPClientBase:
         return UtilityCall(call_id=next(self._call_ids), method=method, args=list(args))
 
     def shutdown(self) -> None:
+        """Stops the core process (cleanly if it answers) and closes the sockets. Idempotent."""
         self._finalizer()
 
 
@@ -204,6 +211,7 @@ class SyncMPClient(_MPClientBase):
         self._utility_results: dict[int, UtilityResult] = {}
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Sends the request; a rejection comes back as an output with `error` set."""
         self._send(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -239,7 +247,7 @@ class SyncMPClient(_MPClientBase):
     def _receive(self, deadline_s: float | None) -> bool:
         """Receives one event (False if the deadline passed first); raises if the core died."""
         socket = self._proc.output_socket
-        while not socket.poll(_POLL_MS):
+        while not socket.poll(POLL_INTERVAL_MS):
             self._check_alive()
             if deadline_s is not None and time.monotonic() > deadline_s:
                 return False
@@ -292,8 +300,10 @@ class AsyncMPClient(_MPClientBase):
             self._utility_futures.pop(call.call_id, None)
 
     def shutdown(self) -> None:
+        """Stops the core process; pending utility calls fail with EngineDeadError."""
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
+        self._fail_waiters(self._mark_dead("the engine core was shut down"))
         super().shutdown()
 
     def _ensure_reader(self) -> asyncio.Queue[list[EngineCoreOutput] | EngineDeadError]:
@@ -312,7 +322,7 @@ class AsyncMPClient(_MPClientBase):
     async def _read_events(self) -> None:
         try:
             while True:
-                if not await self._output.poll(_POLL_MS):
+                if not await self._output.poll(POLL_INTERVAL_MS):
                     self._check_alive()
                     continue
                 self._dispatch(self._decoder.decode(await self._output.recv()))
@@ -336,8 +346,8 @@ class AsyncMPClient(_MPClientBase):
             raise self._mark_dead(f"the engine core failed: {event.error}")
 
     def _fail_waiters(self, error: EngineDeadError) -> None:
-        assert self._outputs is not None
-        self._outputs.put_nowait(error)
+        if self._outputs is not None:
+            self._outputs.put_nowait(error)
         for future in self._utility_futures.values():
             if not future.done():
                 future.set_exception(error)

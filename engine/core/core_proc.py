@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -40,8 +41,9 @@ from engine.request import FinishReason
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 100
+POLL_INTERVAL_MS = 100  # how often blocked socket waits check for shutdown or a dead peer
 _LINGER_MS = 2000
+_THREAD_JOIN_TIMEOUT_S = 5.0
 
 
 class EngineCoreProc:
@@ -63,18 +65,22 @@ class EngineCoreProc:
         self.input_queue: queue.Queue[CoreInput] = queue.Queue()
         self.output_queue: queue.Queue[CoreEvent | None] = queue.Queue()
         self._stop_reading = threading.Event()
+        self._io_failure: str | None = None  # set by an IO thread that died
         self._running = True
 
     def run(self) -> None:
         """The busy loop; returns after a clean shutdown, raises if the core failed."""
-        reader = threading.Thread(target=self._read_inputs, name="core-input", daemon=True)
-        writer = threading.Thread(target=self._write_outputs, name="core-output", daemon=True)
+        reader = threading.Thread(target=self._guarded, args=(self._read_inputs,),
+                                  name="core-input", daemon=True)
+        writer = threading.Thread(target=self._guarded, args=(self._write_outputs,),
+                                  name="core-output", daemon=True)
         reader.start()
         writer.start()
         try:
             while self._running:
                 # With only pins left, steps run once per idle wait, so TTLs can expire.
                 self._apply_inputs(block=not self.core.has_unfinished_requests())
+                self._check_health()
                 if self._running and self.core.has_work():
                     self._step()
         except Exception:
@@ -83,9 +89,23 @@ class EngineCoreProc:
         finally:
             self._stop_reading.set()
             self.output_queue.put(None)
-            writer.join()
-            reader.join()
+            writer.join(_THREAD_JOIN_TIMEOUT_S)  # a frontend that stopped reading cannot block exit
+            reader.join(_THREAD_JOIN_TIMEOUT_S)
             self.core.shutdown()
+
+    def _check_health(self) -> None:
+        """Stops serving when the frontend process is gone; raises if an IO thread died."""
+        if os.getppid() != self.parent_pid:
+            logger.warning("the frontend process is gone; the engine core stops")
+            self._running = False
+        if self._io_failure is not None:
+            raise RuntimeError(f"an engine-core IO thread failed: {self._io_failure}")
+
+    def _guarded(self, io_loop: Callable[[], None]) -> None:
+        try:
+            io_loop()
+        except Exception:
+            self._io_failure = traceback.format_exc()
 
     def _step(self) -> None:
         outputs = self.core.step()
@@ -99,7 +119,6 @@ class EngineCoreProc:
             try:
                 self._apply(self.input_queue.get(timeout=self.IDLE_WAIT_S))
             except queue.Empty:
-                self._running = self._running and os.getppid() == self.parent_pid
                 return
         while self._running:
             try:
@@ -110,16 +129,23 @@ class EngineCoreProc:
 
     def _apply(self, message: CoreInput) -> None:
         if isinstance(message, EngineCoreRequest):
-            try:
-                self.core.add_request(message)
-            except ValueError as error:
-                self._reject(message.request_id, str(error))
+            self._add_request(message)
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
         elif isinstance(message, UtilityCall):
             self.output_queue.put(self._call_utility(message))
         elif isinstance(message, Shutdown):
             self._running = False
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(request)
+        except ValueError as error:
+            self._reject(request.request_id, str(error))
+        except Exception as error:  # a failing plugin (policy) must not take the loop down
+            logger.exception("adding request %r failed", request.request_id)
+            self.core.abort_requests([request.request_id])
+            self._reject(request.request_id, f"internal error: {type(error).__name__}: {error}")
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         if call.method not in EngineCore.UTILITIES:
@@ -140,7 +166,7 @@ class EngineCoreProc:
     def _read_inputs(self) -> None:
         decoder = msgspec.msgpack.Decoder(CoreInput)
         while not self._stop_reading.is_set():
-            if not self.input_socket.poll(_POLL_MS):
+            if not self.input_socket.poll(POLL_INTERVAL_MS):
                 continue
             raw = self.input_socket.recv()
             try:
@@ -182,7 +208,6 @@ def run_engine_core(
     the core or the busy loop fails (the frontend is told why first).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     context = zmq.Context()
     input_socket = context.socket(zmq.DEALER)
     input_socket.setsockopt(zmq.IDENTITY, identity)

@@ -23,7 +23,7 @@ from engine.core.wire import EngineStats
 from engine.engine_args import EngineArgs
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.outputs import RequestOutput
-from engine.frontend.processor import InputProcessor, Prompt
+from engine.frontend.processor import InputProcessor, ProcessedRequest, Prompt
 from engine.request import JobInfo
 from engine.sampling_params import SamplingParams
 
@@ -76,8 +76,7 @@ class AsyncLLM:
         self.output_processor.add_request(processed, queue)
         finished = False
         try:
-            for core_request in processed.core_requests:
-                await self.client.add_request_async(core_request)
+            await self._add_to_core(processed)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -90,17 +89,24 @@ class AsyncLLM:
             if not finished:
                 await self.abort(request_id)
 
+    async def _add_to_core(self, processed: ProcessedRequest) -> None:
+        for core_request in processed.core_requests:
+            await self.client.add_request_async(core_request)
+
     async def abort(self, request_id: str) -> None:
-        """Stops the request (if unfinished) and frees its KV blocks in the core."""
+        """Stops the request (if unfinished) and frees its KV blocks in the core; its stream
+        ends with a finished output whose completions have reason "abort"."""
         core_ids = self.output_processor.abort_requests([request_id])
         if core_ids and not self.client.is_dead:
             with contextlib.suppress(EngineDeadError):  # a dead core has nothing to free
                 await self.client.abort_requests_async(core_ids)
 
     async def get_stats(self) -> EngineStats:
+        """A snapshot of the core's queues, KV pool, pins and step timings."""
         return msgspec.convert(await self.client.call_utility_async("stats"), EngineStats)
 
     async def reset_prefix_cache(self) -> bool:
+        """Forgets cached prefixes; False (no change) while any block is in use."""
         return bool(await self.client.call_utility_async("reset_prefix_cache"))
 
     async def release_job(self, job_id: str) -> bool:
@@ -112,6 +118,8 @@ class AsyncLLM:
         await self.client.call_utility_async("check_invariants")
 
     def shutdown(self) -> None:
+        """Stops the core process; every request in flight fails with EngineDeadError."""
+        self.output_processor.propagate_error(EngineDeadError("the engine was shut down"))
         if self._output_handler is not None and not self._output_handler.done():
             self._output_handler.cancel()
         self.client.shutdown()

@@ -25,6 +25,15 @@ def make_decode_fn(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+def detokenize_once(
+    decode: Callable[[list[int]], str], prompt_token_ids: list[int], token_ids: list[int]
+) -> str:
+    """The text of `token_ids` at once, decoded after the same prompt context as the
+    incremental detokenizer uses, so both give the same text."""
+    context = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
+    return decode(context + token_ids)[len(decode(context)) :]
+
+
 class IncrementalDetokenizer:
     """Detokenizes one completion. `push` is called with each batch of new token ids and
     returns the text they completed; `flush` at the end returns whatever was held back."""
@@ -38,6 +47,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)  # tokens before this are already in the text
 
     def push(self, token_ids: list[int]) -> str:
+        """Appends tokens; returns the text they completed (possibly empty)."""
         pieces = []
         for token_id in token_ids:
             self._ids.append(token_id)
@@ -45,6 +55,7 @@ class IncrementalDetokenizer:
         return "".join(pieces)
 
     def flush(self) -> str:
+        """The text held back at the end (an incomplete character), at the request's finish."""
         return self._next_piece(final=True) if self._read_offset < len(self._ids) else ""
 
     def _next_piece(self, *, final: bool) -> str:

@@ -24,7 +24,9 @@ class LLM:
     The core runs in this process unless `multiprocess=True`.
     """
 
-    def __init__(self, model: str = "tiny", *, multiprocess: bool = False, **engine_args: Any):
+    def __init__(
+        self, model: str = "tiny", *, multiprocess: bool = False, **engine_args: Any
+    ) -> None:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args),
                                                  multiprocess=multiprocess)
         self._request_counter = itertools.count()
@@ -56,7 +58,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generates the assistant's reply to one conversation or to each of several."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("messages must be a non-empty list")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [
             self.engine.processor.chat_prompt(
                 list(conversation), tools=tools, add_generation_prompt=add_generation_prompt,
@@ -67,9 +71,11 @@ class LLM:
         return self._run(prompts, _as_params_list(sampling_params, len(prompts)), use_tqdm)
 
     def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer the engine uses."""
         return self.engine.tokenizer
 
     def shutdown(self) -> None:
+        """Stops the engine (and its core process, if it has one)."""
         self.engine.shutdown()
 
     def _run(
@@ -83,8 +89,12 @@ class LLM:
             ))
             for request_id, prompt, params in zip(request_ids, prompts, params_list, strict=True)
         ]
-        for processed in validated:
-            self.engine.add_processed_request(processed)
+        try:
+            for processed in validated:
+                self.engine.add_processed_request(processed)
+        except BaseException:
+            self.engine.abort_requests(request_ids)
+            raise
         outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as progress:
             while self.engine.has_unfinished_requests():

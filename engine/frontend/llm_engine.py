@@ -56,13 +56,12 @@ class LLMEngine:
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
         """Queues a request that `self.processor` has already validated."""
-        request_id = processed.request_id
         self.output_processor.add_request(processed)
         try:
             for core_request in processed.core_requests:
                 self.client.add_request(core_request)
-        except ValueError:
-            self.abort_request([request_id])
+        except BaseException:
+            self.abort_requests([processed.request_id])
             raise
 
     def step(self) -> list[RequestOutput]:
@@ -72,7 +71,8 @@ class LLMEngine:
             self.client.abort_requests(processed.core_requests_to_abort)
         return processed.request_outputs
 
-    def abort_request(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stops the requests (unknown or finished ids are ignored) and frees their blocks."""
         core_ids = self.output_processor.abort_requests(request_ids)
         if core_ids:
             self.client.abort_requests(core_ids)
@@ -81,10 +81,12 @@ class LLMEngine:
         return self.output_processor.has_unfinished_requests()
 
     def get_stats(self) -> EngineStats:
+        """A snapshot of the core's queues, KV pool, pins and step timings."""
         return msgspec.convert(self.client.call_utility("stats"), EngineStats,
                                from_attributes=True)
 
     def reset_prefix_cache(self) -> bool:
+        """Forgets cached prefixes; False (no change) while any block is in use."""
         return bool(self.client.call_utility("reset_prefix_cache"))
 
     def release_job(self, job_id: str) -> bool:
@@ -92,4 +94,5 @@ class LLMEngine:
         return bool(self.client.call_utility("release_job", job_id))
 
     def shutdown(self) -> None:
+        """Stops the core (and its process, if it has one)."""
         self.client.shutdown()

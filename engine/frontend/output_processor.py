@@ -8,12 +8,13 @@ per batch of core outputs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.frontend.detokenizer import IncrementalDetokenizer, make_decode_fn
+from engine.frontend.detokenizer import IncrementalDetokenizer, detokenize_once, make_decode_fn
 from engine.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.frontend.processor import ProcessedRequest
 from engine.frontend.stop_strings import find_stop_string, num_held_back_chars
@@ -87,8 +88,10 @@ class OutputProcessor:
         self, processed: ProcessedRequest, queue: asyncio.Queue[Any] | None = None
     ) -> None:
         """Starts tracking a request; its outputs go to `queue` if given, else are returned
-        by `process_outputs`. ValueError if its id is in use."""
-        if processed.request_id in self._requests:
+        by `process_outputs`. ValueError if its id (or a core id of its completions) is in
+        use."""
+        core_ids = [core_request.request_id for core_request in processed.core_requests]
+        if processed.request_id in self._requests or any(i in self._by_core_id for i in core_ids):
             raise ValueError(f"request id {processed.request_id!r} is already in use")
         params = processed.sampling_params
         state = _RequestState(
@@ -106,13 +109,20 @@ class OutputProcessor:
         self._requests[processed.request_id] = state
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forgets the requests; returns the core request ids of their unfinished completions."""
+        """Finishes the requests with reason "abort" (a queued request gets that final output)
+        and forgets them; returns the core request ids of their unfinished completions."""
         core_ids = []
         for request_id in request_ids:
             state = self._requests.get(request_id)
-            if state is not None:
-                self._forget(state)
-                core_ids.extend(c.core_request_id for c in state.completions if not c.finished)
+            if state is None:
+                continue
+            self._forget(state)
+            unfinished = [c for c in state.completions if not c.finished]
+            core_ids.extend(c.core_request_id for c in unfinished)
+            for completion in unfinished:
+                completion.finish_reason = FinishReason.ABORT
+            if state.queue is not None:
+                state.queue.put_nowait(self._request_output(state, unfinished, finished=True))
         return core_ids
 
     def _forget(self, state: _RequestState) -> None:
@@ -127,6 +137,7 @@ class OutputProcessor:
                 state.queue.put_nowait(error)
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Applies one batch of core outputs; called once per batch the core sends."""
         result = ProcessedOutputs()
         now_s = self.clock()
         touched: dict[str, tuple[_RequestState, list[_Completion]]] = {}
@@ -175,7 +186,7 @@ class OutputProcessor:
         if output.finish_reason is not None:
             completion.finish_reason = output.finish_reason
             completion.stop_reason = output.stop_reason
-            self._finish_text(state, completion)
+            self._finish_text(state, completion)  # a stop string in the flushed text wins
         return False
 
     def _detokenize(
@@ -184,8 +195,11 @@ class OutputProcessor:
         """Extends the text; True if that completed a stop string (which finishes it)."""
         if completion.detokenizer is None:
             return False
+        return self._extend_text(state, completion, completion.detokenizer.push(new_token_ids))
+
+    def _extend_text(self, state: _RequestState, completion: _Completion, new_text: str) -> bool:
         num_old_chars = len(completion.text)
-        completion.text += completion.detokenizer.push(new_token_ids)
+        completion.text += new_text
         params = state.processed.sampling_params
         match = params.stop and find_stop_string(completion.text, params.stop, num_old_chars)
         if not match:
@@ -198,11 +212,13 @@ class OutputProcessor:
         return True
 
     def _finish_text(self, state: _RequestState, completion: _Completion) -> None:
+        processed = state.processed
         if completion.detokenizer is None:
-            decode = self._decode_fns[state.processed.sampling_params.skip_special_tokens]
-            completion.text = decode(completion.token_ids)
+            decode = self._decode_fns[processed.sampling_params.skip_special_tokens]
+            completion.text = detokenize_once(decode, processed.prompt_token_ids,
+                                              completion.token_ids)
         else:
-            completion.text += completion.detokenizer.flush()
+            self._extend_text(state, completion, completion.detokenizer.flush())
 
     def _emit(
         self, state: _RequestState, completions: list[_Completion], now_s: float,
@@ -239,7 +255,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=processed.request_id, prompt=processed.prompt,
             prompt_token_ids=processed.prompt_token_ids, outputs=reported, finished=finished,
-            num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens, metrics=dataclasses.replace(state.metrics),
             error=state.error,
         )
 

@@ -76,10 +76,15 @@ class InputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> ProcessedRequest:
+        """Validates and tokenizes one request; ValueError naming what is wrong."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        if job is not None and not isinstance(job, JobInfo):
+            raise ValueError("job must be a JobInfo")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         prompt_text, token_ids = self.tokenize(prompt)
         self._check_tokens(token_ids, sampling_params)
         return ProcessedRequest(

@@ -72,7 +72,10 @@ class ModelRunner:
             max_blocks_per_req=-(-max_model_len // self.block_size),
             vocab_size=self.arch.vocab_size,
         )
-        self.gather_workspace = GatherWorkspace()
+        # On CPU, gathered K/V live in one grow-only workspace (fresh large allocations are
+        # page-faulted and zeroed every layer); CUDA's caching allocator already reuses memory,
+        # so there a step's workspace is transient and the pool is not shrunk for a peak.
+        self.gather_workspace = GatherWorkspace() if self.device.type == "cpu" else None
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
 

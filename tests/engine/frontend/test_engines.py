@@ -195,6 +195,45 @@ def test_async_errors_surface_per_request(async_engine) -> None:
     async_engine.run(scenario())
 
 
+def test_an_external_abort_ends_the_stream(async_engine) -> None:
+    engine = async_engine.engine
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def scenario() -> None:
+        outputs = []
+        async for output in engine.generate([4] * 20, params, "to-abort"):
+            outputs.append(output)
+            if len(outputs) == 2:
+                await engine.abort("to-abort")
+        assert outputs[-1].finished
+        assert outputs[-1].outputs[0].finish_reason == "abort"
+
+    async_engine.run(scenario())
+
+
+def test_shutdown_fails_requests_in_flight() -> None:
+    engine = AsyncEngine()
+    params = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
+
+    async def scenario() -> None:
+        async def consume() -> None:
+            async for _ in engine.engine.generate([1] * 10, params):
+                pass
+
+        task = asyncio.ensure_future(consume())
+        while not engine.engine.output_processor.has_unfinished_requests():
+            await asyncio.sleep(0.001)
+        engine.engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(task, 5)
+
+    try:
+        engine.run(scenario())
+    finally:
+        engine.close()
+
+
 def test_killing_the_core_fails_pending_requests_within_seconds() -> None:
     engine = AsyncEngine()
     try:

@@ -170,3 +170,25 @@ def test_aborted_requests_are_forgotten_and_late_outputs_ignored(processor, toke
     with pytest.raises(ValueError, match="in use"):
         outputs.add_request(processor.process("s", [1], SamplingParams()))
         outputs.add_request(processor.process("s", [1], SamplingParams()))
+
+
+def test_a_request_whose_completion_ids_are_taken_is_rejected(processor, tokenizer) -> None:
+    outputs = OutputProcessor(tokenizer)
+    outputs.add_request(processor.process("a-1", [1], SamplingParams()))
+    with pytest.raises(ValueError, match="in use"):
+        outputs.add_request(processor.process("a", [1], SamplingParams(n=2)))
+    assert len(outputs) == 1
+    result = outputs.process_outputs([core_output("a-1", "x", finish=FinishReason.LENGTH)])
+    assert result.request_outputs[0].request_id == "a-1"
+
+
+def test_an_aborted_queued_request_gets_a_final_abort_output(processor, tokenizer) -> None:
+    outputs = OutputProcessor(tokenizer)
+    queue: asyncio.Queue = asyncio.Queue()
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    outputs.add_request(processor.process("r", [1], params), queue)
+    outputs.process_outputs([core_output("r", "ab")])
+    assert outputs.abort_requests(["r"]) == ["r"]
+    queue.get_nowait()
+    final = queue.get_nowait()
+    assert final.finished and final.outputs[0].finish_reason == "abort"

@@ -60,6 +60,10 @@ def test_bad_ids_and_params_are_rejected(processor) -> None:
         processor.process("a", [1], SamplingParams(stop_token_ids=(999,)))
     with pytest.raises(ValueError, match="SamplingParams"):
         processor.process("a", [1], {"temperature": 0})
+    with pytest.raises(ValueError, match="JobInfo"):
+        processor.process("a", [1], SamplingParams(), job={"job_id": "j"})
+    with pytest.raises(ValueError, match="priority"):
+        processor.process("a", [1], SamplingParams(), priority="high")
 
 
 def test_chat_prompt_renders_the_template_with_tools(processor, tokenizer) -> None:
