@@ -129,7 +129,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     from engine.sampling_params import SamplingParams
 
     engine_args = EngineArgs.from_cli_args(args)
-    llm = LLM(**{k: v for k, v in vars(engine_args).items()})
+    llm = LLM(**vars(engine_args))
     workload = make_workload(args)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
               for r in workload]
