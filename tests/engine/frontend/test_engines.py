@@ -156,20 +156,26 @@ def test_cancelled_and_abandoned_streams_free_their_blocks(async_engine) -> None
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
-    async def consume(request_id: str, stop_after: int | None) -> None:
+    async def consume(request_id: str, stop_after: int | None,
+                      started: asyncio.Event | None = None) -> None:
         count = 0
         async for _ in engine.generate([3] * 40, params, request_id,
                                        job=JobInfo(job_id=request_id)):
             count += 1
+            if started is not None:
+                started.set()
             if count == stop_after:
                 break  # abandoned: the generator is closed, which aborts
 
     async def scenario() -> None:
-        cancelled = [asyncio.ensure_future(consume(f"c{i}", None)) for i in range(4)]
+        started = [asyncio.Event() for _ in range(4)]
+        cancelled = [asyncio.ensure_future(consume(f"c{i}", None, started[i]))
+                     for i in range(4)]
         abandoned = [consume(f"a{i}", 2) for i in range(4)]
         await asyncio.gather(*abandoned)
-        while (await engine.get_stats()).num_running < 4:
-            await asyncio.sleep(0.005)
+        for event in started:
+            await event.wait()
+        assert not any(task.done() for task in cancelled)
         for task in cancelled:
             task.cancel()
         await asyncio.gather(*cancelled, return_exceptions=True)
