@@ -12,7 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-COMMANDS: dict[str, dict[str, tuple[str, str]]] = {
+COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
+    "serve": ("engine.entrypoints.serve", "the OpenAI-compatible HTTP server"),
     "bench": {
         "scheduler": ("engine.bench.scheduler", "CPU cost of one scheduler step"),
         "forward": ("engine.bench.forward", "our model's prefill/decode vs transformers"),
@@ -26,15 +27,26 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="continuum", description=__doc__.splitlines()[0])
     groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
     for group, commands in COMMANDS.items():
+        if isinstance(commands, tuple):
+            _add_command(groups, group, commands, selected=list(argv[:1]) == [group])
+            continue
         group_parser = groups.add_parser(group, help=f"{group} commands")
         subparsers = group_parser.add_subparsers(dest="command", required=True, metavar="NAME")
-        for name, (module_path, help_text) in commands.items():
-            sub = subparsers.add_parser(name, help=help_text)
-            if list(argv[:2]) == [group, name]:
-                module = importlib.import_module(module_path)
-                module.add_arguments(sub)
-                sub.set_defaults(run=module.main)
+        for name, command in commands.items():
+            _add_command(subparsers, name, command, selected=list(argv[:2]) == [group, name])
     return parser
+
+
+def _add_command(
+    subparsers: argparse._SubParsersAction, name: str, command: tuple[str, str], *,
+    selected: bool,
+) -> None:
+    module_path, help_text = command
+    sub = subparsers.add_parser(name, help=help_text)
+    if selected:
+        module = importlib.import_module(module_path)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.main)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -174,6 +174,9 @@ class _MPClientBase:
 
     @property
     def is_dead(self) -> bool:
+        """Whether the core is unusable; checks its process, so it is current when asked."""
+        if self._dead_message is None:
+            self._dead_message = self._proc.death_message()
         return self._dead_message is not None
 
     def _check_alive(self) -> None:

@@ -10,7 +10,7 @@ import time
 
 from engine.clock import Clock
 from engine.config import EngineConfig
-from engine.core.wire import EngineCoreRequest, EngineStats
+from engine.core.wire import EngineCoreRequest, EngineStats, JobState, PinState
 from engine.executor.base import Executor, make_executor
 from engine.kv_cache.pins import PinReleaseReason
 from engine.outputs import EngineCoreOutput
@@ -28,7 +28,9 @@ class EngineCore:
     in `UTILITIES` may be called remotely (`UtilityCall`).
     """
 
-    UTILITIES = frozenset({"stats", "reset_prefix_cache", "release_job", "check_invariants"})
+    UTILITIES = frozenset({
+        "stats", "reset_prefix_cache", "release_job", "job_state", "check_invariants",
+    })
 
     def __init__(
         self,
@@ -100,6 +102,10 @@ class EngineCore:
             num_steps=self.num_steps,
             step_time_s=self.step_time_s,
             execute_time_s=self.execute_time_s,
+            num_pins_created=scheduler.pins.num_created,
+            pins_released={
+                reason.value: count for reason, count in scheduler.pins.num_released.items()
+            },
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -110,6 +116,23 @@ class EngineCore:
         if not isinstance(job_id, str) or not job_id:
             raise ValueError(f"job_id must be a non-empty string, got {job_id!r}")
         return self.scheduler.end_job(job_id, PinReleaseReason.RELEASE) is not None
+
+    def job_state(self, job_id: str) -> JobState | None:
+        """The job's unfinished turns and pin; None if the core holds nothing for it."""
+        if not isinstance(job_id, str) or not job_id:
+            raise ValueError(f"job_id must be a non-empty string, got {job_id!r}")
+        scheduler = self.scheduler
+        num_requests = sum(
+            1 for request in scheduler.requests.values() if request.job_id == job_id
+        )
+        pin = scheduler.pins.get(job_id)
+        if pin is None and num_requests == 0:
+            return None
+        pin_state = None if pin is None else PinState(
+            request_id=pin.request_id, num_blocks=pin.num_blocks, ttl_s=pin.ttl_s,
+            remaining_ttl_s=max(0.0, pin.deadline_s - self.clock()),
+        )
+        return JobState(job_id=job_id, num_unfinished_requests=num_requests, pin=pin_state)
 
     def check_invariants(self) -> bool:
         self.scheduler.check_invariants()

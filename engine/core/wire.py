@@ -99,8 +99,9 @@ CoreEvent = EngineCoreOutputs | UtilityResult | CoreFailed
 class EngineStats(msgspec.Struct, kw_only=True):
     """A snapshot of the core: queue lengths, KV pool use, prefix cache, pins, step timings.
 
-    Counters are cumulative since the core started; times are seconds of wall time
-    (`execute_time_s` inside the executor, `step_time_s` in whole steps).
+    Counters are cumulative since the core started (`pins_released` by release reason); times
+    are seconds of wall time (`execute_time_s` inside the executor, `step_time_s` in whole
+    steps).
     """
 
     num_running: int
@@ -116,3 +117,22 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_steps: int
     step_time_s: float
     execute_time_s: float
+    num_pins_created: int = 0
+    pins_released: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class PinState(msgspec.Struct, kw_only=True):
+    """A live pin as clients see it: the turn it holds, its blocks, and its TTL (seconds)."""
+
+    request_id: str
+    num_blocks: int
+    ttl_s: float
+    remaining_ttl_s: float
+
+
+class JobState(msgspec.Struct, kw_only=True):
+    """What the core holds for one job: its unfinished turns and its pin, if any."""
+
+    job_id: str
+    num_unfinished_requests: int
+    pin: PinState | None = None

@@ -19,11 +19,12 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.core.client import AsyncMPClient, EngineDeadError
-from engine.core.wire import EngineStats
+from engine.core.wire import EngineStats, JobState
 from engine.engine_args import EngineArgs
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.outputs import RequestOutput
 from engine.frontend.processor import InputProcessor, ProcessedRequest, Prompt
+from engine.frontend.stats import RequestStatsObserver
 from engine.request import JobInfo
 from engine.sampling_params import SamplingParams
 
@@ -35,15 +36,21 @@ class AsyncLLM:
     called from one event loop."""
 
     def __init__(
-        self, config: EngineConfig, *, tokenizer: Any = None, startup_timeout_s: float = 600.0
+        self,
+        config: EngineConfig,
+        *,
+        tokenizer: Any = None,
+        startup_timeout_s: float = 600.0,
+        stats_observer: RequestStatsObserver | None = None,
     ) -> None:
         self.config = config
         self.processor = InputProcessor.for_config(config, tokenizer)
         self.tokenizer = self.processor.tokenizer
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, stats_observer=stats_observer)
         self.client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
         self._output_handler: asyncio.Task[None] | None = None
         self._request_counter = itertools.count()
+        self._background_aborts: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -71,9 +78,17 @@ class AsyncLLM:
             request_id = f"async-{next(self._request_counter)}"
         processed = self.processor.process(request_id, prompt, sampling_params, job=job,
                                            priority=priority)
+        async with contextlib.aclosing(self.stream(processed)) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def stream(self, processed: ProcessedRequest) -> AsyncIterator[RequestOutput]:
+        """Like `generate`, for a request already validated by `self.processor.process` (the
+        HTTP server validates before it starts a response)."""
         self._ensure_output_handler()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.output_processor.add_request(processed, queue)
+        request_id = processed.request_id
         finished = False
         try:
             await self._add_to_core(processed)
@@ -87,7 +102,9 @@ class AsyncLLM:
                 yield item
         finally:
             if not finished:
-                await self.abort(request_id)
+                # No await here: a cancelled caller (a client that disconnected) may not be
+                # able to await again, and the core must still hear of the abort.
+                self._abort_in_background(request_id)
 
     async def _add_to_core(self, processed: ProcessedRequest) -> None:
         for core_request in processed.core_requests:
@@ -98,8 +115,19 @@ class AsyncLLM:
         ends with a finished output whose completions have reason "abort"."""
         core_ids = self.output_processor.abort_requests([request_id])
         if core_ids and not self.client.is_dead:
-            with contextlib.suppress(EngineDeadError):  # a dead core has nothing to free
-                await self.client.abort_requests_async(core_ids)
+            await self._abort_core_requests(core_ids)
+
+    def _abort_in_background(self, request_id: str) -> None:
+        core_ids = self.output_processor.abort_requests([request_id])
+        if not core_ids or self.client.is_dead:
+            return
+        task = asyncio.get_running_loop().create_task(self._abort_core_requests(core_ids))
+        self._background_aborts.add(task)
+        task.add_done_callback(self._background_aborts.discard)
+
+    async def _abort_core_requests(self, core_ids: list[str]) -> None:
+        with contextlib.suppress(EngineDeadError):
+            await self.client.abort_requests_async(core_ids)
 
     async def get_stats(self) -> EngineStats:
         """A snapshot of the core's queues, KV pool, pins and step timings."""
@@ -112,6 +140,11 @@ class AsyncLLM:
     async def release_job(self, job_id: str) -> bool:
         """Ends the job's state in the core, releasing its pin; True if it held one."""
         return bool(await self.client.call_utility_async("release_job", job_id))
+
+    async def job_state(self, job_id: str) -> JobState | None:
+        """The job's unfinished turns and pin in the core; None if it holds nothing for it."""
+        return msgspec.convert(await self.client.call_utility_async("job_state", job_id),
+                               JobState | None)
 
     async def check_invariants(self) -> None:
         """Asks the core to check its scheduler and KV invariants (AssertionError -> failure)."""

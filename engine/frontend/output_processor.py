@@ -17,6 +17,7 @@ from typing import Any
 from engine.frontend.detokenizer import IncrementalDetokenizer, detokenize_once, make_decode_fn
 from engine.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.frontend.processor import ProcessedRequest
+from engine.frontend.stats import FinishedCompletionStats, RequestStatsObserver
 from engine.frontend.stop_strings import find_stop_string, num_held_back_chars
 from engine.outputs import EngineCoreOutput, TokenLogprobs
 from engine.request import FinishReason
@@ -37,6 +38,9 @@ class _Completion:
     stop_reason: int | str | None = None
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
+    last_token_time_s: float | None = None
+    finish_reported: bool = False
+    num_hidden_tokens: int = 0  # the stop token that ended it is not part of the text
 
     @property
     def finished(self) -> bool:
@@ -67,11 +71,20 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    """Frontend state of unfinished requests, keyed by request id and by core request id."""
+    """Frontend state of unfinished requests, keyed by request id and by core request id.
 
-    def __init__(self, tokenizer: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    `stats_observer`, if given, is told each completion's latencies and end.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        clock: Callable[[], float] = time.monotonic,
+        stats_observer: RequestStatsObserver | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.clock = clock
+        self.stats_observer = stats_observer
         self._decode_fns = {
             skip: make_decode_fn(tokenizer, skip) for skip in (True, False)
         }
@@ -121,6 +134,7 @@ class OutputProcessor:
             core_ids.extend(c.core_request_id for c in unfinished)
             for completion in unfinished:
                 completion.finish_reason = FinishReason.ABORT
+            self._report_finished(state, unfinished, self.clock())
             if state.queue is not None:
                 state.queue.put_nowait(self._request_output(state, unfinished, finished=True))
         return core_ids
@@ -152,8 +166,36 @@ class OutputProcessor:
                 result.core_requests_to_abort.append(completion.core_request_id)
             touched.setdefault(state.processed.request_id, (state, []))[1].append(completion)
         for state, completions in touched.values():
+            self._report_finished(state, completions, now_s)
             self._emit(state, completions, now_s, result)
         return result
+
+    def _observe_tokens(self, completion: _Completion, num_tokens: int, now_s: float,
+                        arrival_time_s: float) -> None:
+        observer = self.stats_observer
+        if observer is not None:
+            if completion.last_token_time_s is None:
+                observer.on_first_token(now_s - arrival_time_s)
+            else:
+                observer.on_inter_token((now_s - completion.last_token_time_s) / num_tokens)
+        completion.last_token_time_s = now_s
+
+    def _report_finished(
+        self, state: _RequestState, completions: list[_Completion], now_s: float
+    ) -> None:
+        observer = self.stats_observer
+        for completion in completions:
+            if not completion.finished or completion.finish_reported:
+                continue
+            completion.finish_reported = True
+            if observer is not None:
+                observer.on_completion_finished(FinishedCompletionStats(
+                    finish_reason=str(completion.finish_reason),
+                    e2e_latency_s=now_s - state.metrics.arrival_time_s,
+                    num_prompt_tokens=len(state.processed.prompt_token_ids),
+                    num_generation_tokens=len(completion.token_ids),
+                    num_cached_tokens=state.num_cached_tokens,
+                ))
 
     def _detokenizer(
         self, params: SamplingParams, prompt_token_ids: list[int]
@@ -176,11 +218,17 @@ class OutputProcessor:
         if output.new_token_ids:
             state.metrics.first_token_time_s = state.metrics.first_token_time_s or now_s
             state.metrics.last_token_time_s = now_s
+            self._observe_tokens(completion, len(output.new_token_ids), now_s,
+                                 state.metrics.arrival_time_s)
         state.num_cached_tokens = output.num_cached_tokens
         completion.token_ids.extend(output.new_token_ids)
         if completion.logprobs is not None and output.logprobs:
             completion.logprobs.extend(output.logprobs)
-        stopped_by_string = self._detokenize(state, completion, output.new_token_ids)
+        text_token_ids = output.new_token_ids
+        if _hides_stop_token(output, state.processed.sampling_params):
+            text_token_ids = text_token_ids[:-1]
+            completion.num_hidden_tokens = 1
+        stopped_by_string = self._detokenize(state, completion, text_token_ids)
         if stopped_by_string:
             return output.finish_reason is None
         if output.finish_reason is not None:
@@ -215,8 +263,9 @@ class OutputProcessor:
         processed = state.processed
         if completion.detokenizer is None:
             decode = self._decode_fns[processed.sampling_params.skip_special_tokens]
+            num_text_tokens = len(completion.token_ids) - completion.num_hidden_tokens
             completion.text = detokenize_once(decode, processed.prompt_token_ids,
-                                              completion.token_ids)
+                                              completion.token_ids[:num_text_tokens])
         else:
             self._extend_text(state, completion, completion.detokenizer.flush())
 
@@ -281,3 +330,10 @@ class OutputProcessor:
             else str(completion.finish_reason),
             stop_reason=completion.stop_reason,
         )
+
+
+def _hides_stop_token(output: EngineCoreOutput, params: SamplingParams) -> bool:
+    """Whether the last new token is the EOS or stop token that finished the completion and
+    stays out of its text (it stays in its token ids). The core stops only on tokens."""
+    return (output.finish_reason is FinishReason.STOP and bool(output.new_token_ids)
+            and not params.include_stop_str_in_output)

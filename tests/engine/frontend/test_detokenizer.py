@@ -61,4 +61,5 @@ def test_prompt_context_does_not_leak_into_the_output(tokenizer) -> None:
 @given(text=st.text(max_size=40))
 def test_concatenated_pieces_equal_the_full_decode(tokenizer, chunk: int, text: str) -> None:
     token_ids = tokenizer(text, add_special_tokens=False).input_ids
-    assert "".join(detokenize(tokenizer, token_ids, chunk=chunk)) == text
+    # Special tokens kept: the text may spell one (for example "<tool_call>").
+    assert "".join(detokenize(tokenizer, token_ids, chunk=chunk, skip=False)) == text

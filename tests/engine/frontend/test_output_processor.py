@@ -101,15 +101,30 @@ def test_include_stop_str_in_output_keeps_it(processor, tokenizer) -> None:
     assert per_step[-1][0].outputs[0].text == "a##"
 
 
-def test_stop_token_finish_reports_its_id(processor, tokenizer) -> None:
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_stop_token_finish_reports_its_id_and_keeps_it_out_of_the_text(
+    processor, tokenizer, kind: RequestOutputKind
+) -> None:
     outputs = OutputProcessor(tokenizer)
-    outputs.add_request(processor.process("r", [1], SamplingParams(stop_token_ids=(7,))))
+    params = SamplingParams(stop_token_ids=(7,), skip_special_tokens=False, output_kind=kind)
+    outputs.add_request(processor.process("r", [1], params))
     result = outputs.process_outputs([EngineCoreOutput(
         request_id="r", new_token_ids=[65, 7], finish_reason=FinishReason.STOP, stop_reason=7,
     )])
     completion = result.request_outputs[0].outputs[0]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", 7)
-    assert completion.text == "A\x07"
+    assert completion.text == "A"
+    assert completion.token_ids == [65, 7]
+
+
+def test_stop_token_is_in_the_text_with_include_stop_str_in_output(processor, tokenizer) -> None:
+    outputs = OutputProcessor(tokenizer)
+    params = SamplingParams(stop_token_ids=(7,), include_stop_str_in_output=True)
+    outputs.add_request(processor.process("r", [1], params))
+    result = outputs.process_outputs([EngineCoreOutput(
+        request_id="r", new_token_ids=[65, 7], finish_reason=FinishReason.STOP, stop_reason=7,
+    )])
+    assert result.request_outputs[0].outputs[0].text == "A\x07"
 
 
 def test_n_completions_are_tracked_separately(processor, tokenizer) -> None:

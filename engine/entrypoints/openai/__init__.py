@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API (FastAPI), with the job extension and Prometheus metrics."""

@@ -1,0 +1,102 @@
+"""Errors in OpenAI's format: `{"error": {"message", "type", "param", "code"}}` with the
+matching HTTP status, for every failure the server reports (its own and the framework's)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.core.client import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+def error_type(status: int) -> str:
+    """OpenAI's error type for a status: client errors are invalid requests (the `code`
+    says which), except rate limits; everything else is a server error."""
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+class APIError(HTTPException):
+    """An error to answer with `status` and an OpenAI error body.
+
+    A subclass of FastAPI's HTTPException, so that it passes unchanged through FastAPI's body
+    parsing (the request-size limit raises it while the body is read).
+    """
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(status_code=status, detail=message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": code}}
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param=param, code=code), status_code=status,
+                        headers=headers)
+
+
+def engine_dead_error(error: BaseException | None = None) -> APIError:
+    detail = f": {error}" if error is not None else ""
+    return APIError(503, f"the engine is not running{detail}", code="engine_dead")
+
+
+def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message for the first validation error, and the parameter it concerns."""
+    errors = error.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    message = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return (f"{param}: {message}" if param else message) + more, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app can raise becomes an OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error_response(error.status_code, error.message, param=error.param,
+                              code=error.code, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail), headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(error)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
+        dead = engine_dead_error(error)
+        return error_response(dead.status_code, dead.message, code=dead.code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error: {type(error).__name__}")

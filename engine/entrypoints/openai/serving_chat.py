@@ -1,0 +1,266 @@
+"""POST /v1/chat/completions: a conversation through the chat template, streamed or not,
+with tool calls in the output parsed into `tool_calls` when the request offers `tools`.
+
+Tool calls are not enforced by constrained decoding: `tool_choice` "required" or a named
+function only checks that the named tool exists. When tools are offered, special tokens are
+kept in the text (the Hermes `<tool_call>` tags are special tokens in many vocabularies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from engine.entrypoints.openai.serving import (
+    SSE_DONE,
+    OpenAIServing,
+    ServerSettings,
+    merge_streams,
+    new_id,
+    sse,
+    sse_error,
+)
+from engine.entrypoints.openai.tool_parsers import (
+    ParsedToolCall,
+    StreamingToolCallSplitter,
+    ToolParser,
+    make_tool_parser,
+)
+from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.outputs import CompletionOutput
+from engine.frontend.processor import ProcessedRequest
+from engine.outputs import TokenLogprobs
+
+
+@dataclass
+class _ChoiceStream:
+    """Streaming state of one choice."""
+
+    splitter: StreamingToolCallSplitter | None
+    num_tokens: int = 0
+    finished: bool = False
+    tool_calls: tuple[ParsedToolCall, ...] = field(default_factory=tuple)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Validates a chat request, runs it, and formats OpenAI's `chat.completion`."""
+
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
+        super().__init__(engine, settings)
+        make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
+
+    def _parser(self, body: ChatCompletionRequest) -> ToolParser | None:
+        """The tool-call parser for this request, or None when tools are off."""
+        if not body.tools or body.tool_choice == "none":
+            return None
+        return make_tool_parser(self.settings.tool_call_parser)
+
+    async def prepare(
+        self, body: ChatCompletionRequest, headers: Mapping[str, str]
+    ) -> ProcessedRequest:
+        """The validated engine request; APIError on bad input."""
+        self.check_request(body)
+        self._check_chat_fields(body)
+        parser = self._parser(body)
+        params = self.sampling_params(
+            body,
+            max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None
+            else body.max_tokens,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            stream=body.stream,
+            skip_special_tokens=False if parser is not None else None,
+        )
+        token_ids = await asyncio.to_thread(self._render, body)
+        return self.process(new_id("chatcmpl"), token_ids, params, body, headers)
+
+    def _check_chat_fields(self, body: ChatCompletionRequest) -> None:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, f"response_format {body.response_format.type!r} is not "
+                                "supported (only 'text')", param="response_format")
+        choice = body.tool_choice
+        if choice is not None and choice != "none" and not body.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if choice is not None and not isinstance(choice, str):
+            names = {tool.function.name for tool in body.tools or ()}
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not "
+                                    "among the tools", param="tool_choice")
+
+    def _render(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [_template_message(message) for message in body.messages]
+        tools = None if not body.tools else [tool.model_dump(exclude_none=True)
+                                              for tool in body.tools]
+        try:
+            return self.engine.processor.chat_prompt(
+                messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+        except ValueError as error:
+            raise APIError(400, str(error), param="messages") from error
+
+    async def create(self, body: ChatCompletionRequest,
+                     request: ProcessedRequest) -> dict[str, Any]:
+        """The whole (non-streaming) response."""
+        final = None
+        async for _, output in merge_streams([self.engine.stream(request)]):
+            final = output
+        assert final is not None and final.finished
+        parser = self._parser(body)
+        choices = [self._message_choice(body, completion, parser)
+                   for completion in final.outputs]
+        response: dict[str, Any] = {
+            "id": request.request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": self.settings.served_model_name, "choices": choices,
+            "usage": self.usage(len(request.prompt_token_ids),
+                                sum(len(c.token_ids) for c in final.outputs),
+                                final.num_cached_tokens),
+        }
+        if body.return_token_ids:
+            response["prompt_token_ids"] = request.prompt_token_ids
+        return response
+
+    def _message_choice(
+        self, body: ChatCompletionRequest, completion: CompletionOutput,
+        parser: ToolParser | None,
+    ) -> dict[str, Any]:
+        content: str | None = completion.text
+        tool_calls: tuple[ParsedToolCall, ...] = ()
+        if parser is not None:
+            parsed = parser.parse(completion.text)
+            content, tool_calls = parsed.content, parsed.tool_calls
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = [_tool_call(call) for call in tool_calls]
+        choice: dict[str, Any] = {
+            "index": completion.index, "message": message,
+            "logprobs": self._logprobs(completion.logprobs),
+            "finish_reason": _finish_reason(completion.finish_reason, tool_calls),
+            "stop_reason": completion.stop_reason,
+        }
+        if body.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        return choice
+
+    async def stream(
+        self, body: ChatCompletionRequest, request: ProcessedRequest
+    ) -> AsyncIterator[bytes]:
+        """SSE chunks: a role chunk per choice, content deltas, tool calls and the finish
+        reason at each choice's end, usage (if asked), `[DONE]`."""
+        header = {"id": request.request_id, "object": "chat.completion.chunk",
+                  "created": int(time.time()), "model": self.settings.served_model_name}
+        parser = self._parser(body)
+        choices = [_ChoiceStream(None if parser is None else StreamingToolCallSplitter(parser))
+                   for _ in range(body.n)]
+        num_cached_tokens = 0
+        try:
+            for index in range(body.n):
+                chunk = {**header, "choices": [{
+                    "index": index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]}
+                if body.return_token_ids and index == 0:
+                    chunk["prompt_token_ids"] = request.prompt_token_ids
+                yield sse(chunk)
+            async for _, output in merge_streams([self.engine.stream(request)]):
+                num_cached_tokens = output.num_cached_tokens
+                for completion in output.outputs:
+                    choice = self._delta_choice(body, completion, choices[completion.index])
+                    if choice is not None:
+                        yield sse({**header, "choices": [choice]})
+            if body.stream_options is not None and body.stream_options.include_usage:
+                usage = self.usage(len(request.prompt_token_ids),
+                                   sum(c.num_tokens for c in choices), num_cached_tokens)
+                yield sse({**header, "choices": [], "usage": usage})
+        except Exception as error:
+            yield sse_error(error)
+        yield SSE_DONE
+
+    def _delta_choice(
+        self, body: ChatCompletionRequest, completion: CompletionOutput, state: _ChoiceStream
+    ) -> dict[str, Any] | None:
+        state.num_tokens += len(completion.token_ids)
+        text = completion.text
+        delta: dict[str, Any] = {}
+        if state.splitter is not None:
+            text = state.splitter.push(text)
+            if completion.finished:
+                rest, state.tool_calls = state.splitter.finish()
+                text += rest
+        if text:
+            delta["content"] = text
+        if state.tool_calls:
+            delta["tool_calls"] = [{"index": i, **_tool_call(call)}
+                                   for i, call in enumerate(state.tool_calls)]
+        carries_tokens = completion.token_ids and (body.return_token_ids or completion.logprobs)
+        if not delta and not completion.finished and not carries_tokens:
+            return None  # text held back (a partial character, stop string or tool call)
+        choice: dict[str, Any] = {
+            "index": completion.index, "delta": delta,
+            "logprobs": self._logprobs(completion.logprobs),
+            "finish_reason": _finish_reason(completion.finish_reason, state.tool_calls),
+        }
+        if completion.finished:
+            choice["stop_reason"] = completion.stop_reason
+        if body.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        return choice
+
+    def _logprobs(self, entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if entries is None:
+            return None
+        content = []
+        for entry in entries:
+            top = [self._token_logprob(t, lp)
+                   for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=True)]
+            content.append({**self._token_logprob(entry.token_id, entry.logprob),
+                            "top_logprobs": top})
+        return {"content": content}
+
+    def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _finish_reason(reason: str | None, tool_calls: tuple[ParsedToolCall, ...]) -> str | None:
+    return "tool_calls" if tool_calls and reason == "stop" else reason
+
+
+def _tool_call(call: ParsedToolCall) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it: text content as a string, and tool-call
+    arguments as objects (templates render them with `tojson`)."""
+    rendered = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        rendered["content"] = "".join(part.text for part in content)
+    elif content is None:
+        rendered["content"] = ""
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {"id": call.id, "type": call.type,
+             "function": {"name": call.function.name,
+                          "arguments": _arguments_object(call.function.arguments)}}
+            for call in message.tool_calls
+        ]
+    return rendered
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments

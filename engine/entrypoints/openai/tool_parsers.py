@@ -1,0 +1,229 @@
+"""Tool calls in model output: parsed into OpenAI `tool_calls`, whole or while streaming.
+
+Two output styles are understood:
+- Hermes (Qwen, Hermes, the embedded `tiny` template): `<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>`, possibly several, possibly after some text.
+- Llama-3 JSON: the whole answer is `{"name": ..., "parameters": {...}}` (or `"arguments"`),
+  optionally after `<|python_tag|>`, several calls separated by `;`.
+
+Text that does not parse completely is returned as content with no tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Protocol
+
+HERMES_START = "<tool_call>"
+HERMES_END = "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+_HERMES_CALL = re.compile(
+    re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|\Z)", re.DOTALL
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedToolCall:
+    """One call: the function's name and its arguments as a JSON object text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedOutput:
+    """Model output split into content (None if there is none) and tool calls."""
+
+    content: str | None
+    tool_calls: tuple[ParsedToolCall, ...] = ()
+
+
+class ToolParser(Protocol):
+    """Parses one completion's text. `may_start_call(text)` says, for a streamed prefix of the
+    text, from which character a tool call may begin (None: not yet), so that streaming holds
+    that part back until the completion ends."""
+
+    def parse(self, text: str) -> ParsedOutput: ...
+
+    def may_start_call(self, text: str) -> int | None: ...
+
+
+def _call_from_json(value: Any, argument_keys: tuple[str, ...]) -> ParsedToolCall | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    if not value["name"]:
+        return None
+    arguments: Any = {}
+    for key in argument_keys:
+        if key in value:
+            arguments = value[key]
+            break
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _content(text: str) -> str | None:
+    return text if text.strip() else None
+
+
+class HermesToolParser:
+    """`<tool_call>` blocks holding JSON objects; text before the first block is content. An
+    unterminated last block (the model stopped at its end token) is accepted."""
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = text.find(HERMES_START)
+        if start < 0:
+            return ParsedOutput(_content(text))
+        calls = []
+        for match in _HERMES_CALL.finditer(text, start):
+            try:
+                call = _call_from_json(json.loads(match.group(1)), ("arguments", "parameters"))
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                return ParsedOutput(_content(text))
+            calls.append(call)
+        return ParsedOutput(_content(text[:start].rstrip()), tuple(calls))
+
+    def may_start_call(self, text: str) -> int | None:
+        start = text.find(HERMES_START)
+        if start >= 0:
+            return start
+        return _partial_marker_start(text, HERMES_START)
+
+
+class Llama3JsonToolParser:
+    """The whole output is one or more JSON call objects (`;`-separated), optionally after
+    `<|python_tag|>`."""
+
+    def parse(self, text: str) -> ParsedOutput:
+        body = text.strip()
+        body = body.removeprefix(PYTHON_TAG).lstrip()
+        if not body.startswith("{"):
+            return ParsedOutput(_content(text))
+        decoder = json.JSONDecoder()
+        calls = []
+        position = 0
+        while position < len(body):
+            try:
+                value, end = decoder.raw_decode(body, position)
+            except json.JSONDecodeError:
+                return ParsedOutput(_content(text))
+            call = _call_from_json(value, ("parameters", "arguments"))
+            if call is None:
+                return ParsedOutput(_content(text))
+            calls.append(call)
+            position = _skip_separator(body, end)
+        return ParsedOutput(None, tuple(calls))
+
+    def may_start_call(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if not stripped:
+            return 0  # only whitespace so far: a call may still begin
+        if stripped.startswith("{") or stripped.startswith(PYTHON_TAG):
+            return 0
+        return 0 if PYTHON_TAG.startswith(stripped) else None
+
+
+class AutoToolParser:
+    """Hermes when the output holds a `<tool_call>` block, else Llama-3 JSON."""
+
+    def __init__(self) -> None:
+        self._hermes = HermesToolParser()
+        self._llama3 = Llama3JsonToolParser()
+
+    def parse(self, text: str) -> ParsedOutput:
+        if HERMES_START in text:
+            return self._hermes.parse(text)
+        return self._llama3.parse(text)
+
+    def may_start_call(self, text: str) -> int | None:
+        starts = [start for start in (self._llama3.may_start_call(text),
+                                      self._hermes.may_start_call(text)) if start is not None]
+        return min(starts, default=None)
+
+
+TOOL_PARSERS = MappingProxyType({
+    "auto": AutoToolParser,
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+})
+
+
+def make_tool_parser(name: str) -> ToolParser:
+    """The parser registered as `name`; ValueError if there is none."""
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()
+
+
+class StreamingToolCallSplitter:
+    """Splits one streamed completion into content deltas and, at its end, tool calls.
+
+    `push(delta)` returns the content that can be sent now: everything before the point where
+    a tool call may begin is sent, the rest is held back. `finish()` parses the held-back text:
+    it returns the content still to send and the tool calls (held-back text that turns out not
+    to be a call is sent as content).
+    """
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
+        self._text = ""
+        self._num_sent_chars = 0
+        self._call_start: int | None = None
+
+    def push(self, delta: str) -> str:
+        self._text += delta
+        if self._call_start is None:
+            start = self._parser.may_start_call(self._text)
+            if start is not None and self._is_definite(start):
+                self._call_start = start
+            limit = len(self._text) if start is None else start
+        else:
+            limit = self._call_start
+        return self._send_until(limit)
+
+    def finish(self) -> tuple[str, tuple[ParsedToolCall, ...]]:
+        parsed = self._parser.parse(self._text)
+        if not parsed.tool_calls:
+            return self._send_until(len(self._text)), ()
+        content = parsed.content or ""
+        remaining = content[self._num_sent_chars:] if len(content) > self._num_sent_chars else ""
+        self._num_sent_chars = len(self._text)
+        return remaining, parsed.tool_calls
+
+    def _is_definite(self, start: int) -> bool:
+        """Whether the text from `start` certainly begins a call (not just a partial marker)."""
+        tail = self._text[start:].lstrip()
+        return tail.startswith(("{", HERMES_START, PYTHON_TAG))
+
+    def _send_until(self, limit: int) -> str:
+        if limit <= self._num_sent_chars:
+            return ""
+        chunk = self._text[self._num_sent_chars:limit]
+        self._num_sent_chars = limit
+        return chunk
+
+
+def _partial_marker_start(text: str, marker: str) -> int | None:
+    """Where a suffix of `text` that is a proper prefix of `marker` begins, if any."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:length]):
+            return len(text) - length
+    return None
+
+
+def _skip_separator(body: str, position: int) -> int:
+    while position < len(body) and body[position] in " \t\r\n;":
+        position += 1
+    return position

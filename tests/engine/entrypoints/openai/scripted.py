@@ -1,0 +1,86 @@
+"""Stand-ins loaded by name inside the engine-core process of test servers.
+
+`ScriptedExecutor` runs no model: every request generates the tokens of `SCRIPT` (a Hermes
+tool call), then EOS. `PinJobTurnsPolicy` is FCFS that pins every non-final turn of a job, for
+`PIN_TTL_S` plus the length of the turn's tool name, so tests can see the job extension reach
+the scheduler (the TTL shows the tool name arrived).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.frontend.tokenizer import load_tokenizer
+from engine.model.directory import load_arch
+from engine.outputs import ModelRunnerOutput
+from engine.request import Request
+from engine.scheduler.output import SchedulerOutput
+from engine.scheduler.policies import FCFSPolicy
+
+SCRIPT = (
+    'Let me look.<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
+)
+PIN_TTL_S = 300.0
+
+
+@dataclass
+class _Progress:
+    num_tokens: int
+    num_computed_tokens: int
+    num_generated: int
+
+
+class ScriptedExecutor:
+    """An executor that replays `SCRIPT` for every request (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        tokenizer = load_tokenizer(config.model.model)
+        self._script = [*tokenizer(SCRIPT, add_special_tokens=False).input_ids,
+                        tokenizer.eos_token_id]
+        self._num_kv_blocks = config.cache.num_kv_blocks or 512
+        self._vocab_size = load_arch(config.model.model).vocab_size
+        self._progress: dict[str, _Progress] = {}
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+            self._progress.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            self._progress[new.req_id] = _Progress(
+                len(new.prompt_token_ids) + len(new.output_token_ids),
+                new.num_computed_tokens, len(new.output_token_ids),
+            )
+        req_ids, sampled = [], []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            progress = self._progress[req_id]
+            progress.num_computed_tokens += num_tokens
+            req_ids.append(req_id)
+            if progress.num_computed_tokens < progress.num_tokens:
+                sampled.append([])
+                continue
+            position = min(progress.num_generated, len(self._script) - 1)
+            sampled.append([self._script[position]])
+            progress.num_generated += 1
+            progress.num_tokens += 1
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def shutdown(self) -> None:
+        self._progress.clear()
+
+
+class PinJobTurnsPolicy(FCFSPolicy):
+    """FCFS that pins every finished non-final turn of a job (see the module docstring)."""
+
+    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
+        job = request.job
+        if job is None or job.is_last_step:
+            return None
+        return PIN_TTL_S + len(job.tool_name or "")

@@ -1,0 +1,110 @@
+"""Bad input gets a 4xx OpenAI error body and changes nothing: the server keeps serving and
+the KV pool ends all-free."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.engine.entrypoints.openai.conftest import MAX_BODY_BYTES
+
+COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _check_error(response, status, *, param=None, code=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
+
+
+BAD_BODIES = [
+    ("/v1/completions", {**COMPLETION, "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": -1}, None),
+    ("/v1/completions", {**COMPLETION, "temperature": 9.0}, None),
+    ("/v1/completions", {**COMPLETION, "n": 0}, None),
+    ("/v1/completions", {**COMPLETION, "prompt": []}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, -5]}, None),
+    ("/v1/completions", {**COMPLETION, "prompt": [1, 10**9]}, None),
+    ("/v1/completions", {k: v for k, v in COMPLETION.items() if k != "prompt"}, "prompt"),
+    ("/v1/completions", {**COMPLETION, "echo": True}, "echo"),
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"1": 5}}, "logit_bias"),
+    ("/v1/completions", {**COMPLETION, "stop": [""]}, None),
+    ("/v1/completions", {**COMPLETION, "job_id": 12}, "job_id"),
+    ("/v1/completions", {**COMPLETION, "job_id": ""}, "job_id"),
+    ("/v1/completions", {**COMPLETION, "is_last_step": "perhaps", "job_id": "j"},
+     "is_last_step"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+     None),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_BODIES)
+def test_invalid_fields_get_400(server, path, body, param):
+    with server.http() as http:
+        _check_error(http.post(path, json=body), 400, param=param)
+
+
+def test_malformed_json_gets_400(server):
+    with server.http() as http:
+        response = http.post("/v1/completions", content=b'{"prompt": "x",',
+                             headers={"Content-Type": "application/json"})
+    assert "JSON" in _check_error(response, 400)["message"]
+
+
+def test_huge_max_tokens_exceeds_the_context(server):
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as raised:
+        server.client().completions.create(model="tiny", prompt="Hello", max_tokens=10**9)
+    assert raised.value.code == "context_length_exceeded"
+
+
+def test_prompt_longer_than_max_model_len(server):
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        server.client().completions.create(model="tiny", prompt=[65] * 1100, max_tokens=None)
+
+
+def test_unknown_model_gets_404(server):
+    with pytest.raises(openai.NotFoundError) as raised:
+        server.client().completions.create(model="gpt-17", prompt="x", max_tokens=1)
+    assert raised.value.code == "model_not_found"
+    with server.http() as http:
+        _check_error(http.get("/v1/models/gpt-17"), 404, code="model_not_found")
+        _check_error(http.get("/v1/nothing-here"), 404)
+
+
+def test_oversized_body_gets_413(server):
+    big = {**COMPLETION, "prompt": "x" * (MAX_BODY_BYTES + 10)}
+    with server.http() as http:
+        _check_error(http.post("/v1/completions", json=big), 413, code="request_too_large")
+
+        def chunks():  # no Content-Length: the limit applies while reading
+            yield b'{"prompt": "'
+            for _ in range(MAX_BODY_BYTES // 1024 + 2):
+                yield b"x" * 1024
+            yield b'", "max_tokens": 1}'
+
+        response = http.post("/v1/completions", content=chunks(),
+                             headers={"Content-Type": "application/json"})
+        _check_error(response, 413, code="request_too_large")
+
+
+def test_server_keeps_serving_and_the_pool_is_free_afterwards(server):
+    for path, body, _ in BAD_BODIES:
+        with server.http() as http:
+            assert http.post(path, json=body).status_code == 400
+    response = server.client().completions.create(**COMPLETION)
+    assert response.usage.completion_tokens == 4
+    stats = server.wait_idle()
+    assert stats.num_free_blocks == stats.num_kv_blocks

@@ -1,0 +1,105 @@
+"""The job extension reaches the scheduler, from the body (`extra_body`) and from headers.
+
+The scripted server's policy pins every non-final job turn for `PIN_TTL_S` plus the length of
+the turn's tool name, so a pin's TTL shows that `job_id` and `tool_name` arrived, and a last
+step (which is never pinned and ends the job) shows that `is_last_step` arrived.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.engine.entrypoints.openai.scripted import PIN_TTL_S
+
+MESSAGES = [{"role": "user", "content": "go"}]
+
+
+def _turn(server, **kwargs):
+    return server.client().chat.completions.create(
+        model="scripted", messages=MESSAGES, max_tokens=200, **kwargs)
+
+
+def _job(server, job_id):
+    with server.http(headers={"Authorization": "Bearer secret-key"}) as http:
+        return http.get(f"/v1/jobs/{job_id}")
+
+
+def _delete(server, job_id):
+    with server.http(headers={"Authorization": "Bearer secret-key"}) as http:
+        return http.delete(f"/v1/jobs/{job_id}")
+
+
+@pytest.mark.parametrize("how", ["body", "body-alias", "headers"])
+def test_job_fields_reach_the_scheduler(scripted_server, how):
+    job_id = f"job-{how}"
+    if how == "body":
+        first = {"extra_body": {"job_id": job_id, "tool_name": "bash"}}
+        last = {"extra_body": {"job_id": job_id, "is_last_step": True}}
+    elif how == "body-alias":
+        first = {"extra_body": {"job_id": job_id, "this_func_call": "bash"}}
+        last = {"extra_body": {"job_id": job_id, "is_last_step": True}}
+    else:
+        first = {"extra_headers": {"X-Job-Id": job_id, "X-Tool-Name": "bash"}}
+        last = {"extra_headers": {"X-Job-Id": job_id, "X-Job-Last-Step": "true"}}
+    reused_before = scripted_server.metric("pins_released_total", 'reason="reused"')
+    _turn(scripted_server, **first)
+    state = _job(scripted_server, job_id).json()
+    assert state["pin"]["ttl_s"] == PIN_TTL_S + len("bash")
+    assert state["pin"]["num_blocks"] > 0
+    assert state["num_unfinished_requests"] == 0
+
+    _turn(scripted_server, **last)
+    assert _job(scripted_server, job_id).status_code == 404  # the last step ended the job
+    reused = scripted_server.metric("pins_released_total", 'reason="reused"')
+    assert reused == reused_before + 1
+
+
+def test_next_turn_hits_the_pinned_prefix(scripted_server):
+    first = scripted_server.client().chat.completions.create(
+        model="scripted", messages=MESSAGES, max_tokens=200,
+        extra_body={"job_id": "job-hit", "return_token_ids": True})
+    prompt = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+    second = scripted_server.client().completions.create(
+        model="scripted", prompt=[*prompt, 10, 11], max_tokens=3,
+        extra_body={"job_id": "job-hit", "is_last_step": True})
+    block_size = 16  # the hit covers the previous turn's full blocks
+    assert second.usage.prompt_tokens_details.cached_tokens == \
+        len(prompt) // block_size * block_size
+
+
+def test_delete_releases_the_pin(scripted_server):
+    released_before = scripted_server.metric("pins_released_total", 'reason="release"')
+    _turn(scripted_server, extra_body={"job_id": "job-delete"})
+    assert scripted_server.metric("num_pins") >= 1
+    response = _delete(scripted_server, "job-delete")
+    assert response.status_code == 200
+    assert response.json() == {"id": "job-delete", "object": "job", "deleted": True,
+                               "released_pin": True}
+    assert scripted_server.metric("pins_released_total", 'reason="release"') == \
+        released_before + 1
+    missing = _delete(scripted_server, "job-delete")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "job_not_found"
+
+
+def test_conflicting_or_incomplete_job_fields_are_rejected(scripted_server):
+    with pytest.raises(openai.BadRequestError, match="disagrees"):
+        _turn(scripted_server, extra_body={"job_id": "a"}, extra_headers={"X-Job-Id": "b"})
+    with pytest.raises(openai.BadRequestError, match="need a job_id"):
+        _turn(scripted_server, extra_body={"is_last_step": True})
+    with pytest.raises(openai.BadRequestError, match="x-job-last-step"):
+        _turn(scripted_server, extra_headers={"X-Job-Id": "a", "X-Job-Last-Step": "maybe"})
+    with pytest.raises(openai.BadRequestError, match="job_id"):
+        _turn(scripted_server, extra_body={"job_id": 17})
+
+
+def test_all_jobs_released_leaves_the_pool_free(scripted_server):
+    _turn(scripted_server, extra_body={"job_id": "job-final"})
+    assert _delete(scripted_server, "job-final").json()["released_pin"] is True
+    stats = scripted_server.wait_idle()
+    leftover = [job for job in ("job-body", "job-body-alias", "job-headers", "job-hit")
+                if _job(scripted_server, job).status_code != 404]
+    assert leftover == []
+    assert stats.num_pins == 0
+    assert stats.num_free_blocks == stats.num_kv_blocks

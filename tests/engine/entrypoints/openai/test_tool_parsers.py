@@ -1,0 +1,108 @@
+"""Tool-call parsing on text: Hermes tags, Llama-3 JSON, garbage, and streaming splits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.entrypoints.openai.tool_parsers import (
+    AutoToolParser,
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ParsedToolCall,
+    StreamingToolCallSplitter,
+    make_tool_parser,
+)
+
+LS = ParsedToolCall("bash", json.dumps({"command": "ls"}))
+READ = ParsedToolCall("read_file", json.dumps({"path": "a.py", "lines": [1, 2]}))
+
+HERMES_CASES = [
+    ('<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>', None, [LS]),
+    ('Let me check.\n<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>',
+     "Let me check.", [LS]),
+    ('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>\n<tool_call>'
+     '{"name": "read_file", "arguments": {"path": "a.py", "lines": [1, 2]}}</tool_call>',
+     None, [LS, READ]),
+    # Arguments as a JSON string, and an unterminated last block.
+    ('<tool_call>{"name": "bash", "arguments": "{\\"command\\": \\"ls\\"}"}', None, [LS]),
+    ("just text", "just text", []),
+    ('<tool_call>{"name": "bash", "arguments": {"command": </tool_call>',
+     '<tool_call>{"name": "bash", "arguments": {"command": </tool_call>', []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>["bash"]</tool_call>', '<tool_call>["bash"]</tool_call>', []),
+]
+
+LLAMA3_CASES = [
+    ('{"name": "bash", "parameters": {"command": "ls"}}', None, [LS]),
+    ('<|python_tag|>{"name": "bash", "arguments": {"command": "ls"}}', None, [LS]),
+    ('{"name": "bash", "parameters": {"command": "ls"}}; {"name": "read_file", "parameters": '
+     '{"path": "a.py", "lines": [1, 2]}}', None, [LS, READ]),
+    ('{"name": "bash"}', None, [ParsedToolCall("bash", "{}")]),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('{"name": "bash", "parameters": {"command": "ls"}} trailing words',
+     '{"name": "bash", "parameters": {"command": "ls"}} trailing words', []),
+    ("The answer is 42.", "The answer is 42.", []),
+    ("   ", None, []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), HERMES_CASES)
+def test_hermes(text, content, calls):
+    parsed = HermesToolParser().parse(text)
+    assert parsed.content == content
+    assert list(parsed.tool_calls) == calls
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), LLAMA3_CASES)
+def test_llama3_json(text, content, calls):
+    parsed = Llama3JsonToolParser().parse(text)
+    assert parsed.content == content
+    assert list(parsed.tool_calls) == calls
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), HERMES_CASES + LLAMA3_CASES)
+def test_auto_understands_both(text, content, calls):
+    parsed = AutoToolParser().parse(text)
+    assert list(parsed.tool_calls) == calls
+
+
+def test_unknown_parser_name():
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        make_tool_parser("xml")
+
+
+def _stream(parser_name: str, text: str, cut_points: list[int]):
+    splitter = StreamingToolCallSplitter(make_tool_parser(parser_name))
+    pieces, start = [], 0
+    for cut in [*sorted(cut_points), len(text)]:
+        pieces.append(splitter.push(text[start:cut]))
+        start = cut
+    rest, calls = splitter.finish()
+    return "".join(pieces) + rest, pieces, calls
+
+
+@pytest.mark.parametrize("parser_name", ["auto", "hermes", "llama3_json"])
+@pytest.mark.parametrize(("text", "content", "calls"), HERMES_CASES + LLAMA3_CASES)
+@settings(max_examples=40)
+@given(data=st.data())
+def test_streaming_agrees_with_the_whole_parse(parser_name, text, content, calls, data):
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=6))
+    streamed, _, streamed_calls = _stream(parser_name, text, cuts)
+    parsed = make_tool_parser(parser_name).parse(text)
+    assert streamed_calls == parsed.tool_calls
+    if parsed.tool_calls:
+        assert streamed.strip() == (parsed.content or "").strip()
+    else:
+        assert streamed == text
+
+
+def test_streaming_sends_content_before_the_call_and_never_the_tags():
+    text = 'Checking now.<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
+    streamed, pieces, calls = _stream("hermes", text, list(range(len(text))))
+    assert streamed == "Checking now."
+    assert "".join(pieces[:14]) == "Checking now."  # sent as it came, before the call ended
+    assert calls == (LS,)
