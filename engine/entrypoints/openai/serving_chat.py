@@ -45,7 +45,6 @@ class _ChoiceStream:
 
     splitter: StreamingToolCallSplitter | None
     num_tokens: int = 0
-    finished: bool = False
     tool_calls: tuple[ParsedToolCall, ...] = field(default_factory=tuple)
 
 
