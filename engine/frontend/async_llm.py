@@ -72,7 +72,8 @@ class AsyncLLM:
         """Streams the request's outputs (per its `output_kind`) until the finished one.
 
         ValueError if the request is invalid (raised before anything is queued) or the core
-        rejected it; EngineDeadError if the core died.
+        rejected it; EngineDeadError if the core died. `request_id` must not repeat the id of
+        an aborted request (the core may still be dropping it); the default ids are unique.
         """
         if request_id is None:
             request_id = f"async-{next(self._request_counter)}"

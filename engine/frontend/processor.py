@@ -83,8 +83,9 @@ class InputProcessor:
             raise ValueError("sampling_params must be a SamplingParams")
         if job is not None and not isinstance(job, JobInfo):
             raise ValueError("job must be a JobInfo")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int) \
+                or not -_MAX_SEED - 1 <= priority <= _MAX_SEED:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         prompt_text, token_ids = self.tokenize(prompt)
         self._check_tokens(token_ids, sampling_params)
         return ProcessedRequest(
@@ -107,7 +108,10 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, list(self.tokenizer(prompt).input_ids)
+            try:
+                return prompt, list(self.tokenizer(prompt).input_ids)
+            except (TypeError, UnicodeError) as error:  # for example a lone surrogate
+                raise ValueError(f"the prompt cannot be tokenized: {error}") from error
         if isinstance(prompt, list):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt)}")
@@ -124,7 +128,10 @@ class InputProcessor:
         text = render_chat(self.tokenizer, messages, tools=tools,
                            add_generation_prompt=add_generation_prompt,
                            chat_template_kwargs=chat_template_kwargs)
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        try:
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        except (TypeError, UnicodeError) as error:
+            raise ValueError(f"the conversation cannot be tokenized: {error}") from error
 
     def _check_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:

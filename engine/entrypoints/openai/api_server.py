@@ -223,7 +223,7 @@ async def _run(request: Request, work: Any) -> dict[str, Any]:
 
 
 def _add_job_routes(app: FastAPI) -> None:
-    @app.get("/v1/jobs/{job_id}")
+    @app.get("/v1/jobs/{job_id:path}")
     async def get_job(job_id: str, request: Request) -> dict[str, Any]:
         """What the engine holds for the job: unfinished turns and its KV pin."""
         state = await _engine(request).job_state(_check_job_id(job_id))
@@ -235,7 +235,7 @@ def _add_job_routes(app: FastAPI) -> None:
                     "request_id": state.pin.request_id, "num_blocks": state.pin.num_blocks,
                     "ttl_s": state.pin.ttl_s, "remaining_ttl_s": state.pin.remaining_ttl_s}}
 
-    @app.delete("/v1/jobs/{job_id}")
+    @app.delete("/v1/jobs/{job_id:path}")
     async def delete_job(job_id: str, request: Request) -> dict[str, Any]:
         """Ends the job's state in the engine, releasing its KV pin."""
         engine = _engine(request)

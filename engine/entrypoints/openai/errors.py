@@ -55,7 +55,8 @@ def error_response(
 
 
 def engine_dead_error(error: BaseException | None = None) -> APIError:
-    detail = f": {error}" if error is not None else ""
+    # The core's message may end in its traceback: clients get the first line only.
+    detail = f": {str(error).splitlines()[0]}" if error is not None and str(error) else ""
     return APIError(503, f"the engine is not running{detail}", code="engine_dead")
 
 

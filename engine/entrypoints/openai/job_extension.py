@@ -32,7 +32,7 @@ def job_info(body: JobFields, headers: Mapping[str, str]) -> JobInfo | None:
     tool_name = _merge("tool_name", body.tool_name, body.this_func_call, field="this_func_call")
     tool_name = _merge("tool_name", tool_name, _header_text(headers, TOOL_NAME_HEADER))
     if job_id is None:
-        if is_last_step is not None or tool_name is not None:
+        if is_last_step or tool_name is not None:
             raise APIError(400, "is_last_step and tool_name need a job_id", param="job_id")
         return None
     return JobInfo(job_id=job_id, is_last_step=bool(is_last_step), tool_name=tool_name)

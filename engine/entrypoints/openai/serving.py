@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from engine.frontend.processor import ProcessedRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _json = msgspec.json.Encoder()
@@ -156,7 +159,10 @@ def sse_error(error: BaseException) -> bytes:
     if isinstance(error, EngineDeadError):
         dead = engine_dead_error(error)
         return sse(error_body(dead.status_code, dead.message, code=dead.code))
-    return sse(error_body(400, str(error)))
+    if isinstance(error, ValueError):  # the core rejected the request
+        return sse(error_body(400, str(error)))
+    logger.exception("a response stream failed")
+    return sse(error_body(500, f"internal server error: {type(error).__name__}"))
 
 
 async def merge_streams(

@@ -28,6 +28,7 @@ from engine.entrypoints.openai.serving import (
     sse_error,
 )
 from engine.entrypoints.openai.tool_parsers import (
+    OfferedToolsParser,
     ParsedToolCall,
     StreamingToolCallSplitter,
     ToolParser,
@@ -59,7 +60,8 @@ class OpenAIServingChat(OpenAIServing):
         """The tool-call parser for this request, or None when tools are off."""
         if not body.tools or body.tool_choice == "none":
             return None
-        return make_tool_parser(self.settings.tool_call_parser)
+        return OfferedToolsParser(make_tool_parser(self.settings.tool_call_parser),
+                                  frozenset(tool.function.name for tool in body.tools))
 
     async def prepare(
         self, body: ChatCompletionRequest, headers: Mapping[str, str]
@@ -80,6 +82,9 @@ class OpenAIServingChat(OpenAIServing):
         return self.process(new_id("chatcmpl"), token_ids, params, body, headers)
 
     def _check_chat_fields(self, body: ChatCompletionRequest) -> None:
+        if body.chat_template_kwargs and "chat_template" in body.chat_template_kwargs:
+            raise APIError(400, "a request may not replace the chat template",
+                           param="chat_template_kwargs")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         if body.response_format is not None and body.response_format.type != "text":
@@ -261,5 +266,5 @@ def _arguments_object(arguments: str | dict[str, Any]) -> Any:
         return arguments
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return arguments

@@ -153,6 +153,24 @@ class AutoToolParser:
         return min(starts, default=None)
 
 
+class OfferedToolsParser:
+    """Another parser restricted to the tools a request offered: output that names any other
+    function is content, not a call (a JSON answer with a "name" field is not a tool call)."""
+
+    def __init__(self, parser: ToolParser, tool_names: frozenset[str]) -> None:
+        self._parser = parser
+        self._tool_names = tool_names
+
+    def parse(self, text: str) -> ParsedOutput:
+        parsed = self._parser.parse(text)
+        if any(call.name not in self._tool_names for call in parsed.tool_calls):
+            return ParsedOutput(_content(text))
+        return parsed
+
+    def may_start_call(self, text: str) -> int | None:
+        return self._parser.may_start_call(text)
+
+
 TOOL_PARSERS = MappingProxyType({
     "auto": AutoToolParser,
     "hermes": HermesToolParser,

@@ -3,6 +3,8 @@ the KV pool ends all-free."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -37,6 +39,10 @@ BAD_BODIES = [
     ("/v1/completions", {**COMPLETION, "echo": True}, "echo"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"1": 5}}, "logit_bias"),
     ("/v1/completions", {**COMPLETION, "stop": [""]}, None),
+    ("/v1/completions", {**COMPLETION, "top_k": 2**63}, None),
+    ("/v1/completions", {**COMPLETION, "priority": 10**20}, None),
+    ("/v1/completions", {**COMPLETION, "max_tokens": None, "min_tokens": 10**20}, None),
+    ("/v1/completions", {**COMPLETION, "prompt": "\ud800"}, None),
     ("/v1/completions", {**COMPLETION, "job_id": 12}, "job_id"),
     ("/v1/completions", {**COMPLETION, "job_id": ""}, "job_id"),
     ("/v1/completions", {**COMPLETION, "is_last_step": "perhaps", "job_id": "j"},
@@ -45,6 +51,10 @@ BAD_BODIES = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
      None),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
+     None),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"chat_template": "x"}},
+     "chat_template_kwargs"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
      "response_format"),
@@ -54,7 +64,13 @@ BAD_BODIES = [
 @pytest.mark.parametrize(("path", "body", "param"), BAD_BODIES)
 def test_invalid_fields_get_400(server, path, body, param):
     with server.http() as http:
-        _check_error(http.post(path, json=body), 400, param=param)
+        _check_error(_post(http, path, body), 400, param=param)
+
+
+def _post(http, path, body):
+    """Posts `body` as ASCII JSON (escaped, so that lone surrogates can be sent)."""
+    return http.post(path, content=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
 
 
 def test_malformed_json_gets_400(server):
@@ -103,7 +119,7 @@ def test_oversized_body_gets_413(server):
 def test_server_keeps_serving_and_the_pool_is_free_afterwards(server):
     for path, body, _ in BAD_BODIES:
         with server.http() as http:
-            assert http.post(path, json=body).status_code == 400
+            assert _post(http, path, body).status_code == 400
     response = server.client().completions.create(**COMPLETION)
     assert response.usage.completion_tokens == 4
     stats = server.wait_idle()

@@ -20,6 +20,7 @@ from engine.request import JobInfo
     ({}, {"x-job-id": "j", "x-job-last-step": "TRUE", "x-tool-name": "grep"},
      JobInfo(job_id="j", is_last_step=True, tool_name="grep")),
     ({"job_id": "j"}, {"x-job-id": "j", "x-job-last-step": "0"}, JobInfo(job_id="j")),
+    ({"is_last_step": False}, {}, None),  # clients that always send the field
 ])
 def test_job_info(body, headers, expected):
     assert job_info(JobFields(**body), headers) == expected

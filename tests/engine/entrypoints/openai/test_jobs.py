@@ -83,6 +83,12 @@ def test_delete_releases_the_pin(scripted_server):
     assert missing.json()["error"]["code"] == "job_not_found"
 
 
+def test_job_ids_with_slashes_can_be_released(scripted_server):
+    _turn(scripted_server, extra_headers={"X-Job-Id": "team/run-1"})
+    assert _job(scripted_server, "team/run-1").json()["pin"] is not None
+    assert _delete(scripted_server, "team%2Frun-1").json()["released_pin"] is True
+
+
 def test_conflicting_or_incomplete_job_fields_are_rejected(scripted_server):
     with pytest.raises(openai.BadRequestError, match="disagrees"):
         _turn(scripted_server, extra_body={"job_id": "a"}, extra_headers={"X-Job-Id": "b"})

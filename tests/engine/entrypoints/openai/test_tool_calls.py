@@ -55,6 +55,15 @@ def test_tool_choice_none_leaves_the_text(scripted_server):
     assert '"name": "bash"' in choice.message.content
 
 
+def test_a_call_of_a_tool_not_offered_is_left_as_text(scripted_server):
+    python_only = [{"type": "function", "function": {"name": "python"}}]
+    choice = scripted_server.client().chat.completions.create(
+        model="scripted", messages=MESSAGES, tools=python_only, max_tokens=200).choices[0]
+    assert choice.message.tool_calls is None
+    assert choice.finish_reason == "stop"
+    assert choice.message.content.startswith("Let me look.<tool_call>")
+
+
 def test_completions_endpoint_returns_the_raw_text(scripted_server):
     response = scripted_server.client().completions.create(
         model="scripted", prompt="hi", max_tokens=200, extra_body={"skip_special_tokens": False})

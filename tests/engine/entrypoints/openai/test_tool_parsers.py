@@ -12,6 +12,7 @@ from engine.entrypoints.openai.tool_parsers import (
     AutoToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
+    OfferedToolsParser,
     ParsedToolCall,
     StreamingToolCallSplitter,
     make_tool_parser,
@@ -68,6 +69,14 @@ def test_llama3_json(text, content, calls):
 def test_auto_understands_both(text, content, calls):
     parsed = AutoToolParser().parse(text)
     assert list(parsed.tool_calls) == calls
+
+
+def test_calls_of_tools_not_offered_are_content():
+    parser = OfferedToolsParser(make_tool_parser("auto"), frozenset({"bash"}))
+    answer = '{"name": "Alice", "age": 30}'
+    assert parser.parse(answer).tool_calls == ()
+    assert parser.parse(answer).content == answer
+    assert parser.parse('{"name": "bash", "arguments": {"command": "ls"}}').tool_calls == (LS,)
 
 
 def test_unknown_parser_name():
