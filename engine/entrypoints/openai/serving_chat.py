@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.entrypoints.openai.errors import APIError
@@ -46,7 +46,7 @@ class _ChoiceStream:
 
     splitter: StreamingToolCallSplitter | None
     num_tokens: int = 0
-    tool_calls: tuple[ParsedToolCall, ...] = field(default_factory=tuple)
+    tool_calls: tuple[ParsedToolCall, ...] = ()
 
 
 class OpenAIServingChat(OpenAIServing):

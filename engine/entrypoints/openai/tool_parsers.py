@@ -216,7 +216,7 @@ class StreamingToolCallSplitter:
         if not parsed.tool_calls:
             return self._send_until(len(self._text)), ()
         content = parsed.content or ""
-        remaining = content[self._num_sent_chars:] if len(content) > self._num_sent_chars else ""
+        remaining = content[self._num_sent_chars:]
         self._num_sent_chars = len(self._text)
         return remaining, parsed.tool_calls
 
