@@ -62,7 +62,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     long_prefill_token_threshold: int | None = None
     enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
+    policy: str = "continuum"
 
     def __post_init__(self) -> None:
         _require_positive("max_model_len", self.max_model_len)

@@ -24,7 +24,9 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one step",
     "long_prefill_token_threshold": "most tokens one request computes per step",
     "enable_chunked_prefill": "split long prompts across steps",
-    "scheduling_policy": "fcfs | priority | a module:Class path",
+    "scheduling_policy": (
+        "continuum | continuum-fixed | infercept | autellix | fcfs | priority | a module:Class path"
+    ),
     "executor": "torch (run the model) | a module:Class path",
 }
 
@@ -48,7 +50,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int | None = None
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "continuum"
     executor: str = "torch"
 
     def to_engine_config(self) -> EngineConfig:

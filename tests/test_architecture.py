@@ -31,7 +31,8 @@ def test_scheduler_side_does_not_import_torch() -> None:
     imports = "; ".join(f"import {module}" for module in SCHEDULER_SIDE)
     code = (
         f"import sys; {imports}; "
-        "from engine.scheduler.registry import make_policy; make_policy('fcfs'); "
+        "from engine.scheduler.registry import POLICY_REGISTRY, make_policy; "
+        "[make_policy(name) for name in POLICY_REGISTRY]; "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run(
@@ -63,6 +64,37 @@ def test_engine_never_imports_policy_or_estimator_packages() -> None:
         f"{path.relative_to(ROOT)}:{number}"
         for path in _engine_sources()
         for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if pattern.search(line)
+    ]
+    assert offenders == []
+
+
+def _imports_of(package: str) -> list[tuple[Path, int, str]]:
+    return [
+        (path, number, line)
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+    ]
+
+
+def test_estimator_never_imports_the_engine_or_policies() -> None:
+    pattern = re.compile(r"^\s*(import|from)\s+(engine|continuum|eval)\b")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path, number, line in _imports_of("estimator")
+        if pattern.search(line)
+    ]
+    assert offenders == []
+
+
+def test_policies_import_only_engine_interfaces_and_the_estimator() -> None:
+    pattern = re.compile(
+        r"^\s*(import|from)\s+(eval\b|torch\b|engine\.(model|worker|executor|core|frontend|"
+        r"entrypoints))"
+    )
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path, number, line in _imports_of("continuum")
         if pattern.search(line)
     ]
     assert offenders == []

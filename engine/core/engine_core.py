@@ -106,6 +106,7 @@ class EngineCore:
             pins_released={
                 reason.value: count for reason, count in scheduler.pins.num_released.items()
             },
+            num_jobs=scheduler.policy.num_jobs,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -118,7 +119,8 @@ class EngineCore:
         return self.scheduler.end_job(job_id, PinReleaseReason.RELEASE) is not None
 
     def job_state(self, job_id: str) -> JobState | None:
-        """The job's unfinished turns and pin; None if the core holds nothing for it."""
+        """The job's unfinished turns, pin and policy books; None if the core holds nothing
+        for it."""
         if not isinstance(job_id, str) or not job_id:
             raise ValueError(f"job_id must be a non-empty string, got {job_id!r}")
         scheduler = self.scheduler
@@ -126,13 +128,15 @@ class EngineCore:
             1 for request in scheduler.requests.values() if request.job_id == job_id
         )
         pin = scheduler.pins.get(job_id)
-        if pin is None and num_requests == 0:
+        policy_state = scheduler.policy.job_state(job_id)
+        if pin is None and num_requests == 0 and policy_state is None:
             return None
         pin_state = None if pin is None else PinState(
             request_id=pin.request_id, num_blocks=pin.num_blocks, ttl_s=pin.ttl_s,
             remaining_ttl_s=max(0.0, pin.deadline_s - self.clock()),
         )
-        return JobState(job_id=job_id, num_unfinished_requests=num_requests, pin=pin_state)
+        return JobState(job_id=job_id, num_unfinished_requests=num_requests, pin=pin_state,
+                        policy=policy_state)
 
     def check_invariants(self) -> bool:
         self.scheduler.check_invariants()

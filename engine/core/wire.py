@@ -15,6 +15,7 @@ import msgspec
 from engine.outputs import EngineCoreOutput
 from engine.request import JobInfo
 from engine.sampling_params import SamplingParams
+from engine.scheduler.policy import PolicyJobState
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True, omit_defaults=True):
@@ -119,6 +120,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     execute_time_s: float
     num_pins_created: int = 0
     pins_released: dict[str, int] = msgspec.field(default_factory=dict)
+    num_jobs: int = 0
 
 
 class PinState(msgspec.Struct, kw_only=True):
@@ -131,8 +133,10 @@ class PinState(msgspec.Struct, kw_only=True):
 
 
 class JobState(msgspec.Struct, kw_only=True):
-    """What the core holds for one job: its unfinished turns and its pin, if any."""
+    """What the core holds for one job: its unfinished turns, its pin, and the policy's books
+    on it (None under policies that keep none)."""
 
     job_id: str
     num_unfinished_requests: int
     pin: PinState | None = None
+    policy: PolicyJobState | None = None

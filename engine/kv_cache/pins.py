@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from engine.kv_cache.block import KVCacheBlock
@@ -57,11 +57,20 @@ class PinTable:
 
     Owns the block references of live pins. Called by the scheduler: `add` when a policy
     retains a finished turn, `release` on admission of the job's next turn, under memory
-    pressure, on expiry, job end, explicit release or abort.
+    pressure, on expiry, job end, explicit release or abort. `on_added` and `on_released` are
+    told of every change (a replaced pin is reported released after its successor is added).
     """
 
-    def __init__(self, block_pool: BlockPool) -> None:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        *,
+        on_added: Callable[[Pin], None] | None = None,
+        on_released: Callable[[Pin], None] | None = None,
+    ) -> None:
         self._block_pool = block_pool
+        self._on_added = on_added
+        self._on_released = on_released
         self._pins: dict[str, Pin] = {}
         self.num_pinned_blocks = 0
         self.num_created = 0
@@ -90,6 +99,8 @@ class PinTable:
         self._pins[job_id] = pin
         self.num_pinned_blocks += pin.num_blocks
         self.num_created += 1
+        if self._on_added is not None:
+            self._on_added(pin)
         if previous is not None:
             self._drop(previous, PinReleaseReason.REPLACED, now_s)
         return pin
@@ -119,6 +130,8 @@ class PinTable:
         pin.release_reason = reason
         pin.released_at_s = now_s
         self._block_pool.free_blocks(reversed(pin.blocks))
+        if self._on_released is not None:
+            self._on_released(pin)
 
     def check_invariants(self) -> None:
         """Pins are keyed by their job, hold cached blocks, and the block count is exact."""

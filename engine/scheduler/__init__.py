@@ -2,7 +2,13 @@
 
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
-from engine.scheduler.policy import BasePolicy, SchedulerView, SchedulingPolicy, Victim
+from engine.scheduler.policy import (
+    BasePolicy,
+    PolicyJobState,
+    SchedulerView,
+    SchedulingPolicy,
+    Victim,
+)
 from engine.scheduler.registry import POLICY_REGISTRY, make_policy, resolve_policy_class
 from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestQueue
 from engine.scheduler.scheduler import Scheduler
@@ -14,6 +20,7 @@ __all__ = [
     "FCFSPolicy",
     "FCFSRequestQueue",
     "NewRequestData",
+    "PolicyJobState",
     "PriorityPolicy",
     "PriorityRequestQueue",
     "RequestQueue",

@@ -10,11 +10,29 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import msgspec
+
 from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.request import Request
 from engine.scheduler.request_queue import RequestQueue
 
 Victim = Request | Pin
+
+
+class PolicyJobState(msgspec.Struct, kw_only=True):
+    """A job-aware policy's books on one job; times are seconds on the scheduler's clock.
+
+    `pins_released` counts the job's pins by `PinReleaseReason` value; `last_ttl_s` is the
+    TTL the policy chose for the job's latest retained turn.
+    """
+
+    first_arrival_s: float
+    last_active_s: float
+    num_turns_arrived: int
+    num_turns_finished: int
+    num_pins_created: int
+    pins_released: dict[str, int]
+    last_ttl_s: float | None = None
 
 
 class SchedulerView(Protocol):
@@ -44,10 +62,12 @@ class SchedulingPolicy(Protocol):
     """Decisions the scheduler delegates. Times are seconds on the scheduler's clock.
 
     Call order: `bind` once at scheduler construction; `on_step_start` at the start of every
-    `schedule()`; `on_request_arrived` from `add_request`; `on_request_admitted` after a waiting
-    request took its blocks (and its job's pin was released); `on_request_finished` for every
-    finished request, before `retention_ttl_s`; `on_job_ended` when a job's last turn
-    finished or the job was released.
+    `schedule()`; `on_request_arrived` from `add_request`, before the request joins the
+    waiting queue; `on_request_admitted` after a waiting request took its blocks and its job's
+    pin was released (`on_pin_released` with reason REUSED comes first); `on_request_finished`
+    for every finished request (aborts included), before `retention_ttl_s`; `on_pin_added` and
+    `on_pin_released` whenever the pin table changes, whatever the cause; `on_job_ended` when a
+    job's last turn finished or the job was released.
     """
 
     def bind(self, scheduler: SchedulerView) -> None: ...
@@ -63,6 +83,23 @@ class SchedulingPolicy(Protocol):
     def on_request_finished(self, request: Request, now_s: float) -> None: ...
 
     def on_job_ended(self, job_id: str, now_s: float) -> None: ...
+
+    def on_pin_added(self, pin: Pin) -> None:
+        """A pin now holds blocks for `pin.job_id` (since `pin.pinned_at_s`)."""
+        ...
+
+    def on_pin_released(self, pin: Pin) -> None:
+        """`pin` stopped holding blocks (`pin.release_reason`, at `pin.released_at_s`)."""
+        ...
+
+    def job_state(self, job_id: str) -> PolicyJobState | None:
+        """The policy's books on the job, or None if it keeps none."""
+        ...
+
+    @property
+    def num_jobs(self) -> int:
+        """How many jobs the policy keeps state for (bounded by its idle timeout)."""
+        ...
 
     def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
         """For a request of a job that finished normally: seconds to pin its blocks, or None
@@ -105,6 +142,19 @@ class BasePolicy:
 
     def on_job_ended(self, job_id: str, now_s: float) -> None:
         pass
+
+    def on_pin_added(self, pin: Pin) -> None:
+        pass
+
+    def on_pin_released(self, pin: Pin) -> None:
+        pass
+
+    def job_state(self, job_id: str) -> PolicyJobState | None:
+        return None
+
+    @property
+    def num_jobs(self) -> int:
+        return 0
 
     def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
         return None

@@ -15,6 +15,10 @@ from engine.scheduler.policy import SchedulingPolicy
 POLICY_REGISTRY = MappingProxyType({
     "fcfs": "engine.scheduler.policies:FCFSPolicy",
     "priority": "engine.scheduler.policies:PriorityPolicy",
+    "continuum": "continuum.policy:ContinuumPolicy",
+    "continuum-fixed": "continuum.policy:ContinuumFixedPolicy",
+    "infercept": "continuum.baselines:InferCeptPolicy",
+    "autellix": "continuum.baselines:AutellixPolicy",
 })
 
 

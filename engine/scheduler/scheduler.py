@@ -89,7 +89,10 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self._pins = PinTable(self.kv_cache_manager.block_pool)
+        self._pins = PinTable(
+            self.kv_cache_manager.block_pool,
+            on_added=policy.on_pin_added, on_released=policy.on_pin_released,
+        )
         self._requests: dict[str, Request] = {}
         self._running: list[Request] = []
         self.policy = policy
@@ -134,9 +137,9 @@ class Scheduler:
                 f"prompt of {request.num_tokens} tokens exceeds max_model_len "
                 f"({self.config.max_model_len})"
             )
-        self._waiting.add_request(request)
-        self._requests[request.request_id] = request
         self.policy.on_request_arrived(request, self.clock())
+        self._requests[request.request_id] = request
+        self._waiting.add_request(request)
 
     def schedule(self) -> SchedulerOutput:
         """Plans one step: running requests first, then waiting ones if nobody was preempted."""

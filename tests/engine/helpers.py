@@ -38,9 +38,12 @@ def make_request(
     priority: int = 0,
     job_id: str | None = None,
     is_last_step: bool = False,
+    tool_name: str | None = None,
     **sampling: object,
 ) -> Request:
-    job = None if job_id is None else JobInfo(job_id=job_id, is_last_step=is_last_step)
+    job = None if job_id is None else JobInfo(
+        job_id=job_id, is_last_step=is_last_step, tool_name=tool_name
+    )
     return Request(
         request_id,
         prompt_token_ids,

@@ -8,7 +8,7 @@ from engine.engine_args import EngineArgs
 def test_defaults_take_the_models_context_length() -> None:
     config = EngineArgs().to_engine_config()
     assert config.scheduler.max_model_len == config.model.max_model_len == 4096
-    assert config.scheduler.policy == "fcfs" and config.executor == "torch"
+    assert config.scheduler.policy == "continuum" and config.executor == "torch"
 
 
 def test_cli_flags_round_trip() -> None:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -225,7 +226,8 @@ async def _run(request: Request, work: Any) -> dict[str, Any]:
 def _add_job_routes(app: FastAPI) -> None:
     @app.get("/v1/jobs/{job_id:path}")
     async def get_job(job_id: str, request: Request) -> dict[str, Any]:
-        """What the engine holds for the job: unfinished turns and its KV pin."""
+        """What the engine holds for the job: unfinished turns, its KV pin, and the
+        scheduling policy's books (turns, pins by release reason, last TTL)."""
         state = await _engine(request).job_state(_check_job_id(job_id))
         if state is None:
             raise _unknown_job(job_id)
@@ -233,7 +235,8 @@ def _add_job_routes(app: FastAPI) -> None:
                 "num_unfinished_requests": state.num_unfinished_requests,
                 "pin": None if state.pin is None else {
                     "request_id": state.pin.request_id, "num_blocks": state.pin.num_blocks,
-                    "ttl_s": state.pin.ttl_s, "remaining_ttl_s": state.pin.remaining_ttl_s}}
+                    "ttl_s": state.pin.ttl_s, "remaining_ttl_s": state.pin.remaining_ttl_s},
+                "policy": None if state.policy is None else msgspec.to_builtins(state.policy)}
 
     @app.delete("/v1/jobs/{job_id:path}")
     async def delete_job(job_id: str, request: Request) -> dict[str, Any]:
@@ -252,5 +255,5 @@ def _check_job_id(job_id: str) -> str:
 
 
 def _unknown_job(job_id: str) -> APIError:
-    return APIError(404, f"the engine holds nothing for job {job_id!r} (no pin and no "
-                         "unfinished turn)", param="job_id", code="job_not_found")
+    return APIError(404, f"the engine holds nothing for job {job_id!r} (no pin, no "
+                         "unfinished turn, no policy state)", param="job_id", code="job_not_found")

@@ -55,6 +55,8 @@ class _CoreStatsCollector(Collector):
         yield _gauge("num_pins", "Live KV pins (jobs holding their KV between turns).", model,
                      stats.num_pins)
         yield _gauge("pinned_blocks", "KV blocks held by pins.", model, stats.num_pinned_blocks)
+        yield _gauge("num_jobs", "Agent jobs the scheduling policy keeps state for.", model,
+                     stats.num_jobs)
         yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                        model, stats.prefix_cache_query_tokens)
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", model,

@@ -101,3 +101,16 @@ def test_inproc_client_runs_steps_on_get_output() -> None:
     with pytest.raises(ValueError, match="unknown utility"):
         client.call_utility("shutdown")
     client.shutdown()
+
+
+def test_job_state_includes_the_policys_books_until_the_job_ends() -> None:
+    core = EngineCore(SMALL_CONFIG, clock=FakeClock())  # the default policy: continuum
+    request = core_request("turn", list(range(40)), max_tokens=4)
+    core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job", tool_name="ls")))
+    run_to_completion(core)
+    state = core.job_state("job")
+    assert state.pin is not None and state.pin.ttl_s == 2.0
+    assert (state.policy.num_turns_finished, state.policy.num_pins_created) == (1, 1)
+    assert core.stats().num_jobs == 1
+    assert core.release_job("job") is True
+    assert core.job_state("job") is None and core.stats().num_jobs == 0

@@ -166,3 +166,25 @@ def test_admission_releases_other_jobs_pins_before_its_own() -> None:
     assert counts[PinReleaseReason.PRESSURE] == 1 and counts[PinReleaseReason.REUSED] == 1
     assert "other" not in scheduler.pins
     assert scheduler.pins.get("job").request_id == "turn1"  # turn1 finished and was pinned
+
+
+def test_pin_table_reports_every_change_to_its_listeners() -> None:
+    pool = BlockPool(8)
+    events: list[tuple[str, str, PinReleaseReason | None]] = []
+    pins = PinTable(
+        pool,
+        on_added=lambda pin: events.append(("added", pin.request_id, pin.release_reason)),
+        on_released=lambda pin: events.append(("released", pin.request_id, pin.release_reason)),
+    )
+    for request_id in ("t1", "t2"):
+        blocks = pool.allocate(1)
+        pool.cache_full_blocks(blocks, [request_id.encode()], 0, 1)
+        pins.add("J", request_id, blocks, now_s=0.0, ttl_s=1.0)
+    pins.release("J", PinReleaseReason.EXPIRED, now_s=2.0)
+    pins.release("J", PinReleaseReason.EXPIRED, now_s=3.0)  # nothing left: no event
+    assert events == [
+        ("added", "t1", None),
+        ("added", "t2", None),
+        ("released", "t1", PinReleaseReason.REPLACED),
+        ("released", "t2", PinReleaseReason.EXPIRED),
+    ]

@@ -113,8 +113,8 @@ def start_server(**overrides: Any) -> ServerThread:
 
 @pytest.fixture(scope="package")
 def server() -> Iterator[ServerThread]:
-    """The tiny model, FCFS, 256 KV blocks of 16 tokens, max_model_len 1024, request bodies
-    up to `MAX_BODY_BYTES`."""
+    """The tiny model, the default policy (continuum), 256 KV blocks of 16 tokens,
+    max_model_len 1024, request bodies up to `MAX_BODY_BYTES`."""
     running = start_server()
     yield running
     running.stop()

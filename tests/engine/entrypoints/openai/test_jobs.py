@@ -109,3 +109,23 @@ def test_all_jobs_released_leaves_the_pool_free(scripted_server):
     assert leftover == []
     assert stats.num_pins == 0
     assert stats.num_free_blocks == stats.num_kv_blocks
+
+
+def test_the_default_policy_pins_job_turns_and_reports_its_books(server):
+    first = server.client().completions.create(
+        model="tiny", prompt="The agent ran ls and saw", max_tokens=5,
+        extra_body={"job_id": "agent-7", "tool_name": "ls", "return_token_ids": True})
+    with server.http() as http:
+        state = http.get("/v1/jobs/agent-7").json()
+    assert state["pin"]["ttl_s"] == 2.0  # the constant TTL of the default estimator
+    assert state["policy"]["num_turns_finished"] == 1
+    assert state["policy"]["num_pins_created"] == 1 and state["policy"]["last_ttl_s"] == 2.0
+    assert server.metric("num_jobs") >= 1
+    choice = first.choices[0].model_extra
+    prompt = choice["prompt_token_ids"] + choice["token_ids"]
+    second = server.client().completions.create(
+        model="tiny", prompt=[*prompt, 10, 11], max_tokens=2,
+        extra_body={"job_id": "agent-7", "is_last_step": True})
+    assert second.usage.prompt_tokens_details.cached_tokens == len(prompt) // 16 * 16
+    with server.http() as http:
+        assert http.get("/v1/jobs/agent-7").status_code == 404

@@ -1,0 +1,189 @@
+"""Waiting queues of the job-aware policies: ordered by keys the policy computes.
+
+Keys are computed when a request enters the queue (`add_request`, or `prepend_request` after
+a preemption or when the scheduler passes a request over); equal keys keep insertion order.
+Both queues count waiting requests per job.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import Any
+
+from engine.request import Request, RequestStatus
+
+QueueKey = tuple[Any, ...]
+KeyFunction = Callable[[Request], QueueKey]
+
+
+_Entry = tuple[QueueKey, int, Request]
+
+
+class _LazyHeap:
+    """Requests by (key, insertion): O(log n) push and peek; removal marks the entry stale."""
+
+    def __init__(self) -> None:
+        self._heap: list[_Entry] = []
+        self._live: dict[int, _Entry] = {}
+        self._num_pushed = 0
+
+    def push(self, key: QueueKey, request: Request) -> None:
+        entry = (key, self._num_pushed, request)
+        self._num_pushed += 1
+        self._live[id(request)] = entry
+        heapq.heappush(self._heap, entry)
+
+    def discard(self, request: Request) -> bool:
+        return self._live.pop(id(request), None) is not None
+
+    def peek(self) -> _Entry | None:
+        heap = self._heap
+        while heap and self._live.get(id(heap[0][2])) is not heap[0]:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def entries(self) -> Iterable[_Entry]:
+        return self._live.values()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+class _JobCounts:
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+
+    def add(self, request: Request) -> None:
+        if request.job_id is not None:
+            self._counts[request.job_id] += 1
+
+    def remove(self, request: Request) -> None:
+        job_id = request.job_id
+        if job_id is not None:
+            self._counts[job_id] -= 1
+            if not self._counts[job_id]:
+                del self._counts[job_id]
+
+    def __getitem__(self, job_id: str) -> int:
+        return self._counts.get(job_id, 0)
+
+
+class KeyedRequestQueue:
+    """Smallest key first; a re-entering request is keyed anew."""
+
+    def __init__(self, key: KeyFunction) -> None:
+        self._key = key
+        self._heap = _LazyHeap()
+        self._job_counts = _JobCounts()
+
+    def add_request(self, request: Request) -> None:
+        self._heap.push(self._key(request), request)
+        self._job_counts.add(request)
+
+    def prepend_request(self, request: Request) -> None:
+        self.add_request(request)
+
+    def peek_request(self) -> Request:
+        head = self._heap.peek()
+        if head is None:
+            raise IndexError("peek from an empty queue")
+        return head[2]
+
+    def remove_request(self, request: Request) -> None:
+        if not self._heap.discard(request):
+            raise ValueError(f"{request} is not waiting")
+        self._job_counts.remove(request)
+
+    def remove_requests(self, requests: Collection[Request]) -> None:
+        for request in requests:
+            self.remove_request(request)
+
+    def num_waiting(self, job_id: str) -> int:
+        """Waiting requests of the job."""
+        return self._job_counts[job_id]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[2] for entry in sorted(self._heap.entries(), key=lambda e: e[:2]))
+
+
+class TieredRequestQueue:
+    """Continuum's order: preempted requests first, then requests of jobs that hold a live
+    pin, then the rest; by key within each tier.
+
+    The middle tier is read at peek time from `pinned_job_ids`, so a pin that is created,
+    expires or is broken while its job's turn waits moves that turn without re-keying.
+    """
+
+    def __init__(self, key: KeyFunction, pinned_job_ids: Callable[[], Iterable[str]]) -> None:
+        self._key = key
+        self._pinned_job_ids = pinned_job_ids
+        self._preempted = _LazyHeap()
+        self._rest = _LazyHeap()
+        self._by_job: dict[str, _LazyHeap] = {}
+        self._job_counts = _JobCounts()
+
+    def add_request(self, request: Request) -> None:
+        key = self._key(request)
+        if request.status is RequestStatus.PREEMPTED:
+            self._preempted.push(key, request)
+        else:
+            self._rest.push(key, request)
+            if request.job_id is not None:
+                self._by_job.setdefault(request.job_id, _LazyHeap()).push(key, request)
+        self._job_counts.add(request)
+
+    def prepend_request(self, request: Request) -> None:
+        self.add_request(request)
+
+    def peek_request(self) -> Request:
+        head = self._preempted.peek() or self._pinned_head() or self._rest.peek()
+        if head is None:
+            raise IndexError("peek from an empty queue")
+        return head[2]
+
+    def _pinned_head(self) -> _Entry | None:
+        heads = [
+            head for job_id in self._pinned_job_ids()
+            if (heap := self._by_job.get(job_id)) is not None and (head := heap.peek())
+        ]
+        return min(heads, key=lambda head: head[:2], default=None)
+
+    def remove_request(self, request: Request) -> None:
+        if self._preempted.discard(request):
+            self._job_counts.remove(request)
+            return
+        if not self._rest.discard(request):
+            raise ValueError(f"{request} is not waiting")
+        job_id = request.job_id
+        if job_id is not None:
+            heap = self._by_job[job_id]
+            heap.discard(request)
+            if not heap:
+                del self._by_job[job_id]
+        self._job_counts.remove(request)
+
+    def remove_requests(self, requests: Collection[Request]) -> None:
+        for request in requests:
+            self.remove_request(request)
+
+    def num_waiting(self, job_id: str) -> int:
+        """Waiting requests of the job."""
+        return self._job_counts[job_id]
+
+    def __len__(self) -> int:
+        return len(self._preempted) + len(self._rest)
+
+    def __iter__(self) -> Iterator[Request]:
+        pinned = set(self._pinned_job_ids())
+        entries = [(0, key, order, request) for key, order, request in self._preempted.entries()]
+        entries += [
+            (1 if request.job_id in pinned else 2, key, order, request)
+            for key, order, request in self._rest.entries()
+        ]
+        entries.sort(key=lambda entry: entry[:3])
+        return (entry[3] for entry in entries)

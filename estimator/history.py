@@ -1,0 +1,81 @@
+"""Tool durations observed from job timing, per tool and pooled, bounded in memory.
+
+A tool's duration is the time from a turn's finish to the arrival of its job's next turn.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+from estimator.base import ToolCall
+
+
+class ToolDurationHistory:
+    """The latest `max_samples` durations of each tool and of all tools together.
+
+    At most `max_tools` tools are remembered (the least recently sampled is forgotten) and at
+    most `max_pending` tool calls await their next turn (the oldest is dropped), so memory is
+    bounded however many jobs and tool names pass through.
+    """
+
+    def __init__(
+        self, *, max_samples: int = 1000, max_tools: int = 256, max_pending: int = 100_000
+    ) -> None:
+        for name, value in (("max_samples", max_samples), ("max_tools", max_tools),
+                            ("max_pending", max_pending)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.max_samples = max_samples
+        self.max_tools = max_tools
+        self.max_pending = max_pending
+        self._by_tool: OrderedDict[str, deque[float]] = OrderedDict()
+        self._pooled: deque[float] = deque(maxlen=max_samples)
+        self._pending: OrderedDict[str, ToolCall] = OrderedDict()
+
+    def start(self, call: ToolCall) -> None:
+        """The call's tool started when its turn finished; a pending call of the job is
+        replaced (its next turn never came)."""
+        self._pending.pop(call.job_id, None)
+        self._pending[call.job_id] = call
+        if len(self._pending) > self.max_pending:
+            self._pending.popitem(last=False)
+
+    def finish(self, job_id: str, arrived_at_s: float) -> float | None:
+        """The job's next turn arrived: records and returns its pending call's duration."""
+        call = self._pending.pop(job_id, None)
+        if call is None:
+            return None
+        duration_s = max(0.0, arrived_at_s - call.finished_at_s)
+        self.add(call.tool_name, duration_s)
+        return duration_s
+
+    def forget_job(self, job_id: str) -> None:
+        self._pending.pop(job_id, None)
+
+    def add(self, tool_name: str | None, duration_s: float) -> None:
+        """Records a duration; a sample without a tool name counts only in the pool."""
+        self._pooled.append(duration_s)
+        if tool_name is None:
+            return
+        samples = self._by_tool.pop(tool_name, None)
+        if samples is None:
+            samples = deque(maxlen=self.max_samples)
+        samples.append(duration_s)
+        self._by_tool[tool_name] = samples
+        if len(self._by_tool) > self.max_tools:
+            self._by_tool.popitem(last=False)
+
+    def samples(self, tool_name: str | None) -> Sequence[float]:
+        """The tool's recorded durations (oldest first); the pool's for `None`."""
+        if tool_name is None:
+            return self._pooled
+        return self._by_tool.get(tool_name, ())
+
+    def mean_s(self, tool_name: str | None) -> float | None:
+        samples = self.samples(tool_name)
+        return sum(samples) / len(samples) if samples else None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)

@@ -1,0 +1,111 @@
+"""Random agent workloads: every job finishes, invariants hold after every step, nothing
+leaks; and requests without a job are scheduled exactly as by FCFS."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from continuum.baselines import AutellixPolicy, InferCeptPolicy
+from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
+from engine.scheduler.policies import FCFSPolicy
+from estimator.base import ConstantTTLEstimator
+from tests.continuum.workload import AgentJob, Turn, replay
+from tests.engine.helpers import FakeClock, FakeRunner, make_request, make_scheduler, run_step
+
+AGENT_POLICIES = {
+    "continuum": lambda: ContinuumPolicy(estimator=ConstantTTLEstimator(1.5)),
+    "continuum-long-ttl": lambda: ContinuumPolicy(estimator=ConstantTTLEstimator(1e6)),
+    "continuum-fixed": ContinuumFixedPolicy,
+    "infercept": InferCeptPolicy,
+    "autellix": AutellixPolicy,
+}
+
+turn = st.builds(
+    Turn,
+    appended_tokens=st.integers(1, 12),
+    output_tokens=st.integers(1, 6),
+    tool_s=st.sampled_from([0.0, 0.05, 0.3, 1.0, 4.0]),
+)
+job_shape = st.tuples(st.floats(0.0, 2.0), st.lists(turn, min_size=1, max_size=4))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    policy_name=st.sampled_from(sorted(AGENT_POLICIES)),
+    shapes=st.lists(job_shape, min_size=1, max_size=8),
+    num_blocks=st.integers(8, 28),
+    max_num_batched_tokens=st.integers(8, 64),
+    max_num_seqs=st.integers(1, 6),
+    seed=st.integers(0, 1000),
+)
+def test_random_jobs_all_finish_with_invariants_and_empty_tables(
+    policy_name, shapes, num_blocks, max_num_batched_tokens, max_num_seqs, seed
+) -> None:
+    jobs = []
+    for index, (arrival_s, turns) in enumerate(shapes):
+        last = Turn(turns[-1].appended_tokens, turns[-1].output_tokens, tool_s=None)
+        jobs.append(AgentJob(f"job{index}", arrival_s, (*turns[:-1], last)))
+    jobs = [job for job in jobs if job.num_tokens <= num_blocks * 4]
+    if not jobs:
+        return
+    policy = AGENT_POLICIES[policy_name]()
+    # replay() checks the invariants after every step, that every job finishes within the
+    # step bound (pins never wedge admission), and that no block or pin is left behind.
+    result = replay(jobs, policy, num_blocks=num_blocks,
+                    max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                    seed=seed, max_steps=20_000)
+    assert sorted(result.job_completion_s) == sorted(job.job_id for job in jobs)
+    for reason in result.pins_released:
+        event(f"pin released: {reason}")
+    event(f"preempted: {result.num_preemptions > 0}")
+    assert policy.num_jobs == 0 and not policy._arrivals
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 20), st.integers(1, 12)),
+        min_size=1, max_size=12,
+    ),
+    num_blocks=st.integers(8, 16),
+    max_num_batched_tokens=st.integers(4, 40),
+    max_num_seqs=st.integers(1, 6),
+    threshold=st.one_of(st.none(), st.integers(1, 16)),
+    seed=st.integers(0, 1000),
+)
+def test_requests_without_a_job_are_scheduled_exactly_as_by_fcfs(
+    arrivals, num_blocks, max_num_batched_tokens, max_num_seqs, threshold, seed
+) -> None:
+    """`arrivals`: (steps to run before it, prompt length, max_tokens) per request."""
+    traces = []
+    for policy in (FCFSPolicy(), ContinuumPolicy()):
+        rng = random.Random(seed)
+        scheduler = make_scheduler(
+            num_blocks=num_blocks, block_size=4, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, max_model_len=32, long_prefill_token_threshold=threshold,
+            policy=policy, clock=FakeClock(),
+        )
+        runner = FakeRunner(4, sample=lambda req_id, position, rng=rng: rng.randrange(1, 9))
+        trace = []
+        for index, (steps_before, prompt_len, max_tokens) in enumerate(arrivals):
+            for _ in range(steps_before):
+                trace.append(_decisions(*run_step(scheduler, runner)))
+            prompt = [rng.randrange(1, 6) for _ in range(prompt_len)]
+            scheduler.add_request(make_request(f"r{index}", prompt, max_tokens=max_tokens))
+        while scheduler.has_unfinished_requests():
+            trace.append(_decisions(*run_step(scheduler, runner)))
+        assert len(scheduler.pins) == 0
+        traces.append(trace)
+    assert traces[0] == traces[1]
+
+
+def _decisions(output, outputs) -> tuple:
+    return (
+        [new.req_id for new in output.scheduled_new_reqs],
+        dict(output.num_scheduled_tokens),
+        sorted(output.preempted_req_ids),
+        [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs],
+    )

@@ -1,0 +1,157 @@
+"""Victim and pin-release choices of the agent policies, table-driven over a stub scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from continuum.baselines import AutellixPolicy, InferCeptPolicy
+from continuum.job_aware import JobAwarePolicy
+from continuum.policy import ContinuumPolicy
+from engine.kv_cache.pins import Pin
+from engine.request import Request
+from tests.engine.helpers import make_request
+
+JOBS = ("J0", "J1", "J2", "J3")  # first arrivals in this order
+
+
+@dataclass
+class StubPins:
+    pins: dict[str, Pin] = field(default_factory=dict)
+
+    def get(self, job_id: str) -> Pin | None:
+        return self.pins.get(job_id)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self.pins
+
+    def __iter__(self) -> Iterator[Pin]:
+        return iter(list(self.pins.values()))
+
+    def __len__(self) -> int:
+        return len(self.pins)
+
+
+@dataclass
+class StubView:
+    running: list[Request]
+    pins: StubPins
+    waiting: list[Request] = field(default_factory=list)
+
+
+def bind(
+    policy: JobAwarePolicy,
+    running: str,
+    pins: str,
+    pin_blocks: dict[str, int] | None = None,
+) -> dict[str, Request]:
+    """`running`: space-separated `id` or `id@job`, in admission order; `pins`: pinned jobs,
+    in pin order. Every job of JOBS arrived, in order, before any of these requests."""
+    for order, job_id in enumerate(JOBS):
+        policy.jobs.get_or_add(job_id, arrival_order=order, now_s=float(order))
+    requests = {}
+    for order, spec in enumerate(running.split(), start=len(JOBS)):
+        request_id, _, job_id = spec.partition("@")
+        request = make_request(request_id, [1, 2, 3], job_id=job_id or None)
+        policy._arrivals[request_id] = (order, 0.0)
+        requests[request_id] = request
+    pin_blocks = pin_blocks or {}
+    stub_pins = StubPins({
+        job_id: Pin(job_id, f"{job_id}-prev", [None] * pin_blocks.get(job_id, 1),  # type: ignore[list-item]
+                    pinned_at_s=float(index), ttl_s=10.0)
+        for index, job_id in enumerate(pins.split())
+    })
+    policy.bind(StubView(list(requests.values()), stub_pins))  # type: ignore[arg-type]
+    return requests
+
+
+def describe(victim: Request | Pin | None) -> str | None:
+    if victim is None:
+        return None
+    return f"pin:{victim.job_id}" if isinstance(victim, Pin) else victim.request_id
+
+
+@pytest.mark.parametrize(("running", "pins", "request_id", "expected"), [
+    # Like FCFS: the youngest running request, possibly the one that needs blocks.
+    ("a b R", "", "R", "R"),
+    ("a R c", "", "R", "c"),
+    ("a@J0 R@J1 c@J2", "", "R", "c"),
+    # Requests of jobs holding a pin are passed over while others remain.
+    ("a R c@J2", "J2", "R", "R"),
+    ("b R@J1 a@J2", "J2", "R", "R"),
+    ("b a@J2 R", "J2", "R", "R"),
+    ("a@J2 b R@J1", "J2", "R", "R"),
+    ("R@J1 b a@J2", "J2", "R", "b"),
+    # The needy request is the sole candidate: pins go first, the latest job's first.
+    ("a@J0 R", "J0", "R", "pin:J0"),
+    ("R", "J0 J3 J1", "R", "pin:J3"),
+    ("R@J1", "J1 J0", "R", "pin:J1"),
+    ("R", "", "R", "R"),
+    # Every running request's job holds a pin: release pins.
+    ("a@J0 R@J1", "J0 J1", "R", "pin:J1"),
+])
+def test_continuum_victims(running: str, pins: str, request_id: str, expected: str) -> None:
+    policy = ContinuumPolicy()
+    requests = bind(policy, running, pins)
+    assert describe(policy.select_victim(requests[request_id])) == expected
+
+
+@pytest.mark.parametrize(("running", "pins", "head_job", "expected"), [
+    ("a", "J0 J1", None, None),  # while anything runs, the head waits
+    ("", "", None, None),
+    ("", "J0 J2 J1", None, "pin:J2"),  # latest job first
+    ("", "J0 J2 J1", "J2", "pin:J1"),  # the head's own job's pin last
+    ("", "J2", "J2", "pin:J2"),
+])
+def test_continuum_pins_for_admission(
+    running: str, pins: str, head_job: str | None, expected: str | None
+) -> None:
+    policy = ContinuumPolicy()
+    bind(policy, running, pins)
+    head = make_request("head", [1, 2, 3], job_id=head_job)
+    assert describe(policy.select_pin_to_release(head)) == expected
+
+
+@pytest.mark.parametrize(("running", "pins", "blocks", "head_job", "expected"), [
+    ("a R", "", {}, None, "R"),  # no pins: FCFS
+    ("a R", "J0 J1", {"J0": 3, "J1": 2}, None, "pin:J1"),  # least recompute first
+    ("a R", "J0 J1", {"J0": 2, "J1": 2}, None, "pin:J0"),  # then the oldest
+])
+def test_infercept_victims(
+    running: str, pins: str, blocks: dict[str, int], head_job: str | None, expected: str
+) -> None:
+    policy = InferCeptPolicy()
+    requests = bind(policy, running, pins, blocks)
+    assert describe(policy.select_victim(requests["R"])) == expected
+
+
+@pytest.mark.parametrize(("pins", "blocks", "head_job", "expected"), [
+    ("J0 J1", {"J0": 3, "J1": 2}, None, "pin:J1"),
+    ("J0 J1", {"J0": 3, "J1": 2}, "J1", "pin:J0"),  # the head's own job last
+    ("", {}, None, None),
+])
+def test_infercept_releases_pins_for_admission_even_while_others_run(
+    pins: str, blocks: dict[str, int], head_job: str | None, expected: str | None
+) -> None:
+    policy = InferCeptPolicy()
+    bind(policy, "a b", pins, blocks)
+    head = make_request("head", [1, 2, 3], job_id=head_job)
+    assert describe(policy.select_pin_to_release(head)) == expected
+
+
+@pytest.mark.parametrize(("service", "running", "expected"), [
+    ({}, "a b R", "R"),  # equal service: the youngest
+    ({"J0": 50}, "a@J0 b R", "a"),
+    ({"J0": 50, "J1": 80}, "a@J0 R@J1 c", "R"),
+    ({"J0": 50, "J1": 80}, "R a@J0 c", "a"),
+])
+def test_autellix_preempts_the_most_served_job(
+    service: dict[str, int], running: str, expected: str
+) -> None:
+    policy = AutellixPolicy()
+    requests = bind(policy, running, "")
+    for job_id, tokens in service.items():
+        policy.jobs.get(job_id).attained_service_tokens = tokens
+    assert describe(policy.select_victim(requests["R"])) == expected
