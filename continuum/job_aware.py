@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from continuum.jobs import Job, JobTable
 from continuum.queues import QueueKey
 from engine.kv_cache.pins import Pin, PinReleaseReason
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler.policy import BasePolicy, PolicyJobState
 from estimator.base import ToolCall, TTLEstimator
 
 DEFAULT_JOB_IDLE_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Arrival:
+    """An unfinished request as the policy saw it arrive: its rank in arrival order, the time,
+    and the job it was counted in (a job that ends and starts again under the same id is a
+    new `Job`; turns of the old one never touch it)."""
+
+    order: int
+    time_s: float
+    job: Job | None
 
 
 class JobAwarePolicy(BasePolicy):
@@ -36,19 +48,27 @@ class JobAwarePolicy(BasePolicy):
         self.estimator = estimator
         self.jobs = JobTable(job_idle_timeout_s)
         self._num_arrivals = 0
-        self._arrivals: dict[str, tuple[int, float]] = {}  # request id -> (order, time)
+        self._arrivals: dict[str, _Arrival] = {}  # by request id, until it finishes
+        self._finishing: tuple[str, Job | None] | None = None  # for `retention_ttl_s`
 
     # Ordering helpers for subclasses.
     def arrival_order(self, request: Request) -> int:
         """The request's rank in arrival order (0 for the first request ever seen)."""
-        return self._arrivals[request.request_id][0]
+        return self._arrivals[request.request_id].order
 
     def job_order(self, request: Request) -> QueueKey:
         """(the first arrival of the request's job, the request's arrival); a request
         without a job is its own one-turn job."""
-        order = self.arrival_order(request)
-        job = self.jobs.get(request.job_id)
-        return (order if job is None else job.first_arrival_order, order)
+        arrival = self._arrivals[request.request_id]
+        job = arrival.job
+        return (arrival.order if job is None else job.first_arrival_order, arrival.order)
+
+    def job_of(self, request: Request) -> Job | None:
+        """The live job an unfinished request belongs to; None without a job, or if its job
+        ended since the request arrived."""
+        arrival = self._arrivals.get(request.request_id)
+        job = None if arrival is None else arrival.job
+        return job if job is not None and self.jobs.get(job.job_id) is job else None
 
     def holds_pin(self, job_id: str | None) -> bool:
         return job_id is not None and job_id in self.scheduler.pins
@@ -66,13 +86,14 @@ class JobAwarePolicy(BasePolicy):
             self._forget(job)
 
     def on_request_arrived(self, request: Request, now_s: float) -> None:
-        self._arrivals[request.request_id] = (self._num_arrivals, now_s)
+        order = self._num_arrivals
         self._num_arrivals += 1
-        if request.job_id is None:
-            return
-        job = self.jobs.get_or_add(
-            request.job_id, arrival_order=self._num_arrivals - 1, now_s=now_s
+        job = None if request.job_id is None else self.jobs.get_or_add(
+            request.job_id, arrival_order=order, now_s=now_s
         )
+        self._arrivals[request.request_id] = _Arrival(order, now_s, job)
+        if job is None:
+            return
         job.num_turns_arrived += 1
         job.num_unfinished_turns += 1
         self.jobs.touch(job, now_s)
@@ -80,7 +101,7 @@ class JobAwarePolicy(BasePolicy):
             self.estimator.observe_next_turn(job.job_id, now_s)
 
     def on_request_admitted(self, request: Request, now_s: float) -> None:
-        job = self.jobs.get(request.job_id)
+        job = self.job_of(request)
         if job is None:
             return
         found_pin, job.pin_reused = job.pin_reused, False
@@ -89,17 +110,20 @@ class JobAwarePolicy(BasePolicy):
             request.num_preemptions == 0 and not found_pin and job.num_turns_finished > 0
         )
         if self.estimator is not None and returned_without_kv:
-            self.estimator.observe_queueing_delay(now_s - self._arrivals[request.request_id][1])
+            self.estimator.observe_queueing_delay(now_s - self._arrivals[request.request_id].time_s)
 
     def on_request_finished(self, request: Request, now_s: float) -> None:
+        job = self.job_of(request)
         self._arrivals.pop(request.request_id, None)
-        job = self.jobs.get(request.job_id)
+        self._finishing = (request.request_id, job)
         if job is None:
             return
         job.num_unfinished_turns -= 1
+        self.jobs.touch(job, now_s)
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            return  # not a turn of the job: its client gave up on it
         job.num_turns_finished += 1
         job.attained_service_tokens += request.num_tokens - (request.num_cached_tokens or 0)
-        self.jobs.touch(job, now_s)
 
     def on_job_ended(self, job_id: str, now_s: float) -> None:
         job = self.jobs.remove(job_id)
@@ -133,9 +157,10 @@ class JobAwarePolicy(BasePolicy):
         return ttl_s if ttl_s > 0 else None
 
     def _tool_call(self, request: Request, now_s: float) -> ToolCall | None:
-        """The tool call a finished turn made: every non-final turn of a known job is
-        followed by its client's tool (the client said the job goes on)."""
-        job = self.jobs.get(request.job_id)
+        """The tool call a turn that just finished made: every non-final turn of a live job
+        is followed by its client's tool (the client said the job goes on)."""
+        finishing, self._finishing = self._finishing, None
+        job = finishing[1] if finishing and finishing[0] == request.request_id else None
         if job is None or request.job is None or request.job.is_last_step:
             return None
         return ToolCall(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -77,19 +78,16 @@ class JobTable:
         return self._jobs.pop(job_id, None)
 
     def pop_idle(self, now_s: float, is_busy: Callable[[Job], bool]) -> list[Job]:
-        """Removes and returns the jobs idle for over the timeout; a job `is_busy` reports
-        busy (a pin, say) counts as active now instead."""
-        idle: list[Job] = []
+        """Removes and returns the jobs idle for over the timeout, except those with an
+        unfinished turn or that `is_busy` reports busy (holding a pin, say)."""
         cutoff_s = now_s - self.idle_timeout_s
-        while self._jobs:
-            job = next(iter(self._jobs.values()))
-            if job.last_active_s >= cutoff_s:
-                break
-            if job.num_unfinished_turns > 0 or is_busy(job):
-                self.touch(job, now_s)
-            else:
-                idle.append(self._jobs.pop(job.job_id))
-        return idle
+        stale = list(itertools.takewhile(
+            lambda job: job.last_active_s < cutoff_s, self._jobs.values()
+        ))
+        return [
+            self._jobs.pop(job.job_id) for job in stale
+            if job.num_unfinished_turns == 0 and not is_busy(job)
+        ]
 
     def __len__(self) -> int:
         return len(self._jobs)

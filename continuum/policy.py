@@ -13,7 +13,10 @@ from estimator.fixed import FixedTTLEstimator
 
 
 class ContinuumPolicy(JobAwarePolicy):
-    """Continuum scheduling for agent jobs; requests without a job are plain FCFS.
+    """Continuum scheduling for agent jobs; requests without a job are plain FCFS (exactly
+    V1's order with chunked prefill; without it, a prompt passed over for the budget can make
+    two preempted requests come back in arrival order where V1 takes the later-preempted
+    first).
 
     - Retention: a non-final turn of a job is pinned for the estimator's TTL when it is
       positive (at most one pin per job; a newer pin replaces the older). The pin is released

@@ -36,7 +36,13 @@ class _LazyHeap:
         heapq.heappush(self._heap, entry)
 
     def discard(self, request: Request) -> bool:
-        return self._live.pop(id(request), None) is not None
+        if self._live.pop(id(request), None) is None:
+            return False
+        if len(self._heap) > 2 * len(self._live) + 64:
+            # Stale entries keep removed requests alive: drop them once they dominate.
+            self._heap = list(self._live.values())
+            heapq.heapify(self._heap)
+        return True
 
     def peek(self) -> _Entry | None:
         heap = self._heap

@@ -15,10 +15,11 @@ def test_jobs_idle_past_the_timeout_are_popped_unless_busy() -> None:
     table.touch(table.get("a"), 5.0)  # a is active later than c
     popped = table.pop_idle(13.5, is_busy=lambda job: job.job_id == "d")
     assert [job.job_id for job in popped] == ["c"]
-    assert [job.job_id for job in table] == ["a", "b", "d"]
-    assert table.get("b").last_active_s == 13.5  # busy jobs count as active now
-    assert [job.job_id for job in table.pop_idle(15.1, is_busy=lambda job: False)] == ["a"]
-    assert len(table) == 2
+    assert [job.job_id for job in table] == ["b", "d", "a"]
+    assert table.get("b").last_active_s == 1.0  # kept, not made active
+    table.get("b").num_unfinished_turns = 0
+    popped = table.pop_idle(15.1, is_busy=lambda job: False)
+    assert [job.job_id for job in popped] == ["b", "d", "a"] and len(table) == 0
 
 
 def test_get_or_add_keeps_the_first_arrival() -> None:

@@ -242,11 +242,8 @@ def test_a_pinned_job_is_not_forgotten_while_its_pin_lives() -> None:
     h.step()
     assert h.policy.job_state("J") is not None
     h.clock.advance(101.0)
-    h.step()  # the pin expires here; the job counts as active until then
-    assert h.pin("J") is None and h.policy.job_state("J") is not None
-    h.clock.advance(601.0)
-    h.step()
-    assert h.policy.job_state("J") is None and h.policy.num_jobs == 0
+    h.step()  # the pin expires: the job, idle for 1001 s, goes with it
+    assert h.pin("J") is None and h.policy.job_state("J") is None and h.policy.num_jobs == 0
 
 
 def test_job_state_exposes_turns_pins_and_ttls() -> None:
@@ -297,3 +294,29 @@ def test_an_aborted_turn_releases_its_jobs_pin_and_is_not_pinned() -> None:
     assert h.scheduler.pins.num_released == {PinReleaseReason.ABORT: 1}
     h.step()
     assert h.scheduler.kv_cache_manager.block_pool.num_free_blocks == 32
+
+
+@pytest.mark.parametrize("ttl_s", [0.0, 5.0])
+def test_turns_of_an_ended_job_never_touch_a_new_job_with_the_same_id(ttl_s: float) -> None:
+    h = Harness(continuum(ttl_s), max_num_seqs=4)
+    h.add("old", tokens(1, 10), job="J", max_tokens=5)
+    h.step()
+    h.scheduler.end_job("J")  # a client released the job while its turn runs
+    h.add("new1", tokens(300, 6), job="J", max_tokens=2)
+    h.run_until_finished("old", "new1")
+    job = h.policy.jobs.get("J")
+    assert (job.num_turns_arrived, job.num_turns_finished, job.num_unfinished_turns) == (1, 1, 0)
+    pin = h.pin("J")
+    assert (pin is not None and pin.request_id) == (ttl_s > 0 and "new1")
+    assert job.attained_service_tokens == 8
+
+
+def test_aborted_turns_do_not_count_as_finished_turns() -> None:
+    h = Harness(continuum())
+    h.add("t1", tokens(1, 10), job="J", max_tokens=8)
+    h.step()
+    h.scheduler.finish_requests(["t1"])
+    job = h.policy.jobs.get("J")
+    assert (job.num_turns_finished, job.num_unfinished_turns, job.attained_service_tokens) == (
+        0, 0, 0)
+    assert h.pin("J") is None

@@ -79,7 +79,8 @@ def test_random_jobs_all_finish_with_invariants_and_empty_tables(
 def test_requests_without_a_job_are_scheduled_exactly_as_by_fcfs(
     arrivals, num_blocks, max_num_batched_tokens, max_num_seqs, threshold, seed
 ) -> None:
-    """`arrivals`: (steps to run before it, prompt length, max_tokens) per request."""
+    """`arrivals`: (steps to run before it, prompt length, max_tokens) per request. With
+    chunked prefill (the default); see `ContinuumPolicy` for the exception without it."""
     traces = []
     for policy in (FCFSPolicy(), ContinuumPolicy()):
         rng = random.Random(seed)

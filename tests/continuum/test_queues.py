@@ -71,3 +71,15 @@ def test_tiered_queue_puts_preempted_then_pinned_jobs_first() -> None:
     assert len(queue) == 0
     with pytest.raises(IndexError):
         queue.peek_request()
+
+
+def test_removed_requests_do_not_pile_up_behind_a_stuck_head() -> None:
+    queue = KeyedRequestQueue(lambda r: (int(r.request_id),))
+    head = request("0")
+    queue.add_request(head)
+    for index in range(1, 1001):
+        item = request(str(index))
+        queue.add_request(item)
+        queue.remove_request(item)
+    assert len(queue._heap._heap) <= 2 * len(queue) + 65
+    assert queue.peek_request() is head and list(queue) == [head]

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-
 from continuum.policy import ContinuumPolicy
 from engine.scheduler.policies import FCFSPolicy
-from tests.continuum.workload import TRACES, load_trace_jobs, replay
+from tests.continuum.workload import TEST_DATA, load_trace_jobs, replay
 
-TRACE = "minisweagent_deepseek_jobs.jsonl"
-
-pytestmark = pytest.mark.skipif(not (TRACES / TRACE).exists(), reason="traces not present")
+# The first 16 jobs of ../shared/traces/converted/minisweagent_deepseek_jobs.jsonl, 12 turns.
+TRACE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
 
 
 def test_continuum_recomputes_fewer_prompt_tokens_than_fcfs_on_swe_jobs() -> None:

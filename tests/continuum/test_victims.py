@@ -50,12 +50,12 @@ def bind(
     """`running`: space-separated `id` or `id@job`, in admission order; `pins`: pinned jobs,
     in pin order. Every job of JOBS arrived, in order, before any of these requests."""
     for order, job_id in enumerate(JOBS):
-        policy.jobs.get_or_add(job_id, arrival_order=order, now_s=float(order))
+        policy.on_request_arrived(make_request(f"{job_id}-first", [1], job_id=job_id), order)
     requests = {}
-    for order, spec in enumerate(running.split(), start=len(JOBS)):
+    for spec in running.split():
         request_id, _, job_id = spec.partition("@")
         request = make_request(request_id, [1, 2, 3], job_id=job_id or None)
-        policy._arrivals[request_id] = (order, 0.0)
+        policy.on_request_arrived(request, now_s=10.0)
         requests[request_id] = request
     pin_blocks = pin_blocks or {}
     stub_pins = StubPins({

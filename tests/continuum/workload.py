@@ -21,7 +21,7 @@ from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import SchedulingPolicy
 from tests.engine.helpers import FakeClock, FakeRunner, make_scheduler, run_step
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "converted"
+TEST_DATA = Path(__file__).resolve().parents[1] / "data"
 SYSTEM_PROMPT = list(range(1, 9))  # shared by every job's first turn
 
 
@@ -44,12 +44,12 @@ class AgentJob:
 
 
 def load_trace_jobs(
-    name: str, *, num_jobs: int, max_turns: int, token_scale: float, arrival_gap_s: float
+    path: Path, *, num_jobs: int, max_turns: int, token_scale: float, arrival_gap_s: float
 ) -> list[AgentJob]:
-    """The first `num_jobs` jobs of a converted trace, truncated to `max_turns` turns, token
-    counts scaled by `token_scale`, arriving `arrival_gap_s` apart."""
+    """The first `num_jobs` jobs of a trace in the agent-job format, truncated to `max_turns`
+    turns, token counts scaled by `token_scale`, arriving `arrival_gap_s` apart."""
     jobs = []
-    with open(TRACES / name) as trace:
+    with open(path) as trace:
         for index, line in zip(range(num_jobs), trace, strict=False):
             record = json.loads(line)
             turns = record["turns"][:max_turns]
