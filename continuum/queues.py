@@ -57,39 +57,53 @@ class _LazyHeap:
         return len(self._live)
 
 
-class _JobCounts:
+class _JobCountingQueue:
+    """What both queues share: re-entry is a fresh entry, and waiting requests are counted
+    per job. Subclasses call `_count` / `_uncount` as requests enter and leave."""
+
     def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
-
-    def add(self, request: Request) -> None:
-        if request.job_id is not None:
-            self._counts[request.job_id] += 1
-
-    def remove(self, request: Request) -> None:
-        job_id = request.job_id
-        if job_id is not None:
-            self._counts[job_id] -= 1
-            if not self._counts[job_id]:
-                del self._counts[job_id]
-
-    def __getitem__(self, job_id: str) -> int:
-        return self._counts.get(job_id, 0)
-
-
-class KeyedRequestQueue:
-    """Smallest key first; a re-entering request is keyed anew."""
-
-    def __init__(self, key: KeyFunction) -> None:
-        self._key = key
-        self._heap = _LazyHeap()
-        self._job_counts = _JobCounts()
+        self._job_counts: Counter[str] = Counter()
 
     def add_request(self, request: Request) -> None:
-        self._heap.push(self._key(request), request)
-        self._job_counts.add(request)
+        raise NotImplementedError
+
+    def remove_request(self, request: Request) -> None:
+        raise NotImplementedError
 
     def prepend_request(self, request: Request) -> None:
         self.add_request(request)
+
+    def remove_requests(self, requests: Collection[Request]) -> None:
+        for request in requests:
+            self.remove_request(request)
+
+    def num_waiting(self, job_id: str) -> int:
+        """Waiting requests of the job."""
+        return self._job_counts.get(job_id, 0)
+
+    def _count(self, request: Request) -> None:
+        if request.job_id is not None:
+            self._job_counts[request.job_id] += 1
+
+    def _uncount(self, request: Request) -> None:
+        job_id = request.job_id
+        if job_id is not None:
+            self._job_counts[job_id] -= 1
+            if not self._job_counts[job_id]:
+                del self._job_counts[job_id]
+
+
+class KeyedRequestQueue(_JobCountingQueue):
+    """Smallest key first; a re-entering request is keyed anew."""
+
+    def __init__(self, key: KeyFunction) -> None:
+        super().__init__()
+        self._key = key
+        self._heap = _LazyHeap()
+
+    def add_request(self, request: Request) -> None:
+        self._heap.push(self._key(request), request)
+        self._count(request)
 
     def peek_request(self) -> Request:
         head = self._heap.peek()
@@ -100,15 +114,7 @@ class KeyedRequestQueue:
     def remove_request(self, request: Request) -> None:
         if not self._heap.discard(request):
             raise ValueError(f"{request} is not waiting")
-        self._job_counts.remove(request)
-
-    def remove_requests(self, requests: Collection[Request]) -> None:
-        for request in requests:
-            self.remove_request(request)
-
-    def num_waiting(self, job_id: str) -> int:
-        """Waiting requests of the job."""
-        return self._job_counts[job_id]
+        self._uncount(request)
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -117,7 +123,7 @@ class KeyedRequestQueue:
         return (entry[2] for entry in sorted(self._heap.entries(), key=lambda e: e[:2]))
 
 
-class TieredRequestQueue:
+class TieredRequestQueue(_JobCountingQueue):
     """Continuum's order: preempted requests first, then requests of jobs that hold a live
     pin, then the rest; by key within each tier.
 
@@ -126,12 +132,12 @@ class TieredRequestQueue:
     """
 
     def __init__(self, key: KeyFunction, pinned_job_ids: Callable[[], Iterable[str]]) -> None:
+        super().__init__()
         self._key = key
         self._pinned_job_ids = pinned_job_ids
         self._preempted = _LazyHeap()
         self._rest = _LazyHeap()
         self._by_job: dict[str, _LazyHeap] = {}
-        self._job_counts = _JobCounts()
 
     def add_request(self, request: Request) -> None:
         key = self._key(request)
@@ -141,10 +147,7 @@ class TieredRequestQueue:
             self._rest.push(key, request)
             if request.job_id is not None:
                 self._by_job.setdefault(request.job_id, _LazyHeap()).push(key, request)
-        self._job_counts.add(request)
-
-    def prepend_request(self, request: Request) -> None:
-        self.add_request(request)
+        self._count(request)
 
     def peek_request(self) -> Request:
         head = self._preempted.peek() or self._pinned_head() or self._rest.peek()
@@ -161,7 +164,7 @@ class TieredRequestQueue:
 
     def remove_request(self, request: Request) -> None:
         if self._preempted.discard(request):
-            self._job_counts.remove(request)
+            self._uncount(request)
             return
         if not self._rest.discard(request):
             raise ValueError(f"{request} is not waiting")
@@ -171,15 +174,7 @@ class TieredRequestQueue:
             heap.discard(request)
             if not heap:
                 del self._by_job[job_id]
-        self._job_counts.remove(request)
-
-    def remove_requests(self, requests: Collection[Request]) -> None:
-        for request in requests:
-            self.remove_request(request)
-
-    def num_waiting(self, job_id: str) -> int:
-        """Waiting requests of the job."""
-        return self._job_counts[job_id]
+        self._uncount(request)
 
     def __len__(self) -> int:
         return len(self._preempted) + len(self._rest)
