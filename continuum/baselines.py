@@ -31,7 +31,7 @@ class InferCeptPolicy(JobAwarePolicy):
     def __init__(self, *, job_idle_timeout_s: float = DEFAULT_JOB_IDLE_TIMEOUT_S) -> None:
         super().__init__(estimator=None, job_idle_timeout_s=job_idle_timeout_s)
 
-    def new_waiting_queue(self) -> KeyedRequestQueue:
+    def make_queue(self) -> KeyedRequestQueue:
         return KeyedRequestQueue(self._fcfs_key)
 
     def _fcfs_key(self, request: Request) -> QueueKey:
@@ -71,7 +71,7 @@ class AutellixPolicy(JobAwarePolicy):
     def __init__(self, *, job_idle_timeout_s: float = DEFAULT_JOB_IDLE_TIMEOUT_S) -> None:
         super().__init__(estimator=None, job_idle_timeout_s=job_idle_timeout_s)
 
-    def new_waiting_queue(self) -> KeyedRequestQueue:
+    def make_queue(self) -> KeyedRequestQueue:
         return KeyedRequestQueue(self._plas_key)
 
     def _plas_key(self, request: Request) -> QueueKey:

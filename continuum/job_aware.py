@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from continuum.jobs import Job, JobTable
-from continuum.queues import QueueKey
+from continuum.queues import JobCountingQueue, QueueKey
 from engine.kv_cache.pins import Pin, PinReleaseReason
 from engine.request import Request, RequestStatus
 from engine.scheduler.policy import BasePolicy, PolicyJobState
@@ -31,13 +31,15 @@ class JobAwarePolicy(BasePolicy):
 
     At each step start, pins past their deadline are released (EXPIRED) unless a turn of
     their job is waiting, and jobs idle for `job_idle_timeout_s` (no unfinished turn, no
-    pin) are forgotten. Subclasses choose the waiting order (`new_waiting_queue`, using
+    pin) are forgotten. Subclasses choose the waiting order (`make_queue`, using
     `arrival_order` and the job table), victims, and retention (`retention_ttl_s`; by default
     a non-final turn of a job is pinned for the estimator's TTL when it is positive).
 
     Arrival order, not arrival time, ranks requests and jobs, so that requests without a job
     are ordered exactly as by FCFS whatever timestamps clients send.
     """
+
+    _waiting: JobCountingQueue  # created by the scheduler through `new_waiting_queue`
 
     def __init__(
         self,
@@ -50,6 +52,14 @@ class JobAwarePolicy(BasePolicy):
         self._num_arrivals = 0
         self._arrivals: dict[str, _Arrival] = {}  # by request id, until it finishes
         self._finishing: tuple[str, Job | None] | None = None  # for `retention_ttl_s`
+
+    def new_waiting_queue(self) -> JobCountingQueue:
+        self._waiting = self.make_queue()
+        return self._waiting
+
+    def make_queue(self) -> JobCountingQueue:
+        """The scheduler's waiting queue, in this policy's order."""
+        raise NotImplementedError
 
     # Ordering helpers for subclasses.
     def arrival_order(self, request: Request) -> int:
@@ -74,8 +84,8 @@ class JobAwarePolicy(BasePolicy):
         return job_id is not None and job_id in self.scheduler.pins
 
     def num_waiting(self, job_id: str) -> int:
-        """Waiting turns of the job (the queue must count them per job)."""
-        return self.scheduler.waiting.num_waiting(job_id)  # type: ignore[attr-defined]
+        """Waiting turns of the job."""
+        return self._waiting.num_waiting(job_id)
 
     # Lifecycle notifications.
     def on_step_start(self, now_s: float) -> None:

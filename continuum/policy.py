@@ -46,7 +46,7 @@ class ContinuumPolicy(JobAwarePolicy):
     def default_estimator() -> TTLEstimator:
         return ConstantTTLEstimator(2.0)
 
-    def new_waiting_queue(self) -> TieredRequestQueue:
+    def make_queue(self) -> TieredRequestQueue:
         return TieredRequestQueue(self.job_order, pinned_job_ids=self._pinned_job_ids)
 
     def _pinned_job_ids(self) -> list[str]:

@@ -57,7 +57,7 @@ class _LazyHeap:
         return len(self._live)
 
 
-class _JobCountingQueue:
+class JobCountingQueue:
     """What both queues share: re-entry is a fresh entry, and waiting requests are counted
     per job. Subclasses call `_count` / `_uncount` as requests enter and leave."""
 
@@ -93,7 +93,7 @@ class _JobCountingQueue:
                 del self._job_counts[job_id]
 
 
-class KeyedRequestQueue(_JobCountingQueue):
+class KeyedRequestQueue(JobCountingQueue):
     """Smallest key first; a re-entering request is keyed anew."""
 
     def __init__(self, key: KeyFunction) -> None:
@@ -123,7 +123,7 @@ class KeyedRequestQueue(_JobCountingQueue):
         return (entry[2] for entry in sorted(self._heap.entries(), key=lambda e: e[:2]))
 
 
-class TieredRequestQueue(_JobCountingQueue):
+class TieredRequestQueue(JobCountingQueue):
     """Continuum's order: preempted requests first, then requests of jobs that hold a live
     pin, then the rest; by key within each tier.
 
