@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from continuum.estimation import save_estimator, tool_name_of
 from continuum.jobs import Job, JobTable
 from continuum.queues import JobCountingQueue, QueueKey
 from engine.kv_cache.pins import Pin, PinReleaseReason
@@ -140,6 +141,9 @@ class JobAwarePolicy(BasePolicy):
         if job is not None:
             self._forget(job)
 
+    def on_shutdown(self) -> None:
+        save_estimator(self.estimator, self.scheduler.environment)
+
     def _forget(self, job: Job) -> None:
         if self.estimator is not None:
             self.estimator.observe_job_end(job.job_id, job.num_turns_finished)
@@ -168,14 +172,18 @@ class JobAwarePolicy(BasePolicy):
 
     def _tool_call(self, request: Request, now_s: float) -> ToolCall | None:
         """The tool call a turn that just finished made: every non-final turn of a live job
-        is followed by its client's tool (the client said the job goes on)."""
+        is followed by its client's tool (the client said the job goes on), named by the
+        client or, for an estimator, parsed from the output (None if neither says)."""
         finishing, self._finishing = self._finishing, None
         job = finishing[1] if finishing and finishing[0] == request.request_id else None
         if job is None or request.job is None or request.job.is_last_step:
             return None
+        tool_name = (request.job.tool_name if self.estimator is None
+                     else tool_name_of(request, self.scheduler.environment))
+        job.last_tool_name = tool_name
         return ToolCall(
             job_id=job.job_id,
-            tool_name=request.job.tool_name,
+            tool_name=tool_name,
             finished_at_s=now_s,
             num_context_tokens=request.num_tokens,
             turn_index=job.num_turns_finished - 1,

@@ -30,6 +30,7 @@ class Job:
     num_pins_created: int = 0
     pins_released: Counter[str] = field(default_factory=Counter)
     last_ttl_s: float | None = None
+    last_tool_name: str | None = None
     attained_service_tokens: int = 0
     pin_reused: bool = False
 
@@ -42,6 +43,7 @@ class Job:
             num_pins_created=self.num_pins_created,
             pins_released=dict(self.pins_released),
             last_ttl_s=self.last_ttl_s,
+            last_tool_name=self.last_tool_name,
         )
 
 

@@ -3,12 +3,13 @@ pin-preferring preemption."""
 
 from __future__ import annotations
 
+from continuum.estimation import estimator_from_environment
 from continuum.job_aware import DEFAULT_JOB_IDLE_TIMEOUT_S, JobAwarePolicy, youngest
 from continuum.queues import TieredRequestQueue
 from engine.kv_cache.pins import Pin
 from engine.request import Request
-from engine.scheduler.policy import Victim
-from estimator.base import ConstantTTLEstimator, TTLEstimator
+from engine.scheduler.policy import PolicyEnvironment, SchedulerView, Victim
+from estimator.base import TTLEstimator
 from estimator.fixed import FixedTTLEstimator
 
 
@@ -19,8 +20,10 @@ class ContinuumPolicy(JobAwarePolicy):
     first).
 
     - Retention: a non-final turn of a job is pinned for the estimator's TTL when it is
-      positive (at most one pin per job; a newer pin replaces the older). The pin is released
-      when the job's next turn is admitted, after that turn took its prefix hit.
+      positive (at most one pin per job; a newer pin replaces the older). The estimator is by
+      default the engine's configured one (Eq. 2); the tool is the client's `tool_name` or
+      parsed from the turn's output. The pin is released when the job's next turn is
+      admitted, after that turn took its prefix hit.
     - Expiry: at step start, when `now > deadline` and no turn of the job is waiting.
     - Waiting order: preempted requests, then turns of jobs holding a pin, then the rest;
       within a tier by the job's first arrival, then the request's.
@@ -37,14 +40,18 @@ class ContinuumPolicy(JobAwarePolicy):
         estimator: TTLEstimator | None = None,
         job_idle_timeout_s: float = DEFAULT_JOB_IDLE_TIMEOUT_S,
     ) -> None:
-        super().__init__(
-            estimator=self.default_estimator() if estimator is None else estimator,
-            job_idle_timeout_s=job_idle_timeout_s,
-        )
+        super().__init__(estimator=estimator, job_idle_timeout_s=job_idle_timeout_s)
+
+    def bind(self, scheduler: SchedulerView) -> None:
+        super().bind(scheduler)
+        if self.estimator is None:
+            self.estimator = self.default_estimator(scheduler.environment)
 
     @staticmethod
-    def default_estimator() -> TTLEstimator:
-        return ConstantTTLEstimator(2.0)
+    def default_estimator(environment: PolicyEnvironment) -> TTLEstimator:
+        """The estimator when none was given: the engine's configured one (Eq. 2 by
+        default)."""
+        return estimator_from_environment(environment)
 
     def make_queue(self) -> TieredRequestQueue:
         return TieredRequestQueue(self.job_order, pinned_job_ids=self._pinned_job_ids)
@@ -78,5 +85,5 @@ class ContinuumFixedPolicy(ContinuumPolicy):
     mean observed duration is at most 2.0 s or unknown. Isolates what the estimator adds."""
 
     @staticmethod
-    def default_estimator() -> TTLEstimator:
+    def default_estimator(environment: PolicyEnvironment) -> TTLEstimator:
         return FixedTTLEstimator(2.0)

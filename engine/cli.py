@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "scheduler": ("engine.bench.scheduler", "CPU cost of one scheduler step"),
         "forward": ("engine.bench.forward", "our model's prefill/decode vs transformers"),
         "throughput": ("engine.bench.throughput", "offline LLM.generate vs transformers"),
+        "estimator": ("estimator.bench", "TTL estimators replayed over an agent trace"),
     },
 }
 

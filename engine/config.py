@@ -117,6 +117,39 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class EstimatorConfig:
+    """How a learning policy sets up its TTL estimator. The engine passes it on without
+    interpreting it, except that `prefill_profile="auto"` makes the core measure prefill times
+    at start-up for the policy.
+
+    - `name`: the estimator (`eq2-empirical`, `eq2-learned`, `fixed-2s`), checked by the policy.
+    - `prefill_profile`: `"auto"` (measured), `"none"`, or a JSON file of
+      `[num_tokens, seconds]` points that prices rebuilding a context.
+    - `state_path`: a JSON state file, loaded at start when it exists and saved at shutdown.
+    - `warm_start_traces`: agent-job trace files the estimator learns from at start.
+    """
+
+    name: str = "eq2-empirical"
+    prefill_profile: str = "auto"
+    state_path: str | None = None
+    warm_start_traces: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("estimator must be a non-empty name")
+        if not self.prefill_profile:
+            raise ValueError("prefill_profile must be 'auto', 'none' or a file path")
+        if self.state_path == "":
+            raise ValueError("estimator_state must be a file path")
+        if any(not path for path in self.warm_start_traces):
+            raise ValueError("estimator_warm_start paths must be non-empty")
+
+    @property
+    def measures_prefill(self) -> bool:
+        return self.prefill_profile == "auto"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance needs; the cross-field checks live here.
 
@@ -126,6 +159,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     executor: str = "torch"
 
     def __post_init__(self) -> None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    EstimatorConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from engine.model.directory import load_arch
 
 _HELP = {
@@ -28,6 +34,13 @@ _HELP = {
         "continuum | continuum-fixed | infercept | autellix | fcfs | priority | a module:Class path"
     ),
     "executor": "torch (run the model) | a module:Class path",
+    "estimator": "TTL estimator of the continuum policy: eq2-empirical | eq2-learned | fixed-2s",
+    "prefill_profile": (
+        "prices rebuilding a context for the estimator: auto (measured at start-up) | none | "
+        "a JSON file of [num_tokens, seconds] points"
+    ),
+    "estimator_state": "estimator state file: loaded at start if present, saved at shutdown",
+    "estimator_warm_start": "comma-separated agent-job trace files the estimator learns from",
 }
 
 
@@ -52,6 +65,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "continuum"
     executor: str = "torch"
+    estimator: str = "eq2-empirical"
+    prefill_profile: str = "auto"
+    estimator_state: str | None = None
+    estimator_warm_start: str | None = None
 
     def to_engine_config(self) -> EngineConfig:
         """The validated config; ValueError naming the bad field."""
@@ -71,6 +88,14 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
+            ),
+            estimator=EstimatorConfig(
+                name=self.estimator, prefill_profile=self.prefill_profile,
+                state_path=self.estimator_state,
+                warm_start_traces=tuple(
+                    path.strip() for path in (self.estimator_warm_start or "").split(",")
+                    if path.strip()
+                ),
             ),
             executor=self.executor,
         )

@@ -43,12 +43,17 @@ class ToolDurationHistory:
 
     def finish(self, job_id: str, arrived_at_s: float) -> float | None:
         """The job's next turn arrived: records and returns its pending call's duration."""
+        finished = self.finish_call(job_id, arrived_at_s)
+        return None if finished is None else finished[1]
+
+    def finish_call(self, job_id: str, arrived_at_s: float) -> tuple[ToolCall, float] | None:
+        """As `finish`, returning the call with its duration (None if none was pending)."""
         call = self._pending.pop(job_id, None)
         if call is None:
             return None
         duration_s = max(0.0, arrived_at_s - call.finished_at_s)
         self.add(call.tool_name, duration_s)
-        return duration_s
+        return call, duration_s
 
     def forget_job(self, job_id: str) -> None:
         self._pending.pop(job_id, None)
@@ -56,8 +61,11 @@ class ToolDurationHistory:
     def add(self, tool_name: str | None, duration_s: float) -> None:
         """Records a duration; a sample without a tool name counts only in the pool."""
         self._pooled.append(duration_s)
-        if tool_name is None:
-            return
+        if tool_name is not None:
+            self.add_to_tool(tool_name, duration_s)
+
+    def add_to_tool(self, tool_name: str, duration_s: float) -> None:
+        """Records a duration for the tool only (restoring saved per-tool samples)."""
         samples = self._by_tool.pop(tool_name, None)
         if samples is None:
             samples = deque(maxlen=self.max_samples)
@@ -65,6 +73,15 @@ class ToolDurationHistory:
         self._by_tool[tool_name] = samples
         if len(self._by_tool) > self.max_tools:
             self._by_tool.popitem(last=False)
+
+    def extend_pooled(self, durations_s: Sequence[float]) -> None:
+        """Records durations in the pool only (restoring saved pooled samples)."""
+        self._pooled.extend(durations_s)
+
+    @property
+    def tool_names(self) -> list[str]:
+        """Tools with samples, least recently sampled first."""
+        return list(self._by_tool)
 
     def samples(self, tool_name: str | None) -> Sequence[float]:
         """The tool's recorded durations (oldest first); the pool's for `None`."""

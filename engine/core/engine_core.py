@@ -6,16 +6,18 @@ in-process client, and inside `EngineCoreProc` for the multiprocess clients.
 
 from __future__ import annotations
 
+import functools
 import time
 
 from engine.clock import Clock
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SchedulerConfig
 from engine.core.wire import EngineCoreRequest, EngineStats, JobState, PinState
-from engine.executor.base import Executor, make_executor
+from engine.executor.base import Executor, PrefillProfiler, make_executor
+from engine.frontend.tokenizer import load_decoder
 from engine.kv_cache.pins import PinReleaseReason
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
-from engine.scheduler.policy import SchedulingPolicy
+from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.registry import make_policy
 from engine.scheduler.scheduler import Scheduler
 
@@ -47,11 +49,21 @@ class EngineCore:
             config.scheduler, config.cache,
             make_policy(config.scheduler.policy) if policy is None else policy,
             num_kv_blocks=self.executor.num_kv_blocks, clock=clock,
+            environment=self._policy_environment(),
         )
         self.vocab_size = self.executor.vocab_size
         self.num_steps = 0
         self.step_time_s = 0.0
         self.execute_time_s = 0.0
+
+    def _policy_environment(self) -> PolicyEnvironment:
+        executor = self.executor
+        profile_prefill = None
+        if isinstance(executor, PrefillProfiler):
+            lengths = prefill_profile_lengths(self.config.scheduler)
+            profile_prefill = functools.partial(executor.profile_prefill, lengths)
+        return PolicyEnvironment(estimator=self.config.estimator, profile_prefill=profile_prefill,
+                                 decode=load_decoder(self.config.model.model))
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queues a request; ValueError (and no change) if it is invalid for this engine."""
@@ -81,7 +93,10 @@ class EngineCore:
         return outputs
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        try:
+            self.scheduler.policy.on_shutdown()
+        finally:
+            self.executor.shutdown()
 
     # Utilities.
     def stats(self) -> EngineStats:
@@ -161,3 +176,13 @@ class EngineCore:
             job=core_request.job,
             cache_salt=core_request.cache_salt,
         )
+
+
+def prefill_profile_lengths(config: SchedulerConfig) -> list[int]:
+    """Prompt lengths to time at start-up: 16, 64, 256, ... up to the longest prefill one step
+    can run whole."""
+    longest = min(config.max_num_batched_tokens, config.max_model_len)
+    lengths = [16]
+    while lengths[-1] * 4 < longest:
+        lengths.append(lengths[-1] * 4)
+    return [*lengths, longest] if longest > lengths[-1] else lengths

@@ -6,8 +6,9 @@ is used). It is called once per step with the scheduler's plan and returns the s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import MappingProxyType
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput
@@ -36,6 +37,15 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class PrefillProfiler(Protocol):
+    """An executor that can time prefills (before serving), for pricing context rebuilds."""
+
+    def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
+        """(length, seconds) of one whole-prompt prefill per length it could run."""
+        ...
 
 
 def make_executor(config: EngineConfig) -> Executor:

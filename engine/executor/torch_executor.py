@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput
 from engine.scheduler.output import SchedulerOutput
@@ -24,6 +26,9 @@ class TorchExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
+        return self.runner.profile_prefill(lengths)
 
     def shutdown(self) -> None:
         self.runner.kv_caches.clear()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.model.directory import resolve_model_dir
@@ -16,6 +18,21 @@ def load_tokenizer(model: str) -> Any:
         return AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as error:
         raise ValueError(f"no usable tokenizer in {directory}: {error}") from error
+
+
+def load_decoder(model: str) -> Callable[[Sequence[int]], str] | None:
+    """Token ids to text with the model's `tokenizer.json`, special tokens kept (None if the
+    model has none). Light enough for the engine core, which does not load `transformers`."""
+    from tokenizers import Tokenizer
+
+    try:
+        path = resolve_model_dir(model) / "tokenizer.json"
+        tokenizer = Tokenizer.from_file(str(path)) if path.is_file() else None
+    except Exception:  # any unreadable or unknown file format: no decoder
+        return None
+    if tokenizer is None:
+        return None
+    return functools.partial(tokenizer.decode, skip_special_tokens=False)
 
 
 def render_chat(

@@ -8,10 +8,13 @@ acts on the scheduler only through `SchedulerView`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
 
+from engine.config import EstimatorConfig
 from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.request import Request
 from engine.scheduler.request_queue import RequestQueue
@@ -23,7 +26,8 @@ class PolicyJobState(msgspec.Struct, kw_only=True):
     """A job-aware policy's books on one job; times are seconds on the scheduler's clock.
 
     `pins_released` counts the job's pins by `PinReleaseReason` value; `last_ttl_s` is the
-    TTL the policy chose for the job's latest retained turn.
+    TTL the policy chose for the job's latest retained turn; `last_tool_name` the tool its
+    latest finished turn called, as the policy understood it (None: unknown).
     """
 
     first_arrival_s: float
@@ -33,6 +37,24 @@ class PolicyJobState(msgspec.Struct, kw_only=True):
     num_pins_created: int
     pins_released: dict[str, int]
     last_ttl_s: float | None = None
+    last_tool_name: str | None = None
+
+
+@dataclass(frozen=True)
+class PolicyEnvironment:
+    """What the engine offers a policy beyond the scheduler's state; built by the engine core
+    and fixed for the scheduler's life.
+
+    - `estimator`: how to set up a TTL estimator, for policies that use one.
+    - `profile_prefill`: measures (num_tokens, seconds) of prefills on the device (None when
+      the executor cannot); only callable from `bind`, before any request holds blocks.
+    - `decode`: token ids to text with the model's tokenizer (None without one), so a policy
+      can read which tool a turn called.
+    """
+
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    profile_prefill: Callable[[], list[tuple[int, float]]] | None = None
+    decode: Callable[[Sequence[int]], str] | None = None
 
 
 class SchedulerView(Protocol):
@@ -53,6 +75,11 @@ class SchedulerView(Protocol):
         """Live pins, oldest first."""
         ...
 
+    @property
+    def environment(self) -> PolicyEnvironment:
+        """What the engine offers beyond the scheduler's state."""
+        ...
+
     def release_pin(self, job_id: str, reason: PinReleaseReason) -> Pin | None:
         """Releases the job's pin (for example on TTL expiry); its blocks become evictable."""
         ...
@@ -67,7 +94,8 @@ class SchedulingPolicy(Protocol):
     pin was released (`on_pin_released` with reason REUSED comes first); `on_request_finished`
     for every finished request (aborts included), before `retention_ttl_s`; `on_pin_added` and
     `on_pin_released` whenever the pin table changes, whatever the cause; `on_job_ended` when a
-    job's last turn finished or the job was released.
+    job's last turn finished or the job was released; `on_shutdown` once when the engine
+    stops (to save what the policy learned).
     """
 
     def bind(self, scheduler: SchedulerView) -> None: ...
@@ -91,6 +119,8 @@ class SchedulingPolicy(Protocol):
     def on_pin_released(self, pin: Pin) -> None:
         """`pin` stopped holding blocks (`pin.release_reason`, at `pin.released_at_s`)."""
         ...
+
+    def on_shutdown(self) -> None: ...
 
     def job_state(self, job_id: str) -> PolicyJobState | None:
         """The policy's books on the job, or None if it keeps none."""
@@ -147,6 +177,9 @@ class BasePolicy:
         pass
 
     def on_pin_released(self, pin: Pin) -> None:
+        pass
+
+    def on_shutdown(self) -> None:
         pass
 
     def job_state(self, job_id: str) -> PolicyJobState | None:

@@ -20,7 +20,7 @@ from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.scheduler.policy import SchedulingPolicy
+from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.request_queue import RequestQueue
 from engine.scheduler.stop import check_stop
 
@@ -77,6 +77,7 @@ class Scheduler:
         *,
         num_kv_blocks: int | None = None,
         clock: Clock = time.monotonic,
+        environment: PolicyEnvironment | None = None,
     ) -> None:
         num_blocks = cache_config.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
         if num_blocks is None:
@@ -100,6 +101,7 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self.step_id = 0
         self.num_preemptions = 0
+        self._environment = PolicyEnvironment() if environment is None else environment
         policy.bind(self)
 
     # SchedulerView: what policies may see.
@@ -114,6 +116,10 @@ class Scheduler:
     @property
     def pins(self) -> PinTable:
         return self._pins
+
+    @property
+    def environment(self) -> PolicyEnvironment:
+        return self._environment
 
     @property
     def requests(self) -> dict[str, Request]:

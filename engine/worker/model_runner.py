@@ -11,6 +11,8 @@ Owned by an executor; `execute_model` is called once per engine step. Each step 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,6 +109,36 @@ class ModelRunner:
         del scratch, hidden
         torch.cuda.empty_cache()
         return peak
+
+    @torch.inference_mode()
+    def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
+        """(length, seconds) of one whole-prompt prefill per length, the best of two runs.
+
+        Runs on the KV pool, so it is called before any request owns a block; lengths beyond
+        the pool are skipped.
+        """
+        capacity = self.num_kv_blocks * self.block_size
+        return [(n, min(self._time_prefill(n) for _ in range(2)))
+                for n in lengths if 0 < n <= capacity]
+
+    def _time_prefill(self, num_tokens: int) -> float:
+        num_blocks = -(-num_tokens // self.block_size)
+        positions, metadata = build_attention_metadata(
+            np.array([num_tokens]), np.array([0]), np.arange(num_blocks)[None],
+            self.block_size, self.device, self.arch.sliding_window, self.dtype,
+        )
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        self._synchronize()
+        started_s = time.perf_counter()
+        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device),
+                            self.kv_caches, metadata)
+        self.model.compute_logits(hidden[-1:])
+        self._synchronize()
+        return time.perf_counter() - started_s
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _allocate_kv_caches(self) -> list[torch.Tensor]:
         shape = (2, self.num_kv_blocks * self.block_size, self.arch.num_key_value_heads,

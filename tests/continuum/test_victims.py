@@ -12,6 +12,7 @@ from continuum.job_aware import JobAwarePolicy
 from continuum.policy import ContinuumPolicy
 from engine.kv_cache.pins import Pin
 from engine.request import Request
+from engine.scheduler.policy import PolicyEnvironment
 from tests.engine.helpers import make_request
 
 JOBS = ("J0", "J1", "J2", "J3")  # first arrivals in this order
@@ -39,6 +40,7 @@ class StubView:
     running: list[Request]
     pins: StubPins
     waiting: list[Request] = field(default_factory=list)
+    environment: PolicyEnvironment = field(default_factory=PolicyEnvironment)
 
 
 def bind(

@@ -11,7 +11,7 @@ from engine.request import JobInfo, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import SchedulingPolicy
+from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.scheduler import Scheduler
 
 
@@ -67,6 +67,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     policy: SchedulingPolicy | None = None,
     clock: FakeClock | None = None,
+    environment: PolicyEnvironment | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -80,6 +81,7 @@ def make_scheduler(
         policy if policy is not None else FCFSPolicy(),
         num_kv_blocks=num_blocks,
         clock=clock if clock is not None else FakeClock(),
+        environment=environment,
     )
 
 

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+
 import msgspec
 import pytest
 
+from engine.config import EngineConfig, EstimatorConfig
 from engine.core.client import InprocClient
 from engine.core.engine_core import EngineCore
 from engine.core.wire import EngineStats
 from engine.request import FinishReason, JobInfo
 from engine.scheduler.policies import FCFSPolicy
+from estimator.eq2 import Eq2Estimator
 from tests.engine.core.conftest import SMALL_CONFIG, core_request
 from tests.engine.helpers import FakeClock
 
@@ -103,14 +109,57 @@ def test_inproc_client_runs_steps_on_get_output() -> None:
     client.shutdown()
 
 
-def test_job_state_includes_the_policys_books_until_the_job_ends() -> None:
-    core = EngineCore(SMALL_CONFIG, clock=FakeClock())  # the default policy: continuum
+def _with_estimator(**fields) -> EngineConfig:
+    return dataclasses.replace(SMALL_CONFIG, estimator=EstimatorConfig(**fields))
+
+
+def test_job_state_includes_the_policys_books_until_the_job_ends(tmp_path) -> None:
+    # A profile pricing any rebuild at 4 s: the cold-start TTL is ln(T + R) = ln 4.
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"points": [[0, 4.0], [1000, 4.0]]}))
+    core = EngineCore(_with_estimator(prefill_profile=str(profile)), clock=FakeClock())
     request = core_request("turn", list(range(40)), max_tokens=4)
     core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job", tool_name="ls")))
     run_to_completion(core)
     state = core.job_state("job")
-    assert state.pin is not None and state.pin.ttl_s == 2.0
+    assert state.pin is not None and state.pin.ttl_s == pytest.approx(math.log(4.0))
     assert (state.policy.num_turns_finished, state.policy.num_pins_created) == (1, 1)
+    assert state.policy.last_tool_name == "ls"
     assert core.stats().num_jobs == 1
     assert core.release_job("job") is True
     assert core.job_state("job") is None and core.stats().num_jobs == 0
+
+
+def test_the_default_estimator_prices_rebuilds_from_a_prefill_profile_measured_at_start() -> None:
+    core = EngineCore(SMALL_CONFIG, clock=FakeClock())  # continuum, Eq. 2, profile "auto"
+    estimator = core.scheduler.policy.estimator
+    assert isinstance(estimator, Eq2Estimator) and estimator.prefill_cost is not None
+    assert estimator.rebuild_s(512) > estimator.rebuild_s(16) > 0
+    # On this tiny model a rebuild costs milliseconds: the cold-start rule does not pin.
+    request = core_request("turn", list(range(40)), max_tokens=4)
+    core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job")))
+    run_to_completion(core)
+    assert core.job_state("job").pin is None and core.stats().num_pins == 0
+
+
+def test_estimator_state_is_saved_at_shutdown_and_loaded_at_start(tmp_path) -> None:
+    state_path = tmp_path / "estimator.json"
+    config = _with_estimator(prefill_profile="none", state_path=str(state_path))
+    core = EngineCore(config, clock=FakeClock())
+    core.scheduler.policy.estimator.observe_queueing_delay(3.0)
+    core.shutdown()
+    restarted = EngineCore(config, clock=FakeClock())
+    assert restarted.scheduler.policy.estimator.queueing_delay.mean == 3.0
+    state_path.write_text("{not json")
+    cold = EngineCore(config, clock=FakeClock())  # a corrupt file: a cold start, no crash
+    assert cold.scheduler.policy.estimator.queueing_delay.mean is None
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"name": "psychic"}, "unknown estimator"),
+    ({"prefill_profile": "/no/such/profile.json"}, "cannot read prefill profile"),
+    ({"warm_start_traces": ("/no/such/trace.jsonl",)}, "cannot read trace"),
+])
+def test_a_bad_estimator_setting_fails_at_start(fields, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineCore(_with_estimator(**fields), clock=FakeClock())

@@ -7,9 +7,14 @@ step (which is never pinned and ends the job) shows that `is_last_step` arrived.
 
 from __future__ import annotations
 
+import json
+import math
+
 import openai
 import pytest
 
+from engine.entrypoints.openai.api_server import ServerSettings
+from tests.engine.entrypoints.openai.conftest import SCRIPTED, start_server
 from tests.engine.entrypoints.openai.scripted import PIN_TTL_S
 
 MESSAGES = [{"role": "user", "content": "go"}]
@@ -111,21 +116,34 @@ def test_all_jobs_released_leaves_the_pool_free(scripted_server):
     assert stats.num_free_blocks == stats.num_kv_blocks
 
 
-def test_the_default_policy_pins_job_turns_and_reports_its_books(server):
-    first = server.client().completions.create(
-        model="tiny", prompt="The agent ran ls and saw", max_tokens=5,
-        extra_body={"job_id": "agent-7", "tool_name": "ls", "return_token_ids": True})
-    with server.http() as http:
-        state = http.get("/v1/jobs/agent-7").json()
-    assert state["pin"]["ttl_s"] == 2.0  # the constant TTL of the default estimator
-    assert state["policy"]["num_turns_finished"] == 1
-    assert state["policy"]["num_pins_created"] == 1 and state["policy"]["last_ttl_s"] == 2.0
-    assert server.metric("num_jobs") >= 1
-    choice = first.choices[0].model_extra
-    prompt = choice["prompt_token_ids"] + choice["token_ids"]
-    second = server.client().completions.create(
-        model="tiny", prompt=[*prompt, 10, 11], max_tokens=2,
-        extra_body={"job_id": "agent-7", "is_last_step": True})
-    assert second.usage.prompt_tokens_details.cached_tokens == len(prompt) // 16 * 16
-    with server.http() as http:
-        assert http.get("/v1/jobs/agent-7").status_code == 404
+def test_the_default_policy_reads_the_tool_and_pins_for_the_eq2_ttl(tmp_path):
+    """The default policy (continuum, Eq. 2) on a server whose turns call `bash` in Hermes
+    format: the core parses the tool from the output, prices the rebuild from the given
+    profile (4 s, so the cold-start TTL is ln 4), and saves what it learned at shutdown."""
+    profile, state_path = tmp_path / "profile.json", tmp_path / "estimator.json"
+    profile.write_text(json.dumps({"points": [[0, 4.0], [1000, 4.0]]}))
+    server = start_server(executor=f"{SCRIPTED}:ScriptedExecutor", prefill_profile=str(profile),
+                          estimator_state=str(state_path),
+                          settings=ServerSettings(served_model_name="scripted"))
+    try:
+        first = server.client().completions.create(
+            model="scripted", prompt="Fix the bug.", max_tokens=200,
+            extra_body={"job_id": "agent-7", "return_token_ids": True})
+        with server.http() as http:
+            state = http.get("/v1/jobs/agent-7").json()
+        assert state["policy"]["last_tool_name"] == "bash"
+        assert state["pin"]["ttl_s"] == pytest.approx(math.log(4.0))
+        assert state["policy"]["num_pins_created"] == 1
+        assert server.metric("num_jobs") >= 1
+        choice = first.choices[0].model_extra
+        prompt = choice["prompt_token_ids"] + choice["token_ids"]
+        second = server.client().completions.create(
+            model="scripted", prompt=[*prompt, 10, 11], max_tokens=2,
+            extra_body={"job_id": "agent-7", "is_last_step": True})
+        assert second.usage.prompt_tokens_details.cached_tokens == len(prompt) // 16 * 16
+        with server.http() as http:
+            assert http.get("/v1/jobs/agent-7").status_code == 404
+    finally:
+        server.stop()
+    saved = json.loads(state_path.read_text())
+    assert len(saved["tools_s"]["bash"]) == 1 and saved["job_num_turns"] == [2]

@@ -1,0 +1,68 @@
+"""Building a policy's TTL estimator from what the engine offers (`PolicyEnvironment`)."""
+
+from __future__ import annotations
+
+import logging
+
+from engine.request import Request
+from engine.scheduler.policy import PolicyEnvironment
+from estimator.base import TTLEstimator
+from estimator.cost_model import PrefillCostModel, read_prefill_profile
+from estimator.eq2 import Eq2Estimator
+from estimator.parsing import tool_key
+from estimator.registry import make_estimator, warm_start
+from estimator.traces import read_trace_jobs
+
+logger = logging.getLogger(__name__)
+
+
+def estimator_from_environment(environment: PolicyEnvironment) -> TTLEstimator:
+    """The configured estimator: warm-started from traces, then the saved state (if any)
+    loaded, then `R` priced by the measured or given prefill profile. ValueError if the
+    name, a trace or the profile file is bad; a corrupt state file only warns."""
+    config = environment.estimator
+    estimator = make_estimator(config.name)
+    for path in config.warm_start_traces:
+        warm_start(estimator, read_trace_jobs(path))
+    if config.state_path is not None and isinstance(estimator, Eq2Estimator):
+        estimator.load_or_cold_start(config.state_path)
+    prefill_cost = _prefill_cost(environment)
+    if prefill_cost is not None and isinstance(estimator, Eq2Estimator):
+        estimator.prefill_cost = prefill_cost
+    return estimator
+
+
+def _prefill_cost(environment: PolicyEnvironment) -> PrefillCostModel | None:
+    source = environment.estimator.prefill_profile
+    if source == "none":
+        return None
+    if source != "auto":
+        return PrefillCostModel.fit(read_prefill_profile(source))
+    if environment.profile_prefill is None:
+        return None
+    points = environment.profile_prefill()
+    if len({n for n, _ in points}) < 2:
+        logger.warning("too few prefill lengths fit the KV pool to price rebuilds: R = 0")
+        return None
+    return PrefillCostModel.fit(points)
+
+
+def save_estimator(estimator: TTLEstimator | None, environment: PolicyEnvironment) -> None:
+    """Saves what the estimator learned to the configured state file, if both exist; an
+    unwritable file is logged, not raised (the engine is stopping)."""
+    path = environment.estimator.state_path
+    if path is None or not isinstance(estimator, Eq2Estimator):
+        return
+    try:
+        estimator.save(path)
+    except OSError as error:
+        logger.error("cannot save the estimator state to %s: %s", path, error)
+
+
+def tool_name_of(request: Request, environment: PolicyEnvironment) -> str | None:
+    """The tool a finished turn called: the client's word, else parsed from its output."""
+    if request.job is not None and request.job.tool_name:
+        return request.job.tool_name
+    if environment.decode is None:
+        return None
+    return tool_key(environment.decode(request.output_token_ids))

@@ -1,0 +1,262 @@
+"""`continuum bench estimator`: replays agent jobs' tool calls through TTL estimators.
+
+Jobs are split by arrival time: estimators learn from the earlier `--train-fraction`, then the
+later jobs' tool calls are replayed in time order (a turn finishes `turn_time_s` after its
+prompt arrives, its tool runs for the recorded duration, then the next turn arrives), each
+estimator deciding a TTL at every finish and learning online. There is no engine: the queueing
+delay `T` is a fixed assumption and `R` comes from a prefill cost model. A call is a hit when
+its next turn arrives within the TTL; the Eq. 2 utility of a decision is
+`hit * (T * eta + R) - ttl`, with `eta` from all the trace's jobs. `oracle` knows each
+duration in advance (pin exactly that long when the saving beats it): an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from estimator.base import ToolCall, TTLEstimator
+from estimator.cost_model import H100_LLAMA_8B_PREFILL, PrefillCostModel, read_prefill_profile
+from estimator.eq2 import Eq2Estimator
+from estimator.learned import QuantileBoostingPredictor, pinball_loss
+from estimator.predictor import CallFeatures, DurationRecord, RecentCalls
+from estimator.registry import ESTIMATORS, make_estimator, warm_start
+from estimator.signals import RemainingTurnsCorrelation
+from estimator.solver import DurationCDF
+from estimator.traces import TraceJob, read_trace_jobs
+
+
+@dataclass
+class Outcome:
+    """The running totals of one estimator's decisions."""
+
+    num_calls: int = 0
+    num_pinned: int = 0
+    num_hits: int = 0
+    ttl_total_s: float = 0.0
+    wasted_pin_s: float = 0.0
+    utility_total_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, ttl_s: float, duration_s: float, benefit_s: float) -> None:
+        self.num_calls += 1
+        if ttl_s <= 0:
+            return
+        hit = duration_s <= ttl_s
+        self.num_pinned += 1
+        self.num_hits += hit
+        self.ttl_total_s += ttl_s
+        self.wasted_pin_s += 0.0 if hit else ttl_s
+        self.utility_total_s += (benefit_s if hit else 0.0) - ttl_s
+
+    def report(self) -> dict[str, Any]:
+        """`hit_rate` is per pin; `reuse_rate` per call; `mean_ttl_s` over pins."""
+        calls = max(1, self.num_calls)
+        return {
+            "num_calls": self.num_calls,
+            "pin_rate": self.num_pinned / calls,
+            "hit_rate": self.num_hits / self.num_pinned if self.num_pinned else 0.0,
+            "reuse_rate": self.num_hits / calls,
+            "wasted_pin_s": self.wasted_pin_s,
+            "mean_ttl_s": self.ttl_total_s / self.num_pinned if self.num_pinned else 0.0,
+            "mean_utility": self.utility_total_s / calls,
+            **self.extra,
+        }
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """The benefit a hit brings: `T * eta + R(context)`."""
+
+    queueing_delay_s: float
+    eta: float
+    prefill_cost: PrefillCostModel
+
+    def benefit_s(self, num_context_tokens: int) -> float:
+        return self.queueing_delay_s * self.eta + self.prefill_cost.cost_s(num_context_tokens)
+
+
+def split_by_arrival(jobs: Sequence[TraceJob], train_fraction: float
+                     ) -> tuple[list[TraceJob], list[TraceJob]]:
+    """(earlier jobs, later jobs) by arrival time; file order breaks ties."""
+    if not 0 <= train_fraction < 1:
+        raise ValueError(f"train_fraction must be in [0, 1), got {train_fraction}")
+    ordered = sorted(jobs, key=lambda job: job.arrival_s)
+    cut = int(len(ordered) * train_fraction)
+    return ordered[:cut], ordered[cut:]
+
+
+def replay(jobs: Sequence[TraceJob], estimator: TTLEstimator, scorer: Scorer) -> Outcome:
+    """Feeds the jobs' tool calls through the estimator in time order and scores each TTL."""
+    outcome = Outcome()
+    events: list[tuple[float, int, int, int]] = []  # (time, tie-break, job index, call index)
+    for job_index, job in enumerate(jobs):
+        first_turn_s = job.calls[0].turn_time_s if job.calls else 0.0
+        heapq.heappush(events, (job.arrival_s + first_turn_s, job_index, job_index, 0))
+    sequence = len(jobs)
+    while events:
+        now_s, _, job_index, call_index = heapq.heappop(events)
+        job = jobs[job_index]
+        if call_index >= len(job.calls):
+            estimator.observe_job_end(job.job_id, job.num_turns)
+            continue
+        call = job.calls[call_index]
+        tool_call = ToolCall(job.job_id, call.tool_name, now_s, call.num_context_tokens,
+                             call_index)
+        estimator.observe_tool_call(tool_call)
+        outcome.add(estimator.ttl_s(tool_call), call.duration_s,
+                    scorer.benefit_s(call.num_context_tokens))
+        arrival_s = now_s + call.duration_s
+        estimator.observe_next_turn(job.job_id, arrival_s)
+        following = job.calls[call_index + 1] if call_index + 1 < len(job.calls) else None
+        turn_time_s = following.turn_time_s if following is not None else 0.0
+        sequence += 1
+        heapq.heappush(events, (arrival_s + turn_time_s, sequence, job_index, call_index + 1))
+    return outcome
+
+
+def oracle(jobs: Sequence[TraceJob], scorer: Scorer) -> Outcome:
+    """Pins for exactly the call's duration whenever the saving beats it."""
+    outcome = Outcome()
+    for job in jobs:
+        for call in job.calls:
+            benefit_s = scorer.benefit_s(call.num_context_tokens)
+            ttl_s = call.duration_s if 0 < call.duration_s < benefit_s else 0.0
+            outcome.add(ttl_s, call.duration_s, benefit_s)
+    return outcome
+
+
+def test_records(jobs: Sequence[TraceJob]) -> list[DurationRecord]:
+    """Each call of the jobs with the features known when it started."""
+    records = []
+    for job in jobs:
+        recent = RecentCalls(1)
+        for index, call in enumerate(job.calls):
+            features = CallFeatures(call.tool_name, index, call.num_context_tokens,
+                                    recent.of(job.job_id))
+            records.append(DurationRecord(features, call.duration_s))
+            recent.add(job.job_id, call.tool_name, call.duration_s)
+    return records
+
+
+class _PrecomputedPredictor:
+    """A fitted predictor's CDFs for known calls, computed in one batch (a replay's calls
+    are known in advance; predicting them one by one costs milliseconds each)."""
+
+    def __init__(self, predictor: QuantileBoostingPredictor, features: list[CallFeatures]):
+        self._predictor = predictor
+        quantiles = predictor.predict_quantiles(features) if features else []
+        self._cdfs = {f: DurationCDF.from_quantiles(predictor.levels, row)
+                      for f, row in zip(features, quantiles, strict=True)}
+
+    @property
+    def is_fitted(self) -> bool:
+        return self._predictor.is_fitted
+
+    def fit(self, records: Sequence[DurationRecord]) -> None:
+        raise NotImplementedError("a precomputed predictor does not retrain")
+
+    def predict_cdf(self, features: CallFeatures) -> DurationCDF:
+        cdf = self._cdfs.get(features)
+        return self._predictor.predict_cdf(features) if cdf is None else cdf
+
+
+def pinball_losses(estimator: Eq2Estimator, records: list[DurationRecord]
+                   ) -> tuple[float, float | None]:
+    """(empirical, learned) pinball loss on `records`: the per-tool empirical quantiles the
+    estimator learned (pooled for tools with too few samples), and its predictor's."""
+    levels = QuantileBoostingPredictor().levels
+    actual = np.array([r.duration_s for r in records])
+    empirical = []
+    for record in records:
+        samples = estimator.history.samples(record.features.tool_name)
+        if len(samples) <= estimator.cold_start_samples:
+            samples = estimator.history.samples(None)
+        cdf = DurationCDF.from_samples(samples)
+        empirical.append([cdf.quantile(level) for level in levels])
+    learned = None
+    predictor = estimator.predictor
+    if isinstance(predictor, QuantileBoostingPredictor) and predictor.is_fitted:
+        learned = pinball_loss(levels, predictor.predict_quantiles(
+            [r.features for r in records]), actual)
+    return pinball_loss(levels, np.array(empirical), actual), learned
+
+
+def run_benchmark(
+    jobs: Sequence[TraceJob], *, train_fraction: float, queueing_delay_s: float,
+    prefill_cost: PrefillCostModel,
+) -> dict[str, dict[str, Any]]:
+    """The report of every named estimator, then the oracle."""
+    train, test = split_by_arrival(jobs, train_fraction)
+    turns = RemainingTurnsCorrelation(max_jobs=max(1, len(jobs)))
+    turns.extend(job.num_turns for job in jobs)
+    scorer = Scorer(queueing_delay_s, turns.eta, prefill_cost)
+    records = test_records(test)
+    results: dict[str, dict[str, Any]] = {}
+    for name in ESTIMATORS:
+        estimator = make_estimator(name, prefill_cost)
+        warm_start(estimator, train)
+        estimator.observe_queueing_delay(queueing_delay_s)
+        extra: dict[str, Any] = {}
+        if isinstance(estimator, Eq2Estimator):
+            empirical_loss, learned_loss = pinball_losses(estimator, records)
+            extra["pinball_loss"] = empirical_loss if learned_loss is None else learned_loss
+            if isinstance(estimator.predictor, QuantileBoostingPredictor):
+                extra["fitted"] = estimator.predictor.is_fitted
+                estimator.predictor = _PrecomputedPredictor(
+                    estimator.predictor, [r.features for r in records]
+                ) if estimator.predictor.is_fitted else None
+        outcome = replay(test, estimator, scorer)
+        outcome.extra.update(extra)
+        results[name] = outcome.report()
+    results["oracle"] = oracle(test, scorer).report()
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="an agent-job JSONL trace")
+    parser.add_argument("--json", dest="json_path", help="write the results here as JSON")
+    parser.add_argument("--train-fraction", type=float, default=0.7,
+                        help="the earliest jobs (by arrival) estimators learn from")
+    parser.add_argument("--queueing-delay-s", type=float, default=2.0,
+                        help="T: the queueing delay a turn without its KV would suffer")
+    parser.add_argument("--prefill-profile",
+                        help="(num_tokens, seconds) prefill points to fit R to; default: a "
+                             "roofline estimate of Llama-3.1-8B on one H100")
+    parser.add_argument("--max-jobs", type=int, help="only the first N jobs of the trace")
+
+
+def main(args: argparse.Namespace) -> int:
+    jobs = read_trace_jobs(args.trace)[: args.max_jobs]
+    prefill_cost = (H100_LLAMA_8B_PREFILL if args.prefill_profile is None
+                    else PrefillCostModel.fit(read_prefill_profile(args.prefill_profile)))
+    results = run_benchmark(jobs, train_fraction=args.train_fraction,
+                            queueing_delay_s=args.queueing_delay_s, prefill_cost=prefill_cost)
+    print(f"{args.trace}: {len(jobs)} jobs, train fraction {args.train_fraction}, "
+          f"T = {args.queueing_delay_s} s")
+    _print_table(results)
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+def _print_table(results: dict[str, dict[str, Any]]) -> None:
+    columns = ["pin_rate", "hit_rate", "reuse_rate", "wasted_pin_s", "mean_ttl_s",
+               "mean_utility", "pinball_loss"]
+    print(f"  {'estimator':<14}" + "".join(f"{c:>14}" for c in columns))
+    for name, report in results.items():
+        cells = "".join(
+            f"{report[c]:>14.4f}" if isinstance(report.get(c), float) else f"{'-':>14}"
+            for c in columns
+        )
+        print(f"  {name:<14}" + cells)

@@ -1,0 +1,121 @@
+"""The time to rebuild a turn's context: a quadratic fit of prefill seconds against length.
+
+Prefill cost grows linearly with the context (weights, MLPs) plus quadratically (attention).
+The engine measures a few prefills at start-up, or a profile file supplies them; the fit is a
+non-negative least-squares regression (scikit-learn) of seconds on `[n, n^2]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Feature scale: contexts are thousands of tokens, and n^2 in raw tokens makes the
+# least-squares problem badly conditioned.
+_TOKENS_PER_UNIT = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCostModel:
+    """`cost_s(n) = intercept_s + linear_s * (n / 1000) + quadratic_s * (n / 1000)^2`,
+    every coefficient >= 0."""
+
+    intercept_s: float = 0.0
+    linear_s: float = 0.0
+    quadratic_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("intercept_s", "linear_s", "quadratic_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and value != float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+    def cost_s(self, num_tokens: int) -> float:
+        """Seconds to prefill a context of `num_tokens` tokens from scratch."""
+        units = max(0, num_tokens) / _TOKENS_PER_UNIT
+        return self.intercept_s + units * (self.linear_s + units * self.quadratic_s)
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[int, float]]) -> PrefillCostModel:
+        """Fits (num_tokens, seconds) measurements; ValueError if there are fewer than two
+        distinct lengths or a value is negative."""
+        from sklearn.linear_model import LinearRegression
+
+        if len({int(n) for n, _ in points}) < 2:
+            raise ValueError("a prefill profile needs at least two distinct lengths")
+        if any(n < 0 or not s >= 0 for n, s in points):
+            raise ValueError("prefill profile points must be (tokens >= 0, seconds >= 0)")
+        units = [n / _TOKENS_PER_UNIT for n, _ in points]
+        features = [[u, u * u] for u in units]
+        seconds = [float(s) for _, s in points]
+        regression = LinearRegression(positive=True).fit(features, seconds)
+        intercept = float(regression.intercept_)
+        if intercept < 0:
+            # The intercept is not sign-constrained; refit through the origin instead.
+            regression = LinearRegression(positive=True, fit_intercept=False).fit(
+                features, seconds
+            )
+            intercept = 0.0
+        linear, quadratic = (float(c) for c in regression.coef_)
+        return cls(intercept, linear, quadratic)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"intercept_s": self.intercept_s, "linear_s": self.linear_s,
+                "quadratic_s": self.quadratic_s}
+
+    @classmethod
+    def from_dict(cls, data: object) -> PrefillCostModel:
+        if not isinstance(data, dict):
+            raise ValueError("a prefill cost model must be a JSON object")
+        try:
+            return cls(**{key: float(data[key])
+                          for key in ("intercept_s", "linear_s", "quadratic_s")})
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"bad prefill cost model: {error}") from error
+
+
+def read_prefill_profile(path: str | Path) -> list[tuple[int, float]]:
+    """Reads a profile file: `{"points": [[num_tokens, seconds], ...]}` (or the bare list).
+
+    ValueError if the file is not such a profile.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read prefill profile {path}: {error}") from error
+    raw = data.get("points") if isinstance(data, dict) else data
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: expected a list of [num_tokens, seconds] points")
+    points: list[tuple[int, float]] = []
+    for item in raw:
+        if not (isinstance(item, list | tuple) and len(item) == 2):
+            raise ValueError(f"{path}: bad point {item!r}")
+        num_tokens, seconds = item
+        if not isinstance(num_tokens, int) or not isinstance(seconds, int | float):
+            raise ValueError(f"{path}: bad point {item!r}")
+        points.append((num_tokens, float(seconds)))
+    return points
+
+
+def roofline_prefill_model(
+    *, num_params: float, flops_per_token_pair: float, peak_flops: float, efficiency: float,
+    overhead_s: float = 0.0,
+) -> PrefillCostModel:
+    """A prefill cost from a model's shape and a device's FLOP/s: `2 * num_params` FLOPs per
+    token, `flops_per_token_pair` for each (query, earlier key) pair of causal attention."""
+    flops_per_s = peak_flops * efficiency
+    return PrefillCostModel(
+        intercept_s=overhead_s,
+        linear_s=2.0 * num_params * _TOKENS_PER_UNIT / flops_per_s,
+        quadratic_s=flops_per_token_pair * _TOKENS_PER_UNIT**2 / 2.0 / flops_per_s,
+    )
+
+
+# Llama-3.1-8B on one H100 (989 TFLOP/s dense BF16) at 50 % efficiency: 8.0e9 parameters;
+# attention costs 4 * layers * hidden = 4 * 32 * 4096 FLOPs per (query, key) pair.
+H100_LLAMA_8B_PREFILL = roofline_prefill_model(
+    num_params=8.0e9, flops_per_token_pair=4 * 32 * 4096, peak_flops=989e12, efficiency=0.5,
+    overhead_s=0.01,
+)

@@ -1,0 +1,296 @@
+"""Which tool(s) an agent turn called, read from the turn's output text.
+
+Tool durations are kept per tool, so a finished turn needs a tool name. Agents announce their
+calls in several formats; the rules below are tried in order and the first that yields a name
+wins:
+
+1. ``client``: a name the client passed explicitly.
+2. ``openai``: OpenAI chat ``tool_calls`` (given directly, or as a JSON message in the text).
+3. ``hermes``: ``<tool_call>{"name": ...}</tool_call>`` blocks.
+4. ``json``: the whole text is a JSON object with a ``name`` (Llama 3) or a list of them.
+5. ``call``: the whole text is calls such as ``get_weather(city="Paris")`` (BFCL style).
+6. ``bash``: exactly one ```` ```bash ```` block (mini-swe-agent); its command's program.
+
+Parsing never raises on any string and runs in time linear in the text for the usual inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+MAX_NAME_CHARS = 128
+
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CLOSE = "</tool_call>"
+_FENCE = "```"
+_BASH_LANGUAGES = frozenset({"bash", "sh", "shell"})
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+_WHITESPACE = re.compile(r"\s*")
+_CALL_SEPARATOR = re.compile(r"\s*[,;]?\s*")
+
+# A shell word as the prefixes below see it: quoted, or a run of ordinary characters.
+_SHELL_ARG = r"""(?:"[^"\n]*"|'[^'\n]*'|[^\s;&|]+)"""
+_ASSIGNMENT = r"""[A-Za-z_][A-Za-z0-9_]*=(?:"[^"\n]*"|'[^'\n]*'|[^\s;&|]*)"""
+# Prefixes that only set up the command; the program that follows is the tool.
+_COMMAND_PREFIX = re.compile(
+    "|".join(
+        (
+            r"#[^\n]*(?:\n|$)\s*",  # a comment line
+            rf"cd(?:[ \t]+{_SHELL_ARG})?[ \t]*(?:&&|;|\n)\s*",
+            rf"export(?:[ \t]+{_ASSIGNMENT})+[ \t]*(?:&&|;|\n)\s*",
+            rf"{_ASSIGNMENT}[ \t]+",
+            r"sudo[ \t]+(?:-\S+[ \t]+)*",
+            r"timeout[ \t]+(?:-\S+[ \t]+)*\d+(?:\.\d+)?[smhd]?[ \t]+",
+            r"\(\s*",  # a subshell
+        )
+    )
+)
+_PROGRAM = re.compile(r"[^\s;&|()<>]+")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedToolCalls:
+    """The tools one turn called, in output order, and the rule that recognised them."""
+
+    names: tuple[str, ...]
+    source: str
+
+    @property
+    def key(self) -> str:
+        """The name statistics are kept under: the names joined by "+" in output order."""
+        return "+".join(self.names)
+
+
+def parse_tool_calls(
+    text: str | None, *, client_tool_name: str | None = None, tool_calls: object = None
+) -> ParsedToolCalls | None:
+    """The tool calls of a turn.
+
+    `text` is the turn's output text, `client_tool_name` a name the client reported (it wins
+    when non-empty) and `tool_calls` OpenAI-style tool calls of the turn, if any. Returns None
+    when no tool call is recognised (empty, plain prose, garbage).
+    """
+    client = _clean_name(client_tool_name)
+    if client is not None:
+        return ParsedToolCalls((client,), "client")
+    names = _names_from_calls(tool_calls)
+    if names:
+        return ParsedToolCalls(names, "openai")
+    if not isinstance(text, str) or not text.strip():
+        return None
+    stripped = text.strip()
+    document = _load_document(stripped)
+    rules: tuple[tuple[str, Callable[[], tuple[str, ...]]], ...] = (
+        ("openai", lambda: _openai_names(document)),
+        ("hermes", lambda: _hermes_names(text)),
+        ("json", lambda: _bare_json_names(document)),
+        ("call", lambda: _call_names(stripped)),
+        ("bash", lambda: _bash_names(text)),
+    )
+    for source, rule in rules:
+        names = rule()
+        if names:
+            return ParsedToolCalls(names, source)
+    return None
+
+
+def tool_key(text: str | None, *, client_tool_name: str | None = None) -> str | None:
+    """The statistics key of the turn's tool calls (see `parse_tool_calls`), or None."""
+    parsed = parse_tool_calls(text, client_tool_name=client_tool_name)
+    return parsed.key if parsed is not None else None
+
+
+def _clean_name(name: object) -> str | None:
+    """`name` stripped when it is a usable tool name, else None."""
+    if not isinstance(name, str):
+        return None
+    name = name.strip()
+    return name if 0 < len(name) <= MAX_NAME_CHARS else None
+
+
+def _load_json(text: str) -> object:
+    """The JSON value of `text`, or None when it is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # deep nesting overflows the decoder's recursion
+        return None
+
+
+def _load_document(stripped: str) -> object:
+    """The JSON value of the whole text, which may sit in one ```json fenced block."""
+    if stripped.startswith(_FENCE):
+        stripped = _unfence_json(stripped)
+    if not stripped.startswith(("{", "[")):
+        return None
+    return _load_json(stripped)
+
+
+def _unfence_json(stripped: str) -> str:
+    """The body of a text that is a single ```json (or bare ```) block, else ""."""
+    if len(stripped) < 2 * len(_FENCE) or not stripped.endswith(_FENCE):
+        return ""
+    inner = stripped[len(_FENCE) : -len(_FENCE)]
+    info, _, body = inner.partition("\n")
+    if info.strip().lower() not in ("", "json") or _FENCE in body:
+        return ""
+    return body.strip()
+
+
+def _call_name(call: object) -> str | None:
+    """The name of one call: `{"name": ...}` or OpenAI's `{"function": {"name": ...}}`."""
+    if not isinstance(call, Mapping):
+        return None
+    function = call.get("function")
+    if isinstance(function, Mapping) and "name" in function:
+        return _clean_name(function.get("name"))
+    return _clean_name(call.get("name"))
+
+
+def _names_from_calls(calls: object) -> tuple[str, ...]:
+    """The names of a list of calls, skipping those without a usable name."""
+    if not isinstance(calls, (list, tuple)):
+        return ()
+    names = (_call_name(call) for call in calls)
+    return tuple(name for name in names if name is not None)
+
+
+def _openai_names(document: object) -> tuple[str, ...]:
+    """The names in a JSON message's `tool_calls` list."""
+    if not isinstance(document, dict):
+        return ()
+    return _names_from_calls(document.get("tool_calls"))
+
+
+def _bare_json_names(document: object) -> tuple[str, ...]:
+    """The names of a JSON call object, or of a JSON list of them."""
+    if isinstance(document, dict):
+        name = _call_name(document)
+        return (name,) if name is not None else ()
+    return _names_from_calls(document)
+
+
+def _hermes_bodies(text: str) -> list[str]:
+    """The bodies of the `<tool_call>` blocks, a trailing unclosed one included.
+
+    A block opened again before it is closed is dropped. Positions only move forward (the
+    next close is found once and reused), so the scan is linear even with many opens.
+    """
+    bodies: list[str] = []
+    start = text.find(_HERMES_OPEN)
+    close = text.find(_HERMES_CLOSE, start)
+    while start != -1:
+        body_start = start + len(_HERMES_OPEN)
+        if close != -1 and close < body_start:
+            close = text.find(_HERMES_CLOSE, body_start)
+        reopen = text.find(_HERMES_OPEN, body_start)
+        if close != -1 and (reopen == -1 or close < reopen):
+            bodies.append(text[body_start:close])
+        elif reopen == -1:
+            bodies.append(text[body_start:])
+        start = reopen
+    return bodies
+
+
+def _hermes_names(text: str) -> tuple[str, ...]:
+    """The names of the Hermes `<tool_call>` blocks whose body is a JSON call object."""
+    if _HERMES_OPEN not in text:
+        return ()
+    names = (_call_name(_load_json(body.strip())) for body in _hermes_bodies(text))
+    return tuple(name for name in names if name is not None)
+
+
+def _call_end(text: str, start: int) -> int | None:
+    """The index just past the bracket closing the one at `start`, or None when unbalanced.
+
+    Quoted strings (with backslash escapes) are skipped so brackets inside them don't count.
+    """
+    closers = {"(": ")", "[": "]", "{": "}"}
+    expected: list[str] = []
+    quote: str | None = None
+    index = start
+    while index < len(text):
+        char = text[index]
+        if quote is not None:
+            if char == "\\":
+                index += 1
+            elif char == quote:
+                quote = None
+        elif char in "\"'":
+            quote = char
+        elif char in closers:
+            expected.append(closers[char])
+        elif char in ")]}":
+            if not expected or expected.pop() != char:
+                return None
+            if not expected:
+                return index + 1
+        index += 1
+    return None
+
+
+def _call_names(stripped: str) -> tuple[str, ...]:
+    """The names of a text made only of calls `name(...)`, optionally inside `[...]`."""
+    if stripped.startswith("[") and stripped.endswith("]"):
+        stripped = stripped[1:-1]
+    names: list[str] = []
+    position = _WHITESPACE.match(stripped).end()
+    while position < len(stripped):
+        match = _IDENTIFIER.match(stripped, position)
+        if match is None or not stripped.startswith("(", match.end()):
+            return ()
+        end = _call_end(stripped, match.end())
+        name = _clean_name(match.group())
+        if end is None or name is None:
+            return ()
+        names.append(name)
+        position = _CALL_SEPARATOR.match(stripped, end).end()
+    return tuple(names)
+
+
+def _bash_blocks(text: str) -> list[str]:
+    """The bodies of the closed ```bash (```sh, ```shell) fenced blocks of the text."""
+    blocks: list[str] = []
+    language: str | None = None
+    lines: list[str] = []
+    for line in text.split("\n"):
+        fence = line.lstrip()
+        if not fence.startswith(_FENCE):
+            if language is not None:
+                lines.append(line)
+        elif language is None:
+            words = fence[len(_FENCE) :].split(maxsplit=1)
+            language = words[0].lower() if words else ""
+            lines = []
+        else:
+            if language in _BASH_LANGUAGES:
+                blocks.append("\n".join(lines))
+            language = None
+    return blocks
+
+
+def _program_name(command: str) -> str | None:
+    """The program a shell command runs, past `cd X &&`, `VAR=value` and similar prefixes."""
+    position = _WHITESPACE.match(command).end()
+    while (prefix := _COMMAND_PREFIX.match(command, position)) is not None:
+        if prefix.end() == position:
+            break
+        position = prefix.end()
+    program = _PROGRAM.match(command, position)
+    if program is None:
+        return None
+    return _clean_name(program.group().strip("\"'").rsplit("/", 1)[-1])
+
+
+def _bash_names(text: str) -> tuple[str, ...]:
+    """The program of the text's only bash block; nothing with zero or several blocks."""
+    if _FENCE not in text:
+        return ()
+    blocks = _bash_blocks(text)
+    if len(blocks) != 1:
+        return ()
+    name = _program_name(blocks[0])
+    return (name,) if name is not None else ()

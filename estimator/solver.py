@@ -1,0 +1,104 @@
+"""The cost-benefit TTL rule of the Continuum paper (Eq. 2), over a duration distribution.
+
+Pinning a finished turn's KV for `t` seconds costs `t` (seconds of memory held) and, if the
+job's next turn arrives within `t`, saves `benefit_s`: the queueing delay the turn would
+otherwise suffer (`T * eta`) plus the time to rebuild its context (`R`). With `P` the CDF of
+the tool's duration, the TTL is `argmax over t in {0} and the candidates of P(t) * benefit_s - t`.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DurationCDF:
+    """A step CDF: `probabilities[i]` is P(duration <= `durations_s[i]`).
+
+    `durations_s` is strictly increasing and `probabilities` non-decreasing in [0, 1]. Built
+    from samples (`from_samples`) or from predicted quantiles (`from_quantiles`).
+    """
+
+    durations_s: tuple[float, ...]
+    probabilities: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.durations_s) != len(self.probabilities):
+            raise ValueError("durations_s and probabilities differ in length")
+        if any(b <= a for a, b in zip(self.durations_s, self.durations_s[1:], strict=False)):
+            raise ValueError("durations_s must be strictly increasing")
+        if any(not 0.0 <= p <= 1.0 for p in self.probabilities) or any(
+            b < a for a, b in zip(self.probabilities, self.probabilities[1:], strict=False)
+        ):
+            raise ValueError("probabilities must be non-decreasing within [0, 1]")
+
+    @classmethod
+    def from_samples(cls, samples_s: Sequence[float]) -> DurationCDF:
+        """The empirical CDF of observed durations (seconds, >= 0)."""
+        if not samples_s:
+            raise ValueError("an empirical CDF needs at least one sample")
+        ordered = sorted(samples_s)
+        durations: list[float] = []
+        probabilities: list[float] = []
+        for index, value in enumerate(ordered):
+            if durations and value == durations[-1]:
+                probabilities[-1] = (index + 1) / len(ordered)
+            else:
+                durations.append(value)
+                probabilities.append((index + 1) / len(ordered))
+        return cls(tuple(durations), tuple(probabilities))
+
+    @classmethod
+    def from_quantiles(cls, levels: Sequence[float], values_s: Sequence[float]) -> DurationCDF:
+        """A CDF through predicted quantiles: P(`values_s[i]`) = `levels[i]`. Crossing
+        quantiles are rearranged (values sorted apart from levels); equal values keep the
+        highest level."""
+        if len(levels) != len(values_s) or not levels:
+            raise ValueError("levels and values_s must be non-empty and of equal length")
+        pairs = zip(sorted(max(0.0, v) for v in values_s), sorted(levels), strict=True)
+        durations: list[float] = []
+        probabilities: list[float] = []
+        for value, level in pairs:
+            if durations and value == durations[-1]:
+                probabilities[-1] = level
+            else:
+                durations.append(value)
+                probabilities.append(level)
+        return cls(tuple(durations), tuple(probabilities))
+
+    def probability(self, duration_s: float) -> float:
+        """P(duration <= `duration_s`)."""
+        index = bisect_right(self.durations_s, duration_s)
+        return self.probabilities[index - 1] if index > 0 else 0.0
+
+    def quantile(self, level: float) -> float:
+        """The smallest duration whose probability reaches `level` (the largest if none)."""
+        for duration, probability in zip(self.durations_s, self.probabilities, strict=True):
+            if probability >= level:
+                return duration
+        return self.durations_s[-1]
+
+
+def utility(ttl_s: float, cdf: DurationCDF, benefit_s: float) -> float:
+    """Eq. 2's expected saving of pinning for `ttl_s`; 0 for no pin."""
+    return 0.0 if ttl_s <= 0 else cdf.probability(ttl_s) * benefit_s - ttl_s
+
+
+def solve_ttl(cdf: DurationCDF, benefit_s: float) -> float:
+    """Eq. 2's TTL: the candidate duration with the highest expected saving, 0 (no pin) unless
+    one is strictly positive; the shortest of equal maxima (less memory held)."""
+    best_ttl_s, best_utility = 0.0, 0.0
+    for duration_s, probability in zip(cdf.durations_s, cdf.probabilities, strict=True):
+        gain = probability * benefit_s - duration_s
+        if duration_s > 0 and gain > best_utility:
+            best_ttl_s, best_utility = duration_s, gain
+    return best_ttl_s
+
+
+def cold_start_ttl(benefit_s: float) -> float:
+    """Eq. 2 under the cold-start prior, durations ~ Exp(mean 1 s): maximising
+    `(1 - exp(-t)) * B - t` gives `t = ln B` when `B > 1`, else no pin."""
+    return math.log(benefit_s) if benefit_s > 1.0 else 0.0

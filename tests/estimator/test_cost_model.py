@@ -1,0 +1,58 @@
+"""The prefill cost model: a quadratic fit (scikit-learn) of prefill seconds on length."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from estimator.cost_model import (
+    H100_LLAMA_8B_PREFILL,
+    PrefillCostModel,
+    read_prefill_profile,
+)
+
+
+def test_fit_recovers_a_quadratic() -> None:
+    truth = PrefillCostModel(intercept_s=0.01, linear_s=0.05, quadratic_s=0.002)
+    points = [(n, truth.cost_s(n)) for n in (16, 256, 1024, 4096, 16384)]
+    fitted = PrefillCostModel.fit(points)
+    for n in (100, 2000, 30000):
+        assert fitted.cost_s(n) == pytest.approx(truth.cost_s(n), rel=1e-6)
+
+
+def test_fit_keeps_every_coefficient_non_negative() -> None:
+    # Noisy, slightly decreasing timings must not give negative costs at any length.
+    fitted = PrefillCostModel.fit([(16, 0.010), (64, 0.009), (256, 0.011), (1024, 0.030)])
+    assert min(fitted.intercept_s, fitted.linear_s, fitted.quadratic_s) >= 0
+    assert all(fitted.cost_s(n) >= 0 for n in (0, 10, 10_000))
+
+
+@pytest.mark.parametrize("points", [[(16, 0.1)], [(16, 0.1), (16, 0.2)], [(16, -1.0), (32, 1)]])
+def test_fit_rejects_unusable_profiles(points) -> None:
+    with pytest.raises(ValueError):
+        PrefillCostModel.fit(points)
+
+
+def test_profile_files_and_round_trip(tmp_path) -> None:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"points": [[16, 0.001], [1024, 0.02]]}))
+    assert read_prefill_profile(path) == [(16, 0.001), (1024, 0.02)]
+    path.write_text(json.dumps([[16, 0.001], [1024, 0.02]]))
+    assert read_prefill_profile(path) == [(16, 0.001), (1024, 0.02)]
+    for bad in ("{", '{"points": 3}', '[[1, 2, 3]]', '[["a", 1]]'):
+        path.write_text(bad)
+        with pytest.raises(ValueError):
+            read_prefill_profile(path)
+    with pytest.raises(ValueError):
+        read_prefill_profile(tmp_path / "missing.json")
+    model = PrefillCostModel(0.5, 1.0, 2.0)
+    assert PrefillCostModel.from_dict(model.to_dict()) == model
+    with pytest.raises(ValueError):
+        PrefillCostModel.from_dict({"intercept_s": -1, "linear_s": 0, "quadratic_s": 0})
+
+
+def test_the_roofline_default_is_plausible_for_an_8b_model_on_an_h100() -> None:
+    # About 30k tokens/s at short contexts; attention makes 32k tokens cost well over 1 s.
+    assert 0.02 < H100_LLAMA_8B_PREFILL.cost_s(1000) < 0.1
+    assert 1.0 < H100_LLAMA_8B_PREFILL.cost_s(32_000) < 3.0

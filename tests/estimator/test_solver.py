@@ -1,0 +1,80 @@
+"""Eq. 2's solver against hand-computed cases, and the cold-start closed form."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from estimator.solver import DurationCDF, cold_start_ttl, solve_ttl, utility
+
+
+@pytest.mark.parametrize("samples, benefit_s, expected_ttl_s", [
+    # t=1: .25*5-1 = .25; t=2: .5*5-2 = .5; t=3: .75*5-3 = .75; t=4: 5-4 = 1 -> 4.
+    ([1, 2, 3, 4], 5.0, 4.0),
+    # Every candidate loses (.75-1, 1.5-2, 2.25-3, 3-4): do not pin.
+    ([1, 2, 3, 4], 3.0, 0.0),
+    # t=.2: .5*2-.2 = .8; t=.3: .75*2-.3 = 1.2; t=10: 2-10 < 0 -> .3.
+    ([0.2, 0.3, 0.2, 10.0], 2.0, 0.3),
+    # t=1: .5*4-1 = 1; t=3: 1*4-3 = 1: a tie goes to the shorter pin.
+    ([3, 1], 4.0, 1.0),
+    # Durations of 0 are no candidate (a TTL of 0 is no pin); t=5: 3-5 < 0.
+    ([0, 0, 5], 3.0, 0.0),
+    ([0.5], 0.0, 0.0),
+])
+def test_solver_hand_computed(samples, benefit_s, expected_ttl_s) -> None:
+    assert solve_ttl(DurationCDF.from_samples(samples), benefit_s) == expected_ttl_s
+
+
+def test_empirical_cdf_counts_ties_once() -> None:
+    cdf = DurationCDF.from_samples([2.0, 1.0, 2.0, 4.0])
+    assert cdf.durations_s == (1.0, 2.0, 4.0)
+    assert cdf.probabilities == (0.25, 0.75, 1.0)
+    assert [cdf.probability(t) for t in (0.5, 1.0, 3.0, 9.0)] == [0.0, 0.25, 0.75, 1.0]
+    assert [cdf.quantile(q) for q in (0.1, 0.5, 0.75, 1.0)] == [1.0, 2.0, 2.0, 4.0]
+
+
+def test_cdf_from_crossing_quantiles_is_sorted() -> None:
+    cdf = DurationCDF.from_quantiles([0.1, 0.5, 0.9], [3.0, 1.0, 2.0])
+    assert cdf.durations_s == (1.0, 2.0, 3.0) and cdf.probabilities == (0.1, 0.5, 0.9)
+    # Equal predictions keep the higher level; negative predictions are clipped to 0.
+    assert DurationCDF.from_quantiles([0.2, 0.4], [-1.0, -2.0]).probabilities == (0.4,)
+
+
+@pytest.mark.parametrize("durations, probabilities", [
+    ((2.0, 1.0), (0.5, 1.0)), ((1.0, 2.0), (0.6, 0.5)), ((1.0,), (1.5,)), ((1.0,), ()),
+])
+def test_malformed_cdfs_are_rejected(durations, probabilities) -> None:
+    with pytest.raises(ValueError):
+        DurationCDF(durations, probabilities)
+    with pytest.raises(ValueError):
+        DurationCDF.from_samples([])
+
+
+@pytest.mark.parametrize("benefit_s, expected_ttl_s", [
+    (math.e**2, 2.0), (math.e, 1.0), (1.0, 0.0), (0.5, 0.0), (0.0, 0.0),
+])
+def test_cold_start_closed_form(benefit_s, expected_ttl_s) -> None:
+    assert cold_start_ttl(benefit_s) == pytest.approx(expected_ttl_s)
+
+
+@given(st.floats(min_value=1.01, max_value=1e4))
+def test_cold_start_maximises_the_exponential_prior_utility(benefit_s) -> None:
+    def expected(t: float) -> float:
+        return (1 - math.exp(-t)) * benefit_s - t
+
+    best = cold_start_ttl(benefit_s)
+    for t in (best * 0.9, best * 1.1, best + 0.01, max(0.0, best - 0.01)):
+        assert expected(best) >= expected(t) - 1e-9
+
+
+@given(st.lists(st.floats(min_value=0, max_value=100), min_size=1, max_size=30),
+       st.floats(min_value=0, max_value=200))
+def test_solver_is_the_argmax_over_candidates(samples, benefit_s) -> None:
+    cdf = DurationCDF.from_samples(samples)
+    ttl_s = solve_ttl(cdf, benefit_s)
+    best = max([0.0, *(utility(t, cdf, benefit_s) for t in cdf.durations_s)])
+    assert utility(ttl_s, cdf, benefit_s) == pytest.approx(best)
+    assert ttl_s == 0.0 or ttl_s in cdf.durations_s
