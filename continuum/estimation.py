@@ -17,18 +17,21 @@ logger = logging.getLogger(__name__)
 
 
 def estimator_from_environment(environment: PolicyEnvironment) -> TTLEstimator:
-    """The configured estimator: warm-started from traces, then the saved state (if any)
-    loaded, then `R` priced by the measured or given prefill profile. ValueError if the
-    name, a trace or the profile file is bad; a corrupt state file only warns."""
+    """The configured estimator: the saved state if one loads, else warm-started from the
+    traces (a saved state already holds what an earlier warm start taught); then `R` priced
+    by the measured or given prefill profile (`none`: R = 0). ValueError if the name, a
+    trace or the profile file is bad; a corrupt state file only warns."""
     config = environment.estimator
     estimator = make_estimator(config.name)
-    for path in config.warm_start_traces:
-        warm_start(estimator, read_trace_jobs(path))
-    if config.state_path is not None and isinstance(estimator, Eq2Estimator):
-        estimator.load_or_cold_start(config.state_path)
-    prefill_cost = _prefill_cost(environment)
-    if prefill_cost is not None and isinstance(estimator, Eq2Estimator):
-        estimator.prefill_cost = prefill_cost
+    loaded = (config.state_path is not None and isinstance(estimator, Eq2Estimator)
+              and estimator.load_or_cold_start(config.state_path))
+    if not loaded:
+        for path in config.warm_start_traces:
+            warm_start(estimator, read_trace_jobs(path))
+    if isinstance(estimator, Eq2Estimator):
+        prefill_cost = _prefill_cost(environment)
+        if prefill_cost is not None or config.prefill_profile == "none":
+            estimator.prefill_cost = prefill_cost
     return estimator
 
 
@@ -60,9 +63,16 @@ def save_estimator(estimator: TTLEstimator | None, environment: PolicyEnvironmen
 
 
 def tool_name_of(request: Request, environment: PolicyEnvironment) -> str | None:
-    """The tool a finished turn called: the client's word, else parsed from its output."""
-    if request.job is not None and request.job.tool_name:
-        return request.job.tool_name
-    if environment.decode is None:
+    """The tool a finished turn called: the client's word, else parsed from its output
+    (None if neither says, or the output cannot be decoded)."""
+    client_name = None if request.job is None else request.job.tool_name
+    named = tool_key(None, client_tool_name=client_name)
+    if named is not None or environment.decode is None:
+        return named
+    try:
+        text = environment.decode(request.output_token_ids)
+    except Exception as error:  # a step must not fail over one undecodable output
+        logger.warning("cannot decode the output of %s to read its tool: %s",
+                       request.request_id, error)
         return None
-    return tool_key(environment.decode(request.output_token_ids))
+    return tool_key(text)

@@ -6,7 +6,8 @@ prompt arrives, its tool runs for the recorded duration, then the next turn arri
 estimator deciding a TTL at every finish and learning online. There is no engine: the queueing
 delay `T` is a fixed assumption and `R` comes from a prefill cost model. A call is a hit when
 its next turn arrives within the TTL; the Eq. 2 utility of a decision is
-`hit * (T * eta + R) - ttl`, with `eta` from all the trace's jobs. `oracle` knows each
+`hit * (T * eta + R) - ttl`, with `eta` from all the trace's jobs. The learned predictor is
+trained once, on the earlier jobs. `oracle` knows each
 duration in advance (pin exactly that long when the saving beats it): an upper bound.
 """
 
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,31 +97,37 @@ def split_by_arrival(jobs: Sequence[TraceJob], train_fraction: float
 
 
 def replay(jobs: Sequence[TraceJob], estimator: TTLEstimator, scorer: Scorer) -> Outcome:
-    """Feeds the jobs' tool calls through the estimator in time order and scores each TTL."""
+    """Feeds the jobs' tool calls through the estimator in time order and scores each TTL:
+    a turn's finish (a decision), its next turn's arrival (an observation) and a job's end
+    are events on one clock, so no decision sees a duration that has not ended yet."""
     outcome = Outcome()
-    events: list[tuple[float, int, int, int]] = []  # (time, tie-break, job index, call index)
+    events: list[tuple[float, int, str, int, int]] = []  # time, tie-break, kind, job, call
+    sequence = itertools.count()
+
+    def push(time_s: float, kind: str, job_index: int, call_index: int) -> None:
+        heapq.heappush(events, (time_s, next(sequence), kind, job_index, call_index))
+
     for job_index, job in enumerate(jobs):
         first_turn_s = job.calls[0].turn_time_s if job.calls else 0.0
-        heapq.heappush(events, (job.arrival_s + first_turn_s, job_index, job_index, 0))
-    sequence = len(jobs)
+        push(job.arrival_s + first_turn_s, "finish", job_index, 0)
     while events:
-        now_s, _, job_index, call_index = heapq.heappop(events)
+        now_s, _, kind, job_index, call_index = heapq.heappop(events)
         job = jobs[job_index]
-        if call_index >= len(job.calls):
+        if kind == "arrive":
+            estimator.observe_next_turn(job.job_id, now_s)
+            following = job.calls[call_index] if call_index < len(job.calls) else None
+            push(now_s + (following.turn_time_s if following else 0.0), "finish", job_index,
+                 call_index)
+        elif call_index >= len(job.calls):
             estimator.observe_job_end(job.job_id, job.num_turns)
-            continue
-        call = job.calls[call_index]
-        tool_call = ToolCall(job.job_id, call.tool_name, now_s, call.num_context_tokens,
-                             call_index)
-        estimator.observe_tool_call(tool_call)
-        outcome.add(estimator.ttl_s(tool_call), call.duration_s,
-                    scorer.benefit_s(call.num_context_tokens))
-        arrival_s = now_s + call.duration_s
-        estimator.observe_next_turn(job.job_id, arrival_s)
-        following = job.calls[call_index + 1] if call_index + 1 < len(job.calls) else None
-        turn_time_s = following.turn_time_s if following is not None else 0.0
-        sequence += 1
-        heapq.heappush(events, (arrival_s + turn_time_s, sequence, job_index, call_index + 1))
+        else:
+            call = job.calls[call_index]
+            tool_call = ToolCall(job.job_id, call.tool_name, now_s, call.num_context_tokens,
+                                 call.turn_index)
+            estimator.observe_tool_call(tool_call)
+            outcome.add(estimator.ttl_s(tool_call), call.duration_s,
+                        scorer.benefit_s(call.num_context_tokens))
+            push(now_s + call.duration_s, "arrive", job_index, call_index + 1)
     return outcome
 
 
@@ -128,7 +137,8 @@ def oracle(jobs: Sequence[TraceJob], scorer: Scorer) -> Outcome:
     for job in jobs:
         for call in job.calls:
             benefit_s = scorer.benefit_s(call.num_context_tokens)
-            ttl_s = call.duration_s if 0 < call.duration_s < benefit_s else 0.0
+            # A duration of 0 still needs a pin, however short.
+            ttl_s = max(call.duration_s, 1e-9) if call.duration_s < benefit_s else 0.0
             outcome.add(ttl_s, call.duration_s, benefit_s)
     return outcome
 
@@ -138,8 +148,8 @@ def test_records(jobs: Sequence[TraceJob]) -> list[DurationRecord]:
     records = []
     for job in jobs:
         recent = RecentCalls(1)
-        for index, call in enumerate(job.calls):
-            features = CallFeatures(call.tool_name, index, call.num_context_tokens,
+        for call in job.calls:
+            features = CallFeatures(call.tool_name, call.turn_index, call.num_context_tokens,
                                     recent.of(job.job_id))
             records.append(DurationRecord(features, call.duration_s))
             recent.add(job.job_id, call.tool_name, call.duration_s)
@@ -155,6 +165,7 @@ class _PrecomputedPredictor:
         quantiles = predictor.predict_quantiles(features) if features else []
         self._cdfs = {f: DurationCDF.from_quantiles(predictor.levels, row)
                       for f, row in zip(features, quantiles, strict=True)}
+        self.num_misses = 0  # calls predicted one by one (slow, but the same result)
 
     @property
     def is_fitted(self) -> bool:
@@ -163,17 +174,25 @@ class _PrecomputedPredictor:
     def fit(self, records: Sequence[DurationRecord]) -> None:
         raise NotImplementedError("a precomputed predictor does not retrain")
 
+    def unfitted_copy(self) -> QuantileBoostingPredictor:
+        return self._predictor.unfitted_copy()
+
     def predict_cdf(self, features: CallFeatures) -> DurationCDF:
         cdf = self._cdfs.get(features)
-        return self._predictor.predict_cdf(features) if cdf is None else cdf
+        if cdf is None:
+            self.num_misses += 1
+            return self._predictor.predict_cdf(features)
+        return cdf
 
 
 def pinball_losses(estimator: Eq2Estimator, records: list[DurationRecord]
-                   ) -> tuple[float, float | None]:
+                   ) -> tuple[float | None, float | None]:
     """(empirical, learned) pinball loss on `records`: the per-tool empirical quantiles the
     estimator learned (pooled for tools with too few samples), and its predictor's."""
     levels = QuantileBoostingPredictor().levels
     actual = np.array([r.duration_s for r in records])
+    if not records or not estimator.history.samples(None):
+        return None, None  # nothing to predict, or nothing learned to predict it with
     empirical = []
     for record in records:
         samples = estimator.history.samples(record.features.tool_name)
@@ -207,8 +226,12 @@ def run_benchmark(
         extra: dict[str, Any] = {}
         if isinstance(estimator, Eq2Estimator):
             empirical_loss, learned_loss = pinball_losses(estimator, records)
-            extra["pinball_loss"] = empirical_loss if learned_loss is None else learned_loss
+            learned = isinstance(estimator.predictor, QuantileBoostingPredictor)
+            extra["pinball_loss"] = learned_loss if learned else empirical_loss
             if isinstance(estimator.predictor, QuantileBoostingPredictor):
+                # Trained once on the earlier jobs: a refit mid-replay would make the result
+                # depend on thread timing.
+                estimator.refit_every = None
                 extra["fitted"] = estimator.predictor.is_fitted
                 estimator.predictor = _PrecomputedPredictor(
                     estimator.predictor, [r.features for r in records]
@@ -234,11 +257,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    jobs = read_trace_jobs(args.trace)[: args.max_jobs]
-    prefill_cost = (H100_LLAMA_8B_PREFILL if args.prefill_profile is None
-                    else PrefillCostModel.fit(read_prefill_profile(args.prefill_profile)))
-    results = run_benchmark(jobs, train_fraction=args.train_fraction,
-                            queueing_delay_s=args.queueing_delay_s, prefill_cost=prefill_cost)
+    try:
+        if args.max_jobs is not None and args.max_jobs < 1:
+            raise ValueError(f"--max-jobs must be >= 1, got {args.max_jobs}")
+        if not args.queueing_delay_s >= 0:
+            raise ValueError(f"--queueing-delay-s must be >= 0, got {args.queueing_delay_s}")
+        jobs = read_trace_jobs(args.trace)[: args.max_jobs]
+        prefill_cost = (H100_LLAMA_8B_PREFILL if args.prefill_profile is None
+                        else PrefillCostModel.fit(read_prefill_profile(args.prefill_profile)))
+        results = run_benchmark(jobs, train_fraction=args.train_fraction,
+                                queueing_delay_s=args.queueing_delay_s,
+                                prefill_cost=prefill_cost)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(f"{args.trace}: {len(jobs)} jobs, train fraction {args.train_fraction}, "
           f"T = {args.queueing_delay_s} s")
     _print_table(results)

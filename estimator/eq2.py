@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import tempfile
+import threading
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -56,7 +59,9 @@ class Eq2Estimator:
 
     `prefill_cost` prices `R` (None: 0 until `observe_prefill_profile` supplies a profile);
     `predictor`, once fitted, replaces the empirical CDF; `max_records` bounds the finished
-    calls kept to (re)train it.
+    calls kept to (re)train it. With `refit_every`, a copy of the predictor is retrained on
+    the records after that many new ones, in a background thread (`refit_in_background`)
+    so that no scheduler step waits for it, and swapped in when done.
     """
 
     def __init__(
@@ -68,6 +73,8 @@ class Eq2Estimator:
         history: ToolDurationHistory | None = None,
         queueing_window: int = 256,
         max_records: int = 20_000,
+        refit_every: int | None = None,
+        refit_in_background: bool = True,
     ) -> None:
         self.history = ToolDurationHistory() if history is None else history
         if not 0 <= cold_start_samples < self.history.max_samples:
@@ -82,6 +89,12 @@ class Eq2Estimator:
         self.turns = RemainingTurnsCorrelation()
         self.recent_calls = RecentCalls(self.history.max_pending)
         self.records: deque[DurationRecord] = deque(maxlen=max_records)
+        if refit_every is not None and refit_every < 1:
+            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
+        self.refit_every = refit_every
+        self.refit_in_background = refit_in_background
+        self._num_new_records = 0
+        self._refit_thread: threading.Thread | None = None
         self._cdfs: dict[str | None, DurationCDF] = {}
         self.last_decision: TTLDecision | None = None
 
@@ -118,6 +131,8 @@ class Eq2Estimator:
         tool = call.tool_name if len(tool_samples) > self.cold_start_samples else None
         cdf = self._cdfs.get(tool)
         if cdf is None:
+            if len(self._cdfs) > self.history.max_tools:
+                self._cdfs.clear()  # entries of tools the history has forgotten
             cdf = self._cdfs[tool] = DurationCDF.from_samples(self.history.samples(tool))
         return cdf, "pooled" if tool is None else "tool", len(self.history.samples(tool))
 
@@ -137,9 +152,13 @@ class Eq2Estimator:
         self.records.append(DurationRecord(self.features(call), duration_s))
         self.recent_calls.add(job_id, call.tool_name, duration_s)
         self._forget_cdfs(call.tool_name)
+        self._num_new_records += 1
+        if self.refit_every is not None and self._num_new_records >= self.refit_every:
+            self._start_refit()
 
     def observe_queueing_delay(self, delay_s: float) -> None:
-        self.queueing_delay.add(max(0.0, delay_s))
+        if math.isfinite(delay_s):
+            self.queueing_delay.add(max(0.0, delay_s))
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
         self.turns.add(num_turns)
@@ -160,8 +179,8 @@ class Eq2Estimator:
         as if the jobs had run here; a predictor is then refitted."""
         for job in jobs:
             recent = RecentCalls(1)
-            for turn_index, call in enumerate(job.calls):
-                features = CallFeatures(call.tool_name, turn_index, call.num_context_tokens,
+            for call in job.calls:
+                features = CallFeatures(call.tool_name, call.turn_index, call.num_context_tokens,
                                         recent.of(job.job_id))
                 self.records.append(DurationRecord(features, call.duration_s))
                 self.history.add(call.tool_name, call.duration_s)
@@ -171,9 +190,39 @@ class Eq2Estimator:
         self.refit()
 
     def refit(self) -> None:
-        """Retrains the predictor on the recorded calls (no-op without one or records)."""
-        if self.predictor is not None and self.records:
+        """Retrains the predictor on the recorded calls now (no-op without one)."""
+        if self.predictor is not None:
             self.predictor.fit(list(self.records))
+        self._num_new_records = 0
+
+    def _start_refit(self) -> None:
+        """Trains a copy of the predictor on a snapshot of the records and swaps it in; one
+        refit at a time."""
+        if self.predictor is None or (self._refit_thread and self._refit_thread.is_alive()):
+            return
+        self._num_new_records = 0
+        trainee, records = self.predictor.unfitted_copy(), list(self.records)
+
+        def train() -> None:
+            try:
+                trainee.fit(records)
+            except Exception:  # a failed refit keeps the current predictor
+                logger.exception("retraining the duration predictor failed")
+                return
+            if trainee.is_fitted:
+                self.predictor = trainee  # one reference swap: the step thread sees either
+
+        if self.refit_in_background:
+            self._refit_thread = threading.Thread(target=train, name="predictor-refit",
+                                                  daemon=True)
+            self._refit_thread.start()
+        else:
+            train()
+
+    def wait_for_refit(self, timeout_s: float | None = None) -> None:
+        """Blocks until a background refit in progress has finished (tests, shutdown)."""
+        if self._refit_thread is not None:
+            self._refit_thread.join(timeout_s)
 
     # State.
     def state(self) -> dict[str, Any]:
@@ -200,17 +249,22 @@ class Eq2Estimator:
                                  max_samples=self.history.max_samples,
                                  max_tools=self.history.max_tools,
                                  max_pending=self.history.max_pending))
+        predictor = None if self.predictor is None else self.predictor.unfitted_copy()
         try:
             fresh._apply_state(state)
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise ValueError(f"not an estimator state: {error}") from error
+            if predictor is not None:
+                predictor.fit(list(fresh.records))
+        except Exception as error:  # whatever a malformed file makes parsing or training raise
+            raise ValueError(f"not an estimator state: {type(error).__name__}: {error}") from error
         self.history, self.queueing_delay, self.turns = (
             fresh.history, fresh.queueing_delay, fresh.turns
         )
         self.records, self.recent_calls, self._cdfs = fresh.records, fresh.recent_calls, {}
         if fresh.prefill_cost is not None:
             self.prefill_cost = fresh.prefill_cost
-        self.refit()
+        if predictor is not None:
+            self.predictor = predictor
+        self._num_new_records = 0
 
     def _apply_state(self, state: Any) -> None:
         if state["version"] != STATE_VERSION:
@@ -231,17 +285,20 @@ class Eq2Estimator:
                                                _duration(duration_s)))
 
     def save(self, path: str | Path) -> None:
-        """Writes `state()` as JSON (atomically: a temporary file, then a rename)."""
+        """Writes `state()` as JSON, atomically (a synced temporary file, then a rename)."""
         path = Path(path)
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(json.dumps(self.state()))
-        temporary.replace(path)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.",
+                                         delete=False) as temporary:
+            json.dump(self.state(), temporary)
+            temporary.flush()
+            os.fsync(temporary.fileno())
+        Path(temporary.name).replace(path)
 
     def load(self, path: str | Path) -> None:
         """Loads a saved state file; ValueError (and no change) if it is unreadable."""
         try:
             state = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, ValueError, RecursionError) as error:
             raise ValueError(f"cannot read estimator state {path}: {error}") from error
         self.load_state(state)
 

@@ -24,6 +24,9 @@ from estimator.solver import DurationCDF
 QUANTILE_LEVELS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.975, 0.99)
 _LOG_OFFSET_S = 1e-3  # durations of 0 s exist (in-process editors)
 _MAX_TOOLS = 1000
+# Missing values (unknown tool, no earlier call) as a number below every real feature value:
+# scikit-learn's native NaN handling fails on a column that is all missing.
+_MISSING = -100.0
 
 
 class QuantileBoostingPredictor:
@@ -57,24 +60,34 @@ class QuantileBoostingPredictor:
     def is_fitted(self) -> bool:
         return bool(self._models)
 
+    def unfitted_copy(self) -> QuantileBoostingPredictor:
+        return QuantileBoostingPredictor(
+            levels=self.levels, max_iter=self.max_iter, learning_rate=self.learning_rate,
+            min_records=self.min_records, seed=self.seed,
+        )
+
     def fit(self, records: Sequence[DurationRecord]) -> None:
+        """Trains on the records; with fewer than `min_records` it is left unfitted. Nothing
+        changes if training raises."""
         from sklearn.ensemble import HistGradientBoostingRegressor
 
         if len(records) < self.min_records:
             self._models = []
             return
-        self._tool_codes = _vocabulary(r.features.tool_name for r in records)
-        self._command_codes = _vocabulary(_command(r.features.tool_name) for r in records)
-        matrix = self.feature_matrix([r.features for r in records])
+        trained = self.unfitted_copy()
+        trained._tool_codes = _vocabulary(r.features.tool_name for r in records)
+        trained._command_codes = _vocabulary(_command(r.features.tool_name) for r in records)
+        matrix = trained.feature_matrix([r.features for r in records])
         targets = np.log(np.array([r.duration_s for r in records]) + _LOG_OFFSET_S)
-        self._models = [
+        models = [
             HistGradientBoostingRegressor(
                 loss="quantile", quantile=level, max_iter=self.max_iter,
-                learning_rate=self.learning_rate,
-                random_state=self.seed,
+                learning_rate=self.learning_rate, random_state=self.seed,
             ).fit(matrix, targets)
             for level in self.levels
         ]
+        self._tool_codes, self._command_codes = trained._tool_codes, trained._command_codes
+        self._models = models
 
     def predict_quantiles(self, features: Sequence[CallFeatures]) -> np.ndarray:
         """Predicted duration quantiles in seconds, shape (len(features), len(levels)),
@@ -99,9 +112,9 @@ class QuantileBoostingPredictor:
             _code(self._command_codes, _command(features.tool_name)),
             float(features.turn_index),
             math.log1p(max(0, features.num_context_tokens)),
-            _log(durations[-1]) if durations else math.nan,
-            _log(sum(durations[-3:]) / len(durations[-3:])) if durations else math.nan,
-            _log(same_tool[-1]) if same_tool else math.nan,
+            _log(durations[-1]) if durations else _MISSING,
+            _log(sum(durations[-3:]) / len(durations[-3:])) if durations else _MISSING,
+            _log(same_tool[-1]) if same_tool else _MISSING,
         ]
 
 
@@ -124,7 +137,7 @@ def _vocabulary(names: object) -> dict[str, int]:
 
 def _code(codes: dict[str, int], name: str | None) -> float:
     code = None if name is None else codes.get(name)
-    return math.nan if code is None else float(code)
+    return _MISSING if code is None else float(code)
 
 
 def _log(duration_s: float) -> float:

@@ -22,6 +22,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 MAX_NAME_CHARS = 128
+MAX_KEY_NAMES = 8
+
+# Chat-format control tokens a decoder may leave around a call when it keeps special tokens
+# (`<|python_tag|>`, `<|eot_id|>`, `<|im_end|>`, `</s>`, ...); Hermes' `<tool_call>` is not one.
+_CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_.:-]{1,40}\|>|</?s>|<eos>|<end_of_turn>")
 
 _HERMES_OPEN = "<tool_call>"
 _HERMES_CLOSE = "</tool_call>"
@@ -61,8 +66,9 @@ class ParsedToolCalls:
 
     @property
     def key(self) -> str:
-        """The name statistics are kept under: the names joined by "+" in output order."""
-        return "+".join(self.names)
+        """The name statistics are kept under: the names joined by "+" in output order (at
+        most `MAX_KEY_NAMES` of them, so one runaway output cannot make a huge key)."""
+        return "+".join(self.names[:MAX_KEY_NAMES])
 
 
 def parse_tool_calls(
@@ -80,7 +86,10 @@ def parse_tool_calls(
     names = _names_from_calls(tool_calls)
     if names:
         return ParsedToolCalls(names, "openai")
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
+        return None
+    text = _CONTROL_TOKEN.sub("", text)
+    if not text.strip():
         return None
     stripped = text.strip()
     document = _load_document(stripped)

@@ -58,6 +58,10 @@ class DurationPredictor(Protocol):
         """The predicted CDF; only called once fitted."""
         ...
 
+    def unfitted_copy(self) -> DurationPredictor:
+        """A new, unfitted predictor with the same settings (to train aside and swap in)."""
+        ...
+
 
 class RecentCalls:
     """The latest tool calls of each live job, for predictor features; forgets ended jobs and,

@@ -11,6 +11,9 @@ from estimator.fixed import FixedTTLEstimator
 from estimator.learned import QuantileBoostingPredictor
 from estimator.traces import TraceJob
 
+# New finished tool calls between background retrainings of the learned predictor.
+LEARNED_REFIT_EVERY = 1000
+
 
 def _fixed(prefill_cost: PrefillCostModel | None) -> TTLEstimator:
     return FixedTTLEstimator(2.0)
@@ -21,7 +24,8 @@ def _eq2_empirical(prefill_cost: PrefillCostModel | None) -> TTLEstimator:
 
 
 def _eq2_learned(prefill_cost: PrefillCostModel | None) -> TTLEstimator:
-    return Eq2Estimator(prefill_cost=prefill_cost, predictor=QuantileBoostingPredictor())
+    return Eq2Estimator(prefill_cost=prefill_cost, predictor=QuantileBoostingPredictor(),
+                        refit_every=LEARNED_REFIT_EVERY)
 
 
 ESTIMATORS: dict[str, Callable[[PrefillCostModel | None], TTLEstimator]] = {

@@ -4,6 +4,7 @@ turns it has left."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 
@@ -15,13 +16,9 @@ class SlidingMean:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self._values: deque[float] = deque(maxlen=window)
-        self._total = 0.0
 
     def add(self, value: float) -> None:
-        if len(self._values) == self._values.maxlen:
-            self._total -= self._values[0]
         self._values.append(value)
-        self._total += value
 
     @property
     def window(self) -> int:
@@ -29,7 +26,9 @@ class SlidingMean:
 
     @property
     def mean(self) -> float | None:
-        return self._total / len(self._values) if self._values else None
+        # Summed afresh (exactly): a running total would keep the rounding error of values
+        # long gone from the window.
+        return math.fsum(self._values) / len(self._values) if self._values else None
 
     @property
     def values(self) -> list[float]:

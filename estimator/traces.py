@@ -19,12 +19,14 @@ DEFAULT_TURN_TIME_S = 1.0
 @dataclass(frozen=True, slots=True)
 class TraceToolCall:
     """One non-final turn and the tool it ran: `duration_s` from the turn's finish to the
-    next turn's arrival; `num_context_tokens` the turn's prompt plus output."""
+    next turn's arrival; `num_context_tokens` the turn's prompt plus output; `turn_index` the
+    turn's place in its job (0 for the first)."""
 
     tool_name: str | None
     duration_s: float
     num_context_tokens: int
     turn_time_s: float
+    turn_index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,7 @@ def _parse_job(data: dict) -> TraceJob:
     if not isinstance(turns, list) or not turns:
         raise ValueError("turns must be a non-empty list")
     calls = []
-    for turn in turns[:-1]:
+    for turn_index, turn in enumerate(turns[:-1]):
         duration_s = turn.get("tool_duration_s")
         if duration_s is None:
             continue  # a turn whose tool time was not recorded teaches nothing
@@ -73,6 +75,7 @@ def _parse_job(data: dict) -> TraceJob:
             turn_time_s=float(
                 turn.get("llm_latency_s") or turn.get("server_latency_s") or DEFAULT_TURN_TIME_S
             ),
+            turn_index=turn_index,
         ))
     return TraceJob(str(data["job_id"]), float(data.get("arrival_s") or 0.0), tuple(calls),
                     len(turns))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 from engine.clock import Clock
 from engine.config import EngineConfig, SchedulerConfig
@@ -45,6 +46,7 @@ class EngineCore:
         self.config = config
         self.clock = clock
         self.executor = make_executor(config) if executor is None else executor
+        self.num_steps = 0
         self.scheduler = Scheduler(
             config.scheduler, config.cache,
             make_policy(config.scheduler.policy) if policy is None else policy,
@@ -52,7 +54,6 @@ class EngineCore:
             environment=self._policy_environment(),
         )
         self.vocab_size = self.executor.vocab_size
-        self.num_steps = 0
         self.step_time_s = 0.0
         self.execute_time_s = 0.0
 
@@ -60,8 +61,11 @@ class EngineCore:
         executor = self.executor
         profile_prefill = None
         if isinstance(executor, PrefillProfiler):
-            lengths = prefill_profile_lengths(self.config.scheduler)
-            profile_prefill = functools.partial(executor.profile_prefill, lengths)
+            profile_prefill = _ProfileOnceBeforeServing(
+                functools.partial(executor.profile_prefill,
+                                  prefill_profile_lengths(self.config.scheduler)),
+                is_serving=lambda: self.num_steps > 0,
+            )
         return PolicyEnvironment(estimator=self.config.estimator, profile_prefill=profile_prefill,
                                  decode=load_decoder(self.config.model.model))
 
@@ -186,3 +190,22 @@ def prefill_profile_lengths(config: SchedulerConfig) -> list[int]:
     while lengths[-1] * 4 < longest:
         lengths.append(lengths[-1] * 4)
     return [*lengths, longest] if longest > lengths[-1] else lengths
+
+
+class _ProfileOnceBeforeServing:
+    """Times prefills at most once, and only before the first step (the profile writes into
+    the KV pool, where no request holds blocks until a step schedules one); later calls get
+    the first result."""
+
+    def __init__(self, profile: Callable[[], list[tuple[int, float]]],
+                 is_serving: Callable[[], bool]) -> None:
+        self._profile = profile
+        self._is_serving = is_serving
+        self._points: list[tuple[int, float]] | None = None
+
+    def __call__(self) -> list[tuple[int, float]]:
+        if self._points is None:
+            if self._is_serving():
+                raise RuntimeError("prefills can only be profiled before serving starts")
+            self._points = self._profile()
+        return list(self._points)

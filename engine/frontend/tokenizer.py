@@ -23,9 +23,9 @@ def load_tokenizer(model: str) -> Any:
 def load_decoder(model: str) -> Callable[[Sequence[int]], str] | None:
     """Token ids to text with the model's `tokenizer.json`, special tokens kept (None if the
     model has none). Light enough for the engine core, which does not load `transformers`."""
-    from tokenizers import Tokenizer
-
     try:
+        from tokenizers import Tokenizer
+
         path = resolve_model_dir(model) / "tokenizer.json"
         tokenizer = Tokenizer.from_file(str(path)) if path.is_file() else None
     except Exception:  # any unreadable or unknown file format: no decoder

@@ -37,6 +37,31 @@ def test_replay_scores_hits_waste_and_eq2_utility() -> None:
     assert unpinned["pin_rate"] == 0.0 and unpinned["mean_utility"] == 0.0
 
 
+class Log(ConstantTTLEstimator):
+    def __init__(self) -> None:
+        super().__init__(1.0)
+        self.events: list[tuple] = []
+
+    def observe_tool_call(self, call) -> None:
+        self.events.append(("call", call.job_id, call.finished_at_s))
+
+    def observe_next_turn(self, job_id, arrived_at_s) -> None:
+        self.events.append(("next", job_id, arrived_at_s))
+
+    def observe_job_end(self, job_id, num_turns) -> None:
+        self.events.append(("end", job_id, num_turns))
+
+
+def test_no_decision_sees_a_duration_before_it_ends() -> None:
+    # Job a's tool runs from 1 s to 11 s; job b decides at 3 s, before a's tool ends.
+    log = Log()
+    replay([job("a", 0.0, 10.0), job("b", 2.0, 0.5)], log, SCORER)
+    assert log.events == [
+        ("call", "a", 1.0), ("call", "b", 3.0), ("next", "b", 3.5), ("end", "b", 2),
+        ("next", "a", 11.0), ("end", "a", 2),
+    ]
+
+
 def test_the_oracle_pins_exactly_the_calls_worth_it() -> None:
     report = oracle([job("a", 0.0, 1.0, 4.0)], SCORER).report()  # 4 s > the 3 s saving
     assert (report["pin_rate"], report["hit_rate"], report["wasted_pin_s"]) == (0.5, 1.0, 0.0)
@@ -63,3 +88,24 @@ def test_the_command_reports_every_estimator_as_json(tmp_path, capsys) -> None:
     assert results["eq2-empirical"]["pinball_loss"] > 0
     assert results["fixed-2s"]["mean_ttl_s"] == 2.0
     assert "eq2-learned" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-jobs", "0"], "--max-jobs"),
+    (["--train-fraction", "1.5"], "train_fraction"),
+    (["--queueing-delay-s", "-1"], "--queueing-delay-s"),
+])
+def test_bad_arguments_are_reported_not_raised(args, message, capsys) -> None:
+    assert main(["bench", "estimator", "--trace", str(SLICE), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert main(["bench", "estimator", "--trace", "/no/such.jsonl"]) == 2
+    assert "cannot read trace" in capsys.readouterr().err
+
+
+def test_an_empty_training_split_still_reports(tmp_path) -> None:
+    path = tmp_path / "cold.json"
+    assert main(["bench", "estimator", "--trace", str(SLICE), "--train-fraction", "0",
+                 "--max-jobs", "4", "--json", str(path)]) == 0
+    results = json.loads(path.read_text())
+    assert results["eq2-learned"]["fitted"] is False
+    assert results["eq2-empirical"]["num_calls"] == 44

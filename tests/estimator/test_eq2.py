@@ -126,8 +126,14 @@ def test_a_corrupt_state_file_falls_back_to_the_cold_start_with_a_warning(
     before = estimator.state()
     path = tmp_path / "state.json"
     good = dict(before)
-    for bad in ("{", json.dumps({**good, "version": 99}),
-                json.dumps({**good, "pooled_s": [-1.0]}), json.dumps({"version": 1})):
+    corrupt = (
+        "{", "[" * 100_000, json.dumps({**good, "version": 99}), json.dumps({"version": 1}),
+        json.dumps({**good, "pooled_s": [-1.0]}),
+        json.dumps({**good, "job_num_turns": [1e400]}),  # Infinity: int() overflows
+        json.dumps({**good, "records": [[["t", 1e400, 5, []], 1.0]]}),
+        json.dumps({**good, "tools_s": {"t": "not a list"}}),
+    )
+    for bad in corrupt:
         path.write_text(bad)
         with pytest.raises(ValueError):
             estimator.load(path)
@@ -160,3 +166,18 @@ def test_a_learned_estimator_decides_from_its_predictor_and_survives_a_reload(tm
     restored = Eq2Estimator(predictor=QuantileBoostingPredictor(max_iter=20))
     restored.load(path)  # the training records are saved; the predictor is refitted
     assert restored.decide(call("new", "cat", turn_index=3)) == decision
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_learned_estimator_retrains_after_enough_new_calls(background) -> None:
+    predictor = QuantileBoostingPredictor(max_iter=10, min_records=20)
+    estimator = Eq2Estimator(cold_start_samples=0, predictor=predictor, refit_every=25,
+                             refit_in_background=background)
+    for index in range(24):
+        record(estimator, "cat" if index % 2 else "grep", 0.1 + index / 100, job_id=f"j{index}")
+    assert not estimator.predictor.is_fitted
+    assert estimator.decide(call("j", "cat")).basis == "tool"
+    record(estimator, "cat", 0.2, job_id="j24")
+    estimator.wait_for_refit(timeout_s=60)
+    assert estimator.predictor.is_fitted and estimator.predictor is not predictor
+    assert estimator.decide(call("j", "cat")).basis == "learned"

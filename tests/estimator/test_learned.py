@@ -64,3 +64,12 @@ def test_fitting_is_deterministic_and_needs_enough_records() -> None:
 def test_bad_levels_are_rejected(levels) -> None:
     with pytest.raises(ValueError):
         QuantileBoostingPredictor(levels=levels)
+
+
+def test_records_without_any_tool_name_or_history_still_train() -> None:
+    records = [DurationRecord(CallFeatures(None, i % 5, 100 * i, ()), 0.1 * (i % 7))
+               for i in range(120)]
+    predictor = QuantileBoostingPredictor(max_iter=10)
+    predictor.fit(records)
+    assert predictor.is_fitted
+    assert predictor.predict_quantiles([CallFeatures("new", 1, 50, ())]).shape == (1, 13)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from estimator.parsing import ParsedToolCalls, parse_tool_calls, tool_key
+from estimator.parsing import MAX_KEY_NAMES, ParsedToolCalls, parse_tool_calls, tool_key
 
 
 def openai_call(name: str, arguments: str = "{}") -> dict[str, object]:
@@ -272,3 +272,19 @@ def test_never_raises_on_structured_noise(text: str) -> None:
 def test_never_raises_on_any_text(text: str, client: str | None) -> None:
     result = parse_tool_calls(text, client_tool_name=client)
     assert result is None or result.key == "+".join(result.names)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"name": "lookup", "parameters": {}}<|eot_id|>', "lookup"),
+    ('<|python_tag|>{"name": "web_search", "parameters": {"q": "x"}}<|eom_id|>', "web_search"),
+    ('get_weather(city="Paris")</s>', "get_weather"),
+    ('<tool_call>\n{"name": "bash", "arguments": {}}\n</tool_call><|im_end|>', "bash"),
+])
+def test_control_tokens_a_decoder_keeps_do_not_hide_the_call(text, expected) -> None:
+    assert tool_key(text) == expected
+
+
+def test_keys_of_runaway_outputs_are_bounded() -> None:
+    parsed = parse_tool_calls("f()" * 5000)
+    assert parsed is not None and len(parsed.names) == 5000
+    assert parsed.key == "+".join(["f"] * MAX_KEY_NAMES)

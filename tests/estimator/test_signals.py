@@ -20,6 +20,13 @@ def test_sliding_mean_keeps_the_latest_window() -> None:
         SlidingMean(0)
 
 
+def test_sliding_mean_forgets_the_rounding_of_values_gone_from_the_window() -> None:
+    mean = SlidingMean(window=3)
+    for value in (1e16, 1.0, 1.0, 1.0):
+        mean.add(value)
+    assert mean.mean == 1.0
+
+
 def _eta(num_turns: list[int]) -> float:
     turns = RemainingTurnsCorrelation()
     turns.extend(num_turns)

@@ -163,3 +163,16 @@ def test_estimator_state_is_saved_at_shutdown_and_loaded_at_start(tmp_path) -> N
 def test_a_bad_estimator_setting_fails_at_start(fields, message) -> None:
     with pytest.raises(ValueError, match=message):
         EngineCore(_with_estimator(**fields), clock=FakeClock())
+
+
+def test_prefills_are_profiled_once_and_never_after_serving_starts() -> None:
+    core = EngineCore(SMALL_CONFIG, clock=FakeClock())
+    profile = core.scheduler.environment.profile_prefill
+    first = profile()
+    assert [n for n, _ in first] == [16, 64, 256] and all(s > 0 for _, s in first)
+    assert profile() == first  # measured once
+    fresh = EngineCore(SMALL_CONFIG, policy=FCFSPolicy(), clock=FakeClock())
+    fresh.add_request(core_request("a", max_tokens=1))
+    run_to_completion(fresh)
+    with pytest.raises(RuntimeError, match="before serving"):
+        fresh.scheduler.environment.profile_prefill()
