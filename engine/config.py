@@ -119,8 +119,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class EstimatorConfig:
     """How a learning policy sets up its TTL estimator. The engine passes it on without
-    interpreting it, except that `prefill_profile="auto"` makes the core measure prefill times
-    at start-up for the policy.
+    interpreting it; with `prefill_profile="auto"` the policy times prefills through the
+    profiler the core offers at start-up.
 
     - `name`: the estimator (`eq2-empirical`, `eq2-learned`, `fixed-2s`), checked by the policy.
     - `prefill_profile`: `"auto"` (measured), `"none"`, or a JSON file of
@@ -143,10 +143,6 @@ class EstimatorConfig:
             raise ValueError("estimator_state must be a file path")
         if any(not path for path in self.warm_start_traces):
             raise ValueError("estimator_warm_start paths must be non-empty")
-
-    @property
-    def measures_prefill(self) -> bool:
-        return self.prefill_profile == "auto"
 
 
 @dataclass(frozen=True)

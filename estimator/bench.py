@@ -165,7 +165,6 @@ class _PrecomputedPredictor:
         quantiles = predictor.predict_quantiles(features) if features else []
         self._cdfs = {f: DurationCDF.from_quantiles(predictor.levels, row)
                       for f, row in zip(features, quantiles, strict=True)}
-        self.num_misses = 0  # calls predicted one by one (slow, but the same result)
 
     @property
     def is_fitted(self) -> bool:
@@ -179,10 +178,7 @@ class _PrecomputedPredictor:
 
     def predict_cdf(self, features: CallFeatures) -> DurationCDF:
         cdf = self._cdfs.get(features)
-        if cdf is None:
-            self.num_misses += 1
-            return self._predictor.predict_cdf(features)
-        return cdf
+        return self._predictor.predict_cdf(features) if cdf is None else cdf
 
 
 def pinball_losses(estimator: Eq2Estimator, records: list[DurationRecord]

@@ -57,11 +57,11 @@ class TTLDecision:
 class Eq2Estimator:
     """Owned by one policy (single-threaded); see the module docstring for the rule.
 
-    `prefill_cost` prices `R` (None: 0 until `observe_prefill_profile` supplies a profile);
-    `predictor`, once fitted, replaces the empirical CDF; `max_records` bounds the finished
-    calls kept to (re)train it. With `refit_every`, a copy of the predictor is retrained on
-    the records after that many new ones, in a background thread (`refit_in_background`)
-    so that no scheduler step waits for it, and swapped in when done.
+    `prefill_cost` prices `R` (None: R = 0); `predictor`, once fitted, replaces the
+    empirical CDF; `max_records` bounds the finished calls kept to (re)train it. With
+    `refit_every`, a copy of the predictor is retrained on the records after that many new
+    ones, in a background thread (`refit_in_background`) so that no scheduler step waits for
+    it, and swapped in when done.
     """
 
     def __init__(
@@ -164,10 +164,6 @@ class Eq2Estimator:
         self.turns.add(num_turns)
         self.history.forget_job(job_id)
         self.recent_calls.forget(job_id)
-
-    def observe_prefill_profile(self, points: Iterable[tuple[int, float]]) -> None:
-        """Fits `R` to (num_tokens, seconds) prefill measurements."""
-        self.prefill_cost = PrefillCostModel.fit(list(points))
 
     def _forget_cdfs(self, tool_name: str | None) -> None:
         self._cdfs.pop(None, None)
