@@ -16,6 +16,7 @@ from continuum.queues import KeyedRequestQueue, QueueKey
 from engine.kv_cache.pins import Pin
 from engine.request import Request, RequestStatus
 from engine.scheduler.policy import Victim
+from tracing.records import TTLInputs
 
 
 class InferCeptPolicy(JobAwarePolicy):
@@ -38,9 +39,16 @@ class InferCeptPolicy(JobAwarePolicy):
         return (request.status is not RequestStatus.PREEMPTED, self.arrival_order(request))
 
     def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
-        if self._tool_call(request, now_s) is None:
+        call = self._tool_call(request, now_s)
+        if call is None:
             return None
-        return self.jobs.idle_timeout_s
+        ttl_s = self.jobs.idle_timeout_s
+        tracer = self.scheduler.tracer
+        if tracer is not None:
+            tracer.note_ttl_decision(request.request_id, TTLInputs(
+                ttl_s=ttl_s, source="until-next-turn", tool=call.tool_name,
+            ))
+        return ttl_s
 
     def select_victim(self, request: Request) -> Victim:
         pin = self._least_waste_pin(exclude_job_id=None)

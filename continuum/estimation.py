@@ -6,12 +6,13 @@ import logging
 
 from engine.request import Request
 from engine.scheduler.policy import PolicyEnvironment
-from estimator.base import TTLEstimator
+from estimator.base import ToolCall, TTLEstimator
 from estimator.cost_model import PrefillCostModel, read_prefill_profile
 from estimator.eq2 import Eq2Estimator
 from estimator.parsing import tool_key
 from estimator.registry import make_estimator, warm_start
 from estimator.traces import read_trace_jobs
+from tracing.records import TTLInputs
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +77,16 @@ def tool_name_of(request: Request, environment: PolicyEnvironment) -> str | None
                        request.request_id, error)
         return None
     return tool_key(text)
+
+
+def ttl_inputs(call: ToolCall, estimator: TTLEstimator, ttl_s: float) -> TTLInputs:
+    """What the estimator based the TTL it just gave for `call` on, for the trace."""
+    decision = estimator.last_decision if isinstance(estimator, Eq2Estimator) else None
+    if decision is None:
+        source = getattr(estimator, "rule_name", type(estimator).__name__)
+        return TTLInputs(ttl_s=ttl_s, source=source, tool=call.tool_name)
+    return TTLInputs(
+        ttl_s=ttl_s, source=decision.basis, tool=call.tool_name,
+        num_samples=decision.num_samples, queueing_delay_s=decision.queueing_delay_s,
+        eta=decision.eta, rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s,
+    )

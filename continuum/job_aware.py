@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from continuum.estimation import save_estimator, tool_name_of
+from continuum.estimation import save_estimator, tool_name_of, ttl_inputs
 from continuum.jobs import Job, JobTable
 from continuum.queues import JobCountingQueue, QueueKey
 from engine.kv_cache.pins import Pin, PinReleaseReason
@@ -168,6 +168,9 @@ class JobAwarePolicy(BasePolicy):
             return None
         self.estimator.observe_tool_call(call)
         ttl_s = self.estimator.ttl_s(call)
+        tracer = self.scheduler.tracer
+        if tracer is not None:
+            tracer.note_ttl_decision(request.request_id, ttl_inputs(call, self.estimator, ttl_s))
         return ttl_s if ttl_s > 0 else None
 
     def _tool_call(self, request: Request, now_s: float) -> ToolCall | None:

@@ -20,6 +20,11 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "throughput": ("engine.bench.throughput", "offline LLM.generate vs transformers"),
         "estimator": ("estimator.bench", "TTL estimators replayed over an agent trace"),
     },
+    "trace": {
+        "summarize": ("tracing.summary", "per-job, per-turn, cache and pin figures of a trace"),
+        "timeline": ("tracing.timeline", "a PNG of jobs over time and the block pool"),
+        "compare": ("tracing.compare", "two traces' summaries side by side"),
+    },
 }
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tracing.writer import MIN_MAX_BYTES
+
 
 def _require_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
@@ -146,6 +148,27 @@ class EstimatorConfig:
 
 
 @dataclass(frozen=True)
+class TraceConfig:
+    """Scheduler tracing (DESIGN.md section 8): off when `path` is None.
+
+    - `path`: the JSONL trace file, overwritten at start.
+    - `max_bytes`: stop writing (with a final `truncated` record) before the file passes it.
+    """
+
+    path: str | None = None
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.path == "":
+            raise ValueError("trace_path must be a file path")
+        _require_positive("trace_max_bytes", self.max_bytes)
+        if self.max_bytes is not None and self.max_bytes < MIN_MAX_BYTES:
+            raise ValueError(
+                f"trace_max_bytes must be at least {MIN_MAX_BYTES}, got {self.max_bytes}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance needs; the cross-field checks live here.
 
@@ -156,6 +179,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
     executor: str = "torch"
 
     def __post_init__(self) -> None:

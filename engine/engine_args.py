@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from engine.config import (
@@ -11,6 +13,7 @@ from engine.config import (
     EstimatorConfig,
     ModelConfig,
     SchedulerConfig,
+    TraceConfig,
 )
 from engine.model.directory import load_arch
 
@@ -41,7 +44,14 @@ _HELP = {
     ),
     "estimator_state": "estimator state file: loaded at start if present, saved at shutdown",
     "estimator_warm_start": "comma-separated agent-job trace files the estimator learns from",
+    "trace_path": (
+        "write a JSONL scheduler trace here (overwritten); default: $CONTINUUM_TRACE_PATH or "
+        "$VLLM_SCHED_TRACE_PATH, else off"
+    ),
+    "trace_max_bytes": "stop tracing before the trace file passes this size",
 }
+
+TRACE_PATH_VARIABLES = ("CONTINUUM_TRACE_PATH", "VLLM_SCHED_TRACE_PATH")
 
 
 @dataclass(frozen=True)
@@ -69,9 +79,12 @@ class EngineArgs:
     prefill_profile: str = "auto"
     estimator_state: str | None = None
     estimator_warm_start: str | None = None
+    trace_path: str | None = None
+    trace_max_bytes: int | None = None
 
-    def to_engine_config(self) -> EngineConfig:
-        """The validated config; ValueError naming the bad field."""
+    def to_engine_config(self, environ: Mapping[str, str] = os.environ) -> EngineConfig:
+        """The validated config; ValueError naming the bad field. Without `trace_path`, the
+        first of `TRACE_PATH_VARIABLES` set (non-empty) in `environ` enables tracing."""
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = load_arch(self.model).max_position_embeddings
@@ -97,8 +110,14 @@ class EngineArgs:
                     if path.strip()
                 ),
             ),
+            trace=TraceConfig(path=self._trace_path(environ), max_bytes=self.trace_max_bytes),
             executor=self.executor,
         )
+
+    def _trace_path(self, environ: Mapping[str, str]) -> str | None:
+        if self.trace_path is not None:
+            return self.trace_path
+        return next((environ[name] for name in TRACE_PATH_VARIABLES if environ.get(name)), None)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:

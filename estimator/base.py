@@ -69,6 +69,8 @@ class ObservationSink:
 class ConstantTTLEstimator(ObservationSink):
     """The same TTL for every tool call (0 disables pinning)."""
 
+    rule_name = "constant"
+
     def __init__(self, ttl_s: float = 2.0) -> None:
         if not ttl_s >= 0 or ttl_s == float("inf"):
             raise ValueError(f"ttl_s must be a finite number >= 0, got {ttl_s!r}")

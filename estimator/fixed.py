@@ -10,6 +10,8 @@ class FixedTTLEstimator(ObservationSink):
     """Pins for exactly `ttl_s` (2.0 s) when the tool's mean observed duration is at most
     `ttl_s` or unknown (no samples yet, or no tool name), else not at all."""
 
+    rule_name = "fixed"
+
     def __init__(self, ttl_s: float = 2.0, history: ToolDurationHistory | None = None) -> None:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s!r}")

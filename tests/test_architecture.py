@@ -98,3 +98,14 @@ def test_policies_import_only_engine_interfaces_and_the_estimator() -> None:
         if pattern.search(line)
     ]
     assert offenders == []
+
+
+def test_tracing_imports_only_the_stdlib_msgspec_and_plotting_for_analysis() -> None:
+    project = re.compile(r"^\s*(import|from)\s+(engine|continuum|estimator|eval)\b")
+    plotting = re.compile(r"^\s*(import|from)\s+matplotlib\b")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path, number, line in _imports_of("tracing")
+        if project.search(line) or (plotting.search(line) and path.name != "timeline.py")
+    ]
+    assert offenders == []

@@ -2,13 +2,15 @@
 
 Fills the engine with `--num-requests` requests (distinct prompts, prefix caching on), runs
 their prefills, then times `schedule()` + `update_from_output()` over `--steps` decode steps.
-The model is replaced by a synthetic runner output built outside the timed region.
+The model is replaced by a synthetic runner output built outside the timed region. With
+`--trace-path`, every step is traced (records built, encoded and written once per step).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import time
@@ -22,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.registry import make_policy
 from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.tracer import SchedulerTracer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=16)
     parser.add_argument("--policy", default="fcfs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace-path", default=None,
+                        help="trace every step to this file (measures the tracing cost)")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
 
 
@@ -56,6 +61,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         CacheConfig(block_size=args.block_size, enable_prefix_caching=True),
         make_policy(args.policy),
         num_kv_blocks=args.num_blocks,
+        tracer=None if args.trace_path is None else SchedulerTracer(args.trace_path),
     )
     _add_requests(scheduler, args)
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.requests.values()):
@@ -86,7 +92,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "schedule_median_us": statistics.median(schedule_us),
         "update_median_us": statistics.median(update_us),
         "preemptions": scheduler.num_preemptions,
+        "traced": args.trace_path is not None,
+        "trace_bytes_per_step": _trace_bytes_per_step(scheduler, args.trace_path),
     }
+
+
+def _trace_bytes_per_step(scheduler: Scheduler, trace_path: str | None) -> float | None:
+    if trace_path is None:
+        return None
+    scheduler.close_trace()
+    return os.path.getsize(trace_path) / max(1, scheduler.step_id)
 
 
 def _add_requests(scheduler: Scheduler, args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ from engine.request import Request
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.registry import make_policy
 from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.tracer import SchedulerTracer
 
 
 class EngineCore:
@@ -52,6 +53,9 @@ class EngineCore:
             make_policy(config.scheduler.policy) if policy is None else policy,
             num_kv_blocks=self.executor.num_kv_blocks, clock=clock,
             environment=self._policy_environment(),
+            tracer=None if config.trace.path is None else SchedulerTracer(
+                config.trace.path, config=config, max_bytes=config.trace.max_bytes,
+            ),
         )
         self.vocab_size = self.executor.vocab_size
         self.step_time_s = 0.0
@@ -100,6 +104,7 @@ class EngineCore:
         try:
             self.scheduler.policy.on_shutdown()
         finally:
+            self.scheduler.close_trace()
             self.executor.shutdown()
 
     # Utilities.

@@ -60,6 +60,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks = BlockHashToBlockMap()
+        self.num_cached_free_blocks = 0  # free blocks that still hold a prefix (evictable)
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,6 +88,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -99,6 +102,8 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"{block} freed more often than referenced"
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
 
     def cache_full_blocks(
         self,
@@ -121,11 +126,14 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks = BlockHashToBlockMap()
+        self.num_cached_free_blocks = 0
         return True
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Removes a block from the prefix cache (eviction, or KV that was never computed)."""
         assert block.block_hash is not None, f"{block} is not cached"
+        if block.ref_cnt == 0:
+            self.num_cached_free_blocks -= 1
         self.cached_blocks.pop(block.block_hash, block.block_id)
         block.block_hash = None
 
@@ -141,5 +149,7 @@ class BlockPool:
             registered.add(block.block_id)
         hashed = {block.block_id for block in self.blocks if block.block_hash is not None}
         assert registered == hashed, "hashed blocks differ from the prefix-cache index"
+        cached_free = sum(1 for block in self.free_block_queue if block.block_hash is not None)
+        assert cached_free == self.num_cached_free_blocks, "cached free block count drifted"
         if not self.enable_caching:
             assert not hashed, "prefix caching is off but blocks are cached"

@@ -18,6 +18,7 @@ from engine.config import EstimatorConfig
 from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.request import Request
 from engine.scheduler.request_queue import RequestQueue
+from engine.scheduler.tracer import SchedulerTracer
 
 Victim = Request | Pin
 
@@ -78,6 +79,11 @@ class SchedulerView(Protocol):
     @property
     def environment(self) -> PolicyEnvironment:
         """What the engine offers beyond the scheduler's state."""
+        ...
+
+    @property
+    def tracer(self) -> SchedulerTracer | None:
+        """The step tracer (None: tracing is off); a policy may explain its TTLs to it."""
         ...
 
     def release_pin(self, job_id: str, reason: PinReleaseReason) -> Pin | None:

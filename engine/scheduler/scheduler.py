@@ -23,6 +23,7 @@ from engine.scheduler.output import CachedRequestData, NewRequestData, Scheduler
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.request_queue import RequestQueue
 from engine.scheduler.stop import check_stop
+from engine.scheduler.tracer import SchedulerTracer
 
 
 class _Admission(enum.Enum):
@@ -66,7 +67,8 @@ class Scheduler:
 
     Called by the engine core, once per step: `schedule()`, then (after the executor ran the
     step) `update_from_output()`. `add_request` and `finish_requests` (abort) may be called
-    between steps. Times come from the injected `clock` (seconds).
+    between steps. Times come from the injected `clock` (seconds). With a `tracer`, every
+    step and event is recorded (its header is written here; `close_trace` at shutdown).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class Scheduler:
         num_kv_blocks: int | None = None,
         clock: Clock = time.monotonic,
         environment: PolicyEnvironment | None = None,
+        tracer: SchedulerTracer | None = None,
     ) -> None:
         num_blocks = cache_config.num_kv_blocks if num_kv_blocks is None else num_kv_blocks
         if num_blocks is None:
@@ -92,7 +95,7 @@ class Scheduler:
         )
         self._pins = PinTable(
             self.kv_cache_manager.block_pool,
-            on_added=policy.on_pin_added, on_released=policy.on_pin_released,
+            on_added=policy.on_pin_added, on_released=self._on_pin_released,
         )
         self._requests: dict[str, Request] = {}
         self._running: list[Request] = []
@@ -102,6 +105,9 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self._environment = PolicyEnvironment() if environment is None else environment
+        self._tracer = tracer
+        if tracer is not None:
+            tracer.start(self)
         policy.bind(self)
 
     # SchedulerView: what policies may see.
@@ -120,6 +126,10 @@ class Scheduler:
     @property
     def environment(self) -> PolicyEnvironment:
         return self._environment
+
+    @property
+    def tracer(self) -> SchedulerTracer | None:
+        return self._tracer
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -143,18 +153,25 @@ class Scheduler:
                 f"prompt of {request.num_tokens} tokens exceeds max_model_len "
                 f"({self.config.max_model_len})"
             )
-        self.policy.on_request_arrived(request, self.clock())
+        now_s = self.clock()
+        self.policy.on_request_arrived(request, now_s)
         self._requests[request.request_id] = request
         self._waiting.add_request(request)
+        if self._tracer is not None:
+            self._tracer.request_arrived(request, now_s)
 
     def schedule(self) -> SchedulerOutput:
         """Plans one step: running requests first, then waiting ones if nobody was preempted."""
         now_s = self.clock()
+        if self._tracer is not None:
+            self._tracer.start_step(self, now_s)
         self.policy.on_step_start(now_s)
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan, now_s)
+        if self._tracer is not None:
+            self._trace_plan(plan, now_s)
         return self._emit(plan)
 
     def update_from_output(
@@ -185,6 +202,8 @@ class Scheduler:
             ))
         if stopped:
             self._retire(stopped)
+        if self._tracer is not None and not self._tracer.end_step():
+            self.close_trace()
         return outputs
 
     def finish_requests(
@@ -222,6 +241,12 @@ class Scheduler:
         self.policy.on_job_ended(job_id, self.clock())
         return pin
 
+    def close_trace(self) -> None:
+        """Flushes and closes the trace, if any; the scheduler traces nothing more."""
+        tracer, self._tracer = self._tracer, None
+        if tracer is not None:
+            tracer.close()
+
     def reset_prefix_cache(self) -> bool:
         """Forgets all cached prefixes; False (no change) while any block is held."""
         return self.kv_cache_manager.block_pool.reset_prefix_cache()
@@ -256,7 +281,7 @@ class Scheduler:
                 continue
             if victim.status is not RequestStatus.RUNNING:
                 raise RuntimeError(f"policy chose {victim} as a victim, which is not running")
-            self._preempt(victim, plan)
+            self._preempt(victim, plan, needed_by=request)
             if victim is request:
                 return None
         return new_blocks
@@ -266,7 +291,9 @@ class Scheduler:
             raise RuntimeError(f"policy chose the pin of job {pin.job_id!r}, which is not live")
         self.release_pin(pin.job_id, PinReleaseReason.PRESSURE)
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: _StepPlan, *, needed_by: Request) -> None:
+        if self._tracer is not None:
+            self._tracer.preempted(request, needed_by)
         self._running.remove(request)
         if request.request_id in plan.num_scheduled_tokens:
             plan.drop_continuing(request)
@@ -309,6 +336,11 @@ class Scheduler:
                 return _Admission.NO_MEMORY
             self._release_for_pressure(pin)
         self._waiting.remove_request(request)
+        if self._tracer is not None:
+            self._tracer.admitted(
+                request, hit_blocks, num_hit_tokens, self._pins.get(request.job_id or ""),
+                resumed=request.status is RequestStatus.PREEMPTED, now_s=now_s,
+            )
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens is None:
@@ -331,6 +363,12 @@ class Scheduler:
         if num_new_tokens > plan.token_budget:
             return plan.token_budget if self.config.enable_chunked_prefill else 0
         return num_new_tokens
+
+    def _trace_plan(self, plan: _StepPlan, now_s: float) -> None:
+        self._tracer.step_planned(  # type: ignore[union-attr]
+            plan.admitted, plan.num_scheduled_tokens,
+            self.config.max_num_batched_tokens - plan.token_budget, now_s,
+        )
 
     def _emit(self, plan: _StepPlan) -> SchedulerOutput:
         """Builds the step's output and advances `num_computed_tokens` of everything scheduled."""
@@ -395,6 +433,8 @@ class Scheduler:
         del self._requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
         self.policy.on_request_finished(request, now_s)
+        if self._tracer is not None:
+            self._tracer.request_finished(request, now_s)
         if not self._pin_if_retained(request, now_s):
             self.kv_cache_manager.free(request)
         if request.job is not None and request.job.is_last_step:
@@ -405,13 +445,20 @@ class Scheduler:
         if request.job is None or request.status is RequestStatus.FINISHED_ABORTED:
             return False
         ttl_s = self.policy.retention_ttl_s(request, now_s)
-        if ttl_s is None or not ttl_s > 0:
-            return False
-        blocks = self.kv_cache_manager.detach_cached_blocks(request)
-        if blocks:
-            self._pins.add(request.job.job_id, request.request_id, blocks,
-                           now_s=now_s, ttl_s=ttl_s)
-        return True
+        pin = None
+        if ttl_s is not None and ttl_s > 0:
+            blocks = self.kv_cache_manager.detach_cached_blocks(request)
+            if blocks:
+                pin = self._pins.add(request.job.job_id, request.request_id, blocks,
+                                     now_s=now_s, ttl_s=ttl_s)
+        if self._tracer is not None:
+            self._tracer.retention_decided(request, pin, now_s)
+        return ttl_s is not None and ttl_s > 0
+
+    def _on_pin_released(self, pin: Pin) -> None:
+        self.policy.on_pin_released(pin)
+        if self._tracer is not None:
+            self._tracer.pin_released(pin)
 
     def check_invariants(self) -> None:
         """Asserts the scheduler's and the KV cache's invariants; tests call it every step.

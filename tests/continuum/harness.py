@@ -6,6 +6,7 @@ from engine.kv_cache.pins import Pin
 from engine.request import Request
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
+from engine.scheduler.tracer import SchedulerTracer
 from tests.engine.helpers import FakeClock, FakeRunner, make_request, make_scheduler, run_step
 
 
@@ -23,13 +24,14 @@ class Harness:
         max_num_batched_tokens: int = 64,
         max_model_len: int = 64,
         environment: PolicyEnvironment | None = None,
+        tracer: SchedulerTracer | None = None,
     ) -> None:
         self.policy = policy
         self.clock = FakeClock()
         self.scheduler = make_scheduler(
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            policy=policy, clock=self.clock, environment=environment,
+            policy=policy, clock=self.clock, environment=environment, tracer=tracer,
         )
         self.runner = FakeRunner(block_size, sample=lambda req_id, position: 1000 + position)
         self.requests: dict[str, Request] = {}

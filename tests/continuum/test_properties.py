@@ -12,7 +12,7 @@ from continuum.baselines import AutellixPolicy, InferCeptPolicy
 from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
 from engine.scheduler.policies import FCFSPolicy
 from estimator.base import ConstantTTLEstimator
-from tests.continuum.workload import AgentJob, Turn, replay
+from tests.continuum.workload import AgentJob, Turn, replay, step_decisions
 from tests.engine.helpers import FakeClock, FakeRunner, make_request, make_scheduler, run_step
 
 AGENT_POLICIES = {
@@ -93,20 +93,12 @@ def test_requests_without_a_job_are_scheduled_exactly_as_by_fcfs(
         trace = []
         for index, (steps_before, prompt_len, max_tokens) in enumerate(arrivals):
             for _ in range(steps_before):
-                trace.append(_decisions(*run_step(scheduler, runner)))
+                trace.append(step_decisions(*run_step(scheduler, runner)))
             prompt = [rng.randrange(1, 6) for _ in range(prompt_len)]
             scheduler.add_request(make_request(f"r{index}", prompt, max_tokens=max_tokens))
         while scheduler.has_unfinished_requests():
-            trace.append(_decisions(*run_step(scheduler, runner)))
+            trace.append(step_decisions(*run_step(scheduler, runner)))
         assert len(scheduler.pins) == 0
         traces.append(trace)
     assert traces[0] == traces[1]
 
-
-def _decisions(output, outputs) -> tuple:
-    return (
-        [new.req_id for new in output.scheduled_new_reqs],
-        dict(output.num_scheduled_tokens),
-        sorted(output.preempted_req_ids),
-        [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs],
-    )

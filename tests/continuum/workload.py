@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.outputs import EngineCoreOutput
 from engine.request import JobInfo, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import SchedulingPolicy
+from engine.scheduler.tracer import SchedulerTracer
 from tests.engine.helpers import FakeClock, FakeRunner, make_scheduler, run_step
 
 TEST_DATA = Path(__file__).resolve().parents[1] / "data"
@@ -77,6 +79,7 @@ class ReplayResult:
     job_completion_s: dict[str, float] = field(default_factory=dict)
     num_pins_created: int = 0
     pins_released: dict[str, int] = field(default_factory=dict)
+    steps: list[tuple] = field(default_factory=list)
 
     @property
     def recomputed_prompt_tokens(self) -> int:
@@ -102,15 +105,17 @@ def replay(
     step_s: Callable[[int], float] = lambda num_tokens: 0.01 + 2e-5 * num_tokens,
     seed: int = 0,
     max_steps: int = 100_000,
+    tracer: SchedulerTracer | None = None,
 ) -> ReplayResult:
     """Runs every job to completion, checking the scheduler's invariants after each step;
-    fails if that takes more than `max_steps` steps."""
+    fails if that takes more than `max_steps` steps. Every step's decisions and outputs are
+    kept in `ReplayResult.steps`."""
     max_model_len = max(job.num_tokens for job in jobs)
     clock = FakeClock()
     scheduler = make_scheduler(
         num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        policy=policy, clock=clock,
+        policy=policy, clock=clock, tracer=tracer,
     )
     runner = FakeRunner(block_size, sample=_sample)
     rng = random.Random(seed)
@@ -132,6 +137,7 @@ def replay(
             clock.now_s = arrivals[0][0]
             continue
         output, outputs = run_step(scheduler, runner)
+        result.steps.append(step_decisions(output, outputs))
         result.num_steps += 1
         result.prompt_tokens_computed += _prompt_tokens_scheduled(output, live)
         clock.advance(step_s(output.total_num_scheduled_tokens))
@@ -144,6 +150,7 @@ def replay(
             else:
                 heapq.heappush(arrivals, (clock() + tool_s, state.job_index,
                                           state.turn_index + 1, state.request.all_token_ids))
+    scheduler.close_trace()
     result.num_preemptions = scheduler.num_preemptions
     result.num_pins_created = scheduler.pins.num_created
     result.pins_released = {r.value: n for r, n in scheduler.pins.num_released.items()}
@@ -184,3 +191,13 @@ def _prompt_tokens_scheduled(output: SchedulerOutput, live: dict[str, _Live]) ->
         num_prompt_tokens = live[req_id].request.num_prompt_tokens
         total += max(0, min(start + num_tokens, num_prompt_tokens) - start)
     return total
+
+
+def step_decisions(output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> tuple:
+    """What a step decided and produced, comparable across runs."""
+    return (
+        [new.req_id for new in output.scheduled_new_reqs],
+        dict(output.num_scheduled_tokens),
+        sorted(output.preempted_req_ids),
+        [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs],
+    )

@@ -13,6 +13,7 @@ from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.tracer import SchedulerTracer
 
 
 class FakeClock:
@@ -68,6 +69,7 @@ def make_scheduler(
     policy: SchedulingPolicy | None = None,
     clock: FakeClock | None = None,
     environment: PolicyEnvironment | None = None,
+    tracer: SchedulerTracer | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -82,6 +84,7 @@ def make_scheduler(
         num_kv_blocks=num_blocks,
         clock=clock if clock is not None else FakeClock(),
         environment=environment,
+        tracer=tracer,
     )
 
 

@@ -1,0 +1,222 @@
+"""The scheduler's tracer: turns scheduler events into `tracing` records, one step at a time.
+
+Injected into the `Scheduler` (None: tracing off, and every trace point is skipped by a
+`None` check). Policies reach it through `SchedulerView.tracer` to explain their TTLs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from engine.kv_cache.block import KVCacheBlock
+from engine.kv_cache.pins import Pin
+from engine.request import Request
+from tracing.records import (
+    SCHEMA_VERSION,
+    PinDeclined,
+    PinPinned,
+    PinReleased,
+    Preemption,
+    PrefixCacheEvent,
+    RequestArrived,
+    RequestFinished,
+    StepDecision,
+    StepSnapshot,
+    TraceHeader,
+    TTLInputs,
+)
+from tracing.writer import TraceWriter
+
+if TYPE_CHECKING:
+    from engine.scheduler.scheduler import Scheduler
+
+
+_request_id = operator.attrgetter("request_id")
+
+
+class SchedulerTracer:
+    """Writes one scheduler's trace to `path` (overwritten), capped at `max_bytes` if given.
+
+    Owned by the scheduler: `start` from its constructor (writes the header, ValueError if
+    the file cannot be created), then the event methods from the step loop, `end_step` after
+    each step's output was applied (the one flush per step), `close` at shutdown. `config` is
+    recorded in the header as given (dataclasses are converted).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, config: object = None,
+                 max_bytes: int | None = None) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self._config = _to_builtins(config)
+        self._writer: TraceWriter | None = None
+        self._step = 0
+        self._block_size = 1
+        self._resumed_ids: list[str] = []
+        self._preempted: list[Preemption] = []
+        self._ttl_inputs: dict[str, TTLInputs] = {}  # by request id, until it is retained
+
+    @property
+    def active(self) -> bool:
+        return self._writer is not None and self._writer.active
+
+    def start(self, scheduler: Scheduler) -> None:
+        """Opens the file and writes the header; called once by the scheduler."""
+        config = scheduler.config
+        header = TraceHeader(
+            schema_version=SCHEMA_VERSION,
+            created_unix_s=time.time(),
+            clock_origin_s=scheduler.clock(),
+            policy=f"{type(scheduler.policy).__module__}.{type(scheduler.policy).__qualname__}",
+            num_kv_blocks=scheduler.kv_cache_manager.block_pool.num_blocks,
+            block_size=scheduler.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            config=self._config,
+        )
+        self._writer = TraceWriter(self.path, header, max_bytes=self.max_bytes)
+        self._step = scheduler.step_id
+        self._block_size = scheduler.block_size
+
+    # Requests.
+    def request_arrived(self, request: Request, now_s: float) -> None:
+        job = request.job
+        self._write(RequestArrived(
+            step=self._step, time_s=now_s, request_id=request.request_id,
+            job_id=None if job is None else job.job_id,
+            num_prompt_tokens=request.num_tokens,
+            max_tokens=request.sampling_params.max_tokens,
+            is_last_turn=job is not None and job.is_last_step,
+            tool_name=None if job is None else job.tool_name,
+        ))
+
+    def request_finished(self, request: Request, now_s: float) -> None:
+        self._ttl_inputs.pop(request.request_id, None)
+        self._write(RequestFinished(
+            step=self._step, time_s=now_s, request_id=request.request_id,
+            job_id=request.job_id, reason=str(request.finish_reason),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_preemptions=request.num_preemptions,
+        ))
+
+    # A step.
+    def start_step(self, scheduler: Scheduler, now_s: float) -> None:
+        """Records the state entering step `scheduler.step_id`."""
+        self._step = scheduler.step_id
+        pool = scheduler.kv_cache_manager.block_pool
+        pins = scheduler.pins
+        self._write(StepSnapshot(
+            step=self._step, time_s=now_s,
+            running_ids=list(map(_request_id, scheduler.running)),
+            waiting_ids=list(map(_request_id, scheduler.waiting)),
+            num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_free_blocks=pool.num_cached_free_blocks,
+            num_pinned_blocks=pins.num_pinned_blocks,
+            pinned_job_ids=[pin.job_id for pin in pins],
+            token_budget=scheduler.config.max_num_batched_tokens,
+            max_num_seqs=scheduler.config.max_num_seqs,
+        ))
+
+    def admitted(self, request: Request, hit_blocks: Sequence[KVCacheBlock],
+                 num_hit_tokens: int, job_pin: Pin | None, *, resumed: bool,
+                 now_s: float) -> None:
+        """A waiting request took its blocks; `job_pin` is its job's pin, still live."""
+        num_pin_hit_tokens = 0
+        if job_pin is not None and hit_blocks:
+            pinned_ids = {block.block_id for block in job_pin.blocks}
+            num_pin_hit_blocks = sum(1 for block in hit_blocks if block.block_id in pinned_ids)
+            num_pin_hit_tokens = min(num_hit_tokens, num_pin_hit_blocks * self._block_size)
+        if resumed:
+            self._resumed_ids.append(request.request_id)
+        self._write(PrefixCacheEvent(
+            step=self._step, time_s=now_s, request_id=request.request_id,
+            job_id=request.job_id, num_prompt_tokens=request.num_tokens,
+            num_hit_tokens=num_hit_tokens, num_pin_hit_tokens=num_pin_hit_tokens,
+            resumed=resumed,
+        ))
+
+    def preempted(self, request: Request, needed_by: Request) -> None:
+        """`request` is about to lose its `num_computed_tokens` for `needed_by`."""
+        self._preempted.append(Preemption(
+            request_id=request.request_id, job_id=request.job_id,
+            needed_by=needed_by.request_id, num_computed_tokens=request.num_computed_tokens,
+        ))
+
+    def step_planned(self, admitted: Sequence[Request], num_scheduled_tokens: dict[str, int],
+                     total_num_scheduled_tokens: int, now_s: float) -> None:
+        resumed_ids = self._resumed_ids
+        resumed = set(resumed_ids)
+        self._write(StepDecision(
+            step=self._step, time_s=now_s,
+            new_ids=[r.request_id for r in admitted if r.request_id not in resumed],
+            resumed_ids=resumed_ids,
+            preempted=self._preempted,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+        ))
+        self._resumed_ids = []
+        self._preempted = []
+
+    def end_step(self) -> bool:
+        """Flushes the step's records; False once tracing stopped (write error or cap)."""
+        self._step += 1
+        if self._writer is None:
+            return False
+        self._writer.flush()
+        return self._writer.active
+
+    # Pins.
+    def note_ttl_decision(self, request_id: str, inputs: TTLInputs) -> None:
+        """Called by a policy while it decides a finished request's retention: why it chose
+        `inputs.ttl_s`. Written with the resulting pin, or as a declined pin."""
+        self._ttl_inputs[request_id] = inputs
+
+    def retention_decided(self, request: Request, pin: Pin | None, now_s: float) -> None:
+        """The scheduler pinned `request`'s blocks (`pin`) or freed them (None)."""
+        inputs = self._ttl_inputs.pop(request.request_id, None)
+        job_id = request.job_id
+        if pin is not None:
+            self._write(PinPinned(
+                step=self._step, time_s=now_s, job_id=pin.job_id, request_id=pin.request_id,
+                num_blocks=pin.num_blocks, ttl_s=pin.ttl_s, inputs=inputs,
+            ))
+        elif inputs is not None and job_id is not None:
+            self._write(PinDeclined(step=self._step, time_s=now_s, job_id=job_id,
+                                    request_id=request.request_id, inputs=inputs))
+
+    def pin_released(self, pin: Pin) -> None:
+        released_at_s = pin.released_at_s if pin.released_at_s is not None else pin.pinned_at_s
+        self._write(PinReleased(
+            step=self._step, time_s=released_at_s, job_id=pin.job_id,
+            request_id=pin.request_id, num_blocks=pin.num_blocks, ttl_s=pin.ttl_s,
+            held_s=released_at_s - pin.pinned_at_s,
+            reason="" if pin.release_reason is None else pin.release_reason.value,
+        ))
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def _write(self, record: Any) -> None:
+        if self._writer is not None:
+            self._writer.write(record)
+
+
+def _to_builtins(config: object) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    builtins = msgspec.to_builtins(config)
+    if not isinstance(builtins, dict):
+        raise ValueError(f"trace config must be a mapping or a dataclass, got {config!r}")
+    return builtins

@@ -1,0 +1,164 @@
+"""`summarize` against a small hand-built trace whose figures are worked out by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.tracing.builders import write_trace
+from tracing.compare import compare
+from tracing.reader import read_trace
+from tracing.records import (
+    PinDeclined,
+    PinPinned,
+    PinReleased,
+    Preemption,
+    PrefixCacheEvent,
+    RequestArrived,
+    RequestFinished,
+    StepDecision,
+    StepSnapshot,
+    TTLInputs,
+)
+from tracing.summary import Distribution, TraceSummary, render, summarize
+
+
+def _snapshot(step: int, time_s: float) -> StepSnapshot:
+    return StepSnapshot(step=step, time_s=time_s, running_ids=[], waiting_ids=[],
+                        num_total_blocks=16, num_free_blocks=16, num_cached_free_blocks=0,
+                        num_pinned_blocks=0, pinned_job_ids=[], token_budget=64,
+                        max_num_seqs=8)
+
+
+def _decision(step: int, time_s: float, tokens: dict[str, int], **fields) -> StepDecision:
+    for name in ("new_ids", "resumed_ids"):
+        fields.setdefault(name, [])
+    return StepDecision(step=step, time_s=time_s, num_scheduled_tokens=tokens,
+                        total_num_scheduled_tokens=sum(tokens.values()), **fields)
+
+
+def _admit(step, time_s, request_id, job_id, prompt, hit, pin_hit=0, resumed=False):
+    return PrefixCacheEvent(step=step, time_s=time_s, request_id=request_id, job_id=job_id,
+                            num_prompt_tokens=prompt, num_hit_tokens=hit,
+                            num_pin_hit_tokens=pin_hit, resumed=resumed)
+
+
+def _finish(step, time_s, request_id, job_id, reason="stop"):
+    return RequestFinished(step=step, time_s=time_s, request_id=request_id, job_id=job_id,
+                           reason=reason, num_prompt_tokens=1, num_output_tokens=1)
+
+
+# Job a: two turns, the second reusing the first's pin. Job b: one turn, preempted once.
+# Job c: its first turn's pin was declined, its second never admitted. "solo": no job.
+HAND_BUILT = [
+    RequestArrived(step=0, time_s=0.0, request_id="a#0", job_id="a", num_prompt_tokens=20),
+    RequestArrived(step=0, time_s=0.0, request_id="solo", num_prompt_tokens=5),
+    _snapshot(0, 0.0),
+    _admit(0, 0.0, "a#0", "a", prompt=20, hit=0),
+    _decision(0, 0.0, {"a#0": 20}, new_ids=["a#0"]),
+    RequestArrived(step=1, time_s=0.5, request_id="b#0", job_id="b", num_prompt_tokens=12,
+                   is_last_turn=True),
+    _snapshot(1, 0.5),
+    _admit(1, 0.5, "solo", None, prompt=5, hit=4),
+    _admit(1, 0.5, "b#0", "b", prompt=12, hit=0),
+    _decision(1, 0.5, {"a#0": 1, "solo": 1, "b#0": 12}, new_ids=["solo", "b#0"]),
+    _snapshot(2, 1.0),
+    _decision(2, 1.0, {"a#0": 1}, preempted=[
+        Preemption(request_id="b#0", job_id="b", needed_by="a#0", num_computed_tokens=12)]),
+    _finish(2, 1.0, "a#0", "a", reason="length"),
+    PinPinned(step=2, time_s=1.0, job_id="a", request_id="a#0", num_blocks=5, ttl_s=2.0),
+    _snapshot(3, 1.5),
+    _admit(3, 1.5, "b#0", "b", prompt=13, hit=4, resumed=True),
+    _decision(3, 1.5, {"solo": 1, "b#0": 9}, resumed_ids=["b#0"]),
+    _finish(3, 1.5, "solo", None),
+    RequestArrived(step=4, time_s=2.0, request_id="a#1", job_id="a", num_prompt_tokens=30,
+                   is_last_turn=True),
+    RequestArrived(step=4, time_s=2.0, request_id="c#0", job_id="c", num_prompt_tokens=10),
+    _snapshot(4, 2.0),
+    _admit(4, 2.0, "c#0", "c", prompt=10, hit=0),
+    _decision(4, 2.0, {"b#0": 1, "c#0": 10}, new_ids=["c#0"]),
+    _snapshot(5, 2.5),
+    PinReleased(step=5, time_s=2.5, job_id="a", request_id="a#0", num_blocks=5, ttl_s=2.0,
+                held_s=1.5, reason="reused"),
+    _admit(5, 2.5, "a#1", "a", prompt=30, hit=24, pin_hit=20),
+    _decision(5, 2.5, {"a#1": 6, "c#0": 1}, new_ids=["a#1"]),
+    _finish(5, 2.5, "c#0", "c"),
+    PinDeclined(step=5, time_s=2.5, job_id="c", request_id="c#0",
+                inputs=TTLInputs(ttl_s=0.0, source="cold-start")),
+    RequestArrived(step=6, time_s=2.8, request_id="c#1", job_id="c", num_prompt_tokens=12),
+    _snapshot(6, 3.0),
+    _decision(6, 3.0, {"a#1": 1, "b#0": 1}),
+    _finish(6, 3.0, "b#0", "b"),
+    _finish(6, 3.0, "a#1", "a"),
+]
+
+
+@pytest.fixture
+def summary(tmp_path: Path) -> TraceSummary:
+    return summarize(read_trace(write_trace(tmp_path / "hand.jsonl", HAND_BUILT)))
+
+
+def test_request_and_job_figures(summary: TraceSummary) -> None:
+    assert (summary.num_steps, summary.duration_s) == (7, 3.0)
+    assert summary.num_requests == 6
+    assert summary.finished == {"length": 1, "stop": 4}
+    assert summary.num_jobs == 3
+    jobs = {job.job_id: job for job in summary.jobs}
+    assert jobs["a"].completion_s == 3.0 and jobs["b"].completion_s == 2.5
+    assert jobs["c"].completion_s is None  # c#1 never finished
+    assert summary.job_completion_s == Distribution(
+        count=2, mean=2.75, p50=2.5, p90=3.0, p99=3.0, max=3.0)
+    assert (jobs["a"].queueing_s, jobs["a"].pin_hit_tokens, jobs["a"].hit_tokens) == (0.5, 20, 24)
+    assert (jobs["b"].num_preemptions, jobs["b"].prompt_tokens) == (1, 12)
+
+
+def test_turn_queueing_runs_from_arrival_to_first_admission(summary: TraceSummary) -> None:
+    # a#0 0, solo 0.5, b#0 0 (its readmission does not count), c#0 0, a#1 0.5; c#1 never.
+    assert summary.turn_queueing_s == Distribution(
+        count=5, mean=0.2, p50=0.0, p90=0.5, p99=0.5, max=0.5)
+
+
+def test_prefix_cache_hits_are_split_between_pins_and_ordinary_cache(
+    summary: TraceSummary,
+) -> None:
+    cache = summary.prefix_cache
+    # First admissions: a#0 20/0, solo 5/4, b#0 12/0, c#0 10/0, a#1 30/24 (20 from a's pin).
+    assert (cache.prompt_tokens, cache.hit_tokens, cache.pin_hit_tokens) == (77, 28, 20)
+    assert cache.hit_rate == pytest.approx(28 / 77)
+    assert cache.from_pins == pytest.approx(20 / 77)
+    assert cache.from_cache == pytest.approx(8 / 77)
+
+
+def test_pins_preemptions_and_recomputation(summary: TraceSummary) -> None:
+    pins = summary.pins
+    assert (pins.num_pinned, pins.num_declined, pins.num_live_at_end) == (1, 1, 0)
+    assert pins.released == {"reused": 1}
+    assert pins.ttl_s == Distribution(count=1, mean=2.0, p50=2.0, p90=2.0, p99=2.0, max=2.0)
+    assert pins.held_s.mean == 1.5
+    assert summary.preemptions == 1
+    assert summary.recomputed_tokens == 13 - 4
+    assert summary.scheduled_tokens == 20 + 14 + 1 + 10 + 11 + 7 + 2
+
+
+def test_scalars_table_and_comparison(summary: TraceSummary) -> None:
+    scalars = summary.scalars()
+    assert scalars["prefix_cache.pin_hit_tokens"] == 20
+    assert scalars["pins.released.reused"] == 1
+    assert "jobs" not in scalars and "policy" not in scalars
+    text = render(summary)
+    assert "job_completion_s.mean" in text and "slowest jobs" in text
+    assert text.index("\na ") < text.index("\nb ")  # slowest first
+    rows = compare(summary, summary)
+    assert rows["job_completion_s.mean"] == {"a": 2.75, "b": 2.75, "b_over_a": 1.0}
+    assert rows["preemptions"]["b_over_a"] == 1.0
+    assert rows["turn_queueing_s.p50"]["b_over_a"] is None  # A is 0
+
+
+def test_an_empty_trace_summarizes_to_zeros(tmp_path: Path) -> None:
+    summary = summarize(read_trace(write_trace(tmp_path / "empty.jsonl", [])))
+    assert (summary.num_steps, summary.num_jobs, summary.duration_s) == (0, 0, 0.0)
+    assert summary.job_completion_s == Distribution(count=0)
+    assert summary.prefix_cache.hit_rate is None
+    json.dumps(summary.scalars())
