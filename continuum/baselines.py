@@ -16,6 +16,7 @@ from continuum.queues import KeyedRequestQueue, QueueKey
 from engine.kv_cache.pins import Pin
 from engine.request import Request, RequestStatus
 from engine.scheduler.policy import Victim
+from engine.scheduler.tracer import finite_or_none
 from tracing.records import TTLInputs
 
 
@@ -46,7 +47,7 @@ class InferCeptPolicy(JobAwarePolicy):
         tracer = self.scheduler.tracer
         if tracer is not None:
             tracer.note_ttl_decision(request.request_id, TTLInputs(
-                ttl_s=ttl_s, source="until-next-turn", tool=call.tool_name,
+                ttl_s=finite_or_none(ttl_s), source="until-next-turn", tool=call.tool_name,
             ))
         return ttl_s
 

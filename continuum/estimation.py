@@ -6,6 +6,7 @@ import logging
 
 from engine.request import Request
 from engine.scheduler.policy import PolicyEnvironment
+from engine.scheduler.tracer import finite_or_none
 from estimator.base import ToolCall, TTLEstimator
 from estimator.cost_model import PrefillCostModel, read_prefill_profile
 from estimator.eq2 import Eq2Estimator
@@ -84,9 +85,9 @@ def ttl_inputs(call: ToolCall, estimator: TTLEstimator, ttl_s: float) -> TTLInpu
     decision = estimator.last_decision if isinstance(estimator, Eq2Estimator) else None
     if decision is None:
         source = getattr(estimator, "rule_name", type(estimator).__name__)
-        return TTLInputs(ttl_s=ttl_s, source=source, tool=call.tool_name)
+        return TTLInputs(ttl_s=finite_or_none(ttl_s), source=source, tool=call.tool_name)
     return TTLInputs(
-        ttl_s=ttl_s, source=decision.basis, tool=call.tool_name,
+        ttl_s=finite_or_none(ttl_s), source=decision.basis, tool=call.tool_name,
         num_samples=decision.num_samples, queueing_delay_s=decision.queueing_delay_s,
         eta=decision.eta, rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s,
     )

@@ -11,7 +11,7 @@ A trace starts with a `TraceHeader`. Every other record carries `step` and `time
 
 Field names say their unit; request and job ids are the engine's. The `type` field names
 the record; readers must ignore fields they do not know (the version changes only when a
-field's meaning does).
+field's meaning does). A TTL of None means no deadline (an infinite TTL).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class TTLInputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     (T), `eta`, `rebuild_s` (R) and `benefit_s` (T * eta + R).
     """
 
-    ttl_s: float
+    ttl_s: float | None
     source: str
     tool: str | None = None
     num_samples: int | None = None
@@ -153,7 +153,7 @@ class PinPinned(Event, tag="pin_pinned", kw_only=True):
     job_id: str
     request_id: str
     num_blocks: int
-    ttl_s: float
+    ttl_s: float | None
     inputs: TTLInputs | None = None
 
 
@@ -173,7 +173,7 @@ class PinReleased(Event, tag="pin_released", kw_only=True):
     job_id: str
     request_id: str
     num_blocks: int
-    ttl_s: float
+    ttl_s: float | None
     held_s: float
     reason: str
 
@@ -202,6 +202,14 @@ class RequestFinished(Event, tag="request_finished", kw_only=True):
     num_preemptions: int = 0
 
 
+class JobEnded(Event, tag="job_ended", kw_only=True):
+    """The engine ended a job: its last turn finished (`job_end`) or a client released it
+    (`release`). Jobs the policy forgets after their idle timeout are not recorded."""
+
+    job_id: str
+    reason: str
+
+
 class TraceTruncated(Event, tag="truncated", kw_only=True):
     """The last record of a trace that reached its size cap of `max_bytes`; its step and
     time are those of the latest record that was left out."""
@@ -219,11 +227,13 @@ TraceRecord = (
     | PinReleased
     | RequestArrived
     | RequestFinished
+    | JobEnded
     | TraceTruncated
 )
 
 RECORD_TYPES: dict[str, type[Record]] = {
     cls.__struct_config__.tag: cls  # type: ignore[misc]
     for cls in (TraceHeader, StepSnapshot, StepDecision, PrefixCacheEvent, PinPinned,
-                PinDeclined, PinReleased, RequestArrived, RequestFinished, TraceTruncated)
+                PinDeclined, PinReleased, RequestArrived, RequestFinished, JobEnded,
+                TraceTruncated)
 }

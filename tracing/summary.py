@@ -1,13 +1,14 @@
 """`continuum trace summarize`: what a trace says about jobs, turns, the prefix cache and pins.
 
 Definitions (times on the scheduler clock, seconds):
-- a job's completion time runs from its first turn's arrival to its last turn's finish; jobs
-  with a turn still unfinished at the end of the trace have none;
+- a job's completion time runs from its first turn's arrival to its last turn's finish, for
+  jobs the engine ended (`job_ended`: last turn finished, or released) with every turn
+  finished; other jobs (still going when the trace ends) have none;
 - a turn's queueing delay runs from its arrival to its first admission;
 - prefix-cache hit rates are over first admissions: hit tokens / prompt tokens, split into
   hits on blocks the request's own job's pin held (`from_pins`) and the rest (`from_cache`);
-- recomputed tokens are the prompt tokens that readmissions after a preemption computed
-  again (their prompt minus their hit).
+- recomputed tokens are the tokens a preemption dropped that the readmission did not get
+  back from the prefix cache (dropped minus hit, at least 0).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import msgspec
 
 from tracing.reader import Trace, read_trace_or_exit
 from tracing.records import (
+    JobEnded,
     PinDeclined,
     PinPinned,
     PinReleased,
@@ -128,6 +130,8 @@ class _Tally:
     finished: Counter[str] = field(default_factory=Counter)
     cache: list[PrefixCacheEvent] = field(default_factory=list)
     recomputed_tokens: int = 0
+    dropped_tokens: dict[str, int] = field(default_factory=dict)  # by request, last preemption
+    ended_jobs: set[str] = field(default_factory=set)
     pinned: list[PinPinned] = field(default_factory=list)
     num_declined: int = 0
     released: list[PinReleased] = field(default_factory=list)
@@ -166,6 +170,7 @@ def _tally(trace: Trace) -> _Tally:
             tally.scheduled_tokens += event.total_num_scheduled_tokens
             tally.preemptions += len(event.preempted)
             for preemption in event.preempted:
+                tally.dropped_tokens[preemption.request_id] = preemption.num_computed_tokens
                 if preemption.request_id in turns:
                     turns[preemption.request_id].num_preemptions += 1
         elif isinstance(event, RequestArrived):
@@ -182,13 +187,16 @@ def _tally(trace: Trace) -> _Tally:
             tally.num_declined += 1
         elif isinstance(event, PinReleased):
             tally.released.append(event)
+        elif isinstance(event, JobEnded):
+            tally.ended_jobs.add(event.job_id)
     return tally
 
 
 def _admission(tally: _Tally, event: PrefixCacheEvent) -> None:
     tally.cache.append(event)
     if event.resumed:
-        tally.recomputed_tokens += event.num_prompt_tokens - event.num_hit_tokens
+        dropped = tally.dropped_tokens.pop(event.request_id, 0)
+        tally.recomputed_tokens += max(0, dropped - event.num_hit_tokens)
         return
     turn = tally.turns.get(event.request_id)
     if turn is not None and turn.admitted_s is None:
@@ -206,7 +214,7 @@ def _job_summaries(tally: _Tally) -> list[JobSummary]:
         turns = [tally.turns[r] for r in request_ids]
         admissions = [first_admissions[r] for r in request_ids if r in first_admissions]
         first_arrival_s = min(t.arrived_s for t in turns)
-        done = all(t.finished_s is not None for t in turns)
+        done = job_id in tally.ended_jobs and all(t.finished_s is not None for t in turns)
         summaries.append(JobSummary(
             job_id=job_id, num_turns=len(turns), first_arrival_s=first_arrival_s,
             completion_s=max(t.finished_s for t in turns) - first_arrival_s if done else None,
@@ -239,7 +247,7 @@ def _pins(tally: _Tally) -> PinSummary:
         num_pinned=len(tally.pinned), num_declined=tally.num_declined,
         released=dict(sorted(released.items())),
         num_live_at_end=len(tally.pinned) - len(tally.released),
-        ttl_s=Distribution.of(event.ttl_s for event in tally.pinned),
+        ttl_s=Distribution.of(event.ttl_s for event in tally.pinned if event.ttl_s is not None),
         held_s=Distribution.of(event.held_s for event in tally.released),
     )
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tracing.reader import Trace, read_trace_or_exit
 from tracing.records import (
+    JobEnded,
     PinPinned,
     PinReleased,
     PrefixCacheEvent,
@@ -95,6 +96,8 @@ def job_intervals(trace: Trace) -> dict[str, list[Interval]]:
             timelines.setdefault(event.job_id, _JobTimeline()).begin("pinned", event.time_s)
         elif isinstance(event, PinReleased) and event.job_id in timelines:
             timelines[event.job_id].end("pinned", event.time_s)
+        elif isinstance(event, JobEnded) and event.job_id in timelines:
+            timelines[event.job_id].end("in_tool", event.time_s)
     end_s = trace.events[-1].time_s if trace.events else 0.0
     return {job_id: timeline.close(end_s) for job_id, timeline in timelines.items()}
 

@@ -46,8 +46,12 @@ class TraceWriter:
         except OSError as error:
             raise ValueError(f"cannot open the trace file {self.path}: {error}") from error
         self.active = True
-        self.write(header)
-        self.flush()
+        first_line = self._encoder.encode(header) + b"\n"
+        if max_bytes is not None and len(first_line) + _TRUNCATION_RESERVE_BYTES > max_bytes:
+            os.close(self._fd)
+            raise ValueError(f"trace max_bytes {max_bytes} cannot hold the trace header "
+                             f"({len(first_line)} bytes) and the final record")
+        self._write_all(first_line)
 
     def write(self, record: Record) -> None:
         """Appends one record to the step's buffer (as one line)."""

@@ -238,7 +238,10 @@ class Scheduler:
     ) -> Pin | None:
         """Ends a job: releases its pin (if any) and tells the policy; returns the pin."""
         pin = self.release_pin(job_id, reason)
-        self.policy.on_job_ended(job_id, self.clock())
+        now_s = self.clock()
+        self.policy.on_job_ended(job_id, now_s)
+        if self._tracer is not None:
+            self._tracer.job_ended(job_id, reason.value, now_s)
         return pin
 
     def close_trace(self) -> None:

@@ -7,6 +7,7 @@ Injected into the `Scheduler` (None: tracing off, and every trace point is skipp
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import os
 import time
@@ -20,6 +21,7 @@ from engine.kv_cache.pins import Pin
 from engine.request import Request
 from tracing.records import (
     SCHEMA_VERSION,
+    JobEnded,
     PinDeclined,
     PinPinned,
     PinReleased,
@@ -187,7 +189,7 @@ class SchedulerTracer:
         if pin is not None:
             self._write(PinPinned(
                 step=self._step, time_s=now_s, job_id=pin.job_id, request_id=pin.request_id,
-                num_blocks=pin.num_blocks, ttl_s=pin.ttl_s, inputs=inputs,
+                num_blocks=pin.num_blocks, ttl_s=finite_or_none(pin.ttl_s), inputs=inputs,
             ))
         elif inputs is not None and job_id is not None:
             self._write(PinDeclined(step=self._step, time_s=now_s, job_id=job_id,
@@ -197,10 +199,14 @@ class SchedulerTracer:
         released_at_s = pin.released_at_s if pin.released_at_s is not None else pin.pinned_at_s
         self._write(PinReleased(
             step=self._step, time_s=released_at_s, job_id=pin.job_id,
-            request_id=pin.request_id, num_blocks=pin.num_blocks, ttl_s=pin.ttl_s,
+            request_id=pin.request_id, num_blocks=pin.num_blocks,
+            ttl_s=finite_or_none(pin.ttl_s),
             held_s=released_at_s - pin.pinned_at_s,
             reason="" if pin.release_reason is None else pin.release_reason.value,
         ))
+
+    def job_ended(self, job_id: str, reason: str, now_s: float) -> None:
+        self._write(JobEnded(step=self._step, time_s=now_s, job_id=job_id, reason=reason))
 
     def close(self) -> None:
         if self._writer is not None:
@@ -209,6 +215,11 @@ class SchedulerTracer:
     def _write(self, record: Any) -> None:
         if self._writer is not None:
             self._writer.write(record)
+
+
+def finite_or_none(value: float) -> float | None:
+    """A TTL for a record: JSON has no infinity, so an endless TTL is written as None."""
+    return value if math.isfinite(value) else None
 
 
 def _to_builtins(config: object) -> dict[str, Any]:

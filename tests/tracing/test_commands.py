@@ -33,7 +33,7 @@ def test_compare_puts_two_traces_side_by_side(trace_path, tmp_path, capsys) -> N
     assert main(["trace", "compare", str(trace_path), str(trace_path), "--json", str(out)]) == 0
     assert "B/A" in capsys.readouterr().out
     result = json.loads(out.read_text())
-    assert result["figures"]["recomputed_tokens"] == {"a": 9, "b": 9, "b_over_a": 1.0}
+    assert result["figures"]["recomputed_tokens"] == {"a": 8, "b": 8, "b_over_a": 1.0}
     assert result["a"]["num_jobs"] == result["b"]["num_jobs"] == 3
 
 

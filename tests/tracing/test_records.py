@@ -14,6 +14,7 @@ from tracing.reader import TraceFormatError, read_trace
 from tracing.records import (
     RECORD_TYPES,
     SCHEMA_VERSION,
+    JobEnded,
     PinDeclined,
     PinPinned,
     PinReleased,
@@ -55,6 +56,9 @@ ONE_OF_EACH = [
                                  benefit_s=0.01)),
     PinReleased(step=2, time_s=1.0, job_id="a", request_id="a#0", num_blocks=6, ttl_s=1.25,
                 held_s=0.5, reason="reused"),
+    PinReleased(step=2, time_s=1.0, job_id="c", request_id="c#0", num_blocks=1, ttl_s=None,
+                held_s=0.5, reason="job_end"),  # an endless TTL
+    JobEnded(step=2, time_s=1.0, job_id="a", reason="job_end"),
     TraceTruncated(step=3, time_s=1.0, max_bytes=4096),
 ]
 
@@ -162,3 +166,6 @@ def test_a_write_error_disables_the_writer_instead_of_raising(tmp_path: Path, ca
 def test_the_cap_must_leave_room_for_records(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least"):
         TraceWriter(tmp_path / "t.jsonl", header(), max_bytes=100)
+    big_header = header(config={"model": "x" * 2000})
+    with pytest.raises(ValueError, match="cannot hold the trace header"):
+        TraceWriter(tmp_path / "t.jsonl", big_header, max_bytes=1024)
