@@ -112,7 +112,3 @@ class TraceWriter:
                          self.path, error)
             self.active = False
             self._buffer = bytearray()
-
-    @property
-    def num_bytes_written(self) -> int:
-        return self._num_bytes_written

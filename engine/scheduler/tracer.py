@@ -64,10 +64,6 @@ class SchedulerTracer:
         self._preempted: list[Preemption] = []
         self._ttl_inputs: dict[str, TTLInputs] = {}  # by request id, until it is retained
 
-    @property
-    def active(self) -> bool:
-        return self._writer is not None and self._writer.active
-
     def start(self, scheduler: Scheduler) -> None:
         """Opens the file and writes the header; called once by the scheduler."""
         config = scheduler.config
