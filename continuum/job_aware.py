@@ -190,6 +190,8 @@ class JobAwarePolicy(BasePolicy):
             finished_at_s=now_s,
             num_context_tokens=request.num_tokens,
             turn_index=job.num_turns_finished - 1,
+            num_running_requests=sum(1 for other in self.scheduler.running
+                                     if other is not request),
         )
 
     # Pins to give up.

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "forward": ("engine.bench.forward", "our model's prefill/decode vs transformers"),
         "throughput": ("engine.bench.throughput", "offline LLM.generate vs transformers"),
         "estimator": ("estimator.bench", "TTL estimators replayed over an agent trace"),
+        "agent": ("eval.bench_agent", "agent jobs replayed against an OpenAI-compatible server"),
+        "sim": ("eval.bench_sim", "policies compared on an agent trace in simulated time"),
     },
     "trace": {
         "summarize": ("tracing.summary", "per-job, per-turn, cache and pin figures of a trace"),

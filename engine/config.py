@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.executor.roofline import get_sim_profile
 from tracing.writer import MIN_MAX_BYTES
 
 
@@ -172,7 +173,8 @@ class TraceConfig:
 class EngineConfig:
     """Everything one engine instance needs; the cross-field checks live here.
 
-    `executor` names what runs the steps: `"torch"` (the real model) or a `module:Class` path.
+    `executor` names what runs the steps: `"torch"` (the real model), `"simulated"` (a
+    roofline cost model, priced by the profile `sim_profile` names) or a `module:Class` path.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -181,10 +183,15 @@ class EngineConfig:
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     executor: str = "torch"
+    sim_profile: str | None = None
 
     def __post_init__(self) -> None:
         if not self.executor:
             raise ValueError("executor must be a non-empty name")
+        if self.sim_profile is not None:
+            if self.executor != "simulated":
+                raise ValueError("sim_profile applies only to the simulated executor")
+            get_sim_profile(self.sim_profile)
         model_len = self.model.max_model_len
         if model_len is not None and model_len != self.scheduler.max_model_len:
             raise ValueError(

@@ -36,7 +36,11 @@ _HELP = {
     "scheduling_policy": (
         "continuum | continuum-fixed | infercept | autellix | fcfs | priority | a module:Class path"
     ),
-    "executor": "torch (run the model) | a module:Class path",
+    "executor": "torch (run the model) | simulated (a roofline cost model) | a module:Class path",
+    "sim_profile": (
+        "cost profile of the simulated executor: h100-llama3.1-8b | a100-llama3.1-8b | "
+        "4xh100-llama3.1-70b (default with --executor simulated: h100-llama3.1-8b)"
+    ),
     "estimator": "TTL estimator of the continuum policy: eq2-empirical | eq2-learned | fixed-2s",
     "prefill_profile": (
         "prices rebuilding a context for the estimator: auto (measured at start-up) | none | "
@@ -75,6 +79,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "continuum"
     executor: str = "torch"
+    sim_profile: str | None = None
     estimator: str = "eq2-empirical"
     prefill_profile: str = "auto"
     estimator_state: str | None = None
@@ -112,6 +117,7 @@ class EngineArgs:
             ),
             trace=TraceConfig(path=self._trace_path(environ), max_bytes=self.trace_max_bytes),
             executor=self.executor,
+            sim_profile=self.sim_profile,
         )
 
     def _trace_path(self, environ: Mapping[str, str]) -> str | None:

@@ -18,7 +18,9 @@ class ToolCall:
 
     `tool_name` is the tool the turn called when known (None: unknown, pooled statistics
     apply); `num_context_tokens` is the turn's prompt plus output, the context the next turn
-    extends; `turn_index` counts the job's earlier turns (0 for its first).
+    extends; `turn_index` counts the job's earlier turns (0 for its first);
+    `num_running_requests` counts the other requests running when it finished, whose steps a
+    rebuild of the context would share (and lengthen).
     """
 
     job_id: str
@@ -26,6 +28,7 @@ class ToolCall:
     finished_at_s: float
     num_context_tokens: int
     turn_index: int
+    num_running_requests: int = 0
 
 
 class TTLEstimator(Protocol):

@@ -4,10 +4,17 @@ For a finished turn that called tool `f` with a context of `r` tokens:
 `ttl = argmax over t in {0} and samples(f) of P(t) * (T * eta + R(r)) - t`, where `P` is the
 empirical CDF of `f`'s durations, `T` the recent mean queueing delay of turns that came back
 without their KV, `eta` the anti-correlation of jobs' done and remaining turns, and `R` the
-prefill time of `r` tokens. With at most `cold_start_samples` (K) samples overall, durations
+cost of rebuilding `r` tokens. With at most `cold_start_samples` (K) samples overall, durations
 are assumed Exp(mean 1 s) and eta = 1, giving `ttl = ln(T + R)` when `T + R > 1`; beyond K
 overall but at most K for `f`, the pooled CDF of all tools is used. With a fitted
 `predictor`, the CDF is instead the predictor's conditional distribution for the call.
+
+Our refinement of `R`: the paper prices a rebuild as the prefill time of `r` tokens. In an
+engine that batches prefill and decode tokens into one step, that prefill lengthens the steps
+of every request running beside it, so `R = prefill_s(r) * (1 + n)` with `n` the other
+requests running when the turn finished (`ToolCall.num_running_requests`). Alone on the
+engine it is the paper's `R`; under load it makes losing a long context correctly dear. The
+simulated comparison in `docs/benchmarks.md` measures what it changes.
 """
 
 from __future__ import annotations
@@ -105,7 +112,7 @@ class Eq2Estimator:
     def decide(self, call: ToolCall) -> TTLDecision:
         """The TTL for the call with its inputs; also kept as `last_decision`."""
         queueing_delay_s = self.queueing_delay.mean or 0.0
-        rebuild_s = self.rebuild_s(call.num_context_tokens)
+        rebuild_s = self.rebuild_s(call.num_context_tokens) * (1 + call.num_running_requests)
         num_samples = len(self.history.samples(None))
         if num_samples <= self.cold_start_samples:
             benefit_s = queueing_delay_s + rebuild_s

@@ -17,6 +17,7 @@ from engine.scheduler.output import SchedulerOutput
 
 EXECUTOR_REGISTRY = MappingProxyType({
     "torch": "engine.executor.torch_executor:TorchExecutor",
+    "simulated": "engine.executor.simulated:SimulatedExecutor",
 })
 
 

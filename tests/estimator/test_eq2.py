@@ -58,6 +58,15 @@ def test_cold_start_does_not_pin_when_the_saving_is_below_one_second() -> None:
     assert estimator.ttl_s(call("j", "ls")) == 0.0
 
 
+def test_a_rebuild_costs_every_request_running_beside_it() -> None:
+    estimator = estimator_with(rebuild_s=0.4)
+    alone = estimator.decide(call("j", "ls"))
+    assert alone.rebuild_s == 0.4 and alone.ttl_s == 0.0  # the paper's R: not worth a pin
+    busy = estimator.decide(ToolCall("j", "ls", 0.0, 1000, 0, num_running_requests=4))
+    assert busy.rebuild_s == pytest.approx(0.4 * 5)  # its prefill stretches 4 others' steps
+    assert busy.ttl_s == pytest.approx(math.log(2.0))
+
+
 def test_tools_with_at_most_k_samples_use_the_pooled_cdf() -> None:
     estimator = estimator_with(k=3, rebuild_s=3.0)
     for duration_s in (0.1, 0.1, 0.1, 0.1):

@@ -1,0 +1,97 @@
+"""The `simulated` executor: no model; each step takes the time a roofline cost model gives.
+
+Used behind the real server (`--executor simulated --sim-profile NAME`, where it sleeps each
+step's time) and in the discrete-event simulator (where `sleep` advances a virtual clock).
+It samples a fixed, deterministic token sequence that never contains the request's EOS
+token, so a turn ends at `max_tokens` or a stop condition.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from engine.config import EngineConfig
+from engine.executor.roofline import DEFAULT_SIM_PROFILE, SimProfile, get_sim_profile
+from engine.model.directory import load_arch
+from engine.outputs import ModelRunnerOutput
+from engine.scheduler.output import SchedulerOutput
+
+
+class SimulatedExecutor:
+    """Prices steps with `config.sim_profile` (default `DEFAULT_SIM_PROFILE`). The KV pool is
+    `config.cache.num_kv_blocks`, or what the profile's memory holds; the vocabulary is the
+    configured model's, so its tokenizer serves text.
+
+    `sleep(seconds)` is called once per step with the step's time; `busy_s` sums them.
+    """
+
+    def __init__(
+        self, config: EngineConfig, *, sleep: Callable[[float], None] = time.sleep
+    ) -> None:
+        self.profile: SimProfile = get_sim_profile(config.sim_profile or DEFAULT_SIM_PROFILE)
+        block_size = config.cache.block_size
+        self._num_kv_blocks = config.cache.num_kv_blocks or max(
+            1, self.profile.num_kv_tokens // block_size
+        )
+        self._vocab_size = load_arch(config.model.model).vocab_size
+        self._sleep = sleep
+        self._num_known_tokens: dict[str, int] = {}
+        self._eos_token_ids: dict[str, int | None] = {}
+        self.busy_s = 0.0
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+            self._num_known_tokens.pop(req_id, None)
+            self._eos_token_ids.pop(req_id, None)
+        num_computed = self._register(scheduler_output)
+        step_s = self.profile.step_time_s(
+            (num_computed[req_id], num_new)
+            for req_id, num_new in scheduler_output.num_scheduled_tokens.items()
+        )
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled = [self._sample(req_id, num_computed[req_id]
+                                + scheduler_output.num_scheduled_tokens[req_id])
+                   for req_id in req_ids]
+        self.busy_s += step_s
+        self._sleep(step_s)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _register(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """Each scheduled request's computed-token count before the step."""
+        num_computed = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            self._num_known_tokens[new.req_id] = (len(new.prompt_token_ids)
+                                                  + len(new.output_token_ids))
+            self._eos_token_ids[new.req_id] = new.eos_token_id
+            num_computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        num_computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return num_computed
+
+    def _sample(self, req_id: str, num_computed_after: int) -> list[int]:
+        """One token once every known token is computed; none while a prefill is partial."""
+        num_known = self._num_known_tokens[req_id]
+        if num_computed_after < num_known:
+            return []
+        self._num_known_tokens[req_id] = num_known + 1
+        token_id = num_known % self._vocab_size
+        if token_id == self._eos_token_ids[req_id]:
+            token_id = (token_id + 1) % self._vocab_size
+        return [token_id]
+
+    def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
+        """The cost model's whole-prompt prefill time per length (nothing is run)."""
+        return [(length, self.profile.prefill_time_s(length)) for length in lengths]
+
+    def shutdown(self) -> None:
+        self._num_known_tokens.clear()
+        self._eos_token_ids.clear()
