@@ -135,15 +135,15 @@ def workload_summary(jobs: list[AgentJobSpec]) -> dict:
 def main(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
+        if not policies:
+            raise ValueError("--policies names no policy")
         jobs = load_workload(args)
         settings = SimSettings(
-            policy=policies[0] if policies else "fcfs", profile=args.profile,
+            policy=policies[0], profile=args.profile,
             estimator=args.estimator, block_size=args.block_size,
             num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
         )
-        if not policies:
-            raise ValueError("--policies names no policy")
         runs = run_comparison(jobs, settings, policies, args.jobs_per_s, workers=args.workers)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
