@@ -175,6 +175,8 @@ class EngineConfig:
 
     `executor` names what runs the steps: `"torch"` (the real model), `"simulated"` (a
     roofline cost model, priced by the profile `sim_profile` names) or a `module:Class` path.
+    `debug_check_invariants` makes the core check the scheduler and KV invariants after every
+    step (for soak runs; an AssertionError stops the core).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -184,6 +186,7 @@ class EngineConfig:
     trace: TraceConfig = field(default_factory=TraceConfig)
     executor: str = "torch"
     sim_profile: str | None = None
+    debug_check_invariants: bool = False
 
     def __post_init__(self) -> None:
         if not self.executor:

@@ -53,6 +53,10 @@ _HELP = {
         "$VLLM_SCHED_TRACE_PATH, else off"
     ),
     "trace_max_bytes": "stop tracing before the trace file passes this size",
+    "debug_check_invariants": (
+        "check the scheduler and KV invariants after every step (slow; a violation stops the "
+        "core with the failed check)"
+    ),
 }
 
 TRACE_PATH_VARIABLES = ("CONTINUUM_TRACE_PATH", "VLLM_SCHED_TRACE_PATH")
@@ -86,6 +90,7 @@ class EngineArgs:
     estimator_warm_start: str | None = None
     trace_path: str | None = None
     trace_max_bytes: int | None = None
+    debug_check_invariants: bool = False
 
     def to_engine_config(self, environ: Mapping[str, str] = os.environ) -> EngineConfig:
         """The validated config; ValueError naming the bad field. Without `trace_path`, the
@@ -118,6 +123,7 @@ class EngineArgs:
             trace=TraceConfig(path=self._trace_path(environ), max_bytes=self.trace_max_bytes),
             executor=self.executor,
             sim_profile=self.sim_profile,
+            debug_check_invariants=self.debug_check_invariants,
         )
 
     def _trace_path(self, environ: Mapping[str, str]) -> str | None:

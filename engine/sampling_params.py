@@ -11,10 +11,10 @@ import enum
 
 import msgspec
 
-_MAX_SEED = 2**63 - 1
-_MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20
 # Counts and token ids travel as 32-bit integers in the model runner.
-_MAX_INT32 = 2**31 - 1
+MAX_INT32 = 2**31 - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -65,23 +65,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         self._check_stops()
 
     def _check_counts(self) -> None:
-        _check_int("n", self.n, minimum=1, maximum=_MAX_INT32)
+        _check_int("n", self.n, minimum=1, maximum=MAX_INT32)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, minimum=1, maximum=_MAX_INT32)
-        _check_int("min_tokens", self.min_tokens, minimum=0, maximum=_MAX_INT32)
+            _check_int("max_tokens", self.max_tokens, minimum=1, maximum=MAX_INT32)
+        _check_int("min_tokens", self.min_tokens, minimum=0, maximum=MAX_INT32)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=-_MAX_SEED - 1, maximum=_MAX_SEED)
+            _check_int("seed", self.seed, minimum=-MAX_SEED - 1, maximum=MAX_SEED)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0, maximum=_MAX_LOGPROBS)
+            _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
 
     def _check_distribution(self) -> None:
         _check_range("temperature", self.temperature, 0.0, 2.0)
         _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_int("top_k", self.top_k, minimum=0, maximum=_MAX_INT32)
+        _check_int("top_k", self.top_k, minimum=0, maximum=MAX_INT32)
         _check_range("min_p", self.min_p, 0.0, 1.0)
 
     def _check_penalties(self) -> None:
@@ -91,7 +91,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
     def _check_stops(self) -> None:
         for token_id in self.stop_token_ids:
-            _check_int("stop_token_ids entry", token_id, minimum=0, maximum=_MAX_INT32)
+            _check_int("stop_token_ids entry", token_id, minimum=0, maximum=MAX_INT32)
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop strings must be non-empty, got {text!r}")

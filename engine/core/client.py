@@ -256,7 +256,8 @@ class SyncMPClient(_MPClientBase):
                 return False
         event = self._decoder.decode(socket.recv())
         if isinstance(event, EngineCoreOutputs):
-            self._pending_outputs.append(event.outputs)
+            if event.outputs:
+                self._pending_outputs.append(event.outputs)
         elif isinstance(event, UtilityResult):
             self._utility_results[event.call_id] = event
         elif isinstance(event, CoreFailed):
@@ -276,9 +277,20 @@ class AsyncMPClient(_MPClientBase):
         self._outputs: asyncio.Queue[list[EngineCoreOutput] | EngineDeadError] | None = None
         self._utility_futures: dict[int, asyncio.Future[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._num_requests_sent = 0
+        self._num_waiting_reported = 0
+        self._num_received_reported = 0
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests waiting in the core's queue as it last reported, plus those sent since
+        that it had not yet received."""
+        in_transit = self._num_requests_sent - self._num_received_reported
+        return self._num_waiting_reported + max(0, in_transit)
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         await self._send(request)
+        self._num_requests_sent += 1
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         await self._send(AbortRequests(request_ids))
@@ -337,7 +349,10 @@ class AsyncMPClient(_MPClientBase):
     def _dispatch(self, event: CoreEvent) -> None:
         assert self._outputs is not None
         if isinstance(event, EngineCoreOutputs):
-            self._outputs.put_nowait(event.outputs)
+            self._num_waiting_reported = event.num_waiting
+            self._num_received_reported = event.num_requests_received
+            if event.outputs:
+                self._outputs.put_nowait(event.outputs)
         elif isinstance(event, UtilityResult):
             future = self._utility_futures.get(event.call_id)
             if future is not None and not future.done():

@@ -67,6 +67,8 @@ class EngineCoreProc:
         self._stop_reading = threading.Event()
         self._io_failure: str | None = None  # set by an IO thread that died
         self._running = True
+        self.num_requests_received = 0
+        self._reported_queue = (0, 0)  # (waiting, received) as last sent to the frontend
 
     def run(self) -> None:
         """The busy loop; returns after a clean shutdown, raises if the core failed."""
@@ -83,6 +85,7 @@ class EngineCoreProc:
                 self._check_health()
                 if self._running and self.core.has_work():
                     self._step()
+                self._report_queue_change()
         except Exception:
             self.output_queue.put(CoreFailed(traceback.format_exc()))
             raise
@@ -110,8 +113,20 @@ class EngineCoreProc:
     def _step(self) -> None:
         outputs = self.core.step()
         if outputs:
-            self.output_queue.put(EngineCoreOutputs(outputs=outputs,
-                                                    timestamp_s=self.core.clock()))
+            self.output_queue.put(self._outputs_event(outputs))
+
+    def _outputs_event(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """The event carrying `outputs` and the queue as it stands now (marked as reported)."""
+        self._reported_queue = (self.core.num_waiting_requests, self.num_requests_received)
+        return EngineCoreOutputs(outputs=outputs, timestamp_s=self.core.clock(),
+                                 num_waiting=self._reported_queue[0],
+                                 num_requests_received=self._reported_queue[1])
+
+    def _report_queue_change(self) -> None:
+        """Tells the frontend the queue's length when it changed without any output (the
+        frontend limits the waiting queue's depth by it)."""
+        if (self.core.num_waiting_requests, self.num_requests_received) != self._reported_queue:
+            self.output_queue.put(self._outputs_event([]))
 
     def _apply_inputs(self, *, block: bool) -> None:
         """Applies every queued message; when idle, first waits a while for one."""
@@ -138,6 +153,7 @@ class EngineCoreProc:
             self._running = False
 
     def _add_request(self, request: EngineCoreRequest) -> None:
+        self.num_requests_received += 1
         try:
             self.core.add_request(request)
         except ValueError as error:
@@ -159,8 +175,7 @@ class EngineCoreProc:
     def _reject(self, request_id: str, error: str) -> None:
         rejection = EngineCoreOutput(request_id=request_id, new_token_ids=[],
                                      finish_reason=FinishReason.ABORT, error=error)
-        self.output_queue.put(EngineCoreOutputs(outputs=[rejection],
-                                                timestamp_s=self.core.clock()))
+        self.output_queue.put(self._outputs_event([rejection]))
 
     # IO threads.
     def _read_inputs(self) -> None:

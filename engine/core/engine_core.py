@@ -60,6 +60,7 @@ class EngineCore:
         self.vocab_size = self.executor.vocab_size
         self.step_time_s = 0.0
         self.execute_time_s = 0.0
+        self.num_invariant_checks = 0
 
     def _policy_environment(self) -> PolicyEnvironment:
         executor = self.executor
@@ -80,6 +81,11 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids)
 
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests queued for admission (new, or preempted to be recomputed)."""
+        return len(self.scheduler.waiting)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -89,7 +95,8 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedules one step (the policy's step start included), executes it, and applies
-        the sampled tokens; returns the outputs of the requests that produced tokens."""
+        the sampled tokens; returns the outputs of the requests that produced tokens. With
+        `debug_check_invariants`, a broken invariant raises AssertionError after the step."""
         started_s = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         execute_started_s = time.perf_counter()
@@ -98,6 +105,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_steps += 1
         self.step_time_s += time.perf_counter() - started_s
+        if self.config.debug_check_invariants:
+            self.check_invariants()
         return outputs
 
     def shutdown(self) -> None:
@@ -131,6 +140,7 @@ class EngineCore:
                 reason.value: count for reason, count in scheduler.pins.num_released.items()
             },
             num_jobs=scheduler.policy.num_jobs,
+            num_invariant_checks=self.num_invariant_checks,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -163,7 +173,9 @@ class EngineCore:
                         policy=policy_state)
 
     def check_invariants(self) -> bool:
+        """Asserts the scheduler and KV invariants (AssertionError names the broken one)."""
         self.scheduler.check_invariants()
+        self.num_invariant_checks += 1
         return True
 
     def _to_request(self, core_request: EngineCoreRequest) -> Request:

@@ -74,10 +74,15 @@ CoreHello = CoreReady | CoreStartupFailed
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", kw_only=True):
-    """The per-request outputs of one step (or request rejections), stamped on the core's clock."""
+    """The per-request outputs of one step (or request rejections), stamped on the core's clock,
+    with the core's queue as it stands after them: `num_waiting` requests wait, and
+    `num_requests_received` is how many requests the core has been sent so far (so a client
+    can count those still on their way). Sent with no outputs when only the queue changed."""
 
     outputs: list[EngineCoreOutput]
     timestamp_s: float
+    num_waiting: int = 0
+    num_requests_received: int = 0
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result", kw_only=True, omit_defaults=True):
@@ -121,6 +126,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_pins_created: int = 0
     pins_released: dict[str, int] = msgspec.field(default_factory=dict)
     num_jobs: int = 0
+    num_invariant_checks: int = 0
 
 
 class PinState(msgspec.Struct, kw_only=True):

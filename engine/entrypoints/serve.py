@@ -1,7 +1,8 @@
 """`continuum serve`: the OpenAI-compatible HTTP server on uvicorn.
 
 With no arguments it serves the embedded `tiny` model on 127.0.0.1:8000. Engine flags are
-those of `EngineArgs`; the server's own flags are below.
+those of `EngineArgs`; the server's own flags are below. The process exits with status 1 when
+the engine core dies (after answering 503 to what is in flight), for a supervisor to restart.
 """
 
 from __future__ import annotations
@@ -15,12 +16,19 @@ import uvicorn
 
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.api_server import build_app
-from engine.entrypoints.openai.serving import DEFAULT_MAX_REQUEST_BODY_BYTES, ServerSettings
+from engine.entrypoints.openai.serving import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_MAX_STOP_STRINGS,
+    ServerSettings,
+)
 from engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.stats import RequestStatsObserver
 
 logger = logging.getLogger("continuum.serve")
+
+GRACEFUL_SHUTDOWN_S = 10  # open streams get this long to finish once asked to stop
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +47,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", type=int,
                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                        help="larger request bodies get 413 (default: %(default)s)")
+    group.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="longer prompts get 400 (default: up to --max-model-len)")
+    group.add_argument("--max-output-tokens", type=int, default=None,
+                       help="most tokens one completion may generate; a larger max_tokens gets "
+                            "400 (default: up to --max-model-len)")
+    group.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                       help="most completions per request (n); more get 400 "
+                            "(default: %(default)s)")
+    group.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
+                       help="most stop strings per request; more get 400 (default: %(default)s)")
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="once this many requests wait for the engine, new ones get 429 "
+                            "with Retry-After (default: no limit)")
+    group.add_argument("--retry-after-s", type=int, default=1,
+                       help="the Retry-After of a 429, seconds (default: %(default)s)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(parser)
@@ -67,7 +90,10 @@ def main(args: argparse.Namespace) -> int:
         settings = ServerSettings(
             served_model_name=args.served_model_name or engine_args.model,
             api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
-            tool_call_parser=args.tool_call_parser,
+            tool_call_parser=args.tool_call_parser, max_prompt_tokens=args.max_prompt_tokens,
+            max_output_tokens=args.max_output_tokens, max_n=args.max_n,
+            max_stop_strings=args.max_stop_strings,
+            max_waiting_requests=args.max_waiting_requests, retry_after_s=args.retry_after_s,
         )
         sock = bind_socket(args.host, args.port)
     except (ValueError, OSError) as error:
@@ -82,8 +108,18 @@ def main(args: argparse.Namespace) -> int:
                     engine.client.num_kv_blocks)
         return engine
 
-    app = build_app(make_engine, settings)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=30))
+    engine_died = False
+
+    def stop_serving() -> None:
+        nonlocal engine_died
+        engine_died = True
+        server.should_exit = True
+
+    app = build_app(make_engine, settings, on_engine_dead=stop_serving)
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level=args.log_level, timeout_keep_alive=30,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    ))
     with contextlib.suppress(KeyboardInterrupt):  # re-raised by uvicorn after it shut down
         server.run(sockets=[sock])
-    return 0 if server.started else 1
+    return 0 if server.started and not engine_died else 1

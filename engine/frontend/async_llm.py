@@ -60,6 +60,12 @@ class AsyncLLM:
     def is_dead(self) -> bool:
         return self.client.is_dead
 
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests waiting for the core to admit them (as of its latest report, plus those
+        on their way to it); one per completion, so a request with `n=4` counts 4."""
+        return self.client.num_waiting_requests
+
     async def generate(
         self,
         prompt: Prompt,

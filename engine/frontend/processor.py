@@ -17,9 +17,7 @@ from engine.core.wire import EngineCoreRequest
 from engine.frontend.tokenizer import load_tokenizer, render_chat
 from engine.model.directory import load_arch
 from engine.request import JobInfo
-from engine.sampling_params import SamplingParams
-
-_MAX_SEED = 2**63 - 1
+from engine.sampling_params import MAX_SEED, SamplingParams
 
 Prompt = str | list[int]
 
@@ -84,7 +82,7 @@ class InputProcessor:
         if job is not None and not isinstance(job, JobInfo):
             raise ValueError("job must be a JobInfo")
         if isinstance(priority, bool) or not isinstance(priority, int) \
-                or not -_MAX_SEED - 1 <= priority <= _MAX_SEED:
+                or not -MAX_SEED - 1 <= priority <= MAX_SEED:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         prompt_text, token_ids = self.tokenize(prompt)
         self._check_tokens(token_ids, sampling_params)
@@ -152,7 +150,7 @@ class InputProcessor:
         """Parameters of completion `index`: one sequence, its own seed, the model's EOS ids."""
         changes: dict[str, Any] = {"n": 1}
         if params.seed is not None and index:
-            changes["seed"] = (params.seed + index) % _MAX_SEED
+            changes["seed"] = (params.seed + index) % MAX_SEED
         if not params.ignore_eos and self.extra_stop_token_ids:
             extra = [t for t in self.extra_stop_token_ids if t not in params.stop_token_ids]
             changes["stop_token_ids"] = (*params.stop_token_ids, *extra)

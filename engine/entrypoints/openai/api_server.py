@@ -6,9 +6,11 @@ in the server's event loop when the app starts, and stops when it stops.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import importlib.metadata
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.core.client import EngineDeadError
@@ -28,6 +31,18 @@ from engine.entrypoints.openai.errors import (
     install_error_handlers,
 )
 from engine.entrypoints.openai.metrics import PrometheusMetrics
+from engine.entrypoints.openai.openapi import (
+    SSE_RESPONSE,
+    ChatCompletionResponse,
+    CompletionResponse,
+    JobDeleted,
+    JobInfo,
+    ModelCard,
+    ModelList,
+    VersionInfo,
+    error_responses,
+    openapi_document,
+)
 from engine.entrypoints.openai.protocol import (
     MAX_ID_CHARS,
     ChatCompletionRequest,
@@ -41,8 +56,11 @@ from engine.frontend.stats import RequestStatsObserver
 
 EngineFactory = Callable[[RequestStatsObserver], AsyncLLM]
 
+ENGINE_WATCH_INTERVAL_S = 0.25
 _UNAUTHENTICATED_PATHS = frozenset({"/health"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+logger = logging.getLogger(__name__)
 
 
 def package_version() -> str:
@@ -115,8 +133,16 @@ class BodySizeLimitMiddleware:
         return error_response(413, error.message, code=error.code)
 
 
-def build_app(engine_factory: EngineFactory, settings: ServerSettings) -> FastAPI:
-    """The app; the engine is created by `engine_factory` at start-up and shut down at exit."""
+def build_app(
+    engine_factory: EngineFactory, settings: ServerSettings,
+    on_engine_dead: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The app; the engine is created by `engine_factory` at start-up and shut down at exit.
+
+    Once the engine's core dies, every generation answers 503 and `/health` fails; within
+    `ENGINE_WATCH_INTERVAL_S`, `on_engine_dead` is called (the server then exits, for its
+    supervisor to restart it).
+    """
     metrics = PrometheusMetrics(settings.served_model_name)
 
     @asynccontextmanager
@@ -126,12 +152,17 @@ def build_app(engine_factory: EngineFactory, settings: ServerSettings) -> FastAP
         app.state.completions = OpenAIServingCompletion(engine, settings)
         app.state.chat = OpenAIServingChat(engine, settings)
         app.state.started_at = int(time.time())
+        watcher = None if on_engine_dead is None else asyncio.ensure_future(
+            _call_when_dead(engine, on_engine_dead))
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             engine.shutdown()
 
     app = FastAPI(title="Continuum engine", version=package_version(), lifespan=lifespan)
+    app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     app.state.settings = settings
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -144,6 +175,22 @@ def build_app(engine_factory: EngineFactory, settings: ServerSettings) -> FastAP
     return app
 
 
+async def _call_when_dead(engine: AsyncLLM, on_engine_dead: Callable[[], None]) -> None:
+    while not engine.is_dead:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    logger.error("the engine core died; the server stops (restart it to serve again)")
+    on_engine_dead()
+
+
+def _openapi(app: FastAPI, settings: ServerSettings) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        config = app.state.engine.config
+        app.openapi_schema = openapi_document(
+            app, settings, max_model_len=config.scheduler.max_model_len,
+            vocab_size=app.state.engine.processor.vocab_size)
+    return app.openapi_schema
+
+
 def _engine(request: Request) -> AsyncLLM:
     engine: AsyncLLM = request.app.state.engine
     if engine.is_dead:
@@ -152,29 +199,34 @@ def _engine(request: Request) -> AsyncLLM:
 
 
 def _add_info_routes(app: FastAPI) -> None:
-    @app.get("/health")
+    @app.get("/health", operation_id="health", response_class=Response,
+             responses={200: {"description": "The engine runs.", "content": {}},
+                        **error_responses(503)})
     async def health(request: Request) -> Response:
         """200 while the engine runs, 503 once its core has died."""
         if request.app.state.engine.is_dead:
             raise engine_dead_error()
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", operation_id="version", response_model=VersionInfo)
     async def version() -> dict[str, str]:
         return {"version": package_version()}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", operation_id="listModels", response_model=ModelList)
     async def list_models(request: Request) -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(request)]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", operation_id="retrieveModel",
+             response_model=ModelCard, responses=error_responses(404))
     async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
         if model != request.app.state.settings.served_model_name:
             raise APIError(404, f"the model {model!r} does not exist", param="model",
                            code="model_not_found")
         return _model_card(request)
 
-    @app.get("/metrics")
+    @app.get("/metrics", operation_id="metrics", response_class=Response, responses={200: {
+        "description": "Prometheus metrics (text exposition format).",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics(request: Request) -> Response:
         engine: AsyncLLM = request.app.state.engine
         metrics: PrometheusMetrics = request.app.state.metrics
@@ -193,7 +245,8 @@ def _model_card(request: Request) -> dict[str, Any]:
 
 
 def _add_generation_routes(app: FastAPI) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", operation_id="createCompletion", response_class=JSONResponse,
+              responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving: OpenAIServingCompletion = request.app.state.completions
         response_id, requests = await serving.prepare(body, request.headers)
@@ -203,7 +256,9 @@ def _add_generation_routes(app: FastAPI) -> None:
         result = await _run(request, serving.create(body, response_id, requests))
         return JSONResponse(result)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", operation_id="createChatCompletion",
+              response_class=JSONResponse,
+              responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving: OpenAIServingChat = request.app.state.chat
         prepared = await serving.prepare(body, request.headers)
@@ -212,6 +267,12 @@ def _add_generation_routes(app: FastAPI) -> None:
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
         result = await _run(request, serving.create(body, prepared))
         return JSONResponse(result)
+
+
+def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "description": "The completion (JSON), or its stream (SSE).",
+                  "content": SSE_RESPONSE},
+            **error_responses(400, 404, 413, 429, 503)}
 
 
 async def _run(request: Request, work: Any) -> dict[str, Any]:
@@ -224,7 +285,8 @@ async def _run(request: Request, work: Any) -> dict[str, Any]:
 
 
 def _add_job_routes(app: FastAPI) -> None:
-    @app.get("/v1/jobs/{job_id:path}")
+    @app.get("/v1/jobs/{job_id:path}", operation_id="retrieveJob", response_model=JobInfo,
+             responses=error_responses(400, 404, 503))
     async def get_job(job_id: str, request: Request) -> dict[str, Any]:
         """What the engine holds for the job: unfinished turns, its KV pin, and the
         scheduling policy's books (turns, pins by release reason, last TTL)."""
@@ -238,7 +300,8 @@ def _add_job_routes(app: FastAPI) -> None:
                     "ttl_s": state.pin.ttl_s, "remaining_ttl_s": state.pin.remaining_ttl_s},
                 "policy": None if state.policy is None else msgspec.to_builtins(state.policy)}
 
-    @app.delete("/v1/jobs/{job_id:path}")
+    @app.delete("/v1/jobs/{job_id:path}", operation_id="deleteJob", response_model=JobDeleted,
+                responses=error_responses(400, 404, 503))
     async def delete_job(job_id: str, request: Request) -> dict[str, Any]:
         """Ends the job's state in the engine, releasing its KV pin."""
         engine = _engine(request)

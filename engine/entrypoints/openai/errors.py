@@ -10,6 +10,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from engine.core.client import EngineDeadError
 
@@ -31,9 +32,10 @@ class APIError(HTTPException):
     """
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
-        super().__init__(status_code=status, detail=message)
+        super().__init__(status_code=status, detail=message, headers=headers)
         self.message = message
         self.param = param
         self.code = code
@@ -60,19 +62,42 @@ def engine_dead_error(error: BaseException | None = None) -> APIError:
     return APIError(503, f"the engine is not running{detail}", code="engine_dead")
 
 
+# How pydantic names the members of a union in an error's location (e.g. `prompt.str`).
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _names_a_field(part: str | int) -> bool:
+    """Whether a part of a validation error's location is a field or an index (not `body`,
+    nor a union member's tag such as `constrained-str` or `list[int]`)."""
+    if isinstance(part, int):
+        return True
+    return part.isidentifier() and part != "body" and part not in _UNION_MEMBER_TAGS
+
+
 def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     """A readable message for the first validation error, and the parameter it concerns."""
     errors = error.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    location = [str(part) for part in first.get("loc", ()) if _names_a_field(part)]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg')}", None
     message = first.get("msg", "invalid value")
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return (f"{param}: {message}" if param else message) + more, param
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette names only the first route's,
+    and the job endpoints are two routes)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -85,7 +110,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail), headers=error.headers)
+        headers = error.headers
+        if error.status_code == 405:
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error_response(error.status_code, str(error.detail), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

@@ -52,6 +52,8 @@ class _CoreStatsCollector(Collector):
                      stats.kv_usage)
         yield _gauge("kv_cache_total_blocks", "KV blocks in the pool.", model,
                      stats.num_kv_blocks)
+        yield _gauge("kv_cache_free_blocks", "KV blocks no request or pin holds (cached "
+                     "prefixes included).", model, stats.num_free_blocks)
         yield _gauge("num_pins", "Live KV pins (jobs holding their KV between turns).", model,
                      stats.num_pins)
         yield _gauge("pinned_blocks", "KV blocks held by pins.", model, stats.num_pinned_blocks)
@@ -70,6 +72,8 @@ class _CoreStatsCollector(Collector):
             released.add_metric([model, reason], count)
         yield released
         yield _counter("engine_steps", "Engine steps run.", model, stats.num_steps)
+        yield _counter("invariant_checks", "Steps whose scheduler and KV invariants were "
+                       "checked (--debug-check-invariants).", model, stats.num_invariant_checks)
 
 
 def _gauge(name: str, documentation: str, model: str, value: float) -> GaugeMetricFamily:

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_SEED
+
 MAX_ID_CHARS = 256
 
 JobId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
@@ -35,29 +37,41 @@ class JobFields(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
-class SamplingFields(JobFields):
-    """Fields shared by completions and chat completions."""
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+StopString = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+Int64 = Annotated[int, Field(ge=-MAX_SEED - 1, le=MAX_SEED)]
 
-    model_config = ConfigDict(extra="ignore")
+
+class SamplingFields(JobFields):
+    """Fields shared by completions and chat completions. Types are strict (no strings for
+    numbers); this server's limits on `n`, `max_tokens` and `stop` are in its OpenAPI
+    document."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    n: Annotated[int, Field(ge=1)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Count | None = Field(None, description="0 disables top-k.")
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Int64 | None = None
+    stop: StopString | list[StopString] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be "
+                                                               "empty or omitted.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
@@ -65,19 +79,26 @@ class SamplingFields(JobFields):
     return_token_ids: bool = Field(
         False, description="Also return the prompt's and each choice's token ids."
     )
-    priority: int = 0
+    priority: Int64 = Field(0, description="Used by the priority policy: lower runs first.")
     user: str | None = None
+
+
+MaxTokens = Annotated[int, Field(ge=1)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions: a text or token-id prompt (or a batch of them)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: MaxTokens | None = Field(16, description="null: up to the context length.")
+    logprobs: Logprobs | None = None
+    echo: bool = Field(False, description="Not supported: must be false.")
+    suffix: str | None = Field(None, description="Not supported: must be empty or omitted.")
+    best_of: int | None = Field(None, description="Must equal n, or be omitted.")
 
 
 class TextContentPart(BaseModel):
@@ -146,10 +167,11 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions: a conversation rendered by the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = Field(None, description="Deprecated by OpenAI in favour "
+                                                           "of max_completion_tokens.")
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = Field(None, description="Needs logprobs: true.")
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None

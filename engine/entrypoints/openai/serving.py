@@ -24,6 +24,8 @@ from engine.frontend.processor import ProcessedRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_N = 16
+DEFAULT_MAX_STOP_STRINGS = 16
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +38,29 @@ class ServerSettings:
     """How the HTTP layer behaves; the engine has its own config.
 
     `served_model_name` is the only model id requests may name; `api_key`, when set, is
-    required as a bearer token on every endpoint but `/health`.
+    required as a bearer token on every endpoint but `/health`. The limits answer 400 (413 for
+    the body size) naming the limit:
+
+    - `max_request_body_bytes`: the largest request body.
+    - `max_prompt_tokens`: the longest prompt (`None`: up to the model's context length).
+    - `max_output_tokens`: the most tokens one completion may generate, asked for or by
+      default (`None`: up to the context length).
+    - `max_n`: the most completions one request may ask for.
+    - `max_stop_strings`: the most `stop` strings of one request.
+    - `max_waiting_requests`: once this many requests wait for the engine, new ones get 429
+      with `Retry-After: retry_after_s` (`None`: no limit).
     """
 
     served_model_name: str
     api_key: str | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     tool_call_parser: str = "auto"
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_n: int = DEFAULT_MAX_N
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_waiting_requests: int | None = None
+    retry_after_s: int = 1
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -51,6 +69,12 @@ class ServerSettings:
             raise ValueError("api_key must not be empty when given")
         if self.max_request_body_bytes < 1024:
             raise ValueError("max_request_body_bytes must be at least 1024")
+        for name in ("max_prompt_tokens", "max_output_tokens", "max_n", "max_stop_strings",
+                     "max_waiting_requests", "retry_after_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 class OpenAIServing:
@@ -81,6 +105,7 @@ class OpenAIServing:
         stream: bool, skip_special_tokens: bool | None = None,
     ) -> SamplingParams:
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        self._check_limits(body, max_tokens=max_tokens, num_stop_strings=len(stop))
         fields: dict[str, Any] = {
             "n": body.n, "temperature": body.temperature, "top_p": body.top_p,
             "top_k": body.top_k, "min_p": body.min_p,
@@ -102,12 +127,43 @@ class OpenAIServing:
         except ValueError as error:
             raise APIError(400, str(error)) from error
 
+    def _check_limits(
+        self, body: SamplingFields, *, max_tokens: int | None, num_stop_strings: int
+    ) -> None:
+        settings = self.settings
+        if body.n > settings.max_n:
+            raise APIError(400, f"n is {body.n}, over this server's limit of {settings.max_n}",
+                           param="n", code="limit_exceeded")
+        limit = settings.max_output_tokens
+        if max_tokens is not None and limit is not None and max_tokens > limit:
+            raise APIError(400, f"max_tokens is {max_tokens}, over this server's limit of "
+                                f"{limit}", param="max_tokens", code="limit_exceeded")
+        if num_stop_strings > settings.max_stop_strings:
+            raise APIError(400, f"{num_stop_strings} stop strings given, over this server's "
+                                f"limit of {settings.max_stop_strings}", param="stop",
+                           code="limit_exceeded")
+
+    def check_queue_depth(self) -> None:
+        """429 with Retry-After while `max_waiting_requests` requests wait for the engine."""
+        limit = self.settings.max_waiting_requests
+        if limit is not None and self.engine.num_waiting_requests >= limit:
+            raise APIError(
+                429, f"the server is busy ({limit} requests are waiting); retry later",
+                code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)},
+            )
+
     def process(
         self, request_id: str, token_ids: list[int], params: SamplingParams,
         body: SamplingFields, headers: Mapping[str, str],
     ) -> ProcessedRequest:
         """The validated engine request; APIError(400) naming what is wrong (including a
         prompt plus `max_tokens` beyond the model's context)."""
+        max_prompt_tokens = self.settings.max_prompt_tokens
+        if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(token_ids)} tokens, over this server's "
+                                f"limit of {max_prompt_tokens}", param="prompt",
+                           code="limit_exceeded")
+        params = self._default_max_tokens(params, len(token_ids))
         max_tokens = params.max_tokens
         if max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
             raise APIError(
@@ -124,6 +180,18 @@ class OpenAIServing:
             )
         except ValueError as error:
             raise APIError(400, str(error)) from error
+
+    def _default_max_tokens(self, params: SamplingParams, num_prompt_tokens: int
+                            ) -> SamplingParams:
+        """Without `max_tokens`, a completion may fill the context, up to `max_output_tokens`."""
+        limit = self.settings.max_output_tokens
+        if params.max_tokens is not None or limit is None:
+            return params
+        room = max(1, self.max_model_len - num_prompt_tokens)
+        try:
+            return msgspec.structs.replace(params, max_tokens=min(limit, room))
+        except ValueError as error:  # min_tokens above the default
+            raise APIError(400, str(error), param="min_tokens") from error
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -66,7 +66,8 @@ class OpenAIServingChat(OpenAIServing):
     async def prepare(
         self, body: ChatCompletionRequest, headers: Mapping[str, str]
     ) -> ProcessedRequest:
-        """The validated engine request; APIError on bad input."""
+        """The validated engine request; APIError on bad input, or 429 while the waiting
+        queue is full."""
         self.check_request(body)
         self._check_chat_fields(body)
         parser = self._parser(body)
@@ -79,7 +80,9 @@ class OpenAIServingChat(OpenAIServing):
             skip_special_tokens=False if parser is not None else None,
         )
         token_ids = await asyncio.to_thread(self._render, body)
-        return self.process(new_id("chatcmpl"), token_ids, params, body, headers)
+        request = self.process(new_id("chatcmpl"), token_ids, params, body, headers)
+        self.check_queue_depth()
+        return request
 
     def _check_chat_fields(self, body: ChatCompletionRequest) -> None:
         if body.chat_template_kwargs and "chat_template" in body.chat_template_kwargs:

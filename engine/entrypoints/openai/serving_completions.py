@@ -34,7 +34,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self, body: CompletionRequest, headers: Mapping[str, str]
     ) -> tuple[str, list[ProcessedRequest]]:
         """The response id and one validated engine request per prompt; APIError on bad
-        input."""
+        input, or 429 while the waiting queue is full."""
         self.check_request(body)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
@@ -46,11 +46,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                       stream=body.stream)
         prompts = await asyncio.to_thread(self._tokenize_prompts, body.prompt)
         response_id = new_id("cmpl")
-        return response_id, [
+        requests = [
             self.process(response_id if len(prompts) == 1 else f"{response_id}-{index}",
                          token_ids, params, body, headers)
             for index, token_ids in enumerate(prompts)
         ]
+        self.check_queue_depth()
+        return response_id, requests
 
     def _tokenize_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]

@@ -176,3 +176,18 @@ def test_prefills_are_profiled_once_and_never_after_serving_starts() -> None:
     run_to_completion(fresh)
     with pytest.raises(RuntimeError, match="before serving"):
         fresh.scheduler.environment.profile_prefill()
+
+
+def test_debug_check_invariants_checks_after_every_step() -> None:
+    config = dataclasses.replace(SMALL_CONFIG, debug_check_invariants=True)
+    core = EngineCore(config)
+    core.add_request(core_request("a", max_tokens=4))
+    num_steps = 0
+    while core.has_work():
+        core.step()
+        num_steps += 1
+    assert core.stats().num_invariant_checks == num_steps == core.num_steps
+    core.add_request(core_request("b", max_tokens=4))
+    core.scheduler.kv_cache_manager.block_pool.blocks[-1].ref_cnt += 1  # corrupt the books
+    with pytest.raises(AssertionError):
+        core.step()

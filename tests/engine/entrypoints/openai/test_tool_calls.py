@@ -86,3 +86,13 @@ def test_api_key_is_required_except_for_health(scripted_server):
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
     assert scripted_server.client().models.list().data[0].id == "scripted"
+
+
+def test_the_schema_declares_the_api_key(scripted_server):
+    with scripted_server.http(headers={"Authorization": "Bearer secret-key"}) as http:
+        document = http.get("/openapi.json").json()
+    assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    paths = document["paths"]
+    assert paths["/v1/models"]["get"]["security"] == [{"bearer": []}]
+    assert "401" in paths["/v1/completions"]["post"]["responses"]
+    assert "security" not in paths["/health"]["get"]
