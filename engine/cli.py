@@ -21,6 +21,9 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "estimator": ("estimator.bench", "TTL estimators replayed over an agent trace"),
         "agent": ("eval.bench_agent", "agent jobs replayed against an OpenAI-compatible server"),
         "sim": ("eval.bench_sim", "policies compared on an agent trace in simulated time"),
+        "load": ("eval.bench_load", "load test of a `continuum serve` subprocess: leaks, "
+                 "pins, memory"),
+        "soak": ("eval.bench_soak", "agent replay for minutes with the invariant checker on"),
     },
     "trace": {
         "summarize": ("tracing.summary", "per-job, per-turn, cache and pin figures of a trace"),
