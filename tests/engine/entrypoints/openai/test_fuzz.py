@@ -2,7 +2,7 @@
 model: the responses match the OpenAPI document (statuses, content types, headers, bodies),
 schema-invalid requests are rejected, nothing answers 5xx, and every error is an OpenAI error
 body. `FUZZ_MAX_EXAMPLES` sets the examples per operation (the full run in the README's
-operations section uses 500).
+operations section uses 300).
 """
 
 from __future__ import annotations
