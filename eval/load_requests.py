@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +80,7 @@ async def _stream(http: httpx.AsyncClient, path: str, body: dict[str, Any],
         num_chunks = 0
         finish_reason = usage = None
         token_ids: list[int] = []
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response.aiter_bytes()):
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
@@ -88,7 +88,7 @@ async def _stream(http: httpx.AsyncClient, path: str, body: dict[str, Any],
             try:
                 chunk = json.loads(line[len("data: "):])
             except ValueError:
-                return Reply(ERROR, error="malformed chunk")
+                return Reply(ERROR, error=f"malformed chunk {line[:160]!r}")
             if "error" in chunk:
                 return Reply(ERROR, error=f"error event: {chunk['error']}")
             for choice in chunk.get("choices", ()):
@@ -99,6 +99,24 @@ async def _stream(http: httpx.AsyncClient, path: str, body: dict[str, Any],
             if cut_after_chunks is not None and num_chunks >= cut_after_chunks:
                 return Reply(DISCONNECTED)
     return Reply(ERROR, error="stream ended without [DONE]")
+
+
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an event stream, split at CR, LF or CRLF only, as the SSE format says.
+    (httpx's `aiter_lines` also splits at U+0085, U+2028 and U+2029, which JSON leaves
+    unescaped inside strings, so generated text can cut a `data:` line in two.)"""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        # A CR at the end may be the first half of a CRLF split between chunks.
+        held = b"\r" if buffer.endswith(b"\r") else b""
+        text = buffer[:len(buffer) - len(held)]
+        *lines, rest = text.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        buffer = rest + held
+        for line in lines:
+            yield line.decode("utf-8", errors="replace")
+    if buffer.rstrip(b"\r"):
+        yield buffer.rstrip(b"\r").decode("utf-8", errors="replace")
 
 
 def _refused(status: int) -> Reply:

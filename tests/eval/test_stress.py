@@ -4,9 +4,10 @@ and the pure pieces they are built from."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from engine.cli import main as cli_main
 from eval.bench_load import LoadTestReport, LoadTestSettings, run_load_test
 from eval.bench_soak import SoakSettings, fresh_jobs, run_soak
-from eval.load_requests import DISCONNECTED, ERROR, OK, check_answer
+from eval.load_requests import DISCONNECTED, ERROR, OK, check_answer, sse_lines
 from eval.load_test import LoadMix, LoadSettings, LoadTally, RequestBudget
 from eval.server_process import (
     ServerProcess,
@@ -211,6 +212,19 @@ def test_complete_answers_must_have_the_forced_length() -> None:
     assert check_answer(body, "length", {"completion_tokens": 3}, (1, 2, 3)).outcome == ERROR
     assert check_answer(body, "length", None, (1, 2, 3, 4)).outcome == ERROR
     assert check_answer(body, "length", {"completion_tokens": 4}, (1,)).outcome == ERROR
+
+
+def test_event_stream_lines_split_only_at_cr_and_lf() -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        for chunk in (b'data: {"text": "a\xe2\x80\xa8b\xc2\x85c"}\r', b"\n\r\nda",
+                      b"ta: [DONE]\n\n", b"tail"):
+            yield chunk
+
+    async def collect() -> list[str]:
+        return [line async for line in sse_lines(chunks())]
+
+    assert asyncio.run(collect()) == [
+        'data: {"text": "a\u2028b\u0085c"}', "", "data: [DONE]", "", "tail"]
 
 
 def test_the_budget_hands_out_requests_until_count_or_time_runs_out() -> None:
