@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+
+from engine.cli import build_parser
+from eval.server_process import ServerProcess, ServerSpec, descendant_pids
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -24,65 +27,23 @@ def _readme_example() -> str:
     return example
 
 
-class Served:
-    """`continuum serve --port 0 FLAGS` in a subprocess; `url` once it serves."""
-
-    def __init__(self, *flags: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--log-level", "info",
-             *flags],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        self.lines: list[str] = []
-        self._found = threading.Event()
-        self._url: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.append(line)
-            match = re.search(r"serving tiny on (http://\S+)", line)
-            if match:
-                self._url.append(match.group(1))
-                self._found.set()
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def wait_serving(self, timeout_s: float = 120.0) -> str:
-        deadline_s = time.monotonic() + timeout_s
-        while not self._found.wait(0.1):
-            assert self.process.poll() is None, self.log
-            assert time.monotonic() < deadline_s, self.log
-        return self._url[0]
-
-    def core_pid(self) -> int:
-        """The engine core: the server's spawned child (not multiprocessing's resource
-        tracker)."""
-        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-        (pid,) = [int(word) for word in children.read_text().split()
-                  if b"spawn_main" in Path(f"/proc/{word}/cmdline").read_bytes()]
-        return pid
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+def _core_pid(server: ServerProcess) -> int:
+    """The engine core: the server's spawned child (not multiprocessing's resource tracker)."""
+    (pid,) = [pid for pid in descendant_pids(server.pid)
+              if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return pid
 
 
 @pytest.fixture
 def served():
-    """`continuum serve --port 0`; yields its base URL; interrupted like Ctrl-C at the end."""
-    server = Served("--num-kv-blocks", "512")
+    """`continuum serve` on a free port; yields its base URL; interrupted like Ctrl-C at the
+    end, which must exit cleanly."""
+    server = ServerProcess(ServerSpec(serve_args=("--num-kv-blocks", "512"))).start()
     try:
-        url = server.wait_serving()
-        yield url
-        server.process.send_signal(signal.SIGINT)
-        assert server.process.wait(30) == 0, server.log
+        yield server.base_url
     finally:
-        server.kill()
+        log = server.log_text()
+        assert server.stop() == 0, log
 
 
 def test_readme_example_against_continuum_serve(served, capsys):
@@ -101,37 +62,39 @@ def test_serve_refuses_a_bad_flag_value():
     assert "max_num_seqs" in result.stderr
 
 
-def test_serve_binds_loopback_by_default(served):
-    assert served.startswith("http://127.0.0.1:")
+def test_serve_binds_loopback_by_default():
+    args = build_parser(["serve"]).parse_args(["serve"])
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
 
 
 def test_serve_exits_when_its_engine_core_dies_mid_stream():
     """In-flight streams end with an engine_dead error event, new requests get 503 (or find
     the port closed), and the process exits with status 1 within seconds."""
-    server = Served("--num-kv-blocks", "128", "--max-model-len", "2048")
+    server = ServerProcess(ServerSpec(serve_args=("--num-kv-blocks", "128",
+                                                  "--max-model-len", "2048"))).start()
     try:
-        url = server.wait_serving()
-        with httpx.Client(base_url=url, timeout=30) as http:
+        with httpx.Client(base_url=server.base_url, timeout=30) as http:
             body = {"model": "tiny", "prompt": "long", "max_tokens": 2000, "ignore_eos": True,
                     "stream": True}
             with http.stream("POST", "/v1/completions", json=body) as response:
                 lines = response.iter_lines()
                 assert next(lines).startswith("data: {")
-                os.kill(server.core_pid(), signal.SIGKILL)
+                os.kill(_core_pid(server), signal.SIGKILL)
                 killed_s = time.monotonic()
                 rest = list(lines)
             assert time.monotonic() - killed_s < 5
             assert any("engine_dead" in line for line in rest), rest
             assert rest[-1] == "data: [DONE]" or rest[-1] == ""
-            try:
-                response = http.get("/health")
-                assert response.status_code == 503
-            except httpx.TransportError:
-                pass  # already gone
-        assert server.process.wait(15) == 1, server.log
-        assert "the engine core died" in server.log
+            with contextlib.suppress(httpx.TransportError):  # the server may be gone already
+                assert http.get("/health").status_code == 503
+        deadline_s = time.monotonic() + 15
+        while server.is_running():
+            assert time.monotonic() < deadline_s, server.log_text()
+            time.sleep(0.1)
+        assert server.returncode == 1
+        assert "the engine core died" in server.log_text()
     finally:
-        server.kill()
+        server.stop()
 
 
 def test_serve_refuses_a_bad_limit():
