@@ -1,17 +1,25 @@
 """The Continuum scheduling policy and agent baselines (see DESIGN.md section 6).
 
-Registered in the engine's policy registry as `continuum`, `continuum-fixed`, `infercept`
-and `autellix`.
+Registered in the engine's policy registry as `continuum`, `continuum-fixed`,
+`continuum-oracle`, `job-fcfs`, `infercept` and `autellix`.
 """
 
 from continuum.baselines import AutellixPolicy, InferCeptPolicy
 from continuum.job_aware import JobAwarePolicy
+from continuum.options import ContinuumOptions, JobOptions, ProgramOrderOptions
+from continuum.oracle import ContinuumOraclePolicy
 from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
+from continuum.program_order import JobFCFSPolicy
 
 __all__ = [
     "AutellixPolicy",
     "ContinuumFixedPolicy",
+    "ContinuumOptions",
+    "ContinuumOraclePolicy",
     "ContinuumPolicy",
     "InferCeptPolicy",
     "JobAwarePolicy",
+    "JobFCFSPolicy",
+    "JobOptions",
+    "ProgramOrderOptions",
 ]

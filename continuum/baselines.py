@@ -6,32 +6,30 @@
 - `AutellixPolicy` (Autellix, 2025): program-level least attained service (PLAS): waiting
   turns ordered by their job's attained service, the most-served job preempted first.
 
-Both are simplified to what the scheduler decides; see each class for what is modelled.
+InferCept and Autellix are simplified to what the scheduler decides; see each class.
 """
 
 from __future__ import annotations
 
-from continuum.job_aware import DEFAULT_JOB_IDLE_TIMEOUT_S, JobAwarePolicy
+from continuum.job_aware import JobAwarePolicy
+from continuum.jobs import Job
 from continuum.queues import KeyedRequestQueue, QueueKey
 from engine.kv_cache.pins import Pin
 from engine.request import Request, RequestStatus
-from engine.scheduler.policy import Victim
-from engine.scheduler.tracer import finite_or_none
+from engine.scheduler.policy import Retention, Victim
 from tracing.records import TTLInputs
 
 
 class InferCeptPolicy(JobAwarePolicy):
     """Preserve every tool-calling turn's KV, give it up first under memory pressure.
 
-    A non-final turn of a job is pinned until its next turn is admitted, for at most the job
-    idle timeout. Whenever blocks are short (a running request growing, or the waiting head
-    being admitted, even while others run) pins are released before any request is preempted,
-    the least wasteful first: the fewest pinned blocks (least recompute), then the oldest.
-    The head's own job's pin goes last. Waiting order and victims are otherwise FCFS.
+    A non-final turn of a job that called a tool is pinned until its next turn is admitted,
+    for at most the job idle timeout. Whenever blocks are short (a running request growing,
+    or the waiting head being admitted, even while others run) pins are released before any
+    request is preempted, the least wasteful first: the fewest pinned blocks (least
+    recompute), then the oldest. The head's own job's pin goes last. Waiting order and
+    victims are otherwise FCFS.
     """
-
-    def __init__(self, *, job_idle_timeout_s: float = DEFAULT_JOB_IDLE_TIMEOUT_S) -> None:
-        super().__init__(estimator=None, job_idle_timeout_s=job_idle_timeout_s)
 
     def make_queue(self) -> KeyedRequestQueue:
         return KeyedRequestQueue(self._fcfs_key)
@@ -39,23 +37,19 @@ class InferCeptPolicy(JobAwarePolicy):
     def _fcfs_key(self, request: Request) -> QueueKey:
         return (request.status is not RequestStatus.PREEMPTED, self.arrival_order(request))
 
-    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
-        call = self._tool_call(request, now_s)
+    def retention(self, request: Request, job: Job, now_s: float) -> Retention:
+        call = self.tool_call(request, job, now_s)
         if call is None:
-            return None
+            return self.no_tool_call()
         ttl_s = self.jobs.idle_timeout_s
-        tracer = self.scheduler.tracer
-        if tracer is not None:
-            tracer.note_ttl_decision(request.request_id, TTLInputs(
-                ttl_s=finite_or_none(ttl_s), source="until-next-turn", tool=call.tool_name,
-            ))
-        return ttl_s
+        return Retention(ttl_s, TTLInputs(ttl_s=ttl_s, source="until-next-turn",
+                                          tool=call.tool_name))
 
     def select_victim(self, request: Request) -> Victim:
         pin = self._least_waste_pin(exclude_job_id=None)
         return pin if pin is not None else self.scheduler.running[-1]
 
-    def select_pin_to_release(self, request: Request) -> Pin | None:
+    def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         return self._least_waste_pin(exclude_job_id=request.job_id)
 
     def _least_waste_pin(self, exclude_job_id: str | None) -> Pin | None:
@@ -76,9 +70,6 @@ class AutellixPolicy(JobAwarePolicy):
     the most service, counting the request's own progress; ties go to the youngest.
     Autellix's discretised queues and starvation guard are not modelled.
     """
-
-    def __init__(self, *, job_idle_timeout_s: float = DEFAULT_JOB_IDLE_TIMEOUT_S) -> None:
-        super().__init__(estimator=None, job_idle_timeout_s=job_idle_timeout_s)
 
     def make_queue(self) -> KeyedRequestQueue:
         return KeyedRequestQueue(self._plas_key)

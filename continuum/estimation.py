@@ -1,46 +1,48 @@
-"""Building a policy's TTL estimator from what the engine offers (`PolicyEnvironment`)."""
+"""The Continuum policies' TTL estimator: built from the policy's options and what the engine
+offers, and guarded so that no estimator failure can fail a scheduler step."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from engine.request import Request
+from continuum.options import ContinuumOptions
 from engine.scheduler.policy import PolicyEnvironment
-from engine.scheduler.tracer import finite_or_none
-from estimator.base import ToolCall, TTLEstimator
+from estimator.base import ToolCall, TTLDecision, TTLEstimator
 from estimator.cost_model import PrefillCostModel, read_prefill_profile
-from estimator.eq2 import Eq2Estimator
-from estimator.parsing import tool_key
-from estimator.registry import make_estimator, warm_start
-from estimator.traces import read_trace_jobs
+from estimator.registry import PRICES_REBUILDS, EstimatorSettings, make_estimator
+from estimator.state_file import load_state_or_cold_start, save_state
+from estimator.traces import TraceJob, read_trace_jobs
 from tracing.records import TTLInputs
 
 logger = logging.getLogger(__name__)
 
 
-def estimator_from_environment(environment: PolicyEnvironment) -> TTLEstimator:
-    """The configured estimator: the saved state if one loads, else warm-started from the
-    traces (a saved state already holds what an earlier warm start taught); then `R` priced
-    by the measured or given prefill profile (`none`: R = 0). ValueError if the name, a
-    trace or the profile file is bad; a corrupt state file only warns."""
-    config = environment.estimator
-    estimator = make_estimator(config.name)
-    loaded = (config.state_path is not None and isinstance(estimator, Eq2Estimator)
-              and estimator.load_or_cold_start(config.state_path))
+def build_estimator(options: ContinuumOptions, environment: PolicyEnvironment) -> TTLEstimator:
+    """The configured estimator: `R` priced by the given or measured prefill profile
+    (`none`: R = 0), then the saved state if one loads, else warm-started from the traces (a
+    saved state already holds what an earlier warm start taught). ValueError if a trace or
+    the profile file is bad; a corrupt state file only warns."""
+    settings = EstimatorSettings(prefill_cost=_prefill_cost(options, environment),
+                                 rebuild_cost=options.rebuild_cost, pin_cost=options.pin_cost,
+                                 max_ttl_s=options.max_ttl_s)
+    estimator = make_estimator(options.estimator, settings)
+    loaded = (options.estimator_state is not None
+              and load_state_or_cold_start(estimator, options.estimator_state))
     if not loaded:
-        for path in config.warm_start_traces:
-            warm_start(estimator, read_trace_jobs(path))
-    if isinstance(estimator, Eq2Estimator):
-        prefill_cost = _prefill_cost(environment)
-        if prefill_cost is not None or config.prefill_profile == "none":
-            estimator.prefill_cost = prefill_cost
+        for path in options.estimator_warm_start:
+            estimator.warm_start(read_trace_jobs(path))
     return estimator
 
 
-def _prefill_cost(environment: PolicyEnvironment) -> PrefillCostModel | None:
-    source = environment.estimator.prefill_profile
+def _prefill_cost(options: ContinuumOptions,
+                  environment: PolicyEnvironment) -> PrefillCostModel | None:
+    source = options.prefill_profile
+    if options.estimator not in PRICES_REBUILDS:
+        return None  # nothing to price: do not time prefills for it
     if source == "none":
-        return None
+        return PrefillCostModel()
     if source != "auto":
         return PrefillCostModel.fit(read_prefill_profile(source))
     if environment.profile_prefill is None:
@@ -52,42 +54,91 @@ def _prefill_cost(environment: PolicyEnvironment) -> PrefillCostModel | None:
     return PrefillCostModel.fit(points)
 
 
-def save_estimator(estimator: TTLEstimator | None, environment: PolicyEnvironment) -> None:
-    """Saves what the estimator learned to the configured state file, if both exist; an
-    unwritable file is logged, not raised (the engine is stopping)."""
-    path = environment.estimator.state_path
-    if path is None or not isinstance(estimator, Eq2Estimator):
+def save_estimator(estimator: TTLEstimator, options: ContinuumOptions) -> None:
+    """Saves what the estimator learned to the configured state file, if any; an unwritable
+    file is logged, not raised (the engine is stopping)."""
+    if options.estimator_state is None:
         return
     try:
-        estimator.save(path)
-    except OSError as error:
-        logger.error("cannot save the estimator state to %s: %s", path, error)
+        save_state(estimator, options.estimator_state)
+    except (OSError, ValueError, TypeError) as error:
+        logger.error("cannot save the estimator state to %s: %s", options.estimator_state, error)
 
 
-def tool_name_of(request: Request, environment: PolicyEnvironment) -> str | None:
-    """The tool a finished turn called: the client's word, else parsed from its output
-    (None if neither says, or the output cannot be decoded)."""
-    client_name = None if request.job is None else request.job.tool_name
-    named = tool_key(None, client_tool_name=client_name)
-    if named is not None or environment.decode is None:
-        return named
-    try:
-        text = environment.decode(request.output_token_ids)
-    except Exception as error:  # a step must not fail over one undecodable output
-        logger.warning("cannot decode the output of %s to read its tool: %s",
-                       request.request_id, error)
-        return None
-    return tool_key(text)
-
-
-def ttl_inputs(call: ToolCall, estimator: TTLEstimator, ttl_s: float) -> TTLInputs:
-    """What the estimator based the TTL it just gave for `call` on, for the trace."""
-    decision = estimator.last_decision if isinstance(estimator, Eq2Estimator) else None
-    if decision is None:
-        source = getattr(estimator, "rule_name", type(estimator).__name__)
-        return TTLInputs(ttl_s=finite_or_none(ttl_s), source=source, tool=call.tool_name)
+def ttl_inputs(call: ToolCall, decision: TTLDecision) -> TTLInputs:
+    """A decision and its inputs, as the trace records them."""
     return TTLInputs(
-        ttl_s=finite_or_none(ttl_s), source=decision.basis, tool=call.tool_name,
+        ttl_s=decision.ttl_s, source=decision.basis, tool=call.tool_name,
         num_samples=decision.num_samples, queueing_delay_s=decision.queueing_delay_s,
         eta=decision.eta, rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s,
     )
+
+
+class EstimatorWrapper:
+    """An estimator that forwards everything to `inner`; subclasses change what they must."""
+
+    def __init__(self, inner: TTLEstimator) -> None:
+        self.inner = inner
+
+    def decide(self, call: ToolCall) -> TTLDecision:
+        return self.inner.decide(call)
+
+    def observe_tool_call(self, call: ToolCall) -> None:
+        self.inner.observe_tool_call(call)
+
+    def observe_next_turn(self, job_id: str, arrived_at_s: float) -> None:
+        self.inner.observe_next_turn(job_id, arrived_at_s)
+
+    def observe_queueing_delay(self, delay_s: float) -> None:
+        self.inner.observe_queueing_delay(delay_s)
+
+    def observe_job_end(self, job_id: str, num_turns: int) -> None:
+        self.inner.observe_job_end(job_id, num_turns)
+
+    def warm_start(self, jobs: Iterable[TraceJob]) -> None:
+        self.inner.warm_start(jobs)
+
+    def state(self) -> dict[str, Any] | None:
+        return self.inner.state()
+
+    def load_state(self, state: object) -> None:
+        self.inner.load_state(state)
+
+
+class GuardedEstimator(EstimatorWrapper):
+    """Wraps an estimator so that none of its failures reaches the scheduler step: a failed
+    decision is "do not pin" (basis `estimator-error`), a failed observation is dropped. The
+    first failure of each method is logged with its traceback, later ones counted."""
+
+    def __init__(self, inner: TTLEstimator) -> None:
+        super().__init__(inner)
+        self.num_failures: dict[str, int] = {}
+
+    def decide(self, call: ToolCall) -> TTLDecision:
+        decision = self._guard("decide", super().decide, call)
+        return decision if isinstance(decision, TTLDecision) else TTLDecision(0.0,
+                                                                               "estimator-error")
+
+    def observe_tool_call(self, call: ToolCall) -> None:
+        self._guard("observe_tool_call", super().observe_tool_call, call)
+
+    def observe_next_turn(self, job_id: str, arrived_at_s: float) -> None:
+        self._guard("observe_next_turn", super().observe_next_turn, job_id, arrived_at_s)
+
+    def observe_queueing_delay(self, delay_s: float) -> None:
+        self._guard("observe_queueing_delay", super().observe_queueing_delay, delay_s)
+
+    def observe_job_end(self, job_id: str, num_turns: int) -> None:
+        self._guard("observe_job_end", super().observe_job_end, job_id, num_turns)
+
+    def _guard(self, method: str, function: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return function(*args)
+        except Exception:  # an estimator bug must cost a pin, never the engine
+            count = self.num_failures.get(method, 0) + 1
+            self.num_failures[method] = count
+            if count == 1:
+                logger.exception("the TTL estimator failed in %s; it is skipped", method)
+            elif count % 1000 == 0:
+                logger.error("the TTL estimator has failed %d times in %s", count, method)
+            return None

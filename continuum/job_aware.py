@@ -1,19 +1,22 @@
-"""The shared base of the agent policies: per-job books, pin expiry and idle job timeout."""
+"""The shared base of the agent policies: per-job books, arrival order, pin expiry, the idle
+job timeout, and reading which tool a finished turn called."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 from dataclasses import dataclass
 
-from continuum.estimation import save_estimator, tool_name_of, ttl_inputs
 from continuum.jobs import Job, JobTable
+from continuum.options import JobOptions
 from continuum.queues import JobCountingQueue, QueueKey
 from engine.kv_cache.pins import Pin, PinReleaseReason
 from engine.request import Request, RequestStatus
-from engine.scheduler.policy import BasePolicy, PolicyJobState
-from estimator.base import ToolCall, TTLEstimator
+from engine.scheduler.policy import BasePolicy, JobBooks, Retention
+from estimator.base import ToolCall
+from estimator.parsing import tool_key
+from tracing.records import TTLInputs
 
-DEFAULT_JOB_IDLE_TIMEOUT_S = 600.0
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,31 +31,26 @@ class _Arrival:
 
 
 class JobAwarePolicy(BasePolicy):
-    """Keeps the books of every job it sees and feeds its estimator, if it has one.
+    """Keeps the books of every job it sees.
 
     At each step start, pins past their deadline are released (EXPIRED) unless a turn of
     their job is waiting, and jobs idle for `job_idle_timeout_s` (no unfinished turn, no
-    pin) are forgotten. Subclasses choose the waiting order (`make_queue`, using
-    `arrival_order` and the job table), victims, and retention (`retention_ttl_s`; by default
-    a non-final turn of a job is pinned for the estimator's TTL when it is positive).
+    pin) are forgotten. Subclasses choose the waiting order (`make_queue`, using the arrival
+    and job-order helpers), victims, and retention (`retention`: by default nothing is
+    pinned).
 
     Arrival order, not arrival time, ranks requests and jobs, so that requests without a job
     are ordered exactly as by FCFS whatever timestamps clients send.
     """
 
+    options_type = JobOptions
     _waiting: JobCountingQueue  # created by the scheduler through `new_waiting_queue`
 
-    def __init__(
-        self,
-        *,
-        estimator: TTLEstimator | None = None,
-        job_idle_timeout_s: float = DEFAULT_JOB_IDLE_TIMEOUT_S,
-    ) -> None:
-        self.estimator = estimator
-        self.jobs = JobTable(job_idle_timeout_s)
+    def __init__(self, options: JobOptions | None = None) -> None:
+        self.options = self.options_type() if options is None else options
+        self.jobs = JobTable(self.options.job_idle_timeout_s)
         self._num_arrivals = 0
         self._arrivals: dict[str, _Arrival] = {}  # by request id, until it finishes
-        self._finishing: tuple[str, Job | None] | None = None  # for `retention_ttl_s`
 
     def new_waiting_queue(self) -> JobCountingQueue:
         self._waiting = self.make_queue()
@@ -67,12 +65,29 @@ class JobAwarePolicy(BasePolicy):
         """The request's rank in arrival order (0 for the first request ever seen)."""
         return self._arrivals[request.request_id].order
 
-    def job_order(self, request: Request) -> QueueKey:
-        """(the first arrival of the request's job, the request's arrival); a request
-        without a job is its own one-turn job."""
+    def arrival(self, request: Request) -> tuple[float, int]:
+        """(arrival time on the scheduler's clock, rank in arrival order)."""
+        arrival = self._arrivals[request.request_id]
+        return (arrival.time_s, arrival.order)
+
+    def job_rank(self, request: Request) -> int:
+        """The arrival rank of the request's job's first turn; a request without a job is
+        its own one-turn job."""
+        arrival = self._arrivals[request.request_id]
+        return arrival.order if arrival.job is None else arrival.job.first_arrival_order
+
+    def job_order(self, request: Request, max_job_age_s: float = float("inf")) -> QueueKey:
+        """Program-level order: (the first arrival of the request's job, then its rank, then
+        the request's rank), except that no turn sorts by a time more than `max_job_age_s`
+        before its own arrival (then it sorts by that time and its own rank)."""
         arrival = self._arrivals[request.request_id]
         job = arrival.job
-        return (arrival.order if job is None else job.first_arrival_order, arrival.order)
+        if job is None:
+            return (arrival.time_s, arrival.order, arrival.order)
+        floor_s = arrival.time_s - max_job_age_s
+        if job.first_arrival_s >= floor_s:
+            return (job.first_arrival_s, job.first_arrival_order, arrival.order)
+        return (floor_s, arrival.order, arrival.order)
 
     def job_of(self, request: Request) -> Job | None:
         """The live job an unfinished request belongs to; None without a job, or if its job
@@ -91,10 +106,15 @@ class JobAwarePolicy(BasePolicy):
     # Lifecycle notifications.
     def on_step_start(self, now_s: float) -> None:
         for pin in self.scheduler.pins:
-            if now_s > pin.deadline_s and self.num_waiting(pin.job_id) == 0:
+            if now_s > pin.deadline_s and not self.keeps_expired_pin(pin, now_s):
                 self.scheduler.release_pin(pin.job_id, PinReleaseReason.EXPIRED)
         for job in self.jobs.pop_idle(now_s, is_busy=lambda job: self.holds_pin(job.job_id)):
-            self._forget(job)
+            self.forget_job(job)
+
+    def keeps_expired_pin(self, pin: Pin, now_s: float) -> bool:
+        """Whether a pin past its deadline stays: while a turn of its job waits (it is about
+        to be admitted and reuse the pin)."""
+        return self.num_waiting(pin.job_id) > 0
 
     def on_request_arrived(self, request: Request, now_s: float) -> None:
         order = self._num_arrivals
@@ -108,45 +128,40 @@ class JobAwarePolicy(BasePolicy):
         job.num_turns_arrived += 1
         job.num_unfinished_turns += 1
         self.jobs.touch(job, now_s)
-        if self.estimator is not None and job.num_turns_finished > 0:
-            self.estimator.observe_next_turn(job.job_id, now_s)
 
-    def on_request_admitted(self, request: Request, now_s: float) -> None:
+    def on_request_admitted(self, request: Request, reused_pin: Pin | None,
+                            now_s: float) -> None:
         job = self.job_of(request)
-        if job is None:
-            return
-        found_pin, job.pin_reused = job.pin_reused, False
-        self.jobs.touch(job, now_s)
-        returned_without_kv = (
-            request.num_preemptions == 0 and not found_pin and job.num_turns_finished > 0
-        )
-        if self.estimator is not None and returned_without_kv:
-            self.estimator.observe_queueing_delay(now_s - self._arrivals[request.request_id].time_s)
+        if job is not None:
+            self.jobs.touch(job, now_s)
 
-    def on_request_finished(self, request: Request, now_s: float) -> None:
+    def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
         job = self.job_of(request)
         self._arrivals.pop(request.request_id, None)
-        self._finishing = (request.request_id, job)
         if job is None:
-            return
+            return None
         job.num_unfinished_turns -= 1
         self.jobs.touch(job, now_s)
         if request.status is RequestStatus.FINISHED_ABORTED:
-            return  # not a turn of the job: its client gave up on it
+            return None  # not a turn of the job: its client gave up on it
         job.num_turns_finished += 1
         job.attained_service_tokens += request.num_tokens - (request.num_cached_tokens or 0)
+        if request.job is None or request.job.is_last_step:
+            return None
+        return self.retention(request, job, now_s)
+
+    def retention(self, request: Request, job: Job, now_s: float) -> Retention | None:
+        """Whether to pin a finished, non-final turn of a live job (None: the policy never
+        pins, nothing to explain)."""
+        return None
 
     def on_job_ended(self, job_id: str, now_s: float) -> None:
         job = self.jobs.remove(job_id)
         if job is not None:
-            self._forget(job)
+            self.forget_job(job)
 
-    def on_shutdown(self) -> None:
-        save_estimator(self.estimator, self.scheduler.environment)
-
-    def _forget(self, job: Job) -> None:
-        if self.estimator is not None:
-            self.estimator.observe_job_end(job.job_id, job.num_turns_finished)
+    def forget_job(self, job: Job) -> None:
+        """`job` left the books (it ended, or idled out)."""
 
     def on_pin_added(self, pin: Pin) -> None:
         job = self.jobs.get(pin.job_id)
@@ -156,34 +171,17 @@ class JobAwarePolicy(BasePolicy):
 
     def on_pin_released(self, pin: Pin) -> None:
         job = self.jobs.get(pin.job_id)
-        if job is None or pin.release_reason is None:
-            return
-        job.pins_released[pin.release_reason.value] += 1
-        job.pin_reused = pin.release_reason is PinReleaseReason.REUSED
+        if job is not None and pin.release_reason is not None:
+            job.pins_released[pin.release_reason.value] += 1
 
-    # Retention.
-    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
-        call = self._tool_call(request, now_s)
-        if call is None or self.estimator is None:
-            return None
-        self.estimator.observe_tool_call(call)
-        ttl_s = self.estimator.ttl_s(call)
-        tracer = self.scheduler.tracer
-        if tracer is not None:
-            tracer.note_ttl_decision(request.request_id, ttl_inputs(call, self.estimator, ttl_s))
-        return ttl_s if ttl_s > 0 else None
-
-    def _tool_call(self, request: Request, now_s: float) -> ToolCall | None:
-        """The tool call a turn that just finished made: every non-final turn of a live job
-        is followed by its client's tool (the client said the job goes on), named by the
-        client or, for an estimator, parsed from the output (None if neither says)."""
-        finishing, self._finishing = self._finishing, None
-        job = finishing[1] if finishing and finishing[0] == request.request_id else None
-        if job is None or request.job is None or request.job.is_last_step:
-            return None
-        tool_name = (request.job.tool_name if self.estimator is None
-                     else tool_name_of(request, self.scheduler.environment))
+    # Tool calls.
+    def tool_call(self, request: Request, job: Job, now_s: float) -> ToolCall | None:
+        """The tool call a finished, non-final turn of `job` made, or None if it called no
+        tool: the tool is the client's `tool_name`, else parsed from the turn's output."""
+        tool_name = self._tool_name(request)
         job.last_tool_name = tool_name
+        if tool_name is None:
+            return None
         return ToolCall(
             job_id=job.job_id,
             tool_name=tool_name,
@@ -192,31 +190,47 @@ class JobAwarePolicy(BasePolicy):
             turn_index=job.num_turns_finished - 1,
             num_running_requests=sum(1 for other in self.scheduler.running
                                      if other is not request),
+            request_id=request.request_id,
         )
+
+    def _tool_name(self, request: Request) -> str | None:
+        client_name = None if request.job is None else request.job.tool_name
+        named = tool_key(None, client_tool_name=client_name)
+        decode = self.scheduler.environment.decode
+        if named is not None or decode is None:
+            return named
+        try:
+            text = decode(request.output_token_ids)
+        except Exception as error:  # a step must not fail over one undecodable output
+            logger.warning("cannot decode the output of %s to read its tool: %s",
+                           request.request_id, error)
+            return None
+        return tool_key(text)
+
+    @staticmethod
+    def no_tool_call() -> Retention:
+        """The decision for a turn that called no tool: not pinned."""
+        return Retention(0.0, TTLInputs(ttl_s=0.0, source="no-tool-call"))
 
     # Pins to give up.
     def latest_job_pin(self, exclude_job_id: str | None = None) -> Pin | None:
         """The pin of the job that arrived last, the job `exclude_job_id` last of all."""
         return max(
             self.scheduler.pins,
-            key=lambda pin: (pin.job_id != exclude_job_id, self._first_arrival(pin.job_id)),
+            key=lambda pin: (pin.job_id != exclude_job_id, self.job_arrival_rank(pin.job_id)),
             default=None,
         )
 
-    def _first_arrival(self, job_id: str) -> float:
+    def job_arrival_rank(self, job_id: str) -> float:
+        """The arrival rank of the job's first turn (inf for a job the books do not hold)."""
         job = self.jobs.get(job_id)
         return float("inf") if job is None else job.first_arrival_order
 
     # Exposure.
-    def job_state(self, job_id: str) -> PolicyJobState | None:
+    def job_state(self, job_id: str) -> JobBooks | None:
         job = self.jobs.get(job_id)
-        return None if job is None else job.to_state()
+        return None if job is None else job.books()
 
     @property
     def num_jobs(self) -> int:
         return len(self.jobs)
-
-
-def youngest(requests: list[Request], accept: Callable[[Request], bool]) -> Request | None:
-    """The last request of `requests` (admission order) that `accept`s, or None."""
-    return next((request for request in reversed(requests) if accept(request)), None)

@@ -7,7 +7,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from engine.scheduler.policy import PolicyJobState
+from engine.scheduler.policy import JobBooks
 
 
 @dataclass(slots=True)
@@ -16,8 +16,8 @@ class Job:
 
     `first_arrival_order` ranks jobs by the arrival of their first turn (smaller is older).
     `attained_service_tokens` counts the tokens the job's finished turns computed.
-    `pin_reused` is set when the job's pin was released for its admitted next turn, and read
-    (and cleared) when that admission is reported.
+    `last_ttl_s` is the TTL of the job's latest pin; `last_tool_name` the tool its latest
+    finished turn called, as the policy understood it (None: unknown or none).
     """
 
     job_id: str
@@ -32,19 +32,19 @@ class Job:
     last_ttl_s: float | None = None
     last_tool_name: str | None = None
     attained_service_tokens: int = 0
-    pin_reused: bool = False
 
-    def to_state(self) -> PolicyJobState:
-        return PolicyJobState(
-            first_arrival_s=self.first_arrival_s,
-            last_active_s=self.last_active_s,
-            num_turns_arrived=self.num_turns_arrived,
-            num_turns_finished=self.num_turns_finished,
-            num_pins_created=self.num_pins_created,
-            pins_released=dict(self.pins_released),
-            last_ttl_s=self.last_ttl_s,
-            last_tool_name=self.last_tool_name,
-        )
+    def books(self) -> JobBooks:
+        """What `GET /v1/jobs/{job_id}` shows of the policy's books, JSON-ready."""
+        return {
+            "first_arrival_s": self.first_arrival_s,
+            "last_active_s": self.last_active_s,
+            "num_turns_arrived": self.num_turns_arrived,
+            "num_turns_finished": self.num_turns_finished,
+            "num_pins_created": self.num_pins_created,
+            "pins_released": dict(self.pins_released),
+            "last_ttl_s": self.last_ttl_s,
+            "last_tool_name": self.last_tool_name,
+        }
 
 
 class JobTable:

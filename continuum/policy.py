@@ -1,89 +1,154 @@
-"""The Continuum policy (DESIGN.md section 6): KV pins with TTLs, program-level order, and
-pin-preferring preemption."""
+"""The Continuum policy: KV pins with TTLs, program-level order with bounded waiting, and
+victims by job arrival."""
 
 from __future__ import annotations
 
-from continuum.estimation import estimator_from_environment
-from continuum.job_aware import DEFAULT_JOB_IDLE_TIMEOUT_S, JobAwarePolicy, youngest
-from continuum.queues import TieredRequestQueue
-from engine.kv_cache.pins import Pin
+import msgspec
+
+from continuum.estimation import GuardedEstimator, build_estimator, save_estimator, ttl_inputs
+from continuum.jobs import Job
+from continuum.options import ContinuumFixedOptions, ContinuumOptions
+from continuum.program_order import JobFCFSPolicy
+from continuum.queues import QueueKey
+from engine.kv_cache.pins import Pin, PinReleaseReason
 from engine.request import Request
-from engine.scheduler.policy import PolicyEnvironment, SchedulerView, Victim
-from estimator.base import TTLEstimator
-from estimator.fixed import FixedTTLEstimator
+from engine.scheduler.policy import Retention, SchedulerView, Victim
+from estimator.base import ToolCall, TTLEstimator
 
 
-class ContinuumPolicy(JobAwarePolicy):
-    """Continuum scheduling for agent jobs; requests without a job are plain FCFS (exactly
-    V1's order with chunked prefill; without it, a prompt passed over for the budget can make
-    two preempted requests come back in arrival order where V1 takes the later-preempted
-    first).
+class ContinuumPolicy(JobFCFSPolicy):
+    """Continuum scheduling for agent jobs: program-level order (`JobFCFSPolicy`) with pins;
+    requests without a job are ordinary requests, never pinned. Options: `ContinuumOptions`
+    (`--policy-option KEY=VALUE`).
 
-    - Retention: a non-final turn of a job is pinned for the estimator's TTL when it is
-      positive (at most one pin per job; a newer pin replaces the older). The estimator is by
-      default the engine's configured one (Eq. 2); the tool is the client's `tool_name` or
-      parsed from the turn's output. The pin is released when the job's next turn is
-      admitted, after that turn took its prefix hit.
+    - Retention: a non-final turn of a job that called a tool (named by the client or parsed
+      from its output) is pinned for the estimator's TTL when it is positive (Eq. 2 by
+      default); a turn that called no tool is not pinned. At most one pin per job (a newer
+      one replaces the older). Pins together hold at most `max_pinned_fraction` of the pool:
+      a new pin first releases the pins of jobs that arrived later (latest first), else it
+      is declined. The pin is released when the job's next turn is admitted, after that
+      turn took its prefix hit.
     - Expiry: at step start, when `now > deadline` and no turn of the job is waiting.
-    - Waiting order: preempted requests, then turns of jobs holding a pin, then the rest;
-      within a tier by the job's first arrival, then the request's.
-    - Victims: the youngest running request of a job without a pin. Only when the request
-      that needs blocks is the sole such candidate are pins released (latest job first)
-      before it is preempted.
-    - Admission: while anything runs, the waiting head waits for memory; when nothing runs,
-      pins are released (latest job first, the head's own job last) until it fits.
+    - Waiting order, in tiers: requests that have waited `max_wait_s` (by arrival), then
+      preempted requests, then turns of jobs holding a pin, then the rest; within a tier by
+      program-level order (the job's first arrival, aged to at most `max_job_age_s` before
+      the turn's own arrival), then the request's arrival.
+    - Victims: the running request whose job arrived latest (a request without a job: its
+      own arrival), requests of jobs holding a pin last. Before the request that needs
+      blocks would preempt itself, pins are released, latest job first.
+    - Admission: a waiting head that cannot get blocks has pins released for it (latest job
+      first, its own job's last) at once when nothing runs, and while others run once it
+      has waited `pin_yield_wait_s` or `max_wait_s`, whichever is shorter (its own job's
+      pin is then kept).
     """
 
-    def __init__(
-        self,
-        *,
-        estimator: TTLEstimator | None = None,
-        job_idle_timeout_s: float = DEFAULT_JOB_IDLE_TIMEOUT_S,
-    ) -> None:
-        super().__init__(estimator=estimator, job_idle_timeout_s=job_idle_timeout_s)
+    options_type = ContinuumOptions
+    options: ContinuumOptions
+
+    def __init__(self, options: ContinuumOptions | None = None, *,
+                 estimator: TTLEstimator | None = None) -> None:
+        super().__init__(options)
+        self._given_estimator = estimator
+        self.estimator: GuardedEstimator
 
     def bind(self, scheduler: SchedulerView) -> None:
         super().bind(scheduler)
-        if self.estimator is None:
-            self.estimator = self.default_estimator(scheduler.environment)
+        inner = self._given_estimator
+        if inner is None:
+            inner = self.default_estimator(self.options, scheduler)
+        self.estimator = GuardedEstimator(inner)
 
-    @staticmethod
-    def default_estimator(environment: PolicyEnvironment) -> TTLEstimator:
-        """The estimator when none was given: the engine's configured one (Eq. 2 by
-        default)."""
-        return estimator_from_environment(environment)
+    def default_estimator(self, options: ContinuumOptions,
+                          scheduler: SchedulerView) -> TTLEstimator:
+        """The estimator when none was given: the one the options name."""
+        return build_estimator(options, scheduler.environment)
 
-    def make_queue(self) -> TieredRequestQueue:
-        return TieredRequestQueue(self.job_order, pinned_job_ids=self._pinned_job_ids)
+    # What the estimator learns from.
+    def on_request_arrived(self, request: Request, now_s: float) -> None:
+        super().on_request_arrived(request, now_s)
+        job = self.job_of(request)
+        if job is not None and job.num_turns_finished > 0:
+            self.estimator.observe_next_turn(job.job_id, now_s)
 
-    def _pinned_job_ids(self) -> list[str]:
-        return [pin.job_id for pin in self.scheduler.pins]
+    def on_request_admitted(self, request: Request, reused_pin: Pin | None,
+                            now_s: float) -> None:
+        super().on_request_admitted(request, reused_pin, now_s)
+        job = self.job_of(request)
+        returned_without_kv = (job is not None and job.num_turns_finished > 0
+                               and reused_pin is None and request.num_preemptions == 0)
+        if returned_without_kv:
+            self.estimator.observe_queueing_delay(now_s - self.arrival(request)[0])
 
+    def forget_job(self, job: Job) -> None:
+        self.estimator.observe_job_end(job.job_id, job.num_turns_finished)
+
+    def on_shutdown(self) -> None:
+        save_estimator(self.estimator, self.options)
+
+    # Retention.
+    def retention(self, request: Request, job: Job, now_s: float) -> Retention:
+        call = self.tool_call(request, job, now_s)
+        if call is None:
+            return self.no_tool_call()
+        self.estimator.observe_tool_call(call)
+        return self.pin_decision(call, request)
+
+    def pin_decision(self, call: ToolCall, request: Request) -> Retention:
+        """The estimator's TTL for the call, declined if the pin cap leaves no room."""
+        decision = self.estimator.decide(call)
+        inputs = ttl_inputs(call, decision)
+        if decision.ttl_s > 0 and not self._make_room_for_pin(request, call.job_id):
+            return Retention(0.0, msgspec.structs.replace(inputs, declined_by="pin-cap"))
+        return Retention(decision.ttl_s, inputs)
+
+    def _make_room_for_pin(self, request: Request, job_id: str) -> bool:
+        """Whether a new pin of `request`'s blocks fits under the pin cap, after releasing
+        (latest first) the pins of jobs that arrived after `job_id`'s."""
+        if self.options.max_pinned_fraction >= 1:
+            return True
+        cap_blocks = self.options.max_pinned_fraction * self.scheduler.num_kv_blocks
+        pins = self.scheduler.pins
+        own = pins.get(job_id)
+        needed = request.num_computed_tokens // self.scheduler.block_size
+        held = pins.num_pinned_blocks - (0 if own is None else own.num_blocks)
+        if held + needed <= cap_blocks:
+            return True
+        rank = self.job_arrival_rank(job_id)
+        later = sorted((pin for pin in pins if self.job_arrival_rank(pin.job_id) > rank),
+                       key=lambda pin: self.job_arrival_rank(pin.job_id), reverse=True)
+        for pin in later:
+            self.scheduler.release_pin(pin.job_id, PinReleaseReason.PRESSURE)
+            held -= pin.num_blocks
+            if held + needed <= cap_blocks:
+                return True
+        return False
+
+    # Memory pressure.
     def select_victim(self, request: Request) -> Victim:
-        running = self.scheduler.running
-        victim = youngest(running, lambda r: not self.holds_pin(r.job_id))
-        if victim is None or (victim is request and self._is_sole_candidate(request)):
-            pin = self.latest_job_pin()
+        victim = super().select_victim(request)
+        if victim is request:
+            pin = self.latest_job_pin(exclude_job_id=request.job_id)
             if pin is not None:
                 return pin
-        return running[-1] if victim is None else victim
+        return victim
 
-    def _is_sole_candidate(self, request: Request) -> bool:
-        return not any(
-            other is not request and not self.holds_pin(other.job_id)
-            for other in self.scheduler.running
-        )
+    def victim_rank(self, request: Request) -> QueueKey:
+        return (not self.holds_pin(request.job_id), *super().victim_rank(request))
 
-    def select_pin_to_release(self, request: Request) -> Pin | None:
-        if self.scheduler.running:
+    def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
+        if not self.scheduler.running:
+            return self.latest_job_pin(exclude_job_id=request.job_id)
+        waited_s = now_s - self.arrival(request)[0]
+        if waited_s < min(self.options.pin_yield_wait_s, self.options.max_wait_s):
             return None
-        return self.latest_job_pin(exclude_job_id=request.job_id)
+        pin = self.latest_job_pin(exclude_job_id=request.job_id)
+        return None if pin is None or pin.job_id == request.job_id else pin
 
 
 class ContinuumFixedPolicy(ContinuumPolicy):
-    """Continuum with the preview release's TTL rule: pin for exactly 2.0 s when the tool's
-    mean observed duration is at most 2.0 s or unknown. Isolates what the estimator adds."""
+    """Continuum with the preview release's TTL rule by default: pin for exactly 2.0 s when
+    the tool's mean observed duration is at most 2.0 s or unknown. Isolates what the
+    estimator adds."""
 
-    @staticmethod
-    def default_estimator(environment: PolicyEnvironment) -> TTLEstimator:
-        return FixedTTLEstimator(2.0)
+    options_type = ContinuumFixedOptions
+

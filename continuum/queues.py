@@ -2,12 +2,13 @@
 
 Keys are computed when a request enters the queue (`add_request`, or `prepend_request` after
 a preemption or when the scheduler passes a request over); equal keys keep insertion order.
-Both queues count waiting requests per job.
+Every queue counts waiting requests per job.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
@@ -123,24 +124,41 @@ class KeyedRequestQueue(JobCountingQueue):
         return (entry[2] for entry in sorted(self._heap.entries(), key=lambda e: e[:2]))
 
 
-class TieredRequestQueue(JobCountingQueue):
-    """Continuum's order: preempted requests first, then requests of jobs that hold a live
-    pin, then the rest; by key within each tier.
+class ProgramOrderQueue(JobCountingQueue):
+    """The order of the program-level policies, in tiers: requests that have waited past the
+    bound (by arrival), preempted requests, requests of jobs that hold a live pin, then the
+    rest; by key within each tier.
 
-    The middle tier is read at peek time from `pinned_job_ids`, so a pin that is created,
-    expires or is broken while its job's turn waits moves that turn without re-keying.
+    `arrival(request)` gives the request's (arrival time, arrival rank) on the policy's
+    clock; a request whose arrival time is at or before `overdue_cutoff_s` is overdue. The
+    policy moves the cutoff at each step start (`set_overdue_cutoff`). The pinned tier is
+    read at peek time from `pinned_job_ids`, so a pin that is created, expires or is broken
+    while its job's turn waits moves that turn without re-keying.
     """
 
-    def __init__(self, key: KeyFunction, pinned_job_ids: Callable[[], Iterable[str]]) -> None:
+    def __init__(
+        self,
+        key: KeyFunction,
+        arrival: Callable[[Request], tuple[float, int]],
+        pinned_job_ids: Callable[[], Iterable[str]],
+    ) -> None:
         super().__init__()
         self._key = key
+        self._arrival = arrival
         self._pinned_job_ids = pinned_job_ids
+        self._overdue_cutoff_s = -math.inf
+        self._by_arrival = _LazyHeap()
         self._preempted = _LazyHeap()
         self._rest = _LazyHeap()
         self._by_job: dict[str, _LazyHeap] = {}
 
+    def set_overdue_cutoff(self, cutoff_s: float) -> None:
+        """Requests that arrived at or before `cutoff_s` are overdue from now on."""
+        self._overdue_cutoff_s = cutoff_s
+
     def add_request(self, request: Request) -> None:
         key = self._key(request)
+        self._by_arrival.push(self._arrival(request), request)
         if request.status is RequestStatus.PREEMPTED:
             self._preempted.push(key, request)
         else:
@@ -150,10 +168,15 @@ class TieredRequestQueue(JobCountingQueue):
         self._count(request)
 
     def peek_request(self) -> Request:
-        head = self._preempted.peek() or self._pinned_head() or self._rest.peek()
+        head = (self._overdue_head() or self._preempted.peek() or self._pinned_head()
+                or self._rest.peek())
         if head is None:
             raise IndexError("peek from an empty queue")
         return head[2]
+
+    def _overdue_head(self) -> _Entry | None:
+        head = self._by_arrival.peek()
+        return head if head is not None and head[0][0] <= self._overdue_cutoff_s else None
 
     def _pinned_head(self) -> _Entry | None:
         heads = [
@@ -163,28 +186,37 @@ class TieredRequestQueue(JobCountingQueue):
         return min(heads, key=lambda head: head[:2], default=None)
 
     def remove_request(self, request: Request) -> None:
-        if self._preempted.discard(request):
-            self._uncount(request)
-            return
-        if not self._rest.discard(request):
+        if not self._by_arrival.discard(request):
             raise ValueError(f"{request} is not waiting")
-        job_id = request.job_id
-        if job_id is not None:
-            heap = self._by_job[job_id]
-            heap.discard(request)
-            if not heap:
-                del self._by_job[job_id]
+        if not self._preempted.discard(request):
+            self._rest.discard(request)
+            self._discard_from_job(request)
         self._uncount(request)
 
+    def _discard_from_job(self, request: Request) -> None:
+        job_id = request.job_id
+        heap = None if job_id is None else self._by_job.get(job_id)
+        if heap is not None:
+            heap.discard(request)
+            if not heap:
+                del self._by_job[job_id]  # type: ignore[arg-type]
+
     def __len__(self) -> int:
-        return len(self._preempted) + len(self._rest)
+        return len(self._by_arrival)
 
     def __iter__(self) -> Iterator[Request]:
         pinned = set(self._pinned_job_ids())
-        entries = [(0, key, order, request) for key, order, request in self._preempted.entries()]
+        cutoff_s = self._overdue_cutoff_s
+        entries = []
+        for arrival, order, request in self._by_arrival.entries():
+            if arrival[0] <= cutoff_s:
+                entries.append((0, arrival, order, request))
+        overdue = {id(entry[3]) for entry in entries}
+        entries += [(1, key, order, request) for key, order, request
+                    in self._preempted.entries() if id(request) not in overdue]
         entries += [
-            (1 if request.job_id in pinned else 2, key, order, request)
-            for key, order, request in self._rest.entries()
+            (2 if request.job_id in pinned else 3, key, order, request)
+            for key, order, request in self._rest.entries() if id(request) not in overdue
         ]
         entries.sort(key=lambda entry: entry[:3])
         return (entry[3] for entry in entries)

@@ -58,6 +58,8 @@ class SchedulerConfig:
     - `enable_chunked_prefill`: a prompt may be split across steps; when off, a prompt must fit
       the budget whole.
     - `policy`: the scheduling policy, a registry name or a `module:Class` path.
+    - `policy_options`: the policy's own settings as `KEY: VALUE` strings, carried without
+      interpretation; the policy validates them when it is built (`engine.scheduler.options`).
     """
 
     max_model_len: int = 2048
@@ -66,6 +68,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
     enable_chunked_prefill: bool = True
     policy: str = "continuum"
+    policy_options: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require_positive("max_model_len", self.max_model_len)
@@ -81,6 +84,10 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold requires enable_chunked_prefill")
         if not self.policy:
             raise ValueError("policy must be a non-empty name")
+        if not all(isinstance(k, str) and k and isinstance(v, str)
+                   for k, v in self.policy_options.items()):
+            raise ValueError(f"policy_options must map names to strings, got "
+                             f"{self.policy_options!r}")
 
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -120,35 +127,6 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class EstimatorConfig:
-    """How a learning policy sets up its TTL estimator. The engine passes it on without
-    interpreting it; with `prefill_profile="auto"` the policy times prefills through the
-    profiler the core offers at start-up.
-
-    - `name`: the estimator (`eq2-empirical`, `eq2-learned`, `fixed-2s`), checked by the policy.
-    - `prefill_profile`: `"auto"` (measured), `"none"`, or a JSON file of
-      `[num_tokens, seconds]` points that prices rebuilding a context.
-    - `state_path`: a JSON state file, loaded at start when it exists and saved at shutdown.
-    - `warm_start_traces`: agent-job trace files the estimator learns from at start.
-    """
-
-    name: str = "eq2-empirical"
-    prefill_profile: str = "auto"
-    state_path: str | None = None
-    warm_start_traces: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("estimator must be a non-empty name")
-        if not self.prefill_profile:
-            raise ValueError("prefill_profile must be 'auto', 'none' or a file path")
-        if self.state_path == "":
-            raise ValueError("estimator_state must be a file path")
-        if any(not path for path in self.warm_start_traces):
-            raise ValueError("estimator_warm_start paths must be non-empty")
-
-
-@dataclass(frozen=True)
 class TraceConfig:
     """Scheduler tracing (DESIGN.md section 8): off when `path` is None.
 
@@ -182,7 +160,6 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     executor: str = "torch"
     sim_profile: str | None = None

@@ -10,12 +10,13 @@ from dataclasses import dataclass, fields
 from engine.config import (
     CacheConfig,
     EngineConfig,
-    EstimatorConfig,
     ModelConfig,
     SchedulerConfig,
     TraceConfig,
 )
 from engine.model.directory import load_arch
+from engine.scheduler.options import option_items_to_dict
+from engine.scheduler.registry import check_policy_options, policy_options_help
 
 _HELP = {
     "model": "'tiny' (the embedded default model) or a local Hugging Face directory",
@@ -41,13 +42,7 @@ _HELP = {
         "cost profile of the simulated executor: h100-llama3.1-8b | a100-llama3.1-8b | "
         "4xh100-llama3.1-70b (default with --executor simulated: h100-llama3.1-8b)"
     ),
-    "estimator": "TTL estimator of the continuum policy: eq2-empirical | eq2-learned | fixed-2s",
-    "prefill_profile": (
-        "prices rebuilding a context for the estimator: auto (measured at start-up) | none | "
-        "a JSON file of [num_tokens, seconds] points"
-    ),
-    "estimator_state": "estimator state file: loaded at start if present, saved at shutdown",
-    "estimator_warm_start": "comma-separated agent-job trace files the estimator learns from",
+    "policy_options": "KEY=VALUE setting of the scheduling policy, repeatable. Options by policy",
     "trace_path": (
         "write a JSONL scheduler trace here (overwritten); default: $CONTINUUM_TRACE_PATH or "
         "$VLLM_SCHED_TRACE_PATH, else off"
@@ -84,10 +79,7 @@ class EngineArgs:
     scheduling_policy: str = "continuum"
     executor: str = "torch"
     sim_profile: str | None = None
-    estimator: str = "eq2-empirical"
-    prefill_profile: str = "auto"
-    estimator_state: str | None = None
-    estimator_warm_start: str | None = None
+    policy_options: tuple[str, ...] | Mapping[str, object] = ()
     trace_path: str | None = None
     trace_max_bytes: int | None = None
     debug_check_invariants: bool = False
@@ -110,21 +102,25 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 enable_chunked_prefill=self.enable_chunked_prefill,
-                policy=self.scheduling_policy,
-            ),
-            estimator=EstimatorConfig(
-                name=self.estimator, prefill_profile=self.prefill_profile,
-                state_path=self.estimator_state,
-                warm_start_traces=tuple(
-                    path.strip() for path in (self.estimator_warm_start or "").split(",")
-                    if path.strip()
-                ),
+                policy=self.scheduling_policy, policy_options=self._checked_policy_options(),
             ),
             trace=TraceConfig(path=self._trace_path(environ), max_bytes=self.trace_max_bytes),
             executor=self.executor,
             sim_profile=self.sim_profile,
             debug_check_invariants=self.debug_check_invariants,
         )
+
+    def _checked_policy_options(self) -> dict[str, str]:
+        options = self._policy_options()
+        check_policy_options(self.scheduling_policy, options)
+        return options
+
+    def _policy_options(self) -> dict[str, str]:
+        if isinstance(self.policy_options, Mapping):
+            return {str(key): _option_text(value) for key, value in self.policy_options.items()}
+        if isinstance(self.policy_options, str):
+            raise ValueError("policy_options must be KEY=VALUE items or a mapping, not a string")
+        return option_items_to_dict(self.policy_options)
 
     def _trace_path(self, environ: Mapping[str, str]) -> str | None:
         if self.trace_path is not None:
@@ -139,16 +135,50 @@ class EngineArgs:
             flag = "--" + spec.name.replace("_", "-")
             default = spec.default
             help_text = f"{_HELP[spec.name]} (default: {default})"
-            if isinstance(default, bool):
+            if spec.name == "policy_options":
+                options_help = policy_options_help(EngineArgs.scheduling_policy)
+                help_text = f"{_HELP[spec.name]}: {options_help}"
+                group.add_argument("--policy-option", dest="policy_options", action="append",
+                                   metavar="KEY=VALUE", default=[],
+                                   help=help_text.replace("%", "%%"))
+            elif isinstance(default, bool):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                    help=help_text)
             else:
                 group.add_argument(flag, type=_flag_type(spec.type), default=default,
                                    help=help_text)
 
+    @staticmethod
+    def cli_flags(args: argparse.Namespace) -> list[str]:
+        """The engine flags that reproduce `args` (parsed by `add_cli_args`), for a child
+        process."""
+        flags: list[str] = []
+        for spec in fields(EngineArgs):
+            value = getattr(args, spec.name, None)
+            flag = "--" + spec.name.replace("_", "-")
+            if value is None:
+                continue
+            if spec.name == "policy_options":
+                flags += [item for option in value for item in ("--policy-option", option)]
+            elif isinstance(value, bool):
+                flags.append(flag if value else "--no-" + flag[2:])
+            else:
+                flags += [flag, str(value)]
+        return flags
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{spec.name: getattr(args, spec.name) for spec in fields(cls)})
+        values = {spec.name: getattr(args, spec.name) for spec in fields(cls)}
+        values["policy_options"] = tuple(values["policy_options"])
+        return cls(**values)
+
+
+def _option_text(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def _flag_type(annotation: object) -> type:

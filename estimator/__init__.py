@@ -1,30 +1,45 @@
 """Tool-call latency estimation and TTL computation (never imports engine)."""
 
-from estimator.base import ConstantTTLEstimator, ObservationSink, ToolCall, TTLEstimator
+from estimator.base import (
+    MAX_OBSERVED_S,
+    ConstantTTLEstimator,
+    ObservationSink,
+    ToolCall,
+    TTLDecision,
+    TTLEstimator,
+)
 from estimator.cost_model import PrefillCostModel
-from estimator.eq2 import Eq2Estimator, TTLDecision
+from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, RebuildCost
 from estimator.fixed import FixedTTLEstimator
 from estimator.history import ToolDurationHistory
 from estimator.parsing import ParsedToolCalls, parse_tool_calls, tool_key
-from estimator.registry import ESTIMATORS, make_estimator
+from estimator.registry import ESTIMATORS, EstimatorSettings, make_estimator
 from estimator.solver import DurationCDF, cold_start_ttl, solve_ttl
+from estimator.state_file import load_state_or_cold_start, read_state, save_state
 
 __all__ = [
+    "DEFAULT_MAX_TTL_S",
     "ESTIMATORS",
+    "MAX_OBSERVED_S",
     "ConstantTTLEstimator",
     "DurationCDF",
     "Eq2Estimator",
+    "EstimatorSettings",
     "FixedTTLEstimator",
     "ObservationSink",
     "ParsedToolCalls",
     "PrefillCostModel",
+    "RebuildCost",
     "TTLDecision",
     "TTLEstimator",
     "ToolCall",
     "ToolDurationHistory",
     "cold_start_ttl",
+    "load_state_or_cold_start",
     "make_estimator",
     "parse_tool_calls",
+    "read_state",
+    "save_state",
     "solve_ttl",
     "tool_key",
 ]

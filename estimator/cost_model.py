@@ -12,9 +12,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from estimator.base import MAX_CONTEXT_TOKENS, clamp_count
+
 # Feature scale: contexts are thousands of tokens, and n^2 in raw tokens makes the
 # least-squares problem badly conditioned.
 _TOKENS_PER_UNIT = 1000.0
+
+# A prefill cost model is implausible if a context of PLAUSIBILITY_CONTEXT_TOKENS tokens would
+# take more than MAX_PLAUSIBLE_PREFILL_S seconds (about 30 years): a saved state holding one is
+# refused. A 405B-parameter model on a slow accelerator stays some hundred times below it.
+PLAUSIBILITY_CONTEXT_TOKENS = 10_000_000
+MAX_PLAUSIBLE_PREFILL_S = 1e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +41,21 @@ class PrefillCostModel:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
     def cost_s(self, num_tokens: int) -> float:
-        """Seconds to prefill a context of `num_tokens` tokens from scratch."""
-        units = max(0, num_tokens) / _TOKENS_PER_UNIT
+        """Seconds to prefill a context of `num_tokens` tokens from scratch (counted up to
+        `MAX_CONTEXT_TOKENS`); never raises, but may be infinite for huge coefficients (see
+        `check_plausible`)."""
+        units = clamp_count(num_tokens, MAX_CONTEXT_TOKENS) / _TOKENS_PER_UNIT
         return self.intercept_s + units * (self.linear_s + units * self.quadratic_s)
+
+    def check_plausible(self) -> None:
+        """ValueError if prefilling `PLAUSIBILITY_CONTEXT_TOKENS` tokens would take longer than
+        `MAX_PLAUSIBLE_PREFILL_S` seconds (or forever)."""
+        long_s = self.cost_s(PLAUSIBILITY_CONTEXT_TOKENS)
+        if not long_s <= MAX_PLAUSIBLE_PREFILL_S:
+            raise ValueError(
+                f"implausible prefill cost: {long_s!r} s for {PLAUSIBILITY_CONTEXT_TOKENS} "
+                f"tokens (at most {MAX_PLAUSIBLE_PREFILL_S} s)"
+            )
 
     @classmethod
     def fit(cls, points: Sequence[tuple[int, float]]) -> PrefillCostModel:
@@ -72,7 +92,7 @@ class PrefillCostModel:
         try:
             return cls(**{key: float(data[key])
                           for key in ("intercept_s", "linear_s", "quadratic_s")})
-        except (KeyError, TypeError) as error:
+        except (KeyError, TypeError, OverflowError) as error:
             raise ValueError(f"bad prefill cost model: {error}") from error
 
 

@@ -9,72 +9,78 @@ are assumed Exp(mean 1 s) and eta = 1, giving `ttl = ln(T + R)` when `T + R > 1`
 overall but at most K for `f`, the pooled CDF of all tools is used. With a fitted
 `predictor`, the CDF is instead the predictor's conditional distribution for the call.
 
-Our refinement of `R`: the paper prices a rebuild as the prefill time of `r` tokens. In an
-engine that batches prefill and decode tokens into one step, that prefill lengthens the steps
-of every request running beside it, so `R = prefill_s(r) * (1 + n)` with `n` the other
-requests running when the turn finished (`ToolCall.num_running_requests`). Alone on the
-engine it is the paper's `R`; under load it makes losing a long context correctly dear. The
-simulated comparison in `docs/benchmarks.md` measures what it changes.
+`R` is the paper's by default (`rebuild_cost="prefill"`): the prefill time of `r` tokens. An
+option, `rebuild_cost="prefill-times-running"`, multiplies it by 1 + the other requests
+running when the turn finished (`ToolCall.num_running_requests`), since in an engine that
+batches prefill and decode tokens into one step a rebuild lengthens their steps too;
+`docs/benchmarks.md` compares the two. A pin is charged its TTL, as in the paper
+(`pin_cost="ttl"`), or, as an option, the time it is expected to be held
+(`pin_cost="expected-hold"`, see `estimator.solver`); the cold start is the paper's either
+way. Every TTL is capped at `max_ttl_s`.
+
+Nothing observed can make a decision raise or pin forever: durations and delays are clamped
+to `MAX_OBSERVED_S` and counts to their bounds (`estimator.base`), and a saved state is
+loaded only if every sum, mean and cost it implies is finite and plausible.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from estimator.base import ToolCall
-from estimator.cost_model import PrefillCostModel
+from estimator.base import (
+    MAX_JOB_TURNS,
+    MAX_RUNNING_REQUESTS,
+    ToolCall,
+    TTLDecision,
+    clamp_count,
+    clamp_seconds,
+)
+from estimator.cost_model import PLAUSIBILITY_CONTEXT_TOKENS, PrefillCostModel
 from estimator.history import ToolDurationHistory
-from estimator.predictor import CallFeatures, DurationPredictor, DurationRecord, RecentCalls
+from estimator.predictor import (
+    CallFeatures,
+    DurationPredictor,
+    DurationRecord,
+    RecentCalls,
+    bounded_duration_s,
+)
 from estimator.signals import RemainingTurnsCorrelation, SlidingMean
-from estimator.solver import DurationCDF, cold_start_ttl, solve_ttl
+from estimator.solver import PIN_COSTS, DurationCDF, PinCost, cold_start_ttl, solve_ttl
 from estimator.traces import TraceJob
 
 logger = logging.getLogger(__name__)
 
 COLD_START_SAMPLES = 100
 STATE_VERSION = 1
+DEFAULT_MAX_TTL_S = 600.0
 
-
-@dataclass(frozen=True, slots=True)
-class TTLDecision:
-    """One TTL decision and its inputs (seconds), for traces and explanations.
-
-    `basis` says which distribution decided: "cold-start", "tool", "pooled" or "learned".
-    """
-
-    ttl_s: float
-    benefit_s: float
-    queueing_delay_s: float
-    eta: float
-    rebuild_s: float
-    num_samples: int
-    basis: str
+RebuildCost = Literal["prefill", "prefill-times-running"]
+REBUILD_COSTS: tuple[RebuildCost, ...] = ("prefill", "prefill-times-running")
 
 
 class Eq2Estimator:
     """Owned by one policy (single-threaded); see the module docstring for the rule.
 
-    `prefill_cost` prices `R` (None: R = 0); `predictor`, once fitted, replaces the
-    empirical CDF; `max_records` bounds the finished calls kept to (re)train it. With
-    `refit_every`, a copy of the predictor is retrained on the records after that many new
-    ones, in a background thread (`refit_in_background`) so that no scheduler step waits for
-    it, and swapped in when done.
+    `prefill_cost` prices `R` (None: R = 0), as `rebuild_cost` says; `pin_cost` says what a
+    pin is charged (see the module docstring); `max_ttl_s` caps every TTL; `predictor`, once
+    fitted, replaces the empirical CDF; `max_records` bounds the finished calls kept to
+    (re)train it. With `refit_every`, a copy of the predictor is retrained on the records
+    after that many new ones, in a background thread (`refit_in_background`) so that no
+    scheduler step waits for it, and swapped in when done.
     """
 
     def __init__(
         self,
         *,
         prefill_cost: PrefillCostModel | None = None,
+        rebuild_cost: RebuildCost = "prefill",
+        pin_cost: PinCost = "ttl",
+        max_ttl_s: float = DEFAULT_MAX_TTL_S,
         predictor: DurationPredictor | None = None,
         cold_start_samples: int = COLD_START_SAMPLES,
         history: ToolDurationHistory | None = None,
@@ -89,8 +95,17 @@ class Eq2Estimator:
                 f"cold_start_samples must be in [0, {self.history.max_samples}), "
                 f"got {cold_start_samples}"
             )
+        if rebuild_cost not in REBUILD_COSTS:
+            raise ValueError(f"rebuild_cost must be one of {REBUILD_COSTS}, got {rebuild_cost!r}")
+        if pin_cost not in PIN_COSTS:
+            raise ValueError(f"pin_cost must be one of {PIN_COSTS}, got {pin_cost!r}")
+        if not (max_ttl_s > 0 and math.isfinite(max_ttl_s)):
+            raise ValueError(f"max_ttl_s must be a positive finite number, got {max_ttl_s!r}")
         self.cold_start_samples = cold_start_samples
         self.prefill_cost = prefill_cost
+        self.rebuild_cost = rebuild_cost
+        self.pin_cost = pin_cost
+        self.max_ttl_s = float(max_ttl_s)
         self.predictor = predictor
         self.queueing_delay = SlidingMean(queueing_window)
         self.turns = RemainingTurnsCorrelation()
@@ -103,29 +118,28 @@ class Eq2Estimator:
         self._num_new_records = 0
         self._refit_thread: threading.Thread | None = None
         self._cdfs: dict[str | None, DurationCDF] = {}
-        self.last_decision: TTLDecision | None = None
 
     # The TTL.
-    def ttl_s(self, call: ToolCall) -> float:
-        return self.decide(call).ttl_s
-
     def decide(self, call: ToolCall) -> TTLDecision:
-        """The TTL for the call with its inputs; also kept as `last_decision`."""
+        """Eq. 2's TTL for the call, in [0, `max_ttl_s`] seconds, with its inputs."""
         queueing_delay_s = self.queueing_delay.mean or 0.0
-        rebuild_s = self.rebuild_s(call.num_context_tokens) * (1 + call.num_running_requests)
+        rebuild_s = self.rebuild_s(call.num_context_tokens)
+        if self.rebuild_cost == "prefill-times-running":
+            rebuild_s *= 1 + clamp_count(call.num_running_requests, MAX_RUNNING_REQUESTS)
         num_samples = len(self.history.samples(None))
         if num_samples <= self.cold_start_samples:
+            eta, basis = 1.0, "cold-start"
             benefit_s = queueing_delay_s + rebuild_s
-            decision = TTLDecision(cold_start_ttl(benefit_s), benefit_s, queueing_delay_s, 1.0,
-                                   rebuild_s, num_samples, "cold-start")
+            ttl_s = cold_start_ttl(benefit_s)
         else:
             eta = self.turns.eta
             benefit_s = queueing_delay_s * eta + rebuild_s
             cdf, basis, num_samples = self._cdf(call)
-            decision = TTLDecision(solve_ttl(cdf, benefit_s), benefit_s, queueing_delay_s, eta,
-                                   rebuild_s, num_samples, basis)
-        self.last_decision = decision
-        return decision
+            ttl_s = solve_ttl(cdf, benefit_s, self.pin_cost)
+        ttl_s = min(ttl_s, self.max_ttl_s) if ttl_s >= 0 else 0.0
+        return TTLDecision(ttl_s, basis, num_samples=num_samples,
+                           queueing_delay_s=queueing_delay_s, eta=eta, rebuild_s=rebuild_s,
+                           benefit_s=benefit_s)
 
     def rebuild_s(self, num_context_tokens: int) -> float:
         """R: seconds to rebuild a context of this many tokens."""
@@ -144,8 +158,9 @@ class Eq2Estimator:
         return cdf, "pooled" if tool is None else "tool", len(self.history.samples(tool))
 
     def features(self, call: ToolCall) -> CallFeatures:
-        return CallFeatures(call.tool_name, call.turn_index, call.num_context_tokens,
-                            self.recent_calls.of(call.job_id))
+        """What the predictor sees of the call (counts clamped to their bounds)."""
+        return CallFeatures.bounded(call.tool_name, call.turn_index, call.num_context_tokens,
+                                    self.recent_calls.of(call.job_id))
 
     # Observations.
     def observe_tool_call(self, call: ToolCall) -> None:
@@ -164,11 +179,13 @@ class Eq2Estimator:
             self._start_refit()
 
     def observe_queueing_delay(self, delay_s: float) -> None:
-        if math.isfinite(delay_s):
-            self.queueing_delay.add(max(0.0, delay_s))
+        """A turn that came back without its KV waited `delay_s` seconds (clamped into [0,
+        `MAX_OBSERVED_S`]; NaN is ignored)."""
+        self.queueing_delay.add(delay_s)
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
-        self.turns.add(num_turns)
+        """The job ended after `num_turns` turns (counted up to `MAX_JOB_TURNS`)."""
+        self.turns.add(clamp_count(num_turns, MAX_JOB_TURNS))
         self.history.forget_job(job_id)
         self.recent_calls.forget(job_id)
 
@@ -183,12 +200,15 @@ class Eq2Estimator:
         for job in jobs:
             recent = RecentCalls(1)
             for call in job.calls:
-                features = CallFeatures(call.tool_name, call.turn_index, call.num_context_tokens,
-                                        recent.of(job.job_id))
-                self.records.append(DurationRecord(features, call.duration_s))
-                self.history.add(call.tool_name, call.duration_s)
-                recent.add(job.job_id, call.tool_name, call.duration_s)
-            self.turns.add(job.num_turns)
+                duration_s = clamp_seconds(call.duration_s)
+                if duration_s is None:
+                    continue
+                features = CallFeatures.bounded(call.tool_name, call.turn_index,
+                                                call.num_context_tokens, recent.of(job.job_id))
+                self.records.append(DurationRecord(features, duration_s))
+                self.history.add(call.tool_name, duration_s)
+                recent.add(job.job_id, call.tool_name, duration_s)
+            self.turns.add(clamp_count(job.num_turns, MAX_JOB_TURNS))
         self._cdfs.clear()
         self.refit()
 
@@ -244,82 +264,85 @@ class Eq2Estimator:
 
     def load_state(self, state: object) -> None:
         """Replaces what was learned with a saved `state()`; ValueError (and no change) if it
-        is not one."""
-        fresh = Eq2Estimator(cold_start_samples=self.cold_start_samples,
-                             queueing_window=self.queueing_delay.window,
-                             max_records=self.records.maxlen or 1,
-                             history=ToolDurationHistory(
-                                 max_samples=self.history.max_samples,
-                                 max_tools=self.history.max_tools,
-                                 max_pending=self.history.max_pending))
-        predictor = None if self.predictor is None else self.predictor.unfitted_copy()
+        is not one, or if what it implies is not sound: a value out of bounds, a sum or mean
+        that is not finite, an implausible prefill cost (`PrefillCostModel.check_plausible`;
+        refused even when the estimator's own is used), or a predictor that cannot be trained
+        on it. Of each list only the latest entries this estimator keeps are read. The
+        state's prefill cost is taken only if the estimator has none."""
+        fresh = self._blank_copy()
         try:
             fresh._apply_state(state)
-            if predictor is not None:
-                predictor.fit(list(fresh.records))
+            if self.prefill_cost is not None:
+                fresh.prefill_cost = self.prefill_cost  # a measured or given profile wins
+            if self.predictor is not None:
+                fresh.predictor = self.predictor.unfitted_copy()
+                fresh.predictor.fit(list(fresh.records))
+            fresh._check_sound()
         except Exception as error:  # whatever a malformed file makes parsing or training raise
             raise ValueError(f"not an estimator state: {type(error).__name__}: {error}") from error
         self.history, self.queueing_delay, self.turns = (
             fresh.history, fresh.queueing_delay, fresh.turns
         )
         self.records, self.recent_calls, self._cdfs = fresh.records, fresh.recent_calls, {}
-        if fresh.prefill_cost is not None:
-            self.prefill_cost = fresh.prefill_cost
-        if predictor is not None:
-            self.predictor = predictor
+        self.prefill_cost, self.predictor = fresh.prefill_cost, fresh.predictor
         self._num_new_records = 0
+
+    def _blank_copy(self) -> Eq2Estimator:
+        """An estimator with this one's settings and bounds that has learned nothing."""
+        return Eq2Estimator(
+            rebuild_cost=self.rebuild_cost, pin_cost=self.pin_cost, max_ttl_s=self.max_ttl_s,
+            cold_start_samples=self.cold_start_samples,
+            history=ToolDurationHistory(max_samples=self.history.max_samples,
+                                        max_tools=self.history.max_tools,
+                                        max_pending=self.history.max_pending),
+            queueing_window=self.queueing_delay.window, max_records=self.records.maxlen or 1,
+            refit_every=self.refit_every, refit_in_background=self.refit_in_background,
+        )
 
     def _apply_state(self, state: Any) -> None:
         if state["version"] != STATE_VERSION:
             raise ValueError(f"unsupported version {state['version']!r}")
+        max_samples = self.history.max_samples
         tools = state["tools_s"]
-        pooled = [_duration(value) for value in state["pooled_s"]]
-        for name, samples in tools.items():
-            for value in samples:
-                self.history.add_to_tool(str(name), _duration(value))
-        self.history.extend_pooled(pooled)
-        for value in state["queueing_delays_s"]:
-            self.queueing_delay.add(_duration(value))
-        self.turns.extend(int(n) for n in state["job_num_turns"])
+        if not isinstance(tools, dict):
+            raise ValueError("tools_s must be an object")
+        for name, samples in list(tools.items())[-self.history.max_tools:]:
+            for value in _latest(samples, max_samples):
+                self.history.add_to_tool(str(name), bounded_duration_s(value))
+        self.history.extend_pooled(
+            [bounded_duration_s(value) for value in _latest(state["pooled_s"], max_samples)]
+        )
+        for value in _latest(state["queueing_delays_s"], self.queueing_delay.window):
+            self.queueing_delay.add(bounded_duration_s(value))
+        self.turns.extend(int(n) for n in _latest(state["job_num_turns"], self.turns.max_jobs))
         if state.get("prefill_cost") is not None:
             self.prefill_cost = PrefillCostModel.from_dict(state["prefill_cost"])
-        for features, duration_s in state["records"]:
+            self.prefill_cost.check_plausible()
+        for features, duration_s in _latest(state["records"], self.records.maxlen or 1):
             self.records.append(DurationRecord(CallFeatures.from_list(features),
-                                               _duration(duration_s)))
+                                               bounded_duration_s(duration_s)))
 
-    def save(self, path: str | Path) -> None:
-        """Writes `state()` as JSON, atomically (a synced temporary file, then a rename)."""
-        path = Path(path)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.",
-                                         delete=False) as temporary:
-            json.dump(self.state(), temporary)
-            temporary.flush()
-            os.fsync(temporary.fileno())
-        Path(temporary.name).replace(path)
-
-    def load(self, path: str | Path) -> None:
-        """Loads a saved state file; ValueError (and no change) if it is unreadable."""
-        try:
-            state = json.loads(Path(path).read_text())
-        except (OSError, ValueError, RecursionError) as error:
-            raise ValueError(f"cannot read estimator state {path}: {error}") from error
-        self.load_state(state)
-
-    def load_or_cold_start(self, path: str | Path) -> bool:
-        """Loads the state file if there is one; a missing one is a cold start, a corrupt one
-        too, with a warning. True if a state was loaded."""
-        if not Path(path).exists():
-            return False
-        try:
-            self.load(path)
-        except ValueError as error:
-            logger.warning("estimator state ignored, starting cold: %s", error)
-            return False
-        return True
+    def _check_sound(self) -> None:
+        """ValueError unless every sum and mean of what was learned is finite and a decision
+        for a long context comes out for every tool."""
+        sample_sets = [("pooled_s", self.history.samples(None)),
+                       ("queueing_delays_s", self.queueing_delay.values),
+                       ("records", [record.duration_s for record in self.records])]
+        sample_sets += [(f"tools_s[{name!r}]", self.history.samples(name))
+                        for name in self.history.tool_names]
+        for name, values in sample_sets:
+            if not math.isfinite(math.fsum(values)):
+                raise ValueError(f"the sum of {name} is not finite")
+        if not math.isfinite(self.turns.eta):
+            raise ValueError("eta is not finite")
+        learned = self.predictor is not None and self.predictor.is_fitted
+        tools = [None] if learned else [None, *self.history.tool_names]  # one CDF per tool
+        for tool in tools:
+            self.decide(ToolCall("state-check", tool, 0.0, PLAUSIBILITY_CONTEXT_TOKENS, 0))
 
 
-def _duration(value: object) -> float:
-    duration_s = float(value)  # type: ignore[arg-type]
-    if not (duration_s >= 0 and math.isfinite(duration_s)):
-        raise ValueError(f"bad duration {value!r}")
-    return duration_s
+def _latest(values: object, count: int) -> list:
+    """The last `count` items of a JSON list; ValueError if it is not a list."""
+    if not isinstance(values, list):
+        raise ValueError(f"expected a list, got {type(values).__name__}")
+    return values[-count:]

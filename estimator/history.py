@@ -1,14 +1,16 @@
 """Tool durations observed from job timing, per tool and pooled, bounded in memory.
 
-A tool's duration is the time from a turn's finish to the arrival of its job's next turn.
+A tool's duration is the time from a turn's finish to the arrival of its job's next turn,
+clamped into [0, `MAX_OBSERVED_S`] seconds (a NaN one is not recorded).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from estimator.base import ToolCall
+from estimator.base import ToolCall, clamp_seconds
 
 
 class ToolDurationHistory:
@@ -47,11 +49,14 @@ class ToolDurationHistory:
         return None if finished is None else finished[1]
 
     def finish_call(self, job_id: str, arrived_at_s: float) -> tuple[ToolCall, float] | None:
-        """As `finish`, returning the call with its duration (None if none was pending)."""
+        """As `finish`, returning the call with its duration (None if none was pending, or
+        if the duration is NaN)."""
         call = self._pending.pop(job_id, None)
         if call is None:
             return None
-        duration_s = max(0.0, arrived_at_s - call.finished_at_s)
+        duration_s = clamp_seconds(arrived_at_s - call.finished_at_s)
+        if duration_s is None:
+            return None
         self.add(call.tool_name, duration_s)
         return call, duration_s
 
@@ -59,13 +64,23 @@ class ToolDurationHistory:
         self._pending.pop(job_id, None)
 
     def add(self, tool_name: str | None, duration_s: float) -> None:
-        """Records a duration; a sample without a tool name counts only in the pool."""
-        self._pooled.append(duration_s)
+        """Records a duration (clamped; NaN ignored); a sample without a tool name counts only
+        in the pool."""
+        clamped = clamp_seconds(duration_s)
+        if clamped is None:
+            return
+        self._pooled.append(clamped)
         if tool_name is not None:
-            self.add_to_tool(tool_name, duration_s)
+            self._add_to_tool(tool_name, clamped)
 
     def add_to_tool(self, tool_name: str, duration_s: float) -> None:
-        """Records a duration for the tool only (restoring saved per-tool samples)."""
+        """Records a duration (clamped; NaN ignored) for the tool only (restoring saved
+        per-tool samples)."""
+        clamped = clamp_seconds(duration_s)
+        if clamped is not None:
+            self._add_to_tool(tool_name, clamped)
+
+    def _add_to_tool(self, tool_name: str, duration_s: float) -> None:
         samples = self._by_tool.pop(tool_name, None)
         if samples is None:
             samples = deque(maxlen=self.max_samples)
@@ -75,8 +90,12 @@ class ToolDurationHistory:
             self._by_tool.popitem(last=False)
 
     def extend_pooled(self, durations_s: Sequence[float]) -> None:
-        """Records durations in the pool only (restoring saved pooled samples)."""
-        self._pooled.extend(durations_s)
+        """Records durations (clamped; NaN ignored) in the pool only (restoring saved pooled
+        samples)."""
+        for duration_s in durations_s:
+            clamped = clamp_seconds(duration_s)
+            if clamped is not None:
+                self._pooled.append(clamped)
 
     @property
     def tool_names(self) -> list[str]:
@@ -90,8 +109,9 @@ class ToolDurationHistory:
         return self._by_tool.get(tool_name, ())
 
     def mean_s(self, tool_name: str | None) -> float | None:
+        """The mean of the tool's recorded durations (the pool's for `None`); None if none."""
         samples = self.samples(tool_name)
-        return sum(samples) / len(samples) if samples else None
+        return math.fsum(samples) / len(samples) if samples else None
 
     @property
     def num_pending(self) -> int:

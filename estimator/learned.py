@@ -18,6 +18,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from estimator.base import (
+    MAX_CONTEXT_TOKENS,
+    MAX_JOB_TURNS,
+    MAX_OBSERVED_S,
+    clamp_count,
+    clamp_seconds,
+)
 from estimator.predictor import CallFeatures, DurationRecord
 from estimator.solver import DurationCDF
 
@@ -78,7 +85,8 @@ class QuantileBoostingPredictor:
         trained._tool_codes = _vocabulary(r.features.tool_name for r in records)
         trained._command_codes = _vocabulary(_command(r.features.tool_name) for r in records)
         matrix = trained.feature_matrix([r.features for r in records])
-        targets = np.log(np.array([r.duration_s for r in records]) + _LOG_OFFSET_S)
+        durations_s = np.array([r.duration_s for r in records], dtype=float)
+        targets = np.log(np.clip(np.nan_to_num(durations_s), 0.0, MAX_OBSERVED_S) + _LOG_OFFSET_S)
         models = [
             HistGradientBoostingRegressor(
                 loss="quantile", quantile=level, max_iter=self.max_iter,
@@ -110,8 +118,8 @@ class QuantileBoostingPredictor:
         return [
             _code(self._tool_codes, features.tool_name),
             _code(self._command_codes, _command(features.tool_name)),
-            float(features.turn_index),
-            math.log1p(max(0, features.num_context_tokens)),
+            float(clamp_count(features.turn_index, MAX_JOB_TURNS)),
+            math.log1p(clamp_count(features.num_context_tokens, MAX_CONTEXT_TOKENS)),
             _log(durations[-1]) if durations else _MISSING,
             _log(sum(durations[-3:]) / len(durations[-3:])) if durations else _MISSING,
             _log(same_tool[-1]) if same_tool else _MISSING,
@@ -141,4 +149,5 @@ def _code(codes: dict[str, int], name: str | None) -> float:
 
 
 def _log(duration_s: float) -> float:
-    return math.log(duration_s + _LOG_OFFSET_S)
+    """The log feature of a duration, clamped like every observed one (NaN counts as 0)."""
+    return math.log((clamp_seconds(duration_s) or 0.0) + _LOG_OFFSET_S)

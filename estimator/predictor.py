@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
+from estimator.base import (
+    MAX_CONTEXT_TOKENS,
+    MAX_JOB_TURNS,
+    MAX_OBSERVED_S,
+    clamp_count,
+    clamp_seconds,
+)
 from estimator.solver import DurationCDF
+
+Number = TypeVar("Number", int, float)
 
 RECENT_CALLS_PER_JOB = 8
 
@@ -15,12 +24,24 @@ RECENT_CALLS_PER_JOB = 8
 @dataclass(frozen=True, slots=True)
 class CallFeatures:
     """A tool call as a predictor sees it: the tool, where the job is, and the job's latest
-    tool calls (`recent`: (tool name, duration in seconds), oldest first)."""
+    tool calls (`recent`: (tool name, duration in seconds), oldest first).
+
+    `bounded` builds one with every number within the estimator's bounds (`estimator.base`);
+    `from_list` refuses one outside them.
+    """
 
     tool_name: str | None
     turn_index: int
     num_context_tokens: int
     recent: tuple[tuple[str | None, float], ...] = ()
+
+    @classmethod
+    def bounded(cls, tool_name: str | None, turn_index: int, num_context_tokens: int,
+                recent: tuple[tuple[str | None, float], ...] = ()) -> CallFeatures:
+        """Features of an observed call, its counts clamped into their bounds (`recent`
+        comes from `RecentCalls`, already bounded)."""
+        return cls(tool_name, clamp_count(turn_index, MAX_JOB_TURNS),
+                   clamp_count(num_context_tokens, MAX_CONTEXT_TOKENS), recent)
 
     def to_list(self) -> list:
         return [self.tool_name, self.turn_index, self.num_context_tokens,
@@ -28,12 +49,38 @@ class CallFeatures:
 
     @classmethod
     def from_list(cls, data: Sequence) -> CallFeatures:
+        """The inverse of `to_list`; ValueError if a number is out of bounds."""
         tool_name, turn_index, num_context_tokens, recent = data
+        if len(recent) > RECENT_CALLS_PER_JOB:
+            raise ValueError(f"more than {RECENT_CALLS_PER_JOB} recent calls")
         return cls(
-            None if tool_name is None else str(tool_name), int(turn_index),
-            int(num_context_tokens),
-            tuple((None if name is None else str(name), float(d)) for name, d in recent),
+            None if tool_name is None else str(tool_name),
+            _bounded_int(turn_index, MAX_JOB_TURNS),
+            _bounded_int(num_context_tokens, MAX_CONTEXT_TOKENS),
+            tuple((None if name is None else str(name), bounded_duration_s(d))
+                  for name, d in recent),
         )
+
+
+def bounded_duration_s(value: object) -> float:
+    """A saved duration in seconds; ValueError unless it is a number in [0,
+    `MAX_OBSERVED_S`]."""
+    return _bounded(value, float, MAX_OBSERVED_S, "duration")
+
+
+def _bounded_int(value: object, maximum: int) -> int:
+    return _bounded(value, int, maximum, "count")
+
+
+def _bounded(value: object, kind: Callable[[Any], Number], maximum: float, what: str) -> Number:
+    """`kind(value)`, a number in [0, `maximum`]; ValueError naming `what` otherwise."""
+    try:
+        number = kind(value)
+    except (TypeError, OverflowError) as error:
+        raise ValueError(f"bad {what} {value!r}: {error}") from error
+    if not 0 <= number <= maximum:
+        raise ValueError(f"{what} {value!r} is not in [0, {maximum}]")
+    return number
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +119,15 @@ class RecentCalls:
         self._by_job: OrderedDict[str, deque[tuple[str | None, float]]] = OrderedDict()
 
     def add(self, job_id: str, tool_name: str | None, duration_s: float) -> None:
+        """The job's latest tool call took `duration_s` (clamped like every observed
+        duration; NaN is ignored)."""
+        clamped = clamp_seconds(duration_s)
+        if clamped is None:
+            return
         calls = self._by_job.pop(job_id, None)
         if calls is None:
             calls = deque(maxlen=RECENT_CALLS_PER_JOB)
-        calls.append((tool_name, round(duration_s, 6)))  # stable across clock arithmetic
+        calls.append((tool_name, round(clamped, 6)))  # stable across clock arithmetic
         self._by_job[job_id] = calls
         if len(self._by_job) > self.max_jobs:
             self._by_job.popitem(last=False)

@@ -1,53 +1,67 @@
-"""Estimators by name, as the engine's flags and the benchmark name them."""
+"""Estimators by name, as policy options and the benchmark name them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 from estimator.base import TTLEstimator
 from estimator.cost_model import PrefillCostModel
-from estimator.eq2 import Eq2Estimator
+from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, RebuildCost
 from estimator.fixed import FixedTTLEstimator
 from estimator.learned import QuantileBoostingPredictor
-from estimator.traces import TraceJob
+from estimator.solver import PinCost
 
 # New finished tool calls between background retrainings of the learned predictor.
 LEARNED_REFIT_EVERY = 1000
 
+EstimatorName = Literal["eq2-empirical", "eq2-learned", "fixed-2s"]
 
-def _fixed(prefill_cost: PrefillCostModel | None) -> TTLEstimator:
+
+@dataclass(frozen=True)
+class EstimatorSettings:
+    """What every estimator may be built with: `prefill_cost` prices rebuilding a context
+    (None: R = 0) as `rebuild_cost` says; `pin_cost` is what Eq. 2 charges a pin;
+    `max_ttl_s` caps Eq. 2's TTLs."""
+
+    prefill_cost: PrefillCostModel | None = None
+    rebuild_cost: RebuildCost = "prefill"
+    pin_cost: PinCost = "ttl"
+    max_ttl_s: float = DEFAULT_MAX_TTL_S
+
+
+def _fixed(settings: EstimatorSettings) -> TTLEstimator:
     return FixedTTLEstimator(2.0)
 
 
-def _eq2_empirical(prefill_cost: PrefillCostModel | None) -> TTLEstimator:
-    return Eq2Estimator(prefill_cost=prefill_cost)
+def _eq2_keywords(settings: EstimatorSettings) -> dict[str, Any]:
+    return {field.name: getattr(settings, field.name) for field in fields(settings)}
 
 
-def _eq2_learned(prefill_cost: PrefillCostModel | None) -> TTLEstimator:
-    return Eq2Estimator(prefill_cost=prefill_cost, predictor=QuantileBoostingPredictor(),
+def _eq2_empirical(settings: EstimatorSettings) -> TTLEstimator:
+    return Eq2Estimator(**_eq2_keywords(settings))
+
+
+def _eq2_learned(settings: EstimatorSettings) -> TTLEstimator:
+    return Eq2Estimator(**_eq2_keywords(settings), predictor=QuantileBoostingPredictor(),
                         refit_every=LEARNED_REFIT_EVERY)
 
 
-ESTIMATORS: dict[str, Callable[[PrefillCostModel | None], TTLEstimator]] = {
-    "fixed-2s": _fixed,
+ESTIMATORS: dict[str, Callable[[EstimatorSettings], TTLEstimator]] = {
     "eq2-empirical": _eq2_empirical,
     "eq2-learned": _eq2_learned,
+    "fixed-2s": _fixed,
 }
 
 
-def make_estimator(name: str, prefill_cost: PrefillCostModel | None = None) -> TTLEstimator:
+# The estimators whose TTLs depend on `EstimatorSettings.prefill_cost`.
+PRICES_REBUILDS = frozenset({"eq2-empirical", "eq2-learned"})
+
+
+def make_estimator(name: str, settings: EstimatorSettings | None = None) -> TTLEstimator:
     """A fresh estimator by name; ValueError naming the choices if unknown."""
     factory = ESTIMATORS.get(name)
     if factory is None:
         raise ValueError(f"unknown estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
-    return factory(prefill_cost)
-
-
-def warm_start(estimator: TTLEstimator, jobs: Iterable[TraceJob]) -> None:
-    """Teaches an estimator the jobs of traces, if it can learn from them."""
-    if isinstance(estimator, Eq2Estimator):
-        estimator.warm_start(jobs)
-    elif isinstance(estimator, FixedTTLEstimator):
-        for job in jobs:
-            for call in job.calls:
-                estimator.history.add(call.tool_name, call.duration_s)
+    return factory(EstimatorSettings() if settings is None else settings)

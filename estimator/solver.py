@@ -1,9 +1,14 @@
 """The cost-benefit TTL rule of the Continuum paper (Eq. 2), over a duration distribution.
 
-Pinning a finished turn's KV for `t` seconds costs `t` (seconds of memory held) and, if the
-job's next turn arrives within `t`, saves `benefit_s`: the queueing delay the turn would
-otherwise suffer (`T * eta`) plus the time to rebuild its context (`R`). With `P` the CDF of
-the tool's duration, the TTL is `argmax over t in {0} and the candidates of P(t) * benefit_s - t`.
+Pinning a finished turn's KV for `t` seconds costs memory for a while and, if the job's next
+turn arrives within `t`, saves `benefit_s`: the queueing delay the turn would otherwise
+suffer (`T * eta`) plus the time to rebuild its context (`R`). With `P` the CDF of the tool's
+duration `D`, the TTL is `argmax over t in {0} and the candidates of P(t) * benefit_s - C(t)`.
+
+`C(t)`, the seconds of memory a pin is charged, is the paper's `t` (`pin_cost="ttl"`), or,
+as an option, the time the pin is expected to be held, `E[min(D, t)]`
+(`pin_cost="expected-hold"`): the engine releases a pin as soon as the next turn is admitted,
+so a pin that is used holds memory only for the tool's duration.
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ import math
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+PinCost = Literal["ttl", "expected-hold"]
+PIN_COSTS: tuple[PinCost, ...] = ("ttl", "expected-hold")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +96,20 @@ def utility(ttl_s: float, cdf: DurationCDF, benefit_s: float) -> float:
     return 0.0 if ttl_s <= 0 else cdf.probability(ttl_s) * benefit_s - ttl_s
 
 
-def solve_ttl(cdf: DurationCDF, benefit_s: float) -> float:
+def solve_ttl(cdf: DurationCDF, benefit_s: float, pin_cost: PinCost = "ttl") -> float:
     """Eq. 2's TTL: the candidate duration with the highest expected saving, 0 (no pin) unless
-    one is strictly positive; the shortest of equal maxima (less memory held)."""
+    one is strictly positive; the shortest of equal maxima (less memory held). `pin_cost`
+    says how a pin is charged (see the module docstring)."""
+    if pin_cost not in PIN_COSTS:
+        raise ValueError(f"pin_cost must be one of {PIN_COSTS}, got {pin_cost!r}")
     best_ttl_s, best_utility = 0.0, 0.0
+    held_s, previous_s, previous_probability = 0.0, 0.0, 0.0
     for duration_s, probability in zip(cdf.durations_s, cdf.probabilities, strict=True):
-        gain = probability * benefit_s - duration_s
+        # E[min(D, t)] = integral from 0 to t of P(D > s) ds, over the step CDF.
+        held_s += (1.0 - previous_probability) * (duration_s - previous_s)
+        previous_s, previous_probability = duration_s, probability
+        cost_s = duration_s if pin_cost == "ttl" else held_s
+        gain = probability * benefit_s - cost_s
         if duration_s > 0 and gain > best_utility:
             best_ttl_s, best_utility = duration_s, gain
     return best_ttl_s

@@ -34,3 +34,15 @@ def arrivals_s(num_jobs: int, jobs_per_s: float | None, *, seed: int = 0) -> lis
     if jobs_per_s is None:
         return all_at_once_arrivals_s(num_jobs)
     return poisson_arrivals_s(num_jobs, jobs_per_s, seed=seed)
+
+
+def poisson_arrivals_within_s(window_s: float, per_s: float, *, seed: int = 0) -> list[float]:
+    """The arrivals of `poisson_arrivals_s(..., per_s, seed=seed)` that fall within
+    `[0, window_s]` seconds: at least the first, at 0 s."""
+    if not per_s > 0 or per_s == float("inf"):
+        raise ValueError(f"the rate must be a positive number, got {per_s!r}")
+    rng = random.Random(seed)
+    times = [0.0]
+    while (now_s := times[-1] + rng.expovariate(per_s)) <= window_s:
+        times.append(now_s)
+    return times

@@ -60,7 +60,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    run = {"policy": args.label, "jobs_per_s": args.jobs_per_s, **metrics.to_dict()}
+    run = {"label": args.label, "policy": args.label, "jobs_per_s": args.jobs_per_s,
+           **metrics.to_dict()}
     print(markdown_table([run]))
     print(f"jobs finished {metrics.num_finished_jobs}/{metrics.num_jobs}, failures "
           f"{metrics.failures}, {metrics.throughput_jobs_per_s:.3f} jobs/s, "

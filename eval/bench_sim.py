@@ -1,9 +1,12 @@
 """`continuum bench sim`: policies compared on an agent trace, in simulated time.
 
-Every (policy, load) pair is one discrete-event simulation (`eval.simulator`) of the same
-jobs arriving by the same Poisson draw, on the real scheduler with the `simulated` executor.
-Prints a markdown table; `--json` writes every run's figures, `--plot` the JCT-against-load
-PNG. Deterministic for a seed, whatever `--workers`.
+Every (policy spec, load) pair is one discrete-event simulation (`eval.simulator`) of the
+same jobs arriving by the same Poisson draw, on the real scheduler with the `simulated`
+executor. A policy spec is `NAME` or `NAME:KEY=VALUE[:KEY=VALUE...]` (the policy's own
+options, e.g. `continuum:estimator=eq2-learned`); the spec as written labels its rows.
+Optionally, plain chat sessions (`--chat-trace`) arrive beside the jobs by their own Poisson
+process and are reported apart. Prints a markdown table; `--json` writes every run's
+figures, `--plot` the JCT-against-load PNG. Deterministic for a seed, whatever `--workers`.
 """
 
 from __future__ import annotations
@@ -12,27 +15,130 @@ import argparse
 import json
 import sys
 import time
+import zlib
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from engine.executor.roofline import DEFAULT_SIM_PROFILE, SIM_PROFILES
-from eval.arrivals import arrivals_s
+from engine.scheduler.options import option_items_to_dict
+from engine.scheduler.registry import POLICY_REGISTRY, check_policy_options
+from eval.arrivals import arrivals_s, poisson_arrivals_s, poisson_arrivals_within_s
 from eval.report import markdown_table, plot_jct_vs_load
-from eval.simulator import SimSettings, simulate
-from eval.workload import AgentJobSpec, LoadOptions, ToolDurationSampler, load_jobs
+from eval.simulator import ChatLoad, SimSettings, simulate
+from eval.workload import (
+    AgentJobSpec,
+    ChatSessionSpec,
+    LoadOptions,
+    ToolDurationSampler,
+    draw_jobs,
+    draw_sessions,
+    load_chat_sessions,
+    load_jobs,
+)
 
+Number = TypeVar("Number", int, float)
 DEFAULT_POLICIES = "fcfs,continuum-fixed,infercept,autellix,continuum"
+# The paper's ablation, each rung adding one mechanism; `--policies ladder` runs it.
+ABLATION_LADDER = "fcfs,job-fcfs,continuum-fixed,continuum,continuum-oracle"
 QUANTILES_FILE = "tool_duration_quantiles.json"
+VLLM_DEFAULT_CHUNK = 2048
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A policy with its options, as `--policies` names it: `label` is the spec as written,
+    `options` the `KEY`, `VALUE` pairs in the order given."""
+
+    label: str
+    name: str
+    options: tuple[tuple[str, str], ...] = ()
+
+
+def parse_policy_spec(text: str) -> PolicySpec:
+    """`NAME` or `NAME:KEY=VALUE[:KEY=VALUE...]`. NAME is a registry name, or else a
+    `module:Class` path (the segments before the first one holding `=`). ValueError for an
+    empty name, an option without `=`, or a key given twice; the options are not checked
+    against the policy."""
+    label = text.strip()
+    segments = label.split(":")
+    if segments[0].strip() in POLICY_REGISTRY:
+        first_option = 1
+    else:
+        first_option = next((i for i, part in enumerate(segments) if "=" in part),
+                            len(segments))
+    name = ":".join(segments[:first_option]).strip()
+    if not name:
+        raise ValueError(f"policy spec {label!r} names no policy")
+    try:
+        options = option_items_to_dict(segments[first_option:])
+    except ValueError as error:
+        raise ValueError(f"policy spec {label!r}: {error}") from None
+    return PolicySpec(label, name, tuple(options.items()))
+
+
+def policy_specs(comma_separated: str | None, single: Sequence[str] = ()) -> list[PolicySpec]:
+    """The specs of a comma-separated list (`ladder` stands for `ABLATION_LADDER`; None: the
+    default list unless `single` names some) followed by the `single` ones, each checked
+    against its policy's options. ValueError naming a bad spec, or a label given twice."""
+    if comma_separated is None:
+        comma_separated = "" if single else DEFAULT_POLICIES
+    if comma_separated.strip() == "ladder":
+        comma_separated = ABLATION_LADDER
+    texts = [item for item in comma_separated.split(",") if item.strip()] + list(single)
+    if not texts:
+        raise ValueError("--policies names no policy")
+    specs = [parse_policy_spec(text) for text in texts]
+    labels = [spec.label for spec in specs]
+    for spec in specs:
+        if labels.count(spec.label) > 1:
+            raise ValueError(f"policy spec {spec.label!r} is given twice")
+        try:
+            check_policy_options(spec.name, dict(spec.options))
+        except ValueError as error:
+            raise ValueError(f"policy spec {spec.label!r}: {error}") from None
+    return specs
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _positive(int, "an integer", text)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    return _positive(float, "a number", text)
+
+
+def _positive(kind: Callable[[str], Number], what: str, text: str) -> Number:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared with `bench agent`: which jobs of which trace, and how they arrive."""
+    """Flags shared with `bench agent` and `bench soak`: which jobs of which trace, and how
+    they arrive."""
     group = parser.add_argument_group("workload")
     group.add_argument("--trace", required=True, help="agent-job JSONL trace")
-    group.add_argument("--num-jobs", type=int, default=None, help="first N jobs (default: all)")
-    group.add_argument("--max-turns", type=int, default=None,
+    group.add_argument("--first-jobs", type=positive_int, default=None, metavar="N",
+                       help="keep only the first N jobs of the file (default: all)")
+    group.add_argument("--num-jobs", type=positive_int, default=None, metavar="N",
+                       help="draw N jobs uniformly with replacement (seeded by --seed) from "
+                            "those loaded, the k-th draw of job J renamed J~k (default: each "
+                            "loaded job once, in file order)")
+    group.add_argument("--max-turns", type=positive_int, default=None, metavar="N",
                        help="truncate jobs to N turns (default: keep all)")
+    group.add_argument("--repeat-turns", type=positive_int, default=1, metavar="K",
+                       help="the paper's turn scaling: repeat each job's turns K times, token "
+                            "counts divided by K, joined by the job's median tool call "
+                            "(default: 1)")
     group.add_argument("--token-scale", type=float, default=1.0,
                        help="multiply every token count, to fit a small model (default: 1)")
     group.add_argument("--output-tokens-per-turn", type=int, default=80,
@@ -41,20 +147,24 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"synthesizes missing tool durations (default: {QUANTILES_FILE} "
                             "beside the trace, if there)")
     group.add_argument("--seed", type=int, default=0,
-                       help="seed of arrivals, synthesized durations and prompts (default: 0)")
+                       help="seed of arrivals, draws, synthesized durations and prompts "
+                            "(default: 0)")
 
 
 def load_workload(args: argparse.Namespace) -> list[AgentJobSpec]:
-    """The jobs the workload flags select; ValueError with the reason if they cannot be
-    read."""
+    """The jobs the workload flags select: the first `--first-jobs` of the trace, truncated
+    to `--max-turns`, scaled, repeated `--repeat-turns` times, then `--num-jobs` drawn with
+    replacement. ValueError with the reason if they cannot be read."""
     quantiles = args.tool_quantiles
     if quantiles is None and (Path(args.trace).parent / QUANTILES_FILE).exists():
         quantiles = Path(args.trace).parent / QUANTILES_FILE
     sampler = None if quantiles is None else ToolDurationSampler.from_file(quantiles)
-    options = LoadOptions(max_jobs=args.num_jobs, max_turns=args.max_turns,
+    options = LoadOptions(max_jobs=args.first_jobs, max_turns=args.max_turns,
                           output_tokens_per_turn=args.output_tokens_per_turn,
-                          token_scale=args.token_scale, seed=args.seed)
-    return load_jobs(args.trace, options, tool_durations=sampler)
+                          token_scale=args.token_scale, repeat_turns=args.repeat_turns,
+                          seed=args.seed)
+    jobs = load_jobs(args.trace, options, tool_durations=sampler)
+    return jobs if args.num_jobs is None else draw_jobs(jobs, args.num_jobs, seed=args.seed)
 
 
 def parse_loads(text: str) -> list[float | None]:
@@ -65,56 +175,129 @@ def parse_loads(text: str) -> list[float | None]:
         if item == "all":
             loads.append(None)
             continue
-        try:
-            value = float(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a load: {item!r}") from None
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"a load must be a positive rate, got {item!r}")
-        loads.append(value)
+        loads.append(_positive(float, "a load", item))
     return loads
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """Plain chat sessions beside the jobs: drawn with replacement from `sessions`, arriving
+    by a Poisson process at `sessions_per_s`; `num_sessions` of them, or (None) as many as
+    arrive within the jobs' arrival window (at least one)."""
+
+    sessions: tuple[ChatSessionSpec, ...]
+    sessions_per_s: float
+    num_sessions: int | None = None
+
+    def load_for(self, job_arrivals_s: Sequence[float], seed: int) -> ChatLoad:
+        """The sessions and their arrivals for a run whose jobs arrive at
+        `job_arrivals_s`; seeded apart from the jobs' arrivals and draws."""
+        arrival_seed = zlib.crc32(f"chat-arrivals:{seed}".encode())
+        if self.num_sessions is None:
+            times = poisson_arrivals_within_s(max(job_arrivals_s), self.sessions_per_s,
+                                              seed=arrival_seed)
+        else:
+            times = poisson_arrivals_s(self.num_sessions, self.sessions_per_s, seed=arrival_seed)
+        drawn = draw_sessions(self.sessions, len(times), seed=seed)
+        return ChatLoad(tuple(drawn), tuple(times))
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "chat", "plain chat sessions beside the agent jobs, sent without a job (never pinned) "
+                "and reported apart (chat_* figures)")
+    group.add_argument("--chat-trace", default=None, metavar="FILE",
+                       help="sessions in the agent-job format, such as "
+                            "mooncake_conversation_sessions.jsonl; --token-scale applies")
+    group.add_argument("--chat-sessions-per-s", type=positive_float, default=None,
+                       metavar="RATE",
+                       help="Poisson arrivals of sessions, seeded apart from the jobs' "
+                            "(required with --chat-trace)")
+    group.add_argument("--chat-sessions", type=positive_int, default=None, metavar="N",
+                       help="sessions drawn with replacement from the chat trace (default: "
+                            "as many as arrive within the jobs' arrival window, at least one)")
+
+
+def load_chat(args: argparse.Namespace) -> ChatWorkload | None:
+    """The chat sessions the chat flags select; None without `--chat-trace`. ValueError for
+    flags given without the others, or a trace that cannot be read."""
+    if args.chat_trace is None:
+        if args.chat_sessions_per_s is not None or args.chat_sessions is not None:
+            raise ValueError("--chat-sessions-per-s and --chat-sessions need --chat-trace")
+        return None
+    if args.chat_sessions_per_s is None:
+        raise ValueError("--chat-trace needs --chat-sessions-per-s")
+    sessions = load_chat_sessions(args.chat_trace, token_scale=args.token_scale,
+                                  output_tokens_per_turn=args.output_tokens_per_turn)
+    return ChatWorkload(tuple(sessions), args.chat_sessions_per_s, args.chat_sessions)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
+    add_chat_arguments(parser)
     parser.add_argument("--profile", default=DEFAULT_SIM_PROFILE, choices=sorted(SIM_PROFILES),
                         help=f"cost profile (default: {DEFAULT_SIM_PROFILE})")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES,
-                        help=f"comma-separated policies (default: {DEFAULT_POLICIES})")
+    parser.add_argument("--policies", default=None, metavar="SPECS",
+                        help="comma-separated policy specs NAME or NAME:KEY=VALUE[:KEY=VALUE"
+                             "...], e.g. continuum:estimator=eq2-learned (`continuum serve "
+                             "--help` lists each policy's options; a value holds no ':'); "
+                             "each spec is one row, labelled as written; 'ladder' = the "
+                             f"paper's ablation {ABLATION_LADDER} (default: {DEFAULT_POLICIES})")
+    parser.add_argument("--policy", action="append", default=[], metavar="SPEC",
+                        help="one more policy spec, repeatable, for option values that "
+                             "contain commas; runs after --policies (the default list only "
+                             "if --policies is given)")
     parser.add_argument("--jobs-per-s", type=parse_loads, required=True,
                         help="comma-separated Poisson loads in jobs/s; 'all' = all at once")
-    parser.add_argument("--estimator", default="eq2-empirical",
-                        help="TTL estimator of the continuum policy (default: eq2-empirical)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV pool size (default: what the profile's memory holds)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
+                        help="token budget of a step, the chunked-prefill size; vLLM's "
+                             f"default chunk is {VLLM_DEFAULT_CHUNK:,} (default: 8,192)")
     parser.add_argument("--workers", type=int, default=1,
                         help="simulations run in parallel processes (default: 1)")
     parser.add_argument("--json", default=None, help="write every run's figures here")
     parser.add_argument("--plot", default=None, help="write the JCT-against-load PNG here")
 
 
+@dataclass(frozen=True)
+class _SimTask:
+    jobs: tuple[AgentJobSpec, ...]
+    arrivals_s: tuple[float, ...]
+    chat: ChatLoad
+    settings: SimSettings
+    spec: PolicySpec
+    load: float | None
+
+
 def run_comparison(
-    jobs: list[AgentJobSpec], settings: SimSettings, policies: list[str],
-    loads: list[float | None], *, workers: int = 1,
+    jobs: Sequence[AgentJobSpec], settings: SimSettings, specs: Sequence[PolicySpec],
+    loads: Sequence[float | None], *, workers: int = 1, chat: ChatWorkload | None = None,
 ) -> list[dict]:
-    """One simulation per (policy, load); the runs' figures in (load, policy) order."""
-    tasks = [(jobs, replace(settings, policy=policy), load)
-             for load in loads for policy in policies]
+    """One simulation per (policy spec, load); the runs' figures in (load, spec) order."""
+    tasks = []
+    for load in loads:
+        times = tuple(arrivals_s(len(jobs), load, seed=settings.seed))
+        chat_load = ChatLoad() if chat is None else chat.load_for(times, settings.seed)
+        tasks.extend(
+            _SimTask(tuple(jobs), times, chat_load,
+                     replace(settings, policy=spec.name, policy_options=spec.options), spec, load)
+            for spec in specs
+        )
     if workers <= 1:
         return [_run_one(task) for task in tasks]
     with ProcessPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(_run_one, tasks))
 
 
-def _run_one(task: tuple[list[AgentJobSpec], SimSettings, float | None]) -> dict:
-    jobs, settings, load = task
+def _run_one(task: _SimTask) -> dict:
     started_s = time.perf_counter()
-    metrics = simulate(jobs, arrivals_s(len(jobs), load, seed=settings.seed), settings)
-    return {"policy": settings.policy, "jobs_per_s": load, **metrics.to_dict(),
-            "wall_s": time.perf_counter() - started_s}
+    metrics = simulate(task.jobs, task.arrivals_s, task.settings, task.chat)
+    return {"label": task.spec.label, "policy": task.spec.name,
+            "policy_options": dict(task.spec.options), "jobs_per_s": task.load,
+            **metrics.to_dict(), "wall_s": time.perf_counter() - started_s}
 
 
 def workload_summary(jobs: list[AgentJobSpec]) -> dict:
@@ -132,28 +315,44 @@ def workload_summary(jobs: list[AgentJobSpec]) -> dict:
     }
 
 
+def chat_summary(chat: ChatWorkload) -> dict:
+    """What the chat trace holds (before drawing)."""
+    sessions = chat.sessions
+    num_turns = sum(len(session.turns) for session in sessions)
+    return {"num_sessions_in_trace": len(sessions),
+            "mean_turns": num_turns / len(sessions),
+            "mean_max_seq_len": sum(s.max_seq_len for s in sessions) / len(sessions),
+            "sessions_per_s": chat.sessions_per_s, "num_sessions": chat.num_sessions}
+
+
 def main(args: argparse.Namespace) -> int:
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
-        if not policies:
-            raise ValueError("--policies names no policy")
+        specs = policy_specs(args.policies, args.policy)
+        chat = load_chat(args)
         jobs = load_workload(args)
         settings = SimSettings(
-            policy=policies[0], profile=args.profile,
-            estimator=args.estimator, block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+            policy=specs[0].name, policy_options=specs[0].options, profile=args.profile,
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
         )
-        runs = run_comparison(jobs, settings, policies, args.jobs_per_s, workers=args.workers)
+        runs = run_comparison(jobs, settings, specs, args.jobs_per_s, workers=args.workers,
+                              chat=chat)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     title = f"{Path(args.trace).name} on {args.profile} ({len(jobs)} jobs)"
+    if chat is not None:
+        title += f" with {Path(args.chat_trace).name} sessions at {chat.sessions_per_s:g}/s"
     print(f"{title}\n\n{markdown_table(runs)}")
     if args.json:
+        excluded = ("policy", "policy_options")
         report = {"trace": args.trace, "profile": args.profile,
-                  "settings": {k: v for k, v in asdict(settings).items() if k != "policy"},
+                  "policies": [spec.label for spec in specs],
+                  "settings": {k: v for k, v in asdict(settings).items() if k not in excluded},
                   "workload": workload_summary(jobs), "runs": runs}
+        if chat is not None:
+            report["chat"] = {"trace": args.chat_trace, **chat_summary(chat)}
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:
         plot_jct_vs_load(runs, args.plot, title=title)

@@ -52,7 +52,8 @@ from eval.workload import AgentJobSpec
 # A small pool, so that the lanes' jobs preempt one another and pins are broken under
 # pressure; fixed-2s so that the tiny model's turns are pinned at all (see bench_load).
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "128", "--max-model-len", "1024",
-                      "--estimator", "fixed-2s", "--prefill-profile", "none")
+                      "--policy-option", "estimator=fixed-2s",
+                      "--policy-option", "prefill_profile=none")
 _VIOLATION_MARKER = "AssertionError"
 
 

@@ -5,6 +5,9 @@ A turn's queueing delay runs from its arrival to the step that first scheduled i
 simulator sees it; over HTTP it is unknown); its TTFT from its arrival to its first token.
 The cached-token fraction is the prompt tokens served from the prefix cache (as `usage`
 reports them) over all prompt tokens.
+
+In a mixed run (agent jobs beside plain chat sessions) every job figure counts the agent jobs
+only; the `chat_*` fields describe the chat requests (each turn of each session) apart.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ class RunMetrics:
 
     `tokens_per_s` counts generated tokens; `prompt_tokens_per_s` prompt tokens. The engine
     counters (`preemptions`, pins) are None when the server does not expose them.
-    `busy_fraction` and `leaked_blocks` come from the simulator only.
+    `busy_fraction` (the engine's busy time over the run, chat included) and
+    `leaked_blocks` come from the simulator only. Queueing and TTFT
+    figures are in seconds; `*_queue_s` cover agent turns. The `chat_*` fields are None
+    unless plain chat sessions ran beside the jobs: their sessions, requests (finished
+    turns), and the requests' queueing delay and TTFT percentiles.
     """
 
     num_jobs: int
@@ -67,13 +74,21 @@ class RunMetrics:
     mean_ttft_s: float | None
     p90_ttft_s: float | None
     mean_queue_s: float | None
+    p50_queue_s: float | None
     p90_queue_s: float | None
+    p99_queue_s: float | None
     cached_token_fraction: float
     preemptions: int | None = None
     pins_created: int | None = None
     pins_released: dict[str, int] | None = None
     busy_fraction: float | None = None
     leaked_blocks: int | None = None
+    chat_num_sessions: int | None = None
+    chat_num_requests: int | None = None
+    chat_queue_p50_s: float | None = None
+    chat_queue_p99_s: float | None = None
+    chat_ttft_p50_s: float | None = None
+    chat_ttft_p99_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,8 +112,12 @@ def mean(values: Sequence[float]) -> float | None:
 def summarize_run(
     jobs: Sequence[JobRecord], stats: EngineStats | None = None, *,
     busy_s: float | None = None, leaked_blocks: int | None = None,
+    chat: Sequence[JobRecord] | None = None,
 ) -> RunMetrics:
-    """The run's figures from its job records, and the engine's counters when known."""
+    """The run's figures from its job records, and the engine's counters when known; `chat`
+    holds the records of plain chat sessions run beside the jobs, if any. `busy_s` is the
+    engine's busy time over the whole run, from the first arrival to the last finish of a job
+    or session."""
     jcts = [job.jct_s for job in jobs if job.jct_s is not None]
     turns = [turn for job in jobs for turn in job.turns]
     start_s = min((job.arrival_s for job in jobs), default=0.0)
@@ -124,7 +143,9 @@ def summarize_run(
         mean_ttft_s=mean(ttfts),
         p90_ttft_s=percentile(ttfts, 90),
         mean_queue_s=mean(queues),
+        p50_queue_s=percentile(queues, 50),
         p90_queue_s=percentile(queues, 90),
+        p99_queue_s=percentile(queues, 99),
         cached_token_fraction=(
             sum(turn.num_cached_tokens for turn in turns) / num_prompt_tokens
             if num_prompt_tokens else 0.0
@@ -132,6 +153,28 @@ def summarize_run(
         preemptions=None if stats is None else stats.num_preemptions,
         pins_created=None if stats is None else stats.num_pins_created,
         pins_released=None if stats is None else dict(stats.pins_released),
-        busy_fraction=None if busy_s is None or makespan_s <= 0 else busy_s / makespan_s,
+        busy_fraction=_busy_fraction(busy_s, [*jobs, *(chat or ())]),
         leaked_blocks=leaked_blocks,
+        **({} if chat is None else chat_figures(chat)),
     )
+
+
+def _busy_fraction(busy_s: float | None, records: Sequence[JobRecord]) -> float | None:
+    start_s = min((record.arrival_s for record in records), default=0.0)
+    end_s = max((r.finished_s for r in records if r.finished_s is not None), default=start_s)
+    return None if busy_s is None or end_s <= start_s else busy_s / (end_s - start_s)
+
+
+def chat_figures(sessions: Sequence[JobRecord]) -> dict[str, int | float | None]:
+    """The `chat_*` fields of `RunMetrics` from the chat sessions' records."""
+    turns = [turn for session in sessions for turn in session.turns]
+    queues = [turn.queue_s for turn in turns if turn.queue_s is not None]
+    ttfts = [turn.ttft_s for turn in turns]
+    return {
+        "chat_num_sessions": len(sessions),
+        "chat_num_requests": len(turns),
+        "chat_queue_p50_s": percentile(queues, 50),
+        "chat_queue_p99_s": percentile(queues, 99),
+        "chat_ttft_p50_s": percentile(ttfts, 50),
+        "chat_ttft_p99_s": percentile(ttfts, 99),
+    }

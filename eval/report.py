@@ -1,7 +1,9 @@
 """Reports of policy comparisons: a markdown table per workload and a JCT-against-load plot.
 
-A run is a dict with `policy`, `jobs_per_s` and the `RunMetrics` fields, as in the `--json`
-output of `continuum bench sim` and `continuum bench agent`.
+A run is a dict with `label` (the policy spec as written; `policy` where a run has no label),
+`jobs_per_s` and the `RunMetrics` fields, as in the `--json` output of `continuum bench sim`
+and `continuum bench agent`. Runs with plain chat sessions beside the jobs (`chat_*` figures)
+get the chat requests' queueing and TTFT columns.
 """
 
 from __future__ import annotations
@@ -12,8 +14,17 @@ from pathlib import Path
 BASELINE_POLICY = "fcfs"
 
 
+def run_label(run: dict) -> str:
+    """The name of the run's row and line: its label, else its policy."""
+    return str(run.get("label") or run["policy"])
+
+
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def _fine_seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _load(value: float | None) -> str:
@@ -21,59 +32,76 @@ def _load(value: float | None) -> str:
 
 
 def speedup(runs: Sequence[dict], run: dict, metric: str = "mean_jct_s") -> float | None:
-    """`metric` of the baseline policy at the same load over the run's (>1: the run is
-    faster); None without a baseline run."""
-    baseline = next((other for other in runs if other["policy"] == BASELINE_POLICY
+    """`metric` of the baseline run (labelled `fcfs`) at the same load over the run's (>1:
+    the run is faster); None without a baseline run."""
+    baseline = next((other for other in runs if run_label(other) == BASELINE_POLICY
                      and other["jobs_per_s"] == run["jobs_per_s"]), None)
     if baseline is None or not baseline.get(metric) or not run.get(metric):
         return None
     return baseline[metric] / run[metric]
 
 
-def markdown_table(runs: Sequence[dict]) -> str:
-    """One row per (load, policy), loads ascending, policies in run order."""
-    lines = [
-        "| jobs/s | policy | mean JCT (s) | p90 JCT (s) | p99 JCT (s) | vs fcfs (mean) "
-        "| mean queueing (s) | cached tokens | preemptions |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+def _has_chat(runs: Sequence[dict]) -> bool:
+    return any(run.get("chat_num_requests") is not None for run in runs)
+
+
+def _row(runs: Sequence[dict], run: dict, with_chat: bool) -> str:
+    ratio = speedup(runs, run)
+    cells = [
+        _load(run["jobs_per_s"]), run_label(run), _seconds(run["mean_jct_s"]),
+        _seconds(run["p90_jct_s"]), _seconds(run["p99_jct_s"]),
+        "-" if ratio is None else f"{ratio:.2f}x", _fine_seconds(run["mean_queue_s"]),
+        f"{run['cached_token_fraction']:.1%}",
+        "-" if run["preemptions"] is None else str(run["preemptions"]),
     ]
+    if with_chat:
+        cells += [
+            f"{_fine_seconds(run.get('chat_queue_p50_s'))} / "
+            f"{_fine_seconds(run.get('chat_queue_p99_s'))}",
+            f"{_fine_seconds(run.get('chat_ttft_p50_s'))} / "
+            f"{_fine_seconds(run.get('chat_ttft_p99_s'))}",
+        ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(runs: Sequence[dict]) -> str:
+    """One row per (load, policy spec), loads ascending, specs in run order; with chat
+    sessions, their requests' queueing and TTFT p50 / p99 (seconds) too."""
+    with_chat = _has_chat(runs)
+    header = ("| jobs/s | policy | mean JCT (s) | p90 JCT (s) | p99 JCT (s) | vs fcfs (mean) "
+              "| mean queueing (s) | cached tokens | preemptions |")
+    rule = "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    if with_chat:
+        header += " chat queueing p50 / p99 (s) | chat TTFT p50 / p99 (s) |"
+        rule += "---:|---:|"
+    lines = [header, rule]
     loads = sorted({run["jobs_per_s"] for run in runs}, key=lambda v: (v is not None, v or 0))
     for load in loads:
-        for run in (run for run in runs if run["jobs_per_s"] == load):
-            ratio = speedup(runs, run)
-            queue_s = run["mean_queue_s"]
-            lines.append(
-                f"| {_load(load)} | {run['policy']} | {_seconds(run['mean_jct_s'])} "
-                f"| {_seconds(run['p90_jct_s'])} | {_seconds(run['p99_jct_s'])} "
-                f"| {'-' if ratio is None else f'{ratio:.2f}x'} "
-                f"| {'-' if queue_s is None else f'{queue_s:.2f}'} "
-                f"| {run['cached_token_fraction']:.1%} "
-                f"| {'-' if run['preemptions'] is None else run['preemptions']} |"
-            )
+        lines.extend(_row(runs, run, with_chat) for run in runs if run["jobs_per_s"] == load)
     return "\n".join(lines)
 
 
 def plot_jct_vs_load(runs: Sequence[dict], path: str | Path, *, title: str) -> None:
-    """A PNG: mean and p90 job completion time against load, one line per policy."""
+    """A PNG: mean and p90 job completion time against load, one line per policy spec."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    policies = list(dict.fromkeys(run["policy"] for run in runs))
+    labels = list(dict.fromkeys(run_label(run) for run in runs))
     figure, axes = pyplot.subplots(1, 2, figsize=(11, 4), sharex=True)
-    for metric, axis, label in (("mean_jct_s", axes[0], "mean JCT (s)"),
-                                ("p90_jct_s", axes[1], "p90 JCT (s)")):
-        for policy in policies:
+    for metric, axis, axis_label in (("mean_jct_s", axes[0], "mean JCT (s)"),
+                                     ("p90_jct_s", axes[1], "p90 JCT (s)")):
+        for label in labels:
             points = sorted((run["jobs_per_s"], run[metric]) for run in runs
-                            if run["policy"] == policy and run["jobs_per_s"] is not None
+                            if run_label(run) == label and run["jobs_per_s"] is not None
                             and run[metric] is not None)
             if points:
-                axis.plot(*zip(*points, strict=True), marker="o", label=policy)
+                axis.plot(*zip(*points, strict=True), marker="o", label=label)
         axis.set_xlabel("load (jobs/s)")
-        axis.set_ylabel(label)
+        axis.set_ylabel(axis_label)
         axis.grid(alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(fontsize="small")
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -4,7 +4,13 @@ The real scheduler, policy, estimator and KV cache run unchanged; the `simulated
 prices each step with a roofline profile and advances the virtual clock by that time instead
 of sleeping. Jobs arrive at given times; each turn's prompt extends the previous one with its
 generated tokens and freshly drawn appended tokens; a finished turn's next turn arrives after
-its tool duration. Everything is seeded, so a run is deterministic.
+its tool duration. Plain chat sessions may run beside the jobs: their turns carry no job (so
+nothing of theirs is pinned), extend the session's previous prompt and output the same way,
+and the next one arrives the recorded gap after the previous turn's arrival, or when the
+previous turn finishes if that is later. Everything is seeded, so a run is deterministic.
+
+The `continuum-oracle` policy is given the true duration of the tool that follows each agent
+turn, looked up by request id.
 """
 
 from __future__ import annotations
@@ -12,26 +18,24 @@ from __future__ import annotations
 import heapq
 import random
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    EstimatorConfig,
-    ModelConfig,
-    SchedulerConfig,
-    TraceConfig,
-)
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TraceConfig
 from engine.core.engine_core import EngineCore
 from engine.core.wire import EngineCoreRequest
 from engine.executor.simulated import SimulatedExecutor
 from engine.request import JobInfo, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.scheduler.policy import SchedulingPolicy
+from engine.scheduler.registry import make_policy
 from eval.metrics import JobRecord, RunMetrics, TurnRecord, summarize_run
-from eval.workload import AgentJobSpec
+from eval.workload import AgentJobSpec, ChatSessionSpec, ChatTurnSpec, TurnSpec
 
 # How far the virtual clock moves when a step can schedule nothing (as an idle engine polls).
 IDLE_STEP_S = 0.001
+# The policy that is told each tool's true duration (`tool_duration_s=` when built).
+ORACLE_POLICY = "continuum-oracle"
 
 
 class VirtualClock:
@@ -49,13 +53,15 @@ class VirtualClock:
 
 @dataclass(frozen=True)
 class SimSettings:
-    """One simulated run: the engine's policy and limits, the cost profile, and the seed of
-    the prompts' token ids. `num_kv_blocks=None` sizes the pool from the profile's memory.
-    `check_invariants` checks the scheduler after every step (slow; for tests)."""
+    """One simulated run: the engine's policy with its options (`KEY`, `VALUE` string pairs,
+    as the policy takes them), limits (`max_num_batched_tokens` is the token budget of a step,
+    the chunked-prefill size), the cost profile, and the seed of the prompts' token ids.
+    `num_kv_blocks=None` sizes the pool from the profile's memory. `check_invariants` checks
+    the scheduler after every step (slow; for tests)."""
 
     policy: str
+    policy_options: tuple[tuple[str, str], ...] = ()
     profile: str = "h100-llama3.1-8b"
-    estimator: str = "eq2-empirical"
     block_size: int = 16
     num_kv_blocks: int | None = None
     max_num_seqs: int = 256
@@ -72,25 +78,37 @@ class SimSettings:
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs, policy=self.policy,
+                policy_options=dict(self.policy_options),
             ),
-            estimator=EstimatorConfig(name=self.estimator),
             trace=TraceConfig(path=self.trace_path),
             executor="simulated",
             sim_profile=self.profile,
         )
 
 
+@dataclass(frozen=True)
+class ChatLoad:
+    """Plain chat sessions run beside the jobs, the i-th arriving at `arrivals_s[i]`."""
+
+    sessions: tuple[ChatSessionSpec, ...] = ()
+    arrivals_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.sessions) != len(self.arrivals_s):
+            raise ValueError("need one arrival time per chat session")
+
+
 @dataclass(order=True)
 class _TurnArrival:
     time_s: float
     order: int
-    job_index: int = field(compare=False)
+    stream: int = field(compare=False)
     turn_index: int = field(compare=False)
 
 
 @dataclass
 class _LiveTurn:
-    job_index: int
+    stream: int
     turn_index: int
     prompt: list[int]
     arrival_s: float
@@ -101,31 +119,51 @@ class _LiveTurn:
 
 
 class Simulation:
-    """Runs `jobs` arriving at `arrivals_s` (parallel lists) through one engine core."""
+    """Runs `jobs` arriving at `arrivals_s` (parallel lists), and the `chat` sessions, through
+    one engine core. After `run`, `records` holds each job's turns, then each session's."""
 
     def __init__(
-        self, jobs: list[AgentJobSpec], arrivals_s: list[float], settings: SimSettings
+        self, jobs: Sequence[AgentJobSpec], arrivals_s: Sequence[float], settings: SimSettings,
+        chat: ChatLoad = ChatLoad(),
     ) -> None:
         if len(jobs) != len(arrivals_s) or not jobs:
             raise ValueError("need one arrival time per job, and at least one job")
-        self.jobs = jobs
-        self.arrivals_s = arrivals_s
+        self.jobs = list(jobs)
+        self.sessions = list(chat.sessions)
+        ids = [job.job_id for job in self.jobs] + [s.session_id for s in self.sessions]
+        if len(set(ids)) != len(ids):
+            raise ValueError("job and chat session ids must be distinct")
         self.settings = settings
         self.clock = VirtualClock()
-        config = settings.engine_config(_round_up(max(j.max_seq_len for j in jobs), 16))
+        longest = max(item.max_seq_len for item in [*self.jobs, *self.sessions])
+        config = settings.engine_config(_round_up(longest, 16))
         self.executor = SimulatedExecutor(config, sleep=self.clock.advance)
-        self.core = EngineCore(config, executor=self.executor, clock=self.clock)
-        self._events = [_TurnArrival(t, i, i, 0) for i, t in enumerate(arrivals_s)]
+        self._tool_durations_s: dict[str, float | None] = {}
+        self.core = EngineCore(config, executor=self.executor, clock=self.clock,
+                               policy=self._make_policy())
+        starts = [*arrivals_s, *chat.arrivals_s]
+        self._events = [_TurnArrival(t, i, i, 0) for i, t in enumerate(starts)]
         heapq.heapify(self._events)
         self._num_events = len(self._events)
         self._live: dict[str, _LiveTurn] = {}
         self._unstarted: set[str] = set()
         self._contexts: dict[int, list[int]] = {}
-        self._records = [JobRecord(job.job_id, arrival_s) for job, arrival_s
-                         in zip(jobs, arrivals_s, strict=True)]
+        self.records = [JobRecord(stream_id, start_s)
+                         for stream_id, start_s in zip(ids, starts, strict=True)]
+
+    def _make_policy(self) -> SchedulingPolicy:
+        name, options = self.settings.policy, dict(self.settings.policy_options)
+        if name == ORACLE_POLICY:
+            return make_policy(name, options, tool_duration_s=self.true_tool_duration_s)
+        return make_policy(name, options)
+
+    def true_tool_duration_s(self, request_id: str) -> float | None:
+        """Seconds of the tool that runs after the agent turn `request_id`; None after a
+        job's last turn, for a chat request, or for an id never submitted."""
+        return self._tool_durations_s.get(request_id)
 
     def run(self) -> RunMetrics:
-        """Runs every job to its end; the figures of the run."""
+        """Runs every job and session to its end; the figures of the run."""
         core = self.core
         num_steps = 0
         try:
@@ -145,31 +183,43 @@ class Simulation:
             )
         finally:
             core.shutdown()
-        return summarize_run(self._records, stats, busy_s=self.executor.busy_s,
-                             leaked_blocks=leaked_blocks)
+        num_jobs = len(self.jobs)
+        return summarize_run(self.records[:num_jobs], stats, busy_s=self.executor.busy_s,
+                             leaked_blocks=leaked_blocks,
+                             chat=self.records[num_jobs:] if self.sessions else None)
 
     def _submit_due_turns(self) -> None:
         while self._events and self._events[0].time_s <= self.clock.now_s:
             event = heapq.heappop(self._events)
-            self._submit(event.job_index, event.turn_index)
+            self._submit(event.stream, event.turn_index)
 
-    def _submit(self, job_index: int, turn_index: int) -> None:
-        job = self.jobs[job_index]
-        turn = job.turns[turn_index]
-        rng = random.Random(zlib.crc32(f"{self.settings.seed}:{job.job_id}:{turn_index}".encode()))
+    def _submit(self, stream: int, turn_index: int) -> None:
+        stream_id = self.records[stream].job_id
+        turn, job_info = self._turn(stream, turn_index)
+        rng = random.Random(zlib.crc32(f"{self.settings.seed}:{stream_id}:{turn_index}".encode()))
         vocab_size = self.core.vocab_size
-        prompt = self._contexts.pop(job_index, []) + [
+        prompt = self._contexts.pop(stream, []) + [
             rng.randrange(vocab_size) for _ in range(turn.num_appended_tokens)
         ]
-        request_id = f"{job.job_id}#{turn_index}"
-        is_last = turn_index == len(job.turns) - 1
+        request_id = f"{stream_id}#{turn_index}"
+        if job_info is not None:
+            self._tool_durations_s[request_id] = self.jobs[stream].turns[turn_index].tool_duration_s
         self.core.add_request(EngineCoreRequest(
             request_id=request_id, prompt_token_ids=prompt,
             sampling_params=SamplingParams(max_tokens=turn.num_output_tokens, ignore_eos=True),
-            job=JobInfo(job_id=job.job_id, is_last_step=is_last, tool_name=turn.tool_name),
+            job=job_info,
         ))
-        self._live[request_id] = _LiveTurn(job_index, turn_index, prompt, self.clock.now_s)
+        self._live[request_id] = _LiveTurn(stream, turn_index, prompt, self.clock.now_s)
         self._unstarted.add(request_id)
+
+    def _turn(self, stream: int, turn_index: int) -> tuple[TurnSpec | ChatTurnSpec, JobInfo | None]:
+        """The turn's token counts, and its job (None for a chat request)."""
+        if stream >= len(self.jobs):
+            return self.sessions[stream - len(self.jobs)].turns[turn_index], None
+        job = self.jobs[stream]
+        turn = job.turns[turn_index]
+        return turn, JobInfo(job_id=job.job_id, is_last_step=turn_index == len(job.turns) - 1,
+                             tool_name=turn.tool_name)
 
     def _step(self) -> None:
         core = self.core
@@ -202,9 +252,7 @@ class Simulation:
         live = self._live.pop(request_id)
         self._unstarted.discard(request_id)
         now_s = self.clock.now_s
-        job = self.jobs[live.job_index]
-        turn = job.turns[live.turn_index]
-        record = self._records[live.job_index]
+        record = self.records[live.stream]
         started_s = now_s if live.started_s is None else live.started_s
         record.turns.append(TurnRecord(
             queue_s=started_s - live.arrival_s,
@@ -212,20 +260,31 @@ class Simulation:
             num_prompt_tokens=len(live.prompt), num_cached_tokens=live.num_cached_tokens,
             num_output_tokens=len(live.output),
         ))
-        if turn.tool_duration_s is None:
+        next_s = self._next_arrival_s(live, now_s)
+        if next_s is None:
             record.finished_s = now_s
             return
-        self._contexts[live.job_index] = live.prompt + live.output
-        heapq.heappush(self._events, _TurnArrival(now_s + turn.tool_duration_s, self._num_events,
-                                                  live.job_index, live.turn_index + 1))
+        self._contexts[live.stream] = live.prompt + live.output
+        heapq.heappush(self._events, _TurnArrival(next_s, self._num_events, live.stream,
+                                                  live.turn_index + 1))
         self._num_events += 1
+
+    def _next_arrival_s(self, live: _LiveTurn, now_s: float) -> float | None:
+        """When the turn after `live` (which finished at `now_s`) arrives; None if it was the
+        last of its job or session."""
+        if live.stream < len(self.jobs):
+            tool_s = self.jobs[live.stream].turns[live.turn_index].tool_duration_s
+            return None if tool_s is None else now_s + tool_s
+        gap_s = self.sessions[live.stream - len(self.jobs)].turns[live.turn_index].gap_s
+        return None if gap_s is None else max(now_s, live.arrival_s + gap_s)
 
 
 def simulate(
-    jobs: list[AgentJobSpec], arrivals_s: list[float], settings: SimSettings
+    jobs: Sequence[AgentJobSpec], arrivals_s: Sequence[float], settings: SimSettings,
+    chat: ChatLoad = ChatLoad(),
 ) -> RunMetrics:
     """Runs one simulation; see `Simulation`."""
-    return Simulation(jobs, arrivals_s, settings).run()
+    return Simulation(jobs, arrivals_s, settings, chat).run()
 
 
 def _round_up(value: int, multiple: int) -> int:

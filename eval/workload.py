@@ -12,21 +12,44 @@ The loader fills what a trace lacks, deterministically for a seed:
   records nothing, appends the job's mean appended count;
 - a prompt that shrinks (a client that trimmed its context) appends nothing.
 Token counts marked `est` (estimated from characters) are used as they are; the job says so.
+
+Turn scaling (`LoadOptions.repeat_turns = K`, the paper's experiment): each job's turns are
+repeated K times in sequence, each token count (appended and generated) divided by K, rounded,
+and kept at least 1 where it was not 0; tool durations are kept. The join between two
+repetitions follows the original last turn, which called no tool: it takes the job's median
+tool call (the lower median of its non-final turns by duration, the earlier turn on ties),
+its duration and its tool name; a one-turn job takes the median call of all the trace's jobs
+in the same way, and a trace with no tool call at all joins with 0 s and no tool.
+
+Drawing (`draw_jobs`, `draw_sessions`): N jobs (or chat sessions) drawn uniformly with
+replacement, seeded; the k-th draw (from 0) of job `J` is renamed `J~k`, so every draw is a
+distinct job.
+
+Chat sessions (`load_chat_sessions`): the same format read as plain chat, such as the Mooncake
+conversation sessions. A session's turns are requests without a job; each prompt extends the
+previous prompt and output by the turn's appended tokens (a shrinking prompt appends nothing,
+as above). The gap between two turns is the difference of their `t_arrival_s`, else the later
+turn's `gap_from_parent_arrival_s` (the session is replayed as one linear conversation even
+where the trace branches from an earlier turn); a replay sends the next turn that long after
+the previous one arrived, but never before the previous answer is complete.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import random
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 QUANTILE_LEVELS = (("p10", 0.10), ("p25", 0.25), ("p50", 0.50), ("p75", 0.75), ("p90", 0.90),
                    ("p95", 0.95), ("p99", 0.99))
 ALL_TOOLS = "ALL"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,16 +137,18 @@ def _inverse_cdf(name: str, quantiles: Mapping[str, float]) -> tuple[list[float]
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How a trace becomes jobs: at most `max_jobs` jobs (in file order) of at most
+    """How a trace becomes jobs: at most `max_jobs` jobs (the first in file order) of at most
     `max_turns` turns (the cut turn becomes the last); `output_tokens_per_turn` splits
     `context_tokens_after`; `token_scale` multiplies every token count (rounded, at least one
-    generated token per turn), to fit a small model; `seed` drives the synthesis of missing
-    tool durations."""
+    generated token per turn), to fit a small model; `repeat_turns` repeats each job's turns
+    that many times with token counts divided by it (see the module docstring); `seed` drives
+    the synthesis of missing tool durations."""
 
     max_jobs: int | None = None
     max_turns: int | None = None
     output_tokens_per_turn: int = 80
     token_scale: float = 1.0
+    repeat_turns: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -135,6 +160,8 @@ class LoadOptions:
             raise ValueError("output_tokens_per_turn must be >= 1")
         if not 0 < self.token_scale < float("inf"):
             raise ValueError(f"token_scale must be a positive number, got {self.token_scale!r}")
+        if self.repeat_turns < 1:
+            raise ValueError(f"repeat_turns must be >= 1, got {self.repeat_turns}")
 
 
 def load_jobs(
@@ -152,7 +179,142 @@ def load_jobs(
             jobs.append(_parse_job(record, options, tool_durations, first_prompt_default))
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{path}:{line_number}: not an agent job: {error}") from error
-    return jobs
+    if options.repeat_turns == 1:
+        return jobs
+    pooled = _median_tool_call([turn for job in jobs for turn in job.turns[:-1]])
+    return [repeat_turns(job, options.repeat_turns, _median_tool_call(job.turns[:-1]) or pooled)
+            for job in jobs]
+
+
+def repeat_turns(
+    job: AgentJobSpec, times: int, join: tuple[str | None, float] | None
+) -> AgentJobSpec:
+    """The job with its turns repeated `times` times, token counts divided by `times`; the
+    original last turn, where it is not the job's last, calls `join` (tool name, seconds;
+    None: no tool, 0 s)."""
+    if times < 1:
+        raise ValueError(f"times must be >= 1, got {times}")
+    scaled = tuple(TurnSpec(_divide(turn.num_appended_tokens, times),
+                            _divide(turn.num_output_tokens, times),
+                            turn.tool_name, turn.tool_duration_s) for turn in job.turns)
+    tool_name, duration_s = join or (None, 0.0)
+    joined = (*scaled[:-1], TurnSpec(scaled[-1].num_appended_tokens,
+                                     scaled[-1].num_output_tokens, tool_name, duration_s))
+    return dataclasses.replace(job, turns=joined * (times - 1) + scaled)
+
+
+def _divide(count: int, times: int) -> int:
+    """`count / times` rounded; at least 1 unless `count` is 0."""
+    return 0 if count == 0 else max(1, round(count / times))
+
+
+def _median_tool_call(turns: Sequence[TurnSpec]) -> tuple[str | None, float] | None:
+    """The lower-median tool call of `turns` by duration (the earlier turn on ties), as
+    (tool name, seconds); None if no turn calls a tool."""
+    calls = sorted(((turn.tool_duration_s, index, turn.tool_name)
+                    for index, turn in enumerate(turns) if turn.tool_duration_s is not None),
+                   key=lambda call: (call[0], call[1]))
+    if not calls:
+        return None
+    duration_s, _, tool_name = calls[(len(calls) - 1) // 2]
+    return tool_name, duration_s
+
+
+def draw_with_replacement(items: Sequence[T], count: int, *, seed: int,
+                          salt: str = "jobs") -> list[tuple[int, T]]:
+    """`count` items drawn uniformly with replacement, as (draw index from 0, item); the same
+    `seed` and `salt` give the same draws, and a larger `count` extends a smaller one's."""
+    if count < 1:
+        raise ValueError(f"the number of draws must be >= 1, got {count}")
+    if not items:
+        raise ValueError("nothing to draw from")
+    rng = random.Random(zlib.crc32(f"{salt}:{seed}".encode()))
+    return [(k, items[rng.randrange(len(items))]) for k in range(count)]
+
+
+def draw_jobs(jobs: Sequence[AgentJobSpec], count: int, *, seed: int) -> list[AgentJobSpec]:
+    """`count` jobs drawn with replacement; the k-th draw of job `J` is renamed `J~k`."""
+    return [dataclasses.replace(job, job_id=f"{job.job_id}~{k}")
+            for k, job in draw_with_replacement(jobs, count, seed=seed)]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurnSpec:
+    """One chat request: `num_appended_tokens` new prompt tokens, exactly `num_output_tokens`
+    generated; `gap_s` seconds from its arrival to the next turn's (None on the last)."""
+
+    num_appended_tokens: int
+    num_output_tokens: int
+    gap_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSessionSpec:
+    """A plain chat session: turns sent without a job, each extending the previous one."""
+
+    session_id: str
+    turns: tuple[ChatTurnSpec, ...]
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence: every turn's appended and generated tokens."""
+        return sum(turn.num_appended_tokens + turn.num_output_tokens for turn in self.turns)
+
+
+def load_chat_sessions(
+    path: str | Path, *, token_scale: float = 1.0, output_tokens_per_turn: int = 80,
+) -> list[ChatSessionSpec]:
+    """The sessions of an agent-job JSONL file read as plain chat (see the module docstring);
+    `token_scale` as for jobs. ValueError naming the line of a record that is not a session
+    or whose later turns record no arrival time."""
+    records = _read_records(path, None)
+    first_prompt_default = _median_first_prompt(records, output_tokens_per_turn)
+    sessions = []
+    for line_number, record in records:
+        try:
+            sessions.append(_parse_session(record, token_scale, output_tokens_per_turn,
+                                           first_prompt_default))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path}:{line_number}: not a chat session: {error}") from error
+    return sessions
+
+
+def draw_sessions(
+    sessions: Sequence[ChatSessionSpec], count: int, *, seed: int
+) -> list[ChatSessionSpec]:
+    """`count` sessions drawn with replacement (independently of `draw_jobs` for the same
+    seed); the k-th draw of session `S` is renamed `S~k`."""
+    return [dataclasses.replace(session, session_id=f"{session.session_id}~{k}")
+            for k, session in draw_with_replacement(sessions, count, seed=seed, salt="chat")]
+
+
+def _parse_session(
+    data: dict, token_scale: float, output_per_turn: int, first_prompt_default: int
+) -> ChatSessionSpec:
+    turns = data["turns"]
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("turns must be a non-empty list")
+    counts = _token_counts(turns, output_per_turn, first_prompt_default)
+    gaps = [*(_gap_s(turns, index) for index in range(1, len(turns))), None]
+    specs = tuple(
+        ChatTurnSpec(max(1 if index == 0 else 0, round(appended * token_scale)),
+                     max(1, round(output * token_scale)), gap_s)
+        for index, ((appended, output), gap_s) in enumerate(zip(counts, gaps, strict=True))
+    )
+    return ChatSessionSpec(str(data["job_id"]), specs)
+
+
+def _gap_s(turns: list[dict], index: int) -> float:
+    """Seconds from turn `index - 1`'s arrival to turn `index`'s."""
+    turn, previous = turns[index], turns[index - 1]
+    if turn.get("t_arrival_s") is not None and previous.get("t_arrival_s") is not None:
+        gap_s = float(turn["t_arrival_s"]) - float(previous["t_arrival_s"])
+    elif turn.get("gap_from_parent_arrival_s") is not None:
+        gap_s = float(turn["gap_from_parent_arrival_s"])
+    else:
+        raise ValueError(f"turn {index} records neither t_arrival_s nor "
+                         "gap_from_parent_arrival_s")
+    return max(0.0, gap_s)
 
 
 def _read_records(path: str | Path, max_jobs: int | None) -> list[tuple[int, dict]]:

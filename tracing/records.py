@@ -133,7 +133,8 @@ class TTLInputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     `source` names the rule: for Eq. 2 the distribution that decided (`cold-start`, `tool`,
     `pooled`, `learned`), else the policy's rule (`fixed`, `constant`, `until-next-turn`).
     Eq. 2's inputs, when it decided: `num_samples` of the distribution, `queueing_delay_s`
-    (T), `eta`, `rebuild_s` (R) and `benefit_s` (T * eta + R).
+    (T), `eta`, `rebuild_s` (R) and `benefit_s` (T * eta + R). `declined_by` names what
+    overruled a positive TTL (`pin-cap`: the pins' share of the pool was full).
     """
 
     ttl_s: float | None
@@ -144,6 +145,7 @@ class TTLInputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     eta: float | None = None
     rebuild_s: float | None = None
     benefit_s: float | None = None
+    declined_by: str | None = None
 
 
 class PinPinned(Event, tag="pin_pinned", kw_only=True):

@@ -112,15 +112,7 @@ def _forwarded_flags(args: argparse.Namespace) -> list[str]:
              "--output-len", *map(str, args.output_len)]
     for name in _WORKLOAD_FLAGS:
         flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for name, value in vars(args).items():
-        if name not in EngineArgs.__dataclass_fields__ or value is None:
-            continue
-        flag = name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(f"--{flag}" if value else f"--no-{flag}")
-        else:
-            flags += [f"--{flag}", str(value)]
-    return flags
+    return flags + EngineArgs.cli_flags(args)
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:

@@ -50,7 +50,8 @@ class EngineCore:
         self.num_steps = 0
         self.scheduler = Scheduler(
             config.scheduler, config.cache,
-            make_policy(config.scheduler.policy) if policy is None else policy,
+            make_policy(config.scheduler.policy, config.scheduler.policy_options)
+            if policy is None else policy,
             num_kv_blocks=self.executor.num_kv_blocks, clock=clock,
             environment=self._policy_environment(),
             tracer=None if config.trace.path is None else SchedulerTracer(
@@ -71,7 +72,7 @@ class EngineCore:
                                   prefill_profile_lengths(self.config.scheduler)),
                 is_serving=lambda: self.num_steps > 0,
             )
-        return PolicyEnvironment(estimator=self.config.estimator, profile_prefill=profile_prefill,
+        return PolicyEnvironment(profile_prefill=profile_prefill,
                                  decode=load_decoder(self.config.model.model))
 
     def add_request(self, core_request: EngineCoreRequest) -> None:

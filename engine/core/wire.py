@@ -15,7 +15,6 @@ import msgspec
 from engine.outputs import EngineCoreOutput
 from engine.request import JobInfo
 from engine.sampling_params import SamplingParams
-from engine.scheduler.policy import PolicyJobState
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True, omit_defaults=True):
@@ -145,4 +144,4 @@ class JobState(msgspec.Struct, kw_only=True):
     job_id: str
     num_unfinished_requests: int
     pin: PinState | None = None
-    policy: PolicyJobState | None = None
+    policy: dict[str, Any] | None = None

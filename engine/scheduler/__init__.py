@@ -4,7 +4,8 @@ from engine.scheduler.output import CachedRequestData, NewRequestData, Scheduler
 from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
 from engine.scheduler.policy import (
     BasePolicy,
-    PolicyJobState,
+    PolicyEnvironment,
+    Retention,
     SchedulerView,
     SchedulingPolicy,
     Victim,
@@ -20,10 +21,11 @@ __all__ = [
     "FCFSPolicy",
     "FCFSRequestQueue",
     "NewRequestData",
-    "PolicyJobState",
+    "PolicyEnvironment",
     "PriorityPolicy",
     "PriorityRequestQueue",
     "RequestQueue",
+    "Retention",
     "Scheduler",
     "SchedulerOutput",
     "SchedulerView",

@@ -2,43 +2,43 @@
 
 A policy decides the order of waiting requests, whether a finished turn's blocks are retained
 (pinned, with a TTL), which running request or pin gives way under memory pressure, and which
-pins to release so that a waiting request can be admitted. The scheduler calls it; the policy
-acts on the scheduler only through `SchedulerView`.
+pins to release so that a waiting request can be admitted. The scheduler calls it and acts on
+what its hooks return; the policy acts on the scheduler only through `SchedulerView`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
-import msgspec
-
-from engine.config import EstimatorConfig
 from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.request import Request
+from engine.scheduler.options import parse_options
 from engine.scheduler.request_queue import RequestQueue
-from engine.scheduler.tracer import SchedulerTracer
+from tracing.records import TTLInputs
 
 Victim = Request | Pin
+JobBooks = dict[str, Any]
 
 
-class PolicyJobState(msgspec.Struct, kw_only=True):
-    """A job-aware policy's books on one job; times are seconds on the scheduler's clock.
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """A policy's decision on a finished turn of a job: pin its cached blocks for `ttl_s`
+    seconds (> 0; `math.inf` holds them until released), or not at all (0). `inputs` say
+    why, for the trace (a pin is then traced as pinned or declined)."""
 
-    `pins_released` counts the job's pins by `PinReleaseReason` value; `last_ttl_s` is the
-    TTL the policy chose for the job's latest retained turn; `last_tool_name` the tool its
-    latest finished turn called, as the policy understood it (None: unknown).
-    """
+    ttl_s: float
+    inputs: TTLInputs
 
-    first_arrival_s: float
-    last_active_s: float
-    num_turns_arrived: int
-    num_turns_finished: int
-    num_pins_created: int
-    pins_released: dict[str, int]
-    last_ttl_s: float | None = None
-    last_tool_name: str | None = None
+    def __post_init__(self) -> None:
+        if math.isnan(self.ttl_s) or self.ttl_s < 0:
+            raise ValueError(f"a retention ttl_s must be >= 0, got {self.ttl_s!r}")
+
+    @property
+    def pins(self) -> bool:
+        return self.ttl_s > 0
 
 
 @dataclass(frozen=True)
@@ -46,14 +46,12 @@ class PolicyEnvironment:
     """What the engine offers a policy beyond the scheduler's state; built by the engine core
     and fixed for the scheduler's life.
 
-    - `estimator`: how to set up a TTL estimator, for policies that use one.
     - `profile_prefill`: measures (num_tokens, seconds) of prefills on the device (None when
       the executor cannot); only callable from `bind`, before any request holds blocks.
     - `decode`: token ids to text with the model's tokenizer (None without one), so a policy
       can read which tool a turn called.
     """
 
-    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     profile_prefill: Callable[[], list[tuple[int, float]]] | None = None
     decode: Callable[[Sequence[int]], str] | None = None
 
@@ -77,13 +75,18 @@ class SchedulerView(Protocol):
         ...
 
     @property
-    def environment(self) -> PolicyEnvironment:
-        """What the engine offers beyond the scheduler's state."""
+    def num_kv_blocks(self) -> int:
+        """Blocks in the KV pool."""
         ...
 
     @property
-    def tracer(self) -> SchedulerTracer | None:
-        """The step tracer (None: tracing is off); a policy may explain its TTLs to it."""
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        ...
+
+    @property
+    def environment(self) -> PolicyEnvironment:
+        """What the engine offers beyond the scheduler's state."""
         ...
 
     def release_pin(self, job_id: str, reason: PinReleaseReason) -> Pin | None:
@@ -94,14 +97,16 @@ class SchedulerView(Protocol):
 class SchedulingPolicy(Protocol):
     """Decisions the scheduler delegates. Times are seconds on the scheduler's clock.
 
-    Call order: `bind` once at scheduler construction; `on_step_start` at the start of every
-    `schedule()`; `on_request_arrived` from `add_request`, before the request joins the
-    waiting queue; `on_request_admitted` after a waiting request took its blocks and its job's
-    pin was released (`on_pin_released` with reason REUSED comes first); `on_request_finished`
-    for every finished request (aborts included), before `retention_ttl_s`; `on_pin_added` and
-    `on_pin_released` whenever the pin table changes, whatever the cause; `on_job_ended` when a
-    job's last turn finished or the job was released; `on_shutdown` once when the engine
-    stops (to save what the policy learned).
+    Built by the registry with `from_options` (a classmethod: the policy's options, validated
+    into its own frozen config). Call order: `bind` once at scheduler construction;
+    `on_step_start` at the start of every `schedule()`; `on_request_arrived` from
+    `add_request`, before the request joins the waiting queue; `on_request_admitted` after a
+    waiting request took its blocks and its job's pin was released (`on_pin_released` with
+    reason REUSED comes first); `on_request_finished` for every finished request (aborts
+    included), whose answer the scheduler carries out; `on_pin_added` and `on_pin_released`
+    whenever the pin table changes, whatever the cause; `on_job_ended` when a job's last turn
+    finished or the job was released; `on_shutdown` once when the engine stops (to save what
+    the policy learned).
     """
 
     def bind(self, scheduler: SchedulerView) -> None: ...
@@ -112,9 +117,17 @@ class SchedulingPolicy(Protocol):
 
     def on_request_arrived(self, request: Request, now_s: float) -> None: ...
 
-    def on_request_admitted(self, request: Request, now_s: float) -> None: ...
+    def on_request_admitted(self, request: Request, reused_pin: Pin | None,
+                            now_s: float) -> None:
+        """`request` took its blocks; `reused_pin` is its job's pin, released because the
+        request took over its blocks (None if the job held none)."""
+        ...
 
-    def on_request_finished(self, request: Request, now_s: float) -> None: ...
+    def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
+        """`request` finished (its status says how). For a turn of a job that finished
+        normally: whether to pin its cached blocks, and why; None to free them with nothing to
+        explain (requests without a job, aborted or final turns, policies that never pin)."""
+        ...
 
     def on_job_ended(self, job_id: str, now_s: float) -> None: ...
 
@@ -128,8 +141,8 @@ class SchedulingPolicy(Protocol):
 
     def on_shutdown(self) -> None: ...
 
-    def job_state(self, job_id: str) -> PolicyJobState | None:
-        """The policy's books on the job, or None if it keeps none."""
+    def job_state(self, job_id: str) -> JobBooks | None:
+        """The policy's books on the job as JSON-ready data, or None if it keeps none."""
         ...
 
     @property
@@ -137,17 +150,12 @@ class SchedulingPolicy(Protocol):
         """How many jobs the policy keeps state for (bounded by its idle timeout)."""
         ...
 
-    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
-        """For a request of a job that finished normally: seconds to pin its blocks, or None
-        to free them at once."""
-        ...
-
     def select_victim(self, request: Request) -> Victim:
         """`request` (RUNNING) cannot get blocks: a running request to preempt (possibly
         `request` itself) or a live pin to release."""
         ...
 
-    def select_pin_to_release(self, request: Request) -> Pin | None:
+    def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         """The waiting head `request` cannot get blocks: a live pin to release for it, or None
         to leave it waiting. Must not return None forever while pins alone block an otherwise
         idle engine."""
@@ -155,11 +163,28 @@ class SchedulingPolicy(Protocol):
 
 
 class BasePolicy:
-    """Defaults shared by policies: no retention, notifications ignored, and pins released for
-    admission only when nothing is running: other jobs' pins first (most recently pinned
-    first), the request's own job's pin last (its prefix hit usually needs those blocks)."""
+    """Defaults shared by policies: no options, no retention, notifications ignored, and pins
+    released for admission only when nothing is running: other jobs' pins first (most
+    recently pinned first), the request's own job's pin last (its prefix hit usually needs
+    those blocks).
 
+    A policy with options sets `options_type` to a frozen dataclass (see
+    `engine.scheduler.options`) and takes the parsed value as its `options` argument.
+    """
+
+    options_type: ClassVar[type | None] = None
     scheduler: SchedulerView
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], **kwargs: Any) -> BasePolicy:
+        """The policy built with its options parsed and validated; ValueError naming a bad
+        or unknown key."""
+        owner = f"scheduling policy {cls.__name__}"
+        if cls.options_type is None:
+            if options:
+                raise ValueError(f"{owner} takes no options; got {', '.join(map(str, options))}")
+            return cls(**kwargs)
+        return cls(options=parse_options(cls.options_type, options, owner=owner), **kwargs)
 
     def bind(self, scheduler: SchedulerView) -> None:
         self.scheduler = scheduler
@@ -170,11 +195,12 @@ class BasePolicy:
     def on_request_arrived(self, request: Request, now_s: float) -> None:
         pass
 
-    def on_request_admitted(self, request: Request, now_s: float) -> None:
+    def on_request_admitted(self, request: Request, reused_pin: Pin | None,
+                            now_s: float) -> None:
         pass
 
-    def on_request_finished(self, request: Request, now_s: float) -> None:
-        pass
+    def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
+        return None
 
     def on_job_ended(self, job_id: str, now_s: float) -> None:
         pass
@@ -188,17 +214,14 @@ class BasePolicy:
     def on_shutdown(self) -> None:
         pass
 
-    def job_state(self, job_id: str) -> PolicyJobState | None:
+    def job_state(self, job_id: str) -> JobBooks | None:
         return None
 
     @property
     def num_jobs(self) -> int:
         return 0
 
-    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
-        return None
-
-    def select_pin_to_release(self, request: Request) -> Pin | None:
+    def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         if self.scheduler.running:
             return None
         return max(

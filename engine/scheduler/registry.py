@@ -1,15 +1,18 @@
 """Scheduling policies by name: a table of `module:Class` paths, resolved on demand.
 
 The engine never imports policy packages such as `continuum` itself; they are named here as
-strings and imported only when chosen (inside the engine-core process).
+strings and imported only when chosen. A policy class is built with its options by its
+`from_options` classmethod (see `BasePolicy`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
 from engine.plugins import load_named
+from engine.scheduler.options import describe_options, parse_options
 from engine.scheduler.policy import SchedulingPolicy
 
 POLICY_REGISTRY = MappingProxyType({
@@ -17,6 +20,8 @@ POLICY_REGISTRY = MappingProxyType({
     "priority": "engine.scheduler.policies:PriorityPolicy",
     "continuum": "continuum.policy:ContinuumPolicy",
     "continuum-fixed": "continuum.policy:ContinuumFixedPolicy",
+    "continuum-oracle": "continuum.oracle:ContinuumOraclePolicy",
+    "job-fcfs": "continuum.program_order:JobFCFSPolicy",
     "infercept": "continuum.baselines:InferCeptPolicy",
     "autellix": "continuum.baselines:AutellixPolicy",
 })
@@ -27,6 +32,40 @@ def resolve_policy_class(name: str) -> type:
     return load_named("scheduling policy", name, POLICY_REGISTRY)
 
 
-def make_policy(name: str, **kwargs: Any) -> SchedulingPolicy:
-    """Instantiates the named policy with its keyword arguments (estimator, clock, ...)."""
-    return resolve_policy_class(name)(**kwargs)
+def make_policy(
+    name: str, options: Mapping[str, object] | None = None, **kwargs: Any
+) -> SchedulingPolicy:
+    """The named policy built with its options (and the keyword arguments its class takes);
+    ValueError naming an unknown policy or a bad option."""
+    check_policy_options(name, options or {})
+    return resolve_policy_class(name).from_options(options or {}, **kwargs)
+
+
+def check_policy_options(name: str, options: Mapping[str, object]) -> None:
+    """Validates a policy's options without building it; ValueError naming the problem."""
+    policy_class = resolve_policy_class(name)
+    options_type = getattr(policy_class, "options_type", None)
+    if options_type is None:
+        if options:
+            raise ValueError(f"scheduling policy {name!r} takes no options; "
+                             f"got {', '.join(map(str, options))}")
+        return
+    parse_options(options_type, options, owner=f"scheduling policy {name!r}")
+
+
+def policy_option_lines(name: str) -> list[str]:
+    """`name=default: help` for each option of the policy (none for a policy without)."""
+    options_type = getattr(resolve_policy_class(name), "options_type", None)
+    return [] if options_type is None else describe_options(options_type)
+
+
+def policy_options_help(default_policy: str) -> str:
+    """The options of every registered policy, for `--help`: the default policy's in full
+    (with defaults), the others by name."""
+    parts = [f"{default_policy}: " + "; ".join(policy_option_lines(default_policy))]
+    for name in POLICY_REGISTRY:
+        if name != default_policy:
+            lines = policy_option_lines(name)
+            keys = ", ".join(line.split("=", 1)[0] for line in lines) or "none"
+            parts.append(f"{name}: {keys}")
+    return ". ".join(parts)

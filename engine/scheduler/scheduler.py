@@ -20,10 +20,10 @@ from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
+from engine.scheduler.policy import PolicyEnvironment, Retention, SchedulingPolicy
 from engine.scheduler.request_queue import RequestQueue
 from engine.scheduler.stop import check_stop
-from engine.scheduler.tracer import SchedulerTracer
+from engine.scheduler.tracer import PoolState, SchedulerTracer
 
 
 class _Admission(enum.Enum):
@@ -107,7 +107,13 @@ class Scheduler:
         self._environment = PolicyEnvironment() if environment is None else environment
         self._tracer = tracer
         if tracer is not None:
-            tracer.start(self)
+            tracer.start(
+                policy_name=f"{type(policy).__module__}.{type(policy).__qualname__}",
+                clock_origin_s=clock(), num_kv_blocks=num_blocks,
+                block_size=self.block_size, first_step=self.step_id,
+                max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+                max_num_seqs=scheduler_config.max_num_seqs,
+            )
         policy.bind(self)
 
     # SchedulerView: what policies may see.
@@ -124,9 +130,14 @@ class Scheduler:
         return self._pins
 
     @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache_manager.block_pool.num_blocks
+
+    @property
     def environment(self) -> PolicyEnvironment:
         return self._environment
 
+    # Not part of the policy's view.
     @property
     def tracer(self) -> SchedulerTracer | None:
         return self._tracer
@@ -164,7 +175,7 @@ class Scheduler:
         """Plans one step: running requests first, then waiting ones if nobody was preempted."""
         now_s = self.clock()
         if self._tracer is not None:
-            self._tracer.start_step(self, now_s)
+            self._trace_step_start(now_s)
         self.policy.on_step_start(now_s)
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
@@ -334,7 +345,7 @@ class Scheduler:
             return _Admission.OVER_BUDGET
         allocate = self.kv_cache_manager.allocate_slots
         while allocate(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
-            pin = self.policy.select_pin_to_release(request)
+            pin = self.policy.select_pin_to_release(request, now_s)
             if pin is None:
                 return _Admission.NO_MEMORY
             self._release_for_pressure(pin)
@@ -351,9 +362,10 @@ class Scheduler:
         self._running.append(request)
         plan.admitted.append(request)
         plan.add(request, num_new_tokens)
+        reused_pin = None
         if request.job_id is not None:
-            self.release_pin(request.job_id, PinReleaseReason.REUSED)
-        self.policy.on_request_admitted(request, now_s)
+            reused_pin = self.release_pin(request.job_id, PinReleaseReason.REUSED)
+        self.policy.on_request_admitted(request, reused_pin, now_s)
         return _Admission.ADMITTED
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: _StepPlan) -> int:
@@ -366,6 +378,19 @@ class Scheduler:
         if num_new_tokens > plan.token_budget:
             return plan.token_budget if self.config.enable_chunked_prefill else 0
         return num_new_tokens
+
+    def _trace_step_start(self, now_s: float) -> None:
+        pool = self.kv_cache_manager.block_pool
+        self._tracer.start_step(  # type: ignore[union-attr]
+            self.step_id, now_s, self._running, self._waiting,
+            PoolState(
+                num_total_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+                num_cached_free_blocks=pool.num_cached_free_blocks,
+                num_pinned_blocks=self._pins.num_pinned_blocks,
+                pinned_job_ids=[pin.job_id for pin in self._pins],
+            ),
+            token_budget=self.config.max_num_batched_tokens, max_num_seqs=self.config.max_num_seqs,
+        )
 
     def _trace_plan(self, plan: _StepPlan, now_s: float) -> None:
         self._tracer.step_planned(  # type: ignore[union-attr]
@@ -435,28 +460,30 @@ class Scheduler:
         request.status = status
         del self._requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
-        self.policy.on_request_finished(request, now_s)
+        retention = self.policy.on_request_finished(request, now_s)
         if self._tracer is not None:
             self._tracer.request_finished(request, now_s)
-        if not self._pin_if_retained(request, now_s):
+        if not self._retain(request, retention, now_s):
             self.kv_cache_manager.free(request)
         if request.job is not None and request.job.is_last_step:
             self.end_job(request.job.job_id, PinReleaseReason.JOB_END)
 
-    def _pin_if_retained(self, request: Request, now_s: float) -> bool:
-        """Pins the request's cached blocks if the policy retains them; True if handled."""
-        if request.job is None or request.status is RequestStatus.FINISHED_ABORTED:
+    def _retain(self, request: Request, retention: Retention | None, now_s: float) -> bool:
+        """Carries out the policy's retention decision: pins the request's cached blocks if it
+        says so; True if the request's blocks were handed to a pin (or freed by detaching)."""
+        if retention is None or request.job is None:
             return False
-        ttl_s = self.policy.retention_ttl_s(request, now_s)
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            raise RuntimeError(f"policy retained {request}, which was aborted")
         pin = None
-        if ttl_s is not None and ttl_s > 0:
+        if retention.pins:
             blocks = self.kv_cache_manager.detach_cached_blocks(request)
             if blocks:
                 pin = self._pins.add(request.job.job_id, request.request_id, blocks,
-                                     now_s=now_s, ttl_s=ttl_s)
+                                     now_s=now_s, ttl_s=retention.ttl_s)
         if self._tracer is not None:
-            self._tracer.retention_decided(request, pin, now_s)
-        return ttl_s is not None and ttl_s > 0
+            self._tracer.retention_decided(request, pin, retention.inputs, now_s)
+        return retention.pins
 
     def _on_pin_released(self, pin: Pin) -> None:
         self.policy.on_pin_released(pin)

@@ -1,7 +1,8 @@
 """The scheduler's tracer: turns scheduler events into `tracing` records, one step at a time.
 
 Injected into the `Scheduler` (None: tracing off, and every trace point is skipped by a
-`None` check). Policies reach it through `SchedulerView.tracer` to explain their TTLs.
+`None` check). The scheduler hands it explicit values; it never reads the scheduler. A
+policy's explanation of a TTL reaches it as the `Retention` the policy returned.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import math
 import operator
 import os
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -36,11 +38,19 @@ from tracing.records import (
 )
 from tracing.writer import TraceWriter
 
-if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
-
-
 _request_id = operator.attrgetter("request_id")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """The block pool entering a step: totals, free blocks (those still caching a prefix
+    among them), blocks held by pins (summed over pins), and the jobs holding pins."""
+
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    num_pinned_blocks: int
+    pinned_job_ids: list[str]
 
 
 class SchedulerTracer:
@@ -62,25 +72,25 @@ class SchedulerTracer:
         self._block_size = 1
         self._resumed_ids: list[str] = []
         self._preempted: list[Preemption] = []
-        self._ttl_inputs: dict[str, TTLInputs] = {}  # by request id, until it is retained
 
-    def start(self, scheduler: Scheduler) -> None:
+    def start(self, *, policy_name: str, clock_origin_s: float, num_kv_blocks: int,
+              block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+              first_step: int = 0) -> None:
         """Opens the file and writes the header; called once by the scheduler."""
-        config = scheduler.config
         header = TraceHeader(
             schema_version=SCHEMA_VERSION,
             created_unix_s=time.time(),
-            clock_origin_s=scheduler.clock(),
-            policy=f"{type(scheduler.policy).__module__}.{type(scheduler.policy).__qualname__}",
-            num_kv_blocks=scheduler.kv_cache_manager.block_pool.num_blocks,
-            block_size=scheduler.block_size,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
+            clock_origin_s=clock_origin_s,
+            policy=policy_name,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
             config=self._config,
         )
         self._writer = TraceWriter(self.path, header, max_bytes=self.max_bytes)
-        self._step = scheduler.step_id
-        self._block_size = scheduler.block_size
+        self._step = first_step
+        self._block_size = block_size
 
     # Requests.
     def request_arrived(self, request: Request, now_s: float) -> None:
@@ -95,7 +105,6 @@ class SchedulerTracer:
         ))
 
     def request_finished(self, request: Request, now_s: float) -> None:
-        self._ttl_inputs.pop(request.request_id, None)
         self._write(RequestFinished(
             step=self._step, time_s=now_s, request_id=request.request_id,
             job_id=request.job_id, reason=str(request.finish_reason),
@@ -106,22 +115,22 @@ class SchedulerTracer:
         ))
 
     # A step.
-    def start_step(self, scheduler: Scheduler, now_s: float) -> None:
-        """Records the state entering step `scheduler.step_id`."""
-        self._step = scheduler.step_id
-        pool = scheduler.kv_cache_manager.block_pool
-        pins = scheduler.pins
+    def start_step(self, step: int, now_s: float, running: Iterable[Request],
+                   waiting: Iterable[Request], pool: PoolState, *, token_budget: int,
+                   max_num_seqs: int) -> None:
+        """Records the state entering step `step`."""
+        self._step = step
         self._write(StepSnapshot(
-            step=self._step, time_s=now_s,
-            running_ids=list(map(_request_id, scheduler.running)),
-            waiting_ids=list(map(_request_id, scheduler.waiting)),
-            num_total_blocks=pool.num_blocks,
+            step=step, time_s=now_s,
+            running_ids=list(map(_request_id, running)),
+            waiting_ids=list(map(_request_id, waiting)),
+            num_total_blocks=pool.num_total_blocks,
             num_free_blocks=pool.num_free_blocks,
             num_cached_free_blocks=pool.num_cached_free_blocks,
-            num_pinned_blocks=pins.num_pinned_blocks,
-            pinned_job_ids=[pin.job_id for pin in pins],
-            token_budget=scheduler.config.max_num_batched_tokens,
-            max_num_seqs=scheduler.config.max_num_seqs,
+            num_pinned_blocks=pool.num_pinned_blocks,
+            pinned_job_ids=pool.pinned_job_ids,
+            token_budget=token_budget,
+            max_num_seqs=max_num_seqs,
         ))
 
     def admitted(self, request: Request, hit_blocks: Sequence[KVCacheBlock],
@@ -173,21 +182,17 @@ class SchedulerTracer:
         return self._writer.active
 
     # Pins.
-    def note_ttl_decision(self, request_id: str, inputs: TTLInputs) -> None:
-        """Called by a policy while it decides a finished request's retention: why it chose
-        `inputs.ttl_s`. Written with the resulting pin, or as a declined pin."""
-        self._ttl_inputs[request_id] = inputs
-
-    def retention_decided(self, request: Request, pin: Pin | None, now_s: float) -> None:
-        """The scheduler pinned `request`'s blocks (`pin`) or freed them (None)."""
-        inputs = self._ttl_inputs.pop(request.request_id, None)
+    def retention_decided(self, request: Request, pin: Pin | None, inputs: TTLInputs,
+                          now_s: float) -> None:
+        """The scheduler carried out a policy's retention decision, explained by `inputs`:
+        it pinned `request`'s blocks (`pin`) or freed them (None)."""
         job_id = request.job_id
         if pin is not None:
             self._write(PinPinned(
                 step=self._step, time_s=now_s, job_id=pin.job_id, request_id=pin.request_id,
                 num_blocks=pin.num_blocks, ttl_s=finite_or_none(pin.ttl_s), inputs=inputs,
             ))
-        elif inputs is not None and job_id is not None:
+        elif job_id is not None:
             self._write(PinDeclined(step=self._step, time_s=now_s, job_id=job_id,
                                     request_id=request.request_id, inputs=inputs))
 

@@ -9,10 +9,15 @@ from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.tracer import SchedulerTracer
 from tests.engine.helpers import FakeClock, FakeRunner, make_request, make_scheduler, run_step
 
+# A job's turn calls this tool unless a test says otherwise (turns that call no tool are
+# never pinned, and the fake runner's outputs name none).
+DEFAULT_TOOL = "bash"
+
 
 class Harness:
     """Requests never stop early (the runner never samples an EOS), so a request runs for
-    exactly its `max_tokens`; every step checks the scheduler's invariants."""
+    exactly its `max_tokens`; every step checks the scheduler's invariants. A turn of a job
+    names `DEFAULT_TOOL` unless `tool` is given (None: no tool named)."""
 
     def __init__(
         self,
@@ -44,9 +49,10 @@ class Harness:
         *,
         job: str | None = None,
         last: bool = False,
-        tool: str | None = None,
+        tool: str | None = DEFAULT_TOOL,
         max_tokens: int = 2,
     ) -> Request:
+        tool = None if job is None else tool
         request = make_request(
             request_id, prompt, max_tokens=max_tokens, arrival_time_s=self.clock(),
             job_id=job, is_last_step=last, tool_name=tool,

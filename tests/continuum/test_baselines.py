@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from continuum.baselines import AutellixPolicy, InferCeptPolicy
+from continuum.options import JobOptions
 from continuum.policy import ContinuumFixedPolicy
 from engine.kv_cache.pins import PinReleaseReason
 from engine.scheduler.registry import make_policy
@@ -40,7 +41,7 @@ def test_continuum_fixed_pins_two_seconds_unless_the_tool_is_known_to_be_slower(
 
 
 def test_infercept_preserves_until_the_next_turn_and_gives_pins_up_first() -> None:
-    h = Harness(InferCeptPolicy(job_idle_timeout_s=300.0), num_blocks=16)
+    h = Harness(InferCeptPolicy(JobOptions(job_idle_timeout_s=300.0)), num_blocks=16)
     h.add("t1", tokens(1, 12), job="J", max_tokens=2)
     h.run_until_finished("t1")
     assert h.pin("J").ttl_s == 300.0

@@ -1,4 +1,5 @@
-"""The policy's estimator from the engine's settings, and the tool a turn called."""
+"""The policy's estimator from its options, the tool a turn called, and an estimator that
+can never hurt a step."""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ import json
 import pytest
 
 from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
-from engine.config import EstimatorConfig
 from engine.scheduler.policy import PolicyEnvironment
+from engine.scheduler.registry import make_policy
+from estimator.base import ToolCall, TTLDecision
 from estimator.eq2 import Eq2Estimator
 from estimator.fixed import FixedTTLEstimator
 from tests.continuum.harness import Harness
 from tests.continuum.test_policy import TTLByTool
 
 BASH_TURN = "THOUGHT: look for it.\n\n```bash\ncd /repo && grep -rn needle src/\n```"
+
+
+def continuum(**options: object) -> ContinuumPolicy:
+    return make_policy("continuum", options)  # type: ignore[return-value]
 
 
 def test_the_tool_is_parsed_from_the_output_unless_the_client_names_it() -> None:
@@ -27,55 +33,73 @@ def test_the_tool_is_parsed_from_the_output_unless_the_client_names_it() -> None
     estimator = TTLByTool({"grep": 30.0, "ls": 7.0})
     h = Harness(ContinuumPolicy(estimator=estimator),
                 environment=PolicyEnvironment(decode=decode))
-    h.add("parsed", list(range(8)), job="a")
+    h.add("parsed", list(range(8)), job="a", tool=None)
     h.add("named", list(range(20, 28)), job="b", tool="ls")
     h.run_until_finished("parsed", "named")
     assert decoded == [h.requests["parsed"].output_token_ids]  # only the unnamed turn
     assert h.pin("a").ttl_s == 30.0 and h.pin("b").ttl_s == 7.0
     assert [entry[2] for entry in estimator.log if entry[0] == "call"] == ["grep", "ls"]
-    assert h.policy.job_state("a").last_tool_name == "grep"
+    assert h.policy.job_state("a")["last_tool_name"] == "grep"
 
 
-def test_without_a_decoder_or_a_recognisable_call_the_tool_is_unknown() -> None:
-    estimator = TTLByTool({None: 3.0})
+def test_a_turn_that_called_no_tool_is_not_pinned_nor_observed() -> None:
+    estimator = TTLByTool({None: 3.0, "bash": 3.0})
     h = Harness(ContinuumPolicy(estimator=estimator),
                 environment=PolicyEnvironment(decode=lambda ids: "no tool here"))
-    h.add("t", list(range(8)), job="a")
+    h.add("t", list(range(8)), job="a", tool=None)
     h.run_until_finished("t")
-    assert h.pin("a").ttl_s == 3.0 and h.policy.job_state("a").last_tool_name is None
+    assert h.pin("a") is None and h.policy.job_state("a")["last_tool_name"] is None
+    assert not [entry for entry in estimator.log if entry[0] == "call"]
+    h.next_turn("t2", "t", [1, 2], tool="bash")
+    h.run_until_finished("t2")
+    assert h.pin("a").ttl_s == 3.0
 
 
-def test_the_default_estimator_comes_from_the_engines_settings(tmp_path) -> None:
+def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
     profiled = []
 
     def profile_prefill():
         profiled.append(True)
         return [(16, 0.002), (256, 0.03), (1024, 0.2)]
 
-    h = Harness(ContinuumPolicy(), environment=PolicyEnvironment(profile_prefill=profile_prefill))
-    estimator = h.policy.estimator
+    environment = PolicyEnvironment(profile_prefill=profile_prefill)
+    estimator = Harness(continuum(), environment=environment).policy.estimator.inner
     assert isinstance(estimator, Eq2Estimator) and profiled == [True]
     assert estimator.rebuild_s(1024) == pytest.approx(0.2, rel=0.05)
-    fixed = Harness(ContinuumPolicy(), environment=PolicyEnvironment(
-        estimator=EstimatorConfig(name="fixed-2s"), profile_prefill=profile_prefill))
-    assert isinstance(fixed.policy.estimator, FixedTTLEstimator)
-    assert isinstance(Harness(ContinuumFixedPolicy()).policy.estimator, FixedTTLEstimator)
+    assert estimator.rebuild_cost == "prefill"  # the paper's R by default
+    fixed = Harness(continuum(estimator="fixed-2s"), environment=environment)
+    assert isinstance(fixed.policy.estimator.inner, FixedTTLEstimator)
+    assert isinstance(Harness(ContinuumFixedPolicy()).policy.estimator.inner, FixedTTLEstimator)
     # A profile file wins over measuring; "none" prices rebuilds at 0.
     path = tmp_path / "profile.json"
     path.write_text(json.dumps([[0, 1.0], [100, 1.0]]))
-    from_file = Harness(ContinuumPolicy(), environment=PolicyEnvironment(
-        estimator=EstimatorConfig(prefill_profile=str(path)), profile_prefill=profile_prefill))
-    assert from_file.policy.estimator.rebuild_s(5000) == pytest.approx(1.0)
-    unpriced = Harness(ContinuumPolicy(), environment=PolicyEnvironment(
-        estimator=EstimatorConfig(prefill_profile="none"), profile_prefill=profile_prefill))
-    assert unpriced.policy.estimator.prefill_cost is None
+    from_file = Harness(continuum(prefill_profile=str(path)), environment=environment)
+    assert from_file.policy.estimator.inner.rebuild_s(5000) == pytest.approx(1.0)
+    unpriced = Harness(continuum(prefill_profile="none"), environment=environment)
+    assert unpriced.policy.estimator.inner.rebuild_s(5000) == 0.0
     assert len(profiled) == 1  # measured only where used: not for fixed-2s, a file or "none"
+    stalled = Harness(continuum(rebuild_cost="prefill-times-running", max_ttl_s="30"),
+                      environment=environment).policy.estimator.inner
+    assert (stalled.rebuild_cost, stalled.max_ttl_s) == ("prefill-times-running", 30.0)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"estimator": "eq3"}, "estimator"),
+    ({"max_wait_s": "-1"}, "max_wait_s"),
+    ({"max_pinned_fraction": "1.5"}, "max_pinned_fraction"),
+    ({"max_ttl_s": "inf"}, "max_ttl_s"),
+    ({"pin_yield_wait_s": "soon"}, "pin_yield_wait_s"),
+    ({"max-job-age-s": "x"}, "max_job_age_s"),
+    ({"ttl": "3"}, "unknown option 'ttl'"),
+])
+def test_bad_options_are_refused_with_their_name(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        continuum(**options)
 
 
 def test_what_the_estimator_learned_is_saved_at_shutdown(tmp_path) -> None:
     path = tmp_path / "state.json"
-    environment = PolicyEnvironment(estimator=EstimatorConfig(state_path=str(path)))
-    h = Harness(ContinuumPolicy(), environment=environment)
+    h = Harness(continuum(estimator_state=str(path)))
     h.add("t1", list(range(8)), job="a", tool="cat")
     h.run_until_finished("t1")
     h.step(dt_s=0.5)
@@ -84,8 +108,57 @@ def test_what_the_estimator_learned_is_saved_at_shutdown(tmp_path) -> None:
     h.policy.on_shutdown()
     saved = json.loads(path.read_text())
     assert list(saved["tools_s"]) == ["cat"] and saved["job_num_turns"] == [2]
-    restarted = Harness(ContinuumPolicy(), environment=environment)
+    restarted = Harness(continuum(estimator_state=str(path)))
     assert restarted.policy.estimator.state() == saved
+
+
+def _overflowing_state() -> dict:
+    huge = [1.7e308] * 4  # each finite; their sum is not
+    return {"version": 1, "cold_start_samples": 100, "pooled_s": huge, "tools_s": {"ls": huge},
+            "queueing_delays_s": huge, "job_num_turns": [3, 4], "prefill_cost": None,
+            "records": []}
+
+
+@pytest.mark.parametrize("kind", ["overflowing", "endless", "garbage"])
+def test_a_bad_state_file_starts_cold_and_the_engine_keeps_serving(tmp_path, kind) -> None:
+    path = tmp_path / "state.json"
+    if kind == "overflowing":
+        path.write_text(json.dumps(_overflowing_state()))
+    elif kind == "garbage":
+        path.write_bytes(b"\x00{not json")
+    source = "/dev/zero" if kind == "endless" else str(path)
+    h = Harness(continuum(estimator_state=source, prefill_profile="none"), num_blocks=64)
+    assert h.policy.estimator.inner.state()["pooled_s"] == []  # cold
+    for index in range(3):
+        h.add(f"t{index}", list(range(100 * index, 100 * index + 8)), job=f"j{index}",
+              tool="ls")
+        h.run_until_finished(f"t{index}")
+        h.step(dt_s=0.3)
+
+
+class FailingEstimator:
+    """Raises from every method, as a buggy or poisoned estimator might."""
+
+    def decide(self, call: ToolCall) -> TTLDecision:
+        raise OverflowError("intermediate overflow in fsum")
+
+    def __getattr__(self, name: str):
+        def fail(*args, **kwargs):
+            raise ArithmeticError(f"{name} failed")
+        return fail
+
+
+def test_an_estimator_that_raises_costs_a_pin_never_a_step(caplog) -> None:
+    h = Harness(ContinuumPolicy(estimator=FailingEstimator()))  # type: ignore[arg-type]
+    h.add("t1", list(range(8)), job="a", tool="ls")
+    h.run_until_finished("t1")
+    assert h.pin("a") is None
+    h.step(dt_s=0.5)
+    h.next_turn("t2", "t1", [1, 2], last=True)
+    h.run_until_finished("t2")
+    assert h.policy.num_jobs == 0 and len(h.scheduler.pins) == 0
+    assert h.policy.estimator.num_failures["decide"] == 1
+    assert "the TTL estimator failed in decide" in caplog.text
 
 
 def test_an_undecodable_output_leaves_the_tool_unknown_and_the_step_running() -> None:
@@ -96,4 +169,4 @@ def test_an_undecodable_output_leaves_the_tool_unknown_and_the_step_running() ->
     h = Harness(ContinuumPolicy(estimator=estimator), environment=PolicyEnvironment(decode=decode))
     h.add("t", list(range(8)), job="a", tool="  ")  # a blank client name says nothing
     h.run_until_finished("t")
-    assert h.pin("a").ttl_s == 4.0 and h.policy.job_state("a").last_tool_name is None
+    assert h.pin("a") is None and h.policy.job_state("a")["last_tool_name"] is None

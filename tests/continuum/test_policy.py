@@ -3,13 +3,16 @@ with a fake clock and a fake runner."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from continuum.options import ContinuumOptions
 from continuum.policy import ContinuumPolicy
 from engine.kv_cache.pins import PinReleaseReason
 from engine.request import RequestStatus
 from engine.scheduler.policies import FCFSPolicy
-from estimator.base import ConstantTTLEstimator, ObservationSink, ToolCall
+from estimator.base import ConstantTTLEstimator, ObservationSink, ToolCall, TTLDecision
 from tests.continuum.harness import Harness, tokens
 
 
@@ -20,8 +23,8 @@ class TTLByTool(ObservationSink):
         self.ttl_by_tool = ttl_by_tool
         self.log: list[tuple] = []
 
-    def ttl_s(self, call: ToolCall) -> float:
-        return self.ttl_by_tool.get(call.tool_name, 0.0)
+    def decide(self, call: ToolCall) -> TTLDecision:
+        return TTLDecision(self.ttl_by_tool.get(call.tool_name, 0.0), "test")
 
     def observe_tool_call(self, call: ToolCall) -> None:
         self.log.append(("call", call.job_id, call.tool_name, call.finished_at_s,
@@ -37,8 +40,9 @@ class TTLByTool(ObservationSink):
         self.log.append(("end", job_id, num_turns))
 
 
-def continuum(ttl_s: float = 5.0, **kwargs) -> ContinuumPolicy:
-    return ContinuumPolicy(estimator=ConstantTTLEstimator(ttl_s), **kwargs)
+def continuum(ttl_s: float = 5.0, **options) -> ContinuumPolicy:
+    """Continuum pinning every tool-calling turn for `ttl_s`, with the given options."""
+    return ContinuumPolicy(ContinuumOptions(**options), estimator=ConstantTTLEstimator(ttl_s))
 
 
 @pytest.mark.parametrize(("job", "last", "ttl_s", "pinned"), [
@@ -74,7 +78,10 @@ def test_a_last_step_ends_the_jobs_state_and_releases_its_pin() -> None:
 
 @pytest.mark.parametrize(("policy", "expected_hit_tokens"), [
     (FCFSPolicy, 0),  # the other requests evicted the turn's blocks during the tool call
-    (lambda: continuum(5.0), 12),  # pinned: prompt + output, minus the partial last block
+    # Pins held against the blocked head: prompt + output, minus the partial last block.
+    (lambda: continuum(5.0, pin_yield_wait_s=math.inf), 12),
+    # Pins yield to the blocked head within the tool call: evicted as under FCFS.
+    (lambda: continuum(5.0, pin_yield_wait_s=0.0), 0),
 ])
 def test_a_pinned_turns_next_turn_hits_its_whole_context(policy, expected_hit_tokens) -> None:
     h = Harness(policy(), num_blocks=16)
@@ -129,7 +136,7 @@ def test_a_jobs_new_pin_replaces_its_old_one() -> None:
     assert h.pin("J").request_id == "b" and len(h.scheduler.pins) == 1
     assert h.scheduler.pins.num_released == {PinReleaseReason.REPLACED: 1}
     state = h.policy.job_state("J")
-    assert (state.num_pins_created, state.pins_released) == (2, {"replaced": 1})
+    assert (state["num_pins_created"], state["pins_released"]) == (2, {"replaced": 1})
 
 
 def test_waiting_order_is_pinned_jobs_then_first_arrival_of_the_job() -> None:
@@ -171,7 +178,7 @@ def test_a_broken_pin_drops_its_waiting_turn_back_to_first_arrival_order() -> No
 
 def test_under_pressure_other_requests_are_preempted_before_pins_are_broken() -> None:
     # 16 blocks: J's pin holds 2; x and y (no job) then grow until one must give way.
-    h = Harness(continuum(100.0), num_blocks=16)
+    h = Harness(continuum(100.0, pin_yield_wait_s=math.inf), num_blocks=16)
     h.add("t1", tokens(1, 8), job="J", max_tokens=2)
     h.run_until_finished("t1")
     assert h.pin("J").num_blocks == 2
@@ -196,8 +203,8 @@ def test_when_the_needy_request_is_alone_pins_are_broken_latest_job_first() -> N
 
 
 @pytest.mark.parametrize("something_runs", [True, False])
-def test_pins_are_released_for_admission_only_when_nothing_runs(something_runs: bool) -> None:
-    h = Harness(continuum(100.0), num_blocks=16)
+def test_pins_give_way_to_a_blocked_head_at_once_when_nothing_runs(something_runs: bool) -> None:
+    h = Harness(continuum(100.0, pin_yield_wait_s=math.inf), num_blocks=16)
     for index, job in enumerate(("J0", "J1")):
         h.add(f"{job}-t1", tokens(100 * (index + 1), 20), job=job, max_tokens=2)
         h.run_until_finished(f"{job}-t1")
@@ -212,6 +219,24 @@ def test_pins_are_released_for_admission_only_when_nothing_runs(something_runs: 
         h.run_until_finished("small")
     h.run_until_finished("big")
     assert [job for job in ("J0", "J1") if h.pin(job)] == ["J0"]  # the latest job's went
+    assert h.scheduler.pins.num_released == {PinReleaseReason.PRESSURE: 1}
+
+
+def test_pins_give_way_to_a_head_that_waited_past_the_bound_while_others_run() -> None:
+    h = Harness(continuum(100.0, pin_yield_wait_s=2.0), num_blocks=16)
+    for index, job in enumerate(("J0", "J1")):
+        h.add(f"{job}-t1", tokens(100 * (index + 1), 20), job=job, max_tokens=2)
+        h.run_until_finished(f"{job}-t1")
+    h.add("small", tokens(500, 4), max_tokens=60)
+    h.step()
+    h.add("big", tokens(900, 30), max_tokens=2)  # 8 blocks: more than are free
+    h.step(dt_s=1.0)
+    h.step(dt_s=0.9)
+    assert h.waiting_ids == ["big"] and len(h.scheduler.pins) == 2  # waited 1.9 s
+    h.step(dt_s=0.1)
+    h.step()  # waited 2.0 s: J1's pin (the latest job's) yields while small still runs
+    assert "small" in h.running_ids and "big" in h.running_ids
+    assert [job for job in ("J0", "J1") if h.pin(job)] == ["J0"]
     assert h.scheduler.pins.num_released == {PinReleaseReason.PRESSURE: 1}
 
 
@@ -253,11 +278,13 @@ def test_job_state_exposes_turns_pins_and_ttls() -> None:
     h.run_until_finished("t1")
     h.next_turn("t2", "t1", tokens(50, 3))
     state = h.policy.job_state("J")
-    assert state.first_arrival_s == 3.0
-    assert (state.num_turns_arrived, state.num_turns_finished) == (2, 1)
-    assert (state.num_pins_created, state.last_ttl_s, state.pins_released) == (1, 4.0, {})
+    assert state["first_arrival_s"] == 3.0
+    assert (state["num_turns_arrived"], state["num_turns_finished"]) == (2, 1)
+    assert (state["num_pins_created"], state["last_ttl_s"], state["pins_released"]) == (
+        1, 4.0, {})
+    assert state["last_tool_name"] == "bash"
     h.step()
-    assert h.policy.job_state("J").pins_released == {"reused": 1}
+    assert h.policy.job_state("J")["pins_released"] == {"reused": 1}
 
 
 def test_the_estimator_sees_tool_calls_next_turns_delays_and_job_ends() -> None:

@@ -3,24 +3,43 @@ leaks; and requests without a job are scheduled exactly as by FCFS."""
 
 from __future__ import annotations
 
+import math
 import random
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from continuum.baselines import AutellixPolicy, InferCeptPolicy
+from continuum.options import ContinuumOptions
+from continuum.oracle import ContinuumOraclePolicy
 from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
+from continuum.program_order import JobFCFSPolicy
 from engine.scheduler.policies import FCFSPolicy
 from estimator.base import ConstantTTLEstimator
 from tests.continuum.workload import AgentJob, Turn, replay, step_decisions
 from tests.engine.helpers import FakeClock, FakeRunner, make_request, make_scheduler, run_step
 
+TIGHT_BOUNDS = ContinuumOptions(max_job_age_s=0.2, max_wait_s=0.5, pin_yield_wait_s=0.3,
+                                max_pinned_fraction=0.4)
+
+
+def oracle(jobs: list[AgentJob]) -> ContinuumOraclePolicy:
+    """The oracle, told each turn's true tool time (request ids are `job#turn`)."""
+    tool_s = {f"{job.job_id}#{k}": turn.tool_s for job in jobs for k, turn in enumerate(job.turns)}
+    return ContinuumOraclePolicy(tool_duration_s=tool_s.get)
+
+
 AGENT_POLICIES = {
-    "continuum": lambda: ContinuumPolicy(estimator=ConstantTTLEstimator(1.5)),
-    "continuum-long-ttl": lambda: ContinuumPolicy(estimator=ConstantTTLEstimator(1e6)),
-    "continuum-fixed": ContinuumFixedPolicy,
-    "infercept": InferCeptPolicy,
-    "autellix": AutellixPolicy,
+    "continuum": lambda jobs: ContinuumPolicy(estimator=ConstantTTLEstimator(1.5)),
+    "continuum-long-ttl": lambda jobs: ContinuumPolicy(
+        ContinuumOptions(pin_yield_wait_s=math.inf), estimator=ConstantTTLEstimator(1e5)),
+    "continuum-tight-bounds": lambda jobs: ContinuumPolicy(
+        TIGHT_BOUNDS, estimator=ConstantTTLEstimator(2.0)),
+    "continuum-fixed": lambda jobs: ContinuumFixedPolicy(),
+    "continuum-oracle": oracle,
+    "job-fcfs": lambda jobs: JobFCFSPolicy(),
+    "infercept": lambda jobs: InferCeptPolicy(),
+    "autellix": lambda jobs: AutellixPolicy(),
 }
 
 turn = st.builds(
@@ -28,6 +47,7 @@ turn = st.builds(
     appended_tokens=st.integers(1, 12),
     output_tokens=st.integers(1, 6),
     tool_s=st.sampled_from([0.0, 0.05, 0.3, 1.0, 4.0]),
+    tool_name=st.sampled_from([None, "bash", "grep"]),
 )
 job_shape = st.tuples(st.floats(0.0, 2.0), st.lists(turn, min_size=1, max_size=4))
 
@@ -46,12 +66,13 @@ def test_random_jobs_all_finish_with_invariants_and_empty_tables(
 ) -> None:
     jobs = []
     for index, (arrival_s, turns) in enumerate(shapes):
-        last = Turn(turns[-1].appended_tokens, turns[-1].output_tokens, tool_s=None)
+        last = Turn(turns[-1].appended_tokens, turns[-1].output_tokens, tool_s=None,
+                    tool_name=None)
         jobs.append(AgentJob(f"job{index}", arrival_s, (*turns[:-1], last)))
     jobs = [job for job in jobs if job.num_tokens <= num_blocks * 4]
     if not jobs:
         return
-    policy = AGENT_POLICIES[policy_name]()
+    policy = AGENT_POLICIES[policy_name](jobs)
     # replay() checks the invariants after every step, that every job finishes within the
     # step bound (pins never wedge admission), and that no block or pin is left behind.
     result = replay(jobs, policy, num_blocks=num_blocks,

@@ -1,10 +1,11 @@
-"""The job-aware waiting queues: keyed order, Continuum's tiers, removal, per-job counts."""
+"""The job-aware waiting queues: keyed order, program-order tiers and the overdue bound,
+removal, per-job counts."""
 
 from __future__ import annotations
 
 import pytest
 
-from continuum.queues import KeyedRequestQueue, TieredRequestQueue
+from continuum.queues import KeyedRequestQueue, ProgramOrderQueue
 from engine.request import Request, RequestStatus
 from tests.engine.helpers import make_request
 
@@ -47,10 +48,19 @@ def test_equal_keys_keep_insertion_order_even_after_reentry() -> None:
     assert [queue.peek_request().request_id, *[r.request_id for r in queue]] == ["b", "b", "a"]
 
 
-def test_tiered_queue_puts_preempted_then_pinned_jobs_first() -> None:
+def program_queue(order: dict[str, int], pinned: set[str] | None = None,
+                  arrival_s: dict[str, float] | None = None) -> ProgramOrderQueue:
+    arrival_s = arrival_s or {}
+    return ProgramOrderQueue(
+        lambda r: (order[r.request_id],),
+        lambda r: (arrival_s.get(r.request_id, 0.0), order[r.request_id]),
+        lambda: sorted(pinned or ()),
+    )
+
+
+def test_program_order_queue_puts_preempted_then_pinned_jobs_first() -> None:
     pinned: set[str] = set()
-    order = {name: index for index, name in enumerate("abcde")}
-    queue = TieredRequestQueue(lambda r: (order[r.request_id],), lambda: sorted(pinned))
+    queue = program_queue({name: index for index, name in enumerate("abcde")}, pinned)
     a, b = request("a", job="A"), request("b")
     c, d = request("c", job="C"), request("d", job="D")
     e = request("e", job="C", preempted=True)
@@ -71,6 +81,25 @@ def test_tiered_queue_puts_preempted_then_pinned_jobs_first() -> None:
     assert len(queue) == 0
     with pytest.raises(IndexError):
         queue.peek_request()
+
+
+def test_requests_past_the_overdue_cutoff_go_first_in_arrival_order() -> None:
+    # Keys put the old job's turns j1, j2 ahead; arrival order is p, j1, j2, q.
+    order = {"j1": 0, "j2": 1, "p": 2, "q": 3}
+    arrival_s = {"p": 1.0, "j1": 2.0, "j2": 3.0, "q": 4.0}
+    queue = program_queue(order, set(), arrival_s)
+    items = {name: request(name, job="J" if name.startswith("j") else None) for name in order}
+    for name in ("q", "j2", "p", "j1"):
+        queue.add_request(items[name])
+    assert [r.request_id for r in queue] == ["j1", "j2", "p", "q"]
+    queue.set_overdue_cutoff(2.5)  # p (1.0) and j1 (2.0) have waited past the bound
+    assert queue.peek_request() is items["p"]
+    assert [r.request_id for r in queue] == ["p", "j1", "j2", "q"]
+    queue.remove_request(items["p"])
+    assert queue.peek_request() is items["j1"]
+    queue.set_overdue_cutoff(5.0)  # everyone is overdue: pure arrival order
+    queue.remove_request(items["j1"])
+    assert [r.request_id for r in queue] == ["j2", "q"] and queue.peek_request() is items["j2"]
 
 
 def test_removed_requests_do_not_pile_up_behind_a_stuck_head() -> None:

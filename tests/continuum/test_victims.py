@@ -9,6 +9,7 @@ import pytest
 
 from continuum.baselines import AutellixPolicy, InferCeptPolicy
 from continuum.job_aware import JobAwarePolicy
+from continuum.options import ContinuumOptions
 from continuum.policy import ContinuumPolicy
 from engine.kv_cache.pins import Pin
 from engine.request import Request
@@ -41,6 +42,8 @@ class StubView:
     pins: StubPins
     waiting: list[Request] = field(default_factory=list)
     environment: PolicyEnvironment = field(default_factory=PolicyEnvironment)
+    num_kv_blocks: int = 64
+    block_size: int = 4
 
 
 def bind(
@@ -76,23 +79,28 @@ def describe(victim: Request | Pin | None) -> str | None:
 
 
 @pytest.mark.parametrize(("running", "pins", "request_id", "expected"), [
-    # Like FCFS: the youngest running request, possibly the one that needs blocks.
+    # Requests without a job: the latest arrival, possibly the one that needs blocks.
     ("a b R", "", "R", "R"),
     ("a R c", "", "R", "c"),
+    # The job that arrived latest, whatever the admission order.
     ("a@J0 R@J1 c@J2", "", "R", "c"),
+    ("c@J2 R@J1 a@J0", "", "R", "c"),
+    ("b R@J1 a@J0", "", "R", "b"),  # b has no job: its own arrival is after J0..J3's
     # Requests of jobs holding a pin are passed over while others remain.
-    ("a R c@J2", "J2", "R", "R"),
-    ("b R@J1 a@J2", "J2", "R", "R"),
-    ("b a@J2 R", "J2", "R", "R"),
-    ("a@J2 b R@J1", "J2", "R", "R"),
+    ("b R@J1 a@J2", "J2", "R", "b"),
+    ("a@J2 b R@J1", "J2", "R", "b"),
     ("R@J1 b a@J2", "J2", "R", "b"),
-    # The needy request is the sole candidate: pins go first, the latest job's first.
+    # The needy request would preempt itself: pins go first, the latest job's first.
+    ("a R c@J2", "J2", "R", "pin:J2"),
+    ("b a@J2 R", "J2", "R", "pin:J2"),
     ("a@J0 R", "J0", "R", "pin:J0"),
     ("R", "J0 J3 J1", "R", "pin:J3"),
-    ("R@J1", "J1 J0", "R", "pin:J1"),
+    ("R@J1", "J1 J0", "R", "pin:J0"),  # its own job's pin last
+    ("R@J1", "J1", "R", "pin:J1"),
     ("R", "", "R", "R"),
-    # Every running request's job holds a pin: release pins.
-    ("a@J0 R@J1", "J0 J1", "R", "pin:J1"),
+    # Every running request's job holds a pin: the latest job's request, after pins.
+    ("a@J0 R@J1", "J0 J1", "R", "pin:J0"),
+    ("R@J0 a@J1", "J0 J1", "R", "a"),
 ])
 def test_continuum_victims(running: str, pins: str, request_id: str, expected: str) -> None:
     policy = ContinuumPolicy()
@@ -100,20 +108,26 @@ def test_continuum_victims(running: str, pins: str, request_id: str, expected: s
     assert describe(policy.select_victim(requests[request_id])) == expected
 
 
-@pytest.mark.parametrize(("running", "pins", "head_job", "expected"), [
-    ("a", "J0 J1", None, None),  # while anything runs, the head waits
-    ("", "", None, None),
-    ("", "J0 J2 J1", None, "pin:J2"),  # latest job first
-    ("", "J0 J2 J1", "J2", "pin:J1"),  # the head's own job's pin last
-    ("", "J2", "J2", "pin:J2"),
+@pytest.mark.parametrize(("running", "pins", "head_job", "waited_s", "expected"), [
+    ("", "", None, 0.0, None),
+    ("", "J0 J2 J1", None, 0.0, "pin:J2"),  # latest job first
+    ("", "J0 J2 J1", "J2", 0.0, "pin:J1"),  # the head's own job's pin last
+    ("", "J2", "J2", 0.0, "pin:J2"),
+    # While others run, pins yield once the head has waited pin_yield_wait_s (here 5 s),
+    # latest job first; the head's own job's pin is kept.
+    ("a", "J0 J1", None, 4.9, None),
+    ("a", "J0 J1", None, 5.0, "pin:J1"),
+    ("a", "J0 J1", "J1", 5.0, "pin:J0"),
+    ("a", "J1", "J1", 60.0, None),
 ])
 def test_continuum_pins_for_admission(
-    running: str, pins: str, head_job: str | None, expected: str | None
+    running: str, pins: str, head_job: str | None, waited_s: float, expected: str | None
 ) -> None:
-    policy = ContinuumPolicy()
+    policy = ContinuumPolicy(ContinuumOptions(pin_yield_wait_s=5.0))
     bind(policy, running, pins)
     head = make_request("head", [1, 2, 3], job_id=head_job)
-    assert describe(policy.select_pin_to_release(head)) == expected
+    policy.on_request_arrived(head, now_s=20.0)
+    assert describe(policy.select_pin_to_release(head, 20.0 + waited_s)) == expected
 
 
 @pytest.mark.parametrize(("running", "pins", "blocks", "head_job", "expected"), [
@@ -140,7 +154,7 @@ def test_infercept_releases_pins_for_admission_even_while_others_run(
     policy = InferCeptPolicy()
     bind(policy, "a b", pins, blocks)
     head = make_request("head", [1, 2, 3], job_id=head_job)
-    assert describe(policy.select_pin_to_release(head)) == expected
+    assert describe(policy.select_pin_to_release(head, 10.0)) == expected
 
 
 @pytest.mark.parametrize(("service", "running", "expected"), [

@@ -32,6 +32,7 @@ class Turn:
     appended_tokens: int
     output_tokens: int
     tool_s: float | None  # None for the last turn
+    tool_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ def load_trace_jobs(
                         appended_tokens=max(1, round(turn["appended_tokens"] * token_scale)),
                         output_tokens=max(1, round(turn["output_tokens"] * token_scale)),
                         tool_s=None if k == len(turns) - 1 else turn["tool_duration_s"] or 0.0,
+                        tool_name=turn.get("tool_name"),
                     )
                     for k, turn in enumerate(turns)
                 ),
@@ -177,7 +179,8 @@ def _turn_request(
         f"{job.job_id}#{turn_index}", prompt,
         SamplingParams(max_tokens=turn.output_tokens, ignore_eos=True),
         arrival_time_s=0.0,
-        job=JobInfo(job_id=job.job_id, is_last_step=turn.tool_s is None),
+        job=JobInfo(job_id=job.job_id, is_last_step=turn.tool_s is None,
+                    tool_name=turn.tool_name),
     )
 
 

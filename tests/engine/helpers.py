@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
-from engine.request import JobInfo, Request
+from engine.request import JobInfo, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
+from engine.scheduler.policy import PolicyEnvironment, Retention, SchedulingPolicy
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.tracer import SchedulerTracer
+from tracing.records import TTLInputs
 
 
 class FakeClock:
@@ -202,8 +203,10 @@ class PinningPolicy(FCFSPolicy):
     def __init__(self, ttl_s: float = 10.0) -> None:
         self.ttl_s = ttl_s
 
-    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
-        return self.ttl_s
+    def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
+        if request.job is None or request.status is RequestStatus.FINISHED_ABORTED:
+            return None
+        return Retention(self.ttl_s, TTLInputs(ttl_s=self.ttl_s, source="test"))
 
     def select_victim(self, request: Request):
         pins = list(self.scheduler.pins)

@@ -46,3 +46,40 @@ def test_tracing_is_enabled_by_the_flag_or_else_the_environment() -> None:
     assert EngineArgs().to_engine_config({}).trace.path is None
     with pytest.raises(ValueError, match="trace_max_bytes"):
         EngineArgs(trace_max_bytes=10).to_engine_config({})
+
+
+def test_policy_options_reach_the_scheduler_config_from_flags_or_a_mapping() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--policy-option", "max_wait_s=5",
+                              "--policy-option", "estimator=fixed-2s"])
+    config = EngineArgs.from_cli_args(args).to_engine_config()
+    assert config.scheduler.policy_options == {"max_wait_s": "5", "estimator": "fixed-2s"}
+    mapped = EngineArgs(policy_options={"max_wait_s": 5, "max_ttl_s": 30.0}).to_engine_config()
+    assert mapped.scheduler.policy_options == {"max_wait_s": "5", "max_ttl_s": "30.0"}
+    flags = EngineArgs.cli_flags(args)
+    assert EngineArgs.from_cli_args(parser.parse_args(flags)) == EngineArgs.from_cli_args(args)
+    assert " ".join(flags).count("--policy-option") == 2
+
+
+@pytest.mark.parametrize(("policy", "options", "message"), [
+    ("continuum", ("bogus=1",), "unknown option 'bogus' for scheduling policy 'continuum'"),
+    ("continuum", ("max_wait_s=soon",), "option max_wait_s .*expected a number"),
+    ("continuum", ("max_wait_s",), "KEY=VALUE"),
+    ("continuum", ("max_wait_s=1", "max_wait_s=2"), "given twice"),
+    ("fcfs", ("max_wait_s=1",), "'fcfs' takes no options"),
+])
+def test_bad_policy_options_are_refused_with_their_name(policy, options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(scheduling_policy=policy, policy_options=options).to_engine_config()
+
+
+def test_help_states_the_policy_options_and_their_bounds(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("max_wait_s=30.0", "max_job_age_s=60.0", "pin_yield_wait_s=inf",
+                   "max_pinned_fraction=0.8", "estimator=eq2-empirical"):
+        assert option in text

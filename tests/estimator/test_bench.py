@@ -1,20 +1,30 @@
-"""`continuum bench estimator`: the replay's scoring and the command's JSON."""
+"""`continuum bench estimator`: the replay's two scorings and the command's JSON."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from engine.cli import main
 from estimator.base import ConstantTTLEstimator
-from estimator.bench import Scorer, oracle, replay, split_by_arrival
+from estimator.bench import Scorer, add_arguments, main, oracle, replay, split_by_arrival
 from estimator.cost_model import PrefillCostModel
+from estimator.eq2 import Eq2Estimator
 from estimator.traces import TraceJob, TraceToolCall
 
 SLICE = Path(__file__).parents[1] / "data" / "minisweagent_deepseek_slice.jsonl"
-KEYS = {"pin_rate", "hit_rate", "wasted_pin_s", "mean_ttl_s", "mean_utility"}
+KEYS = {"pin_rate", "hit_rate", "wasted_pin_s", "mean_ttl_s", "mean_held_s", "mean_T_s",
+        "mean_utility", "mean_utility_handed_T", "mean_utility_ttl_cost_handed_T", "handed_T"}
+
+
+def run(args: list[str]) -> int:
+    """`continuum bench estimator` with these arguments."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return main(parser.parse_args(args))
 
 
 def job(job_id: str, arrival_s: float, *durations_s: float) -> TraceJob:
@@ -22,24 +32,28 @@ def job(job_id: str, arrival_s: float, *durations_s: float) -> TraceJob:
     return TraceJob(job_id, arrival_s, calls, len(calls) + 1)
 
 
+# A hit saves B = T * eta + R = 1 + 2 = 3 s.
 SCORER = Scorer(queueing_delay_s=1.0, eta=1.0, prefill_cost=PrefillCostModel(intercept_s=2.0))
 
 
-def test_replay_scores_hits_waste_and_eq2_utility() -> None:
-    # A 1.5 s TTL: the 1 s call hits (saves T + R = 3, minus 1.5), the 4 s call misses
-    # (wastes the whole 1.5 s).
-    report = replay([job("a", 0.0, 1.0, 4.0)], ConstantTTLEstimator(1.5), SCORER).report()
+def test_a_used_pin_costs_the_time_until_its_next_turn_and_an_expired_one_its_ttl() -> None:
+    # A 2 s TTL: the 0.5 s call hits (saves 3, holds 0.5 s; the old scoring charged 2 s), the
+    # 4 s call misses (wastes the whole 2 s).
+    report = replay([job("a", 0.0, 0.5, 4.0)], ConstantTTLEstimator(2.0), SCORER).report()
     assert report["num_calls"] == 2 and report["pin_rate"] == 1.0
     assert report["hit_rate"] == 0.5 and report["reuse_rate"] == 0.5
-    assert report["wasted_pin_s"] == 1.5 and report["mean_ttl_s"] == 1.5
-    assert report["mean_utility"] == pytest.approx(((3.0 - 1.5) + (0 - 1.5)) / 2)
+    assert report["wasted_pin_s"] == 2.0 and report["mean_ttl_s"] == 2.0
+    assert report["mean_held_s"] == pytest.approx((0.5 + 2.0) / 2)
+    assert report["mean_utility"] == pytest.approx(((3.0 - 0.5) + (0 - 2.0)) / 2)
+    assert report["mean_utility_ttl_cost"] == pytest.approx(((3.0 - 2.0) + (0 - 2.0)) / 2)
+    assert report["mean_T_s"] is None  # a constant TTL uses no queueing delay
     unpinned = replay([job("a", 0.0, 1.0)], ConstantTTLEstimator(0.0), SCORER).report()
     assert unpinned["pin_rate"] == 0.0 and unpinned["mean_utility"] == 0.0
 
 
 class Log(ConstantTTLEstimator):
-    def __init__(self) -> None:
-        super().__init__(1.0)
+    def __init__(self, ttl_s: float = 1.0) -> None:
+        super().__init__(ttl_s)
         self.events: list[tuple] = []
 
     def observe_tool_call(self, call) -> None:
@@ -48,24 +62,57 @@ class Log(ConstantTTLEstimator):
     def observe_next_turn(self, job_id, arrived_at_s) -> None:
         self.events.append(("next", job_id, arrived_at_s))
 
+    def observe_queueing_delay(self, delay_s) -> None:
+        self.events.append(("delay", delay_s))
+
     def observe_job_end(self, job_id, num_turns) -> None:
         self.events.append(("end", job_id, num_turns))
 
 
 def test_no_decision_sees_a_duration_before_it_ends() -> None:
-    # Job a's tool runs from 1 s to 11 s; job b decides at 3 s, before a's tool ends.
+    # Job a's tool runs from 1 s to 11 s (past its 1 s pin: a miss, which reports T); job b
+    # decides at 3 s, before a's tool ends, and hits.
     log = Log()
     replay([job("a", 0.0, 10.0), job("b", 2.0, 0.5)], log, SCORER)
     assert log.events == [
         ("call", "a", 1.0), ("call", "b", 3.0), ("next", "b", 3.5), ("end", "b", 2),
-        ("next", "a", 11.0), ("end", "a", 2),
+        ("next", "a", 11.0), ("delay", 1.0), ("end", "a", 2),
     ]
+
+
+@pytest.mark.parametrize("ttl_s, expected_delays", [(2.0, 1), (0.0, 3), (9.0, 0)])
+def test_t_is_learned_only_from_turns_that_missed_their_pin(ttl_s, expected_delays) -> None:
+    # Durations 0.5, 4 and 1: a 2 s pin misses once, no pin misses every time.
+    log = Log(ttl_s)
+    replay([job("a", 0.0, 0.5, 4.0, 1.0)], log, SCORER)
+    assert [event for event in log.events if event[0] == "delay"] == [
+        ("delay", 1.0)] * expected_delays
+    handed = Log(ttl_s)
+    replay([job("a", 0.0, 0.5, 4.0, 1.0)], handed, SCORER, learn_queueing_delay=False)
+    assert handed.events[0] == ("delay", 1.0)  # handed once, before the replay
+    assert [event for event in handed.events if event[0] == "delay"] == [("delay", 1.0)]
+
+
+def test_an_eq2_estimator_learns_t_from_its_first_miss() -> None:
+    # R = 0 and T = 3: knowing no delay, the cold start does not pin the first call (a miss,
+    # which teaches T = 3), then pins ln 3 = 1.0986 s for the next two, which hit.
+    scorer = Scorer(queueing_delay_s=3.0, eta=1.0, prefill_cost=PrefillCostModel())
+    jobs = [job("a", 0.0, 0.5, 0.5, 0.5)]
+    learned = replay(jobs, Eq2Estimator(), scorer).report()
+    assert (learned["pin_rate"], learned["hit_rate"]) == (pytest.approx(2 / 3), 1.0)
+    assert learned["mean_T_s"] == pytest.approx((0 + 3 + 3) / 3)
+    assert learned["mean_utility"] == pytest.approx((0 + 2.5 + 2.5) / 3)
+    handed = replay(jobs, Eq2Estimator(), scorer, learn_queueing_delay=False).report()
+    assert (handed["pin_rate"], handed["mean_T_s"]) == (1.0, 3.0)
+    assert handed["mean_utility"] == pytest.approx(2.5)
+    assert handed["mean_utility_ttl_cost"] == pytest.approx(3.0 - math.log(3.0))
 
 
 def test_the_oracle_pins_exactly_the_calls_worth_it() -> None:
     report = oracle([job("a", 0.0, 1.0, 4.0)], SCORER).report()  # 4 s > the 3 s saving
     assert (report["pin_rate"], report["hit_rate"], report["wasted_pin_s"]) == (0.5, 1.0, 0.0)
     assert report["mean_utility"] == pytest.approx((3.0 - 1.0) / 2)
+    assert report["mean_utility_ttl_cost"] == report["mean_utility"]  # its TTL is the duration
 
 
 def test_the_split_is_by_arrival_time() -> None:
@@ -76,36 +123,52 @@ def test_the_split_is_by_arrival_time() -> None:
         split_by_arrival(jobs, 1.0)
 
 
-def test_the_command_reports_every_estimator_as_json(tmp_path, capsys) -> None:
+def test_the_command_reports_every_estimator_under_both_scorings(tmp_path, capsys) -> None:
     path = tmp_path / "estimators.json"
-    assert main(["bench", "estimator", "--trace", str(SLICE), "--json", str(path)]) == 0
+    assert run(["--trace", str(SLICE), "--json", str(path)]) == 0
     results = json.loads(path.read_text())
-    assert set(results) == {"fixed-2s", "eq2-empirical", "eq2-learned", "oracle"}
+    assert set(results) == {"fixed-2s", "eq2-empirical", "eq2-learned", "oracle",
+                            "eq2-empirical+expected-hold", "eq2-learned+expected-hold"}
     for report in results.values():
         assert set(report) >= KEYS and report["num_calls"] > 0
+        handed = report["handed_T"]
+        assert report["mean_utility_handed_T"] == handed["mean_utility"]
+        assert report["mean_utility_ttl_cost_handed_T"] == handed["mean_utility_ttl_cost"]
+        assert report["mean_utility_ttl_cost_handed_T"] <= report["mean_utility_handed_T"]
     assert results["eq2-learned"]["fitted"] is True
     assert results["eq2-learned"]["pinball_loss"] > 0
     assert results["eq2-empirical"]["pinball_loss"] > 0
     assert results["fixed-2s"]["mean_ttl_s"] == 2.0
-    assert "eq2-learned" in capsys.readouterr().out
+    assert results["eq2-empirical"]["handed_T"]["mean_T_s"] == 2.0
+    assert 0 < results["eq2-empirical"]["mean_T_s"] <= 2.0
+    oracle_report = results["oracle"]
+    assert oracle_report["mean_utility"] == oracle_report["mean_utility_ttl_cost_handed_T"]
+    for name, report in results.items():
+        assert report["mean_utility"] <= oracle_report["mean_utility"] + 1e-12, name
+    out = capsys.readouterr().out
+    assert "new scoring (mean_utility)" in out
+    assert "old scoring (mean_utility_ttl_cost_handed_T)" in out
+    assert out.count("eq2-learned ") == 2 and out.count("eq2-learned+expected-hold") == 2
 
 
 @pytest.mark.parametrize("args, message", [
     (["--max-jobs", "0"], "--max-jobs"),
     (["--train-fraction", "1.5"], "train_fraction"),
     (["--queueing-delay-s", "-1"], "--queueing-delay-s"),
+    (["--queueing-delay-s", "inf"], "--queueing-delay-s"),
 ])
 def test_bad_arguments_are_reported_not_raised(args, message, capsys) -> None:
-    assert main(["bench", "estimator", "--trace", str(SLICE), *args]) == 2
+    assert run(["--trace", str(SLICE), *args]) == 2
     assert message in capsys.readouterr().err
-    assert main(["bench", "estimator", "--trace", "/no/such.jsonl"]) == 2
+    assert run(["--trace", "/no/such.jsonl"]) == 2
     assert "cannot read trace" in capsys.readouterr().err
 
 
 def test_an_empty_training_split_still_reports(tmp_path) -> None:
     path = tmp_path / "cold.json"
-    assert main(["bench", "estimator", "--trace", str(SLICE), "--train-fraction", "0",
-                 "--max-jobs", "4", "--json", str(path)]) == 0
+    assert run(["--trace", str(SLICE), "--train-fraction", "0", "--max-jobs", "4",
+                "--json", str(path)]) == 0
     results = json.loads(path.read_text())
     assert results["eq2-learned"]["fitted"] is False
     assert results["eq2-empirical"]["num_calls"] == 44
+    assert results["eq2-empirical"]["handed_T"]["num_calls"] == 44

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
+from estimator.base import MAX_CONTEXT_TOKENS
 from estimator.cost_model import (
     H100_LLAMA_8B_PREFILL,
     PrefillCostModel,
@@ -56,3 +58,32 @@ def test_the_roofline_default_is_plausible_for_an_8b_model_on_an_h100() -> None:
     # About 30k tokens/s at short contexts; attention makes 32k tokens cost well over 1 s.
     assert 0.02 < H100_LLAMA_8B_PREFILL.cost_s(1000) < 0.1
     assert 1.0 < H100_LLAMA_8B_PREFILL.cost_s(32_000) < 3.0
+
+
+def test_costs_never_raise_for_huge_contexts() -> None:
+    model = PrefillCostModel(0.0, 1.0, 1.0)
+    assert model.cost_s(10**400) == model.cost_s(MAX_CONTEXT_TOKENS)  # counted up to a bound
+    assert math.isfinite(model.cost_s(10**400)) and model.cost_s(-5) == 0.0
+    assert PrefillCostModel(0.0, 1e308, 1e308).cost_s(10**6) == math.inf  # no OverflowError
+
+
+@pytest.mark.parametrize("model, plausible", [
+    (H100_LLAMA_8B_PREFILL, True),
+    (PrefillCostModel(quadratic_s=10.0), True),  # 1e9 s at 10M tokens: the limit
+    (PrefillCostModel(quadratic_s=10.1), False),
+    (PrefillCostModel(linear_s=1e300), False),
+    (PrefillCostModel(1e308, 1e308, 1e308), False),  # infinite: an endless pin
+])
+def test_implausible_costs_are_named(model, plausible) -> None:
+    if plausible:
+        model.check_plausible()
+    else:
+        with pytest.raises(ValueError, match="implausible prefill cost"):
+            model.check_plausible()
+
+
+def test_a_cost_model_from_data_rejects_numbers_beyond_floats() -> None:
+    with pytest.raises(ValueError):
+        PrefillCostModel.from_dict({"intercept_s": 10**400, "linear_s": 0, "quadratic_s": 0})
+    with pytest.raises(ValueError):
+        PrefillCostModel.from_dict({"intercept_s": 1e400, "linear_s": 0, "quadratic_s": 0})

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
+from estimator.base import MAX_CONTEXT_TOKENS, MAX_JOB_TURNS, MAX_OBSERVED_S
 from estimator.learned import QuantileBoostingPredictor, pinball_loss
 from estimator.predictor import CallFeatures, DurationRecord
 
@@ -73,3 +76,26 @@ def test_records_without_any_tool_name_or_history_still_train() -> None:
     predictor.fit(records)
     assert predictor.is_fitted
     assert predictor.predict_quantiles([CallFeatures("new", 1, 50, ())]).shape == (1, 13)
+
+
+def test_hostile_features_and_durations_do_not_raise() -> None:
+    predictor = QuantileBoostingPredictor(max_iter=10)
+    records = [
+        *_records(120),
+        DurationRecord(CallFeatures("ls", 10**400, 10**400, (("ls", 1e308),)), 1e308),
+        DurationRecord(CallFeatures("ls", 0, 0, (("ls", math.nan),)), math.inf),
+    ]
+    predictor.fit(records)
+    rows = predictor.predict_quantiles([CallFeatures("ls", 10**400, -5, (("ls", -1.0),))])
+    assert np.all(np.isfinite(rows)) and np.all(rows <= MAX_OBSERVED_S)
+
+
+def test_saved_features_are_bounded() -> None:
+    features = CallFeatures.bounded("ls", 10**400, -3, (("ls", 0.5),))
+    assert (features.turn_index, features.num_context_tokens) == (MAX_JOB_TURNS, 0)
+    assert CallFeatures.from_list(features.to_list()) == features
+    for bad in (["ls", -1, 5, []], ["ls", 1, MAX_CONTEXT_TOKENS + 1, []],
+                ["ls", 1, 5, [["ls", 1e308]]], ["ls", 1, 5, [["ls", 1.0]] * 9],
+                ["ls", 1e400, 5, []]):
+        with pytest.raises(ValueError):
+            CallFeatures.from_list(bad)

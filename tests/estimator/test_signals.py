@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from estimator.base import MAX_JOB_TURNS, MAX_OBSERVED_S
 from estimator.signals import RemainingTurnsCorrelation, SlidingMean
 
 
@@ -25,6 +28,20 @@ def test_sliding_mean_forgets_the_rounding_of_values_gone_from_the_window() -> N
     for value in (1e16, 1.0, 1.0, 1.0):
         mean.add(value)
     assert mean.mean == 1.0
+
+
+def test_sliding_mean_survives_hostile_values() -> None:
+    mean = SlidingMean(window=4)
+    for value in (1e308, 1e308, math.inf, math.nan, -math.inf):
+        mean.add(value)  # NaN is dropped; the rest clamped into [0, a day]
+    assert mean.values == [MAX_OBSERVED_S] * 3 + [0.0]
+    assert mean.mean == pytest.approx(0.75 * MAX_OBSERVED_S)
+    capped = SlidingMean(window=2, max_value_s=10.0)
+    capped.add(11.0)
+    assert capped.mean == 10.0
+    for max_value_s in (0.0, 2 * MAX_OBSERVED_S, math.nan):
+        with pytest.raises(ValueError):
+            SlidingMean(max_value_s=max_value_s)
 
 
 def _eta(num_turns: list[int]) -> float:
@@ -56,6 +73,30 @@ def test_eta_defaults_while_undefined() -> None:
     assert _eta([1, 1, 1]) == 1.0  # one-turn jobs make no pin decisions
     assert _eta([2]) == 1.0  # one decision: no variance
     assert RemainingTurnsCorrelation(default=0.5).eta == 0.5
+
+
+def test_job_lengths_are_bounded_and_long_jobs_keep_eta_finite() -> None:
+    turns = RemainingTurnsCorrelation()
+    for bad in (-1, MAX_JOB_TURNS + 1, 10**400):
+        with pytest.raises(ValueError, match="num_turns"):
+            turns.add(bad)
+    assert len(turns) == 0
+    turns.extend([MAX_JOB_TURNS] * 3 + [2] * 3)
+    assert math.isfinite(turns.eta) and -1.0 <= turns.eta <= 1.0
+    turns.extend([MAX_JOB_TURNS] * 3)  # a long burst keeps the exact sums exact
+    assert turns.eta == pytest.approx(_numpy_eta_weighted({MAX_JOB_TURNS: 6, 2: 3}))
+
+
+def _numpy_eta_weighted(counts: dict[int, int]) -> float:
+    """`_numpy_eta` for jobs too long to list decision by decision (closed-form moments)."""
+    sums = np.zeros(4)
+    for n, copies in counts.items():
+        m = n - 1
+        k = np.arange(1, m + 1, dtype=float)
+        sums += copies * np.array([m, k.sum(), (k * k).sum(), (k * (n - k)).sum()])
+    count, sum_k, sum_k2, sum_rest = sums
+    variance = sum_k2 / count - (sum_k / count) ** 2
+    return float(-(sum_rest / count - (sum_k / count) ** 2) / variance)
 
 
 def test_only_the_latest_jobs_count() -> None:

@@ -78,3 +78,19 @@ def test_solver_is_the_argmax_over_candidates(samples, benefit_s) -> None:
     best = max([0.0, *(utility(t, cdf, benefit_s) for t in cdf.durations_s)])
     assert utility(ttl_s, cdf, benefit_s) == pytest.approx(best)
     assert ttl_s == 0.0 or ttl_s in cdf.durations_s
+
+
+def test_expected_hold_charges_a_pin_the_time_it_is_held() -> None:
+    # Durations 1, 2 and 10 s, equally likely; a hit saves 5 s.
+    cdf = DurationCDF.from_samples([1.0, 2.0, 10.0])
+    # Charged its TTL: t = 1 gains 1/3 * 5 - 1; t = 2 gains 2/3 * 5 - 2 = 1.33 (best).
+    assert solve_ttl(cdf, 5.0) == 2.0
+    # Charged E[min(D, t)]: t = 2 holds 1/3 * 1 + 2/3 * 2 = 1.67 s for a 3.33 s saving
+    # (gain 1.67); t = 10 holds (1 + 2 + 10) / 3 = 4.33 s for 5 s (gain 0.67).
+    assert solve_ttl(cdf, 5.0, "expected-hold") == 2.0
+    # With a 12 s saving, covering the 10 s call pays for itself only when a pin is charged
+    # what it holds: 12 - 4.33 = 7.67 > 2/3 * 12 - 1.67 = 6.33.
+    assert solve_ttl(cdf, 12.0) == 2.0
+    assert solve_ttl(cdf, 12.0, "expected-hold") == 10.0
+    with pytest.raises(ValueError, match="pin_cost"):
+        solve_ttl(cdf, 5.0, "memory")  # type: ignore[arg-type]

@@ -80,7 +80,7 @@ def test_bench_agent_command_writes_the_run(server: ServerThread, tmp_path: Path
     out = tmp_path / "agent.json"
     code = cli_main([
         "bench", "agent", "--base-url", server.base_url, "--trace", str(SLICE),
-        "--num-jobs", "2", "--max-turns", "2", "--token-scale", "0.05", "--jobs-per-s", "5",
+        "--first-jobs", "2", "--max-turns", "2", "--token-scale", "0.05", "--jobs-per-s", "5",
         "--label", "continuum", "--no-progress", "--json", str(out),
     ])
     assert code == 0

@@ -10,10 +10,19 @@ import pytest
 
 from engine.cli import main as cli_main
 from engine.executor.roofline import SIM_PROFILES
+from engine.scheduler.registry import make_policy
+from eval import simulator
 from eval.arrivals import poisson_arrivals_s
 from eval.report import markdown_table, speedup
-from eval.simulator import SimSettings, simulate
-from eval.workload import AgentJobSpec, LoadOptions, TurnSpec, load_jobs
+from eval.simulator import ChatLoad, SimSettings, Simulation, simulate
+from eval.workload import (
+    AgentJobSpec,
+    ChatSessionSpec,
+    ChatTurnSpec,
+    LoadOptions,
+    TurnSpec,
+    load_jobs,
+)
 from tests.continuum.workload import TEST_DATA
 
 SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
@@ -32,8 +41,8 @@ def pressured(policy: str, **overrides: object) -> SimSettings:
                        check_invariants=True, **overrides)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "continuum", "continuum-fixed", "infercept",
-                                    "autellix"])
+@pytest.mark.parametrize("policy", ["fcfs", "job-fcfs", "continuum", "continuum-fixed",
+                                    "continuum-oracle", "infercept", "autellix"])
 def test_every_policy_finishes_every_job_without_leaks(policy: str) -> None:
     jobs = slice_jobs()
     metrics = simulate(jobs, poisson_arrivals_s(len(jobs), 20.0), pressured(policy))
@@ -77,12 +86,96 @@ def test_next_turn_reuses_the_context_after_the_tool() -> None:
     assert metrics.mean_jct_s > 5.0
 
 
+def test_the_step_budget_is_the_prefill_chunk() -> None:
+    """`max_num_batched_tokens` is honoured: at vLLM's 2,048 a 4,096-token prompt takes two
+    prefill steps, at 8,192 one."""
+    job = AgentJobSpec("long", (TurnSpec(4096, 1, None, None),))
+    profile = SIM_PROFILES["h100-llama3.1-8b"]
+    ttfts = {budget: simulate([job], [0.0], SimSettings(
+        policy="fcfs", num_kv_blocks=512, max_num_batched_tokens=budget)).mean_ttft_s
+        for budget in (2048, 8192)}
+    assert ttfts[2048] == pytest.approx(
+        profile.step_time_s([(0, 2048)]) + profile.step_time_s([(2048, 2048)]))
+    assert ttfts[8192] == pytest.approx(profile.step_time_s([(0, 4096)]))
+
+
+def test_policy_options_reach_the_policy() -> None:
+    jobs = slice_jobs()
+    arrivals = poisson_arrivals_s(len(jobs), 20.0)
+    fixed = simulate(jobs, arrivals, pressured(
+        "continuum", policy_options=(("estimator", "fixed-2s"), ("max_pinned_fraction", "1"))))
+    # The 2 s rule pins every non-final turn (with no cap on the pool's share that pins
+    # hold); Eq. 2 prices these short contexts near zero.
+    assert fixed.pins_created == sum(len(job.turns) - 1 for job in jobs)
+    assert simulate(jobs, arrivals, pressured("continuum")).pins_created == 0
+    with pytest.raises(ValueError, match="bogus"):
+        Simulation(jobs, arrivals, pressured("continuum", policy_options=(("bogus", "1"),)))
+
+
+def test_the_oracle_is_told_each_tools_true_duration(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[dict] = []
+
+    def spy(name: str, options: dict | None = None, **kwargs: object) -> object:
+        built.append({"name": name, **kwargs})
+        return make_policy(name, options, **kwargs)
+
+    monkeypatch.setattr(simulator, "make_policy", spy)
+    jobs = slice_jobs()
+    chat = ChatLoad((ChatSessionSpec("chat", (ChatTurnSpec(32, 4, 0.5),
+                                               ChatTurnSpec(8, 4, None))),), (0.0,))
+    run = Simulation(jobs, poisson_arrivals_s(len(jobs), 20.0),
+                     pressured("continuum-oracle"), chat)
+    metrics = run.run()
+    assert metrics.num_finished_jobs == len(jobs) and metrics.leaked_blocks == 0
+    oracle, = built
+    assert oracle["name"] == "continuum-oracle"
+    lookup = oracle["tool_duration_s"]
+    for job in jobs:
+        assert [lookup(f"{job.job_id}#{k}") for k in range(len(job.turns))] == [
+            turn.tool_duration_s for turn in job.turns]
+    assert lookup("chat#0") is None and lookup("unknown#0") is None
+    simulate(jobs[:1], [0.0], pressured("continuum"))
+    assert "tool_duration_s" not in built[-1]
+
+
+def mixed_sessions() -> ChatLoad:
+    """Two chat sessions: one waits 5 s between its turns, one sends at once."""
+    return ChatLoad((
+        ChatSessionSpec("slow", (ChatTurnSpec(48, 8, 5.0), ChatTurnSpec(20, 4, None))),
+        ChatSessionSpec("eager", (ChatTurnSpec(40, 6, 0.0), ChatTurnSpec(10, 2, 0.0),
+                                  ChatTurnSpec(10, 2, None))),
+    ), (0.1, 0.2))
+
+
+def test_chat_sessions_run_beside_the_jobs_and_are_reported_apart() -> None:
+    jobs = slice_jobs(num_jobs=3, max_turns=3)
+    arrivals = poisson_arrivals_s(len(jobs), 20.0)
+    alone = simulate(jobs, arrivals, pressured("continuum"))
+    run = Simulation(jobs, arrivals, pressured("continuum"), mixed_sessions())
+    mixed = run.run()
+    # The job figures count the jobs only.
+    assert mixed.num_jobs == alone.num_jobs == 3 and mixed.num_turns == alone.num_turns
+    assert mixed.leaked_blocks == 0 and alone.chat_num_requests is None
+    assert 0 < mixed.busy_fraction <= 1.0
+    assert (mixed.chat_num_sessions, mixed.chat_num_requests) == (2, 5)
+    assert mixed.chat_queue_p50_s is not None and mixed.chat_queue_p99_s is not None
+    assert 0 < mixed.chat_ttft_p50_s <= mixed.chat_ttft_p99_s
+    assert mixed.p50_queue_s is not None and mixed.p99_queue_s >= mixed.p50_queue_s
+    slow, eager = run.records[3:]
+    # The next turn comes the gap after the previous one arrived, not before its answer.
+    assert 0.1 + 5.0 < slow.finished_s < 0.1 + 5.5
+    assert eager.finished_s < 1.0
+    # Each prompt extends the previous prompt and answer, so the cache serves it.
+    assert [turn.num_prompt_tokens for turn in eager.turns] == [40, 56, 68]
+    assert all(turn.num_cached_tokens >= 32 for turn in eager.turns[1:])
+
+
 def test_bench_sim_writes_every_field_per_policy_and_load(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "sim.json"
     plot = tmp_path / "sim.png"
     code = cli_main([
-        "bench", "sim", "--trace", str(SLICE), "--num-jobs", "4", "--max-turns", "3",
+        "bench", "sim", "--trace", str(SLICE), "--first-jobs", "4", "--max-turns", "3",
         "--token-scale", "0.1", "--num-kv-blocks", "64", "--max-num-batched-tokens", "512",
         "--policies", "fcfs,continuum", "--jobs-per-s", "5,all", "--json", str(out),
         "--plot", str(plot),

@@ -32,8 +32,9 @@ from tests.eval import sabotaged_policy
 
 SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVE_ARGS = ("--num-kv-blocks", "256", "--max-model-len", "1024", "--estimator", "fixed-2s",
-              "--prefill-profile", "none", "--debug-check-invariants")
+SERVE_ARGS = ("--num-kv-blocks", "256", "--max-model-len", "1024",
+              "--policy-option", "estimator=fixed-2s", "--policy-option", "prefill_profile=none",
+              "--debug-check-invariants")
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +105,8 @@ def test_the_soak_reports_a_broken_invariant(
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     serve_args = ("--scheduling-policy", f"{sabotaged_policy.__name__}:SabotagedPolicy",
-                  "--num-kv-blocks", "64", "--max-model-len", "1024", "--prefill-profile",
-                  "none", "--debug-check-invariants")
+                  "--num-kv-blocks", "64", "--max-model-len", "1024",
+                  "--debug-check-invariants")
     jobs = load_jobs(SLICE, LoadOptions(max_jobs=4, max_turns=4, token_scale=0.05))
     settings = SoakSettings(duration_s=8.0, warmup_s=0.0, num_lanes=4, max_tool_s=0.2,
                             sample_interval_s=0.25, idle_timeout_s=5.0)

@@ -9,15 +9,17 @@ import math
 import msgspec
 import pytest
 
-from engine.config import EngineConfig, EstimatorConfig
+from engine.config import EngineConfig
 from engine.core.client import InprocClient
 from engine.core.engine_core import EngineCore
 from engine.core.wire import EngineStats
-from engine.request import FinishReason, JobInfo
+from engine.request import FinishReason, JobInfo, RequestStatus
 from engine.scheduler.policies import FCFSPolicy
+from engine.scheduler.policy import Retention
 from estimator.eq2 import Eq2Estimator
 from tests.engine.core.conftest import SMALL_CONFIG, core_request
 from tests.engine.helpers import FakeClock
+from tracing.records import TTLInputs
 
 
 def run_to_completion(core: EngineCore) -> dict[str, list[int]]:
@@ -82,8 +84,10 @@ def test_utilities(core: EngineCore) -> None:
 
 
 class RetainEveryTurn(FCFSPolicy):
-    def retention_ttl_s(self, request, now_s):
-        return 10.0
+    def on_request_finished(self, request, now_s):
+        if request.job is None or request.status is RequestStatus.FINISHED_ABORTED:
+            return None
+        return Retention(10.0, TTLInputs(ttl_s=10.0, source="test"))
 
 
 def test_release_job_frees_a_pin_and_pins_keep_the_core_stepping() -> None:
@@ -109,22 +113,25 @@ def test_inproc_client_runs_steps_on_get_output() -> None:
     client.shutdown()
 
 
-def _with_estimator(**fields) -> EngineConfig:
-    return dataclasses.replace(SMALL_CONFIG, estimator=EstimatorConfig(**fields))
+def _with_options(**options: str) -> EngineConfig:
+    """SMALL_CONFIG with the continuum policy's options."""
+    scheduler = dataclasses.replace(SMALL_CONFIG.scheduler, policy="continuum",
+                                    policy_options=options)
+    return dataclasses.replace(SMALL_CONFIG, scheduler=scheduler)
 
 
 def test_job_state_includes_the_policys_books_until_the_job_ends(tmp_path) -> None:
     # A profile pricing any rebuild at 4 s: the cold-start TTL is ln(T + R) = ln 4.
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"points": [[0, 4.0], [1000, 4.0]]}))
-    core = EngineCore(_with_estimator(prefill_profile=str(profile)), clock=FakeClock())
+    core = EngineCore(_with_options(prefill_profile=str(profile)), clock=FakeClock())
     request = core_request("turn", list(range(40)), max_tokens=4)
     core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job", tool_name="ls")))
     run_to_completion(core)
     state = core.job_state("job")
     assert state.pin is not None and state.pin.ttl_s == pytest.approx(math.log(4.0))
-    assert (state.policy.num_turns_finished, state.policy.num_pins_created) == (1, 1)
-    assert state.policy.last_tool_name == "ls"
+    assert (state.policy["num_turns_finished"], state.policy["num_pins_created"]) == (1, 1)
+    assert state.policy["last_tool_name"] == "ls"
     assert core.stats().num_jobs == 1
     assert core.release_job("job") is True
     assert core.job_state("job") is None and core.stats().num_jobs == 0
@@ -132,37 +139,59 @@ def test_job_state_includes_the_policys_books_until_the_job_ends(tmp_path) -> No
 
 def test_the_default_estimator_prices_rebuilds_from_a_prefill_profile_measured_at_start() -> None:
     core = EngineCore(SMALL_CONFIG, clock=FakeClock())  # continuum, Eq. 2, profile "auto"
-    estimator = core.scheduler.policy.estimator
+    estimator = core.scheduler.policy.estimator.inner
     assert isinstance(estimator, Eq2Estimator) and estimator.prefill_cost is not None
     assert estimator.rebuild_s(512) > estimator.rebuild_s(16) > 0
     # On this tiny model a rebuild costs milliseconds: the cold-start rule does not pin.
     request = core_request("turn", list(range(40)), max_tokens=4)
-    core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job")))
+    core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job",
+                                                                  tool_name="ls")))
     run_to_completion(core)
     assert core.job_state("job").pin is None and core.stats().num_pins == 0
 
 
 def test_estimator_state_is_saved_at_shutdown_and_loaded_at_start(tmp_path) -> None:
     state_path = tmp_path / "estimator.json"
-    config = _with_estimator(prefill_profile="none", state_path=str(state_path))
+    config = _with_options(prefill_profile="none", estimator_state=str(state_path))
     core = EngineCore(config, clock=FakeClock())
     core.scheduler.policy.estimator.observe_queueing_delay(3.0)
     core.shutdown()
     restarted = EngineCore(config, clock=FakeClock())
-    assert restarted.scheduler.policy.estimator.queueing_delay.mean == 3.0
+    assert restarted.scheduler.policy.estimator.inner.queueing_delay.mean == 3.0
     state_path.write_text("{not json")
     cold = EngineCore(config, clock=FakeClock())  # a corrupt file: a cold start, no crash
-    assert cold.scheduler.policy.estimator.queueing_delay.mean is None
+    assert cold.scheduler.policy.estimator.inner.queueing_delay.mean is None
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"name": "psychic"}, "unknown estimator"),
+@pytest.mark.parametrize("kind", ["overflowing", "endless"])
+def test_a_hostile_estimator_state_starts_cold_and_the_core_serves(tmp_path, kind) -> None:
+    path = tmp_path / "estimator.json"
+    huge = [1.7e308] * 4  # finite values whose sum overflows
+    path.write_text(json.dumps({
+        "version": 1, "cold_start_samples": 100, "pooled_s": huge, "tools_s": {"ls": huge},
+        "queueing_delays_s": huge, "job_num_turns": [3], "prefill_cost": None, "records": []}))
+    source = "/dev/zero" if kind == "endless" else str(path)
+    core = EngineCore(_with_options(prefill_profile="none", estimator_state=source),
+                      clock=FakeClock())
+    assert core.scheduler.policy.estimator.inner.queueing_delay.mean is None  # cold
+    for index in range(2):
+        request = core_request(f"turn{index}", list(range(40)), max_tokens=4)
+        core.add_request(msgspec.structs.replace(
+            request, job=JobInfo(job_id="job", tool_name="ls", is_last_step=index == 1)))
+        outputs = run_to_completion(core)
+        assert len(outputs[f"turn{index}"]) == 4
+    assert core.stats().num_pins == 0 and core.stats().num_jobs == 0
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"estimator": "psychic"}, "option estimator .*expected one of"),
     ({"prefill_profile": "/no/such/profile.json"}, "cannot read prefill profile"),
-    ({"warm_start_traces": ("/no/such/trace.jsonl",)}, "cannot read trace"),
+    ({"estimator_warm_start": "/no/such/trace.jsonl"}, "cannot read trace"),
+    ({"max_wait": "3"}, "unknown option 'max_wait'"),
 ])
-def test_a_bad_estimator_setting_fails_at_start(fields, message) -> None:
+def test_a_bad_policy_option_fails_at_start(options, message) -> None:
     with pytest.raises(ValueError, match=message):
-        EngineCore(_with_estimator(**fields), clock=FakeClock())
+        EngineCore(_with_options(**options), clock=FakeClock())
 
 
 def test_prefills_are_profiled_once_and_never_after_serving_starts() -> None:

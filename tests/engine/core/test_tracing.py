@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.config import CacheConfig, EngineConfig, EstimatorConfig, TraceConfig
+from engine.config import CacheConfig, EngineConfig, TraceConfig
 from engine.core.engine_core import EngineCore
 from engine.request import JobInfo
 from tests.engine.core.conftest import SMALL_CONFIG, core_request
@@ -36,7 +36,8 @@ def _traced_config(tmp_path: Path, **trace: object) -> EngineConfig:
     return dataclasses.replace(
         SMALL_CONFIG,
         cache=CacheConfig(num_kv_blocks=24),
-        estimator=EstimatorConfig(prefill_profile=str(profile)),
+        scheduler=dataclasses.replace(SMALL_CONFIG.scheduler, policy="continuum",
+                                      policy_options={"prefill_profile": str(profile)}),
         trace=TraceConfig(path=str(tmp_path / "trace.jsonl"), **trace),  # type: ignore[arg-type]
     )
 

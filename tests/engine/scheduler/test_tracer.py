@@ -28,7 +28,8 @@ from tracing.records import (
 )
 
 turn = st.builds(Turn, appended_tokens=st.integers(1, 10), output_tokens=st.integers(1, 14),
-                 tool_s=st.sampled_from([0.0, 0.05, 0.3, 1.0]))
+                 tool_s=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
+                 tool_name=st.sampled_from([None, "bash"]))
 job_shape = st.tuples(st.floats(0.0, 0.5), st.lists(turn, min_size=1, max_size=3))
 
 
@@ -57,9 +58,9 @@ def test_tracing_changes_no_decision_and_records_every_step(
         return
     options = {"num_blocks": num_blocks, "max_num_batched_tokens": 24, "max_num_seqs": max_num_seqs,
                "seed": seed, "max_steps": 20_000}
-    untraced = replay(jobs, AGENT_POLICIES[policy_name](), **options)
+    untraced = replay(jobs, AGENT_POLICIES[policy_name](jobs), **options)
     path = tmp_path / f"{policy_name}-{seed}.jsonl"
-    traced = replay(jobs, AGENT_POLICIES[policy_name](),
+    traced = replay(jobs, AGENT_POLICIES[policy_name](jobs),
                     tracer=SchedulerTracer(path, config={"policy": policy_name}), **options)
     assert traced.steps == untraced.steps
     assert traced.job_completion_s == untraced.job_completion_s

@@ -14,9 +14,11 @@ from engine.config import EngineConfig
 from engine.frontend.tokenizer import load_tokenizer
 from engine.model.directory import load_arch
 from engine.outputs import ModelRunnerOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
+from engine.scheduler.policy import Retention
+from tracing.records import TTLInputs
 
 SCRIPT = (
     'Let me look.<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
@@ -79,8 +81,9 @@ class ScriptedExecutor:
 class PinJobTurnsPolicy(FCFSPolicy):
     """FCFS that pins every finished non-final turn of a job (see the module docstring)."""
 
-    def retention_ttl_s(self, request: Request, now_s: float) -> float | None:
+    def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
         job = request.job
-        if job is None or job.is_last_step:
+        if job is None or job.is_last_step or request.status is RequestStatus.FINISHED_ABORTED:
             return None
-        return PIN_TTL_S + len(job.tool_name or "")
+        ttl_s = PIN_TTL_S + len(job.tool_name or "")
+        return Retention(ttl_s, TTLInputs(ttl_s=ttl_s, source="scripted", tool=job.tool_name))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 import openai
 import pytest
@@ -122,8 +124,9 @@ def test_the_default_policy_reads_the_tool_and_pins_for_the_eq2_ttl(tmp_path):
     profile (4 s, so the cold-start TTL is ln 4), and saves what it learned at shutdown."""
     profile, state_path = tmp_path / "profile.json", tmp_path / "estimator.json"
     profile.write_text(json.dumps({"points": [[0, 4.0], [1000, 4.0]]}))
-    server = start_server(executor=f"{SCRIPTED}:ScriptedExecutor", prefill_profile=str(profile),
-                          estimator_state=str(state_path),
+    server = start_server(executor=f"{SCRIPTED}:ScriptedExecutor",
+                          policy_options={"prefill_profile": str(profile),
+                                          "estimator_state": str(state_path)},
                           settings=ServerSettings(served_model_name="scripted"))
     try:
         first = server.client().completions.create(
@@ -147,3 +150,39 @@ def test_the_default_policy_reads_the_tool_and_pins_for_the_eq2_ttl(tmp_path):
         server.stop()
     saved = json.loads(state_path.read_text())
     assert len(saved["tools_s"]["bash"]) == 1 and saved["job_num_turns"] == [2]
+
+
+def test_a_plain_request_is_served_within_the_bound_behind_a_flood_of_one_jobs_turns():
+    """The issue's starvation case in reduced form: client loops keep sending non-final,
+    tool-calling turns of one job (each pinned for 2 s) into a small pool; a plain request
+    sent meanwhile heads the queue once it has waited `max_wait_s` and is served."""
+    server = start_server(num_kv_blocks=40, max_model_len=640,
+                          policy_options={"estimator": "fixed-2s", "max_wait_s": "1.0"})
+    stop = threading.Event()
+
+    def flood(loop: int) -> None:
+        client = server.client()
+        serial = 0
+        while not stop.is_set():
+            prompt = [5 + (loop * 97 + serial + k) % 240 for k in range(300)]
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                      extra_body={"job_id": "flood", "tool_name": "bash"})
+            serial += 1
+
+    loops = [threading.Thread(target=flood, args=(loop,)) for loop in range(6)]
+    try:
+        for thread in loops:
+            thread.start()
+        time.sleep(1.0)
+        started_s = time.monotonic()
+        reply = server.client().completions.create(
+            model="tiny", prompt=[7 + k % 200 for k in range(300)], max_tokens=2)
+        waited_s = time.monotonic() - started_s
+        assert reply.choices[0].finish_reason == "length"
+        assert waited_s < 1.0 + 5.0, waited_s  # the bound, plus slack for a busy machine
+        assert server.metric("pins_created_total") > 0  # the flood's turns were pinned
+    finally:
+        stop.set()
+        for thread in loops:
+            thread.join(timeout=60)
+        server.stop()

@@ -11,7 +11,7 @@ from tracing.summary import summarize
 def test_the_environment_variable_traces_a_served_agent_job(tmp_path, monkeypatch) -> None:
     path = tmp_path / "served.jsonl"
     monkeypatch.setenv("CONTINUUM_TRACE_PATH", str(path))
-    server = start_server(estimator="fixed-2s")  # pins every tool call for 2 s
+    server = start_server(policy_options={"estimator": "fixed-2s"})  # pins tool calls for 2 s
     try:
         client = server.client()
         first = client.completions.create(

@@ -1,0 +1,109 @@
+"""The options of the agent policies, each a frozen config parsed from `--policy-option`s.
+
+Times are seconds on the scheduler's clock. The bounds (`max_job_age_s`, `max_wait_s`,
+`pin_yield_wait_s`, `max_pinned_fraction`) are what keep every request's wait bounded; see
+`docs/benchmarks.md` for how their defaults were chosen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from estimator.eq2 import DEFAULT_MAX_TTL_S, RebuildCost
+from estimator.solver import PinCost
+
+DEFAULT_JOB_IDLE_TIMEOUT_S = 600.0
+
+EstimatorName = Literal["eq2-empirical", "eq2-learned", "fixed-2s"]
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What every job-aware policy takes."""
+
+    job_idle_timeout_s: float = field(default=DEFAULT_JOB_IDLE_TIMEOUT_S, metadata=_help(
+        "a job with no unfinished turn and no pin is forgotten after this long idle"))
+
+    def __post_init__(self) -> None:
+        _require(self.job_idle_timeout_s > 0,
+                 f"job_idle_timeout_s must be > 0, got {self.job_idle_timeout_s!r}")
+
+
+@dataclass(frozen=True)
+class ProgramOrderOptions(JobOptions):
+    """Program-level order with its bounds: waiting turns sort by their job's first arrival,
+    but never by a time more than `max_job_age_s` before their own arrival; a request that
+    has waited `max_wait_s` heads the queue (in arrival order) whatever its job."""
+
+    max_job_age_s: float = field(default=60.0, metadata=_help(
+        "aging cap of program-level order: a turn sorts by its job's first arrival, but by no "
+        "time older than this before its own arrival (inf: pure program order)"))
+    max_wait_s: float = field(default=30.0, metadata=_help(
+        "a request that has waited this long goes ahead of every tier, in arrival order "
+        "(inf: never)"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.max_job_age_s >= 0,
+                 f"max_job_age_s must be >= 0, got {self.max_job_age_s!r}")
+        _require(self.max_wait_s >= 0, f"max_wait_s must be >= 0, got {self.max_wait_s!r}")
+
+
+@dataclass(frozen=True)
+class ContinuumOptions(ProgramOrderOptions):
+    """Continuum's pins and their estimator, on top of program-level order."""
+
+    estimator: EstimatorName = field(default="eq2-empirical", metadata=_help(
+        "the TTL rule: eq2-empirical (the paper's Eq. 2) | eq2-learned | fixed-2s"))
+    rebuild_cost: RebuildCost = field(default="prefill", metadata=_help(
+        "Eq. 2's R: prefill (the paper: prefill time of the context) | "
+        "prefill-times-running (times 1 + the requests running beside the finished turn)"))
+    pin_cost: PinCost = field(default="ttl", metadata=_help(
+        "what Eq. 2 charges a pin: ttl (the paper: its whole TTL) | expected-hold (the time it "
+        "is expected to be held, since a used pin is released when the next turn arrives)"))
+    prefill_profile: str = field(default="auto", metadata=_help(
+        "prices R: auto (prefills timed at start-up) | none (R = 0) | a JSON file of "
+        "[num_tokens, seconds] points"))
+    estimator_state: str | None = field(default=None, metadata=_help(
+        "estimator state file: loaded at start if present and valid, saved at shutdown"))
+    estimator_warm_start: tuple[str, ...] = field(default=(), metadata=_help(
+        "comma-separated agent-job trace files the estimator learns from at start"))
+    max_ttl_s: float = field(default=DEFAULT_MAX_TTL_S, metadata=_help(
+        "no pin lasts longer than this"))
+    pin_yield_wait_s: float = field(default=math.inf, metadata=_help(
+        "pins give way (latest job first) to a waiting head that cannot get blocks once it has "
+        "waited this long or max_wait_s, whichever is shorter, even while other requests run "
+        "(0: at once, as in the paper); with nothing running they always do"))
+    max_pinned_fraction: float = field(default=0.8, metadata=_help(
+        "the share of the KV pool pins may hold; a new pin first releases later jobs' pins, "
+        "else is declined (1: no cap)"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(bool(self.prefill_profile), "prefill_profile must be auto, none or a file")
+        _require(self.estimator_state != "", "estimator_state must be a file path")
+        _require(self.max_ttl_s > 0 and math.isfinite(self.max_ttl_s),
+                 f"max_ttl_s must be a positive finite number, got {self.max_ttl_s!r}")
+        _require(self.pin_yield_wait_s >= 0,
+                 f"pin_yield_wait_s must be >= 0, got {self.pin_yield_wait_s!r}")
+        _require(0 < self.max_pinned_fraction <= 1,
+                 f"max_pinned_fraction must be in (0, 1], got {self.max_pinned_fraction!r}")
+
+
+@dataclass(frozen=True)
+class ContinuumFixedOptions(ContinuumOptions):
+    """Continuum with the preview release's 2 s rule as its estimator."""
+
+    estimator: EstimatorName = field(default="fixed-2s", metadata=_help(
+        "the TTL rule: fixed-2s (the release's rule) | eq2-empirical | eq2-learned"))

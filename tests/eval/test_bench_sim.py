@@ -1,0 +1,187 @@
+"""`continuum bench sim`'s command line: policy specs with options, drawing jobs with
+replacement, turn scaling, chat sessions beside the jobs, and determinism across workers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main as cli_main
+from eval.bench_sim import (
+    ABLATION_LADDER,
+    DEFAULT_POLICIES,
+    ChatWorkload,
+    PolicySpec,
+    parse_policy_spec,
+    policy_specs,
+    run_comparison,
+)
+from eval.simulator import SimSettings
+from eval.workload import ChatSessionSpec, ChatTurnSpec, LoadOptions, load_jobs
+from tests.continuum.workload import TEST_DATA
+
+SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
+SMALL = ("--trace", str(SLICE), "--max-turns", "3", "--token-scale", "0.1",
+         "--num-kv-blocks", "64", "--max-num-batched-tokens", "512")
+CHAT_FIELDS = ("chat_num_sessions", "chat_num_requests", "chat_queue_p50_s",
+               "chat_queue_p99_s", "chat_ttft_p50_s", "chat_ttft_p99_s")
+
+
+def write_chat_trace(path: Path) -> Path:
+    """Three sessions in the converted Mooncake layout: turns timed by `t_arrival_s`."""
+    def turn(at_s: float, prompt: int, output: int) -> dict:
+        return {"t_arrival_s": at_s, "input_tokens": prompt, "output_tokens": output,
+                "tool_name": None, "tool_duration_s": None}
+    sessions = [
+        {"job_id": "c0", "turns": [turn(0.0, 60, 8), turn(2.0, 80, 4)]},
+        {"job_id": "c1", "turns": [turn(5.0, 30, 6)]},
+        {"job_id": "c2", "turns": [turn(1.0, 50, 5), turn(1.5, 70, 5), turn(9.0, 90, 3)]},
+    ]
+    path.write_text("".join(json.dumps(session) + "\n" for session in sessions))
+    return path
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("fcfs", PolicySpec("fcfs", "fcfs")),
+    (" continuum:rebuild_cost=prefill-times-running ",
+     PolicySpec("continuum:rebuild_cost=prefill-times-running", "continuum",
+                (("rebuild_cost", "prefill-times-running"),))),
+    ("continuum:estimator=fixed-2s:max_ttl_s=5",
+     PolicySpec("continuum:estimator=fixed-2s:max_ttl_s=5", "continuum",
+                (("estimator", "fixed-2s"), ("max_ttl_s", "5")))),
+    ("tests.eval.sabotaged_policy:SabotagedPolicy",
+     PolicySpec("tests.eval.sabotaged_policy:SabotagedPolicy",
+                "tests.eval.sabotaged_policy:SabotagedPolicy")),
+])
+def test_policy_specs_parse(text: str, expected: PolicySpec) -> None:
+    assert parse_policy_spec(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (":estimator=fixed-2s", "names no policy"),
+    ("continuum:estimator", "KEY=VALUE"),
+    ("continuum:max_ttl_s=1:max_ttl_s=2", "given twice"),
+    ("nosuch", "unknown scheduling policy 'nosuch'"),
+    ("continuum:bogus=1", "unknown option 'bogus'"),
+    ("continuum:estimator=nope", "option estimator .* expected one of"),
+    ("fcfs:estimator=fixed-2s", "takes no options"),
+    ("fcfs,continuum,fcfs", "'fcfs' is given twice"),
+    (" , ", "names no policy"),
+])
+def test_bad_policy_specs_are_refused_with_the_reason(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        policy_specs(text)
+
+
+def test_policy_lists() -> None:
+    assert [s.label for s in policy_specs(None)] == DEFAULT_POLICIES.split(",")
+    assert [s.label for s in policy_specs("ladder")] == ABLATION_LADDER.split(",")
+    # A value holding commas goes through --policy, after the comma-separated ones.
+    warm = "continuum:estimator_warm_start=a.jsonl,b.jsonl"
+    specs = policy_specs("fcfs", [warm])
+    assert [s.label for s in specs] == ["fcfs", warm]
+    assert specs[1].options == (("estimator_warm_start", "a.jsonl,b.jsonl"),)
+    assert [s.label for s in policy_specs(None, [warm])] == [warm]
+
+
+def test_bad_spec_is_refused_before_the_trace_is_read(capsys: pytest.CaptureFixture) -> None:
+    code = cli_main(["bench", "sim", "--trace", "/nonexistent.jsonl", "--jobs-per-s", "1",
+                     "--policies", "fcfs,continuum:bogus=1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: policy spec 'continuum:bogus=1'") and "trace" not in err
+    with pytest.raises(SystemExit):  # the estimator is a policy option now
+        cli_main(["bench", "sim", *SMALL, "--jobs-per-s", "1", "--estimator", "fixed-2s"])
+
+
+def test_specs_label_the_rows_and_record_the_policy_and_options(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "sim.json"
+    fixed = "continuum:estimator=fixed-2s:prefill_profile=none"
+    code = cli_main(["bench", "sim", *SMALL, "--first-jobs", "3", "--jobs-per-s", "5",
+                     "--policies", f"fcfs,{fixed}", "--json", str(out),
+                     "--plot", str(tmp_path / "sim.png")])
+    assert code == 0
+    report = json.loads(out.read_text())
+    fcfs, continuum = report["runs"]
+    assert report["policies"] == ["fcfs", fixed]
+    assert (continuum["label"], continuum["policy"]) == (fixed, "continuum")
+    assert continuum["policy_options"] == {"estimator": "fixed-2s", "prefill_profile": "none"}
+    assert (fcfs["label"], fcfs["policy"], fcfs["policy_options"]) == ("fcfs", "fcfs", {})
+    assert continuum["pins_created"] > 0 and fcfs["pins_created"] == 0
+    assert {"p50_queue_s", "p99_queue_s"} <= set(continuum)
+    assert all(fcfs[name] is None for name in CHAT_FIELDS)
+    assert f"| 5 | {fixed} |" in capsys.readouterr().out
+    assert "chat" not in report and (tmp_path / "sim.png").exists()
+
+
+def test_num_jobs_draws_with_replacement_and_repeat_turns_scales(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    code = cli_main(["bench", "sim", *SMALL, "--first-jobs", "2", "--num-jobs", "5",
+                     "--repeat-turns", "2", "--jobs-per-s", "all", "--policies", "fcfs",
+                     "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    run, = report["runs"]
+    assert run["num_finished_jobs"] == report["workload"]["num_jobs"] == 5
+    assert report["workload"]["mean_turns"] == 6
+    assert run["num_turns"] == 30
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "sim", *SMALL, "--jobs-per-s", "1", "--repeat-turns", "0"])
+
+
+def test_chat_sessions_beside_the_jobs_are_reported_apart(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    chat = write_chat_trace(tmp_path / "chat.jsonl")
+    out = tmp_path / "sim.json"
+    code = cli_main(["bench", "sim", *SMALL, "--first-jobs", "3", "--jobs-per-s", "5",
+                     "--policies", "fcfs,continuum", "--chat-trace", str(chat),
+                     "--chat-sessions-per-s", "2", "--chat-sessions", "4", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["chat"]["num_sessions_in_trace"] == 3
+    for run in report["runs"]:
+        assert run["num_jobs"] == 3 and run["chat_num_sessions"] == 4
+        assert run["num_turns"] == 9 and run["chat_num_requests"] >= 4
+        assert all(run[name] is not None for name in CHAT_FIELDS)
+    table = capsys.readouterr().out
+    assert "chat queueing p50 / p99 (s)" in table and "chat TTFT p50 / p99 (s)" in table
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--chat-sessions-per-s", "1"), "need --chat-trace"),
+    (("--chat-trace", "CHAT"), "needs --chat-sessions-per-s"),
+])
+def test_chat_flags_go_together(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                flags: tuple[str, ...], message: str) -> None:
+    chat = str(write_chat_trace(tmp_path / "chat.jsonl"))
+    args = [chat if flag == "CHAT" else flag for flag in flags]
+    assert cli_main(["bench", "sim", *SMALL, "--jobs-per-s", "1", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_default_chat_sessions_cover_the_jobs_arrival_window() -> None:
+    session = ChatSessionSpec("s", (ChatTurnSpec(10, 2, None),))
+    workload = ChatWorkload((session,), sessions_per_s=4.0)
+    load = workload.load_for([0.0, 3.0, 10.0], seed=0)
+    assert len(load.sessions) == len(load.arrivals_s) > 20
+    assert load.arrivals_s[0] == 0.0 and max(load.arrivals_s) <= 10.0
+    assert len({s.session_id for s in load.sessions}) == len(load.sessions)
+    assert workload.load_for([0.0, 0.0], seed=0).arrivals_s == (0.0,)
+    assert workload.load_for([0.0, 3.0, 10.0], seed=0) == load
+
+
+def test_runs_are_the_same_whatever_the_workers(tmp_path: Path) -> None:
+    jobs = load_jobs(SLICE, LoadOptions(max_jobs=3, max_turns=3, token_scale=0.1))
+    sessions = ChatSessionSpec("s", (ChatTurnSpec(30, 3, 0.2), ChatTurnSpec(5, 3, None)))
+    chat = ChatWorkload((sessions,), sessions_per_s=2.0, num_sessions=3)
+    settings = SimSettings(policy="fcfs", num_kv_blocks=64, max_num_batched_tokens=512)
+    specs = policy_specs("fcfs,continuum:estimator=fixed-2s")
+
+    def runs(workers: int) -> list[dict]:
+        return [{k: v for k, v in run.items() if k != "wall_s"} for run in run_comparison(
+            jobs, settings, specs, [5.0, None], workers=workers, chat=chat)]
+
+    assert runs(1) == runs(2)
