@@ -106,15 +106,11 @@ class JobAwarePolicy(BasePolicy):
     # Lifecycle notifications.
     def on_step_start(self, now_s: float) -> None:
         for pin in self.scheduler.pins:
-            if now_s > pin.deadline_s and not self.keeps_expired_pin(pin, now_s):
+            # A pin past its deadline stays while a turn of its job waits to reuse it.
+            if now_s > pin.deadline_s and self.num_waiting(pin.job_id) == 0:
                 self.scheduler.release_pin(pin.job_id, PinReleaseReason.EXPIRED)
         for job in self.jobs.pop_idle(now_s, is_busy=lambda job: self.holds_pin(job.job_id)):
             self.forget_job(job)
-
-    def keeps_expired_pin(self, pin: Pin, now_s: float) -> bool:
-        """Whether a pin past its deadline stays: while a turn of its job waits (it is about
-        to be admitted and reuse the pin)."""
-        return self.num_waiting(pin.job_id) > 0
 
     def on_request_arrived(self, request: Request, now_s: float) -> None:
         order = self._num_arrivals

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 from estimator.eq2 import DEFAULT_MAX_TTL_S, RebuildCost
+from estimator.registry import EstimatorName
 from estimator.solver import PinCost
 
 DEFAULT_JOB_IDLE_TIMEOUT_S = 600.0
-
-EstimatorName = Literal["eq2-empirical", "eq2-learned", "fixed-2s"]
 
 
 def _help(text: str) -> dict[str, str]:

@@ -8,8 +8,7 @@ configured estimator would use.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from continuum.estimation import EstimatorWrapper
 from continuum.options import ContinuumOptions
@@ -55,10 +54,6 @@ class ContinuumOraclePolicy(ContinuumPolicy):
                              "(tool_duration_s); only the simulator (bench sim) has them")
         super().__init__(options)
         self._tool_duration_s = tool_duration_s
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], **kwargs: Any) -> ContinuumOraclePolicy:
-        return super().from_options(options, **kwargs)  # type: ignore[return-value]
 
     def default_estimator(self, options: ContinuumOptions,
                           scheduler: SchedulerView) -> TTLEstimator:

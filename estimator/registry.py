@@ -16,6 +16,7 @@ from estimator.solver import PinCost
 # New finished tool calls between background retrainings of the learned predictor.
 LEARNED_REFIT_EVERY = 1000
 
+# The estimators `make_estimator` knows, as a type for options that name one.
 EstimatorName = Literal["eq2-empirical", "eq2-learned", "fixed-2s"]
 
 

@@ -61,6 +61,17 @@ def parse_options(config_type: type[T], options: Mapping[str, object], *, owner:
         raise ValueError(f"options of {owner}: {error}") from None
 
 
+def parse_policy_options(options_type: type[T] | None, options: Mapping[str, object], *,
+                         owner: str) -> T | None:
+    """`parse_options` for a policy's `options_type`; None for a policy that has none, which
+    refuses any option (ValueError)."""
+    if options_type is None:
+        if options:
+            raise ValueError(f"{owner} takes no options; got {', '.join(map(str, options))}")
+        return None
+    return parse_options(options_type, options, owner=owner)
+
+
 def describe_options(config_type: type) -> list[str]:
     """One line per option: `name=default: help`."""
     lines = []

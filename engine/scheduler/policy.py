@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Protocol
 
 from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.request import Request
-from engine.scheduler.options import parse_options
+from engine.scheduler.options import parse_policy_options
 from engine.scheduler.request_queue import RequestQueue
 from tracing.records import TTLInputs
 
@@ -179,12 +179,9 @@ class BasePolicy:
     def from_options(cls, options: Mapping[str, object], **kwargs: Any) -> BasePolicy:
         """The policy built with its options parsed and validated; ValueError naming a bad
         or unknown key."""
-        owner = f"scheduling policy {cls.__name__}"
-        if cls.options_type is None:
-            if options:
-                raise ValueError(f"{owner} takes no options; got {', '.join(map(str, options))}")
-            return cls(**kwargs)
-        return cls(options=parse_options(cls.options_type, options, owner=owner), **kwargs)
+        parsed = parse_policy_options(cls.options_type, options,
+                                      owner=f"scheduling policy {cls.__name__}")
+        return cls(**kwargs) if parsed is None else cls(options=parsed, **kwargs)
 
     def bind(self, scheduler: SchedulerView) -> None:
         self.scheduler = scheduler

@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 from engine.plugins import load_named
-from engine.scheduler.options import describe_options, parse_options
+from engine.scheduler.options import describe_options, parse_policy_options
 from engine.scheduler.policy import SchedulingPolicy
 
 POLICY_REGISTRY = MappingProxyType({
@@ -43,14 +43,8 @@ def make_policy(
 
 def check_policy_options(name: str, options: Mapping[str, object]) -> None:
     """Validates a policy's options without building it; ValueError naming the problem."""
-    policy_class = resolve_policy_class(name)
-    options_type = getattr(policy_class, "options_type", None)
-    if options_type is None:
-        if options:
-            raise ValueError(f"scheduling policy {name!r} takes no options; "
-                             f"got {', '.join(map(str, options))}")
-        return
-    parse_options(options_type, options, owner=f"scheduling policy {name!r}")
+    options_type = getattr(resolve_policy_class(name), "options_type", None)
+    parse_policy_options(options_type, options, owner=f"scheduling policy {name!r}")
 
 
 def policy_option_lines(name: str) -> list[str]:

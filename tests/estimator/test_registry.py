@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 
@@ -10,7 +11,7 @@ from estimator.cost_model import PrefillCostModel
 from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator
 from estimator.fixed import FixedTTLEstimator
 from estimator.learned import QuantileBoostingPredictor
-from estimator.registry import ESTIMATORS, EstimatorSettings, make_estimator
+from estimator.registry import ESTIMATORS, EstimatorName, EstimatorSettings, make_estimator
 
 
 def test_the_names_and_their_defaults() -> None:
@@ -42,3 +43,7 @@ def test_unknown_names_and_bad_settings_are_refused() -> None:
         make_estimator("eq3")
     with pytest.raises(ValueError, match="max_ttl_s"):
         make_estimator("eq2-empirical", EstimatorSettings(max_ttl_s=-1.0))
+
+
+def test_the_estimator_name_type_lists_exactly_the_registered_estimators() -> None:
+    assert set(typing.get_args(EstimatorName)) == set(ESTIMATORS)
