@@ -33,11 +33,11 @@ class _Arrival:
 class JobAwarePolicy(BasePolicy):
     """Keeps the books of every job it sees.
 
-    At each step start, pins past their deadline are released (EXPIRED) unless a turn of
-    their job is waiting, and jobs idle for `job_idle_timeout_s` (no unfinished turn, no
-    pin) are forgotten. Subclasses choose the waiting order (`make_queue`, using the arrival
-    and job-order helpers), victims, and retention (`retention`: by default nothing is
-    pinned).
+    At each sweep (every step start, and on a timer while the engine is idle), pins past
+    their deadline are released (EXPIRED) unless a turn of their job is waiting, and jobs
+    idle for `job_idle_timeout_s` (no unfinished turn, no pin) are forgotten. Subclasses
+    choose the waiting order (`make_queue`, using the arrival and job-order helpers),
+    victims, and retention (`retention`: by default nothing is pinned).
 
     Arrival order, not arrival time, ranks requests and jobs, so that requests without a job
     are ordered exactly as by FCFS whatever timestamps clients send.
@@ -103,15 +103,18 @@ class JobAwarePolicy(BasePolicy):
         """Waiting turns of the job."""
         return self._waiting.num_waiting(job_id)
 
-    # Lifecycle notifications.
-    def on_step_start(self, now_s: float) -> None:
+    # Time-driven upkeep.
+    def sweep(self, now_s: float) -> list[str]:
         for pin in self.scheduler.pins:
             # A pin past its deadline stays while a turn of its job waits to reuse it.
             if now_s > pin.deadline_s and self.num_waiting(pin.job_id) == 0:
                 self.scheduler.release_pin(pin.job_id, PinReleaseReason.EXPIRED)
-        for job in self.jobs.pop_idle(now_s, is_busy=lambda job: self.holds_pin(job.job_id)):
+        idle = self.jobs.pop_idle(now_s, is_busy=lambda job: self.holds_pin(job.job_id))
+        for job in idle:
             self.forget_job(job)
+        return [job.job_id for job in idle]
 
+    # Lifecycle notifications.
     def on_request_arrived(self, request: Request, now_s: float) -> None:
         order = self._num_arrivals
         self._num_arrivals += 1

@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "load": ("eval.bench_load", "load test of a `continuum serve` subprocess: leaks, "
                  "pins, memory"),
         "soak": ("eval.bench_soak", "agent replay for minutes with the invariant checker on"),
+        "connections": ("eval.bench_connections", "slow and many clients against a "
+                        "`continuum serve` subprocess: timeouts, cap, descriptors"),
     },
     "trace": {
         "summarize": ("tracing.summary", "per-job, per-turn, cache and pin figures of a trace"),

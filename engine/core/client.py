@@ -66,8 +66,12 @@ class InprocClient:
         self.core.abort_requests(request_ids)
 
     def get_output(self) -> list[EngineCoreOutput]:
-        """Runs one core step (if there is work) and returns its outputs."""
-        return self.core.step() if self.core.has_work() else []
+        """Runs one core step and returns its outputs; with no work, sweeps instead (pins
+        and idle jobs expire) and returns []."""
+        if self.core.has_work():
+            return self.core.step()
+        self.core.sweep()
+        return []
 
     def call_utility(self, method: str, *args: Any) -> Any:
         if method not in EngineCore.UTILITIES:
@@ -179,7 +183,8 @@ class _MPClientBase:
             self._dead_message = self._proc.death_message()
         return self._dead_message is not None
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """EngineDeadError if the core is unusable."""
         if self._dead_message is None:
             self._dead_message = self._proc.death_message()
         if self._dead_message is not None:
@@ -241,7 +246,7 @@ class SyncMPClient(_MPClientBase):
         return result.result
 
     def _send(self, message: msgspec.Struct) -> None:
-        self._check_alive()
+        self.check_alive()
         try:
             self._proc.input_socket.send_multipart(self._payload(message))
         except zmq.ZMQError as error:
@@ -251,7 +256,7 @@ class SyncMPClient(_MPClientBase):
         """Receives one event (False if the deadline passed first); raises if the core died."""
         socket = self._proc.output_socket
         while not socket.poll(POLL_INTERVAL_MS):
-            self._check_alive()
+            self.check_alive()
             if deadline_s is not None and time.monotonic() > deadline_s:
                 return False
         event = self._decoder.decode(socket.recv())
@@ -292,6 +297,20 @@ class AsyncMPClient(_MPClientBase):
         await self._send(request)
         self._num_requests_sent += 1
 
+    def add_request_nowait(self, request: EngineCoreRequest) -> None:
+        """Queues `request` for sending, in order with every other message, without waiting:
+        it counts as waiting at once. EngineDeadError if the core is dead; a send that fails
+        later marks the core dead."""
+        self.check_alive()
+        sent = self._input.send_multipart(self._payload(request))
+        sent.add_done_callback(self._check_sent)
+        self._num_requests_sent += 1
+
+    def _check_sent(self, sent: asyncio.Future[Any]) -> None:
+        error = None if sent.cancelled() else sent.exception()
+        if error is not None:
+            self._fail_waiters(self._mark_dead(f"cannot reach the engine core: {error}"))
+
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         await self._send(AbortRequests(request_ids))
 
@@ -328,7 +347,7 @@ class AsyncMPClient(_MPClientBase):
         return self._outputs
 
     async def _send(self, message: msgspec.Struct) -> None:
-        self._check_alive()
+        self.check_alive()
         try:
             await self._input.send_multipart(self._payload(message))
         except zmq.ZMQError as error:
@@ -338,7 +357,7 @@ class AsyncMPClient(_MPClientBase):
         try:
             while True:
                 if not await self._output.poll(POLL_INTERVAL_MS):
-                    self._check_alive()
+                    self.check_alive()
                     continue
                 self._dispatch(self._decoder.decode(await self._output.recv()))
         except EngineDeadError as error:

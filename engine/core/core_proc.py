@@ -49,10 +49,14 @@ _THREAD_JOIN_TIMEOUT_S = 5.0
 class EngineCoreProc:
     """Runs `core` until a `Shutdown` message arrives or the parent process is gone.
 
-    Built by `run_engine_core` after the handshake; owns both sockets from then on.
+    Built by `run_engine_core` after the handshake; owns both sockets from then on. While no
+    request is unfinished the loop runs no step: it waits up to `IDLE_WAIT_S` for input, and
+    sweeps the core (`EngineCore.sweep`: pin TTLs, idle jobs) at most every
+    `SWEEP_INTERVAL_S` seconds of the core's clock.
     """
 
     IDLE_WAIT_S = 0.5
+    SWEEP_INTERVAL_S = 0.5
 
     def __init__(
         self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket,
@@ -69,6 +73,7 @@ class EngineCoreProc:
         self._running = True
         self.num_requests_received = 0
         self._reported_queue = (0, 0)  # (waiting, received) as last sent to the frontend
+        self._last_sweep_s = core.clock()  # a step sweeps too
 
     def run(self) -> None:
         """The busy loop; returns after a clean shutdown, raises if the core failed."""
@@ -80,11 +85,12 @@ class EngineCoreProc:
         writer.start()
         try:
             while self._running:
-                # With only pins left, steps run once per idle wait, so TTLs can expire.
-                self._apply_inputs(block=not self.core.has_unfinished_requests())
+                self._apply_inputs(block=not self.core.has_work())
                 self._check_health()
                 if self._running and self.core.has_work():
                     self._step()
+                elif self._running:
+                    self._sweep_when_due()
                 self._report_queue_change()
         except Exception:
             self.output_queue.put(CoreFailed(traceback.format_exc()))
@@ -112,8 +118,21 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         outputs = self.core.step()
+        self._last_sweep_s = self.core.clock()
         if outputs:
             self.output_queue.put(self._outputs_event(outputs))
+
+    def _sweep_when_due(self) -> None:
+        """Sweeps the idle core if `SWEEP_INTERVAL_S` passed since the last sweep or step, so
+        that pins and idle jobs expire with no request arriving (and no model step)."""
+        now_s = self.core.clock()
+        if now_s - self._last_sweep_s < self.SWEEP_INTERVAL_S:
+            return
+        self._last_sweep_s = now_s
+        sweep = self.core.sweep()
+        if sweep:
+            logger.debug("idle sweep: released %d pins, forgot %d jobs",
+                         len(sweep.released_pins), len(sweep.forgotten_job_ids))
 
     def _outputs_event(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         """The event carrying `outputs` and the queue as it stands now (marked as reported)."""
@@ -222,7 +241,11 @@ def run_engine_core(
     `config_message` is the msgpack-encoded `EngineConfig`. Exits with status 1 if building
     the core or the busy loop fails (the frontend is told why first).
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle
+    # Ctrl-C and SIGTERM are the frontend's to handle (a supervisor may signal the whole
+    # process group): the frontend drains, then stops the core; the core also stops by
+    # itself once the frontend is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     input_socket = context.socket(zmq.DEALER)
     input_socket.setsockopt(zmq.IDENTITY, identity)

@@ -20,7 +20,7 @@ from engine.outputs import EngineCoreOutput
 from engine.request import Request
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.registry import make_policy
-from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.scheduler import Scheduler, Sweep
 from engine.scheduler.tracer import SchedulerTracer
 
 
@@ -28,8 +28,9 @@ class EngineCore:
     """Owns the scheduler and the executor; every call comes from one thread.
 
     `add_request` and `abort_requests` may be called between steps; `step` runs one scheduler
-    step through the executor and returns the outputs it produced. The utility methods named
-    in `UTILITIES` may be called remotely (`UtilityCall`).
+    step through the executor and returns the outputs it produced, when `has_work`; `sweep`
+    does the time-driven upkeep (pin expiry, idle jobs) while there is none. The utility
+    methods named in `UTILITIES` may be called remotely (`UtilityCall`).
     """
 
     UTILITIES = frozenset({
@@ -91,8 +92,22 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        """Whether a step would do anything: requests to run, or pins whose TTL may expire."""
-        return self.scheduler.has_unfinished_requests() or len(self.scheduler.pins) > 0
+        """Whether a step would do anything: unfinished requests to run. Pins and job books
+        that only wait for time to pass are `sweep`'s, which runs no model step."""
+        return self.scheduler.has_unfinished_requests()
+
+    def sweep(self) -> Sweep:
+        """Time-driven upkeep without a step: releases pins whose TTL ran out and lets the
+        policy forget jobs idle past its timeout; returns what it released and forgot.
+
+        Every step does the same at its start; callers run this while `has_work` is False
+        (the core process at most every `EngineCoreProc.SWEEP_INTERVAL_S` seconds), so that
+        pins and idle jobs expire when no request arrives. With `debug_check_invariants`, a
+        sweep that changed anything is followed by an invariant check."""
+        sweep = self.scheduler.sweep()
+        if sweep and self.config.debug_check_invariants:
+            self.check_invariants()
+        return sweep
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedules one step (the policy's step start included), executes it, and applies

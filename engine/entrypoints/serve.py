@@ -10,17 +10,36 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
+import signal
 import socket
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
 from engine.engine_args import EngineArgs
-from engine.entrypoints.openai.api_server import build_app
+from engine.entrypoints.connections import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionSettings,
+    setup_connection_guards,
+)
+from engine.entrypoints.openai.api_server import begin_drain, build_app
 from engine.entrypoints.openai.serving import (
     DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPTS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_STOP_STRINGS,
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServerSettings,
+)
+from engine.entrypoints.openai.tenants import (
+    DEFAULT_TENANT,
+    Tenants,
+    parse_tenant_flag,
+    read_keys_file,
 )
 from engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from engine.frontend.async_llm import AsyncLLM
@@ -28,7 +47,9 @@ from engine.frontend.stats import RequestStatsObserver
 
 logger = logging.getLogger("continuum.serve")
 
-GRACEFUL_SHUTDOWN_S = 10  # open streams get this long to finish once asked to stop
+# Once the drain ends the streams still open, they get this long to send their last events
+# before uvicorn cancels them.
+DRAIN_MARGIN_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="address to bind (default: 127.0.0.1, this machine only)")
     group.add_argument("--port", type=int, default=8000,
                        help="port to bind; 0 picks a free one (default: 8000)")
-    group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    group.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every endpoint but /health; "
+                            "KEY names the tenant 'default' (repeatable)")
+    group.add_argument("--tenant", action="append", default=[], metavar="NAME:KEY",
+                       help="an API key naming tenant NAME (repeatable); tenants see only "
+                            "their own jobs and, by default, their own cached prefixes")
+    group.add_argument("--api-keys-file", default=None, metavar="PATH",
+                       help="API keys and their tenants, a 'KEY TENANT' line each ('#' "
+                            "comments allowed); keeps keys off the command line")
+    group.add_argument("--share-prefix-cache", action="store_true",
+                       help="let tenants hit each other's cached prefixes (default: each "
+                            "tenant's prefix cache is its own)")
     group.add_argument("--served-model-name", default=None,
                        help="the model id clients use (default: the --model value)")
     group.add_argument("--tool-call-parser", default="auto", choices=sorted(TOOL_PARSERS),
@@ -55,16 +86,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
                        help="most completions per request (n); more get 400 "
                             "(default: %(default)s)")
+    group.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS,
+                       help="most prompts per completion request; more get 400 "
+                            "(default: %(default)s)")
     group.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                        help="most stop strings per request; more get 400 (default: %(default)s)")
+    group.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS,
+                       help="most stop_token_ids per request; more get 400 "
+                            "(default: %(default)s)")
     group.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="once this many requests wait for the engine, new ones get 429 "
-                            "with Retry-After (default: no limit)")
+                       help="a request whose completions (prompts x n) would take the engine "
+                            "requests waiting past this gets 429 with Retry-After, and nothing "
+                            "of it is queued (default: no limit)")
     group.add_argument("--retry-after-s", type=int, default=1,
                        help="the Retry-After of a 429, seconds (default: %(default)s)")
+    group.add_argument("--shutdown-timeout-s", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="on SIGTERM, requests in flight get this long to finish before "
+                            "their streams end with an error event (default: %(default)s)")
+    group.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                       help="a connection that has not sent complete request headers this "
+                            "long after it opened (or after the first byte of its next "
+                            "request) gets 408 and is closed; seconds (default: %(default)s)")
+    group.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                       help="a request whose whole body has not arrived this long after its "
+                            "headers gets 408 and its connection is closed; seconds "
+                            "(default: %(default)s)")
+    group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       help="most client connections held open at once; one more gets 503 "
+                            "and is closed at once; lowered to fit the open-file limit "
+                            "(default: %(default)s connections)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(parser)
+
+
+def tenants_from_args(args: argparse.Namespace) -> Tenants | None:
+    """The tenants of `--api-key`, `--tenant` and `--api-keys-file`; None when none is
+    given (no authentication); ValueError naming what is malformed."""
+    pairs = [(key, DEFAULT_TENANT) for key in args.api_key]
+    pairs += [parse_tenant_flag(value) for value in args.tenant]
+    if args.api_keys_file is not None:
+        pairs += read_keys_file(args.api_keys_file)
+    if not pairs:
+        if args.share_prefix_cache:
+            raise ValueError("--share-prefix-cache needs API keys (there are no tenants)")
+        return None
+    return Tenants.from_pairs(pairs, share_prefix_cache=args.share_prefix_cache)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which starts the app's drain as it begins to shut down (after it
+    stops accepting connections, before it waits for those open to finish)."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._on_shutdown()
+        await super().shutdown(sockets=sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            # uvicorn re-raises the signals it caught once it is done; a SIGTERM drained is a
+            # clean exit, status 0 for the supervisor, not death by the signal.
+            self._captured_signals = [
+                sig for sig in self._captured_signals if sig != signal.SIGTERM]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -89,11 +178,17 @@ def main(args: argparse.Namespace) -> int:
         config = engine_args.to_engine_config()
         settings = ServerSettings(
             served_model_name=args.served_model_name or engine_args.model,
-            api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
+            tenants=tenants_from_args(args), max_request_body_bytes=args.max_request_body_bytes,
             tool_call_parser=args.tool_call_parser, max_prompt_tokens=args.max_prompt_tokens,
             max_output_tokens=args.max_output_tokens, max_n=args.max_n,
-            max_stop_strings=args.max_stop_strings,
+            max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
+            max_stop_token_ids=args.max_stop_token_ids,
             max_waiting_requests=args.max_waiting_requests, retry_after_s=args.retry_after_s,
+            shutdown_timeout_s=args.shutdown_timeout_s,
+        )
+        connection_settings = ConnectionSettings(
+            header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+            max_connections=args.max_connections,
         )
         sock = bind_socket(args.host, args.port)
     except (ValueError, OSError) as error:
@@ -116,10 +211,11 @@ def main(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = build_app(make_engine, settings, on_engine_dead=stop_serving)
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(uvicorn.Config(
         app, log_level=args.log_level, timeout_keep_alive=30,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    ))
+        http=setup_connection_guards(connection_settings),
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s + DRAIN_MARGIN_S),
+    ), on_shutdown=lambda: begin_drain(app))
     with contextlib.suppress(KeyboardInterrupt):  # re-raised by uvicorn after it shut down
         server.run(sockets=[sock])
     return 0 if server.started and not engine_died else 1

@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
+import zmq
 
 from engine.config import EngineConfig
 from engine.core.client import AsyncMPClient, EngineDeadError
@@ -29,6 +30,20 @@ from engine.request import JobInfo
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+_OutputQueue = asyncio.Queue[RequestOutput | BaseException]
+
+
+class QueueFullError(Exception):
+    """Queueing the requests would take the waiting queue past its limit."""
+
+    def __init__(self, num_waiting: int, num_new: int, limit: int) -> None:
+        super().__init__(
+            f"{num_waiting} engine requests wait and this request adds {num_new} (prompts x "
+            f"n), over the limit of {limit}")
+        self.num_waiting = num_waiting
+        self.num_new = num_new
+        self.limit = limit
 
 
 class AsyncLLM:
@@ -51,6 +66,7 @@ class AsyncLLM:
         self._output_handler: asyncio.Task[None] | None = None
         self._request_counter = itertools.count()
         self._background_aborts: set[asyncio.Task[None]] = set()
+        self._refusal: Exception | None = None  # set by fail_requests
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -65,6 +81,11 @@ class AsyncLLM:
         """Requests waiting for the core to admit them (as of its latest report, plus those
         on their way to it); one per completion, so a request with `n=4` counts 4."""
         return self.client.num_waiting_requests
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted whose final output their caller has not yet been handed."""
+        return len(self.output_processor)
 
     async def generate(
         self,
@@ -90,15 +111,67 @@ class AsyncLLM:
                 yield output
 
     async def stream(self, processed: ProcessedRequest) -> AsyncIterator[RequestOutput]:
-        """Like `generate`, for a request already validated by `self.processor.process` (the
-        HTTP server validates before it starts a response)."""
+        """Like `generate`, for a request already validated by `self.processor.process`."""
+        (outputs,) = self.submit([processed])
+        async with contextlib.aclosing(outputs) as stream:  # type: ignore[type-var]
+            async for output in stream:
+                yield output
+
+    def submit(
+        self, requests: Sequence[ProcessedRequest], *, max_waiting_requests: int | None = None
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Queues validated requests with the core, all or none, and returns their output
+        streams in order (the HTTP server validates before it starts a response).
+
+        Synchronous, so that no other caller queues between the check and the queueing:
+        QueueFullError if their completions would take `num_waiting_requests` past
+        `max_waiting_requests`; ValueError if a request id is in use; EngineDeadError if the
+        core died. Closing a stream before its final output aborts its request.
+        """
+        if self._refusal is not None:
+            raise self._refusal
+        self.check_queue_room(sum(len(processed.core_requests) for processed in requests),
+                              max_waiting_requests)
+        self.client.check_alive()
         self._ensure_output_handler()
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.output_processor.add_request(processed, queue)
-        request_id = processed.request_id
+        queues = self._register(requests)
+        try:
+            for processed in requests:
+                for core_request in processed.core_requests:
+                    self.client.add_request_nowait(core_request)
+        except (EngineDeadError, zmq.ZMQError) as error:
+            # The core is gone (what was sent dies with it): nothing of the batch stays.
+            self.output_processor.abort_requests([processed.request_id for processed in requests])
+            raise EngineDeadError(f"cannot reach the engine core: {error}") from error
+        return [self._outputs(processed.request_id, queue)
+                for processed, queue in zip(requests, queues, strict=True)]
+
+    def check_queue_room(self, num_new: int, max_waiting_requests: int | None) -> None:
+        """QueueFullError if `num_new` more core requests would take `num_waiting_requests`
+        past `max_waiting_requests` (None: no limit)."""
+        num_waiting = self.num_waiting_requests
+        if max_waiting_requests is not None and num_waiting + num_new > max_waiting_requests:
+            raise QueueFullError(num_waiting, num_new, max_waiting_requests)
+
+    def _register(self, requests: Sequence[ProcessedRequest]) -> list[_OutputQueue]:
+        """One output queue per request, registered with the output processor (all or
+        none: ValueError on an id in use)."""
+        queues: list[_OutputQueue] = []
+        try:
+            for processed in requests:
+                queue: _OutputQueue = asyncio.Queue()
+                self.output_processor.add_request(processed, queue)
+                queues.append(queue)
+        except ValueError:
+            self.output_processor.abort_requests(
+                [processed.request_id for processed in requests[:len(queues)]])
+            raise
+        return queues
+
+    async def _outputs(self, request_id: str, queue: _OutputQueue
+                       ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
-            await self._add_to_core(processed)
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -113,9 +186,12 @@ class AsyncLLM:
                 # able to await again, and the core must still hear of the abort.
                 self._abort_in_background(request_id)
 
-    async def _add_to_core(self, processed: ProcessedRequest) -> None:
-        for core_request in processed.core_requests:
-            await self.client.add_request_async(core_request)
+    def fail_requests(self, error: Exception) -> None:
+        """Ends every request in flight, and refuses every later one, with `error`: a stream
+        raises it, and the core stops the request (the server's drain, once its time is
+        up)."""
+        self._refusal = error
+        self.output_processor.propagate_error(error)
 
     async def abort(self, request_id: str) -> None:
         """Stops the request (if unfinished) and frees its KV blocks in the core; its stream

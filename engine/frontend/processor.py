@@ -86,6 +86,7 @@ class InputProcessor:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         prompt_text, token_ids = self.tokenize(prompt)
         self._check_tokens(token_ids, sampling_params)
+        core_params = self._core_params(sampling_params)
         return ProcessedRequest(
             request_id=request_id, prompt=prompt_text, prompt_token_ids=token_ids,
             sampling_params=sampling_params,
@@ -93,7 +94,7 @@ class InputProcessor:
                 EngineCoreRequest(
                     request_id=core_request_id(request_id, index, sampling_params.n),
                     prompt_token_ids=token_ids,
-                    sampling_params=self._completion_params(sampling_params, index),
+                    sampling_params=_completion_params(core_params, index),
                     eos_token_id=self.eos_token_id, priority=priority, job=job,
                     cache_salt=cache_salt,
                 )
@@ -146,15 +147,23 @@ class InputProcessor:
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
 
-    def _completion_params(self, params: SamplingParams, index: int) -> SamplingParams:
-        """Parameters of completion `index`: one sequence, its own seed, the model's EOS ids."""
-        changes: dict[str, Any] = {"n": 1}
-        if params.seed is not None and index:
-            changes["seed"] = (params.seed + index) % MAX_SEED
+    def _core_params(self, params: SamplingParams) -> SamplingParams:
+        """What the core needs of the request's parameters, once for all its completions: one
+        sequence, the model's extra EOS ids as stop ids, and no stop strings (the frontend
+        matches those), so that a request's stop lists are held once, not once per
+        completion."""
+        changes: dict[str, Any] = {"n": 1, "stop": ()}
         if not params.ignore_eos and self.extra_stop_token_ids:
             extra = [t for t in self.extra_stop_token_ids if t not in params.stop_token_ids]
             changes["stop_token_ids"] = (*params.stop_token_ids, *extra)
         return msgspec.structs.replace(params, **changes)
+
+
+def _completion_params(core_params: SamplingParams, index: int) -> SamplingParams:
+    """Parameters of completion `index`: the request's, with its own seed."""
+    if core_params.seed is None or index == 0:
+        return core_params
+    return msgspec.structs.replace(core_params, seed=(core_params.seed + index) % MAX_SEED)
 
 
 def core_request_id(request_id: str, index: int, n: int) -> str:

@@ -98,22 +98,39 @@ class SchedulingPolicy(Protocol):
     """Decisions the scheduler delegates. Times are seconds on the scheduler's clock.
 
     Built by the registry with `from_options` (a classmethod: the policy's options, validated
-    into its own frozen config). Call order: `bind` once at scheduler construction;
-    `on_step_start` at the start of every `schedule()`; `on_request_arrived` from
-    `add_request`, before the request joins the waiting queue; `on_request_admitted` after a
-    waiting request took its blocks and its job's pin was released (`on_pin_released` with
-    reason REUSED comes first); `on_request_finished` for every finished request (aborts
-    included), whose answer the scheduler carries out; `on_pin_added` and `on_pin_released`
-    whenever the pin table changes, whatever the cause; `on_job_ended` when a job's last turn
-    finished or the job was released; `on_shutdown` once when the engine stops (to save what
-    the policy learned).
+    into its own frozen config). Call order: `bind` once at scheduler construction; `sweep`
+    at the start of every `schedule()` and, while no request is unfinished, on a timer
+    between steps (`Scheduler.sweep`); `on_step_start` at the start of every `schedule()`,
+    after `sweep`; `on_request_arrived` from `add_request`, before the request joins the
+    waiting queue; `on_request_admitted` after a waiting request took its blocks and its
+    job's pin was released (`on_pin_released` with reason REUSED comes first);
+    `on_request_finished` for every finished request (aborts included), whose answer the
+    scheduler carries out; `on_pin_added` and `on_pin_released` whenever the pin table
+    changes, whatever the cause; `on_job_ended` when a job's last turn finished or the job
+    was released; `on_shutdown` once when the engine stops (to save what the policy
+    learned).
     """
 
     def bind(self, scheduler: SchedulerView) -> None: ...
 
     def new_waiting_queue(self) -> RequestQueue: ...
 
-    def on_step_start(self, now_s: float) -> None: ...
+    def sweep(self, now_s: float) -> Sequence[str]:
+        """Time-driven upkeep: release pins past their deadline (through
+        `SchedulerView.release_pin`) and forget jobs idle beyond the policy's timeout; returns
+        the ids of the jobs forgotten, in the order they were.
+
+        Called by the scheduler at the start of every step and, while no request is
+        unfinished, between steps at most once per sweep interval of the engine core's idle
+        loop (`EngineCoreProc.SWEEP_INTERVAL_S`; no model step runs then). `now_s` is the
+        scheduler's clock (seconds). Must not touch requests; a sweep with nothing due must
+        change nothing."""
+        ...
+
+    def on_step_start(self, now_s: float) -> None:
+        """A step is being planned (after its `sweep`): per-step work such as moving queue
+        cut-offs. `now_s` is the scheduler's clock (seconds)."""
+        ...
 
     def on_request_arrived(self, request: Request, now_s: float) -> None: ...
 
@@ -185,6 +202,9 @@ class BasePolicy:
 
     def bind(self, scheduler: SchedulerView) -> None:
         self.scheduler = scheduler
+
+    def sweep(self, now_s: float) -> Sequence[str]:
+        return ()
 
     def on_step_start(self, now_s: float) -> None:
         pass

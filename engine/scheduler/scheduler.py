@@ -62,13 +62,27 @@ class _StepPlan:
         self.new_block_ids.pop(request.request_id, None)
 
 
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """What one between-steps sweep did: the pins the policy released (with their
+    `release_reason`, EXPIRED for a TTL that ran out) and the jobs it forgot after their idle
+    timeout, in the order it did so. False when it did nothing."""
+
+    released_pins: tuple[Pin, ...] = ()
+    forgotten_job_ids: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.released_pins or self.forgotten_job_ids)
+
+
 class Scheduler:
     """Owns every unfinished request, the KV cache manager and the pin table.
 
     Called by the engine core, once per step: `schedule()`, then (after the executor ran the
     step) `update_from_output()`. `add_request` and `finish_requests` (abort) may be called
-    between steps. Times come from the injected `clock` (seconds). With a `tracer`, every
-    step and event is recorded (its header is written here; `close_trace` at shutdown).
+    between steps, and `sweep` (time-driven upkeep) while no request is unfinished. Times
+    come from the injected `clock` (seconds). With a `tracer`, every step and event is
+    recorded (its header is written here; `close_trace` at shutdown).
     """
 
     def __init__(
@@ -176,6 +190,7 @@ class Scheduler:
         now_s = self.clock()
         if self._tracer is not None:
             self._trace_step_start(now_s)
+        self.policy.sweep(now_s)
         self.policy.on_step_start(now_s)
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
@@ -184,6 +199,23 @@ class Scheduler:
         if self._tracer is not None:
             self._trace_plan(plan, now_s)
         return self._emit(plan)
+
+    def sweep(self) -> Sweep:
+        """Time-driven upkeep between steps, without a step: the policy releases the pins
+        whose TTL ran out and forgets jobs idle past its timeout (`SchedulingPolicy.sweep`,
+        which `schedule()` also runs at every step start). Called by the engine core while no
+        request is unfinished, at most once per sweep interval, so that pins and idle jobs
+        expire when no request arrives; returns what it released and forgot.
+
+        No step is recorded in the trace: the pins it releases are (as `pin_released` events
+        of the next step number, flushed here); a sweep that did nothing writes nothing.
+        """
+        pins_before = list(self._pins)
+        forgotten_job_ids = tuple(self.policy.sweep(self.clock()))
+        released_pins = tuple(pin for pin in pins_before if self._pins.get(pin.job_id) is not pin)
+        if self._tracer is not None and not self._tracer.flush():
+            self.close_trace()
+        return Sweep(released_pins, forgotten_job_ids)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput

@@ -58,7 +58,8 @@ class SchedulerTracer:
 
     Owned by the scheduler: `start` from its constructor (writes the header, ValueError if
     the file cannot be created), then the event methods from the step loop, `end_step` after
-    each step's output was applied (the one flush per step), `close` at shutdown. `config` is
+    each step's output was applied (the one flush per step), `flush` after events between
+    steps (an idle sweep's pin releases), `close` at shutdown. `config` is
     recorded in the header as given (dataclasses are converted).
     """
 
@@ -176,6 +177,15 @@ class SchedulerTracer:
     def end_step(self) -> bool:
         """Flushes the step's records; False once tracing stopped (write error or cap)."""
         self._step += 1
+        if self._writer is None:
+            return False
+        self._writer.flush()
+        return self._writer.active
+
+    def flush(self) -> bool:
+        """Flushes the records written since the last flush without ending a step (events
+        between steps, such as the pins an idle sweep released); writes nothing when there
+        are none. False once tracing stopped (write error or cap)."""
         if self._writer is None:
             return False
         self._writer.flush()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import importlib.metadata
 import logging
 import time
@@ -21,9 +20,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.drain import Drain, ServerShuttingDownError
 from engine.entrypoints.openai.errors import (
     APIError,
     engine_dead_error,
@@ -48,9 +49,19 @@ from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from engine.entrypoints.openai.serving import ServerSettings, cancel_on_disconnect
+from engine.entrypoints.openai.serving import (
+    ClientContext,
+    ServerSettings,
+    cancel_on_disconnect,
+)
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from engine.entrypoints.openai.tenants import (
+    TENANT_SCOPE_KEY,
+    Tenants,
+    engine_job_id,
+    scope_tenant,
+)
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.stats import RequestStatsObserver
 
@@ -59,6 +70,9 @@ EngineFactory = Callable[[RequestStatsObserver], AsyncLLM]
 ENGINE_WATCH_INTERVAL_S = 0.25
 _UNAUTHENTICATED_PATHS = frozenset({"/health"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# On answers sent before the body was read: the connection closes rather than wait for a
+# body nobody will read.
+_CLOSE = {"Connection": "close"}
 
 logger = logging.getLogger(__name__)
 
@@ -71,21 +85,24 @@ def package_version() -> str:
 
 
 class BearerAuthMiddleware:
-    """Requires `Authorization: Bearer <api_key>` on every path but `/health`."""
+    """Requires `Authorization: Bearer <key>` with a key of `tenants` on every path but
+    `/health`, and records the key's tenant in the request's scope."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, tenants: Tenants) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _UNAUTHENTICATED_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            tenant = self.tenants.tenant_of(key.strip()) if scheme.lower() == b"bearer" else None
+            if tenant is None:
                 response = error_response(401, "a valid API key is required (Authorization: "
                                           "Bearer <key>)", code="invalid_api_key",
-                                          headers={"WWW-Authenticate": "Bearer"})
+                                          headers={"WWW-Authenticate": "Bearer", **_CLOSE})
                 await response(scope, receive, send)
                 return
+            scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
 
 
@@ -126,11 +143,11 @@ class BodySizeLimitMiddleware:
 
     def _too_large_error(self) -> APIError:
         return APIError(413, f"the request body exceeds {self.max_bytes} bytes",
-                        code="request_too_large")
+                        code="request_too_large", headers=_CLOSE)
 
     def _too_large(self) -> JSONResponse:
         error = self._too_large_error()
-        return error_response(413, error.message, code=error.code)
+        return error_response(413, error.message, code=error.code, headers=_CLOSE)
 
 
 def build_app(
@@ -159,20 +176,29 @@ def build_app(
         finally:
             if watcher is not None:
                 watcher.cancel()
+            app.state.drain.cancel()
             engine.shutdown()
 
     app = FastAPI(title="Continuum engine", version=package_version(), lifespan=lifespan)
     app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.drain = Drain(settings.shutdown_timeout_s)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    if settings.api_key is not None:
-        app.add_middleware(BearerAuthMiddleware, api_key=settings.api_key)
+    if settings.tenants is not None:
+        app.add_middleware(BearerAuthMiddleware, tenants=settings.tenants)
     _add_info_routes(app)
     _add_generation_routes(app)
     _add_job_routes(app)
     return app
+
+
+def begin_drain(app: FastAPI) -> None:
+    """Starts the app's graceful drain (the server stopped accepting connections): new
+    generations get 503, and requests still running after `shutdown_timeout_s` end with an
+    error. Called from the server's event loop."""
+    app.state.drain.begin(getattr(app.state, "engine", None))
 
 
 async def _call_when_dead(engine: AsyncLLM, on_engine_dead: Callable[[], None]) -> None:
@@ -196,6 +222,11 @@ def _engine(request: Request) -> AsyncLLM:
     if engine.is_dead:
         raise engine_dead_error()
     return engine
+
+
+def _check_accepting(request: Request) -> None:
+    if request.app.state.drain.draining:
+        raise APIError(503, "the server is shutting down", code="server_shutting_down")
 
 
 def _add_info_routes(app: FastAPI) -> None:
@@ -248,25 +279,27 @@ def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", operation_id="createCompletion", response_class=JSONResponse,
               responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_accepting(request)
         serving: OpenAIServingCompletion = request.app.state.completions
-        response_id, requests = await serving.prepare(body, request.headers)
+        prepared = await serving.prepare(body, ClientContext.of(request))
+        cleanup = BackgroundTask(serving.abort, prepared.requests)
         if body.stream:
-            return StreamingResponse(serving.stream(body, response_id, requests),
+            return StreamingResponse(serving.stream(body, prepared), background=cleanup,
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
-        result = await _run(request, serving.create(body, response_id, requests))
-        return JSONResponse(result)
+        return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
 
     @app.post("/v1/chat/completions", operation_id="createChatCompletion",
               response_class=JSONResponse,
               responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_accepting(request)
         serving: OpenAIServingChat = request.app.state.chat
-        prepared = await serving.prepare(body, request.headers)
+        prepared = await serving.prepare(body, ClientContext.of(request))
+        cleanup = BackgroundTask(serving.abort, [prepared.request])
         if body.stream:
-            return StreamingResponse(serving.stream(body, prepared),
+            return StreamingResponse(serving.stream(body, prepared), background=cleanup,
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
-        result = await _run(request, serving.create(body, prepared))
-        return JSONResponse(result)
+        return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
 
 
 def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
@@ -275,13 +308,17 @@ def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, A
             **error_responses(400, 404, 413, 429, 503)}
 
 
-async def _run(request: Request, work: Any) -> dict[str, Any]:
-    """A non-streaming generation: cancelled if the client goes; a request the core rejects
-    is a 400."""
+async def _run(request: Request, work: Any, cleanup: BackgroundTask) -> dict[str, Any]:
+    """A non-streaming generation: cancelled if the client goes (`cleanup` then aborts what
+    the engine still runs of it); a request the core rejects is a 400."""
     try:
         return await cancel_on_disconnect(request, work)
     except ValueError as error:
         raise APIError(400, str(error)) from error
+    except ServerShuttingDownError as error:
+        raise APIError(503, str(error), code="server_shutting_down") from error
+    finally:
+        await cleanup()
 
 
 def _add_job_routes(app: FastAPI) -> None:
@@ -290,7 +327,7 @@ def _add_job_routes(app: FastAPI) -> None:
     async def get_job(job_id: str, request: Request) -> dict[str, Any]:
         """What the engine holds for the job: unfinished turns, its KV pin, and the
         scheduling policy's books (turns, pins by release reason, last TTL)."""
-        state = await _engine(request).job_state(_check_job_id(job_id))
+        state = await _engine(request).job_state(_tenant_job_id(request, job_id))
         if state is None:
             raise _unknown_job(job_id)
         return {"id": job_id, "object": "job",
@@ -305,16 +342,19 @@ def _add_job_routes(app: FastAPI) -> None:
     async def delete_job(job_id: str, request: Request) -> dict[str, Any]:
         """Ends the job's state in the engine, releasing its KV pin."""
         engine = _engine(request)
-        if await engine.job_state(_check_job_id(job_id)) is None:
+        engine_id = _tenant_job_id(request, job_id)
+        if await engine.job_state(engine_id) is None:
             raise _unknown_job(job_id)
-        released = await engine.release_job(job_id)
+        released = await engine.release_job(engine_id)
         return {"id": job_id, "object": "job", "deleted": True, "released_pin": released}
 
 
-def _check_job_id(job_id: str) -> str:
+def _tenant_job_id(request: Request, job_id: str) -> str:
+    """The engine's id of the requesting tenant's job `job_id` (another tenant's job of the
+    same name is a different job)."""
     if not job_id or len(job_id) > MAX_ID_CHARS:
         raise APIError(400, f"job_id must hold 1 to {MAX_ID_CHARS} characters", param="job_id")
-    return job_id
+    return engine_job_id(scope_tenant(request.scope), job_id)
 
 
 def _unknown_job(job_id: str) -> APIError:

@@ -205,14 +205,14 @@ def openapi_document(app: FastAPI, settings: ServerSettings, *, max_model_len: i
     for operations in document["paths"].values():
         for operation in operations.values():
             operation["responses"].pop("422", None)
-            if settings.api_key is not None and operation["operationId"] != "health":
+            if settings.tenants is not None and operation["operationId"] != "health":
                 operation["security"] = [{"bearer": []}]
                 operation["responses"]["401"] = _error_reference(
                     "A valid API key is required (Authorization: Bearer <key>).")
     schemas = document["components"]["schemas"]
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    if settings.api_key is not None:
+    if settings.tenants is not None:
         document["components"]["securitySchemes"] = {"bearer": {"type": "http",
                                                                 "scheme": "bearer"}}
     _add_limits(schemas, settings, max_model_len=max_model_len, vocab_size=vocab_size)
@@ -244,6 +244,8 @@ def _add_limits(schemas: dict[str, Any], settings: ServerSettings, *, max_model_
                 _set_in_variants(properties[field], "integer", maximum=max_output_tokens)
         _set_in_variants(properties["stop"], "array", maxItems=settings.max_stop_strings)
         _set_in_items(properties["stop_token_ids"], maximum=vocab_size - 1)
+        _set_in_variants(properties["stop_token_ids"], "array",
+                         maxItems=settings.max_stop_token_ids)
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]
     for variant in prompt["anyOf"]:
         items = variant.get("items", {})
@@ -253,6 +255,9 @@ def _add_limits(schemas: dict[str, Any], settings: ServerSettings, *, max_model_
         elif items.get("type") == "array":
             items["items"]["maximum"] = vocab_size - 1
             items["maxItems"] = max_prompt_tokens
+            variant["maxItems"] = settings.max_prompts
+        elif items.get("type") == "string":
+            variant["maxItems"] = settings.max_prompts
 
 
 def _set_in_variants(schema: dict[str, Any], kind: str, **constraints: Any) -> None:

@@ -3,7 +3,7 @@
 These are HTTP schemas, separate from the engine's wire types. Unknown fields are ignored, as
 OpenAI clients send fields this engine does not use. Beyond OpenAI's fields, requests accept
 vLLM's sampling extensions (`top_k`, `min_p`, `ignore_eos`, `min_tokens`, `return_token_ids`,
-...) and the job extension (`job_id`, `is_last_step`, `tool_name` / `this_func_call`).
+`cache_salt`, ...) and the job extension (`job_id`, `is_last_step`, `tool_name` / `this_func_call`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_SEED
 
 MAX_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 1024
 
 JobId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 
@@ -80,6 +81,9 @@ class SamplingFields(JobFields):
         False, description="Also return the prompt's and each choice's token ids."
     )
     priority: Int64 = Field(0, description="Used by the priority policy: lower runs first.")
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = (
+        Field(None, description="Prompts reuse cached KV only from requests with the same "
+                                "salt (and, on a server with API keys, the same tenant)."))
     user: str | None = None
 
 

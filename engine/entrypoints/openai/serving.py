@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -15,17 +15,28 @@ import msgspec
 from starlette.requests import Request as HTTPRequest
 
 from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.drain import ServerShuttingDownError
 from engine.entrypoints.openai.errors import APIError, engine_dead_error, error_body
 from engine.entrypoints.openai.job_extension import job_info
 from engine.entrypoints.openai.protocol import SamplingFields
-from engine.frontend.async_llm import AsyncLLM
+from engine.entrypoints.openai.tenants import (
+    Tenants,
+    engine_cache_salt,
+    engine_job_id,
+    scope_tenant,
+)
+from engine.frontend.async_llm import AsyncLLM, QueueFullError
 from engine.frontend.outputs import RequestOutput
 from engine.frontend.processor import ProcessedRequest
+from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_N = 16
 DEFAULT_MAX_STOP_STRINGS = 16
+DEFAULT_MAX_STOP_TOKEN_IDS = 256
+DEFAULT_MAX_PROMPTS = 64
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -37,44 +48,69 @@ _json = msgspec.json.Encoder()
 class ServerSettings:
     """How the HTTP layer behaves; the engine has its own config.
 
-    `served_model_name` is the only model id requests may name; `api_key`, when set, is
-    required as a bearer token on every endpoint but `/health`. The limits answer 400 (413 for
-    the body size) naming the limit:
+    `served_model_name` is the only model id requests may name; with `tenants`, one of their
+    API keys is required as a bearer token on every endpoint but `/health`, and names the
+    request's tenant. The limits answer 400 (413 for the body size, 429 for the queue) naming
+    the limit:
 
     - `max_request_body_bytes`: the largest request body.
     - `max_prompt_tokens`: the longest prompt (`None`: up to the model's context length).
     - `max_output_tokens`: the most tokens one completion may generate, asked for or by
       default (`None`: up to the context length).
     - `max_n`: the most completions one request may ask for.
-    - `max_stop_strings`: the most `stop` strings of one request.
-    - `max_waiting_requests`: once this many requests wait for the engine, new ones get 429
-      with `Retry-After: retry_after_s` (`None`: no limit).
+    - `max_prompts`: the most prompts of one completion request.
+    - `max_stop_strings`, `max_stop_token_ids`: the most `stop` strings and `stop_token_ids`
+      of one request.
+    - `max_waiting_requests`: a request whose completions (prompts x n) would take the number
+      of engine requests waiting past this gets 429 with `Retry-After: retry_after_s`, and
+      nothing of it is queued (`None`: no limit).
+
+    `shutdown_timeout_s` is how long requests in flight may finish once the server is told to
+    stop (SIGTERM); those still running then end with an error.
     """
 
     served_model_name: str
-    api_key: str | None = None
+    tenants: Tenants | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     tool_call_parser: str = "auto"
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
     max_n: int = DEFAULT_MAX_N
+    max_prompts: int = DEFAULT_MAX_PROMPTS
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
     max_waiting_requests: int | None = None
     retry_after_s: int = 1
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty when given")
         if self.max_request_body_bytes < 1024:
             raise ValueError("max_request_body_bytes must be at least 1024")
-        for name in ("max_prompt_tokens", "max_output_tokens", "max_n", "max_stop_strings",
-                     "max_waiting_requests", "retry_after_s"):
+        if not 0 <= self.shutdown_timeout_s < float("inf"):
+            raise ValueError(f"shutdown_timeout_s must be finite and at least 0, got "
+                             f"{self.shutdown_timeout_s!r}")
+        for name in ("max_prompt_tokens", "max_output_tokens", "max_n", "max_prompts",
+                     "max_stop_strings", "max_stop_token_ids", "max_waiting_requests",
+                     "retry_after_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ClientContext:
+    """Who sent a request: its headers (which may carry the job extension) and its tenant
+    (None on a server without API keys)."""
+
+    headers: Mapping[str, str]
+    tenant: str | None
+
+    @classmethod
+    def of(cls, request: HTTPRequest) -> ClientContext:
+        return cls(headers=request.headers, tenant=scope_tenant(request.scope))
 
 
 class OpenAIServing:
@@ -131,6 +167,11 @@ class OpenAIServing:
         self, body: SamplingFields, *, max_tokens: int | None, num_stop_strings: int
     ) -> None:
         settings = self.settings
+        num_stop_token_ids = len(body.stop_token_ids or ())
+        if num_stop_token_ids > settings.max_stop_token_ids:
+            raise APIError(400, f"{num_stop_token_ids} stop_token_ids given, over this server's "
+                                f"limit of {settings.max_stop_token_ids}",
+                           param="stop_token_ids", code="limit_exceeded")
         if body.n > settings.max_n:
             raise APIError(400, f"n is {body.n}, over this server's limit of {settings.max_n}",
                            param="n", code="limit_exceeded")
@@ -143,43 +184,102 @@ class OpenAIServing:
                                 f"limit of {settings.max_stop_strings}", param="stop",
                            code="limit_exceeded")
 
-    def check_queue_depth(self) -> None:
-        """429 with Retry-After while `max_waiting_requests` requests wait for the engine."""
-        limit = self.settings.max_waiting_requests
-        if limit is not None and self.engine.num_waiting_requests >= limit:
-            raise APIError(
-                429, f"the server is busy ({limit} requests are waiting); retry later",
-                code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)},
-            )
+    def check_queue_room(self, num_completions: int) -> None:
+        """429 with Retry-After if `num_completions` more would take the waiting queue past
+        `max_waiting_requests`: a cheap early answer before a request is prepared; `submit`
+        decides."""
+        with self._queue_full_as_429():
+            self.engine.check_queue_room(num_completions, self.settings.max_waiting_requests)
+
+    def submit(self, requests: list[ProcessedRequest]) -> list[AsyncIterator[RequestOutput]]:
+        """Queues the requests with the engine, all or none, and returns their output streams;
+        429 with Retry-After if their completions would take the waiting queue past
+        `max_waiting_requests` (nothing is queued then)."""
+        with self._queue_full_as_429():
+            try:
+                return self.engine.submit(
+                    requests, max_waiting_requests=self.settings.max_waiting_requests)
+            except EngineDeadError as error:
+                raise engine_dead_error(error) from error
+
+    @contextlib.contextmanager
+    def _queue_full_as_429(self) -> Iterator[None]:
+        """QueueFullError as 429, or 400 for a request that alone needs more room than the
+        queue has (retrying could never succeed); a drained server's refusal as 503."""
+        try:
+            yield
+        except QueueFullError as error:
+            if error.num_new > error.limit:
+                raise APIError(400, f"this request needs {error.num_new} places in the waiting "
+                                    f"queue (prompts x n), over this server's limit of "
+                                    f"{error.limit}", param="n",
+                               code="limit_exceeded") from error
+            raise APIError(429, f"the server is busy: {error}; retry later", code="queue_full",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from error
+        except ServerShuttingDownError as error:
+            raise APIError(503, str(error), code="server_shutting_down") from error
+
+    async def abort(self, requests: list[ProcessedRequest]) -> None:
+        """Stops whichever of the requests still run (their response ended early)."""
+        for processed in requests:
+            await self.engine.abort(processed.request_id)
 
     def process(
         self, request_id: str, token_ids: list[int], params: SamplingParams,
-        body: SamplingFields, headers: Mapping[str, str],
+        body: SamplingFields, client: ClientContext,
     ) -> ProcessedRequest:
         """The validated engine request; APIError(400) naming what is wrong (including a
-        prompt plus `max_tokens` beyond the model's context)."""
+        prompt plus `max_tokens`, or `min_tokens`, beyond the model's context). The request's
+        job and cache salt are its tenant's."""
         max_prompt_tokens = self.settings.max_prompt_tokens
         if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(token_ids)} tokens, over this server's "
                                 f"limit of {max_prompt_tokens}", param="prompt",
                            code="limit_exceeded")
         params = self._default_max_tokens(params, len(token_ids))
-        max_tokens = params.max_tokens
-        if max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
-            raise APIError(
-                400,
-                f"this model's maximum context length is {self.max_model_len} tokens, but "
-                f"{len(token_ids) + max_tokens} were requested ({len(token_ids)} in the "
-                f"prompt, {max_tokens} for the completion); reduce the prompt or max_tokens",
-                param="max_tokens", code="context_length_exceeded",
-            )
+        self._check_context(len(token_ids), params)
         try:
             return self.engine.processor.process(
-                request_id, token_ids, params, job=job_info(body, headers),
-                priority=body.priority,
+                request_id, token_ids, params, job=self._job(body, client),
+                priority=body.priority, cache_salt=engine_cache_salt(
+                    client.tenant, body.cache_salt, share_prefix_cache=self._shares_cache),
             )
         except ValueError as error:
             raise APIError(400, str(error)) from error
+
+    @property
+    def _shares_cache(self) -> bool:
+        return self.settings.tenants is not None and self.settings.tenants.share_prefix_cache
+
+    @staticmethod
+    def _job(body: SamplingFields, client: ClientContext) -> JobInfo | None:
+        """The request's job, its id in its tenant's namespace. Tool names stay shared: the
+        estimator learns a tool's durations from every tenant, and a warm start from a
+        trace names tools without tenants."""
+        job = job_info(body, client.headers)
+        if job is None or client.tenant is None:
+            return job
+        return msgspec.structs.replace(job, job_id=engine_job_id(client.tenant, job.job_id))
+
+    def _check_context(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        room = self.max_model_len - num_prompt_tokens
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{num_prompt_tokens + params.max_tokens} were requested ({num_prompt_tokens} "
+                f"in the prompt, {params.max_tokens} for the completion); reduce the prompt or "
+                "max_tokens",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        if params.min_tokens and params.min_tokens > room:
+            raise APIError(
+                400,
+                f"min_tokens is {params.min_tokens}, but this model's maximum context length "
+                f"of {self.max_model_len} tokens leaves room for {max(room, 0)} after the "
+                f"{num_prompt_tokens}-token prompt",
+                param="min_tokens", code="context_length_exceeded",
+            )
 
     def _default_max_tokens(self, params: SamplingParams, num_prompt_tokens: int
                             ) -> SamplingParams:
@@ -215,8 +315,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# Line separators that JSON allows raw in strings but line-splitting SSE clients (httpx's
+# `iter_lines`, for one) break lines at: U+2028, U+2029 and U+0085, in UTF-8. Their byte
+# sequences cannot occur inside another character's encoding.
+_LINE_BREAKING = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"),
+                  (b"\xc2\x85", b"\\u0085"))
+
+
 def sse(payload: Mapping[str, Any]) -> bytes:
-    return b"data: " + _json.encode(payload) + b"\n\n"
+    """One SSE event holding `payload` as JSON on a single line."""
+    data = _json.encode(payload)
+    for raw, escaped in _LINE_BREAKING:
+        data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -229,6 +340,8 @@ def sse_error(error: BaseException) -> bytes:
         return sse(error_body(dead.status_code, dead.message, code=dead.code))
     if isinstance(error, ValueError):  # the core rejected the request
         return sse(error_body(400, str(error)))
+    if isinstance(error, ServerShuttingDownError):
+        return sse(error_body(503, str(error), code="server_shutting_down"))
     logger.exception("a response stream failed")
     return sse(error_body(500, f"internal server error: {type(error).__name__}"))
 

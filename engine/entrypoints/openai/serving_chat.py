@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
+    ClientContext,
     OpenAIServing,
     ServerSettings,
     merge_streams,
@@ -35,9 +36,18 @@ from engine.entrypoints.openai.tool_parsers import (
     make_tool_parser,
 )
 from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.outputs import CompletionOutput
+from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.processor import ProcessedRequest
 from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request queued with the engine, and its output stream."""
+
+    request: ProcessedRequest
+    stream: AsyncIterator[RequestOutput]
 
 
 @dataclass
@@ -64,10 +74,11 @@ class OpenAIServingChat(OpenAIServing):
                                   frozenset(tool.function.name for tool in body.tools))
 
     async def prepare(
-        self, body: ChatCompletionRequest, headers: Mapping[str, str]
-    ) -> ProcessedRequest:
-        """The validated engine request; APIError on bad input, or 429 while the waiting
-        queue is full."""
+        self, body: ChatCompletionRequest, client: ClientContext
+    ) -> PreparedChat:
+        """Validates the request and queues it; APIError on bad input, or 429 if the waiting
+        queue has no room for its completions. Rendering and validating run off the event
+        loop."""
         self.check_request(body)
         self._check_chat_fields(body)
         parser = self._parser(body)
@@ -79,10 +90,14 @@ class OpenAIServingChat(OpenAIServing):
             stream=body.stream,
             skip_special_tokens=False if parser is not None else None,
         )
-        token_ids = await asyncio.to_thread(self._render, body)
-        request = self.process(new_id("chatcmpl"), token_ids, params, body, headers)
-        self.check_queue_depth()
-        return request
+        self.check_queue_room(body.n)
+        request = await asyncio.to_thread(self._render_and_process, body, params, client)
+        (stream,) = self.submit([request])
+        return PreparedChat(request, stream)
+
+    def _render_and_process(self, body: ChatCompletionRequest, params: SamplingParams,
+                            client: ClientContext) -> ProcessedRequest:
+        return self.process(new_id("chatcmpl"), self._render(body), params, body, client)
 
     def _check_chat_fields(self, body: ChatCompletionRequest) -> None:
         if body.chat_template_kwargs and "chat_template" in body.chat_template_kwargs:
@@ -115,10 +130,11 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, str(error), param="messages") from error
 
     async def create(self, body: ChatCompletionRequest,
-                     request: ProcessedRequest) -> dict[str, Any]:
+                     prepared: PreparedChat) -> dict[str, Any]:
         """The whole (non-streaming) response."""
+        request = prepared.request
         final = None
-        async for _, output in merge_streams([self.engine.stream(request)]):
+        async for _, output in merge_streams([prepared.stream]):
             final = output
         assert final is not None and final.finished
         parser = self._parser(body)
@@ -158,10 +174,11 @@ class OpenAIServingChat(OpenAIServing):
         return choice
 
     async def stream(
-        self, body: ChatCompletionRequest, request: ProcessedRequest
+        self, body: ChatCompletionRequest, prepared: PreparedChat
     ) -> AsyncIterator[bytes]:
         """SSE chunks: a role chunk per choice, content deltas, tool calls and the finish
         reason at each choice's end, usage (if asked), `[DONE]`."""
+        request = prepared.request
         header = {"id": request.request_id, "object": "chat.completion.chunk",
                   "created": int(time.time()), "model": self.settings.served_model_name}
         parser = self._parser(body)
@@ -176,7 +193,7 @@ class OpenAIServingChat(OpenAIServing):
                 if body.return_token_ids and index == 0:
                     chunk["prompt_token_ids"] = request.prompt_token_ids
                 yield sse(chunk)
-            async for _, output in merge_streams([self.engine.stream(request)]):
+            async for _, output in merge_streams([prepared.stream]):
                 num_cached_tokens = output.num_cached_tokens
                 for completion in output.outputs:
                     choice = self._delta_choice(body, completion, choices[completion.index])

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
+    ClientContext,
     OpenAIServing,
     merge_streams,
     new_id,
@@ -25,16 +27,28 @@ from engine.entrypoints.openai.serving import (
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.processor import ProcessedRequest
 from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedCompletion:
+    """A completion request queued with the engine: its response id, one engine request per
+    prompt, and their output streams."""
+
+    response_id: str
+    requests: list[ProcessedRequest]
+    streams: list[AsyncIterator[RequestOutput]]
 
 
 class OpenAIServingCompletion(OpenAIServing):
     """Validates a completion request, runs it, and formats OpenAI's `text_completion`."""
 
     async def prepare(
-        self, body: CompletionRequest, headers: Mapping[str, str]
-    ) -> tuple[str, list[ProcessedRequest]]:
-        """The response id and one validated engine request per prompt; APIError on bad
-        input, or 429 while the waiting queue is full."""
+        self, body: CompletionRequest, client: ClientContext
+    ) -> PreparedCompletion:
+        """Validates the request and queues it (all prompts or none); APIError on bad input,
+        or 429 if the waiting queue has no room for it. Tokenizing and validating run off the
+        event loop."""
         self.check_request(body)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
@@ -42,21 +56,18 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
+        prompts = self._prompts(body.prompt)
         params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                       stream=body.stream)
-        prompts = await asyncio.to_thread(self._tokenize_prompts, body.prompt)
+        self.check_queue_room(len(prompts) * body.n)
         response_id = new_id("cmpl")
-        requests = [
-            self.process(response_id if len(prompts) == 1 else f"{response_id}-{index}",
-                         token_ids, params, body, headers)
-            for index, token_ids in enumerate(prompts)
-        ]
-        self.check_queue_depth()
-        return response_id, requests
+        requests = await asyncio.to_thread(self._process_prompts, response_id, prompts, params,
+                                           body, client)
+        return PreparedCompletion(response_id, requests, self.submit(requests))
 
-    def _tokenize_prompts(
-        self, prompt: str | list[str] | list[int] | list[list[int]]
-    ) -> list[list[int]]:
+    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
+                 ) -> list[str | list[int]]:
+        """The request's prompts; 400 beyond `max_prompts`."""
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
         elif prompt and all(isinstance(item, int) for item in prompt):
@@ -65,20 +76,32 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        token_lists = []
-        for item in prompts:
+        if len(prompts) > self.settings.max_prompts:
+            raise APIError(400, f"{len(prompts)} prompts given, over this server's limit of "
+                                f"{self.settings.max_prompts}", param="prompt",
+                           code="limit_exceeded")
+        return prompts
+
+    def _process_prompts(
+        self, response_id: str, prompts: list[str | list[int]], params: SamplingParams,
+        body: CompletionRequest, client: ClientContext,
+    ) -> list[ProcessedRequest]:
+        requests = []
+        for index, prompt in enumerate(prompts):
             try:
-                token_lists.append(self.engine.processor.tokenize(item)[1])
+                token_ids = self.engine.processor.tokenize(prompt)[1]
             except ValueError as error:
                 raise APIError(400, str(error), param="prompt") from error
-        return token_lists
+            request_id = response_id if len(prompts) == 1 else f"{response_id}-{index}"
+            requests.append(self.process(request_id, token_ids, params, body, client))
+        return requests
 
-    async def create(self, body: CompletionRequest, response_id: str,
-                     requests: list[ProcessedRequest]) -> dict[str, Any]:
+    async def create(self, body: CompletionRequest,
+                     prepared: PreparedCompletion) -> dict[str, Any]:
         """The whole (non-streaming) response."""
+        response_id, requests = prepared.response_id, prepared.requests
         finals: dict[int, RequestOutput] = {}
-        streams = [self.engine.stream(request) for request in requests]
-        async for prompt_index, output in merge_streams(streams):
+        async for prompt_index, output in merge_streams(prepared.streams):
             finals[prompt_index] = output
         choices = []
         num_completion_tokens = 0
@@ -99,17 +122,17 @@ class OpenAIServingCompletion(OpenAIServing):
         }
 
     async def stream(
-        self, body: CompletionRequest, response_id: str, requests: list[ProcessedRequest]
+        self, body: CompletionRequest, prepared: PreparedCompletion
     ) -> AsyncIterator[bytes]:
         """SSE chunks, ending with usage (if asked) and `[DONE]`."""
+        response_id, requests = prepared.response_id, prepared.requests
         created = int(time.time())
         model = self.settings.served_model_name
         text_offsets: dict[int, int] = {}
         num_completion_tokens = 0
         num_cached: dict[int, int] = {}
         try:
-            streams = [self.engine.stream(request) for request in requests]
-            async for prompt_index, output in merge_streams(streams):
+            async for prompt_index, output in merge_streams(prepared.streams):
                 num_cached[prompt_index] = output.num_cached_tokens
                 request = requests[prompt_index]
                 for completion in output.outputs:

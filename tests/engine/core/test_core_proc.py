@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from engine.config import EngineConfig, ModelConfig
 from engine.core.client import AsyncMPClient, EngineDeadError, InprocClient, SyncMPClient
 from engine.core.wire import UtilityCall
-from engine.request import FinishReason
+from engine.request import FinishReason, JobInfo
 from tests.engine.core.conftest import SMALL_CONFIG, core_request
 
 
@@ -108,6 +109,34 @@ def utility_error(client: SyncMPClient, call_id: int) -> str | None:
     while call_id not in client._utility_results:
         client._receive(None)
     return client._utility_results.pop(call_id).error
+
+
+def test_an_idle_core_expires_pins_and_forgets_idle_jobs_with_no_request_and_no_step() -> None:
+    # continuum-fixed pins a turn that called an unknown tool for 2 s; the job's books go
+    # 1 s after that, from the idle loop's sweeps: no request arrives and no step runs.
+    scheduler = dataclasses.replace(SMALL_CONFIG.scheduler, policy="continuum-fixed",
+                                    policy_options={"job_idle_timeout_s": "1"})
+    client = SyncMPClient(dataclasses.replace(SMALL_CONFIG, scheduler=scheduler))
+    try:
+        request = core_request("turn", list(range(1, 41)), max_tokens=4)
+        client.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job",
+                                                                        tool_name="ls")))
+        assert len(collect(client, {"turn"})["turn"]) == 4
+        finished_s = time.monotonic()
+        state = client.call_utility("job_state", "job")
+        assert state is not None and state["pin"]["ttl_s"] == 2.0
+        num_steps = client.call_utility("stats")["num_steps"]
+        while (state := client.call_utility("job_state", "job")) is not None:
+            assert time.monotonic() - finished_s < 8, f"the job is still held: {state}"
+            time.sleep(0.05)
+        stats = client.call_utility("stats")
+        assert (stats["num_jobs"], stats["num_pins"]) == (0, 0)
+        assert stats["pins_released"] == {"expired": 1}
+        assert stats["num_free_blocks"] == stats["num_kv_blocks"]
+        assert stats["num_steps"] == num_steps  # swept without a single (empty) step
+        assert client.call_utility("check_invariants") is True
+    finally:
+        client.shutdown()
 
 
 def test_a_core_that_fails_to_start_reports_why() -> None:

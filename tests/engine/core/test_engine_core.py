@@ -90,16 +90,49 @@ class RetainEveryTurn(FCFSPolicy):
         return Retention(10.0, TTLInputs(ttl_s=10.0, source="test"))
 
 
-def test_release_job_frees_a_pin_and_pins_keep_the_core_stepping() -> None:
+def test_release_job_frees_a_pin_and_a_pin_alone_is_no_work_for_a_step() -> None:
     clock = FakeClock()
     core = EngineCore(SMALL_CONFIG, policy=RetainEveryTurn(), clock=clock)
     request = core_request("turn", list(range(40)), max_tokens=4)
     core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job")))
     run_to_completion(core)
     assert core.stats().num_pins == 1
-    assert core.has_work()  # a live pin: its TTL must be able to expire
+    assert not core.has_work()  # a live pin expires through `sweep`, not an empty step
+    clock.advance(60.0)
+    assert not core.sweep()  # this policy never expires pins
     assert core.release_job("job") is True
     assert core.stats().num_pins == 0 and not core.has_work()
+
+
+def test_an_idle_core_sweeps_pins_and_idle_jobs_without_a_step(tmp_path) -> None:
+    # A profile pricing any rebuild at 4 s: the cold-start TTL is ln 4 = 1.39 s.
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"points": [[0, 4.0], [1000, 4.0]]}))
+    config = dataclasses.replace(
+        _with_options(prefill_profile=str(profile), job_idle_timeout_s="5"),
+        debug_check_invariants=True)
+    clock = FakeClock()
+    client = InprocClient(config, clock=clock)
+    core = client.core
+    request = core_request("turn", list(range(40)), max_tokens=4)
+    core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job", tool_name="ls")))
+    run_to_completion(core)
+    num_steps, num_checks = core.num_steps, core.num_invariant_checks
+    assert core.job_state("job").pin is not None and core.stats().num_jobs == 1
+
+    clock.advance(1.0)
+    assert not core.sweep()  # nothing due: nothing changes, nothing checked
+    assert core.num_invariant_checks == num_checks
+    clock.advance(1.0)
+    sweep = core.sweep()
+    assert [pin.job_id for pin in sweep.released_pins] == ["job"] and not sweep.forgotten_job_ids
+    assert core.stats().pins_released == {"expired": 1} and core.stats().num_jobs == 1
+    clock.advance(4.0)
+    assert client.get_output() == []  # the in-process client sweeps when there is no work
+    assert core.job_state("job") is None and core.stats().num_jobs == 0
+    assert core.num_steps == num_steps  # no step ran
+    assert core.num_invariant_checks == num_checks + 2  # after each sweep that did something
+    client.shutdown()
 
 
 def test_inproc_client_runs_steps_on_get_output() -> None:

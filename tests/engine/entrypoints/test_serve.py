@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,3 +105,52 @@ def test_serve_refuses_a_bad_limit():
     )
     assert result.returncode == 2
     assert "max_n" in result.stderr
+
+
+def _read_stream(server: ServerProcess, max_tokens: int, lines: list[str],
+                 started: threading.Event) -> None:
+    body = {"model": "tiny", "prompt": "drain", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as http, \
+            http.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            started.set()
+
+
+def test_sigterm_drains_then_ends_the_streams_left_and_exits_0():
+    """A stream that can finish within --shutdown-timeout-s does; one that cannot ends with
+    a server_shutting_down error event and [DONE]; new connections are refused; exit 0.
+    Simulated 70B steps make the streams last."""
+    server = ServerProcess(ServerSpec(serve_args=(
+        "--shutdown-timeout-s", "2", "--executor", "simulated",
+        "--sim-profile", "4xh100-llama3.1-70b", "--max-model-len", "4096"))).start()
+    try:
+        streams = {"short": 20, "long": 3000}
+        lines: dict[str, list[str]] = {name: [] for name in streams}
+        started = {name: threading.Event() for name in streams}
+        threads = [threading.Thread(target=_read_stream, daemon=True,
+                                    args=(server, max_tokens, lines[name], started[name]))
+                   for name, max_tokens in streams.items()]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(60) for event in started.values())
+        os.kill(server.pid, signal.SIGTERM)
+        signalled_s = time.monotonic()
+        for thread in threads:
+            thread.join(30)
+        events = {name: [line for line in found if line] for name, found in lines.items()}
+        assert events["short"][-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in events["short"][-2]
+        assert events["long"][-1] == "data: [DONE]"
+        assert "server_shutting_down" in events["long"][-2], events["long"][-3:]
+        with pytest.raises(httpx.TransportError):
+            httpx.get(server.base_url + "/health", timeout=5)
+        deadline_s = signalled_s + 30
+        while server.is_running():
+            assert time.monotonic() < deadline_s, server.log_text()
+            time.sleep(0.1)
+        assert time.monotonic() - signalled_s > 1.5  # the long stream had its 2 s
+        assert server.returncode == 0, server.log_tail()
+    finally:
+        server.stop()

@@ -11,7 +11,7 @@ import pytest
 
 from engine.core.client import EngineDeadError
 from engine.engine_args import EngineArgs
-from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.async_llm import AsyncLLM, QueueFullError
 from engine.frontend.llm import LLM
 from engine.frontend.llm_engine import LLMEngine
 from engine.request import JobInfo
@@ -216,6 +216,56 @@ def test_an_external_abort_ends_the_stream(async_engine) -> None:
         assert outputs[-1].outputs[0].finish_reason == "abort"
 
     async_engine.run(scenario())
+
+
+def test_submit_queues_all_requests_or_none(async_engine) -> None:
+    engine = async_engine.engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, n=2, ignore_eos=True)
+
+    async def scenario() -> None:
+        batch = [engine.processor.process(f"batch-{i}", [5, 6, 7], params) for i in range(3)]
+        with pytest.raises(QueueFullError, match="adds 6") as refused:
+            engine.submit(batch, max_waiting_requests=5)
+        assert refused.value.num_new == 6
+        duplicate = [batch[0], engine.processor.process("batch-0", [1], params)]
+        with pytest.raises(ValueError, match="already in use"):
+            engine.submit(duplicate)
+        assert engine.num_unfinished_requests == 0
+        assert engine.num_waiting_requests == 0
+        finals = []
+        for stream in engine.submit(batch, max_waiting_requests=6):
+            async for output in stream:
+                finals.append(output)
+        assert [len(o.outputs) for o in finals if o.finished] == [2, 2, 2]
+        assert engine.num_unfinished_requests == 0
+
+    async_engine.run(scenario())
+
+
+def test_fail_requests_ends_every_stream_with_the_error() -> None:
+    async_engine = AsyncEngine()
+    engine = async_engine.engine
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+
+    async def scenario() -> None:
+        (stream,) = engine.submit([engine.processor.process("to-fail", [4] * 8, params)])
+        await anext(stream)
+        engine.fail_requests(RuntimeError("draining"))
+        with pytest.raises(RuntimeError, match="draining"):
+            async for _ in stream:
+                pass
+        await asyncio.sleep(0.2)  # the abort reaches the core
+        await engine.check_invariants()
+        assert engine.num_unfinished_requests == 0
+        with pytest.raises(RuntimeError, match="draining"):  # later ones are refused
+            engine.submit([engine.processor.process("too-late", [4], params)])
+        assert engine.num_unfinished_requests == 0
+
+    try:
+        async_engine.run(scenario())
+    finally:
+        async_engine.close()
 
 
 def test_shutdown_fails_requests_in_flight() -> None:

@@ -33,6 +33,19 @@ def test_model_eos_ids_become_the_eos_and_extra_stop_ids(processor) -> None:
     assert ignoring.sampling_params.stop_token_ids == ()
 
 
+def test_the_completions_of_a_request_share_its_stop_lists(processor) -> None:
+    """Stop lists are held once per request, not once per completion, and stop strings stay
+    in the frontend (which matches them)."""
+    params = SamplingParams(n=4, seed=7, stop=("x" * 1000,), stop_token_ids=(3, 4))
+    processed = processor.process("a", [1], params)
+    core_params = [core.sampling_params for core in processed.core_requests]
+    assert all(p.stop_token_ids is core_params[0].stop_token_ids for p in core_params)
+    assert core_params[0].stop_token_ids == (3, 4, END_OF_TEXT)
+    assert all(p.stop == () and p.n == 1 for p in core_params)
+    assert [p.seed for p in core_params] == [7, 8, 9, 10]
+    assert processed.sampling_params.stop == ("x" * 1000,)
+
+
 def test_job_info_and_priority_reach_every_core_request(processor) -> None:
     job = JobInfo(job_id="job-1", tool_name="bash")
     processed = processor.process("a", [1], SamplingParams(n=3), job=job, priority=2)

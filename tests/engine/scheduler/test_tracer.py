@@ -178,3 +178,26 @@ def test_a_trace_that_cannot_be_written_is_dropped_and_scheduling_goes_on(caplog
                     tracer=SchedulerTracer("/dev/full"))
     assert traced.steps == untraced.steps
     assert "tracing is disabled" in caplog.text
+
+
+def test_an_idle_sweep_records_the_pins_it_releases_and_no_step(tmp_path: Path) -> None:
+    harness = _harness(tmp_path, ttl_s=2.0)
+    harness.add("j#0", tokens(100, 9), job="j", max_tokens=2)
+    harness.run_until_finished("j#0")
+    path = harness.scheduler.tracer.path
+    num_steps = harness.scheduler.step_id
+    before = Path(path).read_bytes()
+    for _ in range(5):  # sweeps with nothing due write nothing
+        harness.clock.advance(0.1)
+        assert not harness.scheduler.sweep()
+    assert Path(path).read_bytes() == before
+    harness.clock.advance(2.0)
+    assert harness.scheduler.sweep().released_pins  # flushed at once, without a step
+    events = read_trace(path).events
+    released = [e for e in events if isinstance(e, PinReleased)]
+    assert [(e.job_id, e.reason, e.step) for e in released] == [("j", "expired", num_steps)]
+    assert released[0].time_s == harness.clock() and released[0].held_s == pytest.approx(2.5)
+    snapshots = [e for e in events if isinstance(e, StepSnapshot)]
+    assert len(snapshots) == num_steps  # the sweep recorded no step
+    assert harness.scheduler.sweep().forgotten_job_ids == ()  # the job's timeout is 600 s
+    assert read_trace(path).events == events

@@ -19,6 +19,7 @@ from engine.core.wire import EngineStats
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.api_server import build_app
 from engine.entrypoints.openai.serving import ServerSettings
+from engine.entrypoints.openai.tenants import Tenants
 from engine.entrypoints.serve import bind_socket
 from engine.frontend.async_llm import AsyncLLM
 
@@ -29,9 +30,11 @@ MAX_BODY_BYTES = 256 * 1024
 class ServerThread:
     """Serves the app on 127.0.0.1:<free port> until `stop()`."""
 
-    def __init__(self, engine_args: EngineArgs, settings: ServerSettings) -> None:
+    def __init__(self, engine_args: EngineArgs, settings: ServerSettings,
+                 api_key: str | None = None) -> None:
         config = engine_args.to_engine_config()
         self.settings = settings
+        self.api_key = api_key
         self.app = build_app(lambda observer: AsyncLLM(config, stats_observer=observer),
                              settings)
         self._sock = bind_socket("127.0.0.1", 0)
@@ -83,7 +86,7 @@ class ServerThread:
             time.sleep(0.05)
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
-        kwargs.setdefault("api_key", self.settings.api_key or "unused")
+        kwargs.setdefault("api_key", self.api_key or "unused")
         return openai.OpenAI(base_url=self.base_url + "/v1", max_retries=0, timeout=60,
                              **kwargs)
 
@@ -94,8 +97,8 @@ class ServerThread:
     def metric(self, name: str, labels: str = "") -> float:
         """The value of one sample in /metrics (0 if absent), e.g. metric("num_pins")."""
         headers = {}
-        if self.settings.api_key:
-            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         text = httpx.get(self.base_url + "/metrics", headers=headers, timeout=30).text
         pattern = rf"^continuum:{re.escape(name)}\{{([^}}]*)\}} (\S+)$"
         for match in re.finditer(pattern, text, re.MULTILINE):
@@ -107,8 +110,9 @@ class ServerThread:
 def start_server(**overrides: Any) -> ServerThread:
     settings = overrides.pop("settings", None) or ServerSettings(
         served_model_name="tiny", max_request_body_bytes=MAX_BODY_BYTES)
+    api_key = overrides.pop("api_key", None)
     engine_args = EngineArgs(**{"num_kv_blocks": 256, "max_model_len": 1024, **overrides})
-    return ServerThread(engine_args, settings).start()
+    return ServerThread(engine_args, settings, api_key).start()
 
 
 @pytest.fixture(scope="package")
@@ -126,7 +130,9 @@ def scripted_server() -> Iterator[ServerThread]:
     running = start_server(
         executor=f"{SCRIPTED}:ScriptedExecutor",
         scheduling_policy=f"{SCRIPTED}:PinJobTurnsPolicy",
-        settings=ServerSettings(served_model_name="scripted", api_key="secret-key"),
+        settings=ServerSettings(served_model_name="scripted",
+                                tenants=Tenants.from_pairs([("secret-key", "default")])),
+        api_key="secret-key",
     )
     yield running
     running.stop()

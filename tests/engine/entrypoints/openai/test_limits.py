@@ -16,8 +16,8 @@ from tests.engine.entrypoints.openai.conftest import ServerThread, start_server
 
 LIMITS = ServerSettings(
     served_model_name="tiny", max_request_body_bytes=64 * 1024, max_prompt_tokens=64,
-    max_output_tokens=12, max_n=2, max_stop_strings=2, max_waiting_requests=2,
-    retry_after_s=3,
+    max_output_tokens=12, max_n=2, max_prompts=2, max_stop_strings=2, max_stop_token_ids=4,
+    max_waiting_requests=2, retry_after_s=3,
 )
 
 
@@ -55,6 +55,12 @@ OVER_LIMIT = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 3}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["a", "b", "c"]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [1, 2, 3, 4, 5]},
+     "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "stop_token_ids": [1, 2, 3, 4, 5]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": [[5], [6], [7]], "max_tokens": 2}, "prompt"),
 ]
 
 
@@ -69,9 +75,11 @@ def test_requests_at_the_limits_are_served(limited):
     client = limited.client()
     completion = client.completions.create(
         model="tiny", prompt=[5] * 64, max_tokens=12, n=2, stop=["a", "b"],
-        extra_body={"ignore_eos": True})
+        extra_body={"ignore_eos": True, "stop_token_ids": [1, 2, 3, 4]})
     assert [choice.index for choice in completion.choices] == [0, 1]
     assert completion.usage.completion_tokens <= 24
+    batch = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
+    assert [choice.index for choice in batch.choices] == [0, 1]
 
 
 def test_max_output_tokens_caps_a_request_that_names_none(limited):
@@ -96,8 +104,22 @@ def test_a_full_waiting_queue_answers_429_with_retry_after():
     server = start_server(settings=dataclasses.replace(LIMITS, max_output_tokens=None),
                           max_num_seqs=1, executor="simulated",
                           sim_profile="4xh100-llama3.1-70b")
-    streams = [_Stream(server) for _ in range(3)]
+    streams = [_Stream(server) for _ in range(2)]
     try:
+        _wait_for(lambda: server.stats().num_waiting == 1)
+        with server.http() as http:
+            # One slot is left: a request of two completions is refused whole.
+            for body in ({"prompt": ["a", "b"]}, {"prompt": "a", "n": 2}):
+                response = http.post("/v1/completions",
+                                     json={"model": "tiny", "max_tokens": 2, **body})
+                assert response.status_code == 429, response.text
+                assert response.json()["error"]["code"] == "queue_full"
+            # One that could never fit is told so, rather than to retry.
+            response = http.post("/v1/completions", json={
+                "model": "tiny", "max_tokens": 2, "prompt": ["a", "b"], "n": 2})
+            _assert_limit_error(response, "n")
+            assert (server.stats().num_waiting, server.engine.num_waiting_requests) == (1, 1)
+        streams.append(_Stream(server))
         _wait_for(lambda: server.stats().num_waiting == 2)
         with server.http() as http:
             response = http.post("/v1/completions",
@@ -159,8 +181,61 @@ def test_min_tokens_beyond_the_default_output_limit_is_a_400(limited):
     _assert_still_serving(limited)
 
 
+def test_min_tokens_beyond_the_context_is_a_400(server):
+    with server.http() as http:
+        response = http.post("/v1/completions", json={
+            "model": "tiny", "prompt": "hi", "max_tokens": None, "min_tokens": 1100})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == ("min_tokens", "context_length_exceeded")
+    _assert_still_serving(server)
+
+
+def test_a_million_stop_token_ids_are_refused_at_the_default_limit(server):
+    """The default limit (256) refuses what once took 51 s and slowed every other client."""
+    with server.http() as http:
+        response = http.post("/v1/completions", json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 2, "n": 16,
+            "stop_token_ids": [3] * 30_000})
+    _assert_limit_error(response, "stop_token_ids")
+    _assert_still_serving(server)
+
+
+def test_health_answers_while_a_maximal_batch_is_prepared(server):
+    """Prompts are tokenized and validated off the event loop: /health keeps answering
+    while the largest batch the default limits allow (64 long prompts x n 16) is prepared.
+    The batch is streamed and dropped once it starts, which aborts it."""
+    prompts = [f"prompt {index} " + "lorem ipsum dolor sit amet " * 33 for index in range(64)]
+    latencies_s: list[float] = []
+    started = threading.Event()
+
+    def post_batch() -> None:
+        body = {"model": "tiny", "prompt": prompts, "n": 16, "max_tokens": 1, "stream": True}
+        try:
+            with server.http() as http, http.stream("POST", "/v1/completions",
+                                                    json=body) as response:
+                assert response.status_code == 200
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=post_batch, daemon=True)
+    with server.http() as http:
+        http.get("/health")
+        thread.start()
+        while not started.is_set():
+            start_s = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies_s.append(time.monotonic() - start_s)
+            time.sleep(0.01)
+    thread.join(60)
+    latencies_s.sort()
+    assert latencies_s[len(latencies_s) // 2] < 0.1, latencies_s
+    _assert_still_serving(server)
+
+
 @pytest.mark.parametrize("field", ["max_prompt_tokens", "max_output_tokens", "max_n",
-                                   "max_stop_strings", "max_waiting_requests", "retry_after_s"])
+                                   "max_prompts", "max_stop_strings", "max_stop_token_ids",
+                                   "max_waiting_requests", "retry_after_s"])
 def test_limits_must_be_positive(field):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(LIMITS, **{field: 0})
