@@ -1,4 +1,4 @@
-"""The Continuum scheduling policy and agent baselines (see DESIGN.md section 6).
+"""The Continuum scheduling policy and agent baselines (see docs/architecture.md, 'The policies').
 
 Registered in the engine's policy registry as `continuum`, `continuum-fixed`,
 `continuum-oracle`, `job-fcfs`, `infercept` and `autellix`.

@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "scheduler": ("engine.bench.scheduler", "CPU cost of one scheduler step"),
         "forward": ("engine.bench.forward", "our model's prefill/decode vs transformers"),
         "throughput": ("engine.bench.throughput", "offline LLM.generate vs transformers"),
-        "estimator": ("estimator.bench", "TTL estimators replayed over an agent trace"),
+        "estimator": ("eval.bench_estimator", "TTL estimators replayed over an agent trace"),
         "agent": ("eval.bench_agent", "agent jobs replayed against an OpenAI-compatible server"),
         "sim": ("eval.bench_sim", "policies compared on an agent trace in simulated time"),
         "load": ("eval.bench_load", "load test of a `continuum serve` subprocess: leaks, "
@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "soak": ("eval.bench_soak", "agent replay for minutes with the invariant checker on"),
         "connections": ("eval.bench_connections", "slow and many clients against a "
                         "`continuum serve` subprocess: timeouts, cap, descriptors"),
+        "workloads": ("eval.bench_workloads", "the named workloads that ship with the package"),
     },
     "trace": {
         "summarize": ("tracing.summary", "per-job, per-turn, cache and pin figures of a trace"),

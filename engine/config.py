@@ -8,6 +8,7 @@ before any engine state exists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from engine.executor.roofline import get_sim_profile
 from tracing.writer import MIN_MAX_BYTES
@@ -16,6 +17,13 @@ from tracing.writer import MIN_MAX_BYTES
 def _require_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _require_choice(name: str, value: object, allowed: object) -> None:
+    """`allowed` is a `Literal` type; its values are the choices (the CLI reads them too)."""
+    choices = get_args(allowed)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -90,9 +98,10 @@ class SchedulerConfig:
                              f"{self.policy_options!r}")
 
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-_LOAD_FORMATS = ("auto", "dummy")
-_DEVICES = ("auto", "cpu", "cuda")
+# The closed sets of ModelConfig; `typing.get_args` lists the values (the CLI's choices).
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+LoadFormat = Literal["auto", "dummy"]
+Device = Literal["auto", "cpu", "cuda"]
 
 
 @dataclass(frozen=True)
@@ -106,29 +115,24 @@ class ModelConfig:
     """
 
     model: str = "tiny"
-    dtype: str = "auto"
-    load_format: str = "auto"
+    dtype: Dtype = "auto"
+    load_format: LoadFormat = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    device: str = "auto"
+    device: Device = "auto"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a non-empty name or path")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
-            )
+        _require_choice("dtype", self.dtype, Dtype)
+        _require_choice("load_format", self.load_format, LoadFormat)
         _require_positive("max_model_len", self.max_model_len)
-        if self.device not in _DEVICES:
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        _require_choice("device", self.device, Device)
 
 
 @dataclass(frozen=True)
 class TraceConfig:
-    """Scheduler tracing (DESIGN.md section 8): off when `path` is None.
+    """Scheduler tracing (docs/architecture.md, 'Tracing'): off when `path` is None.
 
     - `path`: the JSONL trace file, overwritten at start.
     - `max_bytes`: stop writing (with a final `truncated` record) before the file passes it.

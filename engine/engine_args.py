@@ -6,48 +6,57 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from types import UnionType
+from typing import Literal, get_args, get_origin, get_type_hints
 
 from engine.config import (
     CacheConfig,
+    Device,
+    Dtype,
     EngineConfig,
+    LoadFormat,
     ModelConfig,
     SchedulerConfig,
     TraceConfig,
 )
+from engine.executor.roofline import DEFAULT_SIM_PROFILE, SIM_PROFILES
 from engine.model.directory import load_arch
 from engine.scheduler.options import option_items_to_dict
-from engine.scheduler.registry import check_policy_options, policy_options_help
+from engine.scheduler.registry import (
+    POLICY_REGISTRY,
+    check_policy_options,
+    policy_options_help,
+)
 
+# What each flag means; `add_cli_args` appends the default (and argparse lists the choices).
 _HELP = {
     "model": "'tiny' (the embedded default model) or a local Hugging Face directory",
-    "dtype": "auto | float32 | float16 | bfloat16",
-    "load_format": "auto (read weights) | dummy (random weights from --seed)",
-    "device": "auto | cpu | cuda",
+    "dtype": "dtype of weights and activations; auto: float32 on CPU, bfloat16 on CUDA",
+    "load_format": "auto: read the weights; dummy: random weights from --seed",
+    "device": "auto: CUDA when one is available, else CPU",
     "seed": "seed of dummy weights and of unseeded sampling",
-    "max_model_len": "longest sequence (prompt + output); default: the model's",
+    "max_model_len": "longest sequence (prompt + output); None: the model's",
     "block_size": "tokens per KV block",
-    "num_kv_blocks": "fix the KV pool size (default: sized from memory)",
+    "num_kv_blocks": "fix the KV pool size; None: sized from memory",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV",
     "cpu_kv_cache_space_gib": "KV pool size on CPU, GiB",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step",
-    "long_prefill_token_threshold": "most tokens one request computes per step",
+    "long_prefill_token_threshold": "most tokens one request computes per step; None: no cap",
     "enable_chunked_prefill": "split long prompts across steps",
-    "scheduling_policy": (
-        "continuum | continuum-fixed | infercept | autellix | fcfs | priority | a module:Class path"
-    ),
+    "scheduling_policy": f"{' | '.join(POLICY_REGISTRY)} | a module:Class path",
     "executor": "torch (run the model) | simulated (a roofline cost model) | a module:Class path",
     "sim_profile": (
-        "cost profile of the simulated executor: h100-llama3.1-8b | a100-llama3.1-8b | "
-        "4xh100-llama3.1-70b (default with --executor simulated: h100-llama3.1-8b)"
+        "cost profile of the simulated executor; None with --executor simulated: "
+        f"{DEFAULT_SIM_PROFILE}"
     ),
     "policy_options": "KEY=VALUE setting of the scheduling policy, repeatable. Options by policy",
     "trace_path": (
-        "write a JSONL scheduler trace here (overwritten); default: $CONTINUUM_TRACE_PATH or "
+        "write a JSONL scheduler trace here (overwritten); None: $CONTINUUM_TRACE_PATH or "
         "$VLLM_SCHED_TRACE_PATH, else off"
     ),
-    "trace_max_bytes": "stop tracing before the trace file passes this size",
+    "trace_max_bytes": "stop tracing before the trace file passes this size; None: no limit",
     "debug_check_invariants": (
         "check the scheduler and KV invariants after every step (slow; a violation stops the "
         "core with the failed check)"
@@ -59,30 +68,38 @@ TRACE_PATH_VARIABLES = ("CONTINUUM_TRACE_PATH", "VLLM_SCHED_TRACE_PATH")
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Every engine setting as one flat, frozen record; see `_HELP` for each field."""
+    """Every engine setting as one flat, frozen record; see `_HELP` for each field.
 
-    model: str = "tiny"
-    dtype: str = "auto"
-    load_format: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_space_gib: float = 2.0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int | None = None
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "continuum"
-    executor: str = "torch"
-    sim_profile: str | None = None
+    The defaults (and through them the flags' defaults) are the config dataclasses' own, read
+    from their class attributes, so each default is stated once, in `engine.config`.
+    """
+
+    model: str = ModelConfig.model
+    dtype: Dtype = ModelConfig.dtype
+    load_format: LoadFormat = ModelConfig.load_format
+    device: Device = ModelConfig.device
+    seed: int = ModelConfig.seed
+    # ModelConfig's None, the model's own context length (`to_engine_config` reads it and
+    # gives it to both configs); SchedulerConfig's fixed default is on purpose not used here.
+    max_model_len: int | None = ModelConfig.max_model_len
+    block_size: int = CacheConfig.block_size
+    num_kv_blocks: int | None = CacheConfig.num_kv_blocks
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    cpu_kv_cache_space_gib: float = CacheConfig.cpu_kv_cache_space_gib
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    scheduling_policy: str = SchedulerConfig.policy
+    executor: str = EngineConfig.executor
+    sim_profile: str | None = EngineConfig.sim_profile
+    # Differs on purpose: KEY=VALUE items (as the flags give them) or a mapping, turned into
+    # SchedulerConfig's str -> str dict; empty, like that dict's default.
     policy_options: tuple[str, ...] | Mapping[str, object] = ()
-    trace_path: str | None = None
-    trace_max_bytes: int | None = None
-    debug_check_invariants: bool = False
+    trace_path: str | None = TraceConfig.path
+    trace_max_bytes: int | None = TraceConfig.max_bytes
+    debug_check_invariants: bool = EngineConfig.debug_check_invariants
 
     def to_engine_config(self, environ: Mapping[str, str] = os.environ) -> EngineConfig:
         """The validated config; ValueError naming the bad field. Without `trace_path`, the
@@ -131,13 +148,15 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Adds one `--flag-name` per field (booleans also get `--no-...`)."""
         group = parser.add_argument_group("engine")
+        hints = get_type_hints(EngineArgs)
         for spec in fields(EngineArgs):
             flag = "--" + spec.name.replace("_", "-")
             default = spec.default
-            help_text = f"{_HELP[spec.name]} (default: {default})"
+            help_text = _HELP[spec.name].replace("%", "%%") + " (default: %(default)s)"
             if spec.name == "policy_options":
                 options_help = policy_options_help(EngineArgs.scheduling_policy)
                 help_text = f"{_HELP[spec.name]}: {options_help}"
+                # A list, for argparse's append; `from_cli_args` makes it the default's tuple.
                 group.add_argument("--policy-option", dest="policy_options", action="append",
                                    metavar="KEY=VALUE", default=[],
                                    help=help_text.replace("%", "%%"))
@@ -145,7 +164,8 @@ class EngineArgs:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                    help=help_text)
             else:
-                group.add_argument(flag, type=_flag_type(spec.type), default=default,
+                group.add_argument(flag, type=_flag_type(hints[spec.name]), default=default,
+                                   choices=_flag_choices(spec.name, hints[spec.name]),
                                    help=help_text)
 
     @staticmethod
@@ -181,9 +201,19 @@ def _option_text(value: object) -> str:
     return str(value)
 
 
-def _flag_type(annotation: object) -> type:
-    text = str(annotation)
-    for name, kind in (("int", int), ("float", float)):
-        if text.startswith(name):
+def _flag_type(hint: object) -> type:
+    """int, float or str: what a flag's value is parsed as, from its field's type hint."""
+    members = get_args(hint) if isinstance(hint, UnionType) else (hint,)
+    for kind in (int, float):
+        if kind in members:
             return kind
     return str
+
+
+def _flag_choices(name: str, hint: object) -> tuple[str, ...] | None:
+    """A `Literal` field's values (from `engine.config`); the simulated executor's profiles."""
+    if get_origin(hint) is Literal:
+        return get_args(hint)
+    if name == "sim_profile":
+        return tuple(SIM_PROFILES)
+    return None

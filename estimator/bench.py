@@ -320,7 +320,15 @@ def _both_scorings(learned: dict[str, Any], handed: dict[str, Any], extra: dict[
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--trace FILE` and the options. `continuum bench estimator` (`eval.bench_estimator`)
+    takes a named workload as well, which this package cannot resolve: it never imports
+    `eval`."""
     parser.add_argument("--trace", required=True, help="an agent-job JSONL trace")
+    add_options(parser)
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """Every flag but the trace; `main` reads the trace's path from `args.trace`."""
     parser.add_argument("--json", dest="json_path", help="write the results here as JSON")
     parser.add_argument("--train-fraction", type=float, default=0.7,
                         help="the earliest jobs (by arrival) estimators learn from")

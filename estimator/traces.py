@@ -1,6 +1,6 @@
 """Tool-call sequences of agent jobs, read from the agent-job trace format.
 
-The format (`../shared/traces/README.md`): one job per line with `job_id`, `arrival_s` and
+The format (`eval/workloads/SOURCES.md`): one job per line with `job_id`, `arrival_s` and
 `turns`; a turn has `tool_name` and `tool_duration_s` (null on the last turn) and either
 `input_tokens` + `output_tokens` or `context_tokens_after`. Only what estimators need is kept.
 """

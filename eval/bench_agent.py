@@ -15,7 +15,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eval.arrivals import arrivals_s
-from eval.bench_sim import add_workload_arguments, load_workload, workload_summary
+from eval.bench_sim import (
+    add_workload_arguments,
+    load_workload,
+    workload_source,
+    workload_summary,
+)
 from eval.metrics import RunMetrics
 from eval.replay_client import PROMPT_FORMATS, AgentReplay, ReplaySettings
 from eval.report import markdown_table
@@ -68,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
           f"{metrics.tokens_per_s:.1f} generated tokens/s, mean TTFT "
           f"{metrics.mean_ttft_s or 0.0:.3f} s")
     if args.json:
-        report = {"base_url": args.base_url, "trace": args.trace,
+        report = {"base_url": args.base_url, "trace": workload_source(args).label,
                   "workload": workload_summary(jobs), "runs": [run]}
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if metrics.failures == 0 else 1

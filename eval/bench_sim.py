@@ -4,9 +4,11 @@ Every (policy spec, load) pair is one discrete-event simulation (`eval.simulator
 same jobs arriving by the same Poisson draw, on the real scheduler with the `simulated`
 executor. A policy spec is `NAME` or `NAME:KEY=VALUE[:KEY=VALUE...]` (the policy's own
 options, e.g. `continuum:estimator=eq2-learned`); the spec as written labels its rows.
-Optionally, plain chat sessions (`--chat-trace`) arrive beside the jobs by their own Poisson
-process and are reported apart. Prints a markdown table; `--json` writes every run's
-figures, `--plot` the JCT-against-load PNG. Deterministic for a seed, whatever `--workers`.
+The jobs come from a named workload (`--workload NAME`, `continuum bench workloads` lists them)
+or a trace file (`--trace FILE`). Optionally, plain chat sessions (`--chat-workload NAME` or
+`--chat-trace FILE`) arrive beside the jobs by their own Poisson process and are reported
+apart. Prints a markdown table; `--json` writes every run's figures, `--plot` the
+JCT-against-load PNG. Deterministic for a seed, whatever `--workers`.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ from eval.workload import (
     load_chat_sessions,
     load_jobs,
 )
+from eval.workloads import QUANTILES_FILE, TraceSource, add_trace_arguments, trace_source
 
 Number = TypeVar("Number", int, float)
 DEFAULT_POLICIES = "fcfs,continuum-fixed,infercept,autellix,continuum"
 # The paper's ablation, each rung adding one mechanism; `--policies ladder` runs it.
 ABLATION_LADDER = "fcfs,job-fcfs,continuum-fixed,continuum,continuum-oracle"
-QUANTILES_FILE = "tool_duration_quantiles.json"
 VLLM_DEFAULT_CHUNK = 2048
 
 
@@ -123,10 +125,10 @@ def _positive(kind: Callable[[str], Number], what: str, text: str) -> Number:
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared with `bench agent` and `bench soak`: which jobs of which trace, and how
-    they arrive."""
-    group = parser.add_argument_group("workload")
-    group.add_argument("--trace", required=True, help="agent-job JSONL trace")
+    """Flags shared with `bench agent` and `bench soak`: which jobs of which workload or
+    trace, and how they arrive."""
+    group = parser.add_argument_group("workload", "--workload NAME or --trace FILE, one of them")
+    add_trace_arguments(group)
     group.add_argument("--first-jobs", type=positive_int, default=None, metavar="N",
                        help="keep only the first N jobs of the file (default: all)")
     group.add_argument("--num-jobs", type=positive_int, default=None, metavar="N",
@@ -145,7 +147,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                        help="splits context_tokens_after traces (default: 80)")
     group.add_argument("--tool-quantiles", default=None,
                        help=f"synthesizes missing tool durations (default: {QUANTILES_FILE} "
-                            "beside the trace, if there)")
+                            "beside the trace, if there; the shipped one for a --workload)")
     group.add_argument("--seed", type=int, default=0,
                        help="seed of arrivals, draws, synthesized durations and prompts "
                             "(default: 0)")
@@ -155,16 +157,25 @@ def load_workload(args: argparse.Namespace) -> list[AgentJobSpec]:
     """The jobs the workload flags select: the first `--first-jobs` of the trace, truncated
     to `--max-turns`, scaled, repeated `--repeat-turns` times, then `--num-jobs` drawn with
     replacement. ValueError with the reason if they cannot be read."""
+    source = workload_source(args)
     quantiles = args.tool_quantiles
-    if quantiles is None and (Path(args.trace).parent / QUANTILES_FILE).exists():
-        quantiles = Path(args.trace).parent / QUANTILES_FILE
+    if quantiles is None and (source.path.parent / QUANTILES_FILE).exists():
+        quantiles = source.path.parent / QUANTILES_FILE
     sampler = None if quantiles is None else ToolDurationSampler.from_file(quantiles)
     options = LoadOptions(max_jobs=args.first_jobs, max_turns=args.max_turns,
                           output_tokens_per_turn=args.output_tokens_per_turn,
                           token_scale=args.token_scale, repeat_turns=args.repeat_turns,
                           seed=args.seed)
-    jobs = load_jobs(args.trace, options, tool_durations=sampler)
+    jobs = load_jobs(source.path, options, tool_durations=sampler)
     return jobs if args.num_jobs is None else draw_jobs(jobs, args.num_jobs, seed=args.seed)
+
+
+def workload_source(args: argparse.Namespace) -> TraceSource:
+    """The workload or trace the flags name (argparse requires one). ValueError for an
+    unknown workload name."""
+    source = trace_source(args)
+    assert source is not None, "argparse requires --workload or --trace"
+    return source
 
 
 def parse_loads(text: str) -> list[float | None]:
@@ -183,11 +194,13 @@ def parse_loads(text: str) -> list[float | None]:
 class ChatWorkload:
     """Plain chat sessions beside the jobs: drawn with replacement from `sessions`, arriving
     by a Poisson process at `sessions_per_s`; `num_sessions` of them, or (None) as many as
-    arrive within the jobs' arrival window (at least one)."""
+    arrive within the jobs' arrival window (at least one). `label` names their workload or
+    trace in reports."""
 
     sessions: tuple[ChatSessionSpec, ...]
     sessions_per_s: float
     num_sessions: int | None = None
+    label: str = "chat"
 
     def load_for(self, job_arrivals_s: Sequence[float], seed: int) -> ChatLoad:
         """The sessions and their arrivals for a run whose jobs arrive at
@@ -205,31 +218,33 @@ class ChatWorkload:
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "chat", "plain chat sessions beside the agent jobs, sent without a job (never pinned) "
-                "and reported apart (chat_* figures)")
-    group.add_argument("--chat-trace", default=None, metavar="FILE",
-                       help="sessions in the agent-job format, such as "
-                            "mooncake_conversation_sessions.jsonl; --token-scale applies")
+                "and reported apart (chat_* figures); --token-scale applies to them")
+    add_trace_arguments(group, prefix="chat-", required=False, kind="chat sessions")
     group.add_argument("--chat-sessions-per-s", type=positive_float, default=None,
                        metavar="RATE",
                        help="Poisson arrivals of sessions, seeded apart from the jobs' "
-                            "(required with --chat-trace)")
+                            "(required with --chat-workload or --chat-trace)")
     group.add_argument("--chat-sessions", type=positive_int, default=None, metavar="N",
                        help="sessions drawn with replacement from the chat trace (default: "
                             "as many as arrive within the jobs' arrival window, at least one)")
 
 
 def load_chat(args: argparse.Namespace) -> ChatWorkload | None:
-    """The chat sessions the chat flags select; None without `--chat-trace`. ValueError for
-    flags given without the others, or a trace that cannot be read."""
-    if args.chat_trace is None:
+    """The chat sessions the chat flags select; None without `--chat-workload` or
+    `--chat-trace`. ValueError for flags given without the others, an unknown workload, or a
+    trace that cannot be read."""
+    source = trace_source(args, prefix="chat-")
+    if source is None:
         if args.chat_sessions_per_s is not None or args.chat_sessions is not None:
-            raise ValueError("--chat-sessions-per-s and --chat-sessions need --chat-trace")
+            raise ValueError("--chat-sessions-per-s and --chat-sessions need --chat-workload "
+                             "or --chat-trace")
         return None
     if args.chat_sessions_per_s is None:
-        raise ValueError("--chat-trace needs --chat-sessions-per-s")
-    sessions = load_chat_sessions(args.chat_trace, token_scale=args.token_scale,
+        raise ValueError("--chat-workload and --chat-trace need --chat-sessions-per-s")
+    sessions = load_chat_sessions(source.path, token_scale=args.token_scale,
                                   output_tokens_per_turn=args.output_tokens_per_turn)
-    return ChatWorkload(tuple(sessions), args.chat_sessions_per_s, args.chat_sessions)
+    return ChatWorkload(tuple(sessions), args.chat_sessions_per_s, args.chat_sessions,
+                        source.label)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -329,6 +344,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         specs = policy_specs(args.policies, args.policy)
         chat = load_chat(args)
+        source = workload_source(args)
         jobs = load_workload(args)
         settings = SimSettings(
             policy=specs[0].name, policy_options=specs[0].options, profile=args.profile,
@@ -341,18 +357,18 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    title = f"{Path(args.trace).name} on {args.profile} ({len(jobs)} jobs)"
+    title = f"{Path(source.label).name} on {args.profile} ({len(jobs)} jobs)"
     if chat is not None:
-        title += f" with {Path(args.chat_trace).name} sessions at {chat.sessions_per_s:g}/s"
+        title += f" with {Path(chat.label).name} sessions at {chat.sessions_per_s:g}/s"
     print(f"{title}\n\n{markdown_table(runs)}")
     if args.json:
         excluded = ("policy", "policy_options")
-        report = {"trace": args.trace, "profile": args.profile,
+        report = {"trace": source.label, "profile": args.profile,
                   "policies": [spec.label for spec in specs],
                   "settings": {k: v for k, v in asdict(settings).items() if k not in excluded},
                   "workload": workload_summary(jobs), "runs": runs}
         if chat is not None:
-            report["chat"] = {"trace": args.chat_trace, **chat_summary(chat)}
+            report["chat"] = {"trace": chat.label, **chat_summary(chat)}
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:
         plot_jct_vs_load(runs, args.plot, title=title)

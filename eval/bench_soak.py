@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from eval.bench_sim import add_workload_arguments, load_workload
+from eval.bench_sim import add_workload_arguments, load_workload, workload_source
 from eval.replay_client import AgentReplay, ReplaySettings
 from eval.server_process import ServerProcess, parse_prometheus
 from eval.stress import (
@@ -325,6 +325,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    context = {"trace": args.trace, "num_jobs": len(jobs), "settings": asdict(settings)}
+    context = {"trace": workload_source(args).label, "num_jobs": len(jobs),
+               "settings": asdict(settings)}
     return run_against_server(spec, lambda server: run_soak(server, jobs, settings),
                               log_path=args.server_log, json_path=args.json, context=context)

@@ -1,4 +1,4 @@
-"""Agent jobs to replay, loaded from the agent-job trace format (`../shared/traces/README.md`).
+"""Agent jobs to replay, loaded from the agent-job trace format (`eval/workloads/SOURCES.md`).
 
 A job is a sequence of turns. Turn k's prompt is turn k-1's prompt, plus its generated tokens,
 plus `num_appended_tokens` new ones (the tool result); turn 0's prompt is its appended tokens.

@@ -1,4 +1,4 @@
-"""Dependency rules of DESIGN.md section 2, checked mechanically."""
+"""Dependency rules of docs/architecture.md, 'Layers', checked mechanically."""
 
 from __future__ import annotations
 

@@ -6,11 +6,8 @@ Mechanism only. Order, retention, victims and pin releases for admission are del
 
 from __future__ import annotations
 
-import enum
 import time
-from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from engine.clock import Clock
 from engine.config import CacheConfig, SchedulerConfig, check_pool_fits_one_sequence
@@ -19,60 +16,15 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
-from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.scheduler import invariants
+from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import PolicyEnvironment, Retention, SchedulingPolicy
 from engine.scheduler.request_queue import RequestQueue
-from engine.scheduler.stop import check_stop
-from engine.scheduler.tracer import PoolState, SchedulerTracer
-
-
-class _Admission(enum.Enum):
-    ADMITTED = "admitted"
-    OVER_BUDGET = "over_budget"  # the prompt must go whole and does not fit this step
-    NO_MEMORY = "no_memory"
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """What one `schedule()` call has decided so far."""
-
-    token_budget: int
-    admitted: list[Request] = field(default_factory=list)
-    continuing: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-
-    def add(self, request: Request, num_tokens: int) -> None:
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.token_budget -= num_tokens
-
-    def add_continuing(
-        self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]
-    ) -> None:
-        self.continuing.append(request)
-        if new_blocks:
-            self.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
-        self.add(request, num_tokens)
-
-    def drop_continuing(self, request: Request) -> None:
-        """Undoes the scheduling of a running request that became a victim later this step."""
-        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
-        self.continuing.remove(request)
-        self.new_block_ids.pop(request.request_id, None)
-
-
-@dataclass(frozen=True, slots=True)
-class Sweep:
-    """What one between-steps sweep did: the pins the policy released (with their
-    `release_reason`, EXPIRED for a TTL that ran out) and the jobs it forgot after their idle
-    timeout, in the order it did so. False when it did nothing."""
-
-    released_pins: tuple[Pin, ...] = ()
-    forgotten_job_ids: tuple[str, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.released_pins or self.forgotten_job_ids)
+from engine.scheduler.runner_output import apply_runner_output
+from engine.scheduler.step_plan import Admission, StepPlan, emit
+from engine.scheduler.sweep import Sweep
+from engine.scheduler.trace_state import start_trace, trace_step_start
+from engine.scheduler.tracer import SchedulerTracer
 
 
 class Scheduler:
@@ -121,13 +73,7 @@ class Scheduler:
         self._environment = PolicyEnvironment() if environment is None else environment
         self._tracer = tracer
         if tracer is not None:
-            tracer.start(
-                policy_name=f"{type(policy).__module__}.{type(policy).__qualname__}",
-                clock_origin_s=clock(), num_kv_blocks=num_blocks,
-                block_size=self.block_size, first_step=self.step_id,
-                max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-                max_num_seqs=scheduler_config.max_num_seqs,
-            )
+            start_trace(tracer, self)
         policy.bind(self)
 
     # SchedulerView: what policies may see.
@@ -189,15 +135,16 @@ class Scheduler:
         """Plans one step: running requests first, then waiting ones if nobody was preempted."""
         now_s = self.clock()
         if self._tracer is not None:
-            self._trace_step_start(now_s)
+            trace_step_start(self._tracer, self, now_s)
         self.policy.sweep(now_s)
         self.policy.on_step_start(now_s)
-        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan, now_s)
         if self._tracer is not None:
-            self._trace_plan(plan, now_s)
+            self._tracer.step_planned(plan.admitted, plan.num_scheduled_tokens,
+                                      plan.total_num_scheduled_tokens, now_s)
         return self._emit(plan)
 
     def sweep(self) -> Sweep:
@@ -221,28 +168,9 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, applies stop conditions and finishes stopped requests."""
-        outputs: list[EngineCoreOutput] = []
-        stopped: list[Request] = []
-        index_of = runner_output.req_id_to_index()
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self._requests.get(req_id)
-            if request is None or request.num_computed_tokens < request.num_tokens:
-                continue  # aborted since, or its prefill is still partial
-            token_ids = runner_output.sampled_token_ids[index_of[req_id]]
-            if not token_ids:
-                continue
-            new_token_ids = self._append_output(request, token_ids)
-            if request.status.is_finished:
-                stopped.append(request)
-            logprobs = runner_output.logprobs and runner_output.logprobs[index_of[req_id]]
-            outputs.append(EngineCoreOutput(
-                request_id=req_id,
-                new_token_ids=new_token_ids,
-                finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason,
-                num_cached_tokens=request.num_cached_tokens or 0,
-                logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-            ))
+        outputs, stopped = apply_runner_output(
+            scheduler_output, runner_output, self._requests, self.config.max_model_len
+        )
         if stopped:
             self._retire(stopped)
         if self._tracer is not None and not self._tracer.end_step():
@@ -298,7 +226,7 @@ class Scheduler:
         return self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     # Scheduling.
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         index = 0
         while index < len(self._running) and plan.token_budget > 0:
             request = self._running[index]
@@ -316,7 +244,7 @@ class Scheduler:
             index += 1
 
     def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, plan: _StepPlan
+        self, request: Request, num_new_tokens: int, plan: StepPlan
     ) -> list[KVCacheBlock] | None:
         """Blocks for a running request, freeing victims until they fit; None if `request`
         itself was preempted."""
@@ -337,7 +265,7 @@ class Scheduler:
             raise RuntimeError(f"policy chose the pin of job {pin.job_id!r}, which is not live")
         self.release_pin(pin.job_id, PinReleaseReason.PRESSURE)
 
-    def _preempt(self, request: Request, plan: _StepPlan, *, needed_by: Request) -> None:
+    def _preempt(self, request: Request, plan: StepPlan, *, needed_by: Request) -> None:
         if self._tracer is not None:
             self._tracer.preempted(request, needed_by)
         self._running.remove(request)
@@ -351,7 +279,7 @@ class Scheduler:
         self._waiting.prepend_request(request)
         plan.preempted.append(request)
 
-    def _schedule_waiting(self, plan: _StepPlan, now_s: float) -> None:
+    def _schedule_waiting(self, plan: StepPlan, now_s: float) -> None:
         """Admits waiting requests in policy order until one cannot get blocks. Without
         chunked prefill, a prompt that does not fit the remaining budget is passed over (it
         keeps its place) and the next one is tried, as in vLLM V1."""
@@ -360,26 +288,26 @@ class Scheduler:
         while self._waiting and plan.token_budget > 0 and len(self._running) < max_num_seqs:
             request = self._waiting.peek_request()
             admission = self._admit(request, plan, now_s)
-            if admission is _Admission.NO_MEMORY:
+            if admission is Admission.NO_MEMORY:
                 break
-            if admission is _Admission.OVER_BUDGET:
+            if admission is Admission.OVER_BUDGET:
                 self._waiting.remove_request(request)
                 passed_over.append(request)
         for request in reversed(passed_over):
             self._waiting.prepend_request(request)
 
-    def _admit(self, request: Request, plan: _StepPlan, now_s: float) -> _Admission:
+    def _admit(self, request: Request, plan: StepPlan, now_s: float) -> Admission:
         """Moves a waiting request to running if its blocks fit (releasing pins the policy
         offers); its job's pin is released only after it took its own references."""
         hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         num_new_tokens = self._num_new_tokens(request, num_hit_tokens, plan)
         if num_new_tokens == 0:
-            return _Admission.OVER_BUDGET
+            return Admission.OVER_BUDGET
         allocate = self.kv_cache_manager.allocate_slots
         while allocate(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
             pin = self.policy.select_pin_to_release(request, now_s)
             if pin is None:
-                return _Admission.NO_MEMORY
+                return Admission.NO_MEMORY
             self._release_for_pressure(pin)
         self._waiting.remove_request(request)
         if self._tracer is not None:
@@ -398,9 +326,9 @@ class Scheduler:
         if request.job_id is not None:
             reused_pin = self.release_pin(request.job_id, PinReleaseReason.REUSED)
         self.policy.on_request_admitted(request, reused_pin, now_s)
-        return _Admission.ADMITTED
+        return Admission.ADMITTED
 
-    def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: _StepPlan) -> int:
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: StepPlan) -> int:
         """Tokens `request` may compute this step: its remainder, capped by the long-prefill
         threshold and the budget (0 if it must go whole and does not fit)."""
         num_new_tokens = request.num_tokens - num_computed_tokens
@@ -411,75 +339,15 @@ class Scheduler:
             return plan.token_budget if self.config.enable_chunked_prefill else 0
         return num_new_tokens
 
-    def _trace_step_start(self, now_s: float) -> None:
-        pool = self.kv_cache_manager.block_pool
-        self._tracer.start_step(  # type: ignore[union-attr]
-            self.step_id, now_s, self._running, self._waiting,
-            PoolState(
-                num_total_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
-                num_cached_free_blocks=pool.num_cached_free_blocks,
-                num_pinned_blocks=self._pins.num_pinned_blocks,
-                pinned_job_ids=[pin.job_id for pin in self._pins],
-            ),
-            token_budget=self.config.max_num_batched_tokens, max_num_seqs=self.config.max_num_seqs,
-        )
-
-    def _trace_plan(self, plan: _StepPlan, now_s: float) -> None:
-        self._tracer.step_planned(  # type: ignore[union-attr]
-            plan.admitted, plan.num_scheduled_tokens,
-            self.config.max_num_batched_tokens - plan.token_budget, now_s,
-        )
-
-    def _emit(self, plan: _StepPlan) -> SchedulerOutput:
-        """Builds the step's output and advances `num_computed_tokens` of everything scheduled."""
-        block_ids_of = self.kv_cache_manager.get_block_ids
-        new_reqs = [
-            NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids,
-                sampling_params=request.sampling_params,
-                block_ids=block_ids_of(request.request_id),
-                num_computed_tokens=request.num_computed_tokens,
-                eos_token_id=request.eos_token_id,
-            )
-            for request in plan.admitted
-        ]
-        cached = CachedRequestData(
-            req_ids=[request.request_id for request in plan.continuing],
-            new_block_ids=[plan.new_block_ids.get(r.request_id, []) for r in plan.continuing],
-            num_computed_tokens=[request.num_computed_tokens for request in plan.continuing],
-        )
-        num_scheduled = plan.num_scheduled_tokens
-        for request in plan.continuing:
-            request.num_computed_tokens += num_scheduled[request.request_id]
-        for request in plan.admitted:
-            request.num_computed_tokens += num_scheduled[request.request_id]
-        output = SchedulerOutput(
-            step_id=self.step_id,
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - plan.token_budget,
-            finished_req_ids=self._finished_req_ids,
-            preempted_req_ids={request.request_id for request in plan.preempted},
-        )
+    def _emit(self, plan: StepPlan) -> SchedulerOutput:
+        """Ends the step: emits its output (`step_plan.emit`) and starts the next step id."""
+        output = emit(plan, step_id=self.step_id, finished_req_ids=self._finished_req_ids,
+                      block_ids_of=self.kv_cache_manager.get_block_ids)
         self._finished_req_ids = set()
         self.step_id += 1
         return output
 
     # Finishing.
-    def _append_output(self, request: Request, token_ids: list[int]) -> list[int]:
-        """Appends tokens up to the first that stops the request; returns those appended."""
-        max_model_len = self.config.max_model_len
-        for count, token_id in enumerate(token_ids, start=1):
-            request.append_output_token_id(token_id)
-            status = check_stop(request, max_model_len)
-            if status is not None:
-                request.status = status
-                return token_ids[:count]
-        return token_ids
-
     def _retire(self, stopped: list[Request]) -> None:
         stopped_ids = {request.request_id for request in stopped}
         self._running = [r for r in self._running if r.request_id not in stopped_ids]
@@ -523,43 +391,6 @@ class Scheduler:
             self._tracer.pin_released(pin)
 
     def check_invariants(self) -> None:
-        """Asserts the scheduler's and the KV cache's invariants; tests call it every step.
-
-        Every block is free (in the free queue, unreferenced) or held, and its `ref_cnt` is
-        the number of running requests plus pins holding it.
-        """
-        self.kv_cache_manager.check_invariants()
-        self._pins.check_invariants()
-        self._check_request_sets()
-        expected: Counter[int] = Counter()
-        for blocks in self.kv_cache_manager.req_to_blocks.values():
-            expected.update(block.block_id for block in blocks)
-        for pin in self._pins:
-            expected.update(block.block_id for block in pin.blocks)
-        for block in self.kv_cache_manager.block_pool.blocks:
-            assert block.ref_cnt == expected[block.block_id], (
-                f"{block} has ref_cnt {block.ref_cnt}, holders {expected[block.block_id]}"
-            )
-
-    def _check_request_sets(self) -> None:
-        running_ids = [request.request_id for request in self._running]
-        waiting_ids = [request.request_id for request in self._waiting]
-        assert len(set(running_ids)) == len(running_ids), "a request runs twice"
-        assert len(set(waiting_ids)) == len(waiting_ids), "a request waits twice"
-        assert not set(running_ids) & set(waiting_ids), "a request both runs and waits"
-        assert set(running_ids) | set(waiting_ids) == self._requests.keys(), "lost a request"
-        assert len(running_ids) <= self.config.max_num_seqs, "max_num_seqs exceeded"
-        assert self.kv_cache_manager.req_to_blocks.keys() == set(running_ids), (
-            "block owners differ from the running requests"
-        )
-        for request in self._running:
-            assert request.status is RequestStatus.RUNNING, f"{request} in running"
-            num_blocks = len(self.kv_cache_manager.req_to_blocks[request.request_id])
-            assert request.num_computed_tokens <= min(
-                request.num_tokens, num_blocks * self.block_size
-            ), f"{request} computed beyond its tokens or blocks"
-        for request in self._waiting:
-            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (
-                f"{request} in waiting"
-            )
-            assert request.num_computed_tokens == 0, f"waiting {request} has computed tokens"
+        """Asserts the scheduler's and the KV cache's invariants (`invariants.check_invariants`);
+        tests call it every step."""
+        invariants.check_invariants(self)

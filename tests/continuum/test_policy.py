@@ -1,5 +1,5 @@
-"""The Continuum policy's rules (DESIGN.md section 6), one scenario each, on a real scheduler
-with a fake clock and a fake runner."""
+"""The Continuum policy's rules (docs/architecture.md, 'The policies'), one scenario each, on
+a real scheduler with a fake clock and a fake runner."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from continuum.policy import ContinuumPolicy
 from engine.scheduler.policies import FCFSPolicy
 from tests.continuum.workload import TEST_DATA, load_trace_jobs, replay
 
-# The first 16 jobs of ../shared/traces/converted/minisweagent_deepseek_jobs.jsonl, 12 turns.
+# The first 16 jobs of the shipped `swe` workload, 12 turns (tests/data/README.md).
 TRACE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
 
 

@@ -1,8 +1,22 @@
 import argparse
+import dataclasses
+import typing
+from typing import get_args
 
 import pytest
 
+from engine.config import (
+    CacheConfig,
+    Device,
+    Dtype,
+    EngineConfig,
+    LoadFormat,
+    ModelConfig,
+    SchedulerConfig,
+    TraceConfig,
+)
 from engine.engine_args import EngineArgs
+from engine.executor.roofline import SIM_PROFILES
 
 
 def test_defaults_take_the_models_context_length() -> None:
@@ -83,3 +97,55 @@ def test_help_states_the_policy_options_and_their_bounds(capsys) -> None:
     for option in ("max_wait_s=30.0", "max_job_age_s=60.0", "pin_yield_wait_s=inf",
                    "max_pinned_fraction=0.8", "estimator=eq2-empirical"):
         assert option in text
+
+
+# EngineArgs names that differ from their config field's name.
+_RENAMED = {(SchedulerConfig, "policy"): "scheduling_policy",
+            (TraceConfig, "path"): "trace_path", (TraceConfig, "max_bytes"): "trace_max_bytes"}
+# Config fields whose EngineArgs default differs on purpose (see the comments in EngineArgs).
+_DIFFERS = {(SchedulerConfig, "max_model_len"), (SchedulerConfig, "policy_options")}
+
+
+def test_engine_args_defaults_are_the_configs() -> None:
+    args_fields = {spec.name: spec for spec in dataclasses.fields(EngineArgs)}
+    covered = set()
+    for config in (ModelConfig, CacheConfig, SchedulerConfig, TraceConfig, EngineConfig):
+        for spec in dataclasses.fields(config):
+            if isinstance(spec.default_factory, type) and dataclasses.is_dataclass(
+                    spec.default_factory):
+                continue  # EngineConfig's nested configs, checked field by field
+            name = _RENAMED.get((config, spec.name), spec.name)
+            assert name in args_fields, f"{config.__name__}.{spec.name} has no EngineArgs field"
+            covered.add(name)
+            if (config, spec.name) in _DIFFERS:
+                continue
+            assert args_fields[name].default == spec.default, (config.__name__, spec.name)
+    assert covered == set(args_fields)
+    # The differing ones still mean the same by default: the model's length, no options.
+    assert EngineArgs().to_engine_config().scheduler == SchedulerConfig(max_model_len=4096)
+
+
+def test_cli_defaults_are_the_engine_args_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    parsed = vars(parser.parse_args([]))
+    defaults = EngineArgs()
+    assert set(parsed) == {spec.name for spec in dataclasses.fields(EngineArgs)}
+    for name, value in parsed.items():
+        expected = getattr(defaults, name)
+        assert (tuple(value) if name == "policy_options" else value) == expected, name
+    assert EngineArgs.from_cli_args(parser.parse_args([])) == defaults
+
+
+def test_cli_choices_are_the_config_literals() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    choices = {action.dest: action.choices for action in parser._actions if action.choices}
+    assert choices == {"dtype": get_args(Dtype), "load_format": get_args(LoadFormat),
+                       "device": get_args(Device), "sim_profile": tuple(SIM_PROFILES)}
+    hints = typing.get_type_hints(ModelConfig)
+    assert (hints["dtype"], hints["load_format"], hints["device"]) == (Dtype, LoadFormat, Device)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "int3"])
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, float16, bfloat16"):
+        EngineArgs(dtype="int3").to_engine_config()  # type: ignore[arg-type]

@@ -151,8 +151,9 @@ def test_chat_sessions_beside_the_jobs_are_reported_apart(
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (("--chat-sessions-per-s", "1"), "need --chat-trace"),
-    (("--chat-trace", "CHAT"), "needs --chat-sessions-per-s"),
+    (("--chat-sessions-per-s", "1"), "need --chat-workload or --chat-trace"),
+    (("--chat-trace", "CHAT"), "need --chat-sessions-per-s"),
+    (("--chat-workload", "mooncake"), "need --chat-sessions-per-s"),
 ])
 def test_chat_flags_go_together(tmp_path: Path, capsys: pytest.CaptureFixture,
                                 flags: tuple[str, ...], message: str) -> None:

@@ -1,8 +1,8 @@
 """Property-based fuzz of every endpoint with schemathesis, against a live server on the tiny
 model: the responses match the OpenAPI document (statuses, content types, headers, bodies),
 schema-invalid requests are rejected, nothing answers 5xx, and every error is an OpenAI error
-body. `FUZZ_MAX_EXAMPLES` sets the examples per operation (the full run in the README's
-operations section uses 300).
+body. `FUZZ_MAX_EXAMPLES` sets the examples per operation (the full run in
+`docs/benchmarks.md` uses 300).
 """
 
 from __future__ import annotations
