@@ -150,10 +150,11 @@ class DrainingServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         with super().capture_signals():
             yield
-            # uvicorn re-raises the signals it caught once it is done; a SIGTERM drained is a
-            # clean exit, status 0 for the supervisor, not death by the signal.
-            self._captured_signals = [
-                sig for sig in self._captured_signals if sig != signal.SIGTERM]
+            # uvicorn re-raises the signals it caught once it is done; a SIGTERM or Ctrl-C
+            # drained is a clean exit, status 0 for the supervisor, not death by the signal
+            # (nor a KeyboardInterrupt traceback from the lifespan task).
+            self._captured_signals = [sig for sig in self._captured_signals
+                                      if sig not in (signal.SIGTERM, signal.SIGINT)]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
