@@ -15,16 +15,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eval.arrivals import arrivals_s
-from eval.bench_sim import (
-    add_workload_arguments,
-    load_workload,
-    workload_source,
-    workload_summary,
-)
+from eval.bench_sim import add_workload_arguments, load_workload, workload_summary
 from eval.metrics import RunMetrics
 from eval.replay_client import PROMPT_FORMATS, AgentReplay, ReplaySettings
 from eval.report import markdown_table
 from eval.workload import AgentJobSpec
+from eval.workloads import workload_source
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,9 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
-import os
 import re
-import resource
 import sys
 import threading
 import time
@@ -34,8 +32,9 @@ from typing import Any
 
 import httpx
 
+from engine.entrypoints.connections import raise_open_file_limit
 from eval.metrics import percentile
-from eval.server_process import ServerProcess, read_rss_mib
+from eval.server_process import ServerProcess
 from eval.stress import (
     Check,
     EngineEndState,
@@ -157,13 +156,18 @@ class ConnectionsReport:
     def passed(self) -> bool:
         return passed(self.checks)
 
+    @property
+    def num_still_open(self) -> int:
+        """Slow sockets the server had not closed by the end of the run."""
+        return sum(o.closed_s is None for o in self.outcomes)
+
     def _closed(self, kind: str, status: int | None) -> list[float]:
         return [o.lifetime_s for o in self.outcomes
                 if o.kind == kind and o.status == status and o.lifetime_s is not None]
 
     def figures(self) -> list[tuple[str, object]]:
         counts = Counter((o.kind, o.status) for o in self.outcomes if o.closed_s is not None)
-        still_open = sum(o.closed_s is None for o in self.outcomes)
+        still_open = self.num_still_open
         rows: list[tuple[str, object]] = [
             ("slow sockets opened (silent + trickling)",
              f"{sum(o.kind == SILENT for o in self.outcomes)} + "
@@ -198,7 +202,7 @@ class ConnectionsReport:
         return {
             "outcomes": Counter(f"{o.kind} {o.status}" for o in self.outcomes
                                 if o.closed_s is not None),
-            "still_open": sum(o.closed_s is None for o in self.outcomes),
+            "still_open": self.num_still_open,
             "connect_errors": self.connect_errors,
             "fresh_health": self.fresh_health.to_dict(),
             "kept_health": self.kept_health.to_dict(),
@@ -220,24 +224,6 @@ def _counts(counts: dict[str, int]) -> str:
 def _p50_max(values: list[float]) -> str:
     p50 = percentile(values, 50)
     return "n/a" if p50 is None else f"{p50:.2f} / {max(values):.2f}"
-
-
-def raise_client_open_file_limit(needed: int) -> int:
-    """Raises this process's soft RLIMIT_NOFILE towards `needed` (up to the hard limit);
-    the soft limit afterwards."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        return target
-    return soft
-
-
-def _count_fds(pid: int) -> int:
-    try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
-    except FileNotFoundError:
-        return 0
 
 
 class _SlowClients:
@@ -315,7 +301,8 @@ class _Prober:
 
     def start(self) -> None:
         self._thread.start()
-        self.ready.wait(60.0)
+        if not self.ready.wait(60.0):
+            raise RuntimeError("the probes did not start within 60 s (is the server up?)")
 
     def stop(self) -> None:
         self._stop.set()
@@ -328,9 +315,9 @@ class _Prober:
         generate = httpx.AsyncClient(base_url=self.server.base_url, timeout=120.0)
         async with fresh, kept, generate:
             # Open the kept-alive connections before the slow clients come.
-            await self._request(kept.get("/health"), ProbeTally())
+            (await kept.get("/health")).raise_for_status()
             body = {"model": self.settings.model, "prompt": "hello", "max_tokens": 1}
-            await self._request(generate.post("/v1/completions", json=body), ProbeTally())
+            (await generate.post("/v1/completions", json=body)).raise_for_status()
             self.ready.set()
             await asyncio.gather(self._poll(fresh, self.fresh_health),
                                  self._poll(kept, self.kept_health),
@@ -359,7 +346,7 @@ class _Prober:
 
     async def _sample(self) -> None:
         while not self._stop.is_set():
-            self.samples.fds.append(_count_fds(self.server.pid))
+            self.samples.fds.append(self.server.num_fds())
             self.samples.rss_mib.append(self.server.rss_mib())
             await asyncio.sleep(0.5)
 
@@ -371,17 +358,17 @@ def _log_lines(text: str) -> list[str]:
 def run_slow_clients(server: ServerProcess, settings: SlowClientSettings) -> ConnectionsReport:
     """Runs the slow clients and the probes against a started `server` it does not own."""
     num_sockets = settings.num_silent + settings.num_trickling
-    limit = raise_client_open_file_limit(num_sockets + _DESCRIPTORS_KEPT_BY_THE_CLIENT)
+    limit = raise_open_file_limit(num_sockets + _DESCRIPTORS_KEPT_BY_THE_CLIENT)
     if limit < num_sockets + _DESCRIPTORS_KEPT_BY_THE_CLIENT:
         print(f"warning: this client may open only {limit} descriptors; expect connect "
               f"errors (EMFILE) beyond that", file=sys.stderr)
-    host, port = re.fullmatch(r"http://(.+):(\d+)", server.base_url).groups()
-    fds_before, rss_before_mib = _count_fds(server.pid), server.rss_mib()
+    host, port = server.address
+    fds_before, rss_before_mib = server.num_fds(), server.rss_mib()
     log_before = len(server.log_text())
     prober = _Prober(server, settings)
     started_s = time.monotonic()
     prober.start()
-    clients = _SlowClients(host, int(port), settings)
+    clients = _SlowClients(host, port, settings)
     try:
         time.sleep(1.0)  # probe latencies before the slow clients come
         asyncio.run(clients.run())
@@ -390,12 +377,12 @@ def run_slow_clients(server: ServerProcess, settings: SlowClientSettings) -> Con
         prober.stop()
     wall_s = time.monotonic() - started_s
     end_state = wait_idle(server, timeout_s=60.0)
-    fds_after = _count_fds(server.pid)
+    fds_after = server.num_fds()
     deadline_s = time.monotonic() + 5.0  # the server's loop may still be closing some
     while fds_after > fds_before and time.monotonic() < deadline_s:
         time.sleep(0.1)
-        fds_after = _count_fds(server.pid)
-    rss_after_mib = sum(read_rss_mib(pid) or 0.0 for pid in server.process_ids())
+        fds_after = server.num_fds()
+    rss_after_mib = server.rss_mib()
     lines = _log_lines(server.log_text()[log_before:])
     exhaustion = sum(any(marker in line for marker in _EXHAUSTION_MARKERS) for line in lines)
     report = ConnectionsReport(
@@ -409,7 +396,7 @@ def run_slow_clients(server: ServerProcess, settings: SlowClientSettings) -> Con
 
 
 def _checks(report: ConnectionsReport) -> list[Check]:
-    still_open = sum(o.closed_s is None for o in report.outcomes)
+    still_open = report.num_still_open
     kept = report.kept_health
     top = max(kept.latencies_s, default=float("inf"))
     completions = report.completions

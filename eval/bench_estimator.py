@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from estimator import bench
-from eval.workloads import add_trace_arguments, trace_source
+from eval.workloads import add_trace_arguments, workload_source
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,9 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        source = trace_source(args)
+        source = workload_source(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    assert source is not None, "argparse requires --workload or --trace"
     return bench.main(argparse.Namespace(**{**vars(args), "trace": str(source.path)}))

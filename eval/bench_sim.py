@@ -40,7 +40,12 @@ from eval.workload import (
     load_chat_sessions,
     load_jobs,
 )
-from eval.workloads import QUANTILES_FILE, TraceSource, add_trace_arguments, trace_source
+from eval.workloads import (
+    QUANTILES_FILE,
+    add_trace_arguments,
+    trace_source,
+    workload_source,
+)
 
 Number = TypeVar("Number", int, float)
 DEFAULT_POLICIES = "fcfs,continuum-fixed,infercept,autellix,continuum"
@@ -168,14 +173,6 @@ def load_workload(args: argparse.Namespace) -> list[AgentJobSpec]:
                           seed=args.seed)
     jobs = load_jobs(source.path, options, tool_durations=sampler)
     return jobs if args.num_jobs is None else draw_jobs(jobs, args.num_jobs, seed=args.seed)
-
-
-def workload_source(args: argparse.Namespace) -> TraceSource:
-    """The workload or trace the flags name (argparse requires one). ValueError for an
-    unknown workload name."""
-    source = trace_source(args)
-    assert source is not None, "argparse requires --workload or --trace"
-    return source
 
 
 def parse_loads(text: str) -> list[float | None]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from eval.bench_sim import add_workload_arguments, load_workload, workload_source
+from eval.bench_sim import add_workload_arguments, load_workload
 from eval.replay_client import AgentReplay, ReplaySettings
 from eval.server_process import ServerProcess, parse_prometheus
 from eval.stress import (
@@ -48,6 +48,7 @@ from eval.stress import (
     wait_idle,
 )
 from eval.workload import AgentJobSpec
+from eval.workloads import workload_source
 
 # A small pool, so that the lanes' jobs preempt one another and pins are broken under
 # pressure; fixed-2s so that the tiny model's turns are pinned at all (see bench_load).

@@ -135,6 +135,21 @@ class ServerProcess:
         """The server's pid and those of its live descendants (the engine core)."""
         return [self.pid, *descendant_pids(self.pid)]
 
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) the server listens on."""
+        url = httpx.URL(self.base_url)
+        if url.host is None or url.port is None:
+            raise RuntimeError(f"the server's address is not known yet ({self.base_url!r})")
+        return url.host, url.port
+
+    def num_fds(self) -> int:
+        """Descriptors the server process holds open (0 once it is gone)."""
+        try:
+            return len(os.listdir(f"/proc/{self.pid}/fd"))
+        except FileNotFoundError:
+            return 0
+
     def rss_mib(self) -> float:
         """Resident memory of the server and its descendants, MiB (a process that ends
         while being read counts 0)."""

@@ -230,11 +230,14 @@ def guarded_protocol(settings: ConnectionSettings) -> type[GuardedH11Protocol]:
                 {"settings": settings, "evictable": {}})
 
 
-def raise_open_file_limit() -> int:
-    """Raises this process's soft RLIMIT_NOFILE to its hard limit (best effort: a failure is
-    logged); the soft limit in force afterwards, in descriptors (RLIM_INFINITY if none)."""
+def raise_open_file_limit(needed: int | None = None) -> int:
+    """Raises this process's soft RLIMIT_NOFILE to `needed` descriptors (None: as many as
+    allowed), within its hard limit (best effort: a failure is logged); the soft limit in
+    force afterwards, in descriptors (RLIM_INFINITY if none)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard if hard != resource.RLIM_INFINITY else _UNLIMITED_TARGET_DESCRIPTORS
+    if needed is not None:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
     if soft == resource.RLIM_INFINITY or soft >= target:
         return soft
     try:

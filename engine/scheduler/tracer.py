@@ -177,10 +177,7 @@ class SchedulerTracer:
     def end_step(self) -> bool:
         """Flushes the step's records; False once tracing stopped (write error or cap)."""
         self._step += 1
-        if self._writer is None:
-            return False
-        self._writer.flush()
-        return self._writer.active
+        return self.flush()
 
     def flush(self) -> bool:
         """Flushes the records written since the last flush without ending a step (events

@@ -88,12 +88,15 @@ def count_records(path: str | Path) -> TraceCounts:
             for line_number, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
-                turns = json.loads(line).get("turns")
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{line_number}: not a JSON object")
+                turns = record.get("turns")
                 if not isinstance(turns, list):
                     raise ValueError(f"{path}:{line_number}: no list of turns")
                 num_records += 1
                 num_turns += len(turns)
-    except (OSError, json.JSONDecodeError, AttributeError) as error:
+    except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot read trace {path}: {error}") from error
     return TraceCounts(num_records, num_turns)
 
@@ -138,3 +141,11 @@ def trace_source(args: argparse.Namespace, *, prefix: str = "") -> TraceSource |
         return TraceSource(workload.path, workload)
     path = getattr(args, f"{dest}trace")
     return None if path is None else TraceSource(Path(path))
+
+
+def workload_source(args: argparse.Namespace) -> TraceSource:
+    """The workload or trace the flags of a command that requires one name (argparse saw to
+    it). ValueError for an unknown workload name."""
+    source = trace_source(args)
+    assert source is not None, "argparse requires --workload or --trace"
+    return source

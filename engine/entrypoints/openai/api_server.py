@@ -30,6 +30,7 @@ from engine.entrypoints.openai.errors import (
     engine_dead_error,
     error_response,
     install_error_handlers,
+    shutting_down_error,
 )
 from engine.entrypoints.openai.metrics import PrometheusMetrics
 from engine.entrypoints.openai.openapi import (
@@ -226,7 +227,7 @@ def _engine(request: Request) -> AsyncLLM:
 
 def _check_accepting(request: Request) -> None:
     if request.app.state.drain.draining:
-        raise APIError(503, "the server is shutting down", code="server_shutting_down")
+        raise shutting_down_error()
 
 
 def _add_info_routes(app: FastAPI) -> None:
@@ -316,7 +317,7 @@ async def _run(request: Request, work: Any, cleanup: BackgroundTask) -> dict[str
     except ValueError as error:
         raise APIError(400, str(error)) from error
     except ServerShuttingDownError as error:
-        raise APIError(503, str(error), code="server_shutting_down") from error
+        raise shutting_down_error(error) from error
     finally:
         await cleanup()
 

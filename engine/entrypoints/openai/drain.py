@@ -44,10 +44,12 @@ class Drain:
 
     async def _end_requests(self, engine: AsyncLLM | None) -> None:
         await asyncio.sleep(self.timeout_s)
-        if engine is None or engine.is_dead or not engine.num_unfinished_requests:
+        if engine is None or engine.is_dead:
             return
-        logger.warning("the drain timed out: ending %d request(s) still in flight",
-                       engine.num_unfinished_requests)
+        if engine.num_unfinished_requests:
+            logger.warning("the drain timed out: ending %d request(s) still in flight",
+                           engine.num_unfinished_requests)
+        # Also when none is in flight: one still being prepared is refused when it arrives.
         engine.fail_requests(ServerShuttingDownError(
             f"the server is shutting down and this request did not finish within the "
             f"{self.timeout_s:g} s allowed"))

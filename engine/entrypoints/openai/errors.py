@@ -62,6 +62,12 @@ def engine_dead_error(error: BaseException | None = None) -> APIError:
     return APIError(503, f"the engine is not running{detail}", code="engine_dead")
 
 
+def shutting_down_error(error: BaseException | None = None) -> APIError:
+    """503 for a request refused or ended by the server's drain (`error` says why)."""
+    message = str(error) if error is not None and str(error) else "the server is shutting down"
+    return APIError(503, message, code="server_shutting_down")
+
+
 # How pydantic names the members of a union in an error's location (e.g. `prompt.str`).
 _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 

@@ -16,7 +16,12 @@ from starlette.requests import Request as HTTPRequest
 
 from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.drain import ServerShuttingDownError
-from engine.entrypoints.openai.errors import APIError, engine_dead_error, error_body
+from engine.entrypoints.openai.errors import (
+    APIError,
+    engine_dead_error,
+    error_body,
+    shutting_down_error,
+)
 from engine.entrypoints.openai.job_extension import job_info
 from engine.entrypoints.openai.protocol import SamplingFields
 from engine.entrypoints.openai.tenants import (
@@ -188,14 +193,14 @@ class OpenAIServing:
         """429 with Retry-After if `num_completions` more would take the waiting queue past
         `max_waiting_requests`: a cheap early answer before a request is prepared; `submit`
         decides."""
-        with self._queue_full_as_429():
+        with self._refusals_as_api_errors():
             self.engine.check_queue_room(num_completions, self.settings.max_waiting_requests)
 
     def submit(self, requests: list[ProcessedRequest]) -> list[AsyncIterator[RequestOutput]]:
         """Queues the requests with the engine, all or none, and returns their output streams;
         429 with Retry-After if their completions would take the waiting queue past
         `max_waiting_requests` (nothing is queued then)."""
-        with self._queue_full_as_429():
+        with self._refusals_as_api_errors():
             try:
                 return self.engine.submit(
                     requests, max_waiting_requests=self.settings.max_waiting_requests)
@@ -203,7 +208,7 @@ class OpenAIServing:
                 raise engine_dead_error(error) from error
 
     @contextlib.contextmanager
-    def _queue_full_as_429(self) -> Iterator[None]:
+    def _refusals_as_api_errors(self) -> Iterator[None]:
         """QueueFullError as 429, or 400 for a request that alone needs more room than the
         queue has (retrying could never succeed); a drained server's refusal as 503."""
         try:
@@ -217,7 +222,7 @@ class OpenAIServing:
             raise APIError(429, f"the server is busy: {error}; retry later", code="queue_full",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from error
         except ServerShuttingDownError as error:
-            raise APIError(503, str(error), code="server_shutting_down") from error
+            raise shutting_down_error(error) from error
 
     async def abort(self, requests: list[ProcessedRequest]) -> None:
         """Stops whichever of the requests still run (their response ended early)."""
@@ -341,7 +346,8 @@ def sse_error(error: BaseException) -> bytes:
     if isinstance(error, ValueError):  # the core rejected the request
         return sse(error_body(400, str(error)))
     if isinstance(error, ServerShuttingDownError):
-        return sse(error_body(503, str(error), code="server_shutting_down"))
+        refused = shutting_down_error(error)
+        return sse(error_body(refused.status_code, refused.message, code=refused.code))
     logger.exception("a response stream failed")
     return sse(error_body(500, f"internal server error: {type(error).__name__}"))
 

@@ -26,6 +26,7 @@ TENANT_SCOPE_KEY = "continuum.tenant"
 MAX_KEYS_FILE_BYTES = 16 * 1024 * 1024
 
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_TENANT_NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
 
 
 def _digest(key: str | bytes) -> bytes:
@@ -36,8 +37,7 @@ def check_tenant_name(name: str) -> str:
     """`name` if it is a valid tenant name (1 to 64 of letters, digits, `_`, `.`, `-`, not
     starting with a punctuation mark); ValueError otherwise."""
     if not _TENANT_NAME.fullmatch(name):
-        raise ValueError(f"tenant name {name!r} must be 1 to 64 letters, digits, '_', '.' or "
-                         "'-', starting with a letter or digit")
+        raise ValueError(f"tenant name {name!r} must be {_TENANT_NAME_RULE}")
     return name
 
 
@@ -96,8 +96,7 @@ def parse_tenant_flag(value: str) -> tuple[str, str]:
         raise ValueError("--tenant takes NAME:KEY (the value given has no ':' or no key)")
     if not _TENANT_NAME.fullmatch(name):
         # Not echoed: with NAME and KEY swapped, it would be the key.
-        raise ValueError("--tenant NAME:KEY: the tenant name must be 1 to 64 letters, digits, "
-                         "'_', '.' or '-', starting with a letter or digit")
+        raise ValueError(f"--tenant NAME:KEY: the tenant name must be {_TENANT_NAME_RULE}")
     return key, name
 
 
@@ -118,8 +117,7 @@ def read_keys_file(path: str | Path) -> list[tuple[str, str]]:
         if len(fields) != 2:
             raise ValueError(f"{path}:{number}: expected 'KEY TENANT', got {len(fields)} fields")
         if not _TENANT_NAME.fullmatch(fields[1]):
-            raise ValueError(f"{path}:{number}: the tenant name must be 1 to 64 letters, "
-                             "digits, '_', '.' or '-', starting with a letter or digit")
+            raise ValueError(f"{path}:{number}: the tenant name must be {_TENANT_NAME_RULE}")
         pairs.append((fields[0], fields[1]))
     return pairs
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
-import re
 import selectors
 import socket
 import threading
@@ -52,19 +50,10 @@ def server() -> Iterator[ServerProcess]:
         assert process.stop() == 0, log
 
 
-def _address(server: ServerProcess) -> tuple[str, int]:
-    host, port = re.fullmatch(r"http://(.+):(\d+)", server.base_url).groups()
-    return host, int(port)
-
-
-def _num_fds(server: ServerProcess) -> int:
-    return len(os.listdir(f"/proc/{server.pid}/fd"))
-
-
 def _wait_for_fds(server: ServerProcess, expected: int, timeout_s: float = 5.0) -> int:
     """The server's descriptor count once it is at most `expected` (or the last seen)."""
     deadline_s = time.monotonic() + timeout_s
-    while (count := _num_fds(server)) > expected and time.monotonic() < deadline_s:
+    while (count := server.num_fds()) > expected and time.monotonic() < deadline_s:
         time.sleep(0.05)
     return count
 
@@ -72,11 +61,11 @@ def _wait_for_fds(server: ServerProcess, expected: int, timeout_s: float = 5.0) 
 def _settled_fds(server: ServerProcess, still_s: float = 0.3, timeout_s: float = 5.0) -> int:
     """The server's descriptor count once it stopped changing for `still_s` (connections
     that clients just closed take the server a moment to close)."""
-    count, since_s = _num_fds(server), time.monotonic()
+    count, since_s = server.num_fds(), time.monotonic()
     deadline_s = since_s + timeout_s
     while time.monotonic() - since_s < still_s and time.monotonic() < deadline_s:
         time.sleep(0.05)
-        if (now := _num_fds(server)) != count:
+        if (now := server.num_fds()) != count:
             count, since_s = now, time.monotonic()
     return count
 
@@ -136,7 +125,7 @@ class _HealthProbe:
 
 def test_silent_connections_are_closed_after_the_header_timeout(server: ServerProcess):
     baseline_fds = _settled_fds(server)
-    address = _address(server)
+    address = server.address
     with _HealthProbe(server.base_url) as probe:
         opened_s: dict[socket.socket, float] = {}
         for _ in range(NUM_SILENT):
@@ -192,13 +181,13 @@ def _trickle(sock: socket.socket, data: bytes, interval_s: float, timeout_s: flo
 
 def test_a_trickling_request_line_is_cut_off_after_the_header_timeout(server: ServerProcess):
     request = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100
-    with socket.create_connection(_address(server)) as sock:
+    with socket.create_connection(server.address) as sock:
         elapsed_s = _trickle(sock, request, 0.3, HEADER_TIMEOUT_S + SLACK_S)
     assert HEADER_TIMEOUT_S * 0.9 <= elapsed_s <= HEADER_TIMEOUT_S + SLACK_S
 
 
 def test_a_keep_alive_connection_trickling_its_next_request_is_cut_off(server: ServerProcess):
-    with socket.create_connection(_address(server)) as sock:
+    with socket.create_connection(server.address) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         sock.settimeout(10.0)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
@@ -211,7 +200,7 @@ def test_a_keep_alive_connection_trickling_its_next_request_is_cut_off(server: S
 def test_a_stalled_body_gets_408(server: ServerProcess):
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
             b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
-    with socket.create_connection(_address(server)) as sock:
+    with socket.create_connection(server.address) as sock:
         sock.sendall(head + b'{"model": ')
         started_s = time.monotonic()
         response = _read_to_close(sock, BODY_TIMEOUT_S + SLACK_S)
@@ -263,12 +252,12 @@ def _busy_connection(address: tuple[str, int]) -> socket.socket:
 def test_connections_beyond_the_cap_get_503_and_hold_no_descriptor(server: ServerProcess):
     """While every connection is busy with a request, one more gets 503 (within the body
     timeout that frees the busy ones)."""
-    address = _address(server)
+    address = server.address
     baseline_fds = _settled_fds(server)
     held = [_busy_connection(address) for _ in range(MAX_CONNECTIONS)]
     try:
         deadline_s = time.monotonic() + SLACK_S
-        while (full_fds := _num_fds(server)) < baseline_fds + MAX_CONNECTIONS:
+        while (full_fds := server.num_fds()) < baseline_fds + MAX_CONNECTIONS:
             assert time.monotonic() < deadline_s, full_fds  # all accepted
             time.sleep(0.02)
         for _ in range(10):
@@ -276,7 +265,7 @@ def test_connections_beyond_the_cap_get_503_and_hold_no_descriptor(server: Serve
                 response = _read_to_close(sock, 5.0)
             assert response.startswith(b"HTTP/1.1 503 "), response
             assert _json_body(response)["error"]["code"] == "too_many_connections"
-        assert _num_fds(server) <= full_fds
+        assert server.num_fds() <= full_fds
     finally:
         for sock in held:
             sock.close()
@@ -289,7 +278,7 @@ def test_connections_beyond_the_cap_get_503_and_hold_no_descriptor(server: Serve
 def test_silent_connections_filling_the_cap_give_way_to_new_clients(server: ServerProcess):
     """A slowloris that fills the cap does not lock others out: each new connection takes
     the place of the oldest one still waiting for its headers, which gets 408."""
-    address = _address(server)
+    address = server.address
     silent = [socket.create_connection(address) for _ in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.2)  # every silent connection is accepted
@@ -304,7 +293,7 @@ def test_silent_connections_filling_the_cap_give_way_to_new_clients(server: Serv
 
 
 def test_idle_keep_alive_connections_filling_the_cap_give_way_too(server: ServerProcess):
-    address = _address(server)
+    address = server.address
     idle = [_keep_alive_connection(address) for _ in range(MAX_CONNECTIONS)]
     try:
         assert httpx.get(server.base_url + "/health", timeout=10.0).status_code == 200
