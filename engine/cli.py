@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "soak": ("eval.bench_soak", "agent replay for minutes with the invariant checker on"),
         "connections": ("eval.bench_connections", "slow and many clients against a "
                         "`continuum serve` subprocess: timeouts, cap, descriptors"),
+        "structured": ("eval.bench_structured", "structured outputs: step cost, grammar "
+                                                "compile time"),
         "workloads": ("eval.bench_workloads", "the named workloads that ship with the package"),
     },
     "trace": {

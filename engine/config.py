@@ -7,6 +7,7 @@ before any engine state exists.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -68,6 +69,11 @@ class SchedulerConfig:
     - `policy`: the scheduling policy, a registry name or a `module:Class` path.
     - `policy_options`: the policy's own settings as `KEY: VALUE` strings, carried without
       interpretation; the policy validates them when it is built (`engine.scheduler.options`).
+    - `job_inference`: a request without a job joins the job of the recently finished turn
+      its prompt continues, or starts a new inferred job (`engine.scheduler.job_inference`).
+    - `job_inference_max_turns`, `job_inference_max_age_s`: bounds of the table of recently
+      finished turns that inference matches against (oldest dropped first); a turn older than
+      the age (seconds) is not continued, and an inferred job's pin lasts no longer.
     """
 
     max_model_len: int = 2048
@@ -77,6 +83,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "continuum"
     policy_options: dict[str, str] = field(default_factory=dict)
+    job_inference: bool = True
+    job_inference_max_turns: int = 16384
+    job_inference_max_age_s: float = 300.0
 
     def __post_init__(self) -> None:
         _require_positive("max_model_len", self.max_model_len)
@@ -96,6 +105,10 @@ class SchedulerConfig:
                    for k, v in self.policy_options.items()):
             raise ValueError(f"policy_options must map names to strings, got "
                              f"{self.policy_options!r}")
+        _require_positive("job_inference_max_turns", self.job_inference_max_turns)
+        if not 0 < self.job_inference_max_age_s < math.inf:
+            raise ValueError("job_inference_max_age_s must be a positive finite number, got "
+                             f"{self.job_inference_max_age_s!r}")
 
 
 # The closed sets of ModelConfig; `typing.get_args` lists the values (the CLI's choices).
@@ -109,12 +122,15 @@ class ModelConfig:
     """Which model to run and how to load it.
 
     `model` is a local Hugging Face directory or `"tiny"` (the embedded default model).
+    `tokenizer` is the directory of the tokenizer files (or `"tiny"`) when they are not with
+    the weights (None: the model's directory).
     `max_model_len=None` takes the model's own context length. `dtype="auto"` is float32 on
     CPU and bfloat16 on CUDA; `device="auto"` is CUDA when one is available. `seed` draws the
     weights of `tiny` and of `load_format="dummy"`, and the sampling of unseeded requests.
     """
 
     model: str = "tiny"
+    tokenizer: str | None = None
     dtype: Dtype = "auto"
     load_format: LoadFormat = "auto"
     max_model_len: int | None = None
@@ -124,6 +140,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a non-empty name or path")
+        if self.tokenizer == "":
+            raise ValueError("tokenizer must be a directory (or None for the model's)")
         _require_choice("dtype", self.dtype, Dtype)
         _require_choice("load_format", self.load_format, LoadFormat)
         _require_positive("max_model_len", self.max_model_len)

@@ -20,6 +20,7 @@ from engine.config import (
     TraceConfig,
 )
 from engine.executor.roofline import DEFAULT_SIM_PROFILE, SIM_PROFILES
+from engine.frontend.tokenizer import tokenizer_dir
 from engine.model.directory import load_arch
 from engine.scheduler.options import option_items_to_dict
 from engine.scheduler.registry import (
@@ -31,6 +32,7 @@ from engine.scheduler.registry import (
 # What each flag means; `add_cli_args` appends the default (and argparse lists the choices).
 _HELP = {
     "model": "'tiny' (the embedded default model) or a local Hugging Face directory",
+    "tokenizer": "directory of the tokenizer files when the model's has none; None: the model's",
     "dtype": "dtype of weights and activations; auto: float32 on CPU, bfloat16 on CUDA",
     "load_format": "auto: read the weights; dummy: random weights from --seed",
     "device": "auto: CUDA when one is available, else CPU",
@@ -52,6 +54,14 @@ _HELP = {
         f"{DEFAULT_SIM_PROFILE}"
     ),
     "policy_options": "KEY=VALUE setting of the scheduling policy, repeatable. Options by policy",
+    "job_inference": (
+        "give a request without a job the job of the recently finished turn its prompt "
+        "continues, or a new inferred job"
+    ),
+    "job_inference_max_turns": "most finished turns job inference remembers",
+    "job_inference_max_age_s": (
+        "seconds a finished turn can be continued by job inference (and its pin lasts at most)"
+    ),
     "trace_path": (
         "write a JSONL scheduler trace here (overwritten); None: $CONTINUUM_TRACE_PATH or "
         "$VLLM_SCHED_TRACE_PATH, else off"
@@ -75,6 +85,7 @@ class EngineArgs:
     """
 
     model: str = ModelConfig.model
+    tokenizer: str | None = ModelConfig.tokenizer
     dtype: Dtype = ModelConfig.dtype
     load_format: LoadFormat = ModelConfig.load_format
     device: Device = ModelConfig.device
@@ -97,19 +108,25 @@ class EngineArgs:
     # Differs on purpose: KEY=VALUE items (as the flags give them) or a mapping, turned into
     # SchedulerConfig's str -> str dict; empty, like that dict's default.
     policy_options: tuple[str, ...] | Mapping[str, object] = ()
+    job_inference: bool = SchedulerConfig.job_inference
+    job_inference_max_turns: int = SchedulerConfig.job_inference_max_turns
+    job_inference_max_age_s: float = SchedulerConfig.job_inference_max_age_s
     trace_path: str | None = TraceConfig.path
     trace_max_bytes: int | None = TraceConfig.max_bytes
     debug_check_invariants: bool = EngineConfig.debug_check_invariants
 
     def to_engine_config(self, environ: Mapping[str, str] = os.environ) -> EngineConfig:
-        """The validated config; ValueError naming the bad field. Without `trace_path`, the
-        first of `TRACE_PATH_VARIABLES` set (non-empty) in `environ` enables tracing."""
+        """The validated config; ValueError naming the bad field (or a model without tokenizer
+        files and no `tokenizer`). Without `trace_path`, the first of `TRACE_PATH_VARIABLES`
+        set (non-empty) in `environ` enables tracing."""
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = load_arch(self.model).max_position_embeddings
+        tokenizer_dir(self.model, self.tokenizer)  # before any process starts
         return EngineConfig(
-            model=ModelConfig(model=self.model, dtype=self.dtype, load_format=self.load_format,
-                              max_model_len=max_model_len, seed=self.seed, device=self.device),
+            model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                              load_format=self.load_format, max_model_len=max_model_len,
+                              seed=self.seed, device=self.device),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               enable_prefix_caching=self.enable_prefix_caching,
                               gpu_memory_utilization=self.gpu_memory_utilization,
@@ -120,6 +137,9 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy, policy_options=self._checked_policy_options(),
+                job_inference=self.job_inference,
+                job_inference_max_turns=self.job_inference_max_turns,
+                job_inference_max_age_s=self.job_inference_max_age_s,
             ),
             trace=TraceConfig(path=self._trace_path(environ), max_bytes=self.trace_max_bytes),
             executor=self.executor,

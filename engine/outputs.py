@@ -22,18 +22,32 @@ class TokenLogprobs(msgspec.Struct, kw_only=True, frozen=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, kw_only=True, frozen=True):
+    """Log-probabilities of consecutive prompt tokens computed in one step: `entries[k]` is
+    that of prompt token `start_index + k` (given the tokens before it), with the token as
+    `token_id`. `start_index >= 1`: the first prompt token has none. A chunked prefill yields
+    one such run per step; a prompt prefilled again (after a preemption) yields the same
+    positions again."""
+
+    start_index: int
+    entries: list[TokenLogprobs]
+
+
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     """Tokens sampled in one step, `sampled_token_ids[i]` for `req_ids[i]`.
 
     A request whose prefill is still partial after the step may be given an empty list; the
     scheduler ignores tokens for such requests either way. `logprobs[i]`, when the list is
     present, holds one entry per token of `sampled_token_ids[i]` for requests that asked for
-    logprobs and is `None` for the others.
+    logprobs and is `None` for the others. `prompt_logprobs[i]`, when the list is present,
+    holds the prompt logprobs of the positions `req_ids[i]` computed in the step, for requests
+    that asked for them, and is `None` for the others.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    prompt_logprobs: list[PromptLogprobs | None] | None = None
 
     def req_id_to_index(self) -> dict[str, int]:
         return {req_id: index for index, req_id in enumerate(self.req_ids)}
@@ -43,8 +57,10 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New tokens of one request from one step; `finish_reason` is set on its last output.
 
     `num_cached_tokens` is the prefix-cache hit of the request's first admission. `logprobs`
-    has one entry per new token when the request asked for them. `error` is set (with
-    `finish_reason` ABORT and no tokens) when the core rejected the request.
+    has one entry per new token when the request asked for them. `prompt_logprobs` carries the
+    prompt positions computed in the step for a request that asked for them (an output of a
+    partial prefill then has no new tokens). `error` is set (with `finish_reason` ABORT and no
+    tokens) when the core rejected the request.
     """
 
     request_id: str
@@ -54,3 +70,4 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None

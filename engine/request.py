@@ -48,21 +48,32 @@ _FINISH_REASONS = {
 }
 
 
+INFERRED_JOB_ID_PREFIX = "~inferred/"
+
+
 class JobInfo(msgspec.Struct, frozen=True, kw_only=True):
     """The agent-job a request belongs to (one turn of one agent program).
 
-    `tool_name` is the tool this turn is known to call, when the client says so.
+    `tool_name` is the tool this turn is known to call, when the client says so. `inferred`:
+    the client named no job and the scheduler inferred this one from the prompt
+    (`engine.scheduler.job_inference`); only inferred jobs have ids that start with
+    `INFERRED_JOB_ID_PREFIX`, so a client's job id never meets an inferred one.
     """
 
     job_id: str
     is_last_step: bool = False
     tool_name: str | None = None
+    inferred: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.job_id, str) or not self.job_id:
             raise ValueError(f"job_id must be a non-empty string, got {self.job_id!r}")
         if self.tool_name is not None and not self.tool_name:
             raise ValueError("tool_name must be non-empty when given")
+        if self.job_id.startswith(INFERRED_JOB_ID_PREFIX) != self.inferred:
+            raise ValueError(f"job ids starting with {INFERRED_JOB_ID_PREFIX!r} are reserved "
+                             f"for inferred jobs, got job_id={self.job_id!r} with "
+                             f"inferred={self.inferred}")
 
 
 class Request:
@@ -133,6 +144,17 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether admission must compute the whole prompt instead of reusing cached KV.
+
+        Prompt logprobs come from the prompt's own forward pass, which a prefix-cache hit
+        would skip. They are all returned by the step that samples the first token, so a
+        request resumed after that reuses the cache again. The blocks such a request computes
+        are cached for others as usual.
+        """
+        return self.sampling_params.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def job_id(self) -> str | None:

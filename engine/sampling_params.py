@@ -11,8 +11,13 @@ import enum
 
 import msgspec
 
+from engine.structured_output.spec import StructuredOutputSpec
+
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
+# OpenAI's limits on `logit_bias`: entries per request, and the magnitude of one bias.
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
 # Counts and token ids travel as 32-bit integers in the model runner.
 MAX_INT32 = 2**31 - 1
 
@@ -34,9 +39,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     - `temperature == 0` is greedy decoding; `top_k == 0` disables top-k.
     - `seed`: per-request seed, reproducible whatever else is in the batch.
     - `logprobs`: number of top log-probabilities to return per generated token.
+    - `prompt_logprobs`: number of top log-probabilities to return per prompt token, beside
+      the prompt token's own (`0`: only its own); the first prompt token has none. A request
+      with prompt logprobs computes its whole prompt (no prefix-cache hit).
+    - `logit_bias`: `(token_id, bias)` pairs added to the logits before penalties and
+      temperature (at most `MAX_LOGIT_BIAS_ENTRIES`, each bias in
+      [-`MAX_LOGIT_BIAS`, `MAX_LOGIT_BIAS`], each token once); logprobs stay those of the
+      unbiased distribution.
     - `stop`: strings that end the completion (matched on the text by the frontend, also across
       tokens); the match is cut from the text unless `include_stop_str_in_output`.
     - `skip_special_tokens`, `output_kind`: how the frontend detokenizes and streams.
+    - `structured_output`: a grammar the output must match (EOS is allowed only where the
+      grammar is complete, and `min_tokens` does not hold it back).
     """
 
     n: int = 1
@@ -54,15 +68,20 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
         self._check_distribution()
         self._check_penalties()
         self._check_stops()
+        self._check_structured_output()
+        self._check_logit_bias()
 
     def _check_counts(self) -> None:
         _check_int("n", self.n, minimum=1, maximum=MAX_INT32)
@@ -77,6 +96,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             _check_int("seed", self.seed, minimum=-MAX_SEED - 1, maximum=MAX_SEED)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0,
+                       maximum=MAX_LOGPROBS)
 
     def _check_distribution(self) -> None:
         _check_range("temperature", self.temperature, 0.0, 2.0)
@@ -95,6 +117,31 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         for text in self.stop:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"stop strings must be non-empty, got {text!r}")
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, over the limit "
+                             f"of {MAX_LOGIT_BIAS_ENTRIES}")
+        seen: set[int] = set()
+        for entry in self.logit_bias:
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise ValueError(f"logit_bias entries must be (token_id, bias) pairs, "
+                                 f"got {entry!r}")
+            token_id, bias = entry
+            _check_int("logit_bias token id", token_id, minimum=0, maximum=MAX_INT32)
+            _check_range("logit_bias value", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            if token_id in seen:
+                raise ValueError(f"logit_bias names token {token_id} more than once")
+            seen.add(token_id)
+
+    def _check_structured_output(self) -> None:
+        if self.structured_output is None:
+            return
+        if not isinstance(self.structured_output, StructuredOutputSpec):
+            raise ValueError("structured_output must be a StructuredOutputSpec")
+        if self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a structured output: the "
+                             "grammar ends the output with EOS")
 
     @property
     def is_greedy(self) -> bool:

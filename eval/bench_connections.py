@@ -49,7 +49,9 @@ from eval.stress import (
     wait_idle,
 )
 
-DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024")
+# Without job inference: the end-state check counts job states, and the probes' inferred
+# jobs would stay for --job-inference-max-age-s.
+DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024", "--no-job-inference")
 SILENT, TRICKLING = "silent", "trickling"
 # A request line and headers that never end: every byte sent is a valid header byte.
 _TRICKLED_REQUEST = b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: " + b"a" * 100_000

@@ -41,10 +41,12 @@ from eval.stress import (
 )
 
 # Pins on the tiny model: Eq. 2 prices rebuilding its short contexts near zero and would pin
-# nothing; the release's 2 s rule pins every non-final turn, so pins are exercised.
+# nothing; the release's 2 s rule pins every non-final turn, so pins are exercised. Without
+# job inference, since the end-state check counts job states and the inferred jobs of the
+# job-less clients would stay for --job-inference-max-age-s.
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
                       "--policy-option", "estimator=fixed-2s",
-                      "--policy-option", "prefill_profile=none")
+                      "--policy-option", "prefill_profile=none", "--no-job-inference")
 _PROBE = {"prompt": "The quick brown fox jumps over the lazy dog. Probe.", "max_tokens": 16,
           "min_tokens": 16, "ignore_eos": True, "temperature": 1.0, "seed": 1234,
           "return_token_ids": True}

@@ -57,7 +57,9 @@ class SimSettings:
     as the policy takes them), limits (`max_num_batched_tokens` is the token budget of a step,
     the chunked-prefill size), the cost profile, and the seed of the prompts' token ids.
     `num_kv_blocks=None` sizes the pool from the profile's memory. `check_invariants` checks
-    the scheduler after every step (slow; for tests)."""
+    the scheduler after every step (slow; for tests). `job_inference` lets the scheduler infer
+    the jobs of plain chat sessions (off: they stay plain requests, as in the documented
+    figures, which predate it)."""
 
     policy: str
     policy_options: tuple[tuple[str, str], ...] = ()
@@ -70,6 +72,7 @@ class SimSettings:
     trace_path: str | None = None
     check_invariants: bool = False
     max_steps: int = 5_000_000
+    job_inference: bool = False
 
     def engine_config(self, max_model_len: int) -> EngineConfig:
         return EngineConfig(
@@ -78,7 +81,7 @@ class SimSettings:
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs, policy=self.policy,
-                policy_options=dict(self.policy_options),
+                policy_options=dict(self.policy_options), job_inference=self.job_inference,
             ),
             trace=TraceConfig(path=self.trace_path),
             executor="simulated",

@@ -21,6 +21,7 @@ SCHEDULER_SIDE = [
     "engine.bench.scheduler",
     "engine.core.engine_core",
     "engine.core.wire",
+    "engine.structured_output.manager",
     "engine.executor.base",
     "engine.model.directory",
 ]

@@ -182,7 +182,9 @@ class PinReleased(Event, tag="pin_released", kw_only=True):
 
 class RequestArrived(Event, tag="request_arrived", kw_only=True):
     """A request joined the waiting queue. `max_tokens` None: bounded only by the model
-    length; `is_last_turn` and `tool_name` as the client said."""
+    length; `is_last_turn` and `tool_name` as the client said. `job_inferred`: the client
+    named no job and the engine inferred `job_id`, continuing the finished request
+    `inferred_from` (None: the request started a new inferred job)."""
 
     request_id: str
     job_id: str | None = None
@@ -190,6 +192,8 @@ class RequestArrived(Event, tag="request_arrived", kw_only=True):
     max_tokens: int | None = None
     is_last_turn: bool = False
     tool_name: str | None = None
+    job_inferred: bool = False
+    inferred_from: str | None = None
 
 
 class RequestFinished(Event, tag="request_finished", kw_only=True):
@@ -206,7 +210,8 @@ class RequestFinished(Event, tag="request_finished", kw_only=True):
 
 class JobEnded(Event, tag="job_ended", kw_only=True):
     """The engine ended a job: its last turn finished (`job_end`) or a client released it
-    (`release`). Jobs the policy forgets after their idle timeout are not recorded."""
+    (`release`). An inferred job ends (`job_end`) once it can no longer be continued. Jobs
+    the policy forgets after their idle timeout are not recorded."""
 
     job_id: str
     reason: str

@@ -10,18 +10,24 @@ import functools
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from engine.clock import Clock
 from engine.config import EngineConfig, SchedulerConfig
 from engine.core.wire import EngineCoreRequest, EngineStats, JobState, PinState
 from engine.executor.base import Executor, PrefillProfiler, make_executor
-from engine.frontend.tokenizer import load_decoder
+from engine.frontend.tokenizer import load_decoder, load_tokenizer
 from engine.kv_cache.pins import PinReleaseReason
 from engine.outputs import EngineCoreOutput
-from engine.request import Request
+from engine.request import FinishReason, Request
+from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.registry import make_policy
 from engine.scheduler.scheduler import Scheduler, Sweep
 from engine.scheduler.tracer import SchedulerTracer
+from engine.structured_output.manager import StructuredOutputManager
+
+COMPILE_WAIT_S = 0.05  # how long an idle step waits for a grammar compile to finish
 
 
 class EngineCore:
@@ -31,6 +37,10 @@ class EngineCore:
     step through the executor and returns the outputs it produced, when `has_work`; `sweep`
     does the time-driven upkeep (pin expiry, idle jobs) while there is none. The utility
     methods named in `UTILITIES` may be called remotely (`UtilityCall`).
+
+    A request with a structured output is held back while its grammar compiles on a worker
+    thread (`structured_outputs`), then queued; each step sends the runner the token masks of
+    the constrained requests that sample, and advances their grammars by what they produced.
     """
 
     UTILITIES = frozenset({
@@ -60,6 +70,10 @@ class EngineCore:
             ),
         )
         self.vocab_size = self.executor.vocab_size
+        self.structured_outputs = StructuredOutputManager(
+            functools.partial(load_tokenizer, config.model.model, config.model.tokenizer),
+            self.vocab_size)
+        self._compiling: dict[str, Request] = {}  # held back until their grammar compiled
         self.step_time_s = 0.0
         self.execute_time_s = 0.0
         self.num_invariant_checks = 0
@@ -74,27 +88,42 @@ class EngineCore:
                 is_serving=lambda: self.num_steps > 0,
             )
         return PolicyEnvironment(profile_prefill=profile_prefill,
-                                 decode=load_decoder(self.config.model.model))
+                                 decode=load_decoder(self.config.model.model,
+                                                     self.config.model.tokenizer))
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
-        """Queues a request; ValueError (and no change) if it is invalid for this engine."""
-        self.scheduler.add_request(self._to_request(core_request))
+        """Queues a request (after its grammar compiled, if it has one); ValueError (and no
+        change) if it is invalid for this engine."""
+        request = self._to_request(core_request)
+        spec = request.sampling_params.structured_output
+        if spec is None:
+            self.scheduler.add_request(request)
+            return
+        self.scheduler.check_new_request(request)
+        if request.request_id in self._compiling:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.structured_outputs.submit(request.request_id, spec, request.eos_token_id)
+        self._compiling[request.request_id] = request
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._compiling.pop(request_id, None)
+        self.structured_outputs.remove(request_ids)
         self.scheduler.finish_requests(request_ids)
 
     @property
     def num_waiting_requests(self) -> int:
-        """Requests queued for admission (new, or preempted to be recomputed)."""
-        return len(self.scheduler.waiting)
+        """Requests queued for admission (new, or preempted to be recomputed), and those whose
+        grammar compiles."""
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     def has_work(self) -> bool:
-        """Whether a step would do anything: unfinished requests to run. Pins and job books
-        that only wait for time to pass are `sweep`'s, which runs no model step."""
-        return self.scheduler.has_unfinished_requests()
+        """Whether a step would do anything: unfinished requests to run or to compile. Pins and
+        job books that only wait for time to pass are `sweep`'s, which runs no model step."""
+        return self.has_unfinished_requests()
 
     def sweep(self) -> Sweep:
         """Time-driven upkeep without a step: releases pins whose TTL ran out and lets the
@@ -113,12 +142,17 @@ class EngineCore:
         """Schedules one step (the policy's step start included), executes it, and applies
         the sampled tokens; returns the outputs of the requests that produced tokens. With
         `debug_check_invariants`, a broken invariant raises AssertionError after the step."""
+        rejected = self._queue_compiled()
+        if not self.scheduler.has_unfinished_requests():
+            self.structured_outputs.wait_for_compile(COMPILE_WAIT_S)
+            return rejected
         started_s = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._with_grammar_bitmask(self.scheduler.schedule())
         execute_started_s = time.perf_counter()
         runner_output = self.executor.execute(scheduler_output)
         self.execute_time_s += time.perf_counter() - execute_started_s
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = rejected + self._advance_grammars(outputs)
         self.num_steps += 1
         self.step_time_s += time.perf_counter() - started_s
         if self.config.debug_check_invariants:
@@ -129,8 +163,51 @@ class EngineCore:
         try:
             self.scheduler.policy.on_shutdown()
         finally:
+            self.structured_outputs.shutdown()
             self.scheduler.close_trace()
             self.executor.shutdown()
+
+    # Structured outputs.
+    def _queue_compiled(self) -> list[EngineCoreOutput]:
+        """Queues the requests whose grammar compiled; rejects those whose compile failed."""
+        rejected = []
+        for outcome in self.structured_outputs.pop_compiled():
+            request = self._compiling.pop(outcome.request_id)
+            if outcome.error is None:
+                self.scheduler.add_request(request)
+            else:
+                rejected.append(_aborted(outcome.request_id, outcome.error))
+        return rejected
+
+    def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
+        """The plan, with the masks of the constrained requests that sample in this step (a
+        request samples when the step computes its last known token)."""
+        manager = self.structured_outputs
+        requests = self.scheduler.requests
+        sampling = [
+            req_id for req_id in scheduler_output.num_scheduled_tokens
+            if manager.has_grammar(req_id)
+            and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens
+        ]
+        bitmask = manager.bitmask(sampling)
+        if bitmask is None:
+            return scheduler_output
+        return msgspec.structs.replace(scheduler_output, grammar_bitmask=bitmask)
+
+    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Feeds the sampled tokens to their grammars; a request whose tokens the grammar
+        rejects (a broken mask) is aborted with the error rather than returned unconstrained."""
+        manager = self.structured_outputs
+        advanced = []
+        for output in outputs:
+            error = manager.accept(output.request_id, output.new_token_ids)
+            if error is not None:
+                self.abort_requests([output.request_id])
+                output = _aborted(output.request_id, error)
+            elif output.finish_reason is not None:
+                manager.remove([output.request_id])
+            advanced.append(output)
+        return advanced
 
     # Utilities.
     def stats(self) -> EngineStats:
@@ -157,6 +234,10 @@ class EngineCore:
             },
             num_jobs=scheduler.policy.num_jobs,
             num_invariant_checks=self.num_invariant_checks,
+            num_grammar_compiles=self.structured_outputs.num_compiles,
+            num_grammar_cache_hits=self.structured_outputs.num_cache_hits,
+            grammar_compile_time_s=self.structured_outputs.compile_time_s,
+            grammar_mask_time_s=self.structured_outputs.mask_time_s,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -191,6 +272,11 @@ class EngineCore:
     def check_invariants(self) -> bool:
         """Asserts the scheduler and KV invariants (AssertionError names the broken one)."""
         self.scheduler.check_invariants()
+        grammars = self.structured_outputs
+        assert grammars.compiling_request_ids == self._compiling.keys(), (
+            "the requests held back differ from the grammars being compiled")
+        stale = grammars.request_ids - self.scheduler.requests.keys()
+        assert not stale, f"grammars of finished requests remain: {sorted(stale)}"
         self.num_invariant_checks += 1
         return True
 
@@ -204,6 +290,10 @@ class EngineCore:
         eos_token_id = core_request.eos_token_id
         if eos_token_id is not None and not 0 <= eos_token_id < self.vocab_size:
             raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary")
+        sampler_ids = [*params.stop_token_ids, *(token for token, _ in params.logit_bias)]
+        if any(token >= self.vocab_size for token in sampler_ids):
+            raise ValueError("stop_token_ids and logit_bias must name tokens in "
+                             f"[0, {self.vocab_size})")
         arrival_time_s = core_request.arrival_time_s
         return Request(
             core_request.request_id, token_ids, params,
@@ -213,6 +303,11 @@ class EngineCore:
             job=core_request.job,
             cache_salt=core_request.cache_salt,
         )
+
+
+def _aborted(request_id: str, error: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id=request_id, new_token_ids=[],
+                            finish_reason=FinishReason.ABORT, error=error)
 
 
 def prefill_profile_lengths(config: SchedulerConfig) -> list[int]:

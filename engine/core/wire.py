@@ -106,7 +106,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
     Counters are cumulative since the core started (`pins_released` by release reason); times
     are seconds of wall time (`execute_time_s` inside the executor, `step_time_s` in whole
-    steps).
+    steps, `grammar_mask_time_s` computing structured outputs' token masks; `grammar_compile_
+    time_s` is summed over the compile threads, off the step loop).
     """
 
     num_running: int
@@ -126,6 +127,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     pins_released: dict[str, int] = msgspec.field(default_factory=dict)
     num_jobs: int = 0
     num_invariant_checks: int = 0
+    num_grammar_compiles: int = 0
+    num_grammar_cache_hits: int = 0
+    grammar_compile_time_s: float = 0.0
+    grammar_mask_time_s: float = 0.0
 
 
 class PinState(msgspec.Struct, kw_only=True):

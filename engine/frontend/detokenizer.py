@@ -16,13 +16,31 @@ _REPLACEMENT_CHAR = "\ufffd"
 _NUM_CONTEXT_TOKENS = 6  # prompt tokens decoded ahead of the output, for their spacing
 
 
-def make_decode_fn(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+def make_decode_fn(
+    tokenizer: Any, skip_special_tokens: bool,
+    kept_special_token_ids: frozenset[int] = frozenset(),
+) -> Callable[[list[int]], str]:
     """A fast `ids -> text` function: the Rust tokenizer's when there is one (the Python
-    wrapper costs several times more per call), else `tokenizer.decode`."""
+    wrapper costs several times more per call), else `tokenizer.decode`.
+
+    With `skip_special_tokens`, special tokens are left out of the text, except those in
+    `kept_special_token_ids` (markup that a parser of the text reads, such as tool-call tags).
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    decoder = tokenizer.decode if backend is None else backend.decode
+    dropped = special_token_ids(tokenizer) - kept_special_token_ids
+    if not skip_special_tokens or not kept_special_token_ids or not dropped:
+        return lambda ids: decoder(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: decoder([i for i in ids if i not in dropped], skip_special_tokens=False)
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids that decoding with `skip_special_tokens` leaves out: the tokenizer's special
+    tokens, and its added tokens marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()))
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    ids.update(token_id for token_id, token in added.items() if getattr(token, "special", False))
+    return frozenset(ids)
 
 
 def detokenize_once(

@@ -19,7 +19,7 @@ from engine.frontend.outputs import CompletionOutput, RequestMetrics, RequestOut
 from engine.frontend.processor import ProcessedRequest
 from engine.frontend.stats import FinishedCompletionStats, RequestStatsObserver
 from engine.frontend.stop_strings import find_stop_string, num_held_back_chars
-from engine.outputs import EngineCoreOutput, TokenLogprobs
+from engine.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from engine.request import FinishReason
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -48,6 +48,28 @@ class _Completion:
 
 
 @dataclass
+class _PromptLogprobBook:
+    """A request's prompt logprobs by prompt position, as the core reports them in runs (one
+    per prefill step); `entries[0]` stays None, the first token has none."""
+
+    entries: list[TokenLogprobs | None]
+    num_missing: int
+    reported: bool = False  # a delta output carried them
+
+    @classmethod
+    def for_prompt(cls, num_prompt_tokens: int) -> _PromptLogprobBook:
+        return cls(entries=[None] * num_prompt_tokens, num_missing=num_prompt_tokens - 1)
+
+    def add(self, run: PromptLogprobs) -> None:
+        """Records a run; a position reported before (a prompt recomputed after a
+        preemption) keeps its entry."""
+        for position, entry in enumerate(run.entries, start=run.start_index):
+            if 0 < position < len(self.entries) and self.entries[position] is None:
+                self.entries[position] = entry
+                self.num_missing -= 1
+
+
+@dataclass
 class _RequestState:
     processed: ProcessedRequest
     completions: list[_Completion]
@@ -55,6 +77,7 @@ class _RequestState:
     queue: asyncio.Queue[Any] | None
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: _PromptLogprobBook | None = None
 
     @property
     def finished(self) -> bool:
@@ -85,9 +108,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.clock = clock
         self.stats_observer = stats_observer
-        self._decode_fns = {
-            skip: make_decode_fn(tokenizer, skip) for skip in (True, False)
-        }
+        # By (skip_special_tokens, special tokens kept anyway): a handful of entries.
+        self._decode_fns: dict[tuple[bool, frozenset[int]], Callable[[list[int]], str]] = {}
         self._requests: dict[str, _RequestState] = {}
         self._by_core_id: dict[str, tuple[_RequestState, _Completion]] = {}
 
@@ -110,11 +132,13 @@ class OutputProcessor:
         state = _RequestState(
             processed=processed, completions=[],
             metrics=RequestMetrics(arrival_time_s=self.clock()), queue=queue,
+            prompt_logprobs=None if params.prompt_logprobs is None
+            else _PromptLogprobBook.for_prompt(len(processed.prompt_token_ids)),
         )
         for index, core_request in enumerate(processed.core_requests):
             completion = _Completion(
                 index=index, core_request_id=core_request.request_id,
-                detokenizer=self._detokenizer(params, processed.prompt_token_ids),
+                detokenizer=self._detokenizer(processed),
                 logprobs=[] if params.logprobs is not None else None,
             )
             state.completions.append(completion)
@@ -197,13 +221,21 @@ class OutputProcessor:
                     num_cached_tokens=state.num_cached_tokens,
                 ))
 
-    def _detokenizer(
-        self, params: SamplingParams, prompt_token_ids: list[int]
-    ) -> IncrementalDetokenizer | None:
+    def _detokenizer(self, processed: ProcessedRequest) -> IncrementalDetokenizer | None:
+        params = processed.sampling_params
         if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop:
             return None
-        return IncrementalDetokenizer(self._decode_fns[params.skip_special_tokens],
-                                      prompt_token_ids)
+        return IncrementalDetokenizer(self._decode_fn(processed), processed.prompt_token_ids)
+
+    def _decode_fn(self, processed: ProcessedRequest) -> Callable[[list[int]], str]:
+        """The request's `ids -> text`, as its `skip_special_tokens` and
+        `kept_special_token_ids` say."""
+        skip = processed.sampling_params.skip_special_tokens
+        key = (skip, processed.kept_special_token_ids if skip else frozenset())
+        decode = self._decode_fns.get(key)
+        if decode is None:
+            decode = self._decode_fns[key] = make_decode_fn(self.tokenizer, *key)
+        return decode
 
     def _apply(
         self, state: _RequestState, completion: _Completion, output: EngineCoreOutput,
@@ -221,6 +253,8 @@ class OutputProcessor:
             self._observe_tokens(completion, len(output.new_token_ids), now_s,
                                  state.metrics.arrival_time_s)
         state.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs.add(output.prompt_logprobs)
         completion.token_ids.extend(output.new_token_ids)
         if completion.logprobs is not None and output.logprobs:
             completion.logprobs.extend(output.logprobs)
@@ -262,7 +296,7 @@ class OutputProcessor:
     def _finish_text(self, state: _RequestState, completion: _Completion) -> None:
         processed = state.processed
         if completion.detokenizer is None:
-            decode = self._decode_fns[processed.sampling_params.skip_special_tokens]
+            decode = self._decode_fn(processed)
             num_text_tokens = len(completion.token_ids) - completion.num_hidden_tokens
             completion.text = detokenize_once(decode, processed.prompt_token_ids,
                                               completion.token_ids[:num_text_tokens])
@@ -288,11 +322,16 @@ class OutputProcessor:
     def _request_output(
         self, state: _RequestState, changed: list[_Completion], finished: bool
     ) -> RequestOutput | None:
-        """The output to report now for the request's kind, or None if there is nothing."""
+        """The output to report now for the request's kind, or None if there is nothing (or
+        the prompt's logprobs are still incomplete)."""
         kind = state.processed.sampling_params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+        book = state.prompt_logprobs
+        if not finished and (kind is RequestOutputKind.FINAL_ONLY
+                             or (book is not None and book.num_missing)):
             return None
         if kind is RequestOutputKind.DELTA:
+            if book is not None and not book.reported:
+                changed = state.completions  # some may have waited for the prompt logprobs
             reported = [self._completion_output(state, c, delta=True) for c in changed]
             reported = [c for c in reported if c.text or c.token_ids or c.finished]
             if not reported and not finished:
@@ -300,12 +339,16 @@ class OutputProcessor:
         else:
             reported = [self._completion_output(state, c, delta=False)
                         for c in state.completions]
+        prompt_logprobs = None
+        if book is not None and not (kind is RequestOutputKind.DELTA and book.reported):
+            prompt_logprobs = book.entries
+            book.reported = True
         processed = state.processed
         return RequestOutput(
             request_id=processed.request_id, prompt=processed.prompt,
             prompt_token_ids=processed.prompt_token_ids, outputs=reported, finished=finished,
             num_cached_tokens=state.num_cached_tokens, metrics=dataclasses.replace(state.metrics),
-            error=state.error,
+            error=state.error, prompt_logprobs=prompt_logprobs,
         )
 
     def _completion_output(

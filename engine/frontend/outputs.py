@@ -47,6 +47,11 @@ class RequestOutput:
     request, only those that changed). `finished` is True on the last output of the request.
     `num_cached_tokens` is the prompt's prefix-cache hit. `error` is set when the engine
     rejected the request (it is then finished with reason "abort").
+
+    `prompt_logprobs`, for a request that asked for them, has one entry per prompt token: that
+    token's logprobs given the tokens before it, `None` for the first token. Outputs wait until
+    it is complete (only a request that ends early reports `None` for positions never
+    computed). Delta outputs carry it in the request's first output only.
     """
 
     request_id: str
@@ -57,3 +62,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

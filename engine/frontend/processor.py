@@ -7,6 +7,7 @@ sees it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.core.wire import EngineCoreRequest
+from engine.frontend.detokenizer import special_token_ids
 from engine.frontend.tokenizer import load_tokenizer, render_chat
 from engine.model.directory import load_arch
 from engine.request import JobInfo
@@ -25,13 +27,18 @@ Prompt = str | list[int]
 @dataclass(frozen=True)
 class ProcessedRequest:
     """A validated request: its prompt as text (when given as text) and token ids, and one
-    core request per completion (`n` of them, in completion order)."""
+    core request per completion (`n` of them, in completion order).
+
+    `kept_special_token_ids` stay in the output text even with `skip_special_tokens` (the
+    special tokens a parser of the output reads, such as tool-call tags).
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     core_requests: list[EngineCoreRequest]
+    kept_special_token_ids: frozenset[int] = frozenset()
 
 
 class InputProcessor:
@@ -59,7 +66,8 @@ class InputProcessor:
         """The processor of the configured model (its own tokenizer unless one is given)."""
         arch = load_arch(config.model.model)
         return cls(
-            load_tokenizer(config.model.model) if tokenizer is None else tokenizer,
+            load_tokenizer(config.model.model, config.model.tokenizer) if tokenizer is None
+            else tokenizer,
             vocab_size=arch.vocab_size, max_model_len=config.scheduler.max_model_len,
             eos_token_ids=arch.eos_token_ids,
         )
@@ -73,8 +81,10 @@ class InputProcessor:
         job: JobInfo | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kept_special_token_ids: frozenset[int] = frozenset(),
     ) -> ProcessedRequest:
-        """Validates and tokenizes one request; ValueError naming what is wrong."""
+        """Validates and tokenizes one request; ValueError naming what is wrong.
+        `kept_special_token_ids`: see `ProcessedRequest`."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if not isinstance(sampling_params, SamplingParams):
@@ -100,6 +110,7 @@ class InputProcessor:
                 )
                 for index in range(sampling_params.n)
             ],
+            kept_special_token_ids=kept_special_token_ids,
         )
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -132,6 +143,15 @@ class InputProcessor:
         except (TypeError, UnicodeError) as error:
             raise ValueError(f"the conversation cannot be tokenized: {error}") from error
 
+    def special_token_ids(self, texts: Iterable[str]) -> frozenset[int]:
+        """The ids of the special tokens (those `skip_special_tokens` leaves out of the text)
+        whose text is one of `texts`."""
+        wanted = frozenset(texts)
+        special = special_token_ids(self.tokenizer)
+        added = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return frozenset(token_id for token_id, token in added.items()
+                         if token_id in special and getattr(token, "content", None) in wanted)
+
     def _check_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -146,6 +166,8 @@ class InputProcessor:
             )
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        if any(token_id >= vocab_size for token_id, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
 
     def _core_params(self, params: SamplingParams) -> SamplingParams:
         """What the core needs of the request's parameters, once for all its completions: one
@@ -160,10 +182,15 @@ class InputProcessor:
 
 
 def _completion_params(core_params: SamplingParams, index: int) -> SamplingParams:
-    """Parameters of completion `index`: the request's, with its own seed."""
-    if core_params.seed is None or index == 0:
-        return core_params
-    return msgspec.structs.replace(core_params, seed=(core_params.seed + index) % MAX_SEED)
+    """Parameters of completion `index`: the request's, with its own seed. Only the first
+    completion computes prompt logprobs (the prompt is the same for all), so the others may
+    reuse cached KV of the prompt."""
+    changes: dict[str, Any] = {}
+    if index > 0 and core_params.seed is not None:
+        changes["seed"] = (core_params.seed + index) % MAX_SEED
+    if index > 0 and core_params.prompt_logprobs is not None:
+        changes["prompt_logprobs"] = None
+    return msgspec.structs.replace(core_params, **changes) if changes else core_params
 
 
 def core_request_id(request_id: str, index: int, n: int) -> str:

@@ -44,9 +44,9 @@ class KVCacheManager:
         """Longest cached prefix of `request` as (blocks, tokens). Changes no state.
 
         The hit is capped at `num_tokens - 1` so that at least one token is computed (its logits
-        are needed to sample the next token).
+        are needed to sample the next token). A request that `skips_prefix_cache` gets no hit.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skips_prefix_cache:
             return [], 0
         block_hashes = extend_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -20,6 +20,16 @@ class Penalties:
 
 
 @dataclass(frozen=True)
+class LogitBias:
+    """Additive logit biases as sparse entries: `values[e]` is added to the logit of token
+    `token_ids[e]` in row `rows[e]`. Only rows with a bias have entries."""
+
+    rows: torch.Tensor  # [entries] int64
+    token_ids: torch.Tensor  # [entries] int64
+    values: torch.Tensor  # [entries] float32
+
+
+@dataclass(frozen=True)
 class SamplingMetadata:
     """What the sampler needs beside the logits.
 
@@ -28,7 +38,7 @@ class SamplingMetadata:
     generator); `output_positions[i]` is the index of the token row `i` samples, so a seeded
     request draws the same randomness for its n-th token whatever the batch or preemptions.
     `banned_token_ids[i]` lists tokens row `i` may not produce yet (EOS and stop ids before
-    `min_tokens`).
+    `min_tokens`). `logit_bias` is `None` when no row has one.
     """
 
     temperature: torch.Tensor  # [rows] float32, 0 means greedy
@@ -41,6 +51,10 @@ class SamplingMetadata:
     penalties: Penalties | None
     banned_token_ids: list[list[int]]
     max_num_logprobs: int | None
+    logit_bias: LogitBias | None = None
+    # [rows, vocab] bool: the tokens each row's grammar allows (None: no row has a grammar);
+    # set by the model runner from the step's grammar bitmask, after the batch built the rest.
+    allowed_token_mask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:

@@ -1,6 +1,7 @@
 """The sampler: logits [rows, vocab] -> one token id per row, plus optional logprobs.
 
-Order of operations: ban not-yet-allowed stop tokens, apply penalties, then either take the
+Order of operations: add logit biases, ban not-yet-allowed stop tokens, mask the tokens a
+structured output's grammar does not allow, apply penalties, then either take the
 argmax (greedy rows) or divide by the temperature, apply min-p, top-k and top-p, and sample.
 Sampling uses the exponential race (`argmax(p / q)` with `q ~ Exp(1)`), which draws exactly
 one categorical sample per row from noise that can be seeded per row.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sample.metadata import Penalties, SamplingMetadata
+from engine.sample.metadata import LogitBias, Penalties, SamplingMetadata
 
 _SEED_MULTIPLIER = 6364136223846793005
 _SEED_MODULUS = 2**63
@@ -50,8 +51,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         raw_logits = logits
         logits = logits.float()
+        if metadata.logit_bias is not None:
+            logits = apply_logit_bias(logits, metadata.logit_bias)
         if any(metadata.banned_token_ids):
             logits = _ban_tokens(logits, metadata.banned_token_ids)
+        if metadata.allowed_token_mask is not None:
+            logits = logits.masked_fill(~metadata.allowed_token_mask, float("-inf"))
         if metadata.penalties is not None:
             logits = apply_penalties(logits, metadata.penalties)
         sampled = logits.argmax(dim=-1)
@@ -93,6 +98,12 @@ def _ban_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torc
         if token_ids:
             logits[row, token_ids] = float("-inf")
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+    """A new tensor: `logits` plus each bias entry (the input, which may be the raw logits
+    the logprobs are taken from, is left as it is)."""
+    return logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:

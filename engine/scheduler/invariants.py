@@ -19,12 +19,16 @@ def check_invariants(scheduler: Scheduler) -> None:
     """Asserts the scheduler's and the KV cache's invariants.
 
     Every block is free (in the free queue, unreferenced) or held, and its `ref_cnt` is
-    the number of running requests plus pins holding it.
+    the number of running requests plus pins holding it. The job inference table agrees with
+    the unfinished requests (`JobInference.check_invariants`).
     """
     kv_cache_manager = scheduler.kv_cache_manager
     kv_cache_manager.check_invariants()
     scheduler.pins.check_invariants()
     _check_request_sets(scheduler)
+    if scheduler.job_inference is not None:
+        scheduler.job_inference.check_invariants(
+            scheduler.requests, [pin.job_id for pin in scheduler.pins])
     expected: Counter[int] = Counter()
     for blocks in kv_cache_manager.req_to_blocks.values():
         expected.update(block.block_id for block in blocks)

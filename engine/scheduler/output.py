@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output.manager import GrammarBitmask
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):
@@ -45,6 +50,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
 
     `num_scheduled_tokens` maps every scheduled request to its token count this step.
     `finished_req_ids` and `preempted_req_ids` tell the runner whose state to drop.
+    `grammar_bitmask` (added by the engine core, never by the scheduler) holds the allowed
+    tokens of the requests with a structured output that sample in this step.
     """
 
     step_id: int
@@ -54,6 +61,7 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -24,23 +24,33 @@ def apply_runner_output(
     """Appends each scheduled request's sampled tokens up to its stop condition; returns the
     outputs to report and the requests that stopped (their status already finished).
 
-    Requests no longer in `requests` (aborted since) and those whose prefill is still partial
-    are skipped.
+    Requests no longer in `requests` (aborted since) are skipped, and so are those whose
+    prefill is still partial unless the step computed prompt logprobs for them (their output
+    then carries those and no tokens).
     """
     outputs: list[EngineCoreOutput] = []
     stopped: list[Request] = []
     index_of = runner_output.req_id_to_index()
     for req_id in scheduler_output.num_scheduled_tokens:
         request = requests.get(req_id)
-        if request is None or request.num_computed_tokens < request.num_tokens:
-            continue  # aborted since, or its prefill is still partial
-        token_ids = runner_output.sampled_token_ids[index_of[req_id]]
+        if request is None:
+            continue  # aborted since
+        index = index_of[req_id]
+        prompt_logprobs = runner_output.prompt_logprobs and runner_output.prompt_logprobs[index]
+        prefilled = request.num_computed_tokens >= request.num_tokens
+        token_ids = runner_output.sampled_token_ids[index] if prefilled else []
         if not token_ids:
+            if prompt_logprobs:
+                outputs.append(EngineCoreOutput(
+                    request_id=req_id, new_token_ids=[],
+                    num_cached_tokens=request.num_cached_tokens or 0,
+                    prompt_logprobs=prompt_logprobs,
+                ))
             continue
         new_token_ids = _append_output(request, token_ids, max_model_len)
         if request.status.is_finished:
             stopped.append(request)
-        logprobs = runner_output.logprobs and runner_output.logprobs[index_of[req_id]]
+        logprobs = runner_output.logprobs and runner_output.logprobs[index]
         outputs.append(EngineCoreOutput(
             request_id=req_id,
             new_token_ids=new_token_ids,
@@ -48,6 +58,7 @@ def apply_runner_output(
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens or 0,
             logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
+            prompt_logprobs=prompt_logprobs or None,
         ))
     return outputs, stopped
 

@@ -17,6 +17,7 @@ from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler import invariants
+from engine.scheduler.job_inference import InferredJob, JobInference
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import PolicyEnvironment, Retention, SchedulingPolicy
 from engine.scheduler.request_queue import RequestQueue
@@ -71,6 +72,10 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self._environment = PolicyEnvironment() if environment is None else environment
+        self._job_inference = None if not scheduler_config.job_inference else JobInference(
+            cache_config.block_size, max_turns=scheduler_config.job_inference_max_turns,
+            max_age_s=scheduler_config.job_inference_max_age_s,
+        )
         self._tracer = tracer
         if tracer is not None:
             start_trace(tracer, self)
@@ -107,6 +112,11 @@ class Scheduler:
         return self._requests
 
     @property
+    def job_inference(self) -> JobInference | None:
+        """The table of recently finished turns of inferred jobs (None: inference is off)."""
+        return self._job_inference
+
+    @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
@@ -114,9 +124,30 @@ class Scheduler:
         return bool(self._requests)
 
     def add_request(self, request: Request) -> None:
-        """Queues a new request; ValueError (and no change) if it can never be served."""
+        """Queues a new request; ValueError (and no change) if it can never be served.
+
+        A request without a job gets an inferred one first, when job inference is on."""
+        self.check_new_request(request)
+        now_s = self.clock()
+        inferred = self._infer_job(request, now_s)
+        self.policy.on_request_arrived(request, now_s)
+        self._requests[request.request_id] = request
+        self._waiting.add_request(request)
+        if self._tracer is not None:
+            self._tracer.request_arrived(
+                request, now_s,
+                inferred_from=None if inferred is None else inferred.continues_request_id,
+            )
+
+    def check_new_request(self, request: Request) -> None:
+        """ValueError if `add_request` would refuse `request`. A caller that holds a request
+        back before queueing it (the engine core, while the request's grammar compiles) checks
+        first, so that the refusal comes at once."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.job is not None and request.job.inferred:
+            raise ValueError(f"request {request.request_id!r} names an inferred job: only the "
+                             "scheduler infers jobs")
         if request.status is not RequestStatus.WAITING or request.num_output_tokens:
             raise ValueError(f"request {request.request_id!r} is not a fresh request")
         if request.num_tokens > self.config.max_model_len:
@@ -124,12 +155,6 @@ class Scheduler:
                 f"prompt of {request.num_tokens} tokens exceeds max_model_len "
                 f"({self.config.max_model_len})"
             )
-        now_s = self.clock()
-        self.policy.on_request_arrived(request, now_s)
-        self._requests[request.request_id] = request
-        self._waiting.add_request(request)
-        if self._tracer is not None:
-            self._tracer.request_arrived(request, now_s)
 
     def schedule(self) -> SchedulerOutput:
         """Plans one step: running requests first, then waiting ones if nobody was preempted."""
@@ -137,6 +162,7 @@ class Scheduler:
         if self._tracer is not None:
             trace_step_start(self._tracer, self, now_s)
         self.policy.sweep(now_s)
+        self._sweep_inferred_jobs(now_s)
         self.policy.on_step_start(now_s)
         plan = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
@@ -152,13 +178,16 @@ class Scheduler:
         whose TTL ran out and forgets jobs idle past its timeout (`SchedulingPolicy.sweep`,
         which `schedule()` also runs at every step start). Called by the engine core while no
         request is unfinished, at most once per sweep interval, so that pins and idle jobs
-        expire when no request arrives; returns what it released and forgot.
+        expire when no request arrives; returns what it released and forgot. Inferred jobs
+        whose latest turn aged out of the job inference table end here too (and count as
+        forgotten).
 
         No step is recorded in the trace: the pins it releases are (as `pin_released` events
         of the next step number, flushed here); a sweep that did nothing writes nothing.
         """
         pins_before = list(self._pins)
-        forgotten_job_ids = tuple(self.policy.sweep(self.clock()))
+        now_s = self.clock()
+        forgotten_job_ids = (*self.policy.sweep(now_s), *self._sweep_inferred_jobs(now_s))
         released_pins = tuple(pin for pin in pins_before if self._pins.get(pin.job_id) is not pin)
         if self._tracer is not None and not self._tracer.flush():
             self.close_trace()
@@ -207,8 +236,11 @@ class Scheduler:
     def end_job(
         self, job_id: str, reason: PinReleaseReason = PinReleaseReason.RELEASE
     ) -> Pin | None:
-        """Ends a job: releases its pin (if any) and tells the policy; returns the pin."""
+        """Ends a job: releases its pin (if any), forgets its turn in the job inference table
+        (if it is an inferred job) and tells the policy; returns the pin."""
         pin = self.release_pin(job_id, reason)
+        if self._job_inference is not None:
+            self._job_inference.forget(job_id)
         now_s = self.clock()
         self.policy.on_job_ended(job_id, now_s)
         if self._tracer is not None:
@@ -367,6 +399,8 @@ class Scheduler:
             self.kv_cache_manager.free(request)
         if request.job is not None and request.job.is_last_step:
             self.end_job(request.job.job_id, PinReleaseReason.JOB_END)
+        if self._job_inference is not None and request.job is not None and request.job.inferred:
+            self._end_jobs(self._job_inference.turn_finished(request, now_s))
 
     def _retain(self, request: Request, retention: Retention | None, now_s: float) -> bool:
         """Carries out the policy's retention decision: pins the request's cached blocks if it
@@ -380,10 +414,38 @@ class Scheduler:
             blocks = self.kv_cache_manager.detach_cached_blocks(request)
             if blocks:
                 pin = self._pins.add(request.job.job_id, request.request_id, blocks,
-                                     now_s=now_s, ttl_s=retention.ttl_s)
+                                     now_s=now_s, ttl_s=self._pin_ttl_s(request, retention))
         if self._tracer is not None:
             self._tracer.retention_decided(request, pin, retention.inputs, now_s)
         return retention.pins
+
+    def _pin_ttl_s(self, request: Request, retention: Retention) -> float:
+        """The policy's TTL, capped for an inferred job by how long its turn can be continued."""
+        if self._job_inference is None or request.job is None or not request.job.inferred:
+            return retention.ttl_s
+        return self._job_inference.pin_ttl_s(retention.ttl_s)
+
+    # Job inference.
+    def _infer_job(self, request: Request, now_s: float) -> InferredJob | None:
+        """Gives a request without a job its inferred job (None: it has a job, or inference
+        is off); an explicit job is never changed."""
+        if self._job_inference is None or request.job is not None:
+            return None
+        inferred = self._job_inference.infer(request, now_s)
+        request.job = inferred.job
+        return inferred
+
+    def _sweep_inferred_jobs(self, now_s: float) -> list[str]:
+        """Ends the inferred jobs whose latest turn aged out; returns their ids."""
+        if self._job_inference is None:
+            return []
+        return self._end_jobs(self._job_inference.sweep(now_s))
+
+    def _end_jobs(self, job_ids: list[str]) -> list[str]:
+        """Ends inferred jobs that can no longer be continued (reason JOB_END)."""
+        for job_id in job_ids:
+            self.end_job(job_id, PinReleaseReason.JOB_END)
+        return job_ids
 
     def _on_pin_released(self, pin: Pin) -> None:
         self.policy.on_pin_released(pin)

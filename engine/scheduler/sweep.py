@@ -11,7 +11,8 @@ from engine.kv_cache.pins import Pin
 class Sweep:
     """What one between-steps sweep did: the pins the policy released (with their
     `release_reason`, EXPIRED for a TTL that ran out) and the jobs it forgot after their idle
-    timeout, in the order it did so. False when it did nothing.
+    timeout (then the inferred jobs it ended, their latest turn too old to be continued), in
+    the order it did so. False when it did nothing.
 
     Returned by `Scheduler.sweep` to the engine core, which hands it on to its caller."""
 

@@ -94,7 +94,10 @@ class SchedulerTracer:
         self._block_size = block_size
 
     # Requests.
-    def request_arrived(self, request: Request, now_s: float) -> None:
+    def request_arrived(self, request: Request, now_s: float, *,
+                        inferred_from: str | None = None) -> None:
+        """`request` joined the waiting queue; if its job was inferred, `inferred_from` is
+        the finished request whose turn it continues (None: it started the job)."""
         job = request.job
         self._write(RequestArrived(
             step=self._step, time_s=now_s, request_id=request.request_id,
@@ -103,6 +106,8 @@ class SchedulerTracer:
             max_tokens=request.sampling_params.max_tokens,
             is_last_turn=job is not None and job.is_last_step,
             tool_name=None if job is None else job.tool_name,
+            job_inferred=job is not None and job.inferred,
+            inferred_from=inferred_from,
         ))
 
     def request_finished(self, request: Request, now_s: float) -> None:

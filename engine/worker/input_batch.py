@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.sample.metadata import Penalties, SamplingMetadata
+from engine.sample.metadata import LogitBias, Penalties, SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import NewRequestData
 
@@ -121,6 +121,7 @@ class InputBatch:
             max_num_logprobs=max(
                 (p.logprobs for p in params if p.logprobs is not None), default=None
             ),
+            logit_bias=_logit_bias(params, device),
         )
 
     def _penalties(
@@ -141,3 +142,17 @@ class InputBatch:
             output_counts=torch.from_numpy(output_counts).to(device),
             seen_mask=torch.from_numpy(seen).to(device),
         )
+
+
+def _logit_bias(params: list[SamplingParams], device: torch.device) -> LogitBias | None:
+    """The sparse bias entries of the rows that have one; None when no row has."""
+    entries = [(index, token_id, bias) for index, p in enumerate(params)
+               for token_id, bias in p.logit_bias]
+    if not entries:
+        return None
+    rows, token_ids, values = zip(*entries, strict=True)
+    return LogitBias(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+        values=torch.tensor(values, dtype=torch.float32, device=device),
+    )

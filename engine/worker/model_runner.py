@@ -6,7 +6,10 @@ Owned by an executor; `execute_model` is called once per engine step. Each step 
 2. lays the scheduled tokens out decodes-first and builds positions, slot mapping and
    attention metadata,
 3. runs the model, computes logits only for requests that reach the end of their known tokens
-   (a partial prefill samples nothing), samples, and appends the sampled tokens to its rows.
+   (a partial prefill samples nothing), samples, and appends the sampled tokens to its rows;
+4. for requests that ask for prompt logprobs, computes the logprobs of the prompt tokens that
+   the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
+   all its positions at once).
 """
 
 from __future__ import annotations
@@ -26,11 +29,28 @@ from engine.model.attention import (
 )
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model, resolve_device, resolve_dtype
-from engine.outputs import ModelRunnerOutput, TokenLogprobs
-from engine.sample.sampler import SampledLogprobs, Sampler
+from engine.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
+from engine.sample.grammar_mask import with_grammar_mask
+from engine.sample.sampler import SampledLogprobs, Sampler, gather_logprobs
 from engine.scheduler.output import SchedulerOutput
 from engine.worker.input_batch import InputBatch
 from engine.worker.kv_cache_sizing import determine_num_kv_blocks
+
+# At most this many bytes of float32 logits exist at once while prompt logprobs are computed.
+PROMPT_LOGITS_CHUNK_BYTES = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class PromptLogprobSpan:
+    """Prompt positions of one request computed in a step, whose logits give prompt logprobs:
+    the step's tokens `first_token_index ..+ num_positions` predict prompt tokens
+    `start_index ..+ num_positions` (of batch row `row`)."""
+
+    req_id: str
+    row: int
+    first_token_index: int
+    start_index: int
+    num_positions: int
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # token index of each sampling request's last token
     sampling_rows: list[int]  # batch rows of the sampling requests, in `logits_indices` order
     sampling_req_ids: list[str]
+    prompt_logprob_spans: list[PromptLogprobSpan]
 
 
 class ModelRunner:
@@ -159,6 +180,9 @@ class ModelRunner:
         if inputs.sampling_rows:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             metadata = self.batch.sampling_metadata(inputs.sampling_rows, self.device)
+            if scheduler_output.grammar_bitmask is not None:
+                metadata = with_grammar_mask(metadata, inputs.sampling_req_ids,
+                                             scheduler_output.grammar_bitmask, logits.shape[1])
             output = self.sampler(logits, metadata)
             token_ids = output.sampled_token_ids.tolist()
             for row, req_id, token_id in zip(inputs.sampling_rows, inputs.sampling_req_ids,
@@ -167,10 +191,13 @@ class ModelRunner:
                 sampled[req_id] = [token_id]
             if output.logprobs is not None:
                 logprobs = self._per_request_logprobs(inputs, output.logprobs)
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_spans)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=[sampled[req_id] for req_id in inputs.req_ids],
             logprobs=[logprobs.get(req_id) for req_id in inputs.req_ids] if logprobs else None,
+            prompt_logprobs=[prompt_logprobs.get(req_id) for req_id in inputs.req_ids]
+            if prompt_logprobs else None,
         )
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -207,6 +234,8 @@ class ModelRunner:
         input_ids = batch.token_ids[token_rows, positions]
         samples = context_lens + query_lens >= batch.num_tokens[rows]
         last_token_indices = np.cumsum(query_lens) - 1
+        spans = self._prompt_logprob_spans(req_ids, rows, context_lens, query_lens,
+                                           last_token_indices - query_lens + 1)
         return StepInputs(
             req_ids=req_ids,
             input_ids=torch.from_numpy(input_ids).to(self.device),
@@ -215,6 +244,81 @@ class ModelRunner:
             logits_indices=torch.from_numpy(last_token_indices[samples]).to(self.device),
             sampling_rows=rows[samples].tolist(),
             sampling_req_ids=[req_id for req_id, s in zip(req_ids, samples, strict=True) if s],
+            prompt_logprob_spans=spans,
+        )
+
+    def _prompt_logprob_spans(
+        self, req_ids: list[str], rows: np.ndarray, context_lens: np.ndarray,
+        query_lens: np.ndarray, first_token_indices: np.ndarray,
+    ) -> list[PromptLogprobSpan]:
+        """The step's positions that predict a prompt token, of the requests that ask for
+        prompt logprobs. A row that has sampled a token already returned them all (the step
+        that finished its prompt did), so a request resumed after that computes none."""
+        batch = self.batch
+        spans = []
+        for index, row in enumerate(rows.tolist()):
+            state = batch.rows[row]
+            if (state.sampling_params.prompt_logprobs is None
+                    or batch.num_tokens[row] > state.num_prompt_tokens):
+                continue
+            context_len = int(context_lens[index])
+            num_positions = min(int(query_lens[index]), state.num_prompt_tokens - 1 - context_len)
+            if num_positions > 0:
+                spans.append(PromptLogprobSpan(
+                    req_id=req_ids[index], row=row,
+                    first_token_index=int(first_token_indices[index]),
+                    start_index=context_len + 1, num_positions=num_positions,
+                ))
+        return spans
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, spans: list[PromptLogprobSpan]
+    ) -> dict[str, PromptLogprobs]:
+        """Logprobs of the raw distribution for each span's prompt tokens, with as many top
+        alternatives as its request asks for."""
+        if not spans:
+            return {}
+        num_tops = [self.batch.rows[span.row].sampling_params.prompt_logprobs or 0
+                    for span in spans]
+        gathered = self._gather_prompt_logprobs(hidden, spans, max(num_tops))
+        token_ids = gathered.token_ids.tolist()
+        values = gathered.logprobs.tolist()
+        ranks = gathered.sampled_ranks.tolist()
+        result = {}
+        offset = 0
+        for span, num_top in zip(spans, num_tops, strict=True):
+            result[span.req_id] = PromptLogprobs(start_index=span.start_index, entries=[
+                TokenLogprobs(token_id=token_ids[i][0], logprob=values[i][0], rank=ranks[i],
+                              top_token_ids=token_ids[i][1 : 1 + num_top],
+                              top_logprobs=values[i][1 : 1 + num_top])
+                for i in range(offset, offset + span.num_positions)
+            ])
+            offset += span.num_positions
+        return result
+
+    def _gather_prompt_logprobs(
+        self, hidden: torch.Tensor, spans: list[PromptLogprobSpan], num_top: int
+    ) -> SampledLogprobs:
+        """The spans' positions in order, each with its prompt token as the "sampled" one;
+        logits are computed `PROMPT_LOGITS_CHUNK_BYTES` at a time."""
+        token_indices = np.concatenate([
+            np.arange(span.first_token_index, span.first_token_index + span.num_positions)
+            for span in spans])
+        targets = np.concatenate([
+            self.batch.token_ids[span.row, span.start_index : span.start_index + span.num_positions]
+            for span in spans])
+        rows_per_chunk = max(1, PROMPT_LOGITS_CHUNK_BYTES // (4 * self.arch.vocab_size))
+        parts = []
+        for begin in range(0, len(token_indices), rows_per_chunk):
+            end = begin + rows_per_chunk
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(token_indices[begin:end]).to(self.device)])
+            parts.append(gather_logprobs(
+                logits, torch.from_numpy(targets[begin:end]).to(self.device), num_top))
+        return SampledLogprobs(
+            token_ids=torch.cat([part.token_ids for part in parts]),
+            logprobs=torch.cat([part.logprobs for part in parts]),
+            sampled_ranks=torch.cat([part.sampled_ranks for part in parts]),
         )
 
     def _per_request_logprobs(

@@ -71,6 +71,9 @@ def make_scheduler(
     clock: FakeClock | None = None,
     environment: PolicyEnvironment | None = None,
     tracer: SchedulerTracer | None = None,
+    job_inference: bool = SchedulerConfig.job_inference,
+    job_inference_max_turns: int = SchedulerConfig.job_inference_max_turns,
+    job_inference_max_age_s: float = SchedulerConfig.job_inference_max_age_s,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -79,6 +82,9 @@ def make_scheduler(
             max_num_seqs=max_num_seqs,
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_chunked_prefill=enable_chunked_prefill,
+            job_inference=job_inference,
+            job_inference_max_turns=job_inference_max_turns,
+            job_inference_max_age_s=job_inference_max_age_s,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         policy if policy is not None else FCFSPolicy(),

@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 
 
 def test_defaults_and_greedy() -> None:
@@ -24,6 +24,16 @@ def test_defaults_and_greedy() -> None:
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
+        ({"logit_bias": ((1, 100.5),)}, "logit_bias value"),
+        ({"logit_bias": ((1, float("nan")),)}, "logit_bias value"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias token id"),
+        ({"logit_bias": ((1, 1.0), (1, 2.0))}, "more than once"),
+        ({"logit_bias": ((1, 1.0, 2.0),)}, "pairs"),
+        ({"logit_bias": tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS_ENTRIES + 1))},
+         "over the limit"),
         ({"seed": 2**64}, "seed"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
         ({"stop": ("",)}, "stop strings"),
@@ -48,3 +58,14 @@ def test_is_immutable() -> None:
     params = SamplingParams()
     with pytest.raises(AttributeError):
         params.max_tokens = 3  # type: ignore[misc]
+
+
+def test_prompt_logprobs_and_logit_bias_round_trip_through_msgpack() -> None:
+    biases = tuple((i, (-1.0) ** i * i / 3) for i in range(MAX_LOGIT_BIAS_ENTRIES))
+    params = SamplingParams(prompt_logprobs=0, logit_bias=biases)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded == params and decoded.prompt_logprobs == 0
+    assert isinstance(decoded.logit_bias, tuple) and decoded.logit_bias[2] == (2, 2 / 3)
+    bad = msgspec.msgpack.encode({"logit_bias": [[3, 500.0]]})
+    with pytest.raises(msgspec.ValidationError, match="logit_bias"):
+        msgspec.msgpack.decode(bad, type=SamplingParams)

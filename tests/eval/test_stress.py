@@ -34,7 +34,7 @@ SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVE_ARGS = ("--num-kv-blocks", "256", "--max-model-len", "1024",
               "--policy-option", "estimator=fixed-2s", "--policy-option", "prefill_profile=none",
-              "--debug-check-invariants")
+              "--debug-check-invariants", "--no-job-inference")  # as bench load's defaults
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,8 @@ ONE_OF_EACH = [
     PinReleased(step=2, time_s=1.0, job_id="c", request_id="c#0", num_blocks=1, ttl_s=None,
                 held_s=0.5, reason="job_end"),  # an endless TTL
     JobEnded(step=2, time_s=1.0, job_id="a", reason="job_end"),
+    RequestArrived(step=3, time_s=1.0, request_id="d#1", job_id="~inferred/0/d#0",
+                   num_prompt_tokens=30, job_inferred=True, inferred_from="d#0"),
     TraceTruncated(step=3, time_s=1.0, max_bytes=4096),
 ]
 

@@ -34,6 +34,7 @@ from engine.entrypoints.openai.errors import (
 )
 from engine.entrypoints.openai.metrics import PrometheusMetrics
 from engine.entrypoints.openai.openapi import (
+    RESPONSE_EVENTS,
     SSE_RESPONSE,
     ChatCompletionResponse,
     CompletionResponse,
@@ -41,6 +42,8 @@ from engine.entrypoints.openai.openapi import (
     JobInfo,
     ModelCard,
     ModelList,
+    ResponseDeleted,
+    ResponseObject,
     VersionInfo,
     error_responses,
     openapi_document,
@@ -50,6 +53,9 @@ from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from engine.entrypoints.openai.protocol_responses import ResponsesRequest
+from engine.entrypoints.openai.request_id import RequestIdMiddleware
+from engine.entrypoints.openai.response_store import ResponseStore
 from engine.entrypoints.openai.serving import (
     ClientContext,
     ServerSettings,
@@ -57,6 +63,7 @@ from engine.entrypoints.openai.serving import (
 )
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from engine.entrypoints.openai.tenants import (
     TENANT_SCOPE_KEY,
     Tenants,
@@ -169,6 +176,9 @@ def build_app(
         app.state.engine = engine
         app.state.completions = OpenAIServingCompletion(engine, settings)
         app.state.chat = OpenAIServingChat(engine, settings)
+        app.state.responses = OpenAIServingResponses(engine, settings, ResponseStore(
+            max_responses=settings.max_stored_responses,
+            max_bytes=settings.max_stored_response_bytes))
         app.state.started_at = int(time.time())
         watcher = None if on_engine_dead is None else asyncio.ensure_future(
             _call_when_dead(engine, on_engine_dead))
@@ -189,8 +199,10 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.tenants is not None:
         app.add_middleware(BearerAuthMiddleware, tenants=settings.tenants)
+    app.add_middleware(RequestIdMiddleware)  # outermost: its header is on every response
     _add_info_routes(app)
     _add_generation_routes(app)
+    _add_response_routes(app)
     _add_job_routes(app)
     return app
 
@@ -301,6 +313,41 @@ def _add_generation_routes(app: FastAPI) -> None:
             return StreamingResponse(serving.stream(body, prepared), background=cleanup,
                                      media_type="text/event-stream", headers=_SSE_HEADERS)
         return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
+
+
+def _add_response_routes(app: FastAPI) -> None:
+    @app.post("/v1/responses", operation_id="createResponse", response_class=JSONResponse,
+              responses={**_generation_responses(ResponseObject),
+                         200: {"model": ResponseObject, "content": RESPONSE_EVENTS,
+                               "description": "The response (JSON), or its events (SSE)."}})
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API: input items (or a string), function tools, streaming as
+        semantic events; stored responses are continued with previous_response_id, as turns
+        of one job."""
+        _check_accepting(request)
+        serving: OpenAIServingResponses = request.app.state.responses
+        prepared = await serving.prepare(body, ClientContext.of(request))
+        cleanup = BackgroundTask(serving.abort, [prepared.request])
+        if body.stream:
+            return StreamingResponse(serving.stream(body, prepared), background=cleanup,
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+        return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
+
+    @app.get("/v1/responses/{response_id}", operation_id="retrieveResponse",
+             response_class=JSONResponse,
+             responses={200: {"model": ResponseObject, "description": "The stored response."},
+                        **error_responses(404)})
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        """A stored response of the requesting tenant."""
+        serving: OpenAIServingResponses = request.app.state.responses
+        return JSONResponse(serving.retrieve(response_id, scope_tenant(request.scope)))
+
+    @app.delete("/v1/responses/{response_id}", operation_id="deleteResponse",
+                response_model=ResponseDeleted, responses=error_responses(404))
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        """Forgets a stored response: later requests can no longer continue it."""
+        serving: OpenAIServingResponses = request.app.state.responses
+        return serving.delete(response_id, scope_tenant(request.scope))
 
 
 def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.request_id import REQUEST_ID_HEADER, request_id_headers
 
 logger = logging.getLogger(__name__)
 
@@ -133,5 +134,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(500, f"internal server error: {type(error).__name__}")
+        # Starlette answers this one from outside every middleware: the request id header
+        # is added here.
+        headers = request_id_headers(request.scope)
+        logger.exception("unhandled error in %s %s (request id %s)", request.method,
+                         request.url.path, headers.get(REQUEST_ID_HEADER))
+        return error_response(500, f"internal server error: {type(error).__name__}",
+                              headers=headers)

@@ -2,7 +2,10 @@
 produces) and from headers (which routers can see without parsing bodies).
 
 Body fields: `job_id`, `is_last_step`, `tool_name` (alias `this_func_call`). Headers:
-`X-Job-Id`, `X-Job-Last-Step`, `X-Tool-Name`. A field given both ways must agree.
+`X-Job-Id`, `X-Job-Last-Step`, `X-Tool-Name`. A field given both ways must agree. OpenAI's
+`prompt_cache_key` (a hint that requests share a prompt prefix) names the job when neither
+`job_id` nor `X-Job-Id` does. Job ids starting with `INFERRED_JOB_ID_PREFIX` are the
+engine's (inferred jobs) and refused.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import TypeVar
 
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import MAX_ID_CHARS, JobFields
-from engine.request import JobInfo
+from engine.request import INFERRED_JOB_ID_PREFIX, JobInfo
 
 JOB_ID_HEADER = "x-job-id"
 LAST_STEP_HEADER = "x-job-last-step"
@@ -26,8 +29,12 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 
 def job_info(body: JobFields, headers: Mapping[str, str]) -> JobInfo | None:
     """The request's `JobInfo`, or None when it names no job; APIError(400) if the fields are
-    inconsistent (a last step or tool name without a job, or body and headers disagree)."""
+    inconsistent (a last step or tool name without a job, or body and headers disagree) or
+    the job id is reserved. Shared by every endpoint whose body has the `JobFields`."""
     job_id = _merge("job_id", body.job_id, _header_text(headers, JOB_ID_HEADER))
+    job_param = "job_id"
+    if job_id is None and body.prompt_cache_key is not None:
+        job_id, job_param = body.prompt_cache_key, "prompt_cache_key"
     is_last_step = _merge("is_last_step", body.is_last_step, _header_bool(headers))
     tool_name = _merge("tool_name", body.tool_name, body.this_func_call, field="this_func_call")
     tool_name = _merge("tool_name", tool_name, _header_text(headers, TOOL_NAME_HEADER))
@@ -35,6 +42,9 @@ def job_info(body: JobFields, headers: Mapping[str, str]) -> JobInfo | None:
         if is_last_step or tool_name is not None:
             raise APIError(400, "is_last_step and tool_name need a job_id", param="job_id")
         return None
+    if job_id.startswith(INFERRED_JOB_ID_PREFIX):
+        raise APIError(400, f"{job_param} must not start with {INFERRED_JOB_ID_PREFIX!r} "
+                            "(reserved for the jobs the engine infers)", param=job_param)
     return JobInfo(job_id=job_id, is_last_step=bool(is_last_step), tool_name=tool_name)
 
 

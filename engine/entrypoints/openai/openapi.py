@@ -4,8 +4,9 @@ Handlers build their responses as plain dicts (cheaper than validating each one)
 here describe those dicts for the schema, and the schema fuzz test checks that every response
 matches them. `openapi_document` adds what FastAPI cannot infer: the OpenAI error body for
 every status the server answers with (400, never FastAPI's 422), the SSE content of streams,
-the bearer-token scheme when an API key is set, and the limits that depend on the running
-engine (context length, vocabulary) and on the server's settings (`n`, `max_tokens`, `stop`).
+the bearer-token scheme when an API key is set, the X-Request-Id header of every response, and
+the limits that depend on the running engine (context length, vocabulary) and on the server's
+settings (`n`, `max_tokens`, `stop`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.entrypoints.openai.request_id import MAX_REQUEST_ID_CHARS
 from engine.entrypoints.openai.serving import ServerSettings
 
 
@@ -51,8 +53,11 @@ class Usage(_Documented):
 
 class CompletionLogprobs(_Documented):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="null for the first token of an "
+                                                           "echoed prompt.")
+    top_logprobs: list[dict[str, float] | None] = Field(description="null for the first "
+                                                                    "token of an echoed "
+                                                                    "prompt.")
     text_offset: list[int]
 
 
@@ -170,6 +175,125 @@ class JobDeleted(_Documented):
     released_pin: bool
 
 
+class ResponseOutputText(_Documented):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict[str, Any]] = Field(description="Always empty.")
+    logprobs: list[ChatTokenLogprob] = Field(
+        description="With include message.output_text.logprobs: the generated tokens'.")
+
+
+class ResponseOutputMessage(_Documented):
+    id: str
+    type: Literal["message"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[ResponseOutputText]
+
+
+class ResponseFunctionCall(_Documented):
+    id: str
+    type: Literal["function_call"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    call_id: str
+    name: str
+    arguments: str = Field(description="The arguments, as a JSON string.")
+
+
+class ResponseFunctionTool(_Documented):
+    type: Literal["function"]
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+    strict: bool | None
+
+
+class ResponseNamedFunction(_Documented):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseTextConfig(_Documented):
+    format: dict[str, Any] = Field(description="text, json_object or json_schema, as given.")
+    verbosity: str
+
+
+class ResponseReasoning(_Documented):
+    effort: str | None
+    summary: str | None
+
+
+class ResponseErrorInfo(_Documented):
+    code: str = Field(description="server_error or invalid_prompt.")
+    message: str
+
+
+class ResponseIncompleteDetails(_Documented):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseInputTokensDetails(_Documented):
+    cached_tokens: int = Field(description="Input tokens whose KV came from the prefix cache "
+                                           "or the job's pin.")
+    cache_write_tokens: int = Field(description="Always 0.")
+
+
+class ResponseOutputTokensDetails(_Documented):
+    reasoning_tokens: int = Field(description="Always 0.")
+
+
+class ResponseUsage(_Documented):
+    input_tokens: int
+    input_tokens_details: ResponseInputTokensDetails
+    output_tokens: int
+    output_tokens_details: ResponseOutputTokensDetails
+    total_tokens: int
+
+
+class ResponseObject(_Documented):
+    """A response of the Responses API (POST /v1/responses, GET /v1/responses/{id})."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    background: bool
+    error: ResponseErrorInfo | None
+    completed_at: int | None
+    incomplete_details: ResponseIncompleteDetails | None
+    instructions: str | None
+    max_output_tokens: int | None
+    max_tool_calls: int | None
+    model: str
+    output: list[ResponseOutputMessage | ResponseFunctionCall]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: ResponseReasoning
+    service_tier: str
+    store: bool
+    temperature: float
+    text: ResponseTextConfig
+    tool_choice: str | ResponseNamedFunction
+    tools: list[ResponseFunctionTool]
+    top_logprobs: int
+    top_p: float
+    truncation: str
+    usage: ResponseUsage | None
+    user: str | None
+    safety_identifier: str | None
+    metadata: dict[str, str]
+    prompt_cache_key: str | None
+    job_id: str | None = Field(description="The job this response is a turn of (the first "
+                                           "response's id for a chain of stored responses, "
+                                           "or the request's job_id).")
+
+
+class ResponseDeleted(_Documented):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """The `responses` entry documenting these error statuses with the OpenAI error body."""
     return {status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]}
@@ -178,7 +302,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 _ERROR_DESCRIPTIONS = {
     400: "Invalid request (the message and param say what is wrong).",
-    404: "No such model or job.",
+    404: "No such model, job or stored response.",
     405: "Method not allowed.",
     413: "The request body is over the server's limit.",
     429: "The waiting queue is full; retry after Retry-After seconds.",
@@ -196,6 +320,17 @@ SSE_RESPONSE = {"text/event-stream": {"schema": {
     "properties": {"data": {"type": "string"}},
 }}}
 
+RESPONSE_EVENTS = {"text/event-stream": {"schema": {
+    "description": "With stream=true, Server-Sent Events (this schema describes one): `event` "
+                   "names its type and `data` holds it as JSON (`type`, `sequence_number`, "
+                   "...): response.created and response.in_progress, then the output items "
+                   "with their deltas, and last response.completed, response.incomplete or "
+                   "response.failed (with the response's `error`).",
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+}}}
+
 
 def openapi_document(app: FastAPI, settings: ServerSettings, *, max_model_len: int,
                      vocab_size: int) -> dict[str, Any]:
@@ -209,6 +344,8 @@ def openapi_document(app: FastAPI, settings: ServerSettings, *, max_model_len: i
                 operation["security"] = [{"bearer": []}]
                 operation["responses"]["401"] = _error_reference(
                     "A valid API key is required (Authorization: Bearer <key>).")
+            for response in operation["responses"].values():
+                response.setdefault("headers", {})["X-Request-Id"] = _REQUEST_ID_HEADER
     schemas = document["components"]["schemas"]
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
@@ -227,6 +364,14 @@ _DESCRIPTION = (
 )
 
 
+_REQUEST_ID_HEADER = {
+    "description": "The request's id: the client's X-Request-Id when it is 1 to "
+                   f"{MAX_REQUEST_ID_CHARS} visible ASCII characters, else one the server made.",
+    "required": True,
+    "schema": {"type": "string", "minLength": 1, "maxLength": MAX_REQUEST_ID_CHARS},
+}
+
+
 def _error_reference(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
@@ -236,10 +381,12 @@ def _add_limits(schemas: dict[str, Any], settings: ServerSettings, *, max_model_
                 vocab_size: int) -> None:
     max_prompt_tokens = min(settings.max_prompt_tokens or max_model_len, max_model_len - 1)
     max_output_tokens = min(settings.max_output_tokens or max_model_len, max_model_len - 1)
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    max_n_by_request = {"CompletionRequest": settings.max_n,
+                        "ChatCompletionRequest": settings.max_n, "ResponsesRequest": 1}
+    for name, max_n in max_n_by_request.items():
         properties = schemas[name]["properties"]
-        properties["n"]["maximum"] = settings.max_n
-        for field in ("max_tokens", "max_completion_tokens"):
+        _set_in_variants(properties["n"], "integer", maximum=max_n)
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if field in properties:
                 _set_in_variants(properties[field], "integer", maximum=max_output_tokens)
         _set_in_variants(properties["stop"], "array", maxItems=settings.max_stop_strings)

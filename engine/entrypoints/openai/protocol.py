@@ -3,16 +3,28 @@
 These are HTTP schemas, separate from the engine's wire types. Unknown fields are ignored, as
 OpenAI clients send fields this engine does not use. Beyond OpenAI's fields, requests accept
 vLLM's sampling extensions (`top_k`, `min_p`, `ignore_eos`, `min_tokens`, `return_token_ids`,
-`cache_salt`, ...) and the job extension (`job_id`, `is_last_step`, `tool_name` / `this_func_call`).
+`cache_salt`, ...) and the job extension (`job_id`, `is_last_step`, `tool_name` / `this_func_call`;
+OpenAI's `prompt_cache_key` is taken as the job when no `job_id` is given).
+An explicit `null` for an optional field means its default (`NullMeansDefault`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import functools
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
-from engine.sampling_params import MAX_INT32, MAX_LOGPROBS, MAX_SEED
+from engine.sampling_params import (
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_SEED,
+)
 
 MAX_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
@@ -20,7 +32,66 @@ MAX_CACHE_SALT_CHARS = 1024
 JobId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 
 
-class JobFields(BaseModel):
+class NullMeansDefault(BaseModel):
+    """A request model in which an explicit `null` for an optional field means its default,
+    as in OpenAI's API and vLLM (clients such as the openai SDK and litellm send `null` for
+    fields they leave unset). A field whose type admits None keeps None as its value (for
+    `max_tokens` it has a meaning); required fields still reject `null`. The JSON schema marks
+    the fields that take `null` this way as nullable."""
+
+    @classmethod
+    def null_defaulted_fields(cls) -> frozenset[str]:
+        """The fields for which `null` stands for the default."""
+        return _null_defaulted_fields(cls)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = cls.null_defaulted_fields()
+        return {key: value for key, value in data.items()
+                if value is not None or key not in defaulted}
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        json_schema = handler(core_schema)
+        properties = handler.resolve_ref_schema(json_schema).get("properties", {})
+        for name in cls.null_defaulted_fields() & properties.keys():
+            properties[name] = _nullable(properties[name])
+        return json_schema
+
+
+@functools.cache
+def _null_defaulted_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, field in model.model_fields.items()
+                     if not field.is_required() and not _admits_none(field.annotation))
+
+
+def _admits_none(annotation: Any) -> bool:
+    if annotation is None or annotation is types.NoneType:
+        return True
+    if get_origin(annotation) is Annotated:
+        return _admits_none(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_admits_none(member) for member in get_args(annotation))
+    return False
+
+
+_SCHEMA_ANNOTATIONS = ("title", "description", "default", "examples", "deprecated")
+
+
+def _nullable(schema: JsonSchemaValue) -> JsonSchemaValue:
+    """`schema` that also accepts null (annotations such as the default stay outside)."""
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
+    value = {key: item for key, item in schema.items() if key not in _SCHEMA_ANNOTATIONS}
+    annotations = {key: item for key, item in schema.items() if key in _SCHEMA_ANNOTATIONS}
+    return {"anyOf": [value, {"type": "null"}], **annotations}
+
+
+class JobFields(NullMeansDefault):
     """The job extension: which agent job a request is a turn of."""
 
     job_id: JobId | None = Field(
@@ -35,9 +106,13 @@ class JobFields(BaseModel):
     this_func_call: JobId | None = Field(
         None, description="Alias of tool_name (the name used by the Continuum preview)."
     )
+    prompt_cache_key: JobId | None = Field(
+        None, description="OpenAI's cache hint: used as the job_id when none is given, so "
+                          "requests sharing a key are turns of one job."
+    )
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(NullMeansDefault):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
@@ -48,6 +123,57 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 Int64 = Annotated[int, Field(ge=-MAX_SEED - 1, le=MAX_SEED)]
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema the output must match."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: `text` (no constraint), any JSON object, or JSON matching
+    a schema (enforced by constrained decoding)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these constrains the output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class StructuredOutputFields(BaseModel):
+    """Fields that constrain the output to a format (`engine/entrypoints/openai/
+    structured_outputs.py` turns them into one grammar)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="vLLM's structured outputs: one of json, regex, choice, grammar, "
+                          "json_object.")
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="Deprecated vLLM form of structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="Deprecated vLLM form of "
+                                                       "structured_outputs.regex.")
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = Field(
+        None, description="Deprecated vLLM form of structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="Deprecated vLLM form of "
+                                                         "structured_outputs.grammar.")
 
 
 class SamplingFields(JobFields):
@@ -71,8 +197,13 @@ class SamplingFields(JobFields):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] | None = None
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be "
-                                                               "empty or omitted.")
+    logit_bias: Annotated[
+        dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+        Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
+    ] | None = Field(None, description=f"Token id (as a string) -> bias in "
+                                       f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], added to "
+                                       f"the logits before sampling; at most "
+                                       f"{MAX_LOGIT_BIAS_ENTRIES} entries.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
@@ -93,14 +224,17 @@ NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredOutputFields):
     """POST /v1/completions: a text or token-id prompt (or a batch of them)."""
 
     prompt: (NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1)])
-    max_tokens: MaxTokens | None = Field(16, description="null: up to the context length.")
-    logprobs: Logprobs | None = None
-    echo: bool = Field(False, description="Not supported: must be false.")
+    max_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        16, description="null: up to the context length; 0 only with echo (the prompt alone).")
+    logprobs: Logprobs | None = Field(None, description="Top alternatives per token; with "
+                                                        "echo, for the prompt's tokens too.")
+    echo: bool = Field(False, description="Return the prompt before the completion (and, with "
+                                          "logprobs, the prompt tokens' logprobs).")
     suffix: str | None = Field(None, description="Not supported: must be empty or omitted.")
     best_of: int | None = Field(None, description="Must equal n, or be omitted.")
 
@@ -117,7 +251,7 @@ class FunctionCallIn(BaseModel):
     arguments: str | dict[str, Any]
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(NullMeansDefault):
     """A tool call in an assistant message of the conversation so far."""
 
     model_config = ConfigDict(extra="ignore")
@@ -161,13 +295,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-
-
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
     """POST /v1/chat/completions: a conversation rendered by the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -179,6 +307,5 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

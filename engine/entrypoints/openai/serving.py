@@ -24,6 +24,8 @@ from engine.entrypoints.openai.errors import (
 )
 from engine.entrypoints.openai.job_extension import job_info
 from engine.entrypoints.openai.protocol import SamplingFields
+from engine.entrypoints.openai.request_id import scope_request_id
+from engine.entrypoints.openai.structured_outputs import GrammarChecker
 from engine.entrypoints.openai.tenants import (
     Tenants,
     engine_cache_salt,
@@ -35,6 +37,7 @@ from engine.frontend.outputs import RequestOutput
 from engine.frontend.processor import ProcessedRequest
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.structured_output.spec import StructuredOutputSpec
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_N = 16
@@ -42,6 +45,8 @@ DEFAULT_MAX_STOP_STRINGS = 16
 DEFAULT_MAX_STOP_TOKEN_IDS = 256
 DEFAULT_MAX_PROMPTS = 64
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_MAX_STORED_RESPONSES = 10_000
+DEFAULT_MAX_STORED_RESPONSE_BYTES = 256 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,9 @@ class ServerSettings:
     - `max_waiting_requests`: a request whose completions (prompts x n) would take the number
       of engine requests waiting past this gets 429 with `Retry-After: retry_after_s`, and
       nothing of it is queued (`None`: no limit).
+    - `max_stored_responses`, `max_stored_response_bytes`: the Responses API's store keeps at
+      most this many responses, of at most this many bytes in all (least recently used
+      evicted first).
 
     `shutdown_timeout_s` is how long requests in flight may finish once the server is told to
     stop (SIGTERM); those still running then end with an error.
@@ -87,6 +95,8 @@ class ServerSettings:
     max_waiting_requests: int | None = None
     retry_after_s: int = 1
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
+    max_stored_response_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -98,7 +108,7 @@ class ServerSettings:
                              f"{self.shutdown_timeout_s!r}")
         for name in ("max_prompt_tokens", "max_output_tokens", "max_n", "max_prompts",
                      "max_stop_strings", "max_stop_token_ids", "max_waiting_requests",
-                     "retry_after_s"):
+                     "retry_after_s", "max_stored_responses", "max_stored_response_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -107,15 +117,18 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class ClientContext:
-    """Who sent a request: its headers (which may carry the job extension) and its tenant
-    (None on a server without API keys)."""
+    """Who sent a request: its headers (which may carry the job extension), its tenant (None
+    on a server without API keys), and its `X-Request-Id` (the client's or a generated one;
+    None outside `RequestIdMiddleware`), which log lines about the request name."""
 
     headers: Mapping[str, str]
     tenant: str | None
+    request_id: str | None = None
 
     @classmethod
     def of(cls, request: HTTPRequest) -> ClientContext:
-        return cls(headers=request.headers, tenant=scope_tenant(request.scope))
+        return cls(headers=request.headers, tenant=scope_tenant(request.scope),
+                   request_id=scope_request_id(request.scope))
 
 
 class OpenAIServing:
@@ -125,6 +138,7 @@ class OpenAIServing:
         self.engine = engine
         self.settings = settings
         self._token_texts: dict[int, str] = {}
+        self.grammar_checker = GrammarChecker(engine.processor.tokenizer)
 
     @property
     def max_model_len(self) -> int:
@@ -136,15 +150,19 @@ class OpenAIServing:
         if body.model is not None and body.model != self.settings.served_model_name:
             raise APIError(404, f"the model {body.model!r} does not exist", param="model",
                            code="model_not_found")
-        if body.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           param="stream_options")
         if self.engine.is_dead:
             raise engine_dead_error()
 
     def sampling_params(
         self, body: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-        stream: bool, skip_special_tokens: bool | None = None,
+        stream: bool,
+        structured_output: StructuredOutputSpec | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        """The engine's parameters for the body; APIError(400) naming what is wrong."""
         stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         self._check_limits(body, max_tokens=max_tokens, num_stop_strings=len(stop))
         fields: dict[str, Any] = {
@@ -159,14 +177,30 @@ class OpenAIServing:
             return SamplingParams(
                 **fields, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens,
                 stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos, logprobs=logprobs,
+                ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                logit_bias=self._logit_bias(body),
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens if skip_special_tokens is None
-                else skip_special_tokens,
+                skip_special_tokens=body.skip_special_tokens,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+                structured_output=structured_output,
             )
         except ValueError as error:
             raise APIError(400, str(error)) from error
+
+    def _logit_bias(self, body: SamplingFields) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs; 400 for a key that is not the decimal id of
+        a token of the vocabulary (the request model checks the biases and their count)."""
+        vocab_size = self.engine.processor.vocab_size
+        biases: dict[int, float] = {}
+        for key, bias in (body.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}) "
+                                    f"written in decimal, got {key[:32]!r}", param="logit_bias")
+            if int(key) in biases:
+                raise APIError(400, f"logit_bias names token {int(key)} more than once",
+                               param="logit_bias")
+            biases[int(key)] = bias
+        return tuple(biases.items())
 
     def _check_limits(
         self, body: SamplingFields, *, max_tokens: int | None, num_stop_strings: int
@@ -232,10 +266,13 @@ class OpenAIServing:
     def process(
         self, request_id: str, token_ids: list[int], params: SamplingParams,
         body: SamplingFields, client: ClientContext,
+        kept_special_token_ids: frozenset[int] = frozenset(),
     ) -> ProcessedRequest:
         """The validated engine request; APIError(400) naming what is wrong (including a
         prompt plus `max_tokens`, or `min_tokens`, beyond the model's context). The request's
-        job and cache salt are its tenant's."""
+        job and cache salt are its tenant's. `kept_special_token_ids`: special tokens that
+        stay in the output text (see `ProcessedRequest`)."""
+        logger.debug("request id %s: engine request %s", client.request_id, request_id)
         max_prompt_tokens = self.settings.max_prompt_tokens
         if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
             raise APIError(400, f"the prompt has {len(token_ids)} tokens, over this server's "
@@ -248,6 +285,7 @@ class OpenAIServing:
                 request_id, token_ids, params, job=self._job(body, client),
                 priority=body.priority, cache_salt=engine_cache_salt(
                     client.tenant, body.cache_salt, share_prefix_cache=self._shares_cache),
+                kept_special_token_ids=kept_special_token_ids,
             )
         except ValueError as error:
             raise APIError(400, str(error)) from error
@@ -338,8 +376,9 @@ def sse(payload: Mapping[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def sse_error(error: BaseException) -> bytes:
-    """The SSE event that reports a failure after the stream started (the status is sent)."""
+def sse_error(error: BaseException, client_request_id: str | None = None) -> bytes:
+    """The SSE event that reports a failure after the stream started (the status is sent);
+    an unexpected one is logged with the request's `X-Request-Id`."""
     if isinstance(error, EngineDeadError):
         dead = engine_dead_error(error)
         return sse(error_body(dead.status_code, dead.message, code=dead.code))
@@ -348,7 +387,7 @@ def sse_error(error: BaseException) -> bytes:
     if isinstance(error, ServerShuttingDownError):
         refused = shutting_down_error(error)
         return sse(error_body(refused.status_code, refused.message, code=refused.code))
-    logger.exception("a response stream failed")
+    logger.exception("a response stream failed (request id %s)", client_request_id)
     return sse(error_body(500, f"internal server error: {type(error).__name__}"))
 
 

@@ -1,9 +1,13 @@
 """POST /v1/chat/completions: a conversation through the chat template, streamed or not,
 with tool calls in the output parsed into `tool_calls` when the request offers `tools`.
 
-Tool calls are not enforced by constrained decoding: `tool_choice` "required" or a named
-function only checks that the named tool exists. When tools are offered, special tokens are
-kept in the text (the Hermes `<tool_call>` tags are special tokens in many vocabularies).
+`tool_choice` "required", a named function, `parallel_tool_calls: false` and response
+formats are enforced by constrained decoding (`structured_outputs.py`). When tools are offered,
+the tool-call markers stay in the text the parser reads even where they are special tokens (the
+Hermes `<tool_call>` tags are in many vocabularies); other special tokens are left out as
+`skip_special_tokens` says. Streamed content adds up to the content of the same completion
+unstreamed. A stream's first chunk for a choice, which carries its role, is sent once the choice
+has its first token (clients time the first token by it).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from engine.entrypoints.openai.serving import (
     sse,
     sse_error,
 )
+from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
 from engine.entrypoints.openai.tool_parsers import (
+    TOOL_CALL_MARKERS,
     OfferedToolsParser,
     ParsedToolCall,
     StreamingToolCallSplitter,
@@ -44,10 +50,12 @@ from engine.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class PreparedChat:
-    """A chat request queued with the engine, and its output stream."""
+    """A chat request queued with the engine, its output stream, and the client's
+    `X-Request-Id` (for log lines)."""
 
     request: ProcessedRequest
     stream: AsyncIterator[RequestOutput]
+    client_request_id: str | None = None
 
 
 @dataclass
@@ -55,6 +63,7 @@ class _ChoiceStream:
     """Streaming state of one choice."""
 
     splitter: StreamingToolCallSplitter | None
+    role_sent: bool = False
     num_tokens: int = 0
     tool_calls: tuple[ParsedToolCall, ...] = ()
 
@@ -65,13 +74,15 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
         super().__init__(engine, settings)
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
+        self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
 
     def _parser(self, body: ChatCompletionRequest) -> ToolParser | None:
         """The tool-call parser for this request, or None when tools are off."""
         if not body.tools or body.tool_choice == "none":
             return None
         return OfferedToolsParser(make_tool_parser(self.settings.tool_call_parser),
-                                  frozenset(tool.function.name for tool in body.tools))
+                                  frozenset(tool.function.name for tool in body.tools),
+                                  parallel=body.parallel_tool_calls is not False)
 
     async def prepare(
         self, body: ChatCompletionRequest, client: ClientContext
@@ -81,23 +92,29 @@ class OpenAIServingChat(OpenAIServing):
         loop."""
         self.check_request(body)
         self._check_chat_fields(body)
-        parser = self._parser(body)
+        structured_output = None
+        if may_constrain(body):
+            structured_output = await asyncio.to_thread(
+                chat_structured_output, body, self.grammar_checker,
+                self.settings.tool_call_parser)
         params = self.sampling_params(
             body,
             max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             stream=body.stream,
-            skip_special_tokens=False if parser is not None else None,
+            structured_output=structured_output,
         )
         self.check_queue_room(body.n)
         request = await asyncio.to_thread(self._render_and_process, body, params, client)
         (stream,) = self.submit([request])
-        return PreparedChat(request, stream)
+        return PreparedChat(request, stream, client.request_id)
 
     def _render_and_process(self, body: ChatCompletionRequest, params: SamplingParams,
                             client: ClientContext) -> ProcessedRequest:
-        return self.process(new_id("chatcmpl"), self._render(body), params, body, client)
+        kept = self._tool_call_marker_ids if self._parser(body) is not None else frozenset()
+        return self.process(new_id("chatcmpl"), self._render(body), params, body, client,
+                            kept_special_token_ids=kept)
 
     def _check_chat_fields(self, body: ChatCompletionRequest) -> None:
         if body.chat_template_kwargs and "chat_template" in body.chat_template_kwargs:
@@ -105,9 +122,6 @@ class OpenAIServingChat(OpenAIServing):
                            param="chat_template_kwargs")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(400, f"response_format {body.response_format.type!r} is not "
-                                "supported (only 'text')", param="response_format")
         choice = body.tool_choice
         if choice is not None and choice != "none" and not body.tools:
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -176,8 +190,9 @@ class OpenAIServingChat(OpenAIServing):
     async def stream(
         self, body: ChatCompletionRequest, prepared: PreparedChat
     ) -> AsyncIterator[bytes]:
-        """SSE chunks: a role chunk per choice, content deltas, tool calls and the finish
-        reason at each choice's end, usage (if asked), `[DONE]`."""
+        """SSE chunks: per choice, a first chunk with the role once the choice has a token,
+        content deltas, tool calls and the finish reason at its end; then usage (if asked) and
+        `[DONE]`. With `return_token_ids`, the first chunk carries the prompt's token ids."""
         request = prepared.request
         header = {"id": request.request_id, "object": "chat.completion.chunk",
                   "created": int(time.time()), "model": self.settings.served_model_name}
@@ -185,26 +200,25 @@ class OpenAIServingChat(OpenAIServing):
         choices = [_ChoiceStream(None if parser is None else StreamingToolCallSplitter(parser))
                    for _ in range(body.n)]
         num_cached_tokens = 0
+        prompt_token_ids_sent = not body.return_token_ids
         try:
-            for index in range(body.n):
-                chunk = {**header, "choices": [{
-                    "index": index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}]}
-                if body.return_token_ids and index == 0:
-                    chunk["prompt_token_ids"] = request.prompt_token_ids
-                yield sse(chunk)
             async for _, output in merge_streams([prepared.stream]):
                 num_cached_tokens = output.num_cached_tokens
                 for completion in output.outputs:
                     choice = self._delta_choice(body, completion, choices[completion.index])
-                    if choice is not None:
-                        yield sse({**header, "choices": [choice]})
+                    if choice is None:
+                        continue
+                    chunk = {**header, "choices": [choice]}
+                    if not prompt_token_ids_sent:
+                        chunk["prompt_token_ids"] = request.prompt_token_ids
+                        prompt_token_ids_sent = True
+                    yield sse(chunk)
             if body.stream_options is not None and body.stream_options.include_usage:
                 usage = self.usage(len(request.prompt_token_ids),
                                    sum(c.num_tokens for c in choices), num_cached_tokens)
                 yield sse({**header, "choices": [], "usage": usage})
         except Exception as error:
-            yield sse_error(error)
+            yield sse_error(error, prepared.client_request_id)
         yield SSE_DONE
 
     def _delta_choice(
@@ -213,6 +227,9 @@ class OpenAIServingChat(OpenAIServing):
         state.num_tokens += len(completion.token_ids)
         text = completion.text
         delta: dict[str, Any] = {}
+        if not state.role_sent:  # the choice's first output: it has a token, or it ended
+            delta = {"role": "assistant", "content": ""}
+            state.role_sent = True
         if state.splitter is not None:
             text = state.splitter.push(text)
             if completion.finished:

@@ -3,14 +3,19 @@
 Choice `i` of prompt `p` has index `p * n + i`. With `return_token_ids`, each choice carries
 its `prompt_token_ids` and `token_ids` (in streams, the prompt's ids come with the choice's
 first chunk and each chunk carries its new token ids).
+
+With `echo`, a choice's text starts with the prompt (a token-id prompt decoded), and with
+`logprobs` its logprobs start with the prompt's tokens (the first has `null` logprob and top
+logprobs); in streams both come with the choice's first chunk. `max_tokens: 0` is allowed only
+with `echo`: the engine generates one token, which is dropped (finish reason `length`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.entrypoints.openai.errors import APIError
@@ -24,6 +29,10 @@ from engine.entrypoints.openai.serving import (
     sse,
     sse_error,
 )
+from engine.entrypoints.openai.structured_outputs import (
+    completion_structured_output,
+    may_constrain,
+)
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.processor import ProcessedRequest
 from engine.outputs import TokenLogprobs
@@ -33,11 +42,23 @@ from engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class PreparedCompletion:
     """A completion request queued with the engine: its response id, one engine request per
-    prompt, and their output streams."""
+    prompt, their output streams, and the client's `X-Request-Id` (for log lines)."""
 
     response_id: str
     requests: list[ProcessedRequest]
     streams: list[AsyncIterator[RequestOutput]]
+    client_request_id: str | None = None
+    echo_texts: list[str] | None = None  # with echo: each prompt as text
+
+
+@dataclass(frozen=True)
+class _PromptEcho:
+    """What `echo` puts before the completion in a choice's first chunk: the prompt's text,
+    its token ids, and (with logprobs) one entry per prompt token, None for the first."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -50,20 +71,34 @@ class OpenAIServingCompletion(OpenAIServing):
         or 429 if the waiting queue has no room for it. Tokenizing and validating run off the
         event loop."""
         self.check_request(body)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        _check_prompt_only(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         prompts = self._prompts(body.prompt)
-        params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                      stream=body.stream)
+        structured_output = None
+        if may_constrain(body):
+            structured_output = await asyncio.to_thread(completion_structured_output, body,
+                                                        self.grammar_checker)
+        # Prompt only (max_tokens 0): one token is generated, and dropped from the response.
+        params = self.sampling_params(
+            body, max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
+            logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
+            stream=body.stream, structured_output=structured_output)
         self.check_queue_room(len(prompts) * body.n)
         response_id = new_id("cmpl")
+        echo_texts = await asyncio.to_thread(self._echo_texts, prompts) if body.echo else None
         requests = await asyncio.to_thread(self._process_prompts, response_id, prompts, params,
                                            body, client)
-        return PreparedCompletion(response_id, requests, self.submit(requests))
+        return PreparedCompletion(response_id, requests, self.submit(requests),
+                                  client.request_id, echo_texts=echo_texts)
+
+    def _echo_texts(self, prompts: list[str | list[int]]) -> list[str]:
+        """The text `echo` returns for each prompt: a text prompt as given, a token-id prompt
+        decoded (special tokens included: they were scored too)."""
+        return [prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+                for prompt in prompts]
 
     def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
                  ) -> list[str | list[int]]:
@@ -107,10 +142,12 @@ class OpenAIServingCompletion(OpenAIServing):
         num_completion_tokens = 0
         for prompt_index, request in enumerate(requests):
             output = finals[prompt_index]
+            echo = _prompt_echo(prepared, prompt_index, output.prompt_logprobs)
             for completion in output.outputs:
+                completion = _shown(body, completion)
                 num_completion_tokens += len(completion.token_ids)
                 choices.append(self._choice(body, prompt_index, completion, request,
-                                            text_offset=0, first=True))
+                                            text_offset=0, first=True, echo=echo))
         return {
             "id": response_id,
             "object": "text_completion", "created": int(time.time()),
@@ -131,16 +168,23 @@ class OpenAIServingCompletion(OpenAIServing):
         text_offsets: dict[int, int] = {}
         num_completion_tokens = 0
         num_cached: dict[int, int] = {}
+        prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}  # from a first output
         try:
             async for prompt_index, output in merge_streams(prepared.streams):
                 num_cached[prompt_index] = output.num_cached_tokens
+                if output.prompt_logprobs is not None:
+                    prompt_logprobs[prompt_index] = output.prompt_logprobs
                 request = requests[prompt_index]
                 for completion in output.outputs:
+                    completion = _shown(body, completion)
                     index = prompt_index * body.n + completion.index
                     first = index not in text_offsets
+                    echo = _prompt_echo(prepared, prompt_index,
+                                        prompt_logprobs.get(prompt_index)) if first else None
                     choice = self._choice(body, prompt_index, completion, request,
-                                          text_offset=text_offsets.get(index, 0), first=first)
-                    text_offsets[index] = text_offsets.get(index, 0) + len(completion.text)
+                                          text_offset=text_offsets.get(index, 0), first=first,
+                                          echo=echo)
+                    text_offsets[index] = text_offsets.get(index, 0) + len(choice["text"])
                     num_completion_tokens += len(completion.token_ids)
                     yield sse({"id": response_id, "object": "text_completion",
                                "created": created, "model": model, "choices": [choice]})
@@ -150,18 +194,29 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse({"id": response_id, "object": "text_completion", "created": created,
                            "model": model, "choices": [], "usage": usage})
         except Exception as error:
-            yield sse_error(error)
+            yield sse_error(error, prepared.client_request_id)
         yield SSE_DONE
 
     def _choice(
         self, body: CompletionRequest, prompt_index: int, completion: CompletionOutput,
         request: ProcessedRequest, *, text_offset: int, first: bool,
+        echo: _PromptEcho | None = None,
     ) -> dict[str, Any]:
+        """One choice (or a chunk of it, starting at `text_offset` of its text); `echo` puts
+        the prompt first."""
+        text, logprobs = completion.text, None
+        if completion.logprobs is not None:
+            generated_offset = text_offset + (0 if echo is None else len(echo.text))
+            logprobs = self._logprobs([(e.token_id, e) for e in completion.logprobs],
+                                      generated_offset)
+        if echo is not None:
+            text = echo.text + text
+            if logprobs is not None:
+                logprobs = _join_logprobs(self._prompt_logprobs(echo, text_offset), logprobs)
         choice: dict[str, Any] = {
             "index": prompt_index * body.n + completion.index,
-            "text": completion.text,
-            "logprobs": None if completion.logprobs is None
-            else self._logprobs(completion.logprobs, text_offset),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
         }
@@ -171,19 +226,67 @@ class OpenAIServingCompletion(OpenAIServing):
             choice["token_ids"] = completion.token_ids
         return choice
 
-    def _logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> dict[str, Any]:
-        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for entry in entries:
-            text = self.token_text(entry.token_id)
+    def _prompt_logprobs(self, echo: _PromptEcho, text_offset: int) -> dict[str, Any]:
+        entries = echo.logprobs or [None] * len(echo.token_ids)
+        return self._logprobs(list(zip(echo.token_ids, entries, strict=True)), text_offset)
+
+    def _logprobs(self, entries: Sequence[tuple[int, TokenLogprobs | None]], text_offset: int
+                  ) -> dict[str, Any]:
+        """OpenAI's legacy logprobs of tokens `(token_id, entry)`; a token without an entry
+        (the first of an echoed prompt) has null logprob and top logprobs. Offsets count the
+        characters of the token texts, from `text_offset`."""
+        tokens, token_logprobs, offsets = [], [], []
+        top_logprobs: list[dict[str, float] | None] = []
+        for token_id, entry in entries:
+            text = self.token_text(token_id)
             tokens.append(text)
+            offsets.append(text_offset)
+            text_offset += len(text)
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
             token_logprobs.append(entry.logprob)
             top: dict[str, float] = {}
             # Best first; tokens that decode alike (partial UTF-8) keep the best value.
-            for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=True):
-                top.setdefault(self.token_text(token_id), logprob)
+            for top_id, logprob in zip(entry.top_token_ids, entry.top_logprobs, strict=True):
+                top.setdefault(self.token_text(top_id), logprob)
             top.setdefault(text, entry.logprob)
             top_logprobs.append(top)
-            offsets.append(text_offset)
-            text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs,
                 "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _check_prompt_only(body: CompletionRequest) -> None:
+    """`max_tokens: 0` asks for the prompt alone, which only `echo` returns."""
+    if body.max_tokens != 0:
+        return
+    if not body.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo, "
+                            "which returns the prompt alone)", param="max_tokens")
+    if body.min_tokens:
+        raise APIError(400, "min_tokens must be 0 when max_tokens is 0", param="min_tokens")
+
+
+def _shown(body: CompletionRequest, completion: CompletionOutput) -> CompletionOutput:
+    """The completion as the response shows it: with `max_tokens: 0` the one token the engine
+    generated is dropped, and the completion ends for its length."""
+    if body.max_tokens != 0:
+        return completion
+    finished = completion.finish_reason is not None
+    return replace(completion, text="", token_ids=[],
+                   logprobs=None if completion.logprobs is None else [],
+                   finish_reason="length" if finished else None, stop_reason=None)
+
+
+def _prompt_echo(prepared: PreparedCompletion, prompt_index: int,
+                 prompt_logprobs: list[TokenLogprobs | None] | None) -> _PromptEcho | None:
+    if prepared.echo_texts is None:
+        return None
+    return _PromptEcho(text=prepared.echo_texts[prompt_index],
+                       token_ids=prepared.requests[prompt_index].prompt_token_ids,
+                       logprobs=prompt_logprobs)
+
+
+def _join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}

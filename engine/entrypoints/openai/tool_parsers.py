@@ -6,7 +6,9 @@ Two output styles are understood:
 - Llama-3 JSON: the whole answer is `{"name": ..., "parameters": {...}}` (or `"arguments"`),
   optionally after `<|python_tag|>`, several calls separated by `;`.
 
-Text that does not parse completely is returned as content with no tool calls.
+Text that does not parse completely is returned, unchanged, as content with no tool calls.
+Content before Hermes calls loses its trailing whitespace. Streaming (`StreamingToolCallSplitter`)
+sends exactly the content that parsing the whole text gives.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from typing import Any, Protocol
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+# The markers the parsers read: where a vocabulary makes them special tokens, they must stay
+# in the text that the parsers see.
+TOOL_CALL_MARKERS = (HERMES_START, HERMES_END, PYTHON_TAG)
 
 _HERMES_CALL = re.compile(
     re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|\Z)", re.DOTALL
@@ -36,7 +41,8 @@ class ParsedToolCall:
 
 @dataclass(frozen=True, slots=True)
 class ParsedOutput:
-    """Model output split into content (None if there is none) and tool calls."""
+    """Model output split into content and tool calls: without calls the content is the
+    whole text; with calls it is None when nothing but whitespace precedes them."""
 
     content: str | None
     tool_calls: tuple[ParsedToolCall, ...] = ()
@@ -72,10 +78,6 @@ def _call_from_json(value: Any, argument_keys: tuple[str, ...]) -> ParsedToolCal
     return ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _content(text: str) -> str | None:
-    return text if text.strip() else None
-
-
 class HermesToolParser:
     """`<tool_call>` blocks holding JSON objects; text before the first block is content. An
     unterminated last block (the model stopped at its end token) is accepted."""
@@ -83,7 +85,7 @@ class HermesToolParser:
     def parse(self, text: str) -> ParsedOutput:
         start = text.find(HERMES_START)
         if start < 0:
-            return ParsedOutput(_content(text))
+            return ParsedOutput(text)
         calls = []
         for match in _HERMES_CALL.finditer(text, start):
             try:
@@ -91,9 +93,9 @@ class HermesToolParser:
             except json.JSONDecodeError:
                 call = None
             if call is None:
-                return ParsedOutput(_content(text))
+                return ParsedOutput(text)
             calls.append(call)
-        return ParsedOutput(_content(text[:start].rstrip()), tuple(calls))
+        return ParsedOutput(text[:start].rstrip() or None, tuple(calls))
 
     def may_start_call(self, text: str) -> int | None:
         start = text.find(HERMES_START)
@@ -110,7 +112,7 @@ class Llama3JsonToolParser:
         body = text.strip()
         body = body.removeprefix(PYTHON_TAG).lstrip()
         if not body.startswith("{"):
-            return ParsedOutput(_content(text))
+            return ParsedOutput(text)
         decoder = json.JSONDecoder()
         calls = []
         position = 0
@@ -118,10 +120,10 @@ class Llama3JsonToolParser:
             try:
                 value, end = decoder.raw_decode(body, position)
             except json.JSONDecodeError:
-                return ParsedOutput(_content(text))
+                return ParsedOutput(text)
             call = _call_from_json(value, ("parameters", "arguments"))
             if call is None:
-                return ParsedOutput(_content(text))
+                return ParsedOutput(text)
             calls.append(call)
             position = _skip_separator(body, end)
         return ParsedOutput(None, tuple(calls))
@@ -155,16 +157,22 @@ class AutoToolParser:
 
 class OfferedToolsParser:
     """Another parser restricted to the tools a request offered: output that names any other
-    function is content, not a call (a JSON answer with a "name" field is not a tool call)."""
+    function is content, not a call (a JSON answer with a "name" field is not a tool call).
+    With `parallel=False` only the first call is returned (`parallel_tool_calls: false`, for
+    formats whose grammar cannot stop a second call)."""
 
-    def __init__(self, parser: ToolParser, tool_names: frozenset[str]) -> None:
+    def __init__(self, parser: ToolParser, tool_names: frozenset[str], *,
+                 parallel: bool = True) -> None:
         self._parser = parser
         self._tool_names = tool_names
+        self._parallel = parallel
 
     def parse(self, text: str) -> ParsedOutput:
         parsed = self._parser.parse(text)
         if any(call.name not in self._tool_names for call in parsed.tool_calls):
-            return ParsedOutput(_content(text))
+            return ParsedOutput(text)
+        if not self._parallel and len(parsed.tool_calls) > 1:
+            return ParsedOutput(parsed.content, parsed.tool_calls[:1])
         return parsed
 
     def may_start_call(self, text: str) -> int | None:
@@ -189,9 +197,10 @@ class StreamingToolCallSplitter:
     """Splits one streamed completion into content deltas and, at its end, tool calls.
 
     `push(delta)` returns the content that can be sent now: everything before the point where
-    a tool call may begin is sent, the rest is held back. `finish()` parses the held-back text:
-    it returns the content still to send and the tool calls (held-back text that turns out not
-    to be a call is sent as content).
+    a tool call may begin, except trailing whitespace (parsing drops it before a call), is sent;
+    the rest is held back. `finish()` parses the whole text: it returns the content still to
+    send and the tool calls (held-back text that turns out not to be a call is sent as
+    content), so that the content sent adds up to the parsed content.
     """
 
     def __init__(self, parser: ToolParser) -> None:
@@ -209,7 +218,7 @@ class StreamingToolCallSplitter:
             limit = len(self._text) if start is None else start
         else:
             limit = self._call_start
-        return self._send_until(limit)
+        return self._send_until(self._before_trailing_space(limit))
 
     def finish(self) -> tuple[str, tuple[ParsedToolCall, ...]]:
         parsed = self._parser.parse(self._text)
@@ -224,6 +233,13 @@ class StreamingToolCallSplitter:
         """Whether the text from `start` certainly begins a call (not just a partial marker)."""
         tail = self._text[start:].lstrip()
         return tail.startswith(("{", HERMES_START, PYTHON_TAG))
+
+    def _before_trailing_space(self, limit: int) -> int:
+        """`limit` moved back over the whitespace that ends the text before it (not past what
+        was sent, which never ends in whitespace that a call could follow)."""
+        while limit > self._num_sent_chars and self._text[limit - 1].isspace():
+            limit -= 1
+        return limit
 
     def _send_until(self, limit: int) -> str:
         if limit <= self._num_sent_chars:

@@ -41,7 +41,7 @@ def server() -> Iterator[ServerProcess]:
     spec = ServerSpec(serve_args=(
         "--num-kv-blocks", "256", "--max-model-len", "1024", "--debug-check-invariants",
         "--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
-        "--max-connections", str(MAX_CONNECTIONS)))
+        "--max-connections", str(MAX_CONNECTIONS), "--no-job-inference"))  # see the bench
     process = ServerProcess(spec).start()
     try:
         yield process

@@ -63,3 +63,17 @@ def test_concatenated_pieces_equal_the_full_decode(tokenizer, chunk: int, text: 
     token_ids = tokenizer(text, add_special_tokens=False).input_ids
     # Special tokens kept: the text may spell one (for example "<tool_call>").
     assert "".join(detokenize(tokenizer, token_ids, chunk=chunk, skip=False)) == text
+
+
+def test_kept_special_tokens_survive_skipping_the_others(tokenizer) -> None:
+    text = "a<|im_start|>b<tool_call>{}</tool_call></tool_response><|im_end|>"
+    token_ids = tokenizer(text, add_special_tokens=False).input_ids
+    markers = frozenset(tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"]))
+    assert make_decode_fn(tokenizer, True, markers)(token_ids) == "ab<tool_call>{}</tool_call>"
+    assert make_decode_fn(tokenizer, True)(token_ids) == "ab{}"
+    assert make_decode_fn(tokenizer, False, markers)(token_ids) == text  # skipping nothing
+    pieces = detokenize(tokenizer, token_ids)
+    assert "".join(pieces) == "ab{}"
+    incremental = IncrementalDetokenizer(make_decode_fn(tokenizer, True, markers), [])
+    streamed = "".join(incremental.push([t]) for t in token_ids) + incremental.flush()
+    assert streamed == "ab<tool_call>{}</tool_call>"

@@ -1,9 +1,9 @@
 """Stand-ins loaded by name inside the engine-core process of test servers.
 
 `ScriptedExecutor` runs no model: every request generates the tokens of `SCRIPT` (a Hermes
-tool call), then EOS. `PinJobTurnsPolicy` is FCFS that pins every non-final turn of a job, for
-`PIN_TTL_S` plus the length of the turn's tool name, so tests can see the job extension reach
-the scheduler (the TTL shows the tool name arrived).
+tool call after some text and a line break), then EOS. `PinJobTurnsPolicy` is FCFS that pins
+every non-final turn of a job, for `PIN_TTL_S` plus the length of the turn's tool name, so
+tests can see the job extension reach the scheduler (the TTL shows the tool name arrived).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from engine.scheduler.policy import Retention
 from tracing.records import TTLInputs
 
 SCRIPT = (
-    'Let me look.<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
+    'Let me look.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
 )
 PIN_TTL_S = 300.0
 
@@ -37,7 +37,7 @@ class ScriptedExecutor:
     """An executor that replays `SCRIPT` for every request (see the module docstring)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        tokenizer = load_tokenizer(config.model.model)
+        tokenizer = load_tokenizer(config.model.model, config.model.tokenizer)
         self._script = [*tokenizer(SCRIPT, add_special_tokens=False).input_ids,
                         tokenizer.eos_token_id]
         self._num_kv_blocks = config.cache.num_kv_blocks or 512
@@ -79,11 +79,14 @@ class ScriptedExecutor:
 
 
 class PinJobTurnsPolicy(FCFSPolicy):
-    """FCFS that pins every finished non-final turn of a job (see the module docstring)."""
+    """FCFS that pins every finished non-final turn of a job (see the module docstring) that
+    the client named: the jobs the scheduler infers for requests without one are not pinned,
+    so that those requests hold nothing between tests."""
 
     def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
         job = request.job
-        if job is None or job.is_last_step or request.status is RequestStatus.FINISHED_ABORTED:
+        if (job is None or job.inferred or job.is_last_step
+                or request.status is RequestStatus.FINISHED_ABORTED):
             return None
         ttl_s = PIN_TTL_S + len(job.tool_name or "")
         return Retention(ttl_s, TTLInputs(ttl_s=ttl_s, source="scripted", tool=job.tool_name))

@@ -41,7 +41,8 @@ def api_schema(fuzzed_server: ServerThread) -> schemathesis.BaseSchema:
 
 
 OPERATIONS = ["health", "version", "listModels", "retrieveModel", "metrics",
-              "createCompletion", "createChatCompletion", "retrieveJob", "deleteJob"]
+              "createCompletion", "createChatCompletion", "createResponse", "retrieveResponse",
+              "deleteResponse", "retrieveJob", "deleteJob"]
 
 
 def test_the_schema_names_every_operation(api_schema: schemathesis.BaseSchema) -> None:
@@ -69,7 +70,8 @@ def openai_error_format(ctx: schemathesis.CheckContext, response: schemathesis.R
 # Only the generation endpoints take input that a schema can make invalid.
 CASES = [*((operation, GenerationMode.POSITIVE) for operation in OPERATIONS),
          ("createCompletion", GenerationMode.NEGATIVE),
-         ("createChatCompletion", GenerationMode.NEGATIVE)]
+         ("createChatCompletion", GenerationMode.NEGATIVE),
+         ("createResponse", GenerationMode.NEGATIVE)]
 
 
 @pytest.mark.parametrize(("operation_id", "mode"), CASES,
@@ -106,8 +108,10 @@ def test_the_schema_states_the_limits_and_the_job_extension(fuzzed_server: Serve
         document = http.get("/openapi.json").json()
     schemas = document["components"]["schemas"]
     completion = schemas["CompletionRequest"]["properties"]
-    assert completion["n"]["maximum"] == 16
-    assert {"type": "integer", "minimum": 1, "maximum": 32} in completion["max_tokens"]["anyOf"]
+    assert completion["n"]["anyOf"] == [{"type": "integer", "minimum": 1, "maximum": 16},
+                                        {"type": "null"}]  # null: the default
+    # 0 is allowed with echo (the prompt alone).
+    assert {"type": "integer", "minimum": 0, "maximum": 32} in completion["max_tokens"]["anyOf"]
     token_prompt = [variant for variant in completion["prompt"]["anyOf"]
                     if variant.get("items", {}).get("type") == "integer"]
     assert token_prompt[0]["items"]["maximum"] == 271  # the tiny vocabulary

@@ -61,7 +61,7 @@ def test_a_call_of_a_tool_not_offered_is_left_as_text(scripted_server):
         model="scripted", messages=MESSAGES, tools=python_only, max_tokens=200).choices[0]
     assert choice.message.tool_calls is None
     assert choice.finish_reason == "stop"
-    assert choice.message.content.startswith("Let me look.<tool_call>")
+    assert choice.message.content.startswith("Let me look.\n<tool_call>")
 
 
 def test_completions_endpoint_returns_the_raw_text(scripted_server):

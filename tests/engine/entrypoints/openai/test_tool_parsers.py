@@ -35,6 +35,11 @@ HERMES_CASES = [
      '<tool_call>{"name": "bash", "arguments": {"command": </tool_call>', []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     ('<tool_call>["bash"]</tool_call>', '<tool_call>["bash"]</tool_call>', []),
+    # Whitespace before a call is not content; without a call the text is kept as it is.
+    ('Let me check. \n\n<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>',
+     "Let me check.", [LS]),
+    (' \n<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>', None, [LS]),
+    ("  spaced out \n", "  spaced out \n", []),
 ]
 
 LLAMA3_CASES = [
@@ -47,7 +52,7 @@ LLAMA3_CASES = [
     ('{"name": "bash", "parameters": {"command": "ls"}} trailing words',
      '{"name": "bash", "parameters": {"command": "ls"}} trailing words', []),
     ("The answer is 42.", "The answer is 42.", []),
-    ("   ", None, []),
+    ("   ", "   ", []),
 ]
 
 
@@ -79,6 +84,16 @@ def test_calls_of_tools_not_offered_are_content():
     assert parser.parse('{"name": "bash", "arguments": {"command": "ls"}}').tool_calls == (LS,)
 
 
+def test_without_parallel_calls_only_the_first_is_kept():
+    text = ('{"name": "bash", "parameters": {"command": "ls"}}; '
+            '{"name": "bash", "parameters": {"command": "pwd"}}')
+    parallel = OfferedToolsParser(make_tool_parser("llama3_json"), frozenset({"bash"}))
+    single = OfferedToolsParser(make_tool_parser("llama3_json"), frozenset({"bash"}),
+                                parallel=False)
+    assert len(parallel.parse(text).tool_calls) == 2
+    assert single.parse(text).tool_calls == (LS,)
+
+
 def test_unknown_parser_name():
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         make_tool_parser("xml")
@@ -103,9 +118,8 @@ def test_streaming_agrees_with_the_whole_parse(parser_name, text, content, calls
     streamed, _, streamed_calls = _stream(parser_name, text, cuts)
     parsed = make_tool_parser(parser_name).parse(text)
     assert streamed_calls == parsed.tool_calls
-    if parsed.tool_calls:
-        assert streamed.strip() == (parsed.content or "").strip()
-    else:
+    assert streamed == (parsed.content or "")
+    if not parsed.tool_calls:
         assert streamed == text
 
 

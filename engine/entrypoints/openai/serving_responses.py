@@ -1,0 +1,649 @@
+"""POST /v1/responses (OpenAI's Responses API) on top of the chat machinery, and GET / DELETE
+of stored responses.
+
+Input items become chat messages (`function_call` items join the assistant message before
+them as `tool_calls`, `function_call_output` items become `tool` messages), rendered by the
+chat template with the function tools; the output is parsed by the chat tool-call parser into
+a `message` item and `function_call` items. Streams are OpenAI's semantic events.
+
+A response is stored (unless `store` is false) with its whole conversation, so that
+`previous_response_id` continues it; the turns of such a chain are turns of one job (the first
+response's id, unless the client names a `job_id`), so the engine's job order and KV pins
+apply to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.drain import ServerShuttingDownError
+from engine.entrypoints.openai.errors import APIError, engine_dead_error, shutting_down_error
+from engine.entrypoints.openai.job_extension import JOB_ID_HEADER, job_info
+from engine.entrypoints.openai.protocol import (
+    ChatMessage,
+    ChatTool,
+    FunctionCallIn,
+    FunctionDefinition,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCallIn,
+)
+from engine.entrypoints.openai.protocol_responses import (
+    LOGPROBS_INCLUDE,
+    SUPPORTED_INCLUDES,
+    ConversationItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionToolChoice,
+    MessageItem,
+    OutputTextPart,
+    ResponsesRequest,
+    TextFormatJSONSchema,
+    content_text,
+)
+from engine.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from engine.entrypoints.openai.serving import (
+    ClientContext,
+    OpenAIServing,
+    ServerSettings,
+    merge_streams,
+    sse,
+)
+from engine.entrypoints.openai.serving_chat import _template_message
+from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
+from engine.entrypoints.openai.tool_parsers import (
+    TOOL_CALL_MARKERS,
+    OfferedToolsParser,
+    ParsedToolCall,
+    StreamingToolCallSplitter,
+    ToolParser,
+    make_tool_parser,
+)
+from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.outputs import CompletionOutput, RequestOutput
+from engine.frontend.processor import ProcessedRequest
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.structured_output.spec import StructuredOutputSpec
+
+logger = logging.getLogger(__name__)
+
+
+def new_item_id(prefix: str) -> str:
+    """An OpenAI-style id: `resp_...`, `msg_...`, `fc_...`, `call_...`."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class PreparedResponse:
+    """A response request queued with the engine: its output stream, and what the response
+    object and the store need (`items` is the conversation the prompt was rendered from;
+    `job_id` the job as the client names it)."""
+
+    response_id: str
+    created_at: int
+    request: ProcessedRequest
+    stream: AsyncIterator[RequestOutput]
+    items: tuple[ConversationItem, ...]
+    items_num_bytes: int
+    job_id: str | None
+    tenant: str | None
+    parser: ToolParser | None
+    store: bool
+
+
+@dataclass
+class _Output:
+    """One response's output as it arrives, split into the message text and function calls
+    (the same for streamed and whole responses, so both give the same items)."""
+
+    splitter: StreamingToolCallSplitter | None
+    keep_one_call: bool
+    with_logprobs: bool
+    message_id: str = field(default_factory=lambda: new_item_id("msg"))
+    text: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    num_unsent_logprobs: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+    def push(self, completion: CompletionOutput, logprobs: list[dict[str, Any]]) -> str:
+        """Takes a delta of the completion; returns the message text that can be sent now."""
+        self.num_tokens += len(completion.token_ids)
+        self.logprobs.extend(logprobs)
+        self.num_unsent_logprobs += len(logprobs)
+        delta = completion.text
+        if self.splitter is not None:
+            delta = self.splitter.push(delta)
+        if completion.finished:
+            self.finish_reason = completion.finish_reason
+            delta += self._finish()
+        self.text += delta
+        return delta
+
+    def unsent_logprobs(self) -> list[dict[str, Any]]:
+        """The logprobs of the tokens since the last call (sent with a text delta)."""
+        start = len(self.logprobs) - self.num_unsent_logprobs
+        self.num_unsent_logprobs = 0
+        return self.logprobs[start:]
+
+    def _finish(self) -> str:
+        if self.splitter is None:
+            return ""
+        rest, calls = self.splitter.finish()
+        for call in calls[:1] if self.keep_one_call else calls:
+            self.calls.append(_function_call_item(call))
+        return rest
+
+    @property
+    def has_message(self) -> bool:
+        """A message item is output when there is text, or when there is nothing else."""
+        return bool(self.text) or not self.calls
+
+    @property
+    def incomplete(self) -> bool:
+        return self.finish_reason == "length"
+
+    def text_part(self) -> dict[str, Any]:
+        return {"type": "output_text", "text": self.text, "annotations": [],
+                "logprobs": self.logprobs if self.with_logprobs else []}
+
+    def message_item(self, *, done: bool) -> dict[str, Any]:
+        status = "in_progress" if not done else "incomplete" if self.incomplete else "completed"
+        return {"id": self.message_id, "type": "message", "status": status,
+                "role": "assistant", "content": [self.text_part()] if done else []}
+
+    def items(self) -> list[dict[str, Any]]:
+        """The output items, once the output is finished."""
+        message = [self.message_item(done=True)] if self.has_message else []
+        return [*message, *self.calls]
+
+    def conversation_items(self) -> list[ConversationItem]:
+        """The output as input items of a later turn."""
+        items: list[ConversationItem] = []
+        if self.has_message:
+            items.append(MessageItem(role="assistant", id=self.message_id,
+                                     content=[OutputTextPart(type="output_text",
+                                                             text=self.text)]))
+        items.extend(FunctionCallItem(type="function_call", call_id=call["call_id"],
+                                      name=call["name"], arguments=call["arguments"],
+                                      id=call["id"]) for call in self.calls)
+        return items
+
+
+def _function_call_item(call: ParsedToolCall) -> dict[str, Any]:
+    return {"id": new_item_id("fc"), "type": "function_call", "status": "completed",
+            "call_id": new_item_id("call"), "name": call.name, "arguments": call.arguments}
+
+
+@dataclass(frozen=True)
+class _ConstraintFields:
+    """The fields of a Responses request that constrain its output, in the chat shape that
+    `structured_outputs.py` reads (`text.format` as `response_format`)."""
+
+    response_format: ResponseFormat | None
+    tools: list[ChatTool]
+    tool_choice: str | NamedToolChoice | None
+    parallel_tool_calls: bool | None
+
+    @classmethod
+    def of(cls, body: ResponsesRequest) -> _ConstraintFields:
+        text_format = None if body.text is None else body.text.format
+        response_format = None
+        if isinstance(text_format, TextFormatJSONSchema):
+            response_format = ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+                name=text_format.name, description=text_format.description,
+                schema=text_format.schema_, strict=text_format.strict))
+        elif text_format is not None:
+            response_format = ResponseFormat(type=text_format.type)
+        choice = body.tool_choice
+        return cls(
+            response_format=response_format,
+            tools=[ChatTool(function=FunctionDefinition(
+                name=tool.name, description=tool.description, parameters=tool.parameters))
+                for tool in body.tools or ()],
+            tool_choice=NamedToolChoice(function=NamedFunction(name=choice.name))
+            if isinstance(choice, FunctionToolChoice) else choice,
+            parallel_tool_calls=body.parallel_tool_calls)
+
+
+# Chat's names of the constraint fields, and this API's.
+_FIELD_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
+                ("response_format", "text.format"))
+
+
+def _with_responses_names(error: APIError) -> APIError:
+    """`error` naming this API's field where it names chat's."""
+    for chat_name, name in _FIELD_NAMES:
+        if error.param is not None and error.param.startswith(chat_name):
+            return APIError(error.status_code, error.message.replace(chat_name, name),
+                            param=name + error.param[len(chat_name):], code=error.code)
+    return error
+
+
+class _Events:
+    """SSE events of one streamed response, numbered from 0 (`sequence_number`)."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return b"event: " + kind.encode() + b"\n" + sse(payload)
+
+
+class OpenAIServingResponses(OpenAIServing):
+    """Validates a Responses request, runs it, formats OpenAI's `response` object (whole or
+    as events), and keeps finished responses in `store` for later turns and GET."""
+
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, store: ResponseStore
+                 ) -> None:
+        super().__init__(engine, settings)
+        make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
+        self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
+        self.store = store
+
+    async def prepare(self, body: ResponsesRequest, client: ClientContext) -> PreparedResponse:
+        """Validates the request, renders its conversation (the stored chain's items first)
+        and queues it; APIError on bad input, or 429 if the waiting queue is full."""
+        self.check_request(body)
+        self._check_fields(body)
+        previous = self._previous(body, client)
+        input_items = _input_items(body)
+        items = (*(() if previous is None else previous.items), *input_items)
+        parser = self._parser(body)
+        constraint_fields = _ConstraintFields.of(body)
+        structured_output = None
+        if may_constrain(constraint_fields):
+            structured_output = await asyncio.to_thread(self._structured_output,
+                                                        constraint_fields)
+        params = self._sampling_params(body, structured_output)
+        response_id = new_item_id("resp")
+        store = body.store is not False
+        chain_job_id = previous.job_id if previous is not None else (
+            response_id if store else None)
+        job_body, job_id = _with_job(body, chain_job_id, client)
+        self.check_queue_room(1)
+        request = await asyncio.to_thread(self._render_and_process, response_id, job_body,
+                                          items, params, client)
+        (stream,) = self.submit([request])
+        previous_bytes = 0 if previous is None else previous.items_num_bytes
+        return PreparedResponse(
+            response_id=response_id, created_at=int(time.time()), request=request,
+            stream=stream, items=items, job_id=job_id, tenant=client.tenant, parser=parser,
+            store=store, items_num_bytes=previous_bytes + _num_bytes(input_items))
+
+    def _check_fields(self, body: ResponsesRequest) -> None:
+        if body.n != 1:
+            raise APIError(400, "a response has one output: n must be 1", param="n")
+        unsupported = [(name, why) for name, value, why in (
+            ("background", body.background, "background responses are not supported"),
+            ("conversation", body.conversation, "conversations are not supported; use "
+                                                "previous_response_id"),
+            ("prompt", body.prompt, "prompt templates are not supported"),
+            ("truncation", body.truncation == "auto", "truncation 'auto' is not supported"),
+        ) if value]
+        if unsupported:
+            name, why = unsupported[0]
+            raise APIError(400, why, param=name)
+        for value in body.include or ():
+            if value not in SUPPORTED_INCLUDES:
+                raise APIError(400, f"include {value!r} is not supported (supported: "
+                                    f"{', '.join(sorted(SUPPORTED_INCLUDES))})",
+                               param="include")
+        limit = self.settings.max_output_tokens
+        if body.max_output_tokens is not None and limit is not None and \
+                body.max_output_tokens > limit:
+            raise APIError(400, f"max_output_tokens is {body.max_output_tokens}, over this "
+                                f"server's limit of {limit}", param="max_output_tokens",
+                           code="limit_exceeded")
+        _check_tools(body)
+
+    def _previous(self, body: ResponsesRequest, client: ClientContext) -> StoredResponse | None:
+        if body.previous_response_id is None:
+            return None
+        previous = self.store.get(client.tenant, body.previous_response_id)
+        if previous is None:
+            raise APIError(400, f"Previous response with id {body.previous_response_id!r} not "
+                                "found.", param="previous_response_id",
+                           code="previous_response_not_found")
+        return previous
+
+    def _parser(self, body: ResponsesRequest) -> ToolParser | None:
+        """The tool-call parser for this request, or None when tools are off."""
+        if not body.tools or body.tool_choice == "none":
+            return None
+        return OfferedToolsParser(make_tool_parser(self.settings.tool_call_parser),
+                                  frozenset(tool.name for tool in body.tools))
+
+    def _sampling_params(self, body: ResponsesRequest,
+                         structured_output: StructuredOutputSpec | None) -> SamplingParams:
+        with_logprobs = LOGPROBS_INCLUDE in (body.include or ())
+        return self.sampling_params(
+            body, max_tokens=body.max_output_tokens,
+            logprobs=(body.top_logprobs or 0) if with_logprobs else None, stream=body.stream,
+            structured_output=structured_output)
+
+    def _structured_output(self, fields: _ConstraintFields) -> StructuredOutputSpec | None:
+        """The constraint of `text.format` and of the tools with `tool_choice` (as for chat);
+        APIError(400) naming this API's field. Runs off the event loop."""
+        try:
+            return chat_structured_output(fields, self.grammar_checker,
+                                          self.settings.tool_call_parser)
+        except APIError as error:
+            raise _with_responses_names(error) from error
+
+    def _render_and_process(
+        self, response_id: str, body: ResponsesRequest, items: Sequence[ConversationItem],
+        params: SamplingParams, client: ClientContext,
+    ) -> ProcessedRequest:
+        messages = template_messages(body.instructions, items)
+        tools = None if not body.tools else [
+            {"type": "function", "function": tool.model_dump(
+                include={"name", "description", "parameters"}, exclude_none=True)}
+            for tool in body.tools]
+        try:
+            token_ids = self.engine.processor.chat_prompt(messages, tools=tools)
+        except ValueError as error:
+            raise APIError(400, str(error), param="input") from error
+        kept = self._tool_call_marker_ids if body.tools and body.tool_choice != "none" \
+            else frozenset()
+        try:
+            return self.process(response_id, token_ids, params, body, client,
+                                kept_special_token_ids=kept)
+        except APIError as error:
+            if error.param == "max_tokens":  # this API's name for it
+                error.param = "max_output_tokens"
+            raise
+
+    async def create(self, body: ResponsesRequest, prepared: PreparedResponse
+                     ) -> dict[str, Any]:
+        """The whole (non-streaming) response object; stored unless `store` is false."""
+        output = self._new_output(body, prepared)
+        num_cached_tokens = 0
+        async for _, result in merge_streams([prepared.stream]):
+            num_cached_tokens = result.num_cached_tokens
+            for completion in result.outputs:
+                output.push(completion, self._logprobs(completion.logprobs))
+        return self._finish(body, prepared, output, num_cached_tokens)
+
+    async def stream(self, body: ResponsesRequest, prepared: PreparedResponse
+                     ) -> AsyncIterator[bytes]:
+        """The response as SSE events: created, in_progress, the output items with their
+        deltas, then completed, incomplete (max_output_tokens) or failed."""
+        event = _Events()
+        output = self._new_output(body, prepared)
+        snapshot = self._response_object(body, prepared, status="in_progress")
+        yield event("response.created", response=snapshot)
+        yield event("response.in_progress", response=snapshot)
+        try:
+            num_cached_tokens = 0
+            message_open = False
+            async for _, result in merge_streams([prepared.stream]):
+                num_cached_tokens = result.num_cached_tokens
+                for completion in result.outputs:
+                    delta = output.push(completion, self._logprobs(completion.logprobs))
+                    if delta:
+                        if not message_open:
+                            message_open = True
+                            for chunk in _message_opening(event, output):
+                                yield chunk
+                        yield event("response.output_text.delta", item_id=output.message_id,
+                                    output_index=0, content_index=0, delta=delta,
+                                    logprobs=output.unsent_logprobs())
+            for chunk in _output_closing(event, output, message_open=message_open):
+                yield chunk
+            final = self._finish(body, prepared, output, num_cached_tokens)
+            kind = "response.incomplete" if output.incomplete else "response.completed"
+            yield event(kind, response=final)
+        except Exception as error:
+            failed = self._response_object(body, prepared, status="failed",
+                                           error=_response_error(error))
+            yield event("response.failed", response=failed)
+
+    def _new_output(self, body: ResponsesRequest, prepared: PreparedResponse) -> _Output:
+        return _Output(
+            splitter=None if prepared.parser is None else StreamingToolCallSplitter(
+                prepared.parser),
+            keep_one_call=body.parallel_tool_calls is False,
+            with_logprobs=LOGPROBS_INCLUDE in (body.include or ()))
+
+    def _finish(self, body: ResponsesRequest, prepared: PreparedResponse, output: _Output,
+                num_cached_tokens: int) -> dict[str, Any]:
+        """The finished response object, stored unless `store` is false."""
+        num_prompt_tokens = len(prepared.request.prompt_token_ids)
+        response = self._response_object(
+            body, prepared, status="incomplete" if output.incomplete else "completed",
+            output=output.items(),
+            usage={"input_tokens": num_prompt_tokens,
+                   "input_tokens_details": {"cached_tokens": num_cached_tokens,
+                                            "cache_write_tokens": 0},
+                   "output_tokens": output.num_tokens,
+                   "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": num_prompt_tokens + output.num_tokens})
+        if prepared.store:
+            self._store(prepared, output, response)
+        return response
+
+    def _store(self, prepared: PreparedResponse, output: _Output, response: dict[str, Any]
+               ) -> None:
+        new_items = output.conversation_items()
+        items_num_bytes = prepared.items_num_bytes + _num_bytes(new_items)
+        stored = StoredResponse(
+            response_id=prepared.response_id, job_id=prepared.job_id,
+            items=(*prepared.items, *new_items), items_num_bytes=items_num_bytes, body=response,
+            num_bytes=items_num_bytes + len(json.dumps(response)))
+        if not self.store.put(prepared.tenant, stored):
+            logger.warning("response %s is not stored: its conversation (%d bytes) is over the "
+                           "store's limit of %d bytes", prepared.response_id, stored.num_bytes,
+                           self.store.max_bytes)
+
+    def _response_object(
+        self, body: ResponsesRequest, prepared: PreparedResponse, *, status: str,
+        output: list[dict[str, Any]] | None = None, usage: dict[str, Any] | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        params = prepared.request.sampling_params
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": prepared.response_id, "object": "response", "created_at": prepared.created_at,
+            "status": status, "background": False, "error": error,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "incomplete_details": incomplete, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls,
+            "model": self.settings.served_model_name, "output": output or [],
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+            "store": prepared.store, "temperature": params.temperature,
+            "text": _text_config(body), "tool_choice": _tool_choice(body),
+            "tools": [tool.model_dump() for tool in body.tools or ()],
+            "top_logprobs": body.top_logprobs or 0, "top_p": params.top_p,
+            "truncation": "disabled", "usage": usage, "user": body.user,
+            "safety_identifier": body.safety_identifier, "metadata": body.metadata or {},
+            "prompt_cache_key": body.prompt_cache_key,
+            "job_id": prepared.job_id,
+        }
+
+    def retrieve(self, response_id: str, tenant: str | None) -> dict[str, Any]:
+        """The stored response object; 404 if the tenant has none of this id."""
+        stored = self.store.get(tenant, response_id)
+        if stored is None:
+            raise _unknown_response(response_id)
+        return dict(stored.body)
+
+    def delete(self, response_id: str, tenant: str | None) -> dict[str, Any]:
+        """Forgets a stored response (later turns can no longer continue it); 404 if the
+        tenant has none of this id."""
+        if not self.store.delete(tenant, response_id):
+            raise _unknown_response(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def _logprobs(self, entries: list[TokenLogprobs] | None) -> list[dict[str, Any]]:
+        if not entries:
+            return []
+        return [{**self._token_logprob(entry.token_id, entry.logprob),
+                 "top_logprobs": [self._token_logprob(token_id, logprob) for token_id, logprob
+                                  in zip(entry.top_token_ids, entry.top_logprobs, strict=True)]}
+                for entry in entries]
+
+    def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _input_items(body: ResponsesRequest) -> tuple[ConversationItem, ...]:
+    if isinstance(body.input, str):
+        return (MessageItem(role="user", content=body.input),)
+    return tuple(body.input)
+
+
+def _num_bytes(items: Sequence[ConversationItem]) -> int:
+    return sum(len(item.model_dump_json()) for item in items)
+
+
+def _check_tools(body: ResponsesRequest) -> None:
+    names = [tool.name for tool in body.tools or ()]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise APIError(400, f"tools name {', '.join(map(repr, duplicates))} more than once",
+                       param="tools")
+    choice = body.tool_choice
+    if (choice == "required" or isinstance(choice, FunctionToolChoice)) and not names:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if isinstance(choice, FunctionToolChoice) and choice.name not in names:
+        raise APIError(400, f"tool_choice names {choice.name!r}, which is not among the tools",
+                       param="tool_choice")
+
+
+def _with_job(body: ResponsesRequest, chain_job_id: str | None, client: ClientContext
+              ) -> tuple[ResponsesRequest, str | None]:
+    """The body with the chain's job unless the client names one (which wins), and with a
+    forced function as the turn's known tool unless the client names one; and the job's id
+    as the client names it (None: no job)."""
+    names_job = body.job_id is not None or body.prompt_cache_key is not None or \
+        JOB_ID_HEADER in client.headers
+    if not names_job and chain_job_id is not None:
+        body = body.model_copy(update={"job_id": chain_job_id})
+    job = job_info(body, client.headers)
+    if job is None:
+        return body, None
+    if isinstance(body.tool_choice, FunctionToolChoice) and job.tool_name is None:
+        body = body.model_copy(update={"tool_name": body.tool_choice.name})
+    return body, job.job_id
+
+
+def template_messages(instructions: str | None, items: Sequence[ConversationItem]
+                      ) -> list[dict[str, Any]]:
+    """The conversation as chat-template messages: `instructions` as a system message first,
+    `function_call` items as `tool_calls` of the assistant message before them (or of a new
+    one), `function_call_output` items as `tool` messages naming their function; reasoning
+    items are left out. APIError(400) for an output that answers no call of the
+    conversation."""
+    messages: list[ChatMessage] = []
+    if instructions is not None:
+        messages.append(ChatMessage(role="system", content=instructions))
+    names_by_call_id: dict[str, str] = {}
+    for item in items:
+        if isinstance(item, MessageItem):
+            messages.append(ChatMessage(role=item.role, content=content_text(item.content)))
+        elif isinstance(item, FunctionCallItem):
+            names_by_call_id[item.call_id] = item.name
+            call = ToolCallIn(id=item.call_id, function=FunctionCallIn(
+                name=item.name, arguments=item.arguments))
+            if messages and messages[-1].role == "assistant":
+                messages[-1].tool_calls = [*(messages[-1].tool_calls or ()), call]
+            else:
+                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif isinstance(item, FunctionCallOutputItem):
+            name = names_by_call_id.get(item.call_id)
+            if name is None:
+                raise APIError(400, f"no function_call with call_id {item.call_id!r} precedes "
+                                    "its function_call_output", param="input")
+            messages.append(ChatMessage(role="tool", content=content_text(item.output),
+                                        tool_call_id=item.call_id, name=name))
+    return [_template_message(message) for message in messages]
+
+
+def _message_opening(event: _Events, output: _Output) -> list[bytes]:
+    return [
+        event("response.output_item.added", output_index=0,
+              item=output.message_item(done=False)),
+        event("response.content_part.added", item_id=output.message_id, output_index=0,
+              content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                     "logprobs": []}),
+    ]
+
+
+def _output_closing(event: _Events, output: _Output, *, message_open: bool) -> list[bytes]:
+    """The events that end the message (opening it if no text was sent) and carry the
+    function calls, once the output is finished."""
+    chunks = []
+    if output.has_message:
+        if not message_open:
+            chunks.extend(_message_opening(event, output))
+        part = output.text_part()
+        chunks += [
+            event("response.output_text.done", item_id=output.message_id, output_index=0,
+                  content_index=0, text=output.text, logprobs=part["logprobs"]),
+            event("response.content_part.done", item_id=output.message_id, output_index=0,
+                  content_index=0, part=part),
+            event("response.output_item.done", output_index=0,
+                  item=output.message_item(done=True)),
+        ]
+    for index, call in enumerate(output.calls, start=1 if output.has_message else 0):
+        chunks += [
+            event("response.output_item.added", output_index=index,
+                  item={**call, "status": "in_progress", "arguments": ""}),
+            event("response.function_call_arguments.delta", item_id=call["id"],
+                  output_index=index, delta=call["arguments"]),
+            event("response.function_call_arguments.done", item_id=call["id"],
+                  output_index=index, name=call["name"], arguments=call["arguments"]),
+            event("response.output_item.done", output_index=index, item=call),
+        ]
+    return chunks
+
+
+def _response_error(error: Exception) -> dict[str, str]:
+    """The `error` of a response that failed after its stream started."""
+    if isinstance(error, EngineDeadError):
+        return {"code": "server_error", "message": engine_dead_error(error).message}
+    if isinstance(error, ServerShuttingDownError):
+        return {"code": "server_error", "message": shutting_down_error(error).message}
+    if isinstance(error, ValueError):  # the core rejected the request
+        return {"code": "invalid_prompt", "message": str(error)}
+    logger.exception("a response stream failed")
+    return {"code": "server_error", "message": f"internal server error: {type(error).__name__}"}
+
+
+def _text_config(body: ResponsesRequest) -> dict[str, Any]:
+    text = body.text
+    text_format = None if text is None else text.format
+    return {"format": {"type": "text"} if text_format is None
+            else text_format.model_dump(by_alias=True, exclude_none=True),
+            "verbosity": "medium" if text is None or text.verbosity is None
+            else text.verbosity}
+
+
+def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any]:
+    choice = body.tool_choice
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else {"type": "function", "name": choice.name}
+
+
+def _unknown_response(response_id: str) -> APIError:
+    return APIError(404, f"No response found with id {response_id!r}.", param="response_id",
+                    code="response_not_found")

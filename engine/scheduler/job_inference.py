@@ -1,0 +1,231 @@
+"""Job inference: the job of a request whose client named none, read from its prompt.
+
+Most agent clients send no job id, yet each turn of their conversation re-sends the previous
+turn's prompt and output followed by something new (a tool result, a user message). The
+scheduler therefore remembers recently finished turns of inferred jobs and, when a request
+without a job arrives, gives it the job of the turn its prompt continues; a request that
+continues nothing starts a new inferred job, so that its own end can be continued in turn.
+
+Owned by the `Scheduler` (absent when `SchedulerConfig.job_inference` is off), which calls
+`infer` from `add_request`, `turn_finished` from its finishing path, `sweep` at every step
+start and in its idle sweep, and ends (`Scheduler.end_job`, reason JOB_END) every job those
+return; `forget` from `end_job`, for a job ended otherwise. Times are seconds on the
+scheduler's clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from engine.kv_cache.hashing import BlockHash, extend_block_hashes
+from engine.request import INFERRED_JOB_ID_PREFIX, JobInfo, Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class InferredJob:
+    """The job inference gave a request that named none: `job` (marked inferred) and the
+    finished request whose turn it continues (None: the request starts a new job)."""
+
+    job: JobInfo
+    continues_request_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _FinishedTurn:
+    """What a later prompt is matched against: the chained hash of the last full block of the
+    turn's prompt, the prompt's tokens after that block, and its length in tokens."""
+
+    job_id: str
+    request_id: str
+    key_hash: BlockHash
+    prompt_tail: tuple[int, ...]
+    num_prompt_tokens: int
+    finished_at_s: float
+
+
+class JobInference:
+    """The table of recently finished turns of inferred jobs, and the rule that matches them.
+
+    **The rule.** A request without a job continues a finished turn when its prompt begins
+    with that turn's whole prompt and is longer than it. The prompt's full blocks are compared
+    by their chained block hashes (`Request.block_hashes`, the prefix cache's own, salted with
+    the request's `cache_salt`, so one tenant never continues another's turn) and the tokens
+    after the last full block one by one. The turn's output is not compared: a chat client
+    re-renders it through the chat template (tool calls re-serialised, whitespace moved), so
+    its tokens, and the block that straddles the prompt's end, rarely come back as sampled.
+    Requiring the whole previous prompt, its generation prompt included, is what keeps a new
+    conversation that merely shares a system prompt or a first message from joining. A turn
+    whose prompt fills no block cannot be matched and is not remembered. When several turns
+    match, the one with the longest prompt wins (then the earliest finished).
+
+    **One continuation per turn.** A match takes the turn out of the table, so two identical
+    conversations (a benchmark at temperature 0) stay two jobs, and an inferred job has at
+    most one unfinished turn. If that turn is aborted, the turn it continued goes back in (as
+    of the abort) so that a retry joins the job again.
+
+    **Bounds.** At most `max_turns` turns, each for at most `max_age_s`: a sweep drops older
+    ones (and a lookup skips them); a full table drops its oldest. The job of a dropped turn has no
+    unfinished turn and can never be continued, so it ends (its pin, if any, is released and
+    the policy forgets it), as does a job left with nothing to continue (its first turn was
+    aborted, or its finished prompt filled no block). The scheduler caps an inferred job's pin
+    at `max_age_s` (`pin_ttl_s`), since no later turn could take it over. A request that
+    continues nothing therefore costs a table entry of about a block's worth of token ids and
+    policy books until its turn leaves the table, and holds KV only where the policy would
+    pin an explicit job's turn (shipped policies pin only turns that called a tool).
+    """
+
+    def __init__(self, block_size: int, *, max_turns: int, max_age_s: float) -> None:
+        if max_turns <= 0:
+            raise ValueError(f"max_turns must be positive, got {max_turns!r}")
+        if not max_age_s > 0:
+            raise ValueError(f"max_age_s must be positive, got {max_age_s!r}")
+        self.block_size = block_size
+        self.max_turns = max_turns
+        self.max_age_s = max_age_s
+        self._turns: OrderedDict[str, _FinishedTurn] = OrderedDict()  # by job id, oldest first
+        self._job_ids_by_key: dict[BlockHash, list[str]] = {}
+        self._continued: dict[str, _FinishedTurn] = {}  # by the unfinished continuing request
+        self._new_job_ids = itertools.count()
+
+    def __len__(self) -> int:
+        """Finished turns in the table."""
+        return len(self._turns)
+
+    def infer(self, request: Request, now_s: float) -> InferredJob:
+        """The job of `request` (which names none): the job of the finished turn it continues,
+        taken out of the table, else a new inferred job with an id no client can send."""
+        turn = self._match(request, now_s)
+        if turn is None:
+            job_id = f"{INFERRED_JOB_ID_PREFIX}{next(self._new_job_ids)}/{request.request_id}"
+            return InferredJob(JobInfo(job_id=job_id, inferred=True), None)
+        self._remove(turn)
+        self._continued[request.request_id] = turn
+        return InferredJob(JobInfo(job_id=turn.job_id, inferred=True), turn.request_id)
+
+    def turn_finished(self, request: Request, now_s: float) -> list[str]:
+        """`request`, a turn of an inferred job, finished: remembers it (or, aborted, puts
+        back the turn it continued). Returns the ids of the jobs that ended, oldest first."""
+        if request.job is None or not request.job.inferred:
+            raise ValueError(f"{request} is not a turn of an inferred job")
+        continued = self._continued.pop(request.request_id, None)
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            if continued is None:
+                return [request.job.job_id]
+            return self._add(dataclasses.replace(continued, finished_at_s=now_s))
+        num_full_blocks = request.num_prompt_tokens // self.block_size
+        if num_full_blocks == 0:
+            return [request.job.job_id]
+        hashes = extend_block_hashes(request, self.block_size)
+        turn = _FinishedTurn(
+            job_id=request.job.job_id, request_id=request.request_id,
+            key_hash=hashes[num_full_blocks - 1],
+            prompt_tail=tuple(request.all_token_ids[num_full_blocks * self.block_size:
+                                                    request.num_prompt_tokens]),
+            num_prompt_tokens=request.num_prompt_tokens, finished_at_s=now_s,
+        )
+        return self._add(turn)
+
+    def sweep(self, now_s: float) -> list[str]:
+        """Drops the turns older than `max_age_s`; returns their jobs' ids, which ended."""
+        ended = []
+        while self._turns:
+            oldest = next(iter(self._turns.values()))
+            if not self._is_stale(oldest, now_s):
+                break
+            self._remove(oldest)
+            ended.append(oldest.job_id)
+        return ended
+
+    def forget(self, job_id: str) -> None:
+        """Drops the job's finished turn, if the table holds one: the job was ended from
+        outside (`DELETE /v1/jobs/...`), so no later request continues it."""
+        turn = self._turns.get(job_id)
+        if turn is not None:
+            self._remove(turn)
+
+    def pin_ttl_s(self, ttl_s: float) -> float:
+        """The TTL of a pin of an inferred job's turn, given the policy's: at most
+        `max_age_s`, after which the turn can no longer be continued."""
+        return min(ttl_s, self.max_age_s)
+
+    # The table.
+    def _match(self, request: Request, now_s: float) -> _FinishedTurn | None:
+        hashes = extend_block_hashes(request, self.block_size)
+        for index in range(len(hashes) - 1, -1, -1):
+            for job_id in self._job_ids_by_key.get(hashes[index], ()):
+                turn = self._turns[job_id]
+                if self._continues(request, turn, now_s):
+                    return turn
+        return None
+
+    def _continues(self, request: Request, turn: _FinishedTurn, now_s: float) -> bool:
+        """Whether `request`'s prompt, whose full blocks up to `turn`'s key already match,
+        also holds `turn`'s prompt tail and goes on past it (and `turn` is fresh)."""
+        if request.num_prompt_tokens <= turn.num_prompt_tokens or self._is_stale(turn, now_s):
+            return False
+        start = turn.num_prompt_tokens - len(turn.prompt_tail)
+        return tuple(request.all_token_ids[start:turn.num_prompt_tokens]) == turn.prompt_tail
+
+    def _is_stale(self, turn: _FinishedTurn, now_s: float) -> bool:
+        return now_s - turn.finished_at_s > self.max_age_s
+
+    def _add(self, turn: _FinishedTurn) -> list[str]:
+        """Files `turn`, dropping the oldest turns while the table is over its size; returns
+        the dropped turns' jobs."""
+        previous = self._turns.get(turn.job_id)
+        if previous is not None:
+            self._remove(previous)
+        self._turns[turn.job_id] = turn
+        self._job_ids_by_key.setdefault(turn.key_hash, []).append(turn.job_id)
+        ended = []
+        while len(self._turns) > self.max_turns:
+            oldest = next(iter(self._turns.values()))
+            self._remove(oldest)
+            ended.append(oldest.job_id)
+        return ended
+
+    def _remove(self, turn: _FinishedTurn) -> None:
+        del self._turns[turn.job_id]
+        job_ids = self._job_ids_by_key[turn.key_hash]
+        job_ids.remove(turn.job_id)
+        if not job_ids:
+            del self._job_ids_by_key[turn.key_hash]
+
+    def check_invariants(self, unfinished: Mapping[str, Request],
+                         pinned_job_ids: Iterable[str]) -> None:
+        """The table is within its size, in finish order, and indexed by its keys; a job in
+        the table has no unfinished turn, each continuing request is unfinished and of the
+        job it continued, and every pin of an inferred job is of a job that can still go on
+        (in the table, or with an unfinished turn). `unfinished`: the scheduler's unfinished
+        requests by id; `pinned_job_ids`: the jobs holding pins."""
+        assert len(self._turns) <= self.max_turns, "the table of finished turns overflowed"
+        times = [turn.finished_at_s for turn in self._turns.values()]
+        assert times == sorted(times), "finished turns out of order"
+        indexed = sorted(job_id for ids in self._job_ids_by_key.values() for job_id in ids)
+        assert indexed == sorted(self._turns), "the key index disagrees with the table"
+        for job_id, turn in self._turns.items():
+            assert turn.job_id == job_id, f"turn of {turn.job_id} filed under {job_id}"
+            assert job_id in self._job_ids_by_key[turn.key_hash], f"{job_id} filed wrongly"
+            assert len(turn.prompt_tail) < self.block_size, f"{job_id}: tail over a block"
+        unfinished_job_ids = [request.job_id for request in unfinished.values()
+                              if request.job is not None and request.job.inferred]
+        assert len(set(unfinished_job_ids)) == len(unfinished_job_ids), (
+            "an inferred job has two unfinished turns"
+        )
+        assert not set(unfinished_job_ids) & self._turns.keys(), (
+            "a job in the table of finished turns has an unfinished turn"
+        )
+        for request_id, turn in self._continued.items():
+            request = unfinished.get(request_id)
+            assert request is not None, f"continuing request {request_id} is not unfinished"
+            assert request.job_id == turn.job_id, f"{request_id} left the job it continued"
+        live = self._turns.keys() | set(unfinished_job_ids)
+        for job_id in pinned_job_ids:
+            assert not job_id.startswith(INFERRED_JOB_ID_PREFIX) or job_id in live, (
+                f"the pin of {job_id} outlived its inferred job"
+            )
+

@@ -1,0 +1,356 @@
+"""Job inference: a request without a job joins the job of the finished turn it continues."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from continuum.policy import ContinuumPolicy
+from engine.config import SchedulerConfig
+from engine.engine_args import EngineArgs
+from engine.kv_cache.pins import PinReleaseReason
+from engine.request import JobInfo, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler.policy import PolicyEnvironment
+from engine.scheduler.tracer import SchedulerTracer
+from estimator.base import ConstantTTLEstimator
+from tests.engine.helpers import (
+    FakeClock,
+    FakeRunner,
+    PinningPolicy,
+    make_request,
+    make_scheduler,
+    run_step,
+    run_until_done,
+)
+from tracing.reader import read_trace
+from tracing.records import JobEnded, PinReleased, RequestArrived
+
+BLOCK_SIZE = 4
+FIRST_PROMPT = list(range(10, 20))  # two full blocks and a tail of two tokens
+OUTPUT_TOKEN = 1  # what the fake runner samples
+RE_RENDERED = [90, 91, 92]  # the previous output as a chat template renders it back
+TOOL_RESULT = [60, 61, 62, 63, 64]
+
+
+def _next_prompt(prompt: list[int]) -> list[int]:
+    """The next turn of a chat: the conversation so far, the assistant's reply re-rendered
+    (not the sampled tokens), and a tool result."""
+    return [*prompt, *RE_RENDERED, *TOOL_RESULT]
+
+
+def _setup(policy=None, clock=None, **kwargs):
+    clock = FakeClock() if clock is None else clock
+    scheduler = make_scheduler(block_size=BLOCK_SIZE, policy=policy or PinningPolicy(),
+                               clock=clock, **kwargs)
+    return scheduler, FakeRunner(BLOCK_SIZE), clock
+
+
+def _turn(scheduler, runner, request_id, prompt, **kwargs) -> Request:
+    request = make_request(request_id, prompt, max_tokens=3, **kwargs)
+    scheduler.add_request(request)
+    run_until_done(scheduler, runner)
+    return request
+
+
+def _salted(request_id: str, prompt: list[int], cache_salt: str) -> Request:
+    return Request(request_id, prompt, SamplingParams(max_tokens=3), arrival_time_s=0.0,
+                   cache_salt=cache_salt)
+
+
+def test_a_request_without_a_job_starts_an_inferred_job_and_its_next_turn_joins_it():
+    scheduler, runner, _ = _setup()
+    first = _turn(scheduler, runner, "first", FIRST_PROMPT)
+    assert first.job is not None and first.job.inferred
+    job_id = first.job_id
+    assert job_id.startswith("~inferred/") and job_id.endswith("/first")
+    pin = scheduler.pins.get(job_id)  # the policy pins every turn of a job, inferred or not
+    assert pin is not None and pin.request_id == "first"
+
+    second = make_request("second", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    scheduler.add_request(second)
+    assert second.job == JobInfo(job_id=job_id, inferred=True)
+    run_until_done(scheduler, runner)
+    assert pin.release_reason is PinReleaseReason.REUSED
+    # The hit covers the first turn's prompt and output up to the re-rendered block.
+    assert second.num_cached_tokens == len(FIRST_PROMPT) // BLOCK_SIZE * BLOCK_SIZE
+    assert scheduler.pins.get(job_id).request_id == "second"
+
+
+def test_the_whole_previous_prompt_must_be_continued():
+    scheduler, runner, _ = _setup()
+    first = _turn(scheduler, runner, "first", FIRST_PROMPT)
+    same_blocks_other_tail = [*FIRST_PROMPT[:8], 77, 78, *RE_RENDERED]  # another question
+    resent = FIRST_PROMPT  # the same prompt again (a regenerate), not a continuation
+    for request_id, prompt in (("other", same_blocks_other_tail), ("resent", resent)):
+        request = make_request(request_id, prompt, max_tokens=3)
+        scheduler.add_request(request)
+        assert request.job.inferred and request.job_id != first.job_id
+        run_until_done(scheduler, runner)
+
+
+def test_an_explicit_job_always_wins_and_leaves_the_table_alone():
+    scheduler, runner, _ = _setup()
+    first = _turn(scheduler, runner, "first", FIRST_PROMPT)
+    explicit = _turn(scheduler, runner, "explicit", _next_prompt(FIRST_PROMPT), job_id="mine")
+    assert explicit.job == JobInfo(job_id="mine")
+    later = make_request("later", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    scheduler.add_request(later)
+    assert later.job_id == first.job_id  # the inferred job's turn was still there to continue
+
+
+def test_one_tenant_never_joins_another_tenants_job():
+    scheduler, runner, _ = _setup()
+    first = _salted("a-first", FIRST_PROMPT, "tenant-a\x00")
+    scheduler.add_request(first)
+    run_until_done(scheduler, runner)
+    intruder = _salted("b-next", _next_prompt(FIRST_PROMPT), "tenant-b\x00")
+    scheduler.add_request(intruder)
+    assert intruder.job.inferred and intruder.job_id != first.job_id
+    own = _salted("a-next", _next_prompt(FIRST_PROMPT), "tenant-a\x00")
+    scheduler.add_request(own)
+    assert own.job_id == first.job_id
+    run_until_done(scheduler, runner)
+
+
+def test_each_finished_turn_is_continued_once_so_identical_conversations_stay_apart():
+    scheduler, runner, _ = _setup()
+    twin_a = _turn(scheduler, runner, "twin-a", FIRST_PROMPT)
+    twin_b = _turn(scheduler, runner, "twin-b", FIRST_PROMPT)
+    assert twin_a.job_id != twin_b.job_id
+    next_a = make_request("next-a", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    next_b = make_request("next-b", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    third = make_request("third", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    for request in (next_a, next_b, third):
+        scheduler.add_request(request)
+    assert (next_a.job_id, next_b.job_id) == (twin_a.job_id, twin_b.job_id)
+    assert third.job_id not in (twin_a.job_id, twin_b.job_id)
+    run_until_done(scheduler, runner)
+
+
+def test_an_aborted_continuation_gives_its_turn_back_and_an_aborted_first_turn_ends_its_job(
+    tmp_path: Path,
+):
+    path = tmp_path / "trace.jsonl"
+    scheduler, runner, _ = _setup(tracer=SchedulerTracer(path))
+    first = _turn(scheduler, runner, "first", FIRST_PROMPT)
+    attempt = make_request("attempt", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    scheduler.add_request(attempt)
+    scheduler.finish_requests(["attempt"])
+    scheduler.check_invariants()
+    retry = make_request("retry", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    scheduler.add_request(retry)
+    assert attempt.job_id == retry.job_id == first.job_id
+    run_until_done(scheduler, runner)
+
+    lone = make_request("lone", [30, 31, 32, 33, 34], max_tokens=3)
+    scheduler.add_request(lone)
+    scheduler.finish_requests(["lone"])
+    scheduler.check_invariants()
+    assert len(scheduler.job_inference) == 1  # the retry's turn; nothing of "lone"
+    scheduler.close_trace()
+    ended = [e.job_id for e in read_trace(path).events if isinstance(e, JobEnded)]
+    assert ended == [lone.job_id]
+
+
+def test_a_released_inferred_job_is_not_continued():
+    scheduler, runner, _ = _setup()
+    first = _turn(scheduler, runner, "first", FIRST_PROMPT)
+    assert scheduler.end_job(first.job_id) is not None  # DELETE /v1/jobs/...: its pin goes
+    assert len(scheduler.job_inference) == 0
+    after = make_request("after", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    scheduler.add_request(after)
+    assert after.job_id != first.job_id
+    run_until_done(scheduler, runner)
+
+
+def test_the_table_is_bounded_in_turns_and_its_dropped_turns_end_their_jobs():
+    scheduler, runner, _ = _setup(job_inference_max_turns=2)
+    prompts = [[k, *FIRST_PROMPT] for k in (1, 2, 3)]
+    turns = [_turn(scheduler, runner, f"t{k}", prompt) for k, prompt in enumerate(prompts)]
+    assert len(scheduler.job_inference) == 2
+    oldest = turns[0].job_id
+    assert oldest not in scheduler.pins  # its job ended: the pin went with it
+    assert scheduler.pins.num_released[PinReleaseReason.JOB_END] == 1
+    late = make_request("late", _next_prompt(prompts[0]), max_tokens=3)
+    scheduler.add_request(late)
+    assert late.job_id != oldest
+    newest = make_request("newest", _next_prompt(prompts[2]), max_tokens=3)
+    scheduler.add_request(newest)
+    assert newest.job_id == turns[2].job_id
+    run_until_done(scheduler, runner)
+
+
+def test_a_turn_too_old_is_not_continued_and_the_sweep_ends_its_job():
+    scheduler, runner, clock = _setup(policy=PinningPolicy(ttl_s=1000.0),
+                                      job_inference_max_age_s=5.0)
+    first = _turn(scheduler, runner, "first", FIRST_PROMPT)
+    pin = scheduler.pins.get(first.job_id)
+    assert pin.ttl_s == 5.0  # capped: after 5 s no turn could take it over
+    clock.advance(5.5)
+    stale = make_request("stale", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    scheduler.add_request(stale)  # before any sweep: the lookup skips the old turn
+    assert stale.job_id != first.job_id
+    run_until_done(scheduler, runner)
+    assert pin.release_reason is PinReleaseReason.JOB_END
+    assert len(scheduler.job_inference) == 1  # only "stale" is left
+
+    clock.advance(6.0)
+    sweep = scheduler.sweep()
+    assert sweep.forgotten_job_ids == (stale.job_id,)
+    assert len(scheduler.job_inference) == 0 and len(scheduler.pins) == 0
+
+
+def test_inference_can_be_turned_off():
+    scheduler, runner, _ = _setup(job_inference=False)
+    first = _turn(scheduler, runner, "first", FIRST_PROMPT)
+    second = _turn(scheduler, runner, "second", _next_prompt(FIRST_PROMPT))
+    assert first.job is None and second.job is None and scheduler.job_inference is None
+    assert len(scheduler.pins) == 0
+
+
+def test_only_the_scheduler_makes_inferred_jobs():
+    with pytest.raises(ValueError, match="reserved for inferred jobs"):
+        JobInfo(job_id="~inferred/0/x")
+    with pytest.raises(ValueError, match="reserved for inferred jobs"):
+        JobInfo(job_id="plain", inferred=True)
+    scheduler, _, _ = _setup()
+    forged = Request("forged", FIRST_PROMPT, SamplingParams(max_tokens=3), arrival_time_s=0.0,
+                     job=JobInfo(job_id="~inferred/0/x", inferred=True))
+    with pytest.raises(ValueError, match="only the scheduler infers jobs"):
+        scheduler.add_request(forged)
+    assert not scheduler.has_unfinished_requests()
+
+
+def _tool_call_decoder(token_ids) -> str:
+    """Outputs holding token 7 are a Hermes tool call; others plain text."""
+    if 7 in token_ids:
+        return '<tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>'
+    return "All done."
+
+
+def test_continuum_orders_an_inferred_turn_as_its_job_and_pins_only_tool_calls():
+    clock = FakeClock()
+    policy = ContinuumPolicy(estimator=ConstantTTLEstimator(30.0))
+    scheduler = make_scheduler(block_size=BLOCK_SIZE, policy=policy, clock=clock,
+                               max_num_seqs=1,
+                               environment=PolicyEnvironment(decode=_tool_call_decoder))
+    runner = FakeRunner(BLOCK_SIZE, sample=lambda req_id, position: 7 if "tool" in req_id
+                        else OUTPUT_TOKEN)
+    tool_turn = _turn(scheduler, runner, "tool-1", FIRST_PROMPT)
+    chat = _turn(scheduler, runner, "chat", [40, *FIRST_PROMPT])
+    assert scheduler.pins.get(tool_turn.job_id) is not None  # it called a tool: pinned
+    assert scheduler.pins.get(chat.job_id) is None  # it called none: not pinned
+
+    clock.advance(1.0)
+    hog = make_request("hog", [50, 51, 52, 53, 54], max_tokens=4)
+    scheduler.add_request(hog)
+    run_step(scheduler, runner)  # the hog runs: max_num_seqs = 1
+    newcomer = make_request("newcomer", [55, 56, 57, 58, 59], max_tokens=1)
+    continuation = make_request("tool-2", _next_prompt(FIRST_PROMPT), max_tokens=1)
+    scheduler.add_request(newcomer)
+    scheduler.add_request(continuation)
+    assert continuation.job_id == tool_turn.job_id
+    admitted = []
+    while scheduler.has_unfinished_requests():
+        output, _ = run_step(scheduler, runner)
+        admitted += [new.req_id for new in output.scheduled_new_reqs]
+    # The older job's turn, which holds a pin, goes before the newer request.
+    assert admitted == ["tool-2", "newcomer"]
+    books = policy.job_state(tool_turn.job_id)
+    assert books["num_turns_finished"] == 2 and books["pins_released"] == {"reused": 1}
+
+
+def test_the_trace_records_the_inference_and_the_jobs_it_ends(tmp_path: Path):
+    path = tmp_path / "trace.jsonl"
+    scheduler, runner, clock = _setup(tracer=SchedulerTracer(path),
+                                      job_inference_max_age_s=5.0)
+    first = _turn(scheduler, runner, "first", FIRST_PROMPT)
+    second = _turn(scheduler, runner, "second", _next_prompt(FIRST_PROMPT))
+    explicit = _turn(scheduler, runner, "explicit", [70, 71, 72, 73, 74], job_id="mine",
+                     is_last_step=True)
+    clock.advance(6.0)
+    scheduler.sweep()
+    scheduler.close_trace()
+
+    events = read_trace(path).events
+    arrived = {e.request_id: e for e in events if isinstance(e, RequestArrived)}
+    assert (arrived["first"].job_id, arrived["first"].job_inferred,
+            arrived["first"].inferred_from) == (first.job_id, True, None)
+    assert (arrived["second"].job_id, arrived["second"].job_inferred,
+            arrived["second"].inferred_from) == (first.job_id, True, "first")
+    assert (arrived["explicit"].job_inferred, arrived["explicit"].inferred_from) == (False, None)
+    assert second.job_id == first.job_id and explicit.job_id == "mine"
+    ended = [(e.job_id, e.reason) for e in events if isinstance(e, JobEnded)]
+    assert ended == [("mine", "job_end"), (first.job_id, "job_end")]
+    released = [(e.request_id, e.reason) for e in events if isinstance(e, PinReleased)]
+    # PinningPolicy never expires pins: the job's end released the last one.
+    assert released == [("first", "reused"), ("explicit", "job_end"), ("second", "job_end")]
+
+
+def test_the_config_bounds_and_the_serve_flags():
+    assert SchedulerConfig().job_inference is True
+    for bad in ({"job_inference_max_turns": 0}, {"job_inference_max_age_s": 0.0},
+                {"job_inference_max_age_s": float("inf")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SchedulerConfig(**bad)
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--no-job-inference", "--job-inference-max-turns", "8",
+                              "--job-inference-max-age-s", "12.5"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert "--no-job-inference" in EngineArgs.cli_flags(args)
+    config = engine_args.to_engine_config().scheduler
+    assert (config.job_inference, config.job_inference_max_turns,
+            config.job_inference_max_age_s) == (False, 8, 12.5)
+
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    max_turns=st.integers(1, 3),
+    max_age_s=st.sampled_from([0.5, 2.0, 100.0]),
+    script=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["turn", "abort", "wait"]),
+                              st.integers(1, 6)), max_size=25),
+)
+def test_random_conversations_keep_the_table_and_the_pins_consistent(max_turns, max_age_s,
+                                                                      script):
+    """Conversations that take turns, abort them, and pause; the scheduler checks the table
+    (no inferred pin outliving its job among them) after every step and sweep."""
+    scheduler, runner, clock = _setup(job_inference_max_turns=max_turns,
+                                      job_inference_max_age_s=max_age_s, max_model_len=256)
+    history: dict[int, list[int]] = {}
+    previous_job: dict[int, str] = {}
+    for number, (conversation, action, size) in enumerate(script):
+        if action == "wait":
+            clock.advance(size * 0.5)
+            scheduler.sweep()
+            scheduler.check_invariants()
+            continue
+        prompt = [*history.get(conversation, [200 + conversation]), *range(30, 30 + size)]
+        request = make_request(f"r{number}", prompt, max_tokens=2)
+        scheduler.add_request(request)
+        assert request.job.inferred
+        if action == "abort":
+            run_step(scheduler, runner)
+            scheduler.finish_requests([request.request_id])
+            scheduler.check_invariants()
+            continue
+        run_until_done(scheduler, runner)
+        if max_turns == 3 and max_age_s == 100.0 and conversation in previous_job:
+            # Room for every conversation, no turn too old: the previous turn was there.
+            assert request.job_id == previous_job[conversation]
+        history[conversation] = [*prompt, *RE_RENDERED]
+        if len(prompt) >= BLOCK_SIZE:  # a shorter prompt cannot be recognised
+            previous_job[conversation] = request.job_id
+        else:
+            previous_job.pop(conversation, None)
+    assert len(scheduler.job_inference) <= max_turns
+    clock.advance(max_age_s + 1.0)
+    scheduler.sweep()  # PinningPolicy never expires a pin: only the jobs' ends release them
+    assert len(scheduler.job_inference) == 0 and len(scheduler.pins) == 0
+    scheduler.check_invariants()
