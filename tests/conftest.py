@@ -1,5 +1,13 @@
-"""Hypothesis profiles: `default` for the suite, `stress` for long runs
+"""Suite-wide settings: one torch thread per process, and the Hypothesis profiles `default`
+for the suite and `stress` for long runs
 (`pytest --hypothesis-profile=stress tests/engine/scheduler/test_properties.py`)."""
+
+import os
+
+# Tests run engine-core processes beside pytest itself on a small machine: one torch thread
+# each avoids oversubscribing the cores (set before anything imports torch; inherited by the
+# processes the tests spawn). A value the caller set is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from hypothesis import HealthCheck, settings
 

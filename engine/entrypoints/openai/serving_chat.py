@@ -132,7 +132,7 @@ class OpenAIServingChat(OpenAIServing):
                                     "among the tools", param="tool_choice")
 
     def _render(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [_template_message(message) for message in body.messages]
+        messages = [template_message(message) for message in body.messages]
         tools = None if not body.tools else [tool.model_dump(exclude_none=True)
                                               for tool in body.tools]
         try:
@@ -279,7 +279,7 @@ def _tool_call(call: ParsedToolCall) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
+def template_message(message: ChatMessage) -> dict[str, Any]:
     """A message as chat templates expect it: text content as a string, and tool-call
     arguments as objects (templates render them with `tojson`)."""
     rendered = message.model_dump(exclude_none=True)

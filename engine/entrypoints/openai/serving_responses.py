@@ -59,7 +59,7 @@ from engine.entrypoints.openai.serving import (
     merge_streams,
     sse,
 )
-from engine.entrypoints.openai.serving_chat import _template_message
+from engine.entrypoints.openai.serving_chat import template_message
 from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
 from engine.entrypoints.openai.tool_parsers import (
     TOOL_CALL_MARKERS,
@@ -574,7 +574,7 @@ def template_messages(instructions: str | None, items: Sequence[ConversationItem
                                     "its function_call_output", param="input")
             messages.append(ChatMessage(role="tool", content=content_text(item.output),
                                         tool_call_id=item.call_id, name=name))
-    return [_template_message(message) for message in messages]
+    return [template_message(message) for message in messages]
 
 
 def _message_opening(event: _Events, output: _Output) -> list[bytes]:
