@@ -32,6 +32,8 @@ from engine.entrypoints.openai.serving import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_MAX_STOP_STRINGS,
     DEFAULT_MAX_STOP_TOKEN_IDS,
+    DEFAULT_MAX_STORED_RESPONSE_BYTES,
+    DEFAULT_MAX_STORED_RESPONSES,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     ServerSettings,
 )
@@ -89,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS,
                        help="most prompts per completion request; more get 400 "
                             "(default: %(default)s)")
+    group.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
+                       help="most responses the Responses API keeps for previous_response_id "
+                            "(default: %(default)s)")
+    group.add_argument("--max-stored-response-bytes", type=int,
+                       default=DEFAULT_MAX_STORED_RESPONSE_BYTES,
+                       help="most bytes of stored responses in all (default: %(default)s)")
     group.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                        help="most stop strings per request; more get 400 (default: %(default)s)")
     group.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS,
@@ -186,6 +194,8 @@ def main(args: argparse.Namespace) -> int:
             max_stop_token_ids=args.max_stop_token_ids,
             max_waiting_requests=args.max_waiting_requests, retry_after_s=args.retry_after_s,
             shutdown_timeout_s=args.shutdown_timeout_s,
+            max_stored_responses=args.max_stored_responses,
+            max_stored_response_bytes=args.max_stored_response_bytes,
         )
         connection_settings = ConnectionSettings(
             header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,

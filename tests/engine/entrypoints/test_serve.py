@@ -154,3 +154,19 @@ def test_sigterm_drains_then_ends_the_streams_left_and_exits_0():
         assert server.returncode == 0, server.log_tail()
     finally:
         server.stop()
+
+
+def test_the_response_store_limit_is_a_serve_flag():
+    """`--max-stored-responses 1`: storing a second response evicts the first."""
+    server = ServerProcess(ServerSpec(serve_args=(
+        "--num-kv-blocks", "64", "--max-model-len", "512", "--max-stored-responses", "1",
+    ))).start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+            ids = [http.post("/v1/responses", json={
+                "model": "tiny", "input": f"turn {index}", "max_output_tokens": 2,
+            }).json()["id"] for index in range(2)]
+            assert http.get(f"/v1/responses/{ids[0]}").status_code == 404
+            assert http.get(f"/v1/responses/{ids[1]}").status_code == 200
+    finally:
+        server.stop()
