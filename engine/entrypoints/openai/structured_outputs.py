@@ -58,6 +58,7 @@ class GrammarChecker:
         self._lock = threading.Lock()
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._passed: OrderedDict[str, None] = OrderedDict()
+        self._call_formats: dict[str, ToolCallFormat] = {}
 
     def spec(self, kind: StructuredOutputKind, grammar: str, param: str) -> StructuredOutputSpec:
         """The spec of `grammar`; APIError 400 with `param` if llguidance rejects it."""
@@ -78,7 +79,13 @@ class GrammarChecker:
 
     def tool_call_format(self, parser_name: str) -> ToolCallFormat:
         """The tool-call format matching the server's parser (`auto`: Hermes when the
-        tokenizer knows `<tool_call>`, Llama-3 JSON otherwise)."""
+        tokenizer knows `<tool_call>`, Llama-3 JSON otherwise); worked out once per parser."""
+        call_format = self._call_formats.get(parser_name)
+        if call_format is None:
+            call_format = self._call_formats[parser_name] = self._find_call_format(parser_name)
+        return call_format
+
+    def _find_call_format(self, parser_name: str) -> ToolCallFormat:
         vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
         if parser_name == "llama3_json" or (parser_name == "auto" and
                                             HERMES_CALL_START not in vocab):
