@@ -183,6 +183,8 @@ class EngineCore:
         """The plan, with the masks of the constrained requests that sample in this step (a
         request samples when the step computes its last known token)."""
         manager = self.structured_outputs
+        if not manager.has_grammars:
+            return scheduler_output
         requests = self.scheduler.requests
         sampling = [
             req_id for req_id in scheduler_output.num_scheduled_tokens
@@ -198,6 +200,8 @@ class EngineCore:
         """Feeds the sampled tokens to their grammars; a request whose tokens the grammar
         rejects (a broken mask) is aborted with the error rather than returned unconstrained."""
         manager = self.structured_outputs
+        if not manager.has_grammars:
+            return outputs
         advanced = []
         for output in outputs:
             error = manager.accept(output.request_id, output.new_token_ids)

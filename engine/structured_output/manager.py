@@ -97,6 +97,11 @@ class StructuredOutputManager:
     def compiling_request_ids(self) -> set[str]:
         return set(self._compiling)
 
+    @property
+    def has_grammars(self) -> bool:
+        """Whether any queued request has a grammar (steps without one skip all grammar work)."""
+        return bool(self._matchers)
+
     def has_grammar(self, request_id: str) -> bool:
         return request_id in self._matchers
 

@@ -35,6 +35,7 @@ from engine.entrypoints.openai.tenants import (
 from engine.frontend.async_llm import AsyncLLM, QueueFullError
 from engine.frontend.outputs import RequestOutput
 from engine.frontend.processor import ProcessedRequest
+from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
@@ -335,6 +336,18 @@ class OpenAIServing:
             return msgspec.structs.replace(params, max_tokens=min(limit, room))
         except ValueError as error:  # min_tokens above the default
             raise APIError(400, str(error), param="min_tokens") from error
+
+    def token_logprobs(self, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
+        """Chat's and the Responses API's logprob entries: each token with its text, logprob,
+        UTF-8 bytes and top alternatives."""
+        return [{**self._token_logprob(entry.token_id, entry.logprob),
+                 "top_logprobs": [self._token_logprob(token_id, logprob) for token_id, logprob
+                                  in zip(entry.top_token_ids, entry.top_logprobs, strict=True)]}
+                for entry in entries]
+
+    def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -255,19 +255,7 @@ class OpenAIServingChat(OpenAIServing):
         return choice
 
     def _logprobs(self, entries: list[TokenLogprobs] | None) -> dict[str, Any] | None:
-        if entries is None:
-            return None
-        content = []
-        for entry in entries:
-            top = [self._token_logprob(t, lp)
-                   for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=True)]
-            content.append({**self._token_logprob(entry.token_id, entry.logprob),
-                            "top_logprobs": top})
-        return {"content": content}
-
-    def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return None if entries is None else {"content": self.token_logprobs(entries)}
 
 
 def _finish_reason(reason: str | None, tool_calls: tuple[ParsedToolCall, ...]) -> str | None:

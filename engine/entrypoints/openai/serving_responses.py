@@ -492,16 +492,7 @@ class OpenAIServingResponses(OpenAIServing):
         return {"id": response_id, "object": "response", "deleted": True}
 
     def _logprobs(self, entries: list[TokenLogprobs] | None) -> list[dict[str, Any]]:
-        if not entries:
-            return []
-        return [{**self._token_logprob(entry.token_id, entry.logprob),
-                 "top_logprobs": [self._token_logprob(token_id, logprob) for token_id, logprob
-                                  in zip(entry.top_token_ids, entry.top_logprobs, strict=True)]}
-                for entry in entries]
-
-    def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return self.token_logprobs(entries or [])
 
 
 def _input_items(body: ResponsesRequest) -> tuple[ConversationItem, ...]:

@@ -9,13 +9,14 @@ tests can see the job extension reach the scheduler (the TTL shows the tool name
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.frontend.tokenizer import load_tokenizer
 from engine.model.directory import load_arch
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
-from engine.scheduler.output import SchedulerOutput
+from engine.scheduler.output import NewRequestData, SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
 from engine.scheduler.policy import Retention
 from tracing.records import TTLInputs
@@ -28,18 +29,21 @@ PIN_TTL_S = 300.0
 
 @dataclass
 class _Progress:
+    """One request's script and how far the runner got through its prompt and the script."""
+
+    script: list[int]
     num_tokens: int
     num_computed_tokens: int
     num_generated: int
 
 
 class ScriptedExecutor:
-    """An executor that replays `SCRIPT` for every request (see the module docstring)."""
+    """An executor that replays `SCRIPT` for every request (see the module docstring).
+    Subclasses choose another script per request with `_script_for`."""
 
     def __init__(self, config: EngineConfig) -> None:
-        tokenizer = load_tokenizer(config.model.model, config.model.tokenizer)
-        self._script = [*tokenizer(SCRIPT, add_special_tokens=False).input_ids,
-                        tokenizer.eos_token_id]
+        self._tokenizer: Any = load_tokenizer(config.model.model, config.model.tokenizer)
+        self._script = self._encode(SCRIPT)
         self._num_kv_blocks = config.cache.num_kv_blocks or 512
         self._vocab_size = load_arch(config.model.model).vocab_size
         self._progress: dict[str, _Progress] = {}
@@ -57,7 +61,7 @@ class ScriptedExecutor:
             self._progress.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._progress[new.req_id] = _Progress(
-                len(new.prompt_token_ids) + len(new.output_token_ids),
+                self._script_for(new), len(new.prompt_token_ids) + len(new.output_token_ids),
                 new.num_computed_tokens, len(new.output_token_ids),
             )
         req_ids, sampled = [], []
@@ -66,16 +70,24 @@ class ScriptedExecutor:
             progress.num_computed_tokens += num_tokens
             req_ids.append(req_id)
             if progress.num_computed_tokens < progress.num_tokens:
-                sampled.append([])
+                sampled.append([])  # a prefill chunk short of the prompt's end samples nothing
                 continue
-            position = min(progress.num_generated, len(self._script) - 1)
-            sampled.append([self._script[position]])
+            position = min(progress.num_generated, len(progress.script) - 1)
+            sampled.append([progress.script[position]])
             progress.num_generated += 1
             progress.num_tokens += 1
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
     def shutdown(self) -> None:
         self._progress.clear()
+
+    def _script_for(self, new: NewRequestData) -> list[int]:
+        return self._script
+
+    def _encode(self, text: str) -> list[int]:
+        """`text`'s tokens, then EOS."""
+        return [*self._tokenizer(text, add_special_tokens=False).input_ids,
+                self._tokenizer.eos_token_id]
 
 
 class PinJobTurnsPolicy(FCFSPolicy):
