@@ -6,7 +6,7 @@ Registered in the engine's policy registry as `continuum`, `continuum-fixed`,
 
 from continuum.baselines import AutellixPolicy, InferCeptPolicy
 from continuum.job_aware import JobAwarePolicy
-from continuum.options import ContinuumOptions, JobOptions, ProgramOrderOptions
+from continuum.options import ContinuumOptions, InferCeptOptions, JobOptions, ProgramOrderOptions
 from continuum.oracle import ContinuumOraclePolicy
 from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
 from continuum.program_order import JobFCFSPolicy
@@ -17,6 +17,7 @@ __all__ = [
     "ContinuumOptions",
     "ContinuumOraclePolicy",
     "ContinuumPolicy",
+    "InferCeptOptions",
     "InferCeptPolicy",
     "JobAwarePolicy",
     "JobFCFSPolicy",

@@ -2,7 +2,8 @@
 
 - `InferCeptPolicy` (InferCept, ICML 2024): keep the KV of a turn that called a tool until
   the job's next turn or memory pressure; under pressure the preserved context that is
-  cheapest to recompute goes first.
+  cheapest to recompute goes first. With `swap`, each such turn is preserved, discarded or
+  swapped to the host tier by InferCept's waste model.
 - `AutellixPolicy` (Autellix, 2025): program-level least attained service (PLAS): waiting
   turns ordered by their job's attained service, the most-served job preempted first.
 
@@ -11,17 +12,23 @@ InferCept and Autellix are simplified to what the scheduler decides; see each cl
 
 from __future__ import annotations
 
+import dataclasses
+
+from continuum.estimation import measured_prefill_cost, measured_reload_cost
+from continuum.interception import InterceptionModel
 from continuum.job_aware import JobAwarePolicy
 from continuum.jobs import Job
+from continuum.options import InferCeptOptions, JobOptions
 from continuum.queues import KeyedRequestQueue, QueueKey
 from engine.kv_cache.pins import Pin
 from engine.request import Request, RequestStatus
-from engine.scheduler.policy import Retention, Victim
+from engine.scheduler.policy import Retention, SchedulerView, Victim
 from tracing.records import TTLInputs
 
 
 class InferCeptPolicy(JobAwarePolicy):
-    """Preserve every tool-calling turn's KV, give it up first under memory pressure.
+    """Preserve every tool-calling turn's KV, give it up first under memory pressure; with
+    `swap`, choose for each such turn by InferCept's waste model.
 
     A non-final turn of a job that called a tool is pinned until its next turn is admitted,
     for at most the job idle timeout. Whenever blocks are short (a running request growing,
@@ -29,7 +36,33 @@ class InferCeptPolicy(JobAwarePolicy):
     request is preempted, the least wasteful first: the fewest pinned blocks (least
     recompute), then the oldest. The head's own job's pin goes last. Waiting order and
     victims are otherwise FCFS.
+
+    With `swap` (`InferCeptOptions`), each such turn is instead preserved (pinned as above),
+    discarded (freed without a store to the host tier) or swapped (freed with a store; the
+    next turn loads it back), whichever wastes the least memory-time
+    (`continuum.interception`): recompute is priced by the prefills and reload by the
+    host-tier loads the engine times at start-up. The trace's `TTLInputs` name the choice
+    (`source`), the samples behind the tool's expected duration and the context's rebuild
+    time by the alternative (`rebuild_s`).
     """
+
+    options_type = InferCeptOptions
+    options: InferCeptOptions
+
+    def __init__(self, options: JobOptions | None = None) -> None:
+        if options is not None and not isinstance(options, InferCeptOptions):
+            options = InferCeptOptions(**dataclasses.asdict(options))  # swap off
+        super().__init__(options)
+        self.interception: InterceptionModel | None = None  # set by `bind` with swap on
+
+    def bind(self, scheduler: SchedulerView) -> None:
+        super().bind(scheduler)
+        if self.options.swap:
+            self.interception = InterceptionModel(
+                recompute_cost=measured_prefill_cost(scheduler.environment),
+                reload_cost=measured_reload_cost(scheduler),
+                default_tool_duration_s=self.options.default_tool_duration_s,
+            )
 
     def make_queue(self) -> KeyedRequestQueue:
         return KeyedRequestQueue(self._fcfs_key)
@@ -37,13 +70,38 @@ class InferCeptPolicy(JobAwarePolicy):
     def _fcfs_key(self, request: Request) -> QueueKey:
         return (request.status is not RequestStatus.PREEMPTED, self.arrival_order(request))
 
+    def on_request_arrived(self, request: Request, now_s: float) -> None:
+        super().on_request_arrived(request, now_s)
+        job = self.job_of(request)
+        if self.interception is not None and job is not None and job.num_turns_finished > 0:
+            self.interception.observe_next_turn(job.job_id, now_s)
+
+    def forget_job(self, job: Job) -> None:
+        if self.interception is not None:
+            self.interception.forget_job(job.job_id)
+
     def retention(self, request: Request, job: Job, now_s: float) -> Retention:
         call = self.tool_call(request, job, now_s)
         if call is None:
             return self.no_tool_call()
         ttl_s = self.jobs.idle_timeout_s
-        return Retention(ttl_s, TTLInputs(ttl_s=ttl_s, source="until-next-turn",
-                                          tool=call.tool_name))
+        if self.interception is None:
+            return Retention(ttl_s, TTLInputs(ttl_s=ttl_s, source="until-next-turn",
+                                              tool=call.tool_name))
+        self.interception.observe_tool_call(call)
+        decision = self.interception.decide(call, block_size=self.scheduler.block_size,
+                                            num_running_blocks=self._running_blocks(request))
+        if decision.choice != "preserve":
+            ttl_s = 0.0
+        inputs = TTLInputs(ttl_s=ttl_s, source=decision.choice, tool=call.tool_name,
+                           num_samples=decision.num_samples, rebuild_s=decision.rebuild_s)
+        return Retention(ttl_s, inputs, offload=decision.choice != "discard")
+
+    def _running_blocks(self, finished: Request) -> int:
+        """Blocks holding the KV of the requests running beside `finished`."""
+        block_size = self.scheduler.block_size
+        return sum(-(-request.num_computed_tokens // block_size)
+                   for request in self.scheduler.running if request is not finished)
 
     def select_victim(self, request: Request) -> Victim:
         pin = self._least_waste_pin(exclude_job_id=None)

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from continuum.options import ContinuumOptions
-from engine.scheduler.policy import PolicyEnvironment
+from engine.scheduler.policy import PolicyEnvironment, SchedulerView
 from estimator.base import ToolCall, TTLDecision, TTLEstimator
-from estimator.cost_model import PrefillCostModel, read_prefill_profile
+from estimator.cost_model import HostReloadCost, PrefillCostModel, read_prefill_profile
 from estimator.registry import PRICES_REBUILDS, EstimatorSettings, make_estimator
 from estimator.state_file import load_state_or_cold_start, save_state
 from estimator.traces import TraceJob, read_trace_jobs
@@ -19,14 +19,21 @@ from tracing.records import TTLInputs
 logger = logging.getLogger(__name__)
 
 
-def build_estimator(options: ContinuumOptions, environment: PolicyEnvironment) -> TTLEstimator:
-    """The configured estimator: `R` priced by the given or measured prefill profile
-    (`none`: R = 0), then the saved state if one loads, else warm-started from the traces (a
-    saved state already holds what an earlier warm start taught). ValueError if a trace or
-    the profile file is bad; a corrupt state file only warns."""
-    settings = EstimatorSettings(prefill_cost=_prefill_cost(options, environment),
-                                 rebuild_cost=options.rebuild_cost, pin_cost=options.pin_cost,
-                                 max_ttl_s=options.max_ttl_s)
+def build_estimator(options: ContinuumOptions, scheduler: SchedulerView) -> TTLEstimator:
+    """The configured estimator: `R` priced by the given or measured prefill profile, or, for
+    a context the engine's host tier can hold, by the load time measured at start-up
+    (`prefill_profile=none`: R = 0 either way), then the saved state if one loads, else
+    warm-started from the traces (a saved state already holds what an earlier warm start
+    taught). ValueError if a trace or the profile file is bad; a corrupt state file only
+    warns."""
+    prices_rebuilds = (options.estimator in PRICES_REBUILDS
+                       and options.prefill_profile != "none")
+    settings = EstimatorSettings(
+        prefill_cost=_prefill_cost(options, scheduler.environment),
+        reload_cost=measured_reload_cost(scheduler) if prices_rebuilds else None,
+        rebuild_cost=options.rebuild_cost, pin_cost=options.pin_cost,
+        max_ttl_s=options.max_ttl_s,
+    )
     estimator = make_estimator(options.estimator, settings)
     loaded = (options.estimator_state is not None
               and load_state_or_cold_start(estimator, options.estimator_state))
@@ -45,11 +52,36 @@ def _prefill_cost(options: ContinuumOptions,
         return PrefillCostModel()
     if source != "auto":
         return PrefillCostModel.fit(read_prefill_profile(source))
-    if environment.profile_prefill is None:
+    return measured_prefill_cost(environment)
+
+
+def measured_prefill_cost(environment: PolicyEnvironment) -> PrefillCostModel | None:
+    """The fit of the prefills the engine times (`environment.profile_prefill`); None when it
+    cannot time them, or when fewer than two lengths fit the KV pool (warned). Call from
+    `bind` only."""
+    return _fit_profile(environment.profile_prefill, "prefill")
+
+
+def measured_reload_cost(scheduler: SchedulerView) -> HostReloadCost | None:
+    """The fit of the host-tier loads the engine times (`environment.profile_kv_reload`),
+    for contexts up to the tier's size; None without a tier, when the engine cannot time
+    loads, or when fewer than two lengths could be timed (warned). Call from `bind` only."""
+    profile = scheduler.environment.profile_kv_reload
+    if profile is None or scheduler.num_host_kv_blocks <= 0:
         return None
-    points = environment.profile_prefill()
+    model = _fit_profile(profile, "host-tier load")
+    if model is None:
+        return None
+    return HostReloadCost(model, scheduler.num_host_kv_blocks * scheduler.block_size)
+
+
+def _fit_profile(profile: Callable[[], list[tuple[int, float]]] | None,
+                 what: str) -> PrefillCostModel | None:
+    if profile is None:
+        return None
+    points = profile()
     if len({n for n, _ in points}) < 2:
-        logger.warning("too few prefill lengths fit the KV pool to price rebuilds: R = 0")
+        logger.warning("too few %s lengths could be timed to price them: left unpriced", what)
         return None
     return PrefillCostModel.fit(points)
 

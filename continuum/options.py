@@ -15,6 +15,9 @@ from estimator.registry import EstimatorName
 from estimator.solver import PinCost
 
 DEFAULT_JOB_IDLE_TIMEOUT_S = 600.0
+# InferCept's expected tool duration before any is observed: the mean that Eq. 2's cold start
+# assumes too (durations ~ Exp(mean 1 s)).
+DEFAULT_TOOL_DURATION_S = 1.0
 
 
 def _help(text: str) -> dict[str, str]:
@@ -36,6 +39,26 @@ class JobOptions:
     def __post_init__(self) -> None:
         _require(self.job_idle_timeout_s > 0,
                  f"job_idle_timeout_s must be > 0, got {self.job_idle_timeout_s!r}")
+
+
+@dataclass(frozen=True)
+class InferCeptOptions(JobOptions):
+    """InferCept's handling of a turn paused on a tool: always preserve its KV (the default),
+    or choose by its waste model between preserving, discarding and swapping it out."""
+
+    swap: bool = field(default=False, metadata=_help(
+        "on: for each turn that called a tool, preserve its KV (pinned until the next turn), "
+        "discard it (recomputed) or swap it to the host tier (--kv-offload-gib; reloaded), "
+        "whichever wastes the least memory-time; off: always preserve"))
+    default_tool_duration_s: float = field(default=DEFAULT_TOOL_DURATION_S, metadata=_help(
+        "with swap: a tool call's expected duration before any call was observed (then the "
+        "mean of the tool's observed calls, else of all tools')"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(0 <= self.default_tool_duration_s < math.inf,
+                 "default_tool_duration_s must be a finite number >= 0, got "
+                 f"{self.default_tool_duration_s!r}")
 
 
 @dataclass(frozen=True)

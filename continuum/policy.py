@@ -61,7 +61,7 @@ class ContinuumPolicy(JobFCFSPolicy):
     def default_estimator(self, options: ContinuumOptions,
                           scheduler: SchedulerView) -> TTLEstimator:
         """The estimator when none was given: the one the options name."""
-        return build_estimator(options, scheduler.environment)
+        return build_estimator(options, scheduler)
 
     # What the estimator learns from.
     def on_request_arrived(self, request: Request, now_s: float) -> None:

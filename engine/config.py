@@ -33,7 +33,9 @@ class CacheConfig:
 
     `num_kv_blocks` fixes the pool size; `None` lets the model runner size it: on CUDA from
     the device memory it profiles (`gpu_memory_utilization` of the total), on CPU from
-    `cpu_kv_cache_space_gib`.
+    `cpu_kv_cache_space_gib`. `kv_offload_gib` > 0 adds a host-memory tier of that many GiB
+    (0: none), which evictable KV is stored to and prefixes are loaded back from; it needs
+    prefix caching.
     """
 
     block_size: int = 16
@@ -41,6 +43,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space_gib: float = 2.0
+    kv_offload_gib: float = 0.0
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -53,6 +56,12 @@ class CacheConfig:
             raise ValueError(
                 f"cpu_kv_cache_space_gib must be positive, got {self.cpu_kv_cache_space_gib!r}"
             )
+        if not 0 <= self.kv_offload_gib < math.inf:
+            raise ValueError(
+                f"kv_offload_gib must be a finite number >= 0, got {self.kv_offload_gib!r}")
+        if self.kv_offload_gib and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gib needs prefix caching (the host tier is keyed by "
+                             "block hashes)")
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,10 @@ _HELP = {
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV",
     "cpu_kv_cache_space_gib": "KV pool size on CPU, GiB",
+    "kv_offload_gib": (
+        "host-memory KV tier, GiB: evictable KV is stored there and prefixes found there are "
+        "loaded back (needs prefix caching); 0: off"
+    ),
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step",
     "long_prefill_token_threshold": "most tokens one request computes per step; None: no cap",
@@ -98,6 +102,7 @@ class EngineArgs:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     cpu_kv_cache_space_gib: float = CacheConfig.cpu_kv_cache_space_gib
+    kv_offload_gib: float = CacheConfig.kv_offload_gib
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold
@@ -130,7 +135,8 @@ class EngineArgs:
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               enable_prefix_caching=self.enable_prefix_caching,
                               gpu_memory_utilization=self.gpu_memory_utilization,
-                              cpu_kv_cache_space_gib=self.cpu_kv_cache_space_gib),
+                              cpu_kv_cache_space_gib=self.cpu_kv_cache_space_gib,
+                              kv_offload_gib=self.kv_offload_gib),
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs,

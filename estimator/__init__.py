@@ -8,7 +8,7 @@ from estimator.base import (
     TTLDecision,
     TTLEstimator,
 )
-from estimator.cost_model import PrefillCostModel
+from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, RebuildCost
 from estimator.fixed import FixedTTLEstimator
 from estimator.history import ToolDurationHistory
@@ -26,6 +26,7 @@ __all__ = [
     "Eq2Estimator",
     "EstimatorSettings",
     "FixedTTLEstimator",
+    "HostReloadCost",
     "ObservationSink",
     "ParsedToolCalls",
     "PrefillCostModel",

@@ -2,7 +2,9 @@
 
 Prefill cost grows linearly with the context (weights, MLPs) plus quadratically (attention).
 The engine measures a few prefills at start-up, or a profile file supplies them; the fit is a
-non-negative least-squares regression (scikit-learn) of seconds on `[n, n^2]`.
+non-negative least-squares regression (scikit-learn) of seconds on `[n, n^2]`. With a host
+KV tier, a context held there is reloaded instead (`HostReloadCost`, the same fit of timed
+loads).
 """
 
 from __future__ import annotations
@@ -94,6 +96,26 @@ class PrefillCostModel:
                           for key in ("intercept_s", "linear_s", "quadratic_s")})
         except (KeyError, TypeError, OverflowError) as error:
             raise ValueError(f"bad prefill cost model: {error}") from error
+
+
+@dataclass(frozen=True, slots=True)
+class HostReloadCost:
+    """Seconds to load a context's KV back from the engine's host tier: `model` is fitted on
+    loads timed at start-up, as prefills are (`PrefillCostModel.fit`: loads grow linearly
+    with the bytes, so its quadratic term comes out near 0); `max_tokens` is what the tier
+    holds (its blocks times the block size), beyond which a context cannot be reloaded."""
+
+    model: PrefillCostModel
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens!r}")
+
+    def cost_s(self, num_tokens: int) -> float | None:
+        """Seconds to reload a context of `num_tokens` tokens; None if it is larger than
+        the tier (it must be prefilled)."""
+        return self.model.cost_s(num_tokens) if num_tokens <= self.max_tokens else None
 
 
 def read_prefill_profile(path: str | Path) -> list[tuple[int, float]]:

@@ -9,7 +9,9 @@ are assumed Exp(mean 1 s) and eta = 1, giving `ttl = ln(T + R)` when `T + R > 1`
 overall but at most K for `f`, the pooled CDF of all tools is used. With a fitted
 `predictor`, the CDF is instead the predictor's conditional distribution for the call.
 
-`R` is the paper's by default (`rebuild_cost="prefill"`): the prefill time of `r` tokens. An
+`R` is the paper's by default (`rebuild_cost="prefill"`): the prefill time of `r` tokens, or,
+when the engine has a host KV tier that can hold `r` tokens (`reload_cost`), the time to load
+them back from it (a pin that expires or is released leaves its blocks there). An
 option, `rebuild_cost="prefill-times-running"`, multiplies it by 1 + the other requests
 running when the turn finished (`ToolCall.num_running_requests`), since in an engine that
 batches prefill and decode tokens into one step a rebuild lengthens their steps too;
@@ -40,7 +42,7 @@ from estimator.base import (
     clamp_count,
     clamp_seconds,
 )
-from estimator.cost_model import PLAUSIBILITY_CONTEXT_TOKENS, PrefillCostModel
+from estimator.cost_model import PLAUSIBILITY_CONTEXT_TOKENS, HostReloadCost, PrefillCostModel
 from estimator.history import ToolDurationHistory
 from estimator.predictor import (
     CallFeatures,
@@ -66,7 +68,8 @@ REBUILD_COSTS: tuple[RebuildCost, ...] = ("prefill", "prefill-times-running")
 class Eq2Estimator:
     """Owned by one policy (single-threaded); see the module docstring for the rule.
 
-    `prefill_cost` prices `R` (None: R = 0), as `rebuild_cost` says; `pin_cost` says what a
+    `prefill_cost` prices `R` (None: R = 0), as `rebuild_cost` says, except for contexts the
+    host tier holds, which `reload_cost` prices (None: no tier); `pin_cost` says what a
     pin is charged (see the module docstring); `max_ttl_s` caps every TTL; `predictor`, once
     fitted, replaces the empirical CDF; `max_records` bounds the finished calls kept to
     (re)train it. With `refit_every`, a copy of the predictor is retrained on the records
@@ -78,6 +81,7 @@ class Eq2Estimator:
         self,
         *,
         prefill_cost: PrefillCostModel | None = None,
+        reload_cost: HostReloadCost | None = None,
         rebuild_cost: RebuildCost = "prefill",
         pin_cost: PinCost = "ttl",
         max_ttl_s: float = DEFAULT_MAX_TTL_S,
@@ -103,6 +107,7 @@ class Eq2Estimator:
             raise ValueError(f"max_ttl_s must be a positive finite number, got {max_ttl_s!r}")
         self.cold_start_samples = cold_start_samples
         self.prefill_cost = prefill_cost
+        self.reload_cost = reload_cost
         self.rebuild_cost = rebuild_cost
         self.pin_cost = pin_cost
         self.max_ttl_s = float(max_ttl_s)
@@ -142,7 +147,12 @@ class Eq2Estimator:
                            benefit_s=benefit_s)
 
     def rebuild_s(self, num_context_tokens: int) -> float:
-        """R: seconds to rebuild a context of this many tokens."""
+        """R: seconds to rebuild a context of this many tokens: its reload time when the host
+        tier can hold it, else its prefill time."""
+        reload_s = (None if self.reload_cost is None
+                    else self.reload_cost.cost_s(num_context_tokens))
+        if reload_s is not None:
+            return reload_s
         return 0.0 if self.prefill_cost is None else self.prefill_cost.cost_s(num_context_tokens)
 
     def _cdf(self, call: ToolCall) -> tuple[DurationCDF, str, int]:
@@ -268,7 +278,8 @@ class Eq2Estimator:
         that is not finite, an implausible prefill cost (`PrefillCostModel.check_plausible`;
         refused even when the estimator's own is used), or a predictor that cannot be trained
         on it. Of each list only the latest entries this estimator keeps are read. The
-        state's prefill cost is taken only if the estimator has none."""
+        state's prefill cost is taken only if the estimator has none. The reload cost is
+        never saved nor loaded: it describes this engine's host tier, measured at start."""
         fresh = self._blank_copy()
         try:
             fresh._apply_state(state)
@@ -290,6 +301,7 @@ class Eq2Estimator:
     def _blank_copy(self) -> Eq2Estimator:
         """An estimator with this one's settings and bounds that has learned nothing."""
         return Eq2Estimator(
+            reload_cost=self.reload_cost,
             rebuild_cost=self.rebuild_cost, pin_cost=self.pin_cost, max_ttl_s=self.max_ttl_s,
             cold_start_samples=self.cold_start_samples,
             history=ToolDurationHistory(max_samples=self.history.max_samples,

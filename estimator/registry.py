@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from estimator.base import TTLEstimator
-from estimator.cost_model import PrefillCostModel
+from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, RebuildCost
 from estimator.fixed import FixedTTLEstimator
 from estimator.learned import QuantileBoostingPredictor
@@ -23,10 +23,12 @@ EstimatorName = Literal["eq2-empirical", "eq2-learned", "fixed-2s"]
 @dataclass(frozen=True)
 class EstimatorSettings:
     """What every estimator may be built with: `prefill_cost` prices rebuilding a context
-    (None: R = 0) as `rebuild_cost` says; `pin_cost` is what Eq. 2 charges a pin;
-    `max_ttl_s` caps Eq. 2's TTLs."""
+    (None: R = 0) as `rebuild_cost` says, `reload_cost` reloading one the host tier holds
+    (None: no tier); `pin_cost` is what Eq. 2 charges a pin; `max_ttl_s` caps Eq. 2's
+    TTLs."""
 
     prefill_cost: PrefillCostModel | None = None
+    reload_cost: HostReloadCost | None = None
     rebuild_cost: RebuildCost = "prefill"
     pin_cost: PinCost = "ttl"
     max_ttl_s: float = DEFAULT_MAX_TTL_S
@@ -56,7 +58,7 @@ ESTIMATORS: dict[str, Callable[[EstimatorSettings], TTLEstimator]] = {
 }
 
 
-# The estimators whose TTLs depend on `EstimatorSettings.prefill_cost`.
+# The estimators whose TTLs depend on `EstimatorSettings.prefill_cost` and `reload_cost`.
 PRICES_REBUILDS = frozenset({"eq2-empirical", "eq2-learned"})
 
 

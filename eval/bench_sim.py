@@ -3,7 +3,10 @@
 Every (policy spec, load) pair is one discrete-event simulation (`eval.simulator`) of the
 same jobs arriving by the same Poisson draw, on the real scheduler with the `simulated`
 executor. A policy spec is `NAME` or `NAME:KEY=VALUE[:KEY=VALUE...]` (the policy's own
-options, e.g. `continuum:estimator=eq2-learned`); the spec as written labels its rows.
+options, e.g. `continuum:estimator=eq2-learned`), optionally ending in `+tier`: the same
+policy on an engine with a host KV tier (`fcfs+tier`, `continuum:estimator=fixed-2s+tier`),
+as large as the profile's host memory unless `--kv-offload-gib` says otherwise. The spec as
+written labels its rows.
 The jobs come from a named workload (`--workload NAME`, `continuum bench workloads` lists them)
 or a trace file (`--trace FILE`). Optionally, plain chat sessions (`--chat-workload NAME` or
 `--chat-trace FILE`) arrive beside the jobs by their own Poisson process and are reported
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import zlib
@@ -24,7 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
-from engine.executor.roofline import DEFAULT_SIM_PROFILE, SIM_PROFILES
+from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB, SIM_PROFILES, get_sim_profile
 from engine.scheduler.options import option_items_to_dict
 from engine.scheduler.registry import POLICY_REGISTRY, check_policy_options
 from eval.arrivals import arrivals_s, poisson_arrivals_s, poisson_arrivals_within_s
@@ -52,25 +56,31 @@ DEFAULT_POLICIES = "fcfs,continuum-fixed,infercept,autellix,continuum"
 # The paper's ablation, each rung adding one mechanism; `--policies ladder` runs it.
 ABLATION_LADDER = "fcfs,job-fcfs,continuum-fixed,continuum,continuum-oracle"
 VLLM_DEFAULT_CHUNK = 2048
+HOST_TIER_SUFFIX = "tier"
+# A `+word` at the end of a spec is a suffix (only `+tier` exists).
+_SUFFIX = re.compile(r"\+([A-Za-z_-]*)$")
 
 
 @dataclass(frozen=True)
 class PolicySpec:
     """A policy with its options, as `--policies` names it: `label` is the spec as written,
-    `options` the `KEY`, `VALUE` pairs in the order given."""
+    `options` the `KEY`, `VALUE` pairs in the order given, `host_tier` whether the engine
+    has a host KV tier (the `+tier` suffix)."""
 
     label: str
     name: str
     options: tuple[tuple[str, str], ...] = ()
+    host_tier: bool = False
 
 
 def parse_policy_spec(text: str) -> PolicySpec:
-    """`NAME` or `NAME:KEY=VALUE[:KEY=VALUE...]`. NAME is a registry name, or else a
-    `module:Class` path (the segments before the first one holding `=`). ValueError for an
-    empty name, an option without `=`, or a key given twice; the options are not checked
-    against the policy."""
+    """`NAME` or `NAME:KEY=VALUE[:KEY=VALUE...]`, optionally followed by `+tier`. NAME is a
+    registry name, or else a `module:Class` path (the segments before the first one holding
+    `=`). ValueError for an empty name, an option without `=`, a key given twice, or another
+    suffix than `+tier`; the options are not checked against the policy."""
     label = text.strip()
-    segments = label.split(":")
+    base, host_tier = _split_suffix(label)
+    segments = base.split(":")
     if segments[0].strip() in POLICY_REGISTRY:
         first_option = 1
     else:
@@ -83,7 +93,30 @@ def parse_policy_spec(text: str) -> PolicySpec:
         options = option_items_to_dict(segments[first_option:])
     except ValueError as error:
         raise ValueError(f"policy spec {label!r}: {error}") from None
-    return PolicySpec(label, name, tuple(options.items()))
+    return PolicySpec(label, name, tuple(options.items()), host_tier)
+
+
+def _split_suffix(label: str) -> tuple[str, bool]:
+    """The spec without its `+tier` suffix, and whether it had one; ValueError for another
+    suffix."""
+    suffix = _SUFFIX.search(label)
+    if suffix is None:
+        return label, False
+    if suffix.group(1) != HOST_TIER_SUFFIX:
+        raise ValueError(f"policy spec {label!r}: unknown suffix {suffix.group(0)!r}; the "
+                         f"only one is '+{HOST_TIER_SUFFIX}' (a host KV tier)")
+    base = label[:suffix.start()]
+    if _SUFFIX.search(base) is not None:
+        raise ValueError(f"policy spec {label!r}: one suffix at most")
+    return base, True
+
+
+def host_tier_gib(profile: str, kv_offload_gib: float | None = None) -> float:
+    """The host tier of the `+tier` rows, in GiB: `kv_offload_gib`, else all of the
+    profile's host memory."""
+    if kv_offload_gib is not None:
+        return kv_offload_gib
+    return get_sim_profile(profile).host_memory_bytes / GIB
 
 
 def policy_specs(comma_separated: str | None, single: Sequence[str] = ()) -> list[PolicySpec]:
@@ -252,7 +285,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=None, metavar="SPECS",
                         help="comma-separated policy specs NAME or NAME:KEY=VALUE[:KEY=VALUE"
                              "...], e.g. continuum:estimator=eq2-learned (`continuum serve "
-                             "--help` lists each policy's options; a value holds no ':'); "
+                             "--help` lists each policy's options; a value holds no ':'), "
+                             "ending in +tier for an engine with a host KV tier (fcfs+tier); "
                              "each spec is one row, labelled as written; 'ladder' = the "
                              f"paper's ablation {ABLATION_LADDER} (default: {DEFAULT_POLICIES})")
     parser.add_argument("--policy", action="append", default=[], metavar="SPEC",
@@ -264,6 +298,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV pool size (default: what the profile's memory holds)")
+    parser.add_argument("--kv-offload-gib", type=positive_float, default=None, metavar="GIB",
+                        help="host KV tier of the policy specs ending in +tier, in GiB "
+                             "(default: the profile's host memory; specs without +tier run "
+                             "without a tier)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
                         help="token budget of a step, the chunked-prefill size; vLLM's "
@@ -287,15 +325,20 @@ class _SimTask:
 def run_comparison(
     jobs: Sequence[AgentJobSpec], settings: SimSettings, specs: Sequence[PolicySpec],
     loads: Sequence[float | None], *, workers: int = 1, chat: ChatWorkload | None = None,
+    kv_offload_gib: float | None = None,
 ) -> list[dict]:
-    """One simulation per (policy spec, load); the runs' figures in (load, spec) order."""
+    """One simulation per (policy spec, load); the runs' figures in (load, spec) order. The
+    specs decide the host tier: `host_tier_gib(settings.profile, kv_offload_gib)` GiB for
+    those ending in `+tier`, none for the others."""
+    tier_gib = host_tier_gib(settings.profile, kv_offload_gib)
     tasks = []
     for load in loads:
         times = tuple(arrivals_s(len(jobs), load, seed=settings.seed))
         chat_load = ChatLoad() if chat is None else chat.load_for(times, settings.seed)
         tasks.extend(
             _SimTask(tuple(jobs), times, chat_load,
-                     replace(settings, policy=spec.name, policy_options=spec.options), spec, load)
+                     replace(settings, policy=spec.name, policy_options=spec.options,
+                             kv_offload_gib=tier_gib if spec.host_tier else 0.0), spec, load)
             for spec in specs
         )
     if workers <= 1:
@@ -309,6 +352,7 @@ def _run_one(task: _SimTask) -> dict:
     metrics = simulate(task.jobs, task.arrivals_s, task.settings, task.chat)
     return {"label": task.spec.label, "policy": task.spec.name,
             "policy_options": dict(task.spec.options), "jobs_per_s": task.load,
+            "kv_offload_gib": task.settings.kv_offload_gib,
             **metrics.to_dict(), "wall_s": time.perf_counter() - started_s}
 
 
@@ -340,6 +384,9 @@ def chat_summary(chat: ChatWorkload) -> dict:
 def main(args: argparse.Namespace) -> int:
     try:
         specs = policy_specs(args.policies, args.policy)
+        if args.kv_offload_gib is not None and not any(spec.host_tier for spec in specs):
+            raise ValueError(f"--kv-offload-gib sizes the host tier of the policy specs "
+                             f"ending in +{HOST_TIER_SUFFIX}, and none does")
         chat = load_chat(args)
         source = workload_source(args)
         jobs = load_workload(args)
@@ -350,7 +397,7 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         runs = run_comparison(jobs, settings, specs, args.jobs_per_s, workers=args.workers,
-                              chat=chat)
+                              chat=chat, kv_offload_gib=args.kv_offload_gib)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -359,7 +406,7 @@ def main(args: argparse.Namespace) -> int:
         title += f" with {Path(chat.label).name} sessions at {chat.sessions_per_s:g}/s"
     print(f"{title}\n\n{markdown_table(runs)}")
     if args.json:
-        excluded = ("policy", "policy_options")
+        excluded = ("policy", "policy_options", "kv_offload_gib")
         report = {"trace": source.label, "profile": args.profile,
                   "policies": [spec.label for spec in specs],
                   "settings": {k: v for k, v in asdict(settings).items() if k not in excluded},

@@ -4,7 +4,7 @@ Job completion time (JCT) runs from the job's first arrival to the end of its la
 A turn's queueing delay runs from its arrival to the step that first scheduled it (the
 simulator sees it; over HTTP it is unknown); its TTFT from its arrival to its first token.
 The cached-token fraction is the prompt tokens served from the prefix cache (as `usage`
-reports them) over all prompt tokens.
+reports them, host-tier hits included) over all prompt tokens.
 
 In a mixed run (agent jobs beside plain chat sessions) every job figure counts the agent jobs
 only; the `chat_*` fields describe the chat requests (each turn of each session) apart.
@@ -56,7 +56,10 @@ class RunMetrics:
     `leaked_blocks` come from the simulator only. Queueing and TTFT
     figures are in seconds; `*_queue_s` cover agent turns. The `chat_*` fields are None
     unless plain chat sessions ran beside the jobs: their sessions, requests (finished
-    turns), and the requests' queueing delay and TTFT percentiles.
+    turns), and the requests' queueing delay and TTFT percentiles. The `host_*` fields are
+    None unless the engine had a host KV tier: the share of the tokens looked up in the prefix
+    cache at admissions that were loaded from the tier, and the tokens stored to and loaded
+    from it (engine counters, every request included).
     """
 
     num_jobs: int
@@ -89,6 +92,9 @@ class RunMetrics:
     chat_queue_p99_s: float | None = None
     chat_ttft_p50_s: float | None = None
     chat_ttft_p99_s: float | None = None
+    host_hit_token_fraction: float | None = None
+    host_stored_tokens: int | None = None
+    host_loaded_tokens: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -156,6 +162,7 @@ def summarize_run(
         busy_fraction=_busy_fraction(busy_s, [*jobs, *(chat or ())]),
         leaked_blocks=leaked_blocks,
         **({} if chat is None else chat_figures(chat)),
+        **host_tier_figures(stats),
     )
 
 
@@ -163,6 +170,19 @@ def _busy_fraction(busy_s: float | None, records: Sequence[JobRecord]) -> float 
     start_s = min((record.arrival_s for record in records), default=0.0)
     end_s = max((r.finished_s for r in records if r.finished_s is not None), default=start_s)
     return None if busy_s is None or end_s <= start_s else busy_s / (end_s - start_s)
+
+
+def host_tier_figures(stats: EngineStats | None) -> dict[str, int | float]:
+    """The `host_*` fields of `RunMetrics` from the engine's counters; none without a tier."""
+    if stats is None or not stats.num_host_kv_blocks:
+        return {}
+    queried = stats.prefix_cache_query_tokens
+    return {
+        "host_hit_token_fraction":
+            stats.prefix_cache_host_hit_tokens / queried if queried else 0.0,
+        "host_stored_tokens": stats.host_kv_stored_tokens,
+        "host_loaded_tokens": stats.host_kv_loaded_tokens,
+    }
 
 
 def chat_figures(sessions: Sequence[JobRecord]) -> dict[str, int | float | None]:

@@ -3,7 +3,8 @@
 A run is a dict with `label` (the policy spec as written; `policy` where a run has no label),
 `jobs_per_s` and the `RunMetrics` fields, as in the `--json` output of `continuum bench sim`
 and `continuum bench agent`. Runs with plain chat sessions beside the jobs (`chat_*` figures)
-get the chat requests' queueing and TTFT columns.
+get the chat requests' queueing and TTFT columns; runs with a host KV tier (`host_*`
+figures), the share of looked-up prompt tokens loaded from it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,15 @@ def _has_chat(runs: Sequence[dict]) -> bool:
     return any(run.get("chat_num_requests") is not None for run in runs)
 
 
-def _row(runs: Sequence[dict], run: dict, with_chat: bool) -> str:
+def _has_host_tier(runs: Sequence[dict]) -> bool:
+    return any(run.get("host_hit_token_fraction") is not None for run in runs)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _row(runs: Sequence[dict], run: dict, with_chat: bool, with_host: bool) -> str:
     ratio = speedup(runs, run)
     cells = [
         _load(run["jobs_per_s"]), run_label(run), _seconds(run["mean_jct_s"]),
@@ -54,6 +63,8 @@ def _row(runs: Sequence[dict], run: dict, with_chat: bool) -> str:
         f"{run['cached_token_fraction']:.1%}",
         "-" if run["preemptions"] is None else str(run["preemptions"]),
     ]
+    if with_host:
+        cells.append(_percent(run.get("host_hit_token_fraction")))
     if with_chat:
         cells += [
             f"{_fine_seconds(run.get('chat_queue_p50_s'))} / "
@@ -65,19 +76,25 @@ def _row(runs: Sequence[dict], run: dict, with_chat: bool) -> str:
 
 
 def markdown_table(runs: Sequence[dict]) -> str:
-    """One row per (load, policy spec), loads ascending, specs in run order; with chat
-    sessions, their requests' queueing and TTFT p50 / p99 (seconds) too."""
+    """One row per (load, policy spec), loads ascending, specs in run order; with a host
+    tier, the share of looked-up tokens loaded from it; with chat sessions, their requests'
+    queueing and TTFT p50 / p99 (seconds) too."""
     with_chat = _has_chat(runs)
+    with_host = _has_host_tier(runs)
     header = ("| jobs/s | policy | mean JCT (s) | p90 JCT (s) | p99 JCT (s) | vs fcfs (mean) "
               "| mean queueing (s) | cached tokens | preemptions |")
     rule = "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+    if with_host:
+        header += " from host tier |"
+        rule += "---:|"
     if with_chat:
         header += " chat queueing p50 / p99 (s) | chat TTFT p50 / p99 (s) |"
         rule += "---:|---:|"
     lines = [header, rule]
     loads = sorted({run["jobs_per_s"] for run in runs}, key=lambda v: (v is not None, v or 0))
     for load in loads:
-        lines.extend(_row(runs, run, with_chat) for run in runs if run["jobs_per_s"] == load)
+        lines.extend(_row(runs, run, with_chat, with_host)
+                     for run in runs if run["jobs_per_s"] == load)
     return "\n".join(lines)
 
 

@@ -56,16 +56,18 @@ class SimSettings:
     """One simulated run: the engine's policy with its options (`KEY`, `VALUE` string pairs,
     as the policy takes them), limits (`max_num_batched_tokens` is the token budget of a step,
     the chunked-prefill size), the cost profile, and the seed of the prompts' token ids.
-    `num_kv_blocks=None` sizes the pool from the profile's memory. `check_invariants` checks
-    the scheduler after every step (slow; for tests). `job_inference` lets the scheduler infer
-    the jobs of plain chat sessions (off: they stay plain requests, as in the documented
-    figures, which predate it)."""
+    `num_kv_blocks=None` sizes the pool from the profile's memory; `kv_offload_gib` > 0 adds
+    a host KV tier of that many GiB (0: none). `check_invariants` checks the scheduler after
+    every step (slow; for tests). `job_inference` lets the scheduler infer the jobs of plain
+    chat sessions (off: they stay plain requests, as in the documented figures, which predate
+    it)."""
 
     policy: str
     policy_options: tuple[tuple[str, str], ...] = ()
     profile: str = "h100-llama3.1-8b"
     block_size: int = 16
     num_kv_blocks: int | None = None
+    kv_offload_gib: float = 0.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     seed: int = 0
@@ -77,7 +79,8 @@ class SimSettings:
     def engine_config(self, max_model_len: int) -> EngineConfig:
         return EngineConfig(
             model=ModelConfig(model="tiny", max_model_len=max_model_len),
-            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks),
+            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                              kv_offload_gib=self.kv_offload_gib),
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_seqs=self.max_num_seqs, policy=self.policy,

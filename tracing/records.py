@@ -98,13 +98,16 @@ class StepDecision(Event, tag="step_decision", kw_only=True):
     """What a step scheduled: tokens per request (`num_scheduled_tokens`, continuing requests
     first, in running order, then admitted ones), which of them were admitted (`new_ids` for
     the first time, `resumed_ids` after a preemption), and the preemptions. The continuing
-    requests' ids are not repeated: `running_ids` derives them."""
+    requests' ids are not repeated: `running_ids` derives them. With a host KV tier,
+    `num_stored_blocks` were copied to it and `num_loaded_blocks` back from it in the step."""
 
     new_ids: list[str]
     resumed_ids: list[str]
     preempted: list[Preemption] = []
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
+    num_stored_blocks: int = 0
+    num_loaded_blocks: int = 0
 
     @property
     def running_ids(self) -> list[str]:
@@ -116,22 +119,32 @@ class StepDecision(Event, tag="step_decision", kw_only=True):
 
 class PrefixCacheEvent(Event, tag="prefix_cache", kw_only=True):
     """A request's admission: of its `num_prompt_tokens` (all its tokens so far),
-    `num_hit_tokens` came from the prefix cache, `num_pin_hit_tokens` of them from blocks its
-    own job's pin held. `resumed`: it was preempted before (the miss is recomputation)."""
+    `num_hit_tokens` came from the prefix cache: `num_pin_hit_tokens` from blocks its own
+    job's pin held, `num_host_hit_tokens` loaded from the host tier, the rest
+    (`num_device_hit_tokens`) from the device's unpinned cache. `resumed`: it was preempted
+    before (the miss is recomputation)."""
 
     request_id: str
     job_id: str | None = None
     num_prompt_tokens: int
     num_hit_tokens: int
     num_pin_hit_tokens: int = 0
+    num_host_hit_tokens: int = 0
     resumed: bool = False
+
+    @property
+    def num_device_hit_tokens(self) -> int:
+        """Hit tokens from device blocks no pin of the request's job held."""
+        return self.num_hit_tokens - self.num_pin_hit_tokens - self.num_host_hit_tokens
 
 
 class TTLInputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Why a policy chose `ttl_s` (0: do not pin) for a finished turn that called `tool`.
 
     `source` names the rule: for Eq. 2 the distribution that decided (`cold-start`, `tool`,
-    `pooled`, `learned`), else the policy's rule (`fixed`, `constant`, `until-next-turn`).
+    `pooled`, `learned`), else the policy's rule (`fixed`, `constant`, `until-next-turn`;
+    InferCept with swap: `preserve`, `discard` or `swap`, with the samples behind the tool's
+    expected duration in `num_samples` and the context's way back in `rebuild_s`).
     Eq. 2's inputs, when it decided: `num_samples` of the distribution, `queueing_delay_s`
     (T), `eta`, `rebuild_s` (R) and `benefit_s` (T * eta + R). `declined_by` names what
     overruled a positive TTL (`pin-cap`: the pins' share of the pool was full).

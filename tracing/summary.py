@@ -6,9 +6,13 @@ Definitions (times on the scheduler clock, seconds):
   finished; other jobs (still going when the trace ends) have none;
 - a turn's queueing delay runs from its arrival to its first admission;
 - prefix-cache hit rates are over first admissions: hit tokens / prompt tokens, split into
-  hits on blocks the request's own job's pin held (`from_pins`) and the rest (`from_cache`);
+  hits on device blocks the request's own job's pin held (`from_pins`), on other device
+  blocks (`from_cache`) and on blocks loaded from the host KV tier (`from_host`);
 - recomputed tokens are the tokens a preemption dropped that the readmission did not get
-  back from the prefix cache (dropped minus hit, at least 0).
+  back from the prefix cache, either tier (dropped minus hit, at least 0);
+- host-tier copies (`host_tier`) are summed over every step: blocks stored to the host tier
+  and loaded back from it (admissions after a preemption included).
+Traces written before the host tier have none of its fields; they read as 0.
 """
 
 from __future__ import annotations
@@ -68,15 +72,31 @@ class JobSummary(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     hit_tokens: int
     pin_hit_tokens: int
+    host_hit_tokens: int
 
 
 class PrefixCacheSummary(msgspec.Struct, kw_only=True):
+    """First admissions' hits; `hit_tokens` = `pin_hit_tokens` + `device_hit_tokens` (device
+    blocks no pin of the job held) + `host_hit_tokens` (loaded from the host tier)."""
+
     prompt_tokens: int
     hit_tokens: int
     pin_hit_tokens: int
+    device_hit_tokens: int
+    host_hit_tokens: int
     hit_rate: float | None
     from_pins: float | None
     from_cache: float | None
+    from_host: float | None
+
+
+class HostTierSummary(msgspec.Struct, kw_only=True):
+    """Blocks copied between the device and the host KV tier, summed over the steps."""
+
+    stored_blocks: int
+    loaded_blocks: int
+    num_steps_storing: int
+    num_steps_loading: int
 
 
 class PinSummary(msgspec.Struct, kw_only=True):
@@ -100,6 +120,7 @@ class TraceSummary(msgspec.Struct, kw_only=True):
     job_completion_s: Distribution
     turn_queueing_s: Distribution
     prefix_cache: PrefixCacheSummary
+    host_tier: HostTierSummary
     pins: PinSummary
     preemptions: int
     recomputed_tokens: int
@@ -138,6 +159,8 @@ class _Tally:
     preemptions: int = 0
     scheduled_tokens: int = 0
     steps: set[int] = field(default_factory=set)
+    stored_blocks: list[int] = field(default_factory=list)  # per step that stored any
+    loaded_blocks: list[int] = field(default_factory=list)  # per step that loaded any
 
 
 def summarize(trace: Trace) -> TraceSummary:
@@ -155,6 +178,11 @@ def summarize(trace: Trace) -> TraceSummary:
             job.completion_s for job in jobs if job.completion_s is not None),
         turn_queueing_s=Distribution.of(turn_queueing),
         prefix_cache=_prefix_cache(e for e in tally.cache if not e.resumed),
+        host_tier=HostTierSummary(
+            stored_blocks=sum(tally.stored_blocks), loaded_blocks=sum(tally.loaded_blocks),
+            num_steps_storing=len(tally.stored_blocks),
+            num_steps_loading=len(tally.loaded_blocks),
+        ),
         pins=_pins(tally), preemptions=tally.preemptions,
         recomputed_tokens=tally.recomputed_tokens, scheduled_tokens=tally.scheduled_tokens,
         jobs=jobs,
@@ -166,13 +194,7 @@ def _tally(trace: Trace) -> _Tally:
     turns = tally.turns
     for event in trace.events:
         if isinstance(event, StepDecision):
-            tally.steps.add(event.step)
-            tally.scheduled_tokens += event.total_num_scheduled_tokens
-            tally.preemptions += len(event.preempted)
-            for preemption in event.preempted:
-                tally.dropped_tokens[preemption.request_id] = preemption.num_computed_tokens
-                if preemption.request_id in turns:
-                    turns[preemption.request_id].num_preemptions += 1
+            _decision(tally, event)
         elif isinstance(event, RequestArrived):
             turns[event.request_id] = _Turn(event.job_id, event.time_s)
         elif isinstance(event, PrefixCacheEvent):
@@ -190,6 +212,20 @@ def _tally(trace: Trace) -> _Tally:
         elif isinstance(event, JobEnded):
             tally.ended_jobs.add(event.job_id)
     return tally
+
+
+def _decision(tally: _Tally, event: StepDecision) -> None:
+    tally.steps.add(event.step)
+    tally.scheduled_tokens += event.total_num_scheduled_tokens
+    tally.preemptions += len(event.preempted)
+    for preemption in event.preempted:
+        tally.dropped_tokens[preemption.request_id] = preemption.num_computed_tokens
+        if preemption.request_id in tally.turns:
+            tally.turns[preemption.request_id].num_preemptions += 1
+    if event.num_stored_blocks:
+        tally.stored_blocks.append(event.num_stored_blocks)
+    if event.num_loaded_blocks:
+        tally.loaded_blocks.append(event.num_loaded_blocks)
 
 
 def _admission(tally: _Tally, event: PrefixCacheEvent) -> None:
@@ -224,20 +260,24 @@ def _job_summaries(tally: _Tally) -> list[JobSummary]:
             prompt_tokens=sum(a.num_prompt_tokens for a in admissions),
             hit_tokens=sum(a.num_hit_tokens for a in admissions),
             pin_hit_tokens=sum(a.num_pin_hit_tokens for a in admissions),
+            host_hit_tokens=sum(a.num_host_hit_tokens for a in admissions),
         ))
     return summaries
 
 
 def _prefix_cache(admissions: Iterable[PrefixCacheEvent]) -> PrefixCacheSummary:
-    prompt = hit = pin_hit = 0
+    prompt = hit = pin_hit = host_hit = 0
     for event in admissions:
         prompt += event.num_prompt_tokens
         hit += event.num_hit_tokens
         pin_hit += event.num_pin_hit_tokens
+        host_hit += event.num_host_hit_tokens
+    device_hit = hit - pin_hit - host_hit
     return PrefixCacheSummary(
         prompt_tokens=prompt, hit_tokens=hit, pin_hit_tokens=pin_hit,
+        device_hit_tokens=device_hit, host_hit_tokens=host_hit,
         hit_rate=_ratio(hit, prompt), from_pins=_ratio(pin_hit, prompt),
-        from_cache=_ratio(hit - pin_hit, prompt),
+        from_cache=_ratio(device_hit, prompt), from_host=_ratio(host_hit, prompt),
     )
 
 
@@ -301,10 +341,10 @@ def render(summary: TraceSummary, *, num_slowest_jobs: int = 10) -> str:
                      key=lambda job: job.completion_s or 0.0, reverse=True)[:num_slowest_jobs]
     if slowest:
         job_rows = [("slowest jobs", "turns", "completion_s", "queueing_s", "preemptions",
-                     "pin hit tokens")]
+                     "pin hit tokens", "host hit tokens")]
         job_rows += [(job.job_id, str(job.num_turns), format_value(job.completion_s),
                       format_value(job.queueing_s), str(job.num_preemptions),
-                      str(job.pin_hit_tokens)) for job in slowest]
+                      str(job.pin_hit_tokens), str(job.host_hit_tokens)) for job in slowest]
         text += "\n\n" + format_table(job_rows)
     return text
 

@@ -15,7 +15,7 @@ import msgspec
 from engine.clock import Clock
 from engine.config import EngineConfig, SchedulerConfig
 from engine.core.wire import EngineCoreRequest, EngineStats, JobState, PinState
-from engine.executor.base import Executor, PrefillProfiler, make_executor
+from engine.executor.base import Executor, KVReloadProfiler, PrefillProfiler, make_executor
 from engine.frontend.tokenizer import load_decoder, load_tokenizer
 from engine.kv_cache.pins import PinReleaseReason
 from engine.outputs import EngineCoreOutput
@@ -63,7 +63,8 @@ class EngineCore:
             config.scheduler, config.cache,
             make_policy(config.scheduler.policy, config.scheduler.policy_options)
             if policy is None else policy,
-            num_kv_blocks=self.executor.num_kv_blocks, clock=clock,
+            num_kv_blocks=self.executor.num_kv_blocks,
+            num_host_kv_blocks=self.executor.num_host_kv_blocks, clock=clock,
             environment=self._policy_environment(),
             tracer=None if config.trace.path is None else SchedulerTracer(
                 config.trace.path, config=config, max_bytes=config.trace.max_bytes,
@@ -87,9 +88,17 @@ class EngineCore:
                                   prefill_profile_lengths(self.config.scheduler)),
                 is_serving=lambda: self.num_steps > 0,
             )
+        profile_kv_reload = None
+        if executor.num_host_kv_blocks and isinstance(executor, KVReloadProfiler):
+            profile_kv_reload = _ProfileOnceBeforeServing(
+                functools.partial(executor.profile_kv_reload,
+                                  prefill_profile_lengths(self.config.scheduler)),
+                is_serving=lambda: self.num_steps > 0,
+            )
         return PolicyEnvironment(profile_prefill=profile_prefill,
                                  decode=load_decoder(self.config.model.model,
-                                                     self.config.model.tokenizer))
+                                                     self.config.model.tokenizer),
+                                 profile_kv_reload=profile_kv_reload)
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queues a request (after its grammar compiled, if it has one); ValueError (and no
@@ -121,9 +130,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     def has_work(self) -> bool:
-        """Whether a step would do anything: unfinished requests to run or to compile. Pins and
-        job books that only wait for time to pass are `sweep`'s, which runs no model step."""
-        return self.has_unfinished_requests()
+        """Whether a step would do anything: unfinished requests to run or to compile, or
+        host-tier copies queued (an idle engine still completes its stores). Pins and job
+        books that only wait for time to pass are `sweep`'s, which runs no model step."""
+        return self.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
 
     def sweep(self) -> Sweep:
         """Time-driven upkeep without a step: releases pins whose TTL ran out and lets the
@@ -143,7 +153,8 @@ class EngineCore:
         the sampled tokens; returns the outputs of the requests that produced tokens. With
         `debug_check_invariants`, a broken invariant raises AssertionError after the step."""
         rejected = self._queue_compiled()
-        if not self.scheduler.has_unfinished_requests():
+        scheduler = self.scheduler
+        if not (scheduler.has_unfinished_requests() or scheduler.has_pending_kv_transfers()):
             self.structured_outputs.wait_for_compile(COMPILE_WAIT_S)
             return rejected
         started_s = time.perf_counter()
@@ -242,7 +253,22 @@ class EngineCore:
             num_grammar_cache_hits=self.structured_outputs.num_cache_hits,
             grammar_compile_time_s=self.structured_outputs.compile_time_s,
             grammar_mask_time_s=self.structured_outputs.mask_time_s,
+            **self._host_tier_stats(),
         )
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        host_tier = self.scheduler.kv_cache_manager.host_tier
+        if host_tier is None:
+            return {}
+        block_size = self.scheduler.block_size
+        return {
+            "num_host_kv_blocks": host_tier.num_blocks,
+            "num_used_host_kv_blocks": host_tier.num_used_blocks,
+            "host_kv_stored_tokens": host_tier.stats.num_stored_blocks * block_size,
+            "host_kv_loaded_tokens": host_tier.stats.num_loaded_blocks * block_size,
+            "prefix_cache_host_hit_tokens":
+                self.scheduler.kv_cache_manager.stats.num_host_hit_tokens,
+        }
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -25,12 +25,16 @@ class Executor(Protocol):
     """Runs scheduler steps on a device.
 
     `num_kv_blocks` is the KV pool size the executor allocated (the scheduler's pool must match
-    it); `vocab_size` bounds the token ids it accepts. `execute` is called once per engine step,
-    `shutdown` once when the engine stops.
+    it), `num_host_kv_blocks` the host tier's (0: none; `CacheConfig.kv_offload_gib`);
+    `vocab_size` bounds the token ids it accepts. `execute` is called once per engine step
+    (it carries out the step's `kv_transfers` too), `shutdown` once when the engine stops.
     """
 
     @property
     def num_kv_blocks(self) -> int: ...
+
+    @property
+    def num_host_kv_blocks(self) -> int: ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -46,6 +50,17 @@ class PrefillProfiler(Protocol):
 
     def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
         """(length, seconds) of one whole-prompt prefill per length it could run."""
+        ...
+
+
+@runtime_checkable
+class KVReloadProfiler(Protocol):
+    """An executor with a host tier that can time loads from it (before serving), for
+    pricing context reloads."""
+
+    def profile_kv_reload(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
+        """(num_tokens, seconds) of loading that many tokens' KV from the host tier into the
+        device pool, one per length it could hold."""
         ...
 
 

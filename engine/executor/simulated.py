@@ -4,6 +4,11 @@ Used behind the real server (`--executor simulated --sim-profile NAME`, where it
 step's time) and in the discrete-event simulator (where `sleep` advances a virtual clock).
 It samples a fixed, deterministic token sequence that never contains the request's EOS
 token, so a turn ends at `max_tokens` or a stop condition.
+
+With a host tier (`CacheConfig.kv_offload_gib`), a step's KV copies cost their time over the
+profile's host link as the real runner orders them: urgent stores and loads before the
+forward, one after another; lazy stores beside the forward, so a step takes the longer of
+the two.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.config import EngineConfig
-from engine.executor.roofline import DEFAULT_SIM_PROFILE, SimProfile, get_sim_profile
+from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB, SimProfile, get_sim_profile
+from engine.kv_cache.transfers import KVTransfers
 from engine.model.directory import load_arch
 from engine.outputs import ModelRunnerOutput
 from engine.scheduler.output import SchedulerOutput
@@ -20,10 +26,12 @@ from engine.scheduler.output import SchedulerOutput
 
 class SimulatedExecutor:
     """Prices steps with `config.sim_profile` (default `DEFAULT_SIM_PROFILE`). The KV pool is
-    `config.cache.num_kv_blocks`, or what the profile's memory holds; the vocabulary is the
-    configured model's, so its tokenizer serves text.
+    `config.cache.num_kv_blocks`, or what the profile's memory holds; the host tier is as
+    many blocks as `config.cache.kv_offload_gib` holds at the profile's KV bytes per token;
+    the vocabulary is the configured model's, so its tokenizer serves text.
 
-    `sleep(seconds)` is called once per step with the step's time; `busy_s` sums them.
+    `sleep(seconds)` is called once per step with the step's time; `busy_s` sums them, and
+    `kv_copy_s` sums the host-link time of the copies (overlapped or not).
     """
 
     def __init__(
@@ -34,15 +42,28 @@ class SimulatedExecutor:
         self._num_kv_blocks = config.cache.num_kv_blocks or max(
             1, self.profile.num_kv_tokens // block_size
         )
+        self._block_size = block_size
+        self._num_host_kv_blocks = int(config.cache.kv_offload_gib * GIB) // (
+            self.kv_bytes_per_block)
         self._vocab_size = load_arch(config.model.model).vocab_size
         self._sleep = sleep
         self._num_known_tokens: dict[str, int] = {}
         self._eos_token_ids: dict[str, int | None] = {}
         self.busy_s = 0.0
+        self.kv_copy_s = 0.0
 
     @property
     def num_kv_blocks(self) -> int:
         return self._num_kv_blocks
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self._num_host_kv_blocks
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of KV in one block, over all layers and devices."""
+        return self._block_size * self.profile.model.kv_bytes_per_token
 
     @property
     def vocab_size(self) -> int:
@@ -53,10 +74,11 @@ class SimulatedExecutor:
             self._num_known_tokens.pop(req_id, None)
             self._eos_token_ids.pop(req_id, None)
         num_computed = self._register(scheduler_output)
-        step_s = self.profile.step_time_s(
+        forward_s = self.profile.step_time_s(
             (num_computed[req_id], num_new)
             for req_id, num_new in scheduler_output.num_scheduled_tokens.items()
         )
+        step_s = self._with_copies_s(forward_s, scheduler_output.kv_transfers)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled = [self._sample(req_id, num_computed[req_id]
                                 + scheduler_output.num_scheduled_tokens[req_id])
@@ -64,6 +86,17 @@ class SimulatedExecutor:
         self.busy_s += step_s
         self._sleep(step_s)
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _with_copies_s(self, forward_s: float, transfers: KVTransfers) -> float:
+        """The step's time with its KV copies: the ones the forward waits for (urgent stores,
+        then loads) first, then the forward beside the lazy stores."""
+        blocking_s = self._copy_time_s(len(transfers.urgent_stores) + len(transfers.loads))
+        overlapped_s = self._copy_time_s(len(transfers.stores))
+        self.kv_copy_s += blocking_s + overlapped_s
+        return blocking_s + max(forward_s, overlapped_s)
+
+    def _copy_time_s(self, num_blocks: int) -> float:
+        return self.profile.kv_copy_time_s(num_blocks * self._block_size)
 
     def _register(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         """Each scheduled request's computed-token count before the step."""
@@ -91,6 +124,13 @@ class SimulatedExecutor:
     def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
         """The cost model's whole-prompt prefill time per length (nothing is run)."""
         return [(length, self.profile.prefill_time_s(length)) for length in lengths]
+
+    def profile_kv_reload(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
+        """The cost model's time to load each length's blocks from the host tier (nothing is
+        run); lengths beyond the device pool or the host tier are skipped."""
+        capacity = min(self._num_kv_blocks, self._num_host_kv_blocks) * self._block_size
+        return [(length, self._copy_time_s(-(-length // self._block_size)))
+                for length in lengths if 0 < length <= capacity]
 
     def shutdown(self) -> None:
         self._num_known_tokens.clear()

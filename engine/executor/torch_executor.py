@@ -11,7 +11,8 @@ from engine.worker.model_runner import ModelRunner
 
 
 class TorchExecutor:
-    """Runs the real model; loads weights and allocates the KV pool on construction."""
+    """Runs the real model; loads weights and allocates the KV pool (and the host tier's
+    caches, with `kv_offload_gib` > 0) on construction."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.runner = ModelRunner(config)
@@ -19,6 +20,10 @@ class TorchExecutor:
     @property
     def num_kv_blocks(self) -> int:
         return self.runner.num_kv_blocks
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self.runner.num_host_kv_blocks
 
     @property
     def vocab_size(self) -> int:
@@ -30,5 +35,10 @@ class TorchExecutor:
     def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
         return self.runner.profile_prefill(lengths)
 
+    def profile_kv_reload(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
+        return self.runner.profile_kv_reload(lengths)
+
     def shutdown(self) -> None:
         self.runner.kv_caches.clear()
+        if self.runner.host_kv_cache is not None:
+            self.runner.host_kv_cache.caches.clear()

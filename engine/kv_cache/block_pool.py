@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 
 from engine.kv_cache.block import FreeBlockQueue, KVCacheBlock
 from engine.kv_cache.hashing import BlockHash
+from engine.kv_cache.transfers import KVTransferQueue
 
 
 class BlockHashToBlockMap:
@@ -49,10 +50,12 @@ class BlockPool:
     Holders (the KV cache manager for running requests, the pin table for pins) take references
     with `allocate` or `touch` and give them back with `free_blocks`. A block whose `ref_cnt`
     drops to 0 goes to the free queue tail but keeps its hash: it stays a prefix-cache hit until
-    `allocate` evicts it.
+    `allocate` evicts it. With a host tier (`transfers`), such a block is also queued to be
+    stored there (unless the holder that let go says not to), so that eviction only demotes it.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 transfers: KVTransferQueue | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -61,6 +64,7 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks = BlockHashToBlockMap()
         self.num_cached_free_blocks = 0  # free blocks that still hold a prefix (evictable)
+        self.transfers = transfers
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,8 +96,9 @@ class BlockPool:
                     self.num_cached_free_blocks -= 1
             block.ref_cnt += 1
 
-    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drops one reference per block, in the given order; unreferenced blocks go to the tail.
+    def free_blocks(self, blocks: Iterable[KVCacheBlock], *, offload: bool = True) -> None:
+        """Drops one reference per block, in the given order; unreferenced blocks go to the tail,
+        and cached ones are queued for the host tier (if any) when `offload`.
 
         Callers pass a request's blocks tail-first so that prefixes outlive suffixes.
         """
@@ -104,6 +109,8 @@ class BlockPool:
                 self.free_block_queue.append(block)
                 if block.block_hash is not None:
                     self.num_cached_free_blocks += 1
+                    if offload and self.transfers is not None:
+                        self.transfers.store(block)
 
     def cache_full_blocks(
         self,
@@ -120,8 +127,11 @@ class BlockPool:
             self.cached_blocks.insert(block.block_hash, block)
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached hash; only allowed while no block is referenced."""
+        """Forgets every cached hash, in the host tier too; only allowed while no block is
+        referenced and no copy is queued or in flight."""
         if self.num_free_blocks != self.num_blocks:
+            return False
+        if self.transfers is not None and not self.transfers.reset():
             return False
         for block in self.blocks:
             block.block_hash = None
@@ -153,3 +163,5 @@ class BlockPool:
         assert cached_free == self.num_cached_free_blocks, "cached free block count drifted"
         if not self.enable_caching:
             assert not hashed, "prefix caching is off but blocks are cached"
+        if self.transfers is not None:
+            self.transfers.check_invariants()

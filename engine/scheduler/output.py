@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from engine.kv_cache.transfers import NO_TRANSFERS, KVTransfers
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     `finished_req_ids` and `preempted_req_ids` tell the runner whose state to drop.
     `grammar_bitmask` (added by the engine core, never by the scheduler) holds the allowed
     tokens of the requests with a structured output that sample in this step.
+    `kv_transfers` are the host-tier copies the runner carries out with the step, in the
+    order `KVTransfers` gives, even when no token is scheduled.
     """
 
     step_id: int
@@ -62,7 +65,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     grammar_bitmask: GrammarBitmask | None = None
+    kv_transfers: KVTransfers = NO_TRANSFERS
 
     @property
     def is_empty(self) -> bool:
+        """No token is scheduled (host-tier copies may still be)."""
         return self.total_num_scheduled_tokens == 0

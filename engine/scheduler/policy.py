@@ -27,10 +27,13 @@ JobBooks = dict[str, Any]
 class Retention:
     """A policy's decision on a finished turn of a job: pin its cached blocks for `ttl_s`
     seconds (> 0; `math.inf` holds them until released), or not at all (0). `inputs` say
-    why, for the trace (a pin is then traced as pinned or declined)."""
+    why, for the trace (a pin is then traced as pinned or declined). `offload`: when not
+    pinned, whether the blocks freed go to the host tier (if the engine has one) or are
+    left to be recomputed."""
 
     ttl_s: float
     inputs: TTLInputs
+    offload: bool = True
 
     def __post_init__(self) -> None:
         if math.isnan(self.ttl_s) or self.ttl_s < 0:
@@ -50,10 +53,14 @@ class PolicyEnvironment:
       the executor cannot); only callable from `bind`, before any request holds blocks.
     - `decode`: token ids to text with the model's tokenizer (None without one), so a policy
       can read which tool a turn called.
+    - `profile_kv_reload`: measures (num_tokens, seconds) of loading that many tokens' KV
+      from the host tier into the device pool (None without a host tier, or when the
+      executor cannot); like `profile_prefill`, only callable from `bind`.
     """
 
     profile_prefill: Callable[[], list[tuple[int, float]]] | None = None
     decode: Callable[[Sequence[int]], str] | None = None
+    profile_kv_reload: Callable[[], list[tuple[int, float]]] | None = None
 
 
 class SchedulerView(Protocol):
@@ -82,6 +89,11 @@ class SchedulerView(Protocol):
     @property
     def block_size(self) -> int:
         """Tokens per KV block."""
+        ...
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        """Blocks in the host tier (0: none)."""
         ...
 
     @property

@@ -14,6 +14,7 @@ from engine.config import CacheConfig, SchedulerConfig, check_pool_fits_one_sequ
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
+from engine.kv_cache.transfers import KVTransfers
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler import invariants
@@ -35,7 +36,10 @@ class Scheduler:
     step) `update_from_output()`. `add_request` and `finish_requests` (abort) may be called
     between steps, and `sweep` (time-driven upkeep) while no request is unfinished. Times
     come from the injected `clock` (seconds). With a `tracer`, every step and event is
-    recorded (its header is written here; `close_trace` at shutdown).
+    recorded (its header is written here; `close_trace` at shutdown). With
+    `num_host_kv_blocks` > 0, evictable KV is stored to a host tier of that many blocks and
+    prefixes found there are loaded back; each step's output carries its copies
+    (`SchedulerOutput.kv_transfers`).
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class Scheduler:
         policy: SchedulingPolicy,
         *,
         num_kv_blocks: int | None = None,
+        num_host_kv_blocks: int = 0,
         clock: Clock = time.monotonic,
         environment: PolicyEnvironment | None = None,
         tracer: SchedulerTracer | None = None,
@@ -58,7 +63,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.clock = clock
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            num_host_blocks=num_host_kv_blocks,
         )
         self._pins = PinTable(
             self.kv_cache_manager.block_pool,
@@ -99,6 +105,11 @@ class Scheduler:
         return self.kv_cache_manager.block_pool.num_blocks
 
     @property
+    def num_host_kv_blocks(self) -> int:
+        host_tier = self.kv_cache_manager.host_tier
+        return 0 if host_tier is None else host_tier.num_blocks
+
+    @property
     def environment(self) -> PolicyEnvironment:
         return self._environment
 
@@ -122,6 +133,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Whether host-tier copies wait for the next step (stores of blocks freed since)."""
+        transfers = self.kv_cache_manager.transfers
+        return transfers is not None and transfers.num_pending > 0
 
     def add_request(self, request: Request) -> None:
         """Queues a new request; ValueError (and no change) if it can never be served.
@@ -168,10 +184,11 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan, now_s)
+        transfers = self.kv_cache_manager.take_transfers()
         if self._tracer is not None:
             self._tracer.step_planned(plan.admitted, plan.num_scheduled_tokens,
-                                      plan.total_num_scheduled_tokens, now_s)
-        return self._emit(plan)
+                                      plan.total_num_scheduled_tokens, transfers, now_s)
+        return self._emit(plan, transfers)
 
     def sweep(self) -> Sweep:
         """Time-driven upkeep between steps, without a step: the policy releases the pins
@@ -196,7 +213,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Appends sampled tokens, applies stop conditions and finishes stopped requests."""
+        """Completes the step's host-tier copies, appends sampled tokens, applies stop
+        conditions and finishes stopped requests."""
+        self.kv_cache_manager.complete_transfers()
         outputs, stopped = apply_runner_output(
             scheduler_output, runner_output, self._requests, self.config.max_model_len
         )
@@ -331,20 +350,26 @@ class Scheduler:
     def _admit(self, request: Request, plan: StepPlan, now_s: float) -> Admission:
         """Moves a waiting request to running if its blocks fit (releasing pins the policy
         offers); its job's pin is released only after it took its own references."""
-        hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        num_new_tokens = self._num_new_tokens(request, num_hit_tokens, plan)
+        kv_cache_manager = self.kv_cache_manager
+        hit = kv_cache_manager.get_computed_blocks(request)
+        num_new_tokens = self._num_new_tokens(request, hit.num_tokens, plan)
         if num_new_tokens == 0:
             return Admission.OVER_BUDGET
-        allocate = self.kv_cache_manager.allocate_slots
-        while allocate(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
+        while kv_cache_manager.allocate_slots(request, num_new_tokens, hit) is None:
             pin = self.policy.select_pin_to_release(request, now_s)
             if pin is None:
                 return Admission.NO_MEMORY
             self._release_for_pressure(pin)
+            # Storing the released blocks may have evicted host blocks of the hit.
+            hit = kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, hit.num_tokens, plan)
+            if num_new_tokens == 0:
+                return Admission.OVER_BUDGET
+        num_hit_tokens = hit.num_tokens
         self._waiting.remove_request(request)
         if self._tracer is not None:
             self._tracer.admitted(
-                request, hit_blocks, num_hit_tokens, self._pins.get(request.job_id or ""),
+                request, hit, self._pins.get(request.job_id or ""),
                 resumed=request.status is RequestStatus.PREEMPTED, now_s=now_s,
             )
         request.status = RequestStatus.RUNNING
@@ -371,10 +396,10 @@ class Scheduler:
             return plan.token_budget if self.config.enable_chunked_prefill else 0
         return num_new_tokens
 
-    def _emit(self, plan: StepPlan) -> SchedulerOutput:
+    def _emit(self, plan: StepPlan, transfers: KVTransfers) -> SchedulerOutput:
         """Ends the step: emits its output (`step_plan.emit`) and starts the next step id."""
         output = emit(plan, step_id=self.step_id, finished_req_ids=self._finished_req_ids,
-                      block_ids_of=self.kv_cache_manager.get_block_ids)
+                      block_ids_of=self.kv_cache_manager.get_block_ids, transfers=transfers)
         self._finished_req_ids = set()
         self.step_id += 1
         return output
@@ -396,7 +421,8 @@ class Scheduler:
         if self._tracer is not None:
             self._tracer.request_finished(request, now_s)
         if not self._retain(request, retention, now_s):
-            self.kv_cache_manager.free(request)
+            self.kv_cache_manager.free(request,
+                                       offload=retention is None or retention.offload)
         if request.job is not None and request.job.is_last_step:
             self.end_job(request.job.job_id, PinReleaseReason.JOB_END)
         if self._job_inference is not None and request.job is not None and request.job.inferred:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block import KVCacheBlock
+from engine.kv_cache.transfers import KVTransfers
 from engine.request import Request
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -69,12 +70,14 @@ def emit(
     step_id: int,
     finished_req_ids: set[str],
     block_ids_of: Callable[[str], list[int]],
+    transfers: KVTransfers,
 ) -> SchedulerOutput:
     """Builds the step's output and advances `num_computed_tokens` of everything scheduled.
 
     Called once per step, at the end of `Scheduler.schedule()`; `finished_req_ids` (the
     requests finished since the previous step) is handed over to the output, not copied, and
-    `block_ids_of` gives a request's block ids (`KVCacheManager.get_block_ids`).
+    `block_ids_of` gives a request's block ids (`KVCacheManager.get_block_ids`), and
+    `transfers` are the host-tier copies the step carries.
     """
     new_reqs = [
         NewRequestData(
@@ -106,4 +109,5 @@ def emit(
         total_num_scheduled_tokens=plan.total_num_scheduled_tokens,
         finished_req_ids=finished_req_ids,
         preempted_req_ids={request.request_id for request in plan.preempted},
+        kv_transfers=transfers,
     )

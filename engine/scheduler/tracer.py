@@ -18,8 +18,9 @@ from typing import Any
 
 import msgspec
 
-from engine.kv_cache.block import KVCacheBlock
+from engine.kv_cache.manager import PrefixHit
 from engine.kv_cache.pins import Pin
+from engine.kv_cache.transfers import KVTransfers
 from engine.request import Request
 from tracing.records import (
     SCHEMA_VERSION,
@@ -139,21 +140,22 @@ class SchedulerTracer:
             max_num_seqs=max_num_seqs,
         ))
 
-    def admitted(self, request: Request, hit_blocks: Sequence[KVCacheBlock],
-                 num_hit_tokens: int, job_pin: Pin | None, *, resumed: bool,
-                 now_s: float) -> None:
-        """A waiting request took its blocks; `job_pin` is its job's pin, still live."""
+    def admitted(self, request: Request, hit: PrefixHit, job_pin: Pin | None, *,
+                 resumed: bool, now_s: float) -> None:
+        """A waiting request took its blocks (`hit` is its prefix in both tiers); `job_pin`
+        is its job's pin, still live."""
         num_pin_hit_tokens = 0
-        if job_pin is not None and hit_blocks:
+        if job_pin is not None and hit.blocks:
             pinned_ids = {block.block_id for block in job_pin.blocks}
-            num_pin_hit_blocks = sum(1 for block in hit_blocks if block.block_id in pinned_ids)
-            num_pin_hit_tokens = min(num_hit_tokens, num_pin_hit_blocks * self._block_size)
+            num_pin_hit_blocks = sum(1 for block in hit.blocks if block.block_id in pinned_ids)
+            num_pin_hit_tokens = num_pin_hit_blocks * self._block_size
         if resumed:
             self._resumed_ids.append(request.request_id)
         self._write(PrefixCacheEvent(
             step=self._step, time_s=now_s, request_id=request.request_id,
             job_id=request.job_id, num_prompt_tokens=request.num_tokens,
-            num_hit_tokens=num_hit_tokens, num_pin_hit_tokens=num_pin_hit_tokens,
+            num_hit_tokens=hit.num_tokens, num_pin_hit_tokens=num_pin_hit_tokens,
+            num_host_hit_tokens=hit.num_host_tokens,
             resumed=resumed,
         ))
 
@@ -165,7 +167,8 @@ class SchedulerTracer:
         ))
 
     def step_planned(self, admitted: Sequence[Request], num_scheduled_tokens: dict[str, int],
-                     total_num_scheduled_tokens: int, now_s: float) -> None:
+                     total_num_scheduled_tokens: int, transfers: KVTransfers,
+                     now_s: float) -> None:
         resumed_ids = self._resumed_ids
         resumed = set(resumed_ids)
         self._write(StepDecision(
@@ -175,6 +178,8 @@ class SchedulerTracer:
             preempted=self._preempted,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total_num_scheduled_tokens,
+            num_stored_blocks=transfers.num_stored_blocks,
+            num_loaded_blocks=transfers.num_loaded_blocks,
         ))
         self._resumed_ids = []
         self._preempted = []

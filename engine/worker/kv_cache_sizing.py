@@ -1,4 +1,5 @@
-"""How many KV blocks the pool gets: fixed by config, or from a memory budget."""
+"""How many KV blocks the pool gets (fixed by config, or from a memory budget), and how many
+the host tier gets."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ def determine_num_kv_blocks(
         num_blocks = max(budget_bytes, 0) // kv_block_bytes(arch, cache_config.block_size, dtype)
     check_pool_fits_one_sequence(int(num_blocks), cache_config.block_size, max_model_len)
     return int(num_blocks)
+
+
+def determine_num_host_kv_blocks(
+    cache_config: CacheConfig, arch: ModelArch, dtype: torch.dtype
+) -> int:
+    """Blocks of the host tier: as many whole blocks (all layers, K and V) as fit in
+    `kv_offload_gib`; 0 when it is 0 (no tier). The tier is host memory of its own, so it
+    never shrinks the device pool (not even on CPU, whose pool has `cpu_kv_cache_space_gib`).
+    Raises `ValueError` when a budget above 0 holds no block."""
+    if not cache_config.kv_offload_gib:
+        return 0
+    block_bytes = kv_block_bytes(arch, cache_config.block_size, dtype)
+    num_blocks = int(cache_config.kv_offload_gib * _GIB) // block_bytes
+    if num_blocks == 0:
+        raise ValueError(f"kv_offload_gib={cache_config.kv_offload_gib!r} holds no KV block "
+                         f"({block_bytes} bytes)")
+    return num_blocks
 
 
 def _budget_bytes(cache_config: CacheConfig, device: torch.device, activation_peak: int) -> int:

@@ -10,6 +10,9 @@ Owned by an executor; `execute_model` is called once per engine step. Each step 
 4. for requests that ask for prompt logprobs, computes the logprobs of the prompt tokens that
    the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
    all its positions at once).
+With a host tier it also carries out the step's copies (`kv_transfers`), even in a step that
+schedules no token: urgent stores and loads before the forward, lazy stores overlapping it,
+all done before the step returns.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from engine.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from engine.sample.grammar_mask import with_grammar_mask
 from engine.sample.sampler import SampledLogprobs, Sampler, gather_logprobs
 from engine.scheduler.output import SchedulerOutput
+from engine.worker.host_kv_cache import HostKVCache
 from engine.worker.input_batch import InputBatch
-from engine.worker.kv_cache_sizing import determine_num_kv_blocks
+from engine.worker.kv_cache_sizing import determine_num_host_kv_blocks, determine_num_kv_blocks
 
 # At most this many bytes of float32 logits exist at once while prompt logprobs are computed.
 PROMPT_LOGITS_CHUNK_BYTES = 128 * 2**20
@@ -68,7 +72,8 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Holds the model, the KV caches (one tensor per layer) and the persistent batch."""
+    """Holds the model, the KV caches (one tensor per layer), the host tier's caches (when
+    `kv_offload_gib` > 0; `num_host_kv_blocks` is 0 without) and the persistent batch."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -89,6 +94,12 @@ class ModelRunner:
             activation_peak_bytes,
         )
         self.kv_caches = self._allocate_kv_caches()
+        self.num_host_kv_blocks = determine_num_host_kv_blocks(config.cache, self.arch,
+                                                               self.dtype)
+        self.host_kv_cache = (
+            HostKVCache(self.kv_caches, self.num_host_kv_blocks, self.block_size)
+            if self.num_host_kv_blocks else None
+        )
         self.batch = InputBatch(
             max_num_reqs=config.scheduler.max_num_seqs,
             max_model_len=max_model_len,
@@ -142,6 +153,30 @@ class ModelRunner:
         return [(n, min(self._time_prefill(n) for _ in range(2)))
                 for n in lengths if 0 < n <= capacity]
 
+    @torch.inference_mode()
+    def profile_kv_reload(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
+        """(length, seconds) of loading that many tokens' blocks from the host tier into the
+        KV pool, the best of two runs; [] without a tier.
+
+        Writes into the KV pool, so it is called before any request owns a block; lengths
+        beyond either pool are skipped.
+        """
+        if self.host_kv_cache is None:
+            return []
+        capacity = min(self.num_kv_blocks, self.num_host_kv_blocks) * self.block_size
+        return [(n, min(self._time_kv_reload(n) for _ in range(2)))
+                for n in lengths if 0 < n <= capacity]
+
+    def _time_kv_reload(self, num_tokens: int) -> float:
+        assert self.host_kv_cache is not None
+        num_blocks = -(-num_tokens // self.block_size)
+        pairs = [(block_id, block_id) for block_id in range(num_blocks)]
+        self._synchronize()
+        started_s = time.perf_counter()
+        self.host_kv_cache.load_blocks(pairs)
+        self._synchronize()
+        return time.perf_counter() - started_s
+
     def _time_prefill(self, num_tokens: int) -> float:
         num_blocks = -(-num_tokens // self.block_size)
         positions, metadata = build_attention_metadata(
@@ -169,10 +204,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step; returns one (possibly empty) token list per scheduled request."""
+        """Runs one step; returns one (possibly empty) token list per scheduled request.
+        The step's host-tier copies are all done when it returns, even if no token was
+        scheduled."""
         self.update_states(scheduler_output)
-        if scheduler_output.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        transfers = scheduler_output.kv_transfers
+        if self.host_kv_cache is None:
+            if not transfers.is_empty:
+                raise RuntimeError("the step carries host-tier copies but the runner has no "
+                                 "host tier (kv_offload_gib is 0)")
+        else:
+            self.host_kv_cache.copy_before_forward(transfers)
+        output = (ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+                  if scheduler_output.is_empty else self._forward_and_sample(scheduler_output))
+        if self.host_kv_cache is not None:
+            self.host_kv_cache.finish()
+        return output
+
+    def _forward_and_sample(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The forward, sampling and logprobs of a step that schedules tokens."""
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         sampled: dict[str, list[int]] = {req_id: [] for req_id in inputs.req_ids}

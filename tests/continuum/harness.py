@@ -17,7 +17,8 @@ DEFAULT_TOOL = "bash"
 class Harness:
     """Requests never stop early (the runner never samples an EOS), so a request runs for
     exactly its `max_tokens`; every step checks the scheduler's invariants. A turn of a job
-    names `DEFAULT_TOOL` unless `tool` is given (None: no tool named)."""
+    names `DEFAULT_TOOL` unless `tool` is given (None: no tool named). With
+    `num_host_kv_blocks`, the scheduler has a host KV tier of that many blocks."""
 
     def __init__(
         self,
@@ -30,6 +31,7 @@ class Harness:
         max_model_len: int = 64,
         environment: PolicyEnvironment | None = None,
         tracer: SchedulerTracer | None = None,
+        num_host_kv_blocks: int = 0,
     ) -> None:
         self.policy = policy
         self.clock = FakeClock()
@@ -37,6 +39,7 @@ class Harness:
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             policy=policy, clock=self.clock, environment=environment, tracer=tracer,
+            num_host_blocks=num_host_kv_blocks,
         )
         self.runner = FakeRunner(block_size, sample=lambda req_id, position: 1000 + position)
         self.requests: dict[str, Request] = {}

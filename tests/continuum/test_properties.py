@@ -101,14 +101,15 @@ def test_requests_without_a_job_are_scheduled_exactly_as_by_fcfs(
     arrivals, num_blocks, max_num_batched_tokens, max_num_seqs, threshold, seed
 ) -> None:
     """`arrivals`: (steps to run before it, prompt length, max_tokens) per request. With
-    chunked prefill (the default); see `ContinuumPolicy` for the exception without it."""
+    chunked prefill (the default); see `ContinuumPolicy` for the exception without it. Job
+    inference is off: a prompt that happens to continue an earlier one would join its job."""
     traces = []
     for policy in (FCFSPolicy(), ContinuumPolicy()):
         rng = random.Random(seed)
         scheduler = make_scheduler(
             num_blocks=num_blocks, block_size=4, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, max_model_len=32, long_prefill_token_threshold=threshold,
-            policy=policy, clock=FakeClock(),
+            policy=policy, clock=FakeClock(), job_inference=False,
         )
         runner = FakeRunner(4, sample=lambda req_id, position, rng=rng: rng.randrange(1, 9))
         trace = []

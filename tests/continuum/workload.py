@@ -19,7 +19,7 @@ from engine.outputs import EngineCoreOutput
 from engine.request import JobInfo, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
-from engine.scheduler.policy import SchedulingPolicy
+from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.tracer import SchedulerTracer
 from tests.engine.helpers import FakeClock, FakeRunner, make_scheduler, run_step
 
@@ -108,16 +108,20 @@ def replay(
     seed: int = 0,
     max_steps: int = 100_000,
     tracer: SchedulerTracer | None = None,
+    num_host_kv_blocks: int = 0,
+    environment: PolicyEnvironment | None = None,
 ) -> ReplayResult:
     """Runs every job to completion, checking the scheduler's invariants after each step;
     fails if that takes more than `max_steps` steps. Every step's decisions and outputs are
-    kept in `ReplayResult.steps`."""
+    kept in `ReplayResult.steps`. `num_host_kv_blocks` > 0 gives the scheduler a host KV
+    tier; `environment` is what the policy is offered."""
     max_model_len = max(job.num_tokens for job in jobs)
     clock = FakeClock()
     scheduler = make_scheduler(
         num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        policy=policy, clock=clock, tracer=tracer,
+        policy=policy, clock=clock, tracer=tracer, environment=environment,
+        num_host_blocks=num_host_kv_blocks,
     )
     runner = FakeRunner(block_size, sample=_sample)
     rng = random.Random(seed)

@@ -74,6 +74,7 @@ def make_scheduler(
     job_inference: bool = SchedulerConfig.job_inference,
     job_inference_max_turns: int = SchedulerConfig.job_inference_max_turns,
     job_inference_max_age_s: float = SchedulerConfig.job_inference_max_age_s,
+    num_host_blocks: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -89,6 +90,7 @@ def make_scheduler(
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         policy if policy is not None else FCFSPolicy(),
         num_kv_blocks=num_blocks,
+        num_host_kv_blocks=num_host_blocks,
         clock=clock if clock is not None else FakeClock(),
         environment=environment,
         tracer=tracer,
@@ -109,7 +111,11 @@ class FakeRunner:
     continuing ones as deltas) and asserts it agrees with the scheduler, so tests also check
     that the output carries everything a real runner needs. It also keeps a fake KV cache (the
     token written to each slot) and asserts that every prefix hit reads back exactly the
-    tokens of the request: a hit on a block whose KV was never computed fails loudly.
+    tokens of the request: a hit on a block whose KV was never computed fails loudly. It
+    carries out the host-tier copies (`kv_transfers`) on a fake host cache in the order the
+    runner contract gives (urgent stores, loads, the forward, then the lazy stores, which
+    therefore see any write the step made to their source: a wrong order or a lazy store of a
+    block the step rewrites shows up as a stale hit later).
     Samples `sample(req_id, position)` (default: token 1) for every request whose known tokens
     are all computed after the step.
     """
@@ -121,6 +127,8 @@ class FakeRunner:
         self.sample = sample or (lambda req_id, position: 1)
         self.states: dict[str, _RunnerState] = {}
         self.kv: dict[tuple[int, int], int] = {}  # (block id, slot) -> token id
+        self.host_kv: dict[tuple[int, int], int | None] = {}  # (host block id, slot) -> token
+        self.num_copied_blocks = 0
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in output.finished_req_ids | output.preempted_req_ids:
@@ -141,12 +149,30 @@ class FakeRunner:
             state = self.states[req_id]
             assert state.num_computed_tokens == num_computed, f"{req_id} computed count drifted"
             state.block_ids.extend(block_ids)
+        transfers = output.kv_transfers
+        self._store(transfers.urgent_stores)
+        self._load(transfers.loads)
         # Like a real forward pass, each layer writes the whole step's new KV before attention
         # reads it, so a hit may rely on KV that another request computes in this same step.
         self._write_kv(output.num_scheduled_tokens)
         for req_id, state in new_states.items():
             self._check_prefix_hit(req_id, state)
+        self._store(transfers.stores)
         return self._sample(output.num_scheduled_tokens)
+
+    def _store(self, pairs: list[tuple[int, int]]) -> None:
+        for block_id, host_block_id in pairs:
+            for slot in range(self.block_size):
+                self.host_kv[host_block_id, slot] = self.kv.get((block_id, slot))
+        self.num_copied_blocks += len(pairs)
+
+    def _load(self, pairs: list[tuple[int, int]]) -> None:
+        for host_block_id, block_id in pairs:
+            for slot in range(self.block_size):
+                token_id = self.host_kv.get((host_block_id, slot))
+                assert token_id is not None, f"host block {host_block_id} holds unwritten KV"
+                self.kv[block_id, slot] = token_id
+        self.num_copied_blocks += len(pairs)
 
     def _slot(self, state: _RunnerState, position: int) -> tuple[int, int]:
         return state.block_ids[position // self.block_size], position % self.block_size

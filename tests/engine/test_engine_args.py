@@ -149,3 +149,16 @@ def test_cli_choices_are_the_config_literals() -> None:
         parser.parse_args(["--dtype", "int3"])
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, float16, bfloat16"):
         EngineArgs(dtype="int3").to_engine_config()  # type: ignore[arg-type]
+
+
+def test_kv_offload_flag_sets_the_host_tier_and_rejects_bad_sizes() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--kv-offload-gib", "1.5"])
+    assert EngineArgs.from_cli_args(args).to_engine_config().cache.kv_offload_gib == 1.5
+    assert EngineArgs().to_engine_config().cache.kv_offload_gib == 0
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="kv_offload_gib"):
+            EngineArgs(kv_offload_gib=bad).to_engine_config()
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineArgs(kv_offload_gib=1.0, enable_prefix_caching=False).to_engine_config()

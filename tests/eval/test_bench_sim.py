@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main as cli_main
+from engine.executor.roofline import SIM_PROFILES
 from eval.bench_sim import (
     ABLATION_LADDER,
     DEFAULT_POLICIES,
     ChatWorkload,
     PolicySpec,
+    host_tier_gib,
     parse_policy_spec,
     policy_specs,
     run_comparison,
@@ -54,6 +56,13 @@ def write_chat_trace(path: Path) -> Path:
     ("tests.eval.sabotaged_policy:SabotagedPolicy",
      PolicySpec("tests.eval.sabotaged_policy:SabotagedPolicy",
                 "tests.eval.sabotaged_policy:SabotagedPolicy")),
+    ("fcfs+tier", PolicySpec("fcfs+tier", "fcfs", host_tier=True)),
+    ("continuum:estimator=fixed-2s+tier",
+     PolicySpec("continuum:estimator=fixed-2s+tier", "continuum", (("estimator", "fixed-2s"),),
+                host_tier=True)),
+    ("continuum:estimator_warm_start=a+b.jsonl",
+     PolicySpec("continuum:estimator_warm_start=a+b.jsonl", "continuum",
+                (("estimator_warm_start", "a+b.jsonl"),))),
 ])
 def test_policy_specs_parse(text: str, expected: PolicySpec) -> None:
     assert parse_policy_spec(text) == expected
@@ -69,6 +78,12 @@ def test_policy_specs_parse(text: str, expected: PolicySpec) -> None:
     ("fcfs:estimator=fixed-2s", "takes no options"),
     ("fcfs,continuum,fcfs", "'fcfs' is given twice"),
     (" , ", "names no policy"),
+    ("fcfs+tiers", "unknown suffix '\\+tiers'; the only one is '\\+tier'"),
+    ("continuum:estimator=fixed-2s+gpu", "unknown suffix '\\+gpu'"),
+    ("fcfs+tier+tier", "one suffix at most"),
+    ("+tier", "names no policy"),
+    ("fcfs,fcfs+tier,fcfs+tier", "'fcfs\\+tier' is given twice"),
+    ("continuum:bogus=1+tier", "unknown option 'bogus'"),
 ])
 def test_bad_policy_specs_are_refused_with_the_reason(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -115,6 +130,45 @@ def test_specs_label_the_rows_and_record_the_policy_and_options(
     assert all(fcfs[name] is None for name in CHAT_FIELDS)
     assert f"| 5 | {fixed} |" in capsys.readouterr().out
     assert "chat" not in report and (tmp_path / "sim.png").exists()
+
+
+def test_tier_rows_run_with_a_host_tier_and_report_its_hits(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "sim.json"
+    code = cli_main(["bench", "sim", *SMALL, "--first-jobs", "6", "--jobs-per-s", "5",
+                     "--policies", "fcfs,fcfs+tier", "--kv-offload-gib", "0.5",
+                     "--json", str(out)])
+    assert code == 0
+    fcfs, tier = json.loads(out.read_text())["runs"]
+    assert (tier["label"], tier["policy"], tier["kv_offload_gib"]) == ("fcfs+tier", "fcfs", 0.5)
+    assert fcfs["kv_offload_gib"] == 0.0 and fcfs["host_hit_token_fraction"] is None
+    assert tier["host_hit_token_fraction"] > 0 and tier["host_loaded_tokens"] > 0
+    assert tier["cached_token_fraction"] > fcfs["cached_token_fraction"]
+    assert tier["num_finished_jobs"] == 6 and tier["leaked_blocks"] == 0
+    table = capsys.readouterr().out
+    assert "from host tier |" in table
+    assert "| 5 | fcfs |" in table and "| 5 | fcfs+tier |" in table
+
+
+def test_tier_rows_default_to_the_profiles_host_memory() -> None:
+    assert host_tier_gib("h100-llama3.1-8b") == pytest.approx(
+        SIM_PROFILES["h100-llama3.1-8b"].host_memory_bytes / 2**30)
+    assert host_tier_gib("h100-llama3.1-8b", 2.0) == 2.0
+    jobs = load_jobs(SLICE, LoadOptions(max_jobs=2, max_turns=2, token_scale=0.1))
+    settings = SimSettings(policy="fcfs", num_kv_blocks=64, max_num_batched_tokens=512)
+    plain, tier = run_comparison(jobs, settings, policy_specs("fcfs,fcfs+tier"), [5.0])
+    assert plain["kv_offload_gib"] == 0.0
+    assert tier["kv_offload_gib"] == host_tier_gib("h100-llama3.1-8b")
+    assert tier["host_stored_tokens"] is not None
+
+
+def test_offload_size_needs_a_tier_row(capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["bench", "sim", *SMALL, "--jobs-per-s", "1", "--policies", "fcfs",
+                     "--kv-offload-gib", "1"]) == 2
+    assert "--kv-offload-gib sizes the host tier" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "sim", *SMALL, "--jobs-per-s", "1", "--policies", "fcfs+tier",
+                  "--kv-offload-gib", "0"])
 
 
 def test_num_jobs_draws_with_replacement_and_repeat_turns_scales(tmp_path: Path) -> None:

@@ -56,6 +56,32 @@ def test_every_policy_finishes_every_job_without_leaks(policy: str) -> None:
     assert 0.0 < metrics.cached_token_fraction < 1.0
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "continuum"])
+def test_host_tier_brings_back_what_the_small_pool_let_go(policy: str) -> None:
+    jobs = slice_jobs()
+    arrivals = poisson_arrivals_s(len(jobs), 20.0)
+    without = simulate(jobs, arrivals, pressured(policy))
+    run = Simulation(jobs, arrivals, pressured(policy, kv_offload_gib=0.5))
+    with_tier = run.run()
+    assert with_tier.num_finished_jobs == with_tier.num_jobs == len(jobs)
+    assert with_tier.leaked_blocks == 0 and with_tier.failures == 0
+    assert without.host_hit_token_fraction is None and without.host_stored_tokens is None
+    # Turns find their earlier context in the tier (256 blocks) after the pool (64) evicted it.
+    assert run.executor.num_host_kv_blocks == 256
+    assert 0.0 < with_tier.host_hit_token_fraction < 1.0
+    assert with_tier.host_stored_tokens > 0 and with_tier.host_loaded_tokens > 0
+    assert with_tier.cached_token_fraction > without.cached_token_fraction
+    assert 0.0 < run.executor.kv_copy_s < run.executor.busy_s
+    # Every host block is accounted for: the only ones referenced are the stores of the
+    # last finished turns, queued for a step that never came.
+    transfers = run.core.scheduler.kv_cache_manager.transfers
+    assert transfers is not None
+    transfers.check_invariants()
+    referenced = [block for block in transfers.host_tier.blocks if block.ref_cnt]
+    assert len(referenced) == transfers.num_pending
+    assert 0 < transfers.host_tier.num_used_blocks * 16 <= with_tier.host_stored_tokens
+
+
 def test_same_seed_same_run_and_other_arrivals_another() -> None:
     jobs = slice_jobs()
     arrivals = poisson_arrivals_s(len(jobs), 20.0, seed=0)

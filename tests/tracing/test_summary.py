@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from tests.tracing.builders import write_trace
+from tests.tracing.builders import header, write_trace
 from tracing.compare import compare
 from tracing.reader import read_trace
 from tracing.records import (
@@ -23,7 +24,13 @@ from tracing.records import (
     StepSnapshot,
     TTLInputs,
 )
-from tracing.summary import Distribution, TraceSummary, render, summarize
+from tracing.summary import (
+    Distribution,
+    HostTierSummary,
+    TraceSummary,
+    render,
+    summarize,
+)
 
 
 def _snapshot(step: int, time_s: float) -> StepSnapshot:
@@ -165,3 +172,91 @@ def test_an_empty_trace_summarizes_to_zeros(tmp_path: Path) -> None:
     assert summary.job_completion_s == Distribution(count=0)
     assert summary.prefix_cache.hit_rate is None
     json.dumps(summary.scalars())
+
+
+# With a host KV tier (block size 4): h#0 finishes and its 3 blocks are stored; h#1 hits
+# 4 tokens on its job's pin, 4 on other device blocks and 12 loaded from the host tier (3
+# blocks); g#0 is preempted and its readmission loads 2 blocks, which are copies but not a
+# first admission's hits.
+WITH_HOST_TIER = [
+    RequestArrived(step=0, time_s=0.0, request_id="h#0", job_id="h", num_prompt_tokens=12),
+    _admit(0, 0.0, "h#0", "h", prompt=12, hit=0),
+    _decision(0, 0.0, {"h#0": 12}, new_ids=["h#0"]),
+    _finish(0, 0.0, "h#0", "h"),
+    RequestArrived(step=1, time_s=1.0, request_id="g#0", job_id="g", num_prompt_tokens=8),
+    _admit(1, 1.0, "g#0", "g", prompt=8, hit=0),
+    _decision(1, 1.0, {"g#0": 8}, new_ids=["g#0"], num_stored_blocks=3),
+    RequestArrived(step=2, time_s=2.0, request_id="h#1", job_id="h", num_prompt_tokens=24),
+    PrefixCacheEvent(step=2, time_s=2.0, request_id="h#1", job_id="h", num_prompt_tokens=24,
+                     num_hit_tokens=20, num_pin_hit_tokens=4, num_host_hit_tokens=12),
+    _decision(2, 2.0, {"h#1": 4}, new_ids=["h#1"], num_loaded_blocks=3, preempted=[
+        Preemption(request_id="g#0", job_id="g", needed_by="h#1", num_computed_tokens=8)]),
+    PrefixCacheEvent(step=3, time_s=3.0, request_id="g#0", job_id="g", num_prompt_tokens=9,
+                     num_hit_tokens=8, num_host_hit_tokens=8, resumed=True),
+    _decision(3, 3.0, {"h#1": 1, "g#0": 1}, resumed_ids=["g#0"], num_stored_blocks=2,
+              num_loaded_blocks=2),
+]
+
+
+@pytest.fixture
+def host_summary(tmp_path: Path) -> TraceSummary:
+    return summarize(read_trace(write_trace(tmp_path / "host.jsonl", WITH_HOST_TIER)))
+
+
+def test_hits_are_split_between_pins_device_cache_and_host_tier(
+    host_summary: TraceSummary,
+) -> None:
+    cache = host_summary.prefix_cache
+    # First admissions: h#0 12/0, g#0 8/0, h#1 24/20 (4 pin, 4 device, 12 host).
+    assert (cache.prompt_tokens, cache.hit_tokens) == (44, 20)
+    assert (cache.pin_hit_tokens, cache.device_hit_tokens, cache.host_hit_tokens) == (4, 4, 12)
+    assert cache.from_pins == pytest.approx(4 / 44)
+    assert cache.from_cache == pytest.approx(4 / 44)
+    assert cache.from_host == pytest.approx(12 / 44)
+    assert cache.hit_rate == pytest.approx(cache.from_pins + cache.from_cache + cache.from_host)
+    jobs = {job.job_id: job for job in host_summary.jobs}
+    assert (jobs["h"].hit_tokens, jobs["h"].pin_hit_tokens, jobs["h"].host_hit_tokens) == \
+        (20, 4, 12)
+    assert jobs["g"].host_hit_tokens == 0  # its readmission's load is not a first admission
+    assert host_summary.recomputed_tokens == 0  # the readmission loaded what it lost
+
+
+def test_host_tier_copies_are_summed_over_the_steps(host_summary: TraceSummary) -> None:
+    assert host_summary.host_tier == HostTierSummary(
+        stored_blocks=5, loaded_blocks=5, num_steps_storing=2, num_steps_loading=2)
+    scalars = host_summary.scalars()
+    assert scalars["host_tier.loaded_blocks"] == 5
+    assert scalars["prefix_cache.host_hit_tokens"] == 12
+    text = render(host_summary)
+    assert "prefix_cache.from_host" in text and "host_tier.stored_blocks" in text
+
+
+def test_hand_built_trace_without_a_tier_has_no_host_figures(summary: TraceSummary) -> None:
+    assert summary.prefix_cache.host_hit_tokens == 0
+    assert summary.prefix_cache.from_host == 0.0
+    assert summary.host_tier == HostTierSummary(
+        stored_blocks=0, loaded_blocks=0, num_steps_storing=0, num_steps_loading=0)
+    rows = compare(summary, summary)
+    assert rows["host_tier.stored_blocks"] == {"a": 0, "b": 0, "b_over_a": None}
+
+
+def test_a_trace_from_before_the_host_tier_still_summarizes(tmp_path: Path) -> None:
+    """Lines as the engine wrote them before `num_host_hit_tokens`, `num_stored_blocks` and
+    `num_loaded_blocks` existed."""
+    lines = [
+        msgspec.json.encode(header()).decode(),
+        '{"type":"request_arrived","step":0,"time_s":0.0,"request_id":"r","job_id":"j",'
+        '"num_prompt_tokens":8}',
+        '{"type":"prefix_cache","step":0,"time_s":0.0,"request_id":"r","job_id":"j",'
+        '"num_prompt_tokens":8,"num_hit_tokens":4,"num_pin_hit_tokens":4}',
+        '{"type":"step_decision","step":0,"time_s":0.0,"new_ids":["r"],"resumed_ids":[],'
+        '"num_scheduled_tokens":{"r":4},"total_num_scheduled_tokens":4}',
+    ]
+    path = tmp_path / "old.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    summary = summarize(read_trace(path))
+    cache = summary.prefix_cache
+    assert (cache.hit_tokens, cache.pin_hit_tokens) == (4, 4)
+    assert (cache.device_hit_tokens, cache.host_hit_tokens) == (0, 0)
+    assert summary.host_tier.stored_blocks == summary.host_tier.loaded_blocks == 0
+    assert summary.jobs[0].host_hit_tokens == 0

@@ -1,5 +1,6 @@
 """Prometheus metrics of the server: request latencies and outcomes from the frontend, and the
-core's queues, KV pool, prefix cache, preemptions and pins from its `EngineStats`.
+core's queues, KV pool, host KV tier, prefix cache, preemptions and pins from its
+`EngineStats`.
 
 Each server has its own registry (no process-global state). Frontend metrics are observed as
 outputs arrive (`PrometheusMetrics` is the output processor's `RequestStatsObserver`); core
@@ -63,6 +64,7 @@ class _CoreStatsCollector(Collector):
                        model, stats.prefix_cache_query_tokens)
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", model,
                        stats.prefix_cache_hit_tokens)
+        yield from _host_tier_metrics(stats, model)
         yield _counter("num_preemptions", "Requests preempted (to be recomputed).", model,
                        stats.num_preemptions)
         yield _counter("pins_created", "KV pins created.", model, stats.num_pins_created)
@@ -74,6 +76,20 @@ class _CoreStatsCollector(Collector):
         yield _counter("engine_steps", "Engine steps run.", model, stats.num_steps)
         yield _counter("invariant_checks", "Steps whose scheduler and KV invariants were "
                        "checked (--debug-check-invariants).", model, stats.num_invariant_checks)
+
+
+def _host_tier_metrics(stats: EngineStats, model: str) -> Iterator[Metric]:
+    """The host KV tier's series; all 0 without a tier (`--kv-offload-gib` 0)."""
+    yield _counter("prefix_cache_host_hits", "Prompt tokens found in the host KV tier (part "
+                   "of prefix_cache_hits).", model, stats.prefix_cache_host_hit_tokens)
+    yield _gauge("host_kv_cache_total_blocks", "KV blocks in the host tier (0: no tier).",
+                 model, stats.num_host_kv_blocks)
+    yield _gauge("host_kv_cache_used_blocks", "Host tier KV blocks holding KV.", model,
+                 stats.num_used_host_kv_blocks)
+    yield _counter("host_kv_cache_stored_tokens", "Tokens of KV stored from the device to the "
+                   "host tier.", model, stats.host_kv_stored_tokens)
+    yield _counter("host_kv_cache_loaded_tokens", "Tokens of KV loaded from the host tier to "
+                   "the device.", model, stats.host_kv_loaded_tokens)
 
 
 def _gauge(name: str, documentation: str, model: str, value: float) -> GaugeMetricFamily:

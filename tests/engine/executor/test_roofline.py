@@ -1,10 +1,13 @@
-"""The roofline cost model against hand-computed step times."""
+"""The roofline cost model against hand-computed step times and host-link copy times."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
 from engine.executor.roofline import (
+    A100_SXM,
     GB,
     H100_SXM,
     LLAMA_3_1_8B,
@@ -18,7 +21,8 @@ from engine.executor.roofline import (
 # A round-number model and device so every figure can be worked out by hand.
 MODEL = ModelShape("toy", num_params=1e9, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=8)
-DEVICE = DeviceSpec("toy", peak_flops=1e12, memory_bandwidth=1e11, memory_bytes=10 * GB)
+DEVICE = DeviceSpec("toy", peak_flops=1e12, memory_bandwidth=1e11, memory_bytes=10 * GB,
+                    host_link_bandwidth=1e10)
 
 
 def profile(**overrides: object) -> SimProfile:
@@ -102,3 +106,45 @@ def test_bad_profiles_are_refused() -> None:
         profile(compute_efficiency=0.0)
     with pytest.raises(ValueError, match="no memory for KV"):
         SimProfile("big", ModelShape("big", 1e12, 2, 4, 2, 8), DEVICE)
+
+
+def test_kv_copies_run_over_the_host_links() -> None:
+    # 128 bytes of KV per token over a 10 GB/s link at 80%: 8e9 bytes/s.
+    toy = profile(host_link_efficiency=0.8)
+    assert toy.host_link_bytes_per_s == pytest.approx(8e9)
+    assert toy.kv_copy_time_s(1000) == pytest.approx(1000 * 128 / 8e9)
+    assert toy.kv_copy_time_s(0) == 0.0
+    # Each device moves its own shard over its own link; each has its own host memory.
+    four = profile(host_link_efficiency=0.8, num_devices=4, host_memory_bytes_per_device=5 * GB)
+    assert four.kv_copy_time_s(1000) == pytest.approx(toy.kv_copy_time_s(1000) / 4)
+    assert four.host_memory_bytes == 20 * GB
+
+
+def test_named_profiles_have_pcie_links_and_host_memory() -> None:
+    assert H100_SXM.host_link_bandwidth == 64 * GB  # PCIe Gen5 x16, one direction
+    assert A100_SXM.host_link_bandwidth == 32 * GB  # PCIe Gen4 x16
+    h100 = get_sim_profile("h100-llama3.1-8b")
+    assert h100.host_link_bytes_per_s == pytest.approx(51.2 * GB)
+    # Loading a 32k-token context costs tenths of a second, far below prefilling it.
+    assert 0.05 < h100.kv_copy_time_s(32768) < 0.2 < h100.prefill_time_s(32768)
+    for named in SIM_PROFILES.values():
+        assert 100 * GB <= named.host_memory_bytes_per_device <= 200 * GB
+        assert named.host_memory_bytes == named.host_memory_bytes_per_device * named.num_devices
+        # The tier holds more KV than the device pool.
+        assert named.host_memory_bytes / named.model.kv_bytes_per_token > named.num_kv_tokens
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: profile(host_link_efficiency=0.0), "host_link_efficiency"),
+    (lambda: profile(host_link_efficiency=1.5), "host_link_efficiency"),
+    (lambda: profile(host_memory_bytes_per_device=0.0), "host_memory_bytes_per_device"),
+    (lambda: profile(host_memory_bytes_per_device=float("inf")),
+     "host_memory_bytes_per_device"),
+    (lambda: DeviceSpec("bad", 1e12, 1e11, 10 * GB, host_link_bandwidth=0.0),
+     "device bad: host_link_bandwidth"),
+    (lambda: DeviceSpec("bad", 1e12, -1.0, 10 * GB, host_link_bandwidth=1e10),
+     "device bad: memory_bandwidth"),
+])
+def test_bad_host_figures_are_refused(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()

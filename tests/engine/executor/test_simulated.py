@@ -1,18 +1,20 @@
-"""The simulated executor: step times from the profile, tokens that never end a turn, and
-the engine core and server running on it."""
+"""The simulated executor: step times from the profile (host-tier copies included), tokens
+that never end a turn, and the engine core and server running on it."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.engine_core import EngineCore
+from engine.core.engine_core import EngineCore, prefill_profile_lengths
 from engine.core.wire import EngineCoreRequest
 from engine.engine_args import EngineArgs
 from engine.executor.base import make_executor
 from engine.executor.roofline import SIM_PROFILES
 from engine.executor.simulated import SimulatedExecutor
+from engine.kv_cache.transfers import KVTransfers
 from engine.sampling_params import SamplingParams
+from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tests.engine.helpers import FakeClock
 
 
@@ -89,3 +91,77 @@ def test_prefill_profile_matches_the_cost_model() -> None:
     assert executor.profile_prefill([16, 4096]) == [
         (16, profile.prefill_time_s(16)), (4096, profile.prefill_time_s(4096))
     ]
+
+
+H100 = SIM_PROFILES["h100-llama3.1-8b"]
+# One 16-token block of Llama-3.1-8B KV (2 MiB) over PCIe Gen5 at 80% of 64 GB/s.
+BLOCK_COPY_S = 16 * 128 * 1024 / (64e9 * 0.8)
+
+
+def step_output(transfers: KVTransfers, prompt_len: int = 0) -> SchedulerOutput:
+    """A step prefilling one `prompt_len`-token request (none for 0), with `transfers`."""
+    new = [] if prompt_len == 0 else [NewRequestData(
+        req_id="r", prompt_token_ids=[3] * prompt_len, output_token_ids=[],
+        sampling_params=SamplingParams(max_tokens=1), block_ids=[0], num_computed_tokens=0)]
+    return SchedulerOutput(
+        step_id=0, scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={"r": prompt_len} if prompt_len else {},
+        total_num_scheduled_tokens=prompt_len, finished_req_ids=set(), preempted_req_ids=set(),
+        kv_transfers=transfers)
+
+
+def pairs(count: int) -> list[tuple[int, int]]:
+    return [(i, i) for i in range(count)]
+
+
+def test_host_tier_holds_what_the_offload_size_fits() -> None:
+    assert SimulatedExecutor(sim_config()).num_host_kv_blocks == 0
+    one_gib = sim_config(cache=CacheConfig(num_kv_blocks=128, kv_offload_gib=1.0))
+    executor = SimulatedExecutor(one_gib)
+    assert executor.kv_bytes_per_block == 16 * H100.model.kv_bytes_per_token == 2 * 2**20
+    assert executor.num_host_kv_blocks == 2**30 // (2 * 2**20) == 512
+    big_blocks = CacheConfig(num_kv_blocks=128, kv_offload_gib=1.5, block_size=32)
+    assert SimulatedExecutor(sim_config(cache=big_blocks)).num_host_kv_blocks == 384
+    # The engine core builds its scheduler's host tier to match, and prices reloads with it.
+    core = EngineCore(one_gib, executor=executor, clock=FakeClock())
+    assert core.scheduler.num_host_kv_blocks == 512 and core.stats().num_host_kv_blocks == 512
+    reload = core.scheduler.environment.profile_kv_reload
+    assert reload is not None
+    assert reload() == executor.profile_kv_reload(prefill_profile_lengths(one_gib.scheduler))
+    core.shutdown()
+
+
+def test_reload_profile_is_the_link_time_of_the_blocks_that_fit() -> None:
+    executor = SimulatedExecutor(sim_config(cache=CacheConfig(num_kv_blocks=128,
+                                                              kv_offload_gib=1.0)))
+    # 17 tokens take two blocks; 2,048 tokens fill the pool of 128 blocks, 2,064 do not.
+    assert executor.profile_kv_reload([16, 17, 2048, 2064, 0]) == [
+        (16, pytest.approx(BLOCK_COPY_S)), (17, pytest.approx(2 * BLOCK_COPY_S)),
+        (2048, pytest.approx(128 * BLOCK_COPY_S))]
+    assert SimulatedExecutor(sim_config()).profile_kv_reload([16]) == []
+
+
+def test_a_step_of_copies_alone_costs_their_link_time() -> None:
+    slept: list[float] = []
+    executor = SimulatedExecutor(sim_config(), sleep=slept.append)
+    executor.execute(step_output(KVTransfers(urgent_stores=pairs(2), loads=pairs(3),
+                                             stores=pairs(4))))
+    # Nothing to overlap the lazy stores with: every copy counts, and no step overhead.
+    assert slept == [pytest.approx(9 * BLOCK_COPY_S)]
+    assert executor.busy_s == executor.kv_copy_s == pytest.approx(9 * BLOCK_COPY_S)
+    executor.execute(step_output(KVTransfers()))
+    assert slept[-1] == 0.0
+
+
+def test_loads_delay_the_forward_and_lazy_stores_overlap_it() -> None:
+    forward_s = H100.step_time_s([(0, 300)])
+    slept: list[float] = []
+    executor = SimulatedExecutor(sim_config(), sleep=slept.append)
+    executor.execute(step_output(KVTransfers(loads=pairs(3), stores=pairs(4)), prompt_len=300))
+    assert forward_s > 4 * BLOCK_COPY_S  # the stores hide behind the forward
+    assert slept[-1] == pytest.approx(3 * BLOCK_COPY_S + forward_s)
+    executor.execute(step_output(KVTransfers(urgent_stores=pairs(1), loads=pairs(2),
+                                             stores=pairs(1000)), prompt_len=300))
+    assert forward_s < 1000 * BLOCK_COPY_S  # now the forward hides behind the stores
+    assert slept[-1] == pytest.approx(3 * BLOCK_COPY_S + 1000 * BLOCK_COPY_S)
+    assert executor.kv_copy_s == pytest.approx(1010 * BLOCK_COPY_S)

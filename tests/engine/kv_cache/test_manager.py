@@ -11,13 +11,11 @@ M_N = [13, 14]
 
 def admit(manager: KVCacheManager, request: Request) -> tuple[list[int], int]:
     """Prefix lookup + allocation for the whole prompt, as the scheduler does on admission."""
-    hits, num_hit_tokens = manager.get_computed_blocks(request)
-    new_blocks = manager.allocate_slots(
-        request, request.num_tokens - num_hit_tokens, hits, num_hit_tokens
-    )
+    hit = manager.get_computed_blocks(request)
+    new_blocks = manager.allocate_slots(request, request.num_tokens - hit.num_tokens, hit)
     assert new_blocks is not None
     request.num_computed_tokens = request.num_tokens
-    return [b.block_id for b in hits], num_hit_tokens
+    return [b.block_id for b in hit.blocks], hit.num_tokens
 
 
 def free_ids(manager: KVCacheManager) -> list[int]:
@@ -74,11 +72,11 @@ def test_hit_is_capped_at_num_tokens_minus_one() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=4)
     admit(manager, make_request("a", A_TO_D + E_TO_H))
     exact = make_request("b", A_TO_D + E_TO_H)  # identical 8-token prompt
-    hits, num_hit_tokens = manager.get_computed_blocks(exact)
-    assert num_hit_tokens == 4  # not 8: the last token must be computed
-    assert [b.block_id for b in hits] == [0]
+    hit = manager.get_computed_blocks(exact)
+    assert hit.num_tokens == 4  # not 8: the last token must be computed
+    assert [b.block_id for b in hit.blocks] == [0]
     longer = make_request("c", [*A_TO_D, *E_TO_H, 99])
-    assert manager.get_computed_blocks(longer)[1] == 8
+    assert manager.get_computed_blocks(longer).num_tokens == 8
 
 
 def test_failed_allocation_changes_nothing() -> None:
@@ -88,9 +86,9 @@ def test_failed_allocation_changes_nothing() -> None:
     del manager_request
     before = (free_ids(manager), [b.ref_cnt for b in manager.block_pool.blocks])
     big = make_request("big", A_TO_D + E_TO_H + I_TO_L + M_N)
-    hits, num_hit_tokens = manager.get_computed_blocks(big)
-    assert num_hit_tokens == 8
-    assert manager.allocate_slots(big, big.num_tokens - 8, hits, 8) is None
+    hit = manager.get_computed_blocks(big)
+    assert hit.num_tokens == 8
+    assert manager.allocate_slots(big, big.num_tokens - 8, hit) is None
     assert (free_ids(manager), [b.ref_cnt for b in manager.block_pool.blocks]) == before
     assert "big" not in manager.req_to_blocks
     manager.check_invariants()
@@ -103,10 +101,10 @@ def test_free_hits_count_against_the_free_pool() -> None:
     admit(manager, first)
     manager.free(first)
     second = make_request("b", A_TO_D + E_TO_H + [2, 3, 4, 5, 6, 7, 8, 9])
-    hits, num_hit_tokens = manager.get_computed_blocks(second)
-    assert num_hit_tokens == 8
+    hit = manager.get_computed_blocks(second)
+    assert hit.num_tokens == 8
     # 2 hit blocks (free) + 2 new blocks > 3 free blocks.
-    assert manager.allocate_slots(second, 8, hits, 8) is None
+    assert manager.allocate_slots(second, 8, hit) is None
     manager.check_invariants()
 
 
@@ -140,5 +138,5 @@ def test_prefix_caching_off_never_hits() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=4, enable_caching=False)
     admit(manager, first := make_request("a", A_TO_D + E_TO_H))
     manager.free(first)
-    assert manager.get_computed_blocks(make_request("b", A_TO_D + E_TO_H + [1]))[1] == 0
+    assert manager.get_computed_blocks(make_request("b", A_TO_D + E_TO_H + [1])).num_tokens == 0
     manager.check_invariants()

@@ -13,9 +13,9 @@ def test_prompt_logprobs_skip_the_hit_but_cache_their_blocks() -> None:
     scoring = make_request("scoring", A_TO_D + E_TO_H + [1], prompt_logprobs=0)
     assert scoring.skips_prefix_cache
     assert admit(manager, scoring) == ([], 0)
-    assert manager.get_computed_blocks(make_request("plain", A_TO_D + E_TO_H + [1]))[1] == 8
+    assert manager.get_computed_blocks(make_request("plain", A_TO_D + E_TO_H + [1])).num_tokens == 8
     scoring.append_output_token_id(5)  # its prompt logprobs were all returned with this token
     assert not scoring.skips_prefix_cache
     manager.free(scoring)
-    assert manager.get_computed_blocks(scoring)[1] == 8
+    assert manager.get_computed_blocks(scoring).num_tokens == 8
     manager.check_invariants()

@@ -29,6 +29,7 @@ operation = st.one_of(
     add,
     st.tuples(st.just("step"), st.integers(1, 6)),
     st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("abort_mid_step"), st.integers(0, 30)),
     st.tuples(st.just("release"), st.integers(0, 3)),
 )
 
@@ -40,18 +41,23 @@ operation = st.one_of(
     max_num_seqs=st.integers(1, 8),
     threshold=st.one_of(st.none(), st.integers(1, 16)),
     caching=st.booleans(),
+    num_host_blocks=st.sampled_from([0, 0, 3, 8, 32]),
     seed=st.integers(0, 2**16),
     operations=st.lists(operation, min_size=4, max_size=50),
 )
 def test_random_workloads_keep_invariants_and_free_everything(
-    policy_name, num_blocks, budget, max_num_seqs, threshold, caching, seed, operations
+    policy_name, num_blocks, budget, max_num_seqs, threshold, caching, num_host_blocks, seed,
+    operations,
 ) -> None:
+    """With or without a host tier: `abort_mid_step` aborts a request after its step was
+    planned (possibly with loads into its blocks) and before the runner ran it."""
     rng = random.Random(seed)
     clock = FakeClock()
     scheduler = make_scheduler(
         num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs, max_model_len=24, long_prefill_token_threshold=threshold,
         enable_prefix_caching=caching, policy=POLICIES[policy_name](), clock=clock,
+        num_host_blocks=num_host_blocks,
     )
     runner = FakeRunner(BLOCK_SIZE, sample=lambda req_id, pos: rng.choice([EOS, *range(1, 12)]))
     # A few shared "system prompts" make prefix hits and shared blocks common.
@@ -69,6 +75,10 @@ def test_random_workloads_keep_invariants_and_free_everything(
             next_id += 1
         elif op[0] == "abort":
             scheduler.finish_requests([f"r{op[1]}"])
+        elif op[0] == "abort_mid_step":
+            output = scheduler.schedule()
+            scheduler.finish_requests([f"r{op[1]}"])
+            scheduler.update_from_output(output, runner.execute(output))
         elif op[0] == "release":
             scheduler.end_job(f"job{op[1]}")
         else:
@@ -81,10 +91,15 @@ def test_random_workloads_keep_invariants_and_free_everything(
     event(f"preempted: {scheduler.num_preemptions > 0}")
     event(f"pinned: {scheduler.pins.num_created > 0}")
     event(f"prefix hits: {scheduler.kv_cache_manager.stats.num_hit_tokens > 0}")
+    event(f"host hits: {scheduler.kv_cache_manager.stats.num_host_hit_tokens > 0}")
     for job in range(4):
         scheduler.end_job(f"job{job}")
+    run_step(scheduler, runner)  # carries the stores of what the jobs' ends freed
     scheduler.check_invariants()
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.num_free_blocks == num_blocks
     assert all(block.ref_cnt == 0 for block in pool.blocks)
     assert len(scheduler.pins) == 0
+    host_tier = scheduler.kv_cache_manager.host_tier
+    if host_tier is not None:
+        assert all(host_block.ref_cnt == 0 for host_block in host_tier.blocks)

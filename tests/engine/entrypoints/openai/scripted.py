@@ -53,6 +53,10 @@ class ScriptedExecutor:
         return self._num_kv_blocks
 
     @property
+    def num_host_kv_blocks(self) -> int:
+        return 0
+
+    @property
     def vocab_size(self) -> int:
         return self._vocab_size
 

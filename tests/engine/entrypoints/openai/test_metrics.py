@@ -1,0 +1,60 @@
+"""The core's `EngineStats` as Prometheus series: what a scrape of `/metrics` renders from a
+snapshot, parsed back with Prometheus' own text parser."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.core.wire import EngineStats
+from engine.entrypoints.openai.metrics import PrometheusMetrics
+
+
+def _stats(**fields: object) -> EngineStats:
+    values: dict[str, object] = {
+        "num_running": 1, "num_waiting": 0, "num_kv_blocks": 64, "num_free_blocks": 60,
+        "kv_usage": 4 / 64, "num_pins": 0, "num_pinned_blocks": 0, "num_preemptions": 0,
+        "prefix_cache_query_tokens": 400, "prefix_cache_hit_tokens": 160, "num_steps": 10,
+        "step_time_s": 0.5, "execute_time_s": 0.4,
+    }
+    values.update(fields)
+    return EngineStats(**values)  # type: ignore[arg-type]
+
+
+def _samples(stats: EngineStats) -> dict[str, tuple[str, float]]:
+    """Each sample of the core's series after a scrape: name -> (family type, value)."""
+    metrics = PrometheusMetrics("tiny")
+    metrics.update_core_stats(stats)
+    samples = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if sample.labels == {"model_name": "tiny"}:
+                samples[sample.name] = (family.type, sample.value)
+    return samples
+
+
+def test_host_tier_series_come_from_the_engine_stats() -> None:
+    samples = _samples(_stats(
+        num_host_kv_blocks=256, num_used_host_kv_blocks=40, host_kv_stored_tokens=720,
+        host_kv_loaded_tokens=96, prefix_cache_host_hit_tokens=96,
+    ))
+    assert samples["continuum:host_kv_cache_total_blocks"] == ("gauge", 256)
+    assert samples["continuum:host_kv_cache_used_blocks"] == ("gauge", 40)
+    assert samples["continuum:host_kv_cache_stored_tokens_total"] == ("counter", 720)
+    assert samples["continuum:host_kv_cache_loaded_tokens_total"] == ("counter", 96)
+    assert samples["continuum:prefix_cache_host_hits_total"] == ("counter", 96)
+    assert samples["continuum:prefix_cache_hits_total"] == ("counter", 160)  # both tiers
+
+
+def test_without_a_host_tier_its_series_read_zero() -> None:
+    samples = _samples(_stats())
+    for name in ("host_kv_cache_total_blocks", "host_kv_cache_used_blocks",
+                 "host_kv_cache_stored_tokens_total", "host_kv_cache_loaded_tokens_total",
+                 "prefix_cache_host_hits_total"):
+        assert samples["continuum:" + name][1] == 0, name
+    assert samples["continuum:kv_cache_total_blocks"] == ("gauge", 64)
+
+
+def test_no_core_series_before_the_first_snapshot() -> None:
+    text = PrometheusMetrics("tiny").render().decode()
+    assert "continuum:request_success" in text
+    assert "host_kv_cache" not in text and "prefix_cache_hits" not in text
