@@ -41,13 +41,16 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     present, holds one entry per token of `sampled_token_ids[i]` for requests that asked for
     logprobs and is `None` for the others. `prompt_logprobs[i]`, when the list is present,
     holds the prompt logprobs of the positions `req_ids[i]` computed in the step, for requests
-    that asked for them, and is `None` for the others.
+    that asked for them, and is `None` for the others. `kv_copy_time_s` is how long the
+    step's host-tier copies held it up (seconds; copies overlapped by the forward do not
+    count).
     """
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: list[PromptLogprobs | None] | None = None
+    kv_copy_time_s: float = 0.0
 
     def req_id_to_index(self) -> dict[str, int]:
         return {req_id: index for index, req_id in enumerate(self.req_ids)}

@@ -9,7 +9,9 @@ its longest request needs (only each request's own tokens count as output).
 
 Reported: output tokens/s of both and their ratio; the engine's efficiency (time inside the
 executor, which runs the model forward and sampling, over the wall time of `generate`) and
-its mean per-step overhead (wall time outside the executor per step). Each side runs in its own
+its mean per-step overhead (wall time outside the executor per step). With `--kv-offload-gib`
+(`--impl engine`), also the share of step time the host-tier copies held steps up and the
+tokens stored and loaded. Each side runs in its own
 fresh process (a model loaded second in one process runs measurably slower on small CPUs).
 """
 
@@ -144,6 +146,20 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "engine_efficiency": execute_s / wall_s,
         "step_overhead_ms": (wall_s - execute_s) / num_steps * 1e3,
         "num_steps": num_steps,
+        **_host_tier_figures(before, after, wall_s),
+    }
+
+
+def _host_tier_figures(before: Any, after: Any, wall_s: float) -> dict[str, Any]:
+    """With `--kv-offload-gib`: the share of the run's step time the host-tier copies held
+    steps up, and the tokens stored and loaded."""
+    if not after.num_host_kv_blocks:
+        return {}
+    step_s = after.step_time_s - before.step_time_s
+    return {
+        "kv_copy_share_of_step_time": (after.kv_copy_time_s - before.kv_copy_time_s) / step_s,
+        "host_kv_stored_tokens": after.host_kv_stored_tokens - before.host_kv_stored_tokens,
+        "host_kv_loaded_tokens": after.host_kv_loaded_tokens - before.host_kv_loaded_tokens,
     }
 
 

@@ -77,6 +77,7 @@ class EngineCore:
         self._compiling: dict[str, Request] = {}  # held back until their grammar compiled
         self.step_time_s = 0.0
         self.execute_time_s = 0.0
+        self.kv_copy_time_s = 0.0
         self.num_invariant_checks = 0
 
     def _policy_environment(self) -> PolicyEnvironment:
@@ -162,6 +163,7 @@ class EngineCore:
         execute_started_s = time.perf_counter()
         runner_output = self.executor.execute(scheduler_output)
         self.execute_time_s += time.perf_counter() - execute_started_s
+        self.kv_copy_time_s += runner_output.kv_copy_time_s
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = rejected + self._advance_grammars(outputs)
         self.num_steps += 1
@@ -256,7 +258,7 @@ class EngineCore:
             **self._host_tier_stats(),
         )
 
-    def _host_tier_stats(self) -> dict[str, int]:
+    def _host_tier_stats(self) -> dict[str, int | float]:
         host_tier = self.scheduler.kv_cache_manager.host_tier
         if host_tier is None:
             return {}
@@ -268,6 +270,7 @@ class EngineCore:
             "host_kv_loaded_tokens": host_tier.stats.num_loaded_blocks * block_size,
             "prefix_cache_host_hit_tokens":
                 self.scheduler.kv_cache_manager.stats.num_host_hit_tokens,
+            "kv_copy_time_s": self.kv_copy_time_s,
         }
 
     def reset_prefix_cache(self) -> bool:

@@ -110,7 +110,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     time_s` is summed over the compile threads, off the step loop). With a host KV tier,
     `num_host_kv_blocks` (0: none) of which `num_used_host_kv_blocks` hold KV, the tokens
     stored to and loaded from it, and `prefix_cache_host_hit_tokens`, the part of
-    `prefix_cache_hit_tokens` found there.
+    `prefix_cache_hit_tokens` found there, and `kv_copy_time_s`, the part of
+    `execute_time_s` steps waited for its copies.
     """
 
     num_running: int
@@ -139,6 +140,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     host_kv_stored_tokens: int = 0
     host_kv_loaded_tokens: int = 0
     prefix_cache_host_hit_tokens: int = 0
+    kv_copy_time_s: float = 0.0
 
 
 class PinState(msgspec.Struct, kw_only=True):

@@ -85,7 +85,8 @@ class SimulatedExecutor:
                    for req_id in req_ids]
         self.busy_s += step_s
         self._sleep(step_s)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                 kv_copy_time_s=max(step_s - forward_s, 0.0))
 
     def _with_copies_s(self, forward_s: float, transfers: KVTransfers) -> float:
         """The step's time with its KV copies: the ones the forward waits for (urgent stores,

@@ -213,16 +213,20 @@ class ModelRunner:
             if not transfers.is_empty:
                 raise RuntimeError("the step carries host-tier copies but the runner has no "
                                  "host tier (kv_offload_gib is 0)")
-        else:
-            self.host_kv_cache.copy_before_forward(transfers)
-        output = (ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-                  if scheduler_output.is_empty else self._forward_and_sample(scheduler_output))
-        if self.host_kv_cache is not None:
-            self.host_kv_cache.finish()
+            return self._forward_and_sample(scheduler_output)
+        started_s = time.perf_counter()
+        self.host_kv_cache.copy_before_forward(transfers)
+        copy_time_s = time.perf_counter() - started_s
+        output = self._forward_and_sample(scheduler_output)
+        started_s = time.perf_counter()
+        self.host_kv_cache.finish()
+        output.kv_copy_time_s = copy_time_s + time.perf_counter() - started_s
         return output
 
     def _forward_and_sample(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The forward, sampling and logprobs of a step that schedules tokens."""
+        """The forward, sampling and logprobs of the step (nothing if it schedules no token)."""
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         sampled: dict[str, list[int]] = {req_id: [] for req_id in inputs.req_ids}

@@ -157,11 +157,14 @@ def test_loads_delay_the_forward_and_lazy_stores_overlap_it() -> None:
     forward_s = H100.step_time_s([(0, 300)])
     slept: list[float] = []
     executor = SimulatedExecutor(sim_config(), sleep=slept.append)
-    executor.execute(step_output(KVTransfers(loads=pairs(3), stores=pairs(4)), prompt_len=300))
+    output = executor.execute(step_output(KVTransfers(loads=pairs(3), stores=pairs(4)),
+                                          prompt_len=300))
     assert forward_s > 4 * BLOCK_COPY_S  # the stores hide behind the forward
     assert slept[-1] == pytest.approx(3 * BLOCK_COPY_S + forward_s)
-    executor.execute(step_output(KVTransfers(urgent_stores=pairs(1), loads=pairs(2),
-                                             stores=pairs(1000)), prompt_len=300))
+    assert output.kv_copy_time_s == pytest.approx(3 * BLOCK_COPY_S)  # what held the step up
+    output = executor.execute(step_output(KVTransfers(urgent_stores=pairs(1), loads=pairs(2),
+                                                      stores=pairs(1000)), prompt_len=300))
     assert forward_s < 1000 * BLOCK_COPY_S  # now the forward hides behind the stores
     assert slept[-1] == pytest.approx(3 * BLOCK_COPY_S + 1000 * BLOCK_COPY_S)
+    assert output.kv_copy_time_s == pytest.approx(1003 * BLOCK_COPY_S - forward_s)
     assert executor.kv_copy_s == pytest.approx(1010 * BLOCK_COPY_S)

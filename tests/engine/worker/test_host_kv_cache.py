@@ -248,6 +248,7 @@ def test_second_turn_reloads_its_prefix_from_the_host_tier() -> None:
     assert stats.prefix_cache_hit_tokens == stats.prefix_cache_host_hit_tokens
     assert stats.host_kv_loaded_tokens == stats.prefix_cache_host_hit_tokens
     assert stats.num_free_blocks == stats.num_kv_blocks
+    assert 0 < stats.kv_copy_time_s < stats.execute_time_s  # copies timed within the steps
     # The reloaded KV is bit for bit the KV turn 1 computed; recomputing it may round apart.
     assert reloaded == kept
     assert reloaded.token_ids == recomputed.token_ids
