@@ -173,9 +173,9 @@ class Simulation:
         core = self.core
         num_steps = 0
         try:
-            while self._events or core.has_unfinished_requests():
+            while self._events or core.has_work():
                 self._submit_due_turns()
-                if not core.has_unfinished_requests():
+                if not core.has_work():
                     self.clock.now_s = max(self.clock.now_s, self._events[0].time_s)
                     continue
                 if num_steps >= self.settings.max_steps:

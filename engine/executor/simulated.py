@@ -45,6 +45,9 @@ class SimulatedExecutor:
         self._block_size = block_size
         self._num_host_kv_blocks = int(config.cache.kv_offload_gib * GIB) // (
             self.kv_bytes_per_block)
+        if config.cache.kv_offload_gib and not self._num_host_kv_blocks:
+            raise ValueError(f"kv_offload_gib={config.cache.kv_offload_gib} holds no KV block "
+                             f"of {self.kv_bytes_per_block} bytes")
         self._vocab_size = load_arch(config.model.model).vocab_size
         self._sleep = sleep
         self._num_known_tokens: dict[str, int] = {}

@@ -127,8 +127,9 @@ class BlockPool:
             self.cached_blocks.insert(block.block_hash, block)
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached hash, in the host tier too; only allowed while no block is
-        referenced and no copy is queued or in flight."""
+        """Forgets every cached hash, in the host tier too (stores queued for the next step
+        are dropped); only allowed while no block is referenced and no step's copies are in
+        flight."""
         if self.num_free_blocks != self.num_blocks:
             return False
         if self.transfers is not None and not self.transfers.reset():

@@ -67,6 +67,13 @@ class HostKVTier:
     def lookup(self, block_hash: BlockHash) -> HostBlock | None:
         return self._by_hash.get(block_hash)
 
+    def touch(self, block_hash: BlockHash) -> None:
+        """Marks the cached block of `block_hash` most recently used (its content was about
+        to be stored again)."""
+        host_block = self._by_hash[block_hash]
+        if host_block.ref_cnt == 0:
+            self._lru.move_to_end(host_block.host_block_id)
+
     def reserve(self, block_hash: BlockHash) -> HostBlock | None:
         """A host block for storing `block_hash`, referenced until the store completes: a
         free one, else the least recently used (evicted). None when every block is in

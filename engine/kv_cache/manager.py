@@ -51,7 +51,8 @@ class PrefixHit:
 
 class KVCacheManager:
     """Owns the blocks of RUNNING requests (`req_to_blocks`) on top of a `BlockPool`, and
-    the host tier when `num_host_blocks` > 0.
+    the host tier when `num_host_blocks` > 0 and caching is on (the tier is keyed by the
+    prefix cache's hashes; `CacheConfig` refuses a tier without caching).
 
     Called by the scheduler only: `get_computed_blocks` when a request is admitted,
     `allocate_slots` whenever a request is scheduled, `free` / `detach_cached_blocks` when it

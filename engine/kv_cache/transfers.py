@@ -68,7 +68,8 @@ class KVTransferQueue:
         self.host_tier = host_tier
         self._stores: list[_Store] = []
         self._loads: list[tuple[HostBlock, KVCacheBlock]] = []
-        self._in_flight: list[HostBlock] = []
+        self._in_flight_stores: list[HostBlock] = []
+        self._in_flight_loads: list[tuple[HostBlock, KVCacheBlock]] = []
 
     @property
     def num_pending(self) -> int:
@@ -76,10 +77,12 @@ class KVTransferQueue:
         return len(self._stores) + len(self._loads)
 
     def store(self, block: KVCacheBlock) -> None:
-        """Queues a copy of a cached device block to the host tier, unless it is there."""
+        """Queues a copy of a cached device block to the host tier, unless it is there (then
+        the host copy becomes the most recently used)."""
         block_hash = block.block_hash
         assert block_hash is not None, f"{block} holds no cached content to store"
         if block_hash in self.host_tier:
+            self.host_tier.touch(block_hash)
             return
         host_block = self.host_tier.reserve(block_hash)
         if host_block is not None:
@@ -97,7 +100,8 @@ class KVTransferQueue:
     def take(self) -> KVTransfers:
         """The queued copies as the next step's transfers; their host blocks stay in flight
         until `complete`."""
-        assert not self._in_flight, "the previous step's copies were not completed"
+        assert not (self._in_flight_stores or self._in_flight_loads), (
+            "the previous step's copies were not completed")
         if not self._stores and not self._loads:
             return NO_TRANSFERS
         loaded_host_ids = {host_block.host_block_id for host_block, _ in self._loads}
@@ -112,28 +116,41 @@ class KVTransferQueue:
             loads=[(host.host_block_id, block.block_id) for host, block in self._loads],
             stores=lazy,
         )
-        self._in_flight = ([store.host_block for store in self._stores]
-                           + [host_block for host_block, _ in self._loads])
+        self._in_flight_stores = [store.host_block for store in self._stores]
+        self._in_flight_loads = self._loads
         self._stores, self._loads = [], []
         return transfers
 
     def complete(self) -> None:
-        """The executor ran the taken copies: their host blocks become evictable again."""
-        in_flight, self._in_flight = self._in_flight, []
-        self.host_tier.release(in_flight)
+        """The executor ran the taken copies: their host blocks become evictable again, in
+        the order that keeps prefixes longest: stores were queued tail first (blocks are
+        freed so), loads in prefix order, so loads are released reversed."""
+        self.host_tier.release(self._in_flight_stores)
+        self.host_tier.release([host for host, _ in reversed(self._in_flight_loads)])
+        self._in_flight_stores, self._in_flight_loads = [], []
 
     def reset(self) -> bool:
-        """Empties the host tier; False (no change) while copies are queued or in flight."""
-        if self._stores or self._loads or self._in_flight:
+        """Empties the host tier, dropping the stores queued for the next step (their
+        content is being forgotten anyway); False (no change) while a step's copies are in
+        flight."""
+        if self._loads or self._in_flight_stores or self._in_flight_loads:
             return False
+        self.host_tier.release([store.host_block for store in self._stores])
+        self._stores = []
         return self.host_tier.reset()
 
     def check_invariants(self) -> None:
-        """Host blocks are referenced exactly by the queued and in-flight copies."""
+        """Host blocks are referenced exactly by the queued and in-flight copies, and a
+        block being loaded is registered under its host block's hash (it cannot have been
+        evicted or reused: that takes an allocation, which happens only while planning)."""
         self.host_tier.check_invariants()
+        loads = self._loads + self._in_flight_loads
+        for host_block, block in loads:
+            assert block.block_hash == host_block.block_hash, (
+                f"{block} being loaded from {host_block} holds other content")
         expected: dict[int, int] = {}
         users = ([store.host_block for store in self._stores]
-                 + [host_block for host_block, _ in self._loads] + self._in_flight)
+                 + [host_block for host_block, _ in loads] + self._in_flight_stores)
         for host_block in users:
             expected[host_block.host_block_id] = expected.get(host_block.host_block_id, 0) + 1
         for host_block in self.host_tier.blocks:

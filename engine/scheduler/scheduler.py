@@ -273,7 +273,8 @@ class Scheduler:
             tracer.close()
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets all cached prefixes; False (no change) while any block is held."""
+        """Forgets all cached prefixes, the host tier's too; False (no change) while any
+        block is held."""
         return self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     # Scheduling.

@@ -37,7 +37,8 @@ class HostKVCache:
     Owned by the model runner, which calls `copy_before_forward` with each step's
     `KVTransfers` before the step's forward (even when no token is scheduled) and
     `finish` after it; every copy is done when `finish` returns. It holds the runner's
-    device caches by reference and never writes a device block outside the step's loads.
+    device caches by reference and writes device blocks only in a step's loads and in
+    `load_blocks` (the start-up reload profile, before any request holds a block).
     """
 
     def __init__(self, device_caches: list[torch.Tensor], num_blocks: int,

@@ -129,6 +129,9 @@ def test_host_tier_holds_what_the_offload_size_fits() -> None:
     assert reload is not None
     assert reload() == executor.profile_kv_reload(prefill_profile_lengths(one_gib.scheduler))
     core.shutdown()
+    too_small = CacheConfig(num_kv_blocks=128, kv_offload_gib=0.001)  # under one 2 MiB block
+    with pytest.raises(ValueError, match="holds no KV block"):
+        SimulatedExecutor(sim_config(cache=too_small))
 
 
 def test_reload_profile_is_the_link_time_of_the_blocks_that_fit() -> None:

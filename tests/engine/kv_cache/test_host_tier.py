@@ -63,7 +63,7 @@ def test_a_store_is_urgent_when_its_source_is_rewritten_or_a_load_reads_it():
         queue.store(block)
     queue.store(kept)  # already queued: not stored twice
     rewritten.block_hash = None  # evicted and reallocated while the store waits
-    destination = KVCacheBlock(7)
+    destination = _cached_block(7, 2)  # registered at once, as allocate_slots does
     queue.load([queue.lookup(_hash(2))], [destination])
     transfers = queue.take()
     assert transfers.urgent_stores == [(1, 1), (2, 2)]
@@ -77,3 +77,25 @@ def test_a_store_is_urgent_when_its_source_is_rewritten_or_a_load_reads_it():
     queue.check_invariants()
     assert queue.take().is_empty
     assert all(block.ref_cnt == 0 for block in queue.host_tier.blocks)
+
+
+def test_a_reloaded_chain_is_evicted_tail_first_so_its_prefix_stays_a_hit():
+    queue = KVTransferQueue(HostKVTier(3))
+    chain = [_cached_block(block_id, index) for block_id, index in ((0, 10), (1, 11), (2, 12))]
+    for block in reversed(chain):  # blocks are freed tail first
+        queue.store(block)
+    queue.take()
+    queue.complete()
+    host_blocks = [queue.lookup(block.block_hash) for block in chain]
+    destinations = [_cached_block(block_id, index) for block_id, index in ((5, 10), (6, 11),
+                                                                           (7, 12))]
+    queue.load(host_blocks, destinations)
+    queue.take()
+    queue.complete()
+    queue.store(_cached_block(8, 20))  # a new store evicts one block of the chain
+    assert _hash(10) in queue.host_tier and _hash(11) in queue.host_tier
+    assert _hash(12) not in queue.host_tier
+    queue.store(chain[0])  # storing content already there makes it the most recently used
+    queue.store(_cached_block(9, 21))
+    assert _hash(10) in queue.host_tier and _hash(11) not in queue.host_tier
+    queue.check_invariants()

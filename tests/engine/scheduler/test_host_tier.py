@@ -124,6 +124,22 @@ def test_a_full_host_tier_evicts_its_least_recently_used_blocks():
     assert host_tier.stats.num_evicted_blocks == 4
     run_step(scheduler, runner)
     scheduler.check_invariants()
+    last = make_request("again", [3] * 9, max_tokens=1)
+    hit = scheduler.kv_cache_manager.get_computed_blocks(last)
+    assert len(hit.blocks) + len(hit.host_blocks) == 2  # the latest request's blocks survived
+
+
+def test_reset_works_on_an_idle_engine_with_stores_queued():
+    scheduler = make_scheduler(num_blocks=8, block_size=BLOCK_SIZE, max_model_len=32,
+                               num_host_blocks=8)
+    runner = FakeRunner(BLOCK_SIZE)
+    scheduler.add_request(make_request("r", list(range(1, 10)), max_tokens=1))
+    run_until_done(scheduler, runner)
+    assert scheduler.has_pending_kv_transfers()
+    assert scheduler.reset_prefix_cache()
+    assert not scheduler.has_pending_kv_transfers()
+    assert scheduler.kv_cache_manager.host_tier.num_used_blocks == 0
+    scheduler.check_invariants()
 
 
 def test_the_tier_needs_prefix_caching_and_a_valid_size():
@@ -209,7 +225,9 @@ def test_random_conversations_with_a_host_tier_keep_both_tiers_consistent(
             scheduler.finish_requests([f"r{op[1]}"])
         elif op[0] == "abort_mid_step":
             output = scheduler.schedule()
+            scheduler.check_invariants()  # with the step's copies in flight
             scheduler.finish_requests([f"r{op[1]}"])
+            scheduler.check_invariants()
             scheduler.update_from_output(output, runner.execute(output))
         elif op[0] == "release":
             scheduler.end_job(f"job{op[1]}")

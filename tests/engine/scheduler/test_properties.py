@@ -77,7 +77,9 @@ def test_random_workloads_keep_invariants_and_free_everything(
             scheduler.finish_requests([f"r{op[1]}"])
         elif op[0] == "abort_mid_step":
             output = scheduler.schedule()
+            scheduler.check_invariants()  # with the step's copies in flight
             scheduler.finish_requests([f"r{op[1]}"])
+            scheduler.check_invariants()
             scheduler.update_from_output(output, runner.execute(output))
         elif op[0] == "release":
             scheduler.end_job(f"job{op[1]}")
