@@ -228,6 +228,46 @@ def run_until_done(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
 
+def run_control_operation(scheduler: Scheduler, runner: FakeRunner, clock: FakeClock,
+                          op: tuple, *, step_s: float) -> None:
+    """One operation of the random-workload property tests that adds no request:
+    `("abort", n)` aborts request `rn`; `("abort_mid_step", n)` aborts it after a step was
+    planned and before it ran (invariants checked with the step's copies in flight);
+    `("release", j)` ends job `jobj`; `("step", k)` runs k steps of `step_s` seconds."""
+    kind, value = op
+    if kind == "abort":
+        scheduler.finish_requests([f"r{value}"])
+    elif kind == "abort_mid_step":
+        output = scheduler.schedule()
+        scheduler.check_invariants()
+        scheduler.finish_requests([f"r{value}"])
+        scheduler.check_invariants()
+        scheduler.update_from_output(output, runner.execute(output))
+    elif kind == "release":
+        scheduler.end_job(f"job{value}")
+    else:
+        for _ in range(value):
+            run_step(scheduler, runner)
+            clock.advance(step_s)
+    scheduler.check_invariants()
+
+
+def assert_everything_released(scheduler: Scheduler, runner: FakeRunner,
+                               job_ids: list[str]) -> None:
+    """Ends the jobs, runs one step (it carries the stores their ends queued) and asserts
+    that no device block, host block or pin is held any more."""
+    for job_id in job_ids:
+        scheduler.end_job(job_id)
+    run_step(scheduler, runner)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    assert len(scheduler.pins) == 0
+    host_tier = scheduler.kv_cache_manager.host_tier
+    if host_tier is not None:
+        assert all(host_block.ref_cnt == 0 for host_block in host_tier.blocks)
+
+
 class PinningPolicy(FCFSPolicy):
     """Test policy: retains every finished turn of a job for `ttl_s`; under pressure it
     releases the oldest pin before preempting anyone."""

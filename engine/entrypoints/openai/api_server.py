@@ -295,11 +295,7 @@ def _add_generation_routes(app: FastAPI) -> None:
         _check_accepting(request)
         serving: OpenAIServingCompletion = request.app.state.completions
         prepared = await serving.prepare(body, ClientContext.of(request))
-        cleanup = BackgroundTask(serving.abort, prepared.requests)
-        if body.stream:
-            return StreamingResponse(serving.stream(body, prepared), background=cleanup,
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
-        return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
+        return await _respond(request, serving, body, prepared, prepared.requests)
 
     @app.post("/v1/chat/completions", operation_id="createChatCompletion",
               response_class=JSONResponse,
@@ -308,11 +304,7 @@ def _add_generation_routes(app: FastAPI) -> None:
         _check_accepting(request)
         serving: OpenAIServingChat = request.app.state.chat
         prepared = await serving.prepare(body, ClientContext.of(request))
-        cleanup = BackgroundTask(serving.abort, [prepared.request])
-        if body.stream:
-            return StreamingResponse(serving.stream(body, prepared), background=cleanup,
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
-        return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
+        return await _respond(request, serving, body, prepared, [prepared.request])
 
 
 def _add_response_routes(app: FastAPI) -> None:
@@ -327,11 +319,7 @@ def _add_response_routes(app: FastAPI) -> None:
         _check_accepting(request)
         serving: OpenAIServingResponses = request.app.state.responses
         prepared = await serving.prepare(body, ClientContext.of(request))
-        cleanup = BackgroundTask(serving.abort, [prepared.request])
-        if body.stream:
-            return StreamingResponse(serving.stream(body, prepared), background=cleanup,
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
-        return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
+        return await _respond(request, serving, body, prepared, [prepared.request])
 
     @app.get("/v1/responses/{response_id}", operation_id="retrieveResponse",
              response_class=JSONResponse,
@@ -354,6 +342,17 @@ def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, A
     return {200: {"model": model, "description": "The completion (JSON), or its stream (SSE).",
                   "content": SSE_RESPONSE},
             **error_responses(400, 404, 413, 429, 503)}
+
+
+async def _respond(request: Request, serving: Any, body: Any, prepared: Any,
+                   engine_requests: list[Any]) -> Response:
+    """A prepared generation's response: its SSE stream when `body.stream`, else its JSON;
+    either way the engine requests are aborted once the client is gone or served."""
+    cleanup = BackgroundTask(serving.abort, engine_requests)
+    if body.stream:
+        return StreamingResponse(serving.stream(body, prepared), background=cleanup,
+                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+    return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
 
 
 async def _run(request: Request, work: Any, cleanup: BackgroundTask) -> dict[str, Any]:

@@ -20,8 +20,10 @@ from tests.engine.helpers import (
     FakeClock,
     FakeRunner,
     PinningPolicy,
+    assert_everything_released,
     make_request,
     make_scheduler,
+    run_control_operation,
     run_step,
     run_until_done,
 )
@@ -221,30 +223,11 @@ def test_random_conversations_with_a_host_tier_keep_both_tiers_consistent(
             prompt = [rng.randrange(60, 90) for _ in range(op[1])]
             scheduler.add_request(make_request(f"r{next_id}", prompt, max_tokens=1))
             next_id += 1
-        elif op[0] == "abort":
-            scheduler.finish_requests([f"r{op[1]}"])
-        elif op[0] == "abort_mid_step":
-            output = scheduler.schedule()
-            scheduler.check_invariants()  # with the step's copies in flight
-            scheduler.finish_requests([f"r{op[1]}"])
             scheduler.check_invariants()
-            scheduler.update_from_output(output, runner.execute(output))
-        elif op[0] == "release":
-            scheduler.end_job(f"job{op[1]}")
         else:
-            for _ in range(op[1]):
-                run_step(scheduler, runner)
-                clock.advance(0.02)
-        scheduler.check_invariants()
+            run_control_operation(scheduler, runner, clock, op, step_s=0.02)
 
     run_until_done(scheduler, runner, max_steps=4000)
     stats = scheduler.kv_cache_manager.stats
     event(f"host hits: {stats.num_host_hit_tokens > 0}")
-    for job in range(4):
-        scheduler.end_job(f"job{job}")
-    run_step(scheduler, runner)
-    scheduler.check_invariants()
-    pool = scheduler.kv_cache_manager.block_pool
-    assert pool.num_free_blocks == num_blocks
-    host_tier = scheduler.kv_cache_manager.host_tier
-    assert all(host_block.ref_cnt == 0 for host_block in host_tier.blocks)
+    assert_everything_released(scheduler, runner, [f"job{job}" for job in range(4)])

@@ -12,9 +12,10 @@ from tests.engine.helpers import (
     FakeClock,
     FakeRunner,
     PinningPolicy,
+    assert_everything_released,
     make_request,
     make_scheduler,
-    run_step,
+    run_control_operation,
     run_until_done,
 )
 
@@ -73,35 +74,13 @@ def test_random_workloads_keep_invariants_and_free_everything(
                 is_last_step=last,
             ))
             next_id += 1
-        elif op[0] == "abort":
-            scheduler.finish_requests([f"r{op[1]}"])
-        elif op[0] == "abort_mid_step":
-            output = scheduler.schedule()
-            scheduler.check_invariants()  # with the step's copies in flight
-            scheduler.finish_requests([f"r{op[1]}"])
             scheduler.check_invariants()
-            scheduler.update_from_output(output, runner.execute(output))
-        elif op[0] == "release":
-            scheduler.end_job(f"job{op[1]}")
         else:
-            for _ in range(op[1]):
-                run_step(scheduler, runner)
-                clock.advance(0.01)
-        scheduler.check_invariants()
+            run_control_operation(scheduler, runner, clock, op, step_s=0.01)
 
     run_until_done(scheduler, runner, max_steps=2000)
     event(f"preempted: {scheduler.num_preemptions > 0}")
     event(f"pinned: {scheduler.pins.num_created > 0}")
     event(f"prefix hits: {scheduler.kv_cache_manager.stats.num_hit_tokens > 0}")
     event(f"host hits: {scheduler.kv_cache_manager.stats.num_host_hit_tokens > 0}")
-    for job in range(4):
-        scheduler.end_job(f"job{job}")
-    run_step(scheduler, runner)  # carries the stores of what the jobs' ends freed
-    scheduler.check_invariants()
-    pool = scheduler.kv_cache_manager.block_pool
-    assert pool.num_free_blocks == num_blocks
-    assert all(block.ref_cnt == 0 for block in pool.blocks)
-    assert len(scheduler.pins) == 0
-    host_tier = scheduler.kv_cache_manager.host_tier
-    if host_tier is not None:
-        assert all(host_block.ref_cnt == 0 for host_block in host_tier.blocks)
+    assert_everything_released(scheduler, runner, [f"job{job}" for job in range(4)])
