@@ -33,13 +33,15 @@ class TurnRecord:
 @dataclass(slots=True)
 class JobRecord:
     """One job: its arrival, its finished turns, when its last turn ended (None if it did
-    not) and the error that stopped it, if one did."""
+    not) and the error that stopped it, if one did. `replica_ids`: the replica that answered
+    each turn sent (a failed one included), where a replicated server names it."""
 
     job_id: str
     arrival_s: float
     turns: list[TurnRecord] = field(default_factory=list)
     finished_s: float | None = None
     error: str | None = None
+    replica_ids: list[str] = field(default_factory=list)
 
     @property
     def jct_s(self) -> float | None:

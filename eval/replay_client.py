@@ -28,6 +28,8 @@ from eval.workload import AgentJobSpec
 
 PROMPT_FORMATS = ("ids", "text")
 _WORDS = ("alpha", "bravo", "delta", "echo", "gamma", "kilo", "lima", "omega", "sigma", "tango")
+# The header a replicated server (`continuum serve --replicas`) names the answering replica in.
+REPLICA_HEADER = "x-continuum-replica"
 _COUNTER = re.compile(r"^(\S+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 
@@ -54,7 +56,8 @@ class ReplaySettings:
 class AgentReplay:
     """Replays `jobs` arriving at `arrivals_s` (seconds from the start, parallel lists);
     `on_job_done` is called as each job ends (a progress bar). After `run`, `records` holds
-    each job's turns, in job order."""
+    each job's turns, in job order; during it, `started` holds the records of the jobs that
+    have arrived, filling as their turns finish."""
 
     def __init__(
         self, jobs: list[AgentJobSpec], arrivals_s: list[float], settings: ReplaySettings,
@@ -67,6 +70,7 @@ class AgentReplay:
         self.settings = settings
         self.on_job_done = on_job_done
         self.records: list[JobRecord] = []
+        self.started: list[JobRecord] = []
         self._start_s = 0.0
 
     async def run(self) -> RunMetrics:
@@ -95,12 +99,13 @@ class AgentReplay:
     ) -> JobRecord:
         await asyncio.sleep(max(0.0, arrival_s - self._now_s()))
         record = JobRecord(job.job_id, self._now_s())
+        self.started.append(record)
         context: list[int] | str = [] if self.settings.prompt_format == "ids" else ""
         try:
             for turn_index, turn in enumerate(job.turns):
                 prompt = context + self._appended(job, turn_index)
                 context, turn_record = await self._run_turn(client, model, job, turn_index,
-                                                            prompt)
+                                                            prompt, record)
                 record.turns.append(turn_record)
                 if turn.tool_duration_s is not None:
                     await asyncio.sleep(turn.tool_duration_s)
@@ -120,11 +125,11 @@ class AgentReplay:
 
     async def _run_turn(
         self, client: openai.AsyncOpenAI, model: str, job: AgentJobSpec, turn_index: int,
-        prompt: list[int] | str,
+        prompt: list[int] | str, job_record: JobRecord,
     ) -> tuple[list[int] | str, TurnRecord]:
         turn = job.turns[turn_index]
         sent_s = self._now_s()
-        stream = await client.completions.create(
+        raw = await client.completions.with_raw_response.create(
             model=model, prompt=prompt, max_tokens=turn.num_output_tokens, stream=True,
             stream_options={"include_usage": True}, temperature=0.0,
             extra_body={
@@ -133,6 +138,10 @@ class AgentReplay:
                 "min_tokens": turn.num_output_tokens, "return_token_ids": True,
             },
         )
+        replica_id = raw.headers.get(REPLICA_HEADER)
+        if replica_id is not None:
+            job_record.replica_ids.append(replica_id)
+        stream = raw.parse()
         first_token_s = None
         token_ids: list[int] = []
         text = ""

@@ -46,6 +46,8 @@ from engine.entrypoints.openai.tenants import (
 from engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.stats import RequestStatsObserver
+from engine.replicas.launch import add_arguments as add_replica_arguments
+from engine.replicas.launch import main as serve_replicas
 
 logger = logging.getLogger("continuum.serve")
 
@@ -126,6 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     EngineArgs.add_cli_args(parser)
+    add_replica_arguments(parser)
 
 
 def tenants_from_args(args: argparse.Namespace) -> Tenants | None:
@@ -140,6 +143,22 @@ def tenants_from_args(args: argparse.Namespace) -> Tenants | None:
             raise ValueError("--share-prefix-cache needs API keys (there are no tenants)")
         return None
     return Tenants.from_pairs(pairs, share_prefix_cache=args.share_prefix_cache)
+
+
+def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from `continuum serve`'s flags; ValueError naming a bad one."""
+    return ServerSettings(
+        served_model_name=args.served_model_name or args.model,
+        tenants=tenants_from_args(args), max_request_body_bytes=args.max_request_body_bytes,
+        tool_call_parser=args.tool_call_parser, max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens, max_n=args.max_n,
+        max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_waiting_requests=args.max_waiting_requests, retry_after_s=args.retry_after_s,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+        max_stored_responses=args.max_stored_responses,
+        max_stored_response_bytes=args.max_stored_response_bytes,
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -182,21 +201,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.replicas is not None:
+        return serve_replicas(args)
     engine_args = EngineArgs.from_cli_args(args)
     try:
         config = engine_args.to_engine_config()
-        settings = ServerSettings(
-            served_model_name=args.served_model_name or engine_args.model,
-            tenants=tenants_from_args(args), max_request_body_bytes=args.max_request_body_bytes,
-            tool_call_parser=args.tool_call_parser, max_prompt_tokens=args.max_prompt_tokens,
-            max_output_tokens=args.max_output_tokens, max_n=args.max_n,
-            max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
-            max_stop_token_ids=args.max_stop_token_ids,
-            max_waiting_requests=args.max_waiting_requests, retry_after_s=args.retry_after_s,
-            shutdown_timeout_s=args.shutdown_timeout_s,
-            max_stored_responses=args.max_stored_responses,
-            max_stored_response_bytes=args.max_stored_response_bytes,
-        )
+        settings = server_settings_from_args(args)
         connection_settings = ConnectionSettings(
             header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
             max_connections=args.max_connections,

@@ -1,0 +1,90 @@
+"""`continuum serve --replicas N`: the server as N engine replicas on Ray Serve.
+
+Starts (or, with `--address`, joins) a Ray cluster, runs `engine.replicas.ray_app` there with
+Ray Serve's HTTP proxy on `--host`/`--port`, and keeps it up until SIGINT or SIGTERM, when it
+shuts the application down. Ray is an optional dependency (`pip install
+'continuum-engine[ray]'`); every node of a cluster needs the package installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from engine.engine_args import EngineArgs
+from engine.replicas.routing import DEFAULT_LOAD_FACTOR, DEFAULT_MIN_MOVE_LOAD, ROUTER_NAMES
+
+logger = logging.getLogger("continuum.replicas")
+
+APP_NAME = "continuum"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replicas (Ray Serve; needs the 'ray' extra)")
+    group.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="serve N engine replicas on Ray Serve behind one endpoint "
+                            "(default: one engine, no Ray)")
+    group.add_argument("--router", default="affinity", choices=ROUTER_NAMES,
+                       help="how requests pick a replica: a job's turns to one replica "
+                            "(affinity), round-robin, or least-loaded (default: %(default)s)")
+    group.add_argument("--address", default=None,
+                       help="the Ray cluster to join, e.g. 'auto' or 'ray://head:10001' "
+                            "(default: start a local Ray)")
+    group.add_argument("--replica-cpus", type=float, default=1.0,
+                       help="CPUs each replica reserves in Ray (default: %(default)s)")
+    group.add_argument("--replica-gpus", type=float, default=None,
+                       help="GPUs each replica reserves in Ray (default: 1 with --device "
+                            "cuda, else 0)")
+    group.add_argument("--route-load-factor", type=float, default=DEFAULT_LOAD_FACTOR,
+                       help="affinity: a job moves off its replica when that replica has more "
+                            "than this times the mean requests in flight (default: "
+                            "%(default)s)")
+    group.add_argument("--route-min-move-load", type=int, default=DEFAULT_MIN_MOVE_LOAD,
+                       help="affinity: ... and more than this many (default: %(default)s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import ray
+        from ray import serve
+
+        from engine.replicas.ray_app import ReplicaAppSettings, build_application
+    except ImportError as error:
+        logger.error("--replicas needs Ray Serve: pip install 'continuum-engine[ray]' (%s)",
+                     error)
+        return 2
+    from engine.entrypoints.serve import server_settings_from_args
+
+    try:
+        if args.port == 0:
+            raise ValueError("--replicas needs a fixed --port (Ray Serve's proxy binds it)")
+        EngineArgs.from_cli_args(args).to_engine_config()
+        server_settings_from_args(args)
+        gpus = args.replica_gpus
+        if gpus is None:
+            gpus = 1.0 if args.device == "cuda" else 0.0
+        settings = ReplicaAppSettings(
+            serve_args=vars(args), num_replicas=args.replicas, router=args.router,
+            load_factor=args.route_load_factor, min_move_load=args.route_min_move_load,
+            replica_num_cpus=args.replica_cpus, replica_num_gpus=gpus, seed=args.seed,
+        )
+    except ValueError as error:
+        logger.error("cannot start: %s", error)
+        return 2
+    ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_application(settings), name=APP_NAME, route_prefix="/")
+        logger.info("serving %s on http://%s:%d with %d replicas (%s routing)",
+                    args.served_model_name or args.model, args.host, args.port,
+                    args.replicas, args.router)
+        stop.wait()
+    finally:
+        serve.delete(APP_NAME)
+        ray.shutdown()
+    return 0

@@ -1,0 +1,361 @@
+"""The replicated server as a Ray Serve application: N engine replicas behind one ingress.
+
+- **`EngineReplica`** (N replicas): one engine (`AsyncLLM` and its core process) and the whole
+  OpenAI-compatible app of `continuum serve`, through which the ingress's requests run
+  in-process (`engine.replicas.asgi`), so every endpoint behaves as on a single server. A
+  replica whose engine core died fails Ray Serve's health check and is restarted by it.
+- **`Ingress`** (one replica, the HTTP entry): reads each request's routing key
+  (`engine.replicas.routing_key`), forwards the request through a deployment handle whose
+  request router is `ReplicaRequestRouter`, and streams the replica's response back.
+  `GET /metrics` merges every replica's series, labelled by replica.
+
+**Faults.** A request whose replica dies before the ingress forwarded any of the response is
+sent once more (the router no longer sees the dead replica, so it goes to another); a response
+cut off later ends with an error (an SSE error event, or the connection closes). The dead
+replica's jobs lose their pins; their next turns are routed again over the live replicas.
+
+Build it with `build_application` (what `continuum serve --replicas N` runs), or from a Serve
+config with `app_builder` (`serve run engine.replicas.ray_app:app_builder ...`).
+"""
+
+
+import argparse
+import contextlib
+import json
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client.metrics_core import CounterMetricFamily
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from engine.engine_args import EngineArgs
+from engine.entrypoints.openai.errors import error_body, error_response
+from engine.entrypoints.openai.serving import sse
+from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.stats import RequestStatsObserver
+from engine.replicas.asgi import ProxiedRequest, ResponseHead, call_asgi
+from engine.replicas.metrics import merge_replicas, render, routing_decisions
+from engine.replicas.ray_router import ReplicaRequestRouter
+from engine.replicas.routing import (
+    DEFAULT_LOAD_FACTOR,
+    DEFAULT_MIN_MOVE_LOAD,
+    ROUTER_NAMES,
+    Route,
+    RoutePurpose,
+    RouterName,
+)
+from engine.replicas.routing_key import job_key, routing_key
+
+logger = logging.getLogger("continuum.replicas")
+
+REPLICA_HEADER = b"x-continuum-replica"
+ROUTE_HEADER = b"x-continuum-route"
+MAX_REMEMBERED_RESPONSES = 100_000
+# Ray Serve's own cap on requests in flight at a replica; the engine queues and batches, and
+# `--max-waiting-requests` is the admission limit, so this only guards against runaway load.
+MAX_ONGOING_REQUESTS_PER_REPLICA = 4096
+_REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+
+
+@dataclass(frozen=True)
+class ReplicaAppSettings:
+    """The application: `num_replicas` engines, each started from `continuum serve`'s parsed
+    flags `serve_args`, each holding `replica_num_cpus` CPUs and `replica_num_gpus` GPUs of
+    the Ray cluster; requests routed by `router` (the affinity router's load bound:
+    `load_factor`, `min_move_load`)."""
+
+    serve_args: Mapping[str, Any]
+    num_replicas: int = 2
+    router: RouterName = "affinity"
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    min_move_load: int = DEFAULT_MIN_MOVE_LOAD
+    replica_num_cpus: float = 1.0
+    replica_num_gpus: float = 0.0
+    seed: int = 0
+    extra_router_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas!r}")
+        if self.router not in ROUTER_NAMES:
+            raise ValueError(f"router must be one of {', '.join(ROUTER_NAMES)}, "
+                             f"got {self.router!r}")
+        if self.replica_num_cpus < 0 or self.replica_num_gpus < 0:
+            raise ValueError("replica_num_cpus and replica_num_gpus must be >= 0")
+
+
+class EngineReplica:
+    """One engine and its OpenAI-compatible app, serving the requests the ingress forwards."""
+
+    async def __init__(self, serve_args: Mapping[str, Any]) -> None:
+        from engine.entrypoints.openai.api_server import build_app
+        from engine.entrypoints.serve import server_settings_from_args
+
+        self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
+        args = argparse.Namespace(**serve_args)
+        config = EngineArgs.from_cli_args(args).to_engine_config()
+        settings = server_settings_from_args(args)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._engine_died = False
+        self._decisions: Counter[str] = Counter()
+
+        def make_engine(observer: RequestStatsObserver) -> AsyncLLM:
+            return AsyncLLM(config, stats_observer=observer)
+
+        self._app = build_app(make_engine, settings, on_engine_dead=self._on_engine_dead)
+        lifespan = self._app.router.lifespan_context(self._app)
+        await lifespan.__aenter__()
+        self._lifespan = lifespan
+        logger.info("replica %s serves %s", self.replica_id, settings.served_model_name)
+
+    async def handle(self, request: ProxiedRequest,
+                     route: Route) -> AsyncIterator[ResponseHead | bytes]:
+        """Runs `request` through the app: yields the response head (with the replica and
+        routing decision as headers), then the body's chunks."""
+        kind = route.decision.kind if route.decision is not None else "spread"
+        self._decisions[kind] += 1
+        async with contextlib.aclosing(call_asgi(self._app, request)) as response:
+            async for item in response:
+                if isinstance(item, ResponseHead):
+                    item = ResponseHead(item.status, (*item.headers,
+                                                      (REPLICA_HEADER, self.replica_id.encode()),
+                                                      (ROUTE_HEADER, kind.encode())))
+                yield item
+
+    async def metrics(self, headers: tuple[tuple[bytes, bytes], ...],
+                      route: Route) -> tuple[str, int, bytes]:
+        """This replica's id, and the status and body of its `GET /metrics` (authenticated
+        with `headers`) followed by the routing decisions it received."""
+        request = ProxiedRequest("GET", "/metrics", b"", headers, b"")
+        chunks = [item async for item in call_asgi(self._app, request)]
+        head = chunks[0]
+        assert isinstance(head, ResponseHead)
+        body = b"".join(chunk for chunk in chunks[1:] if isinstance(chunk, bytes))
+        if head.status == 200:
+            body += render([routing_decisions(self._decisions)])
+        return self.replica_id, head.status, body
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic health check: a replica whose engine core died is restarted."""
+        if self._engine_died:
+            raise RuntimeError(f"replica {self.replica_id}: the engine core died")
+
+    async def __del__(self) -> None:
+        if self._lifespan is not None:
+            await self._lifespan.__aexit__(None, None, None)
+
+    def _on_engine_dead(self) -> None:
+        self._engine_died = True
+
+
+def _headers(request: Request) -> tuple[tuple[bytes, bytes], ...]:
+    return tuple((key, value) for key, value in request.headers.raw if key.lower() != b"host")
+
+
+def _response_headers(head: ResponseHead) -> dict[str, str]:
+    # Ray Serve's proxy sets its own X-Request-Id (the same id, which the app echoes).
+    skipped = {b"content-length", b"transfer-encoding", b"connection", b"x-request-id"}
+    return {key.decode(): value.decode(errors="replace") for key, value in head.headers
+            if key.lower() not in skipped}
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def _response_id(first: bytes) -> str | None:
+    """The response id in a Responses API answer's first chunk: the JSON body, or the data of
+    the stream's `response.created` event."""
+    for line in first.splitlines():
+        text = line.removeprefix(b"data: ")
+        if not text.startswith(b"{"):
+            continue
+        payload = _json_or_none(text)
+        if isinstance(payload, dict):
+            inner = payload.get("response", payload)
+            if isinstance(inner, dict) and isinstance(inner.get("id"), str):
+                return inner["id"]
+    return None
+
+
+# Defined after the helpers above: Ray Serve captures the class when it decorates it.
+proxy_app = FastAPI(title="Continuum engine (replicated)", docs_url=None, redoc_url=None,
+                    openapi_url=None)
+
+
+@serve.ingress(proxy_app)
+class Ingress:
+    """The HTTP entry: routes each request to an engine replica and relays its response."""
+
+    def __init__(self, replicas: DeploymentHandle, num_replicas: int,
+                 max_request_body_bytes: int) -> None:
+        self._replicas = replicas
+        self._num_replicas = num_replicas
+        self._max_request_body_bytes = max_request_body_bytes
+        self._response_keys: OrderedDict[str, str] = OrderedDict()
+        self._retries = 0
+        self._cut_off = 0
+
+    @proxy_app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        headers = _headers(request)
+        texts: dict[str, str] = {}
+        for index in range(self._num_replicas):
+            route = Route(None, "replica", replica_index=index)
+            replica_id, status, body = await self._replicas.metrics.remote(headers, route=route)
+            if status != 200:
+                return Response(body, status_code=status, media_type="application/json")
+            texts[replica_id] = body.decode()
+        return Response(merge_replicas(texts, self._own_metrics()),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @proxy_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def forward(self, path: str, request: Request) -> Response:
+        content_length = request.headers.get("content-length")
+        if content_length is not None and content_length.isdigit() and \
+                int(content_length) > self._max_request_body_bytes:
+            return error_response(413, f"the request body exceeds the limit of "
+                                  f"{self._max_request_body_bytes} bytes",
+                                  code="request_too_large", headers={"Connection": "close"})
+        body = await request.body()
+        proxied = ProxiedRequest(request.method, request.url.path,
+                                 request.url.query.encode(), _headers(request), body)
+        route = self._route(proxied)
+        if route is None:
+            return await self._find_response(proxied)
+        return await self._send(proxied, route)
+
+    def _route(self, request: ProxiedRequest) -> Route | None:
+        path = request.path
+        if request.method == "POST" and path in _GENERATION_PATHS:
+            headers = {key.decode().lower(): value.decode(errors="replace")
+                       for key, value in request.headers}
+            return Route(routing_key(path, _json_or_none(request.body), headers,
+                                     self._response_keys))
+        if path.startswith("/v1/jobs/"):
+            purpose: RoutePurpose = "end_job" if request.method == "DELETE" else "lookup"
+            return Route(job_key(path.removeprefix("/v1/jobs/")), purpose)
+        if path.startswith("/v1/responses/"):
+            key = self._response_keys.get(path.removeprefix("/v1/responses/"))
+            return None if key is None else Route(key, "lookup")
+        return Route(None)
+
+    async def _send(self, request: ProxiedRequest, route: Route) -> Response:
+        """Forwards `request`; sends it once more if its replica dies before answering."""
+        for attempt in range(2):
+            response = self._replicas.options(stream=True).handle.remote(request, route=route)
+            try:
+                head = await response.__anext__()
+                first = await anext(response, b"")
+            except _REPLICA_FAILURES as error:
+                response.cancel()
+                if attempt == 0:
+                    self._retries += 1
+                    logger.warning("a replica died before answering; retrying once: %s", error)
+                    continue
+                return error_response(503, "the engine replica serving this request died "
+                                      "before answering, and so did the one it was retried on",
+                                      code="replica_unavailable")
+            assert isinstance(head, ResponseHead) and isinstance(first, bytes)
+            self._remember_response(request, route, head, first)
+            return StreamingResponse(self._relay(first, response, head), status_code=head.status,
+                                     headers=_response_headers(head))
+        raise AssertionError("unreachable")
+
+    async def _relay(self, first: bytes, response: Any, head: ResponseHead
+                     ) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            async for chunk in response:
+                yield chunk
+        except _REPLICA_FAILURES:
+            self._cut_off += 1
+            if (head.header(b"content-type") or b"").startswith(b"text/event-stream"):
+                yield sse(error_body(503, "the engine replica serving this stream died",
+                                     code="replica_unavailable"))
+                return
+            raise
+        finally:
+            response.cancel()
+
+    async def _find_response(self, request: ProxiedRequest) -> Response:
+        """A stored response the ingress has no key for: asks each replica in turn."""
+        for index in range(self._num_replicas):
+            response = await self._send(request, Route(None, "replica", replica_index=index))
+            if response.status_code != 404:
+                return response
+        return response
+
+    def _remember_response(self, request: ProxiedRequest, route: Route, head: ResponseHead,
+                           first: bytes) -> None:
+        if request.path != "/v1/responses" or request.method != "POST" or route.key is None:
+            return
+        response_id = _response_id(first)
+        if response_id is None:
+            return
+        self._response_keys[response_id] = route.key
+        while len(self._response_keys) > MAX_REMEMBERED_RESPONSES:
+            self._response_keys.popitem(last=False)
+
+    def _own_metrics(self) -> list[CounterMetricFamily]:
+        retries = CounterMetricFamily(
+            "continuum:replica_retries", "Requests sent again because their replica died "
+            "before answering", value=self._retries)
+        cut_off = CounterMetricFamily(
+            "continuum:replica_cut_off_responses", "Responses cut off because their replica "
+            "died while streaming", value=self._cut_off)
+        return [retries, cut_off]
+
+
+def build_application(settings: ReplicaAppSettings) -> serve.Application:
+    """The Ray Serve application of `settings` (for `serve.run`)."""
+    router_config = RequestRouterConfig(
+        request_router_class=ReplicaRequestRouter,
+        request_router_kwargs={"router": settings.router, "seed": settings.seed,
+                               "load_factor": settings.load_factor,
+                               "min_move_load": settings.min_move_load,
+                               **settings.extra_router_kwargs},
+    )
+    replicas = serve.deployment(EngineReplica).options(
+        name="EngineReplica", num_replicas=settings.num_replicas,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS_PER_REPLICA,
+        request_router_config=router_config, health_check_period_s=2.0,
+        ray_actor_options={"num_cpus": settings.replica_num_cpus,
+                           "num_gpus": settings.replica_num_gpus},
+    ).bind(dict(settings.serve_args))
+    ingress = serve.deployment(Ingress).options(
+        name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(replicas, settings.num_replicas,
+                        settings.serve_args["max_request_body_bytes"])
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """For `serve run engine.replicas.ray_app:app_builder KEY=VALUE ...` and Serve config
+    files: `replicas`, `router`, `replica_num_cpus`, `replica_num_gpus`, and `engine_args`, the
+    flags of `continuum serve` as one string (e.g. `"--model tiny --policy continuum"`)."""
+    from engine.entrypoints.serve import add_arguments
+
+    parser = argparse.ArgumentParser(prog="continuum serve")
+    add_arguments(parser)
+    serve_args = parser.parse_args(str(args.get("engine_args", "")).split())
+    return build_application(ReplicaAppSettings(
+        serve_args=vars(serve_args), num_replicas=int(args.get("replicas", 2)),
+        router=args.get("router", "affinity"),
+        replica_num_cpus=float(args.get("replica_num_cpus", 1.0)),
+        replica_num_gpus=float(args.get("replica_num_gpus", 0.0)),
+    ))

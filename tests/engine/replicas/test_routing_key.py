@@ -1,0 +1,53 @@
+"""Routing keys read from request bodies and headers at the ingress."""
+
+from __future__ import annotations
+
+from engine.replicas.routing_key import PROMPT_PREFIX_TOKENS, job_key, routing_key
+
+CHAT = "/v1/chat/completions"
+
+
+def key(path: str, body: object, headers: dict[str, str] | None = None,
+        responses: dict[str, str] | None = None) -> str | None:
+    return routing_key(path, body, headers or {}, responses or {})
+
+
+def test_an_explicit_job_is_the_key_whichever_way_it_is_named() -> None:
+    assert key(CHAT, {"job_id": "j1", "messages": []}) == job_key("j1")
+    assert key(CHAT, {"messages": []}, {"x-job-id": "j1"}) == job_key("j1")
+    assert key("/v1/completions", {"prompt_cache_key": "j1", "prompt": "x"}) == job_key("j1")
+    assert job_key("j1") != job_key("j2")
+
+
+def test_a_conversations_turns_share_the_key_of_its_opening() -> None:
+    opening = [{"role": "system", "content": "You are an agent."},
+               {"role": "user", "content": "Fix the bug."}]
+    later = [*opening, {"role": "assistant", "content": "", "tool_calls": []},
+             {"role": "tool", "content": "ok", "tool_call_id": "c1"}]
+    other = [opening[0], {"role": "user", "content": "Write the docs."}]
+    assert key(CHAT, {"messages": opening}) == key(CHAT, {"messages": later})
+    assert key(CHAT, {"messages": opening}) != key(CHAT, {"messages": other})
+    assert key(CHAT, {"messages": "not a list"}) is None
+
+
+def test_completions_are_keyed_by_their_prompts_opening() -> None:
+    ids = list(range(PROMPT_PREFIX_TOKENS + 5))
+    assert key("/v1/completions", {"prompt": ids}) == \
+        key("/v1/completions", {"prompt": [*ids, 7, 8]})
+    assert key("/v1/completions", {"prompt": [ids]}) == key("/v1/completions", {"prompt": ids})
+    assert key("/v1/completions", {"prompt": "a b c"}) != key("/v1/completions", {"prompt": "x"})
+    assert key("/v1/completions", {"prompt": ["one", "two"]}) is None  # a batch: no job
+
+
+def test_responses_follow_ups_inherit_the_key_of_the_response_they_continue() -> None:
+    first = key("/v1/responses", {"input": "hello", "instructions": "be brief"})
+    assert first is not None and first.startswith("conversation:")
+    follow_up = {"input": "more", "previous_response_id": "resp_1"}
+    assert key("/v1/responses", follow_up, responses={"resp_1": first}) == first
+    assert key("/v1/responses", follow_up) == "response:resp_1"  # unknown to this ingress
+
+
+def test_malformed_bodies_have_no_key() -> None:
+    assert key(CHAT, None) is None
+    assert key(CHAT, [1, 2]) is None
+    assert key(CHAT, {"job_id": 5, "messages": []}) is None
