@@ -10,13 +10,14 @@ import argparse
 import asyncio
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 from tqdm import tqdm
 
 from eval.arrivals import arrivals_s
 from eval.bench_sim import add_workload_arguments, load_workload, workload_summary
-from eval.metrics import RunMetrics
+from eval.metrics import JobRecord, RunMetrics
 from eval.replay_client import PROMPT_FORMATS, AgentReplay, ReplaySettings
 from eval.report import markdown_table
 from eval.workload import AgentJobSpec
@@ -43,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the run's figures here")
 
 
-def run_replay(args: argparse.Namespace) -> tuple[RunMetrics, list[AgentJobSpec]]:
-    """The replay's figures, and the jobs replayed."""
+def run_replay(args: argparse.Namespace
+               ) -> tuple[RunMetrics, list[AgentJobSpec], list[JobRecord]]:
+    """The replay's figures, the jobs replayed and their records."""
     jobs = load_workload(args)
     settings = ReplaySettings(base_url=args.base_url, model=args.model, api_key=args.api_key,
                               prompt_format=args.prompt_format, vocab_size=args.vocab_size,
@@ -52,12 +54,12 @@ def run_replay(args: argparse.Namespace) -> tuple[RunMetrics, list[AgentJobSpec]
     with tqdm(total=len(jobs), unit="job", disable=args.no_progress) as progress:
         replay = AgentReplay(jobs, arrivals_s(len(jobs), args.jobs_per_s, seed=args.seed),
                              settings, on_job_done=lambda record: progress.update())
-        return asyncio.run(replay.run()), jobs
+        return asyncio.run(replay.run()), jobs, replay.records
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        metrics, jobs = run_replay(args)
+        metrics, jobs, records = run_replay(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -68,8 +70,22 @@ def main(args: argparse.Namespace) -> int:
           f"{metrics.failures}, {metrics.throughput_jobs_per_s:.3f} jobs/s, "
           f"{metrics.tokens_per_s:.1f} generated tokens/s, mean TTFT "
           f"{metrics.mean_ttft_s or 0.0:.3f} s")
+    replicas = replica_summary(records)
+    if replicas is not None:
+        print(replicas)
     if args.json:
         report = {"base_url": args.base_url, "trace": workload_source(args).label,
                   "workload": workload_summary(jobs), "runs": [run]}
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if metrics.failures == 0 else 1
+
+
+def replica_summary(records: list[JobRecord]) -> str | None:
+    """Where a replicated server ran the turns (None for a server that names no replica):
+    turns per replica, and the jobs whose turns all ran on one replica."""
+    turns = Counter(replica for record in records for replica in record.replica_ids)
+    if not turns:
+        return None
+    on_one = sum(1 for record in records if len(set(record.replica_ids)) == 1)
+    split = ", ".join(f"{replica} {count}" for replica, count in sorted(turns.items()))
+    return f"turns by replica: {split}; jobs on one replica {on_one}/{len(records)}"

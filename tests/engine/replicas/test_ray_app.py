@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
+import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -18,13 +23,13 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+from engine.cli import main as cli_main  # noqa: E402
 from engine.entrypoints.serve import add_arguments  # noqa: E402
 from engine.replicas.ray_app import ReplicaAppSettings, build_application  # noqa: E402
 from engine.replicas.routing import RouterName  # noqa: E402
-from eval.arrivals import poisson_arrivals_s  # noqa: E402
-from eval.metrics import JobRecord, RunMetrics  # noqa: E402
+from eval.metrics import RunMetrics  # noqa: E402
 from eval.replay_client import AgentReplay, ReplaySettings  # noqa: E402
-from eval.workload import AgentJobSpec, LoadOptions, TurnSpec, load_jobs  # noqa: E402
+from eval.workload import AgentJobSpec, TurnSpec  # noqa: E402
 from tests.continuum.workload import TEST_DATA  # noqa: E402
 from tests.engine.entrypoints.openai.conftest import start_server  # noqa: E402
 
@@ -34,10 +39,18 @@ ENGINE_FLAGS = ["--model", "tiny", "--num-kv-blocks", "128", "--max-model-len", 
 SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
 
 
-def eight_jobs() -> list[AgentJobSpec]:
-    jobs = load_jobs(SLICE, LoadOptions(max_jobs=4, max_turns=4, token_scale=0.05))
-    # Twice each job of the slice, under other ids: 8 jobs, with the slice's shapes.
-    return jobs + [AgentJobSpec(f"{job.job_id}-b", job.turns) for job in jobs]
+def bench_agent(base_url: str, tmp_path: Path) -> tuple[dict[str, Any], str]:
+    """`continuum bench agent` with the first 8 jobs of the slice (4 turns each): the run's
+    figures from its JSON, and what it printed."""
+    out = tmp_path / f"agent-{time.monotonic_ns()}.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = cli_main(["bench", "agent", "--base-url", base_url, "--trace", str(SLICE),
+                         "--first-jobs", "8", "--max-turns", "4", "--token-scale", "0.05",
+                         "--jobs-per-s", "20", "--no-progress", "--json", str(out)])
+    assert code == 0, printed.getvalue()
+    run, = json.loads(out.read_text())["runs"]
+    return run, printed.getvalue()
 
 
 class RayServer:
@@ -52,7 +65,7 @@ class RayServer:
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.router: RouterName | None = None
-        self._runs: dict[RouterName, tuple[RunMetrics, list[JobRecord]]] = {}
+        self._runs: dict[RouterName, tuple[dict[str, Any], str]] = {}
 
     def deploy(self, router: RouterName) -> None:
         """Deploys the app with `router` (restarting the replicas) unless it is deployed."""
@@ -66,11 +79,11 @@ class RayServer:
         self.router = router
         self._wait_for_both_replicas()
 
-    def eight_jobs_run(self, router: RouterName) -> tuple[RunMetrics, list[JobRecord]]:
-        """The replay of `eight_jobs` with `router` (run once per router)."""
+    def bench_agent_run(self, router: RouterName, tmp_path: Path) -> tuple[dict[str, Any], str]:
+        """`bench_agent` against the app with `router` (run once per router)."""
         if router not in self._runs:
             self.deploy(router)
-            self._runs[router] = self.replay(eight_jobs())
+            self._runs[router] = bench_agent(self.base_url, tmp_path)
         return self._runs[router]
 
     def _wait_for_both_replicas(self) -> None:
@@ -83,12 +96,6 @@ class RayServer:
             if len(seen) == 2:
                 return
         raise AssertionError(f"only replicas {seen} answered")
-
-    def replay(self, jobs: list[AgentJobSpec]) -> tuple[RunMetrics, list[JobRecord]]:
-        replay = AgentReplay(eight_jobs(), poisson_arrivals_s(8, 20.0),
-                             ReplaySettings(base_url=self.base_url, request_timeout_s=120))
-        metrics = asyncio.run(replay.run())
-        return metrics, replay.records
 
     def stop(self) -> None:
         # Without Ray Serve's graceful shutdown, which waits out every replica's: the engine
@@ -103,21 +110,19 @@ def ray_server() -> Iterator[RayServer]:
     server.stop()
 
 
-def test_affinity_keeps_each_job_on_one_replica_and_its_cache(ray_server: RayServer) -> None:
-    metrics, records = ray_server.eight_jobs_run("affinity")
-    assert metrics.failures == 0 and metrics.num_finished_jobs == 8
-    for record in records:
-        assert len(record.replica_ids) == 4 and len(set(record.replica_ids)) == 1, record
+def test_affinity_keeps_each_job_on_one_replica_and_its_cache(
+        ray_server: RayServer, tmp_path: Path) -> None:
+    run, printed = ray_server.bench_agent_run("affinity", tmp_path)
+    assert run["failures"] == 0 and run["num_finished_jobs"] == 8
+    assert "jobs on one replica 8/8" in printed
 
     single = start_server(num_kv_blocks=128, max_model_len=1024, scheduling_policy="continuum")
     try:
-        replay = AgentReplay(eight_jobs(), poisson_arrivals_s(8, 20.0),
-                             ReplaySettings(base_url=single.base_url))
-        single_metrics = asyncio.run(replay.run())
+        single_run, single_printed = bench_agent(single.base_url, tmp_path)
     finally:
         single.stop()
-    assert single_metrics.failures == 0
-    assert metrics.cached_token_fraction >= single_metrics.cached_token_fraction > 0
+    assert single_run["failures"] == 0 and "replica" not in single_printed
+    assert run["cached_token_fraction"] >= single_run["cached_token_fraction"] > 0
 
     text = httpx.get(ray_server.base_url + "/metrics", timeout=60).text
     assert text.count('continuum:num_preemptions_total{model_name="tiny",replica=') == 2
@@ -206,12 +211,14 @@ def test_a_killed_replica_leaves_the_other_replicas_jobs_complete(
     assert "continuum:replica_retries_total 1.0" in text
 
 
-def test_round_robin_scatters_jobs_and_loses_their_cache(ray_server: RayServer) -> None:
-    affinity_metrics, _ = ray_server.eight_jobs_run("affinity")
-    metrics, records = ray_server.eight_jobs_run("round-robin")
-    assert metrics.failures == 0
-    assert any(len(set(record.replica_ids)) > 1 for record in records)
-    assert metrics.cached_token_fraction < affinity_metrics.cached_token_fraction
+def test_round_robin_scatters_jobs_and_loses_their_cache(
+        ray_server: RayServer, tmp_path: Path) -> None:
+    affinity_run, _ = ray_server.bench_agent_run("affinity", tmp_path)
+    run, printed = ray_server.bench_agent_run("round-robin", tmp_path)
+    assert run["failures"] == 0
+    on_one_replica = int(printed.split("jobs on one replica ")[1].split("/")[0])
+    assert on_one_replica < 8  # each turn goes to the next replica, whatever its job
+    assert run["cached_token_fraction"] < affinity_run["cached_token_fraction"]
 
 
 LONG_OUTPUT_TOKENS = 600
