@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
         import ray
         from ray import serve
 
-        from engine.replicas.ray_app import ReplicaAppSettings, build_application
+        from engine.replicas.ray_app import build_application, settings_from_args
     except ImportError as error:
         logger.error("--replicas needs Ray Serve: pip install 'continuum-engine[ray]' (%s)",
                      error)
@@ -62,14 +62,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--replicas needs a fixed --port (Ray Serve's proxy binds it)")
         EngineArgs.from_cli_args(args).to_engine_config()
         server_settings_from_args(args)
-        gpus = args.replica_gpus
-        if gpus is None:
-            gpus = 1.0 if args.device == "cuda" else 0.0
-        settings = ReplicaAppSettings(
-            serve_args=vars(args), num_replicas=args.replicas, router=args.router,
-            load_factor=args.route_load_factor, min_move_load=args.route_min_move_load,
-            replica_num_cpus=args.replica_cpus, replica_num_gpus=gpus, seed=args.seed,
-        )
+        settings = settings_from_args(args)
     except ValueError as error:
         logger.error("cannot start: %s", error)
         return 2

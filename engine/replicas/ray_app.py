@@ -21,11 +21,13 @@ config with `app_builder` (`serve run engine.replicas.ray_app:app_builder ...`).
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
+import shlex
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -51,6 +53,7 @@ from engine.replicas.routing import (
     Route,
     RoutePurpose,
     RouterName,
+    make_router,
 )
 from engine.replicas.routing_key import job_key, routing_key
 
@@ -81,7 +84,6 @@ class ReplicaAppSettings:
     replica_num_cpus: float = 1.0
     replica_num_gpus: float = 0.0
     seed: int = 0
-    extra_router_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -91,6 +93,8 @@ class ReplicaAppSettings:
                              f"got {self.router!r}")
         if self.replica_num_cpus < 0 or self.replica_num_gpus < 0:
             raise ValueError("replica_num_cpus and replica_num_gpus must be >= 0")
+        # The router is built inside Ray, where an error would leave every request waiting.
+        make_router(self.router, load_factor=self.load_factor, min_move_load=self.min_move_load)
 
 
 class EngineReplica:
@@ -175,6 +179,42 @@ def _json_or_none(body: bytes) -> Any:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A Responses API answer the ingress returned: its conversation's routing key and the
+    replica that stores it."""
+
+    key: str | None
+    replica_id: str
+
+
+def _replica_of(head: ResponseHead) -> str | None:
+    replica_id = head.header(REPLICA_HEADER)
+    return None if replica_id is None else replica_id.decode()
+
+
+def _engine_died(head: ResponseHead, first: bytes) -> bool:
+    return head.status == 503 and b'"engine_dead"' in first
+
+
+async def _names_something_unknown(response: Response) -> bool:
+    """Whether `response` (not sent yet) is a 404, or a 400 for an unknown previous response;
+    reads such an answer's body, which is short."""
+    if response.status_code not in (400, 404):
+        return False
+    if response.status_code == 404:
+        return True
+    assert isinstance(response, StreamingResponse)
+    chunks = [chunk async for chunk in response.body_iterator]
+    body = b"".join(chunk if isinstance(chunk, bytes) else chunk.encode() for chunk in chunks)
+    response.body_iterator = _replay(body)
+    return b'"param":"previous_response_id"' in body
+
+
+async def _replay(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
 def _response_id(first: bytes) -> str | None:
     """The response id in a Responses API answer's first chunk: the JSON body, or the data of
     the stream's `response.created` event."""
@@ -204,7 +244,7 @@ class Ingress:
         self._replicas = replicas
         self._num_replicas = num_replicas
         self._max_request_body_bytes = max_request_body_bytes
-        self._response_keys: OrderedDict[str, str] = OrderedDict()
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._retries = 0
         self._cut_off = 0
 
@@ -214,7 +254,11 @@ class Ingress:
         texts: dict[str, str] = {}
         for index in range(self._num_replicas):
             route = Route(None, "replica", replica_index=index)
-            replica_id, status, body = await self._replicas.metrics.remote(headers, route=route)
+            try:
+                replica_id, status, body = await self._replicas.metrics.remote(headers,
+                                                                               route=route)
+            except _REPLICA_FAILURES:
+                continue  # restarting: its series are back at the next scrape
             if status != 200:
                 return Response(body, status_code=status, media_type="application/json")
             texts[replica_id] = body.decode()
@@ -223,37 +267,59 @@ class Ingress:
 
     @proxy_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:
-        content_length = request.headers.get("content-length")
-        if content_length is not None and content_length.isdigit() and \
-                int(content_length) > self._max_request_body_bytes:
+        body = await self._read_body(request)
+        if body is None:
             return error_response(413, f"the request body exceeds the limit of "
                                   f"{self._max_request_body_bytes} bytes",
                                   code="request_too_large", headers={"Connection": "close"})
-        body = await request.body()
         proxied = ProxiedRequest(request.method, request.url.path,
                                  request.url.query.encode(), _headers(request), body)
         route = self._route(proxied)
         if route is None:
-            return await self._find_response(proxied)
-        return await self._send(proxied, route)
+            return await self._ask_each_replica(proxied)
+        response = await self._send(proxied, route)
+        if response.status_code == 404 and route.purpose != "generate":
+            return await self._ask_each_replica(proxied)  # e.g. an inferred job
+        return response
+
+    async def _read_body(self, request: Request) -> bytes | None:
+        """The body, or None once it exceeds the limit (by its Content-Length, or as read)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._max_request_body_bytes:
+            return None
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > self._max_request_body_bytes:
+                return None
+        return bytes(body)
 
     def _route(self, request: ProxiedRequest) -> Route | None:
+        """How `request` is routed; None: ask each replica in turn (a stored response or a
+        conversation this ingress does not know)."""
         path = request.path
+        headers = {key.decode().lower(): value.decode(errors="replace")
+                   for key, value in request.headers}
         if request.method == "POST" and path in _GENERATION_PATHS:
-            headers = {key.decode().lower(): value.decode(errors="replace")
-                       for key, value in request.headers}
-            return Route(routing_key(path, _json_or_none(request.body), headers,
-                                     self._response_keys))
+            body = _json_or_none(request.body)
+            previous = body.get("previous_response_id") if isinstance(body, dict) else None
+            if path == "/v1/responses" and isinstance(previous, str):
+                stored = self._responses.get(previous)
+                return None if stored is None else Route(stored.key,
+                                                         replica_id=stored.replica_id)
+            return Route(routing_key(path, body, headers))
         if path.startswith("/v1/jobs/"):
             purpose: RoutePurpose = "end_job" if request.method == "DELETE" else "lookup"
-            return Route(job_key(path.removeprefix("/v1/jobs/")), purpose)
+            return Route(job_key(path.removeprefix("/v1/jobs/"), headers), purpose)
         if path.startswith("/v1/responses/"):
-            key = self._response_keys.get(path.removeprefix("/v1/responses/"))
-            return None if key is None else Route(key, "lookup")
+            stored = self._responses.get(path.removeprefix("/v1/responses/"))
+            return None if stored is None else Route(None, "replica",
+                                                     replica_id=stored.replica_id)
         return Route(None)
 
     async def _send(self, request: ProxiedRequest, route: Route) -> Response:
-        """Forwards `request`; sends it once more if its replica dies before answering."""
+        """Forwards `request`; sends it once more, to another replica, if its replica died
+        (or answered that its engine died) before answering."""
         for attempt in range(2):
             response = self._replicas.options(stream=True).handle.remote(request, route=route)
             try:
@@ -268,7 +334,17 @@ class Ingress:
                 return error_response(503, "the engine replica serving this request died "
                                       "before answering, and so did the one it was retried on",
                                       code="replica_unavailable")
+            except Exception as error:
+                response.cancel()
+                logger.exception("forwarding a request failed")
+                return error_response(503, f"no engine replica could take the request "
+                                      f"({type(error).__name__})", code="replica_unavailable")
             assert isinstance(head, ResponseHead) and isinstance(first, bytes)
+            if attempt == 0 and _engine_died(head, first):
+                response.cancel()
+                self._retries += 1
+                route = dataclasses.replace(route, avoid_replica_id=_replica_of(head))
+                continue
             self._remember_response(request, route, head, first)
             return StreamingResponse(self._relay(first, response, head), status_code=head.status,
                                      headers=_response_headers(head))
@@ -291,29 +367,31 @@ class Ingress:
         finally:
             response.cancel()
 
-    async def _find_response(self, request: ProxiedRequest) -> Response:
-        """A stored response the ingress has no key for: asks each replica in turn."""
+    async def _ask_each_replica(self, request: ProxiedRequest) -> Response:
+        """Sends `request` to each replica in turn until one knows what it names (a stored
+        response, a job): answers other than 404 and a previous response not found."""
+        response = error_response(404, "no replica is serving", code="replica_unavailable")
         for index in range(self._num_replicas):
             response = await self._send(request, Route(None, "replica", replica_index=index))
-            if response.status_code != 404:
+            if not await _names_something_unknown(response):
                 return response
         return response
 
     def _remember_response(self, request: ProxiedRequest, route: Route, head: ResponseHead,
                            first: bytes) -> None:
-        if request.path != "/v1/responses" or request.method != "POST" or route.key is None:
+        if request.path != "/v1/responses" or request.method != "POST" or head.status != 200:
             return
-        response_id = _response_id(first)
-        if response_id is None:
+        response_id, replica_id = _response_id(first), _replica_of(head)
+        if response_id is None or replica_id is None:
             return
-        self._response_keys[response_id] = route.key
-        while len(self._response_keys) > MAX_REMEMBERED_RESPONSES:
-            self._response_keys.popitem(last=False)
+        self._responses[response_id] = StoredResponse(route.key, replica_id)
+        while len(self._responses) > MAX_REMEMBERED_RESPONSES:
+            self._responses.popitem(last=False)
 
     def _own_metrics(self) -> list[CounterMetricFamily]:
         retries = CounterMetricFamily(
             "continuum:replica_retries", "Requests sent again because their replica died "
-            "before answering", value=self._retries)
+            "(or its engine did) before answering", value=self._retries)
         cut_off = CounterMetricFamily(
             "continuum:replica_cut_off_responses", "Responses cut off because their replica "
             "died while streaming", value=self._cut_off)
@@ -326,13 +404,15 @@ def build_application(settings: ReplicaAppSettings) -> serve.Application:
         request_router_class=ReplicaRequestRouter,
         request_router_kwargs={"router": settings.router, "seed": settings.seed,
                                "load_factor": settings.load_factor,
-                               "min_move_load": settings.min_move_load,
-                               **settings.extra_router_kwargs},
+                               "min_move_load": settings.min_move_load},
     )
     replicas = serve.deployment(EngineReplica).options(
         name="EngineReplica", num_replicas=settings.num_replicas,
         max_ongoing_requests=MAX_ONGOING_REQUESTS_PER_REPLICA,
         request_router_config=router_config, health_check_period_s=2.0,
+        # On shutdown, scale-down or redeploy, requests in flight get as long as a single
+        # server's drain gives them.
+        graceful_shutdown_timeout_s=settings.serve_args["shutdown_timeout_s"],
         ray_actor_options={"num_cpus": settings.replica_num_cpus,
                            "num_gpus": settings.replica_num_gpus},
     ).bind(dict(settings.serve_args))
@@ -346,16 +426,26 @@ def build_application(settings: ReplicaAppSettings) -> serve.Application:
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """For `serve run engine.replicas.ray_app:app_builder KEY=VALUE ...` and Serve config
-    files: `replicas`, `router`, `replica_num_cpus`, `replica_num_gpus`, and `engine_args`, the
-    flags of `continuum serve` as one string (e.g. `"--model tiny --policy continuum"`)."""
+    files: `engine_args`, the flags of `continuum serve` as one shell-quoted string, including
+    `--replicas N` and the other replica flags (e.g. `"--replicas 4 --device cuda --model
+    DIR"`)."""
     from engine.entrypoints.serve import add_arguments
 
     parser = argparse.ArgumentParser(prog="continuum serve")
     add_arguments(parser)
-    serve_args = parser.parse_args(str(args.get("engine_args", "")).split())
-    return build_application(ReplicaAppSettings(
-        serve_args=vars(serve_args), num_replicas=int(args.get("replicas", 2)),
-        router=args.get("router", "affinity"),
-        replica_num_cpus=float(args.get("replica_num_cpus", 1.0)),
-        replica_num_gpus=float(args.get("replica_num_gpus", 0.0)),
-    ))
+    serve_args = parser.parse_args(shlex.split(str(args.get("engine_args", ""))))
+    return build_application(settings_from_args(serve_args))
+
+
+def settings_from_args(args: argparse.Namespace) -> ReplicaAppSettings:
+    """The application of `continuum serve` flags (two replicas unless `--replicas` says);
+    ValueError naming a bad one."""
+    gpus = args.replica_gpus
+    if gpus is None:
+        gpus = 1.0 if args.device == "cuda" else 0.0
+    return ReplicaAppSettings(
+        serve_args=vars(args), num_replicas=2 if args.replicas is None else args.replicas,
+        router=args.router,
+        load_factor=args.route_load_factor, min_move_load=args.route_min_move_load,
+        replica_num_cpus=args.replica_cpus, replica_num_gpus=gpus, seed=args.seed,
+    )

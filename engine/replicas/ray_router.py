@@ -12,13 +12,14 @@ was chosen (it counts decisions in its `/metrics` and names them in a response h
 Ray Serve ships this module to the ingress by value (a copy of its classes), so the types the
 ingress shares with it (`Route`) live in `engine.replicas.routing`.
 
-Loads are Ray Serve's counts of requests in flight at each replica, from its queue-length
-cache (a replica with no entry yet counts as idle).
+Loads are the requests in flight at each replica: those this router sent that have not
+completed, or Ray Serve's cached queue length there when larger.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -45,6 +46,7 @@ class ReplicaRequestRouter(RequestRouter):
         """Called by Ray Serve with the deployment's `request_router_kwargs`."""
         self._router: ReplicaRouter = make_router(router, seed=seed, load_factor=load_factor,
                                                   min_move_load=min_move_load)
+        self._in_flight: Counter[str] = Counter()
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica],
@@ -63,6 +65,7 @@ class ReplicaRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
+        self._in_flight[replica_id.unique_id] += 1
         route = _route_of(pending_request)
         if route is None or route.decision is None or route.purpose == "replica":
             return
@@ -72,17 +75,28 @@ class ReplicaRequestRouter(RequestRouter):
         if route.purpose == "end_job" and route.key is not None:
             self._router.forget(route.key)
 
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self._in_flight[replica_id.unique_id] > 0:
+            self._in_flight[replica_id.unique_id] -= 1
+
     def _decide(self, route: Route, replicas: dict[str, RunningReplica]) -> RoutingDecision:
+        usable = {replica_id: replica for replica_id, replica in replicas.items()
+                  if replica_id != route.avoid_replica_id} or replicas
+        if route.replica_id in usable:
+            kind = "affinity" if route.purpose == "generate" else "lookup"
+            return RoutingDecision(route.replica_id, kind)
         if route.purpose == "replica":
-            replica_ids = sorted(replicas)
+            replica_ids = sorted(usable)
             return RoutingDecision(replica_ids[(route.replica_index or 0) % len(replica_ids)],
                                    "lookup")
-        loads = {replica_id: self._queue_len(replica)
-                 for replica_id, replica in replicas.items()}
+        loads = {replica_id: self._load(replica) for replica_id, replica in usable.items()}
         return self._router.choose(route.key, loads, lookup=route.purpose != "generate")
 
-    def _queue_len(self, replica: RunningReplica) -> int:
-        return self.replica_queue_len_cache.get(replica.replica_id) or 0
+    def _load(self, replica: RunningReplica) -> int:
+        # Requests this router has in flight there; Ray's queue-length cache (which forgets a
+        # replica not probed for a while) covers requests routed elsewhere.
+        cached = self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return max(self._in_flight[replica.replica_id.unique_id], cached)
 
 
 def _route_of(pending_request: PendingRequest | None) -> Route | None:

@@ -59,12 +59,16 @@ class Route:
     `purpose`: `generate` (a turn: its job's replica, placed or moved as needed), `lookup` (a
     job operation: the job's replica, nothing placed), `end_job` (`DELETE /v1/jobs`: as lookup,
     then the job is forgotten), `replica` (the `replica_index`-th live replica by id, modulo
-    their number, for scraping every replica's metrics). `decision` is filled in by the
-    router."""
+    their number: asking every replica in turn). `replica_id`: the replica the request belongs
+    on while it is live, whatever the router would choose (the one storing a Responses API
+    conversation). `avoid_replica_id`: a replica not to use while another is live (one that
+    failed the request). `decision` is filled in by the router."""
 
     key: str | None
     purpose: RoutePurpose = "generate"
     replica_index: int | None = None
+    replica_id: str | None = None
+    avoid_replica_id: str | None = None
     decision: RoutingDecision | None = None
 
 

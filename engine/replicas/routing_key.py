@@ -6,18 +6,20 @@ headers, in this order:
 
 1. an explicit job: `X-Job-Id`, the body's `job_id`, else its `prompt_cache_key` (the engine
    takes that as the job id too);
-2. a Responses API follow-up: the key its `previous_response_id` was served under (the ingress
-   remembers the keys of the responses it returned), since the conversation is stored on that
-   replica;
-3. a conversation's opening: the messages (or Responses input items) up to and including the
-   first user message, with the system prompt or instructions; every later turn of an agent
-   re-sends them unchanged, so its turns share the key that the engine's job inference joins
-   into one job;
-4. a completion's prompt opening: its first `PROMPT_PREFIX_CHARS` characters, or first
-   `PROMPT_PREFIX_TOKENS` token ids.
+2. a conversation's opening: the messages (or Responses input items, a string input being one
+   user message) up to and including the first user message, with the system prompt or
+   instructions, each message's content reduced to its text; every later turn of an agent
+   re-sends them, so its turns share the key that the engine's job inference joins into one
+   job;
+3. a completion's prompt opening: its first `PROMPT_PREFIX_CHARS` characters, or first
+   `PROMPT_PREFIX_TOKENS` token ids (so the turns of a job that names none share a key once
+   its prompt is that long).
 
 Anything else (a batch of prompts, a malformed body, which the replica will refuse) has no key
-and is load-balanced. Keys are strings; conversation keys are hashes, so no text is kept.
+and is load-balanced. (A Responses API follow-up is routed by the response it continues; the
+ingress does that.) Every key is scoped by the request's `Authorization` header, so that one
+API key's requests never share, or reveal, another's routing; keys are hashes, so no prompt
+text is kept.
 """
 
 from __future__ import annotations
@@ -32,32 +34,38 @@ PROMPT_PREFIX_TOKENS = 512
 JOB_ID_HEADER = "x-job-id"
 
 
-def routing_key(path: str, body: Any, headers: Mapping[str, str],
-                response_keys: Mapping[str, str]) -> str | None:
+def routing_key(path: str, body: Any, headers: Mapping[str, str]) -> str | None:
     """The key of a `POST` to `path` with the parsed JSON `body` and lower-cased `headers`;
-    `response_keys` maps response ids to the keys they were served under. None: no key."""
+    None: no key."""
     job_id = headers.get(JOB_ID_HEADER) or _text_field(body, "job_id")
     job_id = job_id or _text_field(body, "prompt_cache_key")
     if job_id:
-        return job_key(job_id)
+        return job_key(job_id, headers)
     if not isinstance(body, dict):
         return None
+    scope = _scope(headers)
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
-        return _conversation_key(messages, None) if isinstance(messages, list) else None
+        return _conversation_key(scope, messages, None) if isinstance(messages, list) else None
     if path.endswith("/responses"):
-        previous = _text_field(body, "previous_response_id")
-        if previous:
-            return response_keys.get(previous, f"response:{previous}")
-        return _conversation_key(body.get("input"), body.get("instructions"))
+        items = body.get("input")
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        return _conversation_key(scope, items, body.get("instructions"))
     if path.endswith("/completions"):
-        return _prompt_key(body.get("prompt"))
+        return _prompt_key(scope, body.get("prompt"))
     return None
 
 
-def job_key(job_id: str) -> str:
-    """The key of an explicit job (what `GET /v1/jobs/{job_id}` routes by)."""
-    return f"job:{job_id}"
+def job_key(job_id: str, headers: Mapping[str, str]) -> str:
+    """The key of explicit job `job_id` (what `GET /v1/jobs/{job_id}` routes by), for the API
+    key in lower-cased `headers`."""
+    return f"{_scope(headers)}job:{job_id}"
+
+
+def _scope(headers: Mapping[str, str]) -> str:
+    authorization = headers.get("authorization", "")
+    return hashlib.blake2b(authorization.encode(), digest_size=6).hexdigest() + "/"
 
 
 def _text_field(body: Any, name: str) -> str | None:
@@ -65,29 +73,39 @@ def _text_field(body: Any, name: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _conversation_key(items: Any, instructions: Any) -> str | None:
-    if isinstance(items, str):
-        return _digest("conversation", [instructions, items])
+def _conversation_key(scope: str, items: Any, instructions: Any) -> str | None:
     if not isinstance(items, list) or not items:
         return None
     opening: list[Any] = [instructions]
     for item in items:
-        opening.append(item)
+        opening.append(_message_text(item))
         if isinstance(item, dict) and item.get("role") == "user":
             break
-    return _digest("conversation", opening)
+    return _digest(scope, "conversation", opening)
 
 
-def _prompt_key(prompt: Any) -> str | None:
+def _message_text(item: Any) -> Any:
+    """A message as its role and the text of its content, however the content is given (a
+    string, or text parts)."""
+    if not isinstance(item, dict):
+        return item
+    content = item.get("content")
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content
+                          if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return {"role": item.get("role"), "content": content}
+
+
+def _prompt_key(scope: str, prompt: Any) -> str | None:
     if isinstance(prompt, str):
-        return _digest("prompt", prompt[:PROMPT_PREFIX_CHARS])
+        return _digest(scope, "prompt", prompt[:PROMPT_PREFIX_CHARS])
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return _digest("prompt", prompt[:PROMPT_PREFIX_TOKENS])
+        return _digest(scope, "prompt", prompt[:PROMPT_PREFIX_TOKENS])
     if isinstance(prompt, list) and len(prompt) == 1:
-        return _prompt_key(prompt[0])
+        return _prompt_key(scope, prompt[0])
     return None
 
 
-def _digest(kind: str, value: Any) -> str:
+def _digest(scope: str, kind: str, value: Any) -> str:
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return f"{kind}:{hashlib.blake2b(text.encode(), digest_size=12).hexdigest()}"
+    return f"{scope}{kind}:{hashlib.blake2b(text.encode(), digest_size=12).hexdigest()}"

@@ -14,6 +14,8 @@ from engine.cli import main as cli_main
     (["--replicas", "0", "--port", "8123"], "num_replicas must be >= 1"),
     (["--replicas", "2", "--port", "8123", "--replica-cpus", "-1"], "must be >= 0"),
     (["--replicas", "2", "--port", "8123", "--max-model-len", "0"], "max_model_len"),
+    (["--replicas", "2", "--port", "8123", "--route-load-factor", "0.5"], "load_factor"),
+    (["--replicas", "2", "--port", "8123", "--route-min-move-load", "-1"], "min_move_load"),
 ])
 def test_bad_settings_exit_with_status_2_and_say_why(
         flags: list[str], message: str, caplog: pytest.LogCaptureFixture) -> None:

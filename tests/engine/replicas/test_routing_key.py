@@ -7,16 +7,23 @@ from engine.replicas.routing_key import PROMPT_PREFIX_TOKENS, job_key, routing_k
 CHAT = "/v1/chat/completions"
 
 
-def key(path: str, body: object, headers: dict[str, str] | None = None,
-        responses: dict[str, str] | None = None) -> str | None:
-    return routing_key(path, body, headers or {}, responses or {})
+def key(path: str, body: object, headers: dict[str, str] | None = None) -> str | None:
+    return routing_key(path, body, headers or {})
 
 
 def test_an_explicit_job_is_the_key_whichever_way_it_is_named() -> None:
-    assert key(CHAT, {"job_id": "j1", "messages": []}) == job_key("j1")
-    assert key(CHAT, {"messages": []}, {"x-job-id": "j1"}) == job_key("j1")
-    assert key("/v1/completions", {"prompt_cache_key": "j1", "prompt": "x"}) == job_key("j1")
-    assert job_key("j1") != job_key("j2")
+    assert key(CHAT, {"job_id": "j1", "messages": []}) == job_key("j1", {})
+    assert key(CHAT, {"messages": []}, {"x-job-id": "j1"}) == job_key("j1", {})
+    assert key("/v1/completions", {"prompt_cache_key": "j1", "prompt": "x"}) == \
+        job_key("j1", {})
+    assert job_key("j1", {}) != job_key("j2", {})
+
+
+def test_keys_are_scoped_by_the_api_key() -> None:
+    alice, bob = {"authorization": "Bearer alice"}, {"authorization": "Bearer bob"}
+    assert job_key("j1", alice) != job_key("j1", bob)
+    opening = {"messages": [{"role": "user", "content": "hi"}]}
+    assert key(CHAT, opening, alice) == key(CHAT, opening, alice) != key(CHAT, opening, bob)
 
 
 def test_a_conversations_turns_share_the_key_of_its_opening() -> None:
@@ -39,12 +46,14 @@ def test_completions_are_keyed_by_their_prompts_opening() -> None:
     assert key("/v1/completions", {"prompt": ["one", "two"]}) is None  # a batch: no job
 
 
-def test_responses_follow_ups_inherit_the_key_of_the_response_they_continue() -> None:
-    first = key("/v1/responses", {"input": "hello", "instructions": "be brief"})
-    assert first is not None and first.startswith("conversation:")
-    follow_up = {"input": "more", "previous_response_id": "resp_1"}
-    assert key("/v1/responses", follow_up, responses={"resp_1": first}) == first
-    assert key("/v1/responses", follow_up) == "response:resp_1"  # unknown to this ingress
+def test_a_message_is_keyed_by_its_text_however_it_is_given() -> None:
+    as_string = key("/v1/responses", {"input": "hello", "instructions": "be brief"})
+    as_parts = key("/v1/responses", {"instructions": "be brief", "input": [
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "hel"}, {"type": "input_text", "text": "lo"}]},
+        {"type": "message", "role": "assistant", "content": "later turns do not count"}]})
+    assert as_string is not None and as_string == as_parts
+    assert key("/v1/responses", {"input": "hello"}) != as_string  # other instructions
 
 
 def test_malformed_bodies_have_no_key() -> None:
