@@ -10,8 +10,11 @@ written labels its rows.
 The jobs come from a named workload (`--workload NAME`, `continuum bench workloads` lists them)
 or a trace file (`--trace FILE`). Optionally, plain chat sessions (`--chat-workload NAME` or
 `--chat-trace FILE`) arrive beside the jobs by their own Poisson process and are reported
-apart. Prints a markdown table; `--json` writes every run's figures, `--plot` the
-JCT-against-load PNG. Deterministic for a seed, whatever `--workers`.
+apart. With `--replicas N`, each run serves the jobs with N engines behind one `--router`
+(`engine.replicas.routing`), the policy spec applying to every engine; the routing (why each
+request went where it did, and how many each replica got) is printed after the table.
+Prints a markdown table; `--json` writes every run's figures, `--plot` the JCT-against-load
+PNG. Deterministic for a seed, whatever `--workers`.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB, SIM_PROFILES, get_sim_profile
+from engine.replicas.routing import DEFAULT_LOAD_FACTOR, DEFAULT_MIN_MOVE_LOAD, ROUTER_NAMES
 from engine.scheduler.options import option_items_to_dict
 from engine.scheduler.registry import POLICY_REGISTRY, check_policy_options
 from eval.arrivals import arrivals_s, poisson_arrivals_s, poisson_arrivals_within_s
 from eval.report import markdown_table, plot_jct_vs_load
-from eval.simulator import ChatLoad, SimSettings, simulate
+from eval.simulator import ChatLoad, SimSettings, Simulation
 from eval.workload import (
     AgentJobSpec,
     ChatSessionSpec,
@@ -306,6 +310,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="N",
                         help="token budget of a step, the chunked-prefill size; vLLM's "
                              f"default chunk is {VLLM_DEFAULT_CHUNK:,} (default: 8,192)")
+    parser.add_argument("--replicas", type=positive_int, default=1, metavar="N",
+                        help="engines serving the jobs, each with the whole profile and the "
+                             "row's policy, behind one router (default: 1)")
+    parser.add_argument("--router", choices=ROUTER_NAMES, default="affinity",
+                        help="how requests are spread over the replicas: 'affinity' keeps a "
+                             "job's turns on one replica (bounded by load), 'round-robin' and "
+                             "'least-loaded' ignore jobs (default: affinity)")
+    parser.add_argument("--route-load-factor", type=positive_float, default=None,
+                        metavar="F",
+                        help="affinity's load bound: a job moves off a replica with more "
+                             "than max(--route-min-move-load, F x the mean) requests in flight "
+                             f"(default: {DEFAULT_LOAD_FACTOR:g})")
+    parser.add_argument("--route-min-move-load", type=int, default=None, metavar="N",
+                        help="the load bound's floor, in requests in flight (default: "
+                             f"{DEFAULT_MIN_MOVE_LOAD})")
     parser.add_argument("--workers", type=int, default=1,
                         help="simulations run in parallel processes (default: 1)")
     parser.add_argument("--json", default=None, help="write every run's figures here")
@@ -349,11 +368,34 @@ def run_comparison(
 
 def _run_one(task: _SimTask) -> dict:
     started_s = time.perf_counter()
-    metrics = simulate(task.jobs, task.arrivals_s, task.settings, task.chat)
+    simulation = Simulation(task.jobs, task.arrivals_s, task.settings, task.chat)
+    metrics = simulation.run()
     return {"label": task.spec.label, "policy": task.spec.name,
             "policy_options": dict(task.spec.options), "jobs_per_s": task.load,
             "kv_offload_gib": task.settings.kv_offload_gib,
+            "replicas": task.settings.num_replicas, **simulation.routing_summary().to_dict(),
             **metrics.to_dict(), "wall_s": time.perf_counter() - started_s}
+
+
+ROUTING_KINDS = ("affinity", "placed", "moved", "rerouted", "spread")
+
+
+def routing_table(runs: Sequence[dict]) -> str:
+    """Per run: the requests routed by kind (`engine.replicas.routing.RoutingKind`), the
+    share of a job's later turns that ran where its previous turn did, and each replica's
+    requests."""
+    lines = ["| jobs/s | policy | " + " | ".join(ROUTING_KINDS)
+             + " | same replica as the previous turn | requests per replica |",
+             "|---:|---|" + "---:|" * len(ROUTING_KINDS) + "---:|---|"]
+    for run in runs:
+        counts = run["routing_counts"]
+        same = run["same_replica_turn_fraction"]
+        load = "all at once" if run["jobs_per_s"] is None else f"{run['jobs_per_s']:g}"
+        cells = [load, str(run["label"]), *(str(counts.get(kind, 0)) for kind in ROUTING_KINDS),
+                 "-" if same is None else f"{same:.1%}",
+                 " / ".join(str(n) for n in run["requests_per_replica"].values())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def workload_summary(jobs: list[AgentJobSpec]) -> dict:
@@ -381,12 +423,25 @@ def chat_summary(chat: ChatWorkload) -> dict:
             "sessions_per_s": chat.sessions_per_s, "num_sessions": chat.num_sessions}
 
 
+def _route_load_bound(args: argparse.Namespace) -> dict[str, float | int]:
+    """The `SimSettings` fields of the load-bound flags given; ValueError where no affinity
+    router would use them."""
+    given = {field: value for field, value in (("route_load_factor", args.route_load_factor),
+                                               ("route_min_move_load", args.route_min_move_load))
+             if value is not None}
+    if given and args.router != "affinity":
+        raise ValueError("--route-load-factor and --route-min-move-load bound the affinity "
+                         f"router only, not {args.router!r}")
+    return given
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         specs = policy_specs(args.policies, args.policy)
         if args.kv_offload_gib is not None and not any(spec.host_tier for spec in specs):
             raise ValueError(f"--kv-offload-gib sizes the host tier of the policy specs "
                              f"ending in +{HOST_TIER_SUFFIX}, and none does")
+        bound = _route_load_bound(args)
         chat = load_chat(args)
         source = workload_source(args)
         jobs = load_workload(args)
@@ -394,17 +449,21 @@ def main(args: argparse.Namespace) -> int:
             policy=specs[0].name, policy_options=specs[0].options, profile=args.profile,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            seed=args.seed,
+            seed=args.seed, num_replicas=args.replicas, router=args.router, **bound,
         )
         runs = run_comparison(jobs, settings, specs, args.jobs_per_s, workers=args.workers,
                               chat=chat, kv_offload_gib=args.kv_offload_gib)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    title = f"{Path(source.label).name} on {args.profile} ({len(jobs)} jobs)"
+    engines = args.profile if args.replicas == 1 else (
+        f"{args.replicas} x {args.profile}, router {args.router}")
+    title = f"{Path(source.label).name} on {engines} ({len(jobs)} jobs)"
     if chat is not None:
         title += f" with {Path(chat.label).name} sessions at {chat.sessions_per_s:g}/s"
     print(f"{title}\n\n{markdown_table(runs)}")
+    if args.replicas > 1:
+        print(f"\nRouting ({args.router}):\n\n{routing_table(runs)}")
     if args.json:
         excluded = ("policy", "policy_options", "kv_offload_gib")
         report = {"trace": source.label, "profile": args.profile,

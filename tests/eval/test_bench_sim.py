@@ -228,11 +228,14 @@ def test_default_chat_sessions_cover_the_jobs_arrival_window() -> None:
     assert workload.load_for([0.0, 3.0, 10.0], seed=0) == load
 
 
-def test_runs_are_the_same_whatever_the_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("num_replicas", "router"), [(1, "affinity"), (3, "affinity"),
+                                                     (2, "least-loaded")])
+def test_runs_are_the_same_whatever_the_workers(num_replicas: int, router: str) -> None:
     jobs = load_jobs(SLICE, LoadOptions(max_jobs=3, max_turns=3, token_scale=0.1))
     sessions = ChatSessionSpec("s", (ChatTurnSpec(30, 3, 0.2), ChatTurnSpec(5, 3, None)))
     chat = ChatWorkload((sessions,), sessions_per_s=2.0, num_sessions=3)
-    settings = SimSettings(policy="fcfs", num_kv_blocks=64, max_num_batched_tokens=512)
+    settings = SimSettings(policy="fcfs", num_kv_blocks=64, max_num_batched_tokens=512,
+                           num_replicas=num_replicas, router=router)
     specs = policy_specs("fcfs,continuum:estimator=fixed-2s")
 
     def runs(workers: int) -> list[dict]:
