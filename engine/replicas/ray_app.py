@@ -65,6 +65,7 @@ MAX_REMEMBERED_RESPONSES = 100_000
 # Ray Serve's own cap on requests in flight at a replica; the engine queues and batches, and
 # `--max-waiting-requests` is the admission limit, so this only guards against runaway load.
 MAX_ONGOING_REQUESTS_PER_REPLICA = 4096
+ENGINE_STOP_MARGIN_S = 5.0
 _REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
 _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
@@ -215,6 +216,13 @@ async def _replay(body: bytes) -> AsyncIterator[bytes]:
     yield body
 
 
+async def _drain(response: Response | None) -> None:
+    """Reads a response that will not be sent (short), so its replica call ends."""
+    if isinstance(response, StreamingResponse):
+        async for _ in response.body_iterator:
+            pass
+
+
 def _response_id(first: bytes) -> str | None:
     """The response id in a Responses API answer's first chunk: the JSON body, or the data of
     the stream's `response.created` event."""
@@ -279,6 +287,7 @@ class Ingress:
             return await self._ask_each_replica(proxied)
         response = await self._send(proxied, route)
         if response.status_code == 404 and route.purpose != "generate":
+            await _drain(response)
             return await self._ask_each_replica(proxied)  # e.g. an inferred job
         return response
 
@@ -340,7 +349,10 @@ class Ingress:
                 return error_response(503, f"no engine replica could take the request "
                                       f"({type(error).__name__})", code="replica_unavailable")
             assert isinstance(head, ResponseHead) and isinstance(first, bytes)
-            if attempt == 0 and _engine_died(head, first):
+            # A request bound to one replica (a stored response's, or asking each in turn)
+            # has no other replica to go to.
+            retriable = route.replica_id is None and route.purpose != "replica"
+            if attempt == 0 and retriable and _engine_died(head, first):
                 response.cancel()
                 self._retries += 1
                 route = dataclasses.replace(route, avoid_replica_id=_replica_of(head))
@@ -369,13 +381,27 @@ class Ingress:
 
     async def _ask_each_replica(self, request: ProxiedRequest) -> Response:
         """Sends `request` to each replica in turn until one knows what it names (a stored
-        response, a job): answers other than 404 and a previous response not found."""
-        response = error_response(404, "no replica is serving", code="replica_unavailable")
+        response, a job): answers other than 404, a previous response not found and 503.
+        When none does, the last such answer (a 503 first)."""
+        unavailable: Response | None = None
+        unknown: Response | None = None
         for index in range(self._num_replicas):
             response = await self._send(request, Route(None, "replica", replica_index=index))
-            if not await _names_something_unknown(response):
+            if response.status_code != 503 and not await _names_something_unknown(response):
+                for discarded in (unavailable, unknown):
+                    await _drain(discarded)
                 return response
-        return response
+            if response.status_code == 503:
+                await _drain(unavailable)
+                unavailable = response
+            else:
+                await _drain(unknown)
+                unknown = response
+        if unavailable is not None:
+            await _drain(unknown)
+            return unavailable
+        assert unknown is not None
+        return unknown
 
     def _remember_response(self, request: ProxiedRequest, route: Route, head: ResponseHead,
                            first: bytes) -> None:
@@ -411,8 +437,9 @@ def build_application(settings: ReplicaAppSettings) -> serve.Application:
         max_ongoing_requests=MAX_ONGOING_REQUESTS_PER_REPLICA,
         request_router_config=router_config, health_check_period_s=2.0,
         # On shutdown, scale-down or redeploy, requests in flight get as long as a single
-        # server's drain gives them.
-        graceful_shutdown_timeout_s=settings.serve_args["shutdown_timeout_s"],
+        # server's drain gives them, and the engine then time to stop.
+        graceful_shutdown_timeout_s=settings.serve_args["shutdown_timeout_s"]
+        + ENGINE_STOP_MARGIN_S,
         ray_actor_options={"num_cpus": settings.replica_num_cpus,
                            "num_gpus": settings.replica_num_gpus},
     ).bind(dict(settings.serve_args))

@@ -19,7 +19,7 @@ completed, or Ray Serve's cached queue length there when larger.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import OrderedDict, defaultdict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -35,6 +35,7 @@ from engine.replicas.routing import (
 )
 
 ROUTE_ARGUMENT = "route"
+MAX_EARLY_COMPLETIONS = 10_000
 
 
 class ReplicaRequestRouter(RequestRouter):
@@ -46,7 +47,10 @@ class ReplicaRequestRouter(RequestRouter):
         """Called by Ray Serve with the deployment's `request_router_kwargs`."""
         self._router: ReplicaRouter = make_router(router, seed=seed, load_factor=load_factor,
                                                   min_move_load=min_move_load)
-        self._in_flight: Counter[str] = Counter()
+        # The requests this router sent each replica that have not completed (internal request
+        # ids); Ray may report a fast request completed before it reports it routed.
+        self._in_flight: defaultdict[str, set[str]] = defaultdict(set)
+        self._completed_early: OrderedDict[str, None] = OrderedDict()
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica],
@@ -65,7 +69,9 @@ class ReplicaRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
-        self._in_flight[replica_id.unique_id] += 1
+        request_id = pending_request.metadata.internal_request_id
+        if self._completed_early.pop(request_id, "absent") == "absent":
+            self._in_flight[replica_id.unique_id].add(request_id)
         route = _route_of(pending_request)
         if route is None or route.decision is None or route.purpose == "replica":
             return
@@ -76,8 +82,13 @@ class ReplicaRequestRouter(RequestRouter):
             self._router.forget(route.key)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self._in_flight[replica_id.unique_id] > 0:
-            self._in_flight[replica_id.unique_id] -= 1
+        in_flight = self._in_flight[replica_id.unique_id]
+        if internal_request_id in in_flight:
+            in_flight.discard(internal_request_id)
+            return
+        self._completed_early[internal_request_id] = None  # or refused: never routed
+        while len(self._completed_early) > MAX_EARLY_COMPLETIONS:
+            self._completed_early.popitem(last=False)
 
     def _decide(self, route: Route, replicas: dict[str, RunningReplica]) -> RoutingDecision:
         usable = {replica_id: replica for replica_id, replica in replicas.items()
@@ -96,7 +107,7 @@ class ReplicaRequestRouter(RequestRouter):
         # Requests this router has in flight there; Ray's queue-length cache (which forgets a
         # replica not probed for a while) covers requests routed elsewhere.
         cached = self.replica_queue_len_cache.get(replica.replica_id) or 0
-        return max(self._in_flight[replica.replica_id.unique_id], cached)
+        return max(len(self._in_flight[replica.replica_id.unique_id]), cached)
 
 
 def _route_of(pending_request: PendingRequest | None) -> Route | None:

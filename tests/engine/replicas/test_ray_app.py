@@ -164,6 +164,14 @@ def test_responses_follow_ups_reach_the_replica_holding_the_conversation(
         events = list(stream.parse())
         previous = events[-1].response.id
     assert client.responses.retrieve(previous).id == previous
+    # Ids no replica stores: each replica is asked, and the single server's answer comes back.
+    unknown = httpx.post(ray_server.base_url + "/v1/responses", timeout=60, json={
+        "model": "tiny", "input": "x", "previous_response_id": "resp_never",
+        "max_output_tokens": 2})
+    assert unknown.status_code == 400
+    assert unknown.json()["error"]["param"] == "previous_response_id"
+    assert httpx.get(ray_server.base_url + "/v1/responses/resp_never", timeout=60
+                     ).status_code == 404
 
 
 def test_bad_input_gets_the_single_servers_error(ray_server: RayServer) -> None:
