@@ -49,7 +49,6 @@ from engine.replicas.ray_router import ReplicaRequestRouter
 from engine.replicas.routing import (
     DEFAULT_LOAD_FACTOR,
     DEFAULT_MIN_MOVE_LOAD,
-    ROUTER_NAMES,
     Route,
     RoutePurpose,
     RouterName,
@@ -89,12 +88,10 @@ class ReplicaAppSettings:
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas!r}")
-        if self.router not in ROUTER_NAMES:
-            raise ValueError(f"router must be one of {', '.join(ROUTER_NAMES)}, "
-                             f"got {self.router!r}")
         if self.replica_num_cpus < 0 or self.replica_num_gpus < 0:
             raise ValueError("replica_num_cpus and replica_num_gpus must be >= 0")
-        # The router is built inside Ray, where an error would leave every request waiting.
+        # The router is built inside Ray, where an error (an unknown router, a bad load bound)
+        # would leave every request waiting.
         make_router(self.router, load_factor=self.load_factor, min_move_load=self.min_move_load)
 
 

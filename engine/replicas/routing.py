@@ -165,16 +165,16 @@ class JobAffinityRouter(_Counts):
         _check_loads(loads)
         if key is None:
             return RoutingDecision(_power_of_two(loads, self._rng), "spread")
+        ranked = rendezvous_rank(key, list(loads))
         remembered = self._replica_of_job.get(key)
         if remembered in loads:
             home, kind = remembered, "affinity"
         else:
-            home = rendezvous_rank(key, list(loads))[0]
-            kind = "placed" if remembered is None else "rerouted"
+            home, kind = ranked[0], "placed" if remembered is None else "rerouted"
         if lookup:
             return RoutingDecision(home, "lookup")
         if loads[home] > self._load_bound(loads):
-            coolest = min(rendezvous_rank(key, list(loads)), key=lambda r: loads[r])
+            coolest = min(ranked, key=lambda r: loads[r])
             if coolest != home:
                 return RoutingDecision(coolest, "moved")
         return RoutingDecision(home, kind)
@@ -207,9 +207,9 @@ class RoundRobinRouter(_Counts):
     def choose(self, key: str | None, loads: Mapping[str, int], *,
                lookup: bool = False) -> RoutingDecision:
         _check_loads(loads)
-        replica_ids = sorted(loads)
         if lookup and key is not None:
-            return RoutingDecision(rendezvous_rank(key, replica_ids)[0], "lookup")
+            return _hash_lookup(key, loads)
+        replica_ids = sorted(loads)
         return RoutingDecision(replica_ids[next(self._next) % len(replica_ids)], "spread")
 
     def routed(self, key: str | None, decision: RoutingDecision) -> None:
@@ -227,7 +227,7 @@ class LeastLoadedRouter(_Counts):
                lookup: bool = False) -> RoutingDecision:
         _check_loads(loads)
         if lookup and key is not None:
-            return RoutingDecision(rendezvous_rank(key, sorted(loads))[0], "lookup")
+            return _hash_lookup(key, loads)
         return RoutingDecision(min(sorted(loads), key=lambda r: loads[r]), "spread")
 
     def routed(self, key: str | None, decision: RoutingDecision) -> None:
@@ -249,6 +249,11 @@ def make_router(name: RouterName, *, seed: int = 0, load_factor: float = DEFAULT
     if name == "least-loaded":
         return LeastLoadedRouter()
     raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
+
+
+def _hash_lookup(key: str, loads: Mapping[str, int]) -> RoutingDecision:
+    """A job operation under a router that keeps no jobs: the key's rendezvous-hash replica."""
+    return RoutingDecision(rendezvous_rank(key, list(loads))[0], "lookup")
 
 
 def _power_of_two(loads: Mapping[str, int], rng: random.Random) -> str:
