@@ -124,6 +124,7 @@ class SchedulerConfig:
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 LoadFormat = Literal["auto", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
+AttentionBackendName = Literal["auto", "sdpa", "triton"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ class ModelConfig:
     `max_model_len=None` takes the model's own context length. `dtype="auto"` is float32 on
     CPU and bfloat16 on CUDA; `device="auto"` is CUDA when one is available. `seed` draws the
     weights of `tiny` and of `load_format="dummy"`, and the sampling of unseeded requests.
+    `attention_backend` names the attention kernels (`engine.model.attention`);
+    `enforce_eager` turns CUDA graphs off (decode steps then launch every kernel).
     """
 
     model: str = "tiny"
@@ -145,6 +148,8 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: Device = "auto"
+    attention_backend: AttentionBackendName = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -155,6 +160,7 @@ class ModelConfig:
         _require_choice("load_format", self.load_format, LoadFormat)
         _require_positive("max_model_len", self.max_model_len)
         _require_choice("device", self.device, Device)
+        _require_choice("attention_backend", self.attention_backend, AttentionBackendName)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from types import UnionType
 from typing import Literal, get_args, get_origin, get_type_hints
 
 from engine.config import (
+    AttentionBackendName,
     CacheConfig,
     Device,
     Dtype,
@@ -36,6 +37,11 @@ _HELP = {
     "dtype": "dtype of weights and activations; auto: float32 on CPU, bfloat16 on CUDA",
     "load_format": "auto: read the weights; dummy: random weights from --seed",
     "device": "auto: CUDA when one is available, else CPU",
+    "attention_backend": (
+        "attention kernels: sdpa (torch, every device) | triton (paged kernels; CUDA, or CPU "
+        "under TRITON_INTERPRET=1) | auto (sdpa until triton has passed a GPU run)"
+    ),
+    "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
     "seed": "seed of dummy weights and of unseeded sampling",
     "max_model_len": "longest sequence (prompt + output); None: the model's",
     "block_size": "tokens per KV block",
@@ -93,6 +99,8 @@ class EngineArgs:
     dtype: Dtype = ModelConfig.dtype
     load_format: LoadFormat = ModelConfig.load_format
     device: Device = ModelConfig.device
+    attention_backend: AttentionBackendName = ModelConfig.attention_backend
+    enforce_eager: bool = ModelConfig.enforce_eager
     seed: int = ModelConfig.seed
     # ModelConfig's None, the model's own context length (`to_engine_config` reads it and
     # gives it to both configs); SchedulerConfig's fixed default is on purpose not used here.
@@ -131,7 +139,9 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                               load_format=self.load_format, max_model_len=max_model_len,
-                              seed=self.seed, device=self.device),
+                              seed=self.seed, device=self.device,
+                              attention_backend=self.attention_backend,
+                              enforce_eager=self.enforce_eager),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               enable_prefix_caching=self.enable_prefix_caching,
                               gpu_memory_utilization=self.gpu_memory_utilization,

@@ -1,5 +1,5 @@
-"""Suite-wide settings: one torch thread per process, and the Hypothesis profiles `default`
-for the suite and `stress` for long runs
+"""Suite-wide settings: one torch thread per process, Triton's interpreter where there is no
+GPU, and the Hypothesis profiles `default` for the suite and `stress` for long runs
 (`pytest --hypothesis-profile=stress tests/engine/scheduler/test_properties.py`)."""
 
 import os
@@ -8,6 +8,14 @@ import os
 # each avoids oversubscribing the cores (set before anything imports torch; inherited by the
 # processes the tests spawn). A value the caller set is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+
+# Without a GPU the Triton kernels run on CPU tensors in Triton's interpreter, which reads
+# this variable when a kernel is defined: set before any kernel module is imported (and
+# inherited by the servers the tests spawn).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hypothesis import HealthCheck, settings
 

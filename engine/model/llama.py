@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.model.arch import ModelArch
-from engine.model.attention import AttentionMetadata, paged_attention
+from engine.model.attention import AttentionMetadata
 from engine.model.layers import RMSNorm, SwiGLUMLP
 from engine.model.rope import RotaryEmbedding
 
@@ -46,7 +46,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = RotaryEmbedding.apply(cos_sin, query, key)
-        out = paged_attention(query, key, value, kv_cache, metadata, self.scale)
+        out = metadata.attend(query, key, value, kv_cache, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -4,9 +4,11 @@ Owned by an executor; `execute_model` is called once per engine step. Each step 
 1. updates the persistent batch (drops finished and preempted requests, adds new and resumed
    ones, appends new blocks),
 2. lays the scheduled tokens out decodes-first and builds positions, slot mapping and
-   attention metadata,
-3. runs the model, computes logits only for requests that reach the end of their known tokens
-   (a partial prefill samples nothing), samples, and appends the sampled tokens to its rows;
+   attention metadata (through the attention backend),
+3. runs the model (a decode-only step on static buffers, replaying a CUDA graph where
+   available: `decode_graphs.py`), computes logits only for requests that reach the end of
+   their known tokens (a partial prefill samples nothing), samples, and appends the sampled
+   tokens to its rows;
 4. for requests that ask for prompt logprobs, computes the logprobs of the prompt tokens that
    the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
    all its positions at once).
@@ -18,7 +20,7 @@ all done before the step returns.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,19 +28,31 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.attention import (
+    AttentionLayout,
     AttentionMetadata,
-    GatherWorkspace,
-    build_attention_metadata,
+    make_attention_backend,
 )
+from engine.model.attention.backend import slot_mapping, step_positions
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model, resolve_device, resolve_dtype
 from engine.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from engine.sample.grammar_mask import with_grammar_mask
 from engine.sample.sampler import SampledLogprobs, Sampler, gather_logprobs
 from engine.scheduler.output import SchedulerOutput
+from engine.worker.decode_graphs import (
+    DecodeGraphs,
+    DecodeStep,
+    StaticDecodeBuffers,
+    bucket_for,
+    decode_buckets,
+)
 from engine.worker.host_kv_cache import HostKVCache
 from engine.worker.input_batch import InputBatch
-from engine.worker.kv_cache_sizing import determine_num_host_kv_blocks, determine_num_kv_blocks
+from engine.worker.kv_cache_sizing import (
+    determine_num_host_kv_blocks,
+    determine_num_kv_blocks,
+    kv_block_bytes,
+)
 
 # At most this many bytes of float32 logits exist at once while prompt logprobs are computed.
 PROMPT_LOGITS_CHUNK_BYTES = 128 * 2**20
@@ -62,9 +76,12 @@ class StepInputs:
     """The flattened batch of one step: request order, model inputs, and sampling rows."""
 
     req_ids: list[str]
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
+    # Either an eager forward's inputs (`input_ids`, `positions`, `metadata`) or, for a
+    # decode-only step on static buffers, `decode_step` (the three others then None).
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    metadata: AttentionMetadata | None
+    decode_step: DecodeStep | None
     logits_indices: torch.Tensor  # token index of each sampling request's last token
     sampling_rows: list[int]  # batch rows of the sampling requests, in `logits_indices` order
     sampling_req_ids: list[str]
@@ -85,15 +102,22 @@ class ModelRunner:
         )
         self.arch = self.model.arch
         self.block_size = config.cache.block_size
-        activation_peak_bytes = (
-            self._profile_activation_peak_bytes()
+        self.attention = make_attention_backend(
+            config.model.attention_backend,
+            AttentionLayout.of_model(self.arch, self.block_size, self.device, self.dtype,
+                                     max_model_len))
+        self.decode_buckets = (
+            decode_buckets(config.scheduler.max_num_seqs)
+            if self.attention.supports_static_decode else ())
+        reserved_bytes = (
+            self._profile_reserved_bytes()
             if self.device.type == "cuda" and config.cache.num_kv_blocks is None else 0
         )
         self.num_kv_blocks = determine_num_kv_blocks(
-            config.cache, self.arch, self.dtype, self.device, max_model_len,
-            activation_peak_bytes,
+            config.cache, self.arch, self.dtype, self.device, max_model_len, reserved_bytes,
+            self.attention.scratch_bytes,
         )
-        self.kv_caches = self._allocate_kv_caches()
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.num_host_kv_blocks = determine_num_host_kv_blocks(config.cache, self.arch,
                                                                self.dtype)
         self.host_kv_cache = (
@@ -106,41 +130,67 @@ class ModelRunner:
             max_blocks_per_req=-(-max_model_len // self.block_size),
             vocab_size=self.arch.vocab_size,
         )
-        # On CPU, gathered K/V live in one grow-only workspace (fresh large allocations are
-        # page-faulted and zeroed every layer); CUDA's caching allocator already reuses memory,
-        # so there a step's workspace is transient and the pool is not shrunk for a peak.
-        self.gather_workspace = GatherWorkspace() if self.device.type == "cpu" else None
+        self.decode_graphs = self._decode_graphs(self.kv_caches)
+        if self.decode_graphs is not None:
+            with torch.inference_mode():
+                self.decode_graphs.capture()
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
 
     @torch.inference_mode()
-    def _profile_activation_peak_bytes(self) -> int:
-        """Peak memory of one full-budget forward (plus logits for every sequence it could
-        sample), measured on a scratch cache before the real pool is sized."""
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens,
-                         self.config.scheduler.max_model_len)
-        num_blocks = -(-num_tokens // self.block_size)
-        shape = (2, num_blocks * self.block_size, self.arch.num_key_value_heads,
-                 self.arch.head_dim)
-        scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                   for _ in range(self.arch.num_hidden_layers)]
-        positions, metadata = build_attention_metadata(
-            np.array([num_tokens]), np.array([0]), np.arange(num_blocks)[None],
-            self.block_size, self.device, self.arch.sliding_window, self.dtype,
-        )
-        torch.cuda.synchronize(self.device)
-        baseline = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), scratch,
-                            metadata)
-        num_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
-        self.model.compute_logits(hidden[:num_rows]).softmax(dim=-1)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - baseline
-        del scratch, hidden
+    def _profile_reserved_bytes(self) -> int:
+        """Device memory the KV pool must leave free, measured on a scratch cache before the
+        real pool is sized: the larger peak of a full-budget forward (plus logits for every
+        sequence it could sample) and of the largest decode bucket, plus that decode peak
+        again for the CUDA graphs' memory pool, which stays allocated."""
+        scheduler = self.config.scheduler
+        num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
+        max_bucket = max(self.decode_buckets, default=0)
+        scratch = self._allocate_kv_caches(max(-(-num_tokens // self.block_size), max_bucket))
+        prefill_peak = self._prefill_peak_bytes(scratch, num_tokens)
+        decode_peak = self._decode_peak_bytes(scratch, max_bucket) if max_bucket else 0
+        del scratch
         torch.cuda.empty_cache()
-        return peak
+        null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.dtype)
+        return max(prefill_peak, decode_peak) + decode_peak + null_block_bytes
+
+    def _prefill_peak_bytes(self, scratch: list[torch.Tensor], num_tokens: int) -> int:
+        metadata = self.attention.build_metadata(
+            np.array([num_tokens]), np.array([0]),
+            np.arange(-(-num_tokens // self.block_size))[None])
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.from_numpy(metadata.positions).to(self.device)
+        num_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        return _peak_bytes(self.device, lambda: self.model.compute_logits(
+            self.model(input_ids, positions, scratch, metadata)[:num_rows]).softmax(dim=-1))
+
+    def _decode_peak_bytes(self, scratch: list[torch.Tensor], batch_size: int) -> int:
+        graphs = self._decode_graphs(scratch, use_graphs=False)
+        assert graphs is not None
+        step = DecodeStep(input_ids=np.zeros(batch_size, dtype=np.int64),
+                          positions=np.zeros(batch_size, dtype=np.int64),
+                          slot_mapping=np.arange(batch_size) * self.block_size,
+                          block_table=np.arange(batch_size)[:, None])
+        return _peak_bytes(self.device, lambda: self.model.compute_logits(
+            graphs.run(step)).softmax(dim=-1))
+
+    def _decode_graphs(self, kv_caches: list[torch.Tensor], use_graphs: bool | None = None
+                       ) -> DecodeGraphs | None:
+        """Decode on static buffers over `kv_caches` (whose last block is the null block);
+        None when the backend cannot. Graphs are captured on CUDA unless `enforce_eager`."""
+        if not self.decode_buckets:
+            return None
+        if use_graphs is None:
+            use_graphs = self.device.type == "cuda" and not self.config.model.enforce_eager
+        null_block = kv_caches[0].shape[1] // self.block_size - 1
+        buffers = StaticDecodeBuffers(
+            max(self.decode_buckets), -(-self.config.scheduler.max_model_len // self.block_size),
+            null_slot=null_block * self.block_size, device=self.device)
+        return DecodeGraphs(
+            self.attention,
+            lambda input_ids, positions, metadata: self.model(input_ids, positions, kv_caches,
+                                                              metadata),
+            self.decode_buckets, buffers, use_graphs)
 
     @torch.inference_mode()
     def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
@@ -179,14 +229,12 @@ class ModelRunner:
 
     def _time_prefill(self, num_tokens: int) -> float:
         num_blocks = -(-num_tokens // self.block_size)
-        positions, metadata = build_attention_metadata(
-            np.array([num_tokens]), np.array([0]), np.arange(num_blocks)[None],
-            self.block_size, self.device, self.arch.sliding_window, self.dtype,
-        )
+        metadata = self.attention.build_metadata(np.array([num_tokens]), np.array([0]),
+                                                 np.arange(num_blocks)[None])
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         self._synchronize()
         started_s = time.perf_counter()
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device),
+        hidden = self.model(input_ids, torch.from_numpy(metadata.positions).to(self.device),
                             self.kv_caches, metadata)
         self.model.compute_logits(hidden[-1:])
         self._synchronize()
@@ -196,8 +244,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _allocate_kv_caches(self) -> list[torch.Tensor]:
-        shape = (2, self.num_kv_blocks * self.block_size, self.arch.num_key_value_heads,
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        """One cache per layer of `num_blocks` blocks plus the null block (no request's)."""
+        shape = (2, (num_blocks + 1) * self.block_size, self.arch.num_key_value_heads,
                  self.arch.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device)
                 for _ in range(self.arch.num_hidden_layers)]
@@ -228,7 +277,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        hidden = self._forward(inputs)
         sampled: dict[str, list[int]] = {req_id: [] for req_id in inputs.req_ids}
         logprobs: dict[str, list[TokenLogprobs]] = {}
         if inputs.sampling_rows:
@@ -280,26 +329,45 @@ class ModelRunner:
         rows, query_lens = rows[order], query_lens[order]
         req_ids = [scheduled_ids[index] for index in order.tolist()]
         context_lens = batch.num_computed_tokens[rows]
-        positions, metadata = build_attention_metadata(
-            query_lens, context_lens, batch.block_table[rows], self.block_size, self.device,
-            self.arch.sliding_window, self.dtype, self.gather_workspace,
-        )
+        positions = step_positions(query_lens, context_lens)
         token_rows = np.repeat(rows, query_lens)
         input_ids = batch.token_ids[token_rows, positions]
         samples = context_lens + query_lens >= batch.num_tokens[rows]
         last_token_indices = np.cumsum(query_lens) - 1
         spans = self._prompt_logprob_spans(req_ids, rows, context_lens, query_lens,
                                            last_token_indices - query_lens + 1)
+        decode_step = None
+        metadata = None
+        if (self.decode_graphs is not None and (query_lens == 1).all()
+                and bucket_for(len(rows), self.decode_buckets) is not None):
+            table = batch.block_table[rows, : -(-int(positions.max() + 1) // self.block_size)]
+            decode_step = DecodeStep(
+                input_ids=input_ids, positions=positions,
+                slot_mapping=slot_mapping(query_lens, positions, table, self.block_size),
+                block_table=table)
+        else:
+            metadata = self.attention.build_metadata(query_lens, context_lens,
+                                                     batch.block_table[rows])
         return StepInputs(
             req_ids=req_ids,
-            input_ids=torch.from_numpy(input_ids).to(self.device),
-            positions=torch.from_numpy(positions).to(self.device),
+            input_ids=None if metadata is None else torch.from_numpy(input_ids).to(self.device),
+            positions=None if metadata is None else torch.from_numpy(positions).to(self.device),
             metadata=metadata,
+            decode_step=decode_step,
             logits_indices=torch.from_numpy(last_token_indices[samples]).to(self.device),
             sampling_rows=rows[samples].tolist(),
             sampling_req_ids=[req_id for req_id, s in zip(req_ids, samples, strict=True) if s],
             prompt_logprob_spans=spans,
         )
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [tokens, hidden_size] of the step."""
+        if inputs.decode_step is not None:
+            assert self.decode_graphs is not None
+            return self.decode_graphs.run(inputs.decode_step)
+        assert inputs.input_ids is not None and inputs.positions is not None
+        assert inputs.metadata is not None
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def _prompt_logprob_spans(
         self, req_ids: list[str], rows: np.ndarray, context_lens: np.ndarray,
@@ -394,3 +462,13 @@ class ModelRunner:
                 top_logprobs=values[index][1 : 1 + num_top],
             )]
         return result
+
+
+def _peak_bytes(device: torch.device, run: Callable[[], object]) -> int:
+    """Device memory `run` allocates at its peak beyond what was allocated before it."""
+    torch.cuda.synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - baseline

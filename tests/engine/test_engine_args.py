@@ -6,6 +6,7 @@ from typing import get_args
 import pytest
 
 from engine.config import (
+    AttentionBackendName,
     CacheConfig,
     Device,
     Dtype,
@@ -142,7 +143,8 @@ def test_cli_choices_are_the_config_literals() -> None:
     EngineArgs.add_cli_args(parser)
     choices = {action.dest: action.choices for action in parser._actions if action.choices}
     assert choices == {"dtype": get_args(Dtype), "load_format": get_args(LoadFormat),
-                       "device": get_args(Device), "sim_profile": tuple(SIM_PROFILES)}
+                       "device": get_args(Device), "sim_profile": tuple(SIM_PROFILES),
+                       "attention_backend": get_args(AttentionBackendName)}
     hints = typing.get_type_hints(ModelConfig)
     assert (hints["dtype"], hints["load_format"], hints["device"]) == (Dtype, LoadFormat, Device)
     with pytest.raises(SystemExit):

@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.model.attention import (
+from engine.model.attention.sdpa import (
     _DECODE_GROUP_LENGTH_RATIO,
     _MIN_DECODE_GROUP,
     GatherWorkspace,

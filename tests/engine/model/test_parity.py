@@ -15,7 +15,8 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.model.attention import build_attention_metadata, group_decodes
+from engine.model.attention import AttentionLayout, make_attention_backend
+from engine.model.attention.sdpa import group_decodes
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.request import Request
@@ -74,12 +75,17 @@ class PagedSequences:
     num_computed: dict[str, int] = field(default_factory=dict)
     blocks: dict[str, list[int]] = field(default_factory=dict)
     next_block: int = 0
+    attention_backend: str = "sdpa"
+    block_size: int = BLOCK_SIZE
 
     def __post_init__(self) -> None:
         arch = self.model.arch
-        shape = (2, NUM_BLOCKS * BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
+        shape = (2, NUM_BLOCKS * self.block_size, arch.num_key_value_heads, arch.head_dim)
         # Unwritten slots hold a huge value: attending to one by mistake ruins the logits.
         dtype = self.model.lm_head.weight.dtype
+        self.backend = make_attention_backend(self.attention_backend, AttentionLayout.of_model(
+            arch, self.block_size, self.device, dtype,
+            max_model_len=NUM_BLOCKS * self.block_size))
         self.kv_caches = [torch.full(shape, 1e3, dtype=dtype, device=self.device)
                           for _ in range(arch.num_hidden_layers)]
 
@@ -89,14 +95,14 @@ class PagedSequences:
         self.tokens[seq_id] = list(tokens)
         self.blocks[seq_id] = list(self.blocks[shared_from][:num_shared_blocks]) if shared_from \
             else []
-        self.num_computed[seq_id] = num_shared_blocks * BLOCK_SIZE
+        self.num_computed[seq_id] = num_shared_blocks * self.block_size
 
     def step(self, query_lens: dict[str, int]) -> dict[str, torch.Tensor]:
         """Computes `query_lens[seq]` more tokens of each sequence; returns their logits."""
         order = sorted(query_lens, key=lambda seq_id: (query_lens[seq_id] != 1,
                                                        -self.num_computed[seq_id]))
         for seq_id in order:
-            needed = -(-(self.num_computed[seq_id] + query_lens[seq_id]) // BLOCK_SIZE)
+            needed = -(-(self.num_computed[seq_id] + query_lens[seq_id]) // self.block_size)
             while len(self.blocks[seq_id]) < needed:
                 self.blocks[seq_id].append(self.next_block)
                 self.next_block += 1
@@ -105,16 +111,13 @@ class PagedSequences:
             table[row, : len(self.blocks[seq_id])] = self.blocks[seq_id]
         lens = np.array([query_lens[s] for s in order])
         contexts = np.array([self.num_computed[s] for s in order])
-        positions, metadata = build_attention_metadata(
-            lens, contexts, table, BLOCK_SIZE, self.device, self.model.arch.sliding_window,
-            self.model.lm_head.weight.dtype,
-        )
+        metadata = self.backend.build_metadata(lens, contexts, table)
         input_ids = torch.tensor([
             token for seq_id in order for token in
             self.tokens[seq_id][self.num_computed[seq_id]:][: query_lens[seq_id]]
         ], device=self.device)
         with torch.no_grad():
-            hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device),
+            hidden = self.model(input_ids, torch.from_numpy(metadata.positions).to(self.device),
                                 self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden).cpu()
         result, start = {}, 0
@@ -156,18 +159,30 @@ def test_admission_with_prefix_cache_hit(checkpoint: Checkpoint) -> None:
     assert_close(logits, hf_logits(checkpoint.hf_model, second)[36:])
 
 
-def test_mixed_batch_of_decodes_chunks_prefills_and_hits(checkpoint: Checkpoint) -> None:
+# The triton backend runs here under Triton's interpreter; its kernels need blocks of >= 8.
+BACKENDS = [("sdpa", BLOCK_SIZE), pytest.param("triton", 8, id="triton")]
+
+
+@pytest.mark.parametrize(("backend", "block_size"), BACKENDS)
+def test_mixed_batch_of_decodes_chunks_prefills_and_hits(checkpoint: Checkpoint, backend: str,
+                                                         block_size: int) -> None:
+    if backend == "triton":
+        pytest.importorskip("triton")
+        if checkpoint.model.arch.head_dim not in (32, 64, 128):
+            with pytest.raises(ValueError, match="does not cover head_dim"):
+                PagedSequences(checkpoint.model, attention_backend=backend)
+            return
     hf_model = checkpoint.hf_model
     seqs = {name: random_tokens(length, seed=10 + i)
             for i, (name, length) in enumerate([("d1", 40), ("d2", 7), ("chunk", 33)])}
-    paged = PagedSequences(checkpoint.model)
+    paged = PagedSequences(checkpoint.model, attention_backend=backend, block_size=block_size)
     for name, tokens in seqs.items():
         paged.add(name, tokens)
     paged.step({"d1": 39, "d2": 6, "chunk": 20})
     seqs["new"] = random_tokens(26, seed=20)
     seqs["hit"] = seqs["d1"][:32] + random_tokens(9, seed=21)
     paged.add("new", seqs["new"])
-    paged.add("hit", seqs["hit"], shared_from="d1", num_shared_blocks=8)
+    paged.add("hit", seqs["hit"], shared_from="d1", num_shared_blocks=32 // block_size)
     for step in range(3):
         query_lens = {"d1": 1, "d2": 1}
         if step == 0:

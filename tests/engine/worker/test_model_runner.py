@@ -162,6 +162,7 @@ def test_runner_allocates_the_pool_it_reports() -> None:
     runner = make_runner(num_kv_blocks=40)
     arch = runner.arch
     assert len(runner.kv_caches) == arch.num_hidden_layers
-    assert runner.kv_caches[0].shape == (2, 40 * BLOCK_SIZE, arch.num_key_value_heads,
+    # The pool and the null block, where padding rows of a static decode batch write.
+    assert runner.kv_caches[0].shape == (2, 41 * BLOCK_SIZE, arch.num_key_value_heads,
                                          arch.head_dim)
     assert np.all(runner.batch.num_tokens == 0)

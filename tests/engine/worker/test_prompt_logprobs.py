@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.attention import build_attention_metadata
 from engine.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from engine.request import Request
 from engine.scheduler.policies import FCFSPolicy
@@ -31,12 +30,10 @@ def reference_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """[len(tokens), vocab]: log-softmax of the logits at every position of one full forward
     pass of `tokens` (row `i` is the distribution of token `i + 1`)."""
     num_blocks = -(-len(tokens) // BLOCK_SIZE)
-    positions, metadata = build_attention_metadata(
-        np.array([len(tokens)]), np.array([0]), np.arange(num_blocks)[None], BLOCK_SIZE,
-        runner.device, runner.arch.sliding_window, runner.dtype,
-    )
+    metadata = runner.attention.build_metadata(
+        np.array([len(tokens)]), np.array([0]), np.arange(num_blocks)[None])
     with torch.inference_mode():
-        hidden = runner.model(torch.tensor(tokens), torch.from_numpy(positions),
+        hidden = runner.model(torch.tensor(tokens), torch.from_numpy(metadata.positions),
                               runner.kv_caches, metadata)
         return runner.model.compute_logits(hidden).float().log_softmax(dim=-1)
 

@@ -1,11 +1,4 @@
-"""Paged attention over per-layer KV tensors addressed by block tables and slot mappings.
-
-Layout of one layer's cache: `[2, num_blocks * block_size, num_kv_heads, head_dim]` (K then V);
-token `p` of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`.
-
-A step's batch is flattened into one token dimension with its single-token queries (decodes)
-first. Every layer first writes the K/V of all the step's tokens, then attends: a request
-admitted this step may hit prefix blocks another request fills in this very step.
+"""The SDPA attention backend: paged attention in torch (cache layout in `backend.py`).
 
 - Decodes are attended in groups of similar length: each group's blocks are gathered into a
   padded `[B, L]` view (in a reused workspace) and one SDPA call runs with a length mask.
@@ -22,6 +15,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine.model.attention.backend import (
+    AttentionBackend,
+    AttentionLayout,
+    AttentionMetadata,
+    check_decodes_first,
+    slot_mapping,
+    step_positions,
+    write_kv,
+)
 
 _DECODE_GROUP_LENGTH_RATIO = 0.75
 _MIN_DECODE_GROUP = 16
@@ -84,9 +87,10 @@ class PrefillSeq:
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    """How one step's flattened tokens map onto the paged cache; built once, read by every layer."""
+class SdpaMetadata(AttentionMetadata):
+    """How one step's flattened tokens map onto the paged cache for the SDPA backend."""
 
+    positions: np.ndarray
     slot_mapping: torch.Tensor
     num_decode_tokens: int
     decode_groups: tuple[DecodeGroup, ...]
@@ -94,50 +98,67 @@ class AttentionMetadata:
     block_size: int
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
 
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return paged_attention(query, key, value, kv_cache, self, scale)
 
-def build_attention_metadata(
-    query_lens: np.ndarray,
-    context_lens: np.ndarray,
-    block_table: np.ndarray,
-    block_size: int,
-    device: torch.device,
-    sliding_window: int | None = None,
-    dtype: torch.dtype = torch.float32,
-    workspace: GatherWorkspace | None = None,
-) -> tuple[np.ndarray, AttentionMetadata]:
-    """Positions [num_tokens] (numpy) and metadata for sequences given decodes-first.
 
-    `query_lens[i]` new tokens of sequence `i` follow `context_lens[i]` tokens already in the
-    cache; `block_table[i]` lists its block ids (padded on the right with any block id).
-    `dtype` is the model's activation dtype (that of the additive decode mask); `workspace`
-    is reused for gathered K/V if given (else a fresh one serves this step).
+class SdpaBackend(AttentionBackend):
+    """Today's attention in torch: gathers K/V out of the cache and calls SDPA. Runs on every
+    device; the CPU default.
+
+    On CPU, gathered K/V live in one grow-only workspace (fresh large allocations are
+    page-faulted and zeroed every layer); CUDA's caching allocator already reuses memory, so
+    there a step's workspace is transient (and counted by `transient_bytes_per_kv_token`).
     """
-    query_lens = np.asarray(query_lens, dtype=np.int64)
-    context_lens = np.asarray(context_lens, dtype=np.int64)
-    num_decodes = int((query_lens == 1).sum())
-    assert (query_lens[:num_decodes] == 1).all(), "single-token queries must come first"
-    seq_lens = context_lens + query_lens
-    rows = np.repeat(np.arange(len(query_lens)), query_lens)
-    starts = np.cumsum(query_lens) - query_lens
-    positions = np.arange(rows.size) - np.repeat(starts, query_lens) + context_lens[rows]
-    slots = block_table[rows, positions // block_size] * block_size + positions % block_size
-    metadata = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device),
-        num_decode_tokens=num_decodes,
-        decode_groups=tuple(
-            _decode_group(start, seq_lens[start:end], block_table[start:end], block_size,
-                          sliding_window, device, dtype)
-            for start, end in group_decodes(seq_lens[:num_decodes])
-        ),
-        prefills=tuple(
-            _prefill_seq(int(starts[i]), int(query_lens[i]), int(context_lens[i]),
-                         block_table[i], block_size, sliding_window, device)
-            for i in range(num_decodes, len(query_lens))
-        ),
-        block_size=block_size,
-        workspace=GatherWorkspace() if workspace is None else workspace,
-    )
-    return positions, metadata
+
+    name = "sdpa"
+
+    def __init__(self, layout: AttentionLayout) -> None:
+        super().__init__(layout)
+        self.workspace = GatherWorkspace() if layout.device.type == "cpu" else None
+
+    def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,
+                       block_table: np.ndarray) -> SdpaMetadata:
+        layout = self.layout
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        context_lens = np.asarray(context_lens, dtype=np.int64)
+        num_decodes = check_decodes_first(query_lens)
+        seq_lens = context_lens + query_lens
+        starts = np.cumsum(query_lens) - query_lens
+        positions = step_positions(query_lens, context_lens)
+        slots = slot_mapping(query_lens, positions, block_table, layout.block_size)
+        return SdpaMetadata(
+            positions=positions,
+            slot_mapping=torch.from_numpy(slots).to(layout.device),
+            num_decode_tokens=num_decodes,
+            decode_groups=tuple(
+                _decode_group(start, seq_lens[start:end], block_table[start:end],
+                              layout.block_size, layout.sliding_window, layout.device,
+                              layout.dtype)
+                for start, end in group_decodes(seq_lens[:num_decodes])
+            ),
+            prefills=tuple(
+                _prefill_seq(int(starts[i]), int(query_lens[i]), int(context_lens[i]),
+                             block_table[i], layout.block_size, layout.sliding_window,
+                             layout.device)
+                for i in range(num_decodes, len(query_lens))
+            ),
+            block_size=layout.block_size,
+            workspace=GatherWorkspace() if self.workspace is None else self.workspace,
+        )
+
+    def scratch_bytes(self, num_kv_tokens: int) -> int:
+        """K and V rows gathered for one layer (the workspace grows to the step's largest
+        gather): a decode group grown past `_MIN_DECODE_GROUP` members pads each to at most
+        1 / `_DECODE_GROUP_LENGTH_RATIO` of its length (in blocks, which the pool holds), a
+        smaller group pads each of its members to its longest sequence, and a prefill over
+        cached context gathers one sequence."""
+        layout = self.layout
+        row_bytes = 2 * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+        longest = _MIN_DECODE_GROUP * (layout.max_blocks_per_seq * layout.block_size)
+        return math.ceil(num_kv_tokens / _DECODE_GROUP_LENGTH_RATIO) * row_bytes \
+            + longest * row_bytes
 
 
 def group_decodes(seq_lens: np.ndarray) -> list[tuple[int, int]]:
@@ -206,17 +227,13 @@ def paged_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_cache: torch.Tensor,
-    metadata: AttentionMetadata,
+    metadata: SdpaMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Writes this step's `key`/`value` into `kv_cache`, then attends.
-
-    `query` [tokens, heads, head_dim], `key`/`value` [tokens, kv_heads, head_dim];
-    returns [tokens, heads, head_dim].
-    """
+    """`SdpaMetadata.attend`: writes this step's K/V, then attends (decode groups, then each
+    longer query on its own)."""
+    write_kv(kv_cache, key, value, metadata.slot_mapping)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_cache.index_copy_(0, metadata.slot_mapping, key)
-    v_cache.index_copy_(0, metadata.slot_mapping, value)
     if not metadata.prefills and len(metadata.decode_groups) == 1:
         return _attend_decodes(query, k_cache, v_cache, metadata, metadata.decode_groups[0],
                                scale)
@@ -241,7 +258,7 @@ def paged_attention(
 
 def _attend_decodes(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    metadata: AttentionMetadata, group: DecodeGroup, scale: float,
+    metadata: SdpaMetadata, group: DecodeGroup, scale: float,
 ) -> torch.Tensor:
     batch, num_blocks = group.block_table.shape
     kv_heads, head_dim = k_cache.shape[1:]

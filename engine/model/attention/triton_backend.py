@@ -1,0 +1,157 @@
+"""The Triton attention backend: kernels that read K/V straight from the paged cache.
+
+Decode runs split-K (flash-decoding) over each sequence's blocks; prefill and chunked extend
+run one causal kernel over the cached prefix and the step's own tokens. Nothing is gathered
+into a workspace, and no step reads a device value on the host, so a decode plan over static
+buffers can be captured in a CUDA graph. On CPU the same kernels run under Triton's
+interpreter (`TRITON_INTERPRET=1`, for tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.model.attention import triton_kernels
+from engine.model.attention.backend import (
+    AttentionBackend,
+    AttentionLayout,
+    AttentionMetadata,
+    DecodeBuffers,
+    check_decodes_first,
+    slot_mapping,
+    step_positions,
+    write_kv,
+)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The decodes of a step: rows `[0, batch)` of its flat batch."""
+
+    block_table: torch.Tensor  # [batch, blocks] int32
+    seq_lens: torch.Tensor  # [batch] int32
+    num_splits: int
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The longer queries of a step, flattened after its decodes."""
+
+    block_table: torch.Tensor  # [seqs, blocks] int32
+    query_start_loc: torch.Tensor  # [seqs + 1] int32, relative to the first prefill token
+    seq_lens: torch.Tensor  # [seqs] int32
+    max_query_len: int
+
+
+@dataclass(frozen=True)
+class TritonMetadata(AttentionMetadata):
+    positions: np.ndarray
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode: DecodePlan | None
+    prefill: PrefillPlan | None
+    layout: AttentionLayout
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, key, value, self.slot_mapping)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        output = torch.empty_like(query)
+        split = self.num_decode_tokens
+        block_size, window = self.layout.block_size, self.layout.sliding_window
+        if self.decode is not None:
+            triton_kernels.paged_decode_attention(
+                query[:split], k_cache, v_cache, self.decode.block_table, self.decode.seq_lens,
+                scale, block_size=block_size, num_splits=self.decode.num_splits,
+                sliding_window=window, out=output[:split])
+        if self.prefill is not None:
+            triton_kernels.paged_prefill_attention(
+                query[split:], k_cache, v_cache, self.prefill.block_table,
+                self.prefill.query_start_loc, self.prefill.seq_lens, scale,
+                block_size=block_size, max_query_len=self.prefill.max_query_len,
+                sliding_window=window, out=output[split:])
+        return output
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention in Triton kernels; needs CUDA, or the interpreter on CPU."""
+
+    name = "triton"
+    supports_static_decode = True
+
+    def __init__(self, layout: AttentionLayout) -> None:
+        if not triton_kernels.supports(layout.head_dim, layout.block_size):
+            raise ValueError(
+                f"the triton attention backend does not cover head_dim={layout.head_dim} with "
+                f"block_size={layout.block_size} (head_dim 32, 64 or 128 and a power-of-two "
+                "block_size >= 8); use --attention-backend sdpa")
+        if layout.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton attention backend runs on CPU only under Triton's "
+                             "interpreter: set TRITON_INTERPRET=1 (slow; for tests)")
+        if layout.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the triton attention backend cannot run on {layout.device}")
+        super().__init__(layout)
+
+    def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,
+                       block_table: np.ndarray) -> TritonMetadata:
+        layout = self.layout
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        context_lens = np.asarray(context_lens, dtype=np.int64)
+        num_decodes = check_decodes_first(query_lens)
+        seq_lens = context_lens + query_lens
+        positions = step_positions(query_lens, context_lens)
+        slots = slot_mapping(query_lens, positions, block_table, layout.block_size)
+        return TritonMetadata(
+            positions=positions,
+            slot_mapping=torch.from_numpy(slots).to(layout.device),
+            num_decode_tokens=num_decodes,
+            decode=self._decode_plan(seq_lens[:num_decodes], block_table[:num_decodes])
+            if num_decodes else None,
+            prefill=self._prefill_plan(query_lens[num_decodes:], seq_lens[num_decodes:],
+                                       block_table[num_decodes:])
+            if num_decodes < len(query_lens) else None,
+            layout=layout,
+        )
+
+    def build_decode_metadata(self, buffers: DecodeBuffers) -> TritonMetadata:
+        layout = self.layout
+        num_splits = triton_kernels.default_num_splits(
+            layout.max_model_len, layout.block_size, buffers.batch_size, layout.num_kv_heads)
+        return TritonMetadata(
+            positions=np.zeros(0, dtype=np.int64),
+            slot_mapping=buffers.slot_mapping,
+            num_decode_tokens=buffers.batch_size,
+            decode=DecodePlan(buffers.block_table, buffers.seq_lens, num_splits),
+            prefill=None,
+            layout=layout,
+        )
+
+    def _decode_plan(self, seq_lens: np.ndarray, block_table: np.ndarray) -> DecodePlan:
+        max_seq_len = int(seq_lens.max())
+        num_blocks = -(-max_seq_len // self.layout.block_size)
+        return DecodePlan(
+            block_table=self._device_int32(block_table[:, :num_blocks]),
+            seq_lens=self._device_int32(seq_lens),
+            num_splits=triton_kernels.default_num_splits(
+                max_seq_len, self.layout.block_size, len(seq_lens), self.layout.num_kv_heads),
+        )
+
+    def _prefill_plan(self, query_lens: np.ndarray, seq_lens: np.ndarray,
+                      block_table: np.ndarray) -> PrefillPlan:
+        num_blocks = -(-int(seq_lens.max()) // self.layout.block_size)
+        return PrefillPlan(
+            block_table=self._device_int32(block_table[:, :num_blocks]),
+            query_start_loc=self._device_int32(np.concatenate([[0], np.cumsum(query_lens)])),
+            seq_lens=self._device_int32(seq_lens),
+            max_query_len=int(query_lens.max()),
+        )
+
+    def _device_int32(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
+        if self.layout.device.type == "cuda":
+            return host.pin_memory().to(self.layout.device, non_blocking=True)
+        return host

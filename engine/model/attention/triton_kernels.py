@@ -1,0 +1,505 @@
+"""Triton kernels for attention over the paged KV cache, reading K/V through the block table.
+
+Layout of one layer's cache: `[2, num_blocks * block_size, num_kv_heads, head_dim]` (K then V);
+the kernels take `k_cache = kv_cache[0]` and `v_cache = kv_cache[1]` (`[num_slots, num_kv_heads,
+head_dim]`, any strides) and find token `p` of a sequence in slot
+`block_table[p // block_size] * block_size + p % block_size`. Nothing is gathered into a
+workspace: every key tile loads its block ids from the block table and its rows from the cache.
+The step's K/V must already be in the cache when a kernel runs.
+
+Both kernels put the query heads that share one KV head (GQA) into the M dimension of one
+program, padded to a power of two and masked, so each K/V tile is loaded once per KV head.
+Softmax runs online in float32, in base 2 (`scale * log2(e)` is folded into the scores).
+Neither wrapper reads device values on the host: both can be captured in a CUDA graph.
+
+Under Triton's interpreter (`TRITON_INTERPRET=1`: CPU tensors, for tests) importing this module
+first mends two gaps of Triton 3.6's interpreter (`_mend_interpreter`); compiled kernels are
+untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+MIN_BLOCK_SIZE = 8
+
+_LOG2_E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernels then mask causally only
+_NUM_SMS = 132  # H100 SXM; the split heuristic aims to fill them
+_MAX_SPLITS = 64  # the reduction holds all splits of a head in registers
+_MIN_BLOCKS_PER_SPLIT = 4
+_DECODE_BLOCK_N = 64  # key positions per decode tile
+_MIN_DOT_M = 16  # tl.dot needs M >= 16 on tensor cores
+
+
+class _TileConfig(NamedTuple):
+    block_m: int  # rows per program (prefill: query tokens x heads of a group)
+    block_n: int  # key positions per tile
+    num_warps: int
+    num_stages: int
+
+
+def supports(head_dim: int, block_size: int) -> bool:
+    """Whether these kernels cover `head_dim` (32, 64 or 128) and `block_size` (tokens per KV
+    block: a power of two, at least 8)."""
+    return head_dim in SUPPORTED_HEAD_DIMS and _is_power_of_two(block_size) and (
+        block_size >= MIN_BLOCK_SIZE)
+
+
+def default_num_splits(max_seq_len: int, block_size: int, batch: int, num_kv_heads: int) -> int:
+    """Splits per sequence for `paged_decode_attention`: a power of two, at least 1.
+
+    A host-side choice from shapes only (pass the longest length a captured graph may see):
+    enough (sequence, KV head, split) programs to fill an H100's 132 SMs twice over, but no
+    split shorter than 4 blocks (nor than one 64-position decode tile), whose fixed cost the
+    reduction would not repay, and at most 64 splits. Long contexts and small batches get
+    the most splits.
+    """
+    programs = max(batch, 1) * max(num_kv_heads, 1)
+    wanted = -(-2 * _NUM_SMS // programs)
+    min_split_len = max(_MIN_BLOCKS_PER_SPLIT * block_size, _DECODE_BLOCK_N)
+    splits = min(wanted, max_seq_len // min_split_len, _MAX_SPLITS)
+    return _floor_power_of_two(max(splits, 1))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    block_size: int,
+    num_splits: int,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged K/V (split-K flash decoding).
+
+    Called once per layer for a step's decodes, after their K/V were written to the cache.
+
+    - `query` [B, num_heads, head_dim] (float32, float16 or bfloat16): the token at position
+      `seq_lens[b] - 1` of sequence `b`; heads `h * G ... h * G + G - 1` share KV head `h`
+      (`G = num_heads // num_kv_heads`).
+    - `k_cache`, `v_cache` [num_slots, num_kv_heads, head_dim], the query's dtype.
+    - `block_table` int32 [B, max_blocks]: each row's block ids, padded on the right with
+      any valid id (never read past the sequence).
+    - `seq_lens` int32 [B]: tokens in the cache, the new one included; 0 marks a padding row
+      (CUDA-graph padding), which reads no block and gets zeros.
+    - `scale`: the factor on the scores (usually `head_dim ** -0.5`).
+    - `num_splits`: a fixed host int from 1 to 64 (`default_num_splits`); split `s` of a
+      sequence covers the `s`-th share of its key tiles (those in the window), computed in
+      the kernel from `seq_lens`, so splits past the end of a short sequence do nothing.
+    - `sliding_window`: when given, the query attends only its last `sliding_window`
+      positions (itself included).
+    - `out`: optional [B, num_heads, head_dim] output, the query's dtype.
+
+    Grid: (B, num_kv_heads, num_splits); each program holds the group's query heads (padded
+    to a power of two, at least 16 for `tl.dot`) and walks its split in tiles of 64 key
+    positions, writing float32 partials (max, sum of exponentials, unnormalised output) that a
+    second kernel, one program per (sequence, head), combines. With `num_splits == 1` the first
+    kernel writes the output itself. Returns `out` (or a new tensor) [B, num_heads, head_dim].
+    """
+    num_kv_heads = _check_inputs(query, k_cache, v_cache, block_size)
+    batch, num_heads, head_dim = query.shape
+    _check_index("block_table", block_table, 2)
+    _check_index("seq_lens", seq_lens, 1)
+    if not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be from 1 to {_MAX_SPLITS}, got {num_splits}")
+    out = _output(query, out)
+    if batch == 0:
+        return out
+    config = _decode_config(num_heads // num_kv_heads)
+    if num_splits == 1:
+        part_max = part_sum = part_acc = out  # unused: the kernel normalises in place
+    else:
+        part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32,
+                               device=query.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=query.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_table, seq_lens, out, part_max, part_sum, part_acc,
+        scale * _LOG2_E, _window(sliding_window), num_heads,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        *out.stride(),
+        GROUP=num_heads // num_kv_heads, GROUP_PAD=config.block_m, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_max, part_sum, part_acc, out, *out.stride(),
+            NUM_SPLITS=num_splits, SPLITS_PAD=_next_power_of_two(num_splits),
+            HEAD_DIM=head_dim, num_warps=4,
+        )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    block_size: int,
+    max_query_len: int,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of multi-token queries (prefills and chunks over a cached prefix).
+
+    Called once per layer for a step's prefills, after their K/V were written to the cache.
+
+    - `query` [T, num_heads, head_dim] (float32, float16 or bfloat16): the flattened queries
+      of S sequences; sequence `i` owns rows `query_start_loc[i] : query_start_loc[i + 1]`,
+      its last `query_len_i` positions (`seq_lens[i] - query_len_i ... seq_lens[i] - 1`).
+    - `k_cache`, `v_cache` [num_slots, num_kv_heads, head_dim], the query's dtype.
+    - `block_table` int32 [S, max_blocks]; `query_start_loc` int32 [S + 1];
+      `seq_lens` int32 [S]: all tokens of each sequence, cached context and this step's.
+    - `scale`: the factor on the scores; `max_query_len`: a host int bounding every
+      `query_len_i` (it sizes the grid).
+    - `sliding_window`: when given, a query at position q attends keys in
+      `(q - sliding_window, q]`; otherwise all keys `<= q` (bottom-right aligned causal mask).
+    - `out`: optional [T, num_heads, head_dim] output, the query's dtype.
+
+    Grid: (cdiv(max_query_len, BLOCK_Q), num_kv_heads, S). A program's BLOCK_M rows (64; 32
+    in float32) are BLOCK_Q query tokens times the G query heads of one KV head (G padded to
+    a power of two), so a K/V tile serves the whole group; it walks only the key tiles (64
+    positions; 32 in float32) its causal and window range reaches, with `tl.dot` for QK^T and
+    PV. Programs past a sequence's queries do nothing. Returns `out` (or a new tensor)
+    [T, num_heads, head_dim].
+    """
+    num_kv_heads = _check_inputs(query, k_cache, v_cache, block_size)
+    num_tokens, num_heads, head_dim = query.shape
+    _check_index("block_table", block_table, 2)
+    _check_index("query_start_loc", query_start_loc, 1)
+    _check_index("seq_lens", seq_lens, 1)
+    out = _output(query, out)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0 or max_query_len < 1:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = _next_power_of_two(group)
+    config = _prefill_config(group_pad, head_dim, query.dtype)
+    block_q = config.block_m // group_pad
+    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
+        scale * _LOG2_E, _window(sliding_window),
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        *out.stride(),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr,
+    part_max_ptr, part_sum_ptr, part_acc_ptr,
+    qk_scale, window, num_heads,
+    stride_qb, stride_qh, stride_qd,
+    stride_ks, stride_kh, stride_kd,
+    stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    stride_ob, stride_oh, stride_od,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_key = tl.maximum(seq_len - window, 0)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    first_tile = first_key // BLOCK_N
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    heads = tl.arange(0, GROUP_PAD)
+    head_ok = heads < GROUP
+    q_heads = kv_head * GROUP + heads
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        query_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
+        mask=head_ok[:, None], other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    block_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * BLOCK_N + offs_n
+        key_ok = (pos >= first_key) & (pos < seq_len)
+        block_ids = tl.load(block_row + pos // BLOCK_SIZE, mask=key_ok, other=0)
+        slots = block_ids.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd,
+                    mask=key_ok[None, :], other=0.0)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        # Every tile holds at least one key in range, so the running max stays finite.
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd,
+                    mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :] * stride_od,
+            result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None],
+        )
+    else:
+        part = (seq * num_heads + q_heads) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=head_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=head_ok)
+        tl.store(part_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=head_ok[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr,
+    stride_ob, stride_oh, stride_od,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < NUM_SPLITS
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    maxes = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    top = tl.max(maxes, 0)
+    # A padding row has no key in any split: keep its weights at 0 rather than exp(nan).
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.exp2(maxes - top)
+    denominator = tl.sum(sums * weights, 0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_ok[:, None], other=0.0)
+    numerator = tl.sum(acc * weights[:, None], 0)
+    result = numerator / tl.where(denominator > 0, denominator, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od,
+             result.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    out_ptr,
+    qk_scale, window,
+    stride_qt, stride_qh, stride_qd,
+    stride_ks, stride_kh, stride_kd,
+    stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    token = q_tile * BLOCK_Q + rows // GROUP_PAD
+    heads = rows % GROUP_PAD
+    row_ok = (token < query_len) & (heads < GROUP)
+    q_pos = context_len + token
+    q_rows = (query_start + token).to(tl.int64)
+    q_heads = kv_head * GROUP + heads
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        query_ptr + q_rows[:, None] * stride_qt + q_heads[:, None] * stride_qh
+        + dims[None, :] * stride_qd,
+        mask=row_ok[:, None], other=0.0,
+    )
+
+    # Key range of this tile's queries; empty for a tile past the sequence's queries.
+    first_q_pos = context_len + q_tile * BLOCK_Q
+    key_lo = tl.maximum(first_q_pos - window + 1, 0)
+    key_hi = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
+    key_hi = tl.where(q_tile * BLOCK_Q < query_len, key_hi, 0)
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+    block_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile in range(key_lo // BLOCK_N, tl.cdiv(key_hi, BLOCK_N)):
+        pos = tile * BLOCK_N + offs_n
+        key_ok = pos < key_hi
+        block_ids = tl.load(block_row + pos // BLOCK_SIZE, mask=key_ok, other=0)
+        slots = block_ids.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd,
+                    mask=key_ok[None, :], other=0.0)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        allowed = (key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+                   & (pos[None, :] > q_pos[:, None] - window))
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row can see no key of a tile (its window starts later): shift by 0, not by -inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd,
+                    mask=key_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + q_heads[:, None] * stride_oh
+        + dims[None, :] * stride_od,
+        result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+    )
+
+
+def _decode_config(group: int) -> _TileConfig:
+    return _TileConfig(max(_next_power_of_two(group), _MIN_DOT_M), _DECODE_BLOCK_N, 4, 2)
+
+
+def _prefill_config(group_pad: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
+    if dtype == torch.float32:
+        # float32 operands take the FMA path, not tensor cores: smaller tiles avoid spills.
+        return _TileConfig(max(32, group_pad), 32, 4 if head_dim <= 32 else 8,
+                           2 if head_dim <= 64 else 1)
+    return _TileConfig(max(64, group_pad), 64, 4 if head_dim <= 64 else 8, 2)
+
+
+def _check_inputs(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int,
+) -> int:
+    """Validates shapes and dtypes shared by both kernels; returns the number of KV heads."""
+    if query.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected query [tokens, heads, head_dim] and K/V caches [slots, kv_heads, "
+            f"head_dim], got {tuple(query.shape)}, {tuple(k_cache.shape)}, "
+            f"{tuple(v_cache.shape)}")
+    head_dim = query.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {head_dim} is not supported: the kernels need a power of two in "
+            f"{SUPPORTED_HEAD_DIMS}")
+    if not _is_power_of_two(block_size) or block_size < MIN_BLOCK_SIZE:
+        raise ValueError(
+            f"block_size {block_size} is not supported: the kernels need a power of two "
+            f">= {MIN_BLOCK_SIZE}")
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"query dtype {query.dtype} is not float32, float16 or bfloat16")
+    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        raise ValueError(
+            f"K/V cache dtypes {k_cache.dtype}/{v_cache.dtype} differ from the query's "
+            f"{query.dtype}")
+    num_kv_heads = k_cache.shape[1]
+    if k_cache.shape[2] != head_dim or query.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not match a cache of {num_kv_heads} KV heads "
+            f"of dim {k_cache.shape[2]}")
+    return num_kv_heads
+
+
+def _check_index(name: str, tensor: torch.Tensor, dims: int) -> None:
+    if tensor.dtype != torch.int32 or tensor.dim() != dims:
+        raise ValueError(
+            f"{name} must be a {dims}-d int32 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+
+
+def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(query)
+    if out.shape != query.shape or out.dtype != query.dtype:
+        raise ValueError(
+            f"out {out.dtype} {tuple(out.shape)} does not match the query "
+            f"{query.dtype} {tuple(query.shape)}")
+    return out
+
+
+def _window(sliding_window: int | None) -> int:
+    if sliding_window is None:
+        return _NO_WINDOW
+    if not 1 <= sliding_window < _NO_WINDOW:
+        raise ValueError(f"sliding_window must be a positive int, got {sliding_window}")
+    return sliding_window
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 scores in TF32 would be off by ~1e-3: keep full precision where asked for it.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
+
+
+def _floor_power_of_two(value: int) -> int:
+    return 1 << (value.bit_length() - 1)
+
+
+def _mend_interpreter() -> None:
+    """Fixes two gaps of Triton 3.6's interpreter that compiled kernels do not have.
+
+    It turns loop bounds into ints with `int()` of a one-element array, which NumPy >= 2.4
+    refuses (triton-lang/triton#9171: every loop with runtime bounds fails), and its `tl.dot`
+    multiplies the bit patterns of bfloat16 operands as integers (triton-lang/triton#11584).
+    Both replacements compute what a compiled kernel does.
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patch_tensor_index(tensor: Any, scope: Any) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    def as_float32(handle: Any) -> Any:
+        if handle.dtype != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+    def create_dot_bfloat16(builder: Any, a: Any, b: Any, *args: Any) -> Any:
+        return create_dot(builder, as_float32(a), as_float32(b), *args)
+
+    interpreter._patch_lang_tensor = patch_tensor_index
+    interpreter.InterpreterBuilder.create_dot = create_dot_bfloat16
+
+
+if triton.knobs.runtime.interpret:
+    _mend_interpreter()

@@ -1,0 +1,307 @@
+"""The Triton paged-attention kernels against a plain torch reference on random paged layouts.
+
+Without a GPU the kernels run under Triton's interpreter (each program instance in numpy), so
+every shape here is tiny. Cache slots that hold no token of a sequence are NaN: a kernel that
+read a key or value it should not (past a sequence's end, a padding row's blocks, the padded
+end of a block table row) would return NaN.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from engine.model.attention.triton_kernels import (
+    default_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+    supports,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCES = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 3e-3, "rtol": 3e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """One layer's K/V caches [slots, kv_heads, head_dim] and the sequences' block tables."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: list[int]
+    block_size: int
+
+
+def make_layout(
+    seq_lens: list[int], *, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype = torch.float32, shared_blocks: int = 0, seed: int = 0,
+) -> PagedLayout:
+    """Sequences on blocks drawn from a shuffled pool; sequence 1 starts with the first
+    `shared_blocks` blocks of sequence 0 (a shared prefix). Every slot outside a sequence,
+    and the spare blocks that pad the block table rows, hold NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    needed = [-(-seq_len // block_size) for seq_len in seq_lens]
+    spare = 2
+    num_blocks = sum(needed) - shared_blocks + spare
+    pool = torch.randperm(num_blocks, generator=generator).tolist()
+    spare_ids, pool = pool[:spare], pool[spare:]
+    max_blocks = max(needed) + 1
+    table = [[spare_ids[i % spare] for i in range(max_blocks)] for _ in seq_lens]
+    for index, count in enumerate(needed):
+        shared = shared_blocks if index == 1 else 0
+        table[index][:shared] = table[0][:shared]
+        table[index][shared:count] = [pool.pop() for _ in range(count - shared)]
+    shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator)
+    v_cache = torch.randn(shape, generator=generator)
+    used = torch.zeros(shape[0], dtype=torch.bool)
+    for row, seq_len in zip(table, seq_lens, strict=True):
+        used[_slots(row, seq_len, block_size)] = True
+    k_cache[~used] = float("nan")
+    v_cache[~used] = float("nan")
+    return PagedLayout(
+        k_cache=k_cache.to(DEVICE, dtype), v_cache=v_cache.to(DEVICE, dtype),
+        block_table=torch.tensor(table, dtype=torch.int32, device=DEVICE),
+        seq_lens=list(seq_lens), block_size=block_size,
+    )
+
+
+def _slots(block_ids: list[int], seq_len: int, block_size: int) -> torch.Tensor:
+    positions = torch.arange(seq_len)
+    return torch.tensor(block_ids, dtype=torch.long)[positions // block_size] * block_size + (
+        positions % block_size)
+
+
+def reference_attention(
+    query: torch.Tensor, layout: PagedLayout, query_lens: list[int], scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Per sequence: gather its K/V through the block table in float32, mask causally (and to
+    the window), softmax. Query rows are the sequences' last positions, in order."""
+    num_heads = query.shape[1]
+    group = num_heads // layout.k_cache.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    start = 0
+    for row, seq_len, query_len in zip(layout.block_table.tolist(), layout.seq_lens,
+                                       query_lens, strict=True):
+        rows = slice(start, start + query_len)
+        start += query_len
+        if seq_len == 0:
+            continue
+        slots = _slots(row, seq_len, layout.block_size)
+        keys = layout.k_cache.cpu()[slots].float().repeat_interleave(group, dim=1)
+        values = layout.v_cache.cpu()[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[rows].cpu().float(), keys) * scale
+        key_pos = torch.arange(seq_len)
+        query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
+        allowed = key_pos <= query_pos
+        if sliding_window is not None:
+            allowed &= key_pos > query_pos - sliding_window
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
+    return out
+
+
+def run_decode(
+    seq_lens: list[int], *, group: int, num_kv_heads: int, head_dim: int = 32,
+    block_size: int = 8, num_splits: int = 2, dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None, shared_blocks: int = 0, seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode kernel's output and the reference's, both float32 on the CPU."""
+    layout = make_layout(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, dtype=dtype, shared_blocks=shared_blocks,
+                         seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim,
+                        generator=generator).to(DEVICE, dtype)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(
+        query, layout.k_cache, layout.v_cache, layout.block_table,
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale,
+        block_size=block_size, num_splits=num_splits, sliding_window=sliding_window,
+    )
+    expected = reference_attention(query, layout, [1] * len(seq_lens), scale, sliding_window)
+    return out.cpu().float(), expected
+
+
+def run_prefill(
+    context_lens: list[int], query_lens: list[int], *, group: int, num_kv_heads: int,
+    head_dim: int = 32, block_size: int = 8, dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None, shared_blocks: int = 0, seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill kernel's output and the reference's, both float32 on the CPU."""
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    layout = make_layout(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, dtype=dtype, shared_blocks=shared_blocks,
+                         seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim,
+                        generator=generator).to(DEVICE, dtype)
+    query_start_loc = torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32,
+                                   device=DEVICE)
+    scale = head_dim ** -0.5
+    out = paged_prefill_attention(
+        query, layout.k_cache, layout.v_cache, layout.block_table, query_start_loc,
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale,
+        block_size=block_size, max_query_len=max(query_lens), sliding_window=sliding_window,
+    )
+    expected = reference_attention(query, layout, query_lens, scale, sliding_window)
+    return out.cpu().float(), expected
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+
+
+# Decode: lengths at and across block boundaries (block_size 8), a single token, a padding
+# row and a ragged longer one; sequences 0 and 1 share their first block.
+DECODE_LENS = [9, 23, 8, 7, 1, 0]
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
+def test_decode_matches_reference_for_each_gqa_ratio(group: int) -> None:
+    num_kv_heads = 2 if group <= 4 else 1
+    out, expected = run_decode(DECODE_LENS, group=group, num_kv_heads=num_kv_heads,
+                               shared_blocks=1, seed=group)
+    assert_matches(out, expected, torch.float32)
+    assert (out[DECODE_LENS.index(0)] == 0).all()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_decode_long_context_over_many_splits(num_splits: int) -> None:
+    # 38 blocks of 8 for the long sequence, 9 for the short one: 64 splits leave most empty.
+    out, expected = run_decode([300, 70, 0], group=2, num_kv_heads=2, head_dim=64,
+                               num_splits=num_splits)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 8, 13, 100])
+def test_decode_sliding_window(sliding_window: int) -> None:
+    out, expected = run_decode([9, 16, 17, 150, 0], group=2, num_kv_heads=1, num_splits=3,
+                               sliding_window=sliding_window)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 128), (torch.float16, 64)])
+def test_decode_half_precision(dtype: torch.dtype, head_dim: int) -> None:
+    out, expected = run_decode([33, 5, 0, 16], group=4, num_kv_heads=1, head_dim=head_dim,
+                               dtype=dtype)
+    assert_matches(out, expected, dtype)
+
+
+def test_decode_padding_rows_give_zeros_and_fill_out() -> None:
+    layout = make_layout([0, 0], block_size=8, num_kv_heads=1, head_dim=32)
+    query = torch.randn(2, 2, 32, device=DEVICE)
+    seq_lens = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    for num_splits in (1, 4):
+        out = torch.full_like(query, float("nan"))
+        result = paged_decode_attention(query, layout.k_cache, layout.v_cache,
+                                        layout.block_table, seq_lens, 1.0, block_size=8,
+                                        num_splits=num_splits, out=out)
+        assert result is out
+        assert (out == 0).all()
+
+
+# Prefill: plain prefills (no context), single-token and longer chunks over a cached context
+# ending at, before and after a block boundary.
+CONTEXT_LENS = [0, 8, 3, 0, 17]
+QUERY_LENS = [9, 1, 14, 1, 7]
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
+def test_prefill_matches_reference_for_each_gqa_ratio(group: int) -> None:
+    num_kv_heads = 2 if group <= 4 else 1
+    out, expected = run_prefill(CONTEXT_LENS, QUERY_LENS, group=group,
+                                num_kv_heads=num_kv_heads, seed=group)
+    assert_matches(out, expected, torch.float32)
+
+
+def test_prefill_long_queries_over_several_query_and_key_tiles() -> None:
+    # 150 queries and 190 keys span several query tiles and key tiles (32 or 64 of each).
+    out, expected = run_prefill([40, 0], [150, 70], group=1, num_kv_heads=1)
+    assert_matches(out, expected, torch.float32)
+
+
+def test_prefill_extends_two_sequences_sharing_prefix_blocks() -> None:
+    out, expected = run_prefill([24, 19], [5, 12], group=2, num_kv_heads=2, shared_blocks=2)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 8, 13])
+def test_prefill_sliding_window(sliding_window: int) -> None:
+    out, expected = run_prefill([0, 30, 5], [40, 9, 1], group=4, num_kv_heads=1,
+                                sliding_window=sliding_window)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "block_size"), [
+    (torch.float32, 128, 16), (torch.bfloat16, 64, 8), (torch.float16, 32, 32),
+])
+def test_prefill_dtypes_head_dims_and_block_sizes(
+    dtype: torch.dtype, head_dim: int, block_size: int,
+) -> None:
+    out, expected = run_prefill([0, 21], [12, 6], group=2, num_kv_heads=1, head_dim=head_dim,
+                                block_size=block_size, dtype=dtype)
+    assert_matches(out, expected, dtype)
+
+
+def test_prefill_writes_into_out() -> None:
+    layout = make_layout([5], block_size=8, num_kv_heads=1, head_dim=32)
+    query = torch.randn(5, 1, 32, device=DEVICE)
+    out = torch.full_like(query, float("nan"))
+    result = paged_prefill_attention(
+        query, layout.k_cache, layout.v_cache, layout.block_table,
+        torch.tensor([0, 5], dtype=torch.int32, device=DEVICE),
+        torch.tensor([5], dtype=torch.int32, device=DEVICE), 0.5, block_size=8,
+        max_query_len=5, out=out,
+    )
+    assert result is out
+    torch.testing.assert_close(out.cpu(), reference_attention(query, layout, [5], 0.5),
+                               **TOLERANCES[torch.float32])
+
+
+def test_supports_and_rejects_unsupported_shapes() -> None:
+    assert supports(128, 16)
+    assert supports(32, 8)
+    assert not supports(48, 16)
+    assert not supports(64, 4)
+    assert not supports(64, 24)
+    layout = make_layout([4], block_size=8, num_kv_heads=1, head_dim=32)
+    seq_lens = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        paged_decode_attention(torch.zeros(1, 1, 48, device=DEVICE), layout.k_cache,
+                               layout.v_cache, layout.block_table, seq_lens, 1.0,
+                               block_size=8, num_splits=1)
+    for block_size in (4, 12):
+        with pytest.raises(ValueError, match=f"block_size {block_size}"):
+            paged_prefill_attention(
+                torch.zeros(4, 1, 32, device=DEVICE), layout.k_cache, layout.v_cache,
+                layout.block_table, torch.tensor([0, 4], dtype=torch.int32, device=DEVICE),
+                seq_lens, 1.0, block_size=block_size, max_query_len=4,
+            )
+
+
+def test_default_num_splits() -> None:
+    assert default_num_splits(100, 16, batch=64, num_kv_heads=8) == 1
+    assert default_num_splits(32768, 16, batch=1, num_kv_heads=8) == 32
+    for max_seq_len in (1, 100, 1000, 10_000, 100_000):
+        for batch in (1, 4, 64, 256):
+            splits = default_num_splits(max_seq_len, 16, batch, num_kv_heads=8)
+            assert splits >= 1 and splits & (splits - 1) == 0
+            assert splits <= default_num_splits(max_seq_len * 2, 16, batch, num_kv_heads=8)
+            assert splits >= default_num_splits(max_seq_len, 16, batch * 2, num_kv_heads=8)
