@@ -277,15 +277,20 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(scheduler_output)
-        hidden = self._forward(inputs)
-        sampled: dict[str, list[int]] = {req_id: [] for req_id in inputs.req_ids}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
+        # Sampling inputs are copied to the device before the forward is enqueued, so that
+        # the step's only wait for the device is reading back the sampled ids.
+        metadata = None
         if inputs.sampling_rows:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
             metadata = self.batch.sampling_metadata(inputs.sampling_rows, self.device)
             if scheduler_output.grammar_bitmask is not None:
                 metadata = with_grammar_mask(metadata, inputs.sampling_req_ids,
-                                             scheduler_output.grammar_bitmask, logits.shape[1])
+                                             scheduler_output.grammar_bitmask,
+                                             self.arch.vocab_size)
+        hidden = self._forward(inputs)
+        sampled: dict[str, list[int]] = {req_id: [] for req_id in inputs.req_ids}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        if metadata is not None:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
             output = self.sampler(logits, metadata)
             token_ids = output.sampled_token_ids.tolist()
             for row, req_id, token_id in zip(inputs.sampling_rows, inputs.sampling_req_ids,
@@ -350,15 +355,22 @@ class ModelRunner:
                                                      batch.block_table[rows])
         return StepInputs(
             req_ids=req_ids,
-            input_ids=None if metadata is None else torch.from_numpy(input_ids).to(self.device),
-            positions=None if metadata is None else torch.from_numpy(positions).to(self.device),
+            input_ids=None if metadata is None else self._to_device(input_ids),
+            positions=None if metadata is None else self._to_device(positions),
             metadata=metadata,
             decode_step=decode_step,
-            logits_indices=torch.from_numpy(last_token_indices[samples]).to(self.device),
+            logits_indices=self._to_device(last_token_indices[samples]),
             sampling_rows=rows[samples].tolist(),
             sampling_req_ids=[req_id for req_id, s in zip(req_ids, samples, strict=True) if s],
             prompt_logprob_spans=spans,
         )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the device; on CUDA an asynchronous copy from pinned memory."""
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [tokens, hidden_size] of the step."""

@@ -197,7 +197,8 @@ def test_decode_sliding_window(sliding_window: int) -> None:
     assert_matches(out, expected, torch.float32)
 
 
-@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 128), (torch.float16, 64)])
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.bfloat16, 128), (torch.float16, 64)],
+                         ids=["bfloat16-d128", "float16-d64"])
 def test_decode_half_precision(dtype: torch.dtype, head_dim: int) -> None:
     out, expected = run_decode([33, 5, 0, 16], group=4, num_kv_heads=1, head_dim=head_dim,
                                dtype=dtype)
@@ -251,7 +252,7 @@ def test_prefill_sliding_window(sliding_window: int) -> None:
 
 @pytest.mark.parametrize(("dtype", "head_dim", "block_size"), [
     (torch.float32, 128, 16), (torch.bfloat16, 64, 8), (torch.float16, 32, 32),
-])
+], ids=["float32-d128-b16", "bfloat16-d64-b8", "float16-d32-b32"])
 def test_prefill_dtypes_head_dims_and_block_sizes(
     dtype: torch.dtype, head_dim: int, block_size: int,
 ) -> None:
