@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "serve": ("engine.entrypoints.serve", "the OpenAI-compatible HTTP server"),
     "bench": {
         "scheduler": ("engine.bench.scheduler", "CPU cost of one scheduler step"),
-        "forward": ("engine.bench.forward", "our model's prefill/decode vs transformers"),
+        "forward": ("engine.bench.forward", "model runner steps at fixed decode, prefill shapes"),
         "throughput": ("engine.bench.throughput", "offline LLM.generate vs transformers"),
         "estimator": ("eval.bench_estimator", "TTL estimators replayed over an agent trace"),
         "agent": ("eval.bench_agent", "agent jobs replayed against an OpenAI-compatible server"),

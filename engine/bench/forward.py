@@ -1,269 +1,374 @@
-"""`continuum bench forward`: our model code against transformers' forward, same shapes.
+"""`continuum bench forward`: model steps through the model runner at fixed shapes.
 
-Measures, for each implementation:
-- prefill throughput: `--prefill-batch` prompts of `--prefill-len` tokens in one forward;
-- batched decode throughput: `--batch-size` sequences, each with `--context-len` tokens
-  already cached, advanced by `--decode-steps` single-token steps.
+Every step is a `SchedulerOutput` given to `ModelRunner.execute_model`, so what is timed is what
+the engine runs: input preparation, attention metadata, the forward (a CUDA-graph replay for
+decode steps where the attention backend allows it, unless `--enforce-eager`), logits and
+sampling on the device, and the one copy of the sampled ids to the host. The scheduler itself is
+not run: steps are built here.
 
-Ours runs exactly as the model runner does (flattened batch, paged KV cache, attention
-metadata built every step, logits for the last token of each sequence only). Transformers runs
-its own `forward` with its own KV cache (`DynamicCache`) and `logits_to_keep=1`. Contexts are
-prefilled once, untimed; each timed decode run starts again from them. Weights are random
-(timing does not depend on their values; `--shape qwen2.5-0.5b` uses that model's shapes).
+- Decode shapes (`--decode BATCHxCONTEXT ...`): the prompts are prefilled first in steps of at
+  most `--max-num-batched-tokens` tokens (untimed); then `--decode-steps` single-token steps are
+  run once to warm up and `--repeats` times timed, each timed run continuing the sequences
+  (contexts grow by `decode_steps` a run). Reported: the median run's milliseconds a step and
+  output tokens a second.
+- Prefill shapes (`--prefill BATCHxTOKENS ...`): BATCH fresh prompts of TOKENS tokens in one
+  step, once to warm up, then `--repeats` times timed. Reported: milliseconds and prompt tokens
+  a second of the median.
 
-Each implementation is measured in its own fresh process, alternating over `--rounds`: in one
-process, whichever model was loaded first ran its matmuls measurably slower (up to 10% on this
-2-core machine), which would bias a same-process comparison.
+Weights are random (`load_format="dummy"`; timing does not depend on their values) and prompts
+are random token ids, so `--config FILE` (a Hugging Face `config.json`) measures any model's
+shapes without its files. A shape that runs out of device memory is reported as such and the
+others still run. The markdown table (stdout, `--markdown FILE`) and the JSON (`--json FILE`)
+name the device, the torch and triton versions, the dtype and the attention backend.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
 
-from engine.bench.report import emit
-from engine.config import ModelConfig
-from engine.model.attention import build_attention_metadata
-from engine.model.directory import resolve_model_dir
-from engine.model.llama import LlamaForCausalLM
-from engine.model.loader import load_model, resolve_device, resolve_dtype
+from engine.config import (
+    AttentionBackendName,
+    CacheConfig,
+    Device,
+    Dtype,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from engine.model.directory import load_arch
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.worker.model_runner import ModelRunner
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
-        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
-        "hidden_act": "silu",
-    },
-}
-IMPLEMENTATIONS = ("ours", "transformers")
-_SHAPE_ARGS = ("prefill_batch", "prefill_len", "batch_size", "context_len", "decode_steps")
-_BLOCK_SIZE = 16
+ShapeKind = Literal["decode", "prefill"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """`batch_size` sequences of `seq_len` tokens: decode steps after a cached context of
+    `seq_len` tokens, or one prefill step of `seq_len`-token prompts."""
+
+    kind: ShapeKind
+    batch_size: int
+    seq_len: int
+
+    @classmethod
+    def parse(cls, kind: ShapeKind, text: str) -> Shape:
+        """`BATCHxTOKENS`, e.g. `32x1024`."""
+        batch, _, tokens = text.lower().partition("x")
+        if not (batch.isdigit() and tokens.isdigit() and int(batch) > 0 and int(tokens) > 0):
+            raise argparse.ArgumentTypeError(f"{kind} shape must be BATCHxTOKENS, got {text!r}")
+        return cls(kind, int(batch), int(tokens))
+
+    @property
+    def label(self) -> str:
+        if self.kind == "decode":
+            return f"decode, batch {self.batch_size}, context {self.seq_len:,}"
+        return f"prefill {self.batch_size} x {self.seq_len:,}"
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    """The median timed run of one shape; `error` (and no figures) when it could not run."""
+
+    shape: Shape
+    step_ms: float | None = None
+    tokens_per_s: float | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self.shape), "label": self.shape.label, "step_ms": self.step_ms,
+                "tokens_per_s": self.tokens_per_s, "error": self.error}
+
+
+# The issue's table: decode at 1k context for three batch sizes and at 8k, one 2k prefill.
+DEFAULT_DECODE_SHAPES = [Shape("decode", 1, 1024), Shape("decode", 32, 1024),
+                         Shape("decode", 128, 1024), Shape("decode", 32, 8192)]
+DEFAULT_PREFILL_SHAPES = [Shape("prefill", 1, 2048)]
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' or a local HF directory")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                        help="use a known model's shapes with random weights instead of --model")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--prefill-batch", type=int, default=4)
-    parser.add_argument("--prefill-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--context-len", type=int, default=256)
-    parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed runs per process; the median is kept")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="fresh processes per implementation; the median is kept")
-    parser.add_argument("--impl", choices=("both", *IMPLEMENTATIONS), default="both",
-                        help="measure one implementation in this process (used by 'both')")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default="tiny", help="'tiny' or a local HF directory")
+    source.add_argument("--config", default=None, metavar="FILE",
+                        help="a Hugging Face config.json: that model's shapes, random weights")
+    parser.add_argument("--dtype", choices=get_args(Dtype), default="auto")
+    parser.add_argument("--device", choices=get_args(Device), default="auto")
+    parser.add_argument("--attention-backend", choices=get_args(AttentionBackendName),
+                        default="auto")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run decode steps eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--decode", nargs="*", type=functools.partial(Shape.parse, "decode"),
+                        default=DEFAULT_DECODE_SHAPES, metavar="BATCHxCONTEXT",
+                        help="decode shapes (none: skip decode)")
+    parser.add_argument("--prefill", nargs="*", type=functools.partial(Shape.parse, "prefill"),
+                        default=DEFAULT_PREFILL_SHAPES, metavar="BATCHxTOKENS",
+                        help="prefill shapes (none: skip prefill)")
+    parser.add_argument("--decode-steps", type=int, default=16, help="steps of one timed run")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per shape after one warm-up run; the median is kept")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of the (untimed) steps that fill decode contexts")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
+    parser.add_argument("--markdown", dest="markdown_path", default=None,
+                        help="write the table here too")
 
 
 def main(args: argparse.Namespace) -> int:
-    results = compare(args) if args.impl == "both" else measure(args)
-    emit(f"forward pass, {results['model']} ({results['dtype']}, {results['device']})",
-         results, args.json_path)
+    shapes = [*args.decode, *args.prefill]
+    if not shapes:
+        raise ValueError("no shape to measure: give --decode or --prefill shapes")
+    report = run(args, shapes)
+    table = markdown_table(report)
+    print(table)
+    if args.markdown_path:
+        _write(Path(args.markdown_path), table)
+    if args.json_path:
+        _write(Path(args.json_path), json.dumps(report, indent=2) + "\n")
     return 0
 
 
-def compare(args: argparse.Namespace) -> dict[str, Any]:
-    """Medians over `--rounds` fresh processes per implementation, in alternating order."""
-    samples: dict[str, list[dict[str, Any]]] = {impl: [] for impl in IMPLEMENTATIONS}
+def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
+    """Builds one runner sized for every shape, measures each, and returns the JSON report."""
     with tempfile.TemporaryDirectory() as scratch:
-        for round_index in range(args.rounds):
-            order = IMPLEMENTATIONS if round_index % 2 == 0 else IMPLEMENTATIONS[::-1]
-            for impl in order:
-                path = Path(scratch) / f"{impl}-{round_index}.json"
-                subprocess.run([sys.executable, "-m", "engine.cli", "bench", "forward",
-                                *_forwarded_flags(args), "--impl", impl, "--json", str(path)],
-                               check=True, capture_output=True, text=True)
-                samples[impl].append(json.loads(path.read_text()))
-    first = samples["ours"][0]
-    results: dict[str, Any] = {key: first[key] for key in ("model", "dtype", "device", "threads")}
-    for impl, runs in samples.items():
-        for phase in ("prefill", "decode"):
-            results[f"{impl}_{phase}_tok_s"] = statistics.median(
-                run[f"{phase}_tok_s"] for run in runs)
-    for phase in ("decode", "prefill"):
-        results[f"{phase}_speedup"] = (
-            results[f"ours_{phase}_tok_s"] / results[f"transformers_{phase}_tok_s"])
-    results.update({key: getattr(args, key) for key in (*_SHAPE_ARGS, "repeats", "rounds")})
-    return results
-
-
-def _forwarded_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
-             "--repeats", str(args.repeats)]
-    if args.shape is not None:
-        flags += ["--shape", args.shape]
-    for key in _SHAPE_ARGS:
-        flags += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    return flags
-
-
-@torch.inference_mode()
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Prefill and decode throughput of one implementation, in this process."""
-    torch.manual_seed(0)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    with tempfile.TemporaryDirectory() as scratch:
-        model_dir = _model_dir(args, Path(scratch))
-        if args.impl == "ours":
-            max_len = max(args.prefill_len, args.context_len + args.decode_steps + 1)
-            model = load_model(ModelConfig(model=model_dir, load_format="dummy"), device, dtype,
-                               max_len)
-            timed = {"prefill": _our_prefill(model, args, device),
-                     "decode": _our_decode(model, args, device)}
-        else:
-            model = _transformers_model(model_dir, device, dtype)
-            timed = {"prefill": _hf_prefill(model, args, device),
-                     "decode": _hf_decode(model, args, device)}
-    seconds = _interleaved_medians_s(timed, args.repeats)
+        model = _model_dir(args, Path(scratch))
+        runner = ModelRunner(_engine_config(args, model, shapes))
+    rng = np.random.default_rng(args.seed)
+    results = [_measure(runner, shape, args, rng) for shape in shapes]
     return {
-        "model": args.shape or args.model, "impl": args.impl,
-        "dtype": str(dtype).removeprefix("torch."), "device": device.type,
-        "threads": torch.get_num_threads(),
-        "prefill_tok_s": args.prefill_batch * args.prefill_len / seconds["prefill"],
-        "decode_tok_s": args.batch_size * args.decode_steps / seconds["decode"],
+        "model": _model_name(args),
+        **environment(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "attention_backend": runner.attention.name,
+        # The runner's rule: decode replays graphs on CUDA where the backend has static decode.
+        "cuda_graphs": (runner.device.type == "cuda" and not args.enforce_eager
+                        and runner.attention.supports_static_decode),
+        "block_size": args.block_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "decode_steps": args.decode_steps,
+        "repeats": args.repeats,
+        "results": [result.to_json() for result in results],
     }
 
 
-def _model_dir(args: argparse.Namespace, scratch: Path) -> str:
-    if args.shape is None:
+def environment(device: torch.device) -> dict[str, str]:
+    """The device's name and the torch and triton versions, for reports."""
+    try:
+        triton_version = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton_version = "not installed"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "torch": torch.__version__, "triton": triton_version}
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The report's shapes as a markdown table under a line naming what ran them."""
+    graphs = "CUDA graphs for decode" if report["cuda_graphs"] else "eager"
+    lines = [
+        f"{report['model']} ({report['dtype']}) on {report['device']}: torch "
+        f"{report['torch']}, triton {report['triton']}, attention {report['attention_backend']},"
+        f" {graphs}",
+        "",
+        "| shape | ms a step | tokens/s |",
+        "|---|---:|---:|",
+    ]
+    for result in report["results"]:
+        if result["error"] is not None:
+            lines.append(f"| {result['label']} | {result['error']} | |")
+        else:
+            lines.append(f"| {result['label']} | {result['step_ms']:.2f} | "
+                         f"{result['tokens_per_s']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}")
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """`--model`, or the `--config` file's name (its directory's for a `config.json`)."""
+    if args.config is None:
         return args.model
-    (scratch / "config.json").write_text(json.dumps(SHAPES[args.shape]))
+    path = Path(args.config)
+    return path.parent.name if path.name == "config.json" else path.stem
+
+
+def _model_dir(args: argparse.Namespace, scratch: Path) -> str:
+    """`--model`, or a directory in `scratch` holding the `--config` file as its config.json
+    (the runner reads nothing else: weights are drawn, prompts are token ids)."""
+    if args.config is None:
+        return args.model
+    (scratch / "config.json").write_text(Path(args.config).read_text())
     return str(scratch)
 
 
-def _transformers_model(model_dir: str, device: torch.device, dtype: torch.dtype
-                        ) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(resolve_model_dir(model_dir))
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
-
-
-def _interleaved_medians_s(
-    timed: dict[str, Callable[[], None]], repeats: int
-) -> dict[str, float]:
-    """Median wall time of each function after one warm-up run each.
-
-    Repeats run round-robin, so slow drift of a shared machine (other load, thermal state)
-    affects both implementations alike instead of whichever ran second.
-    """
-    for function in timed.values():
-        function()
-    samples: dict[str, list[float]] = {name: [] for name in timed}
-    for _ in range(repeats):
-        for name, function in timed.items():
-            start = time.perf_counter()
-            function()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) -> EngineConfig:
+    """A runner config whose KV pool, sequence length and batch hold the largest shape."""
+    num_blocks = max(shape.batch_size * _blocks_per_seq(shape, args) for shape in shapes)
+    max_prefill_tokens = max((shape.batch_size * shape.seq_len for shape in shapes
+                              if shape.kind == "prefill"), default=0)
+    max_model_len = max(_max_seq_len(shape, args) for shape in shapes)
+    max_position_embeddings = load_arch(model).max_position_embeddings
+    if max_model_len > max_position_embeddings:
+        raise ValueError(f"the shapes need {max_model_len} positions; the model has "
+                         f"{max_position_embeddings}")
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=args.dtype, load_format="dummy",
+                          max_model_len=max_model_len, seed=args.seed, device=args.device,
+                          attention_backend=args.attention_backend,
+                          enforce_eager=args.enforce_eager),
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks),
+        scheduler=SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(args.max_num_batched_tokens, max_prefill_tokens),
+            max_num_seqs=max(shape.batch_size for shape in shapes)),
+    )
 
 
-class _PagedState:
-    """A paged KV cache holding `num_seqs` sequences in consecutive blocks."""
-
-    def __init__(self, model: LlamaForCausalLM, num_seqs: int, max_len: int,
-                 device: torch.device):
-        arch = model.arch
-        self.blocks_per_seq = -(-max_len // _BLOCK_SIZE)
-        num_slots = num_seqs * self.blocks_per_seq * _BLOCK_SIZE
-        self.dtype = model.lm_head.weight.dtype
-        self.kv_caches = [
-            torch.zeros((2, num_slots, arch.num_key_value_heads, arch.head_dim),
-                        dtype=self.dtype, device=device)
-            for _ in range(arch.num_hidden_layers)
-        ]
-        self.block_table = np.arange(num_seqs * self.blocks_per_seq).reshape(num_seqs, -1)
-        self.model, self.device = model, device
-
-    def forward(self, input_ids: torch.Tensor, query_lens: np.ndarray,
-                context_lens: np.ndarray) -> torch.Tensor:
-        """What the runner does per step: metadata, forward, last-token logits."""
-        positions, metadata = build_attention_metadata(
-            query_lens, context_lens, self.block_table, _BLOCK_SIZE, self.device,
-            self.model.arch.sliding_window, self.dtype)
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device),
-                            self.kv_caches, metadata)
-        last = torch.from_numpy(np.cumsum(query_lens) - 1).to(self.device)
-        return self.model.compute_logits(hidden[last])
+def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
+    """Tokens a sequence of `shape` reaches: its prompt, plus for decode the warm-up and timed
+    runs' steps and the token sampled by the last one."""
+    if shape.kind == "prefill":
+        return shape.seq_len + 1
+    return shape.seq_len + (1 + args.repeats) * args.decode_steps + 1
 
 
-def _random_ids(vocab_size: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.randint(0, vocab_size, shape, device=device)
+def _blocks_per_seq(shape: Shape, args: argparse.Namespace) -> int:
+    return -(-_max_seq_len(shape, args) // args.block_size)
 
 
-def _our_prefill(model: LlamaForCausalLM, args: argparse.Namespace,
-                 device: torch.device) -> Callable[[], None]:
-    state = _PagedState(model, args.prefill_batch, args.prefill_len, device)
-    ids = _random_ids(model.arch.vocab_size, (args.prefill_batch * args.prefill_len,), device)
-    lens = np.full(args.prefill_batch, args.prefill_len)
-    return lambda: _sync(state.forward(ids, lens, np.zeros_like(lens)))
+def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
+             rng: np.random.Generator) -> ShapeResult:
+    """One shape's median timed run; the runner holds no request before or after."""
+    print(f"measuring {shape.label}", flush=True)
+    measure = _decode_run_s if shape.kind == "decode" else _prefill_run_s
+    try:
+        run_s = measure(runner, shape, args, rng)
+    except torch.cuda.OutOfMemoryError as error:
+        torch.cuda.empty_cache()
+        return ShapeResult(shape, error=f"CUDA out of memory: {str(error).splitlines()[0]}")
+    if shape.kind == "decode":
+        return ShapeResult(shape, step_ms=run_s / args.decode_steps * 1e3,
+                           tokens_per_s=shape.batch_size * args.decode_steps / run_s)
+    return ShapeResult(shape, step_ms=run_s * 1e3,
+                       tokens_per_s=shape.batch_size * shape.seq_len / run_s)
 
 
-def _our_decode(model: LlamaForCausalLM, args: argparse.Namespace,
-                device: torch.device) -> Callable[[], None]:
-    batch = args.batch_size
-    state = _PagedState(model, batch, args.context_len + args.decode_steps + 1, device)
-    ids = _random_ids(model.arch.vocab_size, (batch * args.context_len,), device)
-    state.forward(ids, np.full(batch, args.context_len), np.zeros(batch, dtype=np.int64))
-    first_ids = _random_ids(model.arch.vocab_size, (batch,), device)
-
-    def decode() -> None:
-        next_ids = first_ids
-        for step in range(args.decode_steps):
-            context = np.full(batch, args.context_len + step)
-            next_ids = state.forward(next_ids, np.ones(batch, dtype=np.int64), context).argmax(-1)
-        _sync(next_ids)
-    return decode
+def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
+                  rng: np.random.Generator) -> float:
+    """Seconds of the median timed run of `decode_steps` steps, after prefill and warm-up."""
+    sequences = _Sequences(runner, "decode", shape, _blocks_per_seq(shape, args), rng)
+    try:
+        sequences.prefill(args.max_num_batched_tokens)
+        sequences.decode(args.decode_steps)
+        return statistics.median(sequences.decode(args.decode_steps)
+                                 for _ in range(args.repeats))
+    finally:
+        sequences.finish()
 
 
-def _hf_prefill(model: torch.nn.Module, args: argparse.Namespace,
-                device: torch.device) -> Callable[[], None]:
-    ids = _random_ids(model.config.vocab_size, (args.prefill_batch, args.prefill_len), device)
-    return lambda: _sync(model(ids, logits_to_keep=1).logits)
+def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
+                   rng: np.random.Generator) -> float:
+    """Seconds of the median timed prefill step of fresh prompts, after one warm-up."""
+    runs_s = []
+    for index in range(1 + args.repeats):
+        sequences = _Sequences(runner, f"prefill{index}", shape, _blocks_per_seq(shape, args),
+                               rng)
+        try:
+            runs_s.append(sequences.prefill(shape.batch_size * shape.seq_len))
+        finally:
+            sequences.finish()
+    return statistics.median(runs_s[1:])
 
 
-def _hf_decode(model: torch.nn.Module, args: argparse.Namespace,
-               device: torch.device) -> Callable[[], None]:
-    from transformers import DynamicCache
+class _Sequences:
+    """`shape.batch_size` requests with random prompts of `shape.seq_len` tokens, stepped
+    through `runner` by hand-built `SchedulerOutput`s as the scheduler would send them: in full
+    the first step a request is scheduled, as deltas after. Request `i` owns the consecutive
+    blocks from `i * blocks_per_seq`; they are all given up front, so no step adds blocks."""
 
-    vocab = model.config.vocab_size
-    cache = DynamicCache(config=model.config)
-    model(_random_ids(vocab, (args.batch_size, args.context_len), device),
-          past_key_values=cache, use_cache=True, logits_to_keep=1)
-    first_ids = _random_ids(vocab, (args.batch_size, 1), device)
+    def __init__(self, runner: ModelRunner, name: str, shape: Shape, blocks_per_seq: int,
+                 rng: np.random.Generator):
+        self.runner = runner
+        self.prompts = {f"{name}-{index}": rng.integers(0, runner.arch.vocab_size,
+                                                        shape.seq_len).tolist()
+                        for index in range(shape.batch_size)}
+        self.block_ids = {req_id: list(range(index * blocks_per_seq,
+                                             (index + 1) * blocks_per_seq))
+                          for index, req_id in enumerate(self.prompts)}
+        self.num_computed = dict.fromkeys(self.prompts, 0)
+        self.sent: set[str] = set()
+        self.step_id = 0
 
-    def decode() -> None:
-        extra = cache.get_seq_length() - args.context_len
-        if extra:
-            cache.crop(-extra)  # a negative count removes that many tokens
-        next_ids = first_ids
-        for _ in range(args.decode_steps):
-            logits = model(next_ids, past_key_values=cache, use_cache=True,
-                           logits_to_keep=1).logits
-            next_ids = logits[:, -1].argmax(-1, keepdim=True)
-        _sync(next_ids)
-    return decode
+    def prefill(self, token_budget: int) -> float:
+        """Every prompt, in steps of at most `token_budget` tokens, in request order; returns
+        the seconds the runner took."""
+        pending = {req_id: len(prompt) for req_id, prompt in self.prompts.items()}
+        runner_s = 0.0
+        while pending:
+            scheduled: dict[str, int] = {}
+            budget = token_budget
+            for req_id, remaining in pending.items():
+                if budget == 0:
+                    break
+                scheduled[req_id] = min(remaining, budget)
+                budget -= scheduled[req_id]
+            runner_s += self.step(scheduled)
+            pending = {req_id: remaining - scheduled.get(req_id, 0)
+                       for req_id, remaining in pending.items()
+                       if remaining > scheduled.get(req_id, 0)}
+        return runner_s
 
+    def decode(self, num_steps: int) -> float:
+        """`num_steps` steps of one token for every request; returns the runner's seconds."""
+        return sum(self.step(dict.fromkeys(self.prompts, 1)) for _ in range(num_steps))
 
-def _sync(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
+    def step(self, num_tokens: dict[str, int]) -> float:
+        """One runner step scheduling `num_tokens[req_id]` tokens of each named request;
+        returns the seconds `execute_model` took (it ends with the sampled ids on the host)."""
+        new = [NewRequestData(req_id=req_id, prompt_token_ids=self.prompts[req_id],
+                              output_token_ids=[], sampling_params=_GREEDY,
+                              block_ids=self.block_ids[req_id], num_computed_tokens=0)
+               for req_id in num_tokens if req_id not in self.sent]
+        cached_ids = [req_id for req_id in num_tokens if req_id in self.sent]
+        output = SchedulerOutput(
+            step_id=self.step_id, scheduled_new_reqs=new,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=cached_ids, new_block_ids=[[] for _ in cached_ids],
+                num_computed_tokens=[self.num_computed[req_id] for req_id in cached_ids]),
+            num_scheduled_tokens=num_tokens, total_num_scheduled_tokens=sum(num_tokens.values()),
+            finished_req_ids=set(), preempted_req_ids=set())
+        # Marked before the step: if it fails (out of memory), the runner holds them already.
+        self.sent.update(num_tokens)
+        started_s = time.perf_counter()
+        self.runner.execute_model(output)
+        elapsed_s = time.perf_counter() - started_s
+        for req_id, count in num_tokens.items():
+            self.num_computed[req_id] += count
+        self.step_id += 1
+        return elapsed_s
+
+    def finish(self) -> None:
+        """Drops every request from the runner (a step that schedules no token)."""
+        self.runner.execute_model(SchedulerOutput(
+            step_id=self.step_id, scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+            finished_req_ids=set(self.sent), preempted_req_ids=set()))
+

@@ -1,9 +1,11 @@
 """Builds a model from a `ModelConfig`: resolves the directory, dtype and device, loads weights.
 
 `model="tiny"` is the embedded default model (files in `engine/model/tiny/`, weights drawn from
-`ModelConfig.seed`). Any other name is a local Hugging Face directory holding `config.json` and
-safetensors weights (one file, several, or a sharded `model.safetensors.index.json`).
-`load_format="dummy"` draws random weights from the seed instead of reading any.
+`ModelConfig.seed` on the CPU, so every device gets the same ones). Any other name is a local
+Hugging Face directory holding `config.json` and safetensors weights (one file, several, or a
+sharded `model.safetensors.index.json`). `load_format="dummy"` draws random weights from the
+seed instead of reading any, on the target device (drawing billions of values on the CPU takes
+minutes), so they are reproducible per device, not across devices.
 """
 
 from __future__ import annotations
@@ -50,28 +52,40 @@ def load_model(
         )
     with torch.device(device):
         model = LlamaForCausalLM(arch, max_positions)
-    if config.load_format == "dummy" or config.model == TINY_MODEL_NAME:
-        init_dummy_weights(model, config.seed)
+    if config.model == TINY_MODEL_NAME:
+        init_dummy_weights(model, config.seed, torch.device("cpu"))
+    elif config.load_format == "dummy":
+        # Converted first, so the draw fills the target dtype (half the bytes in bfloat16).
+        model.to(dtype=dtype)
+        init_dummy_weights(model, config.seed, device)
     else:
         model.load_weights(iterate_safetensors(resolve_model_dir(config.model)))
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    if device.type == "cuda":
+        # The float32 weights of construction stay cached otherwise, and the KV sizing counts
+        # cached memory as used.
+        torch.cuda.empty_cache()
+    return model
 
 
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int, draw_device: torch.device) -> None:
     """Deterministic random weights: matrices ~ N(0, 0.02), norms 1, biases 0.
 
-    Drawn on the CPU from one seeded generator, so every device gets the same weights.
+    Each matrix is drawn in float32 on `draw_device` from one generator seeded with `seed`,
+    in parameter order, then copied into the parameter (rounded to its dtype, moved to its
+    device): the same seed and draw device give the same weights whatever the parameters'
+    device and dtype.
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=draw_device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
         else:
-            values = torch.randn(param.shape, generator=generator) * _DUMMY_INIT_STD
-            param.copy_(values)
+            values = torch.randn(param.shape, generator=generator, device=draw_device)
+            param.copy_(values.mul_(_DUMMY_INIT_STD))
 
 
 def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

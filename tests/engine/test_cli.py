@@ -44,23 +44,6 @@ def test_unknown_command_exits_with_usage_error(capsys) -> None:
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_bench_forward_compares_with_transformers(tmp_path, capsys) -> None:
-    out = tmp_path / "forward.json"
-    code = main(["bench", "forward", "--prefill-batch", "2", "--prefill-len", "16",
-                 "--batch-size", "4", "--context-len", "20", "--decode-steps", "3",
-                 "--repeats", "1", "--rounds", "1", "--json", str(out)])
-    assert code == 0
-    results = json.loads(out.read_text())
-    assert results["model"] == "tiny" and results["dtype"] == "float32"
-    assert results["rounds"] == 1 and results["decode_steps"] == 3
-    for key in ("ours_prefill_tok_s", "ours_decode_tok_s", "transformers_prefill_tok_s",
-                "transformers_decode_tok_s"):
-        assert results[key] > 0
-    assert results["decode_speedup"] == pytest.approx(
-        results["ours_decode_tok_s"] / results["transformers_decode_tok_s"])
-    assert "decode_speedup" in capsys.readouterr().out
-
-
 def test_bench_throughput_compares_the_engine_with_transformers(tmp_path) -> None:
     out = tmp_path / "throughput.json"
     code = main(["bench", "throughput", "--num-requests", "6", "--prompt-len", "8", "24",

@@ -108,3 +108,43 @@ def test_context_longer_than_the_model_supports_is_rejected(tmp_path: Path) -> N
     assert json.loads((path / "config.json").read_text())["max_position_embeddings"] == 512
     with pytest.raises(ValueError, match="max_position_embeddings"):
         load_model(ModelConfig(model=str(path)), CPU, torch.float32, 1024)
+
+
+def test_tiny_weights_are_the_pinned_ones() -> None:
+    """Many tests' expected tokens follow from these weights: a change here changes them all."""
+    state = load_model(ModelConfig(model="tiny"), CPU, torch.float32, 64).state_dict()
+    embed = state["model.embed_tokens.weight"]
+    assert embed[0, :3].tolist() == [
+        -0.022516796365380287, -0.023047203198075294, -0.005011571571230888]
+    assert state["model.layers.3.mlp.down_proj.weight"][-1, -1].item() == 0.020183686167001724
+    total = sum(tensor.double().abs().sum().item() for name, tensor in state.items()
+                if not name.startswith("lm_head"))  # tied to the embeddings
+    assert total == pytest.approx(14258.69251932405, rel=1e-12)
+
+
+def _dummy_checkpoint(tmp_path: Path) -> Path:
+    path = save_checkpoint(make_hf_model("llama3"), tmp_path)
+    (path / "model.safetensors").unlink()
+    return path
+
+
+def test_dummy_weights_round_one_float32_draw_to_every_dtype(tmp_path: Path) -> None:
+    config = ModelConfig(model=str(_dummy_checkpoint(tmp_path)), load_format="dummy", seed=3)
+    full = _state(load_model(config, CPU, torch.float32, 64))
+    half = _state(load_model(config, CPU, torch.bfloat16, 64))
+    assert all(torch.equal(half[name], full[name].to(torch.bfloat16)) for name in full)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dummy_weights_are_drawn_on_the_device_and_tiny_on_the_cpu(tmp_path: Path) -> None:
+    cuda = torch.device("cuda")
+    config = ModelConfig(model=str(_dummy_checkpoint(tmp_path)), load_format="dummy", seed=3)
+    model = load_model(config, cuda, torch.float32, 64)
+    generator = torch.Generator(device=cuda).manual_seed(3)
+    name, param = next((name, param) for name, param in model.named_parameters()
+                       if not name.endswith(("norm.weight", ".bias")))
+    expected = torch.randn(param.shape, generator=generator, device=cuda) * 0.02
+    assert torch.equal(param, expected), name
+    tiny_cpu = _state(load_model(ModelConfig(model="tiny"), CPU, torch.float32, 64))
+    tiny_cuda = _state(load_model(ModelConfig(model="tiny"), cuda, torch.float32, 64))
+    assert all(torch.equal(tiny_cuda[name].cpu(), tiny_cpu[name]) for name in tiny_cpu)

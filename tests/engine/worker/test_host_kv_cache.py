@@ -35,8 +35,10 @@ HOST_GIB = 2**-10  # 1 MiB: 128 host blocks of 4 tokens of the tiny model in flo
 
 
 def make_runner(num_kv_blocks: int = 32, kv_offload_gib: float = HOST_GIB) -> ModelRunner:
+    """A runner on the CPU in float32, whatever the machine has: `HOST_GIB` and the block
+    copies below assume both."""
     return ModelRunner(EngineConfig(
-        model=ModelConfig(model="tiny"),
+        model=ModelConfig(model="tiny", device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks,
                           kv_offload_gib=kv_offload_gib),
         scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8),

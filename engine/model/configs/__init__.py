@@ -1,0 +1,11 @@
+"""Hugging Face `config.json` files of models the engine is benchmarked at, without weights.
+
+Run with random weights: `continuum bench forward --config FILE`, or as a model directory
+holding the file as `config.json` with `--load-format dummy --tokenizer tiny`.
+- `llama3.1-8b.json`: Llama-3.1-8B's published shapes (the GPU benchmark, `scripts/gpu_bench.sh`).
+- `qwen2.5-0.5b.json`: Qwen2.5-0.5B's shapes (a CPU benchmark, `docs/benchmarks.md`).
+"""
+
+from pathlib import Path
+
+CONFIGS_DIR = Path(__file__).resolve().parent

@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# The GPU benchmark of issue 35 in one command: Llama-3.1-8B's shapes (random weights, bf16,
+# engine/model/configs/llama3.1-8b.json, the tokenizer of `tiny`) through the engine.
+#   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
+#               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend, the triton
+#               backend, and the triton backend with --enforce-eager (no CUDA graphs)
+#   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
+#               outputs 64-512 (the first H100 run's, issue 35), with sdpa and with triton;
+#               64 requests with --quick
+#   agent       `serve` + `bench agent`: the swe24 replay of that run (24 SWE jobs of at most
+#               6 turns at 2 jobs/s, 1,500 KV blocks, 16k context), fcfs and continuum, on
+#               --agent-backend (default triton); not with --quick
+# Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
+# device, torch and triton) and OUT_DIR/results.json merge them. OUT_DIR is $OUT when set (the
+# device tool's folder; raw/ is then packed into raw.tar.gz, as only 8 files come back), else
+# gpu-bench-out/. A failing step is recorded and the others still run; the exit code is 1 if
+# any failed.
+#
+# Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part forward|throughput|agent
+#        ...] [--agent-backend sdpa|triton|auto (default: triton on cuda, sdpa on cpu)]
+#   --quick    forward + a 64-request throughput run, no agent replay: sized to fit one device
+#              call's 10 minutes on an H100 (estimated at 5-6 minutes, not yet measured)
+#   --part     run only these parts (repeatable); the full run takes more than one device call's
+#              10 minutes, so there run `--part forward --part throughput`, then `--part agent`
+#   --device cpu  a dry run of the same steps on this CPU machine with the tiny model and tiny
+#              shapes (triton under TRITON_INTERPRET=1), in a couple of minutes
+#
+# On the GPU machine (the device tool): its image has torch and triton but not msgspec,
+# llguidance, pyzmq (which every engine command imports) nor fastapi, uvicorn, pydantic, openai
+# (serve, bench agent). Fetch their wheels here once with `bash scripts/fetch_gpu_wheels.sh`
+# (into .whl/, git-ignored), then call the tool's `run` with carry [".whl"] and
+#   command: PYTHONUNBUFFERED=1 bash scripts/gpu_bench.sh --quick
+# This script installs .whl/*.whl with `pip install --no-index --no-deps --target` into a
+# temporary folder and puts it on PYTHONPATH when msgspec is missing. It runs the engine as
+# `python -m engine.cli` from this checkout (no install needed); PYTHON picks the interpreter
+# (default: .venv/bin/python if there, else python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+quick=0
+device=cuda
+agent_backend=""
+parts=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --quick) quick=1 ;;
+    --device) device=$2; shift ;;
+    --part) parts+=("$2"); shift ;;
+    --agent-backend) agent_backend=$2; shift ;;
+    -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
+    *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ ${#parts[@]} -eq 0 ]; then
+  parts=(forward throughput)
+  [ $quick -eq 1 ] || parts+=(agent)
+fi
+wants() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+
+python=${PYTHON:-}
+if [ -z "$python" ]; then
+  if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
+fi
+if [ -d .whl ] && ! "$python" -c "import msgspec" 2>/dev/null; then
+  site=$(mktemp -d)/site
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .whl/*.whl || exit 1
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+out=${OUT:-gpu-bench-out}
+raw=$out/raw
+rm -rf "$raw"
+mkdir -p "$raw"
+: > "$raw/status.tsv"
+scratch=$(mktemp -d)
+server=""
+# stop_server: the agent replay's server and its engine core (its own process group), asked
+# to stop, then killed after 30 s (a server still starting up ignores SIGTERM).
+stop_server() {
+  [ -n "$server" ] || return 0
+  kill -TERM -- "-$server" 2>/dev/null
+  for _ in $(seq 30); do
+    kill -0 "$server" 2>/dev/null || break
+    sleep 1
+  done
+  kill -KILL -- "-$server" 2>/dev/null
+  wait "$server" 2>/dev/null
+  server=""
+}
+trap 'stop_server; rm -rf "$scratch"' EXIT
+
+if [ "$device" = cuda ]; then
+  config=engine/model/configs/llama3.1-8b.json
+  model_name=llama3.1-8b
+  forward_shapes=()  # bench forward's defaults are the issue's table
+  num_requests=256
+  [ $quick -eq 1 ] && num_requests=64
+  workload=(--num-requests "$num_requests" --prompt-len 128 1024 --output-len 64 512
+            --max-model-len 4096)
+  serve_flags=(--num-kv-blocks 1500 --max-model-len 16384)
+  agent_flags=(--num-jobs 24 --jobs-per-s 2 --max-turns 6 --vocab-size 250)
+  agent_backend=${agent_backend:-triton}
+elif [ "$device" = cpu ]; then
+  config=engine/model/tiny/config.json
+  model_name=tiny
+  export TRITON_INTERPRET=1  # the triton backend's kernels run on CPU tensors
+  forward_shapes=(--decode 2x48 4x96 --prefill 1x64 --decode-steps 2 --repeats 1
+                  --max-num-batched-tokens 64)
+  workload=(--num-requests 4 --prompt-len 8 32 --output-len 2 8 --max-model-len 256)
+  serve_flags=(--num-kv-blocks 256 --max-model-len 2048)
+  agent_flags=(--num-jobs 2 --jobs-per-s 2 --max-turns 2 --token-scale 0.02 --vocab-size 250)
+  # The continuum policy profiles prefills up to --max-model-len at startup: minutes under
+  # the Triton interpreter.
+  agent_backend=${agent_backend:-sdpa}
+else
+  echo "--device must be cuda or cpu, got $device" >&2
+  exit 2
+fi
+model_dir=$scratch/$model_name
+mkdir -p "$model_dir"
+cp "$config" "$model_dir/config.json"
+engine_flags=(--model "$model_dir" --load-format dummy --tokenizer engine/model/tiny
+              --device "$device")
+
+"$python" - "$config" "$device" "$([ $quick -eq 1 ] && echo quick || echo full)" \
+  > "$raw/environment.json" <<'EOF'
+import json
+import sys
+from importlib import metadata
+
+import torch
+
+config, device, mode = sys.argv[1:]
+try:
+    triton = metadata.version("triton")
+except metadata.PackageNotFoundError:
+    triton = "not installed"
+if torch.cuda.is_available():
+    name = torch.cuda.get_device_name()
+else:
+    name = "cpu" if device == "cpu" else "no CUDA device"
+print(json.dumps({"device": name, "torch": torch.__version__, "triton": triton,
+                  "config": config, "mode": mode}))
+EOF
+
+# step NAME COMMAND...: runs it with its output in raw/NAME.log; records exit code and seconds.
+step() {
+  local name=$1 started=$SECONDS
+  shift
+  echo "== $name: $*"
+  "$@" > "$raw/$name.log" 2>&1
+  local code=$?
+  printf '%s\t%s\t%s\n' "$name" "$code" "$((SECONDS - started))" >> "$raw/status.tsv"
+  tail -n 12 "$raw/$name.log"
+  [ "$code" -eq 0 ] || echo "== $name FAILED (exit $code)"
+}
+
+engine() { "$python" -m engine.cli "$@"; }
+
+if wants forward; then
+  for run in sdpa triton triton-eager; do
+    flags=(--attention-backend "${run%-eager}")
+    [ "$run" = triton-eager ] && flags+=(--enforce-eager)
+    step "forward-$run" engine bench forward --config "$config" --device "$device" \
+      "${flags[@]}" "${forward_shapes[@]}" --json "$raw/forward-$run.json"
+  done
+fi
+
+if wants throughput; then
+  for backend in sdpa triton; do
+    step "throughput-$backend" engine bench throughput --impl engine "${engine_flags[@]}" \
+      "${workload[@]}" --attention-backend "$backend" --json "$raw/throughput-$backend.json"
+  done
+fi
+
+# agent_replay POLICY: a server on the policy, the swe replay against it, the server stopped.
+agent_replay() {
+  local policy=$1 port
+  port=$("$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); \
+print(s.getsockname()[1])")
+  # In a session of its own, so that stop_server reaches the engine core too.
+  setsid "$python" -m engine.cli serve "${engine_flags[@]}" "${serve_flags[@]}" \
+    --attention-backend "$agent_backend" --scheduling-policy "$policy" --port "$port" \
+    --log-level warning --trace-path "$raw/agent-$policy.trace.jsonl" &
+  server=$!
+  "$python" - "$port" "$server" <<'EOF'
+import os
+import sys
+import time
+import urllib.request
+
+port, server = sys.argv[1], int(sys.argv[2])
+deadline = time.monotonic() + 900  # loading and capturing graphs for 8B takes minutes at worst
+while time.monotonic() < deadline:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        sys.exit(0)
+    except OSError:
+        os.kill(server, 0)  # raises if the server died
+        time.sleep(1)
+sys.exit("the server did not become healthy")
+EOF
+  local code=$?
+  if [ $code -eq 0 ]; then
+    engine bench agent --base-url "http://127.0.0.1:$port" --workload swe "${agent_flags[@]}" \
+      --label "$policy" --no-progress --json "$raw/agent-$policy.json"
+    code=$?
+  fi
+  stop_server
+  [ -f "$raw/agent-$policy.trace.jsonl" ] && gzip -f "$raw/agent-$policy.trace.jsonl"
+  return $code
+}
+
+if wants agent; then
+  for policy in fcfs continuum; do
+    step "agent-$policy" agent_replay "$policy"
+  done
+fi
+
+"$python" scripts/gpu_bench_report.py "$raw" "$out"
+failed=$(awk -F'\t' '$2 != 0 { failed = 1 } END { print failed + 0 }' "$raw/status.tsv")
+if [ -n "${OUT:-}" ]; then
+  tar czf "$out/raw.tar.gz" -C "$out" raw && rm -rf "$raw"
+fi
+exit "$failed"

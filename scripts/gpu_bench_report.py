@@ -1,0 +1,115 @@
+"""Merges the raw results of `scripts/gpu_bench.sh` into `results.json` and `summary.md`.
+
+Usage: python scripts/gpu_bench_report.py RAW_DIR OUT_DIR. RAW_DIR holds `environment.json`,
+`status.tsv` (name, exit code, seconds of each step) and each step's JSON: `forward-*.json`
+(`bench forward`), `throughput-*.json` (`bench throughput --impl engine`), `agent-*.json`
+(`bench agent`). Standard library only, so it runs wherever the script does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def main(raw_dir: Path, out_dir: Path) -> int:
+    results: dict[str, Any] = {
+        "environment": json.loads((raw_dir / "environment.json").read_text()),
+        "steps": _steps(raw_dir / "status.tsv"),
+    }
+    for kind in ("forward", "throughput", "agent"):
+        results[kind] = {}
+        for step in results["steps"]:  # in the order they ran
+            path = raw_dir / f"{step['name']}.json"
+            if step["name"].startswith(f"{kind}-") and path.is_file():
+                results[kind][step["name"].removeprefix(f"{kind}-")] = json.loads(path.read_text())
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    summary = summary_markdown(results)
+    (out_dir / "summary.md").write_text(summary)
+    print(summary)
+    return 0
+
+
+def _steps(status_path: Path) -> list[dict[str, Any]]:
+    steps = []
+    for line in status_path.read_text().splitlines():
+        name, code, seconds = line.split("\t")
+        steps.append({"name": name, "exit_code": int(code), "wall_s": float(seconds)})
+    return steps
+
+
+def summary_markdown(results: dict[str, Any]) -> str:
+    """The environment, then one table per kind of step, then the steps that failed."""
+    env = results["environment"]
+    lines = [f"# GPU benchmark: {env['device']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, model {env['config']}, "
+             f"mode {env['mode']}", ""]
+    lines += _forward_table(results["forward"])
+    lines += _throughput_table(results["throughput"])
+    lines += _agent_table(results["agent"])
+    lines += ["## Steps", ""]
+    for step in results["steps"]:
+        outcome = ("ok" if step["exit_code"] == 0
+                   else f"FAILED (exit {step['exit_code']}; raw/{step['name']}.log)")
+        lines.append(f"- {step['name']}: {outcome}, {step['wall_s']:.0f} s")
+    return "\n".join(lines) + "\n"
+
+
+def _forward_table(runs: dict[str, Any]) -> list[str]:
+    """Shapes as rows, runs as columns: ms a step and tokens/s."""
+    if not runs:
+        return []
+    names = list(runs)
+    header = "| shape | " + " | ".join(f"{name}: ms a step | {name}: tokens/s" for name in names)
+    lines = ["## Forward steps through the model runner (`bench forward`)", "", header + " |",
+             "|---|" + "---:|---:|" * len(names)]
+    by_label = {name: {r["label"]: r for r in run["results"]} for name, run in runs.items()}
+    for label in by_label[names[0]]:
+        cells = []
+        for name in names:
+            result = by_label[name].get(label)
+            if result is None or result["error"] is not None:
+                cells += [result["error"] if result else "not run", ""]
+            else:
+                cells += [f"{result['step_ms']:.2f}", f"{result['tokens_per_s']:,.0f}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _throughput_table(runs: dict[str, Any]) -> list[str]:
+    if not runs:
+        return []
+    lines = ["## Offline throughput (`bench throughput --impl engine`)", "",
+             "| run | output tokens | wall (s) | output tokens/s | steps | ms a step |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, run in runs.items():
+        lines.append(f"| {name} | {run['output_tokens']:,} | {run['wall_s']:.2f} | "
+                     f"{run['tokens_per_s']:,.0f} | {run['num_steps']} | "
+                     f"{run['wall_s'] / run['num_steps'] * 1e3:.1f} |")
+    return [*lines, ""]
+
+
+def _agent_table(runs: dict[str, Any]) -> list[str]:
+    if not runs:
+        return []
+    lines = ["## Agent replay (`serve` + `bench agent`)", "",
+             "| run | jobs done | mean / p90 / p99 JCT (s) | cached tokens | preemptions |",
+             "|---|---:|---|---:|---:|"]
+    for name, report in runs.items():
+        run = report["runs"][0]
+        lines.append(f"| {name} | {run['num_finished_jobs']}/{run['num_jobs']} | "
+                     f"{_seconds(run['mean_jct_s'])} / {_seconds(run['p90_jct_s'])} / "
+                     f"{_seconds(run['p99_jct_s'])} | {run['cached_token_fraction']:.1%} | "
+                     f"{run['preemptions']} |")
+    return [*lines, ""]
+
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2])))

@@ -1,0 +1,34 @@
+"""`scripts/gpu_bench_report.py` merges the raw results of `scripts/gpu_bench.sh`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_report_tables_the_steps_that_ran_and_names_the_failed(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "environment.json").write_text(json.dumps({
+        "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
+        "config": "engine/model/configs/llama3.1-8b.json", "mode": "quick"}))
+    (raw / "status.tsv").write_text("forward-sdpa\t0\t61\nthroughput-triton\t1\t12\n")
+    (raw / "forward-sdpa.json").write_text(json.dumps({"results": [
+        {"label": "decode, batch 1, context 1,024", "step_ms": 21.3, "tokens_per_s": 47.0,
+         "error": None},
+        {"label": "decode, batch 32, context 8,192", "step_ms": None, "tokens_per_s": None,
+         "error": "CUDA out of memory"}]}))
+    result = subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw),
+                             str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=True)
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary == result.stdout.removesuffix("\n")
+    assert summary.startswith("# GPU benchmark: NVIDIA H100 80GB HBM3\n")
+    assert "| decode, batch 1, context 1,024 | 21.30 | 47 |" in summary
+    assert "| decode, batch 32, context 8,192 | CUDA out of memory |  |" in summary
+    assert "- throughput-triton: FAILED (exit 1; raw/throughput-triton.log), 12 s" in summary
+    merged = json.loads((tmp_path / "results.json").read_text())
+    assert list(merged["forward"]) == ["sdpa"] and merged["throughput"] == {}
