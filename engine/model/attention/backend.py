@@ -135,8 +135,26 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_cache[1].index_copy_(0, slots, value)
 
 
-def check_decodes_first(query_lens: np.ndarray) -> int:
-    """The number of leading single-token queries; asserts no decode follows a longer query."""
-    num_decodes = int((query_lens == 1).sum())
-    assert (query_lens[:num_decodes] == 1).all(), "single-token queries must come first"
-    return num_decodes
+@dataclass(frozen=True)
+class FlatStep:
+    """What every backend derives first from a step's sequences (decodes first), on the host."""
+
+    query_lens: np.ndarray  # [seqs] int64
+    context_lens: np.ndarray  # [seqs] int64
+    seq_lens: np.ndarray  # [seqs] int64, context and query
+    num_decodes: int
+    positions: np.ndarray  # [num_tokens] int64
+    slots: np.ndarray  # [num_tokens] int64
+
+    @classmethod
+    def of(cls, query_lens: np.ndarray, context_lens: np.ndarray, block_table: np.ndarray,
+           block_size: int) -> FlatStep:
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        context_lens = np.asarray(context_lens, dtype=np.int64)
+        num_decodes = int((query_lens == 1).sum())
+        assert (query_lens[:num_decodes] == 1).all(), "single-token queries must come first"
+        positions = step_positions(query_lens, context_lens)
+        return cls(query_lens=query_lens, context_lens=context_lens,
+                   seq_lens=context_lens + query_lens, num_decodes=num_decodes,
+                   positions=positions,
+                   slots=slot_mapping(query_lens, positions, block_table, block_size))

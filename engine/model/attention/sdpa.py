@@ -20,9 +20,7 @@ from engine.model.attention.backend import (
     AttentionBackend,
     AttentionLayout,
     AttentionMetadata,
-    check_decodes_first,
-    slot_mapping,
-    step_positions,
+    FlatStep,
     write_kv,
 )
 
@@ -121,16 +119,13 @@ class SdpaBackend(AttentionBackend):
     def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,
                        block_table: np.ndarray) -> SdpaMetadata:
         layout = self.layout
-        query_lens = np.asarray(query_lens, dtype=np.int64)
-        context_lens = np.asarray(context_lens, dtype=np.int64)
-        num_decodes = check_decodes_first(query_lens)
-        seq_lens = context_lens + query_lens
+        step = FlatStep.of(query_lens, context_lens, block_table, layout.block_size)
+        query_lens, context_lens, seq_lens = step.query_lens, step.context_lens, step.seq_lens
+        num_decodes = step.num_decodes
         starts = np.cumsum(query_lens) - query_lens
-        positions = step_positions(query_lens, context_lens)
-        slots = slot_mapping(query_lens, positions, block_table, layout.block_size)
         return SdpaMetadata(
-            positions=positions,
-            slot_mapping=torch.from_numpy(slots).to(layout.device),
+            positions=step.positions,
+            slot_mapping=torch.from_numpy(step.slots).to(layout.device),
             num_decode_tokens=num_decodes,
             decode_groups=tuple(
                 _decode_group(start, seq_lens[start:end], block_table[start:end],

@@ -21,9 +21,7 @@ from engine.model.attention.backend import (
     AttentionLayout,
     AttentionMetadata,
     DecodeBuffers,
-    check_decodes_first,
-    slot_mapping,
-    step_positions,
+    FlatStep,
     write_kv,
 )
 
@@ -99,15 +97,11 @@ class TritonBackend(AttentionBackend):
     def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,
                        block_table: np.ndarray) -> TritonMetadata:
         layout = self.layout
-        query_lens = np.asarray(query_lens, dtype=np.int64)
-        context_lens = np.asarray(context_lens, dtype=np.int64)
-        num_decodes = check_decodes_first(query_lens)
-        seq_lens = context_lens + query_lens
-        positions = step_positions(query_lens, context_lens)
-        slots = slot_mapping(query_lens, positions, block_table, layout.block_size)
+        step = FlatStep.of(query_lens, context_lens, block_table, layout.block_size)
+        query_lens, seq_lens, num_decodes = step.query_lens, step.seq_lens, step.num_decodes
         return TritonMetadata(
-            positions=positions,
-            slot_mapping=torch.from_numpy(slots).to(layout.device),
+            positions=step.positions,
+            slot_mapping=torch.from_numpy(step.slots).to(layout.device),
             num_decode_tokens=num_decodes,
             decode=self._decode_plan(seq_lens[:num_decodes], block_table[:num_decodes])
             if num_decodes else None,
