@@ -39,6 +39,8 @@ class TorchExecutor:
         return self.runner.profile_kv_reload(lengths)
 
     def shutdown(self) -> None:
+        # The graphs hold the caches' addresses and their own memory pool: dropped first.
+        self.runner.decode_graphs = None
         self.runner.kv_caches.clear()
         if self.runner.host_kv_cache is not None:
             self.runner.host_kv_cache.caches.clear()

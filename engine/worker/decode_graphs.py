@@ -55,23 +55,34 @@ class DecodeStep:
 
 
 class StaticDecodeBuffers:
-    """Device buffers sized for the largest bucket, and a pinned host copy to fill them from."""
+    """Device buffers sized for the largest bucket, and pinned host copies to fill them from.
+
+    The block table travels through contiguous staging buffers (a step copies only the columns
+    its rows use, and a strided slice would not copy asynchronously). Before the host copies
+    are rewritten, the previous step's copies out of them must have finished: `fill` waits on
+    the event it recorded after them (a step that samples nothing reads nothing back).
+    """
+
+    _ROWS = ("input_ids", "positions", "slot_mapping", "seq_lens")
 
     def __init__(self, max_batch: int, max_blocks_per_seq: int, null_slot: int,
                  device: torch.device) -> None:
         self.null_slot = null_slot
         pin = device.type == "cuda"
-        host = {
+        self.host = {
             "input_ids": torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin),
             "positions": torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin),
             "slot_mapping": torch.full((max_batch,), null_slot, dtype=torch.int64,
                                        pin_memory=pin),
             "seq_lens": torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin),
-            "block_table": torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32,
-                                       pin_memory=pin),
         }
-        self.host = host
-        self.device = {name: tensor.to(device) for name, tensor in host.items()}
+        self.device = {name: tensor.to(device) for name, tensor in self.host.items()}
+        self.device["block_table"] = torch.zeros((max_batch, max_blocks_per_seq),
+                                                 dtype=torch.int32, device=device)
+        self._host_table = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32,
+                                       pin_memory=pin)
+        self._device_table = torch.zeros_like(self._host_table, device=device)
+        self._copied = torch.cuda.Event() if pin else None
 
     def view(self, batch_size: int) -> DecodeBuffers:
         """The attention buffers of the first `batch_size` rows (views: refills show through)."""
@@ -82,24 +93,28 @@ class StaticDecodeBuffers:
 
     def fill(self, step: DecodeStep, bucket: int) -> None:
         """Copies `step` into rows `0..n` and padding into rows `n..bucket` (host side first,
-        then one asynchronous copy per buffer)."""
+        then asynchronous copies)."""
+        if self._copied is not None:
+            self._copied.synchronize()
         n = step.batch_size
         host = self.host
         host["input_ids"][:n] = torch.from_numpy(step.input_ids)
         host["positions"][:n] = torch.from_numpy(step.positions)
         host["slot_mapping"][:n] = torch.from_numpy(step.slot_mapping)
         host["seq_lens"][:n] = torch.from_numpy(step.positions + 1)
-        num_blocks = step.block_table.shape[1]
-        host["block_table"][:n, :num_blocks] = torch.from_numpy(step.block_table)
         for name in ("input_ids", "positions", "seq_lens"):
             host[name][n:bucket] = 0
         host["slot_mapping"][n:bucket] = self.null_slot
-        for name, tensor in host.items():
-            rows = tensor[:bucket] if name != "block_table" else tensor[:bucket, :num_blocks]
-            target = self.device[name][:bucket]
-            if name == "block_table":
-                target = target[:, :num_blocks]
-            target.copy_(rows, non_blocking=True)
+        for name in self._ROWS:
+            self.device[name][:bucket].copy_(host[name][:bucket], non_blocking=True)
+        num_blocks = step.block_table.shape[1]
+        size = n * num_blocks
+        self._host_table[:size].view(n, num_blocks).copy_(torch.from_numpy(step.block_table))
+        self._device_table[:size].copy_(self._host_table[:size], non_blocking=True)
+        self.device["block_table"][:n, :num_blocks].copy_(
+            self._device_table[:size].view(n, num_blocks))
+        if self._copied is not None:
+            self._copied.record()
 
 
 class DecodeGraphs:

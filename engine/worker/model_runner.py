@@ -142,7 +142,8 @@ class ModelRunner:
         """Device memory the KV pool must leave free, measured on a scratch cache before the
         real pool is sized: the larger peak of a full-budget forward (plus logits for every
         sequence it could sample) and of the largest decode bucket, plus that decode peak
-        again for the CUDA graphs' memory pool, which stays allocated."""
+        again for the CUDA graphs' memory pool (unless `enforce_eager`), which stays
+        allocated, and the null block."""
         scheduler = self.config.scheduler
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)
@@ -151,8 +152,9 @@ class ModelRunner:
         decode_peak = self._decode_peak_bytes(scratch, max_bucket) if max_bucket else 0
         del scratch
         torch.cuda.empty_cache()
+        graphs_bytes = decode_peak if not self.config.model.enforce_eager else 0
         null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.dtype)
-        return max(prefill_peak, decode_peak) + decode_peak + null_block_bytes
+        return max(prefill_peak, decode_peak) + graphs_bytes + null_block_bytes
 
     def _prefill_peak_bytes(self, scratch: list[torch.Tensor], num_tokens: int) -> int:
         metadata = self.attention.build_metadata(
@@ -277,8 +279,8 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = self.prepare_inputs(scheduler_output)
-        # Sampling inputs are copied to the device before the forward is enqueued, so that
-        # the step's only wait for the device is reading back the sampled ids.
+        # Sampling inputs are copied to the device before the forward is enqueued, while the
+        # device is idle: their (pageable) copies then wait for nothing.
         metadata = None
         if inputs.sampling_rows:
             metadata = self.batch.sampling_metadata(inputs.sampling_rows, self.device)
