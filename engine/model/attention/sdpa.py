@@ -26,6 +26,8 @@ from engine.model.attention.backend import (
 
 _DECODE_GROUP_LENGTH_RATIO = 0.75
 _MIN_DECODE_GROUP = 16
+# Scores (float32, and their softmax) of one masked prefill slice on CUDA.
+_MAX_SCORE_BYTES = 256 * 2**20
 
 
 class GatherWorkspace:
@@ -148,12 +150,16 @@ class SdpaBackend(AttentionBackend):
         gather): a decode group grown past `_MIN_DECODE_GROUP` members pads each to at most
         1 / `_DECODE_GROUP_LENGTH_RATIO` of its length (in blocks, which the pool holds), a
         smaller group pads each of its members to its longest sequence, and a prefill over
-        cached context gathers one sequence."""
+        cached context gathers one sequence; SDPA's math kernel then expands that sequence's
+        K/V to every query head and materialises at most `_MAX_SCORE_BYTES` of scores."""
         layout = self.layout
         row_bytes = 2 * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
-        longest = _MIN_DECODE_GROUP * (layout.max_blocks_per_seq * layout.block_size)
+        max_seq_tokens = layout.max_blocks_per_seq * layout.block_size
+        expanded_bytes = 2 * layout.num_heads * layout.head_dim * layout.dtype.itemsize \
+            * max_seq_tokens
         return math.ceil(num_kv_tokens / _DECODE_GROUP_LENGTH_RATIO) * row_bytes \
-            + longest * row_bytes
+            + _MIN_DECODE_GROUP * max_seq_tokens * row_bytes + expanded_bytes \
+            + _MAX_SCORE_BYTES
 
 
 def group_decodes(seq_lens: np.ndarray) -> list[tuple[int, int]]:
@@ -244,10 +250,9 @@ def paged_attention(
         else:
             seq_key = metadata.workspace.gather(0, k_cache, seq.kv_slots)
             seq_value = metadata.workspace.gather(1, v_cache, seq.kv_slots)
-        output[seq.query_start:end] = _sdpa(
-            query[seq.query_start:end].unsqueeze(0), seq_key.unsqueeze(0),
-            seq_value.unsqueeze(0), seq.mask, scale,
-        ).squeeze(0)
+        output[seq.query_start:end] = sdpa_in_row_slices(
+            query[seq.query_start:end], seq_key, seq_value, seq.mask, scale,
+            _MAX_SCORE_BYTES if query.device.type == "cuda" else None)
     return output
 
 
@@ -272,6 +277,26 @@ def _attend_decodes(
         scale=scale,
     )
     return out.reshape(batch, num_heads, head_dim)
+
+
+def sdpa_in_row_slices(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    mask: torch.Tensor | None, scale: float, max_score_bytes: int | None,
+) -> torch.Tensor:
+    """One sequence's [tokens, heads, head_dim] attention. A masked query (a chunk over cached
+    context, or a sliding window) takes SDPA's math kernel on CUDA, which materialises its
+    scores: given `max_score_bytes` (the runner gives it on CUDA), it runs in slices of query
+    rows whose float32 scores and softmax stay within it; else in one call."""
+    rows = query.shape[0]
+    if mask is not None and max_score_bytes is not None:
+        score_bytes_per_row = 2 * 4 * query.shape[1] * key.shape[0]
+        rows = max(1, max_score_bytes // score_bytes_per_row)
+    parts = [
+        _sdpa(query[start:start + rows].unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
+              None if mask is None else mask[..., start:start + rows, :], scale).squeeze(0)
+        for start in range(0, query.shape[0], rows)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _sdpa(

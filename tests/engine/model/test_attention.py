@@ -35,3 +35,20 @@ def test_gather_workspace_reuses_its_buffer() -> None:
     second = workspace.gather(0, source, torch.tensor([0]))
     assert second.data_ptr() == first.data_ptr()
     assert workspace.gather(0, source, torch.arange(10)).equal(source)
+
+
+def test_masked_prefill_in_row_slices_equals_one_call() -> None:
+    import torch
+
+    from engine.model.attention.sdpa import sdpa_in_row_slices
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(37, 4, 32, generator=generator)
+    key, value = (torch.randn(90, 2, 32, generator=generator) for _ in range(2))
+    query_positions = torch.arange(53, 90)[:, None]
+    mask = (torch.arange(90)[None, :] <= query_positions)[None, None]
+    whole = sdpa_in_row_slices(query, key, value, mask, 0.2, None)
+    row_bytes = 2 * 4 * 4 * 90
+    sliced = sdpa_in_row_slices(query, key, value, mask, 0.2, 5 * row_bytes)  # 8 slices
+    torch.testing.assert_close(sliced, whole)
+    assert sdpa_in_row_slices(query, key, value, mask, 0.2, 1).shape == whole.shape
