@@ -32,7 +32,7 @@ from engine.model.attention import (
     AttentionMetadata,
     make_attention_backend,
 )
-from engine.model.attention.backend import slot_mapping, step_positions
+from engine.model.attention.backend import slot_mapping, step_positions, to_device
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model, resolve_device, resolve_dtype
 from engine.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
@@ -336,7 +336,12 @@ class ModelRunner:
         rows, query_lens = rows[order], query_lens[order]
         req_ids = [scheduled_ids[index] for index in order.tolist()]
         context_lens = batch.num_computed_tokens[rows]
-        positions = step_positions(query_lens, context_lens)
+        metadata = None
+        if not self._fits_decode_graphs(query_lens):
+            metadata = self.attention.build_metadata(query_lens, context_lens,
+                                                     batch.block_table[rows])
+        positions = (step_positions(query_lens, context_lens) if metadata is None
+                     else metadata.positions)
         token_rows = np.repeat(rows, query_lens)
         input_ids = batch.token_ids[token_rows, positions]
         samples = context_lens + query_lens >= batch.num_tokens[rows]
@@ -344,35 +349,28 @@ class ModelRunner:
         spans = self._prompt_logprob_spans(req_ids, rows, context_lens, query_lens,
                                            last_token_indices - query_lens + 1)
         decode_step = None
-        metadata = None
-        if (self.decode_graphs is not None and (query_lens == 1).all()
-                and bucket_for(len(rows), self.decode_buckets) is not None):
+        if metadata is None:
             table = batch.block_table[rows, : -(-int(positions.max() + 1) // self.block_size)]
             decode_step = DecodeStep(
                 input_ids=input_ids, positions=positions,
                 slot_mapping=slot_mapping(query_lens, positions, table, self.block_size),
                 block_table=table)
-        else:
-            metadata = self.attention.build_metadata(query_lens, context_lens,
-                                                     batch.block_table[rows])
         return StepInputs(
             req_ids=req_ids,
-            input_ids=None if metadata is None else self._to_device(input_ids),
-            positions=None if metadata is None else self._to_device(positions),
+            input_ids=None if metadata is None else to_device(input_ids, self.device),
+            positions=None if metadata is None else to_device(positions, self.device),
             metadata=metadata,
             decode_step=decode_step,
-            logits_indices=self._to_device(last_token_indices[samples]),
+            logits_indices=to_device(last_token_indices[samples], self.device),
             sampling_rows=rows[samples].tolist(),
             sampling_req_ids=[req_id for req_id, s in zip(req_ids, samples, strict=True) if s],
             prompt_logprob_spans=spans,
         )
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array on the device; on CUDA an asynchronous copy from pinned memory."""
-        host = torch.from_numpy(np.ascontiguousarray(array))
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+    def _fits_decode_graphs(self, query_lens: np.ndarray) -> bool:
+        """Whether the step runs on the static decode buffers: decodes only, within a bucket."""
+        return (self.decode_graphs is not None and bool((query_lens == 1).all())
+                and bucket_for(len(query_lens), self.decode_buckets) is not None)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [tokens, hidden_size] of the step."""

@@ -128,6 +128,16 @@ def slot_mapping(query_lens: np.ndarray, positions: np.ndarray, block_table: np.
     return block_table[rows, positions // block_size] * block_size + positions % block_size
 
 
+def to_device(array: np.ndarray, device: torch.device, dtype: np.dtype | None = None
+              ) -> torch.Tensor:
+    """A host array (cast to `dtype` if given) on `device`; on CUDA an asynchronous copy from
+    pinned memory, elsewhere the array itself."""
+    host = torch.from_numpy(np.ascontiguousarray(array, dtype=dtype))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slots: torch.Tensor) -> None:
     """Stores the step's K/V rows at their slots."""

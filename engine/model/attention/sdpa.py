@@ -21,6 +21,7 @@ from engine.model.attention.backend import (
     AttentionLayout,
     AttentionMetadata,
     FlatStep,
+    to_device,
     write_kv,
 )
 
@@ -127,7 +128,7 @@ class SdpaBackend(AttentionBackend):
         starts = np.cumsum(query_lens) - query_lens
         return SdpaMetadata(
             positions=step.positions,
-            slot_mapping=torch.from_numpy(step.slots).to(layout.device),
+            slot_mapping=to_device(step.slots, layout.device),
             num_decode_tokens=num_decodes,
             decode_groups=tuple(
                 _decode_group(start, seq_lens[start:end], block_table[start:end],

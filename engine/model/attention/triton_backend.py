@@ -22,6 +22,7 @@ from engine.model.attention.backend import (
     AttentionMetadata,
     DecodeBuffers,
     FlatStep,
+    to_device,
     write_kv,
 )
 
@@ -101,7 +102,7 @@ class TritonBackend(AttentionBackend):
         query_lens, seq_lens, num_decodes = step.query_lens, step.seq_lens, step.num_decodes
         return TritonMetadata(
             positions=step.positions,
-            slot_mapping=torch.from_numpy(step.slots).to(layout.device),
+            slot_mapping=to_device(step.slots, layout.device),
             num_decode_tokens=num_decodes,
             decode=self._decode_plan(seq_lens[:num_decodes], block_table[:num_decodes])
             if num_decodes else None,
@@ -145,7 +146,4 @@ class TritonBackend(AttentionBackend):
         )
 
     def _device_int32(self, array: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
-        if self.layout.device.type == "cuda":
-            return host.pin_memory().to(self.layout.device, non_blocking=True)
-        return host
+        return to_device(array, self.layout.device, np.int32)
