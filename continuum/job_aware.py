@@ -35,7 +35,9 @@ class JobAwarePolicy(BasePolicy):
 
     At each sweep (every step start, and on a timer while the engine is idle), pins past
     their deadline are released (EXPIRED) unless a turn of their job is waiting, and jobs
-    idle for `job_idle_timeout_s` (no unfinished turn, no pin) are forgotten. Subclasses
+    idle for `job_idle_timeout_s` (no unfinished turn, no pin) are forgotten. A pin past its
+    deadline whose job's turn was waiting is released at the end of that step's planning if
+    the turn was not admitted in it: a pin's deadline is a hard end. Subclasses
     choose the waiting order (`make_queue`, using the arrival and job-order helpers),
     victims, and retention (`retention`: by default nothing is pinned).
 
@@ -114,6 +116,9 @@ class JobAwarePolicy(BasePolicy):
             self.forget_job(job)
         return [job.job_id for job in idle]
 
+    def expired_pins(self, now_s: float) -> list[Pin]:
+        return [pin for pin in self.scheduler.pins if now_s > pin.deadline_s]
+
     # Lifecycle notifications.
     def on_request_arrived(self, request: Request, now_s: float) -> None:
         order = self._num_arrivals
@@ -190,6 +195,9 @@ class JobAwarePolicy(BasePolicy):
             num_running_requests=sum(1 for other in self.scheduler.running
                                      if other is not request),
             request_id=request.request_id,
+            num_waiting_requests=len(self.scheduler.waiting),
+            pool_share=request.num_computed_tokens / (self.scheduler.block_size
+                                                      * self.scheduler.num_kv_blocks),
         )
 
     def _tool_name(self, request: Request) -> str | None:

@@ -73,9 +73,20 @@ class ProgramOrderOptions(JobOptions):
     max_wait_s: float = field(default=30.0, metadata=_help(
         "a request that has waited this long goes ahead of every tier, in arrival order "
         "(inf: never)"))
+    max_plain_wait_s: float = field(default=10.0, metadata=_help(
+        "a request without a job that has waited this long goes ahead of every tier but "
+        "the max_wait_s one, in arrival order (inf: never); before that it already goes ahead "
+        "of every job's turn that arrived after it"))
+    max_preemptions: int = field(default=3, metadata=_help(
+        "a request preempted this many times is preempted again only when no other running "
+        "request can be"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _require(self.max_plain_wait_s >= 0,
+                 f"max_plain_wait_s must be >= 0, got {self.max_plain_wait_s!r}")
+        _require(self.max_preemptions >= 1,
+                 f"max_preemptions must be >= 1, got {self.max_preemptions!r}")
         _require(self.max_job_age_s >= 0,
                  f"max_job_age_s must be >= 0, got {self.max_job_age_s!r}")
         _require(self.max_wait_s >= 0, f"max_wait_s must be >= 0, got {self.max_wait_s!r}")
@@ -92,7 +103,9 @@ class ContinuumOptions(ProgramOrderOptions):
         "prefill-times-running (times 1 + the requests running beside the finished turn)"))
     pin_cost: PinCost = field(default="ttl", metadata=_help(
         "what Eq. 2 charges a pin: ttl (the paper: its whole TTL) | expected-hold (the time it "
-        "is expected to be held, since a used pin is released when the next turn arrives)"))
+        "is expected to be held, since a used pin is released when the next turn arrives) | "
+        "priced (that expected hold times the share of the pool it holds times the requests "
+        "running and waiting)"))
     prefill_profile: str = field(default="auto", metadata=_help(
         "prices R: auto (prefills timed at start-up) | none (R = 0) | a JSON file of "
         "[num_tokens, seconds] points"))
@@ -106,9 +119,10 @@ class ContinuumOptions(ProgramOrderOptions):
         "pins give way (latest job first) to a waiting head that cannot get blocks once it has "
         "waited this long or max_wait_s, whichever is shorter, even while other requests run "
         "(0: at once, as in the paper); with nothing running they always do"))
-    max_pinned_fraction: float = field(default=0.8, metadata=_help(
+    max_pinned_fraction: float = field(default=1.0, metadata=_help(
         "the share of the KV pool pins may hold; a new pin first releases later jobs' pins, "
-        "else is declined (1: no cap)"))
+        "else is declined (1: no cap beyond the rule that pins hold only memory no running "
+        "request and no earlier job's waiting turn needs)"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -128,3 +142,17 @@ class ContinuumFixedOptions(ContinuumOptions):
 
     estimator: EstimatorName = field(default="fixed-2s", metadata=_help(
         "the TTL rule: fixed-2s (the release's rule) | eq2-empirical | eq2-learned"))
+
+
+@dataclass(frozen=True)
+class ContinuumAf226d3Options(ContinuumOptions):
+    """The defaults of `continuum` as commit af226d3 ran it on the H100 (pins capped at 80 %
+    of the pool); the bounds it did not have are off."""
+
+    max_pinned_fraction: float = field(default=0.8, metadata=_help(
+        "the share of the KV pool pins may hold; a new pin first releases later jobs' pins, "
+        "else is declined (1: no cap)"))
+    max_plain_wait_s: float = field(default=math.inf, metadata=_help(
+        "not used: requests without a job are ordered like turns"))
+    max_preemptions: int = field(default=2**31 - 1, metadata=_help(
+        "not used: victims are chosen without counting preemptions"))

@@ -9,8 +9,7 @@ from continuum.estimation import GuardedEstimator, build_estimator, save_estimat
 from continuum.jobs import Job
 from continuum.options import ContinuumFixedOptions, ContinuumOptions
 from continuum.program_order import JobFCFSPolicy
-from continuum.queues import QueueKey
-from engine.kv_cache.pins import Pin, PinReleaseReason
+from engine.kv_cache.pins import Pin
 from engine.request import Request
 from engine.scheduler.policy import Retention, SchedulerView, Victim
 from estimator.base import ToolCall, TTLEstimator
@@ -28,18 +27,21 @@ class ContinuumPolicy(JobFCFSPolicy):
       a new pin first releases the pins of jobs that arrived later (latest first), else it
       is declined. The pin is released when the job's next turn is admitted, after that
       turn took its prefix hit.
-    - Expiry: at step start, when `now > deadline` and no turn of the job is waiting.
-    - Waiting order, in tiers: requests that have waited `max_wait_s` (by arrival), then
-      preempted requests, then turns of jobs holding a pin, then the rest; within a tier by
-      program-level order (the job's first arrival, aged to at most `max_job_age_s` before
-      the turn's own arrival), then the request's arrival.
-    - Victims: the running request whose job arrived latest (a request without a job: its
-      own arrival), requests of jobs holding a pin last. Before the request that needs
-      blocks would preempt itself, pins are released, latest job first.
-    - Admission: a waiting head that cannot get blocks has pins released for it (latest job
-      first, its own job's last) at once when nothing runs, and while others run once it
-      has waited `pin_yield_wait_s` or `max_wait_s`, whichever is shorter (its own job's
-      pin is then kept).
+    - Expiry: at step start, when `now > deadline` and no turn of the job is waiting; at
+      the end of the step's planning, when `now > deadline` (a turn of the job that was
+      waiting was not admitted): a deadline is a hard end.
+    - Waiting order: as `JobFCFSPolicy`'s, turns of jobs holding a pin in their own tier.
+    - Memory for running requests: pins are released first (`pin_to_release_first`: pins
+      whose job's turn waits last, then the latest job's first, the request's own job's
+      last); then the victims of `JobFCFSPolicy` (the latest job's running request; a
+      request still prefilling waits or yields its own blocks).
+    - Admission: a waiting head that cannot get blocks has released for it the pins of jobs
+      that arrived after its job (latest first; a request without a job counts as a job of
+      its own arrival), since their turns would sort after it anyway; the pins of earlier
+      jobs too (latest first, its own job's last) at once when nothing runs, and while
+      others run once it has waited `pin_yield_wait_s` or `max_wait_s`, whichever is
+      shorter (its own job's pin is then kept). So pins hold only memory that no running
+      request and no waiting turn of an earlier job can use.
     """
 
     options_type = ContinuumOptions
@@ -94,55 +96,63 @@ class ContinuumPolicy(JobFCFSPolicy):
         return self.pin_decision(call, request)
 
     def pin_decision(self, call: ToolCall, request: Request) -> Retention:
-        """The estimator's TTL for the call, declined if the pin cap leaves no room."""
+        """The estimator's TTL for the call, with the pins to release first to keep pins
+        under the cap, or declined if the cap leaves no room."""
         decision = self.estimator.decide(call)
         inputs = ttl_inputs(call, decision)
-        if decision.ttl_s > 0 and not self._make_room_for_pin(request, call.job_id):
+        if decision.ttl_s <= 0:
+            return Retention(decision.ttl_s, inputs)
+        released = self._pins_to_make_room(request, call.job_id)
+        if released is None:
             return Retention(0.0, msgspec.structs.replace(inputs, declined_by="pin-cap"))
-        return Retention(decision.ttl_s, inputs)
+        return Retention(decision.ttl_s, inputs, release_job_ids=released)
 
-    def _make_room_for_pin(self, request: Request, job_id: str) -> bool:
-        """Whether a new pin of `request`'s blocks fits under the pin cap, after releasing
-        (latest first) the pins of jobs that arrived after `job_id`'s."""
+    def _pins_to_make_room(self, request: Request, job_id: str) -> tuple[str, ...] | None:
+        """The jobs whose pins (of jobs that arrived after `job_id`'s, latest first) must go
+        for a new pin of `request`'s blocks to fit under the pin cap; None if it cannot."""
         if self.options.max_pinned_fraction >= 1:
-            return True
+            return ()
         cap_blocks = self.options.max_pinned_fraction * self.scheduler.num_kv_blocks
         pins = self.scheduler.pins
         own = pins.get(job_id)
         needed = request.num_computed_tokens // self.scheduler.block_size
         held = pins.num_pinned_blocks - (0 if own is None else own.num_blocks)
-        if held + needed <= cap_blocks:
-            return True
         rank = self.job_arrival_rank(job_id)
         later = sorted((pin for pin in pins if self.job_arrival_rank(pin.job_id) > rank),
                        key=lambda pin: self.job_arrival_rank(pin.job_id), reverse=True)
+        released: list[str] = []
         for pin in later:
-            self.scheduler.release_pin(pin.job_id, PinReleaseReason.PRESSURE)
-            held -= pin.num_blocks
             if held + needed <= cap_blocks:
-                return True
-        return False
+                break
+            released.append(pin.job_id)
+            held -= pin.num_blocks
+        return tuple(released) if held + needed <= cap_blocks else None
 
     # Memory pressure.
-    def select_victim(self, request: Request) -> Victim:
-        victim = super().select_victim(request)
-        if victim is request:
-            pin = self.latest_job_pin(exclude_job_id=request.job_id)
-            if pin is not None:
-                return pin
-        return victim
+    def select_victim(self, request: Request) -> Victim | None:
+        pin = self.pin_to_release_first(exclude_job_id=request.job_id)
+        return pin if pin is not None else super().select_victim(request)
 
-    def victim_rank(self, request: Request) -> QueueKey:
-        return (not self.holds_pin(request.job_id), *super().victim_rank(request))
+    def pin_to_release_first(self, exclude_job_id: str | None) -> Pin | None:
+        """The pin least worth keeping: pins whose job's turn is waiting to reuse them last,
+        then the latest job's first, the job `exclude_job_id` last of all."""
+        return max(
+            self.scheduler.pins,
+            key=lambda pin: (self.num_waiting(pin.job_id) == 0, pin.job_id != exclude_job_id,
+                             self.job_arrival_rank(pin.job_id)),
+            default=None,
+        )
 
     def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         if not self.scheduler.running:
             return self.latest_job_pin(exclude_job_id=request.job_id)
+        later = self.latest_job_pin(exclude_job_id=request.job_id)
+        if later is not None and self.job_arrival_rank(later.job_id) > self.job_rank(request):
+            return later
         waited_s = now_s - self.arrival(request)[0]
         if waited_s < min(self.options.pin_yield_wait_s, self.options.max_wait_s):
             return None
-        pin = self.latest_job_pin(exclude_job_id=request.job_id)
-        return None if pin is None or pin.job_id == request.job_id else pin
+        return None if later is None or later.job_id == request.job_id else later
 
 
 class ContinuumFixedPolicy(ContinuumPolicy):

@@ -13,12 +13,17 @@ from engine.scheduler.policy import Victim
 class JobFCFSPolicy(JobAwarePolicy):
     """Program-level FCFS, no pins (the first rung of the paper's ablation).
 
-    - Waiting order, in tiers: requests that have waited `max_wait_s` (by arrival), then
-      preempted requests, then turns of jobs holding a pin (none here; Continuum pins), then
-      the rest; within a tier by program-level order: the job's first arrival, aged to at
-      most `max_job_age_s` before the turn's own arrival, then the request's arrival.
+    - Waiting order, in tiers: requests that have waited `max_wait_s` (by arrival), requests
+      without a job that have waited `max_plain_wait_s` (by arrival), preempted requests,
+      turns of jobs holding a pin (none here; Continuum pins), then the rest: turns by
+      program-level order (the job's first arrival, aged to at most `max_job_age_s` before
+      the turn's own arrival, then the turn's arrival), and each request without a job ahead
+      of every turn that arrived after it.
     - Victims: the running request whose job arrived latest (a request without a job: its
-      own arrival).
+      own arrival); a request preempted `max_preemptions` times only when no other can be.
+      A request still prefilling never preempts another: while another running request is
+      decoding (and will finish or free blocks) it waits, keeping its blocks, else it
+      preempts itself.
     """
 
     options_type = ProgramOrderOptions
@@ -28,6 +33,11 @@ class JobFCFSPolicy(JobAwarePolicy):
     def make_queue(self) -> ProgramOrderQueue:
         return ProgramOrderQueue(self._order_key, self.arrival, self._pinned_job_ids)
 
+    def overdue_cutoffs(self, now_s: float) -> tuple[float, float]:
+        """The arrival times at or before which a request, and a request without a job, are
+        overdue at `now_s`."""
+        return (now_s - self.options.max_wait_s, now_s - self.options.max_plain_wait_s)
+
     def _order_key(self, request: Request) -> QueueKey:
         return self.job_order(request, self.options.max_job_age_s)
 
@@ -36,11 +46,23 @@ class JobFCFSPolicy(JobAwarePolicy):
 
     def on_step_start(self, now_s: float) -> None:
         super().on_step_start(now_s)
-        self._waiting.set_overdue_cutoff(now_s - self.options.max_wait_s)
+        self._waiting.set_overdue_cutoff(*self.overdue_cutoffs(now_s))
 
-    def select_victim(self, request: Request) -> Victim:
-        return max(self.scheduler.running, key=self.victim_rank)
+    def select_victim(self, request: Request) -> Victim | None:
+        running = self.scheduler.running
+        if is_prefilling(request):
+            decoding = any(other is not request and not is_prefilling(other)
+                           for other in running)
+            return None if decoding else request
+        return max(running, key=self.victim_rank)
 
     def victim_rank(self, request: Request) -> QueueKey:
         """Running requests by how readily they are preempted: the largest goes first."""
-        return (self.job_rank(request), self.arrival_order(request))
+        return (request.num_preemptions < self.options.max_preemptions,
+                self.job_rank(request), self.arrival_order(request))
+
+
+def is_prefilling(request: Request) -> bool:
+    """Whether a running request still has more than its next token to compute (a prompt,
+    or a context recomputed after a preemption)."""
+    return request.num_tokens - request.num_computed_tokens > 1

@@ -126,14 +126,20 @@ class KeyedRequestQueue(JobCountingQueue):
 
 class ProgramOrderQueue(JobCountingQueue):
     """The order of the program-level policies, in tiers: requests that have waited past the
-    bound (by arrival), preempted requests, requests of jobs that hold a live pin, then the
-    rest; by key within each tier.
+    bound (by arrival), requests without a job that have waited past theirs (by arrival),
+    preempted requests, requests of jobs that hold a live pin, then the rest; by key within
+    each tier.
 
     `arrival(request)` gives the request's (arrival time, arrival rank) on the policy's
-    clock; a request whose arrival time is at or before `overdue_cutoff_s` is overdue. The
-    policy moves the cutoff at each step start (`set_overdue_cutoff`). The pinned tier is
-    read at peek time from `pinned_job_ids`, so a pin that is created, expires or is broken
-    while its job's turn waits moves that turn without re-keying.
+    clock; a request whose arrival time is at or before `overdue_cutoff_s` is overdue, and a
+    request without a job is at or before `plain_overdue_cutoff_s`. The policy moves the
+    cutoffs at each step start (`set_overdue_cutoff`). The pinned tier is read at peek time
+    from `pinned_job_ids`, so a pin that is created, expires or is broken while its job's
+    turn waits moves that turn without re-keying.
+
+    With `plain_by_arrival`, requests without a job are not keyed: in the last tier each
+    goes ahead of every job's turn that arrived after it (as under FCFS), so that turns of
+    older jobs cannot pass it; without, they are keyed like turns.
     """
 
     def __init__(
@@ -141,35 +147,46 @@ class ProgramOrderQueue(JobCountingQueue):
         key: KeyFunction,
         arrival: Callable[[Request], tuple[float, int]],
         pinned_job_ids: Callable[[], Iterable[str]],
+        *,
+        plain_by_arrival: bool = True,
     ) -> None:
         super().__init__()
         self._key = key
         self._arrival = arrival
         self._pinned_job_ids = pinned_job_ids
+        self._plain_by_arrival = plain_by_arrival
         self._overdue_cutoff_s = -math.inf
+        self._plain_overdue_cutoff_s = -math.inf
         self._by_arrival = _LazyHeap()
         self._preempted = _LazyHeap()
         self._rest = _LazyHeap()
+        self._plain = _LazyHeap()  # by arrival; only with plain_by_arrival
         self._by_job: dict[str, _LazyHeap] = {}
 
-    def set_overdue_cutoff(self, cutoff_s: float) -> None:
-        """Requests that arrived at or before `cutoff_s` are overdue from now on."""
+    def set_overdue_cutoff(self, cutoff_s: float,
+                           plain_cutoff_s: float = -math.inf) -> None:
+        """Requests that arrived at or before `cutoff_s`, and requests without a job that
+        arrived at or before `plain_cutoff_s`, are overdue from now on."""
         self._overdue_cutoff_s = cutoff_s
+        self._plain_overdue_cutoff_s = plain_cutoff_s
 
     def add_request(self, request: Request) -> None:
-        key = self._key(request)
-        self._by_arrival.push(self._arrival(request), request)
+        arrival = self._arrival(request)
+        self._by_arrival.push(arrival, request)
         if request.status is RequestStatus.PREEMPTED:
-            self._preempted.push(key, request)
+            self._preempted.push(self._key(request), request)
+        elif request.job_id is None and self._plain_by_arrival:
+            self._plain.push(arrival, request)
         else:
+            key = self._key(request)
             self._rest.push(key, request)
             if request.job_id is not None:
                 self._by_job.setdefault(request.job_id, _LazyHeap()).push(key, request)
         self._count(request)
 
     def peek_request(self) -> Request:
-        head = (self._overdue_head() or self._preempted.peek() or self._pinned_head()
-                or self._rest.peek())
+        head = (self._overdue_head() or self._plain_overdue_head() or self._preempted.peek()
+                or self._pinned_head() or self._merged_head())
         if head is None:
             raise IndexError("peek from an empty queue")
         return head[2]
@@ -178,6 +195,10 @@ class ProgramOrderQueue(JobCountingQueue):
         head = self._by_arrival.peek()
         return head if head is not None and head[0][0] <= self._overdue_cutoff_s else None
 
+    def _plain_overdue_head(self) -> _Entry | None:
+        head = self._plain.peek()
+        return head if head is not None and head[0][0] <= self._plain_overdue_cutoff_s else None
+
     def _pinned_head(self) -> _Entry | None:
         heads = [
             head for job_id in self._pinned_job_ids()
@@ -185,10 +206,18 @@ class ProgramOrderQueue(JobCountingQueue):
         ]
         return min(heads, key=lambda head: head[:2], default=None)
 
+    def _merged_head(self) -> _Entry | None:
+        """The first of the keyed rest and the requests without a job: the plain head goes
+        first if it arrived before the keyed head did."""
+        plain, rest = self._plain.peek(), self._rest.peek()
+        if plain is None or rest is None:
+            return plain or rest
+        return plain if plain[0] <= self._arrival(rest[2]) else rest
+
     def remove_request(self, request: Request) -> None:
         if not self._by_arrival.discard(request):
             raise ValueError(f"{request} is not waiting")
-        if not self._preempted.discard(request):
+        if not (self._preempted.discard(request) or self._plain.discard(request)):
             self._rest.discard(request)
             self._discard_from_job(request)
         self._uncount(request)
@@ -205,18 +234,37 @@ class ProgramOrderQueue(JobCountingQueue):
         return len(self._by_arrival)
 
     def __iter__(self) -> Iterator[Request]:
+        """The requests in the order `peek_request` would give them if none changed tier."""
+        overdue = sorted((arrival, order, request) for arrival, order, request
+                         in self._by_arrival.entries() if arrival[0] <= self._overdue_cutoff_s)
+        taken = {id(entry[2]) for entry in overdue}
+        plain = _sorted_entries(self._plain, taken)
+        plain_overdue = [entry for entry in plain if entry[0][0] <= self._plain_overdue_cutoff_s]
+        taken |= {id(entry[2]) for entry in plain_overdue}
         pinned = set(self._pinned_job_ids())
-        cutoff_s = self._overdue_cutoff_s
-        entries = []
-        for arrival, order, request in self._by_arrival.entries():
-            if arrival[0] <= cutoff_s:
-                entries.append((0, arrival, order, request))
-        overdue = {id(entry[3]) for entry in entries}
-        entries += [(1, key, order, request) for key, order, request
-                    in self._preempted.entries() if id(request) not in overdue]
-        entries += [
-            (2 if request.job_id in pinned else 3, key, order, request)
-            for key, order, request in self._rest.entries() if id(request) not in overdue
+        rest = _sorted_entries(self._rest, taken)
+        tiers = [
+            overdue, plain_overdue, _sorted_entries(self._preempted, taken),
+            [entry for entry in rest if entry[2].job_id in pinned],
+            self._merge([entry for entry in plain if id(entry[2]) not in taken],
+                        [entry for entry in rest if entry[2].job_id not in pinned]),
         ]
-        entries.sort(key=lambda entry: entry[:3])
-        return (entry[3] for entry in entries)
+        return (entry[2] for tier in tiers for entry in tier)
+
+    def _merge(self, plain: list[_Entry], rest: list[_Entry]) -> list[_Entry]:
+        merged: list[_Entry] = []
+        plain_index = rest_index = 0
+        while plain_index < len(plain) and rest_index < len(rest):
+            if plain[plain_index][0] <= self._arrival(rest[rest_index][2]):
+                merged.append(plain[plain_index])
+                plain_index += 1
+            else:
+                merged.append(rest[rest_index])
+                rest_index += 1
+        return merged + plain[plain_index:] + rest[rest_index:]
+
+
+def _sorted_entries(heap: _LazyHeap, excluded: set[int]) -> list[_Entry]:
+    """The heap's live entries in pop order, without the requests whose ids are excluded."""
+    return sorted((entry for entry in heap.entries() if id(entry[2]) not in excluded),
+                  key=lambda entry: entry[:2])

@@ -49,8 +49,10 @@ class ToolCall:
     apply); `num_context_tokens` is the turn's prompt plus output, the context the next turn
     extends; `turn_index` counts the job's earlier turns (0 for its first);
     `num_running_requests` counts the other requests running when it finished, whose steps a
-    rebuild of the context would share; `request_id` names the finished turn (None when the
-    caller has no such name, as in trace replays).
+    rebuild of the context would share; `num_waiting_requests` the requests waiting then;
+    `pool_share` the share of the KV pool the context's blocks take (0 when unknown);
+    `request_id` names the finished turn (None when the caller has no such name, as in trace
+    replays).
     """
 
     job_id: str
@@ -60,6 +62,8 @@ class ToolCall:
     turn_index: int
     num_running_requests: int = 0
     request_id: str | None = None
+    num_waiting_requests: int = 0
+    pool_share: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

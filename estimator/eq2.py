@@ -17,8 +17,9 @@ running when the turn finished (`ToolCall.num_running_requests`), since in an en
 batches prefill and decode tokens into one step a rebuild lengthens their steps too;
 `docs/benchmarks.md` compares the two. A pin is charged its TTL, as in the paper
 (`pin_cost="ttl"`), or, as an option, the time it is expected to be held
-(`pin_cost="expected-hold"`, see `estimator.solver`); the cold start is the paper's either
-way. Every TTL is capped at `max_ttl_s`.
+(`pin_cost="expected-hold"`, see `estimator.solver`), or that expected hold priced by the
+memory it takes from the requests running and waiting (`pin_cost="priced"`); the cold start
+is the paper's whichever. Every TTL is capped at `max_ttl_s`.
 
 Nothing observed can make a decision raise or pin forever: durations and delays are clamped
 to `MAX_OBSERVED_S` and counts to their bounds (`estimator.base`), and a saved state is
@@ -52,7 +53,14 @@ from estimator.predictor import (
     bounded_duration_s,
 )
 from estimator.signals import RemainingTurnsCorrelation, SlidingMean
-from estimator.solver import PIN_COSTS, DurationCDF, PinCost, cold_start_ttl, solve_ttl
+from estimator.solver import (
+    PIN_COSTS,
+    DurationCDF,
+    PinCost,
+    cold_start_ttl,
+    memory_price,
+    solve_ttl,
+)
 from estimator.traces import TraceJob
 
 logger = logging.getLogger(__name__)
@@ -140,7 +148,9 @@ class Eq2Estimator:
             eta = self.turns.eta
             benefit_s = queueing_delay_s * eta + rebuild_s
             cdf, basis, num_samples = self._cdf(call)
-            ttl_s = solve_ttl(cdf, benefit_s, self.pin_cost)
+            ttl_s = solve_ttl(cdf, benefit_s, self.pin_cost, price=memory_price(
+                call.pool_share, clamp_count(call.num_running_requests
+                                             + call.num_waiting_requests, MAX_RUNNING_REQUESTS)))
         ttl_s = min(ttl_s, self.max_ttl_s) if ttl_s >= 0 else 0.0
         return TTLDecision(ttl_s, basis, num_samples=num_samples,
                            queueing_delay_s=queueing_delay_s, eta=eta, rebuild_s=rebuild_s,

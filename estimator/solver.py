@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-PinCost = Literal["ttl", "expected-hold"]
-PIN_COSTS: tuple[PinCost, ...] = ("ttl", "expected-hold")
+PinCost = Literal["ttl", "expected-hold", "priced"]
+PIN_COSTS: tuple[PinCost, ...] = ("ttl", "expected-hold", "priced")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +96,19 @@ def utility(ttl_s: float, cdf: DurationCDF, benefit_s: float) -> float:
     return 0.0 if ttl_s <= 0 else cdf.probability(ttl_s) * benefit_s - ttl_s
 
 
-def solve_ttl(cdf: DurationCDF, benefit_s: float, pin_cost: PinCost = "ttl") -> float:
+def memory_price(pool_share: float, num_active_requests: int) -> float:
+    """Seconds of delay a pin causes other requests per second it holds memory: the share of
+    the KV pool it holds (which a full pool would otherwise give to other work) times the
+    requests running or waiting beside it, all of which that memory would speed up."""
+    return max(0.0, pool_share) * max(0, num_active_requests)
+
+
+def solve_ttl(cdf: DurationCDF, benefit_s: float, pin_cost: PinCost = "ttl",
+              price: float = 1.0) -> float:
     """Eq. 2's TTL: the candidate duration with the highest expected saving, 0 (no pin) unless
     one is strictly positive; the shortest of equal maxima (less memory held). `pin_cost`
-    says how a pin is charged (see the module docstring)."""
+    says how a pin is charged and `price` what a second of it costs with `priced` (see the
+    module docstring)."""
     if pin_cost not in PIN_COSTS:
         raise ValueError(f"pin_cost must be one of {PIN_COSTS}, got {pin_cost!r}")
     best_ttl_s, best_utility = 0.0, 0.0
@@ -109,6 +118,8 @@ def solve_ttl(cdf: DurationCDF, benefit_s: float, pin_cost: PinCost = "ttl") -> 
         held_s += (1.0 - previous_probability) * (duration_s - previous_s)
         previous_s, previous_probability = duration_s, probability
         cost_s = duration_s if pin_cost == "ttl" else held_s
+        if pin_cost == "priced":
+            cost_s *= price
         gain = probability * benefit_s - cost_s
         if duration_s > 0 and gain > best_utility:
             best_ttl_s, best_utility = duration_s, gain

@@ -29,11 +29,13 @@ class Retention:
     seconds (> 0; `math.inf` holds them until released), or not at all (0). `inputs` say
     why, for the trace (a pin is then traced as pinned or declined). `offload`: when not
     pinned, whether the blocks freed go to the host tier (if the engine has one) or are
-    left to be recomputed."""
+    left to be recomputed. `release_job_ids`: the jobs whose pins the scheduler releases
+    (PRESSURE) before pinning, to make room for the new pin."""
 
     ttl_s: float
     inputs: TTLInputs
     offload: bool = True
+    release_job_ids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if math.isnan(self.ttl_s) or self.ttl_s < 0:
@@ -116,6 +118,7 @@ class SchedulingPolicy(Protocol):
     after `sweep`; `on_request_arrived` from `add_request`, before the request joins the
     waiting queue; `on_request_admitted` after a waiting request took its blocks and its
     job's pin was released (`on_pin_released` with reason REUSED comes first);
+    `expired_pins` at the end of planning every step;
     `on_request_finished` for every finished request (aborts included), whose answer the
     scheduler carries out; `on_pin_added` and `on_pin_released` whenever the pin table
     changes, whatever the cause; `on_job_ended` when a job's last turn finished or the job
@@ -179,9 +182,16 @@ class SchedulingPolicy(Protocol):
         """How many jobs the policy keeps state for (bounded by its idle timeout)."""
         ...
 
-    def select_victim(self, request: Request) -> Victim:
+    def select_victim(self, request: Request) -> Victim | None:
         """`request` (RUNNING) cannot get blocks: a running request to preempt (possibly
-        `request` itself) or a live pin to release."""
+        `request` itself), a live pin to release, or None: `request` waits this step,
+        keeping its blocks (the step then admits nobody). None only while another running
+        request can finish or free blocks, so that the engine keeps moving."""
+        ...
+
+    def expired_pins(self, now_s: float) -> Sequence[Pin]:
+        """Live pins to release (EXPIRED) at the end of planning a step, after its admissions
+        had the chance to reuse them. `now_s` is the step's time on the scheduler's clock."""
         ...
 
     def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
@@ -249,6 +259,9 @@ class BasePolicy:
     @property
     def num_jobs(self) -> int:
         return 0
+
+    def expired_pins(self, now_s: float) -> Sequence[Pin]:
+        return ()
 
     def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         if self.scheduler.running:

@@ -21,6 +21,7 @@ POLICY_REGISTRY = MappingProxyType({
     "continuum": "continuum.policy:ContinuumPolicy",
     "continuum-fixed": "continuum.policy:ContinuumFixedPolicy",
     "continuum-oracle": "continuum.oracle:ContinuumOraclePolicy",
+    "continuum-af226d3": "continuum.af226d3:ContinuumAf226d3Policy",
     "job-fcfs": "continuum.program_order:JobFCFSPolicy",
     "infercept": "continuum.baselines:InferCeptPolicy",
     "autellix": "continuum.baselines:AutellixPolicy",

@@ -173,7 +173,8 @@ class Scheduler:
             )
 
     def schedule(self) -> SchedulerOutput:
-        """Plans one step: running requests first, then waiting ones if nobody was preempted."""
+        """Plans one step: running requests first, then waiting ones if no running request
+        was preempted or left waiting for memory; then pins past their end are released."""
         now_s = self.clock()
         if self._tracer is not None:
             trace_step_start(self._tracer, self, now_s)
@@ -182,8 +183,9 @@ class Scheduler:
         self.policy.on_step_start(now_s)
         plan = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
-        if not plan.preempted:
+        if not plan.preempted and not plan.stalled:
             self._schedule_waiting(plan, now_s)
+        self._expire_pins(now_s)
         transfers = self.kv_cache_manager.take_transfers()
         if self._tracer is not None:
             self._tracer.step_planned(plan.admitted, plan.num_scheduled_tokens,
@@ -288,9 +290,12 @@ class Scheduler:
                 continue
             num_preempted = len(plan.preempted)
             new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
-            if new_blocks is None:
+            if request.status is not RequestStatus.RUNNING:
                 break
-            plan.add_continuing(request, num_new_tokens, new_blocks)
+            if new_blocks is None:
+                plan.stalled.append(request)
+            else:
+                plan.add_continuing(request, num_new_tokens, new_blocks)
             if len(plan.preempted) != num_preempted:
                 index = self._running.index(request)  # earlier victims shifted it
             index += 1
@@ -299,9 +304,12 @@ class Scheduler:
         self, request: Request, num_new_tokens: int, plan: StepPlan
     ) -> list[KVCacheBlock] | None:
         """Blocks for a running request, freeing victims until they fit; None if `request`
-        itself was preempted."""
+        itself was preempted, or waits this step (the policy chose no victim: it keeps its
+        blocks and computes nothing)."""
         while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
             victim = self.policy.select_victim(request)
+            if victim is None:
+                return None
             if isinstance(victim, Pin):
                 self._release_for_pressure(victim)
                 continue
@@ -311,6 +319,15 @@ class Scheduler:
             if victim is request:
                 return None
         return new_blocks
+
+    def _expire_pins(self, now_s: float) -> None:
+        """Releases (EXPIRED) the pins the policy says are past their end, once the step's
+        admissions have had their chance to reuse them."""
+        for pin in tuple(self.policy.expired_pins(now_s)):
+            if self._pins.get(pin.job_id) is not pin:
+                raise RuntimeError(f"policy expired the pin of job {pin.job_id!r}, which is "
+                                   "not live")
+            self.release_pin(pin.job_id, PinReleaseReason.EXPIRED)
 
     def _release_for_pressure(self, pin: Pin) -> None:
         if self._pins.get(pin.job_id) is not pin:
@@ -437,6 +454,8 @@ class Scheduler:
         if request.status is RequestStatus.FINISHED_ABORTED:
             raise RuntimeError(f"policy retained {request}, which was aborted")
         pin = None
+        for job_id in retention.release_job_ids:
+            self.release_pin(job_id, PinReleaseReason.PRESSURE)
         if retention.pins:
             blocks = self.kv_cache_manager.detach_cached_blocks(request)
             if blocks:

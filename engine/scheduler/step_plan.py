@@ -37,6 +37,7 @@ class StepPlan:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    stalled: list[Request] = field(default_factory=list)  # running, left waiting for memory
 
     def __post_init__(self) -> None:
         self.token_budget = self.max_num_batched_tokens

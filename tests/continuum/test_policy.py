@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from continuum.options import ContinuumOptions
+from continuum.af226d3 import ContinuumAf226d3Policy
+from continuum.options import ContinuumAf226d3Options, ContinuumOptions
 from continuum.policy import ContinuumPolicy
 from engine.kv_cache.pins import PinReleaseReason
 from engine.request import RequestStatus
@@ -100,13 +101,18 @@ def test_a_pinned_turns_next_turn_hits_its_whole_context(policy, expected_hit_to
         assert h.admission_order().index("t2") < h.admission_order().index("c")
 
 
-@pytest.mark.parametrize(("advance_s", "next_turn_waits", "expired"), [
-    (5.0, False, False),  # expiry needs now > deadline
-    (5.01, False, True),
-    (5.01, True, False),  # the next turn has arrived and waits: the pin is kept
+@pytest.mark.parametrize(("policy", "advance_s", "next_turn_waits", "expired"), [
+    ("continuum", 5.0, False, False),  # expiry needs now > deadline
+    ("continuum", 5.01, False, True),
+    # The next turn waits, but is not admitted in that step: a deadline is a hard end.
+    ("continuum", 5.01, True, True),
+    # af226d3 kept a pin past its deadline while its job's turn waited.
+    ("continuum-af226d3", 5.01, True, False),
 ])
-def test_pin_expiry(advance_s: float, next_turn_waits: bool, expired: bool) -> None:
-    h = Harness(continuum(5.0), max_num_seqs=1)
+def test_pin_expiry(policy: str, advance_s: float, next_turn_waits: bool,
+                    expired: bool) -> None:
+    h = Harness(continuum(5.0) if policy == "continuum" else ContinuumAf226d3Policy(
+        estimator=ConstantTTLEstimator(5.0)), max_num_seqs=1)
     h.add("t1", tokens(1, 10), job="J")
     h.run_until_finished("t1")
     if next_turn_waits:
@@ -122,8 +128,9 @@ def test_pin_expiry(advance_s: float, next_turn_waits: bool, expired: bool) -> N
     if next_turn_waits:
         assert h.waiting_ids == ["t2"]
         h.run_until_finished("t2")
-        assert h.scheduler.pins.num_released == {PinReleaseReason.REUSED: 1}
-        assert h.requests["t2"].num_cached_tokens == 8
+        reason = PinReleaseReason.EXPIRED if expired else PinReleaseReason.REUSED
+        assert h.scheduler.pins.num_released == {reason: 1}
+        assert h.requests["t2"].num_cached_tokens == 8  # its blocks were not evicted since
 
 
 def test_a_jobs_new_pin_replaces_its_old_one() -> None:
@@ -176,9 +183,23 @@ def test_a_broken_pin_drops_its_waiting_turn_back_to_first_arrival_order() -> No
     assert h.admission_order()[-2:] == ["o2", "a2"]
 
 
-def test_under_pressure_other_requests_are_preempted_before_pins_are_broken() -> None:
-    # 16 blocks: J's pin holds 2; x and y (no job) then grow until one must give way.
+def test_under_pressure_pins_are_released_before_any_request_is_preempted() -> None:
+    # 16 blocks: J's pin holds 2; x and y (no job) then grow until they need them.
     h = Harness(continuum(100.0, pin_yield_wait_s=math.inf), num_blocks=16)
+    h.add("t1", tokens(1, 8), job="J", max_tokens=2)
+    h.run_until_finished("t1")
+    assert h.pin("J").num_blocks == 2
+    h.add("x", tokens(100, 20), max_tokens=20)
+    h.add("y", tokens(200, 20), max_tokens=20)
+    h.run_until_finished("x", "y")
+    assert h.pin("J") is None
+    assert h.scheduler.pins.num_released == {PinReleaseReason.PRESSURE: 1}
+
+
+def test_af226d3_preempted_other_requests_before_breaking_pins() -> None:
+    # 16 blocks: J's pin holds 2; x and y (no job) then grow until one must give way.
+    h = Harness(ContinuumAf226d3Policy(ContinuumAf226d3Options(pin_yield_wait_s=math.inf),
+                                       estimator=ConstantTTLEstimator(100.0)), num_blocks=16)
     h.add("t1", tokens(1, 8), job="J", max_tokens=2)
     h.run_until_finished("t1")
     assert h.pin("J").num_blocks == 2

@@ -9,6 +9,7 @@ import random
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from continuum.af226d3 import ContinuumAf226d3Policy
 from continuum.baselines import AutellixPolicy, InferCeptPolicy
 from continuum.options import ContinuumOptions
 from continuum.oracle import ContinuumOraclePolicy
@@ -36,6 +37,8 @@ AGENT_POLICIES = {
     "continuum-tight-bounds": lambda jobs: ContinuumPolicy(
         TIGHT_BOUNDS, estimator=ConstantTTLEstimator(2.0)),
     "continuum-fixed": lambda jobs: ContinuumFixedPolicy(),
+    "continuum-af226d3": lambda jobs: ContinuumAf226d3Policy(
+        estimator=ConstantTTLEstimator(1.5)),
     "continuum-oracle": oracle,
     "job-fcfs": lambda jobs: JobFCFSPolicy(),
     "infercept": lambda jobs: InferCeptPolicy(),
@@ -97,14 +100,18 @@ def test_random_jobs_all_finish_with_invariants_and_empty_tables(
     threshold=st.one_of(st.none(), st.integers(1, 16)),
     seed=st.integers(0, 1000),
 )
-def test_requests_without_a_job_are_scheduled_exactly_as_by_fcfs(
+def test_requests_without_a_job_are_scheduled_as_by_fcfs(
     arrivals, num_blocks, max_num_batched_tokens, max_num_seqs, threshold, seed
 ) -> None:
     """`arrivals`: (steps to run before it, prompt length, max_tokens) per request. With
-    chunked prefill (the default); see `ContinuumPolicy` for the exception without it. Job
-    inference is off: a prompt that happens to continue an earlier one would join its job."""
+    chunked prefill (the default). Job inference is off: a prompt that happens to continue
+    an earlier one would join its job.
+
+    `continuum-af226d3` schedules them exactly as FCFS does; `continuum` admits them in
+    the same order, but chooses victims by its own rules (a prefilling request waits rather
+    than preempt; repeated victims are spared)."""
     traces = []
-    for policy in (FCFSPolicy(), ContinuumPolicy()):
+    for policy in (FCFSPolicy(), ContinuumAf226d3Policy(), ContinuumPolicy()):
         rng = random.Random(seed)
         scheduler = make_scheduler(
             num_blocks=num_blocks, block_size=4, max_num_batched_tokens=max_num_batched_tokens,
@@ -123,4 +130,14 @@ def test_requests_without_a_job_are_scheduled_exactly_as_by_fcfs(
         assert len(scheduler.pins) == 0
         traces.append(trace)
     assert traces[0] == traces[1]
+    assert first_admissions(traces[2]) == first_admissions(traces[0])
+
+
+def first_admissions(trace: list) -> list[str]:
+    """The request ids in the order they were first admitted (the first item of each step's
+    decisions lists the admitted ids)."""
+    seen: list[str] = []
+    for admitted, *_ in trace:
+        seen += [request_id for request_id in admitted if request_id not in seen]
+    return seen
 

@@ -49,12 +49,14 @@ def test_equal_keys_keep_insertion_order_even_after_reentry() -> None:
 
 
 def program_queue(order: dict[str, int], pinned: set[str] | None = None,
-                  arrival_s: dict[str, float] | None = None) -> ProgramOrderQueue:
+                  arrival_s: dict[str, float] | None = None, *,
+                  plain_by_arrival: bool = True) -> ProgramOrderQueue:
     arrival_s = arrival_s or {}
     return ProgramOrderQueue(
         lambda r: (order[r.request_id],),
         lambda r: (arrival_s.get(r.request_id, 0.0), order[r.request_id]),
         lambda: sorted(pinned or ()),
+        plain_by_arrival=plain_by_arrival,
     )
 
 
@@ -87,7 +89,7 @@ def test_requests_past_the_overdue_cutoff_go_first_in_arrival_order() -> None:
     # Keys put the old job's turns j1, j2 ahead; arrival order is p, j1, j2, q.
     order = {"j1": 0, "j2": 1, "p": 2, "q": 3}
     arrival_s = {"p": 1.0, "j1": 2.0, "j2": 3.0, "q": 4.0}
-    queue = program_queue(order, set(), arrival_s)
+    queue = program_queue(order, set(), arrival_s, plain_by_arrival=False)
     items = {name: request(name, job="J" if name.startswith("j") else None) for name in order}
     for name in ("q", "j2", "p", "j1"):
         queue.add_request(items[name])
@@ -112,3 +114,22 @@ def test_removed_requests_do_not_pile_up_behind_a_stuck_head() -> None:
         queue.remove_request(item)
     assert len(queue._heap._heap) <= 2 * len(queue) + 65
     assert queue.peek_request() is head and list(queue) == [head]
+
+
+def test_a_request_without_a_job_goes_ahead_of_turns_that_arrived_after_it() -> None:
+    # Keys (program order) put the old job's turns first; p arrived between j1 and j2.
+    order = {"j1": 0, "j2": 1, "j3": 2, "p": 3, "q": 4}
+    arrival_s = {"j1": 1.0, "p": 2.0, "j2": 3.0, "q": 4.0, "j3": 5.0}
+    queue = program_queue(order, set(), arrival_s)
+    items = {name: request(name, job="J" if name.startswith("j") else None) for name in order}
+    for name in ("q", "j3", "j2", "p", "j1"):
+        queue.add_request(items[name])
+    assert [r.request_id for r in queue] == ["j1", "p", "j2", "q", "j3"]
+    assert queue.peek_request() is items["j1"]
+    queue.remove_request(items["j1"])
+    assert queue.peek_request() is items["p"]
+    # Its own bound: once past it, a request without a job goes ahead of every other tier.
+    queue.set_overdue_cutoff(-1.0, plain_cutoff_s=4.0)
+    assert [r.request_id for r in queue] == ["p", "q", "j2", "j3"]
+    queue.remove_request(items["p"])
+    assert queue.peek_request() is items["q"]

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from continuum.af226d3 import ContinuumAf226d3Policy
 from continuum.baselines import AutellixPolicy, InferCeptPolicy
 from continuum.job_aware import JobAwarePolicy
-from continuum.options import ContinuumOptions
+from continuum.options import ContinuumAf226d3Options, ContinuumOptions
 from continuum.policy import ContinuumPolicy
 from engine.kv_cache.pins import Pin
 from engine.request import Request
@@ -51,17 +52,22 @@ def bind(
     running: str,
     pins: str,
     pin_blocks: dict[str, int] | None = None,
+    waiting_jobs: str = "",
 ) -> dict[str, Request]:
-    """`running`: space-separated `id` or `id@job`, in admission order; `pins`: pinned jobs,
-    in pin order. Every job of JOBS arrived, in order, before any of these requests."""
+    """`running`: space-separated `id` or `id@job`, in admission order, each decoding unless
+    its id ends in `~` (prefilling) or `!` (preempted `max_preemptions` = 3 times); `pins`:
+    pinned jobs, in pin order; `waiting_jobs`: jobs with a turn waiting. Every job of JOBS
+    arrived, in order, before any of these requests."""
     for order, job_id in enumerate(JOBS):
         policy.on_request_arrived(make_request(f"{job_id}-first", [1], job_id=job_id), order)
     requests = {}
     for spec in running.split():
         request_id, _, job_id = spec.partition("@")
-        request = make_request(request_id, [1, 2, 3], job_id=job_id or None)
+        request = make_request(request_id.rstrip("~!"), [1, 2, 3], job_id=job_id or None)
+        request.num_computed_tokens = 0 if request_id.endswith("~") else 2
+        request.num_preemptions = 3 if request_id.endswith("!") else 0
         policy.on_request_arrived(request, now_s=10.0)
-        requests[request_id] = request
+        requests[request.request_id] = request
     pin_blocks = pin_blocks or {}
     stub_pins = StubPins({
         job_id: Pin(job_id, f"{job_id}-prev", [None] * pin_blocks.get(job_id, 1),  # type: ignore[list-item]
@@ -69,6 +75,11 @@ def bind(
         for index, job_id in enumerate(pins.split())
     })
     policy.bind(StubView(list(requests.values()), stub_pins))  # type: ignore[arg-type]
+    queue = policy.new_waiting_queue()
+    for job_id in waiting_jobs.split():
+        turn = make_request(f"{job_id}-next", [1, 2, 3], job_id=job_id)
+        policy.on_request_arrived(turn, now_s=11.0)
+        queue.add_request(turn)
     return requests
 
 
@@ -76,6 +87,66 @@ def describe(victim: Request | Pin | None) -> str | None:
     if victim is None:
         return None
     return f"pin:{victim.job_id}" if isinstance(victim, Pin) else victim.request_id
+
+
+@pytest.mark.parametrize(("running", "pins", "waiting", "expected"), [
+    # No pins: the running request of the job that arrived latest (a request without a
+    # job: its own arrival), possibly the one that needs blocks.
+    ("a b R", "", "", "R"),
+    ("a R c", "", "", "c"),
+    ("a@J0 R@J1 c@J2", "", "", "c"),
+    ("c@J2 R@J1 a@J0", "", "", "c"),
+    ("b R@J1 a@J0", "", "", "b"),  # b has no job: its own arrival is after J0..J3's
+    # Pins go first, whoever runs: the latest job's first, its own job's last, and pins
+    # whose job's turn waits to reuse them after the others.
+    ("b R@J1 a@J2", "J2", "", "pin:J2"),
+    ("a R c@J2", "J2", "", "pin:J2"),
+    ("R", "J0 J3 J1", "", "pin:J3"),
+    ("R", "J0 J3 J1", "J3", "pin:J1"),
+    ("R@J1", "J1 J0", "", "pin:J0"),
+    ("R@J1", "J1", "", "pin:J1"),
+    ("R", "", "", "R"),
+    # A prefilling request never preempts another: it waits while another decodes...
+    ("a R~", "", "", None),
+    ("a@J0 R~@J3", "", "", None),
+    # ...else yields its own blocks; pins still go first.
+    ("a~ R~", "", "", "R"),
+    ("a R~", "J0", "", "pin:J0"),
+    # A request preempted max_preemptions times is spared while another can go.
+    ("R@J0 c!@J2 a@J1", "", "", "a"),
+    ("R!@J0 c!@J2", "", "", "c"),
+])
+def test_continuum_victims(running: str, pins: str, waiting: str,
+                           expected: str | None) -> None:
+    policy = ContinuumPolicy()
+    requests = bind(policy, running, pins, waiting_jobs=waiting)
+    assert describe(policy.select_victim(requests["R"])) == expected
+
+
+@pytest.mark.parametrize(("running", "pins", "head_job", "waited_s", "expected"), [
+    ("", "", None, 0.0, None),
+    ("", "J0 J2 J1", None, 0.0, "pin:J2"),  # nothing runs: latest job first
+    ("", "J0 J2 J1", "J2", 0.0, "pin:J1"),  # the head's own job's pin last
+    ("", "J2", "J2", 0.0, "pin:J2"),
+    # While others run, pins of jobs that arrived after the head's job yield at once...
+    ("a", "J1 J2", "J0", 0.0, "pin:J2"),
+    ("a", "J0 J2", "J1", 0.0, "pin:J2"),
+    # ...those of earlier jobs once the head has waited pin_yield_wait_s (here 5 s), latest
+    # job first; the head's own job's pin is kept.
+    ("a", "J0 J1", "J1", 0.0, None),
+    ("a", "J0 J1", None, 4.9, None),  # a request without a job arrived after J0..J3
+    ("a", "J0 J1", None, 5.0, "pin:J1"),
+    ("a", "J0 J1", "J1", 5.0, "pin:J0"),
+    ("a", "J1", "J1", 60.0, None),
+])
+def test_continuum_pins_for_admission(
+    running: str, pins: str, head_job: str | None, waited_s: float, expected: str | None
+) -> None:
+    policy = ContinuumPolicy(ContinuumOptions(pin_yield_wait_s=5.0))
+    bind(policy, running, pins)
+    head = make_request("head", [1, 2, 3], job_id=head_job)
+    policy.on_request_arrived(head, now_s=20.0)
+    assert describe(policy.select_pin_to_release(head, 20.0 + waited_s)) == expected
 
 
 @pytest.mark.parametrize(("running", "pins", "request_id", "expected"), [
@@ -102,8 +173,9 @@ def describe(victim: Request | Pin | None) -> str | None:
     ("a@J0 R@J1", "J0 J1", "R", "pin:J0"),
     ("R@J0 a@J1", "J0 J1", "R", "a"),
 ])
-def test_continuum_victims(running: str, pins: str, request_id: str, expected: str) -> None:
-    policy = ContinuumPolicy()
+def test_continuum_af226d3_victims(running: str, pins: str, request_id: str,
+                                   expected: str) -> None:
+    policy = ContinuumAf226d3Policy()
     requests = bind(policy, running, pins)
     assert describe(policy.select_victim(requests[request_id])) == expected
 
@@ -120,10 +192,10 @@ def test_continuum_victims(running: str, pins: str, request_id: str, expected: s
     ("a", "J0 J1", "J1", 5.0, "pin:J0"),
     ("a", "J1", "J1", 60.0, None),
 ])
-def test_continuum_pins_for_admission(
+def test_continuum_af226d3_pins_for_admission(
     running: str, pins: str, head_job: str | None, waited_s: float, expected: str | None
 ) -> None:
-    policy = ContinuumPolicy(ContinuumOptions(pin_yield_wait_s=5.0))
+    policy = ContinuumAf226d3Policy(ContinuumAf226d3Options(pin_yield_wait_s=5.0))
     bind(policy, running, pins)
     head = make_request("head", [1, 2, 3], job_id=head_job)
     policy.on_request_arrived(head, now_s=20.0)

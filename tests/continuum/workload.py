@@ -20,6 +20,7 @@ from engine.request import JobInfo, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
+from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.tracer import SchedulerTracer
 from tests.engine.helpers import FakeClock, FakeRunner, make_scheduler, run_step
 
@@ -110,11 +111,13 @@ def replay(
     tracer: SchedulerTracer | None = None,
     num_host_kv_blocks: int = 0,
     environment: PolicyEnvironment | None = None,
+    after_schedule: Callable[[Scheduler, SchedulerOutput], None] | None = None,
 ) -> ReplayResult:
     """Runs every job to completion, checking the scheduler's invariants after each step;
     fails if that takes more than `max_steps` steps. Every step's decisions and outputs are
     kept in `ReplayResult.steps`. `num_host_kv_blocks` > 0 gives the scheduler a host KV
-    tier; `environment` is what the policy is offered."""
+    tier; `environment` is what the policy is offered; `after_schedule` is called with the
+    scheduler and each step's plan before the step runs."""
     max_model_len = max(job.num_tokens for job in jobs)
     clock = FakeClock()
     scheduler = make_scheduler(
@@ -142,7 +145,7 @@ def replay(
         if not scheduler.has_unfinished_requests():
             clock.now_s = arrivals[0][0]
             continue
-        output, outputs = run_step(scheduler, runner)
+        output, outputs = run_step(scheduler, runner, after_schedule=after_schedule)
         result.steps.append(step_decisions(output, outputs))
         result.num_steps += 1
         result.prompt_tokens_computed += _prompt_tokens_scheduled(output, live)

@@ -210,10 +210,14 @@ class FakeRunner:
 
 
 def run_step(
-    scheduler: Scheduler, runner: FakeRunner
+    scheduler: Scheduler, runner: FakeRunner, *,
+    after_schedule: Callable[[Scheduler, SchedulerOutput], None] | None = None,
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-    """One engine step against the fake runner, with the invariants checked afterwards."""
+    """One engine step against the fake runner, with the invariants checked afterwards;
+    `after_schedule` sees the scheduler and the plan before the runner executes it."""
     output = scheduler.schedule()
+    if after_schedule is not None:
+        after_schedule(scheduler, output)
     outputs = scheduler.update_from_output(output, runner.execute(output))
     scheduler.check_invariants()
     return output, outputs

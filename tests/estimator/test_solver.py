@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from estimator.solver import DurationCDF, cold_start_ttl, solve_ttl, utility
+from estimator.solver import DurationCDF, cold_start_ttl, memory_price, solve_ttl, utility
 
 
 @pytest.mark.parametrize("samples, benefit_s, expected_ttl_s", [
@@ -94,3 +94,17 @@ def test_expected_hold_charges_a_pin_the_time_it_is_held() -> None:
     assert solve_ttl(cdf, 12.0, "expected-hold") == 10.0
     with pytest.raises(ValueError, match="pin_cost"):
         solve_ttl(cdf, 5.0, "memory")  # type: ignore[arg-type]
+
+
+def test_priced_charges_the_expected_hold_at_the_memory_price() -> None:
+    cdf = DurationCDF.from_samples([1.0, 2.0, 10.0])
+    # A pin of 1 % of the pool beside 20 active requests costs 0.2 s of their time a second.
+    price = memory_price(pool_share=0.01, num_active_requests=20)
+    assert price == pytest.approx(0.2)
+    # Held E[min(D, 10)] = 4.33 s at 0.2: 0.87 s for a 5 s saving beats every shorter TTL.
+    assert solve_ttl(cdf, 5.0, "priced", price=price) == 10.0
+    # At a price of 1 it is expected-hold; at 0 (an idle pool) a pin covers every duration.
+    assert solve_ttl(cdf, 5.0, "priced", price=1.0) == solve_ttl(cdf, 5.0, "expected-hold")
+    assert solve_ttl(cdf, 0.5, "priced", price=0.0) == 10.0
+    # A crowded pool prices it out.
+    assert solve_ttl(cdf, 5.0, "priced", price=memory_price(0.05, 200)) == 0.0
