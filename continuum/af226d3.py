@@ -33,8 +33,7 @@ class ContinuumAf226d3Policy(ContinuumPolicy):
     options: ContinuumAf226d3Options
 
     def make_queue(self) -> ProgramOrderQueue:
-        return ProgramOrderQueue(self._order_key, self.arrival, self._pinned_job_ids,
-                                 plain_by_arrival=False)
+        return ProgramOrderQueue(self._order_key, self.arrival, self._pinned_job_ids)
 
     def overdue_cutoffs(self, now_s: float) -> tuple[float, float]:
         return (now_s - self.options.max_wait_s, -math.inf)

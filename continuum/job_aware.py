@@ -98,6 +98,16 @@ class JobAwarePolicy(BasePolicy):
         job = None if arrival is None else arrival.job
         return job if job is not None and self.jobs.get(job.job_id) is job else None
 
+    def is_plain(self, request: Request) -> bool:
+        """Whether an unfinished request is ordered as one without a job: it named no job
+        and continues no earlier turn (none, or the first turn of an inferred job)."""
+        if request.job is None:
+            return True
+        if not request.job.inferred:
+            return False
+        job = self.job_of(request)
+        return job is None or job.num_turns_finished == 0
+
     def holds_pin(self, job_id: str | None) -> bool:
         return job_id is not None and job_id in self.scheduler.pins
 

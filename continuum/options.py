@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from estimator.eq2 import DEFAULT_MAX_TTL_S, RebuildCost
 from estimator.registry import EstimatorName
@@ -18,6 +19,12 @@ DEFAULT_JOB_IDLE_TIMEOUT_S = 600.0
 # InferCept's expected tool duration before any is observed: the mean that Eq. 2's cold start
 # assumes too (durations ~ Exp(mean 1 s)).
 DEFAULT_TOOL_DURATION_S = 1.0
+
+
+PinVictims = Literal["first", "last"]
+PrefillVictims = Literal["none", "later-jobs"]
+PinYield = Literal["later-jobs", "overdue"]
+PinExpiry = Literal["hard", "while-waiting"]
 
 
 def _help(text: str) -> dict[str, str]:
@@ -77,6 +84,10 @@ class ProgramOrderOptions(JobOptions):
         "a request without a job that has waited this long goes ahead of every tier but "
         "the max_wait_s one, in arrival order (inf: never); before that it already goes ahead "
         "of every job's turn that arrived after it"))
+    prefill_victims: PrefillVictims = field(default="none", metadata=_help(
+        "what a running request still prefilling may preempt: none (it waits while another "
+        "decodes, else preempts itself) | later-jobs (like a decoding request: the latest "
+        "job's request)"))
     max_preemptions: int = field(default=3, metadata=_help(
         "a request preempted this many times is preempted again only when no other running "
         "request can be"))
@@ -119,6 +130,16 @@ class ContinuumOptions(ProgramOrderOptions):
         "pins give way (latest job first) to a waiting head that cannot get blocks once it has "
         "waited this long or max_wait_s, whichever is shorter, even while other requests run "
         "(0: at once, as in the paper); with nothing running they always do"))
+    pin_victims: PinVictims = field(default="first", metadata=_help(
+        "when a running request needs blocks: first (pins are released before any running "
+        "request is preempted) | last (af226d3: only when the request would preempt itself)"))
+    pin_yield: PinYield = field(default="later-jobs", metadata=_help(
+        "to a blocked waiting head: later-jobs (the pins of jobs that arrived after its job "
+        "yield at once, the others once it is overdue) | overdue (af226d3: only once it is "
+        "overdue)"))
+    pin_expiry: PinExpiry = field(default="hard", metadata=_help(
+        "hard (a pin past its deadline is released at the end of the step, whoever waits) | "
+        "while-waiting (af226d3: kept while a turn of its job waits)"))
     max_pinned_fraction: float = field(default=1.0, metadata=_help(
         "the share of the KV pool pins may hold; a new pin first releases later jobs' pins, "
         "else is declined (1: no cap beyond the rule that pins hold only memory no running "
@@ -152,6 +173,12 @@ class ContinuumAf226d3Options(ContinuumOptions):
     max_pinned_fraction: float = field(default=0.8, metadata=_help(
         "the share of the KV pool pins may hold; a new pin first releases later jobs' pins, "
         "else is declined (1: no cap)"))
+    pin_victims: PinVictims = field(default="last", metadata=_help(
+        "not used: pins are released only when the request would preempt itself"))
+    pin_yield: PinYield = field(default="overdue", metadata=_help(
+        "not used: pins yield to a blocked head only once it is overdue"))
+    pin_expiry: PinExpiry = field(default="while-waiting", metadata=_help(
+        "not used: a pin is kept past its deadline while a turn of its job waits"))
     max_plain_wait_s: float = field(default=math.inf, metadata=_help(
         "not used: requests without a job are ordered like turns"))
     max_preemptions: int = field(default=2**31 - 1, metadata=_help(

@@ -3,6 +3,8 @@ victims by job arrival."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from continuum.estimation import GuardedEstimator, build_estimator, save_estimator, ttl_inputs
@@ -39,9 +41,10 @@ class ContinuumPolicy(JobFCFSPolicy):
       that arrived after its job (latest first; a request without a job counts as a job of
       its own arrival), since their turns would sort after it anyway; the pins of earlier
       jobs too (latest first, its own job's last) at once when nothing runs, and while
-      others run once it has waited `pin_yield_wait_s` or `max_wait_s`, whichever is
-      shorter (its own job's pin is then kept). So pins hold only memory that no running
-      request and no waiting turn of an earlier job can use.
+      others run once it is overdue (`is_overdue`: it has waited `pin_yield_wait_s` or
+      `max_wait_s`, whichever is shorter, or `max_plain_wait_s` without a job; its own
+      job's pin is then kept). So pins hold only memory that no running request and no
+      waiting turn of an earlier job can use.
     """
 
     options_type = ContinuumOptions
@@ -130,8 +133,18 @@ class ContinuumPolicy(JobFCFSPolicy):
 
     # Memory pressure.
     def select_victim(self, request: Request) -> Victim | None:
-        pin = self.pin_to_release_first(exclude_job_id=request.job_id)
-        return pin if pin is not None else super().select_victim(request)
+        if self.options.pin_victims == "first":
+            pin = self.pin_to_release_first(exclude_job_id=request.job_id)
+            return pin if pin is not None else super().select_victim(request)
+        victim = super().select_victim(request)
+        if victim is request or victim is None:
+            pin = self.pin_to_release_first(exclude_job_id=request.job_id)
+            if pin is not None:
+                return pin
+        return victim
+
+    def expired_pins(self, now_s: float) -> Sequence[Pin]:
+        return super().expired_pins(now_s) if self.options.pin_expiry == "hard" else ()
 
     def pin_to_release_first(self, exclude_job_id: str | None) -> Pin | None:
         """The pin least worth keeping: pins whose job's turn is waiting to reuse them last,
@@ -147,12 +160,22 @@ class ContinuumPolicy(JobFCFSPolicy):
         if not self.scheduler.running:
             return self.latest_job_pin(exclude_job_id=request.job_id)
         later = self.latest_job_pin(exclude_job_id=request.job_id)
-        if later is not None and self.job_arrival_rank(later.job_id) > self.job_rank(request):
+        if (self.options.pin_yield == "later-jobs" and later is not None
+                and self.job_arrival_rank(later.job_id) > self.job_rank(request)):
             return later
-        waited_s = now_s - self.arrival(request)[0]
-        if waited_s < min(self.options.pin_yield_wait_s, self.options.max_wait_s):
+        if not self.is_overdue(request, now_s):
             return None
         return None if later is None or later.job_id == request.job_id else later
+
+    def is_overdue(self, request: Request, now_s: float) -> bool:
+        """Whether a waiting request has waited long enough for every pin to yield to it:
+        `pin_yield_wait_s` or `max_wait_s`, whichever is shorter, or, for a plain request
+        (`is_plain`), `max_plain_wait_s`."""
+        waited_s = now_s - self.arrival(request)[0]
+        bound_s = min(self.options.pin_yield_wait_s, self.options.max_wait_s)
+        if self.is_plain(request):
+            bound_s = min(bound_s, self.options.max_plain_wait_s)
+        return waited_s >= bound_s
 
 
 class ContinuumFixedPolicy(ContinuumPolicy):

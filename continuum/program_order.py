@@ -13,12 +13,12 @@ from engine.scheduler.policy import Victim
 class JobFCFSPolicy(JobAwarePolicy):
     """Program-level FCFS, no pins (the first rung of the paper's ablation).
 
-    - Waiting order, in tiers: requests that have waited `max_wait_s` (by arrival), requests
-      without a job that have waited `max_plain_wait_s` (by arrival), preempted requests,
-      turns of jobs holding a pin (none here; Continuum pins), then the rest: turns by
-      program-level order (the job's first arrival, aged to at most `max_job_age_s` before
-      the turn's own arrival, then the turn's arrival), and each request without a job ahead
-      of every turn that arrived after it.
+    - Waiting order, in tiers: requests that have waited `max_wait_s` (by arrival), plain
+      requests (`is_plain`: no job, or the first turn of an inferred one) that have waited
+      `max_plain_wait_s` (by arrival), preempted requests, turns of jobs holding a pin (none
+      here; Continuum pins), then the rest: turns by program-level order (the job's first
+      arrival, aged to at most `max_job_age_s` before the turn's own arrival, then the
+      turn's arrival), and each plain request ahead of every turn that arrived after it.
     - Victims: the running request whose job arrived latest (a request without a job: its
       own arrival); a request preempted `max_preemptions` times only when no other can be.
       A request still prefilling never preempts another: while another running request is
@@ -31,7 +31,8 @@ class JobFCFSPolicy(JobAwarePolicy):
     _waiting: ProgramOrderQueue
 
     def make_queue(self) -> ProgramOrderQueue:
-        return ProgramOrderQueue(self._order_key, self.arrival, self._pinned_job_ids)
+        return ProgramOrderQueue(self._order_key, self.arrival, self._pinned_job_ids,
+                                 is_plain=self.is_plain)
 
     def overdue_cutoffs(self, now_s: float) -> tuple[float, float]:
         """The arrival times at or before which a request, and a request without a job, are
@@ -50,7 +51,7 @@ class JobFCFSPolicy(JobAwarePolicy):
 
     def select_victim(self, request: Request) -> Victim | None:
         running = self.scheduler.running
-        if is_prefilling(request):
+        if self.options.prefill_victims == "none" and is_prefilling(request):
             decoding = any(other is not request and not is_prefilling(other)
                            for other in running)
             return None if decoding else request

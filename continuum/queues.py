@@ -126,20 +126,21 @@ class KeyedRequestQueue(JobCountingQueue):
 
 class ProgramOrderQueue(JobCountingQueue):
     """The order of the program-level policies, in tiers: requests that have waited past the
-    bound (by arrival), requests without a job that have waited past theirs (by arrival),
+    bound (by arrival), plain requests that have waited past theirs (by arrival),
     preempted requests, requests of jobs that hold a live pin, then the rest; by key within
     each tier.
 
     `arrival(request)` gives the request's (arrival time, arrival rank) on the policy's
     clock; a request whose arrival time is at or before `overdue_cutoff_s` is overdue, and a
-    request without a job is at or before `plain_overdue_cutoff_s`. The policy moves the
+    plain request is at or before `plain_overdue_cutoff_s`. The policy moves the
     cutoffs at each step start (`set_overdue_cutoff`). The pinned tier is read at peek time
     from `pinned_job_ids`, so a pin that is created, expires or is broken while its job's
     turn waits moves that turn without re-keying.
 
-    With `plain_by_arrival`, requests without a job are not keyed: in the last tier each
-    goes ahead of every job's turn that arrived after it (as under FCFS), so that turns of
-    older jobs cannot pass it; without, they are keyed like turns.
+    Requests for which `is_plain` holds (requests without a job, as the policy defines
+    them) are not keyed: in the last tier each goes ahead of every job's turn that arrived
+    after it (as under FCFS), so that turns of older jobs cannot pass it, and their own
+    cutoff applies. With `is_plain` None, every request is keyed alike.
     """
 
     def __init__(
@@ -148,25 +149,25 @@ class ProgramOrderQueue(JobCountingQueue):
         arrival: Callable[[Request], tuple[float, int]],
         pinned_job_ids: Callable[[], Iterable[str]],
         *,
-        plain_by_arrival: bool = True,
+        is_plain: Callable[[Request], bool] | None = None,
     ) -> None:
         super().__init__()
         self._key = key
         self._arrival = arrival
         self._pinned_job_ids = pinned_job_ids
-        self._plain_by_arrival = plain_by_arrival
+        self._is_plain = is_plain
         self._overdue_cutoff_s = -math.inf
         self._plain_overdue_cutoff_s = -math.inf
         self._by_arrival = _LazyHeap()
         self._preempted = _LazyHeap()
         self._rest = _LazyHeap()
-        self._plain = _LazyHeap()  # by arrival; only with plain_by_arrival
+        self._plain = _LazyHeap()  # by arrival; only with is_plain
         self._by_job: dict[str, _LazyHeap] = {}
 
     def set_overdue_cutoff(self, cutoff_s: float,
                            plain_cutoff_s: float = -math.inf) -> None:
-        """Requests that arrived at or before `cutoff_s`, and requests without a job that
-        arrived at or before `plain_cutoff_s`, are overdue from now on."""
+        """Requests that arrived at or before `cutoff_s`, and plain requests that arrived at
+        or before `plain_cutoff_s`, are overdue from now on."""
         self._overdue_cutoff_s = cutoff_s
         self._plain_overdue_cutoff_s = plain_cutoff_s
 
@@ -175,7 +176,7 @@ class ProgramOrderQueue(JobCountingQueue):
         self._by_arrival.push(arrival, request)
         if request.status is RequestStatus.PREEMPTED:
             self._preempted.push(self._key(request), request)
-        elif request.job_id is None and self._plain_by_arrival:
+        elif self._is_plain is not None and self._is_plain(request):
             self._plain.push(arrival, request)
         else:
             key = self._key(request)

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from continuum.options import ContinuumOptions, ProgramOrderOptions
+from continuum.af226d3 import ContinuumAf226d3Policy
+from continuum.options import ContinuumAf226d3Options, ContinuumOptions, ProgramOrderOptions
 from continuum.policy import ContinuumPolicy
 from continuum.program_order import JobFCFSPolicy
 from engine.kv_cache.pins import PinReleaseReason
@@ -15,7 +16,8 @@ from engine.scheduler.policy import SchedulingPolicy
 from estimator.base import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
 
-UNBOUNDED = {"max_job_age_s": math.inf, "max_wait_s": math.inf, "pin_yield_wait_s": math.inf}
+UNBOUNDED = {"max_job_age_s": math.inf, "max_wait_s": math.inf, "pin_yield_wait_s": math.inf,
+             "max_plain_wait_s": math.inf}
 STEP_S = 0.05
 
 
@@ -39,19 +41,39 @@ def flood_until_admitted(policy: SchedulingPolicy, *, duration_s: float) -> floa
     return None
 
 
+def af226d3(options: dict) -> ContinuumAf226d3Policy:
+    return ContinuumAf226d3Policy(ContinuumAf226d3Options(
+        **{k: v for k, v in options.items() if k != "max_plain_wait_s"}),
+        estimator=ConstantTTLEstimator(5.0))
+
+
+def test_af226d3_starved_a_plain_request_without_its_bounds() -> None:
+    # Without the bounds, the old job's turns always sorted first: the plain request starved.
+    assert flood_until_admitted(af226d3(UNBOUNDED), duration_s=20.0) is None
+    # With them, it headed the queue once it waited max_wait_s, and pins gave way to it.
+    bounded = {"max_job_age_s": 60.0, "max_wait_s": 2.0, "pin_yield_wait_s": 0.0}
+    waited_s = flood_until_admitted(af226d3(bounded), duration_s=20.0)
+    assert waited_s is not None and waited_s <= 2.0 + 4 * STEP_S
+
+
 @pytest.mark.parametrize("make_policy", [
     lambda options: ContinuumPolicy(ContinuumOptions(**options),
                                     estimator=ConstantTTLEstimator(5.0)),
     lambda options: JobFCFSPolicy(ProgramOrderOptions(
         **{k: v for k, v in options.items() if k != "pin_yield_wait_s"})),
 ], ids=["continuum", "job-fcfs"])
-def test_a_plain_request_behind_an_endless_stream_of_an_old_jobs_turns(make_policy) -> None:
-    # Without the bounds, the old job's turns always sort first: the plain request starves.
-    assert flood_until_admitted(make_policy(UNBOUNDED), duration_s=20.0) is None
-    # With them, it heads the queue once it waited max_wait_s, and pins give way to it.
-    bounded = {"max_job_age_s": 60.0, "max_wait_s": 2.0, "pin_yield_wait_s": 0.0}
-    waited_s = flood_until_admitted(make_policy(bounded), duration_s=20.0)
-    assert waited_s is not None and waited_s <= 2.0 + 4 * STEP_S
+def test_a_plain_request_goes_ahead_of_the_turns_that_arrive_after_it(make_policy) -> None:
+    # Even with every bound off, the old job's later turns cannot pass it.
+    waited_s = flood_until_admitted(make_policy(UNBOUNDED), duration_s=20.0)
+    assert waited_s is not None and waited_s <= 4 * STEP_S
+
+
+def test_with_the_default_bounds_a_plain_request_waits_at_most_its_own_bound() -> None:
+    # The old job always holds a pin, so its turns are in the pinned tier and its pins would
+    # keep memory from a later plain request: both give way once it waited max_plain_wait_s.
+    policy = ContinuumPolicy(estimator=ConstantTTLEstimator(5.0))
+    waited_s = flood_until_admitted(policy, duration_s=40.0)
+    assert waited_s is not None and waited_s <= 10.0 + 4 * STEP_S
 
 
 def test_aging_caps_how_far_ahead_an_old_jobs_turn_sorts() -> None:
@@ -62,7 +84,7 @@ def test_aging_caps_how_far_ahead_an_old_jobs_turn_sorts() -> None:
     h.clock.advance(10.0)
     h.add("busy", tokens(100, 8), max_tokens=50)
     h.step()  # busy runs alone (max_num_seqs 1); the rest waits behind it
-    h.add("new", tokens(200, 8), max_tokens=1)  # arrives at 10 s
+    h.add("new", tokens(200, 8), job="new", max_tokens=1)  # a new job at 10 s
     h.clock.advance(2.0)
     h.add("old#1", tokens(300, 8), job="old", max_tokens=1)  # 12 s: sorts as of 9 s
     h.clock.advance(2.0)

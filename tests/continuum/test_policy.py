@@ -160,10 +160,11 @@ def test_waiting_order_is_pinned_jobs_then_first_arrival_of_the_job() -> None:
     h.next_turn("a2", "a1", tokens(50, 2))
     h.next_turn("b2", "b1", tokens(150, 2))
     h.add("c1", tokens(400, 4), job="C")
-    # B holds a pin; then by first arrival: A (before p's arrival), p, then the new job C.
-    assert h.waiting_ids == ["b2", "a2", "p", "c1"]
+    # B holds a pin; then by first arrival: A, then the new job C; the plain request p goes
+    # ahead of the turns that arrived after it (a2 among them), though A's job is older.
+    assert h.waiting_ids == ["b2", "p", "a2", "c1"]
     h.run_until_finished("b2", "a2", "p", "c1")
-    assert h.admission_order()[-4:] == ["b2", "a2", "p", "c1"]
+    assert h.admission_order()[-4:] == ["b2", "p", "a2", "c1"]
 
 
 def test_a_broken_pin_drops_its_waiting_turn_back_to_first_arrival_order() -> None:

@@ -51,12 +51,13 @@ def test_equal_keys_keep_insertion_order_even_after_reentry() -> None:
 def program_queue(order: dict[str, int], pinned: set[str] | None = None,
                   arrival_s: dict[str, float] | None = None, *,
                   plain_by_arrival: bool = True) -> ProgramOrderQueue:
+    """A queue keyed by `order`; with `plain_by_arrival`, requests without a job are plain."""
     arrival_s = arrival_s or {}
     return ProgramOrderQueue(
         lambda r: (order[r.request_id],),
         lambda r: (arrival_s.get(r.request_id, 0.0), order[r.request_id]),
         lambda: sorted(pinned or ()),
-        plain_by_arrival=plain_by_arrival,
+        is_plain=(lambda r: r.job_id is None) if plain_by_arrival else None,
     )
 
 

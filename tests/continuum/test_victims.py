@@ -243,3 +243,29 @@ def test_autellix_preempts_the_most_served_job(
     for job_id, tokens in service.items():
         policy.jobs.get(job_id).attained_service_tokens = tokens
     assert describe(policy.select_victim(requests["R"])) == expected
+
+
+@pytest.mark.parametrize(("options", "running", "pins", "expected"), [
+    # pin_victims=last: running requests of later jobs go before pins...
+    ({"pin_victims": "last"}, "R@J0 a@J2", "J1", "a"),
+    # ...and pins only before the request would preempt itself or wait.
+    ({"pin_victims": "last"}, "a@J0 R@J2", "J1", "pin:J1"),
+    ({"pin_victims": "last"}, "a@J0 R~@J2", "J1", "pin:J1"),
+    # prefill_victims=later-jobs: a prefilling request preempts like a decoding one.
+    ({"prefill_victims": "later-jobs"}, "R~@J0 a@J2", "", "a"),
+    ({}, "R~@J0 a@J2", "", None),
+])
+def test_continuum_victim_options(options: dict, running: str, pins: str,
+                                  expected: str | None) -> None:
+    policy = ContinuumPolicy(ContinuumOptions(**options))
+    requests = bind(policy, running, pins)
+    assert describe(policy.select_victim(requests["R"])) == expected
+
+
+@pytest.mark.parametrize(("pin_yield", "expected"), [("later-jobs", "pin:J2"), ("overdue", None)])
+def test_continuum_pin_yield_option(pin_yield: str, expected: str | None) -> None:
+    policy = ContinuumPolicy(ContinuumOptions(pin_yield=pin_yield, pin_yield_wait_s=5.0))
+    bind(policy, "a", "J2")
+    head = make_request("head", [1, 2, 3], job_id="J0")
+    policy.on_request_arrived(head, now_s=20.0)
+    assert describe(policy.select_pin_to_release(head, 20.0)) == expected
