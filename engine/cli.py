@@ -21,6 +21,10 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
         "estimator": ("eval.bench_estimator", "TTL estimators replayed over an agent trace"),
         "agent": ("eval.bench_agent", "agent jobs replayed against an OpenAI-compatible server"),
         "sim": ("eval.bench_sim", "policies compared on an agent trace in simulated time"),
+        "calibrate": ("eval.bench_calibrate", "a measured cost profile for `bench sim`, "
+                      "fitted to the step traces of a real run"),
+        "check-calibration": ("eval.calibration_check", "a cost profile's simulation of the "
+                              "shipped GPU runs against their measurements"),
         "load": ("eval.bench_load", "load test of a `continuum serve` subprocess: leaks, "
                  "pins, memory"),
         "soak": ("eval.bench_soak", "agent replay for minutes with the invariant checker on"),

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from engine.executor.roofline import get_sim_profile
+from engine.executor.sim_profiles import get_sim_profile
 from tracing.writer import MIN_MAX_BYTES
 
 
@@ -189,7 +189,8 @@ class EngineConfig:
     """Everything one engine instance needs; the cross-field checks live here.
 
     `executor` names what runs the steps: `"torch"` (the real model), `"simulated"` (a
-    roofline cost model, priced by the profile `sim_profile` names) or a `module:Class` path.
+    cost model: the profile `sim_profile` names, or a measured profile's JSON file) or a
+    `module:Class` path.
     `debug_check_invariants` makes the core check the scheduler and KV invariants after every
     step (for soak runs; an AssertionError stops the core).
     """

@@ -20,7 +20,8 @@ from engine.config import (
     SchedulerConfig,
     TraceConfig,
 )
-from engine.executor.roofline import DEFAULT_SIM_PROFILE, SIM_PROFILES
+from engine.executor.roofline import DEFAULT_SIM_PROFILE
+from engine.executor.sim_profiles import sim_profile_names
 from engine.frontend.tokenizer import tokenizer_dir
 from engine.model.directory import load_arch
 from engine.scheduler.options import option_items_to_dict
@@ -58,10 +59,11 @@ _HELP = {
     "long_prefill_token_threshold": "most tokens one request computes per step; None: no cap",
     "enable_chunked_prefill": "split long prompts across steps",
     "scheduling_policy": f"{' | '.join(POLICY_REGISTRY)} | a module:Class path",
-    "executor": "torch (run the model) | simulated (a roofline cost model) | a module:Class path",
+    "executor": "torch (run the model) | simulated (a cost model) | a module:Class path",
     "sim_profile": (
-        "cost profile of the simulated executor; None with --executor simulated: "
-        f"{DEFAULT_SIM_PROFILE}"
+        f"cost profile of the simulated executor: {' | '.join(sim_profile_names())} | a "
+        "measured profile's JSON file (continuum bench calibrate); None with --executor "
+        f"simulated: {DEFAULT_SIM_PROFILE}"
     ),
     "policy_options": "KEY=VALUE setting of the scheduling policy, repeatable. Options by policy",
     "job_inference": (
@@ -201,7 +203,7 @@ class EngineArgs:
                                    help=help_text)
             else:
                 group.add_argument(flag, type=_flag_type(hints[spec.name]), default=default,
-                                   choices=_flag_choices(spec.name, hints[spec.name]),
+                                   choices=_flag_choices(hints[spec.name]),
                                    help=help_text)
 
     @staticmethod
@@ -246,10 +248,9 @@ def _flag_type(hint: object) -> type:
     return str
 
 
-def _flag_choices(name: str, hint: object) -> tuple[str, ...] | None:
-    """A `Literal` field's values (from `engine.config`); the simulated executor's profiles."""
+def _flag_choices(hint: object) -> tuple[str, ...] | None:
+    """A `Literal` field's values (from `engine.config`). The simulated executor's profile
+    has none: it also takes a file, which `EngineConfig` checks."""
     if get_origin(hint) is Literal:
         return get_args(hint)
-    if name == "sim_profile":
-        return tuple(SIM_PROFILES)
     return None

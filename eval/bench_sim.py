@@ -14,7 +14,9 @@ apart. With `--replicas N`, each run serves the jobs with N engines behind one `
 (`engine.replicas.routing`), the policy spec applying to every engine; the routing (why each
 request went where it did, and how many each replica got) is printed after the table.
 Prints a markdown table; `--json` writes every run's figures, `--plot` the JCT-against-load
-PNG. Deterministic for a seed, whatever `--workers`.
+PNG. `--finished-by-s T` also counts the jobs each run finished within T s of the first
+arrival (`num_finished_by_s`), to compare with a measured run stopped at T. Deterministic for
+a seed, whatever `--workers`.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
-from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB, SIM_PROFILES, get_sim_profile
+from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB
+from engine.executor.sim_profiles import get_sim_profile, sim_profile_names
 from engine.replicas.routing import DEFAULT_LOAD_FACTOR, DEFAULT_MIN_MOVE_LOAD, ROUTER_NAMES
 from engine.scheduler.options import option_items_to_dict
 from engine.scheduler.registry import POLICY_REGISTRY, check_policy_options
 from eval.arrivals import arrivals_s, poisson_arrivals_s, poisson_arrivals_within_s
+from eval.metrics import num_finished_by
 from eval.report import markdown_table, plot_jct_vs_load
 from eval.simulator import ChatLoad, SimSettings, Simulation
 from eval.workload import (
@@ -284,8 +288,10 @@ def load_chat(args: argparse.Namespace) -> ChatWorkload | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     add_chat_arguments(parser)
-    parser.add_argument("--profile", default=DEFAULT_SIM_PROFILE, choices=sorted(SIM_PROFILES),
-                        help=f"cost profile (default: {DEFAULT_SIM_PROFILE})")
+    parser.add_argument("--profile", default=DEFAULT_SIM_PROFILE, metavar="NAME|FILE",
+                        help=f"cost profile: {', '.join(sim_profile_names())}, or a measured "
+                             "profile's JSON file (`continuum bench calibrate`) (default: "
+                             f"{DEFAULT_SIM_PROFILE})")
     parser.add_argument("--policies", default=None, metavar="SPECS",
                         help="comma-separated policy specs NAME or NAME:KEY=VALUE[:KEY=VALUE"
                              "...], e.g. continuum:estimator=eq2-learned (`continuum serve "
@@ -327,6 +333,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{DEFAULT_MIN_MOVE_LOAD})")
     parser.add_argument("--workers", type=int, default=1,
                         help="simulations run in parallel processes (default: 1)")
+    parser.add_argument("--finished-by-s", type=positive_float, default=None, metavar="T",
+                        help="also count the jobs finished within T s of the first arrival, "
+                             "as a run stopped at T would have (default: none)")
     parser.add_argument("--json", default=None, help="write every run's figures here")
     parser.add_argument("--plot", default=None, help="write the JCT-against-load PNG here")
 
@@ -339,16 +348,18 @@ class _SimTask:
     settings: SimSettings
     spec: PolicySpec
     load: float | None
+    finished_by_s: float | None = None
 
 
 def run_comparison(
     jobs: Sequence[AgentJobSpec], settings: SimSettings, specs: Sequence[PolicySpec],
     loads: Sequence[float | None], *, workers: int = 1, chat: ChatWorkload | None = None,
-    kv_offload_gib: float | None = None,
+    kv_offload_gib: float | None = None, finished_by_s: float | None = None,
 ) -> list[dict]:
     """One simulation per (policy spec, load); the runs' figures in (load, spec) order. The
     specs decide the host tier: `host_tier_gib(settings.profile, kv_offload_gib)` GiB for
-    those ending in `+tier`, none for the others."""
+    those ending in `+tier`, none for the others. With `finished_by_s`, each run also counts
+    the jobs it finished by then (`num_finished_by_s`)."""
     tier_gib = host_tier_gib(settings.profile, kv_offload_gib)
     tasks = []
     for load in loads:
@@ -357,7 +368,8 @@ def run_comparison(
         tasks.extend(
             _SimTask(tuple(jobs), times, chat_load,
                      replace(settings, policy=spec.name, policy_options=spec.options,
-                             kv_offload_gib=tier_gib if spec.host_tier else 0.0), spec, load)
+                             kv_offload_gib=tier_gib if spec.host_tier else 0.0), spec, load,
+                     finished_by_s)
             for spec in specs
         )
     if workers <= 1:
@@ -370,11 +382,15 @@ def _run_one(task: _SimTask) -> dict:
     started_s = time.perf_counter()
     simulation = Simulation(task.jobs, task.arrivals_s, task.settings, task.chat)
     metrics = simulation.run()
+    cut = {} if task.finished_by_s is None else {
+        "finished_by_s": task.finished_by_s,
+        "num_finished_by_s": num_finished_by(simulation.records[:len(task.jobs)],
+                                             task.finished_by_s)}
     return {"label": task.spec.label, "policy": task.spec.name,
             "policy_options": dict(task.spec.options), "jobs_per_s": task.load,
             "kv_offload_gib": task.settings.kv_offload_gib,
             "replicas": task.settings.num_replicas, **simulation.routing_summary().to_dict(),
-            **metrics.to_dict(), "wall_s": time.perf_counter() - started_s}
+            **metrics.to_dict(), **cut, "wall_s": time.perf_counter() - started_s}
 
 
 ROUTING_KINDS = ("affinity", "placed", "moved", "rerouted", "spread")
@@ -451,13 +467,15 @@ def main(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed, num_replicas=args.replicas, router=args.router, **bound,
         )
+        profile_name = get_sim_profile(args.profile).name
         runs = run_comparison(jobs, settings, specs, args.jobs_per_s, workers=args.workers,
-                              chat=chat, kv_offload_gib=args.kv_offload_gib)
+                              chat=chat, kv_offload_gib=args.kv_offload_gib,
+                              finished_by_s=args.finished_by_s)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    engines = args.profile if args.replicas == 1 else (
-        f"{args.replicas} x {args.profile}, router {args.router}")
+    engines = profile_name if args.replicas == 1 else (
+        f"{args.replicas} x {profile_name}, router {args.router}")
     title = f"{Path(source.label).name} on {engines} ({len(jobs)} jobs)"
     if chat is not None:
         title += f" with {Path(chat.label).name} sessions at {chat.sessions_per_s:g}/s"
@@ -466,7 +484,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nRouting ({args.router}):\n\n{routing_table(runs)}")
     if args.json:
         excluded = ("policy", "policy_options", "kv_offload_gib")
-        report = {"trace": source.label, "profile": args.profile,
+        report = {"trace": source.label, "profile": profile_name,
+                  "profile_source": args.profile,
                   "policies": [spec.label for spec in specs],
                   "settings": {k: v for k, v in asdict(settings).items() if k not in excluded},
                   "workload": workload_summary(jobs), "runs": runs}

@@ -113,6 +113,14 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def num_finished_by(jobs: Sequence[JobRecord], by_s: float) -> int:
+    """Jobs whose last turn ended within `by_s` seconds of the first job's arrival: what a
+    run stopped at `by_s` would have finished."""
+    start_s = min((job.arrival_s for job in jobs), default=0.0)
+    return sum(1 for job in jobs
+               if job.finished_s is not None and job.finished_s - start_s <= by_s)
+
+
 def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 

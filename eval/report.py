@@ -46,6 +46,11 @@ def _has_chat(runs: Sequence[dict]) -> bool:
     return any(run.get("chat_num_requests") is not None for run in runs)
 
 
+def _finished_by_s(runs: Sequence[dict]) -> float | None:
+    """The cut the runs counted finished jobs at (`bench sim --finished-by-s`), if any."""
+    return next((run["finished_by_s"] for run in runs if run.get("finished_by_s")), None)
+
+
 def _has_host_tier(runs: Sequence[dict]) -> bool:
     return any(run.get("host_hit_token_fraction") is not None for run in runs)
 
@@ -54,7 +59,8 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
-def _row(runs: Sequence[dict], run: dict, with_chat: bool, with_host: bool) -> str:
+def _row(runs: Sequence[dict], run: dict, with_chat: bool, with_host: bool,
+         with_cut: bool) -> str:
     ratio = speedup(runs, run)
     cells = [
         _load(run["jobs_per_s"]), run_label(run), _seconds(run["mean_jct_s"]),
@@ -65,6 +71,8 @@ def _row(runs: Sequence[dict], run: dict, with_chat: bool, with_host: bool) -> s
     ]
     if with_host:
         cells.append(_percent(run.get("host_hit_token_fraction")))
+    if with_cut:
+        cells.append(f"{run.get('num_finished_by_s', '-')}/{run['num_jobs']}")
     if with_chat:
         cells += [
             f"{_fine_seconds(run.get('chat_queue_p50_s'))} / "
@@ -77,15 +85,20 @@ def _row(runs: Sequence[dict], run: dict, with_chat: bool, with_host: bool) -> s
 
 def markdown_table(runs: Sequence[dict]) -> str:
     """One row per (load, policy spec), loads ascending, specs in run order; with a host
-    tier, the share of looked-up tokens loaded from it; with chat sessions, their requests'
-    queueing and TTFT p50 / p99 (seconds) too."""
+    tier, the share of looked-up tokens loaded from it; with a cut (`finished_by_s`), the
+    jobs finished by then; with chat sessions, their requests' queueing and TTFT p50 / p99
+    (seconds) too."""
     with_chat = _has_chat(runs)
     with_host = _has_host_tier(runs)
+    cut_s = _finished_by_s(runs)
     header = ("| jobs/s | policy | mean JCT (s) | p90 JCT (s) | p99 JCT (s) | vs fcfs (mean) "
               "| mean queueing (s) | cached tokens | preemptions |")
     rule = "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
     if with_host:
         header += " from host tier |"
+        rule += "---:|"
+    if cut_s is not None:
+        header += f" jobs done by {cut_s:g} s |"
         rule += "---:|"
     if with_chat:
         header += " chat queueing p50 / p99 (s) | chat TTFT p50 / p99 (s) |"
@@ -93,7 +106,7 @@ def markdown_table(runs: Sequence[dict]) -> str:
     lines = [header, rule]
     loads = sorted({run["jobs_per_s"] for run in runs}, key=lambda v: (v is not None, v or 0))
     for load in loads:
-        lines.extend(_row(runs, run, with_chat, with_host)
+        lines.extend(_row(runs, run, with_chat, with_host, cut_s is not None)
                      for run in runs if run["jobs_per_s"] == load)
     return "\n".join(lines)
 

@@ -2,12 +2,15 @@
 
 `read_trace` checks the header and decodes every line into its record type. A last line
 cut short (the engine was killed mid-write) is dropped and reported as `incomplete_tail`;
-any other bad line is a `TraceFormatError` naming it.
+any other bad line is a `TraceFormatError` naming it. A gzip-compressed trace (recognised
+by its magic bytes, whatever its name) reads the same; a compressed stream cut short reads
+up to where it ends.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +48,7 @@ _decoder = msgspec.json.Decoder(TraceRecord)
 def read_trace(path: str | os.PathLike[str]) -> Trace:
     """Reads a whole trace; TraceFormatError if it is not one (OSError if unreadable)."""
     path = Path(path)
-    with open(path, "rb") as file:
-        lines = file.read().split(b"\n")
+    lines = _read_bytes(path).split(b"\n")
     incomplete_tail = bool(lines[-1])  # a complete file ends with a newline
     header = _header(path, lines[0])
     trace = Trace(path=path, header=header)
@@ -69,6 +71,28 @@ def read_trace_or_exit(path: str | os.PathLike[str]) -> Trace:
         return read_trace(path)
     except (OSError, TraceFormatError) as error:
         raise SystemExit(f"continuum trace: {error}") from None
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, decompressed if it is gzip (every member of it, up to where a
+    stream cut short ends); TraceFormatError if the compressed data is corrupt."""
+    data = path.read_bytes()
+    if not data.startswith(_GZIP_MAGIC):
+        return data
+    chunks = []
+    while data:
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            chunks.append(inflater.decompress(data))
+        except zlib.error as error:
+            raise TraceFormatError(f"{path} is not a readable gzip file: {error}") from None
+        if not inflater.eof:
+            break  # cut short: keep what was decompressed, as for a plain file
+        data = inflater.unused_data
+    return b"".join(chunks)
 
 
 def _header(path: Path, line: bytes) -> TraceHeader:

@@ -3,7 +3,8 @@
 Definitions (times on the scheduler clock, seconds):
 - a job's completion time runs from its first turn's arrival to its last turn's finish, for
   jobs the engine ended (`job_ended`: last turn finished, or released) with every turn
-  finished; other jobs (still going when the trace ends) have none;
+  finished, none aborted; other jobs (still going when the trace ends, or cut short: a run
+  stopped mid-job aborts its turns in flight) have none;
 - a turn's queueing delay runs from its arrival to its first admission;
 - prefix-cache hit rates are over first admissions: hit tokens / prompt tokens, split into
   hits on device blocks the request's own job's pin held (`from_pins`), on other device
@@ -38,6 +39,8 @@ from tracing.records import (
     RequestFinished,
     StepDecision,
 )
+
+ABORT_REASON = "abort"  # `RequestFinished.reason` of a request the client or shutdown ended
 
 
 class Distribution(msgspec.Struct, kw_only=True):
@@ -140,6 +143,7 @@ class _Turn:
     arrived_s: float
     admitted_s: float | None = None
     finished_s: float | None = None
+    aborted: bool = False
     num_preemptions: int = 0
 
 
@@ -203,6 +207,7 @@ def _tally(trace: Trace) -> _Tally:
             tally.finished[event.reason] += 1
             if event.request_id in turns:
                 turns[event.request_id].finished_s = event.time_s
+                turns[event.request_id].aborted = event.reason == ABORT_REASON
         elif isinstance(event, PinPinned):
             tally.pinned.append(event)
         elif isinstance(event, PinDeclined):
@@ -250,7 +255,8 @@ def _job_summaries(tally: _Tally) -> list[JobSummary]:
         turns = [tally.turns[r] for r in request_ids]
         admissions = [first_admissions[r] for r in request_ids if r in first_admissions]
         first_arrival_s = min(t.arrived_s for t in turns)
-        done = job_id in tally.ended_jobs and all(t.finished_s is not None for t in turns)
+        done = job_id in tally.ended_jobs and all(
+            t.finished_s is not None and not t.aborted for t in turns)
         summaries.append(JobSummary(
             job_id=job_id, num_turns=len(turns), first_arrival_s=first_arrival_s,
             completion_s=max(t.finished_s for t in turns) - first_arrival_s if done else None,

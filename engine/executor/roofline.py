@@ -190,12 +190,3 @@ SIM_PROFILES = MappingProxyType({
 })
 DEFAULT_SIM_PROFILE = "h100-llama3.1-8b"
 
-
-def get_sim_profile(name: str) -> SimProfile:
-    """The named profile; ValueError listing the names if there is none."""
-    try:
-        return SIM_PROFILES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown sim profile {name!r}; known: {', '.join(SIM_PROFILES)}"
-        ) from None

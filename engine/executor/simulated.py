@@ -1,5 +1,7 @@
-"""The `simulated` executor: no model; each step takes the time a roofline cost model gives.
+"""The `simulated` executor: no model; each step takes the time a cost profile gives.
 
+The profile is a roofline model (`engine.executor.roofline`) or one measured on a device
+(`engine.executor.measured`), by name or file (`engine.executor.sim_profiles`).
 Used behind the real server (`--executor simulated --sim-profile NAME`, where it sleeps each
 step's time) and in the discrete-event simulator (where `sleep` advances a virtual clock).
 It samples a fixed, deterministic token sequence that never contains the request's EOS
@@ -17,7 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.config import EngineConfig
-from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB, SimProfile, get_sim_profile
+from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB
+from engine.executor.sim_profiles import CostProfile, get_sim_profile
 from engine.kv_cache.transfers import KVTransfers
 from engine.model.directory import load_arch
 from engine.outputs import ModelRunnerOutput
@@ -37,7 +40,7 @@ class SimulatedExecutor:
     def __init__(
         self, config: EngineConfig, *, sleep: Callable[[float], None] = time.sleep
     ) -> None:
-        self.profile: SimProfile = get_sim_profile(config.sim_profile or DEFAULT_SIM_PROFILE)
+        self.profile: CostProfile = get_sim_profile(config.sim_profile or DEFAULT_SIM_PROFILE)
         block_size = config.cache.block_size
         self._num_kv_blocks = config.cache.num_kv_blocks or max(
             1, self.profile.num_kv_tokens // block_size

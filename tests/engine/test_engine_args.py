@@ -17,7 +17,6 @@ from engine.config import (
     TraceConfig,
 )
 from engine.engine_args import EngineArgs
-from engine.executor.roofline import SIM_PROFILES
 
 
 def test_defaults_take_the_models_context_length() -> None:
@@ -143,7 +142,7 @@ def test_cli_choices_are_the_config_literals() -> None:
     EngineArgs.add_cli_args(parser)
     choices = {action.dest: action.choices for action in parser._actions if action.choices}
     assert choices == {"dtype": get_args(Dtype), "load_format": get_args(LoadFormat),
-                       "device": get_args(Device), "sim_profile": tuple(SIM_PROFILES),
+                       "device": get_args(Device),
                        "attention_backend": get_args(AttentionBackendName)}
     hints = typing.get_type_hints(ModelConfig)
     assert (hints["dtype"], hints["load_format"], hints["device"]) == (Dtype, LoadFormat, Device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -26,6 +27,15 @@ def test_summarize_prints_a_table_and_writes_json(trace_path, tmp_path, capsys) 
     summary = json.loads(out.read_text())
     assert summary["preemptions"] == 1
     assert {job["job_id"] for job in summary["jobs"]} == {"a", "b", "c"}
+
+
+def test_summarize_reads_a_gzip_trace(trace_path, tmp_path, capsys) -> None:
+    packed = tmp_path / "hand.jsonl.gz"
+    packed.write_bytes(gzip.compress(trace_path.read_bytes()))
+    assert main(["trace", "summarize", str(packed)]) == 0
+    gzip_output = capsys.readouterr().out.replace(str(packed), "TRACE")
+    assert main(["trace", "summarize", str(trace_path)]) == 0
+    assert gzip_output == capsys.readouterr().out.replace(str(trace_path), "TRACE")
 
 
 def test_compare_puts_two_traces_side_by_side(trace_path, tmp_path, capsys) -> None:

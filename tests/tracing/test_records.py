@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
@@ -131,6 +132,28 @@ def test_a_last_line_cut_short_is_dropped_and_reported(tmp_path: Path) -> None:
     path.write_bytes(data[:-1])  # only the newline is missing
     trace = read_trace(path)
     assert trace.events == ONE_OF_EACH[:3] and not trace.incomplete_tail
+
+
+def test_a_gzip_trace_reads_as_the_plain_file(tmp_path: Path) -> None:
+    plain = write_trace(tmp_path / "t.jsonl", ONE_OF_EACH)
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_trace(packed).events == read_trace(plain).events == ONE_OF_EACH
+    renamed = tmp_path / "t.jsonl"  # recognised by its bytes, not its name
+    renamed.write_bytes(packed.read_bytes())
+    assert read_trace(renamed).events == ONE_OF_EACH
+
+
+def test_a_gzip_trace_cut_short_reads_up_to_the_cut(tmp_path: Path) -> None:
+    plain = write_trace(tmp_path / "t.jsonl", ONE_OF_EACH)
+    packed = gzip.compress(plain.read_bytes())
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(packed[:-12])  # the stream lost its last bytes and its trailer
+    trace = read_trace(path)
+    assert trace.events == ONE_OF_EACH[:len(trace.events)] and trace.incomplete_tail
+    path.write_bytes(packed[:10] + b"not deflate data" * 4)
+    with pytest.raises(TraceFormatError, match="not a readable gzip file"):
+        read_trace(path)
 
 
 def test_the_size_cap_ends_the_file_with_a_truncated_record(tmp_path: Path) -> None:

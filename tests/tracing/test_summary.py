@@ -124,6 +124,17 @@ def test_request_and_job_figures(summary: TraceSummary) -> None:
     assert (jobs["b"].num_preemptions, jobs["b"].prompt_tokens) == (1, 12)
 
 
+def test_a_job_cut_short_by_an_abort_has_no_completion(tmp_path: Path) -> None:
+    # A run stopped mid-turn: the engine aborts the last turn and ends the job.
+    events = [RequestArrived(step=0, time_s=0.0, request_id="d#0", job_id="d",
+                             num_prompt_tokens=4, is_last_turn=True),
+              _finish(1, 2.0, "d#0", "d", reason="abort"),
+              JobEnded(step=1, time_s=2.0, job_id="d", reason="job_end")]
+    summary = summarize(read_trace(write_trace(tmp_path / "cut.jsonl", events)))
+    assert summary.jobs[0].completion_s is None
+    assert summary.job_completion_s.count == 0 and summary.finished == {"abort": 1}
+
+
 def test_turn_queueing_runs_from_arrival_to_first_admission(summary: TraceSummary) -> None:
     # a#0 0, solo 0.5, b#0 0 (its readmission does not count), c#0 0, a#1 0.5; c#1 never.
     assert summary.turn_queueing_s == Distribution(

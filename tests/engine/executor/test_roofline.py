@@ -15,8 +15,8 @@ from engine.executor.roofline import (
     DeviceSpec,
     ModelShape,
     SimProfile,
-    get_sim_profile,
 )
+from engine.executor.sim_profiles import get_sim_profile
 
 # A round-number model and device so every figure can be worked out by hand.
 MODEL = ModelShape("toy", num_params=1e9, num_layers=2, num_heads=4, num_kv_heads=2,
