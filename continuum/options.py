@@ -112,7 +112,7 @@ class ContinuumOptions(ProgramOrderOptions):
     rebuild_cost: RebuildCost = field(default="prefill", metadata=_help(
         "Eq. 2's R: prefill (the paper: prefill time of the context) | "
         "prefill-times-running (times 1 + the requests running beside the finished turn)"))
-    pin_cost: PinCost = field(default="ttl", metadata=_help(
+    pin_cost: PinCost = field(default="priced", metadata=_help(
         "what Eq. 2 charges a pin: ttl (the paper: its whole TTL) | expected-hold (the time it "
         "is expected to be held, since a used pin is released when the next turn arrives) | "
         "priced (that expected hold times the share of the pool it holds times the requests "
@@ -133,10 +133,10 @@ class ContinuumOptions(ProgramOrderOptions):
     pin_victims: PinVictims = field(default="first", metadata=_help(
         "when a running request needs blocks: first (pins are released before any running "
         "request is preempted) | last (af226d3: only when the request would preempt itself)"))
-    pin_yield: PinYield = field(default="later-jobs", metadata=_help(
-        "to a blocked waiting head: later-jobs (the pins of jobs that arrived after its job "
-        "yield at once, the others once it is overdue) | overdue (af226d3: only once it is "
-        "overdue)"))
+    pin_yield: PinYield = field(default="overdue", metadata=_help(
+        "to a blocked waiting head: overdue (pins yield only once it has waited "
+        "pin_yield_wait_s or max_wait_s, or max_plain_wait_s for a plain request) | "
+        "later-jobs (the pins of jobs that arrived after its job yield at once too)"))
     pin_expiry: PinExpiry = field(default="hard", metadata=_help(
         "hard (a pin past its deadline is released at the end of the step, whoever waits) | "
         "while-waiting (af226d3: kept while a turn of its job waits)"))
@@ -170,6 +170,9 @@ class ContinuumAf226d3Options(ContinuumOptions):
     """The defaults of `continuum` as commit af226d3 ran it on the H100 (pins capped at 80 %
     of the pool); the bounds it did not have are off."""
 
+    pin_cost: PinCost = field(default="ttl", metadata=_help(
+        "what Eq. 2 charges a pin: ttl (the paper, af226d3's default) | expected-hold | "
+        "priced"))
     max_pinned_fraction: float = field(default=0.8, metadata=_help(
         "the share of the KV pool pins may hold; a new pin first releases later jobs' pins, "
         "else is declined (1: no cap)"))

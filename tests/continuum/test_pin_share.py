@@ -1,11 +1,13 @@
 """The rule that bounds what pins hold, checked after every step of random agent workloads:
-pins hold only memory that no running request and no waiting turn of an earlier job can use.
+pins hold only memory that no running request needs, and keep it from a waiting request
+only until their deadline or until it is overdue.
 
 - A step that preempts a running request, or leaves one waiting for memory, ends with no pin
   (pins are only created when turns finish, after planning, so a pin alive at the end of the
   plan was alive when the request was short of blocks).
 - When the waiting head was tried and found no memory (budget, sequence slots and running
-  requests all left room for it), no pin of a job that arrived after the head's job is left.
+  requests all left room for it), no pin but its own job's is left if it is overdue, and
+  with `pin_yield=later-jobs` no pin of a job that arrived after the head's job.
 - No pin lives past its deadline at the end of a step's planning.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from continuum.options import ContinuumOptions
 from continuum.policy import ContinuumPolicy
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
@@ -43,10 +46,14 @@ class PinShareCheck:
             return
         head = scheduler.waiting.peek_request()
         self.num_blocked_heads += 1
-        head_rank = self.policy.job_rank(head)
-        later = [pin.job_id for pin in scheduler.pins if pin.job_id != head.job_id
-                 and self.policy.job_arrival_rank(pin.job_id) > head_rank]
-        assert not later, f"pins of later jobs {later} kept memory from the head {head}"
+        others = [pin.job_id for pin in scheduler.pins if pin.job_id != head.job_id]
+        if self.policy.is_overdue(head, now_s):
+            assert not others, f"pins {others} kept memory from the overdue head {head}"
+        if self.policy.options.pin_yield == "later-jobs":
+            head_rank = self.policy.job_rank(head)
+            later = [job_id for job_id in others
+                     if self.policy.job_arrival_rank(job_id) > head_rank]
+            assert not later, f"pins of later jobs {later} kept memory from the head {head}"
 
 
 turn = st.builds(
@@ -58,7 +65,7 @@ turn = st.builds(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     shapes=st.lists(st.tuples(st.floats(0.0, 2.0), st.lists(turn, min_size=2, max_size=5)),
                     min_size=2, max_size=7),
@@ -66,9 +73,10 @@ turn = st.builds(
     ttl_s=st.sampled_from([0.2, 1.0, 100.0]),
     num_blocks=st.integers(12, 40),
     max_num_batched_tokens=st.integers(8, 48),
+    pin_yield=st.sampled_from(["overdue", "later-jobs"]),
 )
-def test_pins_hold_only_memory_nobody_earlier_needs(
-    shapes, plain, ttl_s, num_blocks, max_num_batched_tokens
+def test_pins_hold_only_memory_nobody_needs_first(
+    shapes, plain, ttl_s, num_blocks, max_num_batched_tokens, pin_yield
 ) -> None:
     jobs = [AgentJob(f"job{index}", arrival_s, (*turns[:-1], Turn(
         turns[-1].appended_tokens, turns[-1].output_tokens, tool_s=None)))
@@ -79,7 +87,9 @@ def test_pins_hold_only_memory_nobody_earlier_needs(
     jobs = [job for job in jobs if job.num_tokens <= num_blocks * 4]
     if not jobs:
         return
-    policy = ContinuumPolicy(estimator=ConstantTTLEstimator(ttl_s))
+    # Short bounds, so that heads become overdue within the runs.
+    options = ContinuumOptions(pin_yield=pin_yield, max_wait_s=1.0, max_plain_wait_s=0.5)
+    policy = ContinuumPolicy(options, estimator=ConstantTTLEstimator(ttl_s))
     check = PinShareCheck(policy)
     result = replay(jobs, policy, num_blocks=num_blocks,
                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=6,

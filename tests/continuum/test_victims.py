@@ -128,7 +128,8 @@ def test_continuum_victims(running: str, pins: str, waiting: str,
     ("", "J0 J2 J1", None, 0.0, "pin:J2"),  # nothing runs: latest job first
     ("", "J0 J2 J1", "J2", 0.0, "pin:J1"),  # the head's own job's pin last
     ("", "J2", "J2", 0.0, "pin:J2"),
-    # While others run, pins of jobs that arrived after the head's job yield at once...
+    # With pin_yield=later-jobs, while others run, pins of jobs that arrived after the
+    # head's job yield at once...
     ("a", "J1 J2", "J0", 0.0, "pin:J2"),
     ("a", "J0 J2", "J1", 0.0, "pin:J2"),
     # ...those of earlier jobs once the head has waited pin_yield_wait_s (here 5 s), latest
@@ -142,7 +143,7 @@ def test_continuum_victims(running: str, pins: str, waiting: str,
 def test_continuum_pins_for_admission(
     running: str, pins: str, head_job: str | None, waited_s: float, expected: str | None
 ) -> None:
-    policy = ContinuumPolicy(ContinuumOptions(pin_yield_wait_s=5.0))
+    policy = ContinuumPolicy(ContinuumOptions(pin_yield_wait_s=5.0, pin_yield="later-jobs"))
     bind(policy, running, pins)
     head = make_request("head", [1, 2, 3], job_id=head_job)
     policy.on_request_arrived(head, now_s=20.0)
