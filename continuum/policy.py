@@ -24,27 +24,26 @@ class ContinuumPolicy(JobFCFSPolicy):
 
     - Retention: a non-final turn of a job that called a tool (named by the client or parsed
       from its output) is pinned for the estimator's TTL when it is positive (Eq. 2 by
-      default); a turn that called no tool is not pinned. At most one pin per job (a newer
-      one replaces the older). Pins together hold at most `max_pinned_fraction` of the pool:
-      a new pin first releases the pins of jobs that arrived later (latest first), else it
-      is declined. The pin is released when the job's next turn is admitted, after that
-      turn took its prefix hit.
-    - Expiry: at step start, when `now > deadline` and no turn of the job is waiting; at
-      the end of the step's planning, when `now > deadline` (a turn of the job that was
-      waiting was not admitted): a deadline is a hard end.
+      default, its pins priced by the memory they take: `pin_cost=priced`); a turn that
+      called no tool is not pinned. At most one pin per job (a newer one replaces the
+      older). With `max_pinned_fraction` < 1, a new pin first has the pins of jobs that
+      arrived later released (latest first), else it is declined. The pin is released when
+      the job's next turn is admitted, after that turn took its prefix hit.
+    - Expiry (`pin_expiry`): at step start, when `now > deadline` and no turn of the job is
+      waiting; at the end of the step's planning, when `now > deadline` (a turn of the job
+      that was waiting was not admitted): a deadline is a hard end.
     - Waiting order: as `JobFCFSPolicy`'s, turns of jobs holding a pin in their own tier.
-    - Memory for running requests: pins are released first (`pin_to_release_first`: pins
-      whose job's turn waits last, then the latest job's first, the request's own job's
-      last); then the victims of `JobFCFSPolicy` (the latest job's running request; a
-      request still prefilling waits or yields its own blocks).
-    - Admission: a waiting head that cannot get blocks has released for it the pins of jobs
-      that arrived after its job (latest first; a request without a job counts as a job of
-      its own arrival), since their turns would sort after it anyway; the pins of earlier
-      jobs too (latest first, its own job's last) at once when nothing runs, and while
-      others run once it is overdue (`is_overdue`: it has waited `pin_yield_wait_s` or
-      `max_wait_s`, whichever is shorter, or `max_plain_wait_s` without a job; its own
-      job's pin is then kept). So pins hold only memory that no running request and no
-      waiting turn of an earlier job can use.
+    - Memory for running requests (`pin_victims=first`): pins are released first
+      (`pin_to_release_first`: pins whose job's turn waits last, then the latest job's
+      first, the request's own job's last); then the victims of `JobFCFSPolicy` (the latest
+      job's running request; a request still prefilling waits or yields its own blocks).
+    - Admission: a waiting head that cannot get blocks has pins released for it (latest job
+      first, its own job's last) at once when nothing runs, and while others run once it is
+      overdue (`is_overdue`: it has waited `pin_yield_wait_s` or `max_wait_s`, whichever is
+      shorter, or `max_plain_wait_s` for a plain request; its own job's pin is then kept);
+      with `pin_yield=later-jobs`, the pins of jobs that arrived after its job yield at once.
+      So pins never hold memory a running request needs, and keep memory from a waiting
+      request only until their deadline or until it is overdue.
     """
 
     options_type = ContinuumOptions
