@@ -53,7 +53,9 @@ class RunMetrics:
     """The figures of one run (one policy at one load), as written to `--json`.
 
     `tokens_per_s` counts generated tokens; `prompt_tokens_per_s` prompt tokens. The engine
-    counters (`preemptions`, pins) are None when the server does not expose them.
+    counters (`preemptions`, `recomputed_tokens`, pins) are None when the server does not
+    expose them; `recomputed_tokens` are the tokens computed again after preemption (what a
+    preemption dropped that the readmission did not find in the prefix cache).
     `busy_fraction` (the engine's busy time over the run, chat included) and
     `leaked_blocks` come from the simulator only. Queueing and TTFT
     figures are in seconds; `*_queue_s` cover agent turns. The `chat_*` fields are None
@@ -84,6 +86,7 @@ class RunMetrics:
     p99_queue_s: float | None
     cached_token_fraction: float
     preemptions: int | None = None
+    recomputed_tokens: int | None = None
     pins_created: int | None = None
     pins_released: dict[str, int] | None = None
     busy_fraction: float | None = None
@@ -167,6 +170,7 @@ def summarize_run(
             if num_prompt_tokens else 0.0
         ),
         preemptions=None if stats is None else stats.num_preemptions,
+        recomputed_tokens=None if stats is None else stats.recomputed_tokens,
         pins_created=None if stats is None else stats.num_pins_created,
         pins_released=None if stats is None else dict(stats.pins_released),
         busy_fraction=_busy_fraction(busy_s, [*jobs, *(chat or ())]),

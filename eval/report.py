@@ -2,7 +2,8 @@
 
 A run is a dict with `label` (the policy spec as written; `policy` where a run has no label),
 `jobs_per_s` and the `RunMetrics` fields, as in the `--json` output of `continuum bench sim`
-and `continuum bench agent`. Runs with plain chat sessions beside the jobs (`chat_*` figures)
+and `continuum bench agent` (runs written before `recomputed_tokens` existed show `-` in its
+column). Runs with plain chat sessions beside the jobs (`chat_*` figures)
 get the chat requests' queueing and TTFT columns; runs with a host KV tier (`host_*`
 figures), the share of looked-up prompt tokens loaded from it.
 """
@@ -55,6 +56,10 @@ def _has_host_tier(runs: Sequence[dict]) -> bool:
     return any(run.get("host_hit_token_fraction") is not None for run in runs)
 
 
+def _count(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
@@ -68,6 +73,7 @@ def _row(runs: Sequence[dict], run: dict, with_chat: bool, with_host: bool,
         "-" if ratio is None else f"{ratio:.2f}x", _fine_seconds(run["mean_queue_s"]),
         f"{run['cached_token_fraction']:.1%}",
         "-" if run["preemptions"] is None else str(run["preemptions"]),
+        _count(run.get("recomputed_tokens")),
     ]
     if with_host:
         cells.append(_percent(run.get("host_hit_token_fraction")))
@@ -92,8 +98,8 @@ def markdown_table(runs: Sequence[dict]) -> str:
     with_host = _has_host_tier(runs)
     cut_s = _finished_by_s(runs)
     header = ("| jobs/s | policy | mean JCT (s) | p90 JCT (s) | p99 JCT (s) | vs fcfs (mean) "
-              "| mean queueing (s) | cached tokens | preemptions |")
-    rule = "|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+              "| mean queueing (s) | cached tokens | preemptions | recomputed tokens |")
+    rule = "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     if with_host:
         header += " from host tier |"
         rule += "---:|"

@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "schedule_median_us": statistics.median(schedule_us),
         "update_median_us": statistics.median(update_us),
         "preemptions": scheduler.num_preemptions,
+        "recomputed_tokens": scheduler.recomputed_tokens,
         "traced": args.trace_path is not None,
         "trace_bytes_per_step": _trace_bytes_per_step(scheduler, args.trace_path),
     }

@@ -240,6 +240,7 @@ class EngineCore:
             num_pins=len(scheduler.pins),
             num_pinned_blocks=scheduler.pins.num_pinned_blocks,
             num_preemptions=scheduler.num_preemptions,
+            recomputed_tokens=scheduler.recomputed_tokens,
             prefix_cache_query_tokens=prefix_stats.num_query_tokens,
             prefix_cache_hit_tokens=prefix_stats.num_hit_tokens,
             num_steps=self.num_steps,

@@ -111,7 +111,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     `num_host_kv_blocks` (0: none) of which `num_used_host_kv_blocks` hold KV, the tokens
     stored to and loaded from it, and `prefix_cache_host_hit_tokens`, the part of
     `prefix_cache_hit_tokens` found there, and `kv_copy_time_s`, the part of
-    `execute_time_s` steps waited for its copies.
+    `execute_time_s` steps waited for its copies. `recomputed_tokens` counts the tokens
+    computed again after preemption: what each preemption dropped minus what the request's
+    readmission found in the prefix cache (at least 0), as `trace summarize` counts them.
     """
 
     num_running: int
@@ -122,6 +124,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_pins: int
     num_pinned_blocks: int
     num_preemptions: int
+    recomputed_tokens: int = 0
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     num_steps: int

@@ -77,6 +77,10 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self.step_id = 0
         self.num_preemptions = 0
+        # Tokens computed again after preemption, counted as `trace summarize` does:
+        # what a preemption dropped minus what the readmission got back from the cache.
+        self.recomputed_tokens = 0
+        self._dropped_tokens: dict[str, int] = {}  # by preempted request, until readmitted
         self._environment = PolicyEnvironment() if environment is None else environment
         self._job_inference = None if not scheduler_config.job_inference else JobInference(
             cache_config.block_size, max_turns=scheduler_config.job_inference_max_turns,
@@ -341,6 +345,7 @@ class Scheduler:
         if request.request_id in plan.num_scheduled_tokens:
             plan.drop_continuing(request)
         self.kv_cache_manager.free(request)
+        self._dropped_tokens[request.request_id] = request.num_computed_tokens
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -384,6 +389,9 @@ class Scheduler:
             if num_new_tokens == 0:
                 return Admission.OVER_BUDGET
         num_hit_tokens = hit.num_tokens
+        if request.status is RequestStatus.PREEMPTED:
+            dropped = self._dropped_tokens.pop(request.request_id, 0)
+            self.recomputed_tokens += max(0, dropped - num_hit_tokens)
         self._waiting.remove_request(request)
         if self._tracer is not None:
             self._tracer.admitted(
@@ -434,6 +442,7 @@ class Scheduler:
         """Final bookkeeping of a request that left running/waiting: pin or free its blocks."""
         request.status = status
         del self._requests[request.request_id]
+        self._dropped_tokens.pop(request.request_id, None)
         self._finished_req_ids.add(request.request_id)
         retention = self.policy.on_request_finished(request, now_s)
         if self._tracer is not None:

@@ -79,6 +79,7 @@ class ReplayResult:
     prompt_tokens_computed: int = 0
     new_prompt_tokens: int = 0
     num_preemptions: int = 0
+    recomputed_tokens: int = 0  # the scheduler's: computed again after preemption
     job_completion_s: dict[str, float] = field(default_factory=dict)
     num_pins_created: int = 0
     pins_released: dict[str, int] = field(default_factory=dict)
@@ -161,6 +162,7 @@ def replay(
                                           state.turn_index + 1, state.request.all_token_ids))
     scheduler.close_trace()
     result.num_preemptions = scheduler.num_preemptions
+    result.recomputed_tokens = scheduler.recomputed_tokens
     result.num_pins_created = scheduler.pins.num_created
     result.pins_released = {r.value: n for r, n in scheduler.pins.num_released.items()}
     assert len(scheduler.pins) == 0, "pins outlived their jobs"

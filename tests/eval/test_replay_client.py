@@ -51,6 +51,7 @@ def test_five_jobs_replay_with_exact_prompts_and_no_leftovers(server: ServerThre
     assert sum(later_cached) > 0 and 0 < metrics.cached_token_fraction < 1
     assert metrics.mean_ttft_s > 0 and metrics.mean_queue_s is None
     assert metrics.preemptions is not None and metrics.pins_created is not None
+    assert metrics.recomputed_tokens is not None
     stats = server.wait_idle()
     assert stats.num_pins == 0  # every job's last turn ended it
     assert stats.num_free_blocks == stats.num_kv_blocks
@@ -87,5 +88,5 @@ def test_bench_agent_command_writes_the_run(server: ServerThread, tmp_path: Path
     run, = json.loads(out.read_text())["runs"]
     assert run["policy"] == "continuum" and run["jobs_per_s"] == 5.0
     assert {"mean_jct_s", "p90_jct_s", "p99_jct_s", "throughput_jobs_per_s",
-            "cached_token_fraction", "preemptions", "failures"} <= set(run)
+            "cached_token_fraction", "preemptions", "recomputed_tokens", "failures"} <= set(run)
     assert run["num_finished_jobs"] == 2

@@ -24,10 +24,12 @@ from eval.workload import (
     load_jobs,
 )
 from tests.continuum.workload import TEST_DATA
+from tracing.reader import read_trace
+from tracing.summary import summarize
 
 SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
 RUN_FIELDS = {"mean_jct_s", "p90_jct_s", "p99_jct_s", "throughput_jobs_per_s",
-              "cached_token_fraction", "preemptions"}
+              "cached_token_fraction", "preemptions", "recomputed_tokens"}
 
 
 def slice_jobs(num_jobs: int = 6, max_turns: int = 5) -> list[AgentJobSpec]:
@@ -50,6 +52,7 @@ def test_every_policy_finishes_every_job_without_leaks(policy: str) -> None:
     assert metrics.num_turns == sum(len(job.turns) for job in jobs)
     assert metrics.leaked_blocks == 0 and metrics.failures == 0
     assert metrics.preemptions is not None and metrics.mean_queue_s is not None
+    assert metrics.recomputed_tokens is not None
     # Every job lasts at least its tool time.
     tools_s = [sum(t.tool_duration_s or 0.0 for t in job.turns) for job in jobs]
     assert metrics.p99_jct_s >= min(tools_s)
@@ -80,6 +83,18 @@ def test_host_tier_brings_back_what_the_small_pool_let_go(policy: str) -> None:
     referenced = [block for block in transfers.host_tier.blocks if block.ref_cnt]
     assert len(referenced) == transfers.num_pending
     assert 0 < transfers.host_tier.num_used_blocks * 16 <= with_tier.host_stored_tokens
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "continuum"])
+def test_recomputed_tokens_are_the_traces(tmp_path: Path, policy: str) -> None:
+    jobs = slice_jobs(num_jobs=4, max_turns=3)
+    trace_path = tmp_path / "trace.jsonl"
+    settings = SimSettings(policy=policy, num_kv_blocks=32, max_num_batched_tokens=512,
+                           trace_path=str(trace_path))
+    metrics = simulate(jobs, [0.0] * len(jobs), settings)  # all at once: the pool overflows
+    summary = summarize(read_trace(trace_path))
+    assert metrics.preemptions == summary.preemptions > 0
+    assert metrics.recomputed_tokens == summary.recomputed_tokens > 0
 
 
 def test_same_seed_same_run_and_other_arrivals_another() -> None:
@@ -216,6 +231,7 @@ def test_bench_sim_writes_every_field_per_policy_and_load(tmp_path: Path,
     assert plot.read_bytes().startswith(b"\x89PNG")
     table = capsys.readouterr().out
     assert "| 5 | continuum |" in table and "| all at once | fcfs |" in table
+    assert "| preemptions | recomputed tokens |" in table
 
 
 def test_bench_sim_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -233,4 +249,8 @@ def test_report_table_and_speedup() -> None:
                 "preemptions": None}
     runs = [run("fcfs", 1.0, 30.0), run("continuum", 1.0, 15.0), run("continuum", 2.0, 9.0)]
     assert speedup(runs, runs[1]) == 2.0 and speedup(runs, runs[2]) is None
-    assert "| 1 | continuum | 15.0 | 15.0 | 15.0 | 2.00x | - | 50.0% | - |" in markdown_table(runs)
+    table = markdown_table(runs)
+    assert "| 1 | continuum | 15.0 | 15.0 | 15.0 | 2.00x | - | 50.0% | - | - |" in table
+    runs[0] |= {"preemptions": 3, "recomputed_tokens": 12_345}
+    table = markdown_table(runs)
+    assert "| 1 | fcfs | 30.0 | 30.0 | 30.0 | 1.00x | - | 50.0% | 3 | 12,345 |" in table

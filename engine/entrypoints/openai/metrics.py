@@ -67,6 +67,9 @@ class _CoreStatsCollector(Collector):
         yield from _host_tier_metrics(stats, model)
         yield _counter("num_preemptions", "Requests preempted (to be recomputed).", model,
                        stats.num_preemptions)
+        yield _counter("recomputed_tokens", "Tokens computed again after preemption (dropped by "
+                       "a preemption, not found in the prefix cache at readmission).", model,
+                       stats.recomputed_tokens)
         yield _counter("pins_created", "KV pins created.", model, stats.num_pins_created)
         released = CounterMetricFamily(PREFIX + "pins_released", "KV pins released, by reason.",
                                        labels=["model_name", "reason"])

@@ -26,6 +26,7 @@ from tracing.records import (
     StepDecision,
     StepSnapshot,
 )
+from tracing.summary import summarize
 
 turn = st.builds(Turn, appended_tokens=st.integers(1, 10), output_tokens=st.integers(1, 14),
                  tool_s=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
@@ -64,7 +65,9 @@ def test_tracing_changes_no_decision_and_records_every_step(
                     tracer=SchedulerTracer(path, config={"policy": policy_name}), **options)
     assert traced.steps == untraced.steps
     assert traced.job_completion_s == untraced.job_completion_s
-    _check_trace_matches_steps(read_trace(path), traced.steps)
+    trace = read_trace(path)
+    _check_trace_matches_steps(trace, traced.steps)
+    assert summarize(trace).recomputed_tokens == traced.recomputed_tokens
     event(f"preempted: {traced.num_preemptions > 0}")
     event(f"pinned: {traced.num_pins_created > 0}")
 
@@ -152,6 +155,30 @@ def test_preemptions_name_their_cause_and_readmissions_are_marked(tmp_path: Path
     assert decision.resumed_ids == ["young"] and decision.new_ids == []
     finished = {e.request_id: e for e in events if isinstance(e, RequestFinished)}
     assert finished["young"].num_preemptions == len(preemptions)
+
+
+@pytest.mark.parametrize(("num_blocks", "young_prompt", "dropped", "hit"), [
+    (6, tokens(200, 8), [12], [4]),  # readmitted with one block of its prefix still cached
+    (7, tokens(100, 12), [16, 20], [16, 20]),  # old's prompt: old holds its blocks
+])
+def test_recomputed_tokens_count_as_the_trace_summary_does(
+    tmp_path: Path, num_blocks: int, young_prompt: list[int], dropped: list[int], hit: list[int],
+) -> None:
+    harness = _harness(tmp_path, ttl_s=0.0, num_blocks=num_blocks, block_size=4,
+                       max_model_len=4 * num_blocks)
+    harness.add("old", tokens(100, len(young_prompt)), max_tokens=12)
+    harness.add("young", young_prompt, max_tokens=12)
+    harness.run_until_finished("old", "young")
+    scheduler = harness.scheduler
+    trace_path = scheduler.tracer.path
+    events = _recorded(harness)
+    assert [p.num_computed_tokens for e in events if isinstance(e, StepDecision)
+            for p in e.preempted] == dropped
+    assert [e.num_hit_tokens for e in events
+            if isinstance(e, PrefixCacheEvent) and e.resumed] == hit
+    expected = sum(max(0, d - h) for d, h in zip(dropped, hit, strict=True))
+    assert scheduler.recomputed_tokens == summarize(read_trace(trace_path)).recomputed_tokens
+    assert scheduler.recomputed_tokens == expected
 
 
 def test_events_between_steps_carry_the_next_steps_number(tmp_path: Path) -> None:

@@ -54,6 +54,12 @@ def test_without_a_host_tier_its_series_read_zero() -> None:
     assert samples["continuum:kv_cache_total_blocks"] == ("gauge", 64)
 
 
+def test_preemptions_and_recomputed_tokens_are_counters_of_the_engine_stats() -> None:
+    samples = _samples(_stats(num_preemptions=3, recomputed_tokens=1_250))
+    assert samples["continuum:num_preemptions_total"] == ("counter", 3)
+    assert samples["continuum:recomputed_tokens_total"] == ("counter", 1_250)
+
+
 def test_no_core_series_before_the_first_snapshot() -> None:
     text = PrometheusMetrics("tiny").render().decode()
     assert "continuum:request_success" in text
