@@ -95,7 +95,8 @@ def test_help_states_the_policy_options_and_their_bounds(capsys) -> None:
         parser.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for option in ("max_wait_s=30.0", "max_job_age_s=60.0", "pin_yield_wait_s=inf",
-                   "max_pinned_fraction=0.8", "estimator=eq2-empirical"):
+                   "max_pinned_fraction=1.0", "max_plain_wait_s=10.0", "max_preemptions=3",
+                   "pin_cost=priced", "estimator=eq2-empirical"):
         assert option in text
 
 
