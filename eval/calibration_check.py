@@ -186,11 +186,17 @@ def render(checks: Sequence[RunCheck], orders: Sequence[OrderCheck]) -> str:
     return "\n".join(lines)
 
 
+# The specs that behave as the measured policies did at commit af226d3.
+MEASURED_SPECS = {"fcfs": "fcfs", "continuum": "continuum-af226d3",
+                  "continuum-fixed": "continuum-af226d3:estimator=fixed-2s"}
+
+
 def _policy_map(items: Sequence[str]) -> dict[str, PolicySpec]:
-    """`LABEL=SPEC` items: the spec simulated for the measured policy LABEL (the label
-    itself by default). ValueError for a malformed item, an unknown label or a bad spec."""
+    """`LABEL=SPEC` items: the spec simulated for the measured policy LABEL (by default
+    `MEASURED_SPECS`: the policy as it was measured). ValueError for a malformed item, an
+    unknown label or a bad spec."""
     labels = {run.policy for run in GPU_RUNS}
-    specs = {label: label for label in labels}
+    specs = {label: MEASURED_SPECS[label] for label in labels}
     for item in items:
         label, sep, spec = item.partition("=")
         if not sep or label not in labels:
@@ -205,8 +211,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the cost profile to check (default: %(default)s)")
     parser.add_argument("--policy", action="append", default=[], metavar="LABEL=SPEC",
                         help="simulate the measured policy LABEL (fcfs, continuum, "
-                             "continuum-fixed) as the policy spec SPEC, e.g. to keep the "
-                             "measured behaviour after a policy changed (default: LABEL)")
+                             "continuum-fixed) as the policy spec SPEC (default: the spec that "
+                             "behaves as measured: continuum-af226d3 for continuum)")
     parser.add_argument("--runs-dir", type=Path, default=GPU_RUNS_DIR,
                         help="where the measured traces and agent JSONs are "
                              "(default: the shipped ones)")

@@ -24,9 +24,13 @@ from tracing.progress import Progress
 TINY = GpuSetup("swe24", num_jobs=2, jobs_per_s=2.0, max_turns=2, num_kv_blocks=1500)
 
 
-def test_policy_specs_default_to_the_measured_labels() -> None:
+def test_policy_specs_default_to_the_policies_as_measured() -> None:
+    defaults = _policy_map([])
+    assert defaults["continuum"].name == "continuum-af226d3"
+    assert (defaults["continuum-fixed"].name, defaults["continuum-fixed"].options) == (
+        "continuum-af226d3", (("estimator", "fixed-2s"),))
     specs = _policy_map(["continuum=continuum:estimator=fixed-2s"])
-    assert specs["fcfs"].name == "fcfs" and specs["continuum-fixed"].name == "continuum-fixed"
+    assert specs["fcfs"].name == "fcfs"
     assert (specs["continuum"].name, specs["continuum"].options) == (
         "continuum", (("estimator", "fixed-2s"),))
     with pytest.raises(ValueError, match="LABEL one of"):
