@@ -42,14 +42,14 @@ class ContinuumAf226d3Policy(ContinuumPolicy):
         return ()
 
     def select_victim(self, request: Request) -> Victim:
-        victim = max(self.scheduler.running, key=self.victim_rank)
+        victim = max(self.scheduler.running, key=self._victim_rank)
         if victim is request:
             pin = self.latest_job_pin(exclude_job_id=request.job_id)
             if pin is not None:
                 return pin
         return victim
 
-    def victim_rank(self, request: Request) -> QueueKey:
+    def _victim_rank(self, request: Request) -> QueueKey:
         return (not self.holds_pin(request.job_id), self.job_rank(request),
                 self.arrival_order(request))
 

@@ -23,6 +23,7 @@ DEFAULT_TOOL_DURATION_S = 1.0
 
 PinVictims = Literal["first", "last"]
 PrefillVictims = Literal["none", "later-jobs"]
+VictimOrder = Literal["latest-admitted", "latest-job"]
 PinYield = Literal["later-jobs", "overdue"]
 PinExpiry = Literal["hard", "while-waiting"]
 
@@ -88,6 +89,10 @@ class ProgramOrderOptions(JobOptions):
         "what a running request still prefilling may preempt: none (it waits while another "
         "decodes, else preempts itself) | later-jobs (like a decoding request: the latest "
         "job's request)"))
+    victim_order: VictimOrder = field(default="latest-admitted", metadata=_help(
+        "which running request is preempted first: latest-admitted (the most recently "
+        "admitted: least computed since, so least recomputed) | latest-job (the request whose "
+        "job arrived last)"))
     max_preemptions: int = field(default=3, metadata=_help(
         "a request preempted this many times is preempted again only when no other running "
         "request can be"))
@@ -176,6 +181,8 @@ class ContinuumAf226d3Options(ContinuumOptions):
     max_pinned_fraction: float = field(default=0.8, metadata=_help(
         "the share of the KV pool pins may hold; a new pin first releases later jobs' pins, "
         "else is declined (1: no cap)"))
+    victim_order: VictimOrder = field(default="latest-job", metadata=_help(
+        "not used: the victim is the request whose job arrived last"))
     pin_victims: PinVictims = field(default="last", metadata=_help(
         "not used: pins are released only when the request would preempt itself"))
     pin_yield: PinYield = field(default="overdue", metadata=_help(

@@ -19,8 +19,10 @@ class JobFCFSPolicy(JobAwarePolicy):
       here; Continuum pins), then the rest: turns by program-level order (the job's first
       arrival, aged to at most `max_job_age_s` before the turn's own arrival, then the
       turn's arrival), and each plain request ahead of every turn that arrived after it.
-    - Victims: the running request whose job arrived latest (a request without a job: its
-      own arrival); a request preempted `max_preemptions` times only when no other can be.
+    - Victims (`victim_order`): the running request admitted most recently (the one with
+      the least computed since, so the least to recompute), or with `latest-job` the one
+      whose job arrived latest (a request without a job: its own arrival); a request
+      preempted `max_preemptions` times only when no other can be.
       A request still prefilling never preempts another: while another running request is
       decoding (and will finish or free blocks) it waits, keeping its blocks, else it
       preempts itself.
@@ -55,12 +57,16 @@ class JobFCFSPolicy(JobAwarePolicy):
             decoding = any(other is not request and not is_prefilling(other)
                            for other in running)
             return None if decoding else request
-        return max(running, key=self.victim_rank)
+        index = max(range(len(running)), key=lambda i: self.victim_rank(running[i], i))
+        return running[index]
 
-    def victim_rank(self, request: Request) -> QueueKey:
-        """Running requests by how readily they are preempted: the largest goes first."""
-        return (request.num_preemptions < self.options.max_preemptions,
-                self.job_rank(request), self.arrival_order(request))
+    def victim_rank(self, request: Request, admission_index: int) -> QueueKey:
+        """Running requests by how readily they are preempted, the largest first;
+        `admission_index` is the request's place in the running list (admission order)."""
+        spared = request.num_preemptions >= self.options.max_preemptions
+        if self.options.victim_order == "latest-admitted":
+            return (not spared, admission_index)
+        return (not spared, self.job_rank(request), self.arrival_order(request))
 
 
 def is_prefilling(request: Request) -> bool:

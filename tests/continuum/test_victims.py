@@ -90,8 +90,8 @@ def describe(victim: Request | Pin | None) -> str | None:
 
 
 @pytest.mark.parametrize(("running", "pins", "waiting", "expected"), [
-    # No pins: the running request of the job that arrived latest (a request without a
-    # job: its own arrival), possibly the one that needs blocks.
+    # victim_order=latest-job. No pins: the running request of the job that arrived latest
+    # (a request without a job: its own arrival), possibly the one that needs blocks.
     ("a b R", "", "", "R"),
     ("a R c", "", "", "c"),
     ("a@J0 R@J1 c@J2", "", "", "c"),
@@ -118,7 +118,7 @@ def describe(victim: Request | Pin | None) -> str | None:
 ])
 def test_continuum_victims(running: str, pins: str, waiting: str,
                            expected: str | None) -> None:
-    policy = ContinuumPolicy()
+    policy = ContinuumPolicy(ContinuumOptions(victim_order="latest-job"))
     requests = bind(policy, running, pins, waiting_jobs=waiting)
     assert describe(policy.select_victim(requests["R"])) == expected
 
@@ -270,3 +270,17 @@ def test_continuum_pin_yield_option(pin_yield: str, expected: str | None) -> Non
     head = make_request("head", [1, 2, 3], job_id="J0")
     policy.on_request_arrived(head, now_s=20.0)
     assert describe(policy.select_pin_to_release(head, 20.0)) == expected
+
+
+@pytest.mark.parametrize(("running", "expected"), [
+    # By default the most recently admitted request goes, whatever its job...
+    ("c@J2 R@J1 a@J0", "a"),
+    ("a@J0 R@J1", "R"),
+    # ...unless it was preempted max_preemptions times and another can go.
+    ("c@J2 R@J1 a!@J0", "R"),
+    ("c@J2 R!@J1 a!@J0", "c"),
+])
+def test_continuum_victims_latest_admitted_first(running: str, expected: str) -> None:
+    policy = ContinuumPolicy()
+    requests = bind(policy, running, "")
+    assert describe(policy.select_victim(requests["R"])) == expected
