@@ -24,6 +24,7 @@ DEFAULT_TOOL_DURATION_S = 1.0
 PinVictims = Literal["first", "last"]
 PrefillVictims = Literal["none", "later-jobs"]
 VictimOrder = Literal["latest-admitted", "latest-job"]
+PrefillAdmission = Literal["first-chunk", "whole-prompt"]
 PinYield = Literal["later-jobs", "overdue"]
 PinExpiry = Literal["hard", "while-waiting"]
 
@@ -96,6 +97,10 @@ class ProgramOrderOptions(JobOptions):
     max_preemptions: int = field(default=3, metadata=_help(
         "a request preempted this many times is preempted again only when no other running "
         "request can be"))
+    prefill_admission: PrefillAdmission = field(default="whole-prompt", metadata=_help(
+        "when a waiting prompt may start: first-chunk (its first chunk's blocks are free or "
+        "pinned, as vLLM) | whole-prompt (the blocks of all its chunks are, so that it need "
+        "not stall or be preempted halfway)"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -193,3 +198,6 @@ class ContinuumAf226d3Options(ContinuumOptions):
         "not used: requests without a job are ordered like turns"))
     max_preemptions: int = field(default=2**31 - 1, metadata=_help(
         "not used: victims are chosen without counting preemptions"))
+    prefill_admission: PrefillAdmission = field(default="first-chunk", metadata=_help(
+        "first-chunk (af226d3's rule: a prompt starts once its first chunk fits) | "
+        "whole-prompt"))

@@ -26,6 +26,9 @@ class JobFCFSPolicy(JobAwarePolicy):
       A request still prefilling never preempts another: while another running request is
       decoding (and will finish or free blocks) it waits, keeping its blocks, else it
       preempts itself.
+    - Admission (`prefill_admission`): a prompt starts once the blocks of its first chunk
+      can be had, or, with `whole-prompt`, those of all its chunks (free, or pinned by other
+      jobs: its later chunks may take those).
     """
 
     options_type = ProgramOrderOptions
@@ -50,6 +53,12 @@ class JobFCFSPolicy(JobAwarePolicy):
     def on_step_start(self, now_s: float) -> None:
         super().on_step_start(now_s)
         self._waiting.set_overdue_cutoff(*self.overdue_cutoffs(now_s))
+
+    def num_tokens_to_reserve(self, request: Request, num_hit_tokens: int,
+                              num_new_tokens: int) -> int:
+        if self.options.prefill_admission == "whole-prompt":
+            return max(num_new_tokens, request.num_tokens - num_hit_tokens)
+        return num_new_tokens
 
     def select_victim(self, request: Request) -> Victim | None:
         running = self.scheduler.running

@@ -200,6 +200,15 @@ class SchedulingPolicy(Protocol):
         idle engine."""
         ...
 
+    def num_tokens_to_reserve(self, request: Request, num_hit_tokens: int,
+                              num_new_tokens: int) -> int:
+        """Tokens past its prefix hit (`num_hit_tokens`) whose blocks must be free or pinned
+        before the waiting head `request` is admitted to compute `num_new_tokens` this step:
+        at least `num_new_tokens` (vLLM's rule: this step's chunk); more makes a long prompt
+        wait until the blocks of its later chunks are there too. Called before every
+        admission attempt; the scheduler allocates only this step's blocks."""
+        ...
+
 
 class BasePolicy:
     """Defaults shared by policies: no options, no retention, notifications ignored, and pins
@@ -262,6 +271,10 @@ class BasePolicy:
 
     def expired_pins(self, now_s: float) -> Sequence[Pin]:
         return ()
+
+    def num_tokens_to_reserve(self, request: Request, num_hit_tokens: int,
+                              num_new_tokens: int) -> int:
+        return num_new_tokens
 
     def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         if self.scheduler.running:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from engine.clock import Clock
 from engine.config import CacheConfig, SchedulerConfig, check_pool_fits_one_sequence
 from engine.kv_cache.block import KVCacheBlock
-from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.manager import KVCacheManager, PrefixHit
 from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.kv_cache.transfers import KVTransfers
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -378,6 +378,8 @@ class Scheduler:
         num_new_tokens = self._num_new_tokens(request, hit.num_tokens, plan)
         if num_new_tokens == 0:
             return Admission.OVER_BUDGET
+        if not self._can_reserve(request, hit, num_new_tokens):
+            return Admission.NO_MEMORY
         while kv_cache_manager.allocate_slots(request, num_new_tokens, hit) is None:
             pin = self.policy.select_pin_to_release(request, now_s)
             if pin is None:
@@ -410,6 +412,20 @@ class Scheduler:
             reused_pin = self.release_pin(request.job_id, PinReleaseReason.REUSED)
         self.policy.on_request_admitted(request, reused_pin, now_s)
         return Admission.ADMITTED
+
+    def _can_reserve(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
+        """Whether the blocks of the tokens the policy wants reserved beyond this step's
+        chunk (`num_tokens_to_reserve`) are free or held by other jobs' pins (which the
+        request's later chunks may take). Always True while nothing runs: nothing else could
+        free blocks for it then."""
+        num_tokens = self.policy.num_tokens_to_reserve(request, hit.num_tokens, num_new_tokens)
+        if num_tokens <= num_new_tokens or not self._running:
+            return True
+        num_needed = (-(-(hit.num_tokens + num_tokens) // self.block_size) - len(hit.blocks)
+                      + sum(block.ref_cnt == 0 for block in hit.blocks))
+        own_pin = self._pins.get(request.job_id or "")
+        num_pinned = self._pins.num_pinned_blocks - (0 if own_pin is None else own_pin.num_blocks)
+        return num_needed <= self.kv_cache_manager.block_pool.num_free_blocks + num_pinned
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: StepPlan) -> int:
         """Tokens `request` may compute this step: its remainder, capped by the long-prefill

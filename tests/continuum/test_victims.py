@@ -10,11 +10,13 @@ import pytest
 from continuum.af226d3 import ContinuumAf226d3Policy
 from continuum.baselines import AutellixPolicy, InferCeptPolicy
 from continuum.job_aware import JobAwarePolicy
-from continuum.options import ContinuumAf226d3Options, ContinuumOptions
+from continuum.options import ContinuumAf226d3Options, ContinuumOptions, ProgramOrderOptions
 from continuum.policy import ContinuumPolicy
+from continuum.program_order import JobFCFSPolicy
 from engine.kv_cache.pins import Pin
 from engine.request import Request
 from engine.scheduler.policy import PolicyEnvironment
+from tests.continuum.harness import Harness, tokens
 from tests.engine.helpers import make_request
 
 JOBS = ("J0", "J1", "J2", "J3")  # first arrivals in this order
@@ -241,8 +243,8 @@ def test_autellix_preempts_the_most_served_job(
 ) -> None:
     policy = AutellixPolicy()
     requests = bind(policy, running, "")
-    for job_id, tokens in service.items():
-        policy.jobs.get(job_id).attained_service_tokens = tokens
+    for job_id, num_tokens in service.items():
+        policy.jobs.get(job_id).attained_service_tokens = num_tokens
     assert describe(policy.select_victim(requests["R"])) == expected
 
 
@@ -284,3 +286,23 @@ def test_continuum_victims_latest_admitted_first(running: str, expected: str) ->
     policy = ContinuumPolicy()
     requests = bind(policy, running, "")
     assert describe(policy.select_victim(requests["R"])) == expected
+
+
+@pytest.mark.parametrize(("prefill_admission", "num_preemptions"), [
+    ("first-chunk", 1), ("whole-prompt", 0)])
+def test_whole_prompt_admission_spares_a_prompt_that_would_stall_halfway(
+        prefill_admission: str, num_preemptions: int) -> None:
+    # 16 blocks of 4 tokens, 8 tokens a step. "a" decodes to 48 tokens (12 blocks); "b", a
+    # 40-token prompt (10 blocks), arrives while "a" holds 7. Its first chunk fits, all of
+    # it does not: started at once, it stalls halfway and "a"'s growth preempts it (its
+    # computed tokens recomputed); held back until its blocks are there, it never stalls.
+    policy = JobFCFSPolicy(ProgramOrderOptions(prefill_admission=prefill_admission))
+    h = Harness(policy, num_blocks=16, max_num_batched_tokens=8)
+    h.add("a", tokens(0, 24), max_tokens=24)
+    h.step(4)
+    assert len(h.scheduler.kv_cache_manager.get_block_ids("a")) == 7
+    h.add("b", tokens(100, 40), max_tokens=2)
+    h.run_until_finished("a", "b")
+    assert h.scheduler.num_preemptions == num_preemptions
+    assert (h.scheduler.recomputed_tokens > 0) == (num_preemptions > 0)
+    assert h.admission_order()[1:] == ["b"] * (1 + num_preemptions)
