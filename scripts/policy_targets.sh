@@ -24,9 +24,10 @@
 #     --max-num-batched-tokens 2048 --policies fcfs --jobs-per-s 1,1.25,1.5,2 --workers 2
 #
 # Time: the default grid (held-out set, 2 seeds x 3 workloads x 3 loads x 5 policies = 90
-# simulations of 300 jobs, one profile) took MEASURED on this 2-core machine; --tuning adds
-# a third of that. --quick (30 jobs, the first seed) checks the pipeline in a few minutes;
-# 30 jobs never saturate the pool, so its verdicts say nothing about the policy.
+# simulations of 300 jobs, one profile) took 15-20 minutes on this 2-core machine (2-5
+# minutes a file; twice that with a second grid beside it); --tuning adds a third of that.
+# --quick (30 jobs, the first seed) checks the pipeline in a few minutes; 30 jobs never
+# saturate the pool, so its verdicts say nothing about the policy.
 #
 # Usage: bash scripts/policy_targets.sh [options]
 #   --out DIR            where the JSONs and report.md go (default: bench-results/policy-targets)
