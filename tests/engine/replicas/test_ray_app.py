@@ -254,14 +254,16 @@ class LongCompletion(threading.Thread):
 def _kill_a_replica_after_some_turns(
         replay: AgentReplay, base_url: str) -> tuple[str, list[set[str]], LongCompletion]:
     """Once every job has had a turn answered, sends a long completion for the first job and
-    kills the replica that answered that job (Ray Serve restarts it under a new id) while the
-    completion runs there; returns the replica's id, by job the replicas that had answered
-    its turns by then, and the completion."""
+    kills the replica that answered that job's latest turn (Ray Serve restarts it under a new
+    id) while the completion runs there; returns the replica's id, by job the replicas that
+    had answered its turns by then, and the completion."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         started = list(replay.started)
         if len(started) == len(replay.jobs) and all(r.replica_ids for r in started):
-            victim = started[0].replica_ids[0]
+            # The replica of the job's latest turn: affinity may have moved the job off its
+            # first one under load, and the long completion follows the latest.
+            victim = started[0].replica_ids[-1]
             touched = {record.job_id: set(record.replica_ids) for record in started}
             long_request = LongCompletion(base_url, started[0].job_id)
             long_request.start()
