@@ -1,5 +1,5 @@
 """The Continuum policy: KV pins with TTLs, program-level order with bounded waiting, and
-victims by job arrival."""
+pins released before any running request is preempted."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ class ContinuumPolicy(JobFCFSPolicy):
     - Waiting order: as `JobFCFSPolicy`'s, turns of jobs holding a pin in their own tier.
     - Memory for running requests (`pin_victims=first`): pins are released first
       (`pin_to_release_first`: pins whose job's turn waits last, then the latest job's
-      first, the request's own job's last); then the victims of `JobFCFSPolicy` (the latest
-      job's running request; a request still prefilling waits or yields its own blocks).
+      first, the request's own job's last); then the victims of `JobFCFSPolicy` (by
+      `victim_order`; a request still prefilling waits or yields its own blocks).
     - Admission: a waiting head that cannot get blocks has pins released for it (latest job
       first, its own job's last) at once when nothing runs, and while others run once it is
       overdue (`is_overdue`: it has waited `pin_yield_wait_s` or `max_wait_s`, whichever is

@@ -117,18 +117,13 @@ class KVCacheManager:
         registered in the prefix cache at once: their KV is computed (or loaded) by the step
         being scheduled, before its forward.
         """
-        hit_blocks = [] if hit is None else hit.blocks
         num_hit_tokens = 0 if hit is None else hit.num_tokens
-        blocks = self.req_to_blocks.get(request.request_id)
         num_tokens_after = request.num_computed_tokens + num_hit_tokens + num_new_tokens
-        num_required_blocks = -(-num_tokens_after // self.block_size)
-        num_held_blocks = (0 if blocks is None else len(blocks)) + len(hit_blocks)
-        num_to_allocate = max(num_required_blocks - num_held_blocks, 0)
-        # Hits on free cached blocks take them out of the free queue too.
-        num_free_needed = num_to_allocate + sum(b.ref_cnt == 0 for b in hit_blocks)
+        num_to_allocate, num_free_needed = self._blocks_for(request, num_new_tokens, hit)
         if num_free_needed > self.block_pool.num_free_blocks:
             return None
 
+        blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
             blocks = self._admit(request, hit or PrefixHit([], [], self.block_size))
         new_blocks = self.block_pool.allocate(num_to_allocate) if num_to_allocate else []
@@ -146,6 +141,24 @@ class KVCacheManager:
             if num_full_blocks > self.num_cached_blocks[request.request_id]:
                 self._cache_full_blocks(request, blocks, num_full_blocks)
         return new_blocks
+
+    def num_free_blocks_needed(self, request: Request, num_new_tokens: int,
+                               hit: PrefixHit | None = None) -> int:
+        """Free blocks `allocate_slots(request, num_new_tokens, hit)` would take: new blocks,
+        plus the free cached blocks of the hit (its hits leave the free queue too)."""
+        return self._blocks_for(request, num_new_tokens, hit)[1]
+
+    def _blocks_for(self, request: Request, num_new_tokens: int,
+                    hit: PrefixHit | None) -> tuple[int, int]:
+        """(blocks to allocate, free blocks taken) for `num_new_tokens` more tokens."""
+        hit_blocks = [] if hit is None else hit.blocks
+        num_hit_tokens = 0 if hit is None else hit.num_tokens
+        blocks = self.req_to_blocks.get(request.request_id)
+        num_tokens_after = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_required_blocks = -(-num_tokens_after // self.block_size)
+        num_held_blocks = (0 if blocks is None else len(blocks)) + len(hit_blocks)
+        num_to_allocate = max(num_required_blocks - num_held_blocks, 0)
+        return num_to_allocate, num_to_allocate + sum(b.ref_cnt == 0 for b in hit_blocks)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

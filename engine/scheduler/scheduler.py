@@ -379,6 +379,7 @@ class Scheduler:
         if num_new_tokens == 0:
             return Admission.OVER_BUDGET
         if not self._can_reserve(request, hit, num_new_tokens):
+            self._release_pins_yielding_to(request, now_s)
             return Admission.NO_MEMORY
         while kv_cache_manager.allocate_slots(request, num_new_tokens, hit) is None:
             pin = self.policy.select_pin_to_release(request, now_s)
@@ -413,6 +414,12 @@ class Scheduler:
         self.policy.on_request_admitted(request, reused_pin, now_s)
         return Admission.ADMITTED
 
+    def _release_pins_yielding_to(self, request: Request, now_s: float) -> None:
+        """Releases the pins the policy gives up for the blocked waiting head, as when its
+        blocks are short, though the head still waits: the memory they free is its next."""
+        while (pin := self.policy.select_pin_to_release(request, now_s)) is not None:
+            self._release_for_pressure(pin)
+
     def _can_reserve(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
         """Whether the blocks of the tokens the policy wants reserved beyond this step's
         chunk (`num_tokens_to_reserve`) are free or held by other jobs' pins (which the
@@ -421,8 +428,7 @@ class Scheduler:
         num_tokens = self.policy.num_tokens_to_reserve(request, hit.num_tokens, num_new_tokens)
         if num_tokens <= num_new_tokens or not self._running:
             return True
-        num_needed = (-(-(hit.num_tokens + num_tokens) // self.block_size) - len(hit.blocks)
-                      + sum(block.ref_cnt == 0 for block in hit.blocks))
+        num_needed = self.kv_cache_manager.num_free_blocks_needed(request, num_tokens, hit)
         own_pin = self._pins.get(request.job_id or "")
         num_pinned = self._pins.num_pinned_blocks - (0 if own_pin is None else own_pin.num_blocks)
         return num_needed <= self.kv_cache_manager.block_pool.num_free_blocks + num_pinned
