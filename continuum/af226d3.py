@@ -32,8 +32,9 @@ class ContinuumAf226d3Policy(ContinuumPolicy):
     options_type = ContinuumAf226d3Options
     options: ContinuumAf226d3Options
 
-    def make_queue(self) -> ProgramOrderQueue:
-        return ProgramOrderQueue(self._order_key, self.arrival, self._pinned_job_ids)
+    def new_waiting_queue(self) -> ProgramOrderQueue:
+        return ProgramOrderQueue(self._order_key, self.arrival, self._pinned_job_ids,
+                                 self.overdue_cutoffs)
 
     def overdue_cutoffs(self, now_s: float) -> tuple[float, float]:
         return (now_s - self.options.max_wait_s, -math.inf)

@@ -22,8 +22,7 @@ from continuum.options import InferCeptOptions, JobOptions
 from continuum.queues import KeyedRequestQueue, QueueKey
 from engine.kv_cache.pins import Pin
 from engine.request import Request, RequestStatus
-from engine.scheduler.policy import Retention, SchedulerView, Victim
-from tracing.records import TTLInputs
+from engine.scheduler.policy import Retention, RetentionInputs, SchedulerView, Victim
 
 
 class InferCeptPolicy(JobAwarePolicy):
@@ -41,9 +40,9 @@ class InferCeptPolicy(JobAwarePolicy):
     discarded (freed without a store to the host tier) or swapped (freed with a store; the
     next turn loads it back), whichever wastes the least memory-time
     (`continuum.interception`): recompute is priced by the prefills and reload by the
-    host-tier loads the engine times at start-up. The trace's `TTLInputs` name the choice
-    (`source`), the samples behind the tool's expected duration and the context's rebuild
-    time by the alternative (`rebuild_s`).
+    host-tier loads the engine times at start-up. Its `RetentionInputs` (in the trace) name
+    the choice (`source`), the samples behind the tool's expected duration and the context's
+    rebuild time by the alternative (`rebuild_s`).
     """
 
     options_type = InferCeptOptions
@@ -64,7 +63,7 @@ class InferCeptPolicy(JobAwarePolicy):
                 default_tool_duration_s=self.options.default_tool_duration_s,
             )
 
-    def make_queue(self) -> KeyedRequestQueue:
+    def new_waiting_queue(self) -> KeyedRequestQueue:
         return KeyedRequestQueue(self._fcfs_key)
 
     def _fcfs_key(self, request: Request) -> QueueKey:
@@ -86,14 +85,14 @@ class InferCeptPolicy(JobAwarePolicy):
             return self.no_tool_call()
         ttl_s = self.jobs.idle_timeout_s
         if self.interception is None:
-            return Retention(ttl_s, TTLInputs(ttl_s=ttl_s, source="until-next-turn",
+            return Retention(ttl_s, RetentionInputs(ttl_s=ttl_s, source="until-next-turn",
                                               tool=call.tool_name))
         self.interception.observe_tool_call(call)
         decision = self.interception.decide(call, block_size=self.scheduler.block_size,
                                             num_running_blocks=self._running_blocks(request))
         if decision.choice != "preserve":
             ttl_s = 0.0
-        inputs = TTLInputs(ttl_s=ttl_s, source=decision.choice, tool=call.tool_name,
+        inputs = RetentionInputs(ttl_s=ttl_s, source=decision.choice, tool=call.tool_name,
                            num_samples=decision.num_samples, rebuild_s=decision.rebuild_s)
         return Retention(ttl_s, inputs, offload=decision.choice != "discard")
 
@@ -129,7 +128,7 @@ class AutellixPolicy(JobAwarePolicy):
     Autellix's discretised queues and starvation guard are not modelled.
     """
 
-    def make_queue(self) -> KeyedRequestQueue:
+    def new_waiting_queue(self) -> KeyedRequestQueue:
         return KeyedRequestQueue(self._plas_key)
 
     def _plas_key(self, request: Request) -> QueueKey:

@@ -8,13 +8,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from continuum.options import ContinuumOptions
-from engine.scheduler.policy import PolicyEnvironment, SchedulerView
+from engine.scheduler.policy import PolicyEnvironment, RetentionInputs, SchedulerView
 from estimator.base import ToolCall, TTLDecision, TTLEstimator
 from estimator.cost_model import HostReloadCost, PrefillCostModel, read_prefill_profile
 from estimator.registry import PRICES_REBUILDS, EstimatorSettings, make_estimator
 from estimator.state_file import load_state_or_cold_start, save_state
 from estimator.traces import TraceJob, read_trace_jobs
-from tracing.records import TTLInputs
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ def build_estimator(options: ContinuumOptions, scheduler: SchedulerView) -> TTLE
         prefill_cost=_prefill_cost(options, scheduler.environment),
         reload_cost=measured_reload_cost(scheduler) if prices_rebuilds else None,
         rebuild_cost=options.rebuild_cost, pin_cost=options.pin_cost,
-        max_ttl_s=options.max_ttl_s,
+        max_ttl_s=options.max_ttl_s, prefill_fit=options.prefill_fit,
     )
     estimator = make_estimator(options.estimator, settings)
     loaded = (options.estimator_state is not None
@@ -97,9 +96,9 @@ def save_estimator(estimator: TTLEstimator, options: ContinuumOptions) -> None:
         logger.error("cannot save the estimator state to %s: %s", options.estimator_state, error)
 
 
-def ttl_inputs(call: ToolCall, decision: TTLDecision) -> TTLInputs:
+def ttl_inputs(call: ToolCall, decision: TTLDecision) -> RetentionInputs:
     """A decision and its inputs, as the trace records them."""
-    return TTLInputs(
+    return RetentionInputs(
         ttl_s=decision.ttl_s, source=decision.basis, tool=call.tool_name,
         num_samples=decision.num_samples, queueing_delay_s=decision.queueing_delay_s,
         eta=decision.eta, rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s,
@@ -126,6 +125,9 @@ class EstimatorWrapper:
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
         self.inner.observe_job_end(job_id, num_turns)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.inner.observe_prefill(num_tokens, seconds)
 
     def warm_start(self, jobs: Iterable[TraceJob]) -> None:
         self.inner.warm_start(jobs)
@@ -162,6 +164,9 @@ class GuardedEstimator(EstimatorWrapper):
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
         self._guard("observe_job_end", super().observe_job_end, job_id, num_turns)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        self._guard("observe_prefill", super().observe_prefill, num_tokens, seconds)
 
     def _guard(self, method: str, function: Callable[..., Any], *args: Any) -> Any:
         try:

@@ -8,13 +8,19 @@ from dataclasses import dataclass
 
 from continuum.jobs import Job, JobTable
 from continuum.options import JobOptions
-from continuum.queues import JobCountingQueue, QueueKey
-from engine.kv_cache.pins import Pin, PinReleaseReason
+from continuum.queues import QueueKey
+from engine.kv_cache.pins import Pin
 from engine.request import Request, RequestStatus
-from engine.scheduler.policy import BasePolicy, JobBooks, Retention
+from engine.scheduler.policy import (
+    BasePolicy,
+    JobBooks,
+    Retention,
+    RetentionInputs,
+    SweepDecision,
+)
+from engine.scheduler.request_queue import RequestQueue
 from estimator.base import ToolCall
 from estimator.parsing import tool_key
-from tracing.records import TTLInputs
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +40,11 @@ class JobAwarePolicy(BasePolicy):
     """Keeps the books of every job it sees.
 
     At each sweep (every step start, and on a timer while the engine is idle), pins past
-    their deadline are released (EXPIRED) unless a turn of their job is waiting, and jobs
+    their deadline are to be released (EXPIRED) unless a turn of their job is waiting, and jobs
     idle for `job_idle_timeout_s` (no unfinished turn, no pin) are forgotten. A pin past its
     deadline whose job's turn was waiting is released at the end of that step's planning if
     the turn was not admitted in it: a pin's deadline is a hard end. Subclasses
-    choose the waiting order (`make_queue`, using the arrival and job-order helpers),
+    choose the waiting order (`new_waiting_queue`, using the arrival and job-order helpers),
     victims, and retention (`retention`: by default nothing is pinned).
 
     Arrival order, not arrival time, ranks requests and jobs, so that requests without a job
@@ -46,7 +52,6 @@ class JobAwarePolicy(BasePolicy):
     """
 
     options_type = JobOptions
-    _waiting: JobCountingQueue  # created by the scheduler through `new_waiting_queue`
 
     def __init__(self, options: JobOptions | None = None) -> None:
         self.options = self.options_type() if options is None else options
@@ -54,11 +59,7 @@ class JobAwarePolicy(BasePolicy):
         self._num_arrivals = 0
         self._arrivals: dict[str, _Arrival] = {}  # by request id, until it finishes
 
-    def new_waiting_queue(self) -> JobCountingQueue:
-        self._waiting = self.make_queue()
-        return self._waiting
-
-    def make_queue(self) -> JobCountingQueue:
+    def new_waiting_queue(self) -> RequestQueue:
         """The scheduler's waiting queue, in this policy's order."""
         raise NotImplementedError
 
@@ -113,18 +114,19 @@ class JobAwarePolicy(BasePolicy):
 
     def num_waiting(self, job_id: str) -> int:
         """Waiting turns of the job."""
-        return self._waiting.num_waiting(job_id)
+        return self.scheduler.waiting.num_waiting(job_id)
 
     # Time-driven upkeep.
-    def sweep(self, now_s: float) -> list[str]:
-        for pin in self.scheduler.pins:
-            # A pin past its deadline stays while a turn of its job waits to reuse it.
-            if now_s > pin.deadline_s and self.num_waiting(pin.job_id) == 0:
-                self.scheduler.release_pin(pin.job_id, PinReleaseReason.EXPIRED)
-        idle = self.jobs.pop_idle(now_s, is_busy=lambda job: self.holds_pin(job.job_id))
+    def sweep(self, now_s: float) -> SweepDecision:
+        # A pin past its deadline stays while a turn of its job waits to reuse it.
+        expired = tuple(pin for pin in self.scheduler.pins
+                        if now_s > pin.deadline_s and self.num_waiting(pin.job_id) == 0)
+        expired_job_ids = {pin.job_id for pin in expired}
+        idle = self.jobs.pop_idle(now_s, is_busy=lambda job: (
+            job.job_id not in expired_job_ids and self.holds_pin(job.job_id)))
         for job in idle:
             self.forget_job(job)
-        return [job.job_id for job in idle]
+        return SweepDecision(expired, tuple(job.job_id for job in idle))
 
     def expired_pins(self, now_s: float) -> list[Pin]:
         return [pin for pin in self.scheduler.pins if now_s > pin.deadline_s]
@@ -227,7 +229,7 @@ class JobAwarePolicy(BasePolicy):
     @staticmethod
     def no_tool_call() -> Retention:
         """The decision for a turn that called no tool: not pinned."""
-        return Retention(0.0, TTLInputs(ttl_s=0.0, source="no-tool-call"))
+        return Retention(0.0, RetentionInputs(ttl_s=0.0, source="no-tool-call"))
 
     # Pins to give up.
     def latest_job_pin(self, exclude_job_id: str | None = None) -> Pin | None:

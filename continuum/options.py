@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from estimator.eq2 import DEFAULT_MAX_TTL_S, RebuildCost
+from estimator.eq2 import DEFAULT_MAX_TTL_S, PrefillFit, RebuildCost
 from estimator.registry import EstimatorName
 from estimator.solver import PinCost
 
@@ -101,9 +101,14 @@ class ProgramOrderOptions(JobOptions):
         "when a waiting prompt may start: first-chunk (its first chunk's blocks are free or "
         "pinned, as vLLM) | whole-prompt (the blocks of all its chunks are, so that it need "
         "not stall or be preempted halfway)"))
+    admission_headroom_blocks: int = field(default=0, metadata=_help(
+        "with whole-prompt: blocks per running request that must be free or pinned beyond "
+        "the prompt's before it starts, room for the running requests' next tokens"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _require(self.admission_headroom_blocks >= 0, "admission_headroom_blocks must be >= 0, "
+                 f"got {self.admission_headroom_blocks!r}")
         _require(self.max_plain_wait_s >= 0,
                  f"max_plain_wait_s must be >= 0, got {self.max_plain_wait_s!r}")
         _require(self.max_preemptions >= 1,
@@ -130,6 +135,10 @@ class ContinuumOptions(ProgramOrderOptions):
     prefill_profile: str = field(default="auto", metadata=_help(
         "prices R: auto (prefills timed at start-up) | none (R = 0) | a JSON file of "
         "[num_tokens, seconds] points"))
+    prefill_fit: PrefillFit = field(default="start-up", metadata=_help(
+        "R's prefill time: start-up (the prefill_profile fit, prefills timed alone) | "
+        "under-load (refitted on the last 256 prefills the engine ran, admission to first "
+        "token, once 32 are seen; the start-up fit until then)"))
     estimator_state: str | None = field(default=None, metadata=_help(
         "estimator state file: loaded at start if present and valid, saved at shutdown"))
     estimator_warm_start: tuple[str, ...] = field(default=(), metadata=_help(
@@ -158,6 +167,8 @@ class ContinuumOptions(ProgramOrderOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(bool(self.prefill_profile), "prefill_profile must be auto, none or a file")
+        _require(self.prefill_fit == "start-up" or self.prefill_profile != "none",
+                 "prefill_fit=under-load prices R, which prefill_profile=none sets to 0")
         _require(self.estimator_state != "", "estimator_state must be a file path")
         _require(self.max_ttl_s > 0 and math.isfinite(self.max_ttl_s),
                  f"max_ttl_s must be a positive finite number, got {self.max_ttl_s!r}")

@@ -3,9 +3,8 @@ pins released before any running request is preempted."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-
-import msgspec
 
 from continuum.estimation import GuardedEstimator, build_estimator, save_estimator, ttl_inputs
 from continuum.jobs import Job
@@ -83,6 +82,12 @@ class ContinuumPolicy(JobFCFSPolicy):
         if returned_without_kv:
             self.estimator.observe_queueing_delay(now_s - self.arrival(request)[0])
 
+    def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
+        prefill = request.uninterrupted_prefill
+        if prefill is not None:
+            self.estimator.observe_prefill(*prefill)
+        return super().on_request_finished(request, now_s)
+
     def forget_job(self, job: Job) -> None:
         self.estimator.observe_job_end(job.job_id, job.num_turns_finished)
 
@@ -106,7 +111,7 @@ class ContinuumPolicy(JobFCFSPolicy):
             return Retention(decision.ttl_s, inputs)
         released = self._pins_to_make_room(request, call.job_id)
         if released is None:
-            return Retention(0.0, msgspec.structs.replace(inputs, declined_by="pin-cap"))
+            return Retention(0.0, dataclasses.replace(inputs, declined_by="pin-cap"))
         return Retention(decision.ttl_s, inputs, release_job_ids=released)
 
     def _pins_to_make_room(self, request: Request, job_id: str) -> tuple[str, ...] | None:

@@ -33,11 +33,10 @@ class JobFCFSPolicy(JobAwarePolicy):
 
     options_type = ProgramOrderOptions
     options: ProgramOrderOptions
-    _waiting: ProgramOrderQueue
 
-    def make_queue(self) -> ProgramOrderQueue:
+    def new_waiting_queue(self) -> ProgramOrderQueue:
         return ProgramOrderQueue(self._order_key, self.arrival, self._pinned_job_ids,
-                                 is_plain=self.is_plain)
+                                 self.overdue_cutoffs, is_plain=self.is_plain)
 
     def overdue_cutoffs(self, now_s: float) -> tuple[float, float]:
         """The arrival times at or before which a request, and a request without a job, are
@@ -50,14 +49,12 @@ class JobFCFSPolicy(JobAwarePolicy):
     def _pinned_job_ids(self) -> list[str]:
         return [pin.job_id for pin in self.scheduler.pins]
 
-    def on_step_start(self, now_s: float) -> None:
-        super().on_step_start(now_s)
-        self._waiting.set_overdue_cutoff(*self.overdue_cutoffs(now_s))
-
     def num_tokens_to_reserve(self, request: Request, num_hit_tokens: int,
                               num_new_tokens: int) -> int:
         if self.options.prefill_admission == "whole-prompt":
-            return max(num_new_tokens, request.num_tokens - num_hit_tokens)
+            headroom = (self.options.admission_headroom_blocks * len(self.scheduler.running)
+                        * self.scheduler.block_size)
+            return max(num_new_tokens, request.num_tokens - num_hit_tokens + headroom)
         return num_new_tokens
 
     def select_victim(self, request: Request) -> Victim | None:

@@ -2,18 +2,18 @@
 
 Keys are computed when a request enters the queue (`add_request`, or `prepend_request` after
 a preemption or when the scheduler passes a request over); equal keys keep insertion order.
-Every queue counts waiting requests per job.
+Every queue counts waiting requests per job (`JobCountingQueue`).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from engine.request import Request, RequestStatus
+from engine.scheduler.request_queue import JobCountingQueue
 
 QueueKey = tuple[Any, ...]
 KeyFunction = Callable[[Request], QueueKey]
@@ -58,12 +58,8 @@ class _LazyHeap:
         return len(self._live)
 
 
-class JobCountingQueue:
-    """What both queues share: re-entry is a fresh entry, and waiting requests are counted
-    per job. Subclasses call `_count` / `_uncount` as requests enter and leave."""
-
-    def __init__(self) -> None:
-        self._job_counts: Counter[str] = Counter()
+class PolicyQueue(JobCountingQueue):
+    """What both queues share: re-entry (`prepend_request`) is a fresh entry, keyed anew."""
 
     def add_request(self, request: Request) -> None:
         raise NotImplementedError
@@ -78,23 +74,8 @@ class JobCountingQueue:
         for request in requests:
             self.remove_request(request)
 
-    def num_waiting(self, job_id: str) -> int:
-        """Waiting requests of the job."""
-        return self._job_counts.get(job_id, 0)
 
-    def _count(self, request: Request) -> None:
-        if request.job_id is not None:
-            self._job_counts[request.job_id] += 1
-
-    def _uncount(self, request: Request) -> None:
-        job_id = request.job_id
-        if job_id is not None:
-            self._job_counts[job_id] -= 1
-            if not self._job_counts[job_id]:
-                del self._job_counts[job_id]
-
-
-class KeyedRequestQueue(JobCountingQueue):
+class KeyedRequestQueue(PolicyQueue):
     """Smallest key first; a re-entering request is keyed anew."""
 
     def __init__(self, key: KeyFunction) -> None:
@@ -124,16 +105,17 @@ class KeyedRequestQueue(JobCountingQueue):
         return (entry[2] for entry in sorted(self._heap.entries(), key=lambda e: e[:2]))
 
 
-class ProgramOrderQueue(JobCountingQueue):
+class ProgramOrderQueue(PolicyQueue):
     """The order of the program-level policies, in tiers: requests that have waited past the
     bound (by arrival), plain requests that have waited past theirs (by arrival),
     preempted requests, requests of jobs that hold a live pin, then the rest; by key within
     each tier.
 
     `arrival(request)` gives the request's (arrival time, arrival rank) on the policy's
-    clock; a request whose arrival time is at or before `overdue_cutoff_s` is overdue, and a
-    plain request is at or before `plain_overdue_cutoff_s`. The policy moves the
-    cutoffs at each step start (`set_overdue_cutoff`). The pinned tier is read at peek time
+    clock; a request whose arrival time is at or before the overdue cutoff is overdue, and a
+    plain request at or before the plain one. `overdue_cutoffs(now_s)` gives both cutoffs
+    at a time; the scheduler tells the queue the time at each step start (`advance_to`).
+    The pinned tier is read at peek time
     from `pinned_job_ids`, so a pin that is created, expires or is broken while its job's
     turn waits moves that turn without re-keying.
 
@@ -148,12 +130,14 @@ class ProgramOrderQueue(JobCountingQueue):
         key: KeyFunction,
         arrival: Callable[[Request], tuple[float, int]],
         pinned_job_ids: Callable[[], Iterable[str]],
+        overdue_cutoffs: Callable[[float], tuple[float, float]],
         *,
         is_plain: Callable[[Request], bool] | None = None,
     ) -> None:
         super().__init__()
         self._key = key
         self._arrival = arrival
+        self._overdue_cutoffs = overdue_cutoffs
         self._pinned_job_ids = pinned_job_ids
         self._is_plain = is_plain
         self._overdue_cutoff_s = -math.inf
@@ -164,12 +148,8 @@ class ProgramOrderQueue(JobCountingQueue):
         self._plain = _LazyHeap()  # by arrival; only with is_plain
         self._by_job: dict[str, _LazyHeap] = {}
 
-    def set_overdue_cutoff(self, cutoff_s: float,
-                           plain_cutoff_s: float = -math.inf) -> None:
-        """Requests that arrived at or before `cutoff_s`, and plain requests that arrived at
-        or before `plain_cutoff_s`, are overdue from now on."""
-        self._overdue_cutoff_s = cutoff_s
-        self._plain_overdue_cutoff_s = plain_cutoff_s
+    def advance_to(self, now_s: float) -> None:
+        self._overdue_cutoff_s, self._plain_overdue_cutoff_s = self._overdue_cutoffs(now_s)
 
     def add_request(self, request: Request) -> None:
         arrival = self._arrival(request)

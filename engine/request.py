@@ -82,13 +82,16 @@ class Request:
     Token ids grow as outputs are appended; `num_computed_tokens` counts the tokens whose KV is
     computed (or scheduled to be computed in the step being built). `block_hashes` holds the
     chained hashes of the full blocks of `all_token_ids`, extended by the KV cache manager.
-    `num_cached_tokens` is the prefix-cache hit of the first admission (`None` before it).
+    `num_cached_tokens` is the prefix-cache hit of the first admission (`None` before it);
+    `first_scheduled_at_s` the time of that admission and `first_token_at_s` the end of the
+    step that sampled the first output token, both on the scheduler's clock (`None` before).
     """
 
     __slots__ = (
-        "all_token_ids", "arrival_time_s", "block_hashes", "cache_salt", "eos_token_id", "job",
-        "num_cached_tokens", "num_computed_tokens", "num_preemptions", "num_prompt_tokens",
-        "priority", "request_id", "sampling_params", "status", "stop_reason",
+        "all_token_ids", "arrival_time_s", "block_hashes", "cache_salt", "eos_token_id",
+        "first_scheduled_at_s", "first_token_at_s", "job", "num_cached_tokens",
+        "num_computed_tokens", "num_preemptions", "num_prompt_tokens", "priority",
+        "request_id", "sampling_params", "status", "stop_reason",
     )
 
     def __init__(
@@ -125,6 +128,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None
+        self.first_scheduled_at_s: float | None = None
+        self.first_token_at_s: float | None = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self.stop_reason: int | None = None
@@ -144,6 +149,17 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def uninterrupted_prefill(self) -> tuple[int, float] | None:
+        """(tokens computed, seconds) of the prompt's prefill, from its first admission to the
+        end of the step that sampled its first output token, for a request that has one and
+        was never preempted (whose prefill ran once); None otherwise."""
+        if (self.first_token_at_s is None or self.first_scheduled_at_s is None
+                or self.num_cached_tokens is None or self.num_preemptions):
+            return None
+        return (self.num_prompt_tokens - self.num_cached_tokens,
+                self.first_token_at_s - self.first_scheduled_at_s)
 
     @property
     def skips_prefix_cache(self) -> bool:

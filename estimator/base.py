@@ -96,7 +96,8 @@ class TTLEstimator(Protocol):
     Owned by one scheduling policy and called only from its thread, in this order for a job:
     `observe_tool_call` and `decide` when a turn finishes, `observe_next_turn` when the next
     turn arrives, `observe_queueing_delay` when a turn that found no pin is admitted, and
-    `observe_job_end` once when the job ends. `warm_start` and `load_state` come before any
+    `observe_job_end` once when the job ends; `observe_prefill` whenever any request (of a
+    job or not) finished with a prefill timed. `warm_start` and `load_state` come before any
     of these; `state` at any time (the policy saves it at shutdown).
     """
 
@@ -120,6 +121,11 @@ class TTLEstimator(Protocol):
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
         """The job ended after `num_turns` turns."""
+        ...
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """The engine prefilled `num_tokens` tokens of a prompt in `seconds`, from admission
+        to first token, under whatever load it had: what rebuilding a context costs now."""
         ...
 
     def warm_start(self, jobs: Iterable[TraceJob]) -> None:
@@ -150,6 +156,9 @@ class ObservationSink:
         pass
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
+        pass
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         pass
 
     def warm_start(self, jobs: Iterable[TraceJob]) -> None:

@@ -11,7 +11,10 @@ overall but at most K for `f`, the pooled CDF of all tools is used. With a fitte
 
 `R` is the paper's by default (`rebuild_cost="prefill"`): the prefill time of `r` tokens, or,
 when the engine has a host KV tier that can hold `r` tokens (`reload_cost`), the time to load
-them back from it (a pin that expires or is released leaves its blocks there). An
+them back from it (a pin that expires or is released leaves its blocks there). The prefill
+time is the start-up fit (`prefill_fit="start-up"`: prefills timed alone, or a profile), or,
+as an option, that fit refitted on the prefills the engine reports under load
+(`prefill_fit="under-load"`, `observe_prefill`; see `estimator.cost_model`). An
 option, `rebuild_cost="prefill-times-running"`, multiplies it by 1 + the other requests
 running when the turn finished (`ToolCall.num_running_requests`), since in an engine that
 batches prefill and decode tokens into one step a rebuild lengthens their steps too;
@@ -43,7 +46,12 @@ from estimator.base import (
     clamp_count,
     clamp_seconds,
 )
-from estimator.cost_model import PLAUSIBILITY_CONTEXT_TOKENS, HostReloadCost, PrefillCostModel
+from estimator.cost_model import (
+    PLAUSIBILITY_CONTEXT_TOKENS,
+    HostReloadCost,
+    PrefillCostModel,
+    PrefillCostUnderLoad,
+)
 from estimator.history import ToolDurationHistory
 from estimator.predictor import (
     CallFeatures,
@@ -71,13 +79,17 @@ DEFAULT_MAX_TTL_S = 600.0
 
 RebuildCost = Literal["prefill", "prefill-times-running"]
 REBUILD_COSTS: tuple[RebuildCost, ...] = ("prefill", "prefill-times-running")
+PrefillFit = Literal["start-up", "under-load"]
+PREFILL_FITS: tuple[PrefillFit, ...] = ("start-up", "under-load")
 
 
 class Eq2Estimator:
     """Owned by one policy (single-threaded); see the module docstring for the rule.
 
     `prefill_cost` prices `R` (None: R = 0), as `rebuild_cost` says, except for contexts the
-    host tier holds, which `reload_cost` prices (None: no tier); `pin_cost` says what a
+    host tier holds, which `reload_cost` prices (None: no tier); with
+    `prefill_fit="under-load"` (and a `prefill_cost`), the fit of the prefills observed under
+    load replaces `prefill_cost` once there is one; `pin_cost` says what a
     pin is charged (see the module docstring); `max_ttl_s` caps every TTL; `predictor`, once
     fitted, replaces the empirical CDF; `max_records` bounds the finished calls kept to
     (re)train it. With `refit_every`, a copy of the predictor is retrained on the records
@@ -100,6 +112,7 @@ class Eq2Estimator:
         max_records: int = 20_000,
         refit_every: int | None = None,
         refit_in_background: bool = True,
+        prefill_fit: PrefillFit = "start-up",
     ) -> None:
         self.history = ToolDurationHistory() if history is None else history
         if not 0 <= cold_start_samples < self.history.max_samples:
@@ -111,6 +124,8 @@ class Eq2Estimator:
             raise ValueError(f"rebuild_cost must be one of {REBUILD_COSTS}, got {rebuild_cost!r}")
         if pin_cost not in PIN_COSTS:
             raise ValueError(f"pin_cost must be one of {PIN_COSTS}, got {pin_cost!r}")
+        if prefill_fit not in PREFILL_FITS:
+            raise ValueError(f"prefill_fit must be one of {PREFILL_FITS}, got {prefill_fit!r}")
         if not (max_ttl_s > 0 and math.isfinite(max_ttl_s)):
             raise ValueError(f"max_ttl_s must be a positive finite number, got {max_ttl_s!r}")
         self.cold_start_samples = cold_start_samples
@@ -118,6 +133,9 @@ class Eq2Estimator:
         self.reload_cost = reload_cost
         self.rebuild_cost = rebuild_cost
         self.pin_cost = pin_cost
+        self.prefill_fit = prefill_fit
+        self.prefill_under_load = (PrefillCostUnderLoad() if prefill_fit == "under-load"
+                                   else None)
         self.max_ttl_s = float(max_ttl_s)
         self.predictor = predictor
         self.queueing_delay = SlidingMean(queueing_window)
@@ -163,7 +181,10 @@ class Eq2Estimator:
                     else self.reload_cost.cost_s(num_context_tokens))
         if reload_s is not None:
             return reload_s
-        return 0.0 if self.prefill_cost is None else self.prefill_cost.cost_s(num_context_tokens)
+        if self.prefill_cost is None:
+            return 0.0
+        observed = None if self.prefill_under_load is None else self.prefill_under_load.model
+        return (self.prefill_cost if observed is None else observed).cost_s(num_context_tokens)
 
     def _cdf(self, call: ToolCall) -> tuple[DurationCDF, str, int]:
         if self.predictor is not None and self.predictor.is_fitted:
@@ -202,6 +223,11 @@ class Eq2Estimator:
         """A turn that came back without its KV waited `delay_s` seconds (clamped into [0,
         `MAX_OBSERVED_S`]; NaN is ignored)."""
         self.queueing_delay.add(delay_s)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Refits R on it with `prefill_fit="under-load"`; ignored otherwise."""
+        if self.prefill_under_load is not None:
+            self.prefill_under_load.observe(num_tokens, seconds)
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
         """The job ended after `num_turns` turns (counted up to `MAX_JOB_TURNS`)."""
@@ -319,6 +345,7 @@ class Eq2Estimator:
                                         max_pending=self.history.max_pending),
             queueing_window=self.queueing_delay.window, max_records=self.records.maxlen or 1,
             refit_every=self.refit_every, refit_in_background=self.refit_in_background,
+            prefill_fit=self.prefill_fit,
         )
 
     def _apply_state(self, state: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from estimator.base import TTLEstimator
 from estimator.cost_model import HostReloadCost, PrefillCostModel
-from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, RebuildCost
+from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, PrefillFit, RebuildCost
 from estimator.fixed import FixedTTLEstimator
 from estimator.learned import QuantileBoostingPredictor
 from estimator.solver import PinCost
@@ -25,13 +25,15 @@ class EstimatorSettings:
     """What every estimator may be built with: `prefill_cost` prices rebuilding a context
     (None: R = 0) as `rebuild_cost` says, `reload_cost` reloading one the host tier holds
     (None: no tier); `pin_cost` is what Eq. 2 charges a pin; `max_ttl_s` caps Eq. 2's
-    TTLs."""
+    TTLs; `prefill_fit` says whether `prefill_cost` is refitted on the prefills observed
+    under load."""
 
     prefill_cost: PrefillCostModel | None = None
     reload_cost: HostReloadCost | None = None
     rebuild_cost: RebuildCost = "prefill"
     pin_cost: PinCost = "ttl"
     max_ttl_s: float = DEFAULT_MAX_TTL_S
+    prefill_fit: PrefillFit = "start-up"
 
 
 def _fixed(settings: EstimatorSettings) -> TTLEstimator:

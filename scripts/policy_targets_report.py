@@ -1,6 +1,7 @@
 """Judges issue 36's policy targets on the `bench sim` JSONs of `scripts/policy_targets.sh`.
 
 Usage: python scripts/policy_targets_report.py DIR_OR_JSON... [--candidate LABEL ...]
+                                                [--variant OPTIONS]
 
 A cell is one (set, profile, workload, jobs drawn, seed, load): the runs of one `bench sim`
 JSON at one `jobs_per_s`. A file in a folder named `tuning` (below a folder named) belongs
@@ -12,6 +13,11 @@ against the ladder's runs:
 - fixed: mean JCT at most 1.02 x continuum-fixed's;
 - fcfs: mean JCT at most 1.01 x fcfs's (never worse, 1 % of noise);
 - recompute: recomputed tokens at most max(1.2 x fcfs's, fcfs's + 1,000).
+
+With `--variant OPTIONS` (such as `prefill_fit=under-load`), the ladder is judged as it would
+run with those options as its defaults: in every cell, a run labelled `NAME:OPTIONS` for a
+ladder policy NAME stands for NAME (replacing NAME's own run; fcfs, which takes no options,
+stays as it is).
 
 Prints markdown: a summary (cells met of those judged, and the missed ones, per set,
 candidate and target), then a table per target listing every cell with its figures, then
@@ -164,6 +170,16 @@ def load_cells(files: Iterable[tuple[Path, str]]) -> tuple[list[Cell], list[str]
     return [cells[key] for key in sorted(cells)], notes
 
 
+def apply_variant(cells: Sequence[Cell], options: str) -> None:
+    """Makes each cell's runs labelled `NAME:options` (NAME in the ladder) NAME's runs."""
+    suffix = ":" + options
+    for cell in cells:
+        for label, run in list(cell.runs.items()):
+            base = label.removesuffix(suffix)
+            if base != label and base in LADDER:
+                cell.runs[base] = run
+
+
 def default_candidates(cells: Sequence[Cell]) -> list[str]:
     """`continuum`, then every label beyond the ladder in first-seen order."""
     labels = dict.fromkeys(label for cell in cells for label in cell.runs)
@@ -240,8 +256,12 @@ def runs_lines(cells: Sequence[Cell]) -> list[str]:
     return _markdown(["set", *CELL_COLUMNS, *labels], rows)
 
 
-def report(cells: Sequence[Cell], candidates: Sequence[str], notes: Sequence[str]) -> str:
+def report(cells: Sequence[Cell], candidates: Sequence[str], notes: Sequence[str],
+           variant: str | None = None) -> str:
     lines = ["# Issue 36's policy targets", ""]
+    if variant is not None:
+        lines += [f"The ladder with `{variant}`: runs labelled `NAME:{variant}` stand for NAME.",
+                  ""]
     if not cells:
         return "\n".join([*lines, "No bench sim runs found.", *notes]) + "\n"
     sets = [s for s in SETS if any(cell.key.set_name == s for cell in cells)]
@@ -265,10 +285,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--candidate", action="append", default=None, metavar="LABEL",
                         help="a policy spec to judge, as its runs are labelled (repeatable; "
                              "default: continuum and every spec beyond the ladder)")
+    parser.add_argument("--variant", default=None, metavar="OPTIONS",
+                        help="judge the ladder run with these options (runs labelled "
+                             "NAME:OPTIONS stand for the ladder's NAME)")
     args = parser.parse_args(argv)
     cells, notes = load_cells(json_files(args.paths))
+    if args.variant is not None:
+        apply_variant(cells, args.variant)
     candidates = args.candidate or default_candidates(cells)
-    sys.stdout.write(report(cells, candidates, notes))
+    sys.stdout.write(report(cells, candidates, notes, args.variant))
     return 0
 
 

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _trace_bytes_per_step(scheduler: Scheduler, trace_path: str | None) -> float | None:
     if trace_path is None:
         return None
-    scheduler.close_trace()
+    scheduler.close_subscribers()
     return os.path.getsize(trace_path) / max(1, scheduler.step_id)
 
 

@@ -177,7 +177,7 @@ class EngineCore:
             self.scheduler.policy.on_shutdown()
         finally:
             self.structured_outputs.shutdown()
-            self.scheduler.close_trace()
+            self.scheduler.close_subscribers()
             self.executor.shutdown()
 
     # Structured outputs.

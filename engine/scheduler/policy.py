@@ -1,9 +1,10 @@
 """The scheduling policy interface: the scheduler is mechanism, a policy object decides.
 
 A policy decides the order of waiting requests, whether a finished turn's blocks are retained
-(pinned, with a TTL), which running request or pin gives way under memory pressure, and which
-pins to release so that a waiting request can be admitted. The scheduler calls it and acts on
-what its hooks return; the policy acts on the scheduler only through `SchedulerView`.
+(pinned, with a TTL), which running request or pin gives way under memory pressure, which
+pins to release so that a waiting request can be admitted, and which pins have run out. The
+scheduler calls it and carries out what its hooks return; the policy only reads the
+scheduler (`SchedulerView`) and acts on nothing but its own books.
 """
 
 from __future__ import annotations
@@ -13,27 +14,49 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
+from engine.kv_cache.pins import Pin, PinTable
 from engine.request import Request
 from engine.scheduler.options import parse_policy_options
 from engine.scheduler.request_queue import RequestQueue
-from tracing.records import TTLInputs
 
 Victim = Request | Pin
 JobBooks = dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionInputs:
+    """Why a policy chose a TTL (`ttl_s`, before anything overruled it; 0: do not pin) for a
+    finished turn that called `tool`, for whoever records it (the trace).
+
+    `source` names the rule: for Eq. 2 the distribution that decided (`cold-start`, `tool`,
+    `pooled`, `learned`), else the policy's rule (`fixed`, `constant`, `until-next-turn`,
+    `no-tool-call`; InferCept with swap: `preserve`, `discard` or `swap`). Eq. 2's inputs,
+    when it decided: `num_samples` of the distribution, `queueing_delay_s` (T), `eta`,
+    `rebuild_s` (R) and `benefit_s` (T * eta + R). `declined_by` names what overruled a
+    positive TTL (`pin-cap`: the pins' share of the pool was full)."""
+
+    ttl_s: float | None
+    source: str
+    tool: str | None = None
+    num_samples: int | None = None
+    queueing_delay_s: float | None = None
+    eta: float | None = None
+    rebuild_s: float | None = None
+    benefit_s: float | None = None
+    declined_by: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Retention:
     """A policy's decision on a finished turn of a job: pin its cached blocks for `ttl_s`
     seconds (> 0; `math.inf` holds them until released), or not at all (0). `inputs` say
-    why, for the trace (a pin is then traced as pinned or declined). `offload`: when not
-    pinned, whether the blocks freed go to the host tier (if the engine has one) or are
-    left to be recomputed. `release_job_ids`: the jobs whose pins the scheduler releases
-    (PRESSURE) before pinning, to make room for the new pin."""
+    why, for the scheduler's event stream (a pin is then traced as pinned or declined).
+    `offload`: when not pinned, whether the blocks freed go to the host tier (if the engine
+    has one) or are left to be recomputed. `release_job_ids`: the jobs whose pins the
+    scheduler releases (PRESSURE) before pinning, to make room for the new pin."""
 
     ttl_s: float
-    inputs: TTLInputs
+    inputs: RetentionInputs
     offload: bool = True
     release_job_ids: tuple[str, ...] = ()
 
@@ -44,6 +67,17 @@ class Retention:
     @property
     def pins(self) -> bool:
         return self.ttl_s > 0
+
+
+@dataclass(frozen=True, slots=True)
+class SweepDecision:
+    """A policy's time-driven upkeep (`SchedulingPolicy.sweep`): `expired_pins`, live pins
+    whose TTL ran out, which the scheduler releases (EXPIRED) in this order; and
+    `forgotten_job_ids`, the jobs the policy dropped from its books (idle past its timeout,
+    counting those pins as released), in the order it did so."""
+
+    expired_pins: tuple[Pin, ...] = ()
+    forgotten_job_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,7 +100,7 @@ class PolicyEnvironment:
 
 
 class SchedulerView(Protocol):
-    """What a policy may see of the scheduler (read-only) and the one action it may take."""
+    """What a policy may see of the scheduler (read-only)."""
 
     @property
     def running(self) -> list[Request]:
@@ -103,10 +137,6 @@ class SchedulerView(Protocol):
         """What the engine offers beyond the scheduler's state."""
         ...
 
-    def release_pin(self, job_id: str, reason: PinReleaseReason) -> Pin | None:
-        """Releases the job's pin (for example on TTL expiry); its blocks become evictable."""
-        ...
-
 
 class SchedulingPolicy(Protocol):
     """Decisions the scheduler delegates. Times are seconds on the scheduler's clock.
@@ -114,11 +144,12 @@ class SchedulingPolicy(Protocol):
     Built by the registry with `from_options` (a classmethod: the policy's options, validated
     into its own frozen config). Call order: `bind` once at scheduler construction; `sweep`
     at the start of every `schedule()` and, while no request is unfinished, on a timer
-    between steps (`Scheduler.sweep`); `on_step_start` at the start of every `schedule()`,
-    after `sweep`; `on_request_arrived` from `add_request`, before the request joins the
-    waiting queue; `on_request_admitted` after a waiting request took its blocks and its
-    job's pin was released (`on_pin_released` with reason REUSED comes first);
-    `expired_pins` at the end of planning every step;
+    between steps (`Scheduler.sweep`); `new_waiting_queue` once, for the queue the scheduler
+    then owns (it tells it the time at every step start, after `sweep`);
+    `on_request_arrived` from `add_request`, before the request joins the waiting queue;
+    `on_request_admitted` after a waiting request took its blocks and its job's pin was
+    released (`on_pin_released` with reason REUSED comes first); `expired_pins` at the end
+    of planning every step;
     `on_request_finished` for every finished request (aborts included), whose answer the
     scheduler carries out; `on_pin_added` and `on_pin_released` whenever the pin table
     changes, whatever the cause; `on_job_ended` when a job's last turn finished or the job
@@ -130,21 +161,14 @@ class SchedulingPolicy(Protocol):
 
     def new_waiting_queue(self) -> RequestQueue: ...
 
-    def sweep(self, now_s: float) -> Sequence[str]:
-        """Time-driven upkeep: release pins past their deadline (through
-        `SchedulerView.release_pin`) and forget jobs idle beyond the policy's timeout; returns
-        the ids of the jobs forgotten, in the order they were.
+    def sweep(self, now_s: float) -> SweepDecision:
+        """Time-driven upkeep: which pins past their deadline the scheduler releases, and
+        which jobs idle beyond the policy's timeout the policy forgot (from its own books).
 
         Called by the scheduler at the start of every step and, while no request is
         unfinished, between steps at most once per sweep interval of the engine core's idle
         loop (`EngineCoreProc.SWEEP_INTERVAL_S`; no model step runs then). `now_s` is the
-        scheduler's clock (seconds). Must not touch requests; a sweep with nothing due must
-        change nothing."""
-        ...
-
-    def on_step_start(self, now_s: float) -> None:
-        """A step is being planned (after its `sweep`): per-step work such as moving queue
-        cut-offs. `now_s` is the scheduler's clock (seconds)."""
+        scheduler's clock (seconds). A sweep with nothing due must change nothing."""
         ...
 
     def on_request_arrived(self, request: Request, now_s: float) -> None: ...
@@ -234,11 +258,8 @@ class BasePolicy:
     def bind(self, scheduler: SchedulerView) -> None:
         self.scheduler = scheduler
 
-    def sweep(self, now_s: float) -> Sequence[str]:
-        return ()
-
-    def on_step_start(self, now_s: float) -> None:
-        pass
+    def sweep(self, now_s: float) -> SweepDecision:
+        return SweepDecision()
 
     def on_request_arrived(self, request: Request, now_s: float) -> None:
         pass

@@ -1,12 +1,14 @@
 """Waiting queues: the order in which waiting requests are considered for admission.
 
-A policy creates the queue the scheduler uses (`SchedulingPolicy.new_waiting_queue`).
+A policy builds the queue (`SchedulingPolicy.new_waiting_queue`, its order); the scheduler
+owns it: only the scheduler adds, removes and tells it the time, and policies read it through
+`SchedulerView.waiting`. Every queue counts its requests per job.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection, Iterator
 from typing import Protocol
 
@@ -30,22 +32,60 @@ class RequestQueue(Protocol):
 
     def remove_requests(self, requests: Collection[Request]) -> None: ...
 
+    def advance_to(self, now_s: float) -> None:
+        """The scheduler's clock at the start of a step (seconds), before its first peek: a
+        queue whose order changes as requests wait (wait bounds, aging) reorders here."""
+        ...
+
+    def num_waiting(self, job_id: str) -> int:
+        """Waiting requests of the job."""
+        ...
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Request]: ...
 
 
-class FCFSRequestQueue:
+class JobCountingQueue:
+    """What every queue shares: waiting requests counted per job, and an order that does not
+    change with time (`advance_to` does nothing). Subclasses call `_count` / `_uncount` as
+    requests enter and leave."""
+
+    def __init__(self) -> None:
+        self._job_counts: Counter[str] = Counter()
+
+    def advance_to(self, now_s: float) -> None:
+        pass
+
+    def num_waiting(self, job_id: str) -> int:
+        return self._job_counts.get(job_id, 0)
+
+    def _count(self, request: Request) -> None:
+        if request.job_id is not None:
+            self._job_counts[request.job_id] += 1
+
+    def _uncount(self, request: Request) -> None:
+        job_id = request.job_id
+        if job_id is not None:
+            self._job_counts[job_id] -= 1
+            if not self._job_counts[job_id]:
+                del self._job_counts[job_id]
+
+
+class FCFSRequestQueue(JobCountingQueue):
     """First come, first served; preempted requests go back to the head."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._queue: deque[Request] = deque()
 
     def add_request(self, request: Request) -> None:
         self._queue.append(request)
+        self._count(request)
 
     def prepend_request(self, request: Request) -> None:
         self._queue.appendleft(request)
+        self._count(request)
 
     def peek_request(self) -> Request:
         if not self._queue:
@@ -57,10 +97,17 @@ class FCFSRequestQueue:
             self._queue.popleft()
         else:
             self._queue.remove(request)
+        self._uncount(request)
 
     def remove_requests(self, requests: Collection[Request]) -> None:
         doomed = {id(request) for request in requests}
-        self._queue = deque(r for r in self._queue if id(r) not in doomed)
+        kept: deque[Request] = deque()
+        for request in self._queue:
+            if id(request) in doomed:
+                self._uncount(request)
+            else:
+                kept.append(request)
+        self._queue = kept
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -69,13 +116,14 @@ class FCFSRequestQueue:
         return iter(self._queue)
 
 
-class PriorityRequestQueue:
+class PriorityRequestQueue(JobCountingQueue):
     """Lowest `priority` value first, then earliest arrival (vLLM's priority order).
 
     Preempted requests re-enter by their key like any other.
     """
 
     def __init__(self) -> None:
+        super().__init__()
         self._heap: list[tuple[int, float, str, Request]] = []
 
     @staticmethod
@@ -84,6 +132,7 @@ class PriorityRequestQueue:
 
     def add_request(self, request: Request) -> None:
         heapq.heappush(self._heap, self._entry(request))
+        self._count(request)
 
     def prepend_request(self, request: Request) -> None:
         self.add_request(request)
@@ -96,11 +145,15 @@ class PriorityRequestQueue:
     def remove_request(self, request: Request) -> None:
         if self._heap and self._heap[0][3] is request:
             heapq.heappop(self._heap)
+            self._uncount(request)
             return
         self.remove_requests([request])
 
     def remove_requests(self, requests: Collection[Request]) -> None:
         doomed = {id(request) for request in requests}
+        for entry in self._heap:
+            if id(entry[3]) in doomed:
+                self._uncount(entry[3])
         self._heap = [entry for entry in self._heap if id(entry[3]) not in doomed]
         heapq.heapify(self._heap)
 

@@ -20,9 +20,12 @@ def apply_runner_output(
     runner_output: ModelRunnerOutput,
     requests: Mapping[str, Request],
     max_model_len: int,
+    now_s: float,
 ) -> tuple[list[EngineCoreOutput], list[Request]]:
     """Appends each scheduled request's sampled tokens up to its stop condition; returns the
-    outputs to report and the requests that stopped (their status already finished).
+    outputs to report and the requests that stopped (their status already finished). A
+    request's first output token stamps its `first_token_at_s` with `now_s` (the step's end
+    on the scheduler's clock).
 
     Requests no longer in `requests` (aborted since) are skipped, and so are those whose
     prefill is still partial unless the step computed prompt logprobs for them (their output
@@ -47,6 +50,8 @@ def apply_runner_output(
                     prompt_logprobs=prompt_logprobs,
                 ))
             continue
+        if request.first_token_at_s is None:
+            request.first_token_at_s = now_s
         new_token_ids = _append_output(request, token_ids, max_model_len)
         if request.status.is_finished:
             stopped.append(request)

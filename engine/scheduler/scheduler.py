@@ -7,7 +7,7 @@ Mechanism only. Order, retention, victims and pin releases for admission are del
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine.clock import Clock
 from engine.config import CacheConfig, SchedulerConfig, check_pool_fits_one_sequence
@@ -17,7 +17,7 @@ from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.kv_cache.transfers import KVTransfers
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
-from engine.scheduler import invariants
+from engine.scheduler import events, invariants
 from engine.scheduler.job_inference import InferredJob, JobInference
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import PolicyEnvironment, Retention, SchedulingPolicy
@@ -25,7 +25,6 @@ from engine.scheduler.request_queue import RequestQueue
 from engine.scheduler.runner_output import apply_runner_output
 from engine.scheduler.step_plan import Admission, StepPlan, emit
 from engine.scheduler.sweep import Sweep
-from engine.scheduler.trace_state import start_trace, trace_step_start
 from engine.scheduler.tracer import SchedulerTracer
 
 
@@ -35,11 +34,11 @@ class Scheduler:
     Called by the engine core, once per step: `schedule()`, then (after the executor ran the
     step) `update_from_output()`. `add_request` and `finish_requests` (abort) may be called
     between steps, and `sweep` (time-driven upkeep) while no request is unfinished. Times
-    come from the injected `clock` (seconds). With a `tracer`, every step and event is
-    recorded (its header is written here; `close_trace` at shutdown). With
-    `num_host_kv_blocks` > 0, evictable KV is stored to a host tier of that many blocks and
-    prefixes found there are loaded back; each step's output carries its copies
-    (`SchedulerOutput.kv_transfers`).
+    come from the injected `clock` (seconds). Everything that happens is emitted to one
+    event stream (`events`, see `engine.scheduler.events`); a `tracer` given here is
+    subscribed to it (`close_subscribers` at shutdown). With `num_host_kv_blocks` > 0,
+    evictable KV is stored to a host tier of that many blocks and prefixes found there are
+    loaded back; each step's output carries its copies (`SchedulerOutput.kv_transfers`).
     """
 
     def __init__(
@@ -86,9 +85,10 @@ class Scheduler:
             cache_config.block_size, max_turns=scheduler_config.job_inference_max_turns,
             max_age_s=scheduler_config.job_inference_max_age_s,
         )
+        self.events = events.SchedulerEvents()
         self._tracer = tracer
         if tracer is not None:
-            start_trace(tracer, self)
+            self.subscribe(tracer)
         policy.bind(self)
 
     # SchedulerView: what policies may see.
@@ -120,7 +120,21 @@ class Scheduler:
     # Not part of the policy's view.
     @property
     def tracer(self) -> SchedulerTracer | None:
-        return self._tracer
+        """The tracer given at construction, while it is subscribed (None once tracing
+        stopped)."""
+        return self._tracer if self._tracer in self.events.subscribers else None
+
+    def subscribe(self, subscriber: events.SchedulerSubscriber) -> None:
+        """Subscribes to the event stream from now on (ValueError if the subscriber
+        refuses, as a tracer whose file cannot be created does)."""
+        policy = self.policy
+        self.events.subscribe(subscriber, events.SchedulerStarted(
+            policy_name=f"{type(policy).__module__}.{type(policy).__qualname__}",
+            clock_origin_s=self.clock(), num_kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs, first_step=self.step_id,
+        ))
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -153,11 +167,10 @@ class Scheduler:
         self.policy.on_request_arrived(request, now_s)
         self._requests[request.request_id] = request
         self._waiting.add_request(request)
-        if self._tracer is not None:
-            self._tracer.request_arrived(
-                request, now_s,
-                inferred_from=None if inferred is None else inferred.continues_request_id,
-            )
+        self.events.emit(events.RequestArrived(
+            request, now_s,
+            inferred_from=None if inferred is None else inferred.continues_request_id,
+        ))
 
     def check_new_request(self, request: Request) -> None:
         """ValueError if `add_request` would refuse `request`. A caller that holds a request
@@ -180,21 +193,34 @@ class Scheduler:
         """Plans one step: running requests first, then waiting ones if no running request
         was preempted or left waiting for memory; then pins past their end are released."""
         now_s = self.clock()
-        if self._tracer is not None:
-            trace_step_start(self._tracer, self, now_s)
-        self.policy.sweep(now_s)
+        self.events.emit(self._step_started(now_s))
+        self._sweep_policy(now_s)
         self._sweep_inferred_jobs(now_s)
-        self.policy.on_step_start(now_s)
+        self._waiting.advance_to(now_s)
         plan = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted and not plan.stalled:
             self._schedule_waiting(plan, now_s)
         self._expire_pins(now_s)
         transfers = self.kv_cache_manager.take_transfers()
-        if self._tracer is not None:
-            self._tracer.step_planned(plan.admitted, plan.num_scheduled_tokens,
-                                      plan.total_num_scheduled_tokens, transfers, now_s)
+        self.events.emit(events.StepPlanned(plan.admitted, plan.num_scheduled_tokens,
+                                            plan.total_num_scheduled_tokens, transfers, now_s))
         return self._emit(plan, transfers)
+
+    def _step_started(self, now_s: float) -> events.StepStarted:
+        """The state entering the step: requests, the block pool and the pins."""
+        pool = self.kv_cache_manager.block_pool
+        return events.StepStarted(
+            self.step_id, now_s, self._running, self._waiting,
+            events.PoolState(
+                num_total_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
+                num_cached_free_blocks=pool.num_cached_free_blocks,
+                num_pinned_blocks=self._pins.num_pinned_blocks,
+                pinned_job_ids=[pin.job_id for pin in self._pins],
+            ),
+            token_budget=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+        )
 
     def sweep(self) -> Sweep:
         """Time-driven upkeep between steps, without a step: the policy releases the pins
@@ -205,15 +231,15 @@ class Scheduler:
         whose latest turn aged out of the job inference table end here too (and count as
         forgotten).
 
-        No step is recorded in the trace: the pins it releases are (as `pin_released` events
-        of the next step number, flushed here); a sweep that did nothing writes nothing.
+        No step is emitted: the pins it releases are (`PinReleased`, then `Flushed`); a
+        trace records them as events of the next step number, and a sweep that did nothing
+        writes nothing.
         """
         pins_before = list(self._pins)
         now_s = self.clock()
-        forgotten_job_ids = (*self.policy.sweep(now_s), *self._sweep_inferred_jobs(now_s))
+        forgotten_job_ids = (*self._sweep_policy(now_s), *self._sweep_inferred_jobs(now_s))
         released_pins = tuple(pin for pin in pins_before if self._pins.get(pin.job_id) is not pin)
-        if self._tracer is not None and not self._tracer.flush():
-            self.close_trace()
+        self.events.emit(events.Flushed())
         return Sweep(released_pins, forgotten_job_ids)
 
     def update_from_output(
@@ -221,14 +247,14 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Completes the step's host-tier copies, appends sampled tokens, applies stop
         conditions and finishes stopped requests."""
+        now_s = self.clock()
         self.kv_cache_manager.complete_transfers()
         outputs, stopped = apply_runner_output(
-            scheduler_output, runner_output, self._requests, self.config.max_model_len
+            scheduler_output, runner_output, self._requests, self.config.max_model_len, now_s
         )
         if stopped:
-            self._retire(stopped)
-        if self._tracer is not None and not self._tracer.end_step():
-            self.close_trace()
+            self._retire(stopped, now_s)
+        self.events.emit(events.StepEnded())
         return outputs
 
     def finish_requests(
@@ -268,15 +294,13 @@ class Scheduler:
             self._job_inference.forget(job_id)
         now_s = self.clock()
         self.policy.on_job_ended(job_id, now_s)
-        if self._tracer is not None:
-            self._tracer.job_ended(job_id, reason.value, now_s)
+        self.events.emit(events.JobEnded(job_id, reason.value, now_s))
         return pin
 
-    def close_trace(self) -> None:
-        """Flushes and closes the trace, if any; the scheduler traces nothing more."""
-        tracer, self._tracer = self._tracer, None
-        if tracer is not None:
-            tracer.close()
+    def close_subscribers(self) -> None:
+        """Closes every subscriber of the event stream (a tracer flushes and closes its
+        file); none receives anything more."""
+        self.events.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets all cached prefixes, the host tier's too; False (no change) while any
@@ -324,10 +348,20 @@ class Scheduler:
                 return None
         return new_blocks
 
+    def _sweep_policy(self, now_s: float) -> tuple[str, ...]:
+        """Carries out the policy's sweep: releases the pins it says ran out; returns the
+        jobs it forgot."""
+        decision = self.policy.sweep(now_s)
+        self._release_expired(decision.expired_pins)
+        return decision.forgotten_job_ids
+
     def _expire_pins(self, now_s: float) -> None:
         """Releases (EXPIRED) the pins the policy says are past their end, once the step's
         admissions have had their chance to reuse them."""
-        for pin in tuple(self.policy.expired_pins(now_s)):
+        self._release_expired(tuple(self.policy.expired_pins(now_s)))
+
+    def _release_expired(self, pins: Sequence[Pin]) -> None:
+        for pin in pins:
             if self._pins.get(pin.job_id) is not pin:
                 raise RuntimeError(f"policy expired the pin of job {pin.job_id!r}, which is "
                                    "not live")
@@ -339,8 +373,7 @@ class Scheduler:
         self.release_pin(pin.job_id, PinReleaseReason.PRESSURE)
 
     def _preempt(self, request: Request, plan: StepPlan, *, needed_by: Request) -> None:
-        if self._tracer is not None:
-            self._tracer.preempted(request, needed_by)
+        self.events.emit(events.Preempted(request, needed_by))
         self._running.remove(request)
         if request.request_id in plan.num_scheduled_tokens:
             plan.drop_continuing(request)
@@ -396,15 +429,15 @@ class Scheduler:
             dropped = self._dropped_tokens.pop(request.request_id, 0)
             self.recomputed_tokens += max(0, dropped - num_hit_tokens)
         self._waiting.remove_request(request)
-        if self._tracer is not None:
-            self._tracer.admitted(
-                request, hit, self._pins.get(request.job_id or ""),
-                resumed=request.status is RequestStatus.PREEMPTED, now_s=now_s,
-            )
+        self.events.emit(events.Admitted(
+            request, hit, self._pins.get(request.job_id or ""),
+            resumed=request.status is RequestStatus.PREEMPTED, now_s=now_s,
+        ))
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_hit_tokens
+            request.first_scheduled_at_s = now_s
         self._running.append(request)
         plan.admitted.append(request)
         plan.add(request, num_new_tokens)
@@ -453,10 +486,9 @@ class Scheduler:
         return output
 
     # Finishing.
-    def _retire(self, stopped: list[Request]) -> None:
+    def _retire(self, stopped: list[Request], now_s: float) -> None:
         stopped_ids = {request.request_id for request in stopped}
         self._running = [r for r in self._running if r.request_id not in stopped_ids]
-        now_s = self.clock()
         for request in stopped:
             self._finish(request, request.status, now_s)
 
@@ -467,8 +499,7 @@ class Scheduler:
         self._dropped_tokens.pop(request.request_id, None)
         self._finished_req_ids.add(request.request_id)
         retention = self.policy.on_request_finished(request, now_s)
-        if self._tracer is not None:
-            self._tracer.request_finished(request, now_s)
+        self.events.emit(events.RequestFinished(request, now_s))
         if not self._retain(request, retention, now_s):
             self.kv_cache_manager.free(request,
                                        offload=retention is None or retention.offload)
@@ -492,8 +523,7 @@ class Scheduler:
             if blocks:
                 pin = self._pins.add(request.job.job_id, request.request_id, blocks,
                                      now_s=now_s, ttl_s=self._pin_ttl_s(request, retention))
-        if self._tracer is not None:
-            self._tracer.retention_decided(request, pin, retention.inputs, now_s)
+        self.events.emit(events.RetentionDecided(request, pin, retention.inputs, now_s))
         return retention.pins
 
     def _pin_ttl_s(self, request: Request, retention: Retention) -> float:
@@ -526,8 +556,7 @@ class Scheduler:
 
     def _on_pin_released(self, pin: Pin) -> None:
         self.policy.on_pin_released(pin)
-        if self._tracer is not None:
-            self._tracer.pin_released(pin)
+        self.events.emit(events.PinReleased(pin))
 
     def check_invariants(self) -> None:
         """Asserts the scheduler's and the KV cache's invariants (`invariants.check_invariants`);

@@ -15,6 +15,7 @@ from estimator.eq2 import Eq2Estimator
 from estimator.fixed import FixedTTLEstimator
 from tests.continuum.harness import Harness
 from tests.continuum.test_policy import TTLByTool
+from tests.engine.helpers import run_step
 
 BASH_TURN = "THOUGHT: look for it.\n\n```bash\ncd /repo && grep -rn needle src/\n```"
 
@@ -91,10 +92,34 @@ def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
     ({"pin_yield_wait_s": "soon"}, "pin_yield_wait_s"),
     ({"max-job-age-s": "x"}, "max_job_age_s"),
     ({"ttl": "3"}, "unknown option 'ttl'"),
+    ({"prefill_fit": "online"}, "prefill_fit"),
+    ({"admission_headroom_blocks": "-1"}, "admission_headroom_blocks"),
+    ({"prefill_fit": "under-load", "prefill_profile": "none"}, "prefill_fit"),
 ])
 def test_bad_options_are_refused_with_their_name(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         continuum(**options)
+
+
+def test_r_is_refitted_on_the_prefills_the_engine_ran_under_load() -> None:
+    # Start-up prefills say 1 ms; here every step takes 1 s, so a 4-token prompt (one step)
+    # takes 1 s from admission to first token and a 12-token one (three 4-token chunks) 3 s.
+    environment = PolicyEnvironment(profile_prefill=lambda: [(4, 0.001), (12, 0.001)])
+    h = Harness(continuum(prefill_fit="under-load"), environment=environment,
+                max_num_batched_tokens=4, max_model_len=32, num_blocks=64)
+    estimator = h.policy.estimator.inner
+    assert estimator.rebuild_s(12) == pytest.approx(0.001, abs=1e-6)
+    for index in range(estimator.prefill_under_load.min_prefills):
+        length = 4 if index % 2 else 12
+        request = h.add(f"r{index}", [index * 100 + t for t in range(length)], max_tokens=1)
+        while not request.is_finished:
+            run_step(h.scheduler, h.runner, after_schedule=lambda *_: h.clock.advance(1.0))
+        assert request.uninterrupted_prefill == (length, length / 4)
+    assert estimator.rebuild_s(4) == pytest.approx(1.0, rel=1e-3)
+    assert estimator.rebuild_s(12) == pytest.approx(3.0, rel=1e-3)
+    start_up = Harness(continuum(), environment=environment).policy.estimator.inner
+    start_up.observe_prefill(12, 3.0)
+    assert start_up.prefill_under_load is None and start_up.rebuild_s(12) < 0.01
 
 
 def test_what_the_estimator_learned_is_saved_at_shutdown(tmp_path) -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from continuum.options import ContinuumOptions
+from continuum.policy import ContinuumPolicy
 from engine.kv_cache.pins import PinReleaseReason
 from engine.scheduler.registry import make_policy
+from estimator.base import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
 
 JOB_AWARE_POLICIES = ["job-fcfs", "continuum", "continuum-fixed", "infercept", "autellix"]
@@ -38,6 +41,23 @@ def test_a_finished_job_leaves_the_table_through_the_sweep_with_no_step(policy_n
     assert h.scheduler.step_id == step_id  # no step ran: no request came either
     h.scheduler.check_invariants()
     assert not h.scheduler.sweep()  # and nothing is left to sweep
+
+
+def test_the_policys_sweep_decides_and_the_scheduler_releases() -> None:
+    h = Harness(ContinuumPolicy(ContinuumOptions(job_idle_timeout_s=IDLE_TIMEOUT_S),
+                                estimator=ConstantTTLEstimator(2.0)))
+    h.add("t1", tokens(1, 10), job="J")
+    h.run_until_finished("t1")
+    pin = h.pin("J")
+    assert pin is not None
+    now_s = max(IDLE_TIMEOUT_S, pin.deadline_s) + 1.0
+    decision = h.policy.sweep(now_s)
+    assert decision.expired_pins == (pin,) and decision.forgotten_job_ids == ("J",)
+    assert h.pin("J") is pin  # the policy only decided
+    h.clock.now_s = now_s
+    sweep = h.scheduler.sweep()
+    assert sweep.released_pins == (pin,) and h.pin("J") is None
+    h.scheduler.check_invariants()
 
 
 def test_the_sweep_keeps_a_job_with_a_waiting_turn_and_the_pin_that_turn_will_reuse() -> None:

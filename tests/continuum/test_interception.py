@@ -171,7 +171,7 @@ def evict_everything(h: Harness) -> None:
 def recorded(h: Harness) -> list:
     tracer = h.scheduler.tracer
     assert tracer is not None
-    h.scheduler.close_trace()
+    h.scheduler.close_subscribers()
     return read_trace(tracer.path).events
 
 

@@ -51,14 +51,20 @@ def test_equal_keys_keep_insertion_order_even_after_reentry() -> None:
 def program_queue(order: dict[str, int], pinned: set[str] | None = None,
                   arrival_s: dict[str, float] | None = None, *,
                   plain_by_arrival: bool = True) -> ProgramOrderQueue:
-    """A queue keyed by `order`; with `plain_by_arrival`, requests without a job are plain."""
+    """A queue keyed by `order`; with `plain_by_arrival`, requests without a job are plain.
+    Requests are overdue after MAX_WAIT_S, plain ones after MAX_PLAIN_WAIT_S."""
     arrival_s = arrival_s or {}
     return ProgramOrderQueue(
         lambda r: (order[r.request_id],),
         lambda r: (arrival_s.get(r.request_id, 0.0), order[r.request_id]),
         lambda: sorted(pinned or ()),
+        lambda now_s: (now_s - MAX_WAIT_S, now_s - MAX_PLAIN_WAIT_S),
         is_plain=(lambda r: r.job_id is None) if plain_by_arrival else None,
     )
+
+
+MAX_WAIT_S = 10.0
+MAX_PLAIN_WAIT_S = 5.0
 
 
 def test_program_order_queue_puts_preempted_then_pinned_jobs_first() -> None:
@@ -95,12 +101,12 @@ def test_requests_past_the_overdue_cutoff_go_first_in_arrival_order() -> None:
     for name in ("q", "j2", "p", "j1"):
         queue.add_request(items[name])
     assert [r.request_id for r in queue] == ["j1", "j2", "p", "q"]
-    queue.set_overdue_cutoff(2.5)  # p (1.0) and j1 (2.0) have waited past the bound
+    queue.advance_to(12.5)  # p (1.0) and j1 (2.0) have waited past the bound
     assert queue.peek_request() is items["p"]
     assert [r.request_id for r in queue] == ["p", "j1", "j2", "q"]
     queue.remove_request(items["p"])
     assert queue.peek_request() is items["j1"]
-    queue.set_overdue_cutoff(5.0)  # everyone is overdue: pure arrival order
+    queue.advance_to(15.0)  # everyone is overdue: pure arrival order
     queue.remove_request(items["j1"])
     assert [r.request_id for r in queue] == ["j2", "q"] and queue.peek_request() is items["j2"]
 
@@ -130,7 +136,7 @@ def test_a_request_without_a_job_goes_ahead_of_turns_that_arrived_after_it() -> 
     queue.remove_request(items["j1"])
     assert queue.peek_request() is items["p"]
     # Its own bound: once past it, a request without a job goes ahead of every other tier.
-    queue.set_overdue_cutoff(-1.0, plain_cutoff_s=4.0)
+    queue.advance_to(9.0)  # p (2.0) and q (4.0) waited 5 s; no turn waited 10 s
     assert [r.request_id for r in queue] == ["p", "q", "j2", "j3"]
     queue.remove_request(items["p"])
     assert queue.peek_request() is items["q"]

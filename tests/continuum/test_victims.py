@@ -16,6 +16,7 @@ from continuum.program_order import JobFCFSPolicy
 from engine.kv_cache.pins import Pin
 from engine.request import Request
 from engine.scheduler.policy import PolicyEnvironment
+from engine.scheduler.request_queue import FCFSRequestQueue, RequestQueue
 from tests.continuum.harness import Harness, tokens
 from tests.engine.helpers import make_request
 
@@ -43,7 +44,7 @@ class StubPins:
 class StubView:
     running: list[Request]
     pins: StubPins
-    waiting: list[Request] = field(default_factory=list)
+    waiting: RequestQueue = field(default_factory=FCFSRequestQueue)
     environment: PolicyEnvironment = field(default_factory=PolicyEnvironment)
     num_kv_blocks: int = 64
     block_size: int = 4
@@ -76,8 +77,8 @@ def bind(
                     pinned_at_s=float(index), ttl_s=10.0)
         for index, job_id in enumerate(pins.split())
     })
-    policy.bind(StubView(list(requests.values()), stub_pins))  # type: ignore[arg-type]
     queue = policy.new_waiting_queue()
+    policy.bind(StubView(list(requests.values()), stub_pins, queue))  # type: ignore[arg-type]
     for job_id in waiting_jobs.split():
         turn = make_request(f"{job_id}-next", [1, 2, 3], job_id=job_id)
         policy.on_request_arrived(turn, now_s=11.0)
@@ -305,4 +306,22 @@ def test_whole_prompt_admission_spares_a_prompt_that_would_stall_halfway(
     h.run_until_finished("a", "b")
     assert h.scheduler.num_preemptions == num_preemptions
     assert (h.scheduler.recomputed_tokens > 0) == (num_preemptions > 0)
+    assert h.admission_order()[1:] == ["b"] * (1 + num_preemptions)
+
+
+@pytest.mark.parametrize(("headroom_blocks", "num_preemptions"), [(0, 1), (1, 0)])
+def test_admission_headroom_keeps_room_for_the_running_requests_next_tokens(
+        headroom_blocks: int, num_preemptions: int) -> None:
+    # 16 blocks of 4 tokens, 8 tokens a step. "a" decodes to 48 tokens (12 blocks); "b", a
+    # 36-token prompt (9 blocks), arrives while "a" holds 7 and 9 are free: its whole prompt
+    # fits, so it starts, and "a"'s next block preempts it. With a block of headroom per
+    # running request, "b" waits for "a" to finish instead.
+    policy = JobFCFSPolicy(ProgramOrderOptions(admission_headroom_blocks=headroom_blocks))
+    h = Harness(policy, num_blocks=16, max_num_batched_tokens=8)
+    h.add("a", tokens(0, 24), max_tokens=24)
+    h.step(4)
+    assert len(h.scheduler.kv_cache_manager.get_block_ids("a")) == 7
+    h.add("b", tokens(100, 36), max_tokens=2)
+    h.run_until_finished("a", "b")
+    assert h.scheduler.num_preemptions == num_preemptions
     assert h.admission_order()[1:] == ["b"] * (1 + num_preemptions)

@@ -160,7 +160,7 @@ def replay(
             else:
                 heapq.heappush(arrivals, (clock() + tool_s, state.job_index,
                                           state.turn_index + 1, state.request.all_token_ids))
-    scheduler.close_trace()
+    scheduler.close_subscribers()
     result.num_preemptions = scheduler.num_preemptions
     result.recomputed_tokens = scheduler.recomputed_tokens
     result.num_pins_created = scheduler.pins.num_created

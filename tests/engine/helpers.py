@@ -11,10 +11,14 @@ from engine.request import JobInfo, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import PolicyEnvironment, Retention, SchedulingPolicy
+from engine.scheduler.policy import (
+    PolicyEnvironment,
+    Retention,
+    RetentionInputs,
+    SchedulingPolicy,
+)
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.tracer import SchedulerTracer
-from tracing.records import TTLInputs
 
 
 class FakeClock:
@@ -282,7 +286,7 @@ class PinningPolicy(FCFSPolicy):
     def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
         if request.job is None or request.status is RequestStatus.FINISHED_ABORTED:
             return None
-        return Retention(self.ttl_s, TTLInputs(ttl_s=self.ttl_s, source="test"))
+        return Retention(self.ttl_s, RetentionInputs(ttl_s=self.ttl_s, source="test"))
 
     def select_victim(self, request: Request):
         pins = list(self.scheduler.pins)

@@ -67,6 +67,19 @@ def test_the_default_rebuild_cost_is_the_papers_prefill_time() -> None:
         assert decision.rebuild_s == 0.4 and decision.ttl_s == 0.0  # not worth a pin
 
 
+def test_under_load_r_replaces_the_start_up_fit_once_fitted_and_is_not_saved() -> None:
+    estimator = estimator_with(rebuild_s=0.4, prefill_fit="under-load")
+    observed = estimator.prefill_under_load
+    for index in range(observed.min_prefills):
+        estimator.observe_prefill(1000 * (1 + index % 2), 2.0 * (1 + index % 2))
+    assert estimator.rebuild_s(1000) == pytest.approx(2.0, rel=1e-3)
+    assert estimator.decide(call("j", "ls")).rebuild_s == pytest.approx(2.0, rel=1e-3)
+    reloaded = estimator_with(rebuild_s=0.4, prefill_fit="under-load")
+    reloaded.load_state(json.loads(json.dumps(estimator.state())))
+    assert reloaded.rebuild_s(1000) == 0.4  # the load it measured need not be today's
+    assert reloaded.prefill_fit == "under-load"
+
+
 def test_the_stalled_rebuild_cost_counts_every_request_running_beside_it() -> None:
     estimator = estimator_with(rebuild_s=0.4, rebuild_cost="prefill-times-running")
     alone = estimator.decide(call("j", "ls"))

@@ -107,6 +107,27 @@ def test_tuning_runs_are_reported_apart_and_old_jsons_are_not_judged(tmp_path: P
     assert "skipped" in report and "status.json" in report
 
 
+def test_a_variant_judges_the_ladder_run_with_its_options(tmp_path: Path) -> None:
+    # The plain ladder: continuum misses the oracle bound (120 against 100). Run with the
+    # variant's option, continuum and its oracle both change, and it is within the bound.
+    variant = "prefill_fit=under-load"
+    runs = _ladder(2.0, fcfs=200.0, fixed=120.0, continuum=120.0, oracle=100.0,
+                   fcfs_recomputed=0, recomputed=0)
+    runs += [_run(f"continuum:{variant}", 2.0, 115.0, 0),
+             _run(f"continuum-oracle:{variant}", 2.0, 110.0, 0)]
+    _write_report(tmp_path / "heldout" / "swe-seed0.json", "swe", 0, runs)
+    cell = "held-out | h100-llama3.1-8b | swe | 300 | 0 | 2"
+    plain = _report(str(tmp_path), "--candidate", "continuum")
+    assert _row(plain, "oracle", "continuum", cell).endswith(
+        "| 120.0 | 100.0 | 1.200x (bound 1.1x) | **MISSED** |")
+    varied = _report(str(tmp_path), "--candidate", "continuum", "--variant", variant)
+    assert f"The ladder with `{variant}`" in varied
+    assert _row(varied, "oracle", "continuum", cell).endswith(
+        "| 115.0 | 110.0 | 1.045x (bound 1.1x) | met |")
+    assert _row(varied, "fcfs", "continuum", cell).endswith(
+        "| 115.0 | 200.0 | 0.575x (bound 1.01x) | met |")
+
+
 def test_no_runs_still_exits_0(tmp_path: Path) -> None:
     assert "No bench sim runs found." in _report(str(tmp_path))
 

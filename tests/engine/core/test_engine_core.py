@@ -15,11 +15,10 @@ from engine.core.engine_core import EngineCore
 from engine.core.wire import EngineStats
 from engine.request import FinishReason, JobInfo, RequestStatus
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import Retention
+from engine.scheduler.policy import Retention, RetentionInputs
 from estimator.eq2 import Eq2Estimator
 from tests.engine.core.conftest import SMALL_CONFIG, core_request
 from tests.engine.helpers import FakeClock
-from tracing.records import TTLInputs
 
 
 def run_to_completion(core: EngineCore) -> dict[str, list[int]]:
@@ -87,7 +86,7 @@ class RetainEveryTurn(FCFSPolicy):
     def on_request_finished(self, request, now_s):
         if request.job is None or request.status is RequestStatus.FINISHED_ABORTED:
             return None
-        return Retention(10.0, TTLInputs(ttl_s=10.0, source="test"))
+        return Retention(10.0, RetentionInputs(ttl_s=10.0, source="test"))
 
 
 def test_release_job_frees_a_pin_and_a_pin_alone_is_no_work_for_a_step() -> None:

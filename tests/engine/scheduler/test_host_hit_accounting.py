@@ -47,7 +47,7 @@ def test_a_prefix_loaded_from_the_host_tier_counts_as_cached(tmp_path: Path) -> 
     _run_alone(scheduler, runner, "first", FIRST_PROMPT)
     _run_alone(scheduler, runner, "other", OTHER_PROMPT)
     (final,) = _run_alone(scheduler, runner, "again", [*FIRST_PROMPT, 13, 14, 15, 16])
-    scheduler.close_trace()
+    scheduler.close_subscribers()
 
     # The whole first prompt was found again, some of it only in the host tier.
     assert final.num_cached_tokens == len(FIRST_PROMPT)

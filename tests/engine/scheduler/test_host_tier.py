@@ -15,7 +15,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.pins import PinReleaseReason
 from engine.request import Request
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import Retention
+from engine.scheduler.policy import Retention, RetentionInputs
 from tests.engine.helpers import (
     FakeClock,
     FakeRunner,
@@ -27,7 +27,6 @@ from tests.engine.helpers import (
     run_step,
     run_until_done,
 )
-from tracing.records import TTLInputs
 
 BLOCK_SIZE = 4
 
@@ -102,7 +101,7 @@ def test_a_block_is_stored_once_when_it_becomes_evictable_and_only_then():
 
 class _Discard(FCFSPolicy):
     def on_request_finished(self, request, now_s):
-        return Retention(0.0, TTLInputs(ttl_s=0.0, source="discard"), offload=False)
+        return Retention(0.0, RetentionInputs(ttl_s=0.0, source="discard"), offload=False)
 
 
 def test_a_discarding_retention_frees_without_storing():

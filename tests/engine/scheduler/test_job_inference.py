@@ -152,7 +152,7 @@ def test_an_aborted_continuation_gives_its_turn_back_and_an_aborted_first_turn_e
     scheduler.finish_requests(["lone"])
     scheduler.check_invariants()
     assert len(scheduler.job_inference) == 1  # the retry's turn; nothing of "lone"
-    scheduler.close_trace()
+    scheduler.close_subscribers()
     ended = [e.job_id for e in read_trace(path).events if isinstance(e, JobEnded)]
     assert ended == [lone.job_id]
 
@@ -275,7 +275,7 @@ def test_the_trace_records_the_inference_and_the_jobs_it_ends(tmp_path: Path):
                      is_last_step=True)
     clock.advance(6.0)
     scheduler.sweep()
-    scheduler.close_trace()
+    scheduler.close_subscribers()
 
     events = read_trace(path).events
     arrived = {e.request_id: e for e in events if isinstance(e, RequestArrived)}

@@ -1,7 +1,14 @@
 import pytest
 
 from engine.request import FinishReason, RequestStatus
-from tests.engine.helpers import FakeRunner, make_request, make_scheduler, run_step, run_until_done
+from tests.engine.helpers import (
+    FakeClock,
+    FakeRunner,
+    make_request,
+    make_scheduler,
+    run_step,
+    run_until_done,
+)
 
 
 def free_blocks(scheduler) -> int:
@@ -148,8 +155,31 @@ def test_preemption_recomputes_with_prefix_hits() -> None:
     # b's blocks were freed tail-first, so a's growth evicted b's suffix and its first
     # block survived as a prefix hit.
     assert resumed.num_computed_tokens == 4
+    assert victim.uninterrupted_prefill is None  # its prefill ran twice
     run_until_done(scheduler, runner)
     assert free_blocks(scheduler) == 6
+
+
+def test_a_prefill_is_timed_from_first_admission_to_first_token() -> None:
+    # Steps take 1 s (the clock moves while the runner runs). b's first 8 tokens are a's
+    # cached blocks; its other 8 take two 4-token chunks: admitted at 2 s, first token at 4 s.
+    clock = FakeClock()
+    scheduler = make_scheduler(clock=clock, max_num_batched_tokens=4, block_size=4)
+    runner = FakeRunner(4)
+
+    def step_runs(*_: object) -> None:
+        clock.advance(1.0)
+
+    scheduler.add_request(make_request("a", list(range(8)), max_tokens=1))
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, runner, after_schedule=step_runs)
+    b = make_request("b", list(range(16)), max_tokens=3)
+    scheduler.add_request(b)
+    assert b.uninterrupted_prefill is None
+    while scheduler.has_unfinished_requests():
+        run_step(scheduler, runner, after_schedule=step_runs)
+    assert (b.first_scheduled_at_s, b.first_token_at_s) == (2.0, 4.0)
+    assert b.num_cached_tokens == 8 and b.uninterrupted_prefill == (8, 2.0)
 
 
 def test_no_admission_in_a_step_that_preempted() -> None:

@@ -105,7 +105,7 @@ def _recorded(harness: Harness) -> list:
     """Closes the harness's trace and reads its events back."""
     tracer = harness.scheduler.tracer
     assert tracer is not None
-    harness.scheduler.close_trace()
+    harness.scheduler.close_subscribers()
     return read_trace(tracer.path).events
 
 

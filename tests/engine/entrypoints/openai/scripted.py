@@ -18,8 +18,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler.output import NewRequestData, SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import Retention
-from tracing.records import TTLInputs
+from engine.scheduler.policy import Retention, RetentionInputs
 
 SCRIPT = (
     'Let me look.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
@@ -105,4 +104,4 @@ class PinJobTurnsPolicy(FCFSPolicy):
                 or request.status is RequestStatus.FINISHED_ABORTED):
             return None
         ttl_s = PIN_TTL_S + len(job.tool_name or "")
-        return Retention(ttl_s, TTLInputs(ttl_s=ttl_s, source="scripted", tool=job.tool_name))
+        return Retention(ttl_s, RetentionInputs(ttl_s=ttl_s, source="scripted", tool=job.tool_name))
