@@ -96,7 +96,7 @@ def save_estimator(estimator: TTLEstimator, options: ContinuumOptions) -> None:
         logger.error("cannot save the estimator state to %s: %s", options.estimator_state, error)
 
 
-def ttl_inputs(call: ToolCall, decision: TTLDecision) -> RetentionInputs:
+def retention_inputs(call: ToolCall, decision: TTLDecision) -> RetentionInputs:
     """A decision and its inputs, as the trace records them."""
     return RetentionInputs(
         ttl_s=decision.ttl_s, source=decision.basis, tool=call.tool_name,

@@ -101,9 +101,10 @@ class ProgramOrderOptions(JobOptions):
         "when a waiting prompt may start: first-chunk (its first chunk's blocks are free or "
         "pinned, as vLLM) | whole-prompt (the blocks of all its chunks are, so that it need "
         "not stall or be preempted halfway)"))
-    admission_headroom_blocks: int = field(default=0, metadata=_help(
+    admission_headroom_blocks: int = field(default=1, metadata=_help(
         "with whole-prompt: blocks per running request that must be free or pinned beyond "
-        "the prompt's before it starts, room for the running requests' next tokens"))
+        "the prompt's before it starts, room for the running requests' next tokens (0: "
+        "none)"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -212,3 +213,5 @@ class ContinuumAf226d3Options(ContinuumOptions):
     prefill_admission: PrefillAdmission = field(default="first-chunk", metadata=_help(
         "first-chunk (af226d3's rule: a prompt starts once its first chunk fits) | "
         "whole-prompt"))
+    admission_headroom_blocks: int = field(default=0, metadata=_help(
+        "not used: with first-chunk admission nothing is reserved"))

@@ -6,7 +6,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from continuum.estimation import GuardedEstimator, build_estimator, save_estimator, ttl_inputs
+from continuum.estimation import (
+    GuardedEstimator,
+    build_estimator,
+    retention_inputs,
+    save_estimator,
+)
 from continuum.jobs import Job
 from continuum.options import ContinuumFixedOptions, ContinuumOptions
 from continuum.program_order import JobFCFSPolicy
@@ -106,7 +111,7 @@ class ContinuumPolicy(JobFCFSPolicy):
         """The estimator's TTL for the call, with the pins to release first to keep pins
         under the cap, or declined if the cap leaves no room."""
         decision = self.estimator.decide(call)
-        inputs = ttl_inputs(call, decision)
+        inputs = retention_inputs(call, decision)
         if decision.ttl_s <= 0:
             return Retention(decision.ttl_s, inputs)
         released = self._pins_to_make_room(request, call.job_id)

@@ -28,7 +28,8 @@ class JobFCFSPolicy(JobAwarePolicy):
       preempts itself.
     - Admission (`prefill_admission`): a prompt starts once the blocks of its first chunk
       can be had, or, with `whole-prompt`, those of all its chunks (free, or pinned by other
-      jobs: its later chunks may take those).
+      jobs: its later chunks may take those), and `admission_headroom_blocks` more per
+      running request (room for their next tokens).
     """
 
     options_type = ProgramOrderOptions

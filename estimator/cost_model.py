@@ -129,19 +129,19 @@ class PrefillCostUnderLoad:
             return
         self.points.append((clamp_count(num_tokens, MAX_CONTEXT_TOKENS), bounded_s))
         self._num_new_points += 1
-        due = self.model is None or self._num_new_points >= self.refit_every
-        if due and len(self.points) >= self.min_prefills:
+        if self._num_new_points >= self.refit_every and len(self.points) >= self.min_prefills:
             self._refit()
 
     def _refit(self) -> None:
         if len({n for n, _ in self.points}) < 2:
             return
+        self._num_new_points = 0  # a failed fit waits for `refit_every` more points too
         try:
             model = PrefillCostModel.fit(list(self.points))
             model.check_plausible()
         except ValueError:
             return
-        self.model, self._num_new_points = model, 0
+        self.model = model
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ against the ladder's runs:
 
 With `--variant OPTIONS` (such as `prefill_fit=under-load`), the ladder is judged as it would
 run with those options as its defaults: in every cell, a run labelled `NAME:OPTIONS` for a
-ladder policy NAME stands for NAME (replacing NAME's own run; fcfs, which takes no options,
-stays as it is).
+ladder policy NAME stands for NAME, and NAME's own run is dropped where there is none (the
+cell is then not judged against it); fcfs, which takes no options, stays as it is.
 
 Prints markdown: a summary (cells met of those judged, and the missed ones, per set,
 candidate and target), then a table per target listing every cell with its figures, then
@@ -171,13 +171,15 @@ def load_cells(files: Iterable[tuple[Path, str]]) -> tuple[list[Cell], list[str]
 
 
 def apply_variant(cells: Sequence[Cell], options: str) -> None:
-    """Makes each cell's runs labelled `NAME:options` (NAME in the ladder) NAME's runs."""
-    suffix = ":" + options
+    """Each cell's run labelled `NAME:options` becomes NAME's run, for every ladder NAME but
+    fcfs (which takes no options); NAME's own run goes where there is no such run."""
     for cell in cells:
-        for label, run in list(cell.runs.items()):
-            base = label.removesuffix(suffix)
-            if base != label and base in LADDER:
-                cell.runs[base] = run
+        for name in LADDER[1:]:
+            varied = cell.runs.pop(f"{name}:{options}", None)
+            if varied is None:
+                cell.runs.pop(name, None)
+            else:
+                cell.runs[name] = varied
 
 
 def default_candidates(cells: Sequence[Cell]) -> list[str]:

@@ -180,6 +180,7 @@ class SchedulerEvents:
 
     @property
     def subscribers(self) -> tuple[SchedulerSubscriber, ...]:
+        """Those subscribed now, in the order they subscribed (empty: events go nowhere)."""
         return tuple(self._subscribers)
 
     def subscribe(self, subscriber: SchedulerSubscriber, state: SchedulerStarted) -> None:

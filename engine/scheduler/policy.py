@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 from engine.kv_cache.pins import Pin, PinTable
 from engine.request import Request
 from engine.scheduler.options import parse_policy_options
-from engine.scheduler.request_queue import RequestQueue
+from engine.scheduler.request_queue import RequestQueue, WaitingRequests
 
 Victim = Request | Pin
 JobBooks = dict[str, Any]
@@ -108,7 +108,7 @@ class SchedulerView(Protocol):
         ...
 
     @property
-    def waiting(self) -> RequestQueue:
+    def waiting(self) -> WaitingRequests:
         """The waiting queue, in the policy's own order."""
         ...
 

@@ -15,26 +15,12 @@ from typing import Protocol
 from engine.request import Request
 
 
-class RequestQueue(Protocol):
-    """A waiting queue owned by the scheduler, ordered by its policy.
+class WaitingRequests(Protocol):
+    """What a policy may read of the waiting queue. Iteration yields requests in admission
+    order."""
 
-    `prepend_request` is used for preempted requests, which FCFS puts back at the head.
-    Iteration yields requests in admission order.
-    """
-
-    def add_request(self, request: Request) -> None: ...
-
-    def prepend_request(self, request: Request) -> None: ...
-
-    def peek_request(self) -> Request: ...
-
-    def remove_request(self, request: Request) -> None: ...
-
-    def remove_requests(self, requests: Collection[Request]) -> None: ...
-
-    def advance_to(self, now_s: float) -> None:
-        """The scheduler's clock at the start of a step (seconds), before its first peek: a
-        queue whose order changes as requests wait (wait bounds, aging) reorders here."""
+    def peek_request(self) -> Request:
+        """The next request to admit (IndexError if none waits)."""
         ...
 
     def num_waiting(self, job_id: str) -> int:
@@ -44,6 +30,27 @@ class RequestQueue(Protocol):
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Request]: ...
+
+
+class RequestQueue(WaitingRequests, Protocol):
+    """A waiting queue owned by the scheduler, ordered by its policy; only the scheduler
+    changes it.
+
+    `prepend_request` is used for preempted requests, which FCFS puts back at the head.
+    """
+
+    def add_request(self, request: Request) -> None: ...
+
+    def prepend_request(self, request: Request) -> None: ...
+
+    def remove_request(self, request: Request) -> None: ...
+
+    def remove_requests(self, requests: Collection[Request]) -> None: ...
+
+    def advance_to(self, now_s: float) -> None:
+        """The scheduler's clock at the start of a step (seconds), before its first peek: a
+        queue whose order changes as requests wait (wait bounds, aging) reorders here."""
+        ...
 
 
 class JobCountingQueue:

@@ -126,7 +126,8 @@ class Scheduler:
 
     def subscribe(self, subscriber: events.SchedulerSubscriber) -> None:
         """Subscribes to the event stream from now on (ValueError if the subscriber
-        refuses, as a tracer whose file cannot be created does)."""
+        refuses, as a tracer whose file cannot be created does). Call between steps (or at
+        construction): the state it is sent names the next step."""
         policy = self.policy
         self.events.subscribe(subscriber, events.SchedulerStarted(
             policy_name=f"{type(policy).__module__}.{type(policy).__qualname__}",
@@ -193,7 +194,8 @@ class Scheduler:
         """Plans one step: running requests first, then waiting ones if no running request
         was preempted or left waiting for memory; then pins past their end are released."""
         now_s = self.clock()
-        self.events.emit(self._step_started(now_s))
+        if self.events.subscribers:  # the snapshot is the one event worth not building
+            self.events.emit(self._step_started(now_s))
         self._sweep_policy(now_s)
         self._sweep_inferred_jobs(now_s)
         self._waiting.advance_to(now_s)
@@ -223,11 +225,12 @@ class Scheduler:
         )
 
     def sweep(self) -> Sweep:
-        """Time-driven upkeep between steps, without a step: the policy releases the pins
-        whose TTL ran out and forgets jobs idle past its timeout (`SchedulingPolicy.sweep`,
-        which `schedule()` also runs at every step start). Called by the engine core while no
-        request is unfinished, at most once per sweep interval, so that pins and idle jobs
-        expire when no request arrives; returns what it released and forgot. Inferred jobs
+        """Time-driven upkeep between steps, without a step: the scheduler releases the pins
+        the policy's `SweepDecision` says ran out, and the policy forgets jobs idle past its
+        timeout (`SchedulingPolicy.sweep`, which `schedule()` also runs at every step
+        start). Called by the engine core while no request is unfinished, at most once per
+        sweep interval, so that pins and idle jobs expire when no request arrives; returns
+        what it released and forgot. Inferred jobs
         whose latest turn aged out of the job inference table end here too (and count as
         forgotten).
 

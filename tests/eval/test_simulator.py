@@ -85,12 +85,17 @@ def test_host_tier_brings_back_what_the_small_pool_let_go(policy: str) -> None:
     assert 0 < transfers.host_tier.num_used_blocks * 16 <= with_tier.host_stored_tokens
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "continuum"])
-def test_recomputed_tokens_are_the_traces(tmp_path: Path, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "options"), [
+    ("fcfs", ()),
+    # Continuum's default headroom leaves this workload no preemption to count.
+    ("continuum", (("admission_headroom_blocks", "0"),)),
+])
+def test_recomputed_tokens_are_the_traces(tmp_path: Path, policy: str,
+                                         options: tuple[tuple[str, str], ...]) -> None:
     jobs = slice_jobs(num_jobs=4, max_turns=3)
     trace_path = tmp_path / "trace.jsonl"
-    settings = SimSettings(policy=policy, num_kv_blocks=32, max_num_batched_tokens=512,
-                           trace_path=str(trace_path))
+    settings = SimSettings(policy=policy, policy_options=options, num_kv_blocks=32,
+                           max_num_batched_tokens=512, trace_path=str(trace_path))
     metrics = simulate(jobs, [0.0] * len(jobs), settings)  # all at once: the pool overflows
     summary = summarize(read_trace(trace_path))
     assert metrics.preemptions == summary.preemptions > 0

@@ -126,6 +126,8 @@ def test_a_variant_judges_the_ladder_run_with_its_options(tmp_path: Path) -> Non
         "| 115.0 | 110.0 | 1.045x (bound 1.1x) | met |")
     assert _row(varied, "fcfs", "continuum", cell).endswith(
         "| 115.0 | 200.0 | 0.575x (bound 1.01x) | met |")
+    # No continuum-fixed run with the option: not judged against the plain one.
+    assert "no continuum-fixed run" in _row(varied, "fixed", "continuum", cell)
 
 
 def test_no_runs_still_exits_0(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -10,7 +11,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from continuum.policy import ContinuumPolicy
-from engine.scheduler.tracer import SchedulerTracer
+from engine.scheduler.policy import RetentionInputs
+from engine.scheduler.tracer import SchedulerTracer, ttl_inputs
 from estimator.base import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
 from tests.continuum.test_properties import AGENT_POLICIES
@@ -25,6 +27,7 @@ from tracing.records import (
     RequestFinished,
     StepDecision,
     StepSnapshot,
+    TTLInputs,
 )
 from tracing.summary import summarize
 
@@ -228,3 +231,12 @@ def test_an_idle_sweep_records_the_pins_it_releases_and_no_step(tmp_path: Path) 
     assert len(snapshots) == num_steps  # the sweep recorded no step
     assert harness.scheduler.sweep().forgotten_job_ids == ()  # the job's timeout is 600 s
     assert read_trace(path).events == events
+
+
+def test_a_policys_retention_inputs_are_written_field_for_field() -> None:
+    # The policy interface's type and the trace's record must keep the same fields.
+    names = [field.name for field in dataclasses.fields(RetentionInputs)]
+    assert names == list(TTLInputs.__struct_fields__)
+    values = dict(zip(names, (1.5, "tool", "ls", 7, 0.25, 0.5, 2.0, 2.5, "pin-cap"),
+                      strict=True))
+    assert ttl_inputs(RetentionInputs(**values)) == TTLInputs(**values)
