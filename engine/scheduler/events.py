@@ -183,6 +183,10 @@ class SchedulerEvents:
         """Those subscribed now, in the order they subscribed (empty: events go nowhere)."""
         return tuple(self._subscribers)
 
+    def __bool__(self) -> bool:
+        """Whether anyone subscribes (so an event is worth building)."""
+        return bool(self._subscribers)
+
     def subscribe(self, subscriber: SchedulerSubscriber, state: SchedulerStarted) -> None:
         """Adds `subscriber`, first telling it the scheduler's `state`."""
         subscriber.started(state)
@@ -190,6 +194,8 @@ class SchedulerEvents:
 
     def emit(self, event: SchedulerEvent) -> None:
         """Hands `event` to every subscriber, dropping those that want no more."""
+        if not self._subscribers:
+            return
         for subscriber in tuple(self._subscribers):
             if not subscriber.receive(event):
                 self._subscribers.remove(subscriber)

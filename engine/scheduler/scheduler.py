@@ -194,7 +194,7 @@ class Scheduler:
         """Plans one step: running requests first, then waiting ones if no running request
         was preempted or left waiting for memory; then pins past their end are released."""
         now_s = self.clock()
-        if self.events.subscribers:  # the snapshot is the one event worth not building
+        if self.events:  # the snapshot is the one event worth not building
             self.events.emit(self._step_started(now_s))
         self._sweep_policy(now_s)
         self._sweep_inferred_jobs(now_s)

@@ -289,39 +289,28 @@ def test_continuum_victims_latest_admitted_first(running: str, expected: str) ->
     assert describe(policy.select_victim(requests["R"])) == expected
 
 
-@pytest.mark.parametrize(("prefill_admission", "num_preemptions"), [
-    ("first-chunk", 1), ("whole-prompt", 0)])
-def test_whole_prompt_admission_spares_a_prompt_that_would_stall_halfway(
-        prefill_admission: str, num_preemptions: int) -> None:
-    # 16 blocks of 4 tokens, 8 tokens a step. "a" decodes to 48 tokens (12 blocks); "b", a
-    # 40-token prompt (10 blocks), arrives while "a" holds 7. Its first chunk fits, all of
-    # it does not: started at once, it stalls halfway and "a"'s growth preempts it (its
-    # computed tokens recomputed); held back until its blocks are there, it never stalls.
-    policy = JobFCFSPolicy(ProgramOrderOptions(prefill_admission=prefill_admission))
+@pytest.mark.parametrize(("options", "prompt_len", "num_preemptions"), [
+    # "b" (10 blocks) cannot fit whole: started at once, it stalls halfway and "a"'s growth
+    # preempts it (its computed tokens recomputed); held back until its blocks are there,
+    # it never stalls.
+    ({"prefill_admission": "first-chunk"}, 40, 1),
+    ({"prefill_admission": "whole-prompt"}, 40, 0),
+    # "b" (9 blocks) fits whole exactly: it starts, and "a"'s next block preempts it; with a
+    # block of headroom per running request, it waits for "a" to finish instead.
+    ({"admission_headroom_blocks": 0}, 36, 1),
+    ({"admission_headroom_blocks": 1}, 36, 0),
+])
+def test_a_prompt_starts_only_when_it_will_not_be_preempted_halfway(
+        options: dict, prompt_len: int, num_preemptions: int) -> None:
+    # 16 blocks of 4 tokens, 8 tokens a step. "a" decodes to 48 tokens (12 blocks); "b"
+    # arrives while "a" holds 7 and 9 are free.
+    policy = JobFCFSPolicy(ProgramOrderOptions(**options))
     h = Harness(policy, num_blocks=16, max_num_batched_tokens=8)
     h.add("a", tokens(0, 24), max_tokens=24)
     h.step(4)
     assert len(h.scheduler.kv_cache_manager.get_block_ids("a")) == 7
-    h.add("b", tokens(100, 40), max_tokens=2)
+    h.add("b", tokens(100, prompt_len), max_tokens=2)
     h.run_until_finished("a", "b")
     assert h.scheduler.num_preemptions == num_preemptions
     assert (h.scheduler.recomputed_tokens > 0) == (num_preemptions > 0)
-    assert h.admission_order()[1:] == ["b"] * (1 + num_preemptions)
-
-
-@pytest.mark.parametrize(("headroom_blocks", "num_preemptions"), [(0, 1), (1, 0)])
-def test_admission_headroom_keeps_room_for_the_running_requests_next_tokens(
-        headroom_blocks: int, num_preemptions: int) -> None:
-    # 16 blocks of 4 tokens, 8 tokens a step. "a" decodes to 48 tokens (12 blocks); "b", a
-    # 36-token prompt (9 blocks), arrives while "a" holds 7 and 9 are free: its whole prompt
-    # fits, so it starts, and "a"'s next block preempts it. With a block of headroom per
-    # running request, "b" waits for "a" to finish instead.
-    policy = JobFCFSPolicy(ProgramOrderOptions(admission_headroom_blocks=headroom_blocks))
-    h = Harness(policy, num_blocks=16, max_num_batched_tokens=8)
-    h.add("a", tokens(0, 24), max_tokens=24)
-    h.step(4)
-    assert len(h.scheduler.kv_cache_manager.get_block_ids("a")) == 7
-    h.add("b", tokens(100, 36), max_tokens=2)
-    h.run_until_finished("a", "b")
-    assert h.scheduler.num_preemptions == num_preemptions
     assert h.admission_order()[1:] == ["b"] * (1 + num_preemptions)
