@@ -253,24 +253,32 @@ class LongCompletion(threading.Thread):
 
 def _kill_a_replica_after_some_turns(
         replay: AgentReplay, base_url: str) -> tuple[str, list[set[str]], LongCompletion]:
-    """Once every job has had a turn answered, sends a long completion for the first job and
-    kills the replica that answered that job's latest turn (Ray Serve restarts it under a new
-    id) while the completion runs there; returns the replica's id, by job the replicas that
-    had answered its turns by then, and the completion."""
+    """Once every job has had a turn answered, sends a long completion as a job of its own,
+    asks the ingress which replica holds that job, and kills that replica (Ray Serve restarts
+    it under a new id) while the completion runs there; returns the replica's id, by job the
+    replicas that had answered its turns by then, and the completion."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         started = list(replay.started)
         if len(started) == len(replay.jobs) and all(r.replica_ids for r in started):
-            # The replica of the job's latest turn: affinity may have moved the job off its
-            # first one under load, and the long completion follows the latest.
-            victim = started[0].replica_ids[-1]
             touched = {record.job_id: set(record.replica_ids) for record in started}
-            long_request = LongCompletion(base_url, started[0].job_id)
+            # A job no replayed turn shares: a replayed turn moved under load would take the
+            # job's affinity, and the completion with it, to the other replica.
+            long_request = LongCompletion(base_url, "kill-long")
             long_request.start()
             time.sleep(0.5)
+            victim = _replica_of_job(base_url, long_request.job_id)
             actor = ray.get_actor(f"SERVE_REPLICA::{APP}#EngineReplica#{victim}",
                                   namespace="serve")
             ray.kill(actor, no_restart=False)
             return victim, [touched[job.job_id] for job in replay.jobs], long_request
         time.sleep(0.02)
     raise AssertionError("the replay did not get going")
+
+
+def _replica_of_job(base_url: str, job_id: str) -> str:
+    """The replica the ingress routes job `job_id` to (a job lookup, as the replay's key)."""
+    response = httpx.get(f"{base_url}/v1/jobs/{job_id}", timeout=30,
+                         headers={"Authorization": "Bearer EMPTY"})
+    assert response.status_code == 200 and response.headers["x-continuum-route"] == "lookup"
+    return response.headers["x-continuum-replica"]
