@@ -125,9 +125,10 @@ class ContinuumOptions(ProgramOrderOptions):
 
     estimator: EstimatorName = field(default="eq2-empirical", metadata=_help(
         "the TTL rule: eq2-empirical (the paper's Eq. 2) | eq2-learned | fixed-2s"))
-    rebuild_cost: RebuildCost = field(default="prefill", metadata=_help(
-        "Eq. 2's R: prefill (the paper: prefill time of the context) | "
-        "prefill-times-running (times 1 + the requests running beside the finished turn)"))
+    rebuild_cost: RebuildCost = field(default="prefill-times-running", metadata=_help(
+        "Eq. 2's R: prefill-times-running (the context's prefill time times 1 + the requests "
+        "running beside the finished turn, whose steps a rebuild lengthens) | prefill (the "
+        "paper: the prefill time alone)"))
     pin_cost: PinCost = field(default="priced", metadata=_help(
         "what Eq. 2 charges a pin: ttl (the paper: its whole TTL) | expected-hold (the time it "
         "is expected to be held, since a used pin is released when the next turn arrives) | "
@@ -192,6 +193,8 @@ class ContinuumAf226d3Options(ContinuumOptions):
     """The defaults of `continuum` as commit af226d3 ran it on the H100 (pins capped at 80 %
     of the pool); the bounds it did not have are off."""
 
+    rebuild_cost: RebuildCost = field(default="prefill", metadata=_help(
+        "Eq. 2's R: prefill (the paper, af226d3's default) | prefill-times-running"))
     pin_cost: PinCost = field(default="ttl", metadata=_help(
         "what Eq. 2 charges a pin: ttl (the paper, af226d3's default) | expected-hold | "
         "priced"))

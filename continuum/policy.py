@@ -28,7 +28,9 @@ class ContinuumPolicy(JobFCFSPolicy):
 
     - Retention: a non-final turn of a job that called a tool (named by the client or parsed
       from its output) is pinned for the estimator's TTL when it is positive (Eq. 2 by
-      default, its pins priced by the memory they take: `pin_cost=priced`); a turn that
+      default, its pins priced by the memory they take, `pin_cost=priced`, and its R the
+      prefill time times the requests whose steps a rebuild would lengthen,
+      `rebuild_cost=prefill-times-running`); a turn that
       called no tool is not pinned. At most one pin per job (a newer one replaces the
       older). With `max_pinned_fraction` < 1, a new pin first has the pins of jobs that
       arrived later released (latest first), else it is declined. The pin is released when

@@ -9,16 +9,17 @@ are assumed Exp(mean 1 s) and eta = 1, giving `ttl = ln(T + R)` when `T + R > 1`
 overall but at most K for `f`, the pooled CDF of all tools is used. With a fitted
 `predictor`, the CDF is instead the predictor's conditional distribution for the call.
 
-`R` is the paper's by default (`rebuild_cost="prefill"`): the prefill time of `r` tokens, or,
+`R` is the paper's with `rebuild_cost="prefill"` (this class's default): the prefill time of
+`r` tokens, or,
 when the engine has a host KV tier that can hold `r` tokens (`reload_cost`), the time to load
 them back from it (a pin that expires or is released leaves its blocks there). The prefill
 time is the start-up fit (`prefill_fit="start-up"`: prefills timed alone, or a profile), or,
 as an option, that fit refitted on the prefills the engine reports under load
-(`prefill_fit="under-load"`, `observe_prefill`; see `estimator.cost_model`). An
-option, `rebuild_cost="prefill-times-running"`, multiplies it by 1 + the other requests
-running when the turn finished (`ToolCall.num_running_requests`), since in an engine that
-batches prefill and decode tokens into one step a rebuild lengthens their steps too;
-`docs/benchmarks.md` compares the two. A pin is charged its TTL, as in the paper
+(`prefill_fit="under-load"`, `observe_prefill`; see `estimator.cost_model`).
+`rebuild_cost="prefill-times-running"` (the `continuum` policy's default) multiplies it by 1
++ the other requests running when the turn finished (`ToolCall.num_running_requests`), since
+in an engine that batches prefill and decode tokens into one step a rebuild lengthens their
+steps too; `docs/benchmarks.md` compares the two. A pin is charged its TTL, as in the paper
 (`pin_cost="ttl"`), or, as an option, the time it is expected to be held
 (`pin_cost="expected-hold"`, see `estimator.solver`), or that expected hold priced by the
 memory it takes from the requests running and waiting (`pin_cost="priced"`); the cold start

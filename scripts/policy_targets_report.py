@@ -1,7 +1,7 @@
 """Judges issue 36's policy targets on the `bench sim` JSONs of `scripts/policy_targets.sh`.
 
 Usage: python scripts/policy_targets_report.py DIR_OR_JSON... [--candidate LABEL ...]
-                                                [--variant OPTIONS]
+                                                [--variant OPTIONS] [--stand-in NAME=LABEL ...]
 
 A cell is one (set, profile, workload, jobs drawn, seed, load): the runs of one `bench sim`
 JSON at one `jobs_per_s`. A file in a folder named `tuning` (below a folder named) belongs
@@ -17,7 +17,9 @@ against the ladder's runs:
 With `--variant OPTIONS` (such as `prefill_fit=under-load`), the ladder is judged as it would
 run with those options as its defaults: in every cell, a run labelled `NAME:OPTIONS` for a
 ladder policy NAME stands for NAME, and NAME's own run is dropped where there is none (the
-cell is then not judged against it); fcfs, which takes no options, stays as it is.
+cell is then not judged against it); fcfs, which takes no options, stays as it is. With
+`--stand-in NAME=LABEL`, the run labelled LABEL stands for NAME instead: NAME itself for a
+policy that does not use the variant's options (continuum-fixed and job-fcfs do not use R).
 
 Prints markdown: a summary (cells met of those judged, and the missed ones, per set,
 candidate and target), then a table per target listing every cell with its figures, then
@@ -31,7 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,16 +172,28 @@ def load_cells(files: Iterable[tuple[Path, str]]) -> tuple[list[Cell], list[str]
     return [cells[key] for key in sorted(cells)], notes
 
 
-def apply_variant(cells: Sequence[Cell], options: str) -> None:
+def apply_variant(cells: Sequence[Cell], options: str | None,
+                  stand_ins: Mapping[str, str] | None = None) -> None:
     """Each cell's run labelled `NAME:options` becomes NAME's run, for every ladder NAME but
-    fcfs (which takes no options); NAME's own run goes where there is no such run."""
+    fcfs (which takes no options) and those of `stand_ins`; NAME's own run is dropped where
+    there is no such run. `stand_ins` maps a ladder NAME to the label of the run that stands
+    for it (NAME itself for a policy that does not use the variant's options)."""
+    stand_ins = stand_ins or {}
     for cell in cells:
+        chosen = {name: cell.runs.get(label) for name, label in stand_ins.items()}
+        for label in stand_ins.values():
+            cell.runs.pop(label, None)
         for name in LADDER[1:]:
+            if name in stand_ins or options is None:
+                continue
             varied = cell.runs.pop(f"{name}:{options}", None)
             if varied is None:
                 cell.runs.pop(name, None)
             else:
                 cell.runs[name] = varied
+        for name, run in chosen.items():
+            if run is not None:
+                cell.runs[name] = run
 
 
 def default_candidates(cells: Sequence[Cell]) -> list[str]:
@@ -259,11 +273,13 @@ def runs_lines(cells: Sequence[Cell]) -> list[str]:
 
 
 def report(cells: Sequence[Cell], candidates: Sequence[str], notes: Sequence[str],
-           variant: str | None = None) -> str:
+           variant: str | None = None, stand_ins: Mapping[str, str] | None = None) -> str:
     lines = ["# Issue 36's policy targets", ""]
     if variant is not None:
         lines += [f"The ladder with `{variant}`: runs labelled `NAME:{variant}` stand for NAME.",
                   ""]
+    for name, label in (stand_ins or {}).items():
+        lines += [f"`{name}` is the run labelled `{label}`.", ""]
     if not cells:
         return "\n".join([*lines, "No bench sim runs found.", *notes]) + "\n"
     sets = [s for s in SETS if any(cell.key.set_name == s for cell in cells)]
@@ -290,13 +306,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--variant", default=None, metavar="OPTIONS",
                         help="judge the ladder run with these options (runs labelled "
                              "NAME:OPTIONS stand for the ladder's NAME)")
+    parser.add_argument("--stand-in", action="append", default=[], metavar="NAME=LABEL",
+                        type=_stand_in, help="the run labelled LABEL stands for the "
+                        "ladder's NAME, whatever --variant says (repeatable; LABEL = NAME "
+                        "for a policy that does not use the variant's options)")
     args = parser.parse_args(argv)
     cells, notes = load_cells(json_files(args.paths))
-    if args.variant is not None:
-        apply_variant(cells, args.variant)
+    stand_ins = dict(args.stand_in)
+    if args.variant is not None or stand_ins:
+        apply_variant(cells, args.variant, stand_ins)
     candidates = args.candidate or default_candidates(cells)
-    sys.stdout.write(report(cells, candidates, notes, args.variant))
+    sys.stdout.write(report(cells, candidates, notes, args.variant, stand_ins))
     return 0
+
+
+def _stand_in(text: str) -> tuple[str, str]:
+    name, _, label = text.partition("=")
+    if name not in LADDER[1:] or not label:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=LABEL with NAME one of {', '.join(LADDER[1:])}, got {text!r}")
+    return name, label
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from continuum.af226d3 import ContinuumAf226d3Policy
 from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.registry import make_policy
@@ -67,7 +68,8 @@ def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
     estimator = Harness(continuum(), environment=environment).policy.estimator.inner
     assert isinstance(estimator, Eq2Estimator) and profiled == [True]
     assert estimator.rebuild_s(1024) == pytest.approx(0.2, rel=0.05)
-    assert estimator.rebuild_cost == "prefill"  # the paper's R by default
+    # R times the requests a rebuild's steps would slow, by default; the paper's R an option.
+    assert estimator.rebuild_cost == "prefill-times-running"
     fixed = Harness(continuum(estimator="fixed-2s"), environment=environment)
     assert isinstance(fixed.policy.estimator.inner, FixedTTLEstimator)
     assert isinstance(Harness(ContinuumFixedPolicy()).policy.estimator.inner, FixedTTLEstimator)
@@ -79,9 +81,11 @@ def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
     unpriced = Harness(continuum(prefill_profile="none"), environment=environment)
     assert unpriced.policy.estimator.inner.rebuild_s(5000) == 0.0
     assert len(profiled) == 1  # measured only where used: not for fixed-2s, a file or "none"
-    stalled = Harness(continuum(rebuild_cost="prefill-times-running", max_ttl_s="30"),
-                      environment=environment).policy.estimator.inner
-    assert (stalled.rebuild_cost, stalled.max_ttl_s) == ("prefill-times-running", 30.0)
+    papers = Harness(continuum(rebuild_cost="prefill", max_ttl_s="30"),
+                     environment=environment).policy.estimator.inner
+    assert (papers.rebuild_cost, papers.max_ttl_s) == ("prefill", 30.0)
+    measured = Harness(ContinuumAf226d3Policy(), environment=environment).policy.estimator.inner
+    assert (measured.rebuild_cost, measured.pin_cost) == ("prefill", "ttl")  # as it ran then
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -128,6 +128,22 @@ def test_a_variant_judges_the_ladder_run_with_its_options(tmp_path: Path) -> Non
         "| 115.0 | 200.0 | 0.575x (bound 1.01x) | met |")
     # No continuum-fixed run with the option: not judged against the plain one.
     assert "no continuum-fixed run" in _row(varied, "fixed", "continuum", cell)
+    # Unless told that its own run stands for it (the fixed rule does not use the option).
+    standing = _report(str(tmp_path), "--candidate", "continuum", "--variant", variant,
+                       "--stand-in", "continuum-fixed=continuum-fixed")
+    assert "`continuum-fixed` is the run labelled `continuum-fixed`." in standing
+    assert _row(standing, "fixed", "continuum", cell).endswith(
+        "| 115.0 | 120.0 | 0.958x (bound 1.02x) | met |")
+    assert _row(standing, "oracle", "continuum", cell).endswith("| 115.0 | 110.0 | 1.045x "
+                                                                "(bound 1.1x) | met |")
+
+
+def test_a_stand_in_must_name_a_ladder_policy_and_a_label(tmp_path: Path) -> None:
+    for bad in ("fcfs=fcfs", "continuum-fixed", "nonsense=continuum"):
+        result = subprocess.run([sys.executable, "scripts/policy_targets_report.py",
+                                 str(tmp_path), "--stand-in", bad],
+                                cwd=REPO, capture_output=True, text=True, check=False)
+        assert result.returncode == 2 and "NAME=LABEL" in result.stderr
 
 
 def test_no_runs_still_exits_0(tmp_path: Path) -> None:
