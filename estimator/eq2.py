@@ -10,9 +10,9 @@ overall but at most K for `f`, the pooled CDF of all tools is used. With a fitte
 `predictor`, the CDF is instead the predictor's conditional distribution for the call.
 
 `R` is the paper's with `rebuild_cost="prefill"` (this class's default): the prefill time of
-`r` tokens, or,
-when the engine has a host KV tier that can hold `r` tokens (`reload_cost`), the time to load
-them back from it (a pin that expires or is released leaves its blocks there). The prefill
+`r` tokens, or, when the engine has a host KV tier that can hold `r` tokens (`reload_cost`),
+the time to load them back from it (a pin that expires or is released leaves its blocks
+there). The prefill
 time is the start-up fit (`prefill_fit="start-up"`: prefills timed alone, or a profile), or,
 as an option, that fit refitted on the prefills the engine reports under load
 (`prefill_fit="under-load"`, `observe_prefill`; see `estimator.cost_model`).

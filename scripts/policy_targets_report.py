@@ -177,7 +177,8 @@ def apply_variant(cells: Sequence[Cell], options: str | None,
     """Each cell's run labelled `NAME:options` becomes NAME's run, for every ladder NAME but
     fcfs (which takes no options) and those of `stand_ins`; NAME's own run is dropped where
     there is no such run. `stand_ins` maps a ladder NAME to the label of the run that stands
-    for it (NAME itself for a policy that does not use the variant's options)."""
+    for it (NAME itself for a policy that does not use the variant's options), dropped too
+    where the cell has none."""
     stand_ins = stand_ins or {}
     for cell in cells:
         chosen = {name: cell.runs.get(label) for name, label in stand_ins.items()}
@@ -192,7 +193,9 @@ def apply_variant(cells: Sequence[Cell], options: str | None,
             else:
                 cell.runs[name] = varied
         for name, run in chosen.items():
-            if run is not None:
+            if run is None:
+                cell.runs.pop(name, None)
+            else:
                 cell.runs[name] = run
 
 
