@@ -26,7 +26,8 @@ from eval.workloads import workload_source
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True,
-                        help="the server, e.g. http://127.0.0.1:8000")
+                        help="the server, e.g. http://127.0.0.1:8000 (or .../v1, as "
+                             "OpenAI clients take it)")
     add_workload_arguments(parser)
     parser.add_argument("--jobs-per-s", type=float, default=None,
                         help="Poisson arrivals at this rate (default: all jobs at once)")

@@ -19,6 +19,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -35,8 +36,9 @@ _COUNTER = re.compile(r"^(\S+?)(?:_total)?(\{[^}]*\})?\s+([0-9.eE+-]+)$")
 
 @dataclass(frozen=True)
 class ReplaySettings:
-    """Where and how to replay. `model=None` takes the server's first model;
-    `request_timeout_s` bounds each turn."""
+    """Where and how to replay. `base_url` is the server's root, with or without the `/v1`
+    that OpenAI clients take (kept without it); `model=None` takes the server's first model;
+    `request_timeout_s` bounds each turn. ValueError for a URL that is not http(s)."""
 
     base_url: str
     model: str | None = None
@@ -47,6 +49,11 @@ class ReplaySettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        root = self.base_url.strip().rstrip("/").removesuffix("/v1").rstrip("/")
+        if urlsplit(root).scheme not in ("http", "https") or not urlsplit(root).netloc:
+            raise ValueError(f"base_url must be an http(s) URL such as http://127.0.0.1:8000, "
+                             f"got {self.base_url!r}")
+        object.__setattr__(self, "base_url", root)
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}")
         if self.vocab_size < 2:
@@ -77,7 +84,7 @@ class AgentReplay:
         settings = self.settings
         limits = httpx.Limits(max_connections=len(self.jobs) + 8, max_keepalive_connections=64)
         async with httpx.AsyncClient(limits=limits, timeout=settings.request_timeout_s) as http:
-            client = openai.AsyncOpenAI(base_url=settings.base_url.rstrip("/") + "/v1",
+            client = openai.AsyncOpenAI(base_url=settings.base_url + "/v1",
                                         api_key=settings.api_key, http_client=http,
                                         max_retries=0)
             model = settings.model or (await client.models.list()).data[0].id
@@ -174,7 +181,7 @@ async def scrape_counters(http: httpx.AsyncClient, settings: ReplaySettings) -> 
     `/metrics`; empty otherwise."""
     headers = {"Authorization": f"Bearer {settings.api_key}"}
     try:
-        response = await http.get(settings.base_url.rstrip("/") + "/metrics", headers=headers,
+        response = await http.get(settings.base_url + "/metrics", headers=headers,
                                   timeout=10.0)
     except httpx.HTTPError:
         return {}

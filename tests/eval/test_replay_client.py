@@ -90,3 +90,17 @@ def test_bench_agent_command_writes_the_run(server: ServerThread, tmp_path: Path
     assert {"mean_jct_s", "p90_jct_s", "p99_jct_s", "throughput_jobs_per_s",
             "cached_token_fraction", "preemptions", "recomputed_tokens", "failures"} <= set(run)
     assert run["num_finished_jobs"] == 2
+
+
+def test_bench_agent_takes_the_base_url_with_or_without_v1(server: ServerThread,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    for base_url in (server.base_url + "/v1", server.base_url + "/v1/"):
+        assert ReplaySettings(base_url=base_url).base_url == server.base_url
+        code = cli_main(["bench", "agent", "--base-url", base_url, "--trace", str(SLICE),
+                         "--first-jobs", "1", "--max-turns", "2", "--token-scale", "0.05",
+                         "--no-progress"])
+        assert code == 0, capsys.readouterr().err
+    code = cli_main(["bench", "agent", "--base-url", "127.0.0.1:8000", "--trace", str(SLICE),
+                     "--no-progress"])
+    assert code == 2 and "base_url must be an http(s) URL" in capsys.readouterr().err

@@ -118,9 +118,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         headers = error.headers
+        message = str(error.detail)
+        route = f"{request.method} {request.url.path}"
+        if error.status_code == 404 and message == "Not Found":  # no such route, as OpenAI says
+            message = f"Invalid URL ({route})"
         if error.status_code == 405:
-            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
-        return error_response(error.status_code, str(error.detail), headers=headers)
+            allowed = ", ".join(_allowed_methods(request))
+            headers = {**(headers or {}), "Allow": allowed}
+            message = f"Method not allowed ({route}); allowed: {allowed}"
+        return error_response(error.status_code, message, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

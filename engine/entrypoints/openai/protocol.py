@@ -307,5 +307,9 @@ class ChatCompletionRequest(SamplingFields, StructuredOutputFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = Field(None, description="OpenAI's deprecated form of "
+                                        "tools: refused (400); send tools.")
+    function_call: Any = Field(None, description="OpenAI's deprecated form of tool_choice: "
+                                                 "refused (400); send tool_choice.")
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

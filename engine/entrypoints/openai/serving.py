@@ -9,7 +9,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 from starlette.requests import Request as HTTPRequest
@@ -133,7 +133,11 @@ class ClientContext:
 
 
 class OpenAIServing:
-    """Base of the endpoint handlers: turns validated HTTP bodies into engine requests."""
+    """Base of the endpoint handlers: turns validated HTTP bodies into engine requests.
+    `prompt_param` names the body field that holds the prompt, as OpenAI's errors name it
+    (`param` of a context-length error)."""
+
+    prompt_param: ClassVar[str] = "prompt"
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
         self.engine = engine
@@ -306,14 +310,25 @@ class OpenAIServing:
         return msgspec.structs.replace(job, job_id=engine_job_id(client.tenant, job.job_id))
 
     def _check_context(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """OpenAI's `context_length_exceeded` for a prompt that leaves no room for output
+        (naming the prompt's field, as OpenAI does) or not `max_tokens` of it (naming
+        `max_tokens`: the prompt fits, the completion asked for does not)."""
         room = self.max_model_len - num_prompt_tokens
+        if room <= 0:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {num_prompt_tokens}, which leaves no room for output; reduce the "
+                f"length of the {self.prompt_param}",
+                param=self.prompt_param, code="context_length_exceeded",
+            )
         if params.max_tokens is not None and params.max_tokens > room:
             raise APIError(
                 400,
                 f"this model's maximum context length is {self.max_model_len} tokens, but "
                 f"{num_prompt_tokens + params.max_tokens} were requested ({num_prompt_tokens} "
-                f"in the prompt, {params.max_tokens} for the completion); reduce the prompt or "
-                "max_tokens",
+                f"in the {self.prompt_param}, {params.max_tokens} for the completion); reduce "
+                f"the length of the {self.prompt_param} or the completion",
                 param="max_tokens", code="context_length_exceeded",
             )
         if params.min_tokens and params.min_tokens > room:

@@ -71,6 +71,8 @@ class _ChoiceStream:
 class OpenAIServingChat(OpenAIServing):
     """Validates a chat request, runs it, and formats OpenAI's `chat.completion`."""
 
+    prompt_param = "messages"
+
     def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
         super().__init__(engine, settings)
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
@@ -117,6 +119,11 @@ class OpenAIServingChat(OpenAIServing):
                             kept_special_token_ids=kept)
 
     def _check_chat_fields(self, body: ChatCompletionRequest) -> None:
+        for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(body, legacy) is not None:
+                raise APIError(400, f"{legacy} is OpenAI's deprecated form of {current}, which "
+                               f"this server does not take: send {current} instead",
+                               param=legacy)
         if body.chat_template_kwargs and "chat_template" in body.chat_template_kwargs:
             raise APIError(400, "a request may not replace the chat template",
                            param="chat_template_kwargs")

@@ -248,6 +248,8 @@ class OpenAIServingResponses(OpenAIServing):
     """Validates a Responses request, runs it, formats OpenAI's `response` object (whole or
     as events), and keeps finished responses in `store` for later turns and GET."""
 
+    prompt_param = "input"
+
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, store: ResponseStore
                  ) -> None:
         super().__init__(engine, settings)

@@ -60,6 +60,10 @@ BAD_BODIES = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
      None),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    # OpenAI's deprecated function calling: refused, never ignored.
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "ls", "parameters": {}}]},
+     "functions"),
+    ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
      None),
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"chat_template": "x"}},
@@ -105,12 +109,34 @@ def test_malformed_json_gets_400(server):
 def test_huge_max_tokens_exceeds_the_context(server):
     with pytest.raises(openai.BadRequestError, match="maximum context length") as raised:
         server.client().completions.create(model="tiny", prompt="Hello", max_tokens=10**9)
-    assert raised.value.code == "context_length_exceeded"
+    assert (raised.value.code, raised.value.param) == ("context_length_exceeded", "max_tokens")
 
 
-def test_prompt_longer_than_max_model_len(server):
-    with pytest.raises(openai.BadRequestError, match="max_model_len"):
-        server.client().completions.create(model="tiny", prompt=[65] * 1100, max_tokens=None)
+LONG_TEXT = "hello there " * 1000  # over the test server's 1,024-token context
+
+# As OpenAI answers a prompt too long for the context (frameworks trim history on this code),
+# with and without max_tokens, naming the field that holds the prompt.
+OVERSIZED_PROMPTS = [
+    lambda client, limit: client.completions.create(
+        model="tiny", prompt=[65] * 1100, **limit),
+    lambda client, limit: client.completions.create(model="tiny", prompt=LONG_TEXT, **limit),
+    lambda client, limit: client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": LONG_TEXT}], **limit),
+    lambda client, limit: client.responses.create(
+        model="tiny", input=LONG_TEXT,
+        **({"max_output_tokens": limit["max_tokens"]} if limit else {})),
+]
+
+
+@pytest.mark.parametrize("limit", [{}, {"max_tokens": 16}], ids=["no-max-tokens", "max-tokens"])
+@pytest.mark.parametrize(("send", "param"), list(zip(
+    OVERSIZED_PROMPTS, ["prompt", "prompt", "messages", "input"], strict=True)),
+    ids=["completion-ids", "completion-text", "chat", "responses"])
+def test_a_prompt_too_long_for_the_context_gets_openais_error(server, send, param, limit):
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as raised:
+        send(server.client(), limit)
+    assert (raised.value.code, raised.value.param) == ("context_length_exceeded", param)
+    assert raised.value.body["type"] == "invalid_request_error"
 
 
 def test_unknown_model_gets_404(server):
@@ -119,7 +145,11 @@ def test_unknown_model_gets_404(server):
     assert raised.value.code == "model_not_found"
     with server.http() as http:
         _check_error(http.get("/v1/models/gpt-17"), 404, code="model_not_found")
-        _check_error(http.get("/v1/nothing-here"), 404)
+        assert _check_error(http.get("/v1/nothing-here"), 404)["message"] == (
+            "Invalid URL (GET /v1/nothing-here)")
+        # Endpoints OpenAI has and this server does not answer as OpenAI does any unknown URL.
+        assert _check_error(http.post("/v1/embeddings", json={"model": "tiny", "input": "x"}),
+                            404)["message"] == "Invalid URL (POST /v1/embeddings)"
 
 
 def test_oversized_body_gets_413(server):

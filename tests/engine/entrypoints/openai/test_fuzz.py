@@ -129,4 +129,5 @@ def test_a_wrong_method_answers_405_listing_every_allowed_one(fuzzed_server: Ser
         response = http.put("/v1/jobs/some-job")
     assert response.status_code == 405
     assert response.headers["Allow"] == "DELETE, GET"
-    assert response.json()["error"]["message"] == "Method Not Allowed"
+    assert response.json()["error"]["message"] == (
+        "Method not allowed (PUT /v1/jobs/some-job); allowed: DELETE, GET")
