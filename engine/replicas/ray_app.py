@@ -317,8 +317,8 @@ class Ingress:
         if path.startswith("/v1/jobs/"):
             purpose: RoutePurpose = "end_job" if request.method == "DELETE" else "lookup"
             return Route(job_key(path.removeprefix("/v1/jobs/"), headers), purpose)
-        if path.startswith("/v1/responses/"):
-            stored = self._responses.get(path.removeprefix("/v1/responses/"))
+        if path.startswith("/v1/responses/"):  # a stored response, its input_items or cancel
+            stored = self._responses.get(path.removeprefix("/v1/responses/").split("/", 1)[0])
             return None if stored is None else Route(None, "replica",
                                                      replica_id=stored.replica_id)
         return Route(None)

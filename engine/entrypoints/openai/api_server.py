@@ -330,6 +330,24 @@ def _add_response_routes(app: FastAPI) -> None:
         serving: OpenAIServingResponses = request.app.state.responses
         return JSONResponse(serving.retrieve(response_id, scope_tenant(request.scope)))
 
+    @app.get("/v1/responses/{response_id}/input_items", operation_id="listInputItems",
+             response_class=JSONResponse, responses={
+                 200: {"description": "The response's input items, as OpenAI lists them."},
+                 **error_responses(400, 404)})
+    async def list_input_items(response_id: str, request: Request, limit: int = 20,
+                               order: str = "desc", after: str | None = None) -> Response:
+        """The input items of a stored response of the requesting tenant."""
+        serving: OpenAIServingResponses = request.app.state.responses
+        return JSONResponse(serving.input_items(response_id, scope_tenant(request.scope),
+                                                limit=limit, order=order, after=after))
+
+    @app.post("/v1/responses/{response_id}/cancel", operation_id="cancelResponse",
+              response_class=JSONResponse, responses=error_responses(400, 404))
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        """Refused: only background responses can be cancelled, and none runs here."""
+        serving: OpenAIServingResponses = request.app.state.responses
+        return JSONResponse(serving.cancel(response_id, scope_tenant(request.scope)))
+
     @app.delete("/v1/responses/{response_id}", operation_id="deleteResponse",
                 response_model=ResponseDeleted, responses=error_responses(404))
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:

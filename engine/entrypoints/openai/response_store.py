@@ -19,7 +19,8 @@ class StoredResponse:
 
     `items` is the conversation up to and including this response: the items of the response
     it continued, then its own input items, then its output as items (`instructions` are not
-    kept: OpenAI does not carry them over). `job_id` is the chain's job as the client names
+    kept: OpenAI does not carry them over); the first `num_input_items` are its input (what
+    `input_items` lists). `job_id` is the chain's job as the client names
     it (not namespaced by tenant). `body` is the response object as it was returned.
     `num_bytes` is the JSON size of `body` plus that of every item of `items`; items shared
     with the responses earlier in the chain are counted in each, so the store's byte total
@@ -32,6 +33,7 @@ class StoredResponse:
     items_num_bytes: int
     body: Mapping[str, Any]
     num_bytes: int
+    num_input_items: int = 0
 
 
 class ResponseStore:

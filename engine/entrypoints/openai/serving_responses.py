@@ -446,7 +446,8 @@ class OpenAIServingResponses(OpenAIServing):
         stored = StoredResponse(
             response_id=prepared.response_id, job_id=prepared.job_id,
             items=(*prepared.items, *new_items), items_num_bytes=items_num_bytes, body=response,
-            num_bytes=items_num_bytes + len(json.dumps(response)))
+            num_bytes=items_num_bytes + len(json.dumps(response)),
+            num_input_items=len(prepared.items))
         if not self.store.put(prepared.tenant, stored):
             logger.warning("response %s is not stored: its conversation (%d bytes) is over the "
                            "store's limit of %d bytes", prepared.response_id, stored.num_bytes,
@@ -486,6 +487,44 @@ class OpenAIServingResponses(OpenAIServing):
             raise _unknown_response(response_id)
         return dict(stored.body)
 
+    def input_items(self, response_id: str, tenant: str | None, *, limit: int = 20,
+                    order: str = "desc", after: str | None = None) -> dict[str, Any]:
+        """OpenAI's list of a stored response's input items (the conversation it continued,
+        then its own input), `order` by position (`desc`: newest first), at most `limit`
+        (1-100) after the item `after`; an item sent without an id gets one from its
+        response and position. 404 if the tenant has no such response, 400 for a bad
+        parameter."""
+        stored = self.store.get(tenant, response_id)
+        if stored is None:
+            raise _unknown_response(response_id)
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
+        items = [_listed_item(item, response_id, index)
+                 for index, item in enumerate(stored.items[:stored.num_input_items])]
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"after names no input item of {response_id!r}",
+                               param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    def cancel(self, response_id: str, tenant: str | None) -> dict[str, Any]:
+        """OpenAI cancels only responses run in the background, which this server does not
+        run: 400 for a stored response, 404 if the tenant has none of this id."""
+        if self.store.get(tenant, response_id) is None:
+            raise _unknown_response(response_id)
+        raise APIError(400, "only responses created with background: true can be cancelled, "
+                            "and this server runs none in the background (this one finished "
+                            "before it was stored)", param="response_id")
+
     def delete(self, response_id: str, tenant: str | None) -> dict[str, Any]:
         """Forgets a stored response (later turns can no longer continue it); 404 if the
         tenant has none of this id."""
@@ -501,6 +540,17 @@ def _input_items(body: ResponsesRequest) -> tuple[ConversationItem, ...]:
     if isinstance(body.input, str):
         return (MessageItem(role="user", content=body.input),)
     return tuple(body.input)
+
+
+def _listed_item(item: ConversationItem, response_id: str, index: int) -> dict[str, Any]:
+    """An input item as OpenAI lists it: an id, and a message's text as content parts."""
+    listed = item.model_dump(exclude_none=True)
+    listed.setdefault("id", f"item_{response_id.removeprefix('resp_')}_{index}")
+    if isinstance(item, MessageItem) and isinstance(item.content, str):
+        listed["content"] = [{"type": "output_text", "text": item.content, "annotations": []}
+                             if item.role == "assistant" else
+                             {"type": "input_text", "text": item.content}]
+    return listed
 
 
 def _num_bytes(items: Sequence[ConversationItem]) -> int:

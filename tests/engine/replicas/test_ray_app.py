@@ -164,6 +164,11 @@ def test_responses_follow_ups_reach_the_replica_holding_the_conversation(
         events = list(stream.parse())
         previous = events[-1].response.id
     assert client.responses.retrieve(previous).id == previous
+    listed = client.responses.input_items.with_raw_response.list(previous, order="asc")
+    assert listed.headers["x-continuum-replica"] == replica  # the replica storing it
+    items = listed.parse().data  # the first input, then three turns of output and "go on"
+    assert [item.role for item in items] == ["user", *["assistant", "user"] * 3]
+    assert (items[0].content[0].text, items[-1].content[0].text) == ("hello there", "go on")
     # Ids no replica stores: each replica is asked, and the single server's answer comes back.
     unknown = httpx.post(ray_server.base_url + "/v1/responses", timeout=60, json={
         "model": "tiny", "input": "x", "previous_response_id": "resp_never",

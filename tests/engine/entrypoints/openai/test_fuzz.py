@@ -42,7 +42,7 @@ def api_schema(fuzzed_server: ServerThread) -> schemathesis.BaseSchema:
 
 OPERATIONS = ["health", "version", "listModels", "retrieveModel", "metrics",
               "createCompletion", "createChatCompletion", "createResponse", "retrieveResponse",
-              "deleteResponse", "retrieveJob", "deleteJob"]
+              "deleteResponse", "listInputItems", "cancelResponse", "retrieveJob", "deleteJob"]
 
 
 def test_the_schema_names_every_operation(api_schema: schemathesis.BaseSchema) -> None:

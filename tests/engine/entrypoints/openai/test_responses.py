@@ -363,6 +363,48 @@ def test_retrieve_and_delete_a_stored_response(server):
     assert again.json()["error"]["code"] == "response_not_found"
 
 
+def test_input_items_list_what_a_response_continued_and_was_sent(server):
+    client = server.client()
+    first = client.responses.create(model="tiny", input="first question", max_output_tokens=2,
+                                    extra_body=NO_EOS)
+    second = client.responses.create(
+        model="tiny", previous_response_id=first.id, max_output_tokens=2, extra_body=NO_EOS,
+        input=[{"role": "user", "content": "second question", "id": "msg_mine"}])
+    listed = client.responses.input_items.list(second.id, order="asc")
+    # The first turn's input and output, then this turn's input (its own id kept).
+    assert [item.type for item in listed.data] == ["message", "message", "message"]
+    assert [item.role for item in listed.data] == ["user", "assistant", "user"]
+    assert listed.data[0].content[0].text == "first question"
+    assert listed.data[-1].id == "msg_mine" and listed.data[-1].content[0].text == (
+        "second question")
+    assert len({item.id for item in listed.data}) == 3 and not listed.has_more
+    newest_first = client.responses.input_items.list(second.id, limit=2)
+    assert [item.id for item in newest_first.data] == [listed.data[2].id, listed.data[1].id]
+    assert newest_first.has_more and newest_first.last_id == listed.data[1].id
+    rest = client.responses.input_items.list(second.id, after=newest_first.last_id)
+    assert [item.id for item in rest.data] == [listed.data[0].id] and not rest.has_more
+    assert client.responses.input_items.list(first.id).data[0].content[0].text == (
+        "first question")
+    with server.http() as http:
+        for query, param in (("limit=0", "limit"), ("order=sideways", "order"),
+                             ("after=msg_nowhere", "after")):
+            bad = http.get(f"/v1/responses/{second.id}/input_items?{query}")
+            assert (bad.status_code, bad.json()["error"]["param"]) == (400, param)
+        missing = http.get("/v1/responses/resp_never/input_items")
+        assert missing.json()["error"]["code"] == "response_not_found"
+
+
+def test_cancel_refuses_a_finished_response_as_openai_does_for_foreground_ones(server):
+    client = server.client()
+    created = client.responses.create(model="tiny", input="done", max_output_tokens=2,
+                                      extra_body=NO_EOS)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(created.id)
+    assert client.responses.retrieve(created.id).status == "incomplete"  # unchanged
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_never")
+
+
 def test_store_false_is_not_kept(server):
     client = server.client()
     response = client.responses.create(model="tiny", input="forget me", max_output_tokens=2,
@@ -416,6 +458,8 @@ def test_a_tenant_never_reads_another_tenants_response(small_store_server):
     response_id = _create(small_store_server, "alpha").json()["id"]
     with small_store_server.http(headers={"Authorization": "Bearer key-b"}) as beta:
         assert beta.get(f"/v1/responses/{response_id}").status_code == 404
+        assert beta.get(f"/v1/responses/{response_id}/input_items").status_code == 404
+        assert beta.post(f"/v1/responses/{response_id}/cancel").status_code == 404
         assert beta.delete(f"/v1/responses/{response_id}").status_code == 404
         assert beta.get(f"/v1/jobs/{response_id}").status_code == 404
     continued = _create(small_store_server, "beta", previous_response_id=response_id)
