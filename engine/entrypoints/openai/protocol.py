@@ -279,6 +279,8 @@ class FunctionDefinition(BaseModel):
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, description="OpenAI's strict mode: a constrained call's "
+                                                  "arguments take only the named properties.")
 
 
 class ChatTool(BaseModel):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -210,14 +211,17 @@ class _ConstraintFields:
         choice = body.tool_choice
         return cls(
             response_format=response_format,
+            # A Responses function is strict unless it says otherwise, as OpenAI has it.
             tools=[ChatTool(function=FunctionDefinition(
-                name=tool.name, description=tool.description, parameters=tool.parameters))
+                name=tool.name, description=tool.description, parameters=tool.parameters,
+                strict=tool.strict is not False))
                 for tool in body.tools or ()],
             tool_choice=NamedToolChoice(function=NamedFunction(name=choice.name))
             if isinstance(choice, FunctionToolChoice) else choice,
             parallel_tool_calls=body.parallel_tool_calls)
 
 
+_CHAT_TOOL_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
 # Chat's names of the constraint fields, and this API's.
 _FIELD_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
                 ("response_format", "text.format"))
@@ -225,6 +229,10 @@ _FIELD_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
 
 def _with_responses_names(error: APIError) -> APIError:
     """`error` naming this API's field where it names chat's."""
+    if error.param is not None and _CHAT_TOOL_PARAMETERS.match(error.param):
+        name = _CHAT_TOOL_PARAMETERS.sub(r"tools[\1].parameters", error.param)
+        return APIError(error.status_code, error.message.replace(error.param, name),
+                        param=name, code=error.code)
     for chat_name, name in _FIELD_NAMES:
         if error.param is not None and error.param.startswith(chat_name):
             return APIError(error.status_code, error.message.replace(chat_name, name),

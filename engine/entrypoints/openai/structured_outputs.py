@@ -1,15 +1,17 @@
 """From the request fields that constrain output to one `StructuredOutputSpec`.
 
 Accepted forms, at most one per request (400 naming both otherwise):
-- OpenAI's `response_format`: `json_object`, or `json_schema` (`{"name", "schema", "strict"}`);
+- OpenAI's `response_format`: `json_object`, or `json_schema` (`{"name", "schema", "strict"}`;
+  with `strict` true, objects take only their named properties, `structured_output.strict`);
   `text` means no constraint;
 - vLLM's `structured_outputs` object (`json`, `regex`, `choice`, `grammar`, `json_object`) and
   the older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
 - with tools: `tool_choice` "required" (one or more calls, or exactly one with
   `parallel_tool_calls: false`) or a named function (exactly one call of it), in the model's
-  tool-call format. With `tool_choice` "auto" and a JSON response format the output is either
-  tool calls or the JSON value; with "auto" and `parallel_tool_calls: false` (Hermes-style
-  models, whose call markers are special tokens) text may be followed by at most one call.
+  tool-call format (a function with `strict: true` in strict mode). With `tool_choice`
+  "auto" and a JSON response format the output is either tool calls or the JSON value; with
+  "auto" and `parallel_tool_calls: false` (Hermes-style models, whose call markers are special
+  tokens) text may be followed by at most one call.
 
 A schema or grammar llguidance rejects is a 400 naming the field. Grammar checks are cached by
 grammar text, so a client that sends the same schema again pays for one dictionary lookup.
@@ -30,6 +32,7 @@ from engine.entrypoints.openai.errors import APIError
 from engine.structured_output import grammars
 from engine.structured_output.grammars import ToolCallFormat, ToolSchema
 from engine.structured_output.spec import StructuredOutputKind, StructuredOutputSpec
+from engine.structured_output.strict import strict_schema
 
 MAX_CHECKED_GRAMMARS = 1024
 HERMES_CALL_START = "<tool_call>"
@@ -139,8 +142,7 @@ def chat_structured_output(body: Any, checker: GrammarChecker,
                            parser_name: str) -> StructuredOutputSpec | None:
     """The constraint of a chat request, tools and `tool_choice` included."""
     constraint = output_constraint(body)
-    tools = [ToolSchema(tool.function.name, tool.function.parameters)
-             for tool in body.tools or ()]
+    tools = [_tool_schema(tool.function, index) for index, tool in enumerate(body.tools or ())]
     choice = body.tool_choice
     if not tools or choice == "none":
         return _spec(checker, constraint)
@@ -185,6 +187,18 @@ def _spec(checker: GrammarChecker, constraint: Constraint | None) -> StructuredO
     return checker.spec(constraint.kind, constraint.grammar, constraint.field)
 
 
+def _tool_schema(function: Any, index: int) -> ToolSchema:
+    """The tool's name and parameters, in OpenAI's strict mode when it says `strict: true`."""
+    parameters = function.parameters
+    if function.strict and parameters is not None:
+        try:
+            parameters = strict_schema(parameters)
+        except ValueError as error:
+            param = f"tools[{index}].function.parameters"
+            raise APIError(400, f"{param}: {error}", param=param) from error
+    return ToolSchema(function.name, parameters)
+
+
 def _choice_name(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else f"{{function: {choice.function.name!r}}}"
 
@@ -218,8 +232,14 @@ def _response_format(response_format: Any) -> Constraint | None:
     if json_schema is None:
         raise APIError(400, "response_format of type 'json_schema' needs json_schema",
                        param="response_format.json_schema")
+    field = "response_format.json_schema.schema"
     schema = json_schema.schema_ if json_schema.schema_ is not None else {}
-    return _json("response_format.json_schema.schema", "json_schema", schema)
+    if json_schema.strict:
+        try:
+            schema = strict_schema(schema)
+        except ValueError as error:
+            raise APIError(400, f"{field}: {error}", param=field) from error
+    return _json(field, "json_schema", schema)
 
 
 def _structured_outputs(structured: Any) -> Constraint | None:

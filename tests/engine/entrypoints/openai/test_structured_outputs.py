@@ -187,3 +187,66 @@ def test_a_schema_the_grammar_engine_rejects_names_the_field(server):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "response_format.json_schema.schema"
     server.wait_idle()
+
+
+# A schema that names one key and says nothing of others: JSON Schema allows any other key.
+OPEN_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}}
+
+
+def _open_tool(strict: bool | None) -> dict:
+    function = {"name": "locate", "parameters": OPEN_PARAMETERS}
+    return {"type": "function", "function": function if strict is None
+            else {**function, "strict": strict}}
+
+
+def _named_call_keys(server, strict: bool | None, seed: int) -> set[str]:
+    response = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Where?"}], seed=seed,
+        max_tokens=200, tools=[_open_tool(strict)],
+        tool_choice={"type": "function", "function": {"name": "locate"}})
+    ((_, arguments),) = _calls(response)
+    return set(arguments)
+
+
+def test_a_strict_function_takes_only_its_named_arguments(server):
+    seeds = range(6)
+    # Not strict: the schema's JSON Schema meaning, which lets the model add keys.
+    assert any(_named_call_keys(server, None, seed) - {"city"} for seed in seeds)
+    assert all(_named_call_keys(server, True, seed) <= {"city"} for seed in seeds)
+
+
+def test_a_responses_function_is_strict_unless_it_says_otherwise(server):
+    def only_named_keys(seed: int, **strict: bool) -> bool:
+        response = server.client().responses.create(
+            model="tiny", input="Where?", max_output_tokens=200, store=False,
+            tools=[{"type": "function", "name": "locate", "parameters": OPEN_PARAMETERS,
+                    **strict}], tool_choice="required", extra_body={"seed": seed})
+        calls = [item for item in response.output if item.type == "function_call"]
+        keys = set().union(*(json.loads(call.arguments) for call in calls))
+        return response.status == "completed" and bool(calls) and keys <= {"city"}
+    seeds = range(6)
+    assert all(only_named_keys(seed) for seed in seeds)  # OpenAI's default: strict
+    # Not strict: the random model runs on emitting keys the schema never named.
+    assert not all(only_named_keys(seed, strict=False) for seed in seeds)
+
+
+def test_a_strict_schema_that_allows_other_keys_is_refused(server):
+    allowing = {**OPEN_PARAMETERS, "additionalProperties": True}
+    with server.http() as http:
+        chat = http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": MESSAGES, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {
+                "name": "locate", "parameters": allowing, "strict": True}}]})
+        formatted = http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": MESSAGES, "response_format": {
+                "type": "json_schema", "json_schema": {
+                    "name": "x", "schema": allowing, "strict": True}}})
+        responses = http.post("/v1/responses", json={
+            "model": "tiny", "input": "hi", "tool_choice": "required",
+            "tools": [{"type": "function", "name": "locate", "parameters": allowing}]})
+    for response, param in ((chat, "tools[0].function.parameters"),
+                            (formatted, "response_format.json_schema.schema"),
+                            (responses, "tools[0].parameters")):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "strict mode forbids" in error["message"]

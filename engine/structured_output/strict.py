@@ -1,0 +1,62 @@
+"""OpenAI's strict mode for JSON schemas: an object takes only the properties it names.
+
+OpenAI guarantees, for a schema sent with `strict: true` (a `json_schema` response format, or
+a function tool's parameters), that the output has no key the schema does not name. Plain
+JSON Schema allows any other key unless `additionalProperties` is false, so a strict schema is
+rewritten with `additionalProperties: false` on every object schema that does not say it; one
+that allows other keys (`additionalProperties` true or a schema) is refused, as OpenAI refuses
+it. Non-strict schemas keep their JSON Schema meaning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# Keywords whose value is one subschema, a list of them, or a name -> subschema map.
+_ONE = ("items", "not", "if", "then", "else", "contains", "additionalItems")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def strict_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `schema` in which every object schema takes only its named properties;
+    ValueError naming the place where a subschema allows other keys."""
+    return _strict(schema, "schema")
+
+
+def _strict(node: Mapping[str, Any], where: str) -> dict[str, Any]:
+    strict = dict(node)
+    for key in _ONE:
+        value = node.get(key)
+        if isinstance(value, Mapping):
+            strict[key] = _strict(value, f"{where}.{key}")
+        elif isinstance(value, list):  # items as a list (draft 4 tuples)
+            strict[key] = _strict_list(value, f"{where}.{key}")
+    for key in _LIST:
+        if isinstance(node.get(key), list):
+            strict[key] = _strict_list(node[key], f"{where}.{key}")
+    for key in _MAP:
+        value = node.get(key)
+        if isinstance(value, Mapping):
+            strict[key] = {name: _strict(sub, f"{where}.{key}.{name}")
+                           if isinstance(sub, Mapping) else sub for name, sub in value.items()}
+    if _is_object(node):
+        allowed = node.get("additionalProperties", False)
+        if allowed is not False:
+            raise ValueError(f"{where} allows properties it does not name "
+                             f"(additionalProperties: {allowed!r}), which strict mode forbids; "
+                             "set additionalProperties to false or strict to false")
+        strict["additionalProperties"] = False
+    return strict
+
+
+def _strict_list(values: list[Any], where: str) -> list[Any]:
+    return [_strict(sub, f"{where}[{index}]") if isinstance(sub, Mapping) else sub
+            for index, sub in enumerate(values)]
+
+
+def _is_object(node: Mapping[str, Any]) -> bool:
+    kind = node.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or (
+        kind is None and "properties" in node)
