@@ -13,10 +13,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -334,8 +334,10 @@ def _add_response_routes(app: FastAPI) -> None:
              response_class=JSONResponse, responses={
                  200: {"description": "The response's input items, as OpenAI lists them."},
                  **error_responses(400, 404)})
-    async def list_input_items(response_id: str, request: Request, limit: int = 20,
-                               order: str = "desc", after: str | None = None) -> Response:
+    async def list_input_items(
+            response_id: str, request: Request,
+            limit: Annotated[int, Query(ge=1, le=100)] = 20,
+            order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Response:
         """The input items of a stored response of the requesting tenant."""
         serving: OpenAIServingResponses = request.app.state.responses
         return JSONResponse(serving.input_items(response_id, scope_tenant(request.scope),

@@ -74,11 +74,13 @@ _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
 
 
 def _names_a_field(part: str | int) -> bool:
-    """Whether a part of a validation error's location is a field or an index (not `body`,
-    nor a union member's tag such as `constrained-str` or `list[int]`)."""
+    """Whether a part of a validation error's location is a field or an index (not where
+    the field is, `body`, `query` or `path`, nor a union member's tag such as
+    `constrained-str` or `list[int]`)."""
     if isinstance(part, int):
         return True
-    return part.isidentifier() and part != "body" and part not in _UNION_MEMBER_TAGS
+    return part.isidentifier() and part not in ("body", "query", "path") and \
+        part not in _UNION_MEMBER_TAGS
 
 
 def validation_message(error: RequestValidationError) -> tuple[str, str | None]:

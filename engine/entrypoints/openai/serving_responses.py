@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.drain import ServerShuttingDownError
@@ -496,19 +496,16 @@ class OpenAIServingResponses(OpenAIServing):
         return dict(stored.body)
 
     def input_items(self, response_id: str, tenant: str | None, *, limit: int = 20,
-                    order: str = "desc", after: str | None = None) -> dict[str, Any]:
+                    order: Literal["asc", "desc"] = "desc", after: str | None = None
+                    ) -> dict[str, Any]:
         """OpenAI's list of a stored response's input items (the conversation it continued,
         then its own input), `order` by position (`desc`: newest first), at most `limit`
-        (1-100) after the item `after`; an item sent without an id gets one from its
-        response and position. 404 if the tenant has no such response, 400 for a bad
-        parameter."""
+        (1-100, checked by the route) after the item `after`; an item sent without an id gets
+        one from its response and position. 404 if the tenant has no such response, 400 if
+        `after` names none of its items."""
         stored = self.store.get(tenant, response_id)
         if stored is None:
             raise _unknown_response(response_id)
-        if not 1 <= limit <= 100:
-            raise APIError(400, f"limit must be in [1, 100], got {limit}", param="limit")
-        if order not in ("asc", "desc"):
-            raise APIError(400, f"order must be asc or desc, got {order!r}", param="order")
         items = [_listed_item(item, response_id, index)
                  for index, item in enumerate(stored.items[:stored.num_input_items])]
         if order == "desc":
