@@ -46,6 +46,7 @@ from engine.entrypoints.openai.protocol_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,
+    InputTextPart,
     MessageItem,
     OutputTextPart,
     ResponsesRequest,
@@ -552,9 +553,9 @@ def _listed_item(item: ConversationItem, response_id: str, index: int) -> dict[s
     listed = item.model_dump(exclude_none=True)
     listed.setdefault("id", f"item_{response_id.removeprefix('resp_')}_{index}")
     if isinstance(item, MessageItem) and isinstance(item.content, str):
-        listed["content"] = [{"type": "output_text", "text": item.content, "annotations": []}
-                             if item.role == "assistant" else
-                             {"type": "input_text", "text": item.content}]
+        part = (OutputTextPart(type="output_text", text=item.content) if item.role == "assistant"
+                else InputTextPart(type="input_text", text=item.content))
+        listed["content"] = [part.model_dump()]
     return listed
 
 
