@@ -224,7 +224,7 @@ class JobAwarePolicy(BasePolicy):
             logger.warning("cannot decode the output of %s to read its tool: %s",
                            request.request_id, error)
             return None
-        return tool_key(text)
+        return tool_key(text, tool_call_format=request.tool_call_format)
 
     @staticmethod
     def no_tool_call() -> Retention:

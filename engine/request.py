@@ -8,6 +8,7 @@ import math
 import msgspec
 
 from engine.sampling_params import SamplingParams
+from engine.tool_calls import ToolCallFormat
 
 MAX_TOKEN_ID = 2**32 - 1
 
@@ -85,13 +86,20 @@ class Request:
     `num_cached_tokens` is the prefix-cache hit of the first admission (`None` before it);
     `first_scheduled_at_s` the time of that admission and `first_token_at_s` the end of the
     step that sampled the first output token, both on the scheduler's clock (`None` before).
+    `continues_request_id` is the finished request whose turn this one continues, when the
+    frontend knows it (the client re-sent a tool call that request issued): job inference binds
+    a request without a job to that turn's job first (`engine.scheduler.job_inference`).
+    `tool_call_format` says how the frontend reads the output's tool calls when the request
+    offers tools (None: it offers none, and a client that calls tools parses the text itself),
+    so that the policy learns from the calls the client receives.
     """
 
     __slots__ = (
-        "all_token_ids", "arrival_time_s", "block_hashes", "cache_salt", "eos_token_id",
+        "all_token_ids", "arrival_time_s", "block_hashes", "cache_salt", "continues_request_id",
+        "eos_token_id",
         "first_scheduled_at_s", "first_token_at_s", "job", "num_cached_tokens",
         "num_computed_tokens", "num_preemptions", "num_prompt_tokens", "priority",
-        "request_id", "sampling_params", "status", "stop_reason",
+        "request_id", "sampling_params", "status", "stop_reason", "tool_call_format",
     )
 
     def __init__(
@@ -105,6 +113,8 @@ class Request:
         priority: int = 0,
         job: JobInfo | None = None,
         cache_salt: str | None = None,
+        continues_request_id: str | None = None,
+        tool_call_format: ToolCallFormat | None = None,
     ) -> None:
         if not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -123,6 +133,8 @@ class Request:
         self.priority = priority
         self.job = job
         self.cache_salt = cache_salt
+        self.continues_request_id = continues_request_id
+        self.tool_call_format = tool_call_format
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = RequestStatus.WAITING

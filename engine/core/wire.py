@@ -15,12 +15,14 @@ import msgspec
 from engine.outputs import EngineCoreOutput
 from engine.request import JobInfo
 from engine.sampling_params import SamplingParams
+from engine.tool_calls import ToolCallFormat
 
 
 class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True, omit_defaults=True):
     """One sequence to generate: the frontend has tokenized and validated it already.
 
     `arrival_time_s` is on the core's clock; `None` means the time the core received it.
+    `continues_request_id`, `tool_call_format`: see `Request`.
     """
 
     request_id: str
@@ -31,6 +33,8 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True, omit_defaults=T
     job: JobInfo | None = None
     cache_salt: str | None = None
     arrival_time_s: float | None = None
+    continues_request_id: str | None = None
+    tool_call_format: ToolCallFormat | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -43,11 +43,11 @@ from engine.entrypoints.openai.tenants import (
     parse_tenant_flag,
     read_keys_file,
 )
-from engine.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.stats import RequestStatsObserver
 from engine.replicas.launch import add_arguments as add_replica_arguments
 from engine.replicas.launch import main as serve_replicas
+from engine.tool_calls import TOOL_PARSERS
 
 logger = logging.getLogger("continuum.serve")
 

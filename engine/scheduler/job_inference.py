@@ -37,13 +37,15 @@ class InferredJob:
 @dataclass(frozen=True, slots=True)
 class _FinishedTurn:
     """What a later prompt is matched against: the chained hash of the last full block of the
-    turn's prompt, the prompt's tokens after that block, and its length in tokens."""
+    turn's prompt, the prompt's tokens after that block, its length in tokens, and the first
+    tokens of its output (at most a block of them)."""
 
     job_id: str
     request_id: str
     key_hash: BlockHash
     prompt_tail: tuple[int, ...]
     num_prompt_tokens: int
+    output_head: tuple[int, ...]
     finished_at_s: float
 
 
@@ -54,18 +56,25 @@ class JobInference:
     with that turn's whole prompt and is longer than it. The prompt's full blocks are compared
     by their chained block hashes (`Request.block_hashes`, the prefix cache's own, salted with
     the request's `cache_salt`, so one tenant never continues another's turn) and the tokens
-    after the last full block one by one. The turn's output is not compared: a chat client
-    re-renders it through the chat template (tool calls re-serialised, whitespace moved), so
-    its tokens, and the block that straddles the prompt's end, rarely come back as sampled.
-    Requiring the whole previous prompt, its generation prompt included, is what keeps a new
-    conversation that merely shares a system prompt or a first message from joining. A turn
-    whose prompt fills no block cannot be matched and is not remembered. When several turns
-    match, the one with the longest prompt wins (then the earliest finished).
+    after the last full block one by one. Requiring the whole previous prompt, its generation
+    prompt included, is what keeps a new conversation that merely shares a system prompt or a
+    first message from joining. A turn whose prompt fills no block cannot be matched and is
+    not remembered.
 
-    **One continuation per turn.** A match takes the turn out of the table, so two identical
-    conversations (a benchmark at temperature 0) stay two jobs, and an inferred job has at
-    most one unfinished turn. If that turn is aborted, the turn it continued goes back in (as
-    of the abort) so that a retry joins the job again.
+    **Which turn.** A request whose client re-sent a tool call that a finished turn issued
+    (`Request.continues_request_id`, read by the frontend from the call's id) continues that
+    turn when the rule above holds for it. Otherwise the matching turns with the longest
+    prompt are candidates, and the turn's output decides between them: a chat client
+    re-renders the output through the chat template (tool calls re-serialised, whitespace
+    moved), so it is not required to come back whole, but the candidate whose first output
+    tokens (up to a block of them) the request repeats furthest wins. A tie between several
+    candidates (parallel rollouts of one first prompt that answered alike) is ambiguous: the
+    request starts a new job rather than joining one of theirs, whose pins and order it might
+    take.
+
+    **One continuation per turn.** A match takes the turn out of the table, so an inferred job
+    has at most one unfinished turn. If that turn is aborted, the turn it continued goes back
+    in (as of the abort) so that a retry joins the job again.
 
     **Bounds.** At most `max_turns` turns, each for at most `max_age_s`: a sweep drops older
     ones (and a lookup skips them); a full table drops its oldest. The job of a dropped turn has no
@@ -73,8 +82,8 @@ class JobInference:
     the policy forgets it), as does a job left with nothing to continue (its first turn was
     aborted, or its finished prompt filled no block). The scheduler caps an inferred job's pin
     at `max_age_s` (`pin_ttl_s`), since no later turn could take it over. A request that
-    continues nothing therefore costs a table entry of about a block's worth of token ids and
-    policy books until its turn leaves the table, and holds KV only where the policy would
+    continues nothing therefore costs a table entry of about two blocks' worth of token ids
+    and policy books until its turn leaves the table, and holds KV only where the policy would
     pin an explicit job's turn (shipped policies pin only turns that called a tool).
     """
 
@@ -88,6 +97,7 @@ class JobInference:
         self.max_age_s = max_age_s
         self._turns: OrderedDict[str, _FinishedTurn] = OrderedDict()  # by job id, oldest first
         self._job_ids_by_key: dict[BlockHash, list[str]] = {}
+        self._job_ids_by_request_id: dict[str, str] = {}
         self._continued: dict[str, _FinishedTurn] = {}  # by the unfinished continuing request
         self._new_job_ids = itertools.count()
 
@@ -98,7 +108,8 @@ class JobInference:
     def infer(self, request: Request, now_s: float) -> InferredJob:
         """The job of `request` (which names none): the job of the finished turn it continues,
         taken out of the table, else a new inferred job with an id no client can send."""
-        turn = self._match(request, now_s)
+        hashes = extend_block_hashes(request, self.block_size)
+        turn = self._named_turn(request, hashes, now_s) or self._match(request, hashes, now_s)
         if turn is None:
             job_id = f"{INFERRED_JOB_ID_PREFIX}{next(self._new_job_ids)}/{request.request_id}"
             return InferredJob(JobInfo(job_id=job_id, inferred=True), None)
@@ -125,7 +136,10 @@ class JobInference:
             key_hash=hashes[num_full_blocks - 1],
             prompt_tail=tuple(request.all_token_ids[num_full_blocks * self.block_size:
                                                     request.num_prompt_tokens]),
-            num_prompt_tokens=request.num_prompt_tokens, finished_at_s=now_s,
+            num_prompt_tokens=request.num_prompt_tokens,
+            output_head=tuple(request.all_token_ids[request.num_prompt_tokens:
+                                                    request.num_prompt_tokens + self.block_size]),
+            finished_at_s=now_s,
         )
         return self._add(turn)
 
@@ -153,14 +167,44 @@ class JobInference:
         return min(ttl_s, self.max_age_s)
 
     # The table.
-    def _match(self, request: Request, now_s: float) -> _FinishedTurn | None:
-        hashes = extend_block_hashes(request, self.block_size)
+    def _named_turn(self, request: Request, hashes: list[BlockHash], now_s: float
+                    ) -> _FinishedTurn | None:
+        """The turn of `request.continues_request_id`, if it is in the table and `request`
+        continues it."""
+        if request.continues_request_id is None:
+            return None
+        job_id = self._job_ids_by_request_id.get(request.continues_request_id)
+        if job_id is None:
+            return None
+        turn = self._turns[job_id]
+        key_index = turn.num_prompt_tokens // self.block_size - 1
+        if key_index >= len(hashes) or hashes[key_index] != turn.key_hash:
+            return None
+        return turn if self._continues(request, turn, now_s) else None
+
+    def _match(self, request: Request, hashes: list[BlockHash], now_s: float
+               ) -> _FinishedTurn | None:
+        """The turn `request` continues by the rule (None: none, or an ambiguous tie)."""
         for index in range(len(hashes) - 1, -1, -1):
-            for job_id in self._job_ids_by_key.get(hashes[index], ()):
-                turn = self._turns[job_id]
-                if self._continues(request, turn, now_s):
-                    return turn
+            candidates = [self._turns[job_id]
+                          for job_id in self._job_ids_by_key.get(hashes[index], ())]
+            candidates = [turn for turn in candidates if self._continues(request, turn, now_s)]
+            if candidates:
+                return self._decide(request, candidates)
         return None
+
+    def _decide(self, request: Request, candidates: list[_FinishedTurn]) -> _FinishedTurn | None:
+        """Among turns `request` continues: the one with the longest prompt, then the one
+        whose output it repeats furthest; None when that leaves a tie."""
+        longest = max(turn.num_prompt_tokens for turn in candidates)
+        candidates = [turn for turn in candidates if turn.num_prompt_tokens == longest]
+        if len(candidates) == 1:
+            return candidates[0]
+        scores = [_num_repeated(request, turn) for turn in candidates]
+        best = max(scores)
+        if scores.count(best) > 1:
+            return None
+        return candidates[scores.index(best)]
 
     def _continues(self, request: Request, turn: _FinishedTurn, now_s: float) -> bool:
         """Whether `request`'s prompt, whose full blocks up to `turn`'s key already match,
@@ -181,6 +225,7 @@ class JobInference:
             self._remove(previous)
         self._turns[turn.job_id] = turn
         self._job_ids_by_key.setdefault(turn.key_hash, []).append(turn.job_id)
+        self._job_ids_by_request_id[turn.request_id] = turn.job_id
         ended = []
         while len(self._turns) > self.max_turns:
             oldest = next(iter(self._turns.values()))
@@ -190,6 +235,7 @@ class JobInference:
 
     def _remove(self, turn: _FinishedTurn) -> None:
         del self._turns[turn.job_id]
+        del self._job_ids_by_request_id[turn.request_id]
         job_ids = self._job_ids_by_key[turn.key_hash]
         job_ids.remove(turn.job_id)
         if not job_ids:
@@ -207,10 +253,14 @@ class JobInference:
         assert times == sorted(times), "finished turns out of order"
         indexed = sorted(job_id for ids in self._job_ids_by_key.values() for job_id in ids)
         assert indexed == sorted(self._turns), "the key index disagrees with the table"
+        assert self._job_ids_by_request_id == {
+            turn.request_id: job_id for job_id, turn in self._turns.items()
+        }, "the request index disagrees with the table"
         for job_id, turn in self._turns.items():
             assert turn.job_id == job_id, f"turn of {turn.job_id} filed under {job_id}"
             assert job_id in self._job_ids_by_key[turn.key_hash], f"{job_id} filed wrongly"
             assert len(turn.prompt_tail) < self.block_size, f"{job_id}: tail over a block"
+            assert len(turn.output_head) <= self.block_size, f"{job_id}: output over a block"
         unfinished_job_ids = [request.job_id for request in unfinished.values()
                               if request.job is not None and request.job.inferred]
         assert len(set(unfinished_job_ids)) == len(unfinished_job_ids), (
@@ -229,3 +279,16 @@ class JobInference:
                 f"the pin of {job_id} outlived its inferred job"
             )
 
+
+
+def _num_repeated(request: Request, turn: _FinishedTurn) -> int:
+    """How many of `turn`'s first output tokens `request`'s prompt repeats, in order, right
+    after `turn`'s prompt."""
+    start = turn.num_prompt_tokens
+    repeated = 0
+    for token, expected in zip(request.all_token_ids[start:request.num_prompt_tokens],
+                               turn.output_head, strict=False):
+        if token != expected:
+            break
+        repeated += 1
+    return repeated

@@ -72,7 +72,7 @@ class ToolSchema:
 class ToolCallFormat:
     """How the model writes tool calls: Hermes (`<tool_call>` JSON `</tool_call>`, the markers
     special tokens when `markers_are_tokens`) or Llama-3 JSON (`{"name", "parameters"}`,
-    several separated by `; `). Matches the parsers in `tool_parsers`."""
+    several separated by `; `). Matches the parsers in `engine.tool_calls`."""
 
     style: ToolCallStyle
     markers_are_tokens: bool = True

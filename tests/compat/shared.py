@@ -18,7 +18,11 @@ TINY_MODEL = "tiny"  # the served name of the tiny model's server
 AGENT_MODEL = "scripted-agent"  # the served name of the scripted agent's server
 AGENT_EXECUTOR = "tests.compat.scripted_agent:ToolThenAnswerExecutor"
 MAX_TOKENS = 120
+MAX_MODEL_LEN = 1024  # tokens: a prompt of more bytes exceeds the context
+BLOCK_SIZE = 16
 PROMPT = "What is the weather like?"
+TWO_CITIES_PROMPT = "What is the weather in Paris, and in Rome?"  # a tool loop of three turns
+OVERSIZED_PROMPT = "weather " * (MAX_MODEL_LEN // 4)
 
 
 class Forecast(BaseModel):

@@ -2,22 +2,29 @@
 pydantic model (its default method, function calling, and over the Responses API) and
 `bind_tools` with a forced tool choice, on the tiny model's constrained output; and, on the
 scripted agent, a tool loop over two turns (Chat Completions, Responses with the whole
-history, Responses chained by `previous_response_id`) and a streamed tool call."""
+history, Responses chained by `previous_response_id`), each one job of the engine, four
+concurrent loops from one prompt (four jobs), a streamed tool call, and an oversized prompt's
+error."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import openai
 import pytest
 from langchain_core import messages
 from langchain_openai import ChatOpenAI
 
+from tests.compat.jobs import check_one_job, jobs_of
 from tests.compat.scripted_agent import CALL_PREAMBLE, TOOL_ARGUMENTS, TOOL_NAME
 from tests.compat.shared import (
     AGENT_MODEL,
+    BLOCK_SIZE,
     CHAT_TOOLS,
     EXPECTED_ANSWER,
     MAX_TOKENS,
+    OVERSIZED_PROMPT,
     PROMPT,
     TINY_MODEL,
     Forecast,
@@ -68,26 +75,59 @@ def test_bind_tools_with_a_forced_choice_gives_tool_calls(tiny_server, tool_choi
 
 
 # A tool loop over two turns.
-@pytest.mark.parametrize("chat_kwargs", [
-    {},
-    {"use_responses_api": True},
-    {"use_responses_api": True, "use_previous_response_id": True},
-], ids=["chat_completions", "responses_api", "previous_response_id"])
-def test_a_tool_loop_runs_the_tool_then_answers(agent_server, chat_kwargs):
-    llm = _chat(agent_server, AGENT_MODEL, **chat_kwargs).bind_tools(CHAT_TOOLS)
+MODES = [{}, {"use_responses_api": True},
+         {"use_responses_api": True, "use_previous_response_id": True}]
+MODE_IDS = ["chat_completions", "responses_api", "previous_response_id"]
+
+
+def _tool_loop(llm: Any) -> tuple[Any, Any]:
+    """The agent loop of a langchain tool user: the question, the model's call, the tool's
+    result, the model's answer."""
     history: list[Any] = [messages.HumanMessage(PROMPT)]
     first = llm.invoke(history)
     (call,) = first.tool_calls
     assert (call["name"], call["args"]) == (TOOL_NAME, TOOL_ARGUMENTS)
     history += [first, messages.ToolMessage(weather_report(call["args"]["city"]),
                                             tool_call_id=call["id"])]
-    second = llm.invoke(history)
+    return first, llm.invoke(history)
+
+
+@pytest.mark.parametrize("chat_kwargs", MODES, ids=MODE_IDS)
+def test_a_tool_loop_runs_the_tool_then_answers_as_one_job(agent_server, chat_kwargs):
+    llm = _chat(agent_server, AGENT_MODEL, **chat_kwargs).bind_tools(CHAT_TOOLS)
+    (first, second), turns = agent_server.turns(lambda: _tool_loop(llm))
     assert second.tool_calls == []
     assert second.text == EXPECTED_ANSWER
+    assert [turn.request_id for turn in turns] == [
+        first.response_metadata["id"], second.response_metadata["id"]]
+    check_one_job(turns, 2, BLOCK_SIZE)
     if chat_kwargs.get("use_previous_response_id"):
         with agent_server.http() as http:
             stored = http.get(f"/v1/responses/{second.response_metadata['id']}").json()
         assert stored["previous_response_id"] == first.response_metadata["id"]
+
+
+@pytest.mark.parametrize("chat_kwargs", MODES[:2], ids=MODE_IDS[:2])
+def test_four_concurrent_loops_from_one_prompt_are_four_jobs(agent_server, chat_kwargs):
+    llm = _chat(agent_server, AGENT_MODEL, **chat_kwargs).bind_tools(CHAT_TOOLS)
+
+    def four_loops() -> list[tuple[Any, Any]]:
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(lambda _: _tool_loop(llm), range(4)))
+
+    loops, turns = agent_server.turns(four_loops)
+    assert [second.text for _, second in loops] == [EXPECTED_ANSWER] * 4
+    runs = sorted([first.response_metadata["id"], second.response_metadata["id"]]
+                  for first, second in loops)
+    assert sorted(jobs_of(turns).values()) == runs
+
+
+@pytest.mark.parametrize("chat_kwargs", MODES[:2], ids=MODE_IDS[:2])
+def test_an_oversized_prompt_is_context_length_exceeded(agent_server, chat_kwargs):
+    with pytest.raises(openai.BadRequestError) as error:
+        _chat(agent_server, AGENT_MODEL, **chat_kwargs).invoke(OVERSIZED_PROMPT)
+    param = "input" if chat_kwargs else "messages"
+    assert (error.value.code, error.value.param) == ("context_length_exceeded", param)
 
 
 def test_a_stream_assembles_the_text_and_the_tool_call(agent_server):

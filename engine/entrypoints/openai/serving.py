@@ -39,6 +39,7 @@ from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
+from engine.tool_calls import ToolCallFormat
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_N = 16
@@ -272,11 +273,16 @@ class OpenAIServing:
         self, request_id: str, token_ids: list[int], params: SamplingParams,
         body: SamplingFields, client: ClientContext,
         kept_special_token_ids: frozenset[int] = frozenset(),
+        continues_request_id: str | None = None,
+        tool_call_format: ToolCallFormat | None = None,
     ) -> ProcessedRequest:
         """The validated engine request; APIError(400) naming what is wrong (including a
         prompt plus `max_tokens`, or `min_tokens`, beyond the model's context). The request's
         job and cache salt are its tenant's. `kept_special_token_ids`: special tokens that
-        stay in the output text (see `ProcessedRequest`)."""
+        stay in the output text (see `ProcessedRequest`); `continues_request_id`: the
+        finished engine request whose turn this one continues, if known, and
+        `tool_call_format`: how its output is read for tool calls, if it offers tools (see
+        `engine.request.Request`)."""
         logger.debug("request id %s: engine request %s", client.request_id, request_id)
         max_prompt_tokens = self.settings.max_prompt_tokens
         if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
@@ -291,6 +297,7 @@ class OpenAIServing:
                 priority=body.priority, cache_salt=engine_cache_salt(
                     client.tenant, body.cache_salt, share_prefix_cache=self._shares_cache),
                 kept_special_token_ids=kept_special_token_ids,
+                continues_request_id=continues_request_id, tool_call_format=tool_call_format,
             )
         except ValueError as error:
             raise APIError(400, str(error)) from error

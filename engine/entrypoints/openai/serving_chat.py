@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,19 +32,20 @@ from engine.entrypoints.openai.serving import (
     sse_error,
 )
 from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
-from engine.entrypoints.openai.tool_parsers import (
+from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
+from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
+from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.outputs import CompletionOutput, RequestOutput
+from engine.frontend.processor import ProcessedRequest, core_request_id
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.tool_calls import (
     TOOL_CALL_MARKERS,
-    OfferedToolsParser,
     ParsedToolCall,
-    StreamingToolCallSplitter,
+    ToolCallFormat,
     ToolParser,
     make_tool_parser,
 )
-from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.outputs import CompletionOutput, RequestOutput
-from engine.frontend.processor import ProcessedRequest
-from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,18 @@ class OpenAIServingChat(OpenAIServing):
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
         self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
 
-    def _parser(self, body: ChatCompletionRequest) -> ToolParser | None:
-        """The tool-call parser for this request, or None when tools are off."""
+    def _tool_call_format(self, body: ChatCompletionRequest) -> ToolCallFormat | None:
+        """How this request's output is read for tool calls, or None when tools are off."""
         if not body.tools or body.tool_choice == "none":
             return None
-        return OfferedToolsParser(make_tool_parser(self.settings.tool_call_parser),
-                                  frozenset(tool.function.name for tool in body.tools),
-                                  parallel=body.parallel_tool_calls is not False)
+        return ToolCallFormat(parser=self.settings.tool_call_parser,
+                              tool_names=tuple(tool.function.name for tool in body.tools),
+                              parallel=body.parallel_tool_calls is not False)
+
+    def _parser(self, body: ChatCompletionRequest) -> ToolParser | None:
+        """The tool-call parser for this request, or None when tools are off."""
+        tool_call_format = self._tool_call_format(body)
+        return None if tool_call_format is None else tool_call_format.make_parser()
 
     async def prepare(
         self, body: ChatCompletionRequest, client: ClientContext
@@ -114,9 +119,13 @@ class OpenAIServingChat(OpenAIServing):
 
     def _render_and_process(self, body: ChatCompletionRequest, params: SamplingParams,
                             client: ClientContext) -> ProcessedRequest:
-        kept = self._tool_call_marker_ids if self._parser(body) is not None else frozenset()
-        return self.process(new_id("chatcmpl"), self._render(body), params, body, client,
-                            kept_special_token_ids=kept)
+        tool_call_format = self._tool_call_format(body)
+        kept = self._tool_call_marker_ids if tool_call_format is not None else frozenset()
+        messages = [template_message(message) for message in body.messages]
+        return self.process(new_id("chatcmpl"), self._render(body, messages), params, body,
+                            client, kept_special_token_ids=kept,
+                            continues_request_id=continued_request_id(messages),
+                            tool_call_format=tool_call_format)
 
     def _check_chat_fields(self, body: ChatCompletionRequest) -> None:
         for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
@@ -138,8 +147,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not "
                                     "among the tools", param="tool_choice")
 
-    def _render(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [template_message(message) for message in body.messages]
+    def _render(self, body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> list[int]:
         tools = None if not body.tools else [tool.model_dump(exclude_none=True)
                                               for tool in body.tools]
         try:
@@ -159,7 +167,9 @@ class OpenAIServingChat(OpenAIServing):
             final = output
         assert final is not None and final.finished
         parser = self._parser(body)
-        choices = [self._message_choice(body, completion, parser)
+        choices = [self._message_choice(body, completion, parser,
+                                        core_request_id(request.request_id, completion.index,
+                                                        body.n))
                    for completion in final.outputs]
         response: dict[str, Any] = {
             "id": request.request_id, "object": "chat.completion", "created": int(time.time()),
@@ -174,7 +184,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def _message_choice(
         self, body: ChatCompletionRequest, completion: CompletionOutput,
-        parser: ToolParser | None,
+        parser: ToolParser | None, engine_request_id: str,
     ) -> dict[str, Any]:
         content: str | None = completion.text
         tool_calls: tuple[ParsedToolCall, ...] = ()
@@ -183,7 +193,8 @@ class OpenAIServingChat(OpenAIServing):
             content, tool_calls = parsed.content, parsed.tool_calls
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
-            message["tool_calls"] = [_tool_call(call) for call in tool_calls]
+            message["tool_calls"] = [_tool_call(call, issued_call_id(engine_request_id, index))
+                                     for index, call in enumerate(tool_calls)]
         choice: dict[str, Any] = {
             "index": completion.index, "message": message,
             "logprobs": self._logprobs(completion.logprobs),
@@ -212,7 +223,9 @@ class OpenAIServingChat(OpenAIServing):
             async for _, output in merge_streams([prepared.stream]):
                 num_cached_tokens = output.num_cached_tokens
                 for completion in output.outputs:
-                    choice = self._delta_choice(body, completion, choices[completion.index])
+                    choice = self._delta_choice(
+                        body, completion, choices[completion.index],
+                        core_request_id(request.request_id, completion.index, body.n))
                     if choice is None:
                         continue
                     chunk = {**header, "choices": [choice]}
@@ -229,7 +242,8 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
     def _delta_choice(
-        self, body: ChatCompletionRequest, completion: CompletionOutput, state: _ChoiceStream
+        self, body: ChatCompletionRequest, completion: CompletionOutput, state: _ChoiceStream,
+        engine_request_id: str,
     ) -> dict[str, Any] | None:
         state.num_tokens += len(completion.token_ids)
         text = completion.text
@@ -245,8 +259,9 @@ class OpenAIServingChat(OpenAIServing):
         if text:
             delta["content"] = text
         if state.tool_calls:
-            delta["tool_calls"] = [{"index": i, **_tool_call(call)}
-                                   for i, call in enumerate(state.tool_calls)]
+            delta["tool_calls"] = [
+                {"index": i, **_tool_call(call, issued_call_id(engine_request_id, i))}
+                for i, call in enumerate(state.tool_calls)]
         carries_tokens = completion.token_ids and (body.return_token_ids or completion.logprobs)
         if not delta and not completion.finished and not carries_tokens:
             return None  # text held back (a partial character, stop string or tool call)
@@ -269,8 +284,8 @@ def _finish_reason(reason: str | None, tool_calls: tuple[ParsedToolCall, ...]) -
     return "tool_calls" if tool_calls and reason == "stop" else reason
 
 
-def _tool_call(call: ParsedToolCall) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+def _tool_call(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
 
 

@@ -7,9 +7,12 @@ chat template with the function tools; the output is parsed by the chat tool-cal
 a `message` item and `function_call` items. Streams are OpenAI's semantic events.
 
 A response is stored (unless `store` is false) with its whole conversation, so that
-`previous_response_id` continues it; the turns of such a chain are turns of one job (the first
-response's id, unless the client names a `job_id`), so the engine's job order and KV pins
-apply to them.
+`previous_response_id` continues it. A turn's job is the one its client names (`job_id`, the
+job header or `prompt_cache_key`), else that of the stored turn it chains onto, else the
+engine infers it, as for chat: a turn that re-sends the conversation (the default of most agent
+frameworks) or chains onto one continues the job of the turn whose output it carries, found
+by the function calls it sends back (`tool_call_ids`) or the response it names, else by its
+prompt. So the engine's job order and KV pins apply to every agent's turns.
 """
 
 from __future__ import annotations
@@ -63,20 +66,21 @@ from engine.entrypoints.openai.serving import (
 )
 from engine.entrypoints.openai.serving_chat import template_message
 from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
-from engine.entrypoints.openai.tool_parsers import (
-    TOOL_CALL_MARKERS,
-    OfferedToolsParser,
-    ParsedToolCall,
-    StreamingToolCallSplitter,
-    ToolParser,
-    make_tool_parser,
-)
+from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
+from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.processor import ProcessedRequest
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
+from engine.tool_calls import (
+    TOOL_CALL_MARKERS,
+    ParsedToolCall,
+    ToolCallFormat,
+    ToolParser,
+    make_tool_parser,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +116,7 @@ class _Output:
     splitter: StreamingToolCallSplitter | None
     keep_one_call: bool
     with_logprobs: bool
+    engine_request_id: str
     message_id: str = field(default_factory=lambda: new_item_id("msg"))
     text: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
@@ -144,8 +149,9 @@ class _Output:
         if self.splitter is None:
             return ""
         rest, calls = self.splitter.finish()
-        for call in calls[:1] if self.keep_one_call else calls:
-            self.calls.append(_function_call_item(call))
+        for index, call in enumerate(calls[:1] if self.keep_one_call else calls):
+            self.calls.append(_function_call_item(
+                call, issued_call_id(self.engine_request_id, index)))
         return rest
 
     @property
@@ -184,9 +190,9 @@ class _Output:
         return items
 
 
-def _function_call_item(call: ParsedToolCall) -> dict[str, Any]:
+def _function_call_item(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
     return {"id": new_item_id("fc"), "type": "function_call", "status": "completed",
-            "call_id": new_item_id("call"), "name": call.name, "arguments": call.arguments}
+            "call_id": call_id, "name": call.name, "arguments": call.arguments}
 
 
 @dataclass(frozen=True)
@@ -283,12 +289,12 @@ class OpenAIServingResponses(OpenAIServing):
         params = self._sampling_params(body, structured_output)
         response_id = new_item_id("resp")
         store = body.store is not False
-        chain_job_id = previous.job_id if previous is not None else (
-            response_id if store else None)
-        job_body, job_id = _with_job(body, chain_job_id, client)
+        job_body, job_id = _with_job(body, None if previous is None else previous.job_id,
+                                     client)
         self.check_queue_room(1)
-        request = await asyncio.to_thread(self._render_and_process, response_id, job_body,
-                                          items, params, client)
+        request = await asyncio.to_thread(
+            self._render_and_process, response_id, job_body, items, params, client,
+            None if previous is None else previous.response_id)
         (stream,) = self.submit([request])
         previous_bytes = 0 if previous is None else previous.items_num_bytes
         return PreparedResponse(
@@ -332,12 +338,18 @@ class OpenAIServingResponses(OpenAIServing):
                            code="previous_response_not_found")
         return previous
 
-    def _parser(self, body: ResponsesRequest) -> ToolParser | None:
-        """The tool-call parser for this request, or None when tools are off."""
+    def _tool_call_format(self, body: ResponsesRequest) -> ToolCallFormat | None:
+        """How this request's output is read for function calls, or None when tools are off
+        (`parallel_tool_calls: false` keeps the first call when the items are made)."""
         if not body.tools or body.tool_choice == "none":
             return None
-        return OfferedToolsParser(make_tool_parser(self.settings.tool_call_parser),
-                                  frozenset(tool.name for tool in body.tools))
+        return ToolCallFormat(parser=self.settings.tool_call_parser,
+                              tool_names=tuple(tool.name for tool in body.tools))
+
+    def _parser(self, body: ResponsesRequest) -> ToolParser | None:
+        """The tool-call parser for this request, or None when tools are off."""
+        tool_call_format = self._tool_call_format(body)
+        return None if tool_call_format is None else tool_call_format.make_parser()
 
     def _sampling_params(self, body: ResponsesRequest,
                          structured_output: StructuredOutputSpec | None) -> SamplingParams:
@@ -358,8 +370,11 @@ class OpenAIServingResponses(OpenAIServing):
 
     def _render_and_process(
         self, response_id: str, body: ResponsesRequest, items: Sequence[ConversationItem],
-        params: SamplingParams, client: ClientContext,
+        params: SamplingParams, client: ClientContext, previous_request_id: str | None,
     ) -> ProcessedRequest:
+        """The engine request of a turn (its id is the response's); it continues the turn of
+        `previous_request_id` (the response it chains onto), else the turn whose function
+        calls its input sends back."""
         messages = template_messages(body.instructions, items)
         tools = None if not body.tools else [
             {"type": "function", "function": tool.model_dump(
@@ -369,11 +384,14 @@ class OpenAIServingResponses(OpenAIServing):
             token_ids = self.engine.processor.chat_prompt(messages, tools=tools)
         except ValueError as error:
             raise APIError(400, str(error), param="input") from error
-        kept = self._tool_call_marker_ids if body.tools and body.tool_choice != "none" \
-            else frozenset()
+        tool_call_format = self._tool_call_format(body)
+        kept = self._tool_call_marker_ids if tool_call_format is not None else frozenset()
         try:
             return self.process(response_id, token_ids, params, body, client,
-                                kept_special_token_ids=kept)
+                                kept_special_token_ids=kept,
+                                continues_request_id=previous_request_id
+                                or continued_request_id(messages),
+                                tool_call_format=tool_call_format)
         except APIError as error:
             if error.param == "max_tokens":  # this API's name for it
                 error.param = "max_output_tokens"
@@ -429,7 +447,8 @@ class OpenAIServingResponses(OpenAIServing):
             splitter=None if prepared.parser is None else StreamingToolCallSplitter(
                 prepared.parser),
             keep_one_call=body.parallel_tool_calls is False,
-            with_logprobs=LOGPROBS_INCLUDE in (body.include or ()))
+            with_logprobs=LOGPROBS_INCLUDE in (body.include or ()),
+            engine_request_id=prepared.request.core_requests[0].request_id)
 
     def _finish(self, body: ResponsesRequest, prepared: PreparedResponse, output: _Output,
                 num_cached_tokens: int) -> dict[str, Any]:

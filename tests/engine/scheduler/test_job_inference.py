@@ -117,18 +117,77 @@ def test_one_tenant_never_joins_another_tenants_job():
     run_until_done(scheduler, runner)
 
 
-def test_each_finished_turn_is_continued_once_so_identical_conversations_stay_apart():
+def test_rollouts_that_answered_alike_are_ambiguous_and_their_continuations_start_new_jobs():
     scheduler, runner, _ = _setup()
     twin_a = _turn(scheduler, runner, "twin-a", FIRST_PROMPT)
     twin_b = _turn(scheduler, runner, "twin-b", FIRST_PROMPT)
     assert twin_a.job_id != twin_b.job_id
     next_a = make_request("next-a", _next_prompt(FIRST_PROMPT), max_tokens=3)
-    next_b = make_request("next-b", _next_prompt(FIRST_PROMPT), max_tokens=3)
-    third = make_request("third", _next_prompt(FIRST_PROMPT), max_tokens=3)
-    for request in (next_a, next_b, third):
+    scheduler.add_request(next_a)
+    assert next_a.job.inferred and next_a.job_id not in (twin_a.job_id, twin_b.job_id)
+    run_until_done(scheduler, runner)
+
+
+def _sampling_by_request(outputs: dict[str, list[int]]):
+    """A runner's `sample` giving each named request its own output tokens (else 1)."""
+    def sample(request_id: str, position: int) -> int:
+        tokens = outputs.get(request_id)
+        if tokens is None:
+            return OUTPUT_TOKEN
+        return tokens[(position - len(FIRST_PROMPT)) % len(tokens)]
+    return sample
+
+
+def test_the_output_a_continuation_repeats_decides_between_rollouts_of_one_prompt():
+    outputs = {"roll-a": [40, 41, 42], "roll-b": [40, 51, 52], "roll-c": [40, 41, 62]}
+    scheduler, _, _ = _setup()
+    runner = FakeRunner(BLOCK_SIZE, _sampling_by_request(outputs))
+    rollouts = {request_id: make_request(request_id, FIRST_PROMPT, max_tokens=3)
+                for request_id in outputs}
+    for request in rollouts.values():
         scheduler.add_request(request)
-    assert (next_a.job_id, next_b.job_id) == (twin_a.job_id, twin_b.job_id)
-    assert third.job_id not in (twin_a.job_id, twin_b.job_id)
+    run_until_done(scheduler, runner)
+    # Each continuation re-renders its rollout's answer: all of it comes back, except for
+    # `roll-c`, whose last token is rendered otherwise.
+    continuations = {}
+    for request_id, output in outputs.items():
+        kept = output[:2] if request_id == "roll-c" else output
+        prompt = [*FIRST_PROMPT, *kept, 99, *TOOL_RESULT]
+        continuations[request_id] = make_request(f"next-{request_id}", prompt, max_tokens=3)
+    for request_id in ("roll-b", "roll-a"):
+        scheduler.add_request(continuations[request_id])
+        assert continuations[request_id].job_id == rollouts[request_id].job_id
+    # `roll-c`'s continuation repeats [40, 41] as `roll-a`'s would have; `roll-a` is taken.
+    scheduler.add_request(continuations["roll-c"])
+    assert continuations["roll-c"].job_id == rollouts["roll-c"].job_id
+    run_until_done(scheduler, runner)
+
+
+def test_a_re_sent_tool_call_binds_the_continuation_to_the_turn_that_issued_it():
+    scheduler, runner, _ = _setup()
+    twins = [_turn(scheduler, runner, f"twin-{index}", FIRST_PROMPT) for index in range(4)]
+    order = [2, 0, 3, 1]
+    continuations = []
+    for index in order:
+        request = make_request(f"next-{index}", _next_prompt(FIRST_PROMPT), max_tokens=3)
+        request.continues_request_id = f"twin-{index}"
+        scheduler.add_request(request)
+        continuations.append(request)
+    assert [request.job_id for request in continuations] == [twins[i].job_id for i in order]
+    run_until_done(scheduler, runner)
+
+
+def test_a_named_turn_that_the_prompt_does_not_continue_is_not_joined():
+    scheduler, runner, _ = _setup()
+    first = _turn(scheduler, runner, "first", FIRST_PROMPT)
+    other = make_request("other", [*FIRST_PROMPT[:8], 77, 78, *RE_RENDERED], max_tokens=3)
+    other.continues_request_id = "first"  # a forged or stale call id
+    scheduler.add_request(other)
+    assert other.job.inferred and other.job_id != first.job_id
+    unknown = make_request("unknown", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    unknown.continues_request_id = "never-ran"
+    scheduler.add_request(unknown)
+    assert unknown.job_id == first.job_id  # matched by its prompt, as without a name
     run_until_done(scheduler, runner)
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from engine.entrypoints.openai.tool_parsers import TOOL_CALL_MARKERS
 from engine.frontend.detokenizer import special_token_ids
+from engine.tool_calls import TOOL_CALL_MARKERS
 from tests.engine.entrypoints.openai.conftest import ServerThread
 
 MESSAGES = [{"role": "user", "content": "What is in this directory?"}]

@@ -124,14 +124,15 @@ def test_a_forced_function_is_called_and_named_to_the_scheduler(server):
         "required": ["command"], "additionalProperties": False}}]
     response = server.client().responses.create(
         model="tiny", input="List the files.", tools=tools, max_output_tokens=60,
-        tool_choice={"type": "function", "name": "bash"}, extra_body={"seed": 1})
+        tool_choice={"type": "function", "name": "bash"},
+        extra_body={"seed": 1, "job_id": "forced-call"})
     calls = [item for item in response.output if item.type == "function_call"]
     (call,) = calls
     assert call.name == "bash"
     assert json.loads(call.arguments)["command"] in ("ls", "pwd")
     assert response.tool_choice.name == "bash"
     with server.http() as http:
-        books = http.get(f"/v1/jobs/{response.id}").json()["policy"]
+        books = http.get("/v1/jobs/forced-call").json()["policy"]
     assert books["last_tool_name"] == "bash"
 
 
@@ -236,10 +237,10 @@ def test_without_tools_the_call_stays_text(scripted_server):
 def test_function_call_output_continues_the_chain_as_one_job(scripted_server):
     client = scripted_server.client()
     first = client.responses.create(model="scripted", input="what is here?", tools=TOOLS,
-                                    max_output_tokens=200)
+                                    max_output_tokens=200, extra_body={"job_id": "lister"})
     call = first.output[-1]
     with _scripted_http(scripted_server) as http:
-        pin = http.get(f"/v1/jobs/{first.id}").json()["pin"]
+        pin = http.get("/v1/jobs/lister").json()["pin"]
     assert pin["request_id"] == first.id and pin["ttl_s"] == PIN_TTL_S
     tool_output = "a.txt b.txt c.txt"
     second = client.responses.create(
@@ -247,14 +248,14 @@ def test_function_call_output_continues_the_chain_as_one_job(scripted_server):
         input=[{"type": "function_call_output", "call_id": call.call_id,
                 "output": tool_output}])
     assert second.previous_response_id == first.id
-    assert second.model_extra["job_id"] == first.id
+    assert second.model_extra["job_id"] == "lister"  # the chain's job
     # The second prompt holds the first's input and output, then the tool's output.
     assert second.usage.input_tokens > (first.usage.input_tokens + first.usage.output_tokens
                                         + len(tool_output))
     cached = second.usage.input_tokens_details.cached_tokens
     assert cached >= first.usage.input_tokens // BLOCK_SIZE * BLOCK_SIZE
     with _scripted_http(scripted_server) as http:
-        pin = http.get(f"/v1/jobs/{first.id}").json()["pin"]
+        pin = http.get("/v1/jobs/lister").json()["pin"]
     assert pin["request_id"] == second.id  # the second turn's KV, pinned for the same job
 
 
@@ -318,7 +319,7 @@ def test_previous_response_id_prepends_the_chain_in_one_job(server):
     client = server.client()
     first = client.responses.create(model="tiny", input="The first question, long enough "
                                     "to fill a block or two of the cache.",
-                                    max_output_tokens=4, extra_body=NO_EOS)
+                                    max_output_tokens=4, extra_body={**NO_EOS, "job_id": "asker"})
     second = client.responses.create(model="tiny", input="And the second?",
                                      previous_response_id=first.id, max_output_tokens=4,
                                      extra_body=NO_EOS)
@@ -330,9 +331,9 @@ def test_previous_response_id_prepends_the_chain_in_one_job(server):
     for earlier, later in ((first, second), (second, third)):
         assert later.usage.input_tokens_details.cached_tokens >= \
             earlier.usage.input_tokens // BLOCK_SIZE * BLOCK_SIZE
-    assert {r.model_extra["job_id"] for r in (first, second, third)} == {first.id}
+    assert {r.model_extra["job_id"] for r in (first, second, third)} == {"asker"}
     with server.http() as http:
-        books = http.get(f"/v1/jobs/{first.id}").json()["policy"]
+        books = http.get("/v1/jobs/asker").json()["policy"]
     assert books["num_turns_finished"] == 3
 
 
@@ -455,19 +456,19 @@ def test_the_store_evicts_the_least_recently_used(small_store_server):
 
 
 def test_a_tenant_never_reads_another_tenants_response(small_store_server):
-    response_id = _create(small_store_server, "alpha").json()["id"]
+    response_id = _create(small_store_server, "alpha", job_id="alpha-job").json()["id"]
     with small_store_server.http(headers={"Authorization": "Bearer key-b"}) as beta:
         assert beta.get(f"/v1/responses/{response_id}").status_code == 404
         assert beta.get(f"/v1/responses/{response_id}/input_items").status_code == 404
         assert beta.post(f"/v1/responses/{response_id}/cancel").status_code == 404
         assert beta.delete(f"/v1/responses/{response_id}").status_code == 404
-        assert beta.get(f"/v1/jobs/{response_id}").status_code == 404
+        assert beta.get("/v1/jobs/alpha-job").status_code == 404
     continued = _create(small_store_server, "beta", previous_response_id=response_id)
     assert continued.status_code == 400
     assert continued.json()["error"]["code"] == "previous_response_not_found"
     with small_store_server.http(headers={"Authorization": "Bearer key-a"}) as alpha:
         assert alpha.get(f"/v1/responses/{response_id}").status_code == 200
-        assert alpha.get(f"/v1/jobs/{response_id}").status_code == 200
+        assert alpha.get("/v1/jobs/alpha-job").status_code == 200
 
 
 # Bad input.

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.entrypoints.openai.tool_parsers import (
+from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
+from engine.tool_calls import (
     AutoToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
     OfferedToolsParser,
     ParsedToolCall,
-    StreamingToolCallSplitter,
     make_tool_parser,
 )
 

@@ -1,4 +1,5 @@
-"""Tool calls in model output: parsed into OpenAI `tool_calls`, whole or while streaming.
+"""Tool calls in model output, parsed as the server returns them to clients (OpenAI
+`tool_calls`) and as the estimator learns tools from them: one parser for both.
 
 Two output styles are understood:
 - Hermes (Qwen, Hermes, the embedded `tiny` template): `<tool_call>{"name": ..., "arguments":
@@ -7,8 +8,9 @@ Two output styles are understood:
   optionally after `<|python_tag|>`, several calls separated by `;`.
 
 Text that does not parse completely is returned, unchanged, as content with no tool calls.
-Content before Hermes calls loses its trailing whitespace. Streaming (`StreamingToolCallSplitter`)
-sends exactly the content that parsing the whole text gives.
+Content before Hermes calls loses its trailing whitespace. `ToolCallFormat`, carried by an
+engine request that offered tools, names the parser and the tools, so that the engine core
+reads a finished turn's calls exactly as the frontend returns them to the client.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import re
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
+
+import msgspec
 
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
@@ -71,7 +75,7 @@ def _call_from_json(value: Any, argument_keys: tuple[str, ...]) -> ParsedToolCal
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -90,7 +94,7 @@ class HermesToolParser:
         for match in _HERMES_CALL.finditer(text, start):
             try:
                 call = _call_from_json(json.loads(match.group(1)), ("arguments", "parameters"))
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # deep nesting overflows the decoder
                 call = None
             if call is None:
                 return ParsedOutput(text)
@@ -119,7 +123,7 @@ class Llama3JsonToolParser:
         while position < len(body):
             try:
                 value, end = decoder.raw_decode(body, position)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # deep nesting overflows the decoder
                 return ParsedOutput(text)
             call = _call_from_json(value, ("parameters", "arguments"))
             if call is None:
@@ -193,62 +197,6 @@ def make_tool_parser(name: str) -> ToolParser:
     return TOOL_PARSERS[name]()
 
 
-class StreamingToolCallSplitter:
-    """Splits one streamed completion into content deltas and, at its end, tool calls.
-
-    `push(delta)` returns the content that can be sent now: everything before the point where
-    a tool call may begin, except trailing whitespace (parsing drops it before a call), is sent;
-    the rest is held back. `finish()` parses the whole text: it returns the content still to
-    send and the tool calls (held-back text that turns out not to be a call is sent as
-    content), so that the content sent adds up to the parsed content.
-    """
-
-    def __init__(self, parser: ToolParser) -> None:
-        self._parser = parser
-        self._text = ""
-        self._num_sent_chars = 0
-        self._call_start: int | None = None
-
-    def push(self, delta: str) -> str:
-        self._text += delta
-        if self._call_start is None:
-            start = self._parser.may_start_call(self._text)
-            if start is not None and self._is_definite(start):
-                self._call_start = start
-            limit = len(self._text) if start is None else start
-        else:
-            limit = self._call_start
-        return self._send_until(self._before_trailing_space(limit))
-
-    def finish(self) -> tuple[str, tuple[ParsedToolCall, ...]]:
-        parsed = self._parser.parse(self._text)
-        if not parsed.tool_calls:
-            return self._send_until(len(self._text)), ()
-        content = parsed.content or ""
-        remaining = content[self._num_sent_chars:]
-        self._num_sent_chars = len(self._text)
-        return remaining, parsed.tool_calls
-
-    def _is_definite(self, start: int) -> bool:
-        """Whether the text from `start` certainly begins a call (not just a partial marker)."""
-        tail = self._text[start:].lstrip()
-        return tail.startswith(("{", HERMES_START, PYTHON_TAG))
-
-    def _before_trailing_space(self, limit: int) -> int:
-        """`limit` moved back over the whitespace that ends the text before it (not past what
-        was sent, which never ends in whitespace that a call could follow)."""
-        while limit > self._num_sent_chars and self._text[limit - 1].isspace():
-            limit -= 1
-        return limit
-
-    def _send_until(self, limit: int) -> str:
-        if limit <= self._num_sent_chars:
-            return ""
-        chunk = self._text[self._num_sent_chars:limit]
-        self._num_sent_chars = limit
-        return chunk
-
-
 def _partial_marker_start(text: str, marker: str) -> int | None:
     """Where a suffix of `text` that is a proper prefix of `marker` begins, if any."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -261,3 +209,23 @@ def _skip_separator(body: str, position: int) -> int:
     while position < len(body) and body[position] in " \t\r\n;":
         position += 1
     return position
+
+
+class ToolCallFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """How a request's output is read for tool calls: the parser registered as `parser`,
+    restricted to the offered `tool_names` (one call only unless `parallel`). Built by the
+    frontend for a request that offers tools, and sent with it to the engine core."""
+
+    parser: str
+    tool_names: tuple[str, ...]
+    parallel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {self.parser!r}; known: "
+                             f"{', '.join(TOOL_PARSERS)}")
+
+    def make_parser(self) -> ToolParser:
+        """The parser of this format."""
+        return OfferedToolsParser(make_tool_parser(self.parser), frozenset(self.tool_names),
+                                  parallel=self.parallel)
