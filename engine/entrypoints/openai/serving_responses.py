@@ -339,12 +339,12 @@ class OpenAIServingResponses(OpenAIServing):
         return previous
 
     def _tool_call_format(self, body: ResponsesRequest) -> ToolCallFormat | None:
-        """How this request's output is read for function calls, or None when tools are off
-        (`parallel_tool_calls: false` keeps the first call when the items are made)."""
+        """How this request's output is read for function calls, or None when tools are off."""
         if not body.tools or body.tool_choice == "none":
             return None
         return ToolCallFormat(parser=self.settings.tool_call_parser,
-                              tool_names=tuple(tool.name for tool in body.tools))
+                              tool_names=tuple(tool.name for tool in body.tools),
+                              parallel=body.parallel_tool_calls is not False)
 
     def _parser(self, body: ResponsesRequest) -> ToolParser | None:
         """The tool-call parser for this request, or None when tools are off."""
