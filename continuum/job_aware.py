@@ -19,8 +19,9 @@ from engine.scheduler.policy import (
     SweepDecision,
 )
 from engine.scheduler.request_queue import RequestQueue
+from engine.tool_calls import ToolCallFormat
 from estimator.base import ToolCall
-from estimator.parsing import tool_key
+from estimator.parsing import ParsedToolCalls, tool_key, without_control_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,9 @@ class JobAwarePolicy(BasePolicy):
             logger.warning("cannot decode the output of %s to read its tool: %s",
                            request.request_id, error)
             return None
-        return tool_key(text, tool_call_format=request.tool_call_format)
+        if request.tool_call_format is None:
+            return tool_key(text)
+        return _returned_tool_key(request.tool_call_format, text)
 
     @staticmethod
     def no_tool_call() -> Retention:
@@ -253,3 +256,10 @@ class JobAwarePolicy(BasePolicy):
     @property
     def num_jobs(self) -> int:
         return len(self.jobs)
+
+
+def _returned_tool_key(tool_call_format: ToolCallFormat, text: str) -> str | None:
+    """The statistics key of the calls the server returned to the client for `text` (read
+    by the request's own parser), or None when it returned none."""
+    calls = tool_call_format.make_parser().parse(without_control_tokens(text)).tool_calls
+    return ParsedToolCalls(tuple(call.name for call in calls), "server").key if calls else None

@@ -5,18 +5,11 @@ calls in several formats; the rules below are tried in order and the first that 
 wins:
 
 1. ``client``: a name the client passed explicitly.
-2. ``server``: the request offered tools, so the server parsed its calls for the client
-   (`engine.tool_calls.ToolCallFormat`): those calls, read by the same parser, alone decide.
-3. ``openai``: OpenAI chat ``tool_calls`` (given directly, or as a JSON message in the text).
-4. ``hermes``: ``<tool_call>{"name": ...}</tool_call>`` blocks, all of them calls.
-5. ``json``: the whole text is JSON call objects (Llama 3), ``;``-separated, or a JSON list
-   of them, possibly in one ```` ```json ```` block.
-6. ``call``: the whole text is calls such as ``get_weather(city="Paris")`` (BFCL style).
-7. ``bash``: exactly one ```` ```bash ```` block (mini-swe-agent); its command's program.
-
-Rules 4 and 5 run the server's own parsers (`engine.tool_calls`) first, so text that the
-server would return as tool calls gives the same tools here; the rest read formats that
-clients parse themselves.
+2. ``openai``: OpenAI chat ``tool_calls`` (given directly, or as a JSON message in the text).
+3. ``hermes``: ``<tool_call>{"name": ...}</tool_call>`` blocks.
+4. ``json``: the whole text is a JSON object with a ``name`` (Llama 3) or a list of them.
+5. ``call``: the whole text is calls such as ``get_weather(city="Paris")`` (BFCL style).
+6. ``bash``: exactly one ```` ```bash ```` block (mini-swe-agent); its command's program.
 
 Parsing never raises on any string and runs in time linear in the text for the usual inputs.
 """
@@ -28,8 +21,6 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from engine.tool_calls import HermesToolParser, Llama3JsonToolParser, ToolCallFormat, ToolParser
-
 MAX_NAME_CHARS = 128
 MAX_KEY_NAMES = 8
 
@@ -37,6 +28,8 @@ MAX_KEY_NAMES = 8
 # (`<|python_tag|>`, `<|eot_id|>`, `<|im_end|>`, `</s>`, ...); Hermes' `<tool_call>` is not one.
 _CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_.:-]{1,40}\|>|</?s>|<eos>|<end_of_turn>")
 
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CLOSE = "</tool_call>"
 _FENCE = "```"
 _BASH_LANGUAGES = frozenset({"bash", "sh", "shell"})
 
@@ -79,16 +72,13 @@ class ParsedToolCalls:
 
 
 def parse_tool_calls(
-    text: str | None, *, client_tool_name: str | None = None, tool_calls: object = None,
-    tool_call_format: ToolCallFormat | None = None,
+    text: str | None, *, client_tool_name: str | None = None, tool_calls: object = None
 ) -> ParsedToolCalls | None:
     """The tool calls of a turn.
 
     `text` is the turn's output text, `client_tool_name` a name the client reported (it wins
-    when non-empty), `tool_calls` OpenAI-style tool calls of the turn, if any, and
-    `tool_call_format` how the server read the turn's calls for its client (None: the request
-    offered no tools). Returns None when no tool call is recognised (empty, plain prose,
-    garbage).
+    when non-empty) and `tool_calls` OpenAI-style tool calls of the turn, if any. Returns None
+    when no tool call is recognised (empty, plain prose, garbage).
     """
     client = _clean_name(client_tool_name)
     if client is not None:
@@ -99,17 +89,14 @@ def parse_tool_calls(
     if not isinstance(text, str):
         return None
     text = _CONTROL_TOKEN.sub("", text)
-    if tool_call_format is not None:
-        names = _parsed_names(tool_call_format.make_parser(), text)
-        return ParsedToolCalls(names, "server") if names else None
     if not text.strip():
         return None
     stripped = text.strip()
     document = _load_document(stripped)
     rules: tuple[tuple[str, Callable[[], tuple[str, ...]]], ...] = (
         ("openai", lambda: _openai_names(document)),
-        ("hermes", lambda: _parsed_names(_HERMES, text)),
-        ("json", lambda: _parsed_names(_LLAMA3_JSON, text) or _bare_json_names(document)),
+        ("hermes", lambda: _hermes_names(text)),
+        ("json", lambda: _bare_json_names(document)),
         ("call", lambda: _call_names(stripped)),
         ("bash", lambda: _bash_names(text)),
     )
@@ -120,30 +107,15 @@ def parse_tool_calls(
     return None
 
 
-def tool_key(text: str | None, *, client_tool_name: str | None = None,
-             tool_call_format: ToolCallFormat | None = None) -> str | None:
+def without_control_tokens(text: str) -> str:
+    """`text` without the chat-format control tokens a decoder keeps (`<|eot_id|>`, ...)."""
+    return _CONTROL_TOKEN.sub("", text)
+
+
+def tool_key(text: str | None, *, client_tool_name: str | None = None) -> str | None:
     """The statistics key of the turn's tool calls (see `parse_tool_calls`), or None."""
-    parsed = parse_tool_calls(text, client_tool_name=client_tool_name,
-                              tool_call_format=tool_call_format)
+    parsed = parse_tool_calls(text, client_tool_name=client_tool_name)
     return parsed.key if parsed is not None else None
-
-
-_HERMES = HermesToolParser()
-_LLAMA3_JSON = Llama3JsonToolParser()
-
-
-def _bare_json_names(document: object) -> tuple[str, ...]:
-    """The names of a JSON list of call objects, or of one call object (fenced)."""
-    if isinstance(document, dict):
-        name = _call_name(document)
-        return (name,) if name is not None else ()
-    return _names_from_calls(document)
-
-
-def _parsed_names(parser: ToolParser, text: str) -> tuple[str, ...]:
-    """The usable names of the calls `parser` finds in `text`."""
-    names = (_clean_name(call.name) for call in parser.parse(text).tool_calls)
-    return tuple(name for name in names if name is not None)
 
 
 def _clean_name(name: object) -> str | None:
@@ -205,6 +177,44 @@ def _openai_names(document: object) -> tuple[str, ...]:
     if not isinstance(document, dict):
         return ()
     return _names_from_calls(document.get("tool_calls"))
+
+
+def _bare_json_names(document: object) -> tuple[str, ...]:
+    """The names of a JSON call object, or of a JSON list of them."""
+    if isinstance(document, dict):
+        name = _call_name(document)
+        return (name,) if name is not None else ()
+    return _names_from_calls(document)
+
+
+def _hermes_bodies(text: str) -> list[str]:
+    """The bodies of the `<tool_call>` blocks, a trailing unclosed one included.
+
+    A block opened again before it is closed is dropped. Positions only move forward (the
+    next close is found once and reused), so the scan is linear even with many opens.
+    """
+    bodies: list[str] = []
+    start = text.find(_HERMES_OPEN)
+    close = text.find(_HERMES_CLOSE, start)
+    while start != -1:
+        body_start = start + len(_HERMES_OPEN)
+        if close != -1 and close < body_start:
+            close = text.find(_HERMES_CLOSE, body_start)
+        reopen = text.find(_HERMES_OPEN, body_start)
+        if close != -1 and (reopen == -1 or close < reopen):
+            bodies.append(text[body_start:close])
+        elif reopen == -1:
+            bodies.append(text[body_start:])
+        start = reopen
+    return bodies
+
+
+def _hermes_names(text: str) -> tuple[str, ...]:
+    """The names of the Hermes `<tool_call>` blocks whose body is a JSON call object."""
+    if _HERMES_OPEN not in text:
+        return ()
+    names = (_call_name(_load_json(body.strip())) for body in _hermes_bodies(text))
+    return tuple(name for name in names if name is not None)
 
 
 def _call_end(text: str, start: int) -> int | None:

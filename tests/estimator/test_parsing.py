@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.tool_calls import HermesToolParser, ToolCallFormat
 from estimator.parsing import MAX_KEY_NAMES, ParsedToolCalls, parse_tool_calls, tool_key
 
 
@@ -36,15 +35,11 @@ HERMES_CASES = [
     ('<tool_call>{"name": "a"}</tool_call> then <tool_call>{"name": "cut", "arguments": {}}',
      ("a", "cut")),
     ('<tool_call>{"name": "cut", "arguments": {"q": 1}}', ("cut",)),
+    ('<tool_call>not json</tool_call><tool_call>{"name": "ok"}</tool_call>', ("ok",)),
+    ('<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": 3}</tool_call>'
+     '<tool_call>{"name": "ok"}</tool_call>', ("ok",)),
+    ('<tool_call>{"name": "lost"<tool_call>{"name": "kept"}</tool_call>', ("kept",)),
     ('<tool_call>{"name": "  padded  "}</tool_call>', ("padded",)),
-]
-
-# Blocks that the server returns to its client as content, not calls: no tool either.
-HERMES_CONTENT = [
-    '<tool_call>not json</tool_call><tool_call>{"name": "ok"}</tool_call>',
-    '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": 3}</tool_call>'
-    '<tool_call>{"name": "ok"}</tool_call>',
-    '<tool_call>{"name": "lost"<tool_call>{"name": "kept"}</tool_call>',
 ]
 
 JSON_CASES = [
@@ -89,32 +84,6 @@ BASH_CASES = [
 @pytest.mark.parametrize(("text", "names"), HERMES_CASES)
 def test_hermes(text: str, names: tuple[str, ...]) -> None:
     assert parsed(text) == (names, "hermes")
-
-
-@pytest.mark.parametrize("text", HERMES_CONTENT)
-def test_hermes_blocks_the_server_returns_as_content_call_no_tool(text: str) -> None:
-    assert HermesToolParser().parse(text).tool_calls == ()
-    assert parse_tool_calls(text) is None
-
-
-OFFERED = ToolCallFormat(parser="auto", tool_names=("search", "fetch"))
-
-
-@pytest.mark.parametrize(("text", "names"), [
-    ('<tool_call>{"name": "search", "arguments": {}}</tool_call>', ("search",)),
-    ('{"name": "fetch", "parameters": {}}; {"name": "search", "parameters": {}}',
-     ("fetch", "search")),
-    ('<tool_call>{"name": "delete", "arguments": {}}</tool_call>', None),  # not offered
-    (fenced("bash", "ls -la"), None),  # the client got text, and no call
-    ('<tool_call>{"name": "search"}</tool_call><|im_end|>', ("search",)),
-])
-def test_a_request_that_offered_tools_calls_what_the_server_returned(text, names) -> None:
-    result = parse_tool_calls(text, tool_call_format=OFFERED)
-    assert (None if result is None else result.names) == names
-    if result is not None:
-        assert result.source == "server"
-        returned = OFFERED.make_parser().parse(text.replace("<|im_end|>", "")).tool_calls
-        assert tuple(call.name for call in returned) == names
 
 
 @pytest.mark.parametrize(("text", "names"), JSON_CASES)
