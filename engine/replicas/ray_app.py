@@ -41,6 +41,7 @@ from ray.serve.handle import DeploymentHandle
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.errors import error_body, error_response
 from engine.entrypoints.openai.serving import sse
+from engine.entrypoints.server_args import add_arguments, server_settings_from_args
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.stats import RequestStatsObserver
 from engine.replicas.asgi import ProxiedRequest, ResponseHead, call_asgi
@@ -100,7 +101,6 @@ class EngineReplica:
 
     async def __init__(self, serve_args: Mapping[str, Any]) -> None:
         from engine.entrypoints.openai.api_server import build_app
-        from engine.entrypoints.serve import server_settings_from_args
 
         self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
         args = argparse.Namespace(**serve_args)
@@ -453,8 +453,6 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     files: `engine_args`, the flags of `continuum serve` as one shell-quoted string, including
     `--replicas N` and the other replica flags (e.g. `"--replicas 4 --device cuda --model
     DIR"`)."""
-    from engine.entrypoints.serve import add_arguments
-
     parser = argparse.ArgumentParser(prog="continuum serve")
     add_arguments(parser)
     serve_args = parser.parse_args(shlex.split(str(args.get("engine_args", ""))))

@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from engine.cli import main as cli_main  # noqa: E402
-from engine.entrypoints.serve import add_arguments  # noqa: E402
+from engine.entrypoints.server_args import add_arguments  # noqa: E402
 from engine.replicas.ray_app import ReplicaAppSettings, build_application  # noqa: E402
 from engine.replicas.routing import RouterName  # noqa: E402
 from eval.metrics import RunMetrics  # noqa: E402

@@ -18,7 +18,7 @@ from engine.entrypoints.openai.tenants import (
     parse_tenant_flag,
     read_keys_file,
 )
-from engine.entrypoints.serve import tenants_from_args
+from engine.entrypoints.server_args import tenants_from_args
 from tests.engine.entrypoints.openai.conftest import ServerThread, start_server
 
 KEYS = {"alpha": "key-a", "beta": "key-b"}
