@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from engine.executor.sim_profiles import get_sim_profile
 from tracing.writer import MIN_MAX_BYTES
 
 
@@ -189,8 +188,8 @@ class EngineConfig:
     """Everything one engine instance needs; the cross-field checks live here.
 
     `executor` names what runs the steps: `"torch"` (the real model), `"simulated"` (a
-    cost model: the profile `sim_profile` names, or a measured profile's JSON file) or a
-    `module:Class` path.
+    cost model: the profile `sim_profile` names, or a measured profile's JSON file, checked
+    by `EngineArgs` and by the executor) or a `module:Class` path.
     `debug_check_invariants` makes the core check the scheduler and KV invariants after every
     step (for soak runs; an AssertionError stops the core).
     """
@@ -209,7 +208,6 @@ class EngineConfig:
         if self.sim_profile is not None:
             if self.executor != "simulated":
                 raise ValueError("sim_profile applies only to the simulated executor")
-            get_sim_profile(self.sim_profile)
         model_len = self.model.max_model_len
         if model_len is not None and model_len != self.scheduler.max_model_len:
             raise ValueError(

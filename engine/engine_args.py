@@ -21,12 +21,12 @@ from engine.config import (
     TraceConfig,
 )
 from engine.executor.roofline import DEFAULT_SIM_PROFILE
-from engine.executor.sim_profiles import sim_profile_names
-from engine.frontend.tokenizer import tokenizer_dir
+from engine.executor.sim_profiles import get_sim_profile, sim_profile_names
 from engine.model.directory import load_arch
+from engine.model.tokenizer import tokenizer_dir
 from engine.scheduler.options import option_items_to_dict
 from engine.scheduler.registry import (
-    POLICY_REGISTRY,
+    POLICIES,
     check_policy_options,
     policy_options_help,
 )
@@ -58,7 +58,7 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one step",
     "long_prefill_token_threshold": "most tokens one request computes per step; None: no cap",
     "enable_chunked_prefill": "split long prompts across steps",
-    "scheduling_policy": f"{' | '.join(POLICY_REGISTRY)} | a module:Class path",
+    "scheduling_policy": f"{' | '.join(POLICIES)} | a module:Class path",
     "executor": "torch (run the model) | simulated (a cost model) | a module:Class path",
     "sim_profile": (
         f"cost profile of the simulated executor: {' | '.join(sim_profile_names())} | a "
@@ -138,6 +138,8 @@ class EngineArgs:
         if max_model_len is None:
             max_model_len = load_arch(self.model).max_position_embeddings
         tokenizer_dir(self.model, self.tokenizer)  # before any process starts
+        if self.sim_profile is not None:
+            get_sim_profile(self.sim_profile)
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                               load_format=self.load_format, max_model_len=max_model_len,

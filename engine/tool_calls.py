@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Protocol
 
 import msgspec
+
+from engine.registry import Registry
 
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
@@ -183,7 +185,7 @@ class OfferedToolsParser:
         return self._parser.may_start_call(text)
 
 
-TOOL_PARSERS = MappingProxyType({
+TOOL_PARSERS: Registry[Callable[[], ToolParser]] = Registry("tool-call parser", {
     "auto": AutoToolParser,
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
@@ -192,9 +194,7 @@ TOOL_PARSERS = MappingProxyType({
 
 def make_tool_parser(name: str) -> ToolParser:
     """The parser registered as `name`; ValueError if there is none."""
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; known: {', '.join(TOOL_PARSERS)}")
-    return TOOL_PARSERS[name]()
+    return TOOL_PARSERS.load(name)()
 
 
 def _partial_marker_start(text: str, marker: str) -> int | None:
@@ -221,9 +221,7 @@ class ToolCallFormat(msgspec.Struct, frozen=True, kw_only=True):
     parallel: bool = True
 
     def __post_init__(self) -> None:
-        if self.parser not in TOOL_PARSERS:
-            raise ValueError(f"unknown tool-call parser {self.parser!r}; known: "
-                             f"{', '.join(TOOL_PARSERS)}")
+        TOOL_PARSERS.check(self.parser)
 
     def make_parser(self) -> ToolParser:
         """The parser of this format."""

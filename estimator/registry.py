@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from engine.registry import Registry
 from estimator.base import TTLEstimator
 from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, PrefillFit, RebuildCost
@@ -53,11 +54,11 @@ def _eq2_learned(settings: EstimatorSettings) -> TTLEstimator:
                         refit_every=LEARNED_REFIT_EVERY)
 
 
-ESTIMATORS: dict[str, Callable[[EstimatorSettings], TTLEstimator]] = {
+ESTIMATORS: Registry[Callable[[EstimatorSettings], TTLEstimator]] = Registry("estimator", {
     "eq2-empirical": _eq2_empirical,
     "eq2-learned": _eq2_learned,
     "fixed-2s": _fixed,
-}
+})
 
 
 # The estimators whose TTLs depend on `EstimatorSettings.prefill_cost` and `reload_cost`.
@@ -66,7 +67,4 @@ PRICES_REBUILDS = frozenset({"eq2-empirical", "eq2-learned"})
 
 def make_estimator(name: str, settings: EstimatorSettings | None = None) -> TTLEstimator:
     """A fresh estimator by name; ValueError naming the choices if unknown."""
-    factory = ESTIMATORS.get(name)
-    if factory is None:
-        raise ValueError(f"unknown estimator {name!r}; choose one of {sorted(ESTIMATORS)}")
-    return factory(EstimatorSettings() if settings is None else settings)
+    return ESTIMATORS.load(name)(EstimatorSettings() if settings is None else settings)

@@ -37,7 +37,7 @@ from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB
 from engine.executor.sim_profiles import get_sim_profile, sim_profile_names
 from engine.replicas.routing import DEFAULT_LOAD_FACTOR, DEFAULT_MIN_MOVE_LOAD, ROUTER_NAMES
 from engine.scheduler.options import option_items_to_dict
-from engine.scheduler.registry import POLICY_REGISTRY, check_policy_options
+from engine.scheduler.registry import POLICIES, check_policy_options
 from eval.arrivals import arrivals_s, poisson_arrivals_s, poisson_arrivals_within_s
 from eval.metrics import num_finished_by
 from eval.report import markdown_table, plot_jct_vs_load
@@ -89,7 +89,7 @@ def parse_policy_spec(text: str) -> PolicySpec:
     label = text.strip()
     base, host_tier = _split_suffix(label)
     segments = base.split(":")
-    if segments[0].strip() in POLICY_REGISTRY:
+    if segments[0].strip() in POLICIES:
         first_option = 1
     else:
         first_option = next((i for i, part in enumerate(segments) if "=" in part),

@@ -16,8 +16,8 @@ from engine.clock import Clock
 from engine.config import EngineConfig, SchedulerConfig
 from engine.core.wire import EngineCoreRequest, EngineStats, JobState, PinState
 from engine.executor.base import Executor, KVReloadProfiler, PrefillProfiler, make_executor
-from engine.frontend.tokenizer import load_decoder, load_tokenizer
 from engine.kv_cache.pins import PinReleaseReason
+from engine.model.tokenizer import load_decoder, load_tokenizer
 from engine.outputs import EngineCoreOutput
 from engine.request import FinishReason, Request
 from engine.scheduler.output import SchedulerOutput

@@ -6,19 +6,13 @@ is used). It is called once per step with the scheduler's plan and returns the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput
-from engine.plugins import load_named
+from engine.registry import Registry
 from engine.scheduler.output import SchedulerOutput
-
-EXECUTOR_REGISTRY = MappingProxyType({
-    "torch": "engine.executor.torch_executor:TorchExecutor",
-    "simulated": "engine.executor.simulated:SimulatedExecutor",
-})
 
 
 class Executor(Protocol):
@@ -64,6 +58,14 @@ class KVReloadProfiler(Protocol):
         ...
 
 
+# Each entry is built with the engine's config; by path, so that choosing the simulated
+# executor never imports torch.
+EXECUTORS: Registry[Callable[[EngineConfig], Executor]] = Registry("executor", {
+    "torch": "engine.executor.torch_executor:TorchExecutor",
+    "simulated": "engine.executor.simulated:SimulatedExecutor",
+}, accepts_paths=True)
+
+
 def make_executor(config: EngineConfig) -> Executor:
     """The executor named by `config.executor` (a registry name or `module:Class`)."""
-    return load_named("executor", config.executor, EXECUTOR_REGISTRY)(config)
+    return EXECUTORS.load(config.executor)(config)

@@ -15,9 +15,10 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.core.wire import EngineCoreRequest
+from engine.frontend.chat_template import render_chat
 from engine.frontend.detokenizer import special_token_ids
-from engine.frontend.tokenizer import load_tokenizer, render_chat
 from engine.model.directory import load_arch
+from engine.model.tokenizer import load_tokenizer
 from engine.request import JobInfo
 from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.tool_calls import ToolCallFormat

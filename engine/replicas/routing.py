@@ -17,12 +17,13 @@ import itertools
 import math
 import random
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import Literal, Protocol
+
+from engine.registry import Registry
 
 RouterName = Literal["affinity", "round-robin", "least-loaded"]
-ROUTER_NAMES: tuple[str, ...] = get_args(RouterName)
 
 RoutingKind = Literal["affinity", "placed", "rerouted", "moved", "spread", "lookup"]
 """Why a request went where it did:
@@ -237,18 +238,43 @@ class LeastLoadedRouter(_Counts):
         pass
 
 
+@dataclass(frozen=True)
+class RouterSettings:
+    """What every router may be built with: `seed` for its random choices; `load_factor` and
+    `min_move_load` are the affinity router's load bound."""
+
+    seed: int = 0
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    min_move_load: int = DEFAULT_MIN_MOVE_LOAD
+
+
+def _affinity(settings: RouterSettings) -> ReplicaRouter:
+    return JobAffinityRouter(load_factor=settings.load_factor,
+                             min_move_load=settings.min_move_load,
+                             rng=random.Random(settings.seed))
+
+
+def _round_robin(settings: RouterSettings) -> ReplicaRouter:
+    return RoundRobinRouter()
+
+
+def _least_loaded(settings: RouterSettings) -> ReplicaRouter:
+    return LeastLoadedRouter()
+
+
+ROUTERS: Registry[Callable[[RouterSettings], ReplicaRouter]] = Registry("router", {
+    "affinity": _affinity,
+    "round-robin": _round_robin,
+    "least-loaded": _least_loaded,
+})
+ROUTER_NAMES: tuple[str, ...] = ROUTERS.names
+
+
 def make_router(name: RouterName, *, seed: int = 0, load_factor: float = DEFAULT_LOAD_FACTOR,
                 min_move_load: int = DEFAULT_MIN_MOVE_LOAD) -> ReplicaRouter:
     """The router called `name`; ValueError for an unknown one. `load_factor` and
     `min_move_load` are the affinity router's load bound."""
-    if name == "affinity":
-        return JobAffinityRouter(load_factor=load_factor, min_move_load=min_move_load,
-                                 rng=random.Random(seed))
-    if name == "round-robin":
-        return RoundRobinRouter()
-    if name == "least-loaded":
-        return LeastLoadedRouter()
-    raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTER_NAMES)}")
+    return ROUTERS.load(name)(RouterSettings(seed, load_factor, min_move_load))
 
 
 def _hash_lookup(key: str, loads: Mapping[str, int]) -> RoutingDecision:

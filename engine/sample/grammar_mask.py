@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.sample.metadata import SamplingMetadata
-from engine.structured_output.manager import GrammarBitmask
+from engine.structured_output.bitmask import GrammarBitmask
 
 
 def with_grammar_mask(metadata: SamplingMetadata, sampling_req_ids: Sequence[str],

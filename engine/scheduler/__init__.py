@@ -10,12 +10,12 @@ from engine.scheduler.policy import (
     SchedulingPolicy,
     Victim,
 )
-from engine.scheduler.registry import POLICY_REGISTRY, make_policy, resolve_policy_class
+from engine.scheduler.registry import POLICIES, make_policy, resolve_policy_class
 from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestQueue
 from engine.scheduler.scheduler import Scheduler
 
 __all__ = [
-    "POLICY_REGISTRY",
+    "POLICIES",
     "BasePolicy",
     "CachedRequestData",
     "FCFSPolicy",

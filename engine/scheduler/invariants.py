@@ -7,15 +7,38 @@ scheduler only through its public attributes and change nothing.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
-from engine.request import RequestStatus
+from engine.config import SchedulerConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.pins import PinTable
+from engine.request import Request, RequestStatus
+from engine.scheduler.job_inference import JobInference
 
-if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
+
+class SchedulerState(Protocol):
+    """What the checks read of a scheduler (`Scheduler` provides it)."""
+
+    @property
+    def config(self) -> SchedulerConfig: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def kv_cache_manager(self) -> KVCacheManager: ...
+    @property
+    def pins(self) -> PinTable: ...
+    @property
+    def job_inference(self) -> JobInference | None: ...
+    @property
+    def requests(self) -> Mapping[str, Request]: ...
+    @property
+    def running(self) -> Sequence[Request]: ...
+    @property
+    def waiting(self) -> Iterable[Request]: ...
 
 
-def check_invariants(scheduler: Scheduler) -> None:
+def check_invariants(scheduler: SchedulerState) -> None:
     """Asserts the scheduler's and the KV cache's invariants.
 
     Every block is free (in the free queue, unreferenced) or held, and its `ref_cnt` is
@@ -40,7 +63,7 @@ def check_invariants(scheduler: Scheduler) -> None:
         )
 
 
-def _check_request_sets(scheduler: Scheduler) -> None:
+def _check_request_sets(scheduler: SchedulerState) -> None:
     """Every unfinished request is running or waiting, once, in a state that fits there."""
     req_to_blocks = scheduler.kv_cache_manager.req_to_blocks
     running_ids = [request.request_id for request in scheduler.running]

@@ -10,7 +10,7 @@ from engine.kv_cache.transfers import NO_TRANSFERS, KVTransfers
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured_output.manager import GrammarBitmask
+    from engine.structured_output.bitmask import GrammarBitmask
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):

@@ -1,21 +1,21 @@
-"""Scheduling policies by name: a table of `module:Class` paths, resolved on demand.
+"""Scheduling policies by name (`POLICIES`), registered as `module:Class` paths.
 
 The engine never imports policy packages such as `continuum` itself; they are named here as
-strings and imported only when chosen. A policy class is built with its options by its
-`from_options` classmethod (see `BasePolicy`).
+paths and imported only when chosen, and any other `module:Class` path loads a plugin policy.
+A policy class is built with its options by its `from_options` classmethod (see
+`BasePolicy`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
-from engine.plugins import load_named
+from engine.registry import Registry
 from engine.scheduler.options import describe_options, parse_policy_options
 from engine.scheduler.policy import SchedulingPolicy
 
-POLICY_REGISTRY = MappingProxyType({
+POLICIES: Registry[type] = Registry("scheduling policy", {
     "fcfs": "engine.scheduler.policies:FCFSPolicy",
     "priority": "engine.scheduler.policies:PriorityPolicy",
     "continuum": "continuum.policy:ContinuumPolicy",
@@ -25,12 +25,12 @@ POLICY_REGISTRY = MappingProxyType({
     "job-fcfs": "continuum.program_order:JobFCFSPolicy",
     "infercept": "continuum.baselines:InferCeptPolicy",
     "autellix": "continuum.baselines:AutellixPolicy",
-})
+}, accepts_paths=True)
 
 
 def resolve_policy_class(name: str) -> type:
     """The class for a registry name or a `module:Class` path; ValueError if unknown."""
-    return load_named("scheduling policy", name, POLICY_REGISTRY)
+    return POLICIES.load(name)
 
 
 def make_policy(
@@ -58,7 +58,7 @@ def policy_options_help(default_policy: str) -> str:
     """The options of every registered policy, for `--help`: the default policy's in full
     (with defaults), the others by name."""
     parts = [f"{default_policy}: " + "; ".join(policy_option_lines(default_policy))]
-    for name in POLICY_REGISTRY:
+    for name in POLICIES:
         if name != default_policy:
             lines = policy_option_lines(name)
             keys = ", ".join(line.split("=", 1)[0] for line in lines) or "none"

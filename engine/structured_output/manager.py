@@ -26,6 +26,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from engine.structured_output.bitmask import GrammarBitmask
 from engine.structured_output.spec import StructuredOutputSpec
 
 MAX_CACHED_GRAMMARS = 256
@@ -34,18 +35,6 @@ NUM_COMPILE_THREADS = 2
 # rows to the pool costs more than it saves (measured: 32 rows of the 272-token `tiny`
 # vocabulary fill in 0.4 ms one by one, 1.5 ms on the pool, on 2 cores).
 PARALLEL_FILL_MIN_TOKENS = 1 << 20
-
-
-@dataclass(frozen=True)
-class GrammarBitmask:
-    """The allowed tokens of the requests that sample this step and have a grammar.
-
-    `words[i]` belongs to `req_ids[i]`: int32 words over the vocabulary, bit `t % 32` of word
-    `t // 32` set when token `t` may be sampled. Built by the core, read by the model runner.
-    """
-
-    req_ids: list[str]
-    words: np.ndarray  # [len(req_ids), ceil(vocab_size / 32)] int32
 
 
 @dataclass(frozen=True)

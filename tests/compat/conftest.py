@@ -19,7 +19,7 @@ import pytest
 
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.serving import ServerSettings
-from engine.frontend.tokenizer import load_tokenizer
+from engine.model.tokenizer import load_tokenizer
 from tests.compat.jobs import TracedServer
 from tests.compat.shared import AGENT_EXECUTOR, AGENT_MODEL, BLOCK_SIZE, MAX_MODEL_LEN, TINY_MODEL
 from tests.engine.entrypoints.openai.conftest import MAX_BODY_BYTES

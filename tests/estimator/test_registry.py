@@ -39,7 +39,7 @@ def test_settings_reach_every_eq2_estimator() -> None:
 
 
 def test_unknown_names_and_bad_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="choose one of"):
+    with pytest.raises(ValueError, match="unknown estimator"):
         make_estimator("eq3")
     with pytest.raises(ValueError, match="max_ttl_s"):
         make_estimator("eq2-empirical", EstimatorSettings(max_ttl_s=-1.0))

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 
 from engine.config import AttentionBackendName
 from engine.model.attention.backend import (
@@ -18,12 +18,14 @@ from engine.model.attention.backend import (
     AttentionMetadata,
     DecodeBuffers,
 )
+from engine.registry import Registry
 
-# name -> "module:Class", imported on use (the triton backend needs triton installed).
-ATTENTION_BACKENDS = {
-    "sdpa": "engine.model.attention.sdpa:SdpaBackend",
-    "triton": "engine.model.attention.triton_backend:TritonBackend",
-}
+# Each entry is built for the model's layout; by path, as the triton backend needs triton.
+ATTENTION_BACKENDS: Registry[Callable[[AttentionLayout], AttentionBackend]] = Registry(
+    "attention backend", {
+        "sdpa": "engine.model.attention.sdpa:SdpaBackend",
+        "triton": "engine.model.attention.triton_backend:TritonBackend",
+    })
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -40,18 +42,11 @@ def resolve_attention_backend(name: AttentionBackendName, layout: AttentionLayou
     """The backend a name selects for `layout`: `auto` is `sdpa` (see the module docstring)."""
     if name == "auto":
         return "sdpa"
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of auto, "
-                         f"{', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+    ATTENTION_BACKENDS.check(name)
     return name
 
 
 def make_attention_backend(name: AttentionBackendName, layout: AttentionLayout
                            ) -> AttentionBackend:
     """The backend `name` selects, built for `layout`; ValueError when it cannot serve it."""
-    module_name, class_name = ATTENTION_BACKENDS[resolve_attention_backend(name, layout)].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"the {name} attention backend cannot be loaded: {error}") from error
-    return getattr(module, class_name)(layout)
+    return ATTENTION_BACKENDS.load(resolve_attention_backend(name, layout))(layout)

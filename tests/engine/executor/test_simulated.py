@@ -33,9 +33,11 @@ def test_registry_builds_it_and_the_pool_comes_from_the_profile() -> None:
     assert make_executor(sim_config()).num_kv_blocks == 128
 
 
-def test_config_checks_the_profile() -> None:
+def test_engine_args_and_the_executor_check_the_profile() -> None:
     with pytest.raises(ValueError, match="unknown sim profile"):
-        sim_config(sim_profile="tpu")
+        EngineArgs(executor="simulated", sim_profile="tpu").to_engine_config(environ={})
+    with pytest.raises(ValueError, match="unknown sim profile"):
+        make_executor(sim_config(sim_profile="tpu"))
     with pytest.raises(ValueError, match="only to the simulated executor"):
         EngineConfig(sim_profile="h100-llama3.1-8b")
     config = EngineArgs(executor="simulated", sim_profile="a100-llama3.1-8b",

@@ -1,6 +1,6 @@
 import pytest
 
-from engine.frontend.tokenizer import load_tokenizer
+from engine.model.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

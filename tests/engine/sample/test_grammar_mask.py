@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from engine.sample.grammar_mask import with_grammar_mask
-from engine.structured_output.manager import GrammarBitmask
+from engine.structured_output.bitmask import GrammarBitmask
 from tests.engine.sample.test_sampler import VOCAB, make_metadata, make_sampler, random_logits
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
-from engine.scheduler.registry import POLICY_REGISTRY, make_policy, resolve_policy_class
+from engine.scheduler.registry import POLICIES, make_policy, resolve_policy_class
 from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from tests.engine.helpers import FakeRunner, make_request, make_scheduler, run_step, run_until_done
 
@@ -76,7 +76,7 @@ def test_registry_resolves_names_and_dotted_paths() -> None:
     assert resolve_policy_class("fcfs") is FCFSPolicy
     assert resolve_policy_class("engine.scheduler.policies:PriorityPolicy") is PriorityPolicy
     assert isinstance(make_policy("priority"), PriorityPolicy)
-    assert set(POLICY_REGISTRY) >= {"fcfs", "priority"}
+    assert set(POLICIES) >= {"fcfs", "priority"}
 
 
 @pytest.mark.parametrize("name", ["nope", "engine.scheduler.policies:Missing", "no.such:Thing"])

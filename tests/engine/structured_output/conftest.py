@@ -7,7 +7,7 @@ from typing import Any
 import llguidance.hf
 import pytest
 
-from engine.frontend.tokenizer import load_tokenizer
+from engine.model.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

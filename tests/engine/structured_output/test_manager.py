@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 
-from engine.frontend.tokenizer import load_tokenizer
+from engine.model.tokenizer import load_tokenizer
 from engine.structured_output import grammars
 from engine.structured_output.manager import StructuredOutputManager
 from engine.structured_output.spec import StructuredOutputSpec

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.frontend.tokenizer import load_tokenizer
 from engine.model.directory import load_arch
+from engine.model.tokenizer import load_tokenizer
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler.output import NewRequestData, SchedulerOutput

@@ -16,8 +16,8 @@ import pytest
 from engine.cli import build_parser
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.serving import ServerSettings
-from engine.frontend.tokenizer import load_decoder, load_tokenizer, tokenizer_dir
 from engine.model.tiny import TINY_MODEL_DIR
+from engine.model.tokenizer import load_decoder, load_tokenizer, tokenizer_dir
 from tests.engine.entrypoints.openai.conftest import SCRIPTED, ServerThread, start_server
 
 REPO = Path(__file__).resolve().parents[4]
