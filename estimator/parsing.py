@@ -7,9 +7,14 @@ wins:
 1. ``client``: a name the client passed explicitly.
 2. ``openai``: OpenAI chat ``tool_calls`` (given directly, or as a JSON message in the text).
 3. ``hermes``: ``<tool_call>{"name": ...}</tool_call>`` blocks.
-4. ``json``: the whole text is a JSON object with a ``name`` (Llama 3) or a list of them.
+4. ``json``: the whole text (optionally one ```json block) is Llama 3's JSON call objects, or
+   a JSON list of them.
 5. ``call``: the whole text is calls such as ``get_weather(city="Paris")`` (BFCL style).
 6. ``bash``: exactly one ```` ```bash ```` block (mini-swe-agent); its command's program.
+
+Rules 3 and 4 are the server's own parsers (`engine.tool_calls`, the ones that return calls to
+clients), so a Hermes or Llama 3 text is read here exactly as the server reads it: a block
+that does not parse means no calls, not the calls of the other blocks.
 
 Parsing never raises on any string and runs in time linear in the text for the usual inputs.
 """
@@ -21,6 +26,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from engine.tool_calls import HERMES_START, HermesToolParser, Llama3JsonToolParser, ParsedOutput
+
 MAX_NAME_CHARS = 128
 MAX_KEY_NAMES = 8
 
@@ -28,8 +35,6 @@ MAX_KEY_NAMES = 8
 # (`<|python_tag|>`, `<|eot_id|>`, `<|im_end|>`, `</s>`, ...); Hermes' `<tool_call>` is not one.
 _CONTROL_TOKEN = re.compile(r"<\|[A-Za-z0-9_.:-]{1,40}\|>|</?s>|<eos>|<end_of_turn>")
 
-_HERMES_OPEN = "<tool_call>"
-_HERMES_CLOSE = "</tool_call>"
 _FENCE = "```"
 _BASH_LANGUAGES = frozenset({"bash", "sh", "shell"})
 
@@ -96,7 +101,7 @@ def parse_tool_calls(
     rules: tuple[tuple[str, Callable[[], tuple[str, ...]]], ...] = (
         ("openai", lambda: _openai_names(document)),
         ("hermes", lambda: _hermes_names(text)),
-        ("json", lambda: _bare_json_names(document)),
+        ("json", lambda: _llama3_names(document)),
         ("call", lambda: _call_names(stripped)),
         ("bash", lambda: _bash_names(text)),
     )
@@ -179,42 +184,28 @@ def _openai_names(document: object) -> tuple[str, ...]:
     return _names_from_calls(document.get("tool_calls"))
 
 
-def _bare_json_names(document: object) -> tuple[str, ...]:
-    """The names of a JSON call object, or of a JSON list of them."""
+def _server_names(parsed: ParsedOutput) -> tuple[str, ...]:
+    """The usable names of the calls one of the server's parsers read."""
+    names = (_clean_name(call.name) for call in parsed.tool_calls)
+    return tuple(name for name in names if name is not None)
+
+
+def _llama3_names(document: object) -> tuple[str, ...]:
+    """The names of a JSON call object, or of a JSON list of them (read as the `;`-separated
+    calls of Llama 3's format)."""
     if isinstance(document, dict):
-        name = _call_name(document)
-        return (name,) if name is not None else ()
-    return _names_from_calls(document)
-
-
-def _hermes_bodies(text: str) -> list[str]:
-    """The bodies of the `<tool_call>` blocks, a trailing unclosed one included.
-
-    A block opened again before it is closed is dropped. Positions only move forward (the
-    next close is found once and reused), so the scan is linear even with many opens.
-    """
-    bodies: list[str] = []
-    start = text.find(_HERMES_OPEN)
-    close = text.find(_HERMES_CLOSE, start)
-    while start != -1:
-        body_start = start + len(_HERMES_OPEN)
-        if close != -1 and close < body_start:
-            close = text.find(_HERMES_CLOSE, body_start)
-        reopen = text.find(_HERMES_OPEN, body_start)
-        if close != -1 and (reopen == -1 or close < reopen):
-            bodies.append(text[body_start:close])
-        elif reopen == -1:
-            bodies.append(text[body_start:])
-        start = reopen
-    return bodies
+        document = [document]
+    if not isinstance(document, list) or not document:
+        return ()
+    text = ";".join(json.dumps(call) for call in document)
+    return _server_names(Llama3JsonToolParser().parse(text))
 
 
 def _hermes_names(text: str) -> tuple[str, ...]:
-    """The names of the Hermes `<tool_call>` blocks whose body is a JSON call object."""
-    if _HERMES_OPEN not in text:
+    """The names of the Hermes `<tool_call>` blocks, as the server reads them."""
+    if HERMES_START not in text:
         return ()
-    names = (_call_name(_load_json(body.strip())) for body in _hermes_bodies(text))
-    return tuple(name for name in names if name is not None)
+    return _server_names(HermesToolParser().parse(text))
 
 
 def _call_end(text: str, start: int) -> int | None:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.tool_calls import AutoToolParser, HermesToolParser
 from estimator.parsing import MAX_KEY_NAMES, ParsedToolCalls, parse_tool_calls, tool_key
 
 
@@ -35,11 +36,16 @@ HERMES_CASES = [
     ('<tool_call>{"name": "a"}</tool_call> then <tool_call>{"name": "cut", "arguments": {}}',
      ("a", "cut")),
     ('<tool_call>{"name": "cut", "arguments": {"q": 1}}', ("cut",)),
-    ('<tool_call>not json</tool_call><tool_call>{"name": "ok"}</tool_call>', ("ok",)),
-    ('<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": 3}</tool_call>'
-     '<tool_call>{"name": "ok"}</tool_call>', ("ok",)),
-    ('<tool_call>{"name": "lost"<tool_call>{"name": "kept"}</tool_call>', ("kept",)),
     ('<tool_call>{"name": "  padded  "}</tool_call>', ("padded",)),
+]
+
+# Blocks the server does not return as calls (one block does not parse): no calls either.
+HERMES_REFUSED = [
+    '<tool_call>not json</tool_call><tool_call>{"name": "ok"}</tool_call>',
+    '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": 3}</tool_call>'
+    '<tool_call>{"name": "ok"}</tool_call>',
+    '<tool_call>{"name": "lost"<tool_call>{"name": "kept"}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',
 ]
 
 JSON_CASES = [
@@ -50,7 +56,6 @@ JSON_CASES = [
     ('[{"name": "search", "parameters": {}}, {"name": "fetch", "parameters": {}}]',
      ("search", "fetch")),
     ('[{"name": "search"}, {"name": "search"}]', ("search", "search")),
-    ('[{"type": "function", "function": {"name": "lookup"}}]', ("lookup",)),
 ]
 
 CALL_CASES = [
@@ -84,6 +89,21 @@ BASH_CASES = [
 @pytest.mark.parametrize(("text", "names"), HERMES_CASES)
 def test_hermes(text: str, names: tuple[str, ...]) -> None:
     assert parsed(text) == (names, "hermes")
+
+
+@pytest.mark.parametrize("text", HERMES_REFUSED)
+def test_hermes_blocks_the_server_refuses_are_no_calls(text: str) -> None:
+    assert HermesToolParser().parse(text).tool_calls == ()
+    assert parsed(text) is None
+
+
+@pytest.mark.parametrize("text", [text for text, _ in HERMES_CASES + JSON_CASES] + HERMES_REFUSED)
+def test_hermes_and_llama3_text_is_read_as_the_server_reads_it(text: str) -> None:
+    unfenced = text.strip().removeprefix("```json").removeprefix("```").removesuffix("```")
+    if unfenced.lstrip().startswith("["):
+        unfenced = ";".join(json.dumps(call) for call in json.loads(unfenced))
+    server = tuple(call.name.strip() for call in AutoToolParser().parse(unfenced).tool_calls)
+    assert (parsed(text) or ((), None))[0] == server
 
 
 @pytest.mark.parametrize(("text", "names"), JSON_CASES)
