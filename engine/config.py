@@ -205,9 +205,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.executor:
             raise ValueError("executor must be a non-empty name")
-        if self.sim_profile is not None:
-            if self.executor != "simulated":
-                raise ValueError("sim_profile applies only to the simulated executor")
+        if self.sim_profile is not None and self.executor != "simulated":
+            raise ValueError("sim_profile applies only to the simulated executor")
         model_len = self.model.max_model_len
         if model_len is not None and model_len != self.scheduler.max_model_len:
             raise ValueError(

@@ -86,6 +86,8 @@ class Request:
     `num_cached_tokens` is the prefix-cache hit of the first admission (`None` before it);
     `first_scheduled_at_s` the time of that admission and `first_token_at_s` the end of the
     step that sampled the first output token, both on the scheduler's clock (`None` before).
+    `tenant` is the tenant that sent the request (None without tenants): job inference never
+    joins two tenants' turns, whether or not they share the prefix cache.
     `continues_request_id` is the finished request whose turn this one continues, when the
     frontend knows it (the client re-sent a tool call that request issued): job inference binds
     a request without a job to that turn's job first (`engine.scheduler.job_inference`).
@@ -99,7 +101,7 @@ class Request:
         "eos_token_id",
         "first_scheduled_at_s", "first_token_at_s", "job", "num_cached_tokens",
         "num_computed_tokens", "num_preemptions", "num_prompt_tokens", "priority",
-        "request_id", "sampling_params", "status", "stop_reason", "tool_call_format",
+        "request_id", "sampling_params", "status", "stop_reason", "tenant", "tool_call_format",
     )
 
     def __init__(
@@ -113,6 +115,7 @@ class Request:
         priority: int = 0,
         job: JobInfo | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
         continues_request_id: str | None = None,
         tool_call_format: ToolCallFormat | None = None,
     ) -> None:
@@ -133,6 +136,7 @@ class Request:
         self.priority = priority
         self.job = job
         self.cache_salt = cache_salt
+        self.tenant = tenant
         self.continues_request_id = continues_request_id
         self.tool_call_format = tool_call_format
         self.all_token_ids: list[int] = list(prompt_token_ids)

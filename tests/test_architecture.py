@@ -8,12 +8,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 import grimp
 import pytest
+from importlinter.api import read_configuration
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,14 +79,17 @@ def test_the_layer_contracts_hold() -> None:
     assert ", 0 broken." in result.stdout
 
 
-def _config() -> dict:
-    with open(ROOT / "pyproject.toml", "rb") as file:
-        return tomllib.load(file)["tool"]["importlinter"]
+def _root_packages() -> list[str]:
+    return read_configuration(str(ROOT / "pyproject.toml"))["session_options"]["root_packages"]
+
+
+def _layers() -> list[str]:
+    return read_configuration(str(ROOT / "pyproject.toml"))["contracts_options"][0]["layers"]
 
 
 def _copy_packages(destination: Path) -> None:
     shutil.copy(ROOT / "pyproject.toml", destination)
-    for package in _config()["root_packages"]:
+    for package in _root_packages():
         shutil.copytree(ROOT / package, destination / package,
                         ignore=shutil.ignore_patterns("__pycache__", "*.json*", "*.md"))
 
@@ -110,7 +113,7 @@ def test_an_upward_import_breaks_a_contract(
 
 
 def _module_graph() -> dict[str, set[str]]:
-    graph = grimp.build_graph(*_config()["root_packages"], cache_dir=None)
+    graph = grimp.build_graph(*_root_packages(), cache_dir=None)
     return {module: graph.find_modules_directly_imported_by(module) for module in graph.modules}
 
 
@@ -150,8 +153,7 @@ def test_no_import_circle_between_modules() -> None:
 
 
 def test_every_module_has_a_layer() -> None:
-    layers = _config()["contracts"][0]["layers"]
-    listed = [name.strip() for layer in layers for name in re.split(r"[:|]", layer)]
+    listed = [name.strip() for layer in _layers() for name in re.split(r"[:|]", layer)]
     facades = {"engine", "engine.structured_output"}  # package docstrings and lazy names only
     unplaced = [module for module in _module_graph()
                 if module not in facades

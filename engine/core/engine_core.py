@@ -336,6 +336,7 @@ class EngineCore:
             priority=core_request.priority,
             job=core_request.job,
             cache_salt=core_request.cache_salt,
+            tenant=core_request.tenant,
             continues_request_id=core_request.continues_request_id,
             tool_call_format=core_request.tool_call_format,
         )

@@ -22,7 +22,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True, omit_defaults=T
     """One sequence to generate: the frontend has tokenized and validated it already.
 
     `arrival_time_s` is on the core's clock; `None` means the time the core received it.
-    `continues_request_id`, `tool_call_format`: see `Request`.
+    `tenant`, `continues_request_id`, `tool_call_format`: see `Request`.
     """
 
     request_id: str
@@ -32,6 +32,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add", kw_only=True, omit_defaults=T
     priority: int = 0
     job: JobInfo | None = None
     cache_salt: str | None = None
+    tenant: str | None = None
     arrival_time_s: float | None = None
     continues_request_id: str | None = None
     tool_call_format: ToolCallFormat | None = None

@@ -83,13 +83,14 @@ class InputProcessor:
         job: JobInfo | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
         kept_special_token_ids: frozenset[int] = frozenset(),
         continues_request_id: str | None = None,
         tool_call_format: ToolCallFormat | None = None,
     ) -> ProcessedRequest:
         """Validates and tokenizes one request; ValueError naming what is wrong.
-        `kept_special_token_ids`: see `ProcessedRequest`; `continues_request_id` and
-        `tool_call_format`: see `engine.request.Request`."""
+        `kept_special_token_ids`: see `ProcessedRequest`; `tenant`, `continues_request_id`
+        and `tool_call_format`: see `engine.request.Request`."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if not isinstance(sampling_params, SamplingParams):
@@ -111,7 +112,8 @@ class InputProcessor:
                     prompt_token_ids=token_ids,
                     sampling_params=_completion_params(core_params, index),
                     eos_token_id=self.eos_token_id, priority=priority, job=job,
-                    cache_salt=cache_salt, continues_request_id=continues_request_id,
+                    cache_salt=cache_salt, tenant=tenant,
+                    continues_request_id=continues_request_id,
                     tool_call_format=tool_call_format,
                 )
                 for index in range(sampling_params.n)

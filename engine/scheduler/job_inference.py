@@ -36,12 +36,13 @@ class InferredJob:
 
 @dataclass(frozen=True, slots=True)
 class _FinishedTurn:
-    """What a later prompt is matched against: the chained hash of the last full block of the
-    turn's prompt, the prompt's tokens after that block, its length in tokens, and the first
-    tokens of its output (at most a block of them)."""
+    """What a later prompt is matched against: the turn's tenant, the chained hash of the last
+    full block of its prompt, the prompt's tokens after that block, its length in tokens, and
+    the first tokens of its output (at most a block of them)."""
 
     job_id: str
     request_id: str
+    tenant: str | None
     key_hash: BlockHash
     prompt_tail: tuple[int, ...]
     num_prompt_tokens: int
@@ -55,11 +56,11 @@ class JobInference:
     **The rule.** A request without a job continues a finished turn when its prompt begins
     with that turn's whole prompt and is longer than it. The prompt's full blocks are compared
     by their chained block hashes (`Request.block_hashes`, the prefix cache's own, salted with
-    the request's `cache_salt`, so one tenant never continues another's turn) and the tokens
-    after the last full block one by one. Requiring the whole previous prompt, its generation
-    prompt included, is what keeps a new conversation that merely shares a system prompt or a
-    first message from joining. A turn whose prompt fills no block cannot be matched and is
-    not remembered.
+    the request's `cache_salt`; a turn of another tenant never matches, even where tenants
+    share the cache) and the tokens after the last full block one by one. Requiring the whole
+    previous prompt, its generation prompt included, is what keeps a new conversation that
+    merely shares a system prompt or a first message from joining. A turn whose prompt fills
+    no block cannot be matched and is not remembered.
 
     **Which turn.** A request whose client re-sent a tool call that a finished turn issued
     (`Request.continues_request_id`, read by the frontend from the call's id) continues that
@@ -132,7 +133,7 @@ class JobInference:
             return [request.job.job_id]
         hashes = extend_block_hashes(request, self.block_size)
         turn = _FinishedTurn(
-            job_id=request.job.job_id, request_id=request.request_id,
+            job_id=request.job.job_id, request_id=request.request_id, tenant=request.tenant,
             key_hash=hashes[num_full_blocks - 1],
             prompt_tail=tuple(request.all_token_ids[num_full_blocks * self.block_size:
                                                     request.num_prompt_tokens]),
@@ -208,8 +209,11 @@ class JobInference:
 
     def _continues(self, request: Request, turn: _FinishedTurn, now_s: float) -> bool:
         """Whether `request`'s prompt, whose full blocks up to `turn`'s key already match,
-        also holds `turn`'s prompt tail and goes on past it (and `turn` is fresh)."""
+        also holds `turn`'s prompt tail and goes on past it (and `turn` is fresh and of the
+        same tenant)."""
         if request.num_prompt_tokens <= turn.num_prompt_tokens or self._is_stale(turn, now_s):
+            return False
+        if request.tenant != turn.tenant:
             return False
         start = turn.num_prompt_tokens - len(turn.prompt_tail)
         return tuple(request.all_token_ids[start:turn.num_prompt_tokens]) == turn.prompt_tail

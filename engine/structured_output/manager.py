@@ -24,7 +24,6 @@ from typing import Any
 
 import llguidance
 import llguidance.numpy
-import numpy as np
 
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.structured_output.spec import StructuredOutputSpec

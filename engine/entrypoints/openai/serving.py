@@ -296,7 +296,7 @@ class OpenAIServing:
                 request_id, token_ids, params, job=self._job(body, client),
                 priority=body.priority, cache_salt=engine_cache_salt(
                     client.tenant, body.cache_salt, share_prefix_cache=self._shares_cache),
-                kept_special_token_ids=kept_special_token_ids,
+                tenant=client.tenant, kept_special_token_ids=kept_special_token_ids,
                 continues_request_id=continues_request_id, tool_call_format=tool_call_format,
             )
         except ValueError as error:

@@ -117,6 +117,28 @@ def test_one_tenant_never_joins_another_tenants_job():
     run_until_done(scheduler, runner)
 
 
+def test_tenants_that_share_the_prefix_cache_still_never_join_each_others_jobs():
+    scheduler, runner, _ = _setup()
+
+    def unsalted(request_id: str, prompt: list[int], tenant: str) -> Request:
+        return Request(request_id, prompt, SamplingParams(max_tokens=3), arrival_time_s=0.0,
+                       tenant=tenant)
+
+    first = unsalted("a-first", FIRST_PROMPT, "alpha")
+    scheduler.add_request(first)
+    run_until_done(scheduler, runner)
+    intruder = unsalted("b-next", _next_prompt(FIRST_PROMPT), "beta")
+    intruder.continues_request_id = "a-first"  # even naming alpha's turn
+    scheduler.add_request(intruder)
+    assert intruder.job.inferred and intruder.job_id != first.job_id
+    run_until_done(scheduler, runner)
+    assert intruder.num_cached_tokens >= 8  # the cache is shared; the job is not
+    own = unsalted("a-next", _next_prompt(FIRST_PROMPT), "alpha")
+    scheduler.add_request(own)
+    assert own.job_id == first.job_id
+    run_until_done(scheduler, runner)
+
+
 def test_rollouts_that_answered_alike_are_ambiguous_and_their_continuations_start_new_jobs():
     scheduler, runner, _ = _setup()
     twin_a = _turn(scheduler, runner, "twin-a", FIRST_PROMPT)

@@ -48,9 +48,17 @@ def _two_turns(server: ServerThread, model: str, api_key: str | None = None):
     client = server.client(api_key=api_key) if api_key else server.client()
     first = client.chat.completions.create(model=model, messages=QUESTION, tools=TOOLS,
                                            max_tokens=200)
+    conversation = _continuation(first)
+    second = client.chat.completions.create(model=model, messages=conversation, tools=TOOLS,
+                                            max_tokens=200)
+    return first, second, conversation
+
+
+def _continuation(first) -> list[dict]:
+    """The conversation after `first`: its tool call and the tool's result appended."""
     message = first.choices[0].message
     (call,) = message.tool_calls
-    conversation = [
+    return [
         *QUESTION,
         {"role": "assistant", "content": message.content,
          "tool_calls": [{"id": call.id, "type": "function",
@@ -58,9 +66,6 @@ def _two_turns(server: ServerThread, model: str, api_key: str | None = None):
                                       "arguments": call.function.arguments}}]},
         {"role": "tool", "tool_call_id": call.id, "content": "README.md\nsetup.py\nsrc"},
     ]
-    second = client.chat.completions.create(model=model, messages=conversation, tools=TOOLS,
-                                            max_tokens=200)
-    return first, second, conversation
 
 
 def test_a_client_without_job_fields_reuses_its_first_turns_pin(tmp_path: Path) -> None:
@@ -103,6 +108,31 @@ def test_a_client_without_job_fields_reuses_its_first_turns_pin(tmp_path: Path) 
     other_hit = next(e for e in events if isinstance(e, PrefixCacheEvent)
                      and e.request_id == other_tenant.request_id)
     assert other_hit.num_hit_tokens == 0
+
+
+def test_tenants_that_share_the_prefix_cache_keep_their_own_jobs(tmp_path: Path) -> None:
+    tenants = Tenants.from_pairs([("key-a", "a"), ("key-b", "b")], share_prefix_cache=True)
+    server = _start(tmp_path, api_key="key-a",
+                    settings=ServerSettings(served_model_name="scripted", tenants=tenants))
+    try:
+        alpha, beta = server.client(api_key="key-a"), server.client(api_key="key-b")
+        first = alpha.chat.completions.create(model="scripted", messages=QUESTION,
+                                              tools=TOOLS, max_tokens=200)
+        conversation = _continuation(first)  # it holds a's tool call id
+        intruder = beta.chat.completions.create(model="scripted", messages=conversation,
+                                                tools=TOOLS, max_tokens=200)
+        assert intruder.usage.prompt_tokens_details.cached_tokens >= BLOCK_SIZE  # shared
+        alpha.chat.completions.create(model="scripted", messages=conversation, tools=TOOLS,
+                                      max_tokens=200)
+        server.wait_idle()
+    finally:
+        server.stop()
+    arrived = [e for e in read_trace(tmp_path / "trace.jsonl").events
+               if isinstance(e, RequestArrived)]
+    first_turn, other_tenant, second_turn = arrived
+    assert other_tenant.inferred_from is None and other_tenant.job_id != first_turn.job_id
+    assert (second_turn.job_id, second_turn.inferred_from) == (
+        first_turn.job_id, first_turn.request_id)
 
 
 def test_turning_inference_off_leaves_requests_without_a_job(tmp_path: Path) -> None:
