@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_v
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.unicode_text import lone_surrogate_path
 from engine.sampling_params import (
     MAX_INT32,
     MAX_LOGIT_BIAS,
@@ -182,6 +184,19 @@ class SamplingFields(JobFields):
     document."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        """A body with a lone surrogate anywhere is refused with a 400 naming where, before
+        any of it reaches the engine (`unicode_text`). An `APIError`, which passes through
+        pydantic and FastAPI's body parsing unchanged, so that `param` names the field."""
+        path = lone_surrogate_path(data)
+        if path is None:
+            return data
+        param = ".".join(path) or None
+        raise APIError(400, f"{param or 'the body'}: the text holds a lone UTF-16 surrogate, "
+                            "which is not Unicode", param=param)
 
     model: str | None = None
     n: Annotated[int, Field(ge=1)] = 1

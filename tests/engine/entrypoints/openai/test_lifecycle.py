@@ -31,6 +31,27 @@ def test_streaming_client_that_disconnects_frees_its_blocks(server):
     assert _aborted(server) == aborted_before + 1
 
 
+def test_an_error_mid_stream_aborts_its_engine_request(server, monkeypatch):
+    serving = server.app.state.completions
+    stream = serving.stream
+
+    async def failing(body, prepared):
+        async for chunk in stream(body, prepared):
+            yield chunk
+            raise RuntimeError("an error after the engine started on the request")
+
+    monkeypatch.setattr(serving, "stream", failing)
+    aborted_before = _aborted(server)
+    with server.http() as http, pytest.raises(httpx.RemoteProtocolError), http.stream(
+        "POST", "/v1/completions", json={**LONG, "stream": True}
+    ) as response:
+        assert response.status_code == 200
+        list(response.iter_lines())
+    stats = server.wait_idle(timeout_s=10)
+    assert stats.num_free_blocks == stats.num_kv_blocks
+    assert _aborted(server) == aborted_before + 1
+
+
 def test_non_streaming_client_that_disconnects_frees_its_blocks(server):
     aborted_before = _aborted(server)
     with server.http(timeout=httpx.Timeout(60, read=0.5)) as http, \
