@@ -72,11 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most prompts per completion request; more get 400 "
                             "(default: %(default)s)")
     group.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_STORED_RESPONSES,
-                       help="most responses the Responses API keeps for previous_response_id "
-                            "(default: %(default)s)")
+                       help="most responses the Responses API keeps for previous_response_id, "
+                            "shared equally among the tenants (default: %(default)s)")
     group.add_argument("--max-stored-response-bytes", type=int,
                        default=DEFAULT_MAX_STORED_RESPONSE_BYTES,
-                       help="most bytes of stored responses in all (default: %(default)s)")
+                       help="most bytes of stored responses (their JSON) in all, shared "
+                            "equally among the tenants (default: %(default)s)")
     group.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                        help="most stop strings per request; more get 400 (default: %(default)s)")
     group.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS,

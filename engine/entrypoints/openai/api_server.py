@@ -178,7 +178,8 @@ def build_app(
         app.state.chat = OpenAIServingChat(engine, settings)
         app.state.responses = OpenAIServingResponses(engine, settings, ResponseStore(
             max_responses=settings.max_stored_responses,
-            max_bytes=settings.max_stored_response_bytes))
+            max_bytes=settings.max_stored_response_bytes,
+            num_tenants=1 if settings.tenants is None else len(settings.tenants.names)))
         app.state.started_at = int(time.time())
         watcher = None if on_engine_dead is None else asyncio.ensure_future(
             _call_when_dead(engine, on_engine_dead))

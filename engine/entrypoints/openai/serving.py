@@ -25,6 +25,7 @@ from engine.entrypoints.openai.errors import (
 from engine.entrypoints.openai.job_extension import job_info
 from engine.entrypoints.openai.protocol import SamplingFields
 from engine.entrypoints.openai.request_id import scope_request_id
+from engine.entrypoints.openai.response_store import ENTRY_OVERHEAD_BYTES
 from engine.entrypoints.openai.structured_outputs import GrammarChecker
 from engine.entrypoints.openai.tenants import (
     Tenants,
@@ -77,8 +78,9 @@ class ServerSettings:
       of engine requests waiting past this gets 429 with `Retry-After: retry_after_s`, and
       nothing of it is queued (`None`: no limit).
     - `max_stored_responses`, `max_stored_response_bytes`: the Responses API's store keeps at
-      most this many responses, of at most this many bytes in all (least recently used
-      evicted first).
+      most this many responses, of at most this many bytes (their JSON) in all, shared equally
+      among the tenants: each tenant's least recently used are evicted first, never another
+      tenant's.
 
     `shutdown_timeout_s` is how long requests in flight may finish once the server is told to
     stop (SIGTERM); those still running then end with an error.
@@ -115,6 +117,13 @@ class ServerSettings:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        num_tenants = 1 if self.tenants is None else len(self.tenants.names)
+        if self.max_stored_responses < num_tenants or \
+                self.max_stored_response_bytes < num_tenants * ENTRY_OVERHEAD_BYTES:
+            raise ValueError(f"the response store must hold at least one response of each of "
+                             f"the {num_tenants} tenants (max_stored_responses at least "
+                             f"{num_tenants}, max_stored_response_bytes at least "
+                             f"{num_tenants * ENTRY_OVERHEAD_BYTES})")
 
 
 @dataclass(frozen=True)

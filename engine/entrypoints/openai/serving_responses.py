@@ -18,7 +18,6 @@ prompt. So the engine's job order and KV pins apply to every agent's turns.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import time
@@ -101,7 +100,6 @@ class PreparedResponse:
     request: ProcessedRequest
     stream: AsyncIterator[RequestOutput]
     items: tuple[ConversationItem, ...]
-    items_num_bytes: int
     job_id: str | None
     tenant: str | None
     parser: ToolParser | None
@@ -279,7 +277,7 @@ class OpenAIServingResponses(OpenAIServing):
         self._check_fields(body)
         previous = self._previous(body, client)
         input_items = _input_items(body)
-        items = (*(() if previous is None else previous.items), *input_items)
+        items = (*(() if previous is None else previous.items()), *input_items)
         parser = self._parser(body)
         constraint_fields = _ConstraintFields.of(body)
         structured_output = None
@@ -296,11 +294,10 @@ class OpenAIServingResponses(OpenAIServing):
             self._render_and_process, response_id, job_body, items, params, client,
             None if previous is None else previous.response_id)
         (stream,) = self.submit([request])
-        previous_bytes = 0 if previous is None else previous.items_num_bytes
         return PreparedResponse(
             response_id=response_id, created_at=int(time.time()), request=request,
             stream=stream, items=items, job_id=job_id, tenant=client.tenant, parser=parser,
-            store=store, items_num_bytes=previous_bytes + _num_bytes(input_items))
+            store=store)
 
     def _check_fields(self, body: ResponsesRequest) -> None:
         if body.n != 1:
@@ -469,17 +466,14 @@ class OpenAIServingResponses(OpenAIServing):
 
     def _store(self, prepared: PreparedResponse, output: _Output, response: dict[str, Any]
                ) -> None:
-        new_items = output.conversation_items()
-        items_num_bytes = prepared.items_num_bytes + _num_bytes(new_items)
-        stored = StoredResponse(
-            response_id=prepared.response_id, job_id=prepared.job_id,
-            items=(*prepared.items, *new_items), items_num_bytes=items_num_bytes, body=response,
-            num_bytes=items_num_bytes + len(json.dumps(response)),
+        stored = StoredResponse.of(
+            prepared.response_id, prepared.job_id,
+            (*prepared.items, *output.conversation_items()), response,
             num_input_items=len(prepared.items))
         if not self.store.put(prepared.tenant, stored):
             logger.warning("response %s is not stored: its conversation (%d bytes) is over the "
-                           "store's limit of %d bytes", prepared.response_id, stored.num_bytes,
-                           self.store.max_bytes)
+                           "store's limit of %d bytes a tenant", prepared.response_id,
+                           stored.num_bytes, self.store.max_bytes_per_tenant)
 
     def _response_object(
         self, body: ResponsesRequest, prepared: PreparedResponse, *, status: str,
@@ -513,7 +507,7 @@ class OpenAIServingResponses(OpenAIServing):
         stored = self.store.get(tenant, response_id)
         if stored is None:
             raise _unknown_response(response_id)
-        return dict(stored.body)
+        return stored.body()
 
     def input_items(self, response_id: str, tenant: str | None, *, limit: int = 20,
                     order: Literal["asc", "desc"] = "desc", after: str | None = None
@@ -527,7 +521,7 @@ class OpenAIServingResponses(OpenAIServing):
         if stored is None:
             raise _unknown_response(response_id)
         items = [_listed_item(item, response_id, index)
-                 for index, item in enumerate(stored.items[:stored.num_input_items])]
+                 for index, item in enumerate(stored.items()[:stored.num_input_items])]
         if order == "desc":
             items.reverse()
         if after is not None:
@@ -576,10 +570,6 @@ def _listed_item(item: ConversationItem, response_id: str, index: int) -> dict[s
                 else InputTextPart(type="input_text", text=item.content))
         listed["content"] = [part.model_dump()]
     return listed
-
-
-def _num_bytes(items: Sequence[ConversationItem]) -> int:
-    return sum(len(item.model_dump_json()) for item in items)
 
 
 def _check_tools(body: ResponsesRequest) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 from collections.abc import Iterator
 
 import httpx
@@ -16,7 +17,11 @@ import pytest
 
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol_responses import ResponsesRequest
-from engine.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from engine.entrypoints.openai.response_store import (
+    ENTRY_OVERHEAD_BYTES,
+    ResponseStore,
+    StoredResponse,
+)
 from engine.entrypoints.openai.serving import ServerSettings
 from engine.entrypoints.openai.serving_responses import template_messages
 from engine.entrypoints.openai.tenants import Tenants
@@ -421,15 +426,15 @@ def test_store_false_is_not_kept(server):
 
 
 KEYS = {"alpha": "key-a", "beta": "key-b"}
-MAX_STORED = 3
+MAX_STORED = 3  # a tenant
 
 
 @pytest.fixture(scope="module")
 def small_store_server() -> Iterator[ServerThread]:
-    """Two tenants, and a store of at most `MAX_STORED` responses."""
+    """Two tenants, and a store of at most `MAX_STORED` responses for each."""
     tenants = Tenants.from_pairs([(key, name) for name, key in KEYS.items()])
     running = start_server(settings=ServerSettings(
-        served_model_name="tiny", tenants=tenants, max_stored_responses=MAX_STORED),
+        served_model_name="tiny", tenants=tenants, max_stored_responses=2 * MAX_STORED),
         api_key=KEYS["alpha"])
     yield running
     running.stop()
@@ -453,6 +458,14 @@ def test_the_store_evicts_the_least_recently_used(small_store_server):
     evicted = _create(small_store_server, "alpha", previous_response_id=ids[1])
     assert evicted.status_code == 400
     assert evicted.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_another_tenants_flood_evicts_none_of_a_tenants_responses(small_store_server):
+    kept = _create(small_store_server, "alpha").json()["id"]
+    for _ in range(2 * MAX_STORED):
+        assert _create(small_store_server, "beta").status_code == 200
+    with small_store_server.http(headers={"Authorization": "Bearer key-a"}) as http:
+        assert http.get(f"/v1/responses/{kept}").status_code == 200
 
 
 def test_a_tenant_never_reads_another_tenants_response(small_store_server):
@@ -537,22 +550,54 @@ def test_a_closed_stream_aborts_and_frees_the_engine(server):
 
 
 # The pieces, without a server.
-def _stored(response_id: str, num_bytes: int) -> StoredResponse:
-    return StoredResponse(response_id=response_id, job_id=None, items=(), items_num_bytes=0,
-                          body={}, num_bytes=num_bytes)
+def _stored(response_id: str, num_text_bytes: int) -> StoredResponse:
+    """A response that the store charges `num_text_bytes` plus its overhead."""
+    body = {"id": response_id, "pad": ""}
+    padding = num_text_bytes - len(json.dumps(body, separators=(",", ":"))) - len(b"[]")
+    body["pad"] = "x" * padding
+    stored = StoredResponse.of(response_id, None, (), body, num_input_items=0)
+    assert stored.num_bytes == num_text_bytes + ENTRY_OVERHEAD_BYTES
+    return stored
 
 
-def test_the_store_is_bounded_by_bytes_and_per_tenant():
-    store = ResponseStore(max_responses=10, max_bytes=100)
-    assert store.put("a", _stored("r1", 40)) and store.put("a", _stored("r2", 40))
+def test_the_store_is_bounded_by_bytes_in_each_tenants_quota():
+    store = ResponseStore(max_responses=10, max_bytes=2 * 2000, num_tenants=2)
+    assert store.max_bytes_per_tenant == 2000  # two responses of 400 text bytes and overhead
+    assert store.put("a", _stored("r1", 400)) and store.put("a", _stored("r2", 400))
     assert store.get("b", "r1") is None  # another tenant's
     assert store.get("a", "r1") is not None  # r1 is now the most recently used
-    assert store.put("b", _stored("r3", 40))
-    assert (store.get("a", "r2"), len(store), store.num_bytes) == (None, 2, 80)
-    assert not store.put("a", _stored("huge", 101))
-    assert len(store) == 2
-    assert store.delete("b", "r3") and not store.delete("b", "r3")
-    assert store.num_bytes == 40
+    assert store.put("a", _stored("r3", 400))
+    assert [store.get("a", r) is not None for r in ("r1", "r2", "r3")] == [True, False, True]
+    assert not store.put("a", _stored("huge", 2000))
+    assert store.delete("a", "r3") and not store.delete("a", "r3")
+    assert (len(store), store.num_bytes) == (1, 400 + ENTRY_OVERHEAD_BYTES)
+
+
+def test_one_tenants_writes_never_evict_another_tenants_responses():
+    store = ResponseStore(max_responses=4, max_bytes=10**6, num_tenants=2)
+    assert store.put("a", _stored("kept", 100))
+    for index in range(100):  # b floods the store
+        assert store.put("b", _stored(f"flood{index}", 100))
+    assert store.get("a", "kept") is not None
+    assert len(store) == 1 + store.max_responses_per_tenant == 3
+
+
+def test_the_bytes_charged_are_the_bytes_held():
+    items = ResponsesRequest.model_validate({"input": [
+        {"role": "user" if index % 2 else "assistant", "content": f"message {index} " * 20}
+        for index in range(2000)]}).input
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    stored = StoredResponse.of("resp_1", None, items, {"id": "resp_1"}, num_input_items=2000)
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert held <= stored.num_bytes * 1.1
+    assert stored.items() == tuple(items) and stored.body() == {"id": "resp_1"}
+
+
+def test_a_store_without_room_for_every_tenant_is_refused():
+    with pytest.raises(ValueError, match="at least one response per tenant"):
+        ResponseStore(max_responses=1, max_bytes=10**6, num_tenants=2)
 
 
 def _messages(items, instructions=None):
