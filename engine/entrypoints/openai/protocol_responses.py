@@ -10,7 +10,7 @@ rejected naming the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
@@ -210,6 +210,8 @@ ToolChoice = Annotated[
 class ResponsesRequest(SamplingFields):
     """POST /v1/responses: a conversation as input items, optionally continuing a stored
     response (`previous_response_id`); see the module docstring for what is supported."""
+
+    conversation_field: ClassVar[str | None] = "input"
 
     input: Input
     instructions: str | None = Field(None, description="A system message before the input "

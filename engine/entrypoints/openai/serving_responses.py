@@ -31,6 +31,7 @@ from engine.entrypoints.openai.drain import ServerShuttingDownError
 from engine.entrypoints.openai.errors import APIError, engine_dead_error, shutting_down_error
 from engine.entrypoints.openai.job_extension import JOB_ID_HEADER, job_info
 from engine.entrypoints.openai.protocol import (
+    MAX_CONVERSATION_ITEMS,
     ChatMessage,
     ChatTool,
     FunctionCallIn,
@@ -278,6 +279,11 @@ class OpenAIServingResponses(OpenAIServing):
         previous = self._previous(body, client)
         input_items = _input_items(body)
         items = (*(() if previous is None else previous.items()), *input_items)
+        if len(items) > MAX_CONVERSATION_ITEMS:
+            raise APIError(400, f"the conversation (the stored responses this one continues and "
+                                f"its input) has {len(items)} items, over the limit of "
+                                f"{MAX_CONVERSATION_ITEMS}", param="input",
+                           code="limit_exceeded")
         parser = self._parser(body)
         constraint_fields = _ConstraintFields.of(body)
         structured_output = None

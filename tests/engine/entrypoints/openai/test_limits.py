@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from engine.entrypoints.openai.protocol import MAX_CONVERSATION_ITEMS
 from engine.entrypoints.openai.serving import ServerSettings
 from tests.engine.entrypoints.openai.conftest import ServerThread, start_server
 
@@ -239,3 +240,16 @@ def test_health_answers_while_a_maximal_batch_is_prepared(server):
 def test_limits_must_be_positive(field):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(LIMITS, **{field: 0})
+
+
+@pytest.mark.parametrize(("path", "field"), [
+    ("/v1/chat/completions", "messages"), ("/v1/responses", "input")])
+def test_a_conversation_over_the_item_limit_is_refused_before_it_is_validated(
+        server, path, field):
+    body = {"model": "tiny", field: [{}] * (MAX_CONVERSATION_ITEMS + 1)}
+    with server.http() as http:
+        response = http.post(path, json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (field, "limit_exceeded")
+    assert f"{MAX_CONVERSATION_ITEMS + 1} items" in error["message"]
