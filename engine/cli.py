@@ -10,30 +10,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+
+def _bench_commands() -> dict[str, tuple[str, str]]:
+    """`continuum bench`'s commands as `eval.bench.BENCH_COMMANDS` names them (that module
+    imports only the standard library); command `name`'s module is `eval.bench.<name, - as _>`.
+    Loaded by path, as every command module here is."""
+    commands: Mapping[str, str] = importlib.import_module("eval.bench").BENCH_COMMANDS
+    return {name: (f"eval.bench.{name.replace('-', '_')}", help_text)
+            for name, help_text in commands.items()}
+
 
 COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "serve": ("engine.entrypoints.serve", "the OpenAI-compatible HTTP server"),
-    "bench": {
-        "scheduler": ("engine.bench.scheduler", "CPU cost of one scheduler step"),
-        "forward": ("engine.bench.forward", "model runner steps at fixed decode, prefill shapes"),
-        "throughput": ("engine.bench.throughput", "offline LLM.generate vs transformers"),
-        "estimator": ("eval.bench_estimator", "TTL estimators replayed over an agent trace"),
-        "agent": ("eval.bench_agent", "agent jobs replayed against an OpenAI-compatible server"),
-        "sim": ("eval.bench_sim", "policies compared on an agent trace in simulated time"),
-        "calibrate": ("eval.bench_calibrate", "a measured cost profile for `bench sim`, "
-                      "fitted to the step traces of a real run"),
-        "check-calibration": ("eval.calibration_check", "a cost profile's simulation of the "
-                              "shipped GPU runs against their measurements"),
-        "load": ("eval.bench_load", "load test of a `continuum serve` subprocess: leaks, "
-                 "pins, memory"),
-        "soak": ("eval.bench_soak", "agent replay for minutes with the invariant checker on"),
-        "connections": ("eval.bench_connections", "slow and many clients against a "
-                        "`continuum serve` subprocess: timeouts, cap, descriptors"),
-        "structured": ("eval.bench_structured", "structured outputs: step cost, grammar "
-                                                "compile time"),
-        "workloads": ("eval.bench_workloads", "the named workloads that ship with the package"),
-    },
+    "bench": _bench_commands(),
     "trace": {
         "summarize": ("tracing.summary", "per-job, per-turn, cache and pin figures of a trace"),
         "timeline": ("tracing.timeline", "a PNG of jobs over time and the block pool"),
