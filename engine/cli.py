@@ -1,8 +1,10 @@
 """The `continuum` console script.
 
-Subcommands are named here as `module` paths and imported only when run, so `continuum --help`
-stays fast and heavy dependencies load only for the command that needs them. Each command
-module provides `add_arguments(parser)` and `main(args) -> int`.
+The top layer (docs/architecture.md, 'Layers'). Subcommands are named here as `module` paths
+and imported only when run, so `continuum --help` stays fast and heavy dependencies load only
+for the command that needs them; the benchmarks are the commands `eval.bench` lists (it
+imports only the standard library). Each command module provides `add_arguments(parser)` and
+`main(args) -> int`.
 """
 
 from __future__ import annotations
@@ -12,28 +14,19 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from eval.bench import BENCH_COMMANDS
+
+
+def _bench_commands() -> dict[str, tuple[str, str]]:
+    """`continuum bench`'s commands as `eval.bench.BENCH_COMMANDS` names them; command
+    `name`'s module is `eval.bench.<name, - as _>`."""
+    return {name: (f"eval.bench.{name.replace('-', '_')}", help_text)
+            for name, help_text in BENCH_COMMANDS.items()}
+
+
 COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "serve": ("engine.entrypoints.serve", "the OpenAI-compatible HTTP server"),
-    "bench": {
-        "scheduler": ("engine.bench.scheduler", "CPU cost of one scheduler step"),
-        "forward": ("engine.bench.forward", "model runner steps at fixed decode, prefill shapes"),
-        "throughput": ("engine.bench.throughput", "offline LLM.generate vs transformers"),
-        "estimator": ("eval.bench_estimator", "TTL estimators replayed over an agent trace"),
-        "agent": ("eval.bench_agent", "agent jobs replayed against an OpenAI-compatible server"),
-        "sim": ("eval.bench_sim", "policies compared on an agent trace in simulated time"),
-        "calibrate": ("eval.bench_calibrate", "a measured cost profile for `bench sim`, "
-                      "fitted to the step traces of a real run"),
-        "check-calibration": ("eval.calibration_check", "a cost profile's simulation of the "
-                              "shipped GPU runs against their measurements"),
-        "load": ("eval.bench_load", "load test of a `continuum serve` subprocess: leaks, "
-                 "pins, memory"),
-        "soak": ("eval.bench_soak", "agent replay for minutes with the invariant checker on"),
-        "connections": ("eval.bench_connections", "slow and many clients against a "
-                        "`continuum serve` subprocess: timeouts, cap, descriptors"),
-        "structured": ("eval.bench_structured", "structured outputs: step cost, grammar "
-                                                "compile time"),
-        "workloads": ("eval.bench_workloads", "the named workloads that ship with the package"),
-    },
+    "bench": _bench_commands(),
     "trace": {
         "summarize": ("tracing.summary", "per-job, per-turn, cache and pin figures of a trace"),
         "timeline": ("tracing.timeline", "a PNG of jobs over time and the block pool"),

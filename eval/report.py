@@ -1,19 +1,47 @@
-"""Reports of policy comparisons: a markdown table per workload and a JCT-against-load plot.
+"""Reports of the benchmarks: a command's figures as a two-column table on stdout and
+optionally as JSON (`emit`), a report written to a file (`write_report`), and policy
+comparisons as a markdown table per workload and a JCT-against-load plot.
 
-A run is a dict with `label` (the policy spec as written; `policy` where a run has no label),
-`jobs_per_s` and the `RunMetrics` fields, as in the `--json` output of `continuum bench sim`
-and `continuum bench agent` (runs written before `recomputed_tokens` existed show `-` in its
-column). Runs with plain chat sessions beside the jobs (`chat_*` figures)
-get the chat requests' queueing and TTFT columns; runs with a host KV tier (`host_*`
+A run of a policy comparison is a dict with `label` (the policy spec as written; `policy`
+where a run has no label), `jobs_per_s` and the `RunMetrics` fields, as in the `--json` output
+of `continuum bench sim` and `continuum bench agent` (runs written before `recomputed_tokens`
+existed show `-` in its column). Runs with plain chat sessions beside the jobs (`chat_*`
+figures) get the chat requests' queueing and TTFT columns; runs with a host KV tier (`host_*`
 figures), the share of looked-up prompt tokens loaded from it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 BASELINE_POLICY = "fcfs"
+
+
+def emit(title: str, results: dict[str, Any], json_path: str | None) -> None:
+    """Prints `results` as a table under `title`; writes them as JSON to `json_path` if set."""
+    width = max(len(key) for key in results)
+    print(title)
+    for key, value in results.items():
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        print(f"  {key:<{width}}  {shown}")
+    if json_path:
+        write_json_report(json_path, results)
+
+
+def write_report(path: str | Path, text: str) -> None:
+    """Writes `text` to `path`, making its directory if need be, and says so on stdout."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"wrote {path}")
+
+
+def write_json_report(path: str | Path, results: Any) -> None:
+    """`write_report` of `results` as indented JSON."""
+    write_report(path, json.dumps(results, indent=2) + "\n")
 
 
 def run_label(run: dict) -> str:

@@ -1,4 +1,6 @@
-"""`continuum serve` as a real subprocess on a loopback port, for load and soak runs.
+"""`continuum serve` as a real subprocess on a loopback port, for the benchmarks that start
+their own server (`bench load`, `soak`, `connections`, `amplification`), and their server
+flags (`--serve-args`, `--server-log`).
 
 `ServerProcess` starts the server (`python -m engine.cli serve --port 0 ...`), learns its
 address from the start-up log line, waits for `/health`, and stops it on exit (SIGINT, then
@@ -8,9 +10,11 @@ SIGTERM, then SIGKILL). It reads the resident memory of the server and of its de
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -183,6 +187,26 @@ class ServerProcess:
         if self._own_log:
             self.log_path.unlink(missing_ok=True)
         return process.returncode
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, default_args: Sequence[str]) -> None:
+    """`--serve-args` and `--server-log`, the server flags of the commands that start one."""
+    parser.add_argument("--serve-args", default=shlex.join(default_args),
+                        help="flags of the `continuum serve` subprocess, replacing the "
+                             "defaults (default: %(default)r)")
+    parser.add_argument("--server-log", default=None,
+                        help="keep the server's log here (default: a temporary file)")
+
+
+def server_from_args(args: argparse.Namespace, *, check_invariants: bool) -> ServerProcess:
+    """The server, not started yet, that the `add_server_arguments` flags describe: its
+    `--serve-args` (with `--debug-check-invariants` added if `check_invariants`), its log at
+    `--server-log` if given. ValueError if the flags name the host or port."""
+    serve_args = shlex.split(args.serve_args)
+    if check_invariants and "--debug-check-invariants" not in serve_args:
+        serve_args.append("--debug-check-invariants")
+    log_path = None if args.server_log is None else Path(args.server_log)
+    return ServerProcess(ServerSpec(serve_args=tuple(serve_args)), log_path)
 
 
 def _kill_survivors(pids: Sequence[int], timeout_s: float) -> None:

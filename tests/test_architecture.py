@@ -29,6 +29,7 @@ SCHEDULER_SIDE = [
     "engine.structured_output.manager",
     "engine.executor.base",
     "engine.model.directory",
+    "eval.bench.scheduler",
 ]
 
 

@@ -20,7 +20,7 @@ from engine.scheduler.tracer import SchedulerTracer
 from estimator.base import ToolCall
 from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.eq2 import Eq2Estimator
-from eval.bench_sim import policy_specs
+from eval.policy_specs import policy_specs
 from tests.continuum.harness import Harness, tokens
 from tests.continuum.workload import AgentJob, Turn, replay
 from tracing.reader import read_trace

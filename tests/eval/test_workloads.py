@@ -1,5 +1,5 @@
-"""The named workloads that ship with the package: their files, the `--workload` flags of the
-bench commands, and `continuum bench workloads`."""
+"""The named workloads that ship with the package: their files and the `--workload` flags of
+the bench commands (`continuum bench workloads` itself: `tests/eval/bench/test_workloads.py`)."""
 
 from __future__ import annotations
 
@@ -122,19 +122,3 @@ def test_bench_sim_reports_the_workload_names(tmp_path: Path) -> None:
     report = json.loads(path.read_text())
     assert report["trace"] == "swesmith" and report["chat"]["trace"] == "mooncake"
     assert report["workload"]["num_jobs"] == 5
-
-
-def test_bench_estimator_takes_a_workload(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["bench", "estimator", "--workload", "swesmith",
-                     "--train-fraction", "0"]) == 0
-    assert "continuum_swesmith_test5_jobs.jsonl: 5 jobs" in capsys.readouterr().out
-
-
-def test_bench_workloads_lists_every_workload(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["bench", "workloads"]) == 0
-    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()}
-    for name, workload in WORKLOADS.items():
-        jobs, turns = COUNTS[name]
-        for cell in (workload.file_name, workload.kind, f"{jobs:,}", f"{turns:,}",
-                     workload.licence):
-            assert f" {cell} " in rows[name]

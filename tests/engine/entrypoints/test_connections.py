@@ -24,9 +24,9 @@ from engine.entrypoints.connections import (
     fit_to_open_file_limit,
     is_resource_exhaustion,
 )
-from eval.bench_connections import SILENT, TRICKLING, SlowClientSettings, run_slow_clients
+from eval.bench.connections import SILENT, TRICKLING, SlowClientSettings, run_slow_clients
+from eval.server_checks import markdown_figures, wait_idle
 from eval.server_process import ServerProcess, ServerSpec
-from eval.stress import markdown_figures, wait_idle
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 5.0

@@ -1,1 +1,0 @@
-"""Benchmarks behind `continuum bench ...`; each prints a table and can write JSON."""

@@ -1,0 +1,239 @@
+"""`continuum bench check-calibration`: a cost profile's simulation of the GPU runs it was
+calibrated on, against what those runs measured.
+
+The runs are the agent replays of `eval/gpu_runs/h100-af226d3` (its README says how they
+ran). Each is simulated with the same jobs, arrivals and engine limits as `bench agent` and
+`continuum serve` had (the setup's `bench agent` flags, parsed as `bench agent` parses them),
+under the policy spec given for its measured policy (`--policy LABEL=SPEC`; by default the
+label itself: the current policy of that name, which must still be the one measured).
+
+Compared on the same definitions for both sides:
+- a finished run: its mean JCT, measured by the client (`bench agent --json`); the target
+  is a simulated mean within `JCT_TOLERANCE` of it;
+- a run stopped early: what it had finished when it was stopped (`tracing.progress`, the
+  cut being where its trace ends), measured from its trace and from the simulation's trace;
+  the target is the same order of the setup's runs by jobs finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from itertools import combinations
+from pathlib import Path
+from typing import Literal
+
+from engine.executor.sim_profiles import get_sim_profile
+from eval.arrivals import arrivals_s
+from eval.policy_specs import PolicySpec, policy_specs
+from eval.simulator import SimSettings, Simulation
+from eval.workload_flags import add_workload_arguments, load_workload
+from tracing.progress import Progress, progress_by, trace_span_s
+from tracing.reader import read_trace
+
+GPU_RUNS_DIR = Path(__file__).resolve().parents[1] / "gpu_runs" / "h100-af226d3"
+DEFAULT_PROFILE = "h100-llama3.1-8b-measured"
+JCT_TOLERANCE = 0.15
+
+SetupName = Literal["swe24", "swe40"]
+
+
+@dataclass(frozen=True)
+class GpuSetup:
+    """The workload and engine limits of a set of GPU runs, as `bench agent` and `continuum
+    serve` were given them."""
+
+    name: SetupName
+    num_jobs: int
+    jobs_per_s: float
+    max_turns: int
+    num_kv_blocks: int
+    max_num_batched_tokens: int = 2048
+
+    def agent_flags(self) -> list[str]:
+        return ["--workload", "swe", "--max-turns", str(self.max_turns),
+                "--num-jobs", str(self.num_jobs), "--seed", "0"]
+
+
+@dataclass(frozen=True)
+class GpuRun:
+    """One measured run: its setup, the label of its policy, its trace, and the
+    `bench agent --json` of a run that finished (None: it was stopped early)."""
+
+    setup: GpuSetup
+    policy: str
+    trace_file: str
+    agent_file: str | None = None
+
+
+SWE24 = GpuSetup("swe24", num_jobs=24, jobs_per_s=2.0, max_turns=6, num_kv_blocks=1500)
+SWE40 = GpuSetup("swe40", num_jobs=40, jobs_per_s=4.0, max_turns=8, num_kv_blocks=2500)
+GPU_RUNS = (
+    GpuRun(SWE24, "fcfs", "swe24-2jps-1500blk-fcfs.jsonl.gz",
+           "swe24-2jps-1500blk-fcfs.agent.json"),
+    GpuRun(SWE24, "continuum", "swe24-2jps-1500blk-continuum.jsonl.gz",
+           "swe24-2jps-1500blk-continuum.agent.json"),
+    GpuRun(SWE24, "continuum-fixed", "swe24-2jps-1500blk-continuum-fixed-cut.jsonl.gz"),
+    GpuRun(SWE40, "fcfs", "swe40-4jps-2500blk-fcfs-cut.jsonl.gz"),
+    GpuRun(SWE40, "continuum", "swe40-4jps-2500blk-continuum-cut.jsonl.gz"),
+)
+
+
+@dataclass(frozen=True)
+class RunCheck:
+    """One run measured and simulated: the mean JCT of a finished run, the progress of a
+    stopped one (the other None), and the policy spec simulated."""
+
+    setup: SetupName
+    policy: str
+    spec: str
+    measured_jct_s: float | None = None
+    simulated_jct_s: float | None = None
+    measured: Progress | None = None
+    simulated: Progress | None = None
+
+    @property
+    def jct_error(self) -> float | None:
+        if self.measured_jct_s is None or self.simulated_jct_s is None:
+            return None
+        return self.simulated_jct_s / self.measured_jct_s - 1.0
+
+
+@dataclass(frozen=True)
+class OrderCheck:
+    """Two stopped runs of one setup ordered by jobs finished, measured and simulated (+1:
+    the first finished more, -1: fewer, 0: as many)."""
+
+    setup: SetupName
+    first: str
+    second: str
+    measured: int
+    simulated: int
+
+    @property
+    def met(self) -> bool:
+        return self.measured == self.simulated
+
+
+def check_run(run: GpuRun, spec: PolicySpec, profile: str, runs_dir: Path,
+              work_dir: Path) -> RunCheck:
+    """Simulates `run` under `spec` with `profile`, and reads what it measured."""
+    setup = run.setup
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser)
+    jobs = load_workload(parser.parse_args(setup.agent_flags()))
+    sim_trace = work_dir / f"{setup.name}-{run.policy}.jsonl"
+    settings = SimSettings(
+        policy=spec.name, policy_options=spec.options, profile=profile,
+        num_kv_blocks=setup.num_kv_blocks, max_num_batched_tokens=setup.max_num_batched_tokens,
+        trace_path=str(sim_trace))
+    metrics = Simulation(jobs, arrivals_s(len(jobs), setup.jobs_per_s, seed=0), settings).run()
+    check = RunCheck(setup.name, run.policy, spec.label)
+    if run.agent_file is not None:
+        agent = json.loads((runs_dir / run.agent_file).read_text())
+        return replace(check, measured_jct_s=agent["runs"][0]["mean_jct_s"],
+                       simulated_jct_s=metrics.mean_jct_s)
+    measured_trace = read_trace(runs_dir / run.trace_file)
+    cut_s = trace_span_s(measured_trace)
+    return replace(check, measured=progress_by(measured_trace, cut_s),
+                   simulated=progress_by(read_trace(sim_trace), cut_s))
+
+
+def order_checks(checks: Sequence[RunCheck]) -> list[OrderCheck]:
+    """Each pair of stopped runs of one setup, ordered by jobs finished on both sides."""
+    stopped = [(c, c.measured, c.simulated) for c in checks
+               if c.measured is not None and c.simulated is not None]
+    return [
+        OrderCheck(a.setup, a.policy, b.policy,
+                   _sign(a_measured.jobs_finished - b_measured.jobs_finished),
+                   _sign(a_simulated.jobs_finished - b_simulated.jobs_finished))
+        for (a, a_measured, a_simulated), (b, b_measured, b_simulated)
+        in combinations(stopped, 2) if a.setup == b.setup
+    ]
+
+
+def _sign(value: int) -> int:
+    return (value > 0) - (value < 0)
+
+
+def render(checks: Sequence[RunCheck], orders: Sequence[OrderCheck]) -> str:
+    """Markdown tables: mean JCTs, the stopped runs' progress, and the orders."""
+    lines = ["| setup | policy (spec simulated) | measured mean JCT (s) | simulated (s) | error "
+             f"| within {JCT_TOLERANCE:.0%} |", "|---|---|---:|---:|---:|---|"]
+    for c in checks:
+        if c.jct_error is not None:
+            lines.append(f"| {c.setup} | {c.policy} ({c.spec}) | {c.measured_jct_s:.1f} "
+                         f"| {c.simulated_jct_s:.1f} | {c.jct_error:+.1%} "
+                         f"| {'met' if abs(c.jct_error) <= JCT_TOLERANCE else 'missed'} |")
+    lines += ["", "| setup | policy (spec simulated) | stopped at (s) | jobs finished "
+              "(measured / simulated) | last turns sent | turns finished |",
+              "|---|---|---:|---:|---:|---:|"]
+    for c in checks:
+        if c.measured is not None and c.simulated is not None:
+            m, s = c.measured, c.simulated
+            lines.append(f"| {c.setup} | {c.policy} ({c.spec}) | {m.by_s:.1f} "
+                         f"| {m.jobs_finished} / {s.jobs_finished} "
+                         f"| {m.last_turns_arrived} / {s.last_turns_arrived} "
+                         f"| {m.turns_finished} / {s.turns_finished} |")
+    symbols = {1: ">", 0: "=", -1: "<"}
+    lines += ["", "| setup | jobs finished, measured | simulated | order |", "|---|---|---|---|"]
+    lines += [f"| {o.setup} | {o.first} {symbols[o.measured]} {o.second} "
+              f"| {o.first} {symbols[o.simulated]} {o.second} "
+              f"| {'met' if o.met else 'missed'} |" for o in orders]
+    return "\n".join(lines)
+
+
+# The specs that behave as the measured policies did at commit af226d3.
+MEASURED_SPECS = {"fcfs": "fcfs", "continuum": "continuum-af226d3",
+                  "continuum-fixed": "continuum-af226d3:estimator=fixed-2s"}
+
+
+def _policy_map(items: Sequence[str]) -> dict[str, PolicySpec]:
+    """`LABEL=SPEC` items: the spec simulated for the measured policy LABEL (by default
+    `MEASURED_SPECS`: the policy as it was measured). ValueError for a malformed item, an
+    unknown label or a bad spec."""
+    labels = {run.policy for run in GPU_RUNS}
+    specs = {label: MEASURED_SPECS[label] for label in labels}
+    for item in items:
+        label, sep, spec = item.partition("=")
+        if not sep or label not in labels:
+            raise ValueError(f"--policy {item!r}: expected LABEL=SPEC with LABEL one of "
+                             f"{', '.join(sorted(labels))}")
+        specs[label] = spec
+    return {label: policy_specs(spec)[0] for label, spec in specs.items()}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
+                        help="the cost profile to check (default: %(default)s)")
+    parser.add_argument("--policy", action="append", default=[], metavar="LABEL=SPEC",
+                        help="simulate the measured policy LABEL (fcfs, continuum, "
+                             "continuum-fixed) as the policy spec SPEC (default: the spec that "
+                             "behaves as measured: continuum-af226d3 for continuum)")
+    parser.add_argument("--runs-dir", type=Path, default=GPU_RUNS_DIR,
+                        help="where the measured traces and agent JSONs are "
+                             "(default: the shipped ones)")
+    parser.add_argument("--json", default=None, help="write the figures here")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        specs = _policy_map(args.policy)
+        get_sim_profile(args.profile)
+        with tempfile.TemporaryDirectory() as work_dir:
+            checks = [check_run(run, specs[run.policy], args.profile, args.runs_dir,
+                                Path(work_dir)) for run in GPU_RUNS]
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    orders = order_checks(checks)
+    print(f"{args.profile} against the runs in {args.runs_dir}\n\n{render(checks, orders)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"profile": args.profile, "runs": [asdict(c) for c in checks],
+             "orders": [asdict(o) for o in orders]}, indent=1) + "\n")
+    return 0

@@ -1,0 +1,368 @@
+"""`continuum bench forward`: model steps through the model runner at fixed shapes.
+
+Every step is a `SchedulerOutput` given to `ModelRunner.execute_model`, so what is timed is what
+the engine runs: input preparation, attention metadata, the forward (a CUDA-graph replay for
+decode steps where the attention backend allows it, unless `--enforce-eager`), logits and
+sampling on the device, and the one copy of the sampled ids to the host. The scheduler itself is
+not run: steps are built here.
+
+- Decode shapes (`--decode BATCHxCONTEXT ...`): the prompts are prefilled first in steps of at
+  most `--max-num-batched-tokens` tokens (untimed); then `--decode-steps` single-token steps are
+  run once to warm up and `--repeats` times timed, each timed run continuing the sequences
+  (contexts grow by `decode_steps` a run). Reported: the median run's milliseconds a step and
+  output tokens a second.
+- Prefill shapes (`--prefill BATCHxTOKENS ...`): BATCH fresh prompts of TOKENS tokens in one
+  step, once to warm up, then `--repeats` times timed. Reported: milliseconds and prompt tokens
+  a second of the median.
+
+Weights are random (`load_format="dummy"`; timing does not depend on their values) and prompts
+are random token ids, so `--config FILE` (a Hugging Face `config.json`) measures any model's
+shapes without its files. A shape that runs out of device memory is reported as such and the
+others still run. The markdown table (stdout, `--markdown FILE`) and the JSON (`--json FILE`)
+name the device, the torch and triton versions, the dtype and the attention backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import numpy as np
+import torch
+
+from engine.config import (
+    AttentionBackendName,
+    CacheConfig,
+    Device,
+    Dtype,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from engine.model.directory import load_arch
+from engine.sampling_params import SamplingParams
+from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.worker.model_runner import ModelRunner
+from eval.report import write_json_report, write_report
+
+ShapeKind = Literal["decode", "prefill"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """`batch_size` sequences of `seq_len` tokens: decode steps after a cached context of
+    `seq_len` tokens, or one prefill step of `seq_len`-token prompts."""
+
+    kind: ShapeKind
+    batch_size: int
+    seq_len: int
+
+    @classmethod
+    def parse(cls, kind: ShapeKind, text: str) -> Shape:
+        """`BATCHxTOKENS`, e.g. `32x1024`."""
+        batch, _, tokens = text.lower().partition("x")
+        if not (batch.isdigit() and tokens.isdigit() and int(batch) > 0 and int(tokens) > 0):
+            raise argparse.ArgumentTypeError(f"{kind} shape must be BATCHxTOKENS, got {text!r}")
+        return cls(kind, int(batch), int(tokens))
+
+    @property
+    def label(self) -> str:
+        if self.kind == "decode":
+            return f"decode, batch {self.batch_size}, context {self.seq_len:,}"
+        return f"prefill {self.batch_size} x {self.seq_len:,}"
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    """The median timed run of one shape; `error` (and no figures) when it could not run."""
+
+    shape: Shape
+    step_ms: float | None = None
+    tokens_per_s: float | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self.shape), "label": self.shape.label, "step_ms": self.step_ms,
+                "tokens_per_s": self.tokens_per_s, "error": self.error}
+
+
+# The issue's table: decode at 1k context for three batch sizes and at 8k, one 2k prefill.
+DEFAULT_DECODE_SHAPES = [Shape("decode", 1, 1024), Shape("decode", 32, 1024),
+                         Shape("decode", 128, 1024), Shape("decode", 32, 8192)]
+DEFAULT_PREFILL_SHAPES = [Shape("prefill", 1, 2048)]
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default="tiny", help="'tiny' or a local HF directory")
+    source.add_argument("--config", default=None, metavar="FILE",
+                        help="a Hugging Face config.json: that model's shapes, random weights")
+    parser.add_argument("--dtype", choices=get_args(Dtype), default="auto")
+    parser.add_argument("--device", choices=get_args(Device), default="auto")
+    parser.add_argument("--attention-backend", choices=get_args(AttentionBackendName),
+                        default="auto")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run decode steps eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--decode", nargs="*", type=functools.partial(Shape.parse, "decode"),
+                        default=DEFAULT_DECODE_SHAPES, metavar="BATCHxCONTEXT",
+                        help="decode shapes (none: skip decode)")
+    parser.add_argument("--prefill", nargs="*", type=functools.partial(Shape.parse, "prefill"),
+                        default=DEFAULT_PREFILL_SHAPES, metavar="BATCHxTOKENS",
+                        help="prefill shapes (none: skip prefill)")
+    parser.add_argument("--decode-steps", type=int, default=16, help="steps of one timed run")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per shape after one warm-up run; the median is kept")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of the (untimed) steps that fill decode contexts")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
+    parser.add_argument("--json", dest="json_path", default=None, help="write results here")
+    parser.add_argument("--markdown", dest="markdown_path", default=None,
+                        help="write the table here too")
+
+
+def main(args: argparse.Namespace) -> int:
+    shapes = [*args.decode, *args.prefill]
+    if not shapes:
+        raise ValueError("no shape to measure: give --decode or --prefill shapes")
+    report = run(args, shapes)
+    table = markdown_table(report)
+    print(table)
+    if args.markdown_path:
+        write_report(args.markdown_path, table)
+    if args.json_path:
+        write_json_report(args.json_path, report)
+    return 0
+
+
+def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
+    """Builds one runner sized for every shape, measures each, and returns the JSON report."""
+    with tempfile.TemporaryDirectory() as scratch:
+        model = _model_dir(args, Path(scratch))
+        runner = ModelRunner(_engine_config(args, model, shapes))
+    rng = np.random.default_rng(args.seed)
+    results = [_measure(runner, shape, args, rng) for shape in shapes]
+    return {
+        "model": _model_name(args),
+        **environment(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "attention_backend": runner.attention.name,
+        # The runner's rule: decode replays graphs on CUDA where the backend has static decode.
+        "cuda_graphs": (runner.device.type == "cuda" and not args.enforce_eager
+                        and runner.attention.supports_static_decode),
+        "block_size": args.block_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "decode_steps": args.decode_steps,
+        "repeats": args.repeats,
+        "results": [result.to_json() for result in results],
+    }
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """The device's name and the torch and triton versions, for reports."""
+    try:
+        triton_version = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton_version = "not installed"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device": name, "torch": torch.__version__, "triton": triton_version}
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The report's shapes as a markdown table under a line naming what ran them."""
+    graphs = "CUDA graphs for decode" if report["cuda_graphs"] else "eager"
+    lines = [
+        f"{report['model']} ({report['dtype']}) on {report['device']}: torch "
+        f"{report['torch']}, triton {report['triton']}, attention {report['attention_backend']},"
+        f" {graphs}",
+        "",
+        "| shape | ms a step | tokens/s |",
+        "|---|---:|---:|",
+    ]
+    for result in report["results"]:
+        if result["error"] is not None:
+            lines.append(f"| {result['label']} | {result['error']} | |")
+        else:
+            lines.append(f"| {result['label']} | {result['step_ms']:.2f} | "
+                         f"{result['tokens_per_s']:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """`--model`, or the `--config` file's name (its directory's for a `config.json`)."""
+    if args.config is None:
+        return args.model
+    path = Path(args.config)
+    return path.parent.name if path.name == "config.json" else path.stem
+
+
+def _model_dir(args: argparse.Namespace, scratch: Path) -> str:
+    """`--model`, or a directory in `scratch` holding the `--config` file as its config.json
+    (the runner reads nothing else: weights are drawn, prompts are token ids)."""
+    if args.config is None:
+        return args.model
+    (scratch / "config.json").write_text(Path(args.config).read_text())
+    return str(scratch)
+
+
+def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) -> EngineConfig:
+    """A runner config whose KV pool, sequence length and batch hold the largest shape."""
+    num_blocks = max(shape.batch_size * _blocks_per_seq(shape, args) for shape in shapes)
+    max_prefill_tokens = max((shape.batch_size * shape.seq_len for shape in shapes
+                              if shape.kind == "prefill"), default=0)
+    max_model_len = max(_max_seq_len(shape, args) for shape in shapes)
+    max_position_embeddings = load_arch(model).max_position_embeddings
+    if max_model_len > max_position_embeddings:
+        raise ValueError(f"the shapes need {max_model_len} positions; the model has "
+                         f"{max_position_embeddings}")
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=args.dtype, load_format="dummy",
+                          max_model_len=max_model_len, seed=args.seed, device=args.device,
+                          attention_backend=args.attention_backend,
+                          enforce_eager=args.enforce_eager),
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks),
+        scheduler=SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max(args.max_num_batched_tokens, max_prefill_tokens),
+            max_num_seqs=max(shape.batch_size for shape in shapes)),
+    )
+
+
+def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
+    """Tokens a sequence of `shape` reaches: its prompt, plus for decode the warm-up and timed
+    runs' steps and the token sampled by the last one."""
+    if shape.kind == "prefill":
+        return shape.seq_len + 1
+    return shape.seq_len + (1 + args.repeats) * args.decode_steps + 1
+
+
+def _blocks_per_seq(shape: Shape, args: argparse.Namespace) -> int:
+    return -(-_max_seq_len(shape, args) // args.block_size)
+
+
+def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
+             rng: np.random.Generator) -> ShapeResult:
+    """One shape's median timed run; the runner holds no request before or after."""
+    print(f"measuring {shape.label}", flush=True)
+    measure = _decode_run_s if shape.kind == "decode" else _prefill_run_s
+    try:
+        run_s = measure(runner, shape, args, rng)
+    except torch.cuda.OutOfMemoryError as error:
+        torch.cuda.empty_cache()
+        return ShapeResult(shape, error=f"CUDA out of memory: {str(error).splitlines()[0]}")
+    if shape.kind == "decode":
+        return ShapeResult(shape, step_ms=run_s / args.decode_steps * 1e3,
+                           tokens_per_s=shape.batch_size * args.decode_steps / run_s)
+    return ShapeResult(shape, step_ms=run_s * 1e3,
+                       tokens_per_s=shape.batch_size * shape.seq_len / run_s)
+
+
+def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
+                  rng: np.random.Generator) -> float:
+    """Seconds of the median timed run of `decode_steps` steps, after prefill and warm-up."""
+    sequences = _Sequences(runner, "decode", shape, _blocks_per_seq(shape, args), rng)
+    try:
+        sequences.prefill(args.max_num_batched_tokens)
+        sequences.decode(args.decode_steps)
+        return statistics.median(sequences.decode(args.decode_steps)
+                                 for _ in range(args.repeats))
+    finally:
+        sequences.finish()
+
+
+def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
+                   rng: np.random.Generator) -> float:
+    """Seconds of the median timed prefill step of fresh prompts, after one warm-up."""
+    runs_s = []
+    for index in range(1 + args.repeats):
+        sequences = _Sequences(runner, f"prefill{index}", shape, _blocks_per_seq(shape, args),
+                               rng)
+        try:
+            runs_s.append(sequences.prefill(shape.batch_size * shape.seq_len))
+        finally:
+            sequences.finish()
+    return statistics.median(runs_s[1:])
+
+
+class _Sequences:
+    """`shape.batch_size` requests with random prompts of `shape.seq_len` tokens, stepped
+    through `runner` by hand-built `SchedulerOutput`s as the scheduler would send them: in full
+    the first step a request is scheduled, as deltas after. Request `i` owns the consecutive
+    blocks from `i * blocks_per_seq`; they are all given up front, so no step adds blocks."""
+
+    def __init__(self, runner: ModelRunner, name: str, shape: Shape, blocks_per_seq: int,
+                 rng: np.random.Generator):
+        self.runner = runner
+        self.prompts = {f"{name}-{index}": rng.integers(0, runner.arch.vocab_size,
+                                                        shape.seq_len).tolist()
+                        for index in range(shape.batch_size)}
+        self.block_ids = {req_id: list(range(index * blocks_per_seq,
+                                             (index + 1) * blocks_per_seq))
+                          for index, req_id in enumerate(self.prompts)}
+        self.num_computed = dict.fromkeys(self.prompts, 0)
+        self.sent: set[str] = set()
+        self.step_id = 0
+
+    def prefill(self, token_budget: int) -> float:
+        """Every prompt, in steps of at most `token_budget` tokens, in request order; returns
+        the seconds the runner took."""
+        pending = {req_id: len(prompt) for req_id, prompt in self.prompts.items()}
+        runner_s = 0.0
+        while pending:
+            scheduled: dict[str, int] = {}
+            budget = token_budget
+            for req_id, remaining in pending.items():
+                if budget == 0:
+                    break
+                scheduled[req_id] = min(remaining, budget)
+                budget -= scheduled[req_id]
+            runner_s += self.step(scheduled)
+            pending = {req_id: remaining - scheduled.get(req_id, 0)
+                       for req_id, remaining in pending.items()
+                       if remaining > scheduled.get(req_id, 0)}
+        return runner_s
+
+    def decode(self, num_steps: int) -> float:
+        """`num_steps` steps of one token for every request; returns the runner's seconds."""
+        return sum(self.step(dict.fromkeys(self.prompts, 1)) for _ in range(num_steps))
+
+    def step(self, num_tokens: dict[str, int]) -> float:
+        """One runner step scheduling `num_tokens[req_id]` tokens of each named request;
+        returns the seconds `execute_model` took (it ends with the sampled ids on the host)."""
+        new = [NewRequestData(req_id=req_id, prompt_token_ids=self.prompts[req_id],
+                              output_token_ids=[], sampling_params=_GREEDY,
+                              block_ids=self.block_ids[req_id], num_computed_tokens=0)
+               for req_id in num_tokens if req_id not in self.sent]
+        cached_ids = [req_id for req_id in num_tokens if req_id in self.sent]
+        output = SchedulerOutput(
+            step_id=self.step_id, scheduled_new_reqs=new,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=cached_ids, new_block_ids=[[] for _ in cached_ids],
+                num_computed_tokens=[self.num_computed[req_id] for req_id in cached_ids]),
+            num_scheduled_tokens=num_tokens, total_num_scheduled_tokens=sum(num_tokens.values()),
+            finished_req_ids=set(), preempted_req_ids=set())
+        # Marked before the step: if it fails (out of memory), the runner holds them already.
+        self.sent.update(num_tokens)
+        started_s = time.perf_counter()
+        self.runner.execute_model(output)
+        elapsed_s = time.perf_counter() - started_s
+        for req_id, count in num_tokens.items():
+            self.num_computed[req_id] += count
+        self.step_id += 1
+        return elapsed_s
+
+    def finish(self) -> None:
+        """Drops every request from the runner (a step that schedules no token)."""
+        self.runner.execute_model(SchedulerOutput(
+            step_id=self.step_id, scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+            finished_req_ids=set(self.sent), preempted_req_ids=set()))
+

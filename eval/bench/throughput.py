@@ -1,0 +1,210 @@
+"""`continuum bench throughput`: offline generation on the engine against transformers.
+
+The workload: `--num-requests` requests with prompts of random token ids (lengths uniform in
+`--prompt-len MIN MAX`) and forced output lengths (uniform in `--output-len MIN MAX`: greedy,
+EOS ignored), drawn from `--workload-seed`. The engine runs it through `LLM.generate` (continuous
+batching, paged KV cache). Transformers runs `generate` on the same requests in static batches
+of `--hf-batch-size`, in request order, left-padded, each batch generating as many tokens as
+its longest request needs (only each request's own tokens count as output).
+
+Reported: output tokens/s of both and their ratio; the engine's efficiency (time inside the
+executor, which runs the model forward and sampling, over the wall time of `generate`) and
+its mean per-step overhead (wall time outside the executor per step). With `--kv-offload-gib`
+(`--impl engine`), also the share of step time the host-tier copies held steps up and the
+tokens stored and loaded. Each side runs in its own
+fresh process (a model loaded second in one process runs measurably slower on small CPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.engine_args import EngineArgs
+from eval.report import emit
+
+_IMPLEMENTATIONS = ("engine", "transformers")
+_WORKLOAD_FLAGS = ("num_requests", "workload_seed", "hf_batch_size")
+_VOCAB_FOR_PROMPTS = 256  # byte tokens: valid for every model we ship or load
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512),
+                        metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256),
+                        metavar=("MIN", "MAX"))
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, default=16,
+                        help="static batch size of transformers' generate")
+    parser.add_argument("--impl", choices=("both", *_IMPLEMENTATIONS), default="both",
+                        help="run one side in this process (used by 'both')")
+    parser.add_argument("--json", dest="json_path", default=None, help="write results here")
+    EngineArgs.add_cli_args(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.impl == "both":
+        results = compare(args)
+    elif args.impl == "engine":
+        results = run_engine(args)
+    else:
+        results = run_transformers(args)
+    emit(f"offline throughput, {args.model}, {args.num_requests} requests", results,
+         args.json_path)
+    return 0
+
+
+def make_workload(args: argparse.Namespace) -> list[BenchRequest]:
+    rng = random.Random(args.workload_seed)
+    return [
+        BenchRequest(
+            prompt_token_ids=[rng.randrange(_VOCAB_FOR_PROMPTS)
+                              for _ in range(rng.randint(*args.prompt_len))],
+            output_len=rng.randint(*args.output_len),
+        )
+        for _ in range(args.num_requests)
+    ]
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    sides = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for impl in _IMPLEMENTATIONS:
+            path = Path(scratch) / f"{impl}.json"
+            subprocess.run(
+                [sys.executable, "-m", "engine.cli", "bench", "throughput",
+                 *_forwarded_flags(args), "--impl", impl, "--json", str(path)],
+                check=True, capture_output=True, text=True,
+            )
+            sides[impl] = json.loads(path.read_text())
+    engine, hf = sides["engine"], sides["transformers"]
+    return {
+        "model": args.model,
+        "num_requests": args.num_requests,
+        "output_tokens": engine["output_tokens"],
+        "tokens_per_s": engine["tokens_per_s"],
+        "hf_tokens_per_s": hf["tokens_per_s"],
+        "ratio": engine["tokens_per_s"] / hf["tokens_per_s"],
+        "engine_efficiency": engine["engine_efficiency"],
+        "step_overhead_ms": engine["step_overhead_ms"],
+        "num_steps": engine["num_steps"],
+        "engine_wall_s": engine["wall_s"],
+        "hf_wall_s": hf["wall_s"],
+        "hf_batch_size": args.hf_batch_size,
+    }
+
+
+def _forwarded_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--prompt-len", *map(str, args.prompt_len),
+             "--output-len", *map(str, args.output_len)]
+    for name in _WORKLOAD_FLAGS:
+        flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return flags + EngineArgs.cli_flags(args)
+
+
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload through `LLM.generate`, after an untimed warm-up."""
+    from engine.frontend.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**vars(engine_args))
+    workload = make_workload(args)
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
+              for r in workload]
+    prompts = [r.prompt_token_ids for r in workload]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    before = llm.engine.get_stats()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall_s = time.perf_counter() - start
+    after = llm.engine.get_stats()
+    llm.shutdown()
+    num_output_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+    assert num_output_tokens == sum(r.output_len for r in workload), "lengths were not forced"
+    execute_s = after.execute_time_s - before.execute_time_s
+    num_steps = after.num_steps - before.num_steps
+    return {
+        "output_tokens": num_output_tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": num_output_tokens / wall_s,
+        "engine_efficiency": execute_s / wall_s,
+        "step_overhead_ms": (wall_s - execute_s) / num_steps * 1e3,
+        "num_steps": num_steps,
+        **_host_tier_figures(before, after, wall_s),
+    }
+
+
+def _host_tier_figures(before: Any, after: Any, wall_s: float) -> dict[str, Any]:
+    """With `--kv-offload-gib`: the share of the run's step time the host-tier copies held
+    steps up, and the tokens stored and loaded."""
+    if not after.num_host_kv_blocks:
+        return {}
+    step_s = after.step_time_s - before.step_time_s
+    return {
+        "kv_copy_share_of_step_time": (after.kv_copy_time_s - before.kv_copy_time_s) / step_s,
+        "host_kv_stored_tokens": after.host_kv_stored_tokens - before.host_kv_stored_tokens,
+        "host_kv_loaded_tokens": after.host_kv_loaded_tokens - before.host_kv_loaded_tokens,
+    }
+
+
+def run_transformers(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload through transformers' `generate` in static, left-padded batches."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.model.directory import resolve_model_dir
+    from engine.model.loader import resolve_device, resolve_dtype
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(args.model))
+    torch.manual_seed(args.workload_seed)
+    device = resolve_device(args.device)  # the engine's device and dtype rules
+    model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(args.dtype, device))
+    model = model.to(device).eval()
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    workload = make_workload(args)
+    batches = [workload[i : i + args.hf_batch_size]
+               for i in range(0, len(workload), args.hf_batch_size)]
+    _generate_batch(model, batches[0][:2], pad_id, device)  # warm-up
+    start = time.perf_counter()
+    for batch in batches:
+        _generate_batch(model, batch, pad_id, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall_s = time.perf_counter() - start
+    num_output_tokens = sum(r.output_len for r in workload)
+    return {"output_tokens": num_output_tokens, "wall_s": wall_s,
+            "tokens_per_s": num_output_tokens / wall_s}
+
+
+def _generate_batch(model: Any, batch: list[BenchRequest], pad_id: int, device: Any) -> None:
+    import torch
+
+    width = max(len(r.prompt_token_ids) for r in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.int64)
+    for row, request in enumerate(batch):
+        length = len(request.prompt_token_ids)
+        input_ids[row, width - length :] = torch.tensor(request.prompt_token_ids)
+        attention_mask[row, width - length :] = 1
+    num_new_tokens = max(r.output_len for r in batch)
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                       do_sample=False,
+                       max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
+                       pad_token_id=pad_id)

@@ -1,0 +1,72 @@
+"""`continuum bench check-calibration`: each measured run simulated under the policy spec
+given for it, and compared with what it measured on the same definitions."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from eval.bench.check_calibration import (
+    GpuRun,
+    GpuSetup,
+    OrderCheck,
+    RunCheck,
+    _policy_map,
+    check_run,
+    order_checks,
+    render,
+)
+from tracing.progress import Progress
+
+TINY = GpuSetup("swe24", num_jobs=2, jobs_per_s=2.0, max_turns=2, num_kv_blocks=1500)
+
+
+def test_policy_specs_default_to_the_policies_as_measured() -> None:
+    defaults = _policy_map([])
+    assert defaults["continuum"].name == "continuum-af226d3"
+    assert (defaults["continuum-fixed"].name, defaults["continuum-fixed"].options) == (
+        "continuum-af226d3", (("estimator", "fixed-2s"),))
+    specs = _policy_map(["continuum=continuum:estimator=fixed-2s"])
+    assert specs["fcfs"].name == "fcfs"
+    assert (specs["continuum"].name, specs["continuum"].options) == (
+        "continuum", (("estimator", "fixed-2s"),))
+    with pytest.raises(ValueError, match="LABEL one of"):
+        _policy_map(["oracle=continuum-oracle"])
+    with pytest.raises(ValueError, match="unknown scheduling policy 'nosuch'"):
+        _policy_map(["fcfs=nosuch"])
+
+
+def test_a_run_is_simulated_and_compared_on_the_same_definitions(tmp_path: Path) -> None:
+    runs_dir, work_dir = tmp_path / "runs", tmp_path / "work"
+    runs_dir.mkdir()
+    work_dir.mkdir()
+    (runs_dir / "done.agent.json").write_text(json.dumps({"runs": [{"mean_jct_s": 2.0}]}))
+    specs = _policy_map([])
+    finished = check_run(GpuRun(TINY, "fcfs", "unused", "done.agent.json"), specs["fcfs"],
+                         "h100-llama3.1-8b-measured", runs_dir, work_dir)
+    assert finished.measured_jct_s == 2.0 and finished.simulated_jct_s is not None
+    assert finished.jct_error == pytest.approx(finished.simulated_jct_s / 2.0 - 1.0)
+    # Its simulation's own trace, taken as a measured run stopped where it ends.
+    shutil.copy(work_dir / "swe24-fcfs.jsonl", runs_dir / "stopped.jsonl")
+    stopped = check_run(GpuRun(TINY, "fcfs", "stopped.jsonl"), specs["fcfs"],
+                        "h100-llama3.1-8b-measured", runs_dir, work_dir)
+    assert stopped.measured == stopped.simulated
+    assert stopped.measured is not None and stopped.measured.jobs_finished == 2
+
+
+def test_orders_compare_the_stopped_runs_of_a_setup() -> None:
+    def stopped(policy: str, measured: int, simulated: int) -> RunCheck:
+        return RunCheck("swe40", policy, policy, measured=Progress(222.0, 0, 0, measured),
+                        simulated=Progress(222.0, 0, 0, simulated))
+
+    checks = [RunCheck("swe24", "fcfs", "fcfs", 99.9, 102.2),
+              stopped("fcfs", 5, 28), stopped("continuum", 10, 26)]
+    orders = order_checks(checks)
+    assert orders == [OrderCheck("swe40", "fcfs", "continuum", -1, 1)]
+    assert not orders[0].met
+    table = render(checks, orders)
+    assert "| swe24 | fcfs (fcfs) | 99.9 | 102.2 | +2.3% | met |" in table
+    assert "| swe40 | fcfs < continuum | fcfs > continuum | missed |" in table

@@ -1,0 +1,76 @@
+"""`continuum bench forward`: shapes driven through the model runner on the tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.cli import main
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.model.tiny import TINY_MODEL_DIR
+from engine.worker.model_runner import ModelRunner
+from eval.bench.forward import Shape, _Sequences
+
+
+def test_tiny_config_writes_a_sane_report(tmp_path: Path) -> None:
+    json_path, table_path = tmp_path / "forward.json", tmp_path / "forward.md"
+    code = main(["bench", "forward", "--config", str(TINY_MODEL_DIR / "config.json"),
+                 "--decode", "1x40", "3x20", "--prefill", "2x24", "--decode-steps", "3",
+                 "--repeats", "2", "--max-num-batched-tokens", "16",
+                 "--json", str(json_path), "--markdown", str(table_path)])
+    assert code == 0
+    report = json.loads(json_path.read_text())
+    assert report["model"] == "tiny" and report["device"] == "cpu"
+    assert report["dtype"] == "float32" and report["torch"] and report["triton"]
+    assert report["attention_backend"] == "sdpa" and report["cuda_graphs"] is False  # auto
+    results = report["results"]
+    assert [(r["kind"], r["batch_size"], r["seq_len"]) for r in results] == [
+        ("decode", 1, 40), ("decode", 3, 20), ("prefill", 2, 24)]
+    for result in results:
+        assert result["error"] is None and result["step_ms"] > 0
+        num_tokens = result["batch_size"] * (1 if result["kind"] == "decode" else result["seq_len"])
+        assert result["tokens_per_s"] == pytest.approx(num_tokens / result["step_ms"] * 1e3)
+    table = table_path.read_text()
+    assert "| decode, batch 3, context 20 |" in table and "| prefill 2 x 24 |" in table
+
+
+def test_sequences_follow_the_runner_through_chunked_prefill_and_decode() -> None:
+    runner = ModelRunner(EngineConfig(
+        model=ModelConfig(model="tiny"), cache=CacheConfig(block_size=4, num_kv_blocks=32),
+        scheduler=SchedulerConfig(max_model_len=40, max_num_batched_tokens=16, max_num_seqs=3)))
+    sequences = _Sequences(runner, "s", Shape("decode", 3, 10), blocks_per_seq=10,
+                           rng=np.random.default_rng(0))
+    assert sequences.prefill(token_budget=7) > 0  # 30 prompt tokens: 5 steps
+    assert sequences.step_id == 5
+    sequences.decode(num_steps=4)
+    batch = runner.batch
+    rows = [batch.row_of[req_id] for req_id in sequences.prompts]
+    assert batch.num_computed_tokens[rows].tolist() == [13, 13, 13]
+    assert batch.num_tokens[rows].tolist() == [15, 15, 15]  # prompt + one sampled per step
+    for req_id, row in zip(sequences.prompts, rows, strict=True):
+        assert batch.token_ids[row, :10].tolist() == sequences.prompts[req_id]
+    sequences.finish()
+    assert batch.num_reqs == 0
+
+
+def test_shapes_are_parsed_or_refused() -> None:
+    assert Shape.parse("decode", "32x1024") == Shape("decode", 32, 1024)
+    assert Shape.parse("prefill", "1x2048").label == "prefill 1 x 2,048"
+    for text in ("32", "0x8", "ax8", "4x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BATCHxTOKENS"):
+            Shape.parse("decode", text)
+
+
+def test_shapes_beyond_the_model_positions_are_refused() -> None:
+    with pytest.raises(ValueError, match="positions"):
+        main(["bench", "forward", "--decode", "1x5000", "--prefill"])
+
+
+def test_a_bad_shape_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "forward", "--prefill", "2048"])
+    assert "BATCHxTOKENS" in capsys.readouterr().err

@@ -1,0 +1,21 @@
+"""`continuum bench throughput`: the engine against transformers on the tiny model."""
+
+import json
+
+import pytest
+
+from engine.cli import main
+
+
+def test_bench_throughput_compares_the_engine_with_transformers(tmp_path) -> None:
+    out = tmp_path / "throughput.json"
+    code = main(["bench", "throughput", "--num-requests", "6", "--prompt-len", "8", "24",
+                 "--output-len", "4", "12", "--hf-batch-size", "4", "--max-model-len", "128",
+                 "--num-kv-blocks", "64", "--json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    for key in ("tokens_per_s", "hf_tokens_per_s", "ratio", "engine_efficiency"):
+        assert results[key] > 0
+    assert results["ratio"] == pytest.approx(results["tokens_per_s"] / results["hf_tokens_per_s"])
+    assert 0 < results["engine_efficiency"] <= 1
+    assert results["num_requests"] == 6

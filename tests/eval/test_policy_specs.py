@@ -1,0 +1,70 @@
+"""Policy specs: a policy with its options, a `module:Class` path, the `+tier` suffix, and
+the lists `bench sim --policies` takes."""
+
+from __future__ import annotations
+
+import pytest
+
+from eval.policy_specs import (
+    ABLATION_LADDER,
+    DEFAULT_POLICIES,
+    PolicySpec,
+    parse_policy_spec,
+    policy_specs,
+)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("fcfs", PolicySpec("fcfs", "fcfs")),
+    (" continuum:rebuild_cost=prefill-times-running ",
+     PolicySpec("continuum:rebuild_cost=prefill-times-running", "continuum",
+                (("rebuild_cost", "prefill-times-running"),))),
+    ("continuum:estimator=fixed-2s:max_ttl_s=5",
+     PolicySpec("continuum:estimator=fixed-2s:max_ttl_s=5", "continuum",
+                (("estimator", "fixed-2s"), ("max_ttl_s", "5")))),
+    ("tests.eval.bench.sabotaged_policy:SabotagedPolicy",
+     PolicySpec("tests.eval.bench.sabotaged_policy:SabotagedPolicy",
+                "tests.eval.bench.sabotaged_policy:SabotagedPolicy")),
+    ("fcfs+tier", PolicySpec("fcfs+tier", "fcfs", host_tier=True)),
+    ("continuum:estimator=fixed-2s+tier",
+     PolicySpec("continuum:estimator=fixed-2s+tier", "continuum", (("estimator", "fixed-2s"),),
+                host_tier=True)),
+    ("continuum:estimator_warm_start=a+b.jsonl",
+     PolicySpec("continuum:estimator_warm_start=a+b.jsonl", "continuum",
+                (("estimator_warm_start", "a+b.jsonl"),))),
+])
+def test_policy_specs_parse(text: str, expected: PolicySpec) -> None:
+    assert parse_policy_spec(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (":estimator=fixed-2s", "names no policy"),
+    ("continuum:estimator", "KEY=VALUE"),
+    ("continuum:max_ttl_s=1:max_ttl_s=2", "given twice"),
+    ("nosuch", "unknown scheduling policy 'nosuch'"),
+    ("continuum:bogus=1", "unknown option 'bogus'"),
+    ("continuum:estimator=nope", "option estimator .* expected one of"),
+    ("fcfs:estimator=fixed-2s", "takes no options"),
+    ("fcfs,continuum,fcfs", "'fcfs' is given twice"),
+    (" , ", "names no policy"),
+    ("fcfs+tiers", "unknown suffix '\\+tiers'; the only one is '\\+tier'"),
+    ("continuum:estimator=fixed-2s+gpu", "unknown suffix '\\+gpu'"),
+    ("fcfs+tier+tier", "one suffix at most"),
+    ("+tier", "names no policy"),
+    ("fcfs,fcfs+tier,fcfs+tier", "'fcfs\\+tier' is given twice"),
+    ("continuum:bogus=1+tier", "unknown option 'bogus'"),
+])
+def test_bad_policy_specs_are_refused_with_the_reason(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        policy_specs(text)
+
+
+def test_policy_lists() -> None:
+    assert [s.label for s in policy_specs(None)] == DEFAULT_POLICIES.split(",")
+    assert [s.label for s in policy_specs("ladder")] == ABLATION_LADDER.split(",")
+    # A value holding commas goes through --policy, after the comma-separated ones.
+    warm = "continuum:estimator_warm_start=a.jsonl,b.jsonl"
+    specs = policy_specs("fcfs", [warm])
+    assert [s.label for s in specs] == ["fcfs", warm]
+    assert specs[1].options == (("estimator_warm_start", "a.jsonl,b.jsonl"),)
+    assert [s.label for s in policy_specs(None, [warm])] == [warm]
