@@ -33,6 +33,7 @@ class Registry(Generic[T]):
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The registered names, in registration order."""
         return tuple(self._entries)
 
     def __iter__(self) -> Iterator[str]:

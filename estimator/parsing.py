@@ -101,7 +101,7 @@ def parse_tool_calls(
     rules: tuple[tuple[str, Callable[[], tuple[str, ...]]], ...] = (
         ("openai", lambda: _openai_names(document)),
         ("hermes", lambda: _hermes_names(text)),
-        ("json", lambda: _llama3_names(document)),
+        ("json", lambda: _llama3_names(_json_body(stripped), document)),
         ("call", lambda: _call_names(stripped)),
         ("bash", lambda: _bash_names(text)),
     )
@@ -139,13 +139,17 @@ def _load_json(text: str) -> object:
         return None
 
 
+def _json_body(stripped: str) -> str:
+    """The text, or the body of the one ```json fenced block it is."""
+    return _unfence_json(stripped) if stripped.startswith(_FENCE) else stripped
+
+
 def _load_document(stripped: str) -> object:
     """The JSON value of the whole text, which may sit in one ```json fenced block."""
-    if stripped.startswith(_FENCE):
-        stripped = _unfence_json(stripped)
-    if not stripped.startswith(("{", "[")):
+    body = _json_body(stripped)
+    if not body.startswith(("{", "[")):
         return None
-    return _load_json(stripped)
+    return _load_json(body)
 
 
 def _unfence_json(stripped: str) -> str:
@@ -190,15 +194,16 @@ def _server_names(parsed: ParsedOutput) -> tuple[str, ...]:
     return tuple(name for name in names if name is not None)
 
 
-def _llama3_names(document: object) -> tuple[str, ...]:
-    """The names of a JSON call object, or of a JSON list of them (read as the `;`-separated
-    calls of Llama 3's format)."""
-    if isinstance(document, dict):
-        document = [document]
-    if not isinstance(document, list) or not document:
-        return ()
-    text = ";".join(json.dumps(call) for call in document)
-    return _server_names(Llama3JsonToolParser().parse(text))
+def _llama3_names(body: str, document: object) -> tuple[str, ...]:
+    """The names of Llama 3's calls in `body` (the text, unfenced: one or more JSON call
+    objects, `;`-separated), or of a JSON list of call objects (`document`, the body's JSON
+    value), read as those separated calls."""
+    if isinstance(document, list) and document:
+        try:
+            body = ";".join(json.dumps(call) for call in document)
+        except (TypeError, ValueError, RecursionError):  # the encoder nests less deep
+            return ()
+    return _server_names(Llama3JsonToolParser().parse(body))
 
 
 def _hermes_names(text: str) -> tuple[str, ...]:

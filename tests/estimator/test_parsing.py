@@ -56,6 +56,10 @@ JSON_CASES = [
     ('[{"name": "search", "parameters": {}}, {"name": "fetch", "parameters": {}}]',
      ("search", "fetch")),
     ('[{"name": "search"}, {"name": "search"}]', ("search", "search")),
+    ('{"name": "search", "parameters": {}}; {"name": "fetch", "parameters": {}}',
+     ("search", "fetch")),
+    ('<|python_tag|>{"name": "a", "parameters": {}}\n{"name": "b", "parameters": {}}',
+     ("a", "b")),
 ]
 
 CALL_CASES = [
@@ -99,7 +103,8 @@ def test_hermes_blocks_the_server_refuses_are_no_calls(text: str) -> None:
 
 @pytest.mark.parametrize("text", [text for text, _ in HERMES_CASES + JSON_CASES] + HERMES_REFUSED)
 def test_hermes_and_llama3_text_is_read_as_the_server_reads_it(text: str) -> None:
-    unfenced = text.strip().removeprefix("```json").removeprefix("```").removesuffix("```")
+    unfenced = text.strip().removeprefix("<|python_tag|>").removeprefix("```json")
+    unfenced = unfenced.removeprefix("```").removesuffix("```")
     if unfenced.lstrip().startswith("["):
         unfenced = ";".join(json.dumps(call) for call in json.loads(unfenced))
     server = tuple(call.name.strip() for call in AutoToolParser().parse(unfenced).tool_calls)
@@ -308,3 +313,21 @@ def test_keys_of_runaway_outputs_are_bounded() -> None:
     parsed = parse_tool_calls("f()" * 5000)
     assert parsed is not None and len(parsed.names) == 5000
     assert parsed.key == "+".join(["f"] * MAX_KEY_NAMES)
+
+
+def test_deep_json_that_the_encoder_cannot_rewrite_reads_as_no_call_and_never_raises():
+    deep = "[" * 995 + "]" * 995
+    for text in (f'{{"name": "a", "parameters": {{"x": {deep}}}}}',
+                 f'[{{"name": "a", "parameters": {{"x": {deep}}}}}]'):
+        parse_tool_calls(text)
+
+
+@pytest.mark.parametrize("text", [
+    '{"type": "function", "function": {"name": "lookup"}}',  # OpenAI's shape, bare
+    '[{"type": "function", "function": {"name": "lookup"}}]',
+    '{"name": "f", "parameters": null}',
+    '[{"name": "f"}, 3]',
+])
+def test_json_the_server_would_not_return_as_calls_is_no_call(text: str) -> None:
+    assert AutoToolParser().parse(text).tool_calls == ()
+    assert parsed(text) is None

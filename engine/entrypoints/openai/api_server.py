@@ -179,7 +179,7 @@ def build_app(
         app.state.responses = OpenAIServingResponses(engine, settings, ResponseStore(
             max_responses=settings.max_stored_responses,
             max_bytes=settings.max_stored_response_bytes,
-            num_tenants=1 if settings.tenants is None else len(settings.tenants.names)))
+            num_tenants=settings.num_tenants))
         app.state.started_at = int(time.time())
         watcher = None if on_engine_dead is None else asyncio.ensure_future(
             _call_when_dead(engine, on_engine_dead))
@@ -341,8 +341,9 @@ def _add_response_routes(app: FastAPI) -> None:
             order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Response:
         """The input items of a stored response of the requesting tenant."""
         serving: OpenAIServingResponses = request.app.state.responses
-        return JSONResponse(serving.input_items(response_id, scope_tenant(request.scope),
-                                                limit=limit, order=order, after=after))
+        page = await serving.input_items(response_id, scope_tenant(request.scope),
+                                         limit=limit, order=order, after=after)
+        return JSONResponse(page)
 
     @app.post("/v1/responses/{response_id}/cancel", operation_id="cancelResponse",
               response_class=JSONResponse, responses=error_responses(400, 404))

@@ -16,53 +16,69 @@ from pydantic import TypeAdapter
 
 from engine.entrypoints.openai.protocol_responses import ConversationItem
 
-_ITEMS: TypeAdapter[tuple[ConversationItem, ...]] = TypeAdapter(tuple[ConversationItem, ...])
-# What one stored response holds besides its two JSON texts (the record, its key, two bytes
-# objects' headers and the LRU's links), counted so that a flood of tiny responses is bounded
-# too.
+_ITEM: TypeAdapter[ConversationItem] = TypeAdapter(ConversationItem)
+# What one stored response holds besides its JSON texts (the record, its key, the body's bytes
+# header and the LRU's links), and each item besides its JSON (a bytes header and a tuple
+# slot), counted so that a flood of tiny responses or items is bounded too.
 ENTRY_OVERHEAD_BYTES = 512
+ITEM_OVERHEAD_BYTES = 48
+
+
+def item_json(item: ConversationItem) -> bytes:
+    """An item as the store keeps it."""
+    return _ITEM.dump_json(item)
 
 
 @dataclass(frozen=True)
 class StoredResponse:
     """A finished response kept for later turns and for GET.
 
-    `items_json` is the conversation up to and including this response, as a JSON array of
-    items: the items of the response it continued, then its own input items, then its output
+    `item_jsons` is the conversation up to and including this response, one JSON text an
+    item: the items of the response it continued, then its own input items, then its output
     as items (`instructions` are not kept: OpenAI does not carry them over); the first
-    `num_input_items` are its input (what `input_items` lists). `job_id` is the chain's job as
-    the client names it (not namespaced by tenant). `body_json` is the response object as it
-    was returned.
+    `num_input_items` are its input (what `input_items` lists). A later turn of the chain
+    reuses these texts as they are. `job_id` is the chain's job as the client names it (not
+    namespaced by tenant). `body_json` is the response object as it was returned. `num_bytes`
+    is what the store charges for it: its JSON texts and their overheads.
     """
 
     response_id: str
     job_id: str | None
-    items_json: bytes
+    item_jsons: tuple[bytes, ...]
     body_json: bytes
-    num_input_items: int = 0
+    num_input_items: int
+    num_bytes: int
 
     @classmethod
-    def of(cls, response_id: str, job_id: str | None, items: Sequence[ConversationItem],
+    def of(cls, response_id: str, job_id: str | None, item_jsons: Sequence[bytes],
            body: Mapping[str, Any], num_input_items: int) -> StoredResponse:
-        """The record of a response, its conversation and body serialised."""
-        return cls(response_id=response_id, job_id=job_id,
-                   items_json=_ITEMS.dump_json(tuple(items)),
-                   body_json=json.dumps(body, separators=(",", ":")).encode(),
-                   num_input_items=num_input_items)
+        """The record of a response: its conversation's item texts and its body."""
+        body_json = json.dumps(body, separators=(",", ":")).encode()
+        num_bytes = (sum(map(len, item_jsons)) + ITEM_OVERHEAD_BYTES * len(item_jsons)
+                     + len(body_json) + ENTRY_OVERHEAD_BYTES)
+        return cls(response_id=response_id, job_id=job_id, item_jsons=tuple(item_jsons),
+                   body_json=body_json, num_input_items=num_input_items, num_bytes=num_bytes)
 
-    @property
-    def num_bytes(self) -> int:
-        """What the store charges for it: its JSON texts and `ENTRY_OVERHEAD_BYTES`."""
-        return len(self.items_json) + len(self.body_json) + ENTRY_OVERHEAD_BYTES
-
-    def items(self) -> tuple[ConversationItem, ...]:
-        """The conversation, decoded again."""
-        return _ITEMS.validate_json(self.items_json)
+    def items(self, start: int = 0, stop: int | None = None) -> list[ConversationItem]:
+        """The conversation's items `start:stop`, decoded again (work in proportion to their
+        size: callers on the event loop decode a page, or decode on a worker thread)."""
+        return [_ITEM.validate_json(text) for text in self.item_jsons[start:stop]]
 
     def body(self) -> dict[str, Any]:
         """The response object, decoded again."""
         body: dict[str, Any] = json.loads(self.body_json)
         return body
+
+
+def check_store_room(max_responses: int, max_bytes: int, num_tenants: int) -> None:
+    """ValueError unless a store of these limits holds at least one response a tenant."""
+    if num_tenants < 1:
+        raise ValueError("the response store needs at least one tenant")
+    if max_responses < num_tenants or max_bytes < num_tenants * ENTRY_OVERHEAD_BYTES:
+        raise ValueError(f"the response store must hold at least one response of each of the "
+                         f"{num_tenants} tenants (max_stored_responses at least {num_tenants}, "
+                         f"max_stored_response_bytes at least "
+                         f"{num_tenants * ENTRY_OVERHEAD_BYTES})")
 
 
 @dataclass
@@ -83,11 +99,7 @@ class ResponseStore:
     """
 
     def __init__(self, *, max_responses: int, max_bytes: int, num_tenants: int = 1) -> None:
-        if num_tenants < 1:
-            raise ValueError("the response store needs at least one tenant")
-        if max_responses < num_tenants or max_bytes < num_tenants * ENTRY_OVERHEAD_BYTES:
-            raise ValueError("the response store needs room for at least one response per "
-                             f"tenant ({num_tenants} tenants)")
+        check_store_room(max_responses, max_bytes, num_tenants)
         self.max_responses_per_tenant = max_responses // num_tenants
         self.max_bytes_per_tenant = max_bytes // num_tenants
         self._shelves: dict[str | None, _TenantShelf] = {}

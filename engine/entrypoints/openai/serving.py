@@ -25,7 +25,7 @@ from engine.entrypoints.openai.errors import (
 from engine.entrypoints.openai.job_extension import job_info
 from engine.entrypoints.openai.protocol import SamplingFields
 from engine.entrypoints.openai.request_id import scope_request_id
-from engine.entrypoints.openai.response_store import ENTRY_OVERHEAD_BYTES
+from engine.entrypoints.openai.response_store import check_store_room
 from engine.entrypoints.openai.structured_outputs import GrammarChecker
 from engine.entrypoints.openai.tenants import (
     Tenants,
@@ -117,13 +117,13 @@ class ServerSettings:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        num_tenants = 1 if self.tenants is None else len(self.tenants.names)
-        if self.max_stored_responses < num_tenants or \
-                self.max_stored_response_bytes < num_tenants * ENTRY_OVERHEAD_BYTES:
-            raise ValueError(f"the response store must hold at least one response of each of "
-                             f"the {num_tenants} tenants (max_stored_responses at least "
-                             f"{num_tenants}, max_stored_response_bytes at least "
-                             f"{num_tenants * ENTRY_OVERHEAD_BYTES})")
+        check_store_room(self.max_stored_responses, self.max_stored_response_bytes,
+                         self.num_tenants)
+
+    @property
+    def num_tenants(self) -> int:
+        """How many tenants share the server (1 without API keys)."""
+        return 1 if self.tenants is None else len(self.tenants.names)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from engine.entrypoints.openai.protocol_responses import (
     TextFormatJSONSchema,
     content_text,
 )
-from engine.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from engine.entrypoints.openai.response_store import ResponseStore, StoredResponse, item_json
 from engine.entrypoints.openai.serving import (
     ClientContext,
     OpenAIServing,
@@ -93,14 +93,14 @@ def new_item_id(prefix: str) -> str:
 @dataclass(frozen=True)
 class PreparedResponse:
     """A response request queued with the engine: its output stream, and what the response
-    object and the store need (`items` is the conversation the prompt was rendered from;
-    `job_id` the job as the client names it)."""
+    object and the store need (`item_jsons`: the conversation the prompt was rendered from, as
+    the store keeps it; `job_id` the job as the client names it)."""
 
     response_id: str
     created_at: int
     request: ProcessedRequest
     stream: AsyncIterator[RequestOutput]
-    items: tuple[ConversationItem, ...]
+    item_jsons: tuple[bytes, ...]
     job_id: str | None
     tenant: str | None
     parser: ToolParser | None
@@ -278,10 +278,11 @@ class OpenAIServingResponses(OpenAIServing):
         self._check_fields(body)
         previous = self._previous(body, client)
         input_items = _input_items(body)
-        items = (*(() if previous is None else previous.items()), *input_items)
-        if len(items) > MAX_CONVERSATION_ITEMS:
+        previous_jsons = () if previous is None else previous.item_jsons
+        num_items = len(previous_jsons) + len(input_items)
+        if num_items > MAX_CONVERSATION_ITEMS:
             raise APIError(400, f"the conversation (the stored responses this one continues and "
-                                f"its input) has {len(items)} items, over the limit of "
+                                f"its input) has {num_items} items, over the limit of "
                                 f"{MAX_CONVERSATION_ITEMS}", param="input",
                            code="limit_exceeded")
         parser = self._parser(body)
@@ -296,14 +297,15 @@ class OpenAIServingResponses(OpenAIServing):
         job_body, job_id = _with_job(body, None if previous is None else previous.job_id,
                                      client)
         self.check_queue_room(1)
+        items, item_jsons = await asyncio.to_thread(_conversation, previous, input_items)
         request = await asyncio.to_thread(
             self._render_and_process, response_id, job_body, items, params, client,
             None if previous is None else previous.response_id)
         (stream,) = self.submit([request])
         return PreparedResponse(
             response_id=response_id, created_at=int(time.time()), request=request,
-            stream=stream, items=items, job_id=job_id, tenant=client.tenant, parser=parser,
-            store=store)
+            stream=stream, item_jsons=item_jsons, job_id=job_id, tenant=client.tenant,
+            parser=parser, store=store)
 
     def _check_fields(self, body: ResponsesRequest) -> None:
         if body.n != 1:
@@ -474,8 +476,8 @@ class OpenAIServingResponses(OpenAIServing):
                ) -> None:
         stored = StoredResponse.of(
             prepared.response_id, prepared.job_id,
-            (*prepared.items, *output.conversation_items()), response,
-            num_input_items=len(prepared.items))
+            (*prepared.item_jsons, *map(item_json, output.conversation_items())), response,
+            num_input_items=len(prepared.item_jsons))
         if not self.store.put(prepared.tenant, stored):
             logger.warning("response %s is not stored: its conversation (%d bytes) is over the "
                            "store's limit of %d bytes a tenant", prepared.response_id,
@@ -515,31 +517,18 @@ class OpenAIServingResponses(OpenAIServing):
             raise _unknown_response(response_id)
         return stored.body()
 
-    def input_items(self, response_id: str, tenant: str | None, *, limit: int = 20,
-                    order: Literal["asc", "desc"] = "desc", after: str | None = None
-                    ) -> dict[str, Any]:
+    async def input_items(self, response_id: str, tenant: str | None, *, limit: int = 20,
+                          order: Literal["asc", "desc"] = "desc", after: str | None = None
+                          ) -> dict[str, Any]:
         """OpenAI's list of a stored response's input items (the conversation it continued,
         then its own input), `order` by position (`desc`: newest first), at most `limit`
         (1-100, checked by the route) after the item `after`; an item sent without an id gets
         one from its response and position. 404 if the tenant has no such response, 400 if
-        `after` names none of its items."""
+        `after` names none of its items. The items are decoded on a worker thread."""
         stored = self.store.get(tenant, response_id)
         if stored is None:
             raise _unknown_response(response_id)
-        items = [_listed_item(item, response_id, index)
-                 for index, item in enumerate(stored.items()[:stored.num_input_items])]
-        if order == "desc":
-            items.reverse()
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise APIError(400, f"after names no input item of {response_id!r}",
-                               param="after")
-            items = items[ids.index(after) + 1:]
-        page = items[:limit]
-        return {"object": "list", "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+        return await asyncio.to_thread(_input_item_page, stored, limit, order, after)
 
     def cancel(self, response_id: str, tenant: str | None) -> dict[str, Any]:
         """OpenAI cancels only responses run in the background, which this server does not
@@ -559,6 +548,35 @@ class OpenAIServingResponses(OpenAIServing):
 
     def _logprobs(self, entries: list[TokenLogprobs] | None) -> list[dict[str, Any]]:
         return self.token_logprobs(entries or [])
+
+
+def _conversation(previous: StoredResponse | None, input_items: Sequence[ConversationItem]
+                  ) -> tuple[list[ConversationItem], tuple[bytes, ...]]:
+    """The conversation a turn renders (the stored chain's items, decoded, then its input) and
+    the same as the store keeps it (the chain's texts as they are, the input's serialised).
+    Work in proportion to the conversation, for a worker thread."""
+    items = [*(() if previous is None else previous.items()), *input_items]
+    jsons = (*(() if previous is None else previous.item_jsons), *map(item_json, input_items))
+    return items, jsons
+
+
+def _input_item_page(stored: StoredResponse, limit: int, order: Literal["asc", "desc"],
+                     after: str | None) -> dict[str, Any]:
+    """A page of `input_items` (see `OpenAIServingResponses.input_items`)."""
+    response_id = stored.response_id
+    items = [_listed_item(item, response_id, index)
+             for index, item in enumerate(stored.items(0, stored.num_input_items))]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"after names no input item of {response_id!r}", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 def _input_items(body: ResponsesRequest) -> tuple[ConversationItem, ...]:

@@ -21,6 +21,7 @@ from engine.entrypoints.openai.response_store import (
     ENTRY_OVERHEAD_BYTES,
     ResponseStore,
     StoredResponse,
+    item_json,
 )
 from engine.entrypoints.openai.serving import ServerSettings
 from engine.entrypoints.openai.serving_responses import template_messages
@@ -553,8 +554,7 @@ def test_a_closed_stream_aborts_and_frees_the_engine(server):
 def _stored(response_id: str, num_text_bytes: int) -> StoredResponse:
     """A response that the store charges `num_text_bytes` plus its overhead."""
     body = {"id": response_id, "pad": ""}
-    padding = num_text_bytes - len(json.dumps(body, separators=(",", ":"))) - len(b"[]")
-    body["pad"] = "x" * padding
+    body["pad"] = "x" * (num_text_bytes - len(json.dumps(body, separators=(",", ":"))))
     stored = StoredResponse.of(response_id, None, (), body, num_input_items=0)
     assert stored.num_bytes == num_text_bytes + ENTRY_OVERHEAD_BYTES
     return stored
@@ -588,16 +588,21 @@ def test_the_bytes_charged_are_the_bytes_held():
         for index in range(2000)]}).input
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    stored = StoredResponse.of("resp_1", None, items, {"id": "resp_1"}, num_input_items=2000)
+    stored = StoredResponse.of("resp_1", None, [item_json(item) for item in items],
+                               {"id": "resp_1"}, num_input_items=2000)
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    assert held <= stored.num_bytes * 1.1
-    assert stored.items() == tuple(items) and stored.body() == {"id": "resp_1"}
+    assert held <= stored.num_bytes
+    assert stored.items() == list(items) and stored.body() == {"id": "resp_1"}
+    assert stored.items(1, 3) == list(items[1:3])
 
 
 def test_a_store_without_room_for_every_tenant_is_refused():
-    with pytest.raises(ValueError, match="at least one response per tenant"):
+    with pytest.raises(ValueError, match="at least one response of each of the 2 tenants"):
         ResponseStore(max_responses=1, max_bytes=10**6, num_tenants=2)
+    tenants = Tenants.from_pairs([(key, name) for name, key in KEYS.items()])
+    with pytest.raises(ValueError, match="at least one response of each of the 2 tenants"):
+        ServerSettings(served_model_name="tiny", tenants=tenants, max_stored_responses=1)
 
 
 def _messages(items, instructions=None):
