@@ -284,7 +284,6 @@ class JobInference:
             )
 
 
-
 def _num_repeated(request: Request, turn: _FinishedTurn) -> int:
     """How many of `turn`'s first output tokens `request`'s prompt repeats, in order, right
     after `turn`'s prompt."""
