@@ -26,6 +26,11 @@ def _bench_commands() -> dict[str, tuple[str, str]]:
 
 COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
     "serve": ("engine.entrypoints.serve", "the OpenAI-compatible HTTP server"),
+    "models": {
+        "pull": ("engine.entrypoints.models.pull", "fetch a catalogued model into the cache"),
+        "list": ("engine.entrypoints.models.list_cached", "catalogued models and the cache"),
+        "path": ("engine.entrypoints.models.path", "where a pulled model's checkout is"),
+    },
     "bench": _bench_commands(),
     "trace": {
         "summarize": ("tracing.summary", "per-job, per-turn, cache and pin figures of a trace"),

@@ -3,7 +3,8 @@
 # engine/model/configs/llama3.1-8b.json, the tokenizer of `tiny`) through the engine.
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
 #               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend, the triton
-#               backend, and the triton backend with --enforce-eager (no CUDA graphs)
+#               backend, and the triton backend with --enforce-eager (no CUDA graphs); on
+#               cuda also SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa and with triton;
 #               64 requests with --quick
@@ -166,6 +167,13 @@ if wants forward; then
     step "forward-$run" engine bench forward --config "$config" --device "$device" \
       "${flags[@]}" "${forward_shapes[@]}" --json "$raw/forward-$run.json"
   done
+  if [ "$device" = cuda ]; then
+    # The real model of `continuum models pull` (3 query heads per KV head, head dim 64), by
+    # its shapes: the GPU machine cannot fetch it.
+    step forward-smollm2-triton engine bench forward \
+      --config engine/model/configs/smollm2-135m-instruct.json --device "$device" \
+      --attention-backend triton --json "$raw/forward-smollm2-triton.json"
+  fi
 fi
 
 if wants throughput; then

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Sets up .venv (see setup.sh) and starts the OpenAI-compatible server. With no arguments it
-# serves the embedded `tiny` model on http://127.0.0.1:8000; arguments go to `continuum serve`.
+# Sets up .venv and the real model (see setup.sh) and starts the OpenAI-compatible server on
+# http://127.0.0.1:8000, serving `smollm2-135m-instruct` (or the random `tiny` model when the
+# set-up could not fetch it). Arguments go to `continuum serve`; `--model NAME` picks another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/continuum serve "$@"
+model=smollm2-135m-instruct
+if ! .venv/bin/continuum models path "$model" >/dev/null 2>&1; then
+    echo "serve: $model is not in the model cache; serving the random 'tiny' model" >&2
+    model=tiny
+fi
+exec .venv/bin/continuum serve --model "$model" "$@"

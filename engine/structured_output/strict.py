@@ -6,6 +6,13 @@ JSON Schema allows any other key unless `additionalProperties` is false, so a st
 rewritten with `additionalProperties: false` on every object schema that does not say it; one
 that allows other keys (`additionalProperties` true or a schema) is refused, as OpenAI refuses
 it. Non-strict schemas keep their JSON Schema meaning.
+
+Strict mode also bounds the length of numbers, so that a weak model cannot emit digits until
+`max_tokens` (seen with SmolLM2-135M: `"population_millions": 3121222231234444...`): a number
+or integer schema without a bound on a side gets one at +-(10^15 - 1) (the integers a double
+holds exactly, 15 digits), and a number schema without `multipleOf` takes at most 9 fraction
+digits (`multipleOf` 1e-9). A schema widens either bound by stating its own (`maximum`,
+`minimum`, their exclusive forms, `multipleOf`).
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ from typing import Any
 _ONE = ("items", "not", "if", "then", "else", "contains", "additionalItems")
 _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+MAX_INTEGER_DIGITS = 15
+MAX_FRACTION_DIGITS = 9
+_LARGEST_NUMBER = 10**MAX_INTEGER_DIGITS - 1
 
 
 def strict_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -48,7 +59,23 @@ def _strict(node: Mapping[str, Any], where: str) -> dict[str, Any]:
                              f"(additionalProperties: {allowed!r}), which strict mode forbids; "
                              "set additionalProperties to false or strict to false")
         strict["additionalProperties"] = False
+    strict.update(_number_bounds(node))
     return strict
+
+
+def _number_bounds(node: Mapping[str, Any]) -> dict[str, Any]:
+    """The length bounds a number or integer schema lacks (none for other schemas)."""
+    kinds = _types(node)
+    if not kinds & {"number", "integer"}:
+        return {}
+    bounds: dict[str, Any] = {}
+    if "maximum" not in node and "exclusiveMaximum" not in node:
+        bounds["maximum"] = _LARGEST_NUMBER
+    if "minimum" not in node and "exclusiveMinimum" not in node:
+        bounds["minimum"] = -_LARGEST_NUMBER
+    if "number" in kinds and "multipleOf" not in node:
+        bounds["multipleOf"] = 10.0**-MAX_FRACTION_DIGITS
+    return bounds
 
 
 def _strict_list(values: list[Any], where: str) -> list[Any]:
@@ -56,7 +83,12 @@ def _strict_list(values: list[Any], where: str) -> list[Any]:
             for index, sub in enumerate(values)]
 
 
-def _is_object(node: Mapping[str, Any]) -> bool:
+def _types(node: Mapping[str, Any]) -> set[str]:
     kind = node.get("type")
-    return kind == "object" or (isinstance(kind, list) and "object" in kind) or (
-        kind is None and "properties" in node)
+    if isinstance(kind, str):
+        return {kind}
+    return {name for name in kind if isinstance(name, str)} if isinstance(kind, list) else set()
+
+
+def _is_object(node: Mapping[str, Any]) -> bool:
+    return "object" in _types(node) or ("type" not in node and "properties" in node)

@@ -42,7 +42,7 @@ def test_cli_flags_round_trip() -> None:
 def test_invalid_values_name_the_field() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineArgs(max_num_seqs=0).to_engine_config()
-    with pytest.raises(ValueError, match="neither 'tiny'"):
+    with pytest.raises(ValueError, match="is not 'tiny', a catalogued model"):
         EngineArgs(model="/no/such/model").to_engine_config()
 
 

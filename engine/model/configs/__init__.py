@@ -4,6 +4,8 @@ Run with random weights: `continuum bench forward --config FILE`, or as a model 
 holding the file as `config.json` with `--load-format dummy --tokenizer tiny`.
 - `llama3.1-8b.json`: Llama-3.1-8B's published shapes (the GPU benchmark, `scripts/gpu_bench.sh`).
 - `qwen2.5-0.5b.json`: Qwen2.5-0.5B's shapes (a CPU benchmark, `docs/benchmarks.md`).
+- `smollm2-135m-instruct.json`: the catalogued real model's shapes (3 query heads per KV head,
+  head dim 64), for the GPU benchmark's forward step, where the model cannot be fetched.
 """
 
 from pathlib import Path

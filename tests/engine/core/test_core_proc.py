@@ -142,7 +142,7 @@ def test_an_idle_core_expires_pins_and_forgets_idle_jobs_with_no_request_and_no_
 def test_a_core_that_fails_to_start_reports_why() -> None:
     bad = EngineConfig(model=ModelConfig(model="/nonexistent/model"))
     started_s = time.monotonic()
-    with pytest.raises(RuntimeError, match="neither 'tiny' nor a local directory"):
+    with pytest.raises(RuntimeError, match="is not 'tiny', a catalogued model"):
         SyncMPClient(bad)
     assert time.monotonic() - started_s < 60
 

@@ -17,6 +17,7 @@ import pytest
 
 from engine.cli import build_parser
 from eval.server_process import ServerProcess, ServerSpec, descendant_pids
+from tests.engine.model.real_model import REAL_MODEL, require_real_model
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -37,9 +38,13 @@ def _core_pid(server: ServerProcess) -> int:
 
 @pytest.fixture
 def served():
-    """`continuum serve` on a free port; yields its base URL; interrupted like Ctrl-C at the
-    end, which must exit cleanly."""
-    server = ServerProcess(ServerSpec(serve_args=("--num-kv-blocks", "512"))).start()
+    """`continuum serve` of the README's model on a free port; yields its base URL;
+    interrupted like Ctrl-C at the end, which must exit cleanly. A 512-token step budget keeps
+    the start-up prefill profile short on a CPU."""
+    require_real_model()
+    server = ServerProcess(ServerSpec(serve_args=(
+        "--model", REAL_MODEL, "--num-kv-blocks", "512", "--max-num-batched-tokens", "512",
+    ))).start()
     try:
         yield server.base_url
     finally:
@@ -50,8 +55,11 @@ def served():
 def test_readme_example_against_continuum_serve(served, capsys):
     code = _readme_example().replace("http://127.0.0.1:8000", served)
     exec(compile(code, "README example", "exec"), {})
-    printed = capsys.readouterr().out
-    assert printed.strip().endswith("0")  # cached tokens of a first turn
+    arguments, answer = capsys.readouterr().out.strip().splitlines()
+    assert arguments == '{"city": "Paris"}'
+    text, cached_tokens = answer.rsplit(" ", 1)
+    assert "Paris" in text and "21" in text  # the tool's result reached the answer
+    assert int(cached_tokens) >= 16  # the first turn's prompt blocks
 
 
 def test_serve_refuses_a_bad_flag_value():

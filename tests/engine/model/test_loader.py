@@ -70,9 +70,9 @@ def test_tiny_model_loads_with_tied_embeddings() -> None:
 
 
 def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="never downloaded"):
+    with pytest.raises(ValueError, match="is not 'tiny', a catalogued model"):
         resolve_model_dir(str(tmp_path / "nowhere"))
-    with pytest.raises(ValueError, match="never downloaded"):
+    with pytest.raises(ValueError, match="is not 'tiny', a catalogued model"):
         resolve_model_dir("meta-llama/Llama-3.2-1B")
 
 

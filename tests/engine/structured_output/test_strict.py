@@ -53,3 +53,43 @@ def test_the_grammar_of_a_strict_schema_refuses_unnamed_keys(tokenizer) -> None:
     named = json.dumps({"city": "Paris"})
     assert accepts(tokenizer, plain, extra) and accepts(tokenizer, plain, named)
     assert not accepts(tokenizer, strict, extra) and accepts(tokenizer, strict, named)
+
+
+def test_strict_numbers_get_length_bounds_on_the_sides_the_schema_leaves_open() -> None:
+    schema = {"type": "object", "properties": {
+        "any": {"type": "number"},
+        "count": {"type": "integer", "minimum": 0},
+        "share": {"type": ["number", "null"], "exclusiveMaximum": 1, "multipleOf": 0.25},
+        "name": {"type": "string"},
+    }}
+    properties = strict_schema(schema)["properties"]
+    assert properties["any"] == {"type": "number", "maximum": 999_999_999_999_999,
+                                 "minimum": -999_999_999_999_999, "multipleOf": 1e-9}
+    assert properties["count"] == {"type": "integer", "minimum": 0,
+                                   "maximum": 999_999_999_999_999}
+    assert properties["share"] == {"type": ["number", "null"], "exclusiveMaximum": 1,
+                                   "multipleOf": 0.25, "minimum": -999_999_999_999_999}
+    assert properties["name"] == {"type": "string"}
+
+
+def test_a_strict_number_stops_after_15_integer_and_9_fraction_digits(tokenizer) -> None:
+    schema = {"type": "object", "properties": {"population_millions": {"type": "number"}},
+              "required": ["population_millions"]}
+    plain = grammars.json_schema_grammar(schema)
+    strict = grammars.json_schema_grammar(strict_schema(schema))
+
+    def value(number: str) -> str:
+        return '{"population_millions": ' + number + "}"
+
+    for number in ("2.1", "-48.856613", "999999999999999", "0.123456789"):
+        assert accepts(tokenizer, strict, value(number)), number
+    for number in ("3121222231234444", "0.1234567891"):
+        assert accepts(tokenizer, plain, value(number))
+        assert not accepts(tokenizer, strict, value(number)), number
+
+
+def test_a_schema_widens_the_number_bounds_by_stating_its_own(tokenizer) -> None:
+    schema = {"type": "number", "maximum": 1e17, "minimum": -1e17, "multipleOf": 1e-10}
+    strict = grammars.json_schema_grammar(strict_schema(schema))
+    assert accepts(tokenizer, strict, "31212222312344440")
+    assert accepts(tokenizer, strict, "-0.1234567891")
