@@ -9,7 +9,7 @@ out=${1:-bench-results}
 model=${2:-tiny}
 suffix=""
 if [ "$model" != tiny ]; then
-  suffix="_$model"
+  suffix="_$(basename "$model")"
 fi
 mkdir -p "$out"
 port=8391

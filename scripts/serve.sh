@@ -5,6 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+for arg in "$@"; do
+    case $arg in
+        --model|--model=*) exec .venv/bin/continuum serve "$@" ;;
+    esac
+done
 model=smollm2-135m-instruct
 if ! .venv/bin/continuum models path "$model" >/dev/null 2>&1; then
     echo "serve: $model is not in the model cache; serving the random 'tiny' model" >&2

