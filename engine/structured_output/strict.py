@@ -68,7 +68,8 @@ def _number_bounds(node: Mapping[str, Any]) -> dict[str, Any]:
     """The length bounds a number or integer schema lacks: none for other schemas, for one
     whose values are listed (`const`, `enum`), and on a side where the schema's other bound
     lies beyond ours (it asks for longer numbers; ours would leave none)."""
-    if not _types(node) & {"number", "integer"} or "const" in node or "enum" in node:
+    kinds = _types(node)
+    if not kinds & {"number", "integer"} or "const" in node or "enum" in node:
         return {}
     lowest, highest = _stated_bound(node, "minimum"), _stated_bound(node, "maximum")
     bounds: dict[str, Any] = {}
@@ -76,7 +77,7 @@ def _number_bounds(node: Mapping[str, Any]) -> dict[str, Any]:
         bounds["maximum"] = _LARGEST_NUMBER
     if lowest is None and (highest is None or highest > -_LARGEST_NUMBER):
         bounds["minimum"] = -_LARGEST_NUMBER
-    if "number" in _types(node) and "multipleOf" not in node:
+    if "number" in kinds and "multipleOf" not in node:
         bounds["multipleOf"] = 10.0**-MAX_FRACTION_DIGITS
     return bounds
 

