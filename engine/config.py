@@ -184,6 +184,33 @@ class TraceConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """What grammars may cost the engine core (docs/architecture.md, 'Structured outputs').
+
+    - `grammar_cache_bytes`: most bytes of compiled grammars kept for reuse (each measured
+      as the heap its compile allocated; least recently used first out).
+    - `max_grammar_bytes`: most bytes one grammar's compile may allocate (its request fails).
+    - `max_grammar_compile_s`: most seconds a compile may take (its request fails then).
+    - `grammar_mask_budget_s`: most seconds a step waits for a request's mask (the request
+      sits the step out), and the CPU seconds above which a mask counts as slow (three
+      slow masks fail the request).
+    """
+
+    grammar_cache_bytes: int = 512 << 20
+    max_grammar_bytes: int = 64 << 20
+    max_grammar_compile_s: float = 10.0
+    grammar_mask_budget_s: float = 0.01
+
+    def __post_init__(self) -> None:
+        _require_positive("grammar_cache_bytes", self.grammar_cache_bytes)
+        _require_positive("max_grammar_bytes", self.max_grammar_bytes)
+        for name in ("max_grammar_compile_s", "grammar_mask_budget_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine instance needs; the cross-field checks live here.
 
@@ -198,6 +225,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     executor: str = "torch"
     sim_profile: str | None = None
     debug_check_invariants: bool = False

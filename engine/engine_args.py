@@ -18,6 +18,7 @@ from engine.config import (
     LoadFormat,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputConfig,
     TraceConfig,
 )
 from engine.executor.roofline import DEFAULT_SIM_PROFILE
@@ -79,6 +80,13 @@ _HELP = {
         "$VLLM_SCHED_TRACE_PATH, else off"
     ),
     "trace_max_bytes": "stop tracing before the trace file passes this size; None: no limit",
+    "grammar_cache_bytes": "most bytes of compiled grammars the engine core keeps for reuse",
+    "max_grammar_bytes": "most bytes one grammar's compile may take (its request gets a 400)",
+    "max_grammar_compile_s": "most seconds one grammar may take to compile (400 after)",
+    "grammar_mask_budget_s": (
+        "most seconds a step waits for a request's grammar mask (the request sits the step "
+        "out), and the CPU seconds over which a mask is slow (3 slow masks fail the request)"
+    ),
     "debug_check_invariants": (
         "check the scheduler and KV invariants after every step (slow; a violation stops the "
         "core with the failed check)"
@@ -128,6 +136,10 @@ class EngineArgs:
     job_inference_max_age_s: float = SchedulerConfig.job_inference_max_age_s
     trace_path: str | None = TraceConfig.path
     trace_max_bytes: int | None = TraceConfig.max_bytes
+    grammar_cache_bytes: int = StructuredOutputConfig.grammar_cache_bytes
+    max_grammar_bytes: int = StructuredOutputConfig.max_grammar_bytes
+    max_grammar_compile_s: float = StructuredOutputConfig.max_grammar_compile_s
+    grammar_mask_budget_s: float = StructuredOutputConfig.grammar_mask_budget_s
     debug_check_invariants: bool = EngineConfig.debug_check_invariants
 
     def to_engine_config(self, environ: Mapping[str, str] = os.environ) -> EngineConfig:
@@ -162,6 +174,12 @@ class EngineArgs:
                 job_inference_max_age_s=self.job_inference_max_age_s,
             ),
             trace=TraceConfig(path=self._trace_path(environ), max_bytes=self.trace_max_bytes),
+            structured_output=StructuredOutputConfig(
+                grammar_cache_bytes=self.grammar_cache_bytes,
+                max_grammar_bytes=self.max_grammar_bytes,
+                max_grammar_compile_s=self.max_grammar_compile_s,
+                grammar_mask_budget_s=self.grammar_mask_budget_s,
+            ),
             executor=self.executor,
             sim_profile=self.sim_profile,
             debug_check_invariants=self.debug_check_invariants,

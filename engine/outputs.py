@@ -63,7 +63,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     has one entry per new token when the request asked for them. `prompt_logprobs` carries the
     prompt positions computed in the step for a request that asked for them (an output of a
     partial prefill then has no new tokens). `error` is set (with `finish_reason` ABORT and no
-    tokens) when the core rejected the request.
+    tokens) when the core rejected the request; `error_param` then names the request field
+    at fault, when the core knows it (a grammar's).
     """
 
     request_id: str
@@ -73,4 +74,5 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    error_param: str | None = None
     prompt_logprobs: PromptLogprobs | None = None

@@ -25,9 +25,9 @@ from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
 from engine.scheduler.registry import make_policy
 from engine.scheduler.scheduler import Scheduler, Sweep
 from engine.scheduler.tracer import SchedulerTracer
-from engine.structured_output.manager import StructuredOutputManager
+from engine.structured_output.manager import GrammarFailure, StructuredOutputManager
 
-COMPILE_WAIT_S = 0.05  # how long an idle step waits for a grammar compile to finish
+GRAMMAR_WAIT_S = 0.05  # how long an idle step waits for a grammar compile or mask to finish
 
 
 class EngineCore:
@@ -39,8 +39,11 @@ class EngineCore:
     methods named in `UTILITIES` may be called remotely (`UtilityCall`).
 
     A request with a structured output is held back while its grammar compiles on a worker
-    thread (`structured_outputs`), then queued; each step sends the runner the token masks of
-    the constrained requests that sample, and advances their grammars by what they produced.
+    thread (`structured_outputs`), then queued. Masks are computed on worker threads too: a
+    constrained request whose mask is not ready when a step starts sits that step out, and
+    one whose grammar is too slow or too large fails alone. Each step sends the runner the
+    token masks of the constrained requests that sample, and advances their grammars by what
+    they produced.
     """
 
     UTILITIES = frozenset({
@@ -73,7 +76,7 @@ class EngineCore:
         self.vocab_size = self.executor.vocab_size
         self.structured_outputs = StructuredOutputManager(
             functools.partial(load_tokenizer, config.model.model, config.model.tokenizer),
-            self.vocab_size)
+            self.vocab_size, config=config.structured_output)
         self._compiling: dict[str, Request] = {}  # held back until their grammar compiled
         self.step_time_s = 0.0
         self.execute_time_s = 0.0
@@ -156,16 +159,19 @@ class EngineCore:
         rejected = self._queue_compiled()
         scheduler = self.scheduler
         if not (scheduler.has_unfinished_requests() or scheduler.has_pending_kv_transfers()):
-            self.structured_outputs.wait_for_compile(COMPILE_WAIT_S)
+            self.structured_outputs.wait_for_work(GRAMMAR_WAIT_S)
             return rejected
         started_s = time.perf_counter()
-        scheduler_output = self._with_grammar_bitmask(self.scheduler.schedule())
+        held_back, failed = self._await_masks()
+        scheduler_output = self._with_grammar_bitmask(scheduler.schedule(held_back=held_back))
         execute_started_s = time.perf_counter()
         runner_output = self.executor.execute(scheduler_output)
         self.execute_time_s += time.perf_counter() - execute_started_s
         self.kv_copy_time_s += runner_output.kv_copy_time_s
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs = rejected + self._advance_grammars(outputs)
+        outputs = rejected + failed + self._advance_grammars(outputs)
+        if scheduler_output.is_empty and held_back:
+            self.structured_outputs.wait_for_work(GRAMMAR_WAIT_S)
         self.num_steps += 1
         self.step_time_s += time.perf_counter() - started_s
         if self.config.debug_check_invariants:
@@ -186,11 +192,22 @@ class EngineCore:
         rejected = []
         for outcome in self.structured_outputs.pop_compiled():
             request = self._compiling.pop(outcome.request_id)
-            if outcome.error is None:
+            if outcome.failure is None:
                 self.scheduler.add_request(request)
             else:
-                rejected.append(_aborted(outcome.request_id, outcome.error))
+                rejected.append(_failed(outcome.failure))
         return rejected
+
+    def _await_masks(self) -> tuple[frozenset[str], list[EngineCoreOutput]]:
+        """The constrained requests whose mask is not ready (they sit this step out), and the
+        outputs ending those whose grammar proved too slow."""
+        if not self.structured_outputs.has_grammars:
+            return frozenset(), []
+        masks = self.structured_outputs.await_masks()
+        failed = [failure.request_id for failure in masks.failures]
+        if failed:
+            self.scheduler.finish_requests(failed)
+        return masks.held_back, [_failed(failure) for failure in masks.failures]
 
     def _with_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> SchedulerOutput:
         """The plan, with the masks of the constrained requests that sample in this step (a
@@ -217,12 +234,11 @@ class EngineCore:
             return outputs
         advanced = []
         for output in outputs:
-            error = manager.accept(output.request_id, output.new_token_ids)
-            if error is not None:
+            failure = manager.accept(output.request_id, output.new_token_ids,
+                                     finished=output.finish_reason is not None)
+            if failure is not None:
                 self.abort_requests([output.request_id])
-                output = _aborted(output.request_id, error)
-            elif output.finish_reason is not None:
-                manager.remove([output.request_id])
+                output = _failed(failure)
             advanced.append(output)
         return advanced
 
@@ -342,9 +358,10 @@ class EngineCore:
         )
 
 
-def _aborted(request_id: str, error: str) -> EngineCoreOutput:
-    return EngineCoreOutput(request_id=request_id, new_token_ids=[],
-                            finish_reason=FinishReason.ABORT, error=error)
+def _failed(failure: GrammarFailure) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id=failure.request_id, new_token_ids=[],
+                            finish_reason=FinishReason.ABORT, error=failure.error,
+                            error_param=failure.param)
 
 
 def prefill_profile_lengths(config: SchedulerConfig) -> list[int]:

@@ -23,7 +23,7 @@ from engine.core.client import AsyncMPClient, EngineDeadError
 from engine.core.wire import EngineStats, JobState
 from engine.engine_args import EngineArgs
 from engine.frontend.output_processor import OutputProcessor
-from engine.frontend.outputs import RequestOutput
+from engine.frontend.outputs import RequestOutput, RequestRejected
 from engine.frontend.processor import InputProcessor, ProcessedRequest, Prompt
 from engine.frontend.stats import RequestStatsObserver
 from engine.request import JobInfo
@@ -177,7 +177,7 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 if item.error is not None:
-                    raise ValueError(item.error)
+                    raise RequestRejected(item.error, item.error_param)
                 finished = item.finished
                 yield item
         finally:

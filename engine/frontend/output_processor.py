@@ -77,6 +77,7 @@ class _RequestState:
     queue: asyncio.Queue[Any] | None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_param: str | None = None
     prompt_logprobs: _PromptLogprobBook | None = None
 
     @property
@@ -245,6 +246,7 @@ class OutputProcessor:
         still running."""
         if output.error is not None:
             state.error = output.error
+            state.error_param = output.error_param
             completion.finish_reason = FinishReason.ABORT
             return False
         if output.new_token_ids:
@@ -348,7 +350,7 @@ class OutputProcessor:
             request_id=processed.request_id, prompt=processed.prompt,
             prompt_token_ids=processed.prompt_token_ids, outputs=reported, finished=finished,
             num_cached_tokens=state.num_cached_tokens, metrics=dataclasses.replace(state.metrics),
-            error=state.error, prompt_logprobs=prompt_logprobs,
+            error=state.error, error_param=state.error_param, prompt_logprobs=prompt_logprobs,
         )
 
     def _completion_output(

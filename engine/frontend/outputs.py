@@ -46,7 +46,8 @@ class RequestOutput:
     `outputs` lists the completions this output reports (for delta outputs of an `n > 1`
     request, only those that changed). `finished` is True on the last output of the request.
     `num_cached_tokens` is the prompt's prefix-cache hit. `error` is set when the engine
-    rejected the request (it is then finished with reason "abort").
+    rejected the request (it is then finished with reason "abort"), and `error_param` names
+    the request field at fault when the engine knows it.
 
     `prompt_logprobs`, for a request that asked for them, has one entry per prompt token: that
     token's logprobs given the tokens before it, `None` for the first token. Outputs wait until
@@ -62,4 +63,14 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    error_param: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+class RequestRejected(ValueError):
+    """The engine rejected a request (`RequestOutput.error`): `param` names the request field
+    at fault, when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

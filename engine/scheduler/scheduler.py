@@ -190,16 +190,19 @@ class Scheduler:
                 f"({self.config.max_model_len})"
             )
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, held_back: frozenset[str] = frozenset()) -> SchedulerOutput:
         """Plans one step: running requests first, then waiting ones if no running request
-        was preempted or left waiting for memory; then pins past their end are released."""
+        was preempted or left waiting for memory; then pins past their end are released.
+        `held_back` names requests that must not sample this step (the engine core's
+        constrained requests whose grammar mask is not ready): they compute at most the
+        tokens before their last one, and keep their blocks and their place."""
         now_s = self.clock()
         if self.events:  # the snapshot is the one event worth not building
             self.events.emit(self._step_started(now_s))
         self._sweep_policy(now_s)
         self._sweep_inferred_jobs(now_s)
         self._waiting.advance_to(now_s)
-        plan = StepPlan(self.config.max_num_batched_tokens)
+        plan = StepPlan(self.config.max_num_batched_tokens, held_back)
         self._schedule_running(plan)
         if not plan.preempted and not plan.stalled:
             self._schedule_waiting(plan, now_s)
@@ -470,9 +473,12 @@ class Scheduler:
         return num_needed <= self.kv_cache_manager.block_pool.num_free_blocks + num_pinned
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: StepPlan) -> int:
-        """Tokens `request` may compute this step: its remainder, capped by the long-prefill
-        threshold and the budget (0 if it must go whole and does not fit)."""
+        """Tokens `request` may compute this step: its remainder (but its last token if it is
+        held back), capped by the long-prefill threshold and the budget (0 if it must go
+        whole and does not fit)."""
         num_new_tokens = request.num_tokens - num_computed_tokens
+        if request.request_id in plan.held_back:
+            num_new_tokens -= 1
         threshold = self.config.long_prefill_token_threshold
         if threshold is not None and num_new_tokens > threshold:
             num_new_tokens = threshold

@@ -28,9 +28,11 @@ class Admission(enum.Enum):
 @dataclass(slots=True)
 class StepPlan:
     """What one `schedule()` call has decided so far; `token_budget` starts at
-    `max_num_batched_tokens` and shrinks with every scheduled token."""
+    `max_num_batched_tokens` and shrinks with every scheduled token. `held_back` requests
+    must not sample this step (they compute at most up to their last known token)."""
 
     max_num_batched_tokens: int
+    held_back: frozenset[str] = frozenset()
     token_budget: int = field(init=False)
     admitted: list[Request] = field(default_factory=list)
     continuing: list[Request] = field(default_factory=list)

@@ -1,47 +1,125 @@
-"""The engine core's side of structured outputs: compiling grammars and stepping matchers.
+"""The engine core's side of structured outputs: compiling grammars and computing masks.
 
-Owned by the `EngineCore` (one thread calls it). A request with a grammar is compiled on a
-worker thread before it is queued (`submit`, then `pop_compiled`), so compiling never holds up
-the step loop; a grammar is compiled once per distinct (grammar, EOS) and kept in a bounded
-LRU cache (a second request for a grammar still compiling waits for the same compile), and
-each request gets a copy of the compiled matcher. Each step, `bitmask` computes
-the allowed tokens of the requests that sample (on llguidance's own thread pool when the batch
-is large enough to gain from it) and `accept` advances their matchers by the tokens they
-produced.
+Owned by the `EngineCore` (one thread calls it). Grammar work never runs on the step loop:
+- **Compiles** run on worker threads (`submit`, then `pop_compiled`); a request waits in the
+  core, outside the scheduler, until its grammar is ready. A compile is measured (the heap
+  it allocated) and fails, uncached, past `max_grammar_bytes` or, as a deadline the core
+  checks at every step, past `max_grammar_compile_s`. Compiled grammars are shared by
+  requests with the same (grammar, EOS) through a cache bounded in bytes
+  (`grammar_cache_bytes`, least recently used first out); failures are never cached.
+- **Masks** run on worker threads too: a request's next mask is started as soon as its
+  grammar state is known (when it is queued, then after each token it accepts). Before
+  every step the core calls `await_masks`, which waits until a deadline for the masks
+  started less than `grammar_mask_budget_s` ago and then says which requests are `held_back` (their
+  mask is not ready: the step must not sample them) and which requests fail: a grammar
+  whose masks took more than the budget of CPU `MAX_SLOW_MASKS` times, or whose current
+  mask (its first one included, computed by the compile) has already used that many
+  budgets, is too slow, and only its request ends.
 
-Torch-free: masks are numpy int32 words, bit `i % 32` of word `i // 32` allowing token `i`.
+Worker threads run at a lower CPU priority (niceness 10: about a tenth of the step loop's
+share when both want a core), so that on a busy machine grammar work yields to the step loop
+without starving. Torch-free: masks are numpy int32 words, bit `i % 32` of word
+`i // 32` allowing token `i`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
 import llguidance.numpy
+import numpy as np
 
+from engine.config import StructuredOutputConfig
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.structured_output.spec import StructuredOutputSpec
 
-MAX_CACHED_GRAMMARS = 256
 NUM_COMPILE_THREADS = 2
-# Rows x vocabulary from which masks are filled on llguidance's thread pool: below it, handing
-# rows to the pool costs more than it saves (measured: 32 rows of the 272-token `tiny`
-# vocabulary fill in 0.4 ms one by one, 1.5 ms on the pool, on 2 cores).
-PARALLEL_FILL_MIN_TOKENS = 1 << 20
+NUM_MASK_THREADS = 4
+MAX_SLOW_MASKS = 3
+MAX_ERROR_CHARS = 300
+WORKER_NICENESS = 10  # a tenth of the step loop's CPU share
+
+
+@dataclass(frozen=True)
+class GrammarFailure:
+    """A request whose grammar failed: `error` is a short message; `param` names the request
+    field the grammar came from (None when unknown)."""
+
+    request_id: str
+    error: str
+    param: str | None
 
 
 @dataclass(frozen=True)
 class CompileOutcome:
-    """A grammar compile that finished: `error` is None when the request may be queued."""
+    """A grammar compile that ended for `request_id`: `failure` is None when the request may
+    be queued."""
 
     request_id: str
+    failure: GrammarFailure | None
+
+
+@dataclass(frozen=True)
+class MaskRound:
+    """What `await_masks` found before a step: the requests whose mask is not ready (the step
+    must not sample them) and those whose grammar was too slow (already forgotten here)."""
+
+    held_back: frozenset[str]
+    failures: tuple[GrammarFailure, ...]
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    matcher: llguidance.LLMatcher
+    num_bytes: int
+    first_mask_cpu_s: float
+
+
+@dataclass
+class _CacheEntry:
+    future: Future[_Compiled]
+    started_s: float
+    num_bytes: int = 0  # known once compiled
+
+
+@dataclass(frozen=True)
+class _MaskResult:
+    matcher: llguidance.LLMatcher
+    words: np.ndarray | None  # [1, words]; None when the grammar failed
+    cpu_s: float
     error: str | None
+
+
+@dataclass
+class _MaskJob:
+    """One mask being computed on a worker: when it was started, and the worker's CPU clock
+    when it began (so the core can read how much CPU it has used so far)."""
+
+    future: Future[_MaskResult]
+    submitted_s: float
+    cpu_clock: list[tuple[int, float]] = field(default_factory=list)  # (clock id, start)
+
+
+@dataclass
+class _Grammar:
+    """One queued request's grammar: its matcher (None until its first mask), its mask when
+    ready, the mask job in flight, and how many of its masks were slow."""
+
+    param: str | None
+    matcher: llguidance.LLMatcher | None = None
+    words: np.ndarray | None = None
+    job: _MaskJob | None = None
+    num_slow_masks: int = 0
 
 
 class StructuredOutputManager:
@@ -49,26 +127,32 @@ class StructuredOutputManager:
 
     `load_tokenizer` returns the Hugging Face tokenizer of the model; it is called once, on a
     compile thread, when the first grammar arrives. `vocab_size` is the model's (it may exceed
-    the tokenizer's: the extra ids are never allowed).
+    the tokenizer's: the extra ids are never allowed). `config` holds the limits; `clock`
+    gives seconds (deadlines).
     """
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, *,
-                 max_cached_grammars: int = MAX_CACHED_GRAMMARS,
-                 num_compile_threads: int = NUM_COMPILE_THREADS) -> None:
+                 config: StructuredOutputConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
-        self.max_cached_grammars = max_cached_grammars
-        self._pool = ThreadPoolExecutor(num_compile_threads, thread_name_prefix="grammar")
+        self.config = StructuredOutputConfig() if config is None else config
+        self._clock = clock
+        self._compile_pool = ThreadPoolExecutor(
+            NUM_COMPILE_THREADS, thread_name_prefix="grammar-compile",
+            initializer=_lower_thread_priority)
+        self._mask_pool = ThreadPoolExecutor(
+            NUM_MASK_THREADS, thread_name_prefix="grammar-mask",
+            initializer=_lower_thread_priority)
         self._tokenizer_lock = threading.Lock()  # compile threads share tokenizers and stats
         self._hf_tokenizer: Any = None
         self._tokenizers: dict[int | None, llguidance.LLTokenizer] = {}
-        self._compiled: OrderedDict[tuple[str, int | None], Future[llguidance.LLMatcher]] = (
-            OrderedDict())
-        self._compiling: dict[str, Future[llguidance.LLMatcher]] = {}
-        self._matchers: dict[str, llguidance.LLMatcher] = {}
-        self._executor: llguidance.LLExecutor | None = None
+        self._cache: OrderedDict[tuple[str, int | None], _CacheEntry] = OrderedDict()
+        self._compiling: dict[str, tuple[_CacheEntry, str | None]] = {}
+        self._grammars: dict[str, _Grammar] = {}
         self.num_compiles = 0
         self.num_cache_hits = 0
+        self.num_failures = 0
         self.compile_time_s = 0.0
         self.mask_time_s = 0.0
 
@@ -79,7 +163,7 @@ class StructuredOutputManager:
     @property
     def request_ids(self) -> set[str]:
         """Requests with a compiled grammar (queued in the scheduler, until they finish)."""
-        return set(self._matchers)
+        return set(self._grammars)
 
     @property
     def compiling_request_ids(self) -> set[str]:
@@ -88,101 +172,241 @@ class StructuredOutputManager:
     @property
     def has_grammars(self) -> bool:
         """Whether any queued request has a grammar (steps without one skip all grammar work)."""
-        return bool(self._matchers)
+        return bool(self._grammars)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the compiled grammars in the cache (as measured when they compiled)."""
+        return sum(entry.num_bytes for entry in self._cache.values())
 
     def has_grammar(self, request_id: str) -> bool:
-        return request_id in self._matchers
+        return request_id in self._grammars
 
     def submit(self, request_id: str, spec: StructuredOutputSpec,
                eos_token_id: int | None) -> None:
         """Starts compiling `spec` for `request_id` (whose EOS the grammar allows at its end);
         `pop_compiled` reports when it is done."""
-        if request_id in self._compiling or request_id in self._matchers:
+        if request_id in self._compiling or request_id in self._grammars:
             raise ValueError(f"request id {request_id!r} already has a grammar")
         key = (spec.grammar, eos_token_id)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._pool.submit(self._compile, spec.grammar, eos_token_id)
-            self._compiled[key] = compiled
+        entry = self._cache.get(key)
+        if entry is None:
+            future = self._compile_pool.submit(self._compile, spec.grammar, eos_token_id)
+            entry = self._cache[key] = _CacheEntry(future, self._clock())
             self.num_compiles += 1
-            while len(self._compiled) > self.max_cached_grammars:
-                self._compiled.popitem(last=False)
         else:
-            self._compiled.move_to_end(key)
+            self._cache.move_to_end(key)
             self.num_cache_hits += 1
-        self._compiling[request_id] = compiled
+        self._compiling[request_id] = (entry, spec.param)
 
     def pop_compiled(self) -> list[CompileOutcome]:
-        """The compiles that finished since the last call; a successful one's matcher is ready
-        for `bitmask`, a failed one is forgotten."""
+        """The compiles that ended since the last call: a successful one's request has its
+        first mask started; a failed one (or one past its deadline) is forgotten, and its
+        grammar is not cached."""
+        now_s = self._clock()
         outcomes = []
-        for request_id, future in list(self._compiling.items()):
-            if not future.done():
-                continue
+        for request_id, (entry, param) in list(self._compiling.items()):
+            if not entry.future.done():
+                if now_s - entry.started_s <= self.config.max_grammar_compile_s:
+                    continue
+                error = (f"the grammar took longer than {self.config.max_grammar_compile_s:g} s to "
+                         "compile")
+            else:
+                error = _short(entry.future.exception())
             del self._compiling[request_id]
-            error = future.exception()
             if error is None:
-                self._matchers[request_id] = future.result().deep_copy()
-            outcomes.append(CompileOutcome(request_id, None if error is None else str(error)))
+                self._charge(entry)
+                compiled = entry.future.result()
+                # A grammar slow from its first mask is never waited for.
+                slow = compiled.first_mask_cpu_s > self.config.grammar_mask_budget_s
+                self._grammars[request_id] = grammar = _Grammar(param, num_slow_masks=int(slow))
+                self._start_mask(grammar, compiled.matcher, copy=True)
+                outcomes.append(CompileOutcome(request_id, None))
+            else:
+                self._forget_compile(entry)
+                outcomes.append(CompileOutcome(request_id, self._failure(request_id, error,
+                                                                         param)))
         return outcomes
 
-    def wait_for_compile(self, timeout_s: float) -> None:
-        """Blocks until a compile finishes or `timeout_s` passes (the core waits here when
-        nothing else can run)."""
-        if self._compiling:
-            wait(list(self._compiling.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
+    def wait_for_work(self, timeout_s: float) -> None:
+        """Blocks until a compile or a mask in flight finishes, or `timeout_s` passes (the
+        core waits here when nothing else can run)."""
+        futures: list[Future[Any]] = [entry.future for entry, _ in self._compiling.values()]
+        futures += [grammar.job.future for grammar in self._grammars.values()
+                    if grammar.job is not None]
+        if futures:
+            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def await_masks(self) -> MaskRound:
+        """Called before every step: waits, until at most the mask budget after they were
+        started, for the masks in flight of grammars that were never slow, then collects what
+        finished. Returns the requests whose mask is still not ready and forgets those whose
+        grammar proved too slow."""
+        budget_s = self.config.grammar_mask_budget_s
+        jobs = [grammar.job for grammar in self._grammars.values()
+                if grammar.job is not None and not grammar.num_slow_masks]
+        if jobs:
+            deadline_s = max(job.submitted_s for job in jobs) + budget_s
+            fresh = [job.future for job in jobs if job.submitted_s + budget_s > self._clock()]
+            if fresh:
+                wait(fresh, timeout=max(0.0, deadline_s - self._clock()))
+        failures = []
+        for request_id, grammar in list(self._grammars.items()):
+            error = self._collect_mask(grammar)
+            if error is not None:
+                del self._grammars[request_id]
+                failures.append(self._failure(request_id, error, grammar.param))
+        held_back = frozenset(request_id for request_id, grammar in self._grammars.items()
+                              if grammar.words is None)
+        return MaskRound(held_back, tuple(failures))
 
     def bitmask(self, req_ids: Iterable[str]) -> GrammarBitmask | None:
-        """The masks of those of `req_ids` that have a grammar (None when none has)."""
-        constrained = [req_id for req_id in req_ids if req_id in self._matchers]
+        """The masks of those of `req_ids` that have a grammar (None when none has). Each
+        must be ready: requests `await_masks` held back are never among them."""
+        constrained = [req_id for req_id in req_ids if req_id in self._grammars]
         if not constrained:
             return None
-        started_s = time.perf_counter()
-        words = llguidance.numpy.allocate_token_bitmask(len(constrained), self.vocab_size)
-        rows = [(self._matchers[req_id], row) for row, req_id in enumerate(constrained)]
-        if len(rows) * self.vocab_size >= PARALLEL_FILL_MIN_TOKENS:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor()
-            llguidance.numpy.fill_next_token_bitmask_par(self._executor, rows, words)
-        else:  # straight to each row's memory: the checked wrapper costs as much as a mask
-            address, row_bytes = words.ctypes.data, words.shape[1] * words.itemsize
-            for matcher, row in rows:
-                matcher.unsafe_compute_mask_ptr(address + row * row_bytes, row_bytes)
-        self.mask_time_s += time.perf_counter() - started_s
-        return GrammarBitmask(constrained, words)
+        rows = []
+        for req_id in constrained:
+            words = self._grammars[req_id].words
+            if words is None:
+                raise RuntimeError(f"request {req_id!r} samples before its mask is ready")
+            rows.append(words)
+        return GrammarBitmask(constrained, np.concatenate(rows))
 
-    def accept(self, request_id: str, token_ids: Sequence[int]) -> str | None:
-        """Advances the request's matcher by the tokens it produced; returns an error message
-        if the grammar rejects them (None when it accepts, or the request has no grammar)."""
-        matcher = self._matchers.get(request_id)
-        if matcher is None:
+    def accept(self, request_id: str, token_ids: Sequence[int], *,
+               finished: bool = False) -> GrammarFailure | None:
+        """Advances the request's matcher by the tokens it produced, then starts its next mask
+        (or, when the request `finished`, forgets it); the failure if the grammar rejects
+        the tokens (the request is forgotten then), None when it accepts them or the request
+        has no grammar."""
+        grammar = self._grammars.get(request_id)
+        if grammar is None:
             return None
+        error = self._consume(request_id, grammar, token_ids)
+        if error is not None or finished:
+            del self._grammars[request_id]
+        elif token_ids:
+            self._start_mask(grammar, grammar.matcher, copy=False)
+        return None if error is None else self._failure(request_id, error, grammar.param)
+
+    def _consume(self, request_id: str, grammar: _Grammar,
+                 token_ids: Sequence[int]) -> str | None:
+        matcher = grammar.matcher
+        if token_ids and (matcher is None or grammar.job is not None):
+            raise RuntimeError(f"request {request_id!r} produced tokens before its mask")
         for token_id in token_ids:
             if matcher.is_stopped():
                 return None  # the grammar is complete: what follows is the EOS that ends it
             if not matcher.consume_token(token_id):
-                return f"the output left its grammar: {matcher.get_error() or 'rejected'}"
+                return _short(f"the output left its grammar: {matcher.get_error() or 'rejected'}")
         return None
 
     def remove(self, request_ids: Iterable[str]) -> None:
         """Forgets finished or aborted requests (a compile in flight finishes into the
-        cache)."""
+        cache; a mask in flight is dropped)."""
         for request_id in request_ids:
-            self._matchers.pop(request_id, None)
+            self._grammars.pop(request_id, None)
             self._compiling.pop(request_id, None)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
-    # Compile threads.
-    def _compile(self, grammar: str, eos_token_id: int | None) -> llguidance.LLMatcher:
+    # The cache.
+    def _charge(self, entry: _CacheEntry) -> None:
+        """Counts a finished compile's bytes, then evicts least recently used grammars while
+        the cache holds more than its budget (requests keep their own matchers)."""
+        if entry.num_bytes == 0:
+            entry.num_bytes = entry.future.result().num_bytes
+        cached = sum(e.num_bytes for e in self._cache.values())
+        for key, old in list(self._cache.items()):
+            if cached <= self.config.grammar_cache_bytes:
+                break
+            if old.future.done() and old is not entry:
+                cached -= old.num_bytes
+                del self._cache[key]
+
+    def _forget_compile(self, entry: _CacheEntry) -> None:
+        for key, cached in list(self._cache.items()):
+            if cached is entry:
+                del self._cache[key]
+
+    def _failure(self, request_id: str, error: str, param: str | None) -> GrammarFailure:
+        self.num_failures += 1
+        return GrammarFailure(request_id, f"{param}: {error}" if param else error, param)
+
+    # Masks.
+    def _start_mask(self, grammar: _Grammar, matcher: llguidance.LLMatcher, *,
+                    copy: bool) -> None:
+        grammar.words = None
+        job = _MaskJob(Future(), self._clock())
+        job.future = self._mask_pool.submit(self._compute_mask, matcher, copy, job)
+        grammar.job = job
+
+    def _collect_mask(self, grammar: _Grammar) -> str | None:
+        """Takes a finished mask into `grammar`; the error that ends the request, if its
+        grammar failed or is too slow."""
+        job = grammar.job
+        if job is None:
+            return None
+        budget_s = self.config.grammar_mask_budget_s
+        if not job.future.done():
+            used_s = _cpu_used_s(job)
+            return self._too_slow if used_s > MAX_SLOW_MASKS * budget_s else None
+        result = job.future.result()
+        grammar.job = None
+        grammar.matcher = result.matcher
+        self.mask_time_s += result.cpu_s
+        if result.error is not None:
+            return result.error
+        grammar.words = result.words
+        if result.cpu_s > budget_s:
+            grammar.num_slow_masks += 1
+            if grammar.num_slow_masks >= MAX_SLOW_MASKS:
+                return self._too_slow
+        return None
+
+    @property
+    def _too_slow(self) -> str:
+        budget_ms = self.config.grammar_mask_budget_s * 1e3
+        return (f"the grammar is too slow: computing its allowed tokens took over "
+                f"{budget_ms:g} ms of CPU {MAX_SLOW_MASKS} times, or over "
+                f"{MAX_SLOW_MASKS * budget_ms:g} ms once")
+
+    # Worker threads.
+    def _compute_mask(self, matcher: llguidance.LLMatcher, copy: bool,
+                      job: _MaskJob) -> _MaskResult:
+        started_cpu_s = time.thread_time()
+        clock_id = time.pthread_getcpuclockid(threading.get_ident())
+        job.cpu_clock.append((clock_id, time.clock_gettime(clock_id)))
+        if copy:
+            matcher = matcher.deep_copy()
+        words = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.numpy.fill_next_token_bitmask(matcher, words, 0)
+        error = _short(f"the grammar failed: {matcher.get_error()}") if matcher.is_error() else None
+        return _MaskResult(matcher, words, time.thread_time() - started_cpu_s, error)
+
+    def _compile(self, grammar: str, eos_token_id: int | None) -> _Compiled:
         started_s = time.perf_counter()
         with self._tokenizer_lock:
             tokenizer = self._tokenizer(eos_token_id)
-        compiled = compile_grammar(tokenizer, grammar)
+        heap_before = allocated_bytes()
+        matcher, first_mask_cpu_s = compile_grammar(tokenizer, grammar)
+        heap_after = allocated_bytes()
+        # Another thread's frees can make the difference small: never less than the text.
+        num_bytes = max(len(grammar), 0 if heap_before is None or heap_after is None
+                        else heap_after - heap_before)
         with self._tokenizer_lock:
             self.compile_time_s += time.perf_counter() - started_s
-        return compiled
+        limit = self.config.max_grammar_bytes
+        if num_bytes > limit:
+            raise ValueError(f"the grammar is too large: compiling it took "
+                             f"{num_bytes / 2**20:.0f} MiB, over the limit of "
+                             f"{limit / 2**20:g} MiB")
+        if first_mask_cpu_s > MAX_SLOW_MASKS * self.config.grammar_mask_budget_s:
+            raise ValueError(self._too_slow)
+        return _Compiled(matcher, num_bytes, first_mask_cpu_s)
 
     def _tokenizer(self, eos_token_id: int | None) -> llguidance.LLTokenizer:
         tokenizer = self._tokenizers.get(eos_token_id)
@@ -197,15 +421,75 @@ class StructuredOutputManager:
         return tokenizer
 
 
-def compile_grammar(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+def compile_grammar(tokenizer: llguidance.LLTokenizer,
+                    grammar: str) -> tuple[llguidance.LLMatcher, float]:
     """A matcher at the grammar's start, its first mask computed (the lexer and the parser's
-    tables are built then, not in the step that first samples)."""
+    tables are built then, not in the step that first samples), and the CPU seconds of that
+    first mask."""
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     error = matcher.get_error()
     if error:
         raise ValueError(f"invalid grammar: {error}")
     words = llguidance.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
+    started_cpu_s = time.thread_time()
     llguidance.numpy.fill_next_token_bitmask(matcher, words, 0)
+    first_mask_cpu_s = time.thread_time() - started_cpu_s
     if matcher.is_error():
         raise ValueError(f"invalid grammar: {matcher.get_error()}")
-    return matcher
+    return matcher, first_mask_cpu_s
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _load_mallinfo2() -> Callable[[], _MallInfo2] | None:
+    try:
+        function = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):  # not glibc 2.33+
+        return None
+    function.restype = _MallInfo2
+    return function  # type: ignore[no-any-return]
+
+
+_MALLINFO2 = _load_mallinfo2()
+
+
+def allocated_bytes() -> int | None:
+    """Bytes the C heap has handed out (llguidance allocates there), or None where the C
+    library cannot say."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def _cpu_used_s(job: _MaskJob) -> float:
+    """CPU seconds the job in flight has used so far (0 before a worker took it)."""
+    if not job.cpu_clock:
+        return 0.0
+    clock_id, started_s = job.cpu_clock[0]
+    try:
+        return time.clock_gettime(clock_id) - started_s
+    except OSError:  # the worker thread ended
+        return 0.0
+
+
+def _short(error: BaseException | str | None) -> str | None:
+    """The first line of an error, at most `MAX_ERROR_CHARS` long (llguidance's messages can
+    carry its parser's state after the first line)."""
+    if error is None:
+        return None
+    lines = str(error).strip().splitlines()
+    line = lines[0] if lines else type(error).__name__
+    return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 3] + "..."
+
+
+def _lower_thread_priority() -> None:
+    """Worker threads yield most of the CPU to the step loop when both want it (Linux sets
+    niceness per thread); not all of it, so that grammars still make progress on a machine
+    the step loop keeps busy."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)

@@ -17,11 +17,13 @@ class StructuredOutputSpec(msgspec.Struct, frozen=True, kw_only=True):
     `grammar` is a grammar in llguidance's Lark dialect (which embeds JSON schemas with
     `%json { ... }`), built and checked by the frontend (`engine.structured_output.grammars`);
     the engine core compiles it once per distinct text and caches it. `kind` says what the
-    client asked for (for stats and errors only; it does not change the constraint).
+    client asked for and `param` which request field it came from (for stats and errors
+    only; neither changes the constraint).
     """
 
     kind: StructuredOutputKind
     grammar: str
+    param: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.grammar, str) or not self.grammar.strip():

@@ -33,6 +33,8 @@ BENCH_COMMANDS: Mapping[str, str] = MappingProxyType({
     "connections": "slow and many clients against a `continuum serve` subprocess: timeouts, "
                    "cap, descriptors",
     "structured": "structured outputs: step cost, grammar compile time",
+    "grammars": "one tenant's hostile grammars against a `continuum serve` subprocess: its "
+                "memory, the other tenant's latency",
     "workloads": "the named workloads that ship with the package",
     "amplification": "memory of a `continuum serve` subprocess before and after one huge "
                      "completion request",

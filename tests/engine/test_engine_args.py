@@ -14,6 +14,7 @@ from engine.config import (
     LoadFormat,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputConfig,
     TraceConfig,
 )
 from engine.engine_args import EngineArgs
@@ -110,7 +111,8 @@ _DIFFERS = {(SchedulerConfig, "max_model_len"), (SchedulerConfig, "policy_option
 def test_engine_args_defaults_are_the_configs() -> None:
     args_fields = {spec.name: spec for spec in dataclasses.fields(EngineArgs)}
     covered = set()
-    for config in (ModelConfig, CacheConfig, SchedulerConfig, TraceConfig, EngineConfig):
+    for config in (ModelConfig, CacheConfig, SchedulerConfig, TraceConfig,
+                   StructuredOutputConfig, EngineConfig):
         for spec in dataclasses.fields(config):
             if isinstance(spec.default_factory, type) and dataclasses.is_dataclass(
                     spec.default_factory):

@@ -60,6 +60,7 @@ from engine.entrypoints.openai.serving import (
     ClientContext,
     ServerSettings,
     cancel_on_disconnect,
+    rejected_param,
 )
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
@@ -383,7 +384,7 @@ async def _run(request: Request, work: Any, cleanup: BackgroundTask) -> dict[str
     try:
         return await cancel_on_disconnect(request, work)
     except ValueError as error:
-        raise APIError(400, str(error)) from error
+        raise APIError(400, str(error), param=rejected_param(error)) from error
     except ServerShuttingDownError as error:
         raise shutting_down_error(error) from error
     finally:

@@ -34,7 +34,7 @@ from engine.entrypoints.openai.tenants import (
     scope_tenant,
 )
 from engine.frontend.async_llm import AsyncLLM, QueueFullError
-from engine.frontend.outputs import RequestOutput
+from engine.frontend.outputs import RequestOutput, RequestRejected
 from engine.frontend.processor import ProcessedRequest
 from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
@@ -420,6 +420,11 @@ def sse(payload: Mapping[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def rejected_param(error: ValueError) -> str | None:
+    """The request field a rejection by the engine names (None when it names none)."""
+    return error.param if isinstance(error, RequestRejected) else None
+
+
 def sse_error(error: BaseException, client_request_id: str | None = None) -> bytes:
     """The SSE event that reports a failure after the stream started (the status is sent);
     an unexpected one is logged with the request's `X-Request-Id`."""
@@ -427,7 +432,7 @@ def sse_error(error: BaseException, client_request_id: str | None = None) -> byt
         dead = engine_dead_error(error)
         return sse(error_body(dead.status_code, dead.message, code=dead.code))
     if isinstance(error, ValueError):  # the core rejected the request
-        return sse(error_body(400, str(error)))
+        return sse(error_body(400, str(error), param=rejected_param(error)))
     if isinstance(error, ServerShuttingDownError):
         refused = shutting_down_error(error)
         return sse(error_body(refused.status_code, refused.message, code=refused.code))

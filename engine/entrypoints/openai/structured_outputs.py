@@ -68,7 +68,7 @@ class GrammarChecker:
         with self._lock:
             if grammar in self._passed:
                 self._passed.move_to_end(grammar)
-                return StructuredOutputSpec(kind=kind, grammar=grammar)
+                return StructuredOutputSpec(kind=kind, grammar=grammar, param=param)
             tokenizer = self._tokenizer()
         try:
             grammars.check_grammar(grammar, tokenizer)
@@ -78,7 +78,7 @@ class GrammarChecker:
             self._passed[grammar] = None
             while len(self._passed) > self.max_entries:
                 self._passed.popitem(last=False)
-        return StructuredOutputSpec(kind=kind, grammar=grammar)
+        return StructuredOutputSpec(kind=kind, grammar=grammar, param=param)
 
     def tool_call_format(self, parser_name: str) -> ToolCallFormat:
         """The tool-call format matching the server's parser (`auto`: Hermes when the

@@ -335,3 +335,33 @@ def test_finish_requests_rejects_a_non_finished_status() -> None:
     scheduler = make_scheduler()
     with pytest.raises(ValueError, match="not a finished status"):
         scheduler.finish_requests(["a"], RequestStatus.RUNNING)
+
+
+def test_a_held_back_request_computes_up_to_its_last_token_and_keeps_its_place() -> None:
+    """The engine core holds back constrained requests whose grammar mask is late: they must
+    not sample, so a prompt computes all but its last token and a decode sits the step out,
+    keeping its blocks; the others run as usual."""
+    scheduler = make_scheduler(block_size=4)
+    runner = FakeRunner(4)
+    scheduler.add_request(make_request("held", list(range(6)), max_tokens=4))
+    scheduler.add_request(make_request("free", list(range(10, 15)), max_tokens=4))
+
+    output = scheduler.schedule(held_back=frozenset({"held"}))
+    assert output.num_scheduled_tokens == {"held": 5, "free": 5}
+    outputs = scheduler.update_from_output(output, runner.execute(output))
+    scheduler.check_invariants()
+    assert [o.request_id for o in outputs if o.new_token_ids] == ["free"]
+
+    output = scheduler.schedule()
+    assert output.num_scheduled_tokens == {"held": 1, "free": 1}
+    outputs = scheduler.update_from_output(output, runner.execute(output))
+    assert sorted(o.request_id for o in outputs if o.new_token_ids) == ["free", "held"]
+
+    blocks = free_blocks(scheduler)
+    output = scheduler.schedule(held_back=frozenset({"held"}))
+    assert output.num_scheduled_tokens == {"free": 1}
+    scheduler.update_from_output(output, runner.execute(output))
+    scheduler.check_invariants()
+    assert free_blocks(scheduler) <= blocks
+    assert [r.request_id for r in scheduler.running] == ["held", "free"]
+    run_until_done(scheduler, runner)

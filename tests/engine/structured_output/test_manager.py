@@ -1,34 +1,72 @@
-"""The core's grammar manager on its own: compile, masks, accepting tokens, forgetting."""
+"""The core's grammar manager on its own: compiles and their limits, the cache's byte budget,
+masks computed off the step loop, accepting tokens, forgetting."""
 
 from __future__ import annotations
 
 import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from engine.config import StructuredOutputConfig
 from engine.model.tokenizer import load_tokenizer
 from engine.structured_output import grammars
-from engine.structured_output.manager import StructuredOutputManager
+from engine.structured_output.manager import (
+    MAX_ERROR_CHARS,
+    StructuredOutputManager,
+    allocated_bytes,
+)
 from engine.structured_output.spec import StructuredOutputSpec
+from tests.engine.helpers import FakeClock
 
 EOS = 258
 VOCAB = 272
+SLOW_MASK_REGEX = "(a{1000}){64}"  # a 64,000-state lexer: masks of about 20 ms
+LOAD_TINY = functools.partial(load_tokenizer, "tiny")
+
+
+def _make(config: StructuredOutputConfig | None = None, *,
+          load: Callable[[], Any] = LOAD_TINY,
+          clock: Callable[[], float] | None = None) -> StructuredOutputManager:
+    kwargs: dict[str, Any] = {} if clock is None else {"clock": clock}
+    return StructuredOutputManager(load, VOCAB, config=config, **kwargs)
 
 
 @pytest.fixture
-def manager():
-    grammar_manager = StructuredOutputManager(functools.partial(load_tokenizer, "tiny"), VOCAB)
+def manager() -> Iterator[StructuredOutputManager]:
+    grammar_manager = _make()
     yield grammar_manager
     grammar_manager.shutdown()
 
 
-def _compiled(manager: StructuredOutputManager, request_id: str, grammar: str) -> None:
-    manager.submit(request_id, StructuredOutputSpec(kind="grammar", grammar=grammar), EOS)
+def _spec(grammar: str, param: str | None = "response_format") -> StructuredOutputSpec:
+    return StructuredOutputSpec(kind="grammar", grammar=grammar, param=param)
+
+
+def _outcomes(manager: StructuredOutputManager) -> list[Any]:
+    outcomes = []
     while manager.num_compiling:
-        manager.wait_for_compile(1.0)
-        outcomes = manager.pop_compiled()
-        assert all(outcome.error is None for outcome in outcomes), outcomes
+        manager.wait_for_work(1.0)
+        outcomes += manager.pop_compiled()
+    return outcomes
+
+
+def _compiled(manager: StructuredOutputManager, request_id: str, grammar: str) -> None:
+    manager.submit(request_id, _spec(grammar), EOS)
+    outcomes = _outcomes(manager)
+    assert all(outcome.failure is None for outcome in outcomes), outcomes
+
+
+def _ready(manager: StructuredOutputManager) -> Any:
+    """The masks in flight, once they are all done (and the round that collected them)."""
+    while True:
+        masks = manager.await_masks()
+        if not masks.held_back:
+            return masks
+        manager.wait_for_work(1.0)
 
 
 def _allowed(words: np.ndarray) -> list[int]:
@@ -38,33 +76,163 @@ def _allowed(words: np.ndarray) -> list[int]:
 
 def test_masks_follow_the_grammar_and_end_with_eos(manager):
     _compiled(manager, "r", grammars.choice_grammar(["ab", "ac"]))
+    _ready(manager)
     assert manager.bitmask(["other"]) is None
     mask = manager.bitmask(["other", "r"])
     assert mask.req_ids == ["r"] and mask.words.shape == (1, (VOCAB + 31) // 32)
     assert _allowed(mask.words[0]) == [ord("a")]
     assert manager.accept("r", [ord("a")]) is None
+    _ready(manager)
     assert _allowed(manager.bitmask(["r"]).words[0]) == [ord("b"), ord("c")]
     assert manager.accept("r", [ord("c")]) is None
+    _ready(manager)
     assert _allowed(manager.bitmask(["r"]).words[0]) == [EOS]
-    assert manager.accept("r", [EOS]) is None
+    assert manager.accept("r", [EOS], finished=True) is None
+    assert not manager.request_ids
 
 
-def test_a_rejected_token_is_an_error(manager):
+def test_a_rejected_token_fails_the_request_naming_its_field(manager):
     _compiled(manager, "r", grammars.regex_grammar("[0-9]+"))
-    assert "grammar" in manager.accept("r", [ord("x")])
+    _ready(manager)
+    failure = manager.accept("r", [ord("x")])
+    assert failure.request_id == "r" and failure.param == "response_format"
+    assert failure.error.startswith("response_format: the output left its grammar")
+    assert not manager.request_ids
 
 
-def test_a_bad_grammar_fails_its_request_only(manager):
-    manager.submit("bad", StructuredOutputSpec(kind="grammar", grammar="start: nope\n"), EOS)
-    manager.wait_for_compile(5.0)
-    (outcome,) = manager.pop_compiled()
-    assert outcome.request_id == "bad" and "nope" in outcome.error
-    assert not manager.request_ids and not manager.compiling_request_ids
+def test_a_bad_grammar_fails_its_request_only_and_is_not_cached(manager):
+    _compiled(manager, "good", grammars.choice_grammar(["x"]))
+    manager.submit("bad", _spec("start: nope\n", param="structured_outputs.grammar"), EOS)
+    (outcome,) = _outcomes(manager)
+    assert outcome.request_id == "bad" and outcome.failure.param == "structured_outputs.grammar"
+    assert "nope" in outcome.failure.error and "\n" not in outcome.failure.error
+    assert len(outcome.failure.error) <= MAX_ERROR_CHARS + len("structured_outputs.grammar: ")
+    assert manager.request_ids == {"good"} and not manager.compiling_request_ids
+    manager.submit("bad-again", _spec("start: nope\n"), EOS)
+    _outcomes(manager)
+    assert manager.num_compiles == 3  # the failure was compiled again, not served from cache
+
+
+def test_a_grammar_over_the_byte_limit_fails_and_is_not_cached():
+    manager = _make(StructuredOutputConfig(max_grammar_bytes=1 << 20))
+    try:
+        grammar = grammars.regex_grammar("(a{1000}){16}")  # about 6 MB compiled
+        for request_id in ("a", "b"):
+            manager.submit(request_id, _spec(grammar, "structured_outputs.regex"), EOS)
+            (outcome,) = _outcomes(manager)
+            assert outcome.failure.error.startswith(
+                "structured_outputs.regex: the grammar is too large: compiling it took")
+        assert manager.num_compiles == 2 and manager.cached_bytes == 0
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.skipif(allocated_bytes() is None, reason="the C library cannot report its heap")
+def test_the_cache_keeps_to_its_byte_budget_least_recently_used_first_out():
+    budget = 8 << 20
+    manager = _make(StructuredOutputConfig(grammar_cache_bytes=budget))
+    try:
+        sizes = []
+        for count in range(8, 16):  # each about 3-6 MB compiled
+            _compiled(manager, f"r{count}", grammars.regex_grammar(f"(a{{1000}}){{{count}}}"))
+            sizes.append(manager.cached_bytes)
+            assert manager.cached_bytes <= budget
+        assert sizes[-1] > 2 << 20  # grammars were measured, not charged their text
+        # The most recent grammar is still cached; the first one was evicted.
+        _compiled(manager, "again-last", grammars.regex_grammar("(a{1000}){15}"))
+        _compiled(manager, "again-first", grammars.regex_grammar("(a{1000}){8}"))
+        assert manager.num_cache_hits == 1 and manager.num_compiles == 9
+    finally:
+        manager.shutdown()
+
+
+def test_a_compile_past_its_deadline_fails_at_the_deadline():
+    clock, release = FakeClock(), threading.Event()
+
+    def slow_tokenizer() -> Any:
+        release.wait(30.0)
+        return load_tokenizer("tiny")
+
+    manager = _make(StructuredOutputConfig(max_grammar_compile_s=5.0), load=slow_tokenizer,
+                    clock=clock)
+    try:
+        manager.submit("r", _spec(grammars.choice_grammar(["x"]), "tools"), EOS)
+        clock.advance(4.0)
+        assert manager.pop_compiled() == [] and manager.num_compiling == 1
+        clock.advance(2.0)
+        (outcome,) = manager.pop_compiled()
+        assert outcome.failure.error == "tools: the grammar took longer than 5 s to compile"
+        assert not manager.compiling_request_ids and manager.cached_bytes == 0
+        release.set()
+        _compiled(manager, "r2", grammars.choice_grammar(["x"]))
+        assert manager.num_compiles == 2
+    finally:
+        release.set()
+        manager.shutdown()
+
+
+class _GatedManager(StructuredOutputManager):
+    """Masks wait for `gate` before they are computed (a mask that is slow to come, using no
+    CPU meanwhile)."""
+
+    gate = threading.Event()
+
+    def _compute_mask(self, *args: Any) -> Any:
+        self.gate.wait(30.0)
+        return super()._compute_mask(*args)
+
+
+def test_a_request_whose_mask_is_late_is_held_back_and_others_are_not():
+    manager = _GatedManager(LOAD_TINY, VOCAB,
+                            config=StructuredOutputConfig(grammar_mask_budget_s=0.001))
+    try:
+        _GatedManager.gate.set()
+        _compiled(manager, "fast", grammars.choice_grammar(["ab"]))
+        _ready(manager)
+        _GatedManager.gate.clear()
+        _compiled(manager, "late", grammars.choice_grammar(["ab"]))
+        masks = manager.await_masks()
+        assert masks.held_back == {"late"} and not masks.failures
+        assert manager.bitmask(["fast"]).req_ids == ["fast"]
+        with pytest.raises(RuntimeError, match="before its mask is ready"):
+            manager.bitmask(["late"])
+        _GatedManager.gate.set()
+        assert not _ready(manager).failures
+        assert manager.bitmask(["late", "fast"]).req_ids == ["late", "fast"]
+    finally:
+        _GatedManager.gate.set()
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("budget_s", [0.002, 0.01])
+def test_a_grammar_whose_masks_overrun_the_budget_fails_alone(budget_s):
+    """Masks of about 20 ms: far over a 2 ms budget, the first one (at compile) fails the
+    grammar; over a 10 ms budget, three of them do (on a machine several times slower, the
+    first one may already be over three budgets: either way only this request ends)."""
+    manager = _make(StructuredOutputConfig(grammar_mask_budget_s=budget_s))
+    try:
+        _compiled(manager, "fast", grammars.choice_grammar(["ab"]))
+        manager.submit("slow", _spec(grammars.regex_grammar(SLOW_MASK_REGEX)), EOS)
+        failures = [outcome.failure for outcome in _outcomes(manager) if outcome.failure]
+        for _ in range(10):
+            if failures:
+                break
+            masks = _ready(manager)
+            failures += masks.failures
+            if "slow" in manager.request_ids:
+                assert manager.accept("slow", [ord("a")]) is None
+        (failure,) = failures
+        assert failure.request_id == "slow"
+        assert failure.error.startswith("response_format: the grammar is too slow")
+        assert manager.request_ids == {"fast"}
+    finally:
+        manager.shutdown()
 
 
 def test_remove_forgets_requests_and_duplicates_are_refused(manager):
     _compiled(manager, "r", grammars.choice_grammar(["x"]))
     with pytest.raises(ValueError, match="already"):
-        manager.submit("r", StructuredOutputSpec(kind="choice", grammar="start: \"x\"\n"), EOS)
+        manager.submit("r", _spec("start: \"x\"\n"), EOS)
     manager.remove(["r", "unknown"])
     assert not manager.request_ids and manager.bitmask(["r"]) is None
+    assert not manager.await_masks().held_back

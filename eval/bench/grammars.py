@@ -1,0 +1,307 @@
+"""`continuum bench grammars`: one tenant's hostile grammars against a `continuum serve`
+subprocess (loopback, two tenants), measured from the other tenant.
+
+Two attacks, each with its own server (`--attack memory|stall|both`):
+- **memory**: the attacker sends `--distinct` grammars one after another, each a different
+  JSON `enum` of `--enum-values` strings (about 1 MB of schema whose compiled lexer takes
+  about 20 MB, with fast masks, so that a grammar cache would keep it), asking one token
+  each. Figures: the server's resident memory (frontend and engine core)
+  before, at its peak and after, and the answers' statuses. Check: the growth stays within
+  `--memory-bound-mib`.
+- **stall**: the victim streams completions one after another and times the gaps between
+  its tokens, first alone for `--baseline-s`, then while the attacker sends `--attackers`
+  such grammars at once (asking `--attack-tokens` tokens each; masks of these grammars take
+  tens of ms a token), until every attacker is answered or `--attack-s` passed. Figures:
+  the victim's inter-token latency (median, p99, max) in both phases, the worst gap, and
+  the attackers' statuses. Check: the victim's median and p99 stay within
+  `--max-latency-ratio` of the baseline's. `--control` sends the same completions without
+  a grammar: what as many plain requests cost the victim.
+
+Exit status 1 if a check failed or a server did not start, 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from eval.load_clients import sse_lines
+from eval.metrics import percentile
+from eval.server_checks import Check, RssSampler, markdown_figures, passed
+from eval.server_process import (
+    ServerProcess,
+    add_server_arguments,
+    read_rss_mib,
+    server_from_args,
+)
+
+VICTIM_KEY, ATTACKER_KEY = "victim-key", "attacker-key"
+DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
+                      "--no-job-inference", "--tenant", f"victim:{VICTIM_KEY}",
+                      "--tenant", f"attacker:{ATTACKER_KEY}")
+ATTACKS = ("memory", "stall")
+
+
+@dataclass(frozen=True)
+class GrammarAttackSettings:
+    """The flags of a run (see the module docstring)."""
+
+    distinct: int = 96
+    enum_values: int = 25_000
+    memory_bound_mib: float = 1024.0
+    attackers: int = 30
+    stall_repeat_base: int = 120
+    attack_tokens: int = 16
+    baseline_s: float = 8.0
+    attack_s: float = 60.0
+    victim_tokens: int = 32
+    max_latency_ratio: float = 1.5
+    control: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.distinct, self.enum_values, self.attackers, self.stall_repeat_base,
+               self.attack_tokens, self.victim_tokens) < 1:
+            raise ValueError("counts must be >= 1")
+        if min(self.baseline_s, self.attack_s, self.memory_bound_mib,
+               self.max_latency_ratio) <= 0:
+            raise ValueError("durations, bounds and ratios must be positive")
+
+
+def attack_body(model: str, repeat: int | None, max_tokens: int) -> dict[str, Any]:
+    """A completion whose output must match `(a{1000}){repeat}`: each `repeat` is a
+    distinct grammar, so none is served from the grammar cache (None: the same completion
+    without a grammar, the control)."""
+    body: dict[str, Any] = {"model": model, "prompt": "a", "max_tokens": max_tokens}
+    if repeat is not None:
+        body["structured_outputs"] = {"regex": f"(a{{1000}}){{{repeat}}}"}
+    return body
+
+
+def enum_body(model: str, index: int, num_values: int) -> dict[str, Any]:
+    """A completion whose output must be one of `num_values` strings, distinct by `index`."""
+    values = [f"v{index}-{value:06d}-{'x' * 20}" for value in range(num_values)]
+    return {"model": model, "prompt": "a", "max_tokens": 1,
+            "structured_outputs": {"json": {"enum": values}}}
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def _attack(http: httpx.AsyncClient, body: dict[str, Any]) -> int | str:
+    try:
+        response = await http.post("/v1/completions", json=body, headers=_auth(ATTACKER_KEY))
+        return response.status_code
+    except httpx.HTTPError as error:
+        return type(error).__name__
+
+
+async def _served_model(http: httpx.AsyncClient) -> str:
+    response = await http.get("/v1/models", headers=_auth(VICTIM_KEY))
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+# Memory.
+async def _memory_attack(server: ServerProcess, settings: GrammarAttackSettings
+                         ) -> tuple[list[tuple[str, object]], list[Check]]:
+    sampler = RssSampler(server, interval_s=0.2)
+    start_mib = sampler.sample()
+    start_by_process = _rss_by_process(server)
+    sampler.start()
+    started_s = time.monotonic()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
+        model = await _served_model(http)
+        statuses = Counter(
+            [await _attack(http, enum_body(model, index, settings.enum_values))
+             for index in range(settings.distinct)])
+    await sampler.stop()
+    end_mib = sampler.sample()
+    growth_mib = sampler.peak_rss_mib - start_mib
+    figures: list[tuple[str, object]] = [
+        ("memory: grammars sent", settings.distinct),
+        ("memory: statuses", _counts(statuses)),
+        ("memory: seconds", round(time.monotonic() - started_s, 1)),
+        ("memory: server RSS before / peak / after, MiB",
+         f"{start_mib:.0f} / {sampler.peak_rss_mib:.0f} / {end_mib:.0f}"),
+        ("memory: peak growth, MiB", round(growth_mib, 1)),
+        ("memory: RSS before -> after by process, MiB", ", ".join(
+            f"{pid}: {start_by_process.get(pid, 0.0):.0f} -> {rss_mib:.0f}"
+            for pid, rss_mib in _rss_by_process(server).items())),
+    ]
+    checks = [
+        Check("memory: the server survived", server.is_healthy(), server.log_tail(3)
+              if not server.is_healthy() else "healthy"),
+        Check("memory: growth within bound", growth_mib <= settings.memory_bound_mib,
+              f"{growth_mib:.0f} MiB (bound {settings.memory_bound_mib:.0f})"),
+    ]
+    return figures, checks
+
+
+def _rss_by_process(server: ServerProcess) -> dict[int, float]:
+    return {pid: read_rss_mib(pid) or 0.0 for pid in server.process_ids()}
+
+
+# Stall.
+@dataclass
+class _Victim:
+    """The victim's gaps between tokens, by phase; owned by one stall run."""
+
+    phase: str = "baseline"
+    gaps_s: dict[str, list[float]] | None = None
+    num_failed: int = 0
+
+    def __post_init__(self) -> None:
+        self.gaps_s = {"baseline": [], "attack": []}
+
+    async def run(self, http: httpx.AsyncClient, model: str, max_tokens: int,
+                  stop: asyncio.Event) -> None:
+        body = {"model": model, "prompt": "hello", "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True}
+        while not stop.is_set():
+            try:
+                await self._one(http, body)
+            except httpx.HTTPError:
+                self.num_failed += 1
+
+    async def _one(self, http: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        async with http.stream("POST", "/v1/completions", json=body,
+                               headers=_auth(VICTIM_KEY)) as response:
+            if response.status_code != 200:
+                self.num_failed += 1
+                return
+            last_s = None
+            async for line in sse_lines(response.aiter_bytes()):
+                if not line.startswith("data: {"):
+                    continue
+                now_s = time.monotonic()
+                if last_s is not None:
+                    assert self.gaps_s is not None
+                    self.gaps_s[self.phase].append(now_s - last_s)
+                last_s = now_s
+
+
+async def _stall_attack(server: ServerProcess, settings: GrammarAttackSettings
+                        ) -> tuple[list[tuple[str, object]], list[Check]]:
+    victim, stop = _Victim(), asyncio.Event()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
+        model = await _served_model(http)
+        victim_task = asyncio.create_task(victim.run(http, model, settings.victim_tokens, stop))
+        await asyncio.sleep(settings.baseline_s)
+        victim.phase = "attack"
+        started_s = time.monotonic()
+        attacks = [asyncio.create_task(_attack(http, attack_body(
+            model, None if settings.control else settings.stall_repeat_base + index,
+            settings.attack_tokens))) for index in range(settings.attackers)]
+        done, pending = await asyncio.wait(attacks, timeout=settings.attack_s)
+        attack_s = time.monotonic() - started_s
+        stop.set()
+        for task in pending:
+            task.cancel()
+        await victim_task
+    statuses = Counter(task.result() for task in done)
+    statuses["unanswered"] += len(pending)
+    assert victim.gaps_s is not None
+    baseline, attack = victim.gaps_s["baseline"], victim.gaps_s["attack"]
+    figures: list[tuple[str, object]] = [
+        ("stall: attackers' statuses", _counts(statuses)),
+        ("stall: attack phase, s", round(attack_s, 1)),
+        ("stall: victim tokens baseline / attack", f"{len(baseline)} / {len(attack)}"),
+        ("stall: victim failures", victim.num_failed),
+    ]
+    checks = [Check("stall: the server survived", server.is_healthy(), "")]
+    for name, q in (("median", 50.0), ("p99", 99.0)):
+        before, during = percentile(baseline, q), percentile(attack, q)
+        figures.append((f"stall: victim inter-token {name}, ms (baseline / attack)",
+                        f"{_ms(before)} / {_ms(during)}"))
+        ratio = None if not before or during is None else during / before
+        checks.append(Check(f"stall: victim {name} within {settings.max_latency_ratio}x",
+                            ratio is not None and ratio <= settings.max_latency_ratio,
+                            "no tokens" if ratio is None else f"{ratio:.2f}x"))
+    figures.append(("stall: victim worst gap, ms (baseline / attack)",
+                    f"{_ms(max(baseline, default=None))} / {_ms(max(attack, default=None))}"))
+    return figures, checks
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _counts(counter: Counter[Any]) -> str:
+    return ", ".join(f"{key}: {count}" for key, count in sorted(counter.items(), key=str)
+                     if count)
+
+
+def run_attack(args: argparse.Namespace, attack: str, settings: GrammarAttackSettings
+               ) -> tuple[list[tuple[str, object]], list[Check]]:
+    """Starts a server, runs one attack against it, stops it."""
+    with server_from_args(args, check_invariants=False) as server:
+        run = _memory_attack if attack == "memory" else _stall_attack
+        return asyncio.run(run(server, settings))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = GrammarAttackSettings()
+    parser.add_argument("--attack", choices=(*ATTACKS, "both"), default="both",
+                        help="which attack to run (default: %(default)s)")
+    parser.add_argument("--control", action="store_true",
+                        help="stall: the attackers send the same completions without a "
+                             "grammar (what as many plain requests cost the victim)")
+    for name, help_text in (
+        ("distinct", "memory: distinct grammars sent"),
+        ("enum_values", "memory: strings in each grammar's enum"),
+        ("memory_bound_mib", "memory: most growth of the server's RSS, MiB"),
+        ("attackers", "stall: grammars sent at once"),
+        ("stall_repeat_base", "stall: K of the first attacker's grammar"),
+        ("attack_tokens", "stall: tokens each attacker asks for"),
+        ("baseline_s", "stall: seconds the victim runs alone first"),
+        ("attack_s", "stall: most seconds to wait for the attackers"),
+        ("victim_tokens", "stall: tokens of each victim completion"),
+        ("max_latency_ratio", "stall: most victim latency under attack over its baseline"),
+    ):
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                            help=f"{help_text} (default: %(default)s)")
+    add_server_arguments(parser, DEFAULT_SERVE_ARGS)
+    parser.add_argument("--json", default=None, help="write the figures and checks here")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        settings = GrammarAttackSettings(
+            distinct=args.distinct, enum_values=args.enum_values,
+            memory_bound_mib=args.memory_bound_mib, attackers=args.attackers,
+            stall_repeat_base=args.stall_repeat_base, attack_tokens=args.attack_tokens,
+            baseline_s=args.baseline_s, attack_s=args.attack_s,
+            victim_tokens=args.victim_tokens, max_latency_ratio=args.max_latency_ratio,
+            control=args.control)
+        server_from_args(args, check_invariants=False)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    figures: list[tuple[str, object]] = []
+    checks: list[Check] = []
+    for attack in ATTACKS if args.attack == "both" else (args.attack,):
+        try:
+            attack_figures, attack_checks = run_attack(args, attack, settings)
+        except RuntimeError as error:  # the server did not start
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        figures += attack_figures
+        checks += attack_checks
+    print(markdown_figures(figures, checks))
+    if args.json:
+        document = {"serve_args": args.serve_args, "settings": asdict(settings),
+                    "figures": {name: value for name, value in figures},
+                    "checks": [asdict(check) for check in checks], "passed": passed(checks)}
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+    return 0 if passed(checks) else 1
