@@ -80,16 +80,23 @@ class MaskRound:
 
 @dataclass(frozen=True)
 class _Compiled:
+    """A compiled grammar at its start: its matcher, its first mask and that mask's CPU
+    seconds, and the bytes it is charged (its text and the heap its compile allocated)."""
+
     matcher: llguidance.LLMatcher
-    num_bytes: int
+    first_words: np.ndarray  # [1, words]
     first_mask_cpu_s: float
+    num_bytes: int
 
 
 @dataclass
 class _CacheEntry:
-    future: Future[_Compiled]
-    started_s: float
-    num_bytes: int = 0  # known once compiled
+    """A grammar compiling or compiled: `started_s` is set by the worker when it starts (the
+    deadline counts from then, not from the queue); `num_bytes` once it settled."""
+
+    future: Future[_Compiled] = field(default_factory=Future)
+    started_s: float | None = None
+    num_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,7 @@ class StructuredOutputManager:
             NUM_MASK_THREADS, thread_name_prefix="grammar-mask",
             initializer=_lower_thread_priority)
         self._tokenizer_lock = threading.Lock()  # compile threads share tokenizers and stats
+        self._measure_lock = threading.Lock()
         self._hf_tokenizer: Any = None
         self._tokenizers: dict[int | None, llguidance.LLTokenizer] = {}
         self._cache: OrderedDict[tuple[str, int | None], _CacheEntry] = OrderedDict()
@@ -177,7 +185,7 @@ class StructuredOutputManager:
     @property
     def cached_bytes(self) -> int:
         """Bytes of the compiled grammars in the cache (as measured when they compiled)."""
-        return sum(entry.num_bytes for entry in self._cache.values())
+        return sum(entry.num_bytes or 0 for entry in self._cache.values())
 
     def has_grammar(self, request_id: str) -> bool:
         return request_id in self._grammars
@@ -191,8 +199,9 @@ class StructuredOutputManager:
         key = (spec.grammar, eos_token_id)
         entry = self._cache.get(key)
         if entry is None:
-            future = self._compile_pool.submit(self._compile, spec.grammar, eos_token_id)
-            entry = self._cache[key] = _CacheEntry(future, self._clock())
+            entry = self._cache[key] = _CacheEntry()
+            entry.future = self._compile_pool.submit(self._compile, spec.grammar, eos_token_id,
+                                                     entry)
             self.num_compiles += 1
         else:
             self._cache.move_to_end(key)
@@ -201,31 +210,27 @@ class StructuredOutputManager:
 
     def pop_compiled(self) -> list[CompileOutcome]:
         """The compiles that ended since the last call: a successful one's request has its
-        first mask started; a failed one (or one past its deadline) is forgotten, and its
-        grammar is not cached."""
+        grammar (with its first mask) ready; a failed one, or one past its deadline, is
+        forgotten and its grammar not cached. Then settles the cache: compiles that finished
+        with no request left are charged (or dropped if they failed), and the least recently
+        used grammars are evicted while the cache holds more than its byte budget."""
         now_s = self._clock()
+        limit_s = self.config.max_grammar_compile_s
         outcomes = []
         for request_id, (entry, param) in list(self._compiling.items()):
-            if not entry.future.done():
-                if now_s - entry.started_s <= self.config.max_grammar_compile_s:
-                    continue
-                error = (f"the grammar took longer than {self.config.max_grammar_compile_s:g} s to "
-                         "compile")
-            else:
+            if entry.future.done():
                 error = _short(entry.future.exception())
-            del self._compiling[request_id]
-            if error is None:
-                self._charge(entry)
-                compiled = entry.future.result()
-                # A grammar slow from its first mask is never waited for.
-                slow = compiled.first_mask_cpu_s > self.config.grammar_mask_budget_s
-                self._grammars[request_id] = grammar = _Grammar(param, num_slow_masks=int(slow))
-                self._start_mask(grammar, compiled.matcher, copy=True)
-                outcomes.append(CompileOutcome(request_id, None))
+            elif entry.started_s is not None and now_s - entry.started_s > limit_s:
+                error = f"the grammar took longer than {limit_s:g} s to compile"
+                self._drop(entry)
             else:
-                self._forget_compile(entry)
-                outcomes.append(CompileOutcome(request_id, self._failure(request_id, error,
-                                                                         param)))
+                continue
+            del self._compiling[request_id]
+            failure = None if error is None else self._failure(request_id, error, param)
+            if failure is None:
+                self._grammars[request_id] = self._first_grammar(entry.future.result(), param)
+            outcomes.append(CompileOutcome(request_id, failure))
+        self._settle_cache()
         return outcomes
 
     def wait_for_work(self, timeout_s: float) -> None:
@@ -254,6 +259,8 @@ class StructuredOutputManager:
         for request_id, grammar in list(self._grammars.items()):
             error = self._collect_mask(grammar)
             if error is not None:
+                if grammar.job is not None:
+                    grammar.job.future.cancel()
                 del self._grammars[request_id]
                 failures.append(self._failure(request_id, error, grammar.param))
         held_back = frozenset(request_id for request_id, grammar in self._grammars.items()
@@ -287,7 +294,7 @@ class StructuredOutputManager:
         if error is not None or finished:
             del self._grammars[request_id]
         elif token_ids:
-            self._start_mask(grammar, grammar.matcher, copy=False)
+            self._start_mask(grammar)
         return None if error is None else self._failure(request_id, error, grammar.param)
 
     def _consume(self, request_id: str, grammar: _Grammar,
@@ -303,31 +310,49 @@ class StructuredOutputManager:
         return None
 
     def remove(self, request_ids: Iterable[str]) -> None:
-        """Forgets finished or aborted requests (a compile in flight finishes into the
-        cache; a mask in flight is dropped)."""
+        """Forgets finished or aborted requests: a mask in flight is dropped (cancelled if it
+        has not started), and so is a compile no other request waits for that has not
+        started (one that has finishes into the cache)."""
         for request_id in request_ids:
-            self._grammars.pop(request_id, None)
-            self._compiling.pop(request_id, None)
+            grammar = self._grammars.pop(request_id, None)
+            if grammar is not None and grammar.job is not None:
+                grammar.job.future.cancel()
+            compiling = self._compiling.pop(request_id, None)
+            if compiling is not None:
+                entry = compiling[0]
+                waited_for = any(other is entry for other, _ in self._compiling.values())
+                if not waited_for and entry.future.cancel():
+                    self._drop(entry)
 
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
     # The cache.
-    def _charge(self, entry: _CacheEntry) -> None:
-        """Counts a finished compile's bytes, then evicts least recently used grammars while
-        the cache holds more than its budget (requests keep their own matchers)."""
-        if entry.num_bytes == 0:
-            entry.num_bytes = entry.future.result().num_bytes
-        cached = sum(e.num_bytes for e in self._cache.values())
-        for key, old in list(self._cache.items()):
+    def _first_grammar(self, compiled: _Compiled, param: str | None) -> _Grammar:
+        """A request's own copy of a compiled grammar, with the first mask its compile
+        computed (a grammar slow from that mask is never waited for)."""
+        slow = compiled.first_mask_cpu_s > self.config.grammar_mask_budget_s
+        return _Grammar(param, matcher=compiled.matcher.deep_copy(), words=compiled.first_words,
+                        num_slow_masks=int(slow))
+
+    def _settle_cache(self) -> None:
+        cached = 0
+        for key, entry in list(self._cache.items()):
+            if entry.num_bytes is None and entry.future.done():
+                if entry.future.cancelled() or entry.future.exception() is not None:
+                    del self._cache[key]
+                    continue
+                entry.num_bytes = entry.future.result().num_bytes
+            cached += entry.num_bytes or 0
+        for key, entry in list(self._cache.items()):
             if cached <= self.config.grammar_cache_bytes:
                 break
-            if old.future.done() and old is not entry:
-                cached -= old.num_bytes
+            if entry.num_bytes is not None:  # requests keep their own matchers
+                cached -= entry.num_bytes
                 del self._cache[key]
 
-    def _forget_compile(self, entry: _CacheEntry) -> None:
+    def _drop(self, entry: _CacheEntry) -> None:
         for key, cached in list(self._cache.items()):
             if cached is entry:
                 del self._cache[key]
@@ -337,11 +362,10 @@ class StructuredOutputManager:
         return GrammarFailure(request_id, f"{param}: {error}" if param else error, param)
 
     # Masks.
-    def _start_mask(self, grammar: _Grammar, matcher: llguidance.LLMatcher, *,
-                    copy: bool) -> None:
+    def _start_mask(self, grammar: _Grammar) -> None:
         grammar.words = None
         job = _MaskJob(Future(), self._clock())
-        job.future = self._mask_pool.submit(self._compute_mask, matcher, copy, job)
+        job.future = self._mask_pool.submit(self._compute_mask, grammar.matcher, job)
         grammar.job = job
 
     def _collect_mask(self, grammar: _Grammar) -> str | None:
@@ -354,8 +378,11 @@ class StructuredOutputManager:
         if not job.future.done():
             used_s = _cpu_used_s(job)
             return self._too_slow if used_s > MAX_SLOW_MASKS * budget_s else None
-        result = job.future.result()
         grammar.job = None
+        try:
+            result = job.future.result()
+        except Exception as error:  # a worker's failure ends its request only
+            return _short(f"the grammar failed: {error}")
         grammar.matcher = result.matcher
         self.mask_time_s += result.cpu_s
         if result.error is not None:
@@ -375,28 +402,29 @@ class StructuredOutputManager:
                 f"{MAX_SLOW_MASKS * budget_ms:g} ms once")
 
     # Worker threads.
-    def _compute_mask(self, matcher: llguidance.LLMatcher, copy: bool,
-                      job: _MaskJob) -> _MaskResult:
+    def _compute_mask(self, matcher: llguidance.LLMatcher, job: _MaskJob) -> _MaskResult:
         started_cpu_s = time.thread_time()
         clock_id = time.pthread_getcpuclockid(threading.get_ident())
         job.cpu_clock.append((clock_id, time.clock_gettime(clock_id)))
-        if copy:
-            matcher = matcher.deep_copy()
         words = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
         llguidance.numpy.fill_next_token_bitmask(matcher, words, 0)
         error = _short(f"the grammar failed: {matcher.get_error()}") if matcher.is_error() else None
         return _MaskResult(matcher, words, time.thread_time() - started_cpu_s, error)
 
-    def _compile(self, grammar: str, eos_token_id: int | None) -> _Compiled:
+    def _compile(self, grammar: str, eos_token_id: int | None,
+                 entry: _CacheEntry) -> _Compiled:
         started_s = time.perf_counter()
         with self._tokenizer_lock:
             tokenizer = self._tokenizer(eos_token_id)
-        heap_before = allocated_bytes()
-        matcher, first_mask_cpu_s = compile_grammar(tokenizer, grammar)
-        heap_after = allocated_bytes()
-        # Another thread's frees can make the difference small: never less than the text.
-        num_bytes = max(len(grammar), 0 if heap_before is None or heap_after is None
-                        else heap_after - heap_before)
+        # One measured compile at a time: the heap is the process's, and another compile's
+        # allocations would be charged to this one.
+        with self._measure_lock:
+            entry.started_s = self._clock()
+            heap_before = allocated_bytes()
+            matcher, first_words, first_mask_cpu_s = compile_grammar(tokenizer, grammar)
+            heap_after = allocated_bytes()
+        heap_bytes = 0 if heap_before is None or heap_after is None else heap_after - heap_before
+        num_bytes = len(grammar) + max(0, heap_bytes)
         with self._tokenizer_lock:
             self.compile_time_s += time.perf_counter() - started_s
         limit = self.config.max_grammar_bytes
@@ -406,7 +434,7 @@ class StructuredOutputManager:
                              f"{limit / 2**20:g} MiB")
         if first_mask_cpu_s > MAX_SLOW_MASKS * self.config.grammar_mask_budget_s:
             raise ValueError(self._too_slow)
-        return _Compiled(matcher, num_bytes, first_mask_cpu_s)
+        return _Compiled(matcher, first_words, first_mask_cpu_s, num_bytes)
 
     def _tokenizer(self, eos_token_id: int | None) -> llguidance.LLTokenizer:
         tokenizer = self._tokenizers.get(eos_token_id)
@@ -422,10 +450,10 @@ class StructuredOutputManager:
 
 
 def compile_grammar(tokenizer: llguidance.LLTokenizer,
-                    grammar: str) -> tuple[llguidance.LLMatcher, float]:
-    """A matcher at the grammar's start, its first mask computed (the lexer and the parser's
-    tables are built then, not in the step that first samples), and the CPU seconds of that
-    first mask."""
+                    grammar: str) -> tuple[llguidance.LLMatcher, np.ndarray, float]:
+    """A matcher at the grammar's start, its first mask (computed now: the lexer and the
+    parser's tables are built then, not in the step that first samples), and the CPU seconds
+    of that first mask."""
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     error = matcher.get_error()
     if error:
@@ -436,7 +464,7 @@ def compile_grammar(tokenizer: llguidance.LLTokenizer,
     first_mask_cpu_s = time.thread_time() - started_cpu_s
     if matcher.is_error():
         raise ValueError(f"invalid grammar: {matcher.get_error()}")
-    return matcher, first_mask_cpu_s
+    return matcher, words, first_mask_cpu_s
 
 
 class _MallInfo2(ctypes.Structure):
