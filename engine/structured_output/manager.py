@@ -1,20 +1,21 @@
 """The engine core's side of structured outputs: compiling grammars and computing masks.
 
 Owned by the `EngineCore` (one thread calls it). Grammar work never runs on the step loop:
-- **Compiles** run on worker threads (`submit`, then `pop_compiled`); a request waits in the
-  core, outside the scheduler, until its grammar is ready. A compile is measured (the heap
-  it allocated) and fails, uncached, past `max_grammar_bytes` or, as a deadline the core
-  checks at every step, past `max_grammar_compile_s`. Compiled grammars are shared by
+- **Compiles** run on a worker thread, one at a time (`submit`, then `pop_compiled`), so that
+  the heap each allocates is its own; a request waits in the core, outside the scheduler,
+  until its grammar is ready. A compile is charged its text and that heap, and fails,
+  uncached, past `max_grammar_bytes` or, as a deadline the core checks at every step
+  (counted from the compile's start), past `max_grammar_compile_s`. Compiled grammars are shared by
   requests with the same (grammar, EOS) through a cache bounded in bytes
   (`grammar_cache_bytes`, least recently used first out); failures are never cached.
-- **Masks** run on worker threads too: a request's next mask is started as soon as its
-  grammar state is known (when it is queued, then after each token it accepts). Before
-  every step the core calls `await_masks`, which waits until a deadline for the masks
-  started less than `grammar_mask_budget_s` ago and then says which requests are `held_back` (their
-  mask is not ready: the step must not sample them) and which requests fail: a grammar
-  whose masks took more than the budget of CPU `MAX_SLOW_MASKS` times, or whose current
-  mask (its first one included, computed by the compile) has already used that many
-  budgets, is too slow, and only its request ends.
+- **Masks** run on worker threads too: a request's first mask is the compile's, and its
+  next one is started as soon as it accepts a token. Before every step the core calls
+  `await_masks`, which waits until a deadline for the masks started less than
+  `grammar_mask_budget_s` ago, then says which requests are `held_back` (their mask is not
+  ready: the step must not sample them) and which fail: a grammar whose masks took more
+  than the budget of CPU `MAX_SLOW_MASKS` times (the compile's first mask included), or
+  whose current mask has already used that many budgets, is too slow, and only its
+  request ends.
 
 Worker threads run at a lower CPU priority (niceness 10: about a tenth of the step loop's
 share when both want a core), so that on a busy machine grammar work yields to the step loop
@@ -43,7 +44,6 @@ from engine.config import StructuredOutputConfig
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.structured_output.spec import StructuredOutputSpec
 
-NUM_COMPILE_THREADS = 2
 NUM_MASK_THREADS = 4
 MAX_SLOW_MASKS = 3
 MAX_ERROR_CHARS = 300
@@ -101,8 +101,7 @@ class _CacheEntry:
 
 @dataclass(frozen=True)
 class _MaskResult:
-    matcher: llguidance.LLMatcher
-    words: np.ndarray | None  # [1, words]; None when the grammar failed
+    words: np.ndarray  # [1, words]
     cpu_s: float
     error: str | None
 
@@ -114,16 +113,16 @@ class _MaskJob:
 
     future: Future[_MaskResult]
     submitted_s: float
-    cpu_clock: list[tuple[int, float]] = field(default_factory=list)  # (clock id, start)
+    cpu_clock: tuple[int, float] | None = None  # (clock id, reading at start), by the worker
 
 
 @dataclass
 class _Grammar:
-    """One queued request's grammar: its matcher (None until its first mask), its mask when
-    ready, the mask job in flight, and how many of its masks were slow."""
+    """One queued request's grammar: its own matcher, its mask when ready, the mask job in
+    flight, and how many of its masks were slow."""
 
     param: str | None
-    matcher: llguidance.LLMatcher | None = None
+    matcher: llguidance.LLMatcher
     words: np.ndarray | None = None
     job: _MaskJob | None = None
     num_slow_masks: int = 0
@@ -135,7 +134,7 @@ class StructuredOutputManager:
     `load_tokenizer` returns the Hugging Face tokenizer of the model; it is called once, on a
     compile thread, when the first grammar arrives. `vocab_size` is the model's (it may exceed
     the tokenizer's: the extra ids are never allowed). `config` holds the limits; `clock`
-    gives seconds (deadlines).
+    gives seconds (deadlines). The compile thread alone touches the tokenizers.
     """
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, *,
@@ -146,13 +145,10 @@ class StructuredOutputManager:
         self.config = StructuredOutputConfig() if config is None else config
         self._clock = clock
         self._compile_pool = ThreadPoolExecutor(
-            NUM_COMPILE_THREADS, thread_name_prefix="grammar-compile",
-            initializer=_lower_thread_priority)
+            1, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority)
         self._mask_pool = ThreadPoolExecutor(
             NUM_MASK_THREADS, thread_name_prefix="grammar-mask",
             initializer=_lower_thread_priority)
-        self._tokenizer_lock = threading.Lock()  # compile threads share tokenizers and stats
-        self._measure_lock = threading.Lock()
         self._hf_tokenizer: Any = None
         self._tokenizers: dict[int | None, llguidance.LLTokenizer] = {}
         self._cache: OrderedDict[tuple[str, int | None], _CacheEntry] = OrderedDict()
@@ -160,7 +156,6 @@ class StructuredOutputManager:
         self._grammars: dict[str, _Grammar] = {}
         self.num_compiles = 0
         self.num_cache_hits = 0
-        self.num_failures = 0
         self.compile_time_s = 0.0
         self.mask_time_s = 0.0
 
@@ -300,7 +295,7 @@ class StructuredOutputManager:
     def _consume(self, request_id: str, grammar: _Grammar,
                  token_ids: Sequence[int]) -> str | None:
         matcher = grammar.matcher
-        if token_ids and (matcher is None or grammar.job is not None):
+        if token_ids and grammar.job is not None:
             raise RuntimeError(f"request {request_id!r} produced tokens before its mask")
         for token_id in token_ids:
             if matcher.is_stopped():
@@ -358,7 +353,6 @@ class StructuredOutputManager:
                 del self._cache[key]
 
     def _failure(self, request_id: str, error: str, param: str | None) -> GrammarFailure:
-        self.num_failures += 1
         return GrammarFailure(request_id, f"{param}: {error}" if param else error, param)
 
     # Masks.
@@ -383,7 +377,6 @@ class StructuredOutputManager:
             result = job.future.result()
         except Exception as error:  # a worker's failure ends its request only
             return _short(f"the grammar failed: {error}")
-        grammar.matcher = result.matcher
         self.mask_time_s += result.cpu_s
         if result.error is not None:
             return result.error
@@ -405,28 +398,23 @@ class StructuredOutputManager:
     def _compute_mask(self, matcher: llguidance.LLMatcher, job: _MaskJob) -> _MaskResult:
         started_cpu_s = time.thread_time()
         clock_id = time.pthread_getcpuclockid(threading.get_ident())
-        job.cpu_clock.append((clock_id, time.clock_gettime(clock_id)))
+        job.cpu_clock = (clock_id, time.clock_gettime(clock_id))
         words = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
         llguidance.numpy.fill_next_token_bitmask(matcher, words, 0)
         error = _short(f"the grammar failed: {matcher.get_error()}") if matcher.is_error() else None
-        return _MaskResult(matcher, words, time.thread_time() - started_cpu_s, error)
+        return _MaskResult(words, time.thread_time() - started_cpu_s, error)
 
     def _compile(self, grammar: str, eos_token_id: int | None,
                  entry: _CacheEntry) -> _Compiled:
         started_s = time.perf_counter()
-        with self._tokenizer_lock:
-            tokenizer = self._tokenizer(eos_token_id)
-        # One measured compile at a time: the heap is the process's, and another compile's
-        # allocations would be charged to this one.
-        with self._measure_lock:
-            entry.started_s = self._clock()
-            heap_before = allocated_bytes()
-            matcher, first_words, first_mask_cpu_s = compile_grammar(tokenizer, grammar)
-            heap_after = allocated_bytes()
+        tokenizer = self._tokenizer(eos_token_id)
+        entry.started_s = self._clock()
+        heap_before = allocated_bytes()
+        matcher, first_words, first_mask_cpu_s = compile_grammar(tokenizer, grammar)
+        heap_after = allocated_bytes()
         heap_bytes = 0 if heap_before is None or heap_after is None else heap_after - heap_before
         num_bytes = len(grammar) + max(0, heap_bytes)
-        with self._tokenizer_lock:
-            self.compile_time_s += time.perf_counter() - started_s
+        self.compile_time_s += time.perf_counter() - started_s
         limit = self.config.max_grammar_bytes
         if num_bytes > limit:
             raise ValueError(f"the grammar is too large: compiling it took "
@@ -496,9 +484,9 @@ def allocated_bytes() -> int | None:
 
 def _cpu_used_s(job: _MaskJob) -> float:
     """CPU seconds the job in flight has used so far (0 before a worker took it)."""
-    if not job.cpu_clock:
+    if job.cpu_clock is None:
         return 0.0
-    clock_id, started_s = job.cpu_clock[0]
+    clock_id, started_s = job.cpu_clock
     try:
         return time.clock_gettime(clock_id) - started_s
     except OSError:  # the worker thread ended

@@ -28,7 +28,7 @@ import json
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -157,11 +157,9 @@ class _Victim:
     """The victim's gaps between tokens, by phase; owned by one stall run."""
 
     phase: str = "baseline"
-    gaps_s: dict[str, list[float]] | None = None
+    gaps_s: dict[str, list[float]] = field(
+        default_factory=lambda: {"baseline": [], "attack": []})
     num_failed: int = 0
-
-    def __post_init__(self) -> None:
-        self.gaps_s = {"baseline": [], "attack": []}
 
     async def run(self, http: httpx.AsyncClient, model: str, max_tokens: int,
                   stop: asyncio.Event) -> None:
@@ -185,7 +183,6 @@ class _Victim:
                     continue
                 now_s = time.monotonic()
                 if last_s is not None:
-                    assert self.gaps_s is not None
                     self.gaps_s[self.phase].append(now_s - last_s)
                 last_s = now_s
 
@@ -210,7 +207,6 @@ async def _stall_attack(server: ServerProcess, settings: GrammarAttackSettings
         await victim_task
     statuses = Counter(task.result() for task in done)
     statuses["unanswered"] += len(pending)
-    assert victim.gaps_s is not None
     baseline, attack = victim.gaps_s["baseline"], victim.gaps_s["attack"]
     figures: list[tuple[str, object]] = [
         ("stall: attackers' statuses", _counts(statuses)),
