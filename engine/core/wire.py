@@ -111,8 +111,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
     Counters are cumulative since the core started (`pins_released` by release reason); times
     are seconds of wall time (`execute_time_s` inside the executor, `step_time_s` in whole
-    steps, `grammar_mask_time_s` computing structured outputs' token masks; `grammar_compile_
-    time_s` is spent on the compile thread, off the step loop). With a host KV tier,
+    steps; `grammar_compile_time_s` is spent on the compile thread, off the step loop), but
+    `grammar_mask_time_s`, CPU seconds of the mask workers computing structured outputs'
+    token masks. With a host KV tier,
     `num_host_kv_blocks` (0: none) of which `num_used_host_kv_blocks` hold KV, the tokens
     stored to and loaded from it, and `prefix_cache_host_hit_tokens`, the part of
     `prefix_cache_hit_tokens` found there, and `kv_copy_time_s`, the part of
