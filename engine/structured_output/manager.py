@@ -91,9 +91,11 @@ class _Compiled:
 
 @dataclass
 class _CacheEntry:
-    """A grammar compiling or compiled: `started_s` is set by the worker when it starts (the
-    deadline counts from then, not from the queue); `num_bytes` once it settled."""
+    """A grammar compiling or compiled, cached under `key`: `started_s` is set by the worker
+    when it starts (the deadline counts from then, not from the queue); `num_bytes` once it
+    settled."""
 
+    key: tuple[str, int | None]
     future: Future[_Compiled] = field(default_factory=Future)
     started_s: float | None = None
     num_bytes: int | None = None
@@ -152,6 +154,8 @@ class StructuredOutputManager:
         self._hf_tokenizer: Any = None
         self._tokenizers: dict[int | None, llguidance.LLTokenizer] = {}
         self._cache: OrderedDict[tuple[str, int | None], _CacheEntry] = OrderedDict()
+        self._unsettled: list[_CacheEntry] = []  # compiling, in the cache or not
+        self._cached_bytes = 0
         self._compiling: dict[str, tuple[_CacheEntry, str | None]] = {}
         self._grammars: dict[str, _Grammar] = {}
         self.num_compiles = 0
@@ -180,7 +184,7 @@ class StructuredOutputManager:
     @property
     def cached_bytes(self) -> int:
         """Bytes of the compiled grammars in the cache (as measured when they compiled)."""
-        return sum(entry.num_bytes or 0 for entry in self._cache.values())
+        return self._cached_bytes
 
     def has_grammar(self, request_id: str) -> bool:
         return request_id in self._grammars
@@ -194,9 +198,10 @@ class StructuredOutputManager:
         key = (spec.grammar, eos_token_id)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._cache[key] = _CacheEntry()
+            entry = self._cache[key] = _CacheEntry(key)
             entry.future = self._compile_pool.submit(self._compile, spec.grammar, eos_token_id,
                                                      entry)
+            self._unsettled.append(entry)
             self.num_compiles += 1
         else:
             self._cache.move_to_end(key)
@@ -332,25 +337,29 @@ class StructuredOutputManager:
                         num_slow_masks=int(slow))
 
     def _settle_cache(self) -> None:
-        cached = 0
-        for key, entry in list(self._cache.items()):
-            if entry.num_bytes is None and entry.future.done():
-                if entry.future.cancelled() or entry.future.exception() is not None:
-                    del self._cache[key]
-                    continue
-                entry.num_bytes = entry.future.result().num_bytes
-            cached += entry.num_bytes or 0
-        for key, entry in list(self._cache.items()):
-            if cached <= self.config.grammar_cache_bytes:
-                break
-            if entry.num_bytes is not None:  # requests keep their own matchers
-                cached -= entry.num_bytes
-                del self._cache[key]
+        """Charges the compiles that finished (dropping failed ones), then evicts the least
+        recently used grammars while the cache holds more than its budget (requests keep
+        their own matchers). Does nothing while no compile finished."""
+        if not any(entry.future.done() for entry in self._unsettled):
+            return
+        finished = [entry for entry in self._unsettled if entry.future.done()]
+        self._unsettled = [entry for entry in self._unsettled if not entry.future.done()]
+        for entry in finished:
+            if self._cache.get(entry.key) is not entry:
+                continue  # dropped meanwhile
+            if entry.future.cancelled() or entry.future.exception() is not None:
+                del self._cache[entry.key]
+                continue
+            entry.num_bytes = entry.future.result().num_bytes
+            self._cached_bytes += entry.num_bytes
+        while self._cached_bytes > self.config.grammar_cache_bytes:
+            oldest = next(entry for entry in self._cache.values() if entry.num_bytes is not None)
+            self._drop(oldest)
 
     def _drop(self, entry: _CacheEntry) -> None:
-        for key, cached in list(self._cache.items()):
-            if cached is entry:
-                del self._cache[key]
+        if self._cache.get(entry.key) is entry:
+            del self._cache[entry.key]
+            self._cached_bytes -= entry.num_bytes or 0
 
     def _failure(self, request_id: str, error: str, param: str | None) -> GrammarFailure:
         return GrammarFailure(request_id, f"{param}: {error}" if param else error, param)
