@@ -29,6 +29,10 @@ from engine.entrypoints.openai.tenants import (
     parse_tenant_flag,
     read_keys_file,
 )
+from engine.entrypoints.openai.work_pool import (
+    DEFAULT_MAX_WAITING_PREPARATIONS,
+    DEFAULT_PREPARATION_THREADS,
+)
 from engine.replicas.flags import add_replica_arguments
 from engine.tool_calls import TOOL_PARSERS
 
@@ -78,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        default=DEFAULT_MAX_STORED_RESPONSE_BYTES,
                        help="most bytes of stored responses (their JSON) in all, shared "
                             "equally among the tenants (default: %(default)s)")
+    group.add_argument("--preparation-threads", type=int, default=DEFAULT_PREPARATION_THREADS,
+                       help="threads that parse large bodies, check grammars, render chats and "
+                            "tokenize; with several tenants one tenant uses at most half of "
+                            "them (default: %(default)s)")
+    group.add_argument("--max-waiting-preparations", type=int,
+                       default=DEFAULT_MAX_WAITING_PREPARATIONS,
+                       help="a tenant with this many requests waiting for those threads gets "
+                            "429 for the next (default: %(default)s)")
     group.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                        help="most stop strings per request; more get 400 (default: %(default)s)")
     group.add_argument("--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS,
@@ -137,4 +149,6 @@ def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
         shutdown_timeout_s=args.shutdown_timeout_s,
         max_stored_responses=args.max_stored_responses,
         max_stored_response_bytes=args.max_stored_response_bytes,
+        preparation_threads=args.preparation_threads,
+        max_waiting_preparations=args.max_waiting_preparations,
     )

@@ -32,6 +32,7 @@ from engine.entrypoints.openai.errors import (
     install_error_handlers,
     shutting_down_error,
 )
+from engine.entrypoints.openai.json_body import PoolParsedRoute
 from engine.entrypoints.openai.metrics import PrometheusMetrics
 from engine.entrypoints.openai.openapi import (
     RESPONSE_EVENTS,
@@ -174,10 +175,12 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = engine_factory(metrics)
+        pool = settings.work_pool()
         app.state.engine = engine
-        app.state.completions = OpenAIServingCompletion(engine, settings)
-        app.state.chat = OpenAIServingChat(engine, settings)
-        app.state.responses = OpenAIServingResponses(engine, settings, ResponseStore(
+        app.state.work_pool = pool
+        app.state.completions = OpenAIServingCompletion(engine, settings, pool)
+        app.state.chat = OpenAIServingChat(engine, settings, pool)
+        app.state.responses = OpenAIServingResponses(engine, settings, pool, ResponseStore(
             max_responses=settings.max_stored_responses,
             max_bytes=settings.max_stored_response_bytes,
             num_tenants=settings.num_tenants))
@@ -191,8 +194,10 @@ def build_app(
                 watcher.cancel()
             app.state.drain.cancel()
             engine.shutdown()
+            pool.shutdown()
 
     app = FastAPI(title="Continuum engine", version=package_version(), lifespan=lifespan)
+    app.router.route_class = PoolParsedRoute
     app.openapi = lambda: _openapi(app, settings)  # type: ignore[method-assign]
     app.state.settings = settings
     app.state.metrics = metrics

@@ -33,6 +33,11 @@ from engine.entrypoints.openai.tenants import (
     engine_job_id,
     scope_tenant,
 )
+from engine.entrypoints.openai.work_pool import (
+    DEFAULT_MAX_WAITING_PREPARATIONS,
+    DEFAULT_PREPARATION_THREADS,
+    TenantWorkPool,
+)
 from engine.frontend.async_llm import AsyncLLM, QueueFullError
 from engine.frontend.outputs import RequestOutput, RequestRejected
 from engine.frontend.processor import ProcessedRequest
@@ -101,6 +106,8 @@ class ServerSettings:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
     max_stored_response_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES
+    preparation_threads: int = DEFAULT_PREPARATION_THREADS
+    max_waiting_preparations: int = DEFAULT_MAX_WAITING_PREPARATIONS
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -112,7 +119,8 @@ class ServerSettings:
                              f"{self.shutdown_timeout_s!r}")
         for name in ("max_prompt_tokens", "max_output_tokens", "max_n", "max_prompts",
                      "max_stop_strings", "max_stop_token_ids", "max_waiting_requests",
-                     "retry_after_s", "max_stored_responses", "max_stored_response_bytes"):
+                     "retry_after_s", "max_stored_responses", "max_stored_response_bytes",
+                     "preparation_threads", "max_waiting_preparations"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -124,6 +132,13 @@ class ServerSettings:
     def num_tenants(self) -> int:
         """How many tenants share the server (1 without API keys)."""
         return 1 if self.tenants is None else len(self.tenants.names)
+
+    def work_pool(self) -> TenantWorkPool:
+        """A new pool for the server's blocking work, as these settings size it."""
+        return TenantWorkPool.for_tenants(
+            self.num_tenants, self.preparation_threads,
+            max_waiting_per_tenant=self.max_waiting_preparations,
+            retry_after_s=self.retry_after_s)
 
 
 @dataclass(frozen=True)
@@ -145,13 +160,16 @@ class ClientContext:
 class OpenAIServing:
     """Base of the endpoint handlers: turns validated HTTP bodies into engine requests.
     `prompt_param` names the body field that holds the prompt, as OpenAI's errors name it
-    (`param` of a context-length error)."""
+    (`param` of a context-length error). Blocking work runs on `pool`, which the server
+    owns and shares among the handlers."""
 
     prompt_param: ClassVar[str] = "prompt"
 
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool
+                 ) -> None:
         self.engine = engine
         self.settings = settings
+        self.pool = pool
         self._token_texts: dict[int, str] = {}
         self.grammar_checker = GrammarChecker(engine.processor.tokenizer)
 

@@ -12,7 +12,6 @@ has its first token (clients time the first token by it).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -34,6 +33,7 @@ from engine.entrypoints.openai.serving import (
 from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
+from engine.entrypoints.openai.work_pool import TenantWorkPool
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.processor import ProcessedRequest, core_request_id
@@ -73,8 +73,9 @@ class OpenAIServingChat(OpenAIServing):
 
     prompt_param = "messages"
 
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings) -> None:
-        super().__init__(engine, settings)
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool
+                 ) -> None:
+        super().__init__(engine, settings, pool)
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
         self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
 
@@ -101,8 +102,8 @@ class OpenAIServingChat(OpenAIServing):
         self._check_chat_fields(body)
         structured_output = None
         if may_constrain(body):
-            structured_output = await asyncio.to_thread(
-                chat_structured_output, body, self.grammar_checker,
+            structured_output = await self.pool.run(
+                client.tenant, chat_structured_output, body, self.grammar_checker,
                 self.settings.tool_call_parser)
         params = self.sampling_params(
             body,
@@ -113,7 +114,8 @@ class OpenAIServingChat(OpenAIServing):
             structured_output=structured_output,
         )
         self.check_queue_room(body.n)
-        request = await asyncio.to_thread(self._render_and_process, body, params, client)
+        request = await self.pool.run(client.tenant, self._render_and_process, body, params,
+                                      client)
         (stream,) = self.submit([request])
         return PreparedChat(request, stream, client.request_id)
 

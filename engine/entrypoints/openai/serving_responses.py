@@ -17,7 +17,6 @@ prompt. So the engine's job order and KV pins apply to every agent's turns.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -68,6 +67,7 @@ from engine.entrypoints.openai.serving_chat import template_message
 from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
+from engine.entrypoints.openai.work_pool import TenantWorkPool
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.processor import ProcessedRequest
@@ -264,9 +264,9 @@ class OpenAIServingResponses(OpenAIServing):
 
     prompt_param = "input"
 
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings, store: ResponseStore
-                 ) -> None:
-        super().__init__(engine, settings)
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
+                 store: ResponseStore) -> None:
+        super().__init__(engine, settings, pool)
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
         self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
         self.store = store
@@ -289,17 +289,18 @@ class OpenAIServingResponses(OpenAIServing):
         constraint_fields = _ConstraintFields.of(body)
         structured_output = None
         if may_constrain(constraint_fields):
-            structured_output = await asyncio.to_thread(self._structured_output,
-                                                        constraint_fields)
+            structured_output = await self.pool.run(client.tenant, self._structured_output,
+                                                    constraint_fields)
         params = self._sampling_params(body, structured_output)
         response_id = new_item_id("resp")
         store = body.store is not False
         job_body, job_id = _with_job(body, None if previous is None else previous.job_id,
                                      client)
         self.check_queue_room(1)
-        items, item_jsons = await asyncio.to_thread(_conversation, previous, input_items)
-        request = await asyncio.to_thread(
-            self._render_and_process, response_id, job_body, items, params, client,
+        items, item_jsons = await self.pool.run(client.tenant, _conversation, previous,
+                                                input_items)
+        request = await self.pool.run(
+            client.tenant, self._render_and_process, response_id, job_body, items, params, client,
             None if previous is None else previous.response_id)
         (stream,) = self.submit([request])
         return PreparedResponse(
@@ -528,7 +529,7 @@ class OpenAIServingResponses(OpenAIServing):
         stored = self.store.get(tenant, response_id)
         if stored is None:
             raise _unknown_response(response_id)
-        return await asyncio.to_thread(_input_item_page, stored, limit, order, after)
+        return await self.pool.run(tenant, _input_item_page, stored, limit, order, after)
 
     def cancel(self, response_id: str, tenant: str | None) -> dict[str, Any]:
         """OpenAI cancels only responses run in the background, which this server does not

@@ -1,0 +1,154 @@
+"""The HTTP layer's blocking work (parsing large bodies, checking grammars, rendering chats,
+tokenizing, decoding stored responses), on threads shared fairly among tenants.
+
+One pool serves the whole server. A tenant runs at most `max_threads_per_tenant` items at
+once, so that a flood from one tenant (say chats of 10,000 messages, each taking seconds to
+render and tokenize) always leaves threads to the others; when a thread frees, the next item
+is taken from the tenants in turn, so one tenant's backlog delays another's next item by at
+most one item's run. A tenant whose waiting items already number `max_waiting_per_tenant`
+gets 429 for the next one: its queue, and the request bodies it holds, stay bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.entrypoints.openai.errors import APIError
+
+_T = TypeVar("_T")
+
+# As many as asyncio's default executor, which did this work before.
+DEFAULT_PREPARATION_THREADS = min(32, (os.cpu_count() or 1) + 4)
+DEFAULT_MAX_WAITING_PREPARATIONS = 64
+
+
+@dataclass(eq=False)
+class _Item:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    result: asyncio.Future[Any] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class TenantWorkPool:
+    """Threads for blocking work, shared fairly among tenants (see the module docstring).
+
+    `run` is called from the event loop only; all bookkeeping happens there, so it needs no
+    lock. `shutdown` is called once, when the server stops.
+    """
+
+    def __init__(self, num_threads: int = DEFAULT_PREPARATION_THREADS, *,
+                 max_threads_per_tenant: int | None = None,
+                 max_waiting_per_tenant: int = DEFAULT_MAX_WAITING_PREPARATIONS,
+                 retry_after_s: int = 1) -> None:
+        if num_threads < 1 or max_waiting_per_tenant < 1:
+            raise ValueError("num_threads and max_waiting_per_tenant must be at least 1")
+        per_tenant = num_threads if max_threads_per_tenant is None else max_threads_per_tenant
+        if not 1 <= per_tenant <= num_threads:
+            raise ValueError(f"max_threads_per_tenant must be in [1, {num_threads}], got "
+                             f"{per_tenant}")
+        self.num_threads = num_threads
+        self.max_threads_per_tenant = per_tenant
+        self.max_waiting_per_tenant = max_waiting_per_tenant
+        self.retry_after_s = retry_after_s
+        self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="preparation")
+        self._waiting: dict[str | None, deque[_Item]] = {}
+        # Every tenant seen, in the order of their next turns: one that starts an item goes
+        # last, one never seen before goes first. As bounded as the server's API keys.
+        self._turns: OrderedDict[str | None, None] = OrderedDict()
+        self._running: dict[str | None, int] = {}
+        self._num_running = 0
+
+    @classmethod
+    def for_tenants(cls, num_tenants: int, num_threads: int = DEFAULT_PREPARATION_THREADS,
+                    **kwargs: Any) -> TenantWorkPool:
+        """A pool in which, when there are several tenants, each may use at most half the
+        threads (all of them when there is one)."""
+        per_tenant = num_threads if num_tenants <= 1 else max(1, num_threads // 2)
+        return cls(num_threads, max_threads_per_tenant=per_tenant, **kwargs)
+
+    async def run(self, tenant: str | None, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on a thread of the pool, in `tenant`'s turn; its result or exception.
+        APIError(429) if the tenant already has `max_waiting_per_tenant` items waiting. If
+        the caller is cancelled while the item waits, the item is dropped; once it runs, it
+        runs to its end and its result is discarded."""
+        queue = self._waiting.get(tenant)
+        if queue is not None and len(queue) >= self.max_waiting_per_tenant:
+            raise APIError(429, f"too many of this client's requests are being prepared "
+                                f"({len(queue)} waiting); retry later", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.retry_after_s)})
+        item = _Item(fn, args)
+        if tenant not in self._turns:
+            self._turns[tenant] = None
+            self._turns.move_to_end(tenant, last=False)
+        self._waiting.setdefault(tenant, deque()).append(item)
+        self._dispatch()
+        try:
+            return await item.result  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            self._drop(tenant, item)
+            raise
+
+    def num_waiting(self, tenant: str | None) -> int:
+        """How many of `tenant`'s items wait for a thread."""
+        return len(self._waiting.get(tenant, ()))
+
+    def num_running(self, tenant: str | None) -> int:
+        """How many of `tenant`'s items run now."""
+        return self._running.get(tenant, 0)
+
+    def shutdown(self) -> None:
+        """Stops taking items; items already running finish on their threads."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _dispatch(self) -> None:
+        """Starts waiting items while threads are free, taking tenants in turn."""
+        while self._num_running < self.num_threads:
+            for tenant in self._turns:
+                if (tenant in self._waiting
+                        and self._running.get(tenant, 0) < self.max_threads_per_tenant):
+                    break
+            else:
+                return
+            queue = self._waiting[tenant]
+            item = queue.popleft()
+            if not queue:
+                del self._waiting[tenant]
+            self._turns.move_to_end(tenant)
+            self._start(tenant, item)
+
+    def _start(self, tenant: str | None, item: _Item) -> None:
+        self._running[tenant] = self._running.get(tenant, 0) + 1
+        self._num_running += 1
+        loop = asyncio.get_running_loop()
+        work = self._executor.submit(item.fn, *item.args)
+        work.add_done_callback(
+            lambda done: loop.call_soon_threadsafe(self._finished, tenant, item, done))
+
+    def _finished(self, tenant: str | None, item: _Item, done: Future[Any]) -> None:
+        self._running[tenant] -= 1
+        self._num_running -= 1
+        if not self._running[tenant]:
+            del self._running[tenant]
+        if done.cancelled():
+            item.result.cancel()
+        elif not item.result.done():
+            error = done.exception()
+            if error is None:
+                item.result.set_result(done.result())
+            else:
+                item.result.set_exception(error)
+        self._dispatch()
+
+    def _drop(self, tenant: str | None, item: _Item) -> None:
+        queue = self._waiting.get(tenant)
+        if queue is not None and any(waiting is item for waiting in queue):
+            queue.remove(item)
+            if not queue:
+                del self._waiting[tenant]

@@ -1,0 +1,120 @@
+"""The preparation pool: one tenant's flood never takes every thread, tenants are served in
+turn, a tenant's queue is bounded (429), cancelled waiters leave it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.work_pool import TenantWorkPool
+
+
+def _blocker(started: list[str], name: str, gate: threading.Event) -> Callable[[], str]:
+    def work() -> str:
+        started.append(name)
+        gate.wait(10)
+        return name
+    return work
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+def test_a_flooding_tenant_leaves_threads_to_the_others():
+    async def scenario() -> None:
+        pool = TenantWorkPool.for_tenants(2, num_threads=4)
+        assert pool.max_threads_per_tenant == 2
+        gate, started = threading.Event(), []
+        flood = [asyncio.ensure_future(pool.run("attacker", _blocker(started, f"a{i}", gate)))
+                 for i in range(10)]
+        await _until(lambda: pool.num_running("attacker") == 2)
+        assert pool.num_waiting("attacker") == 8
+        # The attacker's items all wait on the gate, yet the victim's runs at once.
+        assert await asyncio.wait_for(pool.run("victim", lambda: "served"), 5) == "served"
+        gate.set()
+        assert sorted(await asyncio.gather(*flood)) == sorted(f"a{i}" for i in range(10))
+        pool.shutdown()
+    asyncio.run(scenario())
+
+
+def test_tenants_are_served_in_turn():
+    async def scenario() -> None:
+        pool = TenantWorkPool(1)
+        gate, started = threading.Event(), []
+        first = asyncio.ensure_future(pool.run("a", _blocker(started, "a0", gate)))
+        await _until(lambda: started == ["a0"])
+        order: list[str] = []
+        waiting = [asyncio.ensure_future(pool.run(tenant, order.append, f"{tenant}{index}"))
+                   for tenant, index in (("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2))]
+        gate.set()
+        await asyncio.gather(first, *waiting)
+        assert order == ["b1", "a1", "b2", "a2", "a3"]
+        pool.shutdown()
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_answers_429_and_changes_nothing():
+    async def scenario() -> None:
+        pool = TenantWorkPool(1, max_waiting_per_tenant=2, retry_after_s=7)
+        gate, started = threading.Event(), []
+        running = asyncio.ensure_future(pool.run("a", _blocker(started, "a0", gate)))
+        await _until(lambda: started == ["a0"])
+        queued = [asyncio.ensure_future(pool.run("a", lambda: "ok")) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(APIError) as refused:
+            await pool.run("a", lambda: "refused")
+        assert refused.value.status_code == 429
+        assert refused.value.headers == {"Retry-After": "7"}
+        assert pool.num_waiting("a") == 2
+        gate.set()
+        assert await asyncio.gather(running, *queued) == ["a0", "ok", "ok"]
+        pool.shutdown()
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_waiter_leaves_the_queue_and_errors_reach_the_caller():
+    async def scenario() -> None:
+        pool = TenantWorkPool(1)
+        gate, started = threading.Event(), []
+        running = asyncio.ensure_future(pool.run("a", _blocker(started, "a0", gate)))
+        await _until(lambda: started == ["a0"])
+        ran: list[str] = []
+        waiter = asyncio.ensure_future(pool.run("a", ran.append, "never"))
+        await asyncio.sleep(0)
+        assert pool.num_waiting("a") == 1
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert pool.num_waiting("a") == 0
+        gate.set()
+        await running
+
+        def fail() -> None:
+            raise ValueError("bad input")
+        with pytest.raises(ValueError, match="bad input"):
+            await pool.run("a", fail)
+        assert ran == []
+        assert (pool.num_running("a"), pool.num_waiting("a")) == (0, 0)
+        pool.shutdown()
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kwargs", [{"num_threads": 0}, {"max_waiting_per_tenant": 0},
+                                    {"num_threads": 2, "max_threads_per_tenant": 3}])
+def test_bad_sizes_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        TenantWorkPool(**kwargs)
+
+
+def test_one_tenant_may_use_every_thread():
+    assert TenantWorkPool.for_tenants(1, num_threads=6).max_threads_per_tenant == 6
+    assert TenantWorkPool.for_tenants(3, num_threads=1).max_threads_per_tenant == 1
