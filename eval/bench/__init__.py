@@ -35,6 +35,8 @@ BENCH_COMMANDS: Mapping[str, str] = MappingProxyType({
     "structured": "structured outputs: step cost, grammar compile time",
     "grammars": "one tenant's hostile grammars against a `continuum serve` subprocess: its "
                 "memory, the other tenant's latency",
+    "bodies": "one tenant's huge chat and Responses bodies against a `continuum serve` "
+              "subprocess: the other tenant's latency",
     "workloads": "the named workloads that ship with the package",
     "amplification": "memory of a `continuum serve` subprocess before and after one huge "
                      "completion request",

@@ -28,14 +28,12 @@ import json
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from eval.load_clients import sse_lines
-from eval.metrics import percentile
 from eval.server_checks import Check, RssSampler, markdown_figures, passed
 from eval.server_process import (
     ServerProcess,
@@ -43,11 +41,17 @@ from eval.server_process import (
     read_rss_mib,
     server_from_args,
 )
+from eval.victim import (
+    ATTACKER_KEY,
+    TENANT_ARGS,
+    Victim,
+    auth,
+    counts_text,
+    served_model,
+)
 
-VICTIM_KEY, ATTACKER_KEY = "victim-key", "attacker-key"
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
-                      "--no-job-inference", "--tenant", f"victim:{VICTIM_KEY}",
-                      "--tenant", f"attacker:{ATTACKER_KEY}")
+                      "--no-job-inference", *TENANT_ARGS)
 ATTACKS = ("memory", "stall")
 
 
@@ -93,22 +97,12 @@ def enum_body(model: str, index: int, num_values: int) -> dict[str, Any]:
             "structured_outputs": {"json": {"enum": values}}}
 
 
-def _auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 async def _attack(http: httpx.AsyncClient, body: dict[str, Any]) -> int | str:
     try:
-        response = await http.post("/v1/completions", json=body, headers=_auth(ATTACKER_KEY))
+        response = await http.post("/v1/completions", json=body, headers=auth(ATTACKER_KEY))
         return response.status_code
     except httpx.HTTPError as error:
         return type(error).__name__
-
-
-async def _served_model(http: httpx.AsyncClient) -> str:
-    response = await http.get("/v1/models", headers=_auth(VICTIM_KEY))
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
 
 
 # Memory.
@@ -120,7 +114,7 @@ async def _memory_attack(server: ServerProcess, settings: GrammarAttackSettings
     sampler.start()
     started_s = time.monotonic()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
-        model = await _served_model(http)
+        model = await served_model(http)
         statuses = Counter(
             [await _attack(http, enum_body(model, index, settings.enum_values))
              for index in range(settings.distinct)])
@@ -129,7 +123,7 @@ async def _memory_attack(server: ServerProcess, settings: GrammarAttackSettings
     growth_mib = sampler.peak_rss_mib - start_mib
     figures: list[tuple[str, object]] = [
         ("memory: grammars sent", settings.distinct),
-        ("memory: statuses", _counts(statuses)),
+        ("memory: statuses", counts_text(statuses)),
         ("memory: seconds", round(time.monotonic() - started_s, 1)),
         ("memory: server RSS before / peak / after, MiB",
          f"{start_mib:.0f} / {sampler.peak_rss_mib:.0f} / {end_mib:.0f}"),
@@ -152,46 +146,11 @@ def _rss_by_process(server: ServerProcess) -> dict[int, float]:
 
 
 # Stall.
-@dataclass
-class _Victim:
-    """The victim's gaps between tokens, by phase; owned by one stall run."""
-
-    phase: str = "baseline"
-    gaps_s: dict[str, list[float]] = field(
-        default_factory=lambda: {"baseline": [], "attack": []})
-    num_failed: int = 0
-
-    async def run(self, http: httpx.AsyncClient, model: str, max_tokens: int,
-                  stop: asyncio.Event) -> None:
-        body = {"model": model, "prompt": "hello", "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True}
-        while not stop.is_set():
-            try:
-                await self._one(http, body)
-            except httpx.HTTPError:
-                self.num_failed += 1
-
-    async def _one(self, http: httpx.AsyncClient, body: dict[str, Any]) -> None:
-        async with http.stream("POST", "/v1/completions", json=body,
-                               headers=_auth(VICTIM_KEY)) as response:
-            if response.status_code != 200:
-                self.num_failed += 1
-                return
-            last_s = None
-            async for line in sse_lines(response.aiter_bytes()):
-                if not line.startswith("data: {"):
-                    continue
-                now_s = time.monotonic()
-                if last_s is not None:
-                    self.gaps_s[self.phase].append(now_s - last_s)
-                last_s = now_s
-
-
 async def _stall_attack(server: ServerProcess, settings: GrammarAttackSettings
                         ) -> tuple[list[tuple[str, object]], list[Check]]:
-    victim, stop = _Victim(), asyncio.Event()
+    victim, stop = Victim(), asyncio.Event()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
-        model = await _served_model(http)
+        model = await served_model(http)
         victim_task = asyncio.create_task(victim.run(http, model, settings.victim_tokens, stop))
         await asyncio.sleep(settings.baseline_s)
         victim.phase = "attack"
@@ -207,34 +166,14 @@ async def _stall_attack(server: ServerProcess, settings: GrammarAttackSettings
         await victim_task
     statuses = Counter(task.result() for task in done)
     statuses["unanswered"] += len(pending)
-    baseline, attack = victim.gaps_s["baseline"], victim.gaps_s["attack"]
     figures: list[tuple[str, object]] = [
-        ("stall: attackers' statuses", _counts(statuses)),
+        ("stall: attackers' statuses", counts_text(statuses)),
         ("stall: attack phase, s", round(attack_s, 1)),
-        ("stall: victim tokens baseline / attack", f"{len(baseline)} / {len(attack)}"),
-        ("stall: victim failures", victim.num_failed),
     ]
-    checks = [Check("stall: the server survived", server.is_healthy(), "")]
-    for name, q in (("median", 50.0), ("p99", 99.0)):
-        before, during = percentile(baseline, q), percentile(attack, q)
-        figures.append((f"stall: victim inter-token {name}, ms (baseline / attack)",
-                        f"{_ms(before)} / {_ms(during)}"))
-        ratio = None if not before or during is None else during / before
-        checks.append(Check(f"stall: victim {name} within {settings.max_latency_ratio}x",
-                            ratio is not None and ratio <= settings.max_latency_ratio,
-                            "no tokens" if ratio is None else f"{ratio:.2f}x"))
-    figures.append(("stall: victim worst gap, ms (baseline / attack)",
-                    f"{_ms(max(baseline, default=None))} / {_ms(max(attack, default=None))}"))
-    return figures, checks
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
-
-def _counts(counter: Counter[Any]) -> str:
-    return ", ".join(f"{key}: {count}" for key, count in sorted(counter.items(), key=str)
-                     if count)
+    victim_figures, checks = victim.figures_and_checks("stall", settings.max_latency_ratio,
+                                                       first_token=False)
+    return figures + victim_figures, [Check("stall: the server survived",
+                                            server.is_healthy(), ""), *checks]
 
 
 def run_attack(args: argparse.Namespace, attack: str, settings: GrammarAttackSettings

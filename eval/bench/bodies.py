@@ -1,0 +1,169 @@
+"""`continuum bench bodies`: one tenant's huge request bodies against a `continuum serve`
+subprocess (loopback, two tenants), measured from the other tenant.
+
+The victim streams chat completions one after another and times each one's first token and
+the gaps between its tokens, first alone for `--baseline-s`, then for `--attack-s` while
+`--attackers` clients of the other tenant each send one body after another
+(`--attack chats|responses|both`, each against its own server):
+- **chats**: chats of `--chat-messages` messages of `--message-chars` characters (8 MB by
+  default), each taking seconds to render and tokenize, on threads the server shares with
+  every tenant; longer than the model's context, so each ends in a 400 once tokenized.
+- **responses**: Responses requests whose one input message holds `--response-parts` tiny
+  content parts (15 MB by default), costly to parse and validate on the event loop.
+Figures: the victim's time to first token and inter-token latency (median, p99, worst) in
+both phases and the attackers' statuses. Check: the victim's medians and p99s stay within
+`--max-latency-ratio` of the baseline's.
+
+Exit status 1 if a check failed or a server did not start, 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from eval.server_checks import Check, markdown_figures, passed
+from eval.server_process import ServerProcess, add_server_arguments, server_from_args
+from eval.victim import ATTACKER_KEY, TENANT_ARGS, Victim, auth, counts_text, served_model
+
+DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
+                      "--no-job-inference", *TENANT_ARGS)
+ATTACKS = ("chats", "responses")
+
+
+@dataclass(frozen=True)
+class BodyAttackSettings:
+    """The flags of a run (see the module docstring)."""
+
+    attackers: int = 12
+    chat_messages: int = 2_000
+    message_chars: int = 4_000
+    response_parts: int = 400_000
+    baseline_s: float = 8.0
+    attack_s: float = 30.0
+    victim_tokens: int = 32
+    max_latency_ratio: float = 1.5
+
+    def __post_init__(self) -> None:
+        if min(self.attackers, self.chat_messages, self.message_chars, self.response_parts,
+               self.victim_tokens) < 1:
+            raise ValueError("counts must be >= 1")
+        if min(self.baseline_s, self.attack_s, self.max_latency_ratio) <= 0:
+            raise ValueError("durations and ratios must be positive")
+
+
+def attack_request(attack: str, model: str, settings: BodyAttackSettings
+                   ) -> tuple[str, bytes]:
+    """The path and JSON body each attacker sends, distinct per attack."""
+    if attack == "chats":
+        text = "lorem ipsum " * (settings.message_chars // 12)
+        messages = [{"role": "user" if index % 2 else "assistant", "content": f"{index} {text}"}
+                    for index in range(settings.chat_messages)]
+        body: dict[str, object] = {"model": model, "max_tokens": 1, "messages": messages}
+        return "/v1/chat/completions", json.dumps(body).encode()
+    part = {"type": "input_text", "text": "a"}
+    body = {"model": model, "max_output_tokens": 1,
+            "input": [{"role": "user", "content": [part] * settings.response_parts}]}
+    return "/v1/responses", json.dumps(body).encode()
+
+
+async def _attacker(http: httpx.AsyncClient, path: str, body: bytes, until_s: float,
+                    statuses: Counter[int | str]) -> None:
+    headers = {**auth(ATTACKER_KEY), "Content-Type": "application/json"}
+    while time.monotonic() < until_s:
+        try:
+            response = await http.post(path, content=body, headers=headers)
+            statuses[response.status_code] += 1
+        except httpx.HTTPError as error:
+            statuses[type(error).__name__] += 1
+
+
+async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettings
+                  ) -> tuple[list[tuple[str, object]], list[Check]]:
+    victim, stop = Victim(chat=True), asyncio.Event()
+    statuses: Counter[int | str] = Counter()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
+        model = await served_model(http)
+        path, body = attack_request(attack, model, settings)
+        victim_task = asyncio.create_task(victim.run(http, model, settings.victim_tokens, stop))
+        await asyncio.sleep(settings.baseline_s)
+        victim.phase = "attack"
+        until_s = time.monotonic() + settings.attack_s
+        await asyncio.gather(*(_attacker(http, path, body, until_s, statuses)
+                               for _ in range(settings.attackers)))
+        stop.set()
+        await victim_task
+    figures: list[tuple[str, object]] = [
+        (f"{attack}: attack body, MB", round(len(body) / 1e6, 1)),
+        (f"{attack}: attackers' statuses", counts_text(statuses)),
+    ]
+    victim_figures, checks = victim.figures_and_checks(attack, settings.max_latency_ratio,
+                                                       first_token=True)
+    return figures + victim_figures, [Check(f"{attack}: the server survived",
+                                            server.is_healthy(), ""), *checks]
+
+
+def run_attack(args: argparse.Namespace, attack: str, settings: BodyAttackSettings
+               ) -> tuple[list[tuple[str, object]], list[Check]]:
+    """Starts a server, runs one attack against it, stops it."""
+    with server_from_args(args, check_invariants=False) as server:
+        return asyncio.run(_attack(server, attack, settings))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = BodyAttackSettings()
+    parser.add_argument("--attack", choices=(*ATTACKS, "both"), default="both",
+                        help="which attack to run (default: %(default)s)")
+    for name, help_text in (
+        ("attackers", "attacking clients, each sending one body after another"),
+        ("chat_messages", "chats: messages of each chat"),
+        ("message_chars", "chats: characters of each message"),
+        ("response_parts", "responses: content parts of the input message"),
+        ("baseline_s", "seconds the victim runs alone first"),
+        ("attack_s", "seconds of attack"),
+        ("victim_tokens", "tokens of each victim completion"),
+        ("max_latency_ratio", "most victim latency under attack over its baseline"),
+    ):
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                            help=f"{help_text} (default: %(default)s)")
+    add_server_arguments(parser, DEFAULT_SERVE_ARGS)
+    parser.add_argument("--json", default=None, help="write the figures and checks here")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        settings = BodyAttackSettings(
+            attackers=args.attackers, chat_messages=args.chat_messages,
+            message_chars=args.message_chars, response_parts=args.response_parts,
+            baseline_s=args.baseline_s, attack_s=args.attack_s,
+            victim_tokens=args.victim_tokens, max_latency_ratio=args.max_latency_ratio)
+        server_from_args(args, check_invariants=False)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    figures: list[tuple[str, object]] = []
+    checks: list[Check] = []
+    for attack in ATTACKS if args.attack == "both" else (args.attack,):
+        try:
+            attack_figures, attack_checks = run_attack(args, attack, settings)
+        except RuntimeError as error:  # the server did not start
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        figures += attack_figures
+        checks += attack_checks
+    print(markdown_figures(figures, checks))
+    if args.json:
+        document = {"serve_args": args.serve_args, "settings": asdict(settings),
+                    "figures": {name: value for name, value in figures},
+                    "checks": [asdict(check) for check in checks], "passed": passed(checks)}
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+    return 0 if passed(checks) else 1

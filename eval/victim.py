@@ -1,0 +1,121 @@
+"""The well-behaved tenant of the attack benchmarks (`bench grammars`, `bench bodies`): it
+streams completions one after another against a `continuum serve` subprocess and times each
+one's first token and the gaps between its tokens, by phase (alone, then under attack)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from eval.load_clients import sse_lines
+from eval.metrics import percentile
+from eval.server_checks import Check
+
+VICTIM_KEY, ATTACKER_KEY = "victim-key", "attacker-key"
+TENANT_ARGS = ("--tenant", f"victim:{VICTIM_KEY}", "--tenant", f"attacker:{ATTACKER_KEY}")
+PHASES = ("baseline", "attack")
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def served_model(http: httpx.AsyncClient) -> str:
+    response = await http.get("/v1/models", headers=auth(VICTIM_KEY))
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+@dataclass
+class Victim:
+    """The victim's latencies by phase; owned by one run, which sets `phase`. `chat` sends
+    chat completions (rendered and tokenized by the server), else text completions."""
+
+    chat: bool = False
+    phase: str = "baseline"
+    gaps_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    first_token_s: dict[str, list[float]] = field(
+        default_factory=lambda: {p: [] for p in PHASES})
+    num_failed: int = 0
+
+    async def run(self, http: httpx.AsyncClient, model: str, max_tokens: int,
+                  stop: asyncio.Event) -> None:
+        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "ignore_eos": True,
+                                "stream": True}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": "hello"}]
+        else:
+            body["prompt"] = "hello"
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        while not stop.is_set():
+            try:
+                await self._one(http, path, body)
+            except httpx.HTTPError:
+                self.num_failed += 1
+
+    async def _one(self, http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> None:
+        phase, sent_s = self.phase, time.monotonic()
+        async with http.stream("POST", path, json=body, headers=auth(VICTIM_KEY)) as response:
+            if response.status_code != 200:
+                self.num_failed += 1
+                return
+            last_s = None
+            async for line in sse_lines(response.aiter_bytes()):
+                if not line.startswith("data: {") or not _chunk_text(line[6:]):
+                    continue
+                now_s = time.monotonic()
+                if last_s is None:
+                    self.first_token_s[phase].append(now_s - sent_s)
+                else:
+                    self.gaps_s[phase].append(now_s - last_s)
+                last_s = now_s
+
+    def figures_and_checks(self, prefix: str, max_ratio: float, *, first_token: bool
+                           ) -> tuple[list[tuple[str, object]], list[Check]]:
+        """Median, p99 and worst of each phase, and checks that the attack phase's median
+        and p99 stay within `max_ratio` of the baseline's (also for the first token's time
+        when `first_token`)."""
+        figures: list[tuple[str, object]] = [
+            (f"{prefix}: victim tokens baseline / attack",
+             " / ".join(str(len(self.gaps_s[p])) for p in PHASES)),
+            (f"{prefix}: victim failures", self.num_failed)]
+        checks: list[Check] = []
+        measures = [("inter-token", self.gaps_s)]
+        if first_token:
+            measures.append(("time to first token", self.first_token_s))
+        for measure, by_phase in measures:
+            baseline, attack = by_phase["baseline"], by_phase["attack"]
+            for name, q in (("median", 50.0), ("p99", 99.0)):
+                before, during = percentile(baseline, q), percentile(attack, q)
+                figures.append((f"{prefix}: victim {measure} {name}, ms (baseline / attack)",
+                                f"{ms_text(before)} / {ms_text(during)}"))
+                ratio = None if not before or during is None else during / before
+                checks.append(Check(f"{prefix}: victim {measure} {name} within {max_ratio}x",
+                                    ratio is not None and ratio <= max_ratio,
+                                    "no tokens" if ratio is None else f"{ratio:.2f}x"))
+            figures.append((f"{prefix}: victim {measure} worst, ms (baseline / attack)",
+                            f"{ms_text(max(baseline, default=None))} / "
+                            f"{ms_text(max(attack, default=None))}"))
+        return figures, checks
+
+
+def _chunk_text(data: str) -> str:
+    """The text a streamed chunk adds (a completion's `text`, a chat's `delta.content`)."""
+    choices = json.loads(data).get("choices") or [{}]
+    choice = choices[0]
+    return str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+
+
+def ms_text(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def counts_text(counter: Counter[Any]) -> str:
+    return ", ".join(f"{key}: {count}" for key, count in sorted(counter.items(), key=str)
+                     if count)
