@@ -184,7 +184,7 @@ class AsyncLLM:
             if not finished:
                 # No await here: a cancelled caller (a client that disconnected) may not be
                 # able to await again, and the core must still hear of the abort.
-                self._abort_in_background(request_id)
+                self.abort_nowait(request_id)
 
     def fail_requests(self, error: Exception) -> None:
         """Ends every request in flight, and refuses every later one, with `error`: a stream
@@ -200,7 +200,9 @@ class AsyncLLM:
         if core_ids and not self.client.is_dead:
             await self._abort_core_requests(core_ids)
 
-    def _abort_in_background(self, request_id: str) -> None:
+    def abort_nowait(self, request_id: str) -> None:
+        """`abort` without awaiting: the request ends at once here, and a background task
+        tells the core. For code that may not await (a `finally` of a cancelled task)."""
         core_ids = self.output_processor.abort_requests([request_id])
         if not core_ids or self.client.is_dead:
             return

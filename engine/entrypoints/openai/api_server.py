@@ -378,9 +378,22 @@ async def _respond(request: Request, serving: Any, body: Any, prepared: Any,
     either way the engine requests are aborted once the client is gone or served."""
     cleanup = BackgroundTask(serving.abort, engine_requests)
     if body.stream:
-        return StreamingResponse(serving.stream(body, prepared), background=cleanup,
-                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+        return StreamingResponse(
+            _aborting_when_done(serving.stream(body, prepared), serving, engine_requests),
+            background=cleanup, media_type="text/event-stream", headers=_SSE_HEADERS)
     return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
+
+
+async def _aborting_when_done(chunks: AsyncIterator[bytes], serving: Any,
+                              engine_requests: list[Any]) -> AsyncIterator[bytes]:
+    """The stream's chunks; however it ends (an error, a client gone), its engine requests
+    are aborted. The background cleanup alone misses a stream that raises, which a stream
+    that had not yet read its engine output would not abort either."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        serving.abort_nowait(engine_requests)
 
 
 async def _run(request: Request, work: Any, cleanup: BackgroundTask) -> dict[str, Any]:

@@ -296,6 +296,11 @@ class OpenAIServing:
         for processed in requests:
             await self.engine.abort(processed.request_id)
 
+    def abort_nowait(self, requests: list[ProcessedRequest]) -> None:
+        """`abort` without awaiting, for a `finally` that may run in a cancelled task."""
+        for processed in requests:
+            self.engine.abort_nowait(processed.request_id)
+
     def process(
         self, request_id: str, token_ids: list[int], params: SamplingParams,
         body: SamplingFields, client: ClientContext,
