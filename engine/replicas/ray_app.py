@@ -39,9 +39,18 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from engine.engine_args import EngineArgs
-from engine.entrypoints.openai.errors import error_body, error_response
+from engine.entrypoints.openai.errors import (
+    error_body,
+    error_response,
+    invalid_api_key_response,
+)
 from engine.entrypoints.openai.serving import sse
-from engine.entrypoints.server_args import add_arguments, server_settings_from_args
+from engine.entrypoints.openai.tenants import UNAUTHENTICATED_PATHS
+from engine.entrypoints.server_args import (
+    add_arguments,
+    server_settings_from_args,
+    tenants_from_args,
+)
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.stats import RequestStatsObserver
 from engine.replicas.asgi import ProxiedRequest, ResponseHead, call_asgi
@@ -245,16 +254,21 @@ class Ingress:
     """The HTTP entry: routes each request to an engine replica and relays its response."""
 
     def __init__(self, replicas: DeploymentHandle, num_replicas: int,
-                 max_request_body_bytes: int) -> None:
+                 serve_args: dict[str, Any]) -> None:
         self._replicas = replicas
         self._num_replicas = num_replicas
-        self._max_request_body_bytes = max_request_body_bytes
+        self._max_request_body_bytes = serve_args["max_request_body_bytes"]
+        # The replicas check keys too; checking here first keeps an unauthenticated client
+        # from making this process read (and hold) its body.
+        self._tenants = tenants_from_args(argparse.Namespace(**serve_args))
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._retries = 0
         self._cut_off = 0
 
     @proxy_app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
+        if not self._authenticated(request):
+            return invalid_api_key_response()
         headers = _headers(request)
         texts: dict[str, str] = {}
         for index in range(self._num_replicas):
@@ -272,6 +286,8 @@ class Ingress:
 
     @proxy_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:
+        if not self._authenticated(request):
+            return invalid_api_key_response()
         body = await self._read_body(request)
         if body is None:
             return error_response(413, f"the request body exceeds the limit of "
@@ -287,6 +303,11 @@ class Ingress:
             await _drain(response)
             return await self._ask_each_replica(proxied)  # e.g. an inferred job
         return response
+
+    def _authenticated(self, request: Request) -> bool:
+        """Whether the request may go on: no keys, a path open to all, or a known key."""
+        return (self._tenants is None or request.url.path in UNAUTHENTICATED_PATHS
+                or self._tenants.tenant_of_request(request.scope) is not None)
 
     async def _read_body(self, request: Request) -> bytes | None:
         """The body, or None once it exceeds the limit (by its Content-Length, or as read)."""
@@ -444,8 +465,7 @@ def build_application(settings: ReplicaAppSettings) -> serve.Application:
         name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(replicas, settings.num_replicas,
-                        settings.serve_args["max_request_body_bytes"])
+    return ingress.bind(replicas, settings.num_replicas, dict(settings.serve_args))
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

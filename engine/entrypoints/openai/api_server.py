@@ -30,9 +30,10 @@ from engine.entrypoints.openai.errors import (
     engine_dead_error,
     error_response,
     install_error_handlers,
+    invalid_api_key_response,
     shutting_down_error,
 )
-from engine.entrypoints.openai.json_body import PoolParsedRoute
+from engine.entrypoints.openai.json_body import BodyParser, PoolParsedRoute
 from engine.entrypoints.openai.metrics import PrometheusMetrics
 from engine.entrypoints.openai.openapi import (
     RESPONSE_EVENTS,
@@ -68,6 +69,7 @@ from engine.entrypoints.openai.serving_completions import OpenAIServingCompletio
 from engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from engine.entrypoints.openai.tenants import (
     TENANT_SCOPE_KEY,
+    UNAUTHENTICATED_PATHS,
     Tenants,
     engine_job_id,
     scope_tenant,
@@ -78,7 +80,6 @@ from engine.frontend.stats import RequestStatsObserver
 EngineFactory = Callable[[RequestStatsObserver], AsyncLLM]
 
 ENGINE_WATCH_INTERVAL_S = 0.25
-_UNAUTHENTICATED_PATHS = frozenset({"/health"})
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On answers sent before the body was read: the connection closes rather than wait for a
 # body nobody will read.
@@ -103,14 +104,10 @@ class BearerAuthMiddleware:
         self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in _UNAUTHENTICATED_PATHS:
-            scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            tenant = self.tenants.tenant_of(key.strip()) if scheme.lower() == b"bearer" else None
+        if scope["type"] == "http" and scope["path"] not in UNAUTHENTICATED_PATHS:
+            tenant = self.tenants.tenant_of_request(scope)
             if tenant is None:
-                response = error_response(401, "a valid API key is required (Authorization: "
-                                          "Bearer <key>)", code="invalid_api_key",
-                                          headers={"WWW-Authenticate": "Bearer", **_CLOSE})
-                await response(scope, receive, send)
+                await invalid_api_key_response()(scope, receive, send)
                 return
             scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
@@ -178,6 +175,7 @@ def build_app(
         pool = settings.work_pool()
         app.state.engine = engine
         app.state.work_pool = pool
+        app.state.body_parser = parser = BodyParser()
         app.state.completions = OpenAIServingCompletion(engine, settings, pool)
         app.state.chat = OpenAIServingChat(engine, settings, pool)
         app.state.responses = OpenAIServingResponses(engine, settings, pool, ResponseStore(
@@ -195,6 +193,7 @@ def build_app(
             app.state.drain.cancel()
             engine.shutdown()
             pool.shutdown()
+            parser.shutdown()
 
     app = FastAPI(title="Continuum engine", version=package_version(), lifespan=lifespan)
     app.router.route_class = PoolParsedRoute

@@ -57,6 +57,14 @@ def error_response(
                         headers=headers)
 
 
+def invalid_api_key_response() -> JSONResponse:
+    """The 401 for a request without a valid API key; the connection closes rather than
+    wait for a body nobody will read."""
+    return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
+                          code="invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
+
+
 def engine_dead_error(error: BaseException | None = None) -> APIError:
     # The core's message may end in its traceback: clients get the first line only.
     detail = f": {str(error).splitlines()[0]}" if error is not None and str(error) else ""

@@ -1,40 +1,84 @@
 """Request bodies parsed without holding the event loop.
 
-CPython's C JSON parser holds the GIL for the whole parse (0.2 s for 16 MiB of small items),
-so running it on a worker thread would stall the event loop just as long. A body over
-`INLINE_PARSE_BYTES` is parsed instead on the server's `TenantWorkPool`, in its tenant's
-turn, by the standard library's pure-Python scanner (which still scans strings in C): it
-gives up the GIL every switch interval, so the event loop keeps serving other clients while
-it runs. It costs the sender up to 9x the CPU of the C parse for bodies of many tiny items,
-about the same for text.
+CPython's JSON parser holds the GIL for the whole parse (0.2 s for 15 MB of small items), and
+a parse in pure Python on a thread is worse: its threads take the GIL from the event loop
+every few milliseconds, each time the loop wakes up (one victim's inter-token p99 went from
+17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES` is parsed in a child process
+(`BodyParser`), which also checks the counts of `body_limits`: a body over them never comes
+back into the server's process, and one within them comes back as a pickle, whose loading
+is several times cheaper than the parse. The child is asked from the server's
+`TenantWorkPool`, in the tenant's turn.
 """
 
 from __future__ import annotations
 
 import json
-import json.scanner
+import multiprocessing
+import threading
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from engine.entrypoints.openai.body_limits import BodyLimitError, parse_checked
+from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.tenants import scope_tenant
 from engine.entrypoints.openai.work_pool import TenantWorkPool
 
 INLINE_PARSE_BYTES = 64 * 1024
+DEFAULT_PARSER_PROCESSES = 2
+# The body field that holds the conversation, by path (see `body_limits.check_counts`).
+CONVERSATION_FIELDS = {"/v1/chat/completions": "messages", "/v1/responses": "input"}
 
 
-def parse_json(body: bytes) -> Any:
-    """`body` decoded as `json.loads` decodes bytes (same encodings, errors and values), by
-    the pure-Python scanner; called on a worker thread."""
-    decoder = json.JSONDecoder()
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
-    return decoder.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+class BodyParser:
+    """Parses large bodies in `num_processes` child processes (spawned at the first large
+    body; a pool broken by a child's death is replaced at the next). Owned by the server:
+    `parse` is called from its work pool's threads, `shutdown` once at exit."""
+
+    def __init__(self, num_processes: int = DEFAULT_PARSER_PROCESSES) -> None:
+        if num_processes < 1:
+            raise ValueError("num_processes must be at least 1")
+        self.num_processes = num_processes
+        self._lock = threading.Lock()
+        self._executor: ProcessPoolExecutor | None = None
+
+    def parse(self, body: bytes, conversation_field: str | None) -> Any:
+        """`body_limits.parse_checked(body, conversation_field)` in a child process."""
+        executor = self._live_executor()
+        try:
+            return executor.submit(parse_checked, body, conversation_field).result()
+        except BrokenProcessPool:
+            self._replace(executor)
+            return self._live_executor().submit(parse_checked, body,
+                                                conversation_field).result()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
+
+    def _live_executor(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ProcessPoolExecutor(
+                    self.num_processes, mp_context=multiprocessing.get_context("spawn"))
+            return self._executor
+
+    def _replace(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._executor is broken:
+                broken.shutdown(wait=False, cancel_futures=True)
+                self._executor = None
 
 
 class PoolParsedRequest(Request):
-    """A request whose `json()` parses a large body on the app's `state.work_pool`."""
+    """A request whose `json()` parses a large body with the app's `state.body_parser`, on
+    its `state.work_pool`; a body over a count of `body_limits` is a 400 then."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -42,9 +86,18 @@ class PoolParsedRequest(Request):
             if len(body) <= INLINE_PARSE_BYTES:
                 self._json = json.loads(body)
             else:
-                pool: TenantWorkPool = self.app.state.work_pool
-                self._json = await pool.run(scope_tenant(self.scope), parse_json, body)
+                self._json = await self._parse_off_loop(body)
         return self._json
+
+    async def _parse_off_loop(self, body: bytes) -> Any:
+        pool: TenantWorkPool = self.app.state.work_pool
+        parser: BodyParser = self.app.state.body_parser
+        try:
+            return await pool.run(scope_tenant(self.scope), parser.parse, body,
+                                  CONVERSATION_FIELDS.get(self.url.path))
+        except BodyLimitError as error:
+            raise APIError(400, error.message, param=error.param,
+                           code="limit_exceeded") from error
 
 
 class PoolParsedRoute(APIRoute):

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_v
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
+from engine.entrypoints.openai.body_limits import BodyLimitError, check_counts
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.unicode_text import lone_surrogate_path
 from engine.sampling_params import (
@@ -30,14 +31,6 @@ from engine.sampling_params import (
 
 MAX_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 1024
-# Most messages of a chat, or items of a Responses input; most content parts, tool calls and
-# output parts in all its items; most tools. Counted before anything is validated, because
-# validation holds the event loop (a 700,000-item input took 5.6 s, one message of 420,000
-# content parts 1.9 s); within these limits it takes at most about 0.1 s.
-MAX_CONVERSATION_ITEMS = 10_000
-MAX_CONVERSATION_PARTS = 10_000
-MAX_TOOLS = 1_024
-_ITEM_PART_FIELDS = ("content", "tool_calls", "output")
 
 JobId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 
@@ -186,27 +179,6 @@ class StructuredOutputFields(BaseModel):
                                                          "structured_outputs.grammar.")
 
 
-def _check_counts(data: dict[str, Any], conversation_field: str | None) -> None:
-    tools = data.get("tools")
-    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
-        raise APIError(400, f"tools has {len(tools)} tools, over the limit of {MAX_TOOLS}",
-                       param="tools", code="limit_exceeded")
-    items = data.get(conversation_field) if conversation_field is not None else None
-    if not isinstance(items, list):
-        return
-    if len(items) > MAX_CONVERSATION_ITEMS:
-        raise APIError(400, f"{conversation_field} has {len(items)} items, over the limit of "
-                            f"{MAX_CONVERSATION_ITEMS}", param=conversation_field,
-                       code="limit_exceeded")
-    num_parts = sum(len(value) for item in items if isinstance(item, dict)
-                    for value in (item.get(name) for name in _ITEM_PART_FIELDS)
-                    if isinstance(value, list))
-    if num_parts > MAX_CONVERSATION_PARTS:
-        raise APIError(400, f"the items of {conversation_field} hold {num_parts} content parts "
-                            f"and tool calls, over the limit of {MAX_CONVERSATION_PARTS}",
-                       param=conversation_field, code="limit_exceeded")
-
-
 class SamplingFields(JobFields):
     """Fields shared by completions and chat completions. Types are strict (no strings for
     numbers); this server's limits on `n`, `max_tokens` and `stop` are in its OpenAPI
@@ -220,13 +192,18 @@ class SamplingFields(JobFields):
     @model_validator(mode="before")
     @classmethod
     def _check_raw_body(cls, data: Any) -> Any:
-        """Refuses, before any field is validated, a body over the counts above (400
-        `limit_exceeded`) and a body with a lone surrogate anywhere (`unicode_text`), naming
-        the field. An `APIError`, which passes through pydantic and FastAPI's body parsing
-        unchanged, so that `param` names the field."""
+        """Refuses, before any field is validated, a body over the counts of `body_limits`
+        (400 `limit_exceeded`; a large body was checked as it was parsed) and a body with a
+        lone surrogate anywhere (`unicode_text`), naming the field. An `APIError`, which
+        passes through pydantic and FastAPI's body parsing unchanged, so that `param` names
+        the field."""
         if not isinstance(data, dict):
             return data
-        _check_counts(data, cls.conversation_field)
+        try:
+            check_counts(data, cls.conversation_field)
+        except BodyLimitError as error:
+            raise APIError(400, error.message, param=error.param,
+                           code="limit_exceeded") from error
         path = lone_surrogate_path(data)
         if path is None:
             return data

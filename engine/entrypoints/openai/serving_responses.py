@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_ITEMS
 from engine.entrypoints.openai.drain import ServerShuttingDownError
 from engine.entrypoints.openai.errors import APIError, engine_dead_error, shutting_down_error
 from engine.entrypoints.openai.job_extension import JOB_ID_HEADER, job_info
 from engine.entrypoints.openai.protocol import (
-    MAX_CONVERSATION_ITEMS,
     ChatMessage,
     ChatTool,
     FunctionCallIn,

@@ -22,6 +22,8 @@ from types import MappingProxyType
 from starlette.types import Scope
 
 DEFAULT_TENANT = "default"
+# The paths a client may call without an API key.
+UNAUTHENTICATED_PATHS = frozenset({"/health"})
 TENANT_SCOPE_KEY = "continuum.tenant"
 MAX_KEYS_FILE_BYTES = 16 * 1024 * 1024
 
@@ -87,6 +89,14 @@ class Tenants:
     def tenant_of(self, key: bytes) -> str | None:
         """The tenant of an API key, or None for an unknown key."""
         return self.tenant_by_key_digest.get(_digest(key))
+
+    def tenant_of_request(self, scope: Scope) -> str | None:
+        """The tenant named by an HTTP request's `Authorization: Bearer <key>` header (its
+        ASGI scope), or None without a known key. Needs the headers only, so that a server
+        checks the key before it reads the body."""
+        authorization = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, key = authorization.partition(b" ")
+        return self.tenant_of(key.strip()) if scheme.lower() == b"bearer" else None
 
 
 def parse_tenant_flag(value: str) -> tuple[str, str]:

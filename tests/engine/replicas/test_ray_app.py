@@ -64,20 +64,23 @@ class RayServer:
             self.port = sock.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.router: RouterName | None = None
+        self.deployed: tuple[RouterName, tuple[str, ...]] | None = None
         self._runs: dict[RouterName, tuple[dict[str, Any], str]] = {}
 
-    def deploy(self, router: RouterName) -> None:
-        """Deploys the app with `router` (restarting the replicas) unless it is deployed."""
-        if router == self.router:
+    def deploy(self, router: RouterName, flags: tuple[str, ...] = ()) -> None:
+        """Deploys the app with `router` and more `continuum serve` flags (restarting the
+        replicas) unless it is deployed so."""
+        if (router, flags) == self.deployed:
             return
         parser = argparse.ArgumentParser()
         add_arguments(parser)
-        settings = ReplicaAppSettings(serve_args=vars(parser.parse_args(ENGINE_FLAGS)),
-                                      num_replicas=2, router=router, replica_num_cpus=0)
+        settings = ReplicaAppSettings(
+            serve_args=vars(parser.parse_args([*ENGINE_FLAGS, *flags])), num_replicas=2,
+            router=router, replica_num_cpus=0)
         serve.run(build_application(settings), name=APP, route_prefix="/")
-        self.router = router
-        self._wait_for_both_replicas()
+        self.deployed = (router, flags)
+        self._wait_for_both_replicas(flags[flags.index("--api-key") + 1]
+                                     if "--api-key" in flags else "EMPTY")
 
     def bench_agent_run(self, router: RouterName, tmp_path: Path) -> tuple[dict[str, Any], str]:
         """`bench_agent` against the app with `router` (run once per router)."""
@@ -86,12 +89,13 @@ class RayServer:
             self._runs[router] = bench_agent(self.base_url, tmp_path)
         return self._runs[router]
 
-    def _wait_for_both_replicas(self) -> None:
+    def _wait_for_both_replicas(self, api_key: str) -> None:
         # The ingress's router learns of the replicas shortly after the app is up; until it
         # knows both, jobs would all be placed on one.
         seen: set[str] = set()
         for _ in range(200):
-            response = httpx.get(self.base_url + "/v1/models", timeout=30)
+            response = httpx.get(self.base_url + "/v1/models", timeout=30,
+                                 headers={"Authorization": f"Bearer {api_key}"})
             seen.add(response.headers["x-continuum-replica"])
             if len(seen) == 2:
                 return
@@ -287,3 +291,20 @@ def _replica_of_job(base_url: str, job_id: str) -> str:
                          headers={"Authorization": "Bearer EMPTY"})
     assert response.status_code == 200 and response.headers["x-continuum-route"] == "lookup"
     return response.headers["x-continuum-replica"]
+
+
+def test_the_ingress_checks_the_api_key_before_it_reads_a_body(ray_server: RayServer) -> None:
+    """A client without a key that announces a body and sends none gets 401 at once: the
+    ingress does not wait for (and hold) a body it would refuse. Last: it redeploys."""
+    ray_server.deploy("affinity", ("--api-key", "secret"))
+    with socket.create_connection(("127.0.0.1", ray_server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 401")
+    url = ray_server.base_url
+    assert httpx.get(url + "/metrics", timeout=30).status_code == 401
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    answer = httpx.post(url + "/v1/completions", timeout=60,
+                        headers={"Authorization": "Bearer secret"},
+                        json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 200, answer.text

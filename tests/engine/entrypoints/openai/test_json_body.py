@@ -1,67 +1,63 @@
-"""Large bodies are parsed on the preparation pool by an interruptible parser that reads
-JSON exactly as `json.loads` does; the event loop keeps serving meanwhile."""
+"""Large bodies are parsed, and checked against the body limits, in a child process: what
+is over a limit never comes back into the server's process."""
 
 from __future__ import annotations
 
 import json
-import threading
-import time
-from collections.abc import Callable
+import os
 
 import pytest
 
-from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, parse_json
+from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_PARTS, BodyLimitError
+from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, BodyParser
 
 
-@pytest.mark.parametrize("text", [
-    '{"a": [1, 2.5, -3e2, true, false, null], "b": {"c": "d\\u00e9\\ud83d\\ude00"}}',
-    '[NaN, Infinity, -Infinity]', '"lone \\ud800 surrogate"', '  {"deep": [[[[[]]]]]}  ',
-])
-@pytest.mark.parametrize("encoding", ["utf-8", "utf-16", "utf-32-le", "utf-8-sig"])
-def test_parses_as_json_loads_does(text, encoding):
-    body = text.encode(encoding)
-    assert json.dumps(parse_json(body)) == json.dumps(json.loads(body))
+@pytest.fixture(scope="module")
+def parser():
+    running = BodyParser(num_processes=1)
+    yield running
+    running.shutdown()
 
 
-@pytest.mark.parametrize("text", ['{"a": 1', '{"a": 1} x', "", "[1,]", '{"a" 1}'])
-def test_refuses_what_json_loads_refuses(text):
+def test_parses_in_a_child_process_as_json_loads_does(parser):
+    body = '{"a": [1, 2.5, true, null], "b": "d\\u00e9 \\ud800"}'.encode("utf-16")
+    assert parser.parse(body, None) == json.loads(body)
     with pytest.raises(json.JSONDecodeError):
-        json.loads(text.encode())
-    with pytest.raises(json.JSONDecodeError):
-        parse_json(text.encode())
+        parser.parse(b'{"a": 1', None)
 
 
-def _longest_gap_s(parse: Callable[[bytes], object], body: bytes) -> float:
-    """The longest this thread waited for the GIL while `parse` ran on another thread."""
-    gaps_s: list[float] = []
-    worker = threading.Thread(target=parse, args=(body,))
-    last_s = time.perf_counter()
-    worker.start()
-    while worker.is_alive():
-        time.sleep(0.001)
-        now_s = time.perf_counter()
-        gaps_s.append(now_s - last_s)
-        last_s = now_s
-    return max(gaps_s)
+def test_a_body_over_a_limit_is_refused_in_the_child(parser):
+    body = json.dumps({"messages": [{"content": [{}] * (MAX_CONVERSATION_PARTS + 1)}]})
+    with pytest.raises(BodyLimitError) as refused:
+        parser.parse(body.encode(), "messages")
+    assert refused.value.param == "messages"
+    assert parser.parse(body.encode(), "input")["messages"]
 
 
-def test_a_large_parse_leaves_other_threads_running():
-    """The C parser holds the GIL for a whole parse; this one gives it up as it goes."""
-    body = json.dumps({"items": [{"type": "text", "text": "a"}] * 250_000}).encode()
-    assert len(body) > 100 * INLINE_PARSE_BYTES
-    c_parse_gap_s = _longest_gap_s(json.loads, body)
-    assert _longest_gap_s(parse_json, body) < c_parse_gap_s / 2, c_parse_gap_s
+def test_a_dead_child_is_replaced(parser):
+    parser.parse(b"[]", None)
+    executor = parser._live_executor()
+    for pid in list(executor._processes):
+        os.kill(pid, 9)
+    assert parser.parse(b"[1]", None) == [1]
 
 
-def test_a_large_chat_body_is_served(server):
+def test_large_chat_bodies_are_served_or_refused_with_400(server):
     filler = "word " * (INLINE_PARSE_BYTES // 4)
     body = {"model": "tiny", "max_tokens": 2, "messages": [
         {"role": "system", "content": "x", "metadata": filler},
         {"role": "user", "content": "hello"}]}
+    over = {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "text"}] * (MAX_CONVERSATION_PARTS + 1)}]}
+    assert len(json.dumps(over)) > INLINE_PARSE_BYTES
     with server.http() as http:
         response = http.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         broken = http.post("/v1/chat/completions", content=json.dumps(body)[:-1].encode(),
                            headers={"Content-Type": "application/json"})
+        refused = http.post("/v1/chat/completions", json=over)
     assert broken.status_code == 400
     assert "JSON" in broken.json()["error"]["message"]
+    assert refused.status_code == 400
+    assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (
+        "messages", "limit_exceeded")

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from engine.entrypoints.openai.protocol import (
+from engine.entrypoints.openai.body_limits import (
     MAX_CONVERSATION_ITEMS,
     MAX_CONVERSATION_PARTS,
     MAX_TOOLS,
