@@ -22,17 +22,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import httpx
 
-from eval.server_checks import Check, markdown_figures, passed
-from eval.server_process import ServerProcess, add_server_arguments, server_from_args
-from eval.victim import ATTACKER_KEY, TENANT_ARGS, Victim, auth, counts_text, served_model
+from eval.attack_bench import (
+    ATTACKER_KEY,
+    TENANT_ARGS,
+    Victim,
+    add_attack_arguments,
+    auth,
+    counts_text,
+    run_attacks,
+    served_model,
+)
+from eval.server_checks import Check
+from eval.server_process import ServerProcess
 
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
                       "--no-job-inference", *TENANT_ARGS)
@@ -111,18 +118,8 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
                                             server.is_healthy(), ""), *checks]
 
 
-def run_attack(args: argparse.Namespace, attack: str, settings: BodyAttackSettings
-               ) -> tuple[list[tuple[str, object]], list[Check]]:
-    """Starts a server, runs one attack against it, stops it."""
-    with server_from_args(args, check_invariants=False) as server:
-        return asyncio.run(_attack(server, attack, settings))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = BodyAttackSettings()
-    parser.add_argument("--attack", choices=(*ATTACKS, "both"), default="both",
-                        help="which attack to run (default: %(default)s)")
-    for name, help_text in (
+    add_attack_arguments(parser, ATTACKS, BodyAttackSettings(), (
         ("attackers", "attacking clients, each sending one body after another"),
         ("chat_messages", "chats: messages of each chat"),
         ("message_chars", "chats: characters of each message"),
@@ -131,39 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("attack_s", "seconds of attack"),
         ("victim_tokens", "tokens of each victim completion"),
         ("max_latency_ratio", "most victim latency under attack over its baseline"),
-    ):
-        default = getattr(defaults, name)
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                            help=f"{help_text} (default: %(default)s)")
-    add_server_arguments(parser, DEFAULT_SERVE_ARGS)
-    parser.add_argument("--json", default=None, help="write the figures and checks here")
+    ), DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        settings = BodyAttackSettings(
-            attackers=args.attackers, chat_messages=args.chat_messages,
-            message_chars=args.message_chars, response_parts=args.response_parts,
-            baseline_s=args.baseline_s, attack_s=args.attack_s,
-            victim_tokens=args.victim_tokens, max_latency_ratio=args.max_latency_ratio)
-        server_from_args(args, check_invariants=False)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    figures: list[tuple[str, object]] = []
-    checks: list[Check] = []
-    for attack in ATTACKS if args.attack == "both" else (args.attack,):
-        try:
-            attack_figures, attack_checks = run_attack(args, attack, settings)
-        except RuntimeError as error:  # the server did not start
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-        figures += attack_figures
-        checks += attack_checks
-    print(markdown_figures(figures, checks))
-    if args.json:
-        document = {"serve_args": args.serve_args, "settings": asdict(settings),
-                    "figures": {name: value for name, value in figures},
-                    "checks": [asdict(check) for check in checks], "passed": passed(checks)}
-        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
-    return 0 if passed(checks) else 1
+    return run_attacks(args, ATTACKS, BodyAttackSettings, _attack)

@@ -24,30 +24,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from eval.server_checks import Check, RssSampler, markdown_figures, passed
-from eval.server_process import (
-    ServerProcess,
-    add_server_arguments,
-    read_rss_mib,
-    server_from_args,
-)
-from eval.victim import (
+from eval.attack_bench import (
     ATTACKER_KEY,
     TENANT_ARGS,
     Victim,
+    add_attack_arguments,
     auth,
     counts_text,
+    run_attacks,
     served_model,
+)
+from eval.server_checks import Check, RssSampler
+from eval.server_process import (
+    ServerProcess,
+    read_rss_mib,
 )
 
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
@@ -176,22 +173,17 @@ async def _stall_attack(server: ServerProcess, settings: GrammarAttackSettings
                                             server.is_healthy(), ""), *checks]
 
 
-def run_attack(args: argparse.Namespace, attack: str, settings: GrammarAttackSettings
-               ) -> tuple[list[tuple[str, object]], list[Check]]:
-    """Starts a server, runs one attack against it, stops it."""
-    with server_from_args(args, check_invariants=False) as server:
-        run = _memory_attack if attack == "memory" else _stall_attack
-        return asyncio.run(run(server, settings))
+async def _run_attack(server: ServerProcess, attack: str, settings: GrammarAttackSettings
+                      ) -> tuple[list[tuple[str, object]], list[Check]]:
+    run = _memory_attack if attack == "memory" else _stall_attack
+    return await run(server, settings)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = GrammarAttackSettings()
-    parser.add_argument("--attack", choices=(*ATTACKS, "both"), default="both",
-                        help="which attack to run (default: %(default)s)")
     parser.add_argument("--control", action="store_true",
                         help="stall: the attackers send the same completions without a "
                              "grammar (what as many plain requests cost the victim)")
-    for name, help_text in (
+    add_attack_arguments(parser, ATTACKS, GrammarAttackSettings(), (
         ("distinct", "memory: distinct grammars sent"),
         ("enum_values", "memory: strings in each grammar's enum"),
         ("memory_bound_mib", "memory: most growth of the server's RSS, MiB"),
@@ -202,41 +194,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("attack_s", "stall: most seconds to wait for the attackers"),
         ("victim_tokens", "stall: tokens of each victim completion"),
         ("max_latency_ratio", "stall: most victim latency under attack over its baseline"),
-    ):
-        default = getattr(defaults, name)
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                            help=f"{help_text} (default: %(default)s)")
-    add_server_arguments(parser, DEFAULT_SERVE_ARGS)
-    parser.add_argument("--json", default=None, help="write the figures and checks here")
+    ), DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        settings = GrammarAttackSettings(
-            distinct=args.distinct, enum_values=args.enum_values,
-            memory_bound_mib=args.memory_bound_mib, attackers=args.attackers,
-            stall_repeat_base=args.stall_repeat_base, attack_tokens=args.attack_tokens,
-            baseline_s=args.baseline_s, attack_s=args.attack_s,
-            victim_tokens=args.victim_tokens, max_latency_ratio=args.max_latency_ratio,
-            control=args.control)
-        server_from_args(args, check_invariants=False)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    figures: list[tuple[str, object]] = []
-    checks: list[Check] = []
-    for attack in ATTACKS if args.attack == "both" else (args.attack,):
-        try:
-            attack_figures, attack_checks = run_attack(args, attack, settings)
-        except RuntimeError as error:  # the server did not start
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-        figures += attack_figures
-        checks += attack_checks
-    print(markdown_figures(figures, checks))
-    if args.json:
-        document = {"serve_args": args.serve_args, "settings": asdict(settings),
-                    "figures": {name: value for name, value in figures},
-                    "checks": [asdict(check) for check in checks], "passed": passed(checks)}
-        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
-    return 0 if passed(checks) else 1
+    return run_attacks(args, ATTACKS, GrammarAttackSettings, _run_attack)

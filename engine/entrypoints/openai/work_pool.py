@@ -63,7 +63,6 @@ class TenantWorkPool:
         # last, one never seen before goes first. As bounded as the server's API keys.
         self._turns: OrderedDict[str | None, None] = OrderedDict()
         self._running: dict[str | None, int] = {}
-        self._num_running = 0
 
     @classmethod
     def for_tenants(cls, num_tenants: int, num_threads: int = DEFAULT_PREPARATION_THREADS,
@@ -109,7 +108,7 @@ class TenantWorkPool:
 
     def _dispatch(self) -> None:
         """Starts waiting items while threads are free, taking tenants in turn."""
-        while self._num_running < self.num_threads:
+        while sum(self._running.values()) < self.num_threads:
             for tenant in self._turns:
                 if (tenant in self._waiting
                         and self._running.get(tenant, 0) < self.max_threads_per_tenant):
@@ -125,7 +124,6 @@ class TenantWorkPool:
 
     def _start(self, tenant: str | None, item: _Item) -> None:
         self._running[tenant] = self._running.get(tenant, 0) + 1
-        self._num_running += 1
         loop = asyncio.get_running_loop()
         work = self._executor.submit(item.fn, *item.args)
         work.add_done_callback(
@@ -133,7 +131,6 @@ class TenantWorkPool:
 
     def _finished(self, tenant: str | None, item: _Item, done: Future[Any]) -> None:
         self._running[tenant] -= 1
-        self._num_running -= 1
         if not self._running[tenant]:
             del self._running[tenant]
         if done.cancelled():

@@ -1,21 +1,32 @@
-"""The well-behaved tenant of the attack benchmarks (`bench grammars`, `bench bodies`): it
-streams completions one after another against a `continuum serve` subprocess and times each
-one's first token and the gaps between its tokens, by phase (alone, then under attack)."""
+"""What the attack benchmarks (`bench grammars`, `bench bodies`) share: their flags, the run
+of each attack against its own `continuum serve` subprocess, the report, and the victim, the
+well-behaved tenant. The victim streams completions one after another and times each one's
+first token and the gaps between its tokens, by phase (alone, then under attack)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import dataclasses
 import json
+import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import httpx
 
 from eval.load_clients import sse_lines
 from eval.metrics import percentile
-from eval.server_checks import Check
+from eval.server_checks import Check, markdown_figures, passed
+from eval.server_process import ServerProcess, add_server_arguments, server_from_args
+
+_Settings = TypeVar("_Settings")
+Figures = list[tuple[str, object]]
+Attack = Callable[[ServerProcess, str, _Settings], Awaitable[tuple[Figures, list[Check]]]]
 
 VICTIM_KEY, ATTACKER_KEY = "victim-key", "attacker-key"
 TENANT_ARGS = ("--tenant", f"victim:{VICTIM_KEY}", "--tenant", f"attacker:{ATTACKER_KEY}")
@@ -119,3 +130,51 @@ def ms_text(seconds: float | None) -> str:
 def counts_text(counter: Counter[Any]) -> str:
     return ", ".join(f"{key}: {count}" for key, count in sorted(counter.items(), key=str)
                      if count)
+
+
+def add_attack_arguments(parser: argparse.ArgumentParser, attacks: Sequence[str],
+                         defaults: object, helps: Sequence[tuple[str, str]],
+                         serve_args: Sequence[str]) -> None:
+    """`--attack` (one of `attacks`, or both), a flag for each (settings field, help) of
+    `helps` with its default from `defaults`, the server flags and `--json`."""
+    parser.add_argument("--attack", choices=(*attacks, "both"), default="both",
+                        help="which attack to run (default: %(default)s)")
+    for name, help_text in helps:
+        default = getattr(defaults, name)
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                            help=f"{help_text} (default: %(default)s)")
+    add_server_arguments(parser, serve_args)
+    parser.add_argument("--json", default=None, help="write the figures and checks here")
+
+
+def run_attacks(args: argparse.Namespace, attacks: Sequence[str],
+                settings_type: Callable[..., _Settings], attack: Attack[_Settings]) -> int:
+    """Runs the chosen attacks, each against a server of its own, prints the figures and
+    checks (and writes them to `--json`); the command's exit status: 0 if every check
+    passed, 1 if one failed or a server did not start, 2 for bad flags."""
+    try:
+        settings = settings_type(**{spec.name: getattr(args, spec.name)
+                                    for spec in dataclasses.fields(settings_type)})
+        server_from_args(args, check_invariants=False)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    figures: Figures = []
+    checks: list[Check] = []
+    for name in attacks if args.attack == "both" else (args.attack,):
+        try:
+            with server_from_args(args, check_invariants=False) as server:
+                attack_figures, attack_checks = asyncio.run(attack(server, name, settings))
+        except RuntimeError as error:  # the server did not start
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        figures += attack_figures
+        checks += attack_checks
+    print(markdown_figures(figures, checks))
+    if args.json:
+        document = {"serve_args": args.serve_args, "settings": dataclasses.asdict(settings),
+                    "figures": {name: value for name, value in figures},
+                    "checks": [dataclasses.asdict(check) for check in checks],
+                    "passed": passed(checks)}
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+    return 0 if passed(checks) else 1
