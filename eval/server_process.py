@@ -1,11 +1,12 @@
 """`continuum serve` as a real subprocess on a loopback port, for the benchmarks that start
-their own server (`bench load`, `soak`, `connections`, `amplification`), and their server
-flags (`--serve-args`, `--server-log`).
+their own server (`bench load`, `soak`, `connections`, `amplification`, `drain`), and their
+server flags (`--serve-args`, `--server-log`).
 
-`ServerProcess` starts the server (`python -m engine.cli serve --port 0 ...`), learns its
-address from the start-up log line, waits for `/health`, and stops it on exit (SIGINT, then
-SIGTERM, then SIGKILL). It reads the resident memory of the server and of its descendants
-(the engine core runs in a spawned child) from `/proc`, and scrapes `/metrics`.
+`ServerProcess` starts the server (`python -m engine.cli serve --port 0 ...`; a free port
+with `--replicas`, whose proxy binds a fixed one), learns its address from the start-up log
+line, waits for `/health`, and stops it on exit (SIGINT, then SIGTERM, then SIGKILL). It
+reads the resident memory of the server and of its descendants (the engine core runs in a
+spawned child) from `/proc`, and scrapes `/metrics`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -79,8 +81,10 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         """Starts the server and returns once `/health` answers 200; RuntimeError with the
         log's tail if it exits or does not become healthy within `startup_timeout_s`."""
+        # Ray Serve's proxy binds a fixed port: replicas get one that is free now.
+        port = free_port() if "--replicas" in self.spec.serve_args else 0
         command = [sys.executable, "-m", "engine.cli", "serve", "--host", "127.0.0.1",
-                   "--port", "0", *self.spec.serve_args]
+                   "--port", str(port), *self.spec.serve_args]
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL,
                                              stdout=log, stderr=subprocess.STDOUT)
@@ -168,6 +172,17 @@ class ServerProcess:
     def log_tail(self, num_lines: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-num_lines:])
 
+    def signal_and_wait(self, signum: int, timeout_s: float) -> int | None:
+        """Sends the server `signum` and waits up to `timeout_s` for it to exit; its exit
+        status, None if it still runs."""
+        if self._process is None:
+            raise RuntimeError("the server is not started")
+        self._process.send_signal(signum)
+        try:
+            return self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def stop(self) -> int | None:
         """Stops the server (SIGINT for a clean shutdown, then SIGTERM, then SIGKILL) and
         any descendant left behind; the exit status. Idempotent."""
@@ -187,6 +202,13 @@ class ServerProcess:
         if self._own_log:
             self.log_path.unlink(missing_ok=True)
         return process.returncode
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, default_args: Sequence[str]) -> None:

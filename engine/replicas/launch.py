@@ -2,7 +2,8 @@
 
 Starts (or, with `--address`, joins) a Ray cluster, runs `engine.replicas.ray_app` there with
 Ray Serve's HTTP proxy on `--host`/`--port`, and keeps it up until SIGINT or SIGTERM, when it
-shuts the application down. Ray is an optional dependency (`pip install
+drains the replicas (as SIGTERM drains a single server: `--shutdown-timeout-s`) and shuts
+the application down. Ray is an optional dependency (`pip install
 'continuum-engine[ray]'`); every node of a cluster needs the package installed.
 """
 
@@ -26,7 +27,11 @@ def main(args: argparse.Namespace) -> int:
         import ray
         from ray import serve
 
-        from engine.replicas.ray_app import build_application, settings_from_args
+        from engine.replicas.ray_app import (
+            build_application,
+            settings_from_args,
+            stop_application,
+        )
     except ImportError as error:
         logger.error("--replicas needs Ray Serve: pip install 'continuum-engine[ray]' (%s)",
                      error)
@@ -52,7 +57,8 @@ def main(args: argparse.Namespace) -> int:
                     args.served_model_name or args.model, args.host, args.port,
                     args.replicas, args.router)
         stop.wait()
+        stop_application(APP_NAME, args.shutdown_timeout_s)
     finally:
-        serve.delete(APP_NAME)
+        serve.delete(APP_NAME)  # nothing left to delete after a drained stop
         ray.shutdown()
     return 0

@@ -14,12 +14,16 @@ sent once more (the router no longer sees the dead replica, so it goes to anothe
 cut off later ends with an error (an SSE error event, or the connection closes). The dead
 replica's jobs lose their pins; their next turns are routed again over the live replicas.
 
+**Stopping.** `stop_application` (SIGTERM to `continuum serve --replicas`) drains every
+replica as a single server drains, then deletes the application.
+
 Build it with `build_application` (what `continuum serve --replicas N` runs), or from a Serve
 config with `app_builder` (`serve run engine.replicas.ray_app:app_builder ...`).
 """
 
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -154,6 +158,26 @@ class EngineReplica:
         if head.status == 200:
             body += render([routing_decisions(self._decisions)])
         return self.replica_id, head.status, body
+
+    async def begin_drain(self, route: Route) -> str:
+        """Starts this replica's drain, as SIGTERM starts a single server's: new generations
+        get 503, and requests still running after `--shutdown-timeout-s` end with a
+        `server_shutting_down` error. Returns this replica's id. Called through the ingress
+        (`Ingress.drain`) before the application is deleted, so that the replicas answer 503
+        meanwhile and Ray Serve's shutdown finds nothing left to wait for."""
+        from engine.entrypoints.openai.api_server import begin_drain
+
+        begin_drain(self._app)
+        return self.replica_id
+
+    async def wait_drained(self, route: Route) -> str:
+        """Returns this replica's id once its drain left no request in flight (at most the
+        drain's timeout and `ENGINE_STOP_MARGIN_S` after it began)."""
+        drain = self._app.state.drain
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(drain.wait_until_idle(self._app.state.engine),
+                                   drain.timeout_s + ENGINE_STOP_MARGIN_S)
+        return self.replica_id
 
     def check_health(self) -> None:
         """Ray Serve's periodic health check: a replica whose engine core died is restarted."""
@@ -303,6 +327,19 @@ class Ingress:
             await _drain(response)
             return await self._ask_each_replica(proxied)  # e.g. an inferred job
         return response
+
+    async def drain(self) -> list[str]:
+        """Drains every replica (`EngineReplica.begin_drain`, then `wait_drained`, so that
+        all drain at once); returns, once they are drained, the ids of those that were (a
+        replica restarting meanwhile is left out)."""
+        begun: list[str] = []
+        for method in (self._replicas.begin_drain, self._replicas.wait_drained):
+            begun.clear()
+            for index in range(self._num_replicas):
+                route = Route(None, "replica", replica_index=index)
+                with contextlib.suppress(*_REPLICA_FAILURES):
+                    begun.append(await method.remote(route=route))
+        return begun
 
     def _authenticated(self, request: Request) -> bool:
         """Whether the request may go on: no keys, a path open to all, or a known key."""
@@ -463,9 +500,28 @@ def build_application(settings: ReplicaAppSettings) -> serve.Application:
     ).bind(dict(settings.serve_args))
     ingress = serve.deployment(Ingress).options(
         name="Ingress", num_replicas=1, max_ongoing_requests=100_000,
+        # It relays the replicas' streams: it must outlive their drain (Ray Serve's default
+        # of 20 s would cut off streams that the drain lets run longer).
+        graceful_shutdown_timeout_s=settings.serve_args["shutdown_timeout_s"]
+        + ENGINE_STOP_MARGIN_S,
         ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(replicas, settings.num_replicas, dict(settings.serve_args))
+
+
+def stop_application(name: str, shutdown_timeout_s: float) -> None:
+    """Stops the application `name` as SIGTERM stops a single server: every replica drains
+    (503 for new generations; requests still running after `shutdown_timeout_s`, the
+    replicas' `--shutdown-timeout-s`, end with an error), then the application is deleted."""
+    logger.info("draining the replicas: requests in flight have %.1f s to finish",
+                shutdown_timeout_s)
+    try:
+        drained = serve.get_app_handle(name).drain.remote().result(
+            timeout_s=shutdown_timeout_s + 2 * ENGINE_STOP_MARGIN_S)
+        logger.info("drained replicas %s", ", ".join(drained))
+    except Exception as error:  # the application is deleted whatever went wrong
+        logger.warning("could not drain the replicas (%s); deleting the application", error)
+    serve.delete(name)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -37,6 +37,8 @@ BENCH_COMMANDS: Mapping[str, str] = MappingProxyType({
                 "memory, the other tenant's latency",
     "bodies": "one tenant's huge chat and Responses bodies against a `continuum serve` "
               "subprocess: the other tenant's latency",
+    "drain": "SIGTERM to a `continuum serve` subprocess (one server or --replicas) with "
+             "streams in flight: stop time, how each stream ended",
     "workloads": "the named workloads that ship with the package",
     "amplification": "memory of a `continuum serve` subprocess before and after one huge "
                      "completion request",

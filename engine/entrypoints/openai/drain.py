@@ -54,6 +54,12 @@ class Drain:
             f"the server is shutting down and this request did not finish within the "
             f"{self.timeout_s:g} s allowed"))
 
+    async def wait_until_idle(self, engine: AsyncLLM, poll_s: float = 0.05) -> None:
+        """Returns once `engine` has no request in flight (or has died); after `begin`, the
+        drain ends the last ones after `timeout_s`."""
+        while engine.num_unfinished_requests and not engine.is_dead:
+            await asyncio.sleep(poll_s)
+
     def cancel(self) -> None:
         """Stops the deadline (the engine is shutting down anyway)."""
         if self._deadline is not None:

@@ -25,7 +25,11 @@ serve = pytest.importorskip("ray.serve")
 
 from engine.cli import main as cli_main  # noqa: E402
 from engine.entrypoints.server_args import add_arguments  # noqa: E402
-from engine.replicas.ray_app import ReplicaAppSettings, build_application  # noqa: E402
+from engine.replicas.ray_app import (  # noqa: E402
+    ReplicaAppSettings,
+    build_application,
+    stop_application,
+)
 from engine.replicas.routing import RouterName  # noqa: E402
 from eval.metrics import RunMetrics  # noqa: E402
 from eval.replay_client import AgentReplay, ReplaySettings  # noqa: E402
@@ -295,7 +299,7 @@ def _replica_of_job(base_url: str, job_id: str) -> str:
 
 def test_the_ingress_checks_the_api_key_before_it_reads_a_body(ray_server: RayServer) -> None:
     """A client without a key that announces a body and sends none gets 401 at once: the
-    ingress does not wait for (and hold) a body it would refuse. Last: it redeploys."""
+    ingress does not wait for (and hold) a body it would refuse. It redeploys."""
     ray_server.deploy("affinity", ("--api-key", "secret"))
     with socket.create_connection(("127.0.0.1", ray_server.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
@@ -308,3 +312,30 @@ def test_the_ingress_checks_the_api_key_before_it_reads_a_body(ray_server: RaySe
                         headers={"Authorization": "Bearer secret"},
                         json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert answer.status_code == 200, answer.text
+
+
+def test_stopping_the_application_drains_every_replica_first(ray_server: RayServer) -> None:
+    """What `continuum serve --replicas` does on SIGTERM (`stop_application`) drains the
+    replicas as a single server drains: a new generation gets 503 `server_shutting_down`, a
+    stream still running at the drain's end gets that error event and `[DONE]` instead of
+    being cut off. Last: it deletes the application."""
+    ray_server.deploy("affinity", ("--shutdown-timeout-s", "0"))
+    url = ray_server.base_url
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+        drained = serve.get_app_handle(APP).drain.remote().result(timeout_s=60)
+        assert len(set(drained)) == 2
+        refused = httpx.post(url + "/v1/completions", timeout=60,
+                             json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+        rest = [line for line in lines if line]
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "server_shutting_down"
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == \
+        "server_shutting_down"
+    stop_application(APP, 0.0)
+    ray_server.deployed = None
+    assert APP not in serve.status().applications
