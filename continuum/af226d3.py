@@ -42,7 +42,7 @@ class ContinuumAf226d3Policy(ContinuumPolicy):
     def expired_pins(self, now_s: float) -> Sequence[Pin]:
         return ()
 
-    def select_victim(self, request: Request) -> Victim:
+    def select_victim(self, request: Request, now_s: float) -> Victim:
         victim = max(self.scheduler.running, key=self._victim_rank)
         if victim is request:
             pin = self.latest_job_pin(exclude_job_id=request.job_id)

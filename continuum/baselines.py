@@ -102,7 +102,7 @@ class InferCeptPolicy(JobAwarePolicy):
         return sum(-(-request.num_computed_tokens // block_size)
                    for request in self.scheduler.running if request is not finished)
 
-    def select_victim(self, request: Request) -> Victim:
+    def select_victim(self, request: Request, now_s: float) -> Victim:
         pin = self._least_waste_pin(exclude_job_id=None)
         return pin if pin is not None else self.scheduler.running[-1]
 
@@ -138,7 +138,7 @@ class AutellixPolicy(JobAwarePolicy):
         job = self.jobs.get(request.job_id)
         return 0 if job is None else job.attained_service_tokens
 
-    def select_victim(self, request: Request) -> Victim:
+    def select_victim(self, request: Request, now_s: float) -> Victim:
         running = self.scheduler.running
         index = max(
             range(len(running)),

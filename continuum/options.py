@@ -27,6 +27,7 @@ VictimOrder = Literal["latest-admitted", "latest-job"]
 PrefillAdmission = Literal["first-chunk", "whole-prompt"]
 PinYield = Literal["later-jobs", "overdue"]
 PinExpiry = Literal["hard", "while-waiting"]
+PinReleaseOrder = Literal["latest-job", "lowest-value"]
 
 
 def _help(text: str) -> dict[str, str]:
@@ -154,6 +155,12 @@ class ContinuumOptions(ProgramOrderOptions):
     pin_victims: PinVictims = field(default="first", metadata=_help(
         "when a running request needs blocks: first (pins are released before any running "
         "request is preempted) | last (af226d3: only when the request would preempt itself)"))
+    pin_release_order: PinReleaseOrder = field(default="latest-job", metadata=_help(
+        "which pin a running request short of blocks takes first (after pins whose job's "
+        "turn waits to reuse them, and its own job's, which go last): latest-job (the pin of "
+        "the job that arrived last) | lowest-value (the pin expected to save the least per "
+        "block for each further second it is held, from its decision's benefit, TTL and "
+        "tool-duration distribution at its age)"))
     pin_yield: PinYield = field(default="overdue", metadata=_help(
         "to a blocked waiting head: overdue (pins yield only once it has waited "
         "pin_yield_wait_s or max_wait_s, or max_plain_wait_s for a plain request) | "

@@ -15,6 +15,7 @@ from continuum.options import ContinuumOptions
 from continuum.policy import ContinuumPolicy
 from engine.scheduler.policy import SchedulerView
 from estimator.base import ToolCall, TTLDecision, TTLEstimator
+from estimator.solver import DurationCDF
 
 # A pin must outlast the next turn's arrival at exactly `finish + duration`.
 ORACLE_SLACK_S = 1e-3
@@ -39,7 +40,8 @@ class OracleTTLEstimator(EstimatorWrapper):
         ttl_s = duration_s + ORACLE_SLACK_S if duration_s < decision.benefit_s else 0.0
         return TTLDecision(ttl_s, "oracle", num_samples=decision.num_samples,
                            queueing_delay_s=decision.queueing_delay_s, eta=decision.eta,
-                           rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s)
+                           rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s,
+                           duration_cdf=DurationCDF((duration_s,), (1.0,)))
 
 
 class ContinuumOraclePolicy(ContinuumPolicy):

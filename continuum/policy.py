@@ -19,6 +19,7 @@ from engine.kv_cache.pins import Pin
 from engine.request import Request
 from engine.scheduler.policy import Retention, SchedulerView, Victim
 from estimator.base import ToolCall, TTLEstimator
+from estimator.solver import PinValue
 
 
 class ContinuumPolicy(JobFCFSPolicy):
@@ -107,13 +108,16 @@ class ContinuumPolicy(JobFCFSPolicy):
         if call is None:
             return self.no_tool_call()
         self.estimator.observe_tool_call(call)
-        return self.pin_decision(call, request)
+        return self.pin_decision(call, request, job)
 
-    def pin_decision(self, call: ToolCall, request: Request) -> Retention:
+    def pin_decision(self, call: ToolCall, request: Request, job: Job) -> Retention:
         """The estimator's TTL for the call, with the pins to release first to keep pins
-        under the cap, or declined if the cap leaves no room."""
+        under the cap, or declined if the cap leaves no room; `job.pin_value` becomes what
+        the pin is expected to save."""
         decision = self.estimator.decide(call)
         inputs = retention_inputs(call, decision)
+        job.pin_value = PinValue(decision.benefit_s or 0.0, decision.ttl_s,
+                                 decision.duration_cdf)
         if decision.ttl_s <= 0:
             return Retention(decision.ttl_s, inputs)
         released = self._pins_to_make_room(request, call.job_id)
@@ -143,13 +147,13 @@ class ContinuumPolicy(JobFCFSPolicy):
         return tuple(released) if held + needed <= cap_blocks else None
 
     # Memory pressure.
-    def select_victim(self, request: Request) -> Victim | None:
+    def select_victim(self, request: Request, now_s: float) -> Victim | None:
         if self.options.pin_victims == "first":
-            pin = self.pin_to_release_first(exclude_job_id=request.job_id)
-            return pin if pin is not None else super().select_victim(request)
-        victim = super().select_victim(request)
+            pin = self.pin_to_release_first(request.job_id, now_s)
+            return pin if pin is not None else super().select_victim(request, now_s)
+        victim = super().select_victim(request, now_s)
         if victim is request or victim is None:
-            pin = self.pin_to_release_first(exclude_job_id=request.job_id)
+            pin = self.pin_to_release_first(request.job_id, now_s)
             if pin is not None:
                 return pin
         return victim
@@ -157,15 +161,27 @@ class ContinuumPolicy(JobFCFSPolicy):
     def expired_pins(self, now_s: float) -> Sequence[Pin]:
         return super().expired_pins(now_s) if self.options.pin_expiry == "hard" else ()
 
-    def pin_to_release_first(self, exclude_job_id: str | None) -> Pin | None:
+    def pin_to_release_first(self, exclude_job_id: str | None, now_s: float) -> Pin | None:
         """The pin least worth keeping: pins whose job's turn is waiting to reuse them last,
-        then the latest job's first, the job `exclude_job_id` last of all."""
-        return max(
-            self.scheduler.pins,
-            key=lambda pin: (self.num_waiting(pin.job_id) == 0, pin.job_id != exclude_job_id,
-                             self.job_arrival_rank(pin.job_id)),
-            default=None,
-        )
+        and the job `exclude_job_id`'s last of all; among the others, by `pin_release_order`:
+        the latest job's first, or the one expected to save the least per block for each
+        further second held at `now_s`."""
+        if self.options.pin_release_order == "latest-job":
+            return max(self.scheduler.pins, default=None, key=lambda pin: (
+                self.num_waiting(pin.job_id) == 0, pin.job_id != exclude_job_id,
+                self.job_arrival_rank(pin.job_id)))
+        return max(self.scheduler.pins, default=None, key=lambda pin: (
+            self.num_waiting(pin.job_id) == 0, pin.job_id != exclude_job_id,
+            -self.saving_rate_per_block(pin, now_s), self.job_arrival_rank(pin.job_id)))
+
+    def saving_rate_per_block(self, pin: Pin, now_s: float) -> float:
+        """Seconds the pin is expected to save, per block, for each further second it is held
+        (`PinValue.saving_rate`); 0 when its job's books do not price it."""
+        job = self.jobs.get(pin.job_id)
+        value = None if job is None else job.pin_value
+        if value is None or pin.num_blocks == 0:
+            return 0.0
+        return value.saving_rate(now_s - pin.pinned_at_s) / pin.num_blocks
 
     def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         if not self.scheduler.running:

@@ -58,7 +58,7 @@ class JobFCFSPolicy(JobAwarePolicy):
             return max(num_new_tokens, request.num_tokens - num_hit_tokens + headroom)
         return num_new_tokens
 
-    def select_victim(self, request: Request) -> Victim | None:
+    def select_victim(self, request: Request, now_s: float) -> Victim | None:
         running = self.scheduler.running
         if self.options.prefill_victims == "none" and is_prefilling(request):
             decoding = any(other is not request and not is_prefilling(other)

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from estimator.solver import DurationCDF
 from estimator.traces import TraceJob
 
 # The longest tool duration or queueing delay an estimator records, in seconds (one day).
@@ -74,7 +75,9 @@ class TTLDecision:
     "learned", "fixed", "constant", "oracle", ...); the other inputs are None where the
     estimator does not use them: `num_samples` (durations behind the distribution),
     `queueing_delay_s` (T), `eta`, `rebuild_s` (R) and `benefit_s` (T * eta + R).
-    `ttl_s` is finite and >= 0; 0 means do not pin.
+    `ttl_s` is finite and >= 0; 0 means do not pin. `duration_cdf` is the distribution of
+    the tool's duration the decision weighed (None: none, or the cold-start prior), which
+    prices the pin while it lives (`estimator.solver.PinValue`).
     """
 
     ttl_s: float
@@ -84,6 +87,7 @@ class TTLDecision:
     eta: float | None = None
     rebuild_s: float | None = None
     benefit_s: float | None = None
+    duration_cdf: DurationCDF | None = None
 
     def __post_init__(self) -> None:
         if not (self.ttl_s >= 0 and math.isfinite(self.ttl_s)):

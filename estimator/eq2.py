@@ -159,6 +159,7 @@ class Eq2Estimator:
         if self.rebuild_cost == "prefill-times-running":
             rebuild_s *= 1 + clamp_count(call.num_running_requests, MAX_RUNNING_REQUESTS)
         num_samples = len(self.history.samples(None))
+        cdf = None
         if num_samples <= self.cold_start_samples:
             eta, basis = 1.0, "cold-start"
             benefit_s = queueing_delay_s + rebuild_s
@@ -173,7 +174,7 @@ class Eq2Estimator:
         ttl_s = min(ttl_s, self.max_ttl_s) if ttl_s >= 0 else 0.0
         return TTLDecision(ttl_s, basis, num_samples=num_samples,
                            queueing_delay_s=queueing_delay_s, eta=eta, rebuild_s=rebuild_s,
-                           benefit_s=benefit_s)
+                           benefit_s=benefit_s, duration_cdf=cdf)
 
     def rebuild_s(self, num_context_tokens: int) -> float:
         """R: seconds to rebuild a context of this many tokens: its reload time when the host

@@ -130,3 +130,42 @@ def cold_start_ttl(benefit_s: float) -> float:
     """Eq. 2 under the cold-start prior, durations ~ Exp(mean 1 s): maximising
     `(1 - exp(-t)) * B - t` gives `t = ln B` when `B > 1`, else no pin."""
     return math.log(benefit_s) if benefit_s > 1.0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PinValue:
+    """What keeping a pin is expected to save, as its TTL decision priced it: `benefit_s`, the
+    saving if the job's next turn arrives while the pin lives (`T * eta + R`), the pin's
+    `ttl_s`, and `cdf`, the distribution of the tool's duration the decision used (None:
+    unknown, then the cold-start prior Exp(mean 1 s)). Seconds throughout."""
+
+    benefit_s: float
+    ttl_s: float
+    cdf: DurationCDF | None = None
+
+    def saving_rate(self, age_s: float) -> float:
+        """Expected seconds saved per second the pin is held from `age_s` (seconds since it was
+        pinned) on: P(next turn arrives by the TTL | not yet) * benefit over the expected
+        further hold E[min(D, ttl) - age | D > age]. 0 once the TTL has passed, or when every
+        observed duration is shorter than `age_s` (the tool has overrun them all)."""
+        if age_s >= self.ttl_s or self.benefit_s <= 0:
+            return 0.0
+        if self.cdf is None:
+            return self.benefit_s  # memoryless: the same rate at every age
+        hit = self.cdf.probability(self.ttl_s) - self.cdf.probability(age_s)
+        held_s = _survival_integral(self.cdf, age_s, self.ttl_s)
+        return hit * self.benefit_s / held_s if hit > 0 and held_s > 0 else 0.0
+
+
+def _survival_integral(cdf: DurationCDF, start_s: float, end_s: float) -> float:
+    """The integral of P(D > s) ds from `start_s` to `end_s` over the step CDF."""
+    total_s, at_s = 0.0, start_s
+    for duration_s in cdf.durations_s:
+        if duration_s <= at_s:
+            continue
+        step_end_s = min(duration_s, end_s)
+        total_s += (1.0 - cdf.probability(at_s)) * (step_end_s - at_s)
+        at_s = step_end_s
+        if at_s >= end_s:
+            return total_s
+    return total_s + (1.0 - cdf.probability(at_s)) * max(0.0, end_s - at_s)

@@ -14,7 +14,7 @@ class FCFSPolicy(BasePolicy):
     def new_waiting_queue(self) -> FCFSRequestQueue:
         return FCFSRequestQueue()
 
-    def select_victim(self, request: Request) -> Victim:
+    def select_victim(self, request: Request, now_s: float) -> Victim:
         return self.scheduler.running[-1]
 
 
@@ -29,7 +29,7 @@ class PriorityPolicy(BasePolicy):
     def new_waiting_queue(self) -> PriorityRequestQueue:
         return PriorityRequestQueue()
 
-    def select_victim(self, request: Request) -> Victim:
+    def select_victim(self, request: Request, now_s: float) -> Victim:
         running = self.scheduler.running
         index = max(
             range(len(running)),

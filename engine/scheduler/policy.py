@@ -206,8 +206,9 @@ class SchedulingPolicy(Protocol):
         """How many jobs the policy keeps state for (bounded by its idle timeout)."""
         ...
 
-    def select_victim(self, request: Request) -> Victim | None:
-        """`request` (RUNNING) cannot get blocks: a running request to preempt (possibly
+    def select_victim(self, request: Request, now_s: float) -> Victim | None:
+        """`request` (RUNNING) cannot get blocks at the step of time `now_s`: a running
+        request to preempt (possibly
         `request` itself), a live pin to release, or None: `request` waits this step,
         keeping its blocks (the step then admits nobody). None only while another running
         request can finish or free blocks, so that the engine keeps moving."""

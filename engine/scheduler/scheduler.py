@@ -203,7 +203,7 @@ class Scheduler:
         self._sweep_inferred_jobs(now_s)
         self._waiting.advance_to(now_s)
         plan = StepPlan(self.config.max_num_batched_tokens, held_back)
-        self._schedule_running(plan)
+        self._schedule_running(plan, now_s)
         if not plan.preempted and not plan.stalled:
             self._schedule_waiting(plan, now_s)
         self._expire_pins(now_s)
@@ -314,7 +314,7 @@ class Scheduler:
         return self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     # Scheduling.
-    def _schedule_running(self, plan: StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan, now_s: float) -> None:
         index = 0
         while index < len(self._running) and plan.token_budget > 0:
             request = self._running[index]
@@ -323,7 +323,7 @@ class Scheduler:
                 index += 1
                 continue
             num_preempted = len(plan.preempted)
-            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
+            new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan, now_s)
             if request.status is not RequestStatus.RUNNING:
                 break
             if new_blocks is None:
@@ -335,13 +335,13 @@ class Scheduler:
             index += 1
 
     def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, plan: StepPlan
+        self, request: Request, num_new_tokens: int, plan: StepPlan, now_s: float
     ) -> list[KVCacheBlock] | None:
         """Blocks for a running request, freeing victims until they fit; None if `request`
         itself was preempted, or waits this step (the policy chose no victim: it keeps its
         blocks and computes nothing)."""
         while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-            victim = self.policy.select_victim(request)
+            victim = self.policy.select_victim(request, now_s)
             if victim is None:
                 return None
             if isinstance(victim, Pin):

@@ -17,6 +17,7 @@ from engine.kv_cache.pins import Pin
 from engine.request import Request
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.request_queue import FCFSRequestQueue, RequestQueue
+from estimator.solver import DurationCDF, PinValue
 from tests.continuum.harness import Harness, tokens
 from tests.engine.helpers import make_request
 
@@ -123,7 +124,33 @@ def test_continuum_victims(running: str, pins: str, waiting: str,
                            expected: str | None) -> None:
     policy = ContinuumPolicy(ContinuumOptions(victim_order="latest-job"))
     requests = bind(policy, running, pins, waiting_jobs=waiting)
-    assert describe(policy.select_victim(requests["R"])) == expected
+    assert describe(policy.select_victim(requests["R"], 0.0)) == expected
+
+
+@pytest.mark.parametrize(("now_s", "expected"), [
+    # J1 called a tool that takes 1 s or 30 s, J2 one that always takes 1 s; both pinned at
+    # time 1 (one block each). At 1.5 s J1's pin is expected to be held far longer for the
+    # same saving: it goes first, though J2 arrived later.
+    (1.5, "pin:J1"),
+    # At 2.5 s J1's call is known to be the 30 s kind, and J2's pin has outlived every
+    # duration its tool has shown: it is worth nothing more and goes first.
+    (2.5, "pin:J2"),
+])
+def test_lowest_value_releases_the_pin_expected_to_save_least_per_block_second(
+        now_s: float, expected: str) -> None:
+    policy = ContinuumPolicy(ContinuumOptions(pin_release_order="lowest-value"))
+    requests = bind(policy, "R@J0", "J1 J2")
+    values = {"J1": PinValue(4.0, 30.0, DurationCDF((1.0, 30.0), (0.5, 1.0))),
+              "J2": PinValue(4.0, 30.0, DurationCDF((1.0,), (1.0,)))}
+    for pin in policy.scheduler.pins:
+        pin.pinned_at_s = 1.0
+        job = policy.jobs.get(pin.job_id)
+        assert job is not None
+        job.pin_value = values[pin.job_id]
+    assert describe(policy.select_victim(requests["R"], now_s)) == expected
+    latest_job = ContinuumPolicy(ContinuumOptions())
+    assert describe(latest_job.select_victim(bind(latest_job, "R@J0", "J1 J2")["R"],
+                                             now_s)) == "pin:J2"
 
 
 @pytest.mark.parametrize(("running", "pins", "head_job", "waited_s", "expected"), [
@@ -181,7 +208,7 @@ def test_continuum_af226d3_victims(running: str, pins: str, request_id: str,
                                    expected: str) -> None:
     policy = ContinuumAf226d3Policy()
     requests = bind(policy, running, pins)
-    assert describe(policy.select_victim(requests[request_id])) == expected
+    assert describe(policy.select_victim(requests[request_id], 0.0)) == expected
 
 
 @pytest.mark.parametrize(("running", "pins", "head_job", "waited_s", "expected"), [
@@ -216,7 +243,7 @@ def test_infercept_victims(
 ) -> None:
     policy = InferCeptPolicy()
     requests = bind(policy, running, pins, blocks)
-    assert describe(policy.select_victim(requests["R"])) == expected
+    assert describe(policy.select_victim(requests["R"], 0.0)) == expected
 
 
 @pytest.mark.parametrize(("pins", "blocks", "head_job", "expected"), [
@@ -246,7 +273,7 @@ def test_autellix_preempts_the_most_served_job(
     requests = bind(policy, running, "")
     for job_id, num_tokens in service.items():
         policy.jobs.get(job_id).attained_service_tokens = num_tokens
-    assert describe(policy.select_victim(requests["R"])) == expected
+    assert describe(policy.select_victim(requests["R"], 0.0)) == expected
 
 
 @pytest.mark.parametrize(("options", "running", "pins", "expected"), [
@@ -263,7 +290,7 @@ def test_continuum_victim_options(options: dict, running: str, pins: str,
                                   expected: str | None) -> None:
     policy = ContinuumPolicy(ContinuumOptions(**options))
     requests = bind(policy, running, pins)
-    assert describe(policy.select_victim(requests["R"])) == expected
+    assert describe(policy.select_victim(requests["R"], 0.0)) == expected
 
 
 @pytest.mark.parametrize(("pin_yield", "expected"), [("later-jobs", "pin:J2"), ("overdue", None)])
@@ -286,7 +313,7 @@ def test_continuum_pin_yield_option(pin_yield: str, expected: str | None) -> Non
 def test_continuum_victims_latest_admitted_first(running: str, expected: str) -> None:
     policy = ContinuumPolicy()
     requests = bind(policy, running, "")
-    assert describe(policy.select_victim(requests["R"])) == expected
+    assert describe(policy.select_victim(requests["R"], 0.0)) == expected
 
 
 @pytest.mark.parametrize(("options", "prompt_len", "num_preemptions"), [

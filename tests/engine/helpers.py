@@ -288,6 +288,6 @@ class PinningPolicy(FCFSPolicy):
             return None
         return Retention(self.ttl_s, RetentionInputs(ttl_s=self.ttl_s, source="test"))
 
-    def select_victim(self, request: Request):
+    def select_victim(self, request: Request, now_s: float):
         pins = list(self.scheduler.pins)
-        return pins[0] if pins else super().select_victim(request)
+        return pins[0] if pins else super().select_victim(request, now_s)

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from estimator.solver import DurationCDF, cold_start_ttl, memory_price, solve_ttl, utility
+from estimator.solver import (
+    DurationCDF,
+    PinValue,
+    cold_start_ttl,
+    memory_price,
+    solve_ttl,
+    utility,
+)
 
 
 @pytest.mark.parametrize("samples, benefit_s, expected_ttl_s", [
@@ -108,3 +115,33 @@ def test_priced_charges_the_expected_hold_at_the_memory_price() -> None:
     assert solve_ttl(cdf, 0.5, "priced", price=0.0) == 10.0
     # A crowded pool prices it out.
     assert solve_ttl(cdf, 5.0, "priced", price=memory_price(0.05, 200)) == 0.0
+
+
+@pytest.mark.parametrize(("cdf", "ttl_s", "age_s", "expected_rate"), [
+    # Unknown distribution: the memoryless prior saves `benefit` a second at every age.
+    (None, 3.0, 0.0, 6.0), (None, 3.0, 2.9, 6.0), (None, 3.0, 3.0, 0.0),
+    # Durations 1 s and 3 s: at age 0 a 3 s pin always saves 6 s over an expected hold of
+    # 1 x 1 + 0.5 x 2 = 2 s; at age 2 the 1 s call is ruled out: half a chance over 0.5 s.
+    (DurationCDF((1.0, 3.0), (0.5, 1.0)), 3.0, 0.0, 3.0),
+    (DurationCDF((1.0, 3.0), (0.5, 1.0)), 3.0, 2.0, 6.0),
+    (DurationCDF((1.0, 3.0), (0.5, 1.0)), 1.0, 0.0, 3.0),
+    # Every observed duration is shorter than the pin's age: nothing left to expect.
+    (DurationCDF((1.0, 3.0), (0.5, 1.0)), 10.0, 4.0, 0.0),
+    # A known duration (the oracle's point mass): benefit over the time left until it.
+    (DurationCDF((2.0,), (1.0,)), 2.001, 0.5, 6.0 / 1.5),
+])
+def test_a_pins_saving_rate_by_age(cdf: DurationCDF | None, ttl_s: float, age_s: float,
+                                   expected_rate: float) -> None:
+    value = PinValue(benefit_s=6.0, ttl_s=ttl_s, cdf=cdf)
+    assert value.saving_rate(age_s) == pytest.approx(expected_rate)
+
+
+@given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=20),
+       st.floats(0.01, 200.0))
+def test_a_new_pins_saving_rate_is_eq2s_saving_over_its_expected_hold(
+        samples: list[float], ttl_s: float) -> None:
+    cdf = DurationCDF.from_samples(samples)
+    value = PinValue(benefit_s=5.0, ttl_s=ttl_s, cdf=cdf)
+    expected_hold_s = sum(min(sample, ttl_s) for sample in samples) / len(samples)
+    assert value.saving_rate(0.0) == pytest.approx(
+        cdf.probability(ttl_s) * 5.0 / expected_hold_s)

@@ -102,7 +102,7 @@ class _BrokenPolicy(FCFSPolicy):
     def __init__(self, victim) -> None:
         self.victim = victim
 
-    def select_victim(self, request):
+    def select_victim(self, request, now_s):
         return self.victim
 
 
