@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The GPU benchmark of issue 35 in one command: Llama-3.1-8B's shapes (random weights, bf16,
 # engine/model/configs/llama3.1-8b.json, the tokenizer of `tiny`) through the engine.
+#   smoke       (only when asked for: --part smoke) the CUDA tests (the Triton kernels against
+#               the sdpa reference on the device, float32/bf16 parity with transformers, the
+#               loader) and one small `bench forward` of the 8B shapes with triton: a couple of
+#               minutes that show whether the rest can run
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
 #               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend, the triton
 #               backend, and the triton backend with --enforce-eager (no CUDA graphs); on
@@ -12,17 +16,24 @@
 #               6 turns at 2 jobs/s, 1,500 KV blocks, 16k context), fcfs and continuum, on
 #               --agent-backend (default triton); not with --quick
 # Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
-# device, torch and triton) and OUT_DIR/results.json merge them. OUT_DIR is $OUT when set (the
-# device tool's folder; raw/ is then packed into raw.tar.gz, as only 8 files come back), else
-# gpu-bench-out/. A failing step is recorded and the others still run; the exit code is 1 if
-# any failed.
+# device, torch and triton) and OUT_DIR/results.json merge them, also when the script is
+# stopped (SIGTERM, or the device tool's time limit). OUT_DIR is $OUT when set (the device
+# tool's folder; raw/ is then packed into raw.tar.gz, as only 8 files come back), else
+# gpu-bench-out/. A failing step is recorded and the others still run; a step that would start
+# past --budget-s is skipped (recorded, exit 125), one still running at it is stopped (exit 124).
+# The exit code is 1 if any step failed or was skipped.
 #
-# Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part forward|throughput|agent
-#        ...] [--agent-backend sdpa|triton|auto (default: triton on cuda, sdpa on cpu)]
-#   --quick    forward + a 64-request throughput run, no agent replay: sized to fit one device
-#              call's 10 minutes on an H100 (estimated at 5-6 minutes, not yet measured)
+# Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|forward|
+#        throughput|agent ...] [--budget-s S] [--agent-backend sdpa|triton|auto (default:
+#        triton on cuda, sdpa on cpu)]
+#   --quick    forward + a 64-request throughput run, no agent replay, the triton runs first
+#              (the targets' runs, then the sdpa baselines, then triton without graphs and
+#              SmolLM2), within --budget-s 540 unless given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
-#              10 minutes, so there run `--part forward --part throughput`, then `--part agent`
+#              10 minutes, so there run `--part forward --part throughput`, then `--part agent`;
+#              a first call on a new GPU is best `--part smoke` (a couple of minutes)
+#   --budget-s no step starts, and a running one is stopped, this many seconds after the
+#              script started (default: none; 540 with --quick)
 #   --device cpu  a dry run of the same steps on this CPU machine with the tiny model and tiny
 #              shapes (triton under TRITON_INTERPRET=1), in a couple of minutes
 #
@@ -41,12 +52,14 @@ cd "$(dirname "$0")/.."
 quick=0
 device=cuda
 agent_backend=""
+budget_s=""
 parts=()
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
     --device) device=$2; shift ;;
     --part) parts+=("$2"); shift ;;
+    --budget-s) budget_s=$2; shift ;;
     --agent-backend) agent_backend=$2; shift ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
@@ -57,7 +70,18 @@ if [ ${#parts[@]} -eq 0 ]; then
   parts=(forward throughput)
   [ $quick -eq 1 ] || parts+=(agent)
 fi
+for part in "${parts[@]}"; do
+  case $part in
+    smoke|forward|throughput|agent) ;;
+    *) echo "--part must be smoke, forward, throughput or agent, got $part" >&2; exit 2 ;;
+  esac
+done
 wants() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+[ $quick -eq 1 ] && budget_s=${budget_s:-540}
+if [ -n "$budget_s" ] && ! [[ $budget_s =~ ^[0-9]+$ ]]; then
+  echo "--budget-s must be a whole number of seconds, got $budget_s" >&2
+  exit 2
+fi
 
 python=${PYTHON:-}
 if [ -z "$python" ]; then
@@ -68,6 +92,14 @@ if [ -d .whl ] && ! "$python" -c "import msgspec" 2>/dev/null; then
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" .whl/*.whl || exit 1
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# Every engine command imports these; serve and bench agent need the HTTP stack too.
+needed="msgspec, zmq, llguidance"
+wants agent && needed="$needed, fastapi, uvicorn, pydantic, openai"
+if ! "$python" -c "import $needed" 2>/dev/null; then
+  echo "missing Python packages (need $needed): run scripts/fetch_gpu_wheels.sh here and" \
+       "carry .whl to the GPU machine (see the top of this script)" >&2
+  exit 2
 fi
 
 out=${OUT:-gpu-bench-out}
@@ -90,12 +122,33 @@ stop_server() {
   wait "$server" 2>/dev/null
   server=""
 }
+# report: the summary of the steps that ran, and raw/ packed when the device tool's $OUT is the
+# output (only its 8 files come back). Also on SIGTERM, so that a stopped run keeps its results.
+reported=0
+report() {
+  [ $reported -eq 0 ] || return 0
+  reported=1
+  "$python" scripts/gpu_bench_report.py "$raw" "$out"
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$out/raw.tar.gz" -C "$out" raw && rm -rf "$raw"
+  fi
+}
 trap 'stop_server; rm -rf "$scratch"' EXIT
+step_pid=""
+stopped() {
+  echo "== stopped: reporting what ran"
+  [ -z "$step_pid" ] || kill -TERM "$step_pid" 2>/dev/null
+  stop_server
+  report
+  exit 143
+}
+trap stopped TERM INT
 
 if [ "$device" = cuda ]; then
   config=engine/model/configs/llama3.1-8b.json
   model_name=llama3.1-8b
   forward_shapes=()  # bench forward's defaults are the issue's table
+  smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
   num_requests=256
   [ $quick -eq 1 ] && num_requests=64
   workload=(--num-requests "$num_requests" --prompt-len 128 1024 --output-len 64 512
@@ -109,6 +162,7 @@ elif [ "$device" = cpu ]; then
   export TRITON_INTERPRET=1  # the triton backend's kernels run on CPU tensors
   forward_shapes=(--decode 2x48 4x96 --prefill 1x64 --decode-steps 2 --repeats 1
                   --max-num-batched-tokens 64)
+  smoke_shapes=("${forward_shapes[@]}")
   workload=(--num-requests 4 --prompt-len 8 32 --output-len 2 8 --max-model-len 256)
   serve_flags=(--num-kv-blocks 256 --max-model-len 2048)
   agent_flags=(--num-jobs 2 --jobs-per-s 2 --max-turns 2 --token-scale 0.02 --vocab-size 250)
@@ -147,40 +201,81 @@ print(json.dumps({"device": name, "torch": torch.__version__, "triton": triton,
 EOF
 
 # step NAME COMMAND...: runs it with its output in raw/NAME.log; records exit code and seconds.
+# With --budget-s, a step is skipped (exit 125) once the budget is spent, and stopped (exit
+# 124) when it runs past it.
 step() {
-  local name=$1 started=$SECONDS
+  local name=$1 started=$SECONDS code
   shift
+  local limit=()
+  if [ -n "$budget_s" ]; then
+    local left=$((budget_s - SECONDS))
+    if [ "$left" -le 5 ]; then
+      printf '%s\t125\t0\n' "$name" >> "$raw/status.tsv"
+      echo "== $name SKIPPED (the --budget-s of $budget_s s is spent)"
+      return
+    fi
+    # `timeout` runs programs; a shell function (the agent replay) only gets skipped.
+    declare -F "$1" > /dev/null || limit=(timeout --kill-after 10 "$left")
+  fi
   echo "== $name: $*"
-  "$@" > "$raw/$name.log" 2>&1
-  local code=$?
+  # In the background, so that a SIGTERM to this script is handled at once (bash runs traps
+  # only between foreground commands).
+  "${limit[@]}" "$@" > "$raw/$name.log" 2>&1 &
+  step_pid=$!
+  wait "$step_pid"
+  code=$?
+  step_pid=""
   printf '%s\t%s\t%s\n' "$name" "$code" "$((SECONDS - started))" >> "$raw/status.tsv"
   tail -n 12 "$raw/$name.log"
   [ "$code" -eq 0 ] || echo "== $name FAILED (exit $code)"
 }
 
-engine() { "$python" -m engine.cli "$@"; }
+engine=("$python" -m engine.cli)
 
-if wants forward; then
-  for run in sdpa triton triton-eager; do
-    flags=(--attention-backend "${run%-eager}")
-    [ "$run" = triton-eager ] && flags+=(--enforce-eager)
-    step "forward-$run" engine bench forward --config "$config" --device "$device" \
-      "${flags[@]}" "${forward_shapes[@]}" --json "$raw/forward-$run.json"
-  done
-  if [ "$device" = cuda ]; then
-    # The real model of `continuum models pull` (3 query heads per KV head, head dim 64), by
-    # its shapes: the GPU machine cannot fetch it.
-    step forward-smollm2-triton engine bench forward \
-      --config engine/model/configs/smollm2-135m-instruct.json --device "$device" \
-      --attention-backend triton --json "$raw/forward-smollm2-triton.json"
-  fi
+if wants smoke; then
+  tests=(tests/engine/model/attention/test_triton_kernels.py tests/engine/model/test_parity.py
+         tests/engine/model/test_loader.py)
+  step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
+  step forward-smoke-triton "${engine[@]}" bench forward --config "$config" --device "$device" \
+    --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
 fi
 
-if wants throughput; then
-  for backend in sdpa triton; do
-    step "throughput-$backend" engine bench throughput --impl engine "${engine_flags[@]}" \
-      "${workload[@]}" --attention-backend "$backend" --json "$raw/throughput-$backend.json"
-  done
+forward_run() {  # forward_run sdpa|triton|triton-eager
+  local run=$1 flags=(--attention-backend "${1%-eager}")
+  [ "$run" = triton-eager ] && flags+=(--enforce-eager)
+  step "forward-$run" "${engine[@]}" bench forward --config "$config" --device "$device" \
+    "${flags[@]}" "${forward_shapes[@]}" --json "$raw/forward-$run.json"
+}
+forward_smollm2() {
+  # The real model of `continuum models pull` (3 query heads per KV head, head dim 64), by
+  # its shapes: the GPU machine cannot fetch it. Its 8,192 positions hold no 8k context plus
+  # the timed steps, so its long shape is 8,000 tokens.
+  [ "$device" = cuda ] || return 0
+  step forward-smollm2-triton "${engine[@]}" bench forward \
+    --config engine/model/configs/smollm2-135m-instruct.json --device "$device" \
+    --attention-backend triton --decode 1x1024 32x1024 128x1024 32x8000 \
+    --json "$raw/forward-smollm2-triton.json"
+}
+throughput_run() {  # throughput_run sdpa|triton
+  step "throughput-$1" "${engine[@]}" bench throughput --impl engine "${engine_flags[@]}" \
+    "${workload[@]}" --attention-backend "$1" --json "$raw/throughput-$1.json"
+}
+
+if [ $quick -eq 1 ]; then
+  # The targets' runs first: what a spent budget skips is the least needed.
+  wants forward && forward_run triton
+  wants throughput && throughput_run triton
+  wants forward && forward_run sdpa
+  wants throughput && throughput_run sdpa
+  wants forward && { forward_run triton-eager; forward_smollm2; }
+else
+  if wants forward; then
+    for run in sdpa triton triton-eager; do forward_run "$run"; done
+    forward_smollm2
+  fi
+  if wants throughput; then
+    for backend in sdpa triton; do throughput_run "$backend"; done
+  fi
 fi
 
 # agent_replay POLICY: a server on the policy, the swe replay against it, the server stopped.
@@ -212,7 +307,7 @@ sys.exit("the server did not become healthy")
 EOF
   local code=$?
   if [ $code -eq 0 ]; then
-    engine bench agent --base-url "http://127.0.0.1:$port" --workload swe "${agent_flags[@]}" \
+    "${engine[@]}" bench agent --base-url "http://127.0.0.1:$port" --workload swe "${agent_flags[@]}" \
       --label "$policy" --no-progress --json "$raw/agent-$policy.json"
     code=$?
   fi
@@ -227,9 +322,6 @@ if wants agent; then
   done
 fi
 
-"$python" scripts/gpu_bench_report.py "$raw" "$out"
 failed=$(awk -F'\t' '$2 != 0 { failed = 1 } END { print failed + 0 }' "$raw/status.tsv")
-if [ -n "${OUT:-}" ]; then
-  tar czf "$out/raw.tar.gz" -C "$out" raw && rm -rf "$raw"
-fi
+report
 exit "$failed"

@@ -51,10 +51,23 @@ def summary_markdown(results: dict[str, Any]) -> str:
     lines += _agent_table(results["agent"])
     lines += ["## Steps", ""]
     for step in results["steps"]:
-        outcome = ("ok" if step["exit_code"] == 0
-                   else f"FAILED (exit {step['exit_code']}; raw/{step['name']}.log)")
-        lines.append(f"- {step['name']}: {outcome}, {step['wall_s']:.0f} s")
+        lines.append(f"- {step['name']}: {_outcome(step)}, {step['wall_s']:.0f} s")
     return "\n".join(lines) + "\n"
+
+
+# Exit codes `scripts/gpu_bench.sh` gives steps its --budget-s cut short (124: `timeout`'s).
+_STOPPED_AT_BUDGET, _SKIPPED_FOR_BUDGET = 124, 125
+
+
+def _outcome(step: dict[str, Any]) -> str:
+    code = step["exit_code"]
+    if code == 0:
+        return "ok"
+    if code == _SKIPPED_FOR_BUDGET:
+        return "SKIPPED (the time budget was spent)"
+    if code == _STOPPED_AT_BUDGET:
+        return f"STOPPED at the time budget (raw/{step['name']}.log)"
+    return f"FAILED (exit {code}; raw/{step['name']}.log)"
 
 
 def _forward_table(runs: dict[str, Any]) -> list[str]:

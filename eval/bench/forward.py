@@ -17,9 +17,10 @@ not run: steps are built here.
 
 Weights are random (`load_format="dummy"`; timing does not depend on their values) and prompts
 are random token ids, so `--config FILE` (a Hugging Face `config.json`) measures any model's
-shapes without its files. A shape that runs out of device memory is reported as such and the
-others still run. The markdown table (stdout, `--markdown FILE`) and the JSON (`--json FILE`)
-name the device, the torch and triton versions, the dtype and the attention backend.
+shapes without its files. A shape that runs out of device memory, or needs more positions than
+the model has, is reported as such and the others still run. The markdown table (stdout,
+`--markdown FILE`) and the JSON (`--json FILE`) name the device, the torch and triton versions,
+the dtype and the attention backend.
 """
 
 from __future__ import annotations
@@ -144,12 +145,21 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
-    """Builds one runner sized for every shape, measures each, and returns the JSON report."""
+    """Builds one runner sized for every shape the model's positions hold, measures each, and
+    returns the JSON report (a shape beyond the positions is reported as not run).
+    ValueError if no shape fits."""
     with tempfile.TemporaryDirectory() as scratch:
         model = _model_dir(args, Path(scratch))
-        runner = ModelRunner(_engine_config(args, model, shapes))
+        max_positions = load_arch(model).max_position_embeddings
+        fitting = [shape for shape in shapes if _max_seq_len(shape, args) <= max_positions]
+        if not fitting:
+            raise ValueError(f"every shape needs more positions than the model's "
+                             f"{max_positions}")
+        runner = ModelRunner(_engine_config(args, model, fitting))
     rng = np.random.default_rng(args.seed)
-    results = [_measure(runner, shape, args, rng) for shape in shapes]
+    results = [_measure(runner, shape, args, rng) if shape in fitting else ShapeResult(
+        shape, error=f"not run: needs {_max_seq_len(shape, args)} positions, the model has "
+                     f"{max_positions}") for shape in shapes]
     return {
         "model": _model_name(args),
         **environment(runner.device),
@@ -219,10 +229,6 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
     max_prefill_tokens = max((shape.batch_size * shape.seq_len for shape in shapes
                               if shape.kind == "prefill"), default=0)
     max_model_len = max(_max_seq_len(shape, args) for shape in shapes)
-    max_position_embeddings = load_arch(model).max_position_embeddings
-    if max_model_len > max_position_embeddings:
-        raise ValueError(f"the shapes need {max_model_len} positions; the model has "
-                         f"{max_position_embeddings}")
     return EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, load_format="dummy",
                           max_model_len=max_model_len, seed=args.seed, device=args.device,

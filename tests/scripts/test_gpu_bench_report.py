@@ -16,7 +16,8 @@ def test_report_tables_the_steps_that_ran_and_names_the_failed(tmp_path: Path) -
     (raw / "environment.json").write_text(json.dumps({
         "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
         "config": "engine/model/configs/llama3.1-8b.json", "mode": "quick"}))
-    (raw / "status.tsv").write_text("forward-sdpa\t0\t61\nthroughput-triton\t1\t12\n")
+    (raw / "status.tsv").write_text("forward-sdpa\t0\t61\nthroughput-triton\t1\t12\n"
+                                    "forward-triton-eager\t124\t300\nthroughput-sdpa\t125\t0\n")
     (raw / "forward-sdpa.json").write_text(json.dumps({"results": [
         {"label": "decode, batch 1, context 1,024", "step_ms": 21.3, "tokens_per_s": 47.0,
          "error": None},
@@ -30,5 +31,8 @@ def test_report_tables_the_steps_that_ran_and_names_the_failed(tmp_path: Path) -
     assert "| decode, batch 1, context 1,024 | 21.30 | 47 |" in summary
     assert "| decode, batch 32, context 8,192 | CUDA out of memory |  |" in summary
     assert "- throughput-triton: FAILED (exit 1; raw/throughput-triton.log), 12 s" in summary
+    assert ("- forward-triton-eager: STOPPED at the time budget "
+            "(raw/forward-triton-eager.log), 300 s") in summary
+    assert "- throughput-sdpa: SKIPPED (the time budget was spent), 0 s" in summary
     merged = json.loads((tmp_path / "results.json").read_text())
     assert list(merged["forward"]) == ["sdpa"] and merged["throughput"] == {}

@@ -65,7 +65,13 @@ def test_shapes_are_parsed_or_refused() -> None:
             Shape.parse("decode", text)
 
 
-def test_shapes_beyond_the_model_positions_are_refused() -> None:
+def test_shapes_beyond_the_model_positions_are_reported_not_run(tmp_path: Path) -> None:
+    json_path = tmp_path / "forward.json"
+    assert main(["bench", "forward", "--decode", "1x5000", "1x16", "--prefill",
+                 "--decode-steps", "2", "--repeats", "1", "--json", str(json_path)]) == 0
+    beyond, fitting = json.loads(json_path.read_text())["results"]
+    assert beyond["step_ms"] is None and "positions" in beyond["error"]
+    assert fitting["error"] is None and fitting["step_ms"] > 0
     with pytest.raises(ValueError, match="positions"):
         main(["bench", "forward", "--decode", "1x5000", "--prefill"])
 
