@@ -28,6 +28,7 @@ PrefillAdmission = Literal["first-chunk", "whole-prompt"]
 PinYield = Literal["later-jobs", "overdue"]
 PinExpiry = Literal["hard", "while-waiting"]
 PinReleaseOrder = Literal["latest-job", "lowest-value"]
+PinLoss = Literal["ignored", "discounted"]
 
 
 def _help(text: str) -> dict[str, str]:
@@ -135,6 +136,11 @@ class ContinuumOptions(ProgramOrderOptions):
         "is expected to be held, since a used pin is released when the next turn arrives) | "
         "priced (that expected hold times the share of the pool it holds times the requests "
         "running and waiting)"))
+    pin_loss: PinLoss = field(default="ignored", metadata=_help(
+        "ignored | discounted (Eq. 2 counts that memory pressure may take a pin before the "
+        "next turn comes, at the rate it took pins lately: pins taken per second held over "
+        "the last 256 pins released; a pin then saves only if the turn comes first, and is "
+        "charged until it goes)"))
     prefill_profile: str = field(default="auto", metadata=_help(
         "prices R: auto (prefills timed at start-up) | none (R = 0) | a JSON file of "
         "[num_tokens, seconds] points"))

@@ -15,10 +15,11 @@ from continuum.estimation import (
 from continuum.jobs import Job
 from continuum.options import ContinuumFixedOptions, ContinuumOptions
 from continuum.program_order import JobFCFSPolicy
-from engine.kv_cache.pins import Pin
+from engine.kv_cache.pins import Pin, PinReleaseReason
 from engine.request import Request
 from engine.scheduler.policy import Retention, SchedulerView, Victim
 from estimator.base import ToolCall, TTLEstimator
+from estimator.signals import PinLossRate
 from estimator.solver import PinValue
 
 
@@ -61,6 +62,7 @@ class ContinuumPolicy(JobFCFSPolicy):
         super().__init__(options)
         self._given_estimator = estimator
         self.estimator: GuardedEstimator
+        self.pin_losses = PinLossRate()
 
     def bind(self, scheduler: SchedulerView) -> None:
         super().bind(scheduler)
@@ -107,8 +109,16 @@ class ContinuumPolicy(JobFCFSPolicy):
         call = self.tool_call(request, job, now_s)
         if call is None:
             return self.no_tool_call()
+        if self.options.pin_loss == "discounted":
+            call = dataclasses.replace(call, pin_loss_rate_per_s=self.pin_losses.rate_per_s)
         self.estimator.observe_tool_call(call)
         return self.pin_decision(call, request, job)
+
+    def on_pin_released(self, pin: Pin) -> None:
+        super().on_pin_released(pin)
+        if pin.released_at_s is not None:
+            self.pin_losses.add(pin.released_at_s - pin.pinned_at_s,
+                                taken=pin.release_reason is PinReleaseReason.PRESSURE)
 
     def pin_decision(self, call: ToolCall, request: Request, job: Job) -> Retention:
         """The estimator's TTL for the call, with the pins to release first to keep pins

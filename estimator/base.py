@@ -22,6 +22,9 @@ from estimator.traces import TraceJob
 
 # The longest tool duration or queueing delay an estimator records, in seconds (one day).
 MAX_OBSERVED_S = 86_400.0
+# The shortest time an estimator tells apart from none (a microsecond): rates are at most its
+# inverse.
+MIN_OBSERVED_S = 1e-6
 # The longest context, in tokens, that features and rebuild costs are computed for.
 MAX_CONTEXT_TOKENS = 1 << 32
 # The most turns a job, and the most requests running beside a turn, that are counted.
@@ -35,6 +38,13 @@ def clamp_seconds(value: float) -> float | None:
     if isinstance(value, float) and math.isnan(value):
         return None
     return float(min(max(value, 0.0), MAX_OBSERVED_S))
+
+
+def clamp_rate(value: float) -> float:
+    """A rate per second clamped into [0, 1 / `MIN_OBSERVED_S`]; 0 for NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return 0.0
+    return float(min(max(value, 0.0), 1.0 / MIN_OBSERVED_S))
 
 
 def clamp_count(value: int, maximum: int) -> int:
@@ -53,7 +63,9 @@ class ToolCall:
     rebuild of the context would share; `num_waiting_requests` the requests waiting then;
     `pool_share` the share of the KV pool the context's blocks take (0 when unknown);
     `request_id` names the finished turn (None when the caller has no such name, as in trace
-    replays).
+    replays); `pin_loss_rate_per_s` how often memory pressure now takes a live pin, per
+    second held (0: never, or not counted), the chance that a pin is gone before the next
+    turn comes.
     """
 
     job_id: str
@@ -65,6 +77,7 @@ class ToolCall:
     request_id: str | None = None
     num_waiting_requests: int = 0
     pool_share: float = 0.0
+    pin_loss_rate_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from estimator.base import (
     ToolCall,
     TTLDecision,
     clamp_count,
+    clamp_rate,
     clamp_seconds,
 )
 from estimator.cost_model import (
@@ -170,7 +171,8 @@ class Eq2Estimator:
             cdf, basis, num_samples = self._cdf(call)
             ttl_s = solve_ttl(cdf, benefit_s, self.pin_cost, price=memory_price(
                 call.pool_share, clamp_count(call.num_running_requests
-                                             + call.num_waiting_requests, MAX_RUNNING_REQUESTS)))
+                                             + call.num_waiting_requests, MAX_RUNNING_REQUESTS)),
+                loss_rate_per_s=clamp_rate(call.pin_loss_rate_per_s))
         ttl_s = min(ttl_s, self.max_ttl_s) if ttl_s >= 0 else 0.0
         return TTLDecision(ttl_s, basis, num_samples=num_samples,
                            queueing_delay_s=queueing_delay_s, eta=eta, rebuild_s=rebuild_s,

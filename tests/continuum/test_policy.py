@@ -369,3 +369,35 @@ def test_aborted_turns_do_not_count_as_finished_turns() -> None:
     assert (job.num_turns_finished, job.num_unfinished_turns, job.attained_service_tokens) == (
         0, 0, 0)
     assert h.pin("J") is None
+
+
+class RecordingLossRate(TTLByTool):
+    """`TTLByTool` that also records the pin-loss rate of each call it decides."""
+
+    def __init__(self, ttl_by_tool: dict[str | None, float]) -> None:
+        super().__init__(ttl_by_tool)
+        self.loss_rates: list[float] = []
+
+    def decide(self, call: ToolCall) -> TTLDecision:
+        self.loss_rates.append(call.pin_loss_rate_per_s)
+        return super().decide(call)
+
+
+@pytest.mark.parametrize(("pin_loss", "expected_rate"), [("ignored", 0.0), ("discounted", 1.0)])
+def test_the_estimator_hears_how_often_pressure_took_pins(pin_loss: str,
+                                                          expected_rate: float) -> None:
+    """Job A's pin is taken by a plain request short of blocks after 1 s: with
+    pin_loss=discounted, job B's next decision is told pins go at 1 a second held."""
+    estimator = RecordingLossRate({"bash": 5.0})
+    h = Harness(ContinuumPolicy(ContinuumOptions(pin_loss=pin_loss), estimator=estimator),
+                num_blocks=8, max_model_len=32)
+    h.add("a1", tokens(1, 10), job="A", max_tokens=3)
+    h.run_until_finished("a1")
+    assert h.pin("A") is not None
+    h.clock.advance(1.0)
+    h.add("plain", tokens(100, 20), max_tokens=10)
+    h.run_until_finished("plain")
+    assert h.scheduler.pins.num_released == {PinReleaseReason.PRESSURE: 1}
+    h.add("b1", tokens(200, 6), job="B", max_tokens=2)
+    h.run_until_finished("b1")
+    assert estimator.loss_rates == [0.0, pytest.approx(expected_rate)]
