@@ -7,13 +7,15 @@ every few milliseconds, each time the loop wakes up (one victim's inter-token p9
 (`BodyParser`), which also checks the counts of `body_limits`: a body over them never comes
 back into the server's process, and one within them comes back as a pickle, whose loading
 is several times cheaper than the parse. The child is asked from the server's
-`TenantWorkPool`, in the tenant's turn.
+`TenantWorkPool`, in the tenant's turn, and runs at low CPU priority, as does the rest of such
+a request's preparation (`ClientContext.large_body`).
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ProcessPoolExecutor
@@ -26,9 +28,12 @@ from fastapi.routing import APIRoute
 from engine.entrypoints.openai.body_limits import BodyLimitError, parse_checked
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.tenants import scope_tenant
-from engine.entrypoints.openai.work_pool import TenantWorkPool
+from engine.entrypoints.openai.work_pool import BACKGROUND_NICENESS, TenantWorkPool
 
 INLINE_PARSE_BYTES = 64 * 1024
+# The request scope's state key that says the body was over `INLINE_PARSE_BYTES`: the rest of
+# its preparation runs in the work pool's background (`ClientContext.large_body`).
+LARGE_BODY_STATE = "continuum_large_body"
 DEFAULT_PARSER_PROCESSES = 2
 # The body field that holds the conversation, by path (see `body_limits.check_counts`).
 CONVERSATION_FIELDS = {"/v1/chat/completions": "messages", "/v1/responses": "input"}
@@ -66,7 +71,8 @@ class BodyParser:
         with self._lock:
             if self._executor is None:
                 self._executor = ProcessPoolExecutor(
-                    self.num_processes, mp_context=multiprocessing.get_context("spawn"))
+                    self.num_processes, mp_context=multiprocessing.get_context("spawn"),
+                    initializer=os.nice, initargs=(BACKGROUND_NICENESS,))
             return self._executor
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:
@@ -83,6 +89,7 @@ class PoolParsedRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
+            self.scope.setdefault("state", {})[LARGE_BODY_STATE] = len(body) > INLINE_PARSE_BYTES
             if len(body) <= INLINE_PARSE_BYTES:
                 self._json = json.loads(body)
             else:
@@ -94,7 +101,7 @@ class PoolParsedRequest(Request):
         parser: BodyParser = self.app.state.body_parser
         try:
             return await pool.run(scope_tenant(self.scope), parser.parse, body,
-                                  CONVERSATION_FIELDS.get(self.url.path))
+                                  CONVERSATION_FIELDS.get(self.url.path), background=True)
         except BodyLimitError as error:
             raise APIError(400, error.message, param=error.param,
                            code="limit_exceeded") from error

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -23,6 +23,7 @@ from engine.entrypoints.openai.errors import (
     shutting_down_error,
 )
 from engine.entrypoints.openai.job_extension import job_info
+from engine.entrypoints.openai.json_body import LARGE_BODY_STATE
 from engine.entrypoints.openai.protocol import SamplingFields
 from engine.entrypoints.openai.request_id import scope_request_id
 from engine.entrypoints.openai.response_store import check_store_room
@@ -145,16 +146,21 @@ class ServerSettings:
 class ClientContext:
     """Who sent a request: its headers (which may carry the job extension), its tenant (None
     on a server without API keys), and its `X-Request-Id` (the client's or a generated one;
-    None outside `RequestIdMiddleware`), which log lines about the request name."""
+    None outside `RequestIdMiddleware`), which log lines about the request name;
+    `large_body`: its body was too large to parse inline, so its preparation runs in the work
+    pool's background (lower CPU priority)."""
 
     headers: Mapping[str, str]
     tenant: str | None
     request_id: str | None = None
+    large_body: bool = False
 
     @classmethod
     def of(cls, request: HTTPRequest) -> ClientContext:
+        """The client of a request whose body was read (`PoolParsedRequest.json`)."""
         return cls(headers=request.headers, tenant=scope_tenant(request.scope),
-                   request_id=scope_request_id(request.scope))
+                   request_id=scope_request_id(request.scope),
+                   large_body=bool(request.scope.get("state", {}).get(LARGE_BODY_STATE)))
 
 
 class OpenAIServing:
@@ -172,6 +178,11 @@ class OpenAIServing:
         self.pool = pool
         self._token_texts: dict[int, str] = {}
         self.grammar_checker = GrammarChecker(engine.processor.tokenizer)
+
+    async def run_for(self, client: ClientContext, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on the work pool in `client`'s tenant's turn, in the background for a
+        large body (`TenantWorkPool.run`)."""
+        return await self.pool.run(client.tenant, fn, *args, background=client.large_body)
 
     @property
     def max_model_len(self) -> int:

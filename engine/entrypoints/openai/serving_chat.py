@@ -102,8 +102,8 @@ class OpenAIServingChat(OpenAIServing):
         self._check_chat_fields(body)
         structured_output = None
         if may_constrain(body):
-            structured_output = await self.pool.run(
-                client.tenant, chat_structured_output, body, self.grammar_checker,
+            structured_output = await self.run_for(
+                client, chat_structured_output, body, self.grammar_checker,
                 self.settings.tool_call_parser)
         params = self.sampling_params(
             body,
@@ -114,8 +114,7 @@ class OpenAIServingChat(OpenAIServing):
             structured_output=structured_output,
         )
         self.check_queue_room(body.n)
-        request = await self.pool.run(client.tenant, self._render_and_process, body, params,
-                                      client)
+        request = await self.run_for(client, self._render_and_process, body, params, client)
         (stream,) = self.submit([request])
         return PreparedChat(request, stream, client.request_id)
 

@@ -78,8 +78,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._prompts(body.prompt)
         structured_output = None
         if may_constrain(body):
-            structured_output = await self.pool.run(client.tenant, completion_structured_output,
-                                                    body, self.grammar_checker)
+            structured_output = await self.run_for(client, completion_structured_output, body,
+                                                   self.grammar_checker)
         # Prompt only (max_tokens 0): one token is generated, and dropped from the response.
         params = self.sampling_params(
             body, max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
@@ -87,9 +87,9 @@ class OpenAIServingCompletion(OpenAIServing):
             stream=body.stream, structured_output=structured_output)
         self.check_queue_room(len(prompts) * body.n)
         response_id = new_id("cmpl")
-        echo_texts = (await self.pool.run(client.tenant, self._echo_texts, prompts)
+        echo_texts = (await self.run_for(client, self._echo_texts, prompts)
                       if body.echo else None)
-        requests = await self.pool.run(client.tenant, self._process_prompts, response_id,
+        requests = await self.run_for(client, self._process_prompts, response_id,
                                        prompts, params, body, client)
         return PreparedCompletion(response_id, requests, self.submit(requests),
                                   client.request_id, echo_texts=echo_texts)

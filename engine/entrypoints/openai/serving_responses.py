@@ -289,7 +289,7 @@ class OpenAIServingResponses(OpenAIServing):
         constraint_fields = _ConstraintFields.of(body)
         structured_output = None
         if may_constrain(constraint_fields):
-            structured_output = await self.pool.run(client.tenant, self._structured_output,
+            structured_output = await self.run_for(client, self._structured_output,
                                                     constraint_fields)
         params = self._sampling_params(body, structured_output)
         response_id = new_item_id("resp")
@@ -297,10 +297,9 @@ class OpenAIServingResponses(OpenAIServing):
         job_body, job_id = _with_job(body, None if previous is None else previous.job_id,
                                      client)
         self.check_queue_room(1)
-        items, item_jsons = await self.pool.run(client.tenant, _conversation, previous,
-                                                input_items)
-        request = await self.pool.run(
-            client.tenant, self._render_and_process, response_id, job_body, items, params, client,
+        items, item_jsons = await self.run_for(client, _conversation, previous, input_items)
+        request = await self.run_for(
+            client, self._render_and_process, response_id, job_body, items, params, client,
             None if previous is None else previous.response_id)
         (stream,) = self.submit([request])
         return PreparedResponse(

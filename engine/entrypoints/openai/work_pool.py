@@ -1,6 +1,13 @@
 """The HTTP layer's blocking work (parsing large bodies, checking grammars, rendering chats,
 tokenizing, decoding stored responses), on threads shared fairly among tenants.
 
+Work for a request with a large body (`background=True`) runs on threads of lower CPU
+priority (niceness 10, about a tenth of the CPU when others want it): rendering and
+tokenizing an 8 MB chat takes seconds of CPU, which on a busy machine would otherwise be
+taken from the engine core's steps and the event loop that streams every client's tokens.
+Small requests' work keeps the normal priority, so that their time to first token does not
+wait on the large ones'.
+
 One pool serves the whole server. A tenant runs at most `max_threads_per_tenant` items at
 once, so that a flood from one tenant (say chats of 10,000 messages, each taking seconds to
 render and tokenize) always leaves threads to the others; when a thread frees, the next item
@@ -12,7 +19,9 @@ gets 429 for the next one: its queue, and the request bodies it holds, stay boun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,10 +37,14 @@ DEFAULT_PREPARATION_THREADS = min(32, (os.cpu_count() or 1) + 4)
 DEFAULT_MAX_WAITING_PREPARATIONS = 64
 
 
+BACKGROUND_NICENESS = 10
+
+
 @dataclass(eq=False)
 class _Item:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
+    background: bool
     result: asyncio.Future[Any] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -58,6 +71,9 @@ class TenantWorkPool:
         self.max_waiting_per_tenant = max_waiting_per_tenant
         self.retry_after_s = retry_after_s
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="preparation")
+        self._background_executor = ThreadPoolExecutor(
+            num_threads, thread_name_prefix="preparation-background",
+            initializer=lower_thread_priority, initargs=(BACKGROUND_NICENESS,))
         self._waiting: dict[str | None, deque[_Item]] = {}
         # Every tenant seen, in the order of their next turns: one that starts an item goes
         # last, one never seen before goes first. As bounded as the server's API keys.
@@ -72,17 +88,19 @@ class TenantWorkPool:
         per_tenant = num_threads if num_tenants <= 1 else max(1, num_threads // 2)
         return cls(num_threads, max_threads_per_tenant=per_tenant, **kwargs)
 
-    async def run(self, tenant: str | None, fn: Callable[..., _T], *args: Any) -> _T:
+    async def run(self, tenant: str | None, fn: Callable[..., _T], *args: Any,
+                  background: bool = False) -> _T:
         """`fn(*args)` on a thread of the pool, in `tenant`'s turn; its result or exception.
-        APIError(429) if the tenant already has `max_waiting_per_tenant` items waiting. If
-        the caller is cancelled while the item waits, the item is dropped; once it runs, it
-        runs to its end and its result is discarded."""
+        `background`: on a thread of lower CPU priority (work for a large body). APIError(429)
+        if the tenant already has `max_waiting_per_tenant` items waiting. If the caller is
+        cancelled while the item waits, the item is dropped; once it runs, it runs to its end
+        and its result is discarded."""
         queue = self._waiting.get(tenant)
         if queue is not None and len(queue) >= self.max_waiting_per_tenant:
             raise APIError(429, f"too many of this client's requests are being prepared "
                                 f"({len(queue)} waiting); retry later", code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.retry_after_s)})
-        item = _Item(fn, args)
+        item = _Item(fn, args, background)
         if tenant not in self._turns:
             self._turns[tenant] = None
             self._turns.move_to_end(tenant, last=False)
@@ -105,6 +123,7 @@ class TenantWorkPool:
     def shutdown(self) -> None:
         """Stops taking items; items already running finish on their threads."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._background_executor.shutdown(wait=False, cancel_futures=True)
 
     def _dispatch(self) -> None:
         """Starts waiting items while threads are free, taking tenants in turn."""
@@ -125,7 +144,8 @@ class TenantWorkPool:
     def _start(self, tenant: str | None, item: _Item) -> None:
         self._running[tenant] = self._running.get(tenant, 0) + 1
         loop = asyncio.get_running_loop()
-        work = self._executor.submit(item.fn, *item.args)
+        executor = self._background_executor if item.background else self._executor
+        work = executor.submit(item.fn, *item.args)
         work.add_done_callback(
             lambda done: loop.call_soon_threadsafe(self._finished, tenant, item, done))
 
@@ -149,3 +169,10 @@ class TenantWorkPool:
             queue.remove(item)
             if not queue:
                 del self._waiting[tenant]
+
+
+def lower_thread_priority(niceness: int) -> None:
+    """Raises the calling thread's niceness to `niceness` (Linux sets it per thread; elsewhere
+    nothing changes)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)

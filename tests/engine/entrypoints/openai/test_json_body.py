@@ -7,9 +7,13 @@ import json
 import os
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
 
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_PARTS, BodyLimitError
-from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, BodyParser
+from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, BodyParser, PoolParsedRoute
+from engine.entrypoints.openai.serving import ClientContext
+from engine.entrypoints.openai.work_pool import TenantWorkPool
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +65,22 @@ def test_large_chat_bodies_are_served_or_refused_with_400(server):
     assert refused.status_code == 400
     assert (refused.json()["error"]["param"], refused.json()["error"]["code"]) == (
         "messages", "limit_exceeded")
+
+
+def test_a_large_bodys_preparation_runs_in_the_background(parser):
+    """`ClientContext.large_body` (what sends a request's preparation to the work pool's
+    low-priority threads) is set by a body parsed off the loop, not by an inline one."""
+    app = FastAPI()
+    app.router.route_class = PoolParsedRoute
+    app.state.work_pool, app.state.body_parser = TenantWorkPool(2), parser
+
+    @app.post("/v1/chat/completions")
+    async def echo(body: dict, request: Request) -> dict:
+        return {"large_body": ClientContext.of(request).large_body}
+
+    with TestClient(app) as client:
+        small = client.post("/v1/chat/completions", json={"messages": []}).json()
+        large = client.post("/v1/chat/completions",
+                            json={"messages": ["x" * INLINE_PARSE_BYTES]}).json()
+    assert (small, large) == ({"large_body": False}, {"large_body": True})
+    app.state.work_pool.shutdown()

@@ -4,13 +4,14 @@ turn, a tenant's queue is bounded (429), cancelled waiters leave it."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 
 import pytest
 
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.work_pool import TenantWorkPool
+from engine.entrypoints.openai.work_pool import BACKGROUND_NICENESS, TenantWorkPool
 
 
 def _blocker(started: list[str], name: str, gate: threading.Event) -> Callable[[], str]:
@@ -118,3 +119,28 @@ def test_bad_sizes_are_refused(kwargs):
 def test_one_tenant_may_use_every_thread():
     assert TenantWorkPool.for_tenants(1, num_threads=6).max_threads_per_tenant == 6
     assert TenantWorkPool.for_tenants(3, num_threads=1).max_threads_per_tenant == 1
+
+
+def _thread_niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_background_work_runs_at_lower_cpu_priority_in_the_same_turns():
+    async def scenario() -> None:
+        pool = TenantWorkPool.for_tenants(2, num_threads=2)
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        assert await pool.run("a", _thread_niceness) == base
+        assert await pool.run("a", _thread_niceness, background=True) == max(
+            base, BACKGROUND_NICENESS)
+        gate, started = threading.Event(), []
+        held = asyncio.ensure_future(pool.run("a", _blocker(started, "bg", gate),
+                                              background=True))
+        await _until(lambda: pool.num_running("a") == 1)
+        second = asyncio.ensure_future(pool.run("a", _blocker(started, "fg", gate)))
+        await asyncio.sleep(0.05)
+        assert pool.num_waiting("a") == 1  # one thread a tenant, whichever the priority
+        gate.set()
+        assert await asyncio.gather(held, second) == ["bg", "fg"]
+        pool.shutdown()
+
+    asyncio.run(scenario())
