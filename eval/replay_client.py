@@ -8,6 +8,10 @@ extension (`job_id`, `is_last_step`, `tool_name`), a forced output length (`max_
 generated tokens exactly. Prompts are token ids drawn from `[1, vocab_size)` (valid for any
 tokenizer at the default 256), or words in the `text` format for servers that take no ids.
 Servers that return no token ids get placeholder ids of the generated count.
+
+A replay may be stopped `stop_after_s` seconds after it started (as the first GPU runs were
+stopped at 222 s): the turns in flight are cancelled (their connections close, so the server
+aborts them), and the jobs not finished by then count as unfinished, not as failures.
 """
 
 from __future__ import annotations
@@ -63,8 +67,9 @@ class ReplaySettings:
 class AgentReplay:
     """Replays `jobs` arriving at `arrivals_s` (seconds from the start, parallel lists);
     `on_job_done` is called as each job ends (a progress bar). After `run`, `records` holds
-    each job's turns, in job order; during it, `started` holds the records of the jobs that
-    have arrived, filling as their turns finish."""
+    each job's record, in job order (a job that had not arrived when a run stopped has no
+    turns); during it, `started` holds the records of the jobs that have arrived, filling as
+    their turns finish."""
 
     def __init__(
         self, jobs: list[AgentJobSpec], arrivals_s: list[float], settings: ReplaySettings,
@@ -80,7 +85,12 @@ class AgentReplay:
         self.started: list[JobRecord] = []
         self._start_s = 0.0
 
-    async def run(self) -> RunMetrics:
+    async def run(self, stop_after_s: float | None = None) -> RunMetrics:
+        """Replays every job; with `stop_after_s`, stops that many seconds after the start
+        (the first arrival is at 0 s), cancelling the turns in flight and leaving the jobs
+        not finished by then unfinished (no `finished_s`, no `error`)."""
+        if stop_after_s is not None and stop_after_s <= 0:
+            raise ValueError(f"stop_after_s must be > 0, got {stop_after_s}")
         settings = self.settings
         limits = httpx.Limits(max_connections=len(self.jobs) + 8, max_keepalive_connections=64)
         async with httpx.AsyncClient(limits=limits, timeout=settings.request_timeout_s) as http:
@@ -90,10 +100,15 @@ class AgentReplay:
             model = settings.model or (await client.models.list()).data[0].id
             counters_before = await scrape_counters(http, settings)
             self._start_s = time.monotonic()
-            self.records = await asyncio.gather(*(
-                self._run_job(client, model, job, arrival_s)
-                for job, arrival_s in zip(self.jobs, self.arrivals_s, strict=True)
-            ))
+            records = [JobRecord(job.job_id, arrival_s)
+                       for job, arrival_s in zip(self.jobs, self.arrivals_s, strict=True)]
+            tasks = [asyncio.ensure_future(self._run_job(client, model, job, record))
+                     for job, record in zip(self.jobs, records, strict=True)]
+            _, unfinished = await asyncio.wait(tasks, timeout=stop_after_s)
+            for task in unfinished:
+                task.cancel()
+            await asyncio.gather(*unfinished, return_exceptions=True)
+            self.records = records
             counters_after = await scrape_counters(http, settings)
         return _with_server_counters(summarize_run(self.records), counters_before,
                                      counters_after)
@@ -102,10 +117,12 @@ class AgentReplay:
         return time.monotonic() - self._start_s
 
     async def _run_job(
-        self, client: openai.AsyncOpenAI, model: str, job: AgentJobSpec, arrival_s: float
-    ) -> JobRecord:
-        await asyncio.sleep(max(0.0, arrival_s - self._now_s()))
-        record = JobRecord(job.job_id, self._now_s())
+        self, client: openai.AsyncOpenAI, model: str, job: AgentJobSpec, record: JobRecord
+    ) -> None:
+        """Runs `job` into `record`, whose `arrival_s` is its planned arrival until it
+        arrives."""
+        await asyncio.sleep(max(0.0, record.arrival_s - self._now_s()))
+        record.arrival_s = self._now_s()
         self.started.append(record)
         context: list[int] | str = [] if self.settings.prompt_format == "ids" else ""
         try:
@@ -121,7 +138,6 @@ class AgentReplay:
             record.error = f"turn {len(record.turns)}: {type(error).__name__}: {error}"
         if self.on_job_done is not None:
             self.on_job_done(record)
-        return record
 
     def _appended(self, job: AgentJobSpec, turn_index: int) -> list[int] | str:
         rng = random.Random(zlib.crc32(f"{self.settings.seed}:{job.job_id}:{turn_index}".encode()))

@@ -7,14 +7,17 @@
 #               minutes that show whether the rest can run
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
 #               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend, the triton
-#               backend, and the triton backend with --enforce-eager (no CUDA graphs); on
+#               backend, and the triton backend with --enforce-eager (no CUDA graphs), the
+#               triton runs with --profile (launches, device and host time a decode step); on
 #               cuda also SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa and with triton;
 #               64 requests with --quick
-#   agent       `serve` + `bench agent`: the swe24 replay of that run (24 SWE jobs of at most
-#               6 turns at 2 jobs/s, 1,500 KV blocks, 16k context), fcfs and continuum, on
-#               --agent-backend (default triton); not with --quick
+#   agent       `serve` + `bench agent`: a replay of that run, fcfs and continuum, on
+#               --agent-backend (default triton); not with --quick. --agent-setup swe24 (the
+#               default: 24 SWE jobs of at most 6 turns at 2 jobs/s, 1,500 KV blocks, 16k
+#               context) or swe40 (40 jobs of at most 8 turns at 4 jobs/s, 2,500 blocks, 32k
+#               context, stopped at 222 s as that run was: jobs done by then)
 # Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
 # device, torch and triton) and OUT_DIR/results.json merge them, also when the script is
 # stopped (SIGTERM, or the device tool's time limit). OUT_DIR is $OUT when set (the device
@@ -24,8 +27,8 @@
 # The exit code is 1 if any step failed or was skipped.
 #
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|forward|
-#        throughput|agent ...] [--budget-s S] [--agent-backend sdpa|triton|auto (default:
-#        triton on cuda, sdpa on cpu)]
+#        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
+#        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)]
 #   --quick    forward + a 64-request throughput run, no agent replay, the triton runs first
 #              (the targets' runs, then the sdpa baselines, then triton without graphs and
 #              SmolLM2), within --budget-s 540 unless given: one device call's 10 minutes
@@ -52,6 +55,7 @@ cd "$(dirname "$0")/.."
 quick=0
 device=cuda
 agent_backend=""
+agent_setup=swe24
 budget_s=""
 parts=()
 while [ $# -gt 0 ]; do
@@ -61,6 +65,7 @@ while [ $# -gt 0 ]; do
     --part) parts+=("$2"); shift ;;
     --budget-s) budget_s=$2; shift ;;
     --agent-backend) agent_backend=$2; shift ;;
+    --agent-setup) agent_setup=$2; shift ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -77,6 +82,10 @@ for part in "${parts[@]}"; do
   esac
 done
 wants() { [[ " ${parts[*]} " == *" $1 "* ]]; }
+case $agent_setup in
+  swe24|swe40) ;;
+  *) echo "--agent-setup must be swe24 or swe40, got $agent_setup" >&2; exit 2 ;;
+esac
 [ $quick -eq 1 ] && budget_s=${budget_s:-540}
 if [ -n "$budget_s" ] && ! [[ $budget_s =~ ^[0-9]+$ ]]; then
   echo "--budget-s must be a whole number of seconds, got $budget_s" >&2
@@ -153,8 +162,14 @@ if [ "$device" = cuda ]; then
   [ $quick -eq 1 ] && num_requests=64
   workload=(--num-requests "$num_requests" --prompt-len 128 1024 --output-len 64 512
             --max-model-len 4096)
-  serve_flags=(--num-kv-blocks 1500 --max-model-len 16384)
-  agent_flags=(--num-jobs 24 --jobs-per-s 2 --max-turns 6 --vocab-size 250)
+  if [ "$agent_setup" = swe24 ]; then
+    serve_flags=(--num-kv-blocks 1500 --max-model-len 16384)
+    agent_flags=(--num-jobs 24 --jobs-per-s 2 --max-turns 6 --vocab-size 250)
+  else
+    serve_flags=(--num-kv-blocks 2500 --max-model-len 32768)
+    agent_flags=(--num-jobs 40 --jobs-per-s 4 --max-turns 8 --vocab-size 250
+                 --stop-after-s 222)
+  fi
   agent_backend=${agent_backend:-triton}
 elif [ "$device" = cpu ]; then
   config=engine/model/tiny/config.json
@@ -166,6 +181,7 @@ elif [ "$device" = cpu ]; then
   workload=(--num-requests 4 --prompt-len 8 32 --output-len 2 8 --max-model-len 256)
   serve_flags=(--num-kv-blocks 256 --max-model-len 2048)
   agent_flags=(--num-jobs 2 --jobs-per-s 2 --max-turns 2 --token-scale 0.02 --vocab-size 250)
+  [ "$agent_setup" = swe40 ] && agent_flags+=(--num-jobs 3 --stop-after-s 20)
   # The continuum policy profiles prefills up to --max-model-len at startup: minutes under
   # the Triton interpreter.
   agent_backend=${agent_backend:-sdpa}
@@ -243,6 +259,7 @@ fi
 forward_run() {  # forward_run sdpa|triton|triton-eager
   local run=$1 flags=(--attention-backend "${1%-eager}")
   [ "$run" = triton-eager ] && flags+=(--enforce-eager)
+  [ "$run" = sdpa ] || flags+=(--profile)  # launches, device and host time a decode step
   step "forward-$run" "${engine[@]}" bench forward --config "$config" --device "$device" \
     "${flags[@]}" "${forward_shapes[@]}" --json "$raw/forward-$run.json"
 }
@@ -286,7 +303,7 @@ print(s.getsockname()[1])")
   # In a session of its own, so that stop_server reaches the engine core too.
   setsid "$python" -m engine.cli serve "${engine_flags[@]}" "${serve_flags[@]}" \
     --attention-backend "$agent_backend" --scheduling-policy "$policy" --port "$port" \
-    --log-level warning --trace-path "$raw/agent-$policy.trace.jsonl" &
+    --log-level warning --trace-path "$raw/agent-$agent_setup-$policy.trace.jsonl" &
   server=$!
   "$python" - "$port" "$server" <<'EOF'
 import os
@@ -308,17 +325,18 @@ EOF
   local code=$?
   if [ $code -eq 0 ]; then
     "${engine[@]}" bench agent --base-url "http://127.0.0.1:$port" --workload swe "${agent_flags[@]}" \
-      --label "$policy" --no-progress --json "$raw/agent-$policy.json"
+      --label "$policy" --no-progress --json "$raw/agent-$agent_setup-$policy.json"
     code=$?
   fi
   stop_server
-  [ -f "$raw/agent-$policy.trace.jsonl" ] && gzip -f "$raw/agent-$policy.trace.jsonl"
+  local trace=$raw/agent-$agent_setup-$policy.trace.jsonl
+  [ -f "$trace" ] && gzip -f "$trace"
   return $code
 }
 
 if wants agent; then
   for policy in fcfs continuum; do
-    step "agent-$policy" agent_replay "$policy"
+    step "agent-$agent_setup-$policy" agent_replay "$policy"
   done
 fi
 

@@ -108,14 +108,19 @@ def _agent_table(runs: dict[str, Any]) -> list[str]:
     if not runs:
         return []
     lines = ["## Agent replay (`serve` + `bench agent`)", "",
-             "| run | jobs done | mean / p90 / p99 JCT (s) | cached tokens | preemptions |",
-             "|---|---:|---|---:|---:|"]
+             "| run | jobs done | mean / p90 / p99 JCT (s) | cached tokens | preemptions | "
+             "recomputed tokens |",
+             "|---|---:|---|---:|---:|---:|"]
     for name, report in runs.items():
         run = report["runs"][0]
-        lines.append(f"| {name} | {run['num_finished_jobs']}/{run['num_jobs']} | "
+        stop_after_s = run.get("stop_after_s")
+        done = f"{run['num_finished_jobs']}/{run['num_jobs']}"
+        if stop_after_s is not None:
+            done += f" by {stop_after_s:g} s"
+        lines.append(f"| {name} | {done} | "
                      f"{_seconds(run['mean_jct_s'])} / {_seconds(run['p90_jct_s'])} / "
                      f"{_seconds(run['p99_jct_s'])} | {run['cached_token_fraction']:.1%} | "
-                     f"{run['preemptions']} |")
+                     f"{run['preemptions']} | {run.get('recomputed_tokens')} |")
     return [*lines, ""]
 
 

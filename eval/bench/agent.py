@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt token ids are drawn from [1, N) (default: 256)")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds one turn may take (default: 600)")
+    parser.add_argument("--stop-after-s", type=float, default=None,
+                        help="stop the replay this many seconds after it started, cancelling "
+                             "the turns in flight; jobs not finished by then count as "
+                             "unfinished (default: run every job to its end)")
     parser.add_argument("--label", default="server",
                         help="names the run in the table and JSON, e.g. the server's policy")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -55,7 +59,7 @@ def run_replay(args: argparse.Namespace
     with tqdm(total=len(jobs), unit="job", disable=args.no_progress) as progress:
         replay = AgentReplay(jobs, arrivals_s(len(jobs), args.jobs_per_s, seed=args.seed),
                              settings, on_job_done=lambda record: progress.update())
-        return asyncio.run(replay.run()), jobs, replay.records
+        return asyncio.run(replay.run(args.stop_after_s)), jobs, replay.records
 
 
 def main(args: argparse.Namespace) -> int:
@@ -65,9 +69,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     run = {"label": args.label, "policy": args.label, "jobs_per_s": args.jobs_per_s,
-           **metrics.to_dict()}
+           "stop_after_s": args.stop_after_s, **metrics.to_dict()}
     print(markdown_table([run]))
-    print(f"jobs finished {metrics.num_finished_jobs}/{metrics.num_jobs}, failures "
+    stopped = "" if args.stop_after_s is None else f" by {args.stop_after_s:g} s (stopped)"
+    print(f"jobs finished {metrics.num_finished_jobs}/{metrics.num_jobs}{stopped}, failures "
           f"{metrics.failures}, {metrics.throughput_jobs_per_s:.3f} jobs/s, "
           f"{metrics.tokens_per_s:.1f} generated tokens/s, mean TTFT "
           f"{metrics.mean_ttft_s or 0.0:.3f} s")

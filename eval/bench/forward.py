@@ -11,6 +11,9 @@ not run: steps are built here.
   run once to warm up and `--repeats` times timed, each timed run continuing the sequences
   (contexts grow by `decode_steps` a run). Reported: the median run's milliseconds a step and
   output tokens a second.
+  With `--profile`, one more run of `--decode-steps` steps under the torch profiler gives the
+  kernel launches, the device's busy time and the host's time a step (`eval.bench.step_profile`)
+  and prints the kernels that took the most device time.
 - Prefill shapes (`--prefill BATCHxTOKENS ...`): BATCH fresh prompts of TOKENS tokens in one
   step, once to warm up, then `--repeats` times timed. Reported: milliseconds and prompt tokens
   a second of the median.
@@ -51,6 +54,7 @@ from engine.model.directory import load_arch
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
+from eval.bench.step_profile import StepProfile, profile_steps
 from eval.report import write_json_report, write_report
 
 ShapeKind = Literal["decode", "prefill"]
@@ -88,10 +92,15 @@ class ShapeResult:
     step_ms: float | None = None
     tokens_per_s: float | None = None
     error: str | None = None
+    profile: StepProfile | None = None
 
     def to_json(self) -> dict[str, Any]:
+        profile = None
+        if self.profile is not None:
+            profile = {key: value for key, value in asdict(self.profile).items()
+                       if key != "top_kernels"}
         return {**asdict(self.shape), "label": self.shape.label, "step_ms": self.step_ms,
-                "tokens_per_s": self.tokens_per_s, "error": self.error}
+                "tokens_per_s": self.tokens_per_s, "error": self.error, "profile": profile}
 
 
 # The issue's table: decode at 1k context for three batch sizes and at 8k, one 2k prefill.
@@ -123,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed runs per shape after one warm-up run; the median is kept")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of the (untimed) steps that fill decode contexts")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more run of each decode shape: kernel launches, "
+                             "device and host time a step, and the costliest kernels")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
@@ -243,11 +255,12 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
 
 
 def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
-    """Tokens a sequence of `shape` reaches: its prompt, plus for decode the warm-up and timed
-    runs' steps and the token sampled by the last one."""
+    """Tokens a sequence of `shape` reaches: its prompt, plus for decode the warm-up, timed
+    and profiled runs' steps and the token sampled by the last one."""
     if shape.kind == "prefill":
         return shape.seq_len + 1
-    return shape.seq_len + (1 + args.repeats) * args.decode_steps + 1
+    num_runs = 1 + args.repeats + int(args.profile)
+    return shape.seq_len + num_runs * args.decode_steps + 1
 
 
 def _blocks_per_seq(shape: Shape, args: argparse.Namespace) -> int:
@@ -260,32 +273,45 @@ def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
     print(f"measuring {shape.label}", flush=True)
     measure = _decode_run_s if shape.kind == "decode" else _prefill_run_s
     try:
-        run_s = measure(runner, shape, args, rng)
+        run_s, step_profile = measure(runner, shape, args, rng)
     except torch.cuda.OutOfMemoryError as error:
         torch.cuda.empty_cache()
         return ShapeResult(shape, error=f"CUDA out of memory: {str(error).splitlines()[0]}")
+    if step_profile is not None:
+        print(f"profile of {shape.label}: {step_profile.launches_per_step:.1f} launches "
+              f"({step_profile.graph_launches_per_step:.1f} graphs), device "
+              f"{step_profile.device_ms_per_step:.2f} ms, host "
+              f"{step_profile.host_ms_per_step:.2f} ms a step\n{step_profile.top_kernels}",
+              flush=True)
     if shape.kind == "decode":
         return ShapeResult(shape, step_ms=run_s / args.decode_steps * 1e3,
-                           tokens_per_s=shape.batch_size * args.decode_steps / run_s)
+                           tokens_per_s=shape.batch_size * args.decode_steps / run_s,
+                           profile=step_profile)
     return ShapeResult(shape, step_ms=run_s * 1e3,
                        tokens_per_s=shape.batch_size * shape.seq_len / run_s)
 
 
 def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
-                  rng: np.random.Generator) -> float:
-    """Seconds of the median timed run of `decode_steps` steps, after prefill and warm-up."""
+                  rng: np.random.Generator) -> tuple[float, StepProfile | None]:
+    """Seconds of the median timed run of `decode_steps` steps, after prefill and warm-up,
+    and with `--profile` the profile of one more run."""
     sequences = _Sequences(runner, "decode", shape, _blocks_per_seq(shape, args), rng)
     try:
         sequences.prefill(args.max_num_batched_tokens)
         sequences.decode(args.decode_steps)
-        return statistics.median(sequences.decode(args.decode_steps)
-                                 for _ in range(args.repeats))
+        run_s = statistics.median(sequences.decode(args.decode_steps)
+                                  for _ in range(args.repeats))
+        step_profile = None
+        if args.profile:
+            step_profile = profile_steps(lambda: sequences.decode(args.decode_steps),
+                                         args.decode_steps, runner.device)
+        return run_s, step_profile
     finally:
         sequences.finish()
 
 
 def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
-                   rng: np.random.Generator) -> float:
+                   rng: np.random.Generator) -> tuple[float, None]:
     """Seconds of the median timed prefill step of fresh prompts, after one warm-up."""
     runs_s = []
     for index in range(1 + args.repeats):
@@ -295,7 +321,7 @@ def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
             runs_s.append(sequences.prefill(shape.batch_size * shape.seq_len))
         finally:
             sequences.finish()
-    return statistics.median(runs_s[1:])
+    return statistics.median(runs_s[1:]), None
 
 
 class _Sequences:

@@ -104,3 +104,28 @@ def test_bench_agent_takes_the_base_url_with_or_without_v1(server: ServerThread,
     code = cli_main(["bench", "agent", "--base-url", "127.0.0.1:8000", "--trace", str(SLICE),
                      "--no-progress"])
     assert code == 2 and "base_url must be an http(s) URL" in capsys.readouterr().err
+
+
+def test_a_stopped_replay_cancels_its_turns_and_counts_unfinished_jobs(
+        server: ServerThread) -> None:
+    quick = AgentJobSpec("quick", (TurnSpec(20, 4, None, None),))
+    in_tool = AgentJobSpec("in-tool", (TurnSpec(20, 4, "bash", 600.0), TurnSpec(8, 4, None, None)))
+    streaming = AgentJobSpec("streaming", (TurnSpec(20, 900, None, None),))
+    late = AgentJobSpec("late", (TurnSpec(20, 4, None, None),))
+    replay = AgentReplay([quick, in_tool, streaming, late], [0.0, 0.0, 1.8, 600.0],
+                         ReplaySettings(base_url=server.base_url))
+    metrics = asyncio.run(replay.run(stop_after_s=2.0))
+    assert metrics.num_jobs == 4 and metrics.num_finished_jobs == 1 and metrics.failures == 0
+    quick_record, in_tool_record, streaming_record, late_record = replay.records
+    assert quick_record.finished_s is not None and quick_record.finished_s <= 2.0
+    assert len(in_tool_record.turns) == 1 and in_tool_record.finished_s is None
+    assert streaming_record.finished_s is None and streaming_record.error is None
+    assert late_record.turns == [] and late_record.arrival_s == 600.0
+    assert [record.job_id for record in replay.started] == ["quick", "in-tool", "streaming"]
+    server.wait_idle()  # the cancelled turn's request was aborted with its connection
+
+
+def test_stop_after_s_must_be_positive(server: ServerThread) -> None:
+    replay = AgentReplay(five_jobs()[:1], [0.0], ReplaySettings(base_url=server.base_url))
+    with pytest.raises(ValueError, match="stop_after_s"):
+        asyncio.run(replay.run(stop_after_s=0.0))

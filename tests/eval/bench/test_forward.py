@@ -80,3 +80,17 @@ def test_a_bad_shape_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit):
         main(["bench", "forward", "--prefill", "2048"])
     assert "BATCHxTOKENS" in capsys.readouterr().err
+
+
+def test_profile_adds_each_decode_shape_its_step_costs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    json_path = tmp_path / "forward.json"
+    assert main(["bench", "forward", "--decode", "2x16", "--prefill", "1x8", "--decode-steps",
+                 "2", "--repeats", "1", "--profile", "--json", str(json_path)]) == 0
+    decode, prefill = json.loads(json_path.read_text())["results"]
+    # On the CPU nothing is launched on a device; the host's time is the step's.
+    assert decode["profile"]["launches_per_step"] == 0
+    assert decode["profile"]["device_ms_per_step"] == 0
+    assert decode["profile"]["host_ms_per_step"] > 0
+    assert prefill["profile"] is None
+    assert "profile of decode, batch 2, context 16: 0.0 launches" in capsys.readouterr().out

@@ -1,0 +1,57 @@
+"""What one engine step costs the host and the device, from the torch profiler: kernel
+launches (the CPU's calls that start work on the device: kernels, and whole CUDA graphs,
+each counting one), the device's busy time (the sum of its kernels' and copies' durations)
+and the host's time a step. `bench forward --profile` adds these to each decode shape.
+
+On the CPU there is no device activity: launches and device time are 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+# The runtime and driver calls that launch work on a CUDA device.
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                          "cuLaunchKernelEx", "cudaGraphLaunch", "cudaLaunchCooperativeKernel"})
+TOP_KERNELS = 12
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Per-step averages over a profiled run; `top_kernels` is the profiler's table of the
+    kernels that took the most device time (empty on the CPU)."""
+
+    launches_per_step: float
+    graph_launches_per_step: float
+    device_ms_per_step: float
+    host_ms_per_step: float
+    top_kernels: str
+
+
+def profile_steps(run_steps: Callable[[], float], num_steps: int,
+                  device: torch.device) -> StepProfile:
+    """Profiles `run_steps` (which runs `num_steps` steps and returns their host seconds)."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        host_s = run_steps()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.events()
+    launches = sum(1 for event in events if event.name in LAUNCH_CALLS)
+    graph_launches = sum(1 for event in events if event.name == "cudaGraphLaunch")
+    device_us = sum(event.time_range.elapsed_us() for event in events
+                    if event.device_type == DeviceType.CUDA)
+    top = ""
+    if device.type == "cuda":
+        top = prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS)
+    return StepProfile(launches_per_step=launches / num_steps,
+                       graph_launches_per_step=graph_launches / num_steps,
+                       device_ms_per_step=device_us / 1e3 / num_steps,
+                       host_ms_per_step=host_s * 1e3 / num_steps, top_kernels=top)
