@@ -124,6 +124,7 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 LoadFormat = Literal["auto", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "sdpa", "triton"]
+LayerKernelsName = Literal["auto", "torch", "triton"]
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,9 @@ class ModelConfig:
     CPU and bfloat16 on CUDA; `device="auto"` is CUDA when one is available. `seed` draws the
     weights of `tiny` and of `load_format="dummy"`, and the sampling of unseeded requests.
     `attention_backend` names the attention kernels (`engine.model.attention`);
+    `layer_kernels` how the layers' norms, rotary and SiLU run: `torch` ops, or `triton`'s
+    fused kernels (`engine.model.layer_kernels`; CUDA, or CPU under Triton's interpreter);
+    `auto` is triton on CUDA when Triton is installed, else torch;
     `enforce_eager` turns CUDA graphs off (decode steps then launch every kernel).
     """
 
@@ -148,6 +152,7 @@ class ModelConfig:
     seed: int = 0
     device: Device = "auto"
     attention_backend: AttentionBackendName = "auto"
+    layer_kernels: LayerKernelsName = "auto"
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -160,6 +165,7 @@ class ModelConfig:
         _require_positive("max_model_len", self.max_model_len)
         _require_choice("device", self.device, Device)
         _require_choice("attention_backend", self.attention_backend, AttentionBackendName)
+        _require_choice("layer_kernels", self.layer_kernels, LayerKernelsName)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from engine.config import (
     Device,
     Dtype,
     EngineConfig,
+    LayerKernelsName,
     LoadFormat,
     ModelConfig,
     SchedulerConfig,
@@ -41,7 +42,12 @@ _HELP = {
     "device": "auto: CUDA when one is available, else CPU",
     "attention_backend": (
         "attention kernels: sdpa (torch, every device) | triton (paged kernels; CUDA, or CPU "
-        "under TRITON_INTERPRET=1) | auto (sdpa until triton has passed a GPU run)"
+        "under TRITON_INTERPRET=1) | auto (triton on CUDA where its kernels cover the model, "
+        "else sdpa)"
+    ),
+    "layer_kernels": (
+        "how the layers' norms, rotary and SiLU run: torch (ops) | triton (fused kernels; "
+        "CUDA, or CPU under TRITON_INTERPRET=1) | auto (triton on CUDA, torch on CPU)"
     ),
     "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
     "seed": "seed of dummy weights and of unseeded sampling",
@@ -110,6 +116,7 @@ class EngineArgs:
     load_format: LoadFormat = ModelConfig.load_format
     device: Device = ModelConfig.device
     attention_backend: AttentionBackendName = ModelConfig.attention_backend
+    layer_kernels: LayerKernelsName = ModelConfig.layer_kernels
     enforce_eager: bool = ModelConfig.enforce_eager
     seed: int = ModelConfig.seed
     # ModelConfig's None, the model's own context length (`to_engine_config` reads it and
@@ -157,6 +164,7 @@ class EngineArgs:
                               load_format=self.load_format, max_model_len=max_model_len,
                               seed=self.seed, device=self.device,
                               attention_backend=self.attention_backend,
+                              layer_kernels=self.layer_kernels,
                               enforce_eager=self.enforce_eager),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               enable_prefix_caching=self.enable_prefix_caching,

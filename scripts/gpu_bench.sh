@@ -6,12 +6,15 @@
 #               loader) and one small `bench forward` of the 8B shapes with triton: a couple of
 #               minutes that show whether the rest can run
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
-#               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend, the triton
-#               backend, and the triton backend with --enforce-eager (no CUDA graphs), the
-#               triton runs with --profile (launches, device and host time a decode step); on
-#               cuda also SmolLM2-135M's shapes with the triton backend
+#               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend and torch's layer
+#               ops (the first run's code), the triton backend and fused layer kernels, the
+#               same with torch's layer ops (triton-torch-layers: what the fused kernels
+#               gain) and with --enforce-eager (no CUDA graphs), the triton runs with
+#               --profile (launches, device and host time a decode step); on cuda also
+#               SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
-#               outputs 64-512 (the first H100 run's, issue 35), with sdpa and with triton;
+#               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
+#               ops) and with triton (fused layer kernels);
 #               64 requests with --quick
 #   agent       `serve` + `bench agent`: a replay of that run, fcfs and continuum, on
 #               --agent-backend (default triton); not with --quick. --agent-setup swe24 (the
@@ -250,15 +253,20 @@ engine=("$python" -m engine.cli)
 
 if wants smoke; then
   tests=(tests/engine/model/attention/test_triton_kernels.py tests/engine/model/test_parity.py
-         tests/engine/model/test_loader.py)
+         tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
   step forward-smoke-triton "${engine[@]}" bench forward --config "$config" --device "$device" \
     --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
 fi
 
-forward_run() {  # forward_run sdpa|triton|triton-eager
-  local run=$1 flags=(--attention-backend "${1%-eager}")
-  [ "$run" = triton-eager ] && flags+=(--enforce-eager)
+forward_run() {  # forward_run sdpa|triton|triton-eager|triton-torch-layers
+  local run=$1 flags=()
+  case $run in
+    sdpa) flags=(--attention-backend sdpa --layer-kernels torch) ;;  # the first run's code
+    triton) flags=(--attention-backend triton --layer-kernels triton) ;;
+    triton-eager) flags=(--attention-backend triton --layer-kernels triton --enforce-eager) ;;
+    triton-torch-layers) flags=(--attention-backend triton --layer-kernels torch) ;;
+  esac
   [ "$run" = sdpa ] || flags+=(--profile)  # launches, device and host time a decode step
   step "forward-$run" "${engine[@]}" bench forward --config "$config" --device "$device" \
     "${flags[@]}" "${forward_shapes[@]}" --json "$raw/forward-$run.json"
@@ -273,21 +281,25 @@ forward_smollm2() {
     --attention-backend triton --decode 1x1024 32x1024 128x1024 32x8000 \
     --json "$raw/forward-smollm2-triton.json"
 }
-throughput_run() {  # throughput_run sdpa|triton
+throughput_run() {  # throughput_run sdpa|triton: sdpa with torch's layers, as first run
+  local layers=triton
+  [ "$1" = sdpa ] && layers=torch
   step "throughput-$1" "${engine[@]}" bench throughput --impl engine "${engine_flags[@]}" \
-    "${workload[@]}" --attention-backend "$1" --json "$raw/throughput-$1.json"
+    "${workload[@]}" --attention-backend "$1" --layer-kernels "$layers" \
+    --json "$raw/throughput-$1.json"
 }
 
 if [ $quick -eq 1 ]; then
   # The targets' runs first: what a spent budget skips is the least needed.
   wants forward && forward_run triton
   wants throughput && throughput_run triton
+  wants forward && forward_run triton-torch-layers
   wants forward && forward_run sdpa
   wants throughput && throughput_run sdpa
   wants forward && { forward_run triton-eager; forward_smollm2; }
 else
   if wants forward; then
-    for run in sdpa triton triton-eager; do forward_run "$run"; done
+    for run in sdpa triton triton-torch-layers triton-eager; do forward_run "$run"; done
     forward_smollm2
   fi
   if wants throughput; then

@@ -79,7 +79,8 @@ def _forward_table(runs: dict[str, Any]) -> list[str]:
     lines = ["## Forward steps through the model runner (`bench forward`)", "", header + " |",
              "|---|" + "---:|---:|" * len(names)]
     by_label = {name: {r["label"]: r for r in run["results"]} for name, run in runs.items()}
-    for label in by_label[names[0]]:
+    labels = dict.fromkeys(label for results in by_label.values() for label in results)
+    for label in labels:
         cells = []
         for name in names:
             result = by_label[name].get(label)
@@ -88,6 +89,23 @@ def _forward_table(runs: dict[str, Any]) -> list[str]:
             else:
                 cells += [f"{result['step_ms']:.2f}", f"{result['tokens_per_s']:,.0f}"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return [*lines, "", *_profile_table(runs)]
+
+
+def _profile_table(runs: dict[str, Any]) -> list[str]:
+    """The profiled decode shapes (`bench forward --profile`): launches and times a step."""
+    rows = [(name, result) for name, run in runs.items() for result in run["results"]
+            if result.get("profile")]
+    if not rows:
+        return []
+    lines = ["Profiled decode steps (a step, from torch's profiler):", "",
+             "| run | shape | launches | graph launches | device busy (ms) | host (ms) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for name, result in rows:
+        profile = result["profile"]
+        lines.append(f"| {name} | {result['label']} | {profile['launches_per_step']:,.0f} | "
+                     f"{profile['graph_launches_per_step']:,.0f} | "
+                     f"{profile['device_ms_per_step']:.2f} | {profile['host_ms_per_step']:.2f} |")
     return [*lines, ""]
 
 

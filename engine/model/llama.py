@@ -15,7 +15,7 @@ from torch import nn
 from engine.model.arch import ModelArch
 from engine.model.attention import AttentionMetadata
 from engine.model.layers import RMSNorm, SwiGLUMLP
-from engine.model.rope import RotaryEmbedding
+from engine.model.rope import PositionRotary, RotaryEmbedding
 
 # checkpoint projection name -> its shard index in the fused `qkv_proj`
 _QKV_SHARDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
@@ -35,7 +35,7 @@ class LlamaAttention(nn.Module):
         self.scale = arch.head_dim**-0.5
 
     def forward(
-        self, cos_sin: tuple[torch.Tensor, ...], hidden: torch.Tensor, kv_cache: torch.Tensor,
+        self, rotary: PositionRotary, hidden: torch.Tensor, kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -45,45 +45,58 @@ class LlamaAttention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = RotaryEmbedding.apply(cos_sin, query, key)
+        query, key = rotary.apply(query, key)
         out = metadata.attend(query, key, value, kv_cache, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, use_triton: bool):
         super().__init__()
         self.self_attn = LlamaAttention(arch)
-        self.mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, use_triton)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
 
     def forward(
-        self, cos_sin: tuple[torch.Tensor, ...], hidden: torch.Tensor, kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(cos_sin, self.input_layernorm(hidden), kv_cache,
-                                         metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self, rotary: PositionRotary, hidden: torch.Tensor, residual: torch.Tensor | None,
+        kv_cache: torch.Tensor, metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(mlp output, residual stream)` from the previous layer's (the first layer gets
+        the embeddings and no residual): each block's output is added to the residual stream
+        by the norm that follows it, so the add and the norm are one fused kernel."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+        hidden = self.self_attn(rotary, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, max_positions: int):
+    def __init__(self, arch: ModelArch, max_positions: int, use_triton: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta,
-                                      arch.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch) for _ in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+                                      arch.rope_scaling, use_triton)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, use_triton)
+                                    for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. The runner owns the KV caches and passes them to every forward."""
+    """The whole model. The runner owns the KV caches and passes them to every forward.
 
-    def __init__(self, arch: ModelArch, max_positions: int):
+    With `use_triton_kernels` the layers' norms, rotary and SiLU run as fused Triton kernels
+    (`engine.model.layer_kernels`; CUDA, or CPU under Triton's interpreter), else as torch ops.
+    """
+
+    def __init__(self, arch: ModelArch, max_positions: int, use_triton_kernels: bool = False):
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, max_positions)
+        self.use_triton_kernels = use_triton_kernels
+        self.model = LlamaModel(arch, max_positions, use_triton_kernels)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -94,10 +107,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of a flattened batch (see `attention`)."""
         hidden = self.model.embed_tokens(input_ids)
-        cos_sin = self.model.rotary.cos_sin(positions, hidden.dtype)
+        rotary = self.model.rotary.for_positions(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(cos_sin, hidden, kv_cache, metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
+        if residual is None:  # a model without layers
+            return self.model.norm(hidden)
+        return self.model.norm.forward_with_residual(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [rows, vocab] of selected hidden states."""

@@ -10,13 +10,16 @@ minutes), so they are reproducible per device, not across devices.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import LayerKernelsName, ModelConfig
 from engine.model.directory import TINY_MODEL_NAME, load_arch, resolve_model_dir
 from engine.model.llama import LlamaForCausalLM
 
@@ -31,6 +34,24 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA device is available")
     return torch.device(device)
+
+
+def resolve_layer_kernels(name: LayerKernelsName, device: torch.device
+                          ) -> Literal["torch", "triton"]:
+    """`auto` is triton on CUDA when Triton is installed, else torch. ValueError when triton
+    cannot run: not installed, or on CPU outside Triton's interpreter (`TRITON_INTERPRET=1`)."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if name == "triton":
+        if not has_triton:
+            raise ValueError("layer_kernels 'triton' needs Triton installed; use 'torch'")
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("layer_kernels 'triton' runs on CPU only under Triton's "
+                             "interpreter: set TRITON_INTERPRET=1 (slow; for tests)")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"layer_kernels 'triton' cannot run on {device}")
+    return name
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -50,8 +71,9 @@ def load_model(
             f"max_model_len {max_positions} exceeds the model's max_position_embeddings "
             f"{arch.max_position_embeddings}"
         )
+    use_triton = resolve_layer_kernels(config.layer_kernels, device) == "triton"
     with torch.device(device):
-        model = LlamaForCausalLM(arch, max_positions)
+        model = LlamaForCausalLM(arch, max_positions, use_triton_kernels=use_triton)
     if config.model == TINY_MODEL_NAME:
         init_dummy_weights(model, config.seed, torch.device("cpu"))
     elif config.load_format == "dummy":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -36,19 +39,62 @@ def _llama3_scaled(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor
     return torch.where(is_medium, smoothed, scaled)
 
 
+class PositionRotary(Protocol):
+    """The rotation of one forward pass's positions, shared by every layer."""
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`query` [tokens, heads, head_dim] and `key` [tokens, kv_heads, head_dim] rotated
+        (new tensors, or the same ones rotated in place)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TorchRotary:
+    """Rotation by torch ops, with the positions' cos and sin looked up once."""
+
+    cos_sin: tuple[torch.Tensor, ...]
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return RotaryEmbedding.apply(self.cos_sin, query, key)
+
+
+@dataclass(frozen=True)
+class TritonRotary:
+    """Rotation in place by one kernel a layer (`engine.model.layer_kernels.rotary_`)."""
+
+    positions: torch.Tensor
+    table: torch.Tensor
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        importlib.import_module("engine.model.layer_kernels").rotary_(
+            query, key, self.positions, self.table)
+        return query, key
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE from a cos/sin table of `max_positions` rows.
 
-    `cos_sin(positions)` is looked up once per forward pass and shared by every layer;
-    `apply` rotates one layer's query and key heads with it.
+    `for_positions(positions)` is called once per forward pass; the rotation it returns is
+    shared by every layer. With `use_triton` it rotates in place by one kernel a layer.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling,
+                 use_triton: bool = False):
         super().__init__()
         inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("table", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
+        self.use_triton = use_triton
+
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> PositionRotary:
+        """The rotation of `positions` [tokens] for activations of `dtype`."""
+        if self.use_triton:
+            return TritonRotary(positions, self.table)
+        return TorchRotary(self.cos_sin(positions, dtype))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """(cos, sin), each [tokens, 1, head_dim / 2], in the activations' dtype."""

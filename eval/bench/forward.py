@@ -12,7 +12,7 @@ not run: steps are built here.
   (contexts grow by `decode_steps` a run). Reported: the median run's milliseconds a step and
   output tokens a second.
   With `--profile`, one more run of `--decode-steps` steps under the torch profiler gives the
-  kernel launches, the device's busy time and the host's time a step (`eval.bench.step_profile`)
+  kernel launches, the device's busy time and the host's time a step (`eval.step_profile`)
   and prints the kernels that took the most device time.
 - Prefill shapes (`--prefill BATCHxTOKENS ...`): BATCH fresh prompts of TOKENS tokens in one
   step, once to warm up, then `--repeats` times timed. Reported: milliseconds and prompt tokens
@@ -47,6 +47,7 @@ from engine.config import (
     Device,
     Dtype,
     EngineConfig,
+    LayerKernelsName,
     ModelConfig,
     SchedulerConfig,
 )
@@ -54,8 +55,8 @@ from engine.model.directory import load_arch
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
-from eval.bench.step_profile import StepProfile, profile_steps
 from eval.report import write_json_report, write_report
+from eval.step_profile import StepProfile, profile_steps
 
 ShapeKind = Literal["decode", "prefill"]
 
@@ -119,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=get_args(Device), default="auto")
     parser.add_argument("--attention-backend", choices=get_args(AttentionBackendName),
                         default="auto")
+    parser.add_argument("--layer-kernels", choices=get_args(LayerKernelsName), default="auto",
+                        help="the layers' norms, rotary and SiLU as torch ops or fused triton "
+                             "kernels (auto: triton on CUDA)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--decode", nargs="*", type=functools.partial(Shape.parse, "decode"),
@@ -177,6 +181,7 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
         **environment(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "attention_backend": runner.attention.name,
+        "layer_kernels": "triton" if runner.model.use_triton_kernels else "torch",
         # The runner's rule: decode replays graphs on CUDA where the backend has static decode.
         "cuda_graphs": (runner.device.type == "cuda" and not args.enforce_eager
                         and runner.attention.supports_static_decode),
@@ -204,6 +209,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     lines = [
         f"{report['model']} ({report['dtype']}) on {report['device']}: torch "
         f"{report['torch']}, triton {report['triton']}, attention {report['attention_backend']},"
+        f" layer kernels {report['layer_kernels']},"
         f" {graphs}",
         "",
         "| shape | ms a step | tokens/s |",
@@ -245,6 +251,7 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
         model=ModelConfig(model=model, dtype=args.dtype, load_format="dummy",
                           max_model_len=max_model_len, seed=args.seed, device=args.device,
                           attention_backend=args.attention_backend,
+                          layer_kernels=args.layer_kernels,
                           enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks),
         scheduler=SchedulerConfig(

@@ -11,6 +11,7 @@ from engine.config import (
     Device,
     Dtype,
     EngineConfig,
+    LayerKernelsName,
     LoadFormat,
     ModelConfig,
     SchedulerConfig,
@@ -146,7 +147,8 @@ def test_cli_choices_are_the_config_literals() -> None:
     choices = {action.dest: action.choices for action in parser._actions if action.choices}
     assert choices == {"dtype": get_args(Dtype), "load_format": get_args(LoadFormat),
                        "device": get_args(Device),
-                       "attention_backend": get_args(AttentionBackendName)}
+                       "attention_backend": get_args(AttentionBackendName),
+                       "layer_kernels": get_args(LayerKernelsName)}
     hints = typing.get_type_hints(ModelConfig)
     assert (hints["dtype"], hints["load_format"], hints["device"]) == (Dtype, LoadFormat, Device)
     with pytest.raises(SystemExit):

@@ -3,12 +3,15 @@
 - `sdpa`: attention in torch (K/V gathered out of the paged cache, then SDPA); every device.
 - `triton`: Triton kernels reading K/V in place through the block table; CUDA (or CPU under
   Triton's interpreter, for tests); decode plans over static buffers for CUDA graphs.
-- `auto`: `sdpa`. The triton backend becomes `auto`'s choice on CUDA once a GPU run of
-  `scripts/gpu_bench.sh` has passed with it; until then it is chosen by name.
+- `auto`: `triton` on CUDA where Triton is installed and its kernels cover the layout (head
+  dim and block size), else `sdpa`. (A GPU run of `scripts/gpu_bench.sh` passed with triton
+  on an H100: its CUDA tests, and decode 2-4x faster than sdpa; docs/benchmarks.md.)
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Callable
 
 from engine.config import AttentionBackendName
@@ -39,11 +42,18 @@ __all__ = [
 
 
 def resolve_attention_backend(name: AttentionBackendName, layout: AttentionLayout) -> str:
-    """The backend a name selects for `layout`: `auto` is `sdpa` (see the module docstring)."""
+    """The backend a name selects for `layout` (`auto`: see the module docstring)."""
     if name == "auto":
-        return "sdpa"
+        return "triton" if _triton_covers(layout) else "sdpa"
     ATTENTION_BACKENDS.check(name)
     return name
+
+
+def _triton_covers(layout: AttentionLayout) -> bool:
+    if layout.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    kernels = importlib.import_module("engine.model.attention.triton_kernels")
+    return kernels.supports(layout.head_dim, layout.block_size)
 
 
 def make_attention_backend(name: AttentionBackendName, layout: AttentionLayout

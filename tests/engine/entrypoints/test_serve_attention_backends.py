@@ -1,4 +1,5 @@
-"""`continuum serve --attention-backend triton` against sdpa, over HTTP with the openai SDK.
+"""`continuum serve --attention-backend triton --layer-kernels triton` (what runs on CUDA)
+against sdpa with torch's layer ops, over HTTP with the openai SDK.
 
 Without a GPU the Triton kernels run under Triton's interpreter (the suite's conftest sets
 `TRITON_INTERPRET=1`, which the servers inherit): the same greedy tokens, with prefix-cache
@@ -18,11 +19,12 @@ SYSTEM = "You are a careful agent. Use the tools you are given and answer briefl
 QUESTIONS = ("List the files here.", "Run the tests.")
 
 
-def greedy_turns(backend: str) -> list[tuple[str, int]]:
+def greedy_turns(backend: str, layer_kernels: str) -> list[tuple[str, int]]:
     """(text, cached prompt tokens) of each question after the shared system prompt."""
     server = ServerProcess(ServerSpec(serve_args=(
         # fcfs: the continuum policy's start-up prefill profile is slow under the interpreter.
-        "--attention-backend", backend, "--scheduling-policy", "fcfs", "--num-kv-blocks", "256",
+        "--attention-backend", backend, "--layer-kernels", layer_kernels,
+        "--scheduling-policy", "fcfs", "--num-kv-blocks", "256",
         "--max-model-len", "256", "--max-num-batched-tokens", "64"))).start()
     try:
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
@@ -43,6 +45,6 @@ def greedy_turns(backend: str) -> list[tuple[str, int]]:
 
 
 def test_triton_backend_serves_the_same_greedy_tokens_as_sdpa() -> None:
-    triton_turns = greedy_turns("triton")
-    assert triton_turns == greedy_turns("sdpa")
+    triton_turns = greedy_turns("triton", "triton")
+    assert triton_turns == greedy_turns("sdpa", "torch")
     assert all(cached > 0 for _, cached in triton_turns[1:])

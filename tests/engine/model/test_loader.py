@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.model.directory import load_arch, resolve_model_dir
-from engine.model.loader import load_model, resolve_dtype
+from engine.model.loader import load_model, resolve_dtype, resolve_layer_kernels
 from engine.model.tiny import TINY_MODEL_DIR
 from tests.engine.model.checkpoints import make_hf_model, save_checkpoint
 
@@ -60,6 +60,19 @@ def test_dtype_resolution() -> None:
     assert resolve_dtype("bfloat16", CPU) is torch.bfloat16
     model = load_model(ModelConfig(model="tiny"), CPU, torch.bfloat16, 64)
     assert all(param.dtype is torch.bfloat16 for param in model.parameters())
+
+
+def test_layer_kernels_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert resolve_layer_kernels("auto", cpu) == "torch"
+    assert resolve_layer_kernels("torch", torch.device("cuda")) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_layer_kernels("triton", cpu) == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        resolve_layer_kernels("triton", cpu)
+    with pytest.raises(ValueError, match="layer_kernels"):
+        ModelConfig(layer_kernels="cuda")  # type: ignore[arg-type]
 
 
 def test_tiny_model_loads_with_tied_embeddings() -> None:

@@ -169,16 +169,21 @@ BACKENDS = [("sdpa", BLOCK_SIZE), pytest.param("triton", 8, id="triton")]
 @pytest.mark.parametrize(("backend", "block_size"), BACKENDS)
 def test_mixed_batch_of_decodes_chunks_prefills_and_hits(checkpoint: Checkpoint, backend: str,
                                                          block_size: int) -> None:
+    model = checkpoint.model
     if backend == "triton":
         pytest.importorskip("triton")
         if checkpoint.model.arch.head_dim not in (32, 64, 128):
             with pytest.raises(ValueError, match="does not cover head_dim"):
                 PagedSequences(checkpoint.model, attention_backend=backend)
             return
+        # As on CUDA: the layers' norms, rotary and SiLU in fused kernels too.
+        model = load_model(ModelConfig(model=str(checkpoint.path), layer_kernels="triton"),
+                           torch.device("cpu"), torch.float32, 512)
+        assert model.model.norm.use_triton
     hf_model = checkpoint.hf_model
     seqs = {name: random_tokens(length, seed=10 + i)
             for i, (name, length) in enumerate([("d1", 40), ("d2", 7), ("chunk", 33)])}
-    paged = PagedSequences(checkpoint.model, attention_backend=backend, block_size=block_size)
+    paged = PagedSequences(model, attention_backend=backend, block_size=block_size)
     for name, tokens in seqs.items():
         paged.add(name, tokens)
     paged.step({"d1": 39, "d2": 6, "chunk": 20})

@@ -1,0 +1,166 @@
+"""Triton kernels for the decoder layers' elementwise work: one kernel where torch launches many.
+
+On the H100 a decode step of Llama-3.1-8B replayed about 1,400 kernels, most of them the few
+microseconds of a norm's, rotary's or SiLU's separate elementwise ops, each with its own gap in
+the graph (docs/benchmarks.md, issue 35). These kernels fuse each of them into one:
+- `rms_norm`: a residual add (optional) and the RMS norm of its sum, one row per program;
+- `rotary_`: rotary embedding of a step's query and key heads, in place, one token per program;
+- `silu_and_mul`: `silu(gate) * up`.
+
+Each computes what the torch code of `engine.model.layers` and `engine.model.rope` computes,
+rounding to the activations' dtype where torch's ops do (a sum before its norm, a normed row
+before its weight, `silu` before the multiply), and in float32 between those points. None
+reads a device value on the host, so all can be captured in a CUDA graph. On CPU they run
+under Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_ELEMENTWISE_BLOCK = 1024
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(weight * norm(s), s)` for rows `x` [rows, size], where `s` is `x + residual` (or `x`
+    without a residual), in x's dtype; both outputs are new tensors."""
+    _check_rows("x", x)
+    if residual is not None:
+        _check_rows("residual", residual)
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                             f"x {tuple(x.shape)} {x.dtype}")
+    size = x.shape[1]
+    if weight.shape != (size,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({size},)")
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    summed = torch.empty_like(x) if residual is not None else x
+    if x.shape[0]:
+        block = triton.next_power_of_2(size)
+        _rms_norm_kernel[(x.shape[0],)](
+            x, x.stride(0), residual if residual is not None else x,
+            residual.stride(0) if residual is not None else 0,
+            weight, out, out.stride(0), summed, summed.stride(0), size, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            # About 16 values a thread: a 4,096-wide row takes 8 warps.
+            num_warps=min(max(block // 512, 1), 16))
+    return out, summed
+
+
+def rotary_(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
+            table: torch.Tensor) -> None:
+    """Rotates `query` [tokens, heads, head_dim] and `key` [tokens, kv_heads, head_dim] in
+    place (NeoX half rotation) by the rows `positions` [tokens] of `table` [max_positions,
+    head_dim] (cos for the first half of each row, sin for the second, float32). Heads may be
+    strided (views into a fused projection); the last dimension must be contiguous."""
+    tokens, num_heads, head_dim = query.shape
+    if key.shape[0] != tokens or key.shape[2] != head_dim:
+        raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)}")
+    if query.stride(2) != 1 or key.stride(2) != 1:
+        raise ValueError("the head dimension of query and key must be contiguous")
+    if positions.shape != (tokens,) or table.shape[1] != head_dim or table.stride(1) != 1:
+        raise ValueError(f"positions {tuple(positions.shape)} and table "
+                         f"{tuple(table.shape)} do not match query {tuple(query.shape)}")
+    if head_dim % 2 or not tokens:
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even, got {head_dim}")
+        return
+    half = head_dim // 2
+    _rotary_kernel[(tokens,)](
+        query, query.stride(0), query.stride(1), key, key.stride(0), key.stride(1),
+        positions, table, table.stride(0), num_heads, key.shape[1], half,
+        BLOCK_Q=triton.next_power_of_2(num_heads), BLOCK_K=triton.next_power_of_2(key.shape[1]),
+        BLOCK_D=triton.next_power_of_2(half))
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` (contiguous, same shape and dtype), a new tensor."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} differ")
+    if not (gate.is_contiguous() and up.is_contiguous()):
+        raise ValueError("gate and up must be contiguous")
+    out = torch.empty_like(gate)
+    numel = gate.numel()
+    if numel:
+        _silu_and_mul_kernel[(triton.cdiv(numel, _ELEMENTWISE_BLOCK),)](
+            gate, up, out, numel, BLOCK=_ELEMENTWISE_BLOCK)
+    return out
+
+
+def _check_rows(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dim() != 2 or tensor.stride(1) != 1:
+        raise ValueError(f"{name} must be rows [rows, size] with contiguous rows, got shape "
+                         f"{tuple(tensor.shape)} and strides {tensor.stride()}")
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, x_row_stride, residual_ptr, residual_row_stride, weight_ptr,
+                     out_ptr, out_row_stride, summed_ptr, summed_row_stride, size, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask,
+                           other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
+        tl.store(summed_ptr + row * summed_row_stride + cols, x, mask=mask)
+    values = x.to(tl.float32)
+    mean_square = tl.sum(values * values, axis=0) / size
+    normed = (values * tl.math.rsqrt(mean_square + eps)).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _rotate_heads(ptr, token_stride, head_stride, token, num_heads, half, cos, sin,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    first_ptr = ptr + token * token_stride + heads * head_stride + dims
+    first = tl.load(first_ptr, mask=mask, other=0.0)
+    second = tl.load(first_ptr + half, mask=mask, other=0.0)
+    # torch's path rounds cos and sin to the activations' dtype before rotating.
+    cos = cos.to(first.dtype).to(tl.float32)
+    sin = sin.to(first.dtype).to(tl.float32)
+    first_f, second_f = first.to(tl.float32), second.to(tl.float32)
+    tl.store(first_ptr, (first_f * cos - second_f * sin).to(first.dtype), mask=mask)
+    tl.store(first_ptr + half, (second_f * cos + first_f * sin).to(first.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(query_ptr, query_token_stride, query_head_stride, key_ptr, key_token_stride,
+                   key_head_stride, positions_ptr, table_ptr, table_row_stride, num_heads,
+                   num_kv_heads, half, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    dim_mask = dims < half
+    cos = tl.load(table_ptr + position * table_row_stride + dims, mask=dim_mask, other=0.0)
+    sin = tl.load(table_ptr + position * table_row_stride + half + dims, mask=dim_mask,
+                  other=0.0)
+    _rotate_heads(query_ptr, query_token_stride, query_head_stride, token, num_heads, half,
+                  cos, sin, BLOCK_Q, BLOCK_D)
+    _rotate_heads(key_ptr, key_token_stride, key_head_stride, token, num_kv_heads, half,
+                  cos, sin, BLOCK_K, BLOCK_D)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0)
+    gate_f = gate.to(tl.float32)
+    activated = (gate_f * tl.sigmoid(gate_f)).to(gate.dtype)
+    tl.store(out_ptr + offsets, (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
+             mask=mask)
