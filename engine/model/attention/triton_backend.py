@@ -23,7 +23,6 @@ from engine.model.attention.backend import (
     DecodeBuffers,
     FlatStep,
     to_device,
-    write_kv,
 )
 
 
@@ -57,8 +56,8 @@ class TritonMetadata(AttentionMetadata):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        write_kv(kv_cache, key, value, self.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
+        triton_kernels.store_kv(key, value, k_cache, v_cache, self.slot_mapping)
         output = torch.empty_like(query)
         split = self.num_decode_tokens
         block_size, window = self.layout.block_size, self.layout.sliding_window

@@ -68,6 +68,26 @@ def default_num_splits(max_seq_len: int, block_size: int, batch: int, num_kv_hea
     return _floor_power_of_two(max(splits, 1))
 
 
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes the step's K/V rows into the cache: token `t` of `key` and `value` [tokens,
+    num_kv_heads, head_dim] (any strides with a contiguous last dimension: views into a fused
+    projection) at slot `slots[t]` (int64 [tokens]) of `k_cache` and `v_cache`. One kernel
+    for both, one program per token, in place of two index copies."""
+    tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or key.stride(2) != 1 or value.stride(2) != 1:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must match, "
+                         "with a contiguous head dimension")
+    if slots.shape != (tokens,):
+        raise ValueError(f"slots has shape {tuple(slots.shape)}, expected ({tokens},)")
+    if tokens == 0:
+        return
+    _store_kv_kernel[(tokens,)](
+        key, value, k_cache, v_cache, slots, *key.stride()[:2], *value.stride()[:2],
+        *k_cache.stride()[:2], *v_cache.stride()[:2], num_kv_heads, head_dim,
+        BLOCK_H=_next_power_of_two(num_kv_heads), BLOCK_D=_next_power_of_two(head_dim))
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -205,6 +225,25 @@ def paged_prefill_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+                     key_token_stride, key_head_stride, value_token_stride, value_head_stride,
+                     k_slot_stride, k_head_stride, v_slot_stride, v_head_stride, num_kv_heads,
+                     head_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_dim)
+    key = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims,
+                  mask=mask)
+    tl.store(k_cache_ptr + slot * k_slot_stride + heads * k_head_stride + dims, key, mask=mask)
+    value = tl.load(value_ptr + token * value_token_stride + heads * value_head_stride + dims,
+                    mask=mask)
+    tl.store(v_cache_ptr + slot * v_slot_stride + heads * v_head_stride + dims, value,
+             mask=mask)
 
 
 @triton.jit

@@ -20,10 +20,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from engine.model.attention.backend import write_kv
 from engine.model.attention.triton_kernels import (
     default_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
+    store_kv,
     supports,
 )
 
@@ -306,3 +308,24 @@ def test_default_num_splits() -> None:
             assert splits >= 1 and splits & (splits - 1) == 0
             assert splits <= default_num_splits(max_seq_len * 2, 16, batch, num_kv_heads=8)
             assert splits >= default_num_splits(max_seq_len, 16, batch * 2, num_kv_heads=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_strided_rows_at_their_slots_like_index_copies(dtype: torch.dtype
+                                                                       ) -> None:
+    generator = torch.Generator().manual_seed(7)
+    tokens, num_heads, num_kv_heads, head_dim, num_slots = 5, 6, 3, 32, 40
+    sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    qkv = torch.randn(tokens, sum(sizes), generator=generator).to(DEVICE, dtype)
+    _, key, value = (part.view(tokens, -1, head_dim) for part in qkv.split(sizes, dim=-1))
+    slots = torch.tensor([3, 17, 0, 39, 8], device=DEVICE)
+    cache = torch.randn(2, num_slots, num_kv_heads, head_dim, generator=generator).to(
+        DEVICE, dtype)
+    expected = cache.clone()
+    write_kv(expected, key, value, slots)
+
+    store_kv(key, value, cache[0], cache[1], slots)
+
+    assert torch.equal(cache, expected)
+    with pytest.raises(ValueError, match="slots has shape"):
+        store_kv(key, value, cache[0], cache[1], slots[:2])
