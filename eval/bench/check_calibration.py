@@ -1,18 +1,20 @@
 """`continuum bench check-calibration`: a cost profile's simulation of the GPU runs it was
 calibrated on, against what those runs measured.
 
-The runs are the agent replays of `eval/gpu_runs/h100-af226d3` (its README says how they
-ran). Each is simulated with the same jobs, arrivals and engine limits as `bench agent` and
-`continuum serve` had (the setup's `bench agent` flags, parsed as `bench agent` parses them),
-under the policy spec given for its measured policy (`--policy LABEL=SPEC`; by default the
-label itself: the current policy of that name, which must still be the one measured).
+The runs are one shipped set of agent replays (`--runs`): `eval/gpu_runs/h100-af226d3` or
+`eval/gpu_runs/h100-24b013d`, each an engine commit measured on an H100 (their READMEs say
+how they ran). Each run is simulated with the same jobs, arrivals and engine limits as
+`bench agent` and `continuum serve` had (the setup's `bench agent` flags, parsed as `bench
+agent` parses them), under the policy spec given for its measured policy (`--policy
+LABEL=SPEC`; by default the spec that behaves as the policy did at the set's commit).
 
 Compared on the same definitions for both sides:
 - a finished run: its mean JCT, measured by the client (`bench agent --json`); the target
   is a simulated mean within `JCT_TOLERANCE` of it;
-- a run stopped early: what it had finished when it was stopped (`tracing.progress`, the
-  cut being where its trace ends), measured from its trace and from the simulation's trace;
-  the target is the same order of the setup's runs by jobs finished.
+- a run stopped early, or one with a cut (`GpuRun.cut_s`, swe40's 222 s): what it had
+  finished by then (`tracing.progress`; a stopped run's cut is where its trace ends),
+  measured from its trace and from the simulation's trace; the target is the same order of
+  the setup's runs by jobs finished.
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ from eval.workload_flags import add_workload_arguments, load_workload
 from tracing.progress import Progress, progress_by, trace_span_s
 from tracing.reader import read_trace
 
-GPU_RUNS_DIR = Path(__file__).resolve().parents[1] / "gpu_runs" / "h100-af226d3"
-DEFAULT_PROFILE = "h100-llama3.1-8b-measured"
+GPU_RUNS_ROOT = Path(__file__).resolve().parents[1] / "gpu_runs"
 JCT_TOLERANCE = 0.15
 
 SetupName = Literal["swe24", "swe40"]
@@ -61,26 +62,66 @@ class GpuSetup:
 
 @dataclass(frozen=True)
 class GpuRun:
-    """One measured run: its setup, the label of its policy, its trace, and the
-    `bench agent --json` of a run that finished (None: it was stopped early)."""
+    """One measured run: its setup, the label of its policy, its trace, the `bench agent
+    --json` of a run that finished (None: it was stopped early, where its trace ends), and
+    for a finished run the seconds by which its jobs finished are also compared (None: not)."""
 
     setup: GpuSetup
     policy: str
     trace_file: str
     agent_file: str | None = None
+    cut_s: float | None = None
 
 
 SWE24 = GpuSetup("swe24", num_jobs=24, jobs_per_s=2.0, max_turns=6, num_kv_blocks=1500)
 SWE40 = GpuSetup("swe40", num_jobs=40, jobs_per_s=4.0, max_turns=8, num_kv_blocks=2500)
-GPU_RUNS = (
-    GpuRun(SWE24, "fcfs", "swe24-2jps-1500blk-fcfs.jsonl.gz",
-           "swe24-2jps-1500blk-fcfs.agent.json"),
-    GpuRun(SWE24, "continuum", "swe24-2jps-1500blk-continuum.jsonl.gz",
-           "swe24-2jps-1500blk-continuum.agent.json"),
-    GpuRun(SWE24, "continuum-fixed", "swe24-2jps-1500blk-continuum-fixed-cut.jsonl.gz"),
-    GpuRun(SWE40, "fcfs", "swe40-4jps-2500blk-fcfs-cut.jsonl.gz"),
-    GpuRun(SWE40, "continuum", "swe40-4jps-2500blk-continuum-cut.jsonl.gz"),
-)
+SWE40_CUT_S = 222.0
+
+
+def _finished(setup: GpuSetup, policy: str, cut_s: float | None = None) -> GpuRun:
+    stem = f"{setup.name}-{setup.jobs_per_s:g}jps-{setup.num_kv_blocks}blk-{policy}"
+    return GpuRun(setup, policy, f"{stem}.jsonl.gz", f"{stem}.agent.json", cut_s)
+
+
+def _stopped(setup: GpuSetup, policy: str) -> GpuRun:
+    stem = f"{setup.name}-{setup.jobs_per_s:g}jps-{setup.num_kv_blocks}blk-{policy}"
+    return GpuRun(setup, policy, f"{stem}-cut.jsonl.gz")
+
+
+@dataclass(frozen=True)
+class GpuRunSet:
+    """The shipped runs of one engine commit on one device, in `eval/gpu_runs/NAME`, the
+    policy specs that behave as that commit's policies did, and the profile fitted on them."""
+
+    name: str
+    runs: tuple[GpuRun, ...]
+    measured_specs: dict[str, str]
+    profile: str
+
+    @property
+    def runs_dir(self) -> Path:
+        return GPU_RUNS_ROOT / self.name
+
+
+RUN_SETS = {
+    run_set.name: run_set for run_set in (
+        GpuRunSet(
+            "h100-af226d3",
+            (_finished(SWE24, "fcfs"), _finished(SWE24, "continuum"),
+             _stopped(SWE24, "continuum-fixed"), _stopped(SWE40, "fcfs"),
+             _stopped(SWE40, "continuum")),
+            {"fcfs": "fcfs", "continuum": "continuum-af226d3",
+             "continuum-fixed": "continuum-af226d3:estimator=fixed-2s"},
+            "h100-llama3.1-8b-measured"),
+        GpuRunSet(
+            "h100-24b013d",
+            (_finished(SWE24, "fcfs"), _finished(SWE24, "continuum"),
+             _finished(SWE40, "fcfs", SWE40_CUT_S), _finished(SWE40, "continuum", SWE40_CUT_S)),
+            {"fcfs": "fcfs", "continuum": "continuum"},
+            "h100-llama3.1-8b-24b013d"),
+    )
+}
+DEFAULT_RUN_SET = "h100-af226d3"
 
 
 @dataclass(frozen=True)
@@ -135,16 +176,19 @@ def check_run(run: GpuRun, spec: PolicySpec, profile: str, runs_dir: Path,
     check = RunCheck(setup.name, run.policy, spec.label)
     if run.agent_file is not None:
         agent = json.loads((runs_dir / run.agent_file).read_text())
-        return replace(check, measured_jct_s=agent["runs"][0]["mean_jct_s"],
-                       simulated_jct_s=metrics.mean_jct_s)
+        check = replace(check, measured_jct_s=agent["runs"][0]["mean_jct_s"],
+                        simulated_jct_s=metrics.mean_jct_s)
+        if run.cut_s is None:
+            return check
     measured_trace = read_trace(runs_dir / run.trace_file)
-    cut_s = trace_span_s(measured_trace)
+    cut_s = trace_span_s(measured_trace) if run.cut_s is None else run.cut_s
     return replace(check, measured=progress_by(measured_trace, cut_s),
                    simulated=progress_by(read_trace(sim_trace), cut_s))
 
 
 def order_checks(checks: Sequence[RunCheck]) -> list[OrderCheck]:
-    """Each pair of stopped runs of one setup, ordered by jobs finished on both sides."""
+    """Each pair of runs of one setup compared at a cut, ordered by jobs finished on both
+    sides."""
     stopped = [(c, c.measured, c.simulated) for c in checks
                if c.measured is not None and c.simulated is not None]
     return [
@@ -169,7 +213,7 @@ def render(checks: Sequence[RunCheck], orders: Sequence[OrderCheck]) -> str:
             lines.append(f"| {c.setup} | {c.policy} ({c.spec}) | {c.measured_jct_s:.1f} "
                          f"| {c.simulated_jct_s:.1f} | {c.jct_error:+.1%} "
                          f"| {'met' if abs(c.jct_error) <= JCT_TOLERANCE else 'missed'} |")
-    lines += ["", "| setup | policy (spec simulated) | stopped at (s) | jobs finished "
+    lines += ["", "| setup | policy (spec simulated) | cut at (s) | jobs finished "
               "(measured / simulated) | last turns sent | turns finished |",
               "|---|---|---:|---:|---:|---:|"]
     for c in checks:
@@ -187,17 +231,12 @@ def render(checks: Sequence[RunCheck], orders: Sequence[OrderCheck]) -> str:
     return "\n".join(lines)
 
 
-# The specs that behave as the measured policies did at commit af226d3.
-MEASURED_SPECS = {"fcfs": "fcfs", "continuum": "continuum-af226d3",
-                  "continuum-fixed": "continuum-af226d3:estimator=fixed-2s"}
-
-
-def _policy_map(items: Sequence[str]) -> dict[str, PolicySpec]:
-    """`LABEL=SPEC` items: the spec simulated for the measured policy LABEL (by default
-    `MEASURED_SPECS`: the policy as it was measured). ValueError for a malformed item, an
-    unknown label or a bad spec."""
-    labels = {run.policy for run in GPU_RUNS}
-    specs = {label: MEASURED_SPECS[label] for label in labels}
+def _policy_map(run_set: GpuRunSet, items: Sequence[str]) -> dict[str, PolicySpec]:
+    """`LABEL=SPEC` items: the spec simulated for the measured policy LABEL (by default the
+    set's `measured_specs`: the policy as it was measured). ValueError for a malformed item,
+    an unknown label or a bad spec."""
+    labels = {run.policy for run in run_set.runs}
+    specs = {label: run_set.measured_specs[label] for label in labels}
     for item in items:
         label, sep, spec = item.partition("=")
         if not sep or label not in labels:
@@ -208,32 +247,40 @@ def _policy_map(items: Sequence[str]) -> dict[str, PolicySpec]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
-                        help="the cost profile to check (default: %(default)s)")
+    parser.add_argument("--runs", choices=sorted(RUN_SETS), default=DEFAULT_RUN_SET,
+                        help="the shipped GPU runs to check against (default: %(default)s)")
+    parser.add_argument("--profile", default=None, metavar="NAME|FILE",
+                        help="the cost profile to check (default: the one fitted on --runs: "
+                             + ", ".join(f"{s.profile} for {s.name}" for s in RUN_SETS.values())
+                             + ")")
     parser.add_argument("--policy", action="append", default=[], metavar="LABEL=SPEC",
                         help="simulate the measured policy LABEL (fcfs, continuum, "
                              "continuum-fixed) as the policy spec SPEC (default: the spec that "
-                             "behaves as measured: continuum-af226d3 for continuum)")
-    parser.add_argument("--runs-dir", type=Path, default=GPU_RUNS_DIR,
+                             "behaves as measured: continuum-af226d3 for continuum at "
+                             "af226d3)")
+    parser.add_argument("--runs-dir", type=Path, default=None,
                         help="where the measured traces and agent JSONs are "
-                             "(default: the shipped ones)")
+                             "(default: the shipped ones of --runs)")
     parser.add_argument("--json", default=None, help="write the figures here")
 
 
 def main(args: argparse.Namespace) -> int:
+    run_set = RUN_SETS[args.runs]
+    profile = args.profile or run_set.profile
+    runs_dir = args.runs_dir or run_set.runs_dir
     try:
-        specs = _policy_map(args.policy)
-        get_sim_profile(args.profile)
+        specs = _policy_map(run_set, args.policy)
+        get_sim_profile(profile)
         with tempfile.TemporaryDirectory() as work_dir:
-            checks = [check_run(run, specs[run.policy], args.profile, args.runs_dir,
-                                Path(work_dir)) for run in GPU_RUNS]
+            checks = [check_run(run, specs[run.policy], profile, runs_dir, Path(work_dir))
+                      for run in run_set.runs]
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     orders = order_checks(checks)
-    print(f"{args.profile} against the runs in {args.runs_dir}\n\n{render(checks, orders)}")
+    print(f"{profile} against the runs in {runs_dir}\n\n{render(checks, orders)}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"profile": args.profile, "runs": [asdict(c) for c in checks],
+            {"run_set": run_set.name, "profile": profile, "runs": [asdict(c) for c in checks],
              "orders": [asdict(o) for o in orders]}, indent=1) + "\n")
     return 0

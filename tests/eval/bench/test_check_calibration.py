@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.executor.sim_profiles import get_sim_profile
 from eval.bench.check_calibration import (
+    RUN_SETS,
     GpuRun,
     GpuSetup,
     OrderCheck,
@@ -24,19 +26,36 @@ from tracing.progress import Progress
 TINY = GpuSetup("swe24", num_jobs=2, jobs_per_s=2.0, max_turns=2, num_kv_blocks=1500)
 
 
+AF226D3 = RUN_SETS["h100-af226d3"]
+
+
 def test_policy_specs_default_to_the_policies_as_measured() -> None:
-    defaults = _policy_map([])
+    defaults = _policy_map(AF226D3, [])
     assert defaults["continuum"].name == "continuum-af226d3"
     assert (defaults["continuum-fixed"].name, defaults["continuum-fixed"].options) == (
         "continuum-af226d3", (("estimator", "fixed-2s"),))
-    specs = _policy_map(["continuum=continuum:estimator=fixed-2s"])
+    specs = _policy_map(AF226D3, ["continuum=continuum:estimator=fixed-2s"])
     assert specs["fcfs"].name == "fcfs"
     assert (specs["continuum"].name, specs["continuum"].options) == (
         "continuum", (("estimator", "fixed-2s"),))
     with pytest.raises(ValueError, match="LABEL one of"):
-        _policy_map(["oracle=continuum-oracle"])
+        _policy_map(AF226D3, ["oracle=continuum-oracle"])
     with pytest.raises(ValueError, match="unknown scheduling policy 'nosuch'"):
-        _policy_map(["fcfs=nosuch"])
+        _policy_map(AF226D3, ["fcfs=nosuch"])
+    # The later runs measured today's policy, and had no continuum-fixed run.
+    later = _policy_map(RUN_SETS["h100-24b013d"], [])
+    assert (later["continuum"].name, later["continuum"].options) == ("continuum", ())
+    with pytest.raises(ValueError, match="LABEL one of continuum, fcfs"):
+        _policy_map(RUN_SETS["h100-24b013d"], ["continuum-fixed=continuum"])
+
+
+def test_every_shipped_run_set_has_its_files_and_profile() -> None:
+    for run_set in RUN_SETS.values():
+        for run in run_set.runs:
+            assert (run_set.runs_dir / run.trace_file).is_file()
+            assert run.agent_file is None or (run_set.runs_dir / run.agent_file).is_file()
+        assert (run_set.runs_dir / "README.md").is_file()
+        get_sim_profile(run_set.profile)
 
 
 def test_a_run_is_simulated_and_compared_on_the_same_definitions(tmp_path: Path) -> None:
@@ -44,7 +63,7 @@ def test_a_run_is_simulated_and_compared_on_the_same_definitions(tmp_path: Path)
     runs_dir.mkdir()
     work_dir.mkdir()
     (runs_dir / "done.agent.json").write_text(json.dumps({"runs": [{"mean_jct_s": 2.0}]}))
-    specs = _policy_map([])
+    specs = _policy_map(AF226D3, [])
     finished = check_run(GpuRun(TINY, "fcfs", "unused", "done.agent.json"), specs["fcfs"],
                          "h100-llama3.1-8b-measured", runs_dir, work_dir)
     assert finished.measured_jct_s == 2.0 and finished.simulated_jct_s is not None
@@ -55,6 +74,13 @@ def test_a_run_is_simulated_and_compared_on_the_same_definitions(tmp_path: Path)
                         "h100-llama3.1-8b-measured", runs_dir, work_dir)
     assert stopped.measured == stopped.simulated
     assert stopped.measured is not None and stopped.measured.jobs_finished == 2
+    # A finished run with a cut: its mean JCT and what it had finished by the cut.
+    shutil.copy(work_dir / "swe24-fcfs.jsonl", runs_dir / "done.jsonl")
+    cut = check_run(GpuRun(TINY, "fcfs", "done.jsonl", "done.agent.json", cut_s=0.5),
+                    specs["fcfs"], "h100-llama3.1-8b-measured", runs_dir, work_dir)
+    assert cut.measured_jct_s == 2.0 and cut.measured == cut.simulated
+    assert cut.measured is not None and cut.measured.by_s == 0.5
+    assert cut.measured.jobs_finished < 2
 
 
 def test_orders_compare_the_stopped_runs_of_a_setup() -> None:
