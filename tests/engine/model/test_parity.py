@@ -162,24 +162,28 @@ def test_admission_with_prefix_cache_hit(checkpoint: Checkpoint) -> None:
     assert_close(logits, hf_logits(checkpoint.hf_model, second)[36:])
 
 
-# The triton backend runs here under Triton's interpreter; its kernels need blocks of >= 8.
-BACKENDS = [("sdpa", BLOCK_SIZE), pytest.param("triton", 8, id="triton")]
+# The triton kernels run here under Triton's interpreter; the attention kernels need blocks
+# of >= 8. (attention backend, layer kernels, block size): sdpa with torch's ops is the CPU
+# default, triton with fused layer kernels the CUDA one, sdpa with them CUDA's sdpa.
+BACKENDS = [("sdpa", "torch", BLOCK_SIZE),
+            pytest.param("triton", "triton", 8, id="triton"),
+            pytest.param("sdpa", "triton", BLOCK_SIZE, id="sdpa-triton-layers")]
 
 
-@pytest.mark.parametrize(("backend", "block_size"), BACKENDS)
+@pytest.mark.parametrize(("backend", "layer_kernels", "block_size"), BACKENDS)
 def test_mixed_batch_of_decodes_chunks_prefills_and_hits(checkpoint: Checkpoint, backend: str,
+                                                         layer_kernels: str,
                                                          block_size: int) -> None:
     model = checkpoint.model
-    if backend == "triton":
+    if layer_kernels == "triton":
         pytest.importorskip("triton")
-        if checkpoint.model.arch.head_dim not in (32, 64, 128):
-            with pytest.raises(ValueError, match="does not cover head_dim"):
-                PagedSequences(checkpoint.model, attention_backend=backend)
-            return
-        # As on CUDA: the layers' norms, rotary and SiLU in fused kernels too.
         model = load_model(ModelConfig(model=str(checkpoint.path), layer_kernels="triton"),
                            torch.device("cpu"), torch.float32, 512)
         assert model.model.norm.use_triton
+    if backend == "triton" and model.arch.head_dim not in (32, 64, 128):
+        with pytest.raises(ValueError, match="does not cover head_dim"):
+            PagedSequences(model, attention_backend=backend)
+        return
     hf_model = checkpoint.hf_model
     seqs = {name: random_tokens(length, seed=10 + i)
             for i, (name, length) in enumerate([("d1", 40), ("d2", 7), ("chunk", 33)])}
