@@ -195,11 +195,12 @@ def paged_prefill_attention(
     - `out`: optional [T, num_heads, head_dim] output, the query's dtype.
 
     Grid: (cdiv(max_query_len, BLOCK_Q), num_kv_heads, S). A program's BLOCK_M rows (64; 32
-    in float32) are BLOCK_Q query tokens times the G query heads of one KV head (G padded to
-    a power of two), so a K/V tile serves the whole group; it walks only the key tiles (64
-    positions; 32 in float32) its causal and window range reaches, with `tl.dot` for QK^T and
-    PV. Programs past a sequence's queries do nothing. Returns `out` (or a new tensor)
-    [T, num_heads, head_dim].
+    in float32; 64 or 128 as measured on the device for 16-bit on CUDA, see
+    `_TUNED_PREFILL_TILES`) are BLOCK_Q query tokens times the G query heads of one KV head
+    (G padded to a power of two), so a K/V tile serves the whole group; it walks only the key
+    tiles (64 positions; 32 in float32) its causal and window range reaches, with `tl.dot`
+    for QK^T and PV. Programs past a sequence's queries do nothing. Returns `out` (or a new
+    tensor) [T, num_heads, head_dim].
     """
     num_kv_heads = _check_inputs(query, k_cache, v_cache, block_size)
     num_tokens, num_heads, head_dim = query.shape
@@ -212,18 +213,21 @@ def paged_prefill_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = _next_power_of_two(group)
+    args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
+            scale * _LOG2_E, _window(sliding_window),
+            *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+            *out.stride())
+    shapes = {"GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim,
+              "BLOCK_SIZE": block_size, "DOT_PRECISION": _dot_precision(query.dtype)}
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        _tuned_prefill_kernel[lambda meta: (triton.cdiv(max_query_len, meta["BLOCK_Q"]),
+                                            num_kv_heads, num_seqs)](*args, **shapes)
+        return out
     config = _prefill_config(group_pad, head_dim, query.dtype)
     block_q = config.block_m // group_pad
-    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)
-    _prefill_kernel[grid](
-        query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
-        scale * _LOG2_E, _window(sliding_window),
-        *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        *out.stride(),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)](
+        *args, **shapes, BLOCK_Q=block_q, BLOCK_N=config.block_n,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
@@ -423,6 +427,34 @@ def _prefill_kernel(
         + dims[None, :] * stride_od,
         result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
     )
+
+
+# Prefill in 16-bit on CUDA: the tile shape is measured on the device at the first prefill of
+# each head dim, group and block size (the KV sizing's full-budget forward, at start-up)
+# among these (rows of queries x padded group, keys a tile, warps, stages): those that
+# compile for sm_90 at head dim 128 without register spills, the untuned rule's first.
+_TUNED_PREFILL_TILES = ((64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 2),
+                        (128, 64, 8, 3))
+
+
+def _prune_prefill_configs(configs: list[triton.Config], named_args: dict[str, Any],
+                           **kwargs: Any) -> list[triton.Config]:
+    """The configs of `_TUNED_PREFILL_TILES` for this group (`BLOCK_Q` x `GROUP_PAD` rows)."""
+    group_pad = kwargs["GROUP_PAD"]
+    return [config for config in configs
+            if (config.kwargs["BLOCK_Q"] * group_pad, config.kwargs["BLOCK_N"],
+                config.num_warps, config.num_stages) in _TUNED_PREFILL_TILES]
+
+
+_tuned_prefill_kernel = triton.autotune(
+    configs=[triton.Config({"BLOCK_Q": block_q, "BLOCK_N": block_n}, num_warps=warps,
+                           num_stages=stages)
+             for block_q in (1, 2, 4, 8, 16, 32, 64, 128)
+             for block_n, warps, stages in dict.fromkeys(tile[1:] for tile in
+                                                         _TUNED_PREFILL_TILES)],
+    key=["HEAD_DIM", "GROUP_PAD", "BLOCK_SIZE"],
+    prune_configs_by={"early_config_prune": _prune_prefill_configs},
+)(_prefill_kernel)
 
 
 def _decode_config(group: int) -> _TileConfig:

@@ -329,3 +329,19 @@ def test_store_kv_writes_strided_rows_at_their_slots_like_index_copies(dtype: to
     assert torch.equal(cache, expected)
     with pytest.raises(ValueError, match="slots has shape"):
         store_kv(key, value, cache[0], cache[1], slots[:2])
+
+
+def test_tuned_prefill_tiles_cover_every_group_and_include_the_untuned_rule() -> None:
+    from engine.model.attention import triton_kernels
+
+    configs = triton_kernels._tuned_prefill_kernel.configs
+    for group_pad in (1, 2, 4, 8, 16, 32, 64, 128):
+        tiles = {(config.kwargs["BLOCK_Q"] * group_pad, config.kwargs["BLOCK_N"],
+                  config.num_warps, config.num_stages)
+                 for config in triton_kernels._prune_prefill_configs(
+                     configs, {}, GROUP_PAD=group_pad)}
+        assert tiles and tiles <= set(triton_kernels._TUNED_PREFILL_TILES)
+        for head_dim in (64, 128):
+            rule = triton_kernels._prefill_config(group_pad, head_dim, torch.bfloat16)
+            if group_pad <= 16:  # the groups of real models: 1 to 16 query heads a KV head
+                assert tuple(rule) in tiles
