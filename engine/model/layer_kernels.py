@@ -8,8 +8,12 @@ the graph (docs/benchmarks.md, issue 35). These kernels fuse each of them into o
 - `silu_and_mul`: `silu(gate) * up`.
 
 Each computes what the torch code of `engine.model.layers` and `engine.model.rope` computes,
-rounding to the activations' dtype where torch's ops do (a sum before its norm, a normed row
-before its weight, `silu` before the multiply), and in float32 between those points. None
+in float32 between roundings to the activations' dtype. The norm and SiLU round where
+torch's ops do (a sum before its norm, a normed row before its weight, `silu` before the
+multiply); rotary rounds once where torch rounds each product and the sum (about a quarter
+of bf16 values then differ by one unit in the last place, the kernel's nearer the exact
+value). Triton's interpreter rounds its casts to 16 bits toward zero, compiled kernels to
+nearest. None
 reads a device value on the host, so all can be captured in a CUDA graph. On CPU they run
 under Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
 """

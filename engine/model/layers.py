@@ -6,6 +6,7 @@ several torch ops; both compute the same values (up to the rounding of intermedi
 
 from __future__ import annotations
 
+import functools
 import importlib
 from types import ModuleType
 
@@ -26,7 +27,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            return _layer_kernels().rms_norm(x, self.weight, self.eps)[0]
+            return layer_kernels().rms_norm(x, self.weight, self.eps)[0]
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -37,7 +38,7 @@ class RMSNorm(nn.Module):
         """`(norm(x + residual), x + residual)`: a block's output added to the residual
         stream, and the norm the next block reads."""
         if self.use_triton:
-            return _layer_kernels().rms_norm(x, self.weight, self.eps, residual)
+            return layer_kernels().rms_norm(x, self.weight, self.eps, residual)
         summed = x + residual
         return self.forward(summed), summed
 
@@ -59,11 +60,12 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            return self.down_proj(_layer_kernels().silu_and_mul(self.gate_proj(x),
+            return self.down_proj(layer_kernels().silu_and_mul(self.gate_proj(x),
                                                                 self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)).mul_(self.up_proj(x)))
 
 
-def _layer_kernels() -> ModuleType:
+@functools.cache
+def layer_kernels() -> ModuleType:
     """`engine.model.layer_kernels`, imported on first use: Triton is an optional dependency."""
     return importlib.import_module("engine.model.layer_kernels")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -11,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.model.arch import RopeScaling
+from engine.model.layers import layer_kernels
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -69,8 +69,7 @@ class TritonRotary:
 
     def apply(self, query: torch.Tensor, key: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        importlib.import_module("engine.model.layer_kernels").rotary_(
-            query, key, self.positions, self.table)
+        layer_kernels().rotary_(query, key, self.positions, self.table)
         return query, key
 
 

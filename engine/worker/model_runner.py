@@ -109,10 +109,10 @@ class ModelRunner:
         self.decode_buckets = (
             decode_buckets(config.scheduler.max_num_seqs)
             if self.attention.supports_static_decode else ())
-        reserved_bytes = (
-            self._profile_reserved_bytes()
-            if self.device.type == "cuda" and config.cache.num_kv_blocks is None else 0
-        )
+        # On CUDA the profile always runs: it is also the start-up forward that compiles the
+        # kernels and tunes the prefill tile at the full budget, before the pool exists.
+        profiled_bytes = self._profile_reserved_bytes() if self.device.type == "cuda" else 0
+        reserved_bytes = profiled_bytes if config.cache.num_kv_blocks is None else 0
         self.num_kv_blocks = determine_num_kv_blocks(
             config.cache, self.arch, self.dtype, self.device, max_model_len, reserved_bytes,
             self.attention.scratch_bytes,

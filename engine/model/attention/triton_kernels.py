@@ -195,7 +195,8 @@ def paged_prefill_attention(
     - `out`: optional [T, num_heads, head_dim] output, the query's dtype.
 
     Grid: (cdiv(max_query_len, BLOCK_Q), num_kv_heads, S). A program's BLOCK_M rows (64; 32
-    in float32; 64 or 128 as measured on the device for 16-bit on CUDA, see
+    in float32; 64 or 128 as measured on the device for 16-bit on CUDA (at most 128 query
+    heads a KV head), see
     `_TUNED_PREFILL_TILES`) are BLOCK_Q query tokens times the G query heads of one KV head
     (G padded to a power of two), so a K/V tile serves the whole group; it walks only the key
     tiles (64 positions; 32 in float32) its causal and window range reaches, with `tl.dot`
@@ -219,7 +220,8 @@ def paged_prefill_attention(
             *out.stride())
     shapes = {"GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim,
               "BLOCK_SIZE": block_size, "DOT_PRECISION": _dot_precision(query.dtype)}
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+    if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and group_pad <= max(_TUNED_PREFILL_BLOCK_M)):
         _tuned_prefill_kernel[lambda meta: (triton.cdiv(max_query_len, meta["BLOCK_Q"]),
                                             num_kv_heads, num_seqs)](*args, **shapes)
         return out
@@ -430,11 +432,12 @@ def _prefill_kernel(
 
 
 # Prefill in 16-bit on CUDA: the tile shape is measured on the device at the first prefill of
-# each head dim, group and block size (the KV sizing's full-budget forward, at start-up)
-# among these (rows of queries x padded group, keys a tile, warps, stages): those that
-# compile for sm_90 at head dim 128 without register spills, the untuned rule's first.
-_TUNED_PREFILL_TILES = ((64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 2),
-                        (128, 64, 8, 3))
+# each head dim, group and block size (the runner's full-budget start-up forward, so not on
+# whatever prompt comes first) among these (rows of queries x padded group, keys a tile,
+# warps, stages): those that compile for sm_90 at head dim 128 without register spills,
+# the untuned rule's first.
+# (More stages change nothing: the K/V loads through the block table are not pipelined.)
+_TUNED_PREFILL_TILES = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2))
 
 
 def _prune_prefill_configs(configs: list[triton.Config], named_args: dict[str, Any],
@@ -446,6 +449,7 @@ def _prune_prefill_configs(configs: list[triton.Config], named_args: dict[str, A
                 config.num_warps, config.num_stages) in _TUNED_PREFILL_TILES]
 
 
+_TUNED_PREFILL_BLOCK_M = tuple(tile[0] for tile in _TUNED_PREFILL_TILES)
 _tuned_prefill_kernel = triton.autotune(
     configs=[triton.Config({"BLOCK_Q": block_q, "BLOCK_N": block_n}, num_warps=warps,
                            num_stages=stages)
