@@ -14,8 +14,8 @@
 #               SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
-#               ops) and with triton (fused layer kernels);
-#               64 requests with --quick
+#               ops) and with triton (fused layer kernels); with --quick the sdpa run has 64
+#               requests (step names end in the count)
 #   agent       `serve` + `bench agent`: a replay of that run, fcfs and continuum, on
 #               --agent-backend (default triton); not with --quick. --agent-setup swe24 (the
 #               default: 24 SWE jobs of at most 6 turns at 2 jobs/s, 1,500 KV blocks, 16k
@@ -32,9 +32,10 @@
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|forward|
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
 #        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)]
-#   --quick    forward + a 64-request throughput run, no agent replay, the triton runs first
-#              (the targets' runs, then the sdpa baselines, then triton without graphs and
-#              SmolLM2), within --budget-s 540 unless given: one device call's 10 minutes
+#   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
+#              triton runs first (the targets' runs, then triton with torch's layer ops, the
+#              sdpa baselines, triton without graphs and SmolLM2), within --budget-s 540
+#              unless given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
 #              10 minutes, so there run `--part forward --part throughput`, then `--part agent`;
 #              a first call on a new GPU is best `--part smoke` (a couple of minutes)
@@ -161,10 +162,11 @@ if [ "$device" = cuda ]; then
   model_name=llama3.1-8b
   forward_shapes=()  # bench forward's defaults are the issue's table
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
-  num_requests=256
-  [ $quick -eq 1 ] && num_requests=64
-  workload=(--num-requests "$num_requests" --prompt-len 128 1024 --output-len 64 512
-            --max-model-len 4096)
+  # The target's run is 256 requests; --quick gives the sdpa baseline 64 (it takes 5x longer).
+  target_requests=256
+  baseline_requests=256
+  [ $quick -eq 1 ] && baseline_requests=64
+  workload=(--prompt-len 128 1024 --output-len 64 512 --max-model-len 4096)
   if [ "$agent_setup" = swe24 ]; then
     serve_flags=(--num-kv-blocks 1500 --max-model-len 16384)
     agent_flags=(--num-jobs 24 --jobs-per-s 2 --max-turns 6 --vocab-size 250)
@@ -181,7 +183,9 @@ elif [ "$device" = cpu ]; then
   forward_shapes=(--decode 2x48 4x96 --prefill 1x64 --decode-steps 2 --repeats 1
                   --max-num-batched-tokens 64)
   smoke_shapes=("${forward_shapes[@]}")
-  workload=(--num-requests 4 --prompt-len 8 32 --output-len 2 8 --max-model-len 256)
+  target_requests=4
+  baseline_requests=4
+  workload=(--prompt-len 8 32 --output-len 2 8 --max-model-len 256)
   serve_flags=(--num-kv-blocks 256 --max-model-len 2048)
   agent_flags=(--num-jobs 2 --jobs-per-s 2 --max-turns 2 --token-scale 0.02 --vocab-size 250)
   [ "$agent_setup" = swe40 ] && agent_flags+=(--num-jobs 3 --stop-after-s 20)
@@ -282,11 +286,11 @@ forward_smollm2() {
     --json "$raw/forward-smollm2-triton.json"
 }
 throughput_run() {  # throughput_run sdpa|triton: sdpa with torch's layers, as first run
-  local layers=triton
-  [ "$1" = sdpa ] && layers=torch
-  step "throughput-$1" "${engine[@]}" bench throughput --impl engine "${engine_flags[@]}" \
-    "${workload[@]}" --attention-backend "$1" --layer-kernels "$layers" \
-    --json "$raw/throughput-$1.json"
+  local layers=triton requests=$target_requests
+  [ "$1" = sdpa ] && { layers=torch; requests=$baseline_requests; }
+  step "throughput-$1-$requests" "${engine[@]}" bench throughput --impl engine \
+    "${engine_flags[@]}" --num-requests "$requests" "${workload[@]}" --attention-backend "$1" \
+    --layer-kernels "$layers" --json "$raw/throughput-$1-$requests.json"
 }
 
 if [ $quick -eq 1 ]; then
