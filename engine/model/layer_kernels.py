@@ -68,9 +68,9 @@ def rotary_(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
     if positions.shape != (tokens,) or table.shape[1] != head_dim or table.stride(1) != 1:
         raise ValueError(f"positions {tuple(positions.shape)} and table "
                          f"{tuple(table.shape)} do not match query {tuple(query.shape)}")
-    if head_dim % 2 or not tokens:
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even, got {head_dim}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    if not tokens:
         return
     half = head_dim // 2
     _rotary_kernel[(tokens,)](

@@ -10,9 +10,7 @@ minutes), so they are reproducible per device, not across devices.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -22,6 +20,7 @@ import torch
 from engine.config import LayerKernelsName, ModelConfig
 from engine.model.directory import TINY_MODEL_NAME, load_arch, resolve_model_dir
 from engine.model.llama import LlamaForCausalLM
+from engine.model.triton_support import check_triton_runs_on, triton_installed
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DUMMY_INIT_STD = 0.02
@@ -40,17 +39,10 @@ def resolve_layer_kernels(name: LayerKernelsName, device: torch.device
                           ) -> Literal["torch", "triton"]:
     """`auto` is triton on CUDA when Triton is installed, else torch. ValueError when triton
     cannot run: not installed, or on CPU outside Triton's interpreter (`TRITON_INTERPRET=1`)."""
-    has_triton = importlib.util.find_spec("triton") is not None
     if name == "auto":
-        return "triton" if device.type == "cuda" and has_triton else "torch"
+        return "triton" if device.type == "cuda" and triton_installed() else "torch"
     if name == "triton":
-        if not has_triton:
-            raise ValueError("layer_kernels 'triton' needs Triton installed; use 'torch'")
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("layer_kernels 'triton' runs on CPU only under Triton's "
-                             "interpreter: set TRITON_INTERPRET=1 (slow; for tests)")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"layer_kernels 'triton' cannot run on {device}")
+        check_triton_runs_on(device, "layer_kernels 'triton'")
     return name
 
 

@@ -78,14 +78,18 @@ SWE40 = GpuSetup("swe40", num_jobs=40, jobs_per_s=4.0, max_turns=8, num_kv_block
 SWE40_CUT_S = 222.0
 
 
+def _stem(setup: GpuSetup, policy: str) -> str:
+    """A run's file name without suffix, e.g. `swe24-2jps-1500blk-fcfs`."""
+    return f"{setup.name}-{setup.jobs_per_s:g}jps-{setup.num_kv_blocks}blk-{policy}"
+
+
 def _finished(setup: GpuSetup, policy: str, cut_s: float | None = None) -> GpuRun:
-    stem = f"{setup.name}-{setup.jobs_per_s:g}jps-{setup.num_kv_blocks}blk-{policy}"
+    stem = _stem(setup, policy)
     return GpuRun(setup, policy, f"{stem}.jsonl.gz", f"{stem}.agent.json", cut_s)
 
 
 def _stopped(setup: GpuSetup, policy: str) -> GpuRun:
-    stem = f"{setup.name}-{setup.jobs_per_s:g}jps-{setup.num_kv_blocks}blk-{policy}"
-    return GpuRun(setup, policy, f"{stem}-cut.jsonl.gz")
+    return GpuRun(setup, policy, f"{_stem(setup, policy)}-cut.jsonl.gz")
 
 
 @dataclass(frozen=True)

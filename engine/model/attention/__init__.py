@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Callable
 
 from engine.config import AttentionBackendName
@@ -21,6 +20,7 @@ from engine.model.attention.backend import (
     AttentionMetadata,
     DecodeBuffers,
 )
+from engine.model.triton_support import triton_installed
 from engine.registry import Registry
 
 # Each entry is built for the model's layout; by path, as the triton backend needs triton.
@@ -50,7 +50,7 @@ def resolve_attention_backend(name: AttentionBackendName, layout: AttentionLayou
 
 
 def _triton_covers(layout: AttentionLayout) -> bool:
-    if layout.device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    if layout.device.type != "cuda" or not triton_installed():
         return False
     kernels = importlib.import_module("engine.model.attention.triton_kernels")
     return kernels.supports(layout.head_dim, layout.block_size)

@@ -9,7 +9,6 @@ interpreter (`TRITON_INTERPRET=1`, for tests).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +23,7 @@ from engine.model.attention.backend import (
     FlatStep,
     to_device,
 )
+from engine.model.triton_support import check_triton_runs_on
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,7 @@ class TritonBackend(AttentionBackend):
                 f"the triton attention backend does not cover head_dim={layout.head_dim} with "
                 f"block_size={layout.block_size} (head_dim 32, 64 or 128 and a power-of-two "
                 "block_size >= 8); use --attention-backend sdpa")
-        if layout.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("the triton attention backend runs on CPU only under Triton's "
-                             "interpreter: set TRITON_INTERPRET=1 (slow; for tests)")
-        if layout.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"the triton attention backend cannot run on {layout.device}")
+        check_triton_runs_on(layout.device, "the triton attention backend")
         super().__init__(layout)
 
     def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,
