@@ -12,6 +12,13 @@ program, padded to a power of two and masked, so each K/V tile is loaded once pe
 Softmax runs online in float32, in base 2 (`scale * log2(e)` is folded into the scores).
 Neither wrapper reads device values on the host: both can be captured in a CUDA graph.
 
+Arguments that change from step to step are never compile-time values: Triton compiles a
+kernel again for every new value of a `tl.constexpr` and for every new divisibility class of
+a specialised int, and a compile of the prefill kernel stalls a live step by most of a second.
+So the block table's row stride (its width follows the step's longest sequence) is not
+specialised, and the decode split count is a runtime int; what stays compile-time (head
+shapes, block size, tiles, whether the decode splits at all) is fixed for a model.
+
 Under Triton's interpreter (`TRITON_INTERPRET=1`: CPU tensors, for tests) importing this module
 first mends two gaps of Triton 3.6's interpreter (`_mend_interpreter`); compiled kernels are
 untouched.
@@ -147,19 +154,18 @@ def paged_decode_attention(
                                device=query.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_table, seq_lens, out, part_max, part_sum, part_acc,
-        scale * _LOG2_E, _window(sliding_window), num_heads,
+        scale * _LOG2_E, _window(sliding_window), num_heads, num_splits,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *out.stride(),
         GROUP=num_heads // num_kv_heads, GROUP_PAD=config.block_m, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
-            part_max, part_sum, part_acc, out, *out.stride(),
-            NUM_SPLITS=num_splits, SPLITS_PAD=_next_power_of_two(num_splits),
-            HEAD_DIM=head_dim, num_warps=4,
+            part_max, part_sum, part_acc, out, *out.stride(), num_splits,
+            MAX_SPLITS=_MAX_SPLITS, HEAD_DIM=head_dim, num_warps=4,
         )
     return out
 
@@ -251,18 +257,18 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
              mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_split_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr,
     part_max_ptr, part_sum_ptr, part_acc_ptr,
-    qk_scale, window, num_heads,
+    qk_scale, window, num_heads, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
     stride_bt,
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -272,7 +278,7 @@ def _decode_split_kernel(
     first_key = tl.maximum(seq_len - window, 0)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
     first_tile = first_key // BLOCK_N
-    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
     tile_lo = first_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
@@ -310,31 +316,31 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :] * stride_od,
             result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None],
         )
     else:
-        part = (seq * num_heads + q_heads) * NUM_SPLITS + split
+        part = (seq * num_heads + q_heads) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=head_ok)
         tl.store(part_sum_ptr + part, l_i, mask=head_ok)
         tl.store(part_acc_ptr + part.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :], acc,
                  mask=head_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr,
-    stride_ob, stride_oh, stride_od,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_ob, stride_oh, stride_od, num_splits,
+    MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < NUM_SPLITS
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    splits = tl.arange(0, MAX_SPLITS)
+    split_ok = splits < num_splits
+    part = (seq * tl.num_programs(1) + head) * num_splits + splits
     maxes = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
     sums = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
     top = tl.max(maxes, 0)
@@ -351,7 +357,7 @@ def _decode_reduce_kernel(
              result.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr,

@@ -162,6 +162,12 @@ def test_admission_with_prefix_cache_hit(checkpoint: Checkpoint) -> None:
     assert_close(logits, hf_logits(checkpoint.hf_model, second)[36:])
 
 
+def triton_device() -> torch.device:
+    """Where Triton kernels run in this suite: the GPU if there is one, else the CPU under the
+    interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 # The triton kernels run here under Triton's interpreter; the attention kernels need blocks
 # of >= 8. (attention backend, layer kernels, block size): sdpa with torch's ops is the CPU
 # default, triton with fused layer kernels the CUDA one, sdpa with them CUDA's sdpa.
@@ -174,20 +180,24 @@ BACKENDS = [("sdpa", "torch", BLOCK_SIZE),
 def test_mixed_batch_of_decodes_chunks_prefills_and_hits(checkpoint: Checkpoint, backend: str,
                                                          layer_kernels: str,
                                                          block_size: int) -> None:
-    model = checkpoint.model
-    if layer_kernels == "triton":
+    model, device = checkpoint.model, torch.device("cpu")
+    if layer_kernels == "triton" or backend == "triton":
         pytest.importorskip("triton")
-        model = load_model(ModelConfig(model=str(checkpoint.path), layer_kernels="triton"),
-                           torch.device("cpu"), torch.float32, 512)
-        assert model.model.norm.use_triton
+        # The interpreter runs the kernels on CPU tensors only where there is no GPU
+        # (tests/conftest.py); on a GPU machine they run on it, still in float32.
+        device = triton_device()
+        model = load_model(ModelConfig(model=str(checkpoint.path), layer_kernels=layer_kernels),
+                           device, torch.float32, 512)
+        assert model.model.norm.use_triton == (layer_kernels == "triton")
     if backend == "triton" and model.arch.head_dim not in (32, 64, 128):
         with pytest.raises(ValueError, match="does not cover head_dim"):
-            PagedSequences(model, attention_backend=backend)
+            PagedSequences(model, device=device, attention_backend=backend)
         return
     hf_model = checkpoint.hf_model
     seqs = {name: random_tokens(length, seed=10 + i)
             for i, (name, length) in enumerate([("d1", 40), ("d2", 7), ("chunk", 33)])}
-    paged = PagedSequences(model, attention_backend=backend, block_size=block_size)
+    paged = PagedSequences(model, device=device, attention_backend=backend,
+                           block_size=block_size)
     for name, tokens in seqs.items():
         paged.add(name, tokens)
     paged.step({"d1": 39, "d2": 6, "chunk": 20})

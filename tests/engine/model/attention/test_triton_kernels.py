@@ -8,7 +8,10 @@ end of a block table row) would return NaN.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -345,3 +348,51 @@ def test_tuned_prefill_tiles_cover_every_group_and_include_the_untuned_rule() ->
             rule = triton_kernels._prefill_config(group_pad, head_dim, torch.bfloat16)
             if group_pad <= 16:  # the groups of real models: 1 to 16 query heads a KV head
                 assert tuple(rule) in tiles
+
+
+# Arguments that change from step to step, by kernel: none may be compile-time, or a live
+# step stalls while Triton compiles a variant for its value (most of a second for prefill).
+STEP_VARYING_ARGUMENTS = {
+    "_decode_split_kernel": {"stride_bt", "num_splits"},
+    "_decode_reduce_kernel": {"num_splits"},
+    "_prefill_kernel": {"stride_bt"},
+}
+
+
+def test_step_varying_arguments_are_neither_constexpr_nor_specialised() -> None:
+    # The interpreter, which this suite uses without a GPU, keeps no parameter list: read the
+    # compiled kernels' in a process without it.
+    script = (
+        "import json\n"
+        "from engine.model.attention import triton_kernels as k\n"
+        "print(json.dumps({name: {p.name: [p.is_constexpr, p.do_not_specialize]\n"
+        "                  for p in getattr(k, name).params}\n"
+        f"                 for name in {sorted(STEP_VARYING_ARGUMENTS)!r}}}))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, check=True, timeout=120)
+    params = json.loads(result.stdout)
+    for kernel, names in STEP_VARYING_ARGUMENTS.items():
+        for name in names:
+            assert params[kernel][name] == [False, True], (kernel, name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles only on a CUDA device")
+def test_steps_of_new_shapes_compile_nothing_new() -> None:
+    def compiled() -> int:
+        from engine.model.attention import triton_kernels as k
+        kernels = [k._decode_split_kernel, k._decode_reduce_kernel, k._prefill_kernel]
+        return sum(len(kernel.device_caches[torch.cuda.current_device()][0])
+                   for kernel in kernels)
+
+    def steps(shapes: tuple[tuple[int, int], ...]) -> None:
+        for width, num_splits in shapes:  # block table width in blocks (of 8), splits
+            run_decode([width * 8 - 15, 8], group=2, num_kv_heads=2, num_splits=num_splits)
+            run_prefill([0, width * 8 - 16], [9, 8], group=2, num_kv_heads=2)
+
+    steps(((3, 1), (3, 2)))  # each kernel once, the decode with and without splits
+    before = compiled()
+    # Row strides of every divisibility class (16 and 32 are multiples of 16), 1 to 64 splits.
+    steps(((2, 4), (16, 1), (17, 8), (32, 64), (40, 3)))
+    assert compiled() == before
