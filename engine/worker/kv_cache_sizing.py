@@ -7,10 +7,16 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import CacheConfig, check_pool_fits_one_sequence
+from engine.config import CacheConfig, KVCacheDtype, check_pool_fits_one_sequence
 from engine.model.arch import ModelArch
 
 _GIB = 2**30
+_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(name: KVCacheDtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache stores: the model's for `auto`, float8 e4m3 for `fp8`."""
+    return _KV_CACHE_DTYPES.get(name, model_dtype)
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:

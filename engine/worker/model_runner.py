@@ -52,6 +52,7 @@ from engine.worker.kv_cache_sizing import (
     determine_num_host_kv_blocks,
     determine_num_kv_blocks,
     kv_block_bytes,
+    resolve_kv_cache_dtype,
 )
 
 # At most this many bytes of float32 logits exist at once while prompt logprobs are computed.
@@ -102,10 +103,11 @@ class ModelRunner:
         )
         self.arch = self.model.arch
         self.block_size = config.cache.block_size
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.attention = make_attention_backend(
             config.model.attention_backend,
             AttentionLayout.of_model(self.arch, self.block_size, self.device, self.dtype,
-                                     max_model_len))
+                                     max_model_len, self.kv_dtype))
         self.decode_buckets = (
             decode_buckets(config.scheduler.max_num_seqs)
             if self.attention.supports_static_decode else ())
@@ -114,12 +116,12 @@ class ModelRunner:
         profiled_bytes = self._profile_reserved_bytes() if self.device.type == "cuda" else 0
         reserved_bytes = profiled_bytes if config.cache.num_kv_blocks is None else 0
         self.num_kv_blocks = determine_num_kv_blocks(
-            config.cache, self.arch, self.dtype, self.device, max_model_len, reserved_bytes,
+            config.cache, self.arch, self.kv_dtype, self.device, max_model_len, reserved_bytes,
             self.attention.scratch_bytes,
         )
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.num_host_kv_blocks = determine_num_host_kv_blocks(config.cache, self.arch,
-                                                               self.dtype)
+                                                               self.kv_dtype)
         self.host_kv_cache = (
             HostKVCache(self.kv_caches, self.num_host_kv_blocks, self.block_size)
             if self.num_host_kv_blocks else None
@@ -153,7 +155,7 @@ class ModelRunner:
         del scratch
         torch.cuda.empty_cache()
         graphs_bytes = decode_peak if not self.config.model.enforce_eager else 0
-        null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.dtype)
+        null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.kv_dtype)
         return max(prefill_peak, decode_peak) + graphs_bytes + null_block_bytes
 
     def _prefill_peak_bytes(self, scratch: list[torch.Tensor], num_tokens: int) -> int:
@@ -250,7 +252,7 @@ class ModelRunner:
         """One cache per layer of `num_blocks` blocks plus the null block (no request's)."""
         shape = (2, (num_blocks + 1) * self.block_size, self.arch.num_key_value_heads,
                  self.arch.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                 for _ in range(self.arch.num_hidden_layers)]
 
     @torch.inference_mode()

@@ -47,6 +47,7 @@ from engine.config import (
     Device,
     Dtype,
     EngineConfig,
+    KVCacheDtype,
     LayerKernelsName,
     ModelConfig,
     SchedulerConfig,
@@ -123,6 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-kernels", choices=get_args(LayerKernelsName), default="auto",
                         help="the layers' norms, rotary and SiLU as torch ops or fused triton "
                              "kernels (auto: triton on CUDA)")
+    parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default="auto",
+                        help="what the KV cache stores: auto (the model's dtype) or fp8 "
+                             "(float8 e4m3; the triton attention backend)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--decode", nargs="*", type=functools.partial(Shape.parse, "decode"),
@@ -180,6 +184,7 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
         "model": _model_name(args),
         **environment(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
         "attention_backend": runner.attention.name,
         "layer_kernels": "triton" if runner.model.use_triton_kernels else "torch",
         # The runner's rule: decode replays graphs on CUDA where the backend has static decode.
@@ -209,7 +214,7 @@ def markdown_table(report: dict[str, Any]) -> str:
     lines = [
         f"{report['model']} ({report['dtype']}) on {report['device']}: torch "
         f"{report['torch']}, triton {report['triton']}, attention {report['attention_backend']},"
-        f" layer kernels {report['layer_kernels']},"
+        f" layer kernels {report['layer_kernels']}, KV cache {report['kv_cache_dtype']},"
         f" {graphs}",
         "",
         "| shape | ms a step | tokens/s |",
@@ -253,7 +258,8 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
                           attention_backend=args.attention_backend,
                           layer_kernels=args.layer_kernels,
                           enforce_eager=args.enforce_eager),
-        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks),
+        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_model_len=max_model_len,
             max_num_batched_tokens=max(args.max_num_batched_tokens, max_prefill_tokens),

@@ -32,6 +32,8 @@ def test_defaults_are_valid_and_frozen() -> None:
         (ModelConfig, {"model": ""}, "model"),
         (ModelConfig, {"device": "tpu"}, "device"),
         (CacheConfig, {"cpu_kv_cache_space_gib": 0}, "cpu_kv_cache_space_gib"),
+        (CacheConfig, {"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+        (CacheConfig, {"kv_cache_dtype": "fp8", "kv_offload_gib": 1.0}, "host tier"),
     ],
 )
 def test_invalid_values_are_rejected(factory, kwargs, message) -> None:

@@ -11,6 +11,7 @@ from engine.config import (
     Device,
     Dtype,
     EngineConfig,
+    KVCacheDtype,
     LayerKernelsName,
     LoadFormat,
     ModelConfig,
@@ -148,6 +149,7 @@ def test_cli_choices_are_the_config_literals() -> None:
     assert choices == {"dtype": get_args(Dtype), "load_format": get_args(LoadFormat),
                        "device": get_args(Device),
                        "attention_backend": get_args(AttentionBackendName),
+                       "kv_cache_dtype": get_args(KVCacheDtype),
                        "layer_kernels": get_args(LayerKernelsName)}
     hints = typing.get_type_hints(ModelConfig)
     assert (hints["dtype"], hints["load_format"], hints["device"]) == (Dtype, LoadFormat, Device)

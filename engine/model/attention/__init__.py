@@ -44,6 +44,8 @@ __all__ = [
 def resolve_attention_backend(name: AttentionBackendName, layout: AttentionLayout) -> str:
     """The backend a name selects for `layout` (`auto`: see the module docstring)."""
     if name == "auto":
+        # Only triton reads a cache of another dtype than the model's (fp8): off CUDA, or
+        # where triton does not cover the model, sdpa then says so.
         return "triton" if _triton_covers(layout) else "sdpa"
     ATTENTION_BACKENDS.check(name)
     return name

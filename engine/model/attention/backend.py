@@ -34,16 +34,23 @@ class AttentionLayout:
     block_size: int
     sliding_window: int | None
     device: torch.device
-    dtype: torch.dtype  # activations and cache
+    dtype: torch.dtype  # activations (queries, outputs)
     max_model_len: int
+    kv_dtype: torch.dtype | None = None  # what the cache stores; None: `dtype`
 
     @classmethod
     def of_model(cls, arch: ModelArch, block_size: int, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int) -> AttentionLayout:
+                 dtype: torch.dtype, max_model_len: int,
+                 kv_dtype: torch.dtype | None = None) -> AttentionLayout:
         return cls(num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads,
                    head_dim=arch.head_dim, block_size=block_size,
                    sliding_window=arch.sliding_window, device=device, dtype=dtype,
-                   max_model_len=max_model_len)
+                   max_model_len=max_model_len, kv_dtype=kv_dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype of the KV cache the backend reads and writes."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def max_blocks_per_seq(self) -> int:

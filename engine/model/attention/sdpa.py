@@ -116,6 +116,10 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
 
     def __init__(self, layout: AttentionLayout) -> None:
+        if layout.cache_dtype != layout.dtype:
+            raise ValueError(
+                f"the sdpa attention backend reads a KV cache of the model's dtype only, not "
+                f"{layout.cache_dtype}; use --attention-backend triton (or kv_cache_dtype auto)")
         super().__init__(layout)
         self.workspace = GatherWorkspace() if layout.device.type == "cpu" else None
 

@@ -88,6 +88,9 @@ class TritonBackend(AttentionBackend):
                 f"block_size={layout.block_size} (head_dim 32, 64 or 128 and a power-of-two "
                 "block_size >= 8); use --attention-backend sdpa")
         check_triton_runs_on(layout.device, "the triton attention backend")
+        if layout.cache_dtype not in (layout.dtype, triton_kernels.FP8_KV_DTYPE):
+            raise ValueError(f"the triton attention backend reads a KV cache of the model's "
+                             f"dtype or {triton_kernels.FP8_KV_DTYPE}, not {layout.cache_dtype}")
         super().__init__(layout)
 
     def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,

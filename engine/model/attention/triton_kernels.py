@@ -20,7 +20,7 @@ specialised, and the decode split count is a runtime int; what stays compile-tim
 shapes, block size, tiles, whether the decode splits at all) is fixed for a model.
 
 Under Triton's interpreter (`TRITON_INTERPRET=1`: CPU tensors, for tests) importing this module
-first mends two gaps of Triton 3.6's interpreter (`_mend_interpreter`); compiled kernels are
+first mends three gaps of Triton 3.6's interpreter (`_mend_interpreter`); compiled kernels are
 untouched.
 """
 
@@ -35,6 +35,9 @@ import triton.language as tl
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 MIN_BLOCK_SIZE = 8
+# A cache of this dtype (kv_cache_dtype fp8) is read and written with a scale of 1: stores
+# round the step's K/V to it, the attention kernels widen each tile to the query's dtype.
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 _LOG2_E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernels then mask causally only
@@ -79,8 +82,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Writes the step's K/V rows into the cache: token `t` of `key` and `value` [tokens,
     num_kv_heads, head_dim] (any strides with a contiguous last dimension: views into a fused
-    projection) at slot `slots[t]` (int64 [tokens]) of `k_cache` and `v_cache`. One kernel
-    for both, one program per token, in place of two index copies."""
+    projection) at slot `slots[t]` (int64 [tokens]) of `k_cache` and `v_cache`, rounded to
+    their dtype. One kernel for both, one program per token, in place of two index copies."""
     tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must match, "
@@ -115,7 +118,8 @@ def paged_decode_attention(
     - `query` [B, num_heads, head_dim] (float32, float16 or bfloat16): the token at position
       `seq_lens[b] - 1` of sequence `b`; heads `h * G ... h * G + G - 1` share KV head `h`
       (`G = num_heads // num_kv_heads`).
-    - `k_cache`, `v_cache` [num_slots, num_kv_heads, head_dim], the query's dtype.
+    - `k_cache`, `v_cache` [num_slots, num_kv_heads, head_dim], the query's dtype or
+      `FP8_KV_DTYPE`.
     - `block_table` int32 [B, max_blocks]: each row's block ids, padded on the right with
       any valid id (never read past the sequence).
     - `seq_lens` int32 [B]: tokens in the cache, the new one included; 0 marks a padding row
@@ -191,7 +195,8 @@ def paged_prefill_attention(
     - `query` [T, num_heads, head_dim] (float32, float16 or bfloat16): the flattened queries
       of S sequences; sequence `i` owns rows `query_start_loc[i] : query_start_loc[i + 1]`,
       its last `query_len_i` positions (`seq_lens[i] - query_len_i ... seq_lens[i] - 1`).
-    - `k_cache`, `v_cache` [num_slots, num_kv_heads, head_dim], the query's dtype.
+    - `k_cache`, `v_cache` [num_slots, num_kv_heads, head_dim], the query's dtype or
+      `FP8_KV_DTYPE`.
     - `block_table` int32 [S, max_blocks]; `query_start_loc` int32 [S + 1];
       `seq_lens` int32 [S]: all tokens of each sequence, cached context and this step's.
     - `scale`: the factor on the scores; `max_query_len`: a host int bounding every
@@ -250,11 +255,12 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     mask = (heads < num_kv_heads) & (dims < head_dim)
     key = tl.load(key_ptr + token * key_token_stride + heads * key_head_stride + dims,
                   mask=mask)
-    tl.store(k_cache_ptr + slot * k_slot_stride + heads * k_head_stride + dims, key, mask=mask)
+    tl.store(k_cache_ptr + slot * k_slot_stride + heads * k_head_stride + dims,
+             key.to(k_cache_ptr.dtype.element_ty), mask=mask)
     value = tl.load(value_ptr + token * value_token_stride + heads * value_head_stride + dims,
                     mask=mask)
-    tl.store(v_cache_ptr + slot * v_slot_stride + heads * v_head_stride + dims, value,
-             mask=mask)
+    tl.store(v_cache_ptr + slot * v_slot_stride + heads * v_head_stride + dims,
+             value.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -303,7 +309,7 @@ def _decode_split_kernel(
         block_ids = tl.load(block_row + pos // BLOCK_SIZE, mask=key_ok, other=0)
         slots = block_ids.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd,
-                    mask=key_ok[None, :], other=0.0)
+                    mask=key_ok[None, :], other=0.0).to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         # Every tile holds at least one key in range, so the running max stays finite.
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
@@ -312,7 +318,7 @@ def _decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd,
-                    mask=key_ok[:, None], other=0.0)
+                    mask=key_ok[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -412,7 +418,7 @@ def _prefill_kernel(
         block_ids = tl.load(block_row + pos // BLOCK_SIZE, mask=key_ok, other=0)
         slots = block_ids.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd,
-                    mask=key_ok[None, :], other=0.0)
+                    mask=key_ok[None, :], other=0.0).to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         allowed = (key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
                    & (pos[None, :] > q_pos[:, None] - window))
@@ -424,7 +430,7 @@ def _prefill_kernel(
         p = tl.exp2(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd,
-                    mask=key_ok[:, None], other=0.0)
+                    mask=key_ok[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -498,10 +504,10 @@ def _check_inputs(
             f">= {MIN_BLOCK_SIZE}")
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"query dtype {query.dtype} is not float32, float16 or bfloat16")
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (query.dtype, FP8_KV_DTYPE):
         raise ValueError(
-            f"K/V cache dtypes {k_cache.dtype}/{v_cache.dtype} differ from the query's "
-            f"{query.dtype}")
+            f"K/V cache dtypes {k_cache.dtype}/{v_cache.dtype} are neither the query's "
+            f"{query.dtype} nor {FP8_KV_DTYPE}")
     num_kv_heads = k_cache.shape[1]
     if k_cache.shape[2] != head_dim or query.shape[1] % num_kv_heads:
         raise ValueError(
@@ -552,17 +558,29 @@ def _floor_power_of_two(value: int) -> int:
 
 
 def _mend_interpreter() -> None:
-    """Fixes two gaps of Triton 3.6's interpreter that compiled kernels do not have.
+    """Fixes three gaps of Triton 3.6's interpreter that compiled kernels do not have.
 
     It turns loop bounds into ints with `int()` of a one-element array, which NumPy >= 2.4
-    refuses (triton-lang/triton#9171: every loop with runtime bounds fails), and its `tl.dot`
-    multiplies the bit patterns of bfloat16 operands as integers (triton-lang/triton#11584).
-    Both replacements compute what a compiled kernel does.
+    refuses (triton-lang/triton#9171: every loop with runtime bounds fails), its `tl.dot`
+    multiplies the bit patterns of bfloat16 operands as integers (triton-lang/triton#11584),
+    and its rounding to float8 ORs a mantissa that rounds up past its top bit into the
+    exponent field instead of carrying (31.3 becomes 16, not 32). The replacements compute
+    what a compiled kernel does; the float8 rounding is torch's (to nearest, ties to even).
     """
     from triton.runtime import interpreter
 
     patch_tensor = interpreter._patch_lang_tensor
     create_dot = interpreter.InterpreterBuilder.create_dot
+    convert_float = interpreter._convert_float
+    float8_dtypes = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
+    def convert_float_to_float8(data: Any, input_dtype: Any, output_dtype: Any,
+                                rounding_mode: Any) -> Any:
+        float8 = float8_dtypes.get(output_dtype)
+        if float8 is None or input_dtype.primitive_bitwidth <= 8:
+            return convert_float(data, input_dtype, output_dtype, rounding_mode)
+        widened = convert_float(data, input_dtype, tl.float32, None).view(np.float32)
+        return torch.from_numpy(widened).to(float8).view(torch.uint8).numpy()
 
     def patch_tensor_index(tensor: Any, scope: Any) -> None:
         patch_tensor(tensor, scope)
@@ -579,6 +597,7 @@ def _mend_interpreter() -> None:
 
     interpreter._patch_lang_tensor = patch_tensor_index
     interpreter.InterpreterBuilder.create_dot = create_dot_bfloat16
+    interpreter._convert_float = convert_float_to_float8
 
 
 if triton.knobs.runtime.interpret:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, KVCacheDtype, ModelConfig, SchedulerConfig
 from engine.model.directory import load_arch
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -14,7 +14,11 @@ from engine.scheduler.output import NewRequestData
 from engine.scheduler.policies import FCFSPolicy
 from engine.scheduler.scheduler import Scheduler
 from engine.worker.input_batch import InputBatch
-from engine.worker.kv_cache_sizing import determine_num_kv_blocks, kv_block_bytes
+from engine.worker.kv_cache_sizing import (
+    determine_num_kv_blocks,
+    kv_block_bytes,
+    resolve_kv_cache_dtype,
+)
 from engine.worker.model_runner import ModelRunner
 from tests.engine.helpers import FakeClock
 
@@ -166,3 +170,34 @@ def test_runner_allocates_the_pool_it_reports() -> None:
     assert runner.kv_caches[0].shape == (2, 41 * BLOCK_SIZE, arch.num_key_value_heads,
                                          arch.head_dim)
     assert np.all(runner.batch.num_tokens == 0)
+
+
+def test_an_fp8_cache_takes_a_quarter_of_float32s_bytes_and_decodes_alike() -> None:
+    pytest.importorskip("triton")  # the triton backend reads fp8; on CPU under the interpreter
+    arch, cpu = load_arch("tiny"), torch.device("cpu")
+    budget = CacheConfig(block_size=16, cpu_kv_cache_space_gib=0.01)
+    float8 = resolve_kv_cache_dtype("fp8", torch.float32)
+    assert float8 is torch.float8_e4m3fn
+    block_bytes = kv_block_bytes(arch, 16, float8)
+    assert 4 * block_bytes == kv_block_bytes(arch, 16, torch.float32)
+    assert determine_num_kv_blocks(budget, arch, float8, cpu, 2048) == int(
+        0.01 * 2**30) // block_bytes
+
+    def runner(kv_cache_dtype: KVCacheDtype) -> ModelRunner:
+        return ModelRunner(EngineConfig(
+            model=ModelConfig(model="tiny", attention_backend="triton"),
+            cache=CacheConfig(block_size=8, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype),
+            scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=64,
+                                      max_num_seqs=8)))
+
+    requests = [[request(f"r{i}", prompt(20 + 7 * i, i), max_tokens=8) for i in range(3)]
+                for _ in range(2)]
+    fp8_runner = runner("fp8")
+    assert all(cache.dtype is torch.float8_e4m3fn for cache in fp8_runner.kv_caches)
+    # The tiny model's greedy continuations of these prompts survive the cache's rounding.
+    assert run(fp8_runner, requests[0]) == run(runner("auto"), requests[1])
+    with pytest.raises(ValueError, match="sdpa attention backend reads a KV cache"):
+        ModelRunner(EngineConfig(
+            model=ModelConfig(model="tiny", attention_backend="sdpa"),
+            cache=CacheConfig(block_size=8, num_kv_blocks=64, kv_cache_dtype="fp8"),
+            scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=64)))

@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 
 from engine.model.attention.backend import write_kv
 from engine.model.attention.triton_kernels import (
+    FP8_KV_DTYPE,
     default_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
@@ -55,6 +56,7 @@ def make_layout(
     seq_lens: list[int], *, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype = torch.float32, shared_blocks: int = 0, seed: int = 0,
 ) -> PagedLayout:
+    """(`dtype` is the caches'.)"""
     """Sequences on blocks drawn from a shuffled pool; sequence 1 starts with the first
     `shared_blocks` blocks of sequence 0 (a shared prefix). Every slot outside a sequence,
     and the spare blocks that pad the block table rows, hold NaN."""
@@ -125,11 +127,13 @@ def run_decode(
     seq_lens: list[int], *, group: int, num_kv_heads: int, head_dim: int = 32,
     block_size: int = 8, num_splits: int = 2, dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None, shared_blocks: int = 0, seed: int = 0,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode kernel's output and the reference's, both float32 on the CPU."""
+    """The decode kernel's output and the reference's (over the same cache values), both
+    float32 on the CPU; the caches hold `cache_dtype` (default: the query's `dtype`)."""
     layout = make_layout(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, dtype=dtype, shared_blocks=shared_blocks,
-                         seed=seed)
+                         head_dim=head_dim, dtype=cache_dtype or dtype,
+                         shared_blocks=shared_blocks, seed=seed)
     generator = torch.Generator().manual_seed(seed + 1)
     query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim,
                         generator=generator).to(DEVICE, dtype)
@@ -147,12 +151,14 @@ def run_prefill(
     context_lens: list[int], query_lens: list[int], *, group: int, num_kv_heads: int,
     head_dim: int = 32, block_size: int = 8, dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None, shared_blocks: int = 0, seed: int = 0,
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill kernel's output and the reference's, both float32 on the CPU."""
+    """The prefill kernel's output and the reference's (over the same cache values), both
+    float32 on the CPU; the caches hold `cache_dtype` (default: the query's `dtype`)."""
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     layout = make_layout(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, dtype=dtype, shared_blocks=shared_blocks,
-                         seed=seed)
+                         head_dim=head_dim, dtype=cache_dtype or dtype,
+                         shared_blocks=shared_blocks, seed=seed)
     generator = torch.Generator().manual_seed(seed + 1)
     query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim,
                         generator=generator).to(DEVICE, dtype)
@@ -396,3 +402,40 @@ def test_steps_of_new_shapes_compile_nothing_new() -> None:
     # Row strides of every divisibility class (16 and 32 are multiples of 16), 1 to 64 splits.
     steps(((2, 4), (16, 1), (17, 8), (32, 64), (40, 3)))
     assert compiled() == before
+
+
+# An fp8 cache (kv_cache_dtype fp8): the kernels widen its values to the query's dtype, so
+# against a reference over the same (rounded) cache values they are as exact as with a cache
+# of the query's dtype.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_and_prefill_read_an_fp8_cache(dtype: torch.dtype) -> None:
+    out, expected = run_decode([300, 70, 9, 0], group=4, num_kv_heads=2, head_dim=64,
+                               num_splits=4, dtype=dtype, shared_blocks=1,
+                               cache_dtype=FP8_KV_DTYPE)
+    assert_matches(out, expected, dtype)
+    out, expected = run_prefill(CONTEXT_LENS, QUERY_LENS, group=2, num_kv_heads=2,
+                                dtype=dtype, cache_dtype=FP8_KV_DTYPE)
+    assert_matches(out, expected, dtype)
+
+
+def test_store_kv_rounds_into_an_fp8_cache() -> None:
+    generator = torch.Generator().manual_seed(5)
+    key, value = (torch.randn(3, 2, 32, generator=generator).mul(40).to(DEVICE)
+                  for _ in range(2))
+    cache = torch.zeros(2, 16, 2, 32, dtype=FP8_KV_DTYPE, device=DEVICE)
+    slots = torch.tensor([4, 0, 9], device=DEVICE)
+
+    store_kv(key, value, cache[0], cache[1], slots)
+
+    assert torch.equal(cache[0][slots].float(), key.to(FP8_KV_DTYPE).float())
+    assert torch.equal(cache[1][slots].float(), value.to(FP8_KV_DTYPE).float())
+    assert cache[0][1].float().abs().sum() == 0
+
+
+def test_a_cache_of_another_dtype_is_refused() -> None:
+    layout = make_layout([9], block_size=8, num_kv_heads=1, head_dim=32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="neither the query's"):
+        paged_decode_attention(torch.zeros(1, 1, 32, device=DEVICE), layout.k_cache,
+                               layout.v_cache, layout.block_table,
+                               torch.tensor([9], dtype=torch.int32, device=DEVICE), 1.0,
+                               block_size=8, num_splits=1)
