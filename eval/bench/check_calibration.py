@@ -1,8 +1,8 @@
 """`continuum bench check-calibration`: a cost profile's simulation of the GPU runs it was
 calibrated on, against what those runs measured.
 
-The runs are one shipped set of agent replays (`--runs`): `eval/gpu_runs/h100-af226d3` or
-`eval/gpu_runs/h100-24b013d`, each an engine commit measured on an H100 (their READMEs say
+The runs are one shipped set of agent replays (`--runs`): `eval/gpu_runs/h100-af226d3`,
+`h100-24b013d` or `h100-d8b9e2f`, each an engine commit measured on an H100 (their READMEs say
 how they ran). Each run is simulated with the same jobs, arrivals and engine limits as
 `bench agent` and `continuum serve` had (the setup's `bench agent` flags, parsed as `bench
 agent` parses them), under the policy spec given for its measured policy (`--policy
@@ -107,6 +107,17 @@ class GpuRunSet:
         return GPU_RUNS_ROOT / self.name
 
 
+def _replays_finished_by_the_cut(commit: str) -> GpuRunSet:
+    """The H100 runs of `commit` whose fcfs and continuum replays of both setups all finished
+    (swe40's by its cut), with today's policies and the profile fitted on them."""
+    return GpuRunSet(
+        f"h100-{commit}",
+        (_finished(SWE24, "fcfs"), _finished(SWE24, "continuum"),
+         _finished(SWE40, "fcfs", SWE40_CUT_S), _finished(SWE40, "continuum", SWE40_CUT_S)),
+        {"fcfs": "fcfs", "continuum": "continuum"},
+        f"h100-llama3.1-8b-{commit}")
+
+
 RUN_SETS = {
     run_set.name: run_set for run_set in (
         GpuRunSet(
@@ -117,12 +128,8 @@ RUN_SETS = {
             {"fcfs": "fcfs", "continuum": "continuum-af226d3",
              "continuum-fixed": "continuum-af226d3:estimator=fixed-2s"},
             "h100-llama3.1-8b-measured"),
-        GpuRunSet(
-            "h100-24b013d",
-            (_finished(SWE24, "fcfs"), _finished(SWE24, "continuum"),
-             _finished(SWE40, "fcfs", SWE40_CUT_S), _finished(SWE40, "continuum", SWE40_CUT_S)),
-            {"fcfs": "fcfs", "continuum": "continuum"},
-            "h100-llama3.1-8b-24b013d"),
+        _replays_finished_by_the_cut("24b013d"),
+        _replays_finished_by_the_cut("d8b9e2f"),
     )
 }
 DEFAULT_RUN_SET = "h100-af226d3"
