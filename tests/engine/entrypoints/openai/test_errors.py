@@ -172,7 +172,9 @@ def test_server_keeps_serving_and_the_pool_is_free_afterwards(server):
     for path, body, _ in BAD_BODIES:
         with server.http() as http:
             assert _post(http, path, body).status_code == 400
-    response = server.client().completions.create(**COMPLETION)
+    # Random weights may sample EOS before 4 tokens (seen once in a full run).
+    response = server.client().completions.create(**COMPLETION,
+                                                  extra_body={"ignore_eos": True})
     assert response.usage.completion_tokens == 4
     stats = server.wait_idle()
     assert stats.num_free_blocks == stats.num_kv_blocks
