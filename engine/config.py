@@ -71,7 +71,8 @@ class CacheConfig:
                              "block hashes)")
         if self.kv_offload_gib and self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} does not combine with a "
-                             "host tier (kv_offload_gib): its copies take the model's dtype")
+                             "host tier (kv_offload_gib) yet: the tier's block copies use "
+                             "index ops that torch lacks for float8")
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,9 @@ class EngineConfig:
             raise ValueError("executor must be a non-empty name")
         if self.sim_profile is not None and self.executor != "simulated":
             raise ValueError("sim_profile applies only to the simulated executor")
+        if self.executor == "simulated" and self.cache.kv_cache_dtype != "auto":
+            raise ValueError(f"the simulated executor prices a KV cache of the profile's dtype, "
+                             f"not kv_cache_dtype {self.cache.kv_cache_dtype!r}")
         model_len = self.model.max_model_len
         if model_len is not None and model_len != self.scheduler.max_model_len:
             raise ValueError(

@@ -42,6 +42,8 @@ def test_invalid_values_are_rejected(factory, kwargs, message) -> None:
 
 
 def test_engine_config_cross_checks() -> None:
+    with pytest.raises(ValueError, match="simulated executor prices"):
+        EngineConfig(executor="simulated", cache=CacheConfig(kv_cache_dtype="fp8"))
     with pytest.raises(ValueError, match="disagrees"):
         EngineConfig(model=ModelConfig(max_model_len=128),
                      scheduler=SchedulerConfig(max_model_len=256))

@@ -25,6 +25,22 @@ from engine.model.attention.backend import (
 )
 from engine.model.triton_support import check_triton_runs_on
 
+# Triton compiles float8 e4m3 only for GPUs of this compute capability or newer (Ada, Hopper).
+MIN_FP8_CAPABILITY = (8, 9)
+
+
+def check_float8_runs_on(device: torch.device) -> None:
+    """ValueError when the kernels cannot read a float8 cache on `device` (a CUDA GPU older
+    than `MIN_FP8_CAPABILITY`); the CPU's interpreter can."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_FP8_CAPABILITY:
+        raise ValueError(
+            f"kv_cache_dtype fp8 needs a GPU of compute capability "
+            f"{'.'.join(map(str, MIN_FP8_CAPABILITY))} or newer for Triton's float8 e4m3; "
+            f"this one has {'.'.join(map(str, capability))}")
+
 
 @dataclass(frozen=True)
 class DecodePlan:
@@ -91,6 +107,8 @@ class TritonBackend(AttentionBackend):
         if layout.cache_dtype not in (layout.dtype, triton_kernels.FP8_KV_DTYPE):
             raise ValueError(f"the triton attention backend reads a KV cache of the model's "
                              f"dtype or {triton_kernels.FP8_KV_DTYPE}, not {layout.cache_dtype}")
+        if layout.cache_dtype == triton_kernels.FP8_KV_DTYPE:
+            check_float8_runs_on(layout.device)
         super().__init__(layout)
 
     def build_metadata(self, query_lens: np.ndarray, context_lens: np.ndarray,

@@ -201,3 +201,16 @@ def test_an_fp8_cache_takes_a_quarter_of_float32s_bytes_and_decodes_alike() -> N
             model=ModelConfig(model="tiny", attention_backend="sdpa"),
             cache=CacheConfig(block_size=8, num_kv_blocks=64, kv_cache_dtype="fp8"),
             scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=64)))
+
+
+def test_an_fp8_cache_needs_a_gpu_that_compiles_float8(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
+    from engine.model.attention.triton_backend import check_float8_runs_on
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"compute capability 8\.9 or newer.*has 8\.0"):
+        check_float8_runs_on(cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_float8_runs_on(cuda)
+    check_float8_runs_on(torch.device("cpu"))  # the interpreter converts float8

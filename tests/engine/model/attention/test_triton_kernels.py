@@ -23,6 +23,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+
 from engine.model.attention.backend import write_kv
 from engine.model.attention.triton_kernels import (
     FP8_KV_DTYPE,
@@ -56,10 +59,9 @@ def make_layout(
     seq_lens: list[int], *, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype = torch.float32, shared_blocks: int = 0, seed: int = 0,
 ) -> PagedLayout:
-    """(`dtype` is the caches'.)"""
-    """Sequences on blocks drawn from a shuffled pool; sequence 1 starts with the first
-    `shared_blocks` blocks of sequence 0 (a shared prefix). Every slot outside a sequence,
-    and the spare blocks that pad the block table rows, hold NaN."""
+    """Caches of `dtype` with sequences on blocks drawn from a shuffled pool; sequence 1
+    starts with the first `shared_blocks` blocks of sequence 0 (a shared prefix). Every slot
+    outside a sequence, and the spare blocks that pad the block table rows, hold NaN."""
     generator = torch.Generator().manual_seed(seed)
     needed = [-(-seq_len // block_size) for seq_len in seq_lens]
     spare = 2
@@ -439,3 +441,25 @@ def test_a_cache_of_another_dtype_is_refused() -> None:
                                layout.v_cache, layout.block_table,
                                torch.tensor([9], dtype=torch.int32, device=DEVICE), 1.0,
                                block_size=8, num_splits=1)
+
+
+@triton.jit
+def _widen_kernel(float8_ptr, float32_ptr, bfloat16_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    value = tl.load(float8_ptr + offsets)
+    tl.store(float32_ptr + offsets, value.to(tl.float32))
+    tl.store(bfloat16_ptr + offsets, value.to(tl.bfloat16))
+
+
+def test_float8_widens_exactly_nan_included() -> None:
+    # The NaN that marks a slot no kernel may read stays NaN in an fp8 cache too (Triton 3.6's
+    # interpreter made it 480 before `_mend_interpreter`).
+    values = torch.tensor([448.0, float("nan"), -32.0, 0.015625, -0.0, 1.5, 240.0, 3.0])
+    float8 = values.to(FP8_KV_DTYPE).to(DEVICE)
+    float32 = torch.empty(8, device=DEVICE)
+    bfloat16 = torch.empty(8, dtype=torch.bfloat16, device=DEVICE)
+    _widen_kernel[(1,)](float8, float32, bfloat16, N=8)
+    expected = float8.cpu().float()
+    torch.testing.assert_close(float32.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(bfloat16.cpu().float(), expected, rtol=0, atol=0,
+                               equal_nan=True)
