@@ -16,8 +16,8 @@
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops), with triton (fused layer kernels) and with triton and an fp8 KV cache
-#               (triton-fp8); with --quick the sdpa run has 64
-#               requests (step names end in the count)
+#               (triton-fp8); with --quick the sdpa run has 64 requests (step names end in
+#               the count)
 #   agent       `serve` + `bench agent`: a replay of that run, fcfs and continuum, on
 #               --agent-backend (default triton); not with --quick. --agent-setup swe24 (the
 #               default: 24 SWE jobs of at most 6 turns at 2 jobs/s, 1,500 KV blocks, 16k
@@ -36,9 +36,8 @@
 #        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with an fp8 KV cache, then
-#              triton with torch's layer ops, the
-#              sdpa baselines, triton without graphs and SmolLM2), within --budget-s 540
-#              unless given: one device call's 10 minutes
+#              triton with torch's layer ops, the sdpa baselines, triton without graphs and
+#              SmolLM2), within --budget-s 540 unless given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
 #              10 minutes, so there run `--part forward --part throughput`, then `--part agent`;
 #              a first call on a new GPU is best `--part smoke` (a couple of minutes)

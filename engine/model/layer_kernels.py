@@ -13,9 +13,8 @@ torch's ops do (a sum before its norm, a normed row before its weight, `silu` be
 multiply); rotary rounds once where torch rounds each product and the sum (about a quarter
 of bf16 values then differ by one unit in the last place, the kernel's nearer the exact
 value). Triton's interpreter rounds its casts to 16 bits toward zero, compiled kernels to
-nearest. None
-reads a device value on the host, so all can be captured in a CUDA graph. On CPU they run
-under Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
+nearest. None reads a device value on the host, so all can be captured in a CUDA graph. On
+CPU they run under Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
 """
 
 from __future__ import annotations

@@ -168,9 +168,10 @@ def triton_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-# The triton kernels run here under Triton's interpreter; the attention kernels need blocks
-# of >= 8. (attention backend, layer kernels, block size): sdpa with torch's ops is the CPU
-# default, triton with fused layer kernels the CUDA one, sdpa with them CUDA's sdpa.
+# The triton kernels run on the GPU where there is one, else under Triton's interpreter; the
+# attention kernels need blocks of >= 8. (attention backend, layer kernels, block size): sdpa
+# with torch's ops is the CPU default, triton with fused layer kernels the CUDA one, sdpa
+# with them CUDA's sdpa.
 BACKENDS = [("sdpa", "torch", BLOCK_SIZE),
             pytest.param("triton", "triton", 8, id="triton"),
             pytest.param("sdpa", "triton", BLOCK_SIZE, id="sdpa-triton-layers")]
