@@ -94,6 +94,12 @@ class SchedulerConfig:
     - `job_inference_max_turns`, `job_inference_max_age_s`: bounds of the table of recently
       finished turns that inference matches against (oldest dropped first); a turn older than
       the age (seconds) is not continued, and an inferred job's pin lasts no longer.
+    - `async_scheduling`: the engine core schedules and launches step N+1 before it reads
+      step N's sampled tokens, so the host's work between steps overlaps the device's. A
+      running request is scheduled on a placeholder for its token still on the device; a
+      request that step N finishes has one token computed in step N+1 for nothing. Steps of
+      requests with a structured output wait for the tokens first (their next mask needs
+      them).
     """
 
     max_model_len: int = 2048
@@ -106,6 +112,7 @@ class SchedulerConfig:
     job_inference: bool = True
     job_inference_max_turns: int = 16384
     job_inference_max_age_s: float = 300.0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require_positive("max_model_len", self.max_model_len)
@@ -256,6 +263,10 @@ class EngineConfig:
         if self.executor == "simulated" and self.cache.kv_cache_dtype != "auto":
             raise ValueError(f"the simulated executor prices a KV cache of the profile's dtype, "
                              f"not kv_cache_dtype {self.cache.kv_cache_dtype!r}")
+        if self.scheduler.async_scheduling and self.cache.kv_offload_gib:
+            raise ValueError("async_scheduling does not work with a host KV tier "
+                             "(kv_offload_gib) yet: a step's tier copies are completed when "
+                             "its tokens are read, which async scheduling defers")
         model_len = self.model.max_model_len
         if model_len is not None and model_len != self.scheduler.max_model_len:
             raise ValueError(

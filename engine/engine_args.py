@@ -71,6 +71,10 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one step",
     "long_prefill_token_threshold": "most tokens one request computes per step; None: no cap",
     "enable_chunked_prefill": "split long prompts across steps",
+    "async_scheduling": (
+        "schedule and launch each step before reading the previous step's tokens, so that "
+        "the host's work overlaps the device's (no host KV tier)"
+    ),
     "scheduling_policy": f"{' | '.join(POLICIES)} | a module:Class path",
     "executor": "torch (run the model) | simulated (a cost model) | a module:Class path",
     "sim_profile": (
@@ -139,6 +143,7 @@ class EngineArgs:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    async_scheduling: bool = SchedulerConfig.async_scheduling
     scheduling_policy: str = SchedulerConfig.policy
     executor: str = EngineConfig.executor
     sim_profile: str | None = EngineConfig.sim_profile
@@ -188,6 +193,7 @@ class EngineArgs:
                 job_inference=self.job_inference,
                 job_inference_max_turns=self.job_inference_max_turns,
                 job_inference_max_age_s=self.job_inference_max_age_s,
+                async_scheduling=self.async_scheduling,
             ),
             trace=TraceConfig(path=self._trace_path(environ), max_bytes=self.trace_max_bytes),
             structured_output=StructuredOutputConfig(

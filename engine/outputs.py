@@ -1,10 +1,13 @@
 """What the model runner returns to the scheduler, and what the engine core reports per request.
 
 Both are msgspec Structs: they cross process boundaries (executor workers, the ZMQ link to the
-frontend). Fields are append-only.
+frontend). Fields are append-only. A launched step's output comes through a `PendingStep`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -36,8 +39,8 @@ class PromptLogprobs(msgspec.Struct, kw_only=True, frozen=True):
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     """Tokens sampled in one step, `sampled_token_ids[i]` for `req_ids[i]`.
 
-    A request whose prefill is still partial after the step may be given an empty list; the
-    scheduler ignores tokens for such requests either way. `logprobs[i]`, when the list is
+    A request that does not sample in the step (its prefill is still partial) is given an
+    empty list. `logprobs[i]`, when the list is
     present, holds one entry per token of `sampled_token_ids[i]` for requests that asked for
     logprobs and is `None` for the others. `prompt_logprobs[i]`, when the list is present,
     holds the prompt logprobs of the positions `req_ids[i]` computed in the step, for requests
@@ -54,6 +57,25 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
 
     def req_id_to_index(self) -> dict[str, int]:
         return {req_id: index for index, req_id in enumerate(self.req_ids)}
+
+
+class PendingStep(Protocol):
+    """A step an executor (or the model runner) has launched; `result` waits for its
+    sampled tokens."""
+
+    def result(self) -> ModelRunnerOutput:
+        """The step's output, once its tokens are on the host (the same object each call)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CompletedStep:
+    """A step whose output was complete when it was submitted."""
+
+    output: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -83,6 +83,10 @@ class Request:
     Token ids grow as outputs are appended; `num_computed_tokens` counts the tokens whose KV is
     computed (or scheduled to be computed in the step being built). `block_hashes` holds the
     chained hashes of the full blocks of `all_token_ids`, extended by the KV cache manager.
+    `num_output_placeholders` counts output tokens scheduled to be sampled whose ids have not
+    come back yet (0 or 1 between steps, up to 2 while the engine schedules a step before the
+    previous one's tokens arrive: `SchedulerConfig.async_scheduling`); the KV of the first of
+    them may be scheduled already, so `num_computed_tokens` may exceed `num_tokens` by as many.
     `num_cached_tokens` is the prefix-cache hit of the first admission (`None` before it);
     `first_scheduled_at_s` the time of that admission and `first_token_at_s` the end of the
     step that sampled the first output token, both on the scheduler's clock (`None` before).
@@ -100,7 +104,8 @@ class Request:
         "all_token_ids", "arrival_time_s", "block_hashes", "cache_salt", "continues_request_id",
         "eos_token_id",
         "first_scheduled_at_s", "first_token_at_s", "job", "num_cached_tokens",
-        "num_computed_tokens", "num_preemptions", "num_prompt_tokens", "priority",
+        "num_computed_tokens", "num_output_placeholders", "num_preemptions", "num_prompt_tokens",
+        "priority",
         "request_id", "sampling_params", "status", "stop_reason", "tenant", "tool_call_format",
     )
 
@@ -143,6 +148,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens: int | None = None
         self.first_scheduled_at_s: float | None = None
         self.first_token_at_s: float | None = None

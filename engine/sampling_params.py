@@ -147,6 +147,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the tokens generated so far (presence, frequency or
+        repetition penalty)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
 
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):

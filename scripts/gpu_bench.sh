@@ -9,15 +9,17 @@
 #               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend and torch's layer
 #               ops (the first run's code), the triton backend and fused layer kernels, the
 #               same with an fp8 KV cache (triton-fp8: --kv-cache-dtype fp8), with torch's
-#               layer ops (triton-torch-layers: what the fused kernels gain) and with
+#               layer ops (triton-torch-layers: what the fused kernels gain), with
+#               --async-scheduling (triton-async: each decode step launched before the
+#               last one's tokens are read) and with
 #               --enforce-eager (no CUDA graphs), the triton runs with
 #               --profile (launches, device and host time a decode step); on cuda also
 #               SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
-#               ops), with triton (fused layer kernels) and with triton and an fp8 KV cache
-#               (triton-fp8); with --quick the sdpa run has 64 requests (step names end in
-#               the count)
+#               ops), with triton (fused layer kernels), with triton and an fp8 KV cache
+#               (triton-fp8) and with triton and --async-scheduling (triton-async); with
+#               --quick the sdpa run has 64 requests (step names end in the count)
 #   agent       `serve` + `bench agent`: a replay of that run, fcfs and continuum, on
 #               --agent-backend (default triton); not with --quick. --agent-setup swe24 (the
 #               default: 24 SWE jobs of at most 6 turns at 2 jobs/s, 1,500 KV blocks, 16k
@@ -35,7 +37,8 @@
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
 #        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
-#              triton runs first (the targets' runs, the same with an fp8 KV cache, then
+#              triton runs first (the targets' runs, the same with async scheduling, with an
+#              fp8 KV cache, then
 #              triton with torch's layer ops, the sdpa baselines, triton without graphs and
 #              SmolLM2), within --budget-s 540 unless given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
@@ -265,11 +268,12 @@ if wants smoke; then
     --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
 fi
 
-forward_run() {  # forward_run sdpa|triton|triton-fp8|triton-eager|triton-torch-layers
+forward_run() {  # forward_run sdpa|triton|triton-async|triton-fp8|triton-eager|triton-torch-layers
   local run=$1 flags=()
   case $run in
     sdpa) flags=(--attention-backend sdpa --layer-kernels torch) ;;  # the first run's code
     triton) flags=(--attention-backend triton --layer-kernels triton) ;;
+    triton-async) flags=(--attention-backend triton --layer-kernels triton --async-scheduling) ;;
     triton-fp8) flags=(--attention-backend triton --layer-kernels triton --kv-cache-dtype fp8) ;;
     triton-eager) flags=(--attention-backend triton --layer-kernels triton --enforce-eager) ;;
     triton-torch-layers) flags=(--attention-backend triton --layer-kernels torch) ;;
@@ -288,22 +292,25 @@ forward_smollm2() {
     --attention-backend triton --decode 1x1024 32x1024 128x1024 32x8000 \
     --json "$raw/forward-smollm2-triton.json"
 }
-throughput_run() {  # throughput_run sdpa|triton|triton-fp8: sdpa with torch's layers, as first run
-  local backend=triton layers=triton requests=$target_requests kv=auto
+throughput_run() {  # throughput_run sdpa|triton|triton-async|triton-fp8 (sdpa: torch's layers)
+  local backend=triton layers=triton requests=$target_requests kv=auto flags=()
   case $1 in
     sdpa) backend=sdpa; layers=torch; requests=$baseline_requests ;;
+    triton-async) flags=(--async-scheduling) ;;
     triton-fp8) kv=fp8 ;;
   esac
   step "throughput-$1-$requests" "${engine[@]}" bench throughput --impl engine \
     "${engine_flags[@]}" --num-requests "$requests" "${workload[@]}" \
     --attention-backend "$backend" --layer-kernels "$layers" --kv-cache-dtype "$kv" \
-    --json "$raw/throughput-$1-$requests.json"
+    "${flags[@]}" --json "$raw/throughput-$1-$requests.json"
 }
 
 if [ $quick -eq 1 ]; then
   # The targets' runs first: what a spent budget skips is the least needed.
   wants forward && forward_run triton
   wants throughput && throughput_run triton
+  wants forward && forward_run triton-async
+  wants throughput && throughput_run triton-async
   wants forward && forward_run triton-fp8
   wants throughput && throughput_run triton-fp8
   wants forward && forward_run triton-torch-layers
@@ -312,11 +319,13 @@ if [ $quick -eq 1 ]; then
   wants forward && { forward_run triton-eager; forward_smollm2; }
 else
   if wants forward; then
-    for run in sdpa triton triton-fp8 triton-torch-layers triton-eager; do forward_run "$run"; done
+    for run in sdpa triton triton-async triton-fp8 triton-torch-layers triton-eager; do
+      forward_run "$run"
+    done
     forward_smollm2
   fi
   if wants throughput; then
-    for run in sdpa triton triton-fp8; do throughput_run "$run"; done
+    for run in sdpa triton triton-async triton-fp8; do throughput_run "$run"; done
   fi
 fi
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -18,7 +19,7 @@ from engine.core.wire import EngineCoreRequest, EngineStats, JobState, PinState
 from engine.executor.base import Executor, KVReloadProfiler, PrefillProfiler, make_executor
 from engine.kv_cache.pins import PinReleaseReason
 from engine.model.tokenizer import load_decoder, load_tokenizer
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, PendingStep
 from engine.request import FinishReason, Request
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
@@ -44,6 +45,12 @@ class EngineCore:
     one whose grammar is too slow or too large fails alone. Each step sends the runner the
     token masks of the constrained requests that sample, and advances their grammars by what
     they produced.
+
+    With `SchedulerConfig.async_scheduling` a step is scheduled and submitted before the
+    previous step's result is taken, so that the host's work of a step (the previous
+    result, the schedule, the next inputs) overlaps the device's: one step stays in flight
+    between calls. A step whose requests have a structured output is taken before the next
+    is scheduled, since their next masks need its tokens.
     """
 
     UTILITIES = frozenset({
@@ -78,6 +85,7 @@ class EngineCore:
             functools.partial(load_tokenizer, config.model.model, config.model.tokenizer),
             self.vocab_size, config=config.structured_output)
         self._compiling: dict[str, Request] = {}  # held back until their grammar compiled
+        self._in_flight: _InFlightStep | None = None  # submitted, its result not yet taken
         self.step_time_s = 0.0
         self.execute_time_s = 0.0
         self.kv_copy_time_s = 0.0
@@ -137,7 +145,8 @@ class EngineCore:
         """Whether a step would do anything: unfinished requests to run or to compile, or
         host-tier copies queued (an idle engine still completes its stores). Pins and job
         books that only wait for time to pass are `sweep`'s, which runs no model step."""
-        return self.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+        return (self.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+                or self._in_flight is not None)
 
     def sweep(self) -> Sweep:
         """Time-driven upkeep without a step: releases pins whose TTL ran out and lets the
@@ -153,23 +162,30 @@ class EngineCore:
         return sweep
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedules one step (the policy's step start included), executes it, and applies
-        the sampled tokens; returns the outputs of the requests that produced tokens. With
+        """Schedules one step (the policy's step start included), submits it, and applies
+        the sampled tokens of the step it completes (this one, or with async scheduling the
+        previous one); returns the outputs of the requests that produced tokens. With
         `debug_check_invariants`, a broken invariant raises AssertionError after the step."""
-        rejected = self._queue_compiled()
+        started_s = time.perf_counter()
+        outputs = self._queue_compiled()
         scheduler = self.scheduler
         if not (scheduler.has_unfinished_requests() or scheduler.has_pending_kv_transfers()):
+            if self._in_flight is not None:
+                outputs += self._take_in_flight()
+                self.step_time_s += time.perf_counter() - started_s
+                return outputs
             self.structured_outputs.wait_for_work(GRAMMAR_WAIT_S)
-            return rejected
-        started_s = time.perf_counter()
+            return outputs
+        if self._in_flight is not None and self._needs_tokens_first(self._in_flight):
+            outputs += self._take_in_flight()
         held_back, failed = self._await_masks()
+        outputs += failed
         scheduler_output = self._with_grammar_bitmask(scheduler.schedule(held_back=held_back))
-        execute_started_s = time.perf_counter()
-        runner_output = self.executor.execute(scheduler_output)
-        self.execute_time_s += time.perf_counter() - execute_started_s
-        self.kv_copy_time_s += runner_output.kv_copy_time_s
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs = rejected + failed + self._advance_grammars(outputs)
+        previous, self._in_flight = self._in_flight, self._submit(scheduler_output)
+        if previous is not None:
+            outputs += self._take(previous)
+        if not self.config.scheduler.async_scheduling:
+            outputs += self._take_in_flight()
         if scheduler_output.is_empty and held_back:
             self.structured_outputs.wait_for_work(GRAMMAR_WAIT_S)
         self.num_steps += 1
@@ -178,12 +194,39 @@ class EngineCore:
             self.check_invariants()
         return outputs
 
+    def _submit(self, scheduler_output: SchedulerOutput) -> _InFlightStep:
+        started_s = time.perf_counter()
+        pending = self.executor.submit(scheduler_output)
+        self.execute_time_s += time.perf_counter() - started_s
+        return _InFlightStep(scheduler_output, pending)
+
+    def _take_in_flight(self) -> list[EngineCoreOutput]:
+        step, self._in_flight = self._in_flight, None
+        return [] if step is None else self._take(step)
+
+    def _take(self, step: _InFlightStep) -> list[EngineCoreOutput]:
+        """Waits for a submitted step's tokens and applies them (grammars advanced)."""
+        started_s = time.perf_counter()
+        runner_output = step.pending.result()
+        self.execute_time_s += time.perf_counter() - started_s
+        self.kv_copy_time_s += runner_output.kv_copy_time_s
+        outputs = self.scheduler.update_from_output(step.scheduler_output, runner_output)
+        return self._advance_grammars(outputs)
+
+    def _needs_tokens_first(self, step: _InFlightStep) -> bool:
+        """Whether a request of the step in flight has a grammar, whose next mask needs the
+        tokens of that step."""
+        manager = self.structured_outputs
+        return manager.has_grammars and any(
+            manager.has_grammar(req_id) for req_id in step.scheduler_output.num_scheduled_tokens)
+
     def shutdown(self) -> None:
         try:
             self.scheduler.policy.on_shutdown()
         finally:
             self.structured_outputs.shutdown()
             self.scheduler.close_subscribers()
+            self._in_flight = None
             self.executor.shutdown()
 
     # Structured outputs.
@@ -356,6 +399,14 @@ class EngineCore:
             continues_request_id=core_request.continues_request_id,
             tool_call_format=core_request.tool_call_format,
         )
+
+
+@dataclass(frozen=True)
+class _InFlightStep:
+    """A step submitted to the executor whose result the scheduler has not applied."""
+
+    scheduler_output: SchedulerOutput
+    pending: PendingStep
 
 
 def _failed(failure: GrammarFailure) -> EngineCoreOutput:

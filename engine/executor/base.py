@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from engine.config import EngineConfig
-from engine.outputs import ModelRunnerOutput
+from engine.outputs import CompletedStep, ModelRunnerOutput, PendingStep
 from engine.registry import Registry
 from engine.scheduler.output import SchedulerOutput
 
@@ -20,8 +20,11 @@ class Executor(Protocol):
 
     `num_kv_blocks` is the KV pool size the executor allocated (the scheduler's pool must match
     it), `num_host_kv_blocks` the host tier's (0: none; `CacheConfig.kv_offload_gib`);
-    `vocab_size` bounds the token ids it accepts. `execute` is called once per engine step
-    (it carries out the step's `kv_transfers` too), `shutdown` once when the engine stops.
+    `vocab_size` bounds the token ids it accepts. `submit` is called once per engine step
+    (the step carries out its `kv_transfers` too) and returns the step launched; the engine
+    core takes results in submission order, and with async scheduling submits the next step
+    before it takes the last one's result (never more than two out). `execute` is `submit`
+    and `result` at once. `shutdown` is called once when the engine stops.
     """
 
     @property
@@ -33,9 +36,21 @@ class Executor(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep: ...
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
+
+
+class SynchronousExecutor:
+    """An executor whose steps run to completion inside `execute`: `submit` runs one."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        return CompletedStep(self.execute(scheduler_output))
 
 
 @runtime_checkable

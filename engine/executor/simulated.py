@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from engine.config import EngineConfig
+from engine.executor.base import SynchronousExecutor
 from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB
 from engine.executor.sim_profiles import CostProfile, get_sim_profile
 from engine.kv_cache.transfers import KVTransfers
@@ -27,7 +28,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.scheduler.output import SchedulerOutput
 
 
-class SimulatedExecutor:
+class SimulatedExecutor(SynchronousExecutor):
     """Prices steps with `config.sim_profile` (default `DEFAULT_SIM_PROFILE`). The KV pool is
     `config.cache.num_kv_blocks`, or what the profile's memory holds; the host tier is as
     many blocks as `config.cache.kv_offload_gib` holds at the profile's KV bytes per token;

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.config import EngineConfig
-from engine.outputs import ModelRunnerOutput
+from engine.outputs import ModelRunnerOutput, PendingStep
 from engine.scheduler.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 
@@ -28,6 +28,9 @@ class TorchExecutor:
     @property
     def vocab_size(self) -> int:
         return self.runner.arch.vocab_size
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        return self.runner.submit(scheduler_output)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

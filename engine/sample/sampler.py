@@ -80,6 +80,10 @@ class Sampler:
 
     def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         noise = torch.empty_like(probs)
+        if all(seed is None for seed in metadata.seeds):
+            # One draw for all rows, as the rows' draws below would be, without indexing by
+            # a host list (a copy to the device that would wait for the stream).
+            return noise.exponential_(generator=self.generator)
         unseeded = [row for row, seed in enumerate(metadata.seeds) if seed is None]
         if unseeded:
             shared = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)

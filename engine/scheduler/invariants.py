@@ -79,11 +79,14 @@ def _check_request_sets(scheduler: SchedulerState) -> None:
     for request in scheduler.running:
         assert request.status is RequestStatus.RUNNING, f"{request} in running"
         num_blocks = len(req_to_blocks[request.request_id])
+        assert 0 <= request.num_output_placeholders <= 2, f"{request} awaits too many tokens"
         assert request.num_computed_tokens <= min(
-            request.num_tokens, num_blocks * scheduler.block_size
+            request.num_tokens + request.num_output_placeholders,
+            num_blocks * scheduler.block_size,
         ), f"{request} computed beyond its tokens or blocks"
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (
             f"{request} in waiting"
         )
         assert request.num_computed_tokens == 0, f"waiting {request} has computed tokens"
+        assert request.num_output_placeholders == 0, f"waiting {request} awaits tokens"

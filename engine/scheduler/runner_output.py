@@ -18,6 +18,7 @@ from engine.scheduler.stop import check_stop
 def apply_runner_output(
     scheduler_output: SchedulerOutput,
     runner_output: ModelRunnerOutput,
+    scheduled: Mapping[str, Request],
     requests: Mapping[str, Request],
     max_model_len: int,
     now_s: float,
@@ -27,21 +28,24 @@ def apply_runner_output(
     request's first output token stamps its `first_token_at_s` with `now_s` (the step's end
     on the scheduler's clock).
 
-    Requests no longer in `requests` (aborted since) are skipped, and so are those whose
-    prefill is still partial unless the step computed prompt logprobs for them (their output
-    then carries those and no tokens).
+    `scheduled` maps the step's request ids to the requests it scheduled, `requests` the
+    unfinished ones now: a request no longer among them (aborted, or finished by an earlier
+    step while this one ran, or its id reused since) is skipped. The runner's tokens decide
+    who sampled (a prefill still partial samples nothing); a step's tokens of a request fill
+    one of its `num_output_placeholders`. A request with no token gets an output only for
+    the prompt logprobs the step computed for it. A request preempted after this step was
+    launched still receives its token (it is waiting then, and is recomputed with it).
     """
     outputs: list[EngineCoreOutput] = []
     stopped: list[Request] = []
     index_of = runner_output.req_id_to_index()
     for req_id in scheduler_output.num_scheduled_tokens:
-        request = requests.get(req_id)
-        if request is None:
-            continue  # aborted since
+        request = scheduled.get(req_id)
+        if request is None or requests.get(req_id) is not request:
+            continue
         index = index_of[req_id]
         prompt_logprobs = runner_output.prompt_logprobs and runner_output.prompt_logprobs[index]
-        prefilled = request.num_computed_tokens >= request.num_tokens
-        token_ids = runner_output.sampled_token_ids[index] if prefilled else []
+        token_ids = runner_output.sampled_token_ids[index]
         if not token_ids:
             if prompt_logprobs:
                 outputs.append(EngineCoreOutput(
@@ -50,6 +54,10 @@ def apply_runner_output(
                     prompt_logprobs=prompt_logprobs,
                 ))
             continue
+        if not request.num_output_placeholders:
+            raise RuntimeError(f"the runner sampled for {request}, which this step did not "
+                               "schedule to sample")
+        request.num_output_placeholders -= 1
         if request.first_token_at_s is None:
             request.first_token_at_s = now_s
         new_token_ids = _append_output(request, token_ids, max_model_len)

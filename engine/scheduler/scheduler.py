@@ -32,7 +32,10 @@ class Scheduler:
     """Owns every unfinished request, the KV cache manager and the pin table.
 
     Called by the engine core, once per step: `schedule()`, then (after the executor ran the
-    step) `update_from_output()`. `add_request` and `finish_requests` (abort) may be called
+    step) `update_from_output()`. With async scheduling the engine core schedules step N+1
+    before it updates from step N, so at most two steps are out at once: a request that
+    samples in a step is given a placeholder for its token (`num_output_placeholders`) and
+    may be scheduled again on it. `add_request` and `finish_requests` (abort) may be called
     between steps, and `sweep` (time-driven upkeep) while no request is unfinished. Times
     come from the injected `clock` (seconds). Everything that happens is emitted to one
     event stream (`events`, see `engine.scheduler.events`); a `tracer` given here is
@@ -74,6 +77,8 @@ class Scheduler:
         self.policy = policy
         self._waiting = policy.new_waiting_queue()
         self._finished_req_ids: set[str] = set()
+        # The requests each step scheduled, by step id, until it is updated from its output.
+        self._unfinished_steps: dict[int, dict[str, Request]] = {}
         self.step_id = 0
         self.num_preemptions = 0
         # Tokens computed again after preemption, counted as `trace summarize` does:
@@ -256,7 +261,9 @@ class Scheduler:
         now_s = self.clock()
         self.kv_cache_manager.complete_transfers()
         outputs, stopped = apply_runner_output(
-            scheduler_output, runner_output, self._requests, self.config.max_model_len, now_s
+            scheduler_output, runner_output,
+            self._unfinished_steps.pop(scheduler_output.step_id, {}), self._requests,
+            self.config.max_model_len, now_s,
         )
         if stopped:
             self._retire(stopped, now_s)
@@ -473,10 +480,13 @@ class Scheduler:
         return num_needed <= self.kv_cache_manager.block_pool.num_free_blocks + num_pinned
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: StepPlan) -> int:
-        """Tokens `request` may compute this step: its remainder (but its last token if it is
-        held back), capped by the long-prefill threshold and the budget (0 if it must go
-        whole and does not fit)."""
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        """Tokens `request` may compute this step: its remainder, placeholders included (but
+        its last token if it is held back), capped by the long-prefill threshold and the
+        budget (0 if it must go whole and does not fit, or if the token it awaits will end
+        it by length)."""
+        if request.num_output_placeholders and self._awaits_last_token(request):
+            return 0
+        num_new_tokens = request.num_tokens + request.num_output_placeholders - num_computed_tokens
         if request.request_id in plan.held_back:
             num_new_tokens -= 1
         threshold = self.config.long_prefill_token_threshold
@@ -486,10 +496,20 @@ class Scheduler:
             return plan.token_budget if self.config.enable_chunked_prefill else 0
         return num_new_tokens
 
+    def _awaits_last_token(self, request: Request) -> bool:
+        """Whether the tokens `request` awaits bring it to `max_model_len` or `max_tokens`."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return num_tokens >= self.config.max_model_len or (
+            max_tokens is not None and num_tokens - request.num_prompt_tokens >= max_tokens)
+
     def _emit(self, plan: StepPlan, transfers: KVTransfers) -> SchedulerOutput:
-        """Ends the step: emits its output (`step_plan.emit`) and starts the next step id."""
+        """Ends the step: emits its output (`step_plan.emit`, which also gives each request
+        that samples its placeholder) and starts the next step id."""
         output = emit(plan, step_id=self.step_id, finished_req_ids=self._finished_req_ids,
                       block_ids_of=self.kv_cache_manager.get_block_ids, transfers=transfers)
+        self._unfinished_steps[self.step_id] = {
+            request.request_id: request for request in (*plan.continuing, *plan.admitted)}
         self._finished_req_ids = set()
         self.step_id += 1
         return output
@@ -497,7 +517,11 @@ class Scheduler:
     # Finishing.
     def _retire(self, stopped: list[Request], now_s: float) -> None:
         stopped_ids = {request.request_id for request in stopped}
+        running_ids = {request.request_id for request in self._running}
         self._running = [r for r in self._running if r.request_id not in stopped_ids]
+        for request in stopped:
+            if request.request_id not in running_ids:  # preempted after its step launched
+                self._waiting.remove_request(request)
         for request in stopped:
             self._finish(request, request.status, now_s)
 

@@ -75,7 +75,9 @@ def emit(
     block_ids_of: Callable[[str], list[int]],
     transfers: KVTransfers,
 ) -> SchedulerOutput:
-    """Builds the step's output and advances `num_computed_tokens` of everything scheduled.
+    """Builds the step's output and advances `num_computed_tokens` of everything scheduled;
+    a request whose known tokens (and placeholders) are then all computed samples, and gets
+    one more `num_output_placeholders`.
 
     Called once per step, at the end of `Scheduler.schedule()`; `finished_req_ids` (the
     requests finished since the previous step) is handed over to the output, not copied, and
@@ -100,10 +102,10 @@ def emit(
         num_computed_tokens=[request.num_computed_tokens for request in plan.continuing],
     )
     num_scheduled = plan.num_scheduled_tokens
-    for request in plan.continuing:
+    for request in (*plan.continuing, *plan.admitted):
         request.num_computed_tokens += num_scheduled[request.request_id]
-    for request in plan.admitted:
-        request.num_computed_tokens += num_scheduled[request.request_id]
+        if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1  # it samples: its token comes back later
     return SchedulerOutput(
         step_id=step_id,
         scheduled_new_reqs=new_reqs,

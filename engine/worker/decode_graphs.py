@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, DecodeBuffers
+from engine.worker.runner_step import TokenPatch
 
 # Forward over (input_ids, positions, metadata) -> hidden [tokens, hidden_size].
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -134,12 +135,15 @@ class DecodeGraphs:
         self._use_graphs = use_graphs
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def run(self, step: DecodeStep) -> torch.Tensor:
-        """Hidden states [n, hidden_size] of the step's `n` rows; `n` must fit a bucket."""
+    def run(self, step: DecodeStep, token_patch: TokenPatch | None = None) -> torch.Tensor:
+        """Hidden states [n, hidden_size] of the step's `n` rows; `n` must fit a bucket.
+        `token_patch` writes the input ids still on the device into the static buffer."""
         bucket = bucket_for(step.batch_size, self.buckets)
         if bucket is None:
             raise ValueError(f"a decode batch of {step.batch_size} exceeds the largest bucket")
         self.buffers.fill(step, bucket)
+        if token_patch is not None:
+            token_patch.apply(self.buffers.device["input_ids"])
         graph = self._graphs.get(bucket)
         if graph is None:
             return self._forward_bucket(bucket)[: step.batch_size]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.model.attention.backend import to_device
 from engine.sample.metadata import LogitBias, Penalties, SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import NewRequestData
@@ -43,6 +44,7 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
         self.rows: list[RowState] = []
         self.row_of: dict[str, int] = {}
+        self.num_penalised_rows = 0  # rows whose sampling counts their tokens (penalties)
 
     @property
     def num_reqs(self) -> int:
@@ -62,6 +64,7 @@ class InputBatch:
             banned.append(new.eos_token_id)
         self.rows.append(RowState(new.req_id, params, [], len(new.prompt_token_ids), banned))
         self.row_of[new.req_id] = row
+        self.num_penalised_rows += params.has_penalties
         self.append_blocks(new.req_id, new.block_ids)
 
     def remove(self, req_id: str) -> None:
@@ -69,6 +72,7 @@ class InputBatch:
         row = self.row_of.pop(req_id, None)
         if row is None:
             return
+        self.num_penalised_rows -= self.rows[row].sampling_params.has_penalties
         last = len(self.rows) - 1
         if row != last:
             moved = self.rows[last]
@@ -91,6 +95,18 @@ class InputBatch:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
 
+    def append_placeholders(self, rows: np.ndarray) -> np.ndarray:
+        """Appends a token whose id is not known yet (0 until `set_token`) to each of `rows`
+        (distinct); returns the positions they take."""
+        positions = self.num_tokens[rows].copy()
+        self.token_ids[rows, positions] = 0
+        self.num_tokens[rows] += 1
+        return positions
+
+    def set_token(self, row: int, position: int, token_id: int) -> None:
+        """Fills in a placeholder appended by `append_placeholders`."""
+        self.token_ids[row, position] = token_id
+
     def output_token_ids(self, row: int) -> np.ndarray:
         return self.token_ids[row, self.rows[row].num_prompt_tokens : self.num_tokens[row]]
 
@@ -100,14 +116,14 @@ class InputBatch:
         num_outputs = [int(self.num_tokens[row]) - self.rows[row].num_prompt_tokens
                        for row in rows]
 
-        def column(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+        def column(values: list[float], dtype: type[np.generic] = np.float32) -> torch.Tensor:
+            return to_device(np.array(values, dtype=dtype), device)
 
         temperature = column([p.temperature for p in params])
         return SamplingMetadata(
             temperature=temperature,
             all_greedy=all(p.is_greedy for p in params),
-            top_k=column([p.top_k or self.vocab_size for p in params], torch.int64)
+            top_k=column([p.top_k or self.vocab_size for p in params], np.int64)
             if any(p.top_k for p in params) else None,
             top_p=column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
             min_p=column([p.min_p for p in params]) if any(p.min_p for p in params) else None,
@@ -127,8 +143,7 @@ class InputBatch:
     def _penalties(
         self, rows: list[int], params: list[SamplingParams], device: torch.device
     ) -> Penalties | None:
-        if all(p.presence_penalty == 0 and p.frequency_penalty == 0
-               and p.repetition_penalty == 1 for p in params):
+        if not any(p.has_penalties for p in params):
             return None
         output_counts = np.zeros((len(rows), self.vocab_size), dtype=np.float32)
         seen = np.zeros((len(rows), self.vocab_size), dtype=bool)
@@ -152,7 +167,7 @@ def _logit_bias(params: list[SamplingParams], device: torch.device) -> LogitBias
         return None
     rows, token_ids, values = zip(*entries, strict=True)
     return LogitBias(
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-        values=torch.tensor(values, dtype=torch.float32, device=device),
+        rows=to_device(np.array(rows, dtype=np.int64), device),
+        token_ids=to_device(np.array(token_ids, dtype=np.int64), device),
+        values=to_device(np.array(values, dtype=np.float32), device),
     )

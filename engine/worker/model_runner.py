@@ -1,17 +1,23 @@
 """The model runner: executes one `SchedulerOutput` and returns the sampled tokens.
 
-Owned by an executor; `execute_model` is called once per engine step. Each step it
+Owned by an executor; `submit` is called once per engine step and returns the launched step,
+whose `result` waits for its sampled tokens (`execute_model` does both). Each step it
 1. updates the persistent batch (drops finished and preempted requests, adds new and resumed
    ones, appends new blocks),
 2. lays the scheduled tokens out decodes-first and builds positions, slot mapping and
-   attention metadata (through the attention backend),
+   attention metadata (through the attention backend); an input token that an earlier step
+   sampled and the host has not read back yet is taken from the device (`runner_step.py`),
 3. runs the model (a decode-only step on static buffers, replaying a CUDA graph where
    available: `decode_graphs.py`), computes logits only for requests that reach the end of
-   their known tokens (a partial prefill samples nothing), samples, and appends the sampled
-   tokens to its rows;
+   their known tokens (a partial prefill samples nothing), samples, appends placeholders for
+   the sampled tokens to its rows and starts copying the ids to pinned host memory; `result`
+   waits for that copy and fills the placeholders in;
 4. for requests that ask for prompt logprobs, computes the logprobs of the prompt tokens that
    the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
    all its positions at once).
+Nothing in a step waits for the device unless it needs token ids on the host: a batch with
+penalties waits for the steps still out first (the penalties count the ids), and a step
+with prompt logprobs reads them back before it returns.
 With a host tier it also carries out the step's copies (`kv_transfers`), even in a step that
 schedules no token: urgent stores and loads before the forward, lazy stores overlapping it,
 all done before the step returns.
@@ -20,6 +26,7 @@ all done before the step returns.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +42,13 @@ from engine.model.attention import (
 from engine.model.attention.backend import slot_mapping, step_positions, to_device
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model, resolve_device, resolve_dtype
-from engine.outputs import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
+from engine.outputs import (
+    CompletedStep,
+    ModelRunnerOutput,
+    PendingStep,
+    PromptLogprobs,
+    TokenLogprobs,
+)
 from engine.sample.grammar_mask import with_grammar_mask
 from engine.sample.sampler import SampledLogprobs, Sampler, gather_logprobs
 from engine.scheduler.output import SchedulerOutput
@@ -54,6 +67,7 @@ from engine.worker.kv_cache_sizing import (
     kv_block_bytes,
     resolve_kv_cache_dtype,
 )
+from engine.worker.runner_step import PendingTokens, RunnerStep, TokenPatch
 
 # At most this many bytes of float32 logits exist at once while prompt logprobs are computed.
 PROMPT_LOGITS_CHUNK_BYTES = 128 * 2**20
@@ -87,6 +101,7 @@ class StepInputs:
     sampling_rows: list[int]  # batch rows of the sampling requests, in `logits_indices` order
     sampling_req_ids: list[str]
     prompt_logprob_spans: list[PromptLogprobSpan]
+    token_patch: TokenPatch | None  # input ids still on the device, from earlier steps
 
 
 class ModelRunner:
@@ -138,6 +153,8 @@ class ModelRunner:
                 self.decode_graphs.capture()
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
+        self._pending_tokens = PendingTokens()
+        self._unresolved: deque[RunnerStep] = deque()  # launched, result not taken, in order
 
     @torch.inference_mode()
     def _profile_reserved_bytes(self) -> int:
@@ -255,31 +272,40 @@ class ModelRunner:
         return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                 for _ in range(self.arch.num_hidden_layers)]
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step; returns one (possibly empty) token list per scheduled request.
-        The step's host-tier copies are all done when it returns, even if no token was
-        scheduled."""
+        """Runs one step to its end: `submit`, then its `result`."""
+        return self.submit(scheduler_output).result()
+
+    @torch.inference_mode()
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Launches one step; its `result` gives one (possibly empty) token list per
+        scheduled request. Results are taken in launch order (taking one takes the earlier
+        ones first). The step's host-tier copies are all done when `submit` returns, even if
+        no token was scheduled (the tier is used without async scheduling only)."""
         self.update_states(scheduler_output)
         transfers = scheduler_output.kv_transfers
         if self.host_kv_cache is None:
             if not transfers.is_empty:
                 raise RuntimeError("the step carries host-tier copies but the runner has no "
                                  "host tier (kv_offload_gib is 0)")
-            return self._forward_and_sample(scheduler_output)
+            return self._launch(scheduler_output)
         started_s = time.perf_counter()
         self.host_kv_cache.copy_before_forward(transfers)
         copy_time_s = time.perf_counter() - started_s
-        output = self._forward_and_sample(scheduler_output)
+        output = self._launch(scheduler_output).result()
         started_s = time.perf_counter()
         self.host_kv_cache.finish()
         output.kv_copy_time_s = copy_time_s + time.perf_counter() - started_s
-        return output
+        return CompletedStep(output)
 
-    def _forward_and_sample(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The forward, sampling and logprobs of the step (nothing if it schedules no token)."""
+    def _launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """The forward, sampling and logprobs of the step (nothing if it schedules no token),
+        enqueued on the device; complete at once when the step samples nothing."""
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return CompletedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
+        if self._unresolved and self.batch.num_penalised_rows:
+            # Penalties count the tokens sampled so far: those still out are read first.
+            self._unresolved[-1].result()
         inputs = self.prepare_inputs(scheduler_output)
         # Sampling inputs are copied to the device before the forward is enqueued, while the
         # device is idle: their (pageable) copies then wait for nothing.
@@ -291,31 +317,83 @@ class ModelRunner:
                                              scheduler_output.grammar_bitmask,
                                              self.arch.vocab_size)
         hidden = self._forward(inputs)
-        sampled: dict[str, list[int]] = {req_id: [] for req_id in inputs.req_ids}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        if metadata is not None:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            output = self.sampler(logits, metadata)
-            token_ids = output.sampled_token_ids.tolist()
-            for row, req_id, token_id in zip(inputs.sampling_rows, inputs.sampling_req_ids,
-                                             token_ids, strict=True):
-                self.batch.append_token(row, token_id)
-                sampled[req_id] = [token_id]
-            if output.logprobs is not None:
-                logprobs = self._per_request_logprobs(inputs, output.logprobs)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_spans)
+        if metadata is None:
+            return CompletedStep(ModelRunnerOutput(
+                req_ids=inputs.req_ids,
+                sampled_token_ids=[[] for _ in inputs.req_ids],
+                prompt_logprobs=[prompt_logprobs.get(req_id) for req_id in inputs.req_ids]
+                if prompt_logprobs else None,
+            ))
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        output = self.sampler(logits, metadata)
+        step = RunnerStep(
+            req_ids=inputs.req_ids, sampling_req_ids=inputs.sampling_req_ids,
+            sampled=output.sampled_token_ids,
+            host_token_ids=self._to_host(output.sampled_token_ids),
+            host_logprobs=None if output.logprobs is None else SampledLogprobs(
+                token_ids=self._to_host(output.logprobs.token_ids),
+                logprobs=self._to_host(output.logprobs.logprobs),
+                sampled_ranks=self._to_host(output.logprobs.sampled_ranks)),
+            logprob_counts=[self.batch.rows[row].sampling_params.logprobs
+                            for row in inputs.sampling_rows],
+            prompt_logprobs=prompt_logprobs, placed=[],
+            ready=self._record_event(), resolve=self._resolve,
+        )
+        rows = np.array(inputs.sampling_rows, dtype=np.int64)
+        positions = self.batch.append_placeholders(rows).tolist()
+        for index, (req_id, position) in enumerate(
+                zip(inputs.sampling_req_ids, positions, strict=True)):
+            self._pending_tokens.add(req_id, position, step, index)
+            step.placed.append((req_id, position, index))
+        self._unresolved.append(step)
+        return step
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on its way to pinned host memory (on CPU, itself)."""
+        if self.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    def _record_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _resolve(self, step: RunnerStep) -> ModelRunnerOutput:
+        """Waits for `step`'s tokens (taking the steps launched before it first), fills in
+        its placeholders and builds its output."""
+        while self._unresolved and self._unresolved[0] is not step:
+            self._unresolved[0].result()
+        if self._unresolved:
+            self._unresolved.popleft()
+        if step.ready is not None:
+            step.ready.synchronize()
+        token_ids = step.host_token_ids.tolist()
+        batch = self.batch
+        for req_id, position, index in step.placed:
+            if self._pending_tokens.settle(req_id, position, step):
+                batch.set_token(batch.row_of[req_id], position, token_ids[index])
+        sampled: dict[str, list[int]] = {req_id: [] for req_id in step.req_ids}
+        for req_id, token_id in zip(step.sampling_req_ids, token_ids, strict=True):
+            sampled[req_id] = [token_id]
+        logprobs = self._per_request_logprobs(step) if step.host_logprobs is not None else {}
         return ModelRunnerOutput(
-            req_ids=inputs.req_ids,
-            sampled_token_ids=[sampled[req_id] for req_id in inputs.req_ids],
-            logprobs=[logprobs.get(req_id) for req_id in inputs.req_ids] if logprobs else None,
-            prompt_logprobs=[prompt_logprobs.get(req_id) for req_id in inputs.req_ids]
-            if prompt_logprobs else None,
+            req_ids=step.req_ids,
+            sampled_token_ids=[sampled[req_id] for req_id in step.req_ids],
+            logprobs=[logprobs.get(req_id) for req_id in step.req_ids] if logprobs else None,
+            prompt_logprobs=[step.prompt_logprobs.get(req_id) for req_id in step.req_ids]
+            if step.prompt_logprobs else None,
         )
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Applies the scheduler's deltas to the persistent batch."""
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.batch.remove(req_id)
+            self._pending_tokens.drop(req_id)
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -348,8 +426,9 @@ class ModelRunner:
         input_ids = batch.token_ids[token_rows, positions]
         samples = context_lens + query_lens >= batch.num_tokens[rows]
         last_token_indices = np.cumsum(query_lens) - 1
+        first_token_indices = last_token_indices - query_lens + 1
         spans = self._prompt_logprob_spans(req_ids, rows, context_lens, query_lens,
-                                           last_token_indices - query_lens + 1)
+                                           first_token_indices)
         decode_step = None
         if metadata is None:
             table = batch.block_table[rows, : -(-int(positions.max() + 1) // self.block_size)]
@@ -367,6 +446,37 @@ class ModelRunner:
             sampling_rows=rows[samples].tolist(),
             sampling_req_ids=[req_id for req_id, s in zip(req_ids, samples, strict=True) if s],
             prompt_logprob_spans=spans,
+            token_patch=self._token_patch(req_ids, context_lens, query_lens,
+                                          first_token_indices),
+        )
+
+    def _token_patch(self, req_ids: list[str], context_lens: np.ndarray,
+                     query_lens: np.ndarray, first_token_indices: np.ndarray
+                     ) -> TokenPatch | None:
+        """The step's input tokens that are placeholders (sampled by steps whose result is not
+        taken yet), with their values gathered from those steps' device tensors."""
+        if not self._pending_tokens:
+            return None
+        targets: dict[RunnerStep, tuple[list[int], list[int]]] = {}
+        for index, req_id in enumerate(req_ids):
+            pending = self._pending_tokens.of(req_id)
+            if pending is None:
+                continue
+            start = int(context_lens[index])
+            end = start + int(query_lens[index])
+            for position, (step, sampled_index) in pending.items():
+                if start <= position < end:
+                    token_indices, sampled_indices = targets.setdefault(step, ([], []))
+                    token_indices.append(int(first_token_indices[index]) + position - start)
+                    sampled_indices.append(sampled_index)
+        if not targets:
+            return None
+        return TokenPatch(
+            token_indices=to_device(np.concatenate([t for t, _ in targets.values()]),
+                                    self.device, np.int64),
+            values=torch.cat([
+                step.sampled[to_device(np.array(indices), self.device, np.int64)]
+                for step, (_, indices) in targets.items()]),
         )
 
     def _fits_decode_graphs(self, query_lens: np.ndarray) -> bool:
@@ -378,9 +488,11 @@ class ModelRunner:
         """Hidden states [tokens, hidden_size] of the step."""
         if inputs.decode_step is not None:
             assert self.decode_graphs is not None
-            return self.decode_graphs.run(inputs.decode_step)
+            return self.decode_graphs.run(inputs.decode_step, inputs.token_patch)
         assert inputs.input_ids is not None and inputs.positions is not None
         assert inputs.metadata is not None
+        if inputs.token_patch is not None:
+            inputs.token_patch.apply(inputs.input_ids)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def _prompt_logprob_spans(
@@ -457,17 +569,16 @@ class ModelRunner:
             sampled_ranks=torch.cat([part.sampled_ranks for part in parts]),
         )
 
-    def _per_request_logprobs(
-        self, inputs: StepInputs, logprobs: SampledLogprobs
-    ) -> dict[str, list[TokenLogprobs]]:
-        token_ids = logprobs.token_ids.tolist()
-        values = logprobs.logprobs.tolist()
-        ranks = logprobs.sampled_ranks.tolist()
+    def _per_request_logprobs(self, step: RunnerStep) -> dict[str, list[TokenLogprobs]]:
+        """The sampled tokens' logprobs of the requests of `step` that asked for them."""
+        assert step.host_logprobs is not None
+        token_ids = step.host_logprobs.token_ids.tolist()
+        values = step.host_logprobs.logprobs.tolist()
+        ranks = step.host_logprobs.sampled_ranks.tolist()
         result = {}
-        for index, (row, req_id) in enumerate(
-            zip(inputs.sampling_rows, inputs.sampling_req_ids, strict=True)
+        for index, (req_id, num_top) in enumerate(
+            zip(step.sampling_req_ids, step.logprob_counts, strict=True)
         ):
-            num_top = self.batch.rows[row].sampling_params.logprobs
             if num_top is None:
                 continue
             result[req_id] = [TokenLogprobs(

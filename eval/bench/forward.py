@@ -10,7 +10,9 @@ not run: steps are built here.
   most `--max-num-batched-tokens` tokens (untimed); then `--decode-steps` single-token steps are
   run once to warm up and `--repeats` times timed, each timed run continuing the sequences
   (contexts grow by `decode_steps` a run). Reported: the median run's milliseconds a step and
-  output tokens a second.
+  output tokens a second. With `--async-scheduling` each decode step is launched before the
+  previous step's tokens are read (as the engine core does with that flag), so the host's
+  work of a step overlaps the device's; a run then ends when its last step's tokens are read.
   With `--profile`, one more run of `--decode-steps` steps under the torch profiler gives the
   kernel launches, the device's busy time and the host's time a step (`eval.step_profile`)
   and prints the kernels that took the most device time.
@@ -53,6 +55,7 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.model.directory import load_arch
+from engine.outputs import PendingStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -129,6 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(float8 e4m3; the triton attention backend)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch each decode step before reading the previous one's tokens")
     parser.add_argument("--decode", nargs="*", type=functools.partial(Shape.parse, "decode"),
                         default=DEFAULT_DECODE_SHAPES, metavar="BATCHxCONTEXT",
                         help="decode shapes (none: skip decode)")
@@ -190,6 +195,7 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
         # The runner's rule: decode replays graphs on CUDA where the backend has static decode.
         "cuda_graphs": (runner.device.type == "cuda" and not args.enforce_eager
                         and runner.attention.supports_static_decode),
+        "async_scheduling": args.async_scheduling,
         "block_size": args.block_size,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "decode_steps": args.decode_steps,
@@ -310,14 +316,14 @@ def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
     and with `--profile` the profile of one more run."""
     sequences = _Sequences(runner, "decode", shape, _blocks_per_seq(shape, args), rng)
     try:
+        decode = functools.partial(sequences.decode, args.decode_steps,
+                                   pipelined=args.async_scheduling)
         sequences.prefill(args.max_num_batched_tokens)
-        sequences.decode(args.decode_steps)
-        run_s = statistics.median(sequences.decode(args.decode_steps)
-                                  for _ in range(args.repeats))
+        decode()
+        run_s = statistics.median(decode() for _ in range(args.repeats))
         step_profile = None
         if args.profile:
-            step_profile = profile_steps(lambda: sequences.decode(args.decode_steps),
-                                         args.decode_steps, runner.device)
+            step_profile = profile_steps(decode, args.decode_steps, runner.device)
         return run_s, step_profile
     finally:
         sequences.finish()
@@ -375,13 +381,33 @@ class _Sequences:
                        if remaining > scheduled.get(req_id, 0)}
         return runner_s
 
-    def decode(self, num_steps: int) -> float:
-        """`num_steps` steps of one token for every request; returns the runner's seconds."""
-        return sum(self.step(dict.fromkeys(self.prompts, 1)) for _ in range(num_steps))
+    def decode(self, num_steps: int, *, pipelined: bool = False) -> float:
+        """`num_steps` steps of one token for every request; returns the runner's seconds.
+        `pipelined`: each step is launched before the previous one's tokens are read."""
+        one_token = dict.fromkeys(self.prompts, 1)
+        if not pipelined:
+            return sum(self.step(one_token) for _ in range(num_steps))
+        started_s = time.perf_counter()
+        previous = None
+        for _ in range(num_steps):
+            launched = self.launch(one_token)
+            if previous is not None:
+                previous.result()
+            previous = launched
+        if previous is not None:
+            previous.result()
+        return time.perf_counter() - started_s
 
     def step(self, num_tokens: dict[str, int]) -> float:
         """One runner step scheduling `num_tokens[req_id]` tokens of each named request;
-        returns the seconds `execute_model` took (it ends with the sampled ids on the host)."""
+        returns the seconds it took to launch and read back (the sampled ids on the host)."""
+        started_s = time.perf_counter()
+        self.launch(num_tokens).result()
+        return time.perf_counter() - started_s
+
+    def launch(self, num_tokens: dict[str, int]) -> PendingStep:
+        """Launches one runner step scheduling `num_tokens[req_id]` tokens of each named
+        request; its tokens are read by the returned step's `result`."""
         new = [NewRequestData(req_id=req_id, prompt_token_ids=self.prompts[req_id],
                               output_token_ids=[], sampling_params=_GREEDY,
                               block_ids=self.block_ids[req_id], num_computed_tokens=0)
@@ -396,13 +422,11 @@ class _Sequences:
             finished_req_ids=set(), preempted_req_ids=set())
         # Marked before the step: if it fails (out of memory), the runner holds them already.
         self.sent.update(num_tokens)
-        started_s = time.perf_counter()
-        self.runner.execute_model(output)
-        elapsed_s = time.perf_counter() - started_s
+        launched = self.runner.submit(output)
         for req_id, count in num_tokens.items():
             self.num_computed[req_id] += count
         self.step_id += 1
-        return elapsed_s
+        return launched
 
     def finish(self) -> None:
         """Drops every request from the runner (a step that schedules no token)."""

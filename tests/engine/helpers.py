@@ -227,6 +227,46 @@ def run_step(
     return output, outputs
 
 
+class PipelinedSteps:
+    """Steps a scheduler as the engine core does with async scheduling: step N+1 is
+    scheduled and run before the scheduler is updated from step N. The fake runner runs a
+    step at once (as a device would, in launch order); its output waits in `in_flight`."""
+
+    def __init__(self, scheduler: Scheduler, runner: FakeRunner) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedules and runs the next step, then updates from the one before it (if any);
+        the invariants are checked afterwards."""
+        output = self.scheduler.schedule()
+        runner_output = self.runner.execute(output)
+        outputs = self.finish()
+        self.in_flight = (output, runner_output)
+        self.scheduler.check_invariants()
+        return outputs
+
+    def finish(self) -> list[EngineCoreOutput]:
+        """Updates the scheduler from the step in flight, if any."""
+        if self.in_flight is None:
+            return []
+        output, runner_output = self.in_flight
+        self.in_flight = None
+        return self.scheduler.update_from_output(output, runner_output)
+
+    def run_until_done(self, max_steps: int = 1000) -> list[EngineCoreOutput]:
+        """Steps until no request is left and no step is in flight; returns every output."""
+        outputs = []
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                outputs += self.finish()
+                self.scheduler.check_invariants()
+                return outputs
+            outputs += self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
 def run_until_done(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> int:
     """Steps until no request is left; returns the number of steps taken."""
     for step in range(max_steps):

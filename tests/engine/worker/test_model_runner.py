@@ -214,3 +214,19 @@ def test_an_fp8_cache_needs_a_gpu_that_compiles_float8(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_float8_runs_on(cuda)
     check_float8_runs_on(torch.device("cpu"))  # the interpreter converts float8
+
+
+def test_placeholders_take_the_next_positions_until_their_tokens_are_set() -> None:
+    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4, vocab_size=32)
+    batch.add(new_request("a", [1, 2], [], [0]))
+    batch.add(new_request("b", [3], [7], [1], presence_penalty=0.5))
+    assert batch.num_penalised_rows == 1
+    positions = batch.append_placeholders(np.array([1, 0]))
+    assert positions.tolist() == [2, 2] and batch.num_tokens.tolist()[:2] == [3, 3]
+    batch.set_token(0, 2, 9)
+    batch.remove("a")  # b moves into row 0, its placeholder with it
+    assert batch.num_penalised_rows == 1
+    batch.set_token(0, 2, 8)
+    assert batch.token_ids[0, :3].tolist() == [3, 7, 8]
+    batch.remove("b")
+    assert batch.num_penalised_rows == 0

@@ -20,10 +20,11 @@ def test_tiny_config_writes_a_sane_report(tmp_path: Path) -> None:
     json_path, table_path = tmp_path / "forward.json", tmp_path / "forward.md"
     code = main(["bench", "forward", "--config", str(TINY_MODEL_DIR / "config.json"),
                  "--decode", "1x40", "3x20", "--prefill", "2x24", "--decode-steps", "3",
-                 "--repeats", "2", "--max-num-batched-tokens", "16",
+                 "--repeats", "2", "--max-num-batched-tokens", "16", "--async-scheduling",
                  "--json", str(json_path), "--markdown", str(table_path)])
     assert code == 0
     report = json.loads(json_path.read_text())
+    assert report["async_scheduling"] is True
     assert report["model"] == "tiny" and report["device"] == "cpu"
     assert report["dtype"] == "float32" and report["torch"] and report["triton"]
     assert report["attention_backend"] == "sdpa" and report["cuda_graphs"] is False  # auto
@@ -55,6 +56,29 @@ def test_sequences_follow_the_runner_through_chunked_prefill_and_decode() -> Non
         assert batch.token_ids[row, :10].tolist() == sequences.prompts[req_id]
     sequences.finish()
     assert batch.num_reqs == 0
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_pipelined_decode_steps_sample_what_steps_in_order_sample(backend: str) -> None:
+    """`--async-scheduling`: each step is launched before the last one's tokens are read (its
+    inputs come from the device: the static decode buffers' with triton); the runner's rows
+    end with the same tokens."""
+    token_ids = []
+    for pipelined in (False, True):
+        runner = ModelRunner(EngineConfig(
+            model=ModelConfig(model="tiny", attention_backend=backend),
+            cache=CacheConfig(block_size=8, num_kv_blocks=16),
+            scheduler=SchedulerConfig(max_model_len=40, max_num_batched_tokens=16,
+                                      max_num_seqs=3)))
+        sequences = _Sequences(runner, "s", Shape("decode", 3, 10), blocks_per_seq=5,
+                               rng=np.random.default_rng(0))
+        sequences.prefill(token_budget=16)
+        sequences.decode(num_steps=6, pipelined=pipelined)
+        batch = runner.batch
+        rows = [batch.row_of[req_id] for req_id in sequences.prompts]
+        assert batch.num_tokens[rows].tolist() == [17, 17, 17]
+        token_ids.append(batch.token_ids[rows, :17].tolist())
+    assert token_ids[0] == token_ids[1]
 
 
 def test_shapes_are_parsed_or_refused() -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.executor.base import SynchronousExecutor
 from engine.model.directory import load_arch
 from engine.model.tokenizer import load_tokenizer
 from engine.outputs import ModelRunnerOutput
@@ -36,7 +37,7 @@ class _Progress:
     num_generated: int
 
 
-class ScriptedExecutor:
+class ScriptedExecutor(SynchronousExecutor):
     """An executor that replays `SCRIPT` for every request (see the module docstring).
     Subclasses choose another script per request with `_script_for`."""
 
