@@ -39,6 +39,8 @@ BENCH_COMMANDS: Mapping[str, str] = MappingProxyType({
               "subprocess: the other tenant's latency",
     "drain": "SIGTERM to a `continuum serve` subprocess (one server or --replicas) with "
              "streams in flight: stop time, how each stream ended",
+    "ingress": "clients without an API key sending large bodies to a `continuum serve "
+               "--replicas` subprocess: the memory of its processes",
     "workloads": "the named workloads that ship with the package",
     "amplification": "memory of a `continuum serve` subprocess before and after one huge "
                      "completion request",

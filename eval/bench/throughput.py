@@ -11,7 +11,9 @@ Reported: output tokens/s of both and their ratio; the engine's efficiency (time
 executor, which runs the model forward and sampling, over the wall time of `generate`) and
 its mean per-step overhead (wall time outside the executor per step). With `--kv-offload-gib`
 (`--impl engine`), also the share of step time the host-tier copies held steps up and the
-tokens stored and loaded. Each side runs in its own
+tokens stored and loaded. On CUDA, also what the caching allocator did during the run
+(`cuda_allocator`: `cudaMalloc`s, `cudaFree`s and allocations retried after freeing the cache,
+each of which synchronizes the device). Each side runs in its own
 fresh process (a model loaded second in one process runs measurably slower on small CPUs).
 """
 
@@ -130,10 +132,12 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [r.prompt_token_ids for r in workload]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
     before = llm.engine.get_stats()
+    allocator_before = _cuda_allocator_counts()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall_s = time.perf_counter() - start
     after = llm.engine.get_stats()
+    allocator_after = _cuda_allocator_counts()
     llm.shutdown()
     num_output_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
     assert num_output_tokens == sum(r.output_len for r in workload), "lengths were not forced"
@@ -147,7 +151,22 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "step_overhead_ms": (wall_s - execute_s) / num_steps * 1e3,
         "num_steps": num_steps,
         **_host_tier_figures(before, after, wall_s),
+        **({"cuda_allocator": {name: allocator_after[name] - allocator_before[name]
+                               for name in allocator_after}} if allocator_after else {}),
     }
+
+
+def _cuda_allocator_counts() -> dict[str, int]:
+    """The caching allocator's cumulative device allocations, frees and retried allocations
+    of this process (the in-process engine's); {} without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"device_allocs": stats.get("num_device_alloc", 0),
+            "device_frees": stats.get("num_device_free", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def _host_tier_figures(before: Any, after: Any, wall_s: float) -> dict[str, Any]:
