@@ -24,7 +24,8 @@
 #               --agent-backend (default triton); not with --quick. --agent-setup swe24 (the
 #               default: 24 SWE jobs of at most 6 turns at 2 jobs/s, 1,500 KV blocks, 16k
 #               context) or swe40 (40 jobs of at most 8 turns at 4 jobs/s, 2,500 blocks, 32k
-#               context, stopped at 222 s as that run was: jobs done by then)
+#               context, stopped at 222 s as that run was: jobs done by then); with
+#               --agent-async the servers run with --async-scheduling
 # Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
 # device, torch and triton) and OUT_DIR/results.json merge them, also when the script is
 # stopped (SIGTERM, or the device tool's time limit). OUT_DIR is $OUT when set (the device
@@ -35,7 +36,7 @@
 #
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|forward|
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
-#        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)]
+#        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with async scheduling, with an
 #              fp8 KV cache, then
@@ -65,6 +66,7 @@ quick=0
 device=cuda
 agent_backend=""
 agent_setup=swe24
+agent_serve=()
 budget_s=""
 parts=()
 while [ $# -gt 0 ]; do
@@ -75,6 +77,7 @@ while [ $# -gt 0 ]; do
     --budget-s) budget_s=$2; shift ;;
     --agent-backend) agent_backend=$2; shift ;;
     --agent-setup) agent_setup=$2; shift ;;
+    --agent-async) agent_serve=(--async-scheduling) ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -337,6 +340,7 @@ print(s.getsockname()[1])")
   # In a session of its own, so that stop_server reaches the engine core too.
   setsid "$python" -m engine.cli serve "${engine_flags[@]}" "${serve_flags[@]}" \
     --attention-backend "$agent_backend" --scheduling-policy "$policy" --port "$port" \
+    "${agent_serve[@]}" \
     --log-level warning --trace-path "$raw/agent-$agent_setup-$policy.trace.jsonl" &
   server=$!
   "$python" - "$port" "$server" <<'EOF'
