@@ -19,7 +19,9 @@
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops), with triton (fused layer kernels), with triton and an fp8 KV cache
 #               (triton-fp8) and with triton and --async-scheduling (triton-async); with
-#               --quick the sdpa run has 64 requests (step names end in the count)
+#               --quick the sdpa run has 64 requests (step names end in the count); each
+#               reports its 8 slowest steps and the steps in which the CUDA caching
+#               allocator freed device memory (--slow-steps 8)
 #   agent       `serve` + `bench agent`: a replay of that run, fcfs and continuum, on
 #               --agent-backend (default triton); not with --quick. --agent-setup swe24 (the
 #               default: 24 SWE jobs of at most 6 turns at 2 jobs/s, 1,500 KV blocks, 16k
@@ -305,7 +307,7 @@ throughput_run() {  # throughput_run sdpa|triton|triton-async|triton-fp8 (sdpa: 
   step "throughput-$1-$requests" "${engine[@]}" bench throughput --impl engine \
     "${engine_flags[@]}" --num-requests "$requests" "${workload[@]}" \
     --attention-backend "$backend" --layer-kernels "$layers" --kv-cache-dtype "$kv" \
-    "${flags[@]}" --json "$raw/throughput-$1-$requests.json"
+    --slow-steps 8 "${flags[@]}" --json "$raw/throughput-$1-$requests.json"
 }
 
 if [ $quick -eq 1 ]; then

@@ -113,12 +113,16 @@ def _throughput_table(runs: dict[str, Any]) -> list[str]:
     if not runs:
         return []
     lines = ["## Offline throughput (`bench throughput --impl engine`)", "",
-             "| run | output tokens | wall (s) | output tokens/s | steps | ms a step |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| run | output tokens | wall (s) | output tokens/s | steps | ms a step | "
+             "slowest steps (ms) | steps that freed device memory (s) |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
     for name, run in runs.items():
+        slowest = ", ".join(f"{step['wall_ms']:.0f}" for step in run.get("slow_steps", []))
+        freeing = run.get("allocator_steps")
+        freed = "" if freeing is None else f"{freeing['num_steps']} ({freeing['wall_s']:.2f})"
         lines.append(f"| {name} | {run['output_tokens']:,} | {run['wall_s']:.2f} | "
                      f"{run['tokens_per_s']:,.0f} | {run['num_steps']} | "
-                     f"{run['wall_s'] / run['num_steps'] * 1e3:.1f} |")
+                     f"{run['wall_s'] / run['num_steps'] * 1e3:.1f} | {slowest} | {freed} |")
     return [*lines, ""]
 
 

@@ -13,7 +13,12 @@ its mean per-step overhead (wall time outside the executor per step). With `--kv
 (`--impl engine`), also the share of step time the host-tier copies held steps up and the
 tokens stored and loaded. On CUDA, also what the caching allocator did during the run
 (`cuda_allocator`: `cudaMalloc`s, `cudaFree`s and allocations retried after freeing the cache,
-each of which synchronizes the device). Each side runs in its own
+each of which synchronizes the device). With `--slow-steps N`, the engine is driven one
+`LLMEngine.step` at a time instead of through `generate`, and the N slowest timed steps are
+reported (`slow_steps`: each step's index, wall milliseconds, requests running and waiting
+after it, and on CUDA what the caching allocator did inside it), with the count and the
+seconds of every step in which the allocator called `cudaFree` or retried (`allocator_steps`):
+whether the slow steps are the allocator's. Each side runs in its own
 fresh process (a model loaded second in one process runs measurably slower on small CPUs).
 """
 
@@ -26,15 +31,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from engine.engine_args import EngineArgs
 from eval.report import emit
 
 _IMPLEMENTATIONS = ("engine", "transformers")
-_WORKLOAD_FLAGS = ("num_requests", "workload_seed", "hf_batch_size")
+_WORKLOAD_FLAGS = ("num_requests", "workload_seed", "hf_batch_size", "slow_steps")
 _VOCAB_FOR_PROMPTS = 256  # byte tokens: valid for every model we ship or load
 
 
@@ -56,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", choices=("both", *_IMPLEMENTATIONS), default="both",
                         help="run one side in this process (used by 'both')")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
+    parser.add_argument("--slow-steps", type=int, default=0, metavar="N",
+                        help="report the N slowest engine steps, with what the CUDA caching "
+                             "allocator did in each (engine side only; default: 0, none)")
     EngineArgs.add_cli_args(parser)
 
 
@@ -108,6 +118,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "engine_wall_s": engine["wall_s"],
         "hf_wall_s": hf["wall_s"],
         "hf_batch_size": args.hf_batch_size,
+        **{key: engine[key] for key in ("slow_steps", "allocator_steps") if key in engine},
     }
 
 
@@ -133,8 +144,12 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
     before = llm.engine.get_stats()
     allocator_before = _cuda_allocator_counts()
+    steps: list[StepRecord] = []
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if args.slow_steps > 0:
+        outputs = _generate_step_by_step(llm.engine, prompts, params, steps)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     wall_s = time.perf_counter() - start
     after = llm.engine.get_stats()
     allocator_after = _cuda_allocator_counts()
@@ -153,6 +168,59 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         **_host_tier_figures(before, after, wall_s),
         **({"cuda_allocator": {name: allocator_after[name] - allocator_before[name]
                                for name in allocator_after}} if allocator_after else {}),
+        **(_step_figures(steps, args.slow_steps) if steps else {}),
+    }
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One timed engine step: its index in the run, its wall milliseconds, the requests
+    running and waiting after it, and the caching allocator's counters' growth inside it
+    (empty without CUDA)."""
+
+    index: int
+    wall_ms: float
+    num_running: int
+    num_waiting: int
+    allocator: dict[str, int]
+
+
+def _generate_step_by_step(engine: Any, prompts: list[list[int]], params: list[Any],
+                           steps: list[StepRecord]) -> list[Any]:
+    """What `LLM.generate` does, one `LLMEngine.step` at a time, appending a `StepRecord`
+    for each step to `steps`; the finished outputs in request order."""
+    from engine.sampling_params import RequestOutputKind
+
+    request_ids = [f"bench-{index}" for index in range(len(prompts))]
+    for request_id, prompt, sampling in zip(request_ids, prompts, params, strict=True):
+        engine.add_request(request_id, prompt, msgspec.structs.replace(
+            sampling, output_kind=RequestOutputKind.FINAL_ONLY))
+    finished: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        counts_before = _cuda_allocator_counts()
+        started_s = time.perf_counter()
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        wall_ms = (time.perf_counter() - started_s) * 1e3
+        counts_after = _cuda_allocator_counts()
+        stats = engine.get_stats()
+        steps.append(StepRecord(len(steps), wall_ms, stats.num_running, stats.num_waiting,
+                                {name: counts_after[name] - counts_before[name]
+                                 for name in counts_after}))
+    return [finished[request_id] for request_id in request_ids]
+
+
+def _step_figures(steps: list[StepRecord], num_slow: int) -> dict[str, Any]:
+    """The slowest steps, and the steps in which the allocator freed device memory or
+    retried an allocation (each such call waits for the device)."""
+    slowest = sorted(steps, key=lambda step: step.wall_ms, reverse=True)[:num_slow]
+    freeing = [step for step in steps
+               if step.allocator.get("device_frees", 0) or step.allocator.get("alloc_retries", 0)]
+    return {
+        "slow_steps": [asdict(step) for step in slowest],
+        "allocator_steps": {"num_steps": len(freeing),
+                            "wall_s": sum(step.wall_ms for step in freeing) / 1e3},
     }
 
 

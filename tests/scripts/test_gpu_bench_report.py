@@ -36,3 +36,24 @@ def test_report_tables_the_steps_that_ran_and_names_the_failed(tmp_path: Path) -
     assert "- throughput-sdpa: SKIPPED (the time budget was spent), 0 s" in summary
     merged = json.loads((tmp_path / "results.json").read_text())
     assert list(merged["forward"]) == ["sdpa"] and merged["throughput"] == {}
+
+
+def test_report_tables_the_slowest_throughput_steps(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "environment.json").write_text(json.dumps({
+        "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
+        "config": "engine/model/configs/llama3.1-8b.json", "mode": "quick"}))
+    (raw / "status.tsv").write_text("throughput-triton-256\t0\t30\n")
+    (raw / "throughput-triton-256.json").write_text(json.dumps({
+        "output_tokens": 73_000, "wall_s": 11.5, "tokens_per_s": 6_347.8, "num_steps": 571,
+        "slow_steps": [{"index": 3, "wall_ms": 465.2, "num_running": 200, "num_waiting": 56,
+                        "allocator": {"device_frees": 2}},
+                       {"index": 9, "wall_ms": 90.4, "num_running": 210, "num_waiting": 40,
+                        "allocator": {}}],
+        "allocator_steps": {"num_steps": 1, "wall_s": 0.4652}}))
+    subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw), str(tmp_path)],
+                   cwd=REPO, capture_output=True, text=True, check=True)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| triton-256 | 73,000 | 11.50 | 6,348 | 571 | 20.1 | 465, 90 | 1 (0.47) |" \
+        in summary

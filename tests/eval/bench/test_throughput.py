@@ -19,3 +19,20 @@ def test_bench_throughput_compares_the_engine_with_transformers(tmp_path) -> Non
     assert results["ratio"] == pytest.approx(results["tokens_per_s"] / results["hf_tokens_per_s"])
     assert 0 < results["engine_efficiency"] <= 1
     assert results["num_requests"] == 6
+
+
+def test_bench_throughput_reports_the_slowest_steps(tmp_path) -> None:
+    out = tmp_path / "throughput.json"
+    code = main(["bench", "throughput", "--impl", "engine", "--num-requests", "5",
+                 "--prompt-len", "8", "24", "--output-len", "3", "9", "--max-model-len", "128",
+                 "--num-kv-blocks", "64", "--slow-steps", "3", "--json", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    slow = results["slow_steps"]
+    assert len(slow) == 3
+    assert [step["wall_ms"] for step in slow] == sorted(
+        (step["wall_ms"] for step in slow), reverse=True)
+    assert all(0 <= step["index"] < results["num_steps"] for step in slow)
+    assert slow[0]["wall_ms"] <= results["wall_s"] * 1e3
+    assert all(step["allocator"] == {} for step in slow)  # no CUDA here
+    assert results["allocator_steps"] == {"num_steps": 0, "wall_s": 0}
