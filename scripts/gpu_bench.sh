@@ -3,7 +3,8 @@
 # engine/model/configs/llama3.1-8b.json, the tokenizer of `tiny`) through the engine.
 #   smoke       (only when asked for: --part smoke) the CUDA tests (the Triton kernels against
 #               the sdpa reference on the device, float32/bf16 parity with transformers, the
-#               loader) and one small `bench forward` of the 8B shapes with triton: a couple of
+#               loader, the layer kernels, async scheduling against steps in order on the
+#               device) and one small `bench forward` of the 8B shapes with triton: a couple of
 #               minutes that show whether the rest can run
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
 #               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend and torch's layer
@@ -267,7 +268,8 @@ engine=("$python" -m engine.cli)
 
 if wants smoke; then
   tests=(tests/engine/model/attention/test_triton_kernels.py tests/engine/model/test_parity.py
-         tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py)
+         tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py
+         tests/engine/core/test_async_scheduling.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
   step forward-smoke-triton "${engine[@]}" bench forward --config "$config" --device "$device" \
     --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, Device, EngineConfig, ModelConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.core.wire import EngineCoreRequest
 from engine.outputs import EngineCoreOutput
@@ -18,10 +19,12 @@ from engine.structured_output.spec import StructuredOutputSpec
 EOS = 258  # the tiny model's <|im_end|>
 
 
-def _config(async_scheduling: bool, num_kv_blocks: int, policy: str = "continuum"
-            ) -> EngineConfig:
+def _config(async_scheduling: bool, num_kv_blocks: int, policy: str = "continuum",
+            device: Device = "cpu") -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(max_model_len=128),
+        # float32 on CUDA too: bf16 rounds differently in batches of other shapes, and
+        # async scheduling changes which requests share a step.
+        model=ModelConfig(max_model_len=128, device=device, dtype="float32"),
         cache=CacheConfig(num_kv_blocks=num_kv_blocks, block_size=8),
         scheduler=SchedulerConfig(max_model_len=128, max_num_seqs=8,
                                   max_num_batched_tokens=48, policy=policy,
@@ -86,21 +89,28 @@ def _run(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, tuple
     return results
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    # The CUDA-only paths: pinned, non-blocking copies of the sampled ids behind an event,
+    # decode inputs patched on the device from the step before, CUDA graph replays.
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA device")),
+])
 @pytest.mark.parametrize(("num_kv_blocks", "policy"), [(96, "continuum"), (16, "fcfs")],
                          ids=["roomy", "preempting"])
 def test_async_scheduling_gives_every_request_the_tokens_of_steps_in_order(
-    num_kv_blocks: int, policy: str,
+    num_kv_blocks: int, policy: str, device: Device,
 ) -> None:
     """Greedy, seeded, penalised, logprob, prompt-logprob, stop-token, min-tokens and
     constrained requests, arriving over several steps, with prefix hits; in a pool small
     enough to preempt too. Invariants are checked after every step."""
-    sync_core = EngineCore(_config(False, num_kv_blocks, policy))
+    sync_core = EngineCore(_config(False, num_kv_blocks, policy, device))
     unstopped = _run(sync_core, _requests(None))["r6"][0]
     stop_index = next(index for index, token in enumerate(unstopped)
                       if index and token not in unstopped[:index])
     in_order = _run(sync_core, _requests(unstopped[stop_index]))  # r6 and r16 stop there
     sync_core.shutdown()
-    async_core = EngineCore(_config(True, num_kv_blocks, policy))
+    async_core = EngineCore(_config(True, num_kv_blocks, policy, device))
     pipelined = _run(async_core, _requests(unstopped[stop_index]))
     if num_kv_blocks == 16:
         assert async_core.scheduler.num_preemptions > 0
