@@ -445,10 +445,13 @@ def _prefill_kernel(
 # Prefill in 16-bit on CUDA: the tile shape is measured on the device at the first prefill of
 # each head dim, group and block size (the runner's full-budget start-up forward, so not on
 # whatever prompt comes first) among these (rows of queries x padded group, keys a tile,
-# warps, stages): those that compile for sm_90 at head dim 128 without register spills,
-# the untuned rule's first.
-# (More stages change nothing: the K/V loads through the block table are not pipelined.)
-_TUNED_PREFILL_TILES = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2))
+# warps, stages): those that compile for sm_90 at head dims 64 and 128 without register
+# spills, the untuned rule's first. With the strides Triton sees at run time (divisible by
+# 16), the K/V loads through the block table compile to asynchronous copies: two stages
+# overlap a tile's K/V loads with the tile before; three also prefetch the block table's
+# entries (four compile to the same code as three).
+_TUNED_PREFILL_TILES = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2),
+                        (64, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3))
 
 
 def _prune_prefill_configs(configs: list[triton.Config], named_args: dict[str, Any],
