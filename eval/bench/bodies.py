@@ -10,9 +10,14 @@ the gaps between its tokens, first alone for `--baseline-s`, then for `--attack-
   every tenant; longer than the model's context, so each ends in a 400 once tokenized.
 - **responses**: Responses requests whose one input message holds `--response-parts` tiny
   content parts (15 MB by default), costly to parse and validate on the event loop.
-Figures: the victim's time to first token and inter-token latency (median, p99, worst) in
-both phases and the attackers' statuses. Check: the victim's medians and p99s stay within
-`--max-latency-ratio` of the baseline's.
+The attackers run in a child process with an event loop and HTTP client of their own, as
+remote clients would: sharing the victim's loop, writing their megabytes would delay the
+victim's client itself and count as the server's slowness. The victim's attack phase is the
+`--attack-s` in which the attackers keep sending, not the time the server takes to answer
+their last bodies, so that a server that answers them sooner is not measured over a shorter
+and denser phase. Figures: the victim's time to first token and inter-token latency (median,
+p99, worst) in both phases and the attackers' statuses. Check: the victim's medians and
+p99s stay within `--max-latency-ratio` of the baseline's.
 
 Exit status 1 if a check failed or a server did not start, 2 for bad flags.
 """
@@ -24,7 +29,9 @@ import asyncio
 import json
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import get_context
 
 import httpx
 
@@ -93,23 +100,48 @@ async def _attacker(http: httpx.AsyncClient, path: str, body: bytes, until_s: fl
             statuses[type(error).__name__] += 1
 
 
+def run_attackers(base_url: str, attack: str, model: str, settings: BodyAttackSettings
+                  ) -> Counter[int | str]:
+    """`settings.attackers` clients each sending `attack`'s body one after another for
+    `settings.attack_s` seconds (each request let finish); the count of each status or
+    error. Runs in the attackers' child process."""
+    path, body = attack_request(attack, model, settings)
+
+    async def attack_all() -> Counter[int | str]:
+        statuses: Counter[int | str] = Counter()
+        until_s = time.monotonic() + settings.attack_s
+        async with httpx.AsyncClient(base_url=base_url, timeout=300.0) as http:
+            await asyncio.gather(*(_attacker(http, path, body, until_s, statuses)
+                                   for _ in range(settings.attackers)))
+        return statuses
+
+    return asyncio.run(attack_all())
+
+
 async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettings
                   ) -> tuple[list[tuple[str, object]], list[Check]]:
     victim, stop = Victim(chat=True), asyncio.Event()
-    statuses: Counter[int | str] = Counter()
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
-        model = await served_model(http)
-        path, body = attack_request(attack, model, settings)
-        victim_task = asyncio.create_task(victim.run(http, model, settings.victim_tokens, stop))
-        await asyncio.sleep(settings.baseline_s)
-        victim.phase = "attack"
-        until_s = time.monotonic() + settings.attack_s
-        await asyncio.gather(*(_attacker(http, path, body, until_s, statuses)
-                               for _ in range(settings.attackers)))
-        stop.set()
-        await victim_task
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as attackers:
+        # Started before the baseline, so that its start-up is not part of the attack.
+        await loop.run_in_executor(attackers, int)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
+            model = await served_model(http)
+            victim_task = asyncio.create_task(
+                victim.run(http, model, settings.victim_tokens, stop))
+            await asyncio.sleep(settings.baseline_s)
+            victim.phase = "attack"
+            attack_done = loop.run_in_executor(
+                attackers, run_attackers, server.base_url, attack, model, settings)
+            # The victim is measured over the same window whatever the server makes of the
+            # attack: the attackers' last requests may take from seconds to minutes more.
+            await asyncio.sleep(settings.attack_s)
+            stop.set()
+            await victim_task
+            statuses = await attack_done
+    body_mb = len(attack_request(attack, model, settings)[1]) / 1e6
     figures: list[tuple[str, object]] = [
-        (f"{attack}: attack body, MB", round(len(body) / 1e6, 1)),
+        (f"{attack}: attack body, MB", round(body_mb, 1)),
         (f"{attack}: attackers' statuses", counts_text(statuses)),
     ]
     victim_figures, checks = victim.figures_and_checks(attack, settings.max_latency_ratio,

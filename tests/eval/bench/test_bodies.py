@@ -1,0 +1,36 @@
+"""`continuum bench bodies`: its flags, and a short run against a real `continuum serve`
+subprocess whose attackers run in a child process of their own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main as cli_main
+
+
+@pytest.mark.parametrize("args", [["--attackers", "0"], ["--attack-s", "0"],
+                                  ["--max-latency-ratio", "-1"]])
+def test_bad_flags_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["bench", "bodies", *args]) == 2
+    assert capsys.readouterr().err.startswith("error:")
+
+
+def test_a_short_chats_attack_is_answered_and_measured(tmp_path: Path) -> None:
+    out = tmp_path / "bodies.json"
+    cli_main(["bench", "bodies", "--attack", "chats", "--attackers", "2",
+              "--chat-messages", "300", "--message-chars", "400", "--baseline-s", "1.5",
+              "--attack-s", "2", "--victim-tokens", "8", "--max-latency-ratio", "1000",
+              "--json", str(out)])
+    report = json.loads(out.read_text())
+    figures = report["figures"]
+    # Each 120 KB chat is longer than the context: the attackers' child process got 400s.
+    statuses = dict(item.split(": ") for item in figures["chats: attackers' statuses"].split(", "))
+    assert set(statuses) == {"400"} and int(statuses["400"]) >= 2
+    baseline, attack = figures["chats: victim tokens baseline / attack"].split(" / ")
+    assert int(baseline) > 0 and int(attack) > 0
+    assert figures["chats: victim failures"] == 0
+    assert report["checks"][0] == {"name": "chats: the server survived", "passed": True,
+                                   "detail": ""}
