@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.core.wire import EngineCoreRequest
 from engine.frontend.chat_template import render_chat
 from engine.frontend.detokenizer import special_token_ids
+from engine.frontend.text_encoder import TextEncoder
 from engine.model.directory import load_arch
 from engine.model.tokenizer import load_tokenizer
 from engine.request import JobInfo
@@ -24,6 +25,16 @@ from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.tool_calls import ToolCallFormat
 
 Prompt = str | list[int]
+
+
+class PromptTooLongError(ValueError):
+    """A prompt of `num_tokens` tokens, which leaves no room for output within the model's
+    context (`max_model_len`)."""
+
+    def __init__(self, num_tokens: int, max_model_len: int) -> None:
+        super().__init__(f"the prompt has {num_tokens} tokens, which leaves no room for output "
+                         f"within max_model_len ({max_model_len})")
+        self.num_tokens = num_tokens
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class InputProcessor:
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
+        self._text_encoder = TextEncoder(tokenizer)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
@@ -126,10 +138,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            try:
-                return prompt, list(self.tokenizer(prompt).input_ids)
-            except (TypeError, UnicodeError) as error:  # for example a lone surrogate
-                raise ValueError(f"the prompt cannot be tokenized: {error}") from error
+            return prompt, self._encode(prompt, add_special_tokens=True, what="the prompt")
         if isinstance(prompt, list):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt)}")
@@ -142,14 +151,25 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The token ids of a conversation rendered by the chat template."""
+        """The token ids of a conversation rendered by the chat template; ValueError if they
+        cannot be built, `PromptTooLongError` if they leave no room for output."""
         text = render_chat(self.tokenizer, messages, tools=tools,
                            add_generation_prompt=add_generation_prompt,
                            chat_template_kwargs=chat_template_kwargs)
+        return self._encode(text, add_special_tokens=False, what="the conversation")
+
+    def _encode(self, text: str, *, add_special_tokens: bool, what: str) -> list[int]:
+        """`text`'s token ids; ValueError if it cannot be tokenized or leaves no room for
+        output (`PromptTooLongError`, before the ids of a text too long are built: see
+        `TextEncoder`)."""
         try:
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
-        except (TypeError, UnicodeError) as error:
-            raise ValueError(f"the conversation cannot be tokenized: {error}") from error
+            encoded = self._text_encoder.encode(text, add_special_tokens=add_special_tokens,
+                                                max_tokens=self.max_model_len - 1)
+        except (TypeError, UnicodeError) as error:  # for example a lone surrogate
+            raise ValueError(f"{what} cannot be tokenized: {error}") from error
+        if encoded.token_ids is None:
+            raise PromptTooLongError(encoded.num_tokens, self.max_model_len)
+        return encoded.token_ids
 
     def special_token_ids(self, texts: Iterable[str]) -> frozenset[int]:
         """The ids of the special tokens (those `skip_special_tokens` leaves out of the text)
@@ -163,15 +183,12 @@ class InputProcessor:
     def _check_tokens(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise ValueError("prompt must contain at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(token_ids), self.max_model_len)
         vocab_size = self.vocab_size
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
                for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, which leaves no room for output "
-                f"within max_model_len ({self.max_model_len})"
-            )
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
         if any(token_id >= vocab_size for token_id, _ in params.logit_bias):

@@ -41,7 +41,7 @@ from engine.entrypoints.openai.work_pool import (
 )
 from engine.frontend.async_llm import AsyncLLM, QueueFullError
 from engine.frontend.outputs import RequestOutput, RequestRejected
-from engine.frontend.processor import ProcessedRequest
+from engine.frontend.processor import ProcessedRequest, PromptTooLongError
 from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -327,13 +327,7 @@ class OpenAIServing:
         `tool_call_format`: how its output is read for tool calls, if it offers tools (see
         `engine.request.Request`)."""
         logger.debug("request id %s: engine request %s", client.request_id, request_id)
-        max_prompt_tokens = self.settings.max_prompt_tokens
-        if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
-            raise APIError(400, f"the prompt has {len(token_ids)} tokens, over this server's "
-                                f"limit of {max_prompt_tokens}", param="prompt",
-                           code="limit_exceeded")
-        params = self._default_max_tokens(params, len(token_ids))
-        self._check_context(len(token_ids), params)
+        params = self._check_prompt_length(len(token_ids), params)
         try:
             return self.engine.processor.process(
                 request_id, token_ids, params, job=self._job(body, client),
@@ -358,6 +352,29 @@ class OpenAIServing:
         if job is None or client.tenant is None:
             return job
         return msgspec.structs.replace(job, job_id=engine_job_id(client.tenant, job.job_id))
+
+    def prompt_too_long(self, error: PromptTooLongError, params: SamplingParams) -> APIError:
+        """The error `process` gives a prompt that the processor found too long before
+        building its ids (see `engine.frontend.text_encoder`): this server's prompt limit or
+        OpenAI's `context_length_exceeded`."""
+        try:
+            self._check_prompt_length(error.num_tokens, params)
+        except APIError as api_error:
+            return api_error
+        return APIError(400, str(error), param=self.prompt_param)
+
+    def _check_prompt_length(self, num_prompt_tokens: int, params: SamplingParams
+                             ) -> SamplingParams:
+        """`params` with the default `max_tokens` for a prompt of `num_prompt_tokens`;
+        APIError(400) if it is over this server's limit or leaves too little of the context."""
+        max_prompt_tokens = self.settings.max_prompt_tokens
+        if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
+            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens, over this "
+                                f"server's limit of {max_prompt_tokens}", param="prompt",
+                           code="limit_exceeded")
+        params = self._default_max_tokens(params, num_prompt_tokens)
+        self._check_context(num_prompt_tokens, params)
+        return params
 
     def _check_context(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """OpenAI's `context_length_exceeded` for a prompt that leaves no room for output

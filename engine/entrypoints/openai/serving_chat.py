@@ -36,7 +36,7 @@ from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.entrypoints.openai.work_pool import TenantWorkPool
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.outputs import CompletionOutput, RequestOutput
-from engine.frontend.processor import ProcessedRequest, core_request_id
+from engine.frontend.processor import ProcessedRequest, PromptTooLongError, core_request_id
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tool_calls import (
@@ -123,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
         tool_call_format = self._tool_call_format(body)
         kept = self._tool_call_marker_ids if tool_call_format is not None else frozenset()
         messages = [template_message(message) for message in body.messages]
-        return self.process(new_id("chatcmpl"), self._render(body, messages), params, body,
+        return self.process(new_id("chatcmpl"), self._render(body, messages, params), params, body,
                             client, kept_special_token_ids=kept,
                             continues_request_id=continued_request_id(messages),
                             tool_call_format=tool_call_format)
@@ -148,7 +148,8 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not "
                                     "among the tools", param="tool_choice")
 
-    def _render(self, body: ChatCompletionRequest, messages: list[dict[str, Any]]) -> list[int]:
+    def _render(self, body: ChatCompletionRequest, messages: list[dict[str, Any]],
+                params: SamplingParams) -> list[int]:
         tools = None if not body.tools else [tool.model_dump(exclude_none=True)
                                               for tool in body.tools]
         try:
@@ -156,6 +157,8 @@ class OpenAIServingChat(OpenAIServing):
                 messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
                 chat_template_kwargs=body.chat_template_kwargs,
             )
+        except PromptTooLongError as error:
+            raise self.prompt_too_long(error, params) from error
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from error
 

@@ -33,7 +33,7 @@ from engine.entrypoints.openai.structured_outputs import (
     may_constrain,
 )
 from engine.frontend.outputs import CompletionOutput, RequestOutput
-from engine.frontend.processor import ProcessedRequest
+from engine.frontend.processor import ProcessedRequest, PromptTooLongError
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -125,6 +125,8 @@ class OpenAIServingCompletion(OpenAIServing):
         for index, prompt in enumerate(prompts):
             try:
                 token_ids = self.engine.processor.tokenize(prompt)[1]
+            except PromptTooLongError as error:
+                raise self.prompt_too_long(error, params) from error
             except ValueError as error:
                 raise APIError(400, str(error), param="prompt") from error
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{index}"

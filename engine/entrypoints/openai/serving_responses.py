@@ -70,7 +70,7 @@ from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.entrypoints.openai.work_pool import TenantWorkPool
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.outputs import CompletionOutput, RequestOutput
-from engine.frontend.processor import ProcessedRequest
+from engine.frontend.processor import ProcessedRequest, PromptTooLongError
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
@@ -387,6 +387,8 @@ class OpenAIServingResponses(OpenAIServing):
             for tool in body.tools]
         try:
             token_ids = self.engine.processor.chat_prompt(messages, tools=tools)
+        except PromptTooLongError as error:
+            raise self.prompt_too_long(error, params) from error
         except ValueError as error:
             raise APIError(400, str(error), param="input") from error
         tool_call_format = self._tool_call_format(body)

@@ -79,7 +79,9 @@ def test_bad_ids_and_params_are_rejected(processor) -> None:
         processor.process("a", [1], SamplingParams(), priority="high")
 
 
-def test_chat_prompt_renders_the_template_with_tools(processor, tokenizer) -> None:
+def test_chat_prompt_renders_the_template_with_tools(tokenizer) -> None:
+    processor = InputProcessor.for_config(
+        EngineConfig(scheduler=SchedulerConfig(max_model_len=1024)), tokenizer)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     messages = [{"role": "user", "content": "weather?"}]
     token_ids = processor.chat_prompt(messages, tools=tools)
@@ -87,6 +89,14 @@ def test_chat_prompt_renders_the_template_with_tools(processor, tokenizer) -> No
     assert text.startswith("<|im_start|>system\n# Tools")
     assert '"name": "get_weather"' in text
     assert text.endswith("<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_chat_or_prompt_longer_than_the_model_is_rejected_with_its_length(processor) -> None:
+    with pytest.raises(ValueError, match=r"the prompt has 32 tokens, .* max_model_len \(32\)"):
+        processor.process("a", "x" * 32, SamplingParams())
+    chat = [{"role": "user", "content": "x" * 1000}]
+    with pytest.raises(ValueError, match=r"the prompt has 10\d\d tokens"):
+        processor.chat_prompt(chat)
 
 
 def test_bad_chat_input_is_rejected(processor) -> None:

@@ -1,0 +1,72 @@
+"""TextEncoder: the ids of the tokenizer's own `__call__`, and no ids for a text too long."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from engine.frontend.text_encoder import EncodedText, TextEncoder
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "agents call tools, then wait",
+          "naïve café \u2013 日本語のテキスト", "def f(x):\n    return x * 2\n"] * 20
+TEXTS = ["", "the lazy fox", "<s> inside </s> text", "café 日本 🙂 tools", "a" * 300,
+         "  leading and trailing  ", "return x * 2\n\n\n"]
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A small byte-level BPE with a BOS post-processor, and truncation and padding set on
+    its Rust tokenizer, which `__call__` turns off and the encoder must too."""
+    rust = Tokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    rust.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", rust.token_to_id("<s>"))])
+    rust.enable_truncation(max_length=4)
+    rust.enable_padding(length=64, pad_id=rust.token_to_id("<pad>"), pad_token="<pad>")
+    return PreTrainedTokenizerFast(tokenizer_object=rust, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_ids_are_those_of_the_tokenizer_call(bpe_tokenizer, add_special_tokens) -> None:
+    encoder = TextEncoder(bpe_tokenizer)
+    for text in TEXTS:
+        expected = bpe_tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        assert encoder.encode(text, add_special_tokens=add_special_tokens,
+                              max_tokens=10_000) == EncodedText(len(expected), expected), text
+
+
+def test_a_text_over_the_limit_is_counted_without_ids(bpe_tokenizer) -> None:
+    encoder = TextEncoder(bpe_tokenizer)
+    text = "the quick brown fox " * 50
+    num_tokens = len(bpe_tokenizer(text, add_special_tokens=False).input_ids)
+    fits = encoder.encode(text, add_special_tokens=False, max_tokens=num_tokens)
+    assert fits.num_tokens == num_tokens and fits.token_ids is not None
+    assert encoder.encode(text, add_special_tokens=False,
+                          max_tokens=num_tokens - 1) == EncodedText(num_tokens, None)
+
+
+def test_the_shared_tokenizer_is_left_as_it_was(bpe_tokenizer) -> None:
+    backend = bpe_tokenizer.backend_tokenizer
+    before = (backend.truncation, backend.padding)
+    TextEncoder(bpe_tokenizer).encode("the lazy dog", add_special_tokens=True, max_tokens=99)
+    assert (backend.truncation, backend.padding) == before
+
+
+def test_a_tokenizer_without_a_rust_backend_is_called(tokenizer) -> None:
+    class Plain:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def __call__(self, text: str, add_special_tokens: bool):
+            self.calls.append(text)
+            return tokenizer(text, add_special_tokens=add_special_tokens)
+
+    plain = Plain()
+    encoded = TextEncoder(plain).encode("hi 日", add_special_tokens=False, max_tokens=3)
+    assert plain.calls == ["hi 日"]
+    assert encoded == EncodedText(len("hi 日".encode()), None)
