@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.frontend.text_encoder import EncodedText, TextEncoder
+from engine.model.tokenizer import load_tokenizer
+from tests.engine.model.real_model import require_real_model
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "agents call tools, then wait",
           "naïve café \u2013 日本語のテキスト", "def f(x):\n    return x * 2\n"] * 20
@@ -70,3 +74,20 @@ def test_a_tokenizer_without_a_rust_backend_is_called(tokenizer) -> None:
     encoded = TextEncoder(plain).encode("hi 日", add_special_tokens=False, max_tokens=3)
     assert plain.calls == ["hi 日"]
     assert encoded == EncodedText(len("hi 日".encode()), None)
+
+
+def test_the_real_models_ids_are_those_of_its_tokenizer_call() -> None:
+    """Random texts of the pieces that tokenizers treat specially (the chat template's special
+    tokens, whitespace runs, multi-byte characters) against `tokenizer(...)`."""
+    tokenizer = load_tokenizer(str(require_real_model()))
+    encoder = TextEncoder(tokenizer)
+    pieces = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", " ", "  " * 9, "\n", "\n\n", "\t",
+              "h\u00e9llo", "\u65e5\u672c", "\U0001f642", "def f():", "<tool_call>", '{"a": 1}',
+              "\u200b", "x" * 40, "\uff21"]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 24)))
+        for add_special_tokens in (True, False):
+            expected = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+            assert encoder.encode(text, add_special_tokens=add_special_tokens,
+                                  max_tokens=10_000).token_ids == expected, text
