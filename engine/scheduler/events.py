@@ -6,9 +6,12 @@ explicit values and the live objects it is about (requests, pins), which a subsc
 at once and never keeps or changes. Nothing the scheduler decides depends on a subscriber.
 
 Order within a step: `StepStarted`, then `Admitted` / `Preempted` as planning goes,
-`StepPlanned`; after the step ran, `RequestFinished` (with `RetentionDecided` for a job's
-turn), then `StepEnded`. `RequestArrived`, `PinReleased` and `JobEnded` come whenever they
-happen; `Flushed` marks the end of events between steps (an idle sweep's).
+`StepPlanned`; after the step ran, `ApplyingOutput`, `RequestFinished` (with
+`RetentionDecided` for a job's turn), then `StepEnded`: the events between `ApplyingOutput`
+and `StepEnded` are that step's. With async scheduling step N+1 is planned (`StepStarted` to
+`StepPlanned`) before step N's output is applied. `RequestArrived`, `PinReleased` and
+`JobEnded` come whenever they happen; `Flushed` marks the end of events between steps (an
+idle sweep's).
 """
 
 from __future__ import annotations
@@ -107,8 +110,20 @@ class StepPlanned:
 
 
 @dataclass(frozen=True, slots=True)
+class ApplyingOutput:
+    """Step `step`'s output is being applied: the events until `StepEnded` are its."""
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepEnded:
-    """The step's output was applied: its events are complete."""
+    """Step `step`'s output was applied: its events are complete. Events until the next
+    `ApplyingOutput` belong to `next_step`, the next step to be planned (`step + 1`, or
+    `step + 2` with async scheduling, where step + 1 was planned before this output)."""
+
+    step: int
+    next_step: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +166,9 @@ class JobEnded:
     now_s: float
 
 
-SchedulerEvent = (StepStarted | RequestArrived | Admitted | Preempted | StepPlanned | StepEnded
-                  | Flushed | RequestFinished | RetentionDecided | PinReleased | JobEnded)
+SchedulerEvent = (StepStarted | RequestArrived | Admitted | Preempted | StepPlanned
+                  | ApplyingOutput | StepEnded | Flushed | RequestFinished | RetentionDecided
+                  | PinReleased | JobEnded)
 
 
 class SchedulerSubscriber(Protocol):

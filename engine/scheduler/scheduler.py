@@ -259,6 +259,7 @@ class Scheduler:
         """Completes the step's host-tier copies, appends sampled tokens, applies stop
         conditions and finishes stopped requests."""
         now_s = self.clock()
+        self.events.emit(events.ApplyingOutput(scheduler_output.step_id))
         self.kv_cache_manager.complete_transfers()
         outputs, stopped = apply_runner_output(
             scheduler_output, runner_output,
@@ -267,7 +268,7 @@ class Scheduler:
         )
         if stopped:
             self._retire(stopped, now_s)
-        self.events.emit(events.StepEnded())
+        self.events.emit(events.StepEnded(scheduler_output.step_id, self.step_id))
         return outputs
 
     def finish_requests(

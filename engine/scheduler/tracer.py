@@ -94,8 +94,10 @@ class SchedulerTracer:
                 ))
             case events.StepPlanned():
                 self._step_planned(event)
-            case events.StepEnded():
-                self._step += 1
+            case events.ApplyingOutput(step=step):
+                self._step = step
+            case events.StepEnded(next_step=next_step):
+                self._step = next_step
                 return self._flush()
             case events.Flushed():
                 return self._flush()

@@ -8,13 +8,22 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import CacheConfig, Device, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    Device,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    TraceConfig,
+)
 from engine.core.engine_core import EngineCore
 from engine.core.wire import EngineCoreRequest
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import grammars
 from engine.structured_output.spec import StructuredOutputSpec
+from tracing.reader import read_trace
+from tracing.records import RequestFinished, StepDecision
 
 EOS = 258  # the tiny model's <|im_end|>
 
@@ -134,6 +143,31 @@ def test_a_step_stays_in_flight_between_calls() -> None:
         per_call.append([token for output in core.step() for token in output.new_token_ids])
     assert [len(tokens) for tokens in per_call] == [1, 1, 1, 0]
     core.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-order", "async"])
+def test_a_trace_records_each_finish_under_the_step_that_finished_it(
+        tmp_path, async_scheduling: bool) -> None:
+    """With async scheduling step N+1 is planned before step N's output is applied; a
+    request that step N finished is still recorded under step N. Requests capped by
+    `max_tokens` are not scheduled past their last token, so the step that finished each is
+    the last one that scheduled it."""
+    path = tmp_path / "trace.jsonl"
+    config = dataclasses.replace(_config(async_scheduling, 96), trace=TraceConfig(path=str(path)))
+    core = EngineCore(config)
+    requests = [EngineCoreRequest(
+        request_id=f"r{index}", prompt_token_ids=[index + 1] * (3 + 5 * index), eos_token_id=EOS,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=2 + 3 * index,
+                                       ignore_eos=True)) for index in range(6)]
+    _run(core, requests)
+    core.shutdown()
+    trace = read_trace(path)
+    last_scheduled: dict[str, int] = {}
+    for decision in trace.of_type(StepDecision):
+        for request_id in decision.num_scheduled_tokens:
+            last_scheduled[request_id] = decision.step
+    finished = {event.request_id: event.step for event in trace.of_type(RequestFinished)}
+    assert finished == last_scheduled and len(finished) == len(requests)
 
 
 def test_async_scheduling_refuses_a_host_tier() -> None:
