@@ -100,12 +100,16 @@ async def _attacker(http: httpx.AsyncClient, path: str, body: bytes, until_s: fl
             statuses[type(error).__name__] += 1
 
 
-def run_attackers(base_url: str, attack: str, model: str, settings: BodyAttackSettings
+def attackers_ready() -> None:
+    """Run once in the attackers' child process before the baseline, so that it has imported
+    this module when the attack starts."""
+
+
+def run_attackers(base_url: str, path: str, body: bytes, settings: BodyAttackSettings
                   ) -> Counter[int | str]:
-    """`settings.attackers` clients each sending `attack`'s body one after another for
+    """`settings.attackers` clients each sending `body` to `path` one after another for
     `settings.attack_s` seconds (each request let finish); the count of each status or
     error. Runs in the attackers' child process."""
-    path, body = attack_request(attack, model, settings)
 
     async def attack_all() -> Counter[int | str]:
         statuses: Counter[int | str] = Counter()
@@ -124,22 +128,23 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
     loop = asyncio.get_running_loop()
     with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as attackers:
         # Started before the baseline, so that its start-up is not part of the attack.
-        await loop.run_in_executor(attackers, int)
+        await loop.run_in_executor(attackers, attackers_ready)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
             model = await served_model(http)
+            path, body = attack_request(attack, model, settings)
             victim_task = asyncio.create_task(
                 victim.run(http, model, settings.victim_tokens, stop))
             await asyncio.sleep(settings.baseline_s)
             victim.phase = "attack"
             attack_done = loop.run_in_executor(
-                attackers, run_attackers, server.base_url, attack, model, settings)
+                attackers, run_attackers, server.base_url, path, body, settings)
             # The victim is measured over the same window whatever the server makes of the
             # attack: the attackers' last requests may take from seconds to minutes more.
             await asyncio.sleep(settings.attack_s)
             stop.set()
             await victim_task
             statuses = await attack_done
-    body_mb = len(attack_request(attack, model, settings)[1]) / 1e6
+    body_mb = len(body) / 1e6
     figures: list[tuple[str, object]] = [
         (f"{attack}: attack body, MB", round(body_mb, 1)),
         (f"{attack}: attackers' statuses", counts_text(statuses)),

@@ -21,7 +21,7 @@ TEXTS = ["", "the lazy fox", "<s> inside </s> text", "café 日本 🙂 tools", 
 @pytest.fixture(scope="module")
 def bpe_tokenizer() -> PreTrainedTokenizerFast:
     """A small byte-level BPE with a BOS post-processor, and truncation and padding set on
-    its Rust tokenizer, which `__call__` turns off and the encoder must too."""
+    its Rust tokenizer, which `__call__` turns off (for good) and the encoder must not use."""
     rust = Tokenizer(models.BPE())
     rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     rust.train_from_iterator(CORPUS, trainers.BpeTrainer(
@@ -54,11 +54,25 @@ def test_a_text_over_the_limit_is_counted_without_ids(bpe_tokenizer) -> None:
                           max_tokens=num_tokens - 1) == EncodedText(num_tokens, None)
 
 
-def test_the_shared_tokenizer_is_left_as_it_was(bpe_tokenizer) -> None:
-    backend = bpe_tokenizer.backend_tokenizer
-    before = (backend.truncation, backend.padding)
-    TextEncoder(bpe_tokenizer).encode("the lazy dog", add_special_tokens=True, max_tokens=99)
-    assert (backend.truncation, backend.padding) == before
+def test_tokens_added_after_the_encoder_was_made_are_encoded(bpe_tokenizer) -> None:
+    encoder = TextEncoder(bpe_tokenizer)
+    bpe_tokenizer.add_tokens(["<tool>"])
+    text = "call <tool> now"
+    expected = bpe_tokenizer(text, add_special_tokens=False).input_ids
+    assert bpe_tokenizer.convert_tokens_to_ids("<tool>") in expected
+    assert encoder.encode(text, add_special_tokens=False, max_tokens=99).token_ids == expected
+
+
+def test_a_class_that_changes_the_encoding_path_is_called(bpe_tokenizer) -> None:
+    """As Code Llama's tokenizer rewrites `<FILL_ME>` prompts in `_encode_plus`."""
+    class Infilling(type(bpe_tokenizer)):
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus(text.replace("<FILL_ME>", "lazy"), *args, **kwargs)
+
+    infilling = Infilling(tokenizer_object=bpe_tokenizer.backend_tokenizer)
+    expected = bpe_tokenizer("the lazy dog", add_special_tokens=False).input_ids
+    assert TextEncoder(infilling).encode("the <FILL_ME> dog", add_special_tokens=False,
+                                         max_tokens=99).token_ids == expected
 
 
 def test_a_tokenizer_without_a_rust_backend_is_called(tokenizer) -> None:
