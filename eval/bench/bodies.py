@@ -144,9 +144,8 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
             stop.set()
             await victim_task
             statuses = await attack_done
-    body_mb = len(body) / 1e6
     figures: list[tuple[str, object]] = [
-        (f"{attack}: attack body, MB", round(body_mb, 1)),
+        (f"{attack}: attack body, MB", round(len(body) / 1e6, 1)),
         (f"{attack}: attackers' statuses", counts_text(statuses)),
     ]
     victim_figures, checks = victim.figures_and_checks(attack, settings.max_latency_ratio,

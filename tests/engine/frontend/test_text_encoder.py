@@ -54,6 +54,20 @@ def test_a_text_over_the_limit_is_counted_without_ids(bpe_tokenizer) -> None:
                           max_tokens=num_tokens - 1) == EncodedText(num_tokens, None)
 
 
+def test_a_fast_tokenizer_is_encoded_without_its_python_encoding_path(
+        bpe_tokenizer, monkeypatch) -> None:
+    """The point of the encoder: transformers' `_encode_plus` (which builds every id and mask
+    value as a Python object, GIL held) is not run for a fast tokenizer."""
+    encoder = TextEncoder(bpe_tokenizer)
+    bpe_tokenizer("warm up", add_special_tokens=False)  # turns the fixture's truncation off
+    calls: list[str] = []
+    monkeypatch.setattr(type(bpe_tokenizer), "_encode_plus",
+                        lambda self, text, *args, **kwargs: calls.append(text))
+    encoded = encoder.encode("the quick brown fox " * 50, add_special_tokens=False,
+                             max_tokens=10)
+    assert encoded.token_ids is None and encoded.num_tokens > 10 and calls == []
+
+
 def test_tokens_added_after_the_encoder_was_made_are_encoded(bpe_tokenizer) -> None:
     encoder = TextEncoder(bpe_tokenizer)
     bpe_tokenizer.add_tokens(["<tool>"])
