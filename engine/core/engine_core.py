@@ -7,6 +7,7 @@ in-process client, and inside `EngineCoreProc` for the multiprocess clients.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from engine.scheduler.registry import make_policy
 from engine.scheduler.scheduler import Scheduler, Sweep
 from engine.scheduler.tracer import SchedulerTracer
 from engine.structured_output.manager import GrammarFailure, StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.05  # how long an idle step waits for a grammar compile or mask to finish
 
@@ -169,18 +172,28 @@ class EngineCore:
         started_s = time.perf_counter()
         outputs = self._queue_compiled()
         scheduler = self.scheduler
-        if not (scheduler.has_unfinished_requests() or scheduler.has_pending_kv_transfers()):
-            if self._in_flight is not None:
-                outputs += self._take_in_flight()
-                self.step_time_s += time.perf_counter() - started_s
-                return outputs
+        if scheduler.has_unfinished_requests() or scheduler.has_pending_kv_transfers():
+            outputs += self._schedule_and_submit()
+        elif self._in_flight is not None:
+            outputs += self._take_in_flight()  # the last step out: nothing new to schedule
+        else:
             self.structured_outputs.wait_for_work(GRAMMAR_WAIT_S)
             return outputs
+        self.step_time_s += time.perf_counter() - started_s
+        if self.config.debug_check_invariants:
+            self.check_invariants()
+        return outputs
+
+    def _schedule_and_submit(self) -> list[EngineCoreOutput]:
+        """Schedules and submits one step, and applies the tokens of the step it completes
+        (this one, or with async scheduling the one in flight before it)."""
+        outputs: list[EngineCoreOutput] = []
         if self._in_flight is not None and self._needs_tokens_first(self._in_flight):
             outputs += self._take_in_flight()
         held_back, failed = self._await_masks()
         outputs += failed
-        scheduler_output = self._with_grammar_bitmask(scheduler.schedule(held_back=held_back))
+        scheduler_output = self._with_grammar_bitmask(
+            self.scheduler.schedule(held_back=held_back))
         previous, self._in_flight = self._in_flight, self._submit(scheduler_output)
         if previous is not None:
             outputs += self._take(previous)
@@ -189,9 +202,6 @@ class EngineCore:
         if scheduler_output.is_empty and held_back:
             self.structured_outputs.wait_for_work(GRAMMAR_WAIT_S)
         self.num_steps += 1
-        self.step_time_s += time.perf_counter() - started_s
-        if self.config.debug_check_invariants:
-            self.check_invariants()
         return outputs
 
     def _submit(self, scheduler_output: SchedulerOutput) -> _InFlightStep:
@@ -221,13 +231,21 @@ class EngineCore:
             manager.has_grammar(req_id) for req_id in step.scheduler_output.num_scheduled_tokens)
 
     def shutdown(self) -> None:
+        """Stops the engine: the policy saves what it keeps, and a step still in flight is
+        waited for (its tokens dropped) before the executor frees the caches it reads."""
         try:
             self.scheduler.policy.on_shutdown()
         finally:
             self.structured_outputs.shutdown()
             self.scheduler.close_subscribers()
-            self._in_flight = None
-            self.executor.shutdown()
+            in_flight, self._in_flight = self._in_flight, None
+            try:
+                if in_flight is not None:
+                    in_flight.pending.result()
+            except Exception:
+                logger.exception("the step in flight at shutdown failed")
+            finally:
+                self.executor.shutdown()
 
     # Structured outputs.
     def _queue_compiled(self) -> list[EngineCoreOutput]:

@@ -293,20 +293,25 @@ class Scheduler:
                 self._waiting.remove_request(request)
             self._finish(request, status, now_s)
             if status is RequestStatus.FINISHED_ABORTED and request.job_id is not None:
-                self.release_pin(request.job_id, PinReleaseReason.ABORT)
+                self.release_pin(request.job_id, PinReleaseReason.ABORT, now_s=now_s)
 
-    def release_pin(self, job_id: str, reason: PinReleaseReason) -> Pin | None:
-        return self._pins.release(job_id, reason, now_s=self.clock())
+    def release_pin(self, job_id: str, reason: PinReleaseReason, *,
+                    now_s: float | None = None) -> Pin | None:
+        """Releases the job's pin, if any, at `now_s` (None: the clock's now); returns it."""
+        return self._pins.release(job_id, reason,
+                                  now_s=self.clock() if now_s is None else now_s)
 
     def end_job(
-        self, job_id: str, reason: PinReleaseReason = PinReleaseReason.RELEASE
+        self, job_id: str, reason: PinReleaseReason = PinReleaseReason.RELEASE, *,
+        now_s: float | None = None,
     ) -> Pin | None:
-        """Ends a job: releases its pin (if any), forgets its turn in the job inference table
-        (if it is an inferred job) and tells the policy; returns the pin."""
-        pin = self.release_pin(job_id, reason)
+        """Ends a job at `now_s` (None: the clock's now): releases its pin (if any), forgets
+        its turn in the job inference table (if it is an inferred job) and tells the policy;
+        returns the pin."""
+        now_s = self.clock() if now_s is None else now_s
+        pin = self.release_pin(job_id, reason, now_s=now_s)
         if self._job_inference is not None:
             self._job_inference.forget(job_id)
-        now_s = self.clock()
         self.policy.on_job_ended(job_id, now_s)
         self.events.emit(events.JobEnded(job_id, reason.value, now_s))
         return pin
@@ -353,7 +358,7 @@ class Scheduler:
             if victim is None:
                 return None
             if isinstance(victim, Pin):
-                self._release_for_pressure(victim)
+                self._release_for_pressure(victim, now_s)
                 continue
             if victim.status is not RequestStatus.RUNNING:
                 raise RuntimeError(f"policy chose {victim} as a victim, which is not running")
@@ -366,25 +371,25 @@ class Scheduler:
         """Carries out the policy's sweep: releases the pins it says ran out; returns the
         jobs it forgot."""
         decision = self.policy.sweep(now_s)
-        self._release_expired(decision.expired_pins)
+        self._release_expired(decision.expired_pins, now_s)
         return decision.forgotten_job_ids
 
     def _expire_pins(self, now_s: float) -> None:
         """Releases (EXPIRED) the pins the policy says are past their end, once the step's
         admissions have had their chance to reuse them."""
-        self._release_expired(tuple(self.policy.expired_pins(now_s)))
+        self._release_expired(tuple(self.policy.expired_pins(now_s)), now_s)
 
-    def _release_expired(self, pins: Sequence[Pin]) -> None:
+    def _release_expired(self, pins: Sequence[Pin], now_s: float) -> None:
         for pin in pins:
             if self._pins.get(pin.job_id) is not pin:
                 raise RuntimeError(f"policy expired the pin of job {pin.job_id!r}, which is "
                                    "not live")
-            self.release_pin(pin.job_id, PinReleaseReason.EXPIRED)
+            self.release_pin(pin.job_id, PinReleaseReason.EXPIRED, now_s=now_s)
 
-    def _release_for_pressure(self, pin: Pin) -> None:
+    def _release_for_pressure(self, pin: Pin, now_s: float) -> None:
         if self._pins.get(pin.job_id) is not pin:
             raise RuntimeError(f"policy chose the pin of job {pin.job_id!r}, which is not live")
-        self.release_pin(pin.job_id, PinReleaseReason.PRESSURE)
+        self.release_pin(pin.job_id, PinReleaseReason.PRESSURE, now_s=now_s)
 
     def _preempt(self, request: Request, plan: StepPlan, *, needed_by: Request) -> None:
         self.events.emit(events.Preempted(request, needed_by))
@@ -432,7 +437,7 @@ class Scheduler:
             pin = self.policy.select_pin_to_release(request, now_s)
             if pin is None:
                 return Admission.NO_MEMORY
-            self._release_for_pressure(pin)
+            self._release_for_pressure(pin, now_s)
             # Storing the released blocks may have evicted host blocks of the hit.
             hit = kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, hit.num_tokens, plan)
@@ -457,7 +462,7 @@ class Scheduler:
         plan.add(request, num_new_tokens)
         reused_pin = None
         if request.job_id is not None:
-            reused_pin = self.release_pin(request.job_id, PinReleaseReason.REUSED)
+            reused_pin = self.release_pin(request.job_id, PinReleaseReason.REUSED, now_s=now_s)
         self.policy.on_request_admitted(request, reused_pin, now_s)
         return Admission.ADMITTED
 
@@ -465,7 +470,7 @@ class Scheduler:
         """Releases the pins the policy gives up for the blocked waiting head, as when its
         blocks are short, though the head still waits: the memory they free is its next."""
         while (pin := self.policy.select_pin_to_release(request, now_s)) is not None:
-            self._release_for_pressure(pin)
+            self._release_for_pressure(pin, now_s)
 
     def _can_reserve(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
         """Whether the blocks of the tokens the policy wants reserved beyond this step's
@@ -538,9 +543,9 @@ class Scheduler:
             self.kv_cache_manager.free(request,
                                        offload=retention is None or retention.offload)
         if request.job is not None and request.job.is_last_step:
-            self.end_job(request.job.job_id, PinReleaseReason.JOB_END)
+            self.end_job(request.job.job_id, PinReleaseReason.JOB_END, now_s=now_s)
         if self._job_inference is not None and request.job is not None and request.job.inferred:
-            self._end_jobs(self._job_inference.turn_finished(request, now_s))
+            self._end_jobs(self._job_inference.turn_finished(request, now_s), now_s)
 
     def _retain(self, request: Request, retention: Retention | None, now_s: float) -> bool:
         """Carries out the policy's retention decision: pins the request's cached blocks if it
@@ -551,7 +556,7 @@ class Scheduler:
             raise RuntimeError(f"policy retained {request}, which was aborted")
         pin = None
         for job_id in retention.release_job_ids:
-            self.release_pin(job_id, PinReleaseReason.PRESSURE)
+            self.release_pin(job_id, PinReleaseReason.PRESSURE, now_s=now_s)
         if retention.pins:
             blocks = self.kv_cache_manager.detach_cached_blocks(request)
             if blocks:
@@ -580,12 +585,12 @@ class Scheduler:
         """Ends the inferred jobs whose latest turn aged out; returns their ids."""
         if self._job_inference is None:
             return []
-        return self._end_jobs(self._job_inference.sweep(now_s))
+        return self._end_jobs(self._job_inference.sweep(now_s), now_s)
 
-    def _end_jobs(self, job_ids: list[str]) -> list[str]:
+    def _end_jobs(self, job_ids: list[str], now_s: float) -> list[str]:
         """Ends inferred jobs that can no longer be continued (reason JOB_END)."""
         for job_id in job_ids:
-            self.end_job(job_id, PinReleaseReason.JOB_END)
+            self.end_job(job_id, PinReleaseReason.JOB_END, now_s=now_s)
         return job_ids
 
     def _on_pin_released(self, pin: Pin) -> None:

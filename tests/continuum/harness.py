@@ -32,9 +32,10 @@ class Harness:
         environment: PolicyEnvironment | None = None,
         tracer: SchedulerTracer | None = None,
         num_host_kv_blocks: int = 0,
+        clock: FakeClock | None = None,
     ) -> None:
         self.policy = policy
-        self.clock = FakeClock()
+        self.clock = FakeClock() if clock is None else clock
         self.scheduler = make_scheduler(
             num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,

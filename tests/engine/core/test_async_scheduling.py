@@ -18,8 +18,10 @@ from engine.config import (
 )
 from engine.core.engine_core import EngineCore
 from engine.core.wire import EngineCoreRequest
-from engine.outputs import EngineCoreOutput
+from engine.executor.base import make_executor
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput, PendingStep
 from engine.sampling_params import SamplingParams
+from engine.scheduler.output import SchedulerOutput
 from engine.structured_output import grammars
 from engine.structured_output.spec import StructuredOutputSpec
 from tracing.reader import read_trace
@@ -142,7 +144,53 @@ def test_a_step_stays_in_flight_between_calls() -> None:
     while core.has_work():
         per_call.append([token for output in core.step() for token in output.new_token_ids])
     assert [len(tokens) for tokens in per_call] == [1, 1, 1, 0]
+    # Every call checked the invariants, the last one (which only took the step out) too.
+    assert core.num_invariant_checks == 1 + len(per_call)
     core.shutdown()
+
+
+@dataclasses.dataclass
+class RecordedStep:
+    pending: PendingStep
+    calls: list[str]
+
+    def result(self) -> ModelRunnerOutput:
+        self.calls.append("result")
+        return self.pending.result()
+
+
+class RecordingExecutor:
+    """The tiny model's executor, recording when a step's result is taken and when it shuts
+    down."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.inner = make_executor(config)
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        return RecordedStep(self.inner.submit(scheduler_output), self.calls)
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+        self.inner.shutdown()
+
+
+def test_shutdown_waits_for_the_step_in_flight_before_the_executor_stops() -> None:
+    """The device may still be reading the KV caches for the step in flight: its result is
+    waited for before the executor frees them."""
+    config = _config(True, 32)
+    executor = RecordingExecutor(config)
+    core = EngineCore(config, executor=executor)
+    core.add_request(EngineCoreRequest(
+        request_id="a", prompt_token_ids=[5, 6, 7], eos_token_id=EOS,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))
+    core.step()
+    assert executor.calls == []
+    core.shutdown()
+    assert executor.calls == ["result", "shutdown"]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-order", "async"])

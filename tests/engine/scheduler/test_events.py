@@ -9,6 +9,7 @@ from continuum.policy import ContinuumPolicy
 from engine.scheduler import events
 from estimator.base import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
+from tests.engine.helpers import FakeClock
 
 
 class Recorder:
@@ -75,3 +76,48 @@ def test_a_subscriber_that_wants_no_more_is_dropped_and_scheduling_is_unchanged(
     assert h.scheduler.events.subscribers == (keeper,)
     assert [o.num_scheduled_tokens for o in h.outputs] == [
         o.num_scheduled_tokens for o in alone.outputs]
+
+
+class TickingClock(FakeClock):
+    """A clock that moves a millisecond each time it is read, as a real one does."""
+
+    def __call__(self) -> float:
+        self.now_s += 0.001
+        return self.now_s
+
+
+class TimeRecorder(Recorder):
+    """Keeps (event name, request or job, time) of finishes, pin releases and job ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[tuple[str, str, float]] = []
+
+    def receive(self, event: events.SchedulerEvent) -> bool:
+        match event:
+            case events.RequestFinished():
+                self.times.append(("finished", event.request.request_id, event.now_s))
+            case events.PinReleased() if event.pin.released_at_s is not None:
+                self.times.append((event.pin.release_reason.value, event.pin.job_id,
+                                   event.pin.released_at_s))
+            case events.JobEnded():
+                self.times.append(("job ended", event.job_id, event.now_s))
+        return super().receive(event)
+
+
+def test_what_one_call_finishes_and_releases_shares_its_time() -> None:
+    """A turn aborted while its job's pin waits for it, and a job's last turn: the finish,
+    the pin's release and the job's end carry the one time of the call that did them."""
+    h = Harness(ContinuumPolicy(estimator=ConstantTTLEstimator(5.0)), clock=TickingClock())
+    recorder = TimeRecorder()
+    h.scheduler.subscribe(recorder)
+    h.add("t1", tokens(1, 10), job="J", max_tokens=2)
+    h.run_until_finished("t1")
+    h.next_turn("t2", "t1", tokens(50, 3))
+    h.scheduler.finish_requests(["t2"])
+    h.add("u1", tokens(1, 10), job="K", max_tokens=2, last=True)
+    h.run_until_finished("u1")
+    by_name = {(name, who): time_s for name, who, time_s in recorder.times}
+    assert by_name[("abort", "J")] == by_name[("finished", "t2")]
+    assert by_name[("job ended", "K")] == by_name[("finished", "u1")]
+    h.scheduler.close_subscribers()
