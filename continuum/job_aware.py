@@ -243,6 +243,10 @@ class JobAwarePolicy(BasePolicy):
             default=None,
         )
 
+    def is_unfinished(self, request_id: str) -> bool:
+        """Whether the request arrived and has not finished."""
+        return request_id in self._arrivals
+
     def job_arrival_rank(self, job_id: str) -> float:
         """The arrival rank of the job's first turn (inf for a job the books do not hold)."""
         job = self.jobs.get(job_id)

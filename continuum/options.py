@@ -29,6 +29,7 @@ PinYield = Literal["later-jobs", "overdue"]
 PinExpiry = Literal["hard", "while-waiting"]
 PinReleaseOrder = Literal["latest-job", "lowest-value"]
 PinLoss = Literal["ignored", "discounted"]
+ArrivalHold = Literal["none", "until-admitted"]
 
 
 def _help(text: str) -> dict[str, str]:
@@ -141,6 +142,11 @@ class ContinuumOptions(ProgramOrderOptions):
         "next turn comes, at the rate it took pins lately: pins taken per second held over "
         "the last 256 pins released; a pin then saves only if the turn comes first, and is "
         "charged until it goes)"))
+    arrival_hold: ArrivalHold = field(default="none", metadata=_help(
+        "none | until-admitted (a job's next turn that arrives while its job holds no pin "
+        "has the prefix it finds cached held as its job's pin until it is admitted, at most "
+        "max_wait_s or max_ttl_s, so that the prefix is not evicted while the turn waits; "
+        "such holds are the first pins a running request short of blocks takes)"))
     prefill_profile: str = field(default="auto", metadata=_help(
         "prices R: auto (prefills timed at start-up) | none (R = 0) | a JSON file of "
         "[num_tokens, seconds] points"))

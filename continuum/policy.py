@@ -87,10 +87,28 @@ class ContinuumPolicy(JobFCFSPolicy):
                             now_s: float) -> None:
         super().on_request_admitted(request, reused_pin, now_s)
         job = self.job_of(request)
+        # A pin held from the turn's own arrival kept its prefix while it waited, not while
+        # its tool ran: the turn came back without a pin all the same.
+        retained = reused_pin is not None and reused_pin.request_id != request.request_id
         returned_without_kv = (job is not None and job.num_turns_finished > 0
-                               and reused_pin is None and request.num_preemptions == 0)
+                               and not retained and request.num_preemptions == 0)
         if returned_without_kv:
             self.estimator.observe_queueing_delay(now_s - self.arrival(request)[0])
+
+    def arrival_hold_s(self, request: Request, num_hit_tokens: int,
+                       now_s: float) -> float | None:
+        """With `arrival_hold=until-admitted`, a job's next turn has its cached prefix held
+        until it is admitted, for at most `max_wait_s` (when it heads the queue anyway) or
+        `max_ttl_s`; not past the pin cap."""
+        job = self.job_of(request)
+        if self.options.arrival_hold == "none" or job is None or job.num_turns_finished == 0:
+            return None
+        if self.options.max_pinned_fraction < 1:
+            cap_blocks = self.options.max_pinned_fraction * self.scheduler.num_kv_blocks
+            needed = num_hit_tokens // self.scheduler.block_size
+            if self.scheduler.pins.num_pinned_blocks + needed > cap_blocks:
+                return None
+        return min(self.options.max_wait_s, self.options.max_ttl_s)
 
     def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
         prefill = request.uninterrupted_prefill
@@ -172,17 +190,24 @@ class ContinuumPolicy(JobFCFSPolicy):
         return super().expired_pins(now_s) if self.options.pin_expiry == "hard" else ()
 
     def pin_to_release_first(self, exclude_job_id: str | None, now_s: float) -> Pin | None:
-        """The pin least worth keeping: pins whose job's turn is waiting to reuse them last,
-        and the job `exclude_job_id`'s last of all; among the others, by `pin_release_order`:
+        """The pin least worth keeping: holds of waiting turns' prefixes
+        (`arrival_hold`) first, pins whose job's turn is waiting to reuse them last, and the
+        job `exclude_job_id`'s last of all; among the others, by `pin_release_order`:
         the latest job's first, or the one expected to save the least per block for each
         further second held at `now_s`."""
         if self.options.pin_release_order == "latest-job":
             return max(self.scheduler.pins, default=None, key=lambda pin: (
-                self.num_waiting(pin.job_id) == 0, pin.job_id != exclude_job_id,
-                self.job_arrival_rank(pin.job_id)))
+                self.holds_a_waiting_turn(pin), self.num_waiting(pin.job_id) == 0,
+                pin.job_id != exclude_job_id, self.job_arrival_rank(pin.job_id)))
         return max(self.scheduler.pins, default=None, key=lambda pin: (
-            self.num_waiting(pin.job_id) == 0, pin.job_id != exclude_job_id,
+            self.holds_a_waiting_turn(pin), self.num_waiting(pin.job_id) == 0,
+            pin.job_id != exclude_job_id,
             -self.saving_rate_per_block(pin, now_s), self.job_arrival_rank(pin.job_id)))
+
+    def holds_a_waiting_turn(self, pin: Pin) -> bool:
+        """Whether the pin holds the prefix of a turn that has not finished: one held from
+        the turn's arrival (`arrival_hold_s`), not one its job's finished turn left."""
+        return self.is_unfinished(pin.request_id)
 
     def saving_rate_per_block(self, pin: Pin, now_s: float) -> float:
         """Seconds the pin is expected to save, per block, for each further second it is held

@@ -142,7 +142,9 @@ class RequestFinished:
 @dataclass(frozen=True, slots=True)
 class RetentionDecided:
     """The scheduler carried out a policy's retention decision on a job's finished turn,
-    explained by `inputs`: it pinned `request`'s blocks (`pin`) or freed them (None)."""
+    explained by `inputs`: it pinned `request`'s blocks (`pin`) or freed them (None); or it
+    held the cached prefix of a job's turn that arrived (`pin`, `inputs.source`
+    "arrival-hold")."""
 
     request: Request
     pin: Pin | None

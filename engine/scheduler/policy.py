@@ -26,11 +26,13 @@ JobBooks = dict[str, Any]
 @dataclass(frozen=True, slots=True)
 class RetentionInputs:
     """Why a policy chose a TTL (`ttl_s`, before anything overruled it; 0: do not pin) for a
-    finished turn that called `tool`, for whoever records it (the trace).
+    finished turn that called `tool`, or for the cached prefix of a turn that arrived, for
+    whoever records it (the trace).
 
     `source` names the rule: for Eq. 2 the distribution that decided (`cold-start`, `tool`,
     `pooled`, `learned`), else the policy's rule (`fixed`, `constant`, `until-next-turn`,
-    `no-tool-call`; InferCept with swap: `preserve`, `discard` or `swap`). Eq. 2's inputs,
+    `no-tool-call`; InferCept with swap: `preserve`, `discard` or `swap`; `arrival-hold`
+    for a prefix held from a turn's arrival, `SchedulingPolicy.arrival_hold_s`). Eq. 2's inputs,
     when it decided: `num_samples` of the distribution, `queueing_delay_s` (T), `eta`,
     `rebuild_s` (R) and `benefit_s` (T * eta + R). `declined_by` names what overruled a
     positive TTL (`pin-cap`: the pins' share of the pool was full)."""
@@ -173,6 +175,15 @@ class SchedulingPolicy(Protocol):
 
     def on_request_arrived(self, request: Request, now_s: float) -> None: ...
 
+    def arrival_hold_s(self, request: Request, num_hit_tokens: int,
+                       now_s: float) -> float | None:
+        """A turn of a job that holds no pin arrived with `num_hit_tokens` of its prompt
+        cached on the device (> 0): seconds to hold those blocks as its job's pin, so that
+        they are not evicted while it waits (released when it is admitted, at the deadline,
+        or under pressure like any pin); None (or 0): no hold. Called in `add_request`,
+        after `on_request_arrived`."""
+        ...
+
     def on_request_admitted(self, request: Request, reused_pin: Pin | None,
                             now_s: float) -> None:
         """`request` took its blocks; `reused_pin` is its job's pin, released because the
@@ -264,6 +275,10 @@ class BasePolicy:
 
     def on_request_arrived(self, request: Request, now_s: float) -> None:
         pass
+
+    def arrival_hold_s(self, request: Request, num_hit_tokens: int,
+                       now_s: float) -> float | None:
+        return None
 
     def on_request_admitted(self, request: Request, reused_pin: Pin | None,
                             now_s: float) -> None:

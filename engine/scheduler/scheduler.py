@@ -20,7 +20,12 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import events, invariants
 from engine.scheduler.job_inference import InferredJob, JobInference
 from engine.scheduler.output import SchedulerOutput
-from engine.scheduler.policy import PolicyEnvironment, Retention, SchedulingPolicy
+from engine.scheduler.policy import (
+    PolicyEnvironment,
+    Retention,
+    RetentionInputs,
+    SchedulingPolicy,
+)
 from engine.scheduler.request_queue import RequestQueue
 from engine.scheduler.runner_output import apply_runner_output
 from engine.scheduler.step_plan import Admission, StepPlan, emit
@@ -177,6 +182,25 @@ class Scheduler:
             request, now_s,
             inferred_from=None if inferred is None else inferred.continues_request_id,
         ))
+        self._hold_on_arrival(request, now_s)
+
+    def _hold_on_arrival(self, request: Request, now_s: float) -> None:
+        """Holds the device-cached prefix of a job's turn that arrived while its job holds no
+        pin, as its job's pin, for as long as the policy says (`arrival_hold_s`)."""
+        job_id = request.job_id
+        if job_id is None or self._pins.get(job_id) is not None:
+            return
+        hit = self.kv_cache_manager.get_computed_blocks(request)
+        if not hit.blocks:
+            return
+        ttl_s = self.policy.arrival_hold_s(request, hit.num_device_tokens, now_s)
+        if ttl_s is None or not ttl_s > 0:
+            return
+        self.kv_cache_manager.block_pool.touch(hit.blocks)
+        pin = self._pins.add(job_id, request.request_id, list(hit.blocks), now_s=now_s,
+                             ttl_s=ttl_s)
+        self.events.emit(events.RetentionDecided(
+            request, pin, RetentionInputs(ttl_s=ttl_s, source="arrival-hold"), now_s))
 
     def check_new_request(self, request: Request) -> None:
         """ValueError if `add_request` would refuse `request`. A caller that holds a request

@@ -3,6 +3,7 @@ leaks; and requests without a job are scheduled exactly as by FCFS."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -36,6 +37,11 @@ AGENT_POLICIES = {
         ContinuumOptions(pin_yield_wait_s=math.inf), estimator=ConstantTTLEstimator(1e5)),
     "continuum-tight-bounds": lambda jobs: ContinuumPolicy(
         TIGHT_BOUNDS, estimator=ConstantTTLEstimator(2.0)),
+    "continuum-arrival-hold": lambda jobs: ContinuumPolicy(
+        ContinuumOptions(arrival_hold="until-admitted"), estimator=ConstantTTLEstimator(0.3)),
+    "continuum-arrival-hold-tight-bounds": lambda jobs: ContinuumPolicy(
+        dataclasses.replace(TIGHT_BOUNDS, arrival_hold="until-admitted"),
+        estimator=ConstantTTLEstimator(0.3)),
     "continuum-fixed": lambda jobs: ContinuumFixedPolicy(),
     "continuum-af226d3": lambda jobs: ContinuumAf226d3Policy(
         estimator=ConstantTTLEstimator(1.5)),
