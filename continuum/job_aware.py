@@ -182,13 +182,13 @@ class JobAwarePolicy(BasePolicy):
 
     def on_pin_added(self, pin: Pin) -> None:
         job = self.jobs.get(pin.job_id)
-        if job is not None:
+        if job is not None and not pin.holds_waiting_turn:
             job.num_pins_created += 1
             job.last_ttl_s = pin.ttl_s
 
     def on_pin_released(self, pin: Pin) -> None:
         job = self.jobs.get(pin.job_id)
-        if job is not None and pin.release_reason is not None:
+        if job is not None and pin.release_reason is not None and not pin.holds_waiting_turn:
             job.pins_released[pin.release_reason.value] += 1
 
     # Tool calls.
@@ -242,10 +242,6 @@ class JobAwarePolicy(BasePolicy):
             key=lambda pin: (pin.job_id != exclude_job_id, self.job_arrival_rank(pin.job_id)),
             default=None,
         )
-
-    def is_unfinished(self, request_id: str) -> bool:
-        """Whether the request arrived and has not finished."""
-        return request_id in self._arrivals
 
     def job_arrival_rank(self, job_id: str) -> float:
         """The arrival rank of the job's first turn (inf for a job the books do not hold)."""

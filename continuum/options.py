@@ -145,8 +145,9 @@ class ContinuumOptions(ProgramOrderOptions):
     arrival_hold: ArrivalHold = field(default="none", metadata=_help(
         "none | until-admitted (a job's next turn that arrives while its job holds no pin "
         "has the prefix it finds cached held as its job's pin until it is admitted, at most "
-        "max_wait_s or max_ttl_s, so that the prefix is not evicted while the turn waits; "
-        "such holds are the first pins a running request short of blocks takes)"))
+        "max_wait_s or max_ttl_s, so that the prefix is not evicted while the turn waits, "
+        "the turn then waiting in the pinned tier; such holds are the first pins a running "
+        "request short of blocks or the pin cap takes; needs pin_expiry=hard)"))
     prefill_profile: str = field(default="auto", metadata=_help(
         "prices R: auto (prefills timed at start-up) | none (R = 0) | a JSON file of "
         "[num_tokens, seconds] points"))
@@ -168,8 +169,9 @@ class ContinuumOptions(ProgramOrderOptions):
         "when a running request needs blocks: first (pins are released before any running "
         "request is preempted) | last (af226d3: only when the request would preempt itself)"))
     pin_release_order: PinReleaseOrder = field(default="latest-job", metadata=_help(
-        "which pin a running request short of blocks takes first (after pins whose job's "
-        "turn waits to reuse them, and its own job's, which go last): latest-job (the pin of "
+        "which pin a running request short of blocks takes first (after any arrival hold, "
+        "before pins whose job's turn waits to reuse them and its own job's, which go "
+        "last): latest-job (the pin of "
         "the job that arrived last) | lowest-value (the pin expected to save the least per "
         "block for each further second it is held, from its decision's benefit, TTL and "
         "tool-duration distribution at its age)"))
@@ -197,6 +199,9 @@ class ContinuumOptions(ProgramOrderOptions):
                  f"pin_yield_wait_s must be >= 0, got {self.pin_yield_wait_s!r}")
         _require(0 < self.max_pinned_fraction <= 1,
                  f"max_pinned_fraction must be in (0, 1], got {self.max_pinned_fraction!r}")
+        _require(self.arrival_hold == "none" or self.pin_expiry == "hard",
+                 "arrival_hold needs pin_expiry=hard: a hold's turn is always waiting, so "
+                 "while-waiting would keep it past its deadline")
 
 
 @dataclass(frozen=True)

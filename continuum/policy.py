@@ -40,11 +40,16 @@ class ContinuumPolicy(JobFCFSPolicy):
     - Expiry (`pin_expiry`): at step start, when `now > deadline` and no turn of the job is
       waiting; at the end of the step's planning, when `now > deadline` (a turn of the job
       that was waiting was not admitted): a deadline is a hard end.
+    - Arrival holds (`arrival_hold=until-admitted`, off by default): a job's next turn that
+      arrives while its job holds no pin has its cached prefix held as its job's pin
+      (`Pin.holds_waiting_turn`) until it is admitted, for at most `max_wait_s`; it then
+      waits in the pinned tier, and still counts as a turn back without its KV for T.
     - Waiting order: as `JobFCFSPolicy`'s, turns of jobs holding a pin in their own tier.
     - Memory for running requests (`pin_victims=first`): pins are released first
-      (`pin_to_release_first`: pins whose job's turn waits last, then the latest job's
-      first, the request's own job's last); then the victims of `JobFCFSPolicy` (by
-      `victim_order`; a request still prefilling waits or yields its own blocks).
+      (`pin_to_release_first`: holds of waiting turns first, pins whose job's turn waits
+      last, then the latest job's first, the request's own job's last); then the victims
+      of `JobFCFSPolicy` (by `victim_order`; a request still prefilling waits or yields its
+      own blocks).
     - Admission: a waiting head that cannot get blocks has pins released for it (latest job
       first, its own job's last) at once when nothing runs, and while others run once it is
       overdue (`is_overdue`: it has waited `pin_yield_wait_s` or `max_wait_s`, whichever is
@@ -89,7 +94,7 @@ class ContinuumPolicy(JobFCFSPolicy):
         job = self.job_of(request)
         # A pin held from the turn's own arrival kept its prefix while it waited, not while
         # its tool ran: the turn came back without a pin all the same.
-        retained = reused_pin is not None and reused_pin.request_id != request.request_id
+        retained = reused_pin is not None and not reused_pin.holds_waiting_turn
         returned_without_kv = (job is not None and job.num_turns_finished > 0
                                and not retained and request.num_preemptions == 0)
         if returned_without_kv:
@@ -134,7 +139,7 @@ class ContinuumPolicy(JobFCFSPolicy):
 
     def on_pin_released(self, pin: Pin) -> None:
         super().on_pin_released(pin)
-        if pin.released_at_s is not None:
+        if pin.released_at_s is not None and not pin.holds_waiting_turn:
             self.pin_losses.add(pin.released_at_s - pin.pinned_at_s,
                                 taken=pin.release_reason is PinReleaseReason.PRESSURE)
 
@@ -154,8 +159,9 @@ class ContinuumPolicy(JobFCFSPolicy):
         return Retention(decision.ttl_s, inputs, release_job_ids=released)
 
     def _pins_to_make_room(self, request: Request, job_id: str) -> tuple[str, ...] | None:
-        """The jobs whose pins (of jobs that arrived after `job_id`'s, latest first) must go
-        for a new pin of `request`'s blocks to fit under the pin cap; None if it cannot."""
+        """The jobs whose pins must go for a new pin of `request`'s blocks to fit under the pin
+        cap: other jobs' holds of waiting turns' prefixes first, then the pins of jobs that
+        arrived after `job_id`'s, latest first; None if it cannot."""
         if self.options.max_pinned_fraction >= 1:
             return ()
         cap_blocks = self.options.max_pinned_fraction * self.scheduler.num_kv_blocks
@@ -164,10 +170,12 @@ class ContinuumPolicy(JobFCFSPolicy):
         needed = request.num_computed_tokens // self.scheduler.block_size
         held = pins.num_pinned_blocks - (0 if own is None else own.num_blocks)
         rank = self.job_arrival_rank(job_id)
-        later = sorted((pin for pin in pins if self.job_arrival_rank(pin.job_id) > rank),
+        holds = [pin for pin in pins if pin.holds_waiting_turn and pin.job_id != job_id]
+        later = sorted((pin for pin in pins if self.job_arrival_rank(pin.job_id) > rank
+                        and not pin.holds_waiting_turn),
                        key=lambda pin: self.job_arrival_rank(pin.job_id), reverse=True)
         released: list[str] = []
-        for pin in later:
+        for pin in holds + later:
             if held + needed <= cap_blocks:
                 break
             released.append(pin.job_id)
@@ -197,17 +205,12 @@ class ContinuumPolicy(JobFCFSPolicy):
         further second held at `now_s`."""
         if self.options.pin_release_order == "latest-job":
             return max(self.scheduler.pins, default=None, key=lambda pin: (
-                self.holds_a_waiting_turn(pin), self.num_waiting(pin.job_id) == 0,
+                pin.holds_waiting_turn, self.num_waiting(pin.job_id) == 0,
                 pin.job_id != exclude_job_id, self.job_arrival_rank(pin.job_id)))
         return max(self.scheduler.pins, default=None, key=lambda pin: (
-            self.holds_a_waiting_turn(pin), self.num_waiting(pin.job_id) == 0,
+            pin.holds_waiting_turn, self.num_waiting(pin.job_id) == 0,
             pin.job_id != exclude_job_id,
             -self.saving_rate_per_block(pin, now_s), self.job_arrival_rank(pin.job_id)))
-
-    def holds_a_waiting_turn(self, pin: Pin) -> bool:
-        """Whether the pin holds the prefix of a turn that has not finished: one held from
-        the turn's arrival (`arrival_hold_s`), not one its job's finished turn left."""
-        return self.is_unfinished(pin.request_id)
 
     def saving_rate_per_block(self, pin: Pin, now_s: float) -> float:
         """Seconds the pin is expected to save, per block, for each further second it is held

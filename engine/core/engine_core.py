@@ -233,19 +233,24 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stops the engine: the policy saves what it keeps, and a step still in flight is
         waited for (its tokens dropped) before the executor frees the caches it reads."""
+        in_flight, self._in_flight = self._in_flight, None
         try:
             self.scheduler.policy.on_shutdown()
         finally:
-            self.structured_outputs.shutdown()
-            self.scheduler.close_subscribers()
-            in_flight, self._in_flight = self._in_flight, None
             try:
-                if in_flight is not None:
-                    in_flight.pending.result()
-            except Exception:
-                logger.exception("the step in flight at shutdown failed")
+                self.structured_outputs.shutdown()
+                self.scheduler.close_subscribers()
             finally:
-                self.executor.shutdown()
+                self._stop_executor(in_flight)
+
+    def _stop_executor(self, in_flight: _InFlightStep | None) -> None:
+        try:
+            if in_flight is not None:
+                in_flight.pending.result()
+        except Exception:
+            logger.exception("the step in flight at shutdown failed")
+        finally:
+            self.executor.shutdown()
 
     # Structured outputs.
     def _queue_compiled(self) -> list[EngineCoreOutput]:

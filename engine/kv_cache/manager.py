@@ -54,7 +54,8 @@ class KVCacheManager:
     the host tier when `num_host_blocks` > 0 and caching is on (the tier is keyed by the
     prefix cache's hashes; `CacheConfig` refuses a tier without caching).
 
-    Called by the scheduler only: `get_computed_blocks` when a request is admitted,
+    Called by the scheduler only: `get_computed_blocks` when a request is admitted (and
+    when a job's turn arrives, for a policy that holds its prefix),
     `allocate_slots` whenever a request is scheduled, `free` / `detach_cached_blocks` when it
     stops running, `take_transfers` when a step is emitted and `complete_transfers` once it
     ran. Waiting requests own no blocks.

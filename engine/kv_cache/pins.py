@@ -1,4 +1,5 @@
-"""Pins: the mechanism that keeps a finished turn's KV blocks on the device for its job.
+"""Pins: the mechanism that keeps a finished turn's KV blocks on the device for its job (or,
+with an arrival hold, a waiting turn's cached prefix until it is admitted).
 
 A pin is a block holder, like a running request: it owns one reference on each of its blocks
 until it is released. Policies decide *when* to pin and release; this module only keeps the
@@ -30,7 +31,9 @@ class PinReleaseReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class Pin:
-    """The blocks of one finished turn, held for `job_id` until `deadline_s` (policy time).
+    """The blocks of one finished turn, held for `job_id` until `deadline_s` (policy time);
+    or, with `holds_waiting_turn`, the cached prefix of the job's turn `request_id` that
+    arrived and waits to be admitted (`SchedulingPolicy.arrival_hold_s`).
 
     `blocks` are the turn's prefix-cached blocks in sequence order.
     """
@@ -42,6 +45,7 @@ class Pin:
     ttl_s: float
     release_reason: PinReleaseReason | None = None
     released_at_s: float | None = None
+    holds_waiting_turn: bool = False
 
     @property
     def deadline_s(self) -> float:
@@ -56,9 +60,10 @@ class PinTable:
     """At most one live pin per job, in pin order (oldest first).
 
     Owns the block references of live pins. Called by the scheduler: `add` when a policy
-    retains a finished turn, `release` on admission of the job's next turn, under memory
-    pressure, on expiry, job end, explicit release or abort. `on_added` and `on_released` are
-    told of every change (a replaced pin is reported released after its successor is added).
+    retains a finished turn or holds an arriving turn's prefix, `release` on admission of
+    the job's next turn, under memory pressure, on expiry, job end, explicit release or
+    abort. `on_added` and `on_released` are told of every change (a replaced pin is
+    reported released after its successor is added).
     """
 
     def __init__(
@@ -84,8 +89,10 @@ class PinTable:
         *,
         now_s: float,
         ttl_s: float,
+        holds_waiting_turn: bool = False,
     ) -> Pin:
-        """Creates a pin that takes over the caller's references on `blocks`.
+        """Creates a pin that takes over the caller's references on `blocks` (with
+        `holds_waiting_turn`: an arriving turn's held prefix, see `Pin`).
 
         A live pin of the same job is released with reason REPLACED (after the new one holds its
         blocks, so shared blocks never touch the free queue).
@@ -95,7 +102,8 @@ class PinTable:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         previous = self._pins.pop(job_id, None)
-        pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s)
+        pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s,
+                  holds_waiting_turn=holds_waiting_turn)
         self._pins[job_id] = pin
         self.num_pinned_blocks += pin.num_blocks
         self.num_created += 1

@@ -10,8 +10,9 @@ Order within a step: `StepStarted`, then `Admitted` / `Preempted` as planning go
 `RetentionDecided` for a job's turn), then `StepEnded`: the events between `ApplyingOutput`
 and `StepEnded` are that step's. With async scheduling step N+1 is planned (`StepStarted` to
 `StepPlanned`) before step N's output is applied. `RequestArrived`, `PinReleased` and
-`JobEnded` come whenever they happen; `Flushed` marks the end of events between steps (an
-idle sweep's).
+`JobEnded` come whenever they happen (a `RetentionDecided` for a held prefix, source
+"arrival-hold", right after its turn's `RequestArrived`); `Flushed` marks the end of events
+between steps (an idle sweep's).
 """
 
 from __future__ import annotations

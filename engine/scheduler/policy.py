@@ -187,7 +187,8 @@ class SchedulingPolicy(Protocol):
     def on_request_admitted(self, request: Request, reused_pin: Pin | None,
                             now_s: float) -> None:
         """`request` took its blocks; `reused_pin` is its job's pin, released because the
-        request took over its blocks (None if the job held none)."""
+        request took over its blocks (None if the job held none; its own held prefix when
+        `reused_pin.holds_waiting_turn`)."""
         ...
 
     def on_request_finished(self, request: Request, now_s: float) -> Retention | None:

@@ -198,7 +198,7 @@ class Scheduler:
             return
         self.kv_cache_manager.block_pool.touch(hit.blocks)
         pin = self._pins.add(job_id, request.request_id, list(hit.blocks), now_s=now_s,
-                             ttl_s=ttl_s)
+                             ttl_s=ttl_s, holds_waiting_turn=True)
         self.events.emit(events.RetentionDecided(
             request, pin, RetentionInputs(ttl_s=ttl_s, source="arrival-hold"), now_s))
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 
 from continuum.af226d3 import ContinuumAf226d3Policy
-from continuum.options import ArrivalHold, ContinuumOptions
+from continuum.options import ArrivalHold, ContinuumAf226d3Options, ContinuumOptions
 from continuum.policy import ContinuumPolicy
 from engine.kv_cache.pins import Pin, PinReleaseReason
 from engine.scheduler import events
 from estimator.base import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
 from tests.continuum.test_victims import bind, describe
+from tests.engine.helpers import make_request
 
 BLOCK_SIZE = 4
 
@@ -78,6 +79,9 @@ def test_a_held_prefix_outlives_the_blocks_freed_after_it() -> None:
     assert retentions.sources == [("t2", "arrival-hold")]
     assert held.scheduler.pins.num_released[PinReleaseReason.REUSED] == 1
     assert held.pin("J") is None
+    # The job's books count the pins its finished turns left, not the hold.
+    job = held.policy.jobs.get("J")
+    assert job is not None and job.num_pins_created == 0 and not job.pins_released
     # The turn came back without a pin all the same: its wait counts in Eq. 2's T.
     assert spy.delays_s == [0.5]
     unheld, _, none = run_with_a_turn_waiting_behind_a_big_request("none")
@@ -112,10 +116,27 @@ def test_a_hold_is_the_first_pin_a_running_request_takes(
     for job_id in held_job.split():
         # The prefix of J's turn that arrived in `bind` and has not finished.
         stub_pins.pins[job_id] = Pin(job_id, f"{job_id}-first", [None],  # type: ignore[list-item]
-                                     pinned_at_s=0.0, ttl_s=30.0)
+                                     pinned_at_s=0.0, ttl_s=30.0, holds_waiting_turn=True)
     assert describe(policy.select_victim(requests["R"], 0.0)) == expected
+
+
+def test_a_new_pin_under_the_cap_takes_holds_first() -> None:
+    """Under `max_pinned_fraction`, room for a new pin comes from other jobs' holds before
+    any pin of a later job."""
+    policy = ContinuumPolicy(ContinuumOptions(arrival_hold="until-admitted",
+                                              max_pinned_fraction=0.25))  # 16 of 64 blocks
+    bind(policy, "R@J1", "J3", pin_blocks={"J3": 8})
+    policy.scheduler.pins.pins["J0"] = Pin("J0", "J0-first", [None] * 8,  # type: ignore[list-item]
+                                           pinned_at_s=0.0, ttl_s=30.0, holds_waiting_turn=True)
+    request = make_request("R2", [1] * 16, job_id="J1")
+    request.num_computed_tokens = 16  # 4 blocks of 4
+    assert policy._pins_to_make_room(request, "J1") == ("J0",)
 
 
 def test_the_measured_policy_never_holds() -> None:
     policy = ContinuumAf226d3Policy()
     assert policy.options.arrival_hold == "none"
+    with pytest.raises(ValueError, match="pin_expiry=hard"):
+        ContinuumAf226d3Options(arrival_hold="until-admitted")
+    with pytest.raises(ValueError, match="pin_expiry=hard"):
+        ContinuumOptions(arrival_hold="until-admitted", pin_expiry="while-waiting")

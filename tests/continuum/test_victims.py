@@ -40,6 +40,10 @@ class StubPins:
     def __len__(self) -> int:
         return len(self.pins)
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(pin.num_blocks for pin in self.pins.values())
+
 
 @dataclass
 class StubView:
