@@ -51,32 +51,51 @@ class EngineDeadError(RuntimeError):
 class InprocClient:
     """Drives an `EngineCore` in the caller's thread: `get_output` runs one step.
 
-    `add_request` raises `ValueError` at once for a request the core rejects.
+    `add_request` raises `ValueError` at once for a request the core rejects. A step or
+    sweep that raises leaves the core's books half-updated (a step may have been scheduled
+    and not applied, or with async scheduling applied while the next is out), so, like a
+    core process whose loop failed, the core is dead then: the failing call raises the
+    error, and every later call but `abort_requests` and `shutdown` raises `EngineDeadError`
+    naming it.
     """
 
     def __init__(self, config: EngineConfig, **core_kwargs: Any) -> None:
         self.core = EngineCore(config, **core_kwargs)
         self.num_kv_blocks = self.core.executor.num_kv_blocks
+        self._failure: BaseException | None = None
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues the request in the core; ValueError (and no change) if it is rejected."""
+        self._check_alive()
         self.core.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(request_ids)
+        if self._failure is None:
+            self.core.abort_requests(request_ids)
 
     def get_output(self) -> list[EngineCoreOutput]:
         """Runs one core step and returns its outputs; with no work, sweeps instead (pins
         and idle jobs expire) and returns []."""
-        if self.core.has_work():
-            return self.core.step()
-        self.core.sweep()
+        self._check_alive()
+        try:
+            if self.core.has_work():
+                return self.core.step()
+            self.core.sweep()
+        except BaseException as error:
+            self._failure = error
+            raise
         return []
 
     def call_utility(self, method: str, *args: Any) -> Any:
         if method not in EngineCore.UTILITIES:
             raise ValueError(f"unknown utility {method!r}")
+        self._check_alive()
         return getattr(self.core, method)(*args)
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(
+                f"the engine core failed in a step: {self._failure!r}") from self._failure
 
     def shutdown(self) -> None:
         self.core.shutdown()

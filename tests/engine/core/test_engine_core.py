@@ -10,10 +10,13 @@ import msgspec
 import pytest
 
 from engine.config import EngineConfig
-from engine.core.client import InprocClient
+from engine.core.client import EngineDeadError, InprocClient
 from engine.core.engine_core import EngineCore
 from engine.core.wire import EngineStats
+from engine.executor.base import make_executor
+from engine.outputs import ModelRunnerOutput, PendingStep
 from engine.request import FinishReason, JobInfo, RequestStatus
+from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
 from engine.scheduler.policy import Retention, RetentionInputs
 from estimator.eq2 import Eq2Estimator
@@ -142,6 +145,52 @@ def test_inproc_client_runs_steps_on_get_output() -> None:
     assert client.get_output() == []
     with pytest.raises(ValueError, match="unknown utility"):
         client.call_utility("shutdown")
+    client.shutdown()
+
+
+class _FailingStepExecutor:
+    """The tiny model's executor, whose step number `failing_step` (counting from 1) raises
+    when its result is taken, as a device error would."""
+
+    def __init__(self, config: EngineConfig, failing_step: int) -> None:
+        self.inner = make_executor(config)
+        self.failing_step = failing_step
+        self.num_submitted = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        self.num_submitted += 1
+        pending = self.inner.submit(scheduler_output)
+        if self.num_submitted != self.failing_step:
+            return pending
+        pending.result()
+        return _FailedStep()
+
+
+class _FailedStep:
+    def result(self) -> ModelRunnerOutput:
+        raise RuntimeError("device lost")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-order", "async"])
+def test_a_failed_step_leaves_the_inproc_client_dead(async_scheduling: bool) -> None:
+    """A step whose result raises leaves the books half-updated: the in-process client
+    raises the error once, then EngineDeadError for every call that would use the core."""
+    config = dataclasses.replace(SMALL_CONFIG, scheduler=dataclasses.replace(
+        SMALL_CONFIG.scheduler, async_scheduling=async_scheduling))
+    client = InprocClient(config, executor=_FailingStepExecutor(config, failing_step=2))
+    client.add_request(core_request("a", max_tokens=8))
+    client.get_output()
+    with pytest.raises(RuntimeError, match="device lost"):
+        while True:
+            client.get_output()
+    for call in (client.get_output, lambda: client.add_request(core_request("b")),
+                 lambda: client.call_utility("stats")):
+        with pytest.raises(EngineDeadError, match="device lost"):
+            call()
+    client.abort_requests(["a"])  # nothing to stop: the core no longer runs
     client.shutdown()
 
 
