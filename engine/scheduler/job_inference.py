@@ -20,9 +20,12 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.kv_cache.hashing import BlockHash, extend_block_hashes
 from engine.request import INFERRED_JOB_ID_PREFIX, JobInfo, Request, RequestStatus
+
+_K = TypeVar("_K")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,8 @@ class JobInference:
         self.max_age_s = max_age_s
         self._turns: OrderedDict[str, _FinishedTurn] = OrderedDict()  # by job id, oldest first
         self._job_ids_by_key: dict[BlockHash, list[str]] = {}
-        self._job_ids_by_request_id: dict[str, str] = {}
+        # Clients may reuse a request id: the jobs of the turns filed under it, oldest first.
+        self._job_ids_by_request_id: dict[str, list[str]] = {}
         self._continued: dict[str, _FinishedTurn] = {}  # by the unfinished continuing request
         self._new_job_ids = itertools.count()
 
@@ -174,10 +178,10 @@ class JobInference:
         continues it."""
         if request.continues_request_id is None:
             return None
-        job_id = self._job_ids_by_request_id.get(request.continues_request_id)
-        if job_id is None:
+        job_ids = self._job_ids_by_request_id.get(request.continues_request_id)
+        if job_ids is None:
             return None
-        turn = self._turns[job_id]
+        turn = self._turns[job_ids[-1]]  # the latest turn of that id
         key_index = turn.num_prompt_tokens // self.block_size - 1
         if key_index >= len(hashes) or hashes[key_index] != turn.key_hash:
             return None
@@ -229,7 +233,7 @@ class JobInference:
             self._remove(previous)
         self._turns[turn.job_id] = turn
         self._job_ids_by_key.setdefault(turn.key_hash, []).append(turn.job_id)
-        self._job_ids_by_request_id[turn.request_id] = turn.job_id
+        self._job_ids_by_request_id.setdefault(turn.request_id, []).append(turn.job_id)
         ended = []
         while len(self._turns) > self.max_turns:
             oldest = next(iter(self._turns.values()))
@@ -239,11 +243,8 @@ class JobInference:
 
     def _remove(self, turn: _FinishedTurn) -> None:
         del self._turns[turn.job_id]
-        del self._job_ids_by_request_id[turn.request_id]
-        job_ids = self._job_ids_by_key[turn.key_hash]
-        job_ids.remove(turn.job_id)
-        if not job_ids:
-            del self._job_ids_by_key[turn.key_hash]
+        _unfile(self._job_ids_by_request_id, turn.request_id, turn.job_id)
+        _unfile(self._job_ids_by_key, turn.key_hash, turn.job_id)
 
     def check_invariants(self, unfinished: Mapping[str, Request],
                          pinned_job_ids: Iterable[str]) -> None:
@@ -257,9 +258,12 @@ class JobInference:
         assert times == sorted(times), "finished turns out of order"
         indexed = sorted(job_id for ids in self._job_ids_by_key.values() for job_id in ids)
         assert indexed == sorted(self._turns), "the key index disagrees with the table"
-        assert self._job_ids_by_request_id == {
-            turn.request_id: job_id for job_id, turn in self._turns.items()
-        }, "the request index disagrees with the table"
+        by_request_id: dict[str, list[str]] = {}
+        for job_id, turn in self._turns.items():
+            by_request_id.setdefault(turn.request_id, []).append(job_id)
+        assert self._job_ids_by_request_id == by_request_id, (
+            "the request index disagrees with the table"
+        )
         for job_id, turn in self._turns.items():
             assert turn.job_id == job_id, f"turn of {turn.job_id} filed under {job_id}"
             assert job_id in self._job_ids_by_key[turn.key_hash], f"{job_id} filed wrongly"
@@ -295,3 +299,11 @@ def _num_repeated(request: Request, turn: _FinishedTurn) -> int:
             break
         repeated += 1
     return repeated
+
+
+def _unfile(index: dict[_K, list[str]], key: _K, job_id: str) -> None:
+    """Removes `job_id` from the list filed under `key`, and the key with its last job."""
+    job_ids = index[key]
+    job_ids.remove(job_id)
+    if not job_ids:
+        del index[key]

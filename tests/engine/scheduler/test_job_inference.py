@@ -266,6 +266,27 @@ def test_the_table_is_bounded_in_turns_and_its_dropped_turns_end_their_jobs():
     run_until_done(scheduler, runner)
 
 
+def test_turns_of_two_jobs_may_share_a_request_id():
+    """Clients of the Python API choose request ids and may reuse one for turns of two
+    inferred jobs: the id names the later turn, and both turns leave the table cleanly (its
+    index once lost the earlier turn, and the sweep raised KeyError)."""
+    scheduler, runner, clock = _setup()
+    earlier = _turn(scheduler, runner, "x", FIRST_PROMPT)
+    later = _turn(scheduler, runner, "x", [30, 31, 32, 33, 34, 35, 36, 37, 38])
+    assert earlier.job_id != later.job_id and len(scheduler.job_inference) == 2
+    scheduler.check_invariants()
+    named = make_request("named", [*later.prompt_token_ids, *RE_RENDERED], max_tokens=3)
+    named.continues_request_id = "x"
+    scheduler.add_request(named)
+    assert named.job_id == later.job_id
+    run_until_done(scheduler, runner)
+    scheduler.check_invariants()
+    clock.advance(10_000.0)
+    assert set(scheduler.sweep().forgotten_job_ids) == {earlier.job_id, later.job_id}
+    assert len(scheduler.job_inference) == 0
+    scheduler.check_invariants()
+
+
 def test_a_turn_too_old_is_not_continued_and_the_sweep_ends_its_job():
     scheduler, runner, clock = _setup(policy=PinningPolicy(ttl_s=1000.0),
                                       job_inference_max_age_s=5.0)
