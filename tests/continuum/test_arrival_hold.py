@@ -101,6 +101,57 @@ def test_the_hold_lasts_at_most_the_wait_bound() -> None:
     assert policy.arrival_hold_s(plain, 12, h.clock()) is None
 
 
+def a_turn_waiting_with_a_hold() -> Harness:
+    """J's next turn waits, its 12-token prefix held, while a big request runs alone."""
+    h = Harness(ContinuumPolicy(ContinuumOptions(arrival_hold="until-admitted"),
+                                estimator=QueueingSpy()),
+                num_blocks=20, block_size=BLOCK_SIZE, max_num_seqs=1)
+    h.add("t1", tokens(1, 12), job="J", max_tokens=2)
+    h.run_until_finished("t1")
+    h.add("big", tokens(300, 40), max_tokens=20)
+    h.step()
+    h.next_turn("t2", "t1", tokens(50, 3))
+    h.step()
+    pin = h.pin("J")
+    assert h.waiting_ids == ["t2"] and pin is not None and pin.holds_waiting_turn
+    assert len(pin.blocks) == 3
+    return h
+
+
+def assert_no_block_held(h: Harness) -> None:
+    pool = h.scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert len(h.scheduler.pins) == 0
+
+
+@pytest.mark.parametrize("end", ["abort", "job-end"])
+def test_a_hold_goes_with_its_turn_or_its_job(end: str) -> None:
+    h = a_turn_waiting_with_a_hold()
+    if end == "abort":
+        h.scheduler.finish_requests(["t2"])
+        expected = PinReleaseReason.ABORT
+    else:
+        h.scheduler.end_job("J")
+        expected = PinReleaseReason.RELEASE  # DELETE /v1/jobs/J
+    assert h.pin("J") is None
+    assert h.scheduler.pins.num_released[expected] == 1
+    h.scheduler.check_invariants()
+    h.run_until_finished("big", "t2")  # an ended job's waiting turn still runs
+    assert_no_block_held(h)
+
+
+def test_a_hold_ends_at_the_wait_bound_and_its_turn_still_runs() -> None:
+    h = a_turn_waiting_with_a_hold()
+    policy = h.policy
+    assert isinstance(policy, ContinuumPolicy)
+    h.step(dt_s=policy.options.max_wait_s + 1.0)
+    h.step()
+    assert h.pin("J") is None
+    assert h.scheduler.pins.num_released[PinReleaseReason.EXPIRED] == 1
+    h.run_until_finished("big", "t2")
+    assert_no_block_held(h)
+
+
 @pytest.mark.parametrize(("pins", "held_job", "expected"), [
     # Holds of waiting turns' prefixes go before any other pin, whichever job's...
     ("J0 J3 J1", "J0", "pin:J0"),
