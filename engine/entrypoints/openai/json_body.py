@@ -5,10 +5,13 @@ a parse in pure Python on a thread is worse: its threads take the GIL from the e
 every few milliseconds, each time the loop wakes up (one victim's inter-token p99 went from
 17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES` is parsed in a child process
 (`BodyParser`), which also checks the counts of `body_limits`: a body over them never comes
-back into the server's process, and one within them comes back as a pickle, whose loading
-is several times cheaper than the parse. The child is asked from the server's
-`TenantWorkPool`, in the tenant's turn, and runs at low CPU priority, as does the rest of such
-a request's preparation (`ClientContext.large_body`).
+back into the server's process. One within them is validated there as the route's body
+model and comes back as the model's instance (a pickle, whose loading is several times
+cheaper than the parse), which the route's validation then takes as it is: validating an
+8 MB chat holds the GIL for 20-36 ms, on the event loop when FastAPI does it. A body that
+does not validate comes back as parsed, for the route to report its error. The child is
+asked from the server's `TenantWorkPool`, in the tenant's turn, and runs at low CPU priority,
+as does the rest of such a request's preparation (`ClientContext.large_body`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.types import Receive, Scope
 
-from engine.entrypoints.openai.body_limits import BodyLimitError, parse_checked
+from engine.entrypoints.openai.body_limits import BodyLimitError, parse_validated
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.tenants import scope_tenant
 from engine.entrypoints.openai.work_pool import BACKGROUND_NICENESS, TenantWorkPool
@@ -51,15 +56,17 @@ class BodyParser:
         self._lock = threading.Lock()
         self._executor: ProcessPoolExecutor | None = None
 
-    def parse(self, body: bytes, conversation_field: str | None) -> Any:
-        """`body_limits.parse_checked(body, conversation_field)` in a child process."""
+    def parse(self, body: bytes, conversation_field: str | None,
+              model: type[BaseModel] | None = None) -> Any:
+        """`body_limits.parse_validated(body, conversation_field, model)` in a child
+        process."""
         executor = self._live_executor()
         try:
-            return executor.submit(parse_checked, body, conversation_field).result()
+            return executor.submit(parse_validated, body, conversation_field, model).result()
         except BrokenProcessPool:
             self._replace(executor)
-            return self._live_executor().submit(parse_checked, body,
-                                                conversation_field).result()
+            return self._live_executor().submit(parse_validated, body, conversation_field,
+                                                model).result()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -84,7 +91,13 @@ class BodyParser:
 
 class PoolParsedRequest(Request):
     """A request whose `json()` parses a large body with the app's `state.body_parser`, on
-    its `state.work_pool`; a body over a count of `body_limits` is a 400 then."""
+    its `state.work_pool`, and returns it validated as `body_model` (the route's body model,
+    if it has one) when it validates; a body over a count of `body_limits` is a 400 then."""
+
+    def __init__(self, scope: Scope, receive: Receive,
+                 body_model: type[BaseModel] | None = None) -> None:
+        super().__init__(scope, receive)
+        self.body_model = body_model
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
@@ -101,19 +114,32 @@ class PoolParsedRequest(Request):
         parser: BodyParser = self.app.state.body_parser
         try:
             return await pool.run(scope_tenant(self.scope), parser.parse, body,
-                                  CONVERSATION_FIELDS.get(self.url.path), background=True)
+                                  CONVERSATION_FIELDS.get(self.url.path), self.body_model,
+                                  background=True)
         except BodyLimitError as error:
             raise APIError(400, error.message, param=error.param,
                            code="limit_exceeded") from error
 
 
 class PoolParsedRoute(APIRoute):
-    """A FastAPI route whose JSON body is parsed by `PoolParsedRequest`."""
+    """A FastAPI route whose JSON body is parsed by `PoolParsedRequest` (and, when large,
+    validated as the route's one pydantic body model)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        body_model = _pydantic_body_model(self)
 
         async def handle(request: Request) -> Response:
-            return await handler(PoolParsedRequest(request.scope, request.receive))
+            return await handler(PoolParsedRequest(request.scope, request.receive, body_model))
 
         return handle
+
+
+def _pydantic_body_model(route: APIRoute) -> type[BaseModel] | None:
+    """The route's body model when its body is one pydantic model, not embedded under its
+    name (FastAPI then validates the whole parsed JSON as that model); else None."""
+    params = route.dependant.body_params
+    if len(params) != 1 or getattr(params[0].field_info, "embed", False):
+        return None
+    model = params[0].field_info.annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None

@@ -1,5 +1,6 @@
-"""Large bodies are parsed, and checked against the body limits, in a child process: what
-is over a limit never comes back into the server's process."""
+"""Large bodies are parsed, checked against the body limits and validated as the route's
+model in a child process: what is over a limit never comes back into the server's process,
+and what validates is not validated again there."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import os
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
+from pydantic import BaseModel, model_validator
 
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_PARTS, BodyLimitError
 from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, BodyParser, PoolParsedRoute
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from engine.entrypoints.openai.serving import ClientContext
 from engine.entrypoints.openai.work_pool import TenantWorkPool
 
@@ -84,3 +88,76 @@ def test_a_large_bodys_preparation_runs_in_the_background(parser):
                             json={"messages": ["x" * INLINE_PARSE_BYTES]}).json()
     assert (small, large) == ({"large_body": False}, {"large_body": True})
     app.state.work_pool.shutdown()
+
+
+class WhereValidated(BaseModel):
+    """A body that records the process that validated it."""
+
+    text: str
+    validated_in_pid: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _record_pid(cls, data: dict) -> dict:
+        return {**data, "validated_in_pid": os.getpid()}
+
+
+def test_a_large_body_is_validated_in_the_child_and_not_again(parser):
+    app = FastAPI()
+    app.router.route_class = PoolParsedRoute
+    app.state.work_pool, app.state.body_parser = TenantWorkPool(2), parser
+
+    @app.post("/echo")
+    async def echo(body: WhereValidated) -> dict:
+        return {"pid": body.validated_in_pid, "length": len(body.text)}
+
+    with TestClient(app) as client:
+        small = client.post("/echo", json={"text": "x"}).json()
+        large = client.post("/echo", json={"text": "x" * INLINE_PARSE_BYTES}).json()
+    assert small == {"pid": os.getpid(), "length": 1}
+    assert large["length"] == INLINE_PARSE_BYTES
+    assert large["pid"] not in (0, os.getpid())  # a child's, and kept by the route
+    app.state.work_pool.shutdown()
+
+
+@pytest.mark.parametrize(("model", "body"), [
+    (CompletionRequest, {"model": "tiny", "prompt": [1, 2, 3], "logit_bias": {"5": 1.0}}),
+    (ChatCompletionRequest, {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "response_format": {"type": "json_object"}}),
+    (ResponsesRequest, {"model": "tiny", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call_output", "call_id": "c", "output": "ok"}],
+        "text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}}),
+], ids=["completion", "chat", "responses"])
+def test_every_routes_model_comes_back_from_the_child_as_validated(parser, model, body):
+    assert parser.parse(json.dumps(body).encode(), None, model) == model.model_validate(body)
+
+
+def test_the_child_returns_the_model_or_what_it_parsed(parser):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 100}]}
+    validated = parser.parse(json.dumps(chat).encode(), "messages", ChatCompletionRequest)
+    assert validated == ChatCompletionRequest.model_validate(chat)
+    invalid = {**chat, "max_tokens": "many"}
+    assert parser.parse(json.dumps(invalid).encode(), "messages",
+                        ChatCompletionRequest) == invalid
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_tokens": "many"},
+    {"user": "\ud800"},
+], ids=["wrong-type", "lone-surrogate"])
+def test_a_large_invalid_body_gets_the_small_ones_error(server, bad):
+    """A body that fails validation in the child is validated again by the route, which
+    answers as it answers the same body inline."""
+    small = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **bad}
+    large = {**small, "messages": [{"role": "user", "content": "hi"}] * 4
+             + [{"role": "user", "content": "x" * INLINE_PARSE_BYTES}]}
+    with server.http() as http:
+        answers = [http.post("/v1/chat/completions", content=json.dumps(body).encode(),
+                             headers={"Content-Type": "application/json"})
+                   for body in (small, large)]
+    assert [answer.status_code for answer in answers] == [400, 400]
+    errors = [answer.json()["error"] for answer in answers]
+    assert errors[0]["param"] == errors[1]["param"] == next(iter(bad))
