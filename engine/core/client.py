@@ -56,13 +56,13 @@ class InprocClient:
     and not applied, or with async scheduling applied while the next is out), so, like a
     core process whose loop failed, the core is dead then: the failing call raises the
     error, and every later call but `abort_requests` and `shutdown` raises `EngineDeadError`
-    naming it.
+    naming it. A KeyboardInterrupt inside a step counts as such a failure.
     """
 
     def __init__(self, config: EngineConfig, **core_kwargs: Any) -> None:
         self.core = EngineCore(config, **core_kwargs)
         self.num_kv_blocks = self.core.executor.num_kv_blocks
-        self._failure: BaseException | None = None
+        self._failure: str | None = None  # the error that killed the core (not its frames)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues the request in the core; ValueError (and no change) if it is rejected."""
@@ -82,7 +82,7 @@ class InprocClient:
                 return self.core.step()
             self.core.sweep()
         except BaseException as error:
-            self._failure = error
+            self._failure = repr(error)
             raise
         return []
 
@@ -94,8 +94,7 @@ class InprocClient:
 
     def _check_alive(self) -> None:
         if self._failure is not None:
-            raise EngineDeadError(
-                f"the engine core failed in a step: {self._failure!r}") from self._failure
+            raise EngineDeadError(f"the engine core failed in a step: {self._failure}")
 
     def shutdown(self) -> None:
         self.core.shutdown()

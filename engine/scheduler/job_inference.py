@@ -174,18 +174,17 @@ class JobInference:
     # The table.
     def _named_turn(self, request: Request, hashes: list[BlockHash], now_s: float
                     ) -> _FinishedTurn | None:
-        """The turn of `request.continues_request_id`, if it is in the table and `request`
-        continues it."""
+        """The latest turn filed under `request.continues_request_id` that `request`
+        continues, if any."""
         if request.continues_request_id is None:
             return None
-        job_ids = self._job_ids_by_request_id.get(request.continues_request_id)
-        if job_ids is None:
-            return None
-        turn = self._turns[job_ids[-1]]  # the latest turn of that id
-        key_index = turn.num_prompt_tokens // self.block_size - 1
-        if key_index >= len(hashes) or hashes[key_index] != turn.key_hash:
-            return None
-        return turn if self._continues(request, turn, now_s) else None
+        for job_id in reversed(self._job_ids_by_request_id.get(request.continues_request_id, ())):
+            turn = self._turns[job_id]
+            key_index = turn.num_prompt_tokens // self.block_size - 1
+            if (key_index < len(hashes) and hashes[key_index] == turn.key_hash
+                    and self._continues(request, turn, now_s)):
+                return turn
+        return None
 
     def _match(self, request: Request, hashes: list[BlockHash], now_s: float
                ) -> _FinishedTurn | None:

@@ -6,9 +6,11 @@ every few milliseconds, each time the loop wakes up (one victim's inter-token p9
 17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES` is parsed in a child process
 (`BodyParser`), which also checks the counts of `body_limits`: a body over them never comes
 back into the server's process. One within them is validated there as the route's body
-model and comes back as the model's instance (a pickle, whose loading is several times
-cheaper than the parse), which the route's validation then takes as it is: validating an
-8 MB chat holds the GIL for 20-36 ms, on the event loop when FastAPI does it. A body that
+model and comes back as the model's instance, which the route's validation then takes as it
+is: FastAPI's validation holds the GIL in one piece on the event loop (an 8 MB chat of 2,000
+messages: 20-36 ms; 10,000 Responses items: about 110 ms), while loading the instance's
+pickle runs on the parser's result thread in Python that yields the GIL (5 ms; 10,000
+items: about 90 ms, several times slower than loading the parsed JSON). A body that
 does not validate comes back as parsed, for the route to report its error. The child is
 asked from the server's `TenantWorkPool`, in the tenant's turn, and runs at low CPU priority,
 as does the rest of such a request's preparation (`ClientContext.large_body`).
@@ -136,10 +138,14 @@ class PoolParsedRoute(APIRoute):
 
 
 def _pydantic_body_model(route: APIRoute) -> type[BaseModel] | None:
-    """The route's body model when its body is one pydantic model, not embedded under its
-    name (FastAPI then validates the whole parsed JSON as that model); else None."""
+    """The route's body model when its whole body is one pydantic model (FastAPI then
+    validates the parsed JSON as that model); None when the body is embedded under names, or
+    has parameters of its dependencies too (FastAPI's `body_field` is then a model it made)."""
+    field = route.body_field
     params = route.dependant.body_params
-    if len(params) != 1 or getattr(params[0].field_info, "embed", False):
+    if field is None or len(params) != 1 or getattr(params[0].field_info, "embed", False):
         return None
-    model = params[0].field_info.annotation
+    model = field.field_info.annotation
+    if model is not params[0].field_info.annotation:
+        return None
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None

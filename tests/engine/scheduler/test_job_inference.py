@@ -279,6 +279,10 @@ def test_turns_of_two_jobs_may_share_a_request_id():
     named.continues_request_id = "x"
     scheduler.add_request(named)
     assert named.job_id == later.job_id
+    earlier_named = make_request("earlier-named", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    earlier_named.continues_request_id = "x"  # the id's older turn, which its prompt continues
+    scheduler.add_request(earlier_named)
+    assert earlier_named.job_id == earlier.job_id
     run_until_done(scheduler, runner)
     scheduler.check_invariants()
     clock.advance(10_000.0)

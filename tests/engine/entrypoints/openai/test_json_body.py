@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import Body, Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, model_validator
 
@@ -133,6 +133,30 @@ def test_a_large_body_is_validated_in_the_child_and_not_again(parser):
 ], ids=["completion", "chat", "responses"])
 def test_every_routes_model_comes_back_from_the_child_as_validated(parser, model, body):
     assert parser.parse(json.dumps(body).encode(), None, model) == model.model_validate(body)
+
+
+def _body_x(x: int = Body()) -> int:
+    return x
+
+
+def test_a_body_with_a_dependencys_field_is_left_to_the_route(parser):
+    """A body that FastAPI reads as named fields (here one of them a dependency's) is not the
+    route's model: the child only parses it."""
+    app = FastAPI()
+    app.router.route_class = PoolParsedRoute
+    app.state.work_pool, app.state.body_parser = TenantWorkPool(2), parser
+
+    @app.post("/echo")
+    async def echo(body: WhereValidated, x: int = Depends(_body_x)) -> dict:
+        return {"length": len(body.text), "x": x}
+
+    with TestClient(app) as client:
+        answers = [client.post("/echo", json={"body": {"text": "y" * length}, "x": 1,
+                                              "text": "a top-level look-alike"})
+                   for length in (1, INLINE_PARSE_BYTES)]
+    assert [answer.json() for answer in answers] == [
+        {"length": 1, "x": 1}, {"length": INLINE_PARSE_BYTES, "x": 1}]
+    app.state.work_pool.shutdown()
 
 
 def test_the_child_returns_the_model_or_what_it_parsed(parser):
