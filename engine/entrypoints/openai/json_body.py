@@ -143,9 +143,9 @@ def _pydantic_body_model(route: APIRoute) -> type[BaseModel] | None:
     has parameters of its dependencies too (FastAPI's `body_field` is then a model it made)."""
     field = route.body_field
     params = route.dependant.body_params
-    if field is None or len(params) != 1 or getattr(params[0].field_info, "embed", False):
+    if field is None or len(params) != 1:
         return None
-    model = field.field_info.annotation
+    model = field.field_info.annotation  # a model FastAPI made when the body is embedded
     if model is not params[0].field_info.annotation:
         return None
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None

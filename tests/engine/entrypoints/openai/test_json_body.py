@@ -27,6 +27,15 @@ def parser():
     running.shutdown()
 
 
+def pool_parsed_app(parser: BodyParser) -> FastAPI:
+    """An app whose routes parse large bodies with `parser`, on a work pool of two threads
+    (the caller shuts the pool down)."""
+    app = FastAPI()
+    app.router.route_class = PoolParsedRoute
+    app.state.work_pool, app.state.body_parser = TenantWorkPool(2), parser
+    return app
+
+
 def test_parses_in_a_child_process_as_json_loads_does(parser):
     body = '{"a": [1, 2.5, true, null], "b": "d\\u00e9 \\ud800"}'.encode("utf-16")
     assert parser.parse(body, None) == json.loads(body)
@@ -74,9 +83,7 @@ def test_large_chat_bodies_are_served_or_refused_with_400(server):
 def test_a_large_bodys_preparation_runs_in_the_background(parser):
     """`ClientContext.large_body` (what sends a request's preparation to the work pool's
     low-priority threads) is set by a body parsed off the loop, not by an inline one."""
-    app = FastAPI()
-    app.router.route_class = PoolParsedRoute
-    app.state.work_pool, app.state.body_parser = TenantWorkPool(2), parser
+    app = pool_parsed_app(parser)
 
     @app.post("/v1/chat/completions")
     async def echo(body: dict, request: Request) -> dict:
@@ -103,9 +110,7 @@ class WhereValidated(BaseModel):
 
 
 def test_a_large_body_is_validated_in_the_child_and_not_again(parser):
-    app = FastAPI()
-    app.router.route_class = PoolParsedRoute
-    app.state.work_pool, app.state.body_parser = TenantWorkPool(2), parser
+    app = pool_parsed_app(parser)
 
     @app.post("/echo")
     async def echo(body: WhereValidated) -> dict:
@@ -142,9 +147,7 @@ def _body_x(x: int = Body()) -> int:
 def test_a_body_with_a_dependencys_field_is_left_to_the_route(parser):
     """A body that FastAPI reads as named fields (here one of them a dependency's) is not the
     route's model: the child only parses it."""
-    app = FastAPI()
-    app.router.route_class = PoolParsedRoute
-    app.state.work_pool, app.state.body_parser = TenantWorkPool(2), parser
+    app = pool_parsed_app(parser)
 
     @app.post("/echo")
     async def echo(body: WhereValidated, x: int = Depends(_body_x)) -> dict:
