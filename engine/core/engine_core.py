@@ -329,6 +329,7 @@ class EngineCore:
             step_time_s=self.step_time_s,
             execute_time_s=self.execute_time_s,
             num_pins_created=scheduler.pins.num_created,
+            num_arrival_holds_created=scheduler.pins.num_holds_created,
             pins_released={
                 reason.value: count for reason, count in scheduler.pins.num_released.items()
             },

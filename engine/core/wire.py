@@ -136,7 +136,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_steps: int
     step_time_s: float
     execute_time_s: float
-    num_pins_created: int = 0
+    num_pins_created: int = 0  # arrival holds included
+    num_arrival_holds_created: int = 0
     pins_released: dict[str, int] = msgspec.field(default_factory=dict)
     num_jobs: int = 0
     num_invariant_checks: int = 0

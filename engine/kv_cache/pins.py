@@ -78,7 +78,8 @@ class PinTable:
         self._on_released = on_released
         self._pins: dict[str, Pin] = {}
         self.num_pinned_blocks = 0
-        self.num_created = 0
+        self.num_created = 0  # holds of arriving turns' prefixes included
+        self.num_holds_created = 0
         self.num_released: Counter[PinReleaseReason] = Counter()
 
     def add(
@@ -107,6 +108,7 @@ class PinTable:
         self._pins[job_id] = pin
         self.num_pinned_blocks += pin.num_blocks
         self.num_created += 1
+        self.num_holds_created += holds_waiting_turn
         if self._on_added is not None:
             self._on_added(pin)
         if previous is not None:

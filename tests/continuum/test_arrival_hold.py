@@ -78,6 +78,7 @@ def test_a_held_prefix_outlives_the_blocks_freed_after_it() -> None:
     assert held.requests["t2"].num_cached_tokens == 12
     assert retentions.sources == [("t2", "arrival-hold")]
     assert held.scheduler.pins.num_released[PinReleaseReason.REUSED] == 1
+    assert (held.scheduler.pins.num_created, held.scheduler.pins.num_holds_created) == (1, 1)
     assert held.pin("J") is None
     # The job's books count the pins its finished turns left, not the hold.
     job = held.policy.jobs.get("J")
@@ -87,6 +88,7 @@ def test_a_held_prefix_outlives_the_blocks_freed_after_it() -> None:
     unheld, _, none = run_with_a_turn_waiting_behind_a_big_request("none")
     assert unheld.requests["t2"].num_cached_tokens == BLOCK_SIZE  # the big request evicted two
     assert none.sources == []
+    assert unheld.scheduler.pins.num_holds_created == 0
 
 
 def test_the_hold_lasts_at_most_the_wait_bound() -> None:

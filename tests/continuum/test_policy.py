@@ -81,8 +81,10 @@ def test_a_last_step_ends_the_jobs_state_and_releases_its_pin() -> None:
     (FCFSPolicy, 0),  # the other requests evicted the turn's blocks during the tool call
     # Pins held against the blocked head: prompt + output, minus the partial last block.
     (lambda: continuum(5.0, pin_yield_wait_s=math.inf), 12),
-    # Pins yield to the blocked head within the tool call: evicted as under FCFS.
-    (lambda: continuum(5.0, pin_yield_wait_s=0.0), 0),
+    # Pins yield to the blocked head within the tool call: evicted as under FCFS...
+    (lambda: continuum(5.0, pin_yield_wait_s=0.0, arrival_hold="none"), 0),
+    # ...unless the prefix left in the free queue is held from the next turn's arrival.
+    (lambda: continuum(5.0, pin_yield_wait_s=0.0, arrival_hold="until-admitted"), 12),
 ])
 def test_a_pinned_turns_next_turn_hits_its_whole_context(policy, expected_hit_tokens) -> None:
     h = Harness(policy(), num_blocks=16)
@@ -96,7 +98,7 @@ def test_a_pinned_turns_next_turn_hits_its_whole_context(policy, expected_hit_to
     h.run_until_finished("t2", "b", "c")
     assert h.requests["t2"].num_cached_tokens == expected_hit_tokens
     if expected_hit_tokens:
-        assert h.scheduler.pins.num_released == {PinReleaseReason.REUSED: 1}
+        assert h.scheduler.pins.num_released[PinReleaseReason.REUSED] == 1
         # The pinned job's turn went ahead of the older waiting request.
         assert h.admission_order().index("t2") < h.admission_order().index("c")
 
@@ -148,7 +150,9 @@ def test_a_jobs_new_pin_replaces_its_old_one() -> None:
 
 def test_waiting_order_is_pinned_jobs_then_first_arrival_of_the_job() -> None:
     estimator = TTLByTool({"search": 30.0})
-    h = Harness(ContinuumPolicy(estimator=estimator), max_num_seqs=1)
+    # Without arrival holds, which would put a2 in the pinned tier too.
+    h = Harness(ContinuumPolicy(ContinuumOptions(arrival_hold="none"), estimator=estimator),
+                max_num_seqs=1)
     h.add("a1", tokens(1, 6), job="A", tool="bash")
     h.run_until_finished("a1")
     h.add("b1", tokens(100, 6), job="B", tool="search")
@@ -168,7 +172,8 @@ def test_waiting_order_is_pinned_jobs_then_first_arrival_of_the_job() -> None:
 
 
 def test_a_broken_pin_drops_its_waiting_turn_back_to_first_arrival_order() -> None:
-    h = Harness(ContinuumPolicy(estimator=TTLByTool({"search": 30.0})), max_num_seqs=1)
+    h = Harness(ContinuumPolicy(ContinuumOptions(arrival_hold="none"),
+                                estimator=TTLByTool({"search": 30.0})), max_num_seqs=1)
     h.add("o1", tokens(1, 6), job="O", tool="bash")
     h.run_until_finished("o1")
     h.add("a1", tokens(100, 6), job="A", tool="search")

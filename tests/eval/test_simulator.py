@@ -154,6 +154,10 @@ def test_policy_options_reach_the_policy() -> None:
     # hold); Eq. 2 prices these short contexts near zero.
     assert fixed.pins_created == sum(len(job.turns) - 1 for job in jobs)
     assert simulate(jobs, arrivals, pressured("continuum")).pins_created == 0
+    # With arrival holds, the turns Eq. 2 did not pin have their cached prefixes held.
+    held = simulate(jobs, arrivals, pressured(
+        "continuum", policy_options=(("arrival_hold", "until-admitted"),)))
+    assert held.pins_created == held.arrival_holds_created > 0
     with pytest.raises(ValueError, match="bogus"):
         Simulation(jobs, arrivals, pressured("continuum", policy_options=(("bogus", "1"),)))
 
