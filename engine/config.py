@@ -161,6 +161,9 @@ class ModelConfig:
     fused kernels (`engine.model.layer_kernels`; CUDA, or CPU under Triton's interpreter);
     `auto` is triton on CUDA when Triton is installed, else torch;
     `enforce_eager` turns CUDA graphs off (decode steps then launch every kernel).
+    `cpu_threads` is torch's intra-op threads for the model (None: torch's count; a client
+    that starts a core process sets it to the usable cores minus one, at least 1, unless
+    `OMP_NUM_THREADS` is set: `engine.core.cpu_threads`).
     """
 
     model: str = "tiny"
@@ -173,6 +176,7 @@ class ModelConfig:
     attention_backend: AttentionBackendName = "auto"
     layer_kernels: LayerKernelsName = "auto"
     enforce_eager: bool = False
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -185,6 +189,7 @@ class ModelConfig:
         _require_choice("device", self.device, Device)
         _require_choice("attention_backend", self.attention_backend, AttentionBackendName)
         _require_choice("layer_kernels", self.layer_kernels, LayerKernelsName)
+        _require_positive("cpu_threads", self.cpu_threads)
 
 
 @dataclass(frozen=True)

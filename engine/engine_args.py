@@ -51,6 +51,11 @@ _HELP = {
         "CUDA, or CPU under TRITON_INTERPRET=1) | auto (triton on CUDA, torch on CPU)"
     ),
     "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
+    "cpu_threads": (
+        "torch's threads for the model; None: torch's count when the engine runs in the "
+        "caller's process, one fewer than the usable cores (one left to the frontend) in "
+        "`serve`'s engine core process, unless OMP_NUM_THREADS is set"
+    ),
     "seed": "seed of dummy weights and of unseeded sampling",
     "max_model_len": "longest sequence (prompt + output); None: the model's",
     "block_size": "tokens per KV block",
@@ -128,6 +133,7 @@ class EngineArgs:
     attention_backend: AttentionBackendName = ModelConfig.attention_backend
     layer_kernels: LayerKernelsName = ModelConfig.layer_kernels
     enforce_eager: bool = ModelConfig.enforce_eager
+    cpu_threads: int | None = ModelConfig.cpu_threads
     seed: int = ModelConfig.seed
     # ModelConfig's None, the model's own context length (`to_engine_config` reads it and
     # gives it to both configs); SchedulerConfig's fixed default is on purpose not used here.
@@ -177,7 +183,8 @@ class EngineArgs:
                               seed=self.seed, device=self.device,
                               attention_backend=self.attention_backend,
                               layer_kernels=self.layer_kernels,
-                              enforce_eager=self.enforce_eager),
+                              enforce_eager=self.enforce_eager,
+                              cpu_threads=self.cpu_threads),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               enable_prefix_caching=self.enable_prefix_caching,
                               gpu_memory_utilization=self.gpu_memory_utilization,

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core.core_proc import POLL_INTERVAL_MS, run_engine_core
+from engine.core.cpu_threads import for_core_process
 from engine.core.engine_core import EngineCore
 from engine.core.wire import (
     AbortRequests,
@@ -122,7 +123,7 @@ class _CoreProcess:
         self.identity = uuid.uuid4().bytes
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, name="EngineCore", daemon=True,
-            args=(msgspec.msgpack.encode(config), input_address, output_address,
+            args=(msgspec.msgpack.encode(for_core_process(config)), input_address, output_address,
                   self.identity, os.getpid()),
         )
         self.process.start()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from engine.config import EngineConfig
 from engine.outputs import ModelRunnerOutput, PendingStep
 from engine.scheduler.output import SchedulerOutput
@@ -15,6 +17,8 @@ class TorchExecutor:
     caches, with `kv_offload_gib` > 0) on construction."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.model.cpu_threads is not None:
+            torch.set_num_threads(config.model.cpu_threads)
         self.runner = ModelRunner(config)
 
     @property
