@@ -161,9 +161,9 @@ class ModelConfig:
     fused kernels (`engine.model.layer_kernels`; CUDA, or CPU under Triton's interpreter);
     `auto` is triton on CUDA when Triton is installed, else torch;
     `enforce_eager` turns CUDA graphs off (decode steps then launch every kernel).
-    `cpu_threads` is torch's intra-op threads for the model (None: torch's count; a client
-    that starts a core process sets it to the usable cores minus one, at least 1, unless
-    `OMP_NUM_THREADS` is set: `engine.core.cpu_threads`).
+    `cpu_threads` is torch's intra-op threads for the model on CPU (None: torch's count, or
+    with `leave_core_to_frontend` one fewer, at least 1; the client that starts a core
+    process turns that on unless `OMP_NUM_THREADS` is set: `engine.core.cpu_threads`).
     """
 
     model: str = "tiny"
@@ -177,6 +177,7 @@ class ModelConfig:
     layer_kernels: LayerKernelsName = "auto"
     enforce_eager: bool = False
     cpu_threads: int | None = None
+    leave_core_to_frontend: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -52,9 +52,14 @@ _HELP = {
     ),
     "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
     "cpu_threads": (
-        "torch's threads for the model; None: torch's count when the engine runs in the "
-        "caller's process, one fewer than the usable cores (one left to the frontend) in "
-        "`serve`'s engine core process, unless OMP_NUM_THREADS is set"
+        "torch's threads for a model on CPU; None: torch's count when the engine runs in the "
+        "caller's process, one fewer (a core left to the frontend) in `serve`'s engine core "
+        "process, unless OMP_NUM_THREADS is set"
+    ),
+    "leave_core_to_frontend": (
+        "without --cpu-threads, give a model on CPU one thread fewer than torch's count (at "
+        "least 1), leaving a core to a frontend beside it; `serve`'s engine core process "
+        "does so unless OMP_NUM_THREADS is set"
     ),
     "seed": "seed of dummy weights and of unseeded sampling",
     "max_model_len": "longest sequence (prompt + output); None: the model's",
@@ -134,6 +139,7 @@ class EngineArgs:
     layer_kernels: LayerKernelsName = ModelConfig.layer_kernels
     enforce_eager: bool = ModelConfig.enforce_eager
     cpu_threads: int | None = ModelConfig.cpu_threads
+    leave_core_to_frontend: bool = ModelConfig.leave_core_to_frontend
     seed: int = ModelConfig.seed
     # ModelConfig's None, the model's own context length (`to_engine_config` reads it and
     # gives it to both configs); SchedulerConfig's fixed default is on purpose not used here.
@@ -184,7 +190,8 @@ class EngineArgs:
                               attention_backend=self.attention_backend,
                               layer_kernels=self.layer_kernels,
                               enforce_eager=self.enforce_eager,
-                              cpu_threads=self.cpu_threads),
+                              cpu_threads=self.cpu_threads,
+                              leave_core_to_frontend=self.leave_core_to_frontend),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               enable_prefix_caching=self.enable_prefix_caching,
                               gpu_memory_utilization=self.gpu_memory_utilization,

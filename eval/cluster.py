@@ -147,6 +147,8 @@ def cluster_stats(stats: Sequence[EngineStats]) -> EngineStats:
         values = [one[name] for one in fields]
         if isinstance(first, dict):
             merged[name] = dict(functools.reduce(lambda a, b: a + Counter(b), values, Counter()))
+        elif None in values:  # a figure some replica does not have (num_cpu_threads)
+            merged[name] = None
         else:
             merged[name] = sum(values)
     merged["kv_usage"] = sum(one.kv_usage for one in stats) / len(stats)

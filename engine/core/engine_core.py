@@ -330,6 +330,7 @@ class EngineCore:
             execute_time_s=self.execute_time_s,
             num_pins_created=scheduler.pins.num_created,
             num_arrival_holds_created=scheduler.pins.num_holds_created,
+            num_cpu_threads=self.executor.num_cpu_threads,
             pins_released={
                 reason.value: count for reason, count in scheduler.pins.num_released.items()
             },

@@ -138,6 +138,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     execute_time_s: float
     num_pins_created: int = 0  # arrival holds included
     num_arrival_holds_created: int = 0
+    num_cpu_threads: int | None = None  # torch's intra-op threads of a model on CPU
     pins_released: dict[str, int] = msgspec.field(default_factory=dict)
     num_jobs: int = 0
     num_invariant_checks: int = 0

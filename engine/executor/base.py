@@ -20,7 +20,8 @@ class Executor(Protocol):
 
     `num_kv_blocks` is the KV pool size the executor allocated (the scheduler's pool must match
     it), `num_host_kv_blocks` the host tier's (0: none; `CacheConfig.kv_offload_gib`);
-    `vocab_size` bounds the token ids it accepts. `submit` is called once per engine step
+    `vocab_size` bounds the token ids it accepts; `num_cpu_threads` is torch's intra-op threads
+    of a model it runs on CPU (None: no model on CPU). `submit` is called once per engine step
     (the step carries out its `kv_transfers` too) and returns the step launched; the engine
     core takes results in submission order, and with async scheduling submits the next step
     before it takes the last one's result (never more than two out). `execute` is `submit`
@@ -35,6 +36,9 @@ class Executor(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def num_cpu_threads(self) -> int | None: ...
 
     def submit(self, scheduler_output: SchedulerOutput) -> PendingStep: ...
 

@@ -68,6 +68,10 @@ class SimulatedExecutor(SynchronousExecutor):
         return self._num_host_kv_blocks
 
     @property
+    def num_cpu_threads(self) -> int | None:
+        return None
+
+    @property
     def kv_bytes_per_block(self) -> int:
         """Bytes of KV in one block, over all layers and devices."""
         return self._block_size * self.profile.model.kv_bytes_per_token

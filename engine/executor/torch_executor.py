@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.outputs import ModelRunnerOutput, PendingStep
 from engine.scheduler.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -17,9 +18,10 @@ class TorchExecutor:
     caches, with `kv_offload_gib` > 0) on construction."""
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.model.cpu_threads is not None:
-            torch.set_num_threads(config.model.cpu_threads)
         self.runner = ModelRunner(config)
+        if self.runner.device.type == "cpu":
+            threads = cpu_threads(config.model, torch.get_num_threads(), usable_cores())
+            torch.set_num_threads(threads)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -28,6 +30,10 @@ class TorchExecutor:
     @property
     def num_host_kv_blocks(self) -> int:
         return self.runner.num_host_kv_blocks
+
+    @property
+    def num_cpu_threads(self) -> int | None:
+        return torch.get_num_threads() if self.runner.device.type == "cpu" else None
 
     @property
     def vocab_size(self) -> int:
@@ -51,3 +57,22 @@ class TorchExecutor:
         self.runner.kv_caches.clear()
         if self.runner.host_kv_cache is not None:
             self.runner.host_kv_cache.caches.clear()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def cpu_threads(model: ModelConfig, torch_threads: int, num_cores: int) -> int:
+    """torch's intra-op threads for a model on CPU: `cpu_threads` if set; else, with
+    `leave_core_to_frontend`, one fewer than torch's own count (`torch_threads`, one per
+    physical core) or than `num_cores` (at least 1); else torch's own."""
+    if model.cpu_threads is not None:
+        return model.cpu_threads
+    if model.leave_core_to_frontend:
+        return max(1, min(torch_threads, num_cores) - 1)
+    return torch_threads

@@ -57,6 +57,10 @@ class ScriptedExecutor(SynchronousExecutor):
         return 0
 
     @property
+    def num_cpu_threads(self) -> int | None:
+        return None
+
+    @property
     def vocab_size(self) -> int:
         return self._vocab_size
 
