@@ -162,8 +162,9 @@ class ModelConfig:
     `auto` is triton on CUDA when Triton is installed, else torch;
     `enforce_eager` turns CUDA graphs off (decode steps then launch every kernel).
     `cpu_threads` is torch's intra-op threads for the model on CPU (None: torch's count, or
-    with `leave_core_to_frontend` one fewer, at least 1; the client that starts a core
-    process turns that on unless `OMP_NUM_THREADS` is set: `engine.core.cpu_threads`).
+    with `leave_core_to_frontend` one fewer, at least 1; None there means the client that
+    starts a core process turns it on unless `OMP_NUM_THREADS` is set, and an engine in the
+    caller's process does not: `engine.core.cpu_threads`).
     """
 
     model: str = "tiny"
@@ -177,7 +178,7 @@ class ModelConfig:
     layer_kernels: LayerKernelsName = "auto"
     enforce_eager: bool = False
     cpu_threads: int | None = None
-    leave_core_to_frontend: bool = False
+    leave_core_to_frontend: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -58,8 +58,8 @@ _HELP = {
     ),
     "leave_core_to_frontend": (
         "without --cpu-threads, give a model on CPU one thread fewer than torch's count (at "
-        "least 1), leaving a core to a frontend beside it; `serve`'s engine core process "
-        "does so unless OMP_NUM_THREADS is set"
+        "least 1), leaving a core to a frontend beside it; None: `serve`'s engine core "
+        "process does unless OMP_NUM_THREADS is set, an engine in the caller's process not"
     ),
     "seed": "seed of dummy weights and of unseeded sampling",
     "max_model_len": "longest sequence (prompt + output); None: the model's",
@@ -139,7 +139,7 @@ class EngineArgs:
     layer_kernels: LayerKernelsName = ModelConfig.layer_kernels
     enforce_eager: bool = ModelConfig.enforce_eager
     cpu_threads: int | None = ModelConfig.cpu_threads
-    leave_core_to_frontend: bool = ModelConfig.leave_core_to_frontend
+    leave_core_to_frontend: bool | None = ModelConfig.leave_core_to_frontend
     seed: int = ModelConfig.seed
     # ModelConfig's None, the model's own context length (`to_engine_config` reads it and
     # gives it to both configs); SchedulerConfig's fixed default is on purpose not used here.
@@ -254,7 +254,7 @@ class EngineArgs:
                 group.add_argument("--policy-option", dest="policy_options", action="append",
                                    metavar="KEY=VALUE", default=[],
                                    help=help_text.replace("%", "%%"))
-            elif isinstance(default, bool):
+            elif isinstance(default, bool) or hints[spec.name] == bool | None:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                    help=help_text)
             else:

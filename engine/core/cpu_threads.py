@@ -22,9 +22,12 @@ from engine.config import EngineConfig
 def for_core_process(config: EngineConfig,
                      environ: Mapping[str, str] = os.environ) -> EngineConfig:
     """`config` as the client sends it to the core process it starts: with
-    `leave_core_to_frontend` on, unless `cpu_threads` or `OMP_NUM_THREADS` (in `environ`,
-    which the process inherits; Ray sets it in each replica from its CPUs) chose the count."""
-    if config.model.cpu_threads is not None or environ.get("OMP_NUM_THREADS"):
+    `leave_core_to_frontend` on, unless it was given, or `cpu_threads` or `OMP_NUM_THREADS`
+    (in `environ`, which the process inherits; Ray sets it in each replica from its CPUs)
+    chose the count."""
+    model = config.model
+    if (model.leave_core_to_frontend is not None or model.cpu_threads is not None
+            or environ.get("OMP_NUM_THREADS")):
         return config
     return dataclasses.replace(config, model=dataclasses.replace(config.model,
                                                                  leave_core_to_frontend=True))

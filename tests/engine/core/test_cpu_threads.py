@@ -22,13 +22,14 @@ def _small(model: ModelConfig) -> EngineConfig:
 
 
 @pytest.mark.parametrize(("requested", "leave_one", "torch_threads", "num_cores", "expected"), [
-    (None, False, 4, 8, 4),  # in the caller's process: torch's count
+    (None, None, 4, 8, 4),  # in the caller's process: torch's count
+    (None, False, 4, 8, 4),
     (None, True, 4, 8, 3),  # one fewer than torch's (one thread per physical core)...
     (None, True, 8, 4, 3),  # ...or than the cores this process may use
     (None, True, 1, 1, 1),  # at least one
     (6, True, 4, 8, 6),  # cpu_threads wins
 ])
-def test_the_thread_count(requested: int | None, leave_one: bool, torch_threads: int,
+def test_the_thread_count(requested: int | None, leave_one: bool | None, torch_threads: int,
                           num_cores: int, expected: int) -> None:
     model = ModelConfig(cpu_threads=requested, leave_core_to_frontend=leave_one)
     assert cpu_threads(model, torch_threads, num_cores) == expected
@@ -36,14 +37,15 @@ def test_the_thread_count(requested: int | None, leave_one: bool, torch_threads:
 
 def test_the_client_asks_its_core_process_to_leave_a_core() -> None:
     config = EngineConfig()
-    assert not config.model.leave_core_to_frontend  # in the caller's process
+    assert config.model.leave_core_to_frontend is None  # in the caller's process: off
     sent = for_core_process(config, environ={})
     assert sent.model.leave_core_to_frontend
     assert sent.model.model == config.model.model and sent.cache == config.cache
     # The user's (or Ray's) OMP_NUM_THREADS, or cpu_threads, chose already.
     assert for_core_process(config, environ={"OMP_NUM_THREADS": "1"}) is config
-    explicit = EngineConfig(model=ModelConfig(cpu_threads=5))
-    assert for_core_process(explicit, environ={}) is explicit
+    for explicit in (EngineConfig(model=ModelConfig(cpu_threads=5)),
+                     EngineConfig(model=ModelConfig(leave_core_to_frontend=False))):
+        assert for_core_process(explicit, environ={}) is explicit
 
 
 def test_cpu_threads_must_be_positive() -> None:
