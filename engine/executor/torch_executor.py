@@ -21,7 +21,8 @@ class TorchExecutor:
         self.runner = ModelRunner(config)
         if self.runner.device.type == "cpu":
             threads = cpu_threads(config.model, torch.get_num_threads(), usable_cores())
-            torch.set_num_threads(threads)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
 
     @property
     def num_kv_blocks(self) -> int:
