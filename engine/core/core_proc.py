@@ -23,6 +23,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.core.gc_heap import freeze_startup_heap
 from engine.core.wire import (
     AbortRequests,
     CoreEvent,
@@ -271,6 +272,7 @@ def _build_and_serve(
     except Exception as error:
         input_socket.send(encoder.encode(CoreStartupFailed(f"{type(error).__name__}: {error}")))
         return 1
+    freeze_startup_heap()
     input_socket.send(encoder.encode(CoreReady(
         num_kv_blocks=core.executor.num_kv_blocks, vocab_size=core.vocab_size,
         max_model_len=config.scheduler.max_model_len,

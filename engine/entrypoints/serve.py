@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from engine.core.gc_heap import freeze_startup_heap
 from engine.engine_args import EngineArgs
 from engine.entrypoints.connections import (
     ConnectionSettings,
@@ -97,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
         logger.info("serving %s on http://%s:%d (policy %s, %d KV blocks)",
                     settings.served_model_name, host, port, config.scheduler.policy,
                     engine.client.num_kv_blocks)
+        freeze_startup_heap()
         return engine
 
     engine_died = False

@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from engine.core.gc_heap import freeze_startup_heap
 from engine.engine_args import EngineArgs
 from eval.report import emit
 
@@ -142,6 +143,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
               for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    freeze_startup_heap()  # as serve's core process does: the bench owns this process
     before = llm.engine.get_stats()
     allocator_before = _cuda_allocator_counts()
     steps: list[StepRecord] = []
