@@ -8,15 +8,18 @@ in-process engine on the tiny model, where one such collection took 180 ms insid
 collections that still run see only what serving allocates. vLLM freezes its start-up heap
 the same way.
 
-Only a process's owner may call this (`serve`'s main and its engine core process, a bench
-that owns its process): frozen objects that later become cyclic garbage are never freed,
-which is harmless for objects that live as long as the process, but not for a library's
-caller.
+Only a process's owner may freeze for good (`serve`'s main and its engine core process):
+frozen objects that later become cyclic garbage are never freed, which is harmless for
+objects that live as long as the process, but not for a library's caller. Code that runs in
+someone else's process (a bench called from a test) freezes for a block only
+(`startup_heap_frozen`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 
 def freeze_startup_heap() -> int:
@@ -25,3 +28,13 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def startup_heap_frozen() -> Iterator[int]:
+    """`freeze_startup_heap()` for the block (its count), then `gc.unfreeze()`: what was frozen
+    is collectable again."""
+    try:
+        yield freeze_startup_heap()
+    finally:
+        gc.unfreeze()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from engine.core.gc_heap import freeze_startup_heap
+from engine.core.gc_heap import freeze_startup_heap, startup_heap_frozen
 
 
 class _Node:
@@ -24,7 +24,7 @@ def test_the_start_up_heap_is_frozen_and_later_garbage_is_still_collected() -> N
     before_freeze = _cycle()
     try:
         num_frozen = freeze_startup_heap()
-        assert num_frozen == gc.get_freeze_count() > 0
+        assert num_frozen > 0 and gc.get_freeze_count() > 0
         assert before_freeze() is None  # start-up's garbage was collected before the freeze
         after_freeze = _cycle()
         assert after_freeze() is not None
@@ -32,3 +32,9 @@ def test_the_start_up_heap_is_frozen_and_later_garbage_is_still_collected() -> N
         assert after_freeze() is None
     finally:
         gc.unfreeze()
+
+
+def test_a_frozen_block_leaves_the_heap_collectable_again() -> None:
+    with startup_heap_frozen() as num_frozen:
+        assert num_frozen > 0 and gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
