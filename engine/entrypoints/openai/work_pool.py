@@ -6,7 +6,11 @@ priority (niceness 10, about a tenth of the CPU when others want it): rendering 
 tokenizing an 8 MB chat takes seconds of CPU, which on a busy machine would otherwise be
 taken from the engine core's steps and the event loop that streams every client's tokens.
 Small requests' work keeps the normal priority, so that their time to first token does not
-wait on the large ones'.
+wait on the large ones'. At most `num_background_threads` such items run at once: by default
+the usable cores less two (one for the engine core's busy loop, one for the event loop), at
+least one. That work is CPU-bound, so threads beyond the idle cores only take turns on them
+and add to what preempts the engine core and the event loop (docs/benchmarks.md, "Fewer
+threads for large bodies").
 
 One pool serves the whole server. A tenant runs at most `max_threads_per_tenant` items at
 once, so that a flood from one tenant (say chats of 10,000 messages, each taking seconds to
@@ -40,6 +44,15 @@ DEFAULT_MAX_WAITING_PREPARATIONS = 64
 BACKGROUND_NICENESS = 10
 
 
+def default_background_threads(num_threads: int) -> int:
+    """The usable cores less two, at least 1, at most `num_threads`."""
+    try:
+        num_cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        num_cores = os.cpu_count() or 1
+    return max(1, min(num_threads, num_cores - 2))
+
+
 @dataclass(eq=False)
 class _Item:
     fn: Callable[..., Any]
@@ -58,6 +71,7 @@ class TenantWorkPool:
 
     def __init__(self, num_threads: int = DEFAULT_PREPARATION_THREADS, *,
                  max_threads_per_tenant: int | None = None,
+                 num_background_threads: int | None = None,
                  max_waiting_per_tenant: int = DEFAULT_MAX_WAITING_PREPARATIONS,
                  retry_after_s: int = 1) -> None:
         if num_threads < 1 or max_waiting_per_tenant < 1:
@@ -66,14 +80,21 @@ class TenantWorkPool:
         if not 1 <= per_tenant <= num_threads:
             raise ValueError(f"max_threads_per_tenant must be in [1, {num_threads}], got "
                              f"{per_tenant}")
+        background = (default_background_threads(num_threads) if num_background_threads is None
+                      else num_background_threads)
+        if not 1 <= background <= num_threads:
+            raise ValueError(f"num_background_threads must be in [1, {num_threads}], got "
+                             f"{background}")
         self.num_threads = num_threads
         self.max_threads_per_tenant = per_tenant
+        self.num_background_threads = background
         self.max_waiting_per_tenant = max_waiting_per_tenant
         self.retry_after_s = retry_after_s
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="preparation")
         self._background_executor = ThreadPoolExecutor(
-            num_threads, thread_name_prefix="preparation-background",
+            background, thread_name_prefix="preparation-background",
             initializer=lower_thread_priority, initargs=(BACKGROUND_NICENESS,))
+        self._num_running_background = 0
         self._waiting: dict[str | None, deque[_Item]] = {}
         # Every tenant seen, in the order of their next turns: one that starts an item goes
         # last, one never seen before goes first. As bounded as the server's API keys.
@@ -126,23 +147,34 @@ class TenantWorkPool:
         self._background_executor.shutdown(wait=False, cancel_futures=True)
 
     def _dispatch(self) -> None:
-        """Starts waiting items while threads are free, taking tenants in turn."""
-        while sum(self._running.values()) < self.num_threads:
-            for tenant in self._turns:
-                if (tenant in self._waiting
-                        and self._running.get(tenant, 0) < self.max_threads_per_tenant):
-                    break
-            else:
-                return
+        """Starts waiting items while threads are free, taking tenants in turn; a tenant's
+        items start in the order they came, except that small ones pass large ones waiting
+        for a background thread."""
+        while (startable := self._startable()) is not None:
+            tenant, item = startable
             queue = self._waiting[tenant]
-            item = queue.popleft()
+            queue.remove(item)
             if not queue:
                 del self._waiting[tenant]
             self._turns.move_to_end(tenant)
             self._start(tenant, item)
 
+    def _startable(self) -> tuple[str | None, _Item] | None:
+        """The first tenant in turn with an item that may start now, and that item."""
+        if sum(self._running.values()) >= self.num_threads:
+            return None
+        background_full = self._num_running_background >= self.num_background_threads
+        for tenant in self._turns:
+            if self._running.get(tenant, 0) >= self.max_threads_per_tenant:
+                continue
+            for item in self._waiting.get(tenant, ()):
+                if not (item.background and background_full):
+                    return tenant, item
+        return None
+
     def _start(self, tenant: str | None, item: _Item) -> None:
         self._running[tenant] = self._running.get(tenant, 0) + 1
+        self._num_running_background += item.background
         loop = asyncio.get_running_loop()
         executor = self._background_executor if item.background else self._executor
         work = executor.submit(item.fn, *item.args)
@@ -151,6 +183,7 @@ class TenantWorkPool:
 
     def _finished(self, tenant: str | None, item: _Item, done: Future[Any]) -> None:
         self._running[tenant] -= 1
+        self._num_running_background -= item.background
         if not self._running[tenant]:
             del self._running[tenant]
         if done.cancelled():

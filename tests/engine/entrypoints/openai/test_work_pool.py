@@ -144,3 +144,32 @@ def test_background_work_runs_at_lower_cpu_priority_in_the_same_turns():
         pool.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_large_bodies_take_at_most_the_background_threads_and_small_ones_pass_them():
+    async def scenario() -> None:
+        pool = TenantWorkPool.for_tenants(2, num_threads=4, num_background_threads=1)
+        gate, started = threading.Event(), []
+        large = [asyncio.ensure_future(pool.run(tenant, _blocker(started, name, gate),
+                                                background=True))
+                 for tenant, name in (("a", "a-large0"), ("a", "a-large1"), ("b", "b-large"))]
+        await _until(lambda: started == ["a-large0"])
+        await asyncio.sleep(0.05)
+        assert started == ["a-large0"]  # one background thread, whoever waits
+        # A small item waits behind neither its tenant's large one nor the other tenant's.
+        assert await asyncio.wait_for(pool.run("b", lambda: "small"), 5) == "small"
+        gate.set()
+        assert await asyncio.gather(*large) == ["a-large0", "a-large1", "b-large"]
+        assert sorted(started) == ["a-large0", "a-large1", "b-large"]
+        pool.shutdown()
+    asyncio.run(scenario())
+
+
+def test_the_background_threads_default_to_the_cores_left_to_them(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert TenantWorkPool(20).num_background_threads == 14
+    assert TenantWorkPool(8).num_background_threads == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert TenantWorkPool(6).num_background_threads == 1
+    with pytest.raises(ValueError, match="num_background_threads"):
+        TenantWorkPool(2, num_background_threads=3)
