@@ -32,8 +32,12 @@ def freeze_startup_heap() -> int:
 
 @contextlib.contextmanager
 def startup_heap_frozen() -> Iterator[int]:
-    """`freeze_startup_heap()` for the block (its count), then `gc.unfreeze()`: what was frozen
-    is collectable again."""
+    """`freeze_startup_heap()` for the block (the number of objects frozen), then
+    `gc.unfreeze()`, so that what was frozen is collectable again. A process whose heap is
+    already frozen is left as it is (`gc` cannot unfreeze a part of it)."""
+    if gc.get_freeze_count():
+        yield gc.get_freeze_count()
+        return
     try:
         yield freeze_startup_heap()
     finally:

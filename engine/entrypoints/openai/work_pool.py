@@ -99,7 +99,11 @@ class TenantWorkPool:
         # Every tenant seen, in the order of their next turns: one that starts an item goes
         # last, one never seen before goes first. As bounded as the server's API keys.
         self._turns: OrderedDict[str | None, None] = OrderedDict()
+        # The same for the background threads: a tenant goes last once it starts a background
+        # item, so that its small items do not cost its large ones their turn.
+        self._background_turns: OrderedDict[str | None, None] = OrderedDict()
         self._running: dict[str | None, int] = {}
+        self._closed = False
 
     @classmethod
     def for_tenants(cls, num_tenants: int, num_threads: int = DEFAULT_PREPARATION_THREADS,
@@ -116,15 +120,18 @@ class TenantWorkPool:
         if the tenant already has `max_waiting_per_tenant` items waiting. If the caller is
         cancelled while the item waits, the item is dropped; once it runs, it runs to its end
         and its result is discarded."""
+        if self._closed:
+            raise _shutting_down()
         queue = self._waiting.get(tenant)
         if queue is not None and len(queue) >= self.max_waiting_per_tenant:
             raise APIError(429, f"too many of this client's requests are being prepared "
                                 f"({len(queue)} waiting); retry later", code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.retry_after_s)})
         item = _Item(fn, args, background)
-        if tenant not in self._turns:
-            self._turns[tenant] = None
-            self._turns.move_to_end(tenant, last=False)
+        for turns in (self._turns, self._background_turns):
+            if tenant not in turns:
+                turns[tenant] = None
+                turns.move_to_end(tenant, last=False)
         self._waiting.setdefault(tenant, deque()).append(item)
         self._dispatch()
         try:
@@ -142,14 +149,21 @@ class TenantWorkPool:
         return self._running.get(tenant, 0)
 
     def shutdown(self) -> None:
-        """Stops taking items; items already running finish on their threads."""
+        """Stops taking items: waiting ones (and later calls) fail with 503; items already
+        running finish on their threads."""
+        self._closed = True
+        for queue in self._waiting.values():
+            for item in queue:
+                if not item.result.done():
+                    item.result.set_exception(_shutting_down())
+        self._waiting.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._background_executor.shutdown(wait=False, cancel_futures=True)
 
     def _dispatch(self) -> None:
-        """Starts waiting items while threads are free, taking tenants in turn; a tenant's
-        items start in the order they came, except that small ones pass large ones waiting
-        for a background thread."""
+        """Starts waiting items while threads are free: a background thread's next item comes
+        from the tenants in their background turns, any other thread's from the tenants in
+        turn; each tenant's items of a kind start in the order they came."""
         while (startable := self._startable()) is not None:
             tenant, item = startable
             queue = self._waiting[tenant]
@@ -157,18 +171,29 @@ class TenantWorkPool:
             if not queue:
                 del self._waiting[tenant]
             self._turns.move_to_end(tenant)
+            if item.background:
+                self._background_turns.move_to_end(tenant)
             self._start(tenant, item)
 
     def _startable(self) -> tuple[str | None, _Item] | None:
-        """The first tenant in turn with an item that may start now, and that item."""
-        if sum(self._running.values()) >= self.num_threads:
+        """The next item that may start now, with its tenant; None if none may."""
+        if self._closed or sum(self._running.values()) >= self.num_threads:
             return None
-        background_full = self._num_running_background >= self.num_background_threads
-        for tenant in self._turns:
+        if self._num_running_background < self.num_background_threads:
+            found = self._first_item(self._background_turns, background=True)
+            if found is not None:
+                return found
+        return self._first_item(self._turns, background=False)
+
+    def _first_item(self, turns: OrderedDict[str | None, None], *,
+                    background: bool) -> tuple[str | None, _Item] | None:
+        """The first waiting item of the kind, of the first tenant in `turns` below its
+        thread cap that has one."""
+        for tenant in turns:
             if self._running.get(tenant, 0) >= self.max_threads_per_tenant:
                 continue
             for item in self._waiting.get(tenant, ()):
-                if not (item.background and background_full):
+                if item.background == background:
                     return tenant, item
         return None
 
@@ -202,6 +227,10 @@ class TenantWorkPool:
             queue.remove(item)
             if not queue:
                 del self._waiting[tenant]
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", code="server_shutting_down")
 
 
 def lower_thread_priority(niceness: int) -> None:

@@ -38,3 +38,13 @@ def test_a_frozen_block_leaves_the_heap_collectable_again() -> None:
     with startup_heap_frozen() as num_frozen:
         assert num_frozen > 0 and gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
+
+
+def test_a_frozen_block_leaves_an_already_frozen_heap_frozen() -> None:
+    try:
+        freeze_startup_heap()
+        with startup_heap_frozen() as num_frozen:
+            assert num_frozen > 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -160,16 +160,58 @@ def test_large_bodies_take_at_most_the_background_threads_and_small_ones_pass_th
         assert await asyncio.wait_for(pool.run("b", lambda: "small"), 5) == "small"
         gate.set()
         assert await asyncio.gather(*large) == ["a-large0", "a-large1", "b-large"]
-        assert sorted(started) == ["a-large0", "a-large1", "b-large"]
+        # b's small item did not cost its large one its background turn.
+        assert started == ["a-large0", "b-large", "a-large1"]
         pool.shutdown()
     asyncio.run(scenario())
 
 
+def test_a_tenant_sending_small_items_keeps_its_large_ones_turn():
+    async def scenario() -> None:
+        pool = TenantWorkPool.for_tenants(2, num_threads=4, num_background_threads=1)
+        gate, started = threading.Event(), []
+        first = asyncio.ensure_future(pool.run("a", _blocker(started, "a0", gate),
+                                               background=True))
+        await _until(lambda: started == ["a0"])
+        backlog = [asyncio.ensure_future(pool.run("a", _blocker(started, f"a{i}", gate),
+                                                  background=True)) for i in range(1, 6)]
+        large_b = asyncio.ensure_future(pool.run("b", _blocker(started, "B", gate),
+                                                 background=True))
+        for _ in range(5):  # b keeps starting small items while a's backlog waits
+            assert await asyncio.wait_for(pool.run("b", lambda: "small"), 5) == "small"
+        gate.set()
+        await asyncio.gather(first, *backlog, large_b)
+        assert started.index("B") == 1  # the next background item, not the last
+        pool.shutdown()
+    asyncio.run(scenario())
+
+
+def test_shutdown_fails_waiting_and_later_items_with_503():
+    async def scenario() -> None:
+        pool = TenantWorkPool(2, num_background_threads=1)
+        gate, started = threading.Event(), []
+        running = asyncio.ensure_future(pool.run("a", _blocker(started, "run", gate),
+                                                 background=True))
+        await _until(lambda: started == ["run"])
+        waiting = asyncio.ensure_future(pool.run("a", lambda: "never", background=True))
+        await _until(lambda: pool.num_waiting("a") == 1)
+        pool.shutdown()
+        with pytest.raises(APIError) as refused:
+            await waiting
+        assert refused.value.status_code == 503
+        gate.set()
+        assert await running == "run"  # a running item finishes
+        await _until(lambda: pool.num_running("a") == 0)
+        with pytest.raises(APIError):
+            await pool.run("a", lambda: "late")
+    asyncio.run(scenario())
+
+
 def test_the_background_threads_default_to_the_cores_left_to_them(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert TenantWorkPool(20).num_background_threads == 14
     assert TenantWorkPool(8).num_background_threads == 8
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert TenantWorkPool(6).num_background_threads == 1
     with pytest.raises(ValueError, match="num_background_threads"):
         TenantWorkPool(2, num_background_threads=3)
