@@ -2,7 +2,7 @@
 
 CPython's oldest-generation collection walks every tracked object. After start-up a
 process that serves holds hundreds of thousands of them that live until it exits (modules,
-the model's modules and parameters' wrappers, the tokenizer, the app): 435,000 in an
+the model's modules and parameters' wrappers, the tokenizer): 435,000 in an
 in-process engine on the tiny model, where one such collection took 180 ms inside a step of
 `bench throughput`. Marked static with `gc.freeze`, they are never walked again: the
 collections that still run see only what serving allocates. vLLM freezes its start-up heap

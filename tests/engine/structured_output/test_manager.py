@@ -25,13 +25,6 @@ from tests.engine.helpers import FakeClock
 
 EOS = 258
 VOCAB = 272
-
-
-def slow_mask_regex(num_repeats: int) -> str:
-    """A regex whose lexer has `num_repeats` thousand states: on a fast machine (2026-11-25)
-    each mask after the first took about 0.11 ms of CPU per thousand once llguidance had
-    compiled a grammar in the process, about 0.16 ms before."""
-    return f"(a{{1000}}){{{num_repeats}}}"
 LOAD_TINY = functools.partial(load_tokenizer, "tiny")
 
 
@@ -249,8 +242,9 @@ def test_a_grammar_whose_masks_overrun_the_budget_fails_alone(budget_s, num_repe
                                            max_grammar_bytes=256 << 20))  # 160: 72 MiB
     try:
         _compiled(manager, "fast", grammars.choice_grammar(["ab"]))
-        manager.submit("slow", _spec(grammars.regex_grammar(slow_mask_regex(num_repeats))),
-                       EOS)
+        # A lexer of `num_repeats` thousand states.
+        slow = grammars.regex_grammar(f"(a{{1000}}){{{num_repeats}}}")
+        manager.submit("slow", _spec(slow), EOS)
         failures = [outcome.failure for outcome in _outcomes(manager) if outcome.failure]
         for _ in range(10):
             if failures:
