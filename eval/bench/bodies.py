@@ -6,8 +6,9 @@ the gaps between its tokens, first alone for `--baseline-s`, then for `--attack-
 `--attackers` clients of the other tenant each send one body after another
 (`--attack chats|responses|both`, each against its own server):
 - **chats**: chats of `--chat-messages` messages of `--message-chars` characters (8 MB by
-  default), each taking seconds to render and tokenize, on threads the server shares with
-  every tenant; longer than the model's context, so each ends in a 400 once tokenized.
+  default), each taking seconds to render and tokenize (in the server's parse children, on
+  cores it shares with every tenant); longer than the model's context, so each ends in a 400
+  once tokenized.
 - **responses**: Responses requests whose one input message holds `--response-parts` tiny
   content parts (15 MB by default), costly to parse and validate on the event loop.
 The attackers run in a child process with an event loop and HTTP client of their own, as

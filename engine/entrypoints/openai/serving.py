@@ -15,6 +15,7 @@ import msgspec
 from starlette.requests import Request as HTTPRequest
 
 from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.chat_prompt import ChatPrompt
 from engine.entrypoints.openai.drain import ServerShuttingDownError
 from engine.entrypoints.openai.errors import (
     APIError,
@@ -23,7 +24,7 @@ from engine.entrypoints.openai.errors import (
     shutting_down_error,
 )
 from engine.entrypoints.openai.job_extension import job_info
-from engine.entrypoints.openai.json_body import LARGE_BODY_STATE
+from engine.entrypoints.openai.json_body import CHAT_PROMPT_STATE, LARGE_BODY_STATE
 from engine.entrypoints.openai.protocol import SamplingFields
 from engine.entrypoints.openai.request_id import scope_request_id
 from engine.entrypoints.openai.response_store import check_store_room
@@ -148,19 +149,23 @@ class ClientContext:
     on a server without API keys), and its `X-Request-Id` (the client's or a generated one;
     None outside `RequestIdMiddleware`), which log lines about the request name;
     `large_body`: its body was too large to parse inline, so its preparation runs in the work
-    pool's background (lower CPU priority)."""
+    pool's background (lower CPU priority); `chat_prompt`: a large chat body's conversation,
+    made into its prompt in the child that parsed the body (None: made by the handler)."""
 
     headers: Mapping[str, str]
     tenant: str | None
     request_id: str | None = None
     large_body: bool = False
+    chat_prompt: ChatPrompt | None = None
 
     @classmethod
     def of(cls, request: HTTPRequest) -> ClientContext:
         """The client of a request whose body was read (`PoolParsedRequest.json`)."""
+        state = request.scope.get("state", {})
         return cls(headers=request.headers, tenant=scope_tenant(request.scope),
                    request_id=scope_request_id(request.scope),
-                   large_body=bool(request.scope.get("state", {}).get(LARGE_BODY_STATE)))
+                   large_body=bool(state.get(LARGE_BODY_STATE)),
+                   chat_prompt=state.get(CHAT_PROMPT_STATE))
 
 
 class OpenAIServing:

@@ -12,14 +12,14 @@ has its first token (clients time the first token by it).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine.entrypoints.openai.chat_prompt import check_chat_fields, render_chat_prompt
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
     ClientContext,
@@ -31,7 +31,7 @@ from engine.entrypoints.openai.serving import (
     sse_error,
 )
 from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
-from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
+from engine.entrypoints.openai.tool_call_ids import issued_call_id
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.entrypoints.openai.work_pool import TenantWorkPool
 from engine.frontend.async_llm import AsyncLLM
@@ -99,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
         queue has no room for its completions. Rendering and validating run off the event
         loop."""
         self.check_request(body)
-        self._check_chat_fields(body)
+        check_chat_fields(body)
         structured_output = None
         if may_constrain(body):
             structured_output = await self.run_for(
@@ -122,45 +122,17 @@ class OpenAIServingChat(OpenAIServing):
                             client: ClientContext) -> ProcessedRequest:
         tool_call_format = self._tool_call_format(body)
         kept = self._tool_call_marker_ids if tool_call_format is not None else frozenset()
-        messages = [template_message(message) for message in body.messages]
-        return self.process(new_id("chatcmpl"), self._render(body, messages, params), params, body,
-                            client, kept_special_token_ids=kept,
-                            continues_request_id=continued_request_id(messages),
-                            tool_call_format=tool_call_format)
-
-    def _check_chat_fields(self, body: ChatCompletionRequest) -> None:
-        for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
-            if getattr(body, legacy) is not None:
-                raise APIError(400, f"{legacy} is OpenAI's deprecated form of {current}, which "
-                               f"this server does not take: send {current} instead",
-                               param=legacy)
-        if body.chat_template_kwargs and "chat_template" in body.chat_template_kwargs:
-            raise APIError(400, "a request may not replace the chat template",
-                           param="chat_template_kwargs")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
-        choice = body.tool_choice
-        if choice is not None and choice != "none" and not body.tools:
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        if choice is not None and not isinstance(choice, str):
-            names = {tool.function.name for tool in body.tools or ()}
-            if choice.function.name not in names:
-                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not "
-                                    "among the tools", param="tool_choice")
-
-    def _render(self, body: ChatCompletionRequest, messages: list[dict[str, Any]],
-                params: SamplingParams) -> list[int]:
-        tools = None if not body.tools else [tool.model_dump(exclude_none=True)
-                                              for tool in body.tools]
+        prompt = client.chat_prompt or render_chat_prompt(self.engine.processor, body)
         try:
-            return self.engine.processor.chat_prompt(
-                messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
+            token_ids = prompt.checked_token_ids(self.max_model_len)
         except PromptTooLongError as error:
             raise self.prompt_too_long(error, params) from error
         except ValueError as error:
             raise APIError(400, str(error), param="messages") from error
+        return self.process(new_id("chatcmpl"), token_ids, params, body, client,
+                            kept_special_token_ids=kept,
+                            continues_request_id=prompt.continues_request_id,
+                            tool_call_format=tool_call_format)
 
     async def create(self, body: ChatCompletionRequest,
                      prepared: PreparedChat) -> dict[str, Any]:
@@ -291,31 +263,3 @@ def _finish_reason(reason: str | None, tool_calls: tuple[ParsedToolCall, ...]) -
 def _tool_call(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates expect it: text content as a string, and tool-call
-    arguments as objects (templates render them with `tojson`)."""
-    rendered = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):
-        rendered["content"] = "".join(part.text for part in content)
-    elif content is None:
-        rendered["content"] = ""
-    if message.tool_calls:
-        rendered["tool_calls"] = [
-            {"id": call.id, "type": call.type,
-             "function": {"name": call.function.name,
-                          "arguments": _arguments_object(call.function.arguments)}}
-            for call in message.tool_calls
-        ]
-    return rendered
-
-
-def _arguments_object(arguments: str | dict[str, Any]) -> Any:
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        return json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError):
-        return arguments

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_ITEMS
+from engine.entrypoints.openai.chat_prompt import template_message
 from engine.entrypoints.openai.drain import ServerShuttingDownError
 from engine.entrypoints.openai.errors import APIError, engine_dead_error, shutting_down_error
 from engine.entrypoints.openai.job_extension import JOB_ID_HEADER, job_info
@@ -63,7 +64,6 @@ from engine.entrypoints.openai.serving import (
     merge_streams,
     sse,
 )
-from engine.entrypoints.openai.serving_chat import template_message
 from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter

@@ -13,16 +13,36 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel, model_validator
 
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_PARTS, BodyLimitError
+from engine.entrypoints.openai.chat_prompt import (
+    ChatPrompt,
+    prepared_chat_prompt,
+    render_chat_prompt,
+)
 from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, BodyParser, PoolParsedRoute
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from engine.entrypoints.openai.serving import ClientContext
 from engine.entrypoints.openai.work_pool import TenantWorkPool
+from engine.frontend.processor import InputProcessor
+from engine.model.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def parser():
     running = BodyParser(num_processes=1)
+    yield running
+    running.shutdown()
+
+
+@pytest.fixture(scope="module")
+def processor() -> InputProcessor:
+    """The tiny model's input processor, with a context of 64 tokens."""
+    return InputProcessor(load_tokenizer("tiny"), vocab_size=512, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def preparing_parser(processor):
+    running = BodyParser(num_processes=1, processor=processor)
     yield running
     running.shutdown()
 
@@ -38,7 +58,7 @@ def pool_parsed_app(parser: BodyParser) -> FastAPI:
 
 def test_parses_in_a_child_process_as_json_loads_does(parser):
     body = '{"a": [1, 2.5, true, null], "b": "d\\u00e9 \\ud800"}'.encode("utf-16")
-    assert parser.parse(body, None) == json.loads(body)
+    assert parser.parse(body, None).value == json.loads(body)
     with pytest.raises(json.JSONDecodeError):
         parser.parse(b'{"a": 1', None)
 
@@ -48,7 +68,7 @@ def test_a_body_over_a_limit_is_refused_in_the_child(parser):
     with pytest.raises(BodyLimitError) as refused:
         parser.parse(body.encode(), "messages")
     assert refused.value.param == "messages"
-    assert parser.parse(body.encode(), "input")["messages"]
+    assert parser.parse(body.encode(), "input").value["messages"]
 
 
 def test_a_dead_child_is_replaced(parser):
@@ -56,7 +76,7 @@ def test_a_dead_child_is_replaced(parser):
     executor = parser._live_executor()
     for pid in list(executor._processes):
         os.kill(pid, 9)
-    assert parser.parse(b"[1]", None) == [1]
+    assert parser.parse(b"[1]", None).value == [1]
 
 
 def test_large_chat_bodies_are_served_or_refused_with_400(server):
@@ -137,7 +157,7 @@ def test_a_large_body_is_validated_in_the_child_and_not_again(parser):
         "text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}}),
 ], ids=["completion", "chat", "responses"])
 def test_every_routes_model_comes_back_from_the_child_as_validated(parser, model, body):
-    assert parser.parse(json.dumps(body).encode(), None, model) == model.model_validate(body)
+    assert parser.parse(json.dumps(body).encode(), None, model).value == model.model_validate(body)
 
 
 def _body_x(x: int = Body()) -> int:
@@ -164,11 +184,11 @@ def test_a_body_with_a_dependencys_field_is_left_to_the_route(parser):
 
 def test_the_child_returns_the_model_or_what_it_parsed(parser):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 100}]}
-    validated = parser.parse(json.dumps(chat).encode(), "messages", ChatCompletionRequest)
+    validated = parser.parse(json.dumps(chat).encode(), "messages", ChatCompletionRequest).value
     assert validated == ChatCompletionRequest.model_validate(chat)
     invalid = {**chat, "max_tokens": "many"}
     assert parser.parse(json.dumps(invalid).encode(), "messages",
-                        ChatCompletionRequest) == invalid
+                        ChatCompletionRequest).value == invalid
 
 
 @pytest.mark.parametrize("bad", [
@@ -188,3 +208,83 @@ def test_a_large_invalid_body_gets_the_small_ones_error(server, bad):
     assert [answer.status_code for answer in answers] == [400, 400]
     errors = [answer.json()["error"] for answer in answers]
     assert errors[0]["param"] == errors[1]["param"] == next(iter(bad))
+
+
+def _chat(**fields: object) -> dict:
+    return {"model": "tiny", "messages": [
+        {"role": "user", "content": "what is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], **fields}
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    {"tools": [{"type": "function", "function": {"name": "weather", "parameters": {}}}]},
+    {"messages": [{"role": "user", "content": "many words " * 40}]},
+    {"add_generation_prompt": False},
+], ids=["conversation", "tools", "too-long", "no-generation-prompt"])
+def test_the_child_makes_a_chats_prompt_as_the_server_would(preparing_parser, processor,
+                                                           fields):
+    body = _chat(**fields)
+    parsed = preparing_parser.parse(json.dumps(body).encode(), "messages",
+                                    ChatCompletionRequest, prepared_chat_prompt)
+    validated = ChatCompletionRequest.model_validate(body)
+    assert parsed.value == validated
+    assert parsed.prepared == render_chat_prompt(processor, validated)
+    assert isinstance(parsed.prepared, ChatPrompt)
+    if "messages" in fields:
+        assert parsed.prepared.token_ids is None and parsed.prepared.num_tokens > 64
+
+
+def test_the_child_does_not_render_what_the_server_refuses(preparing_parser, parser):
+    """A chat whose fields the server refuses (here one that would replace the chat
+    template) is not rendered in the child; nor is anything by a parser without a
+    processor, nor a body that does not validate."""
+    replacing = _chat(chat_template_kwargs={"chat_template": "{{ 1 }}"})
+    invalid = _chat(max_tokens="many")
+    for parsing, body in ((preparing_parser, replacing), (preparing_parser, invalid),
+                          (parser, _chat())):
+        parsed = parsing.parse(json.dumps(body).encode(), "messages", ChatCompletionRequest,
+                               prepared_chat_prompt)
+        assert parsed.prepared is None
+
+
+def test_a_large_chat_is_answered_as_the_same_chat_inline(server):
+    """The same chat sent small (prepared on the server's threads) and padded with
+    whitespace past `INLINE_PARSE_BYTES` (its prompt made in the parsing child): the same
+    prompt, the same greedy completion, and the same context-length error when too long."""
+    chat = _chat(max_tokens=4, temperature=0.0)
+    too_long = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 1100}]}
+    answers = []
+    with server.http() as http:
+        for body in (chat, too_long):
+            compact = json.dumps(body)
+            padded = compact[:-1] + " " * INLINE_PARSE_BYTES + "}"
+            answers.append([http.post("/v1/chat/completions", content=text.encode(),
+                                      headers={"Content-Type": "application/json"})
+                            for text in (compact, padded)])
+    (small, large), (small_refused, large_refused) = answers
+    assert small.status_code == large.status_code == 200, (small.text, large.text)
+    usages = [answer.json()["usage"] for answer in (small, large)]
+    assert [(usage["prompt_tokens"], usage["completion_tokens"]) for usage in usages] == [
+        (usages[0]["prompt_tokens"], usages[0]["completion_tokens"])] * 2
+    # The second prompt's whole blocks were the first's, cached.
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] >= 16
+    assert (small.json()["choices"][0]["message"]
+            == large.json()["choices"][0]["message"])
+    assert small_refused.status_code == large_refused.status_code == 400
+    assert small_refused.json()["error"] == large_refused.json()["error"]
+
+
+def _scheduling_policy(processor: InputProcessor, body: object) -> int:
+    return os.sched_getscheduler(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class")
+def test_the_child_runs_in_the_idle_scheduling_class(preparing_parser):
+    """Whatever the child does with a body, it does on CPU no other task wants."""
+    parsed = preparing_parser.parse(json.dumps(_chat()).encode(), "messages",
+                                    ChatCompletionRequest, _scheduling_policy)
+    assert parsed.prepared == os.SCHED_IDLE
