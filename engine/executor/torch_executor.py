@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cpu_cores import usable_cores
 from engine.outputs import ModelRunnerOutput, PendingStep
 from engine.scheduler.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -58,14 +58,6 @@ class TorchExecutor:
         self.runner.kv_caches.clear()
         if self.runner.host_kv_cache is not None:
             self.runner.host_kv_cache.caches.clear()
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def cpu_threads(model: ModelConfig, torch_threads: int, num_cores: int) -> int:

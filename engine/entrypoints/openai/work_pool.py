@@ -32,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from engine.cpu_cores import usable_cores
 from engine.entrypoints.openai.errors import APIError
 
 _T = TypeVar("_T")
@@ -45,12 +46,9 @@ BACKGROUND_NICENESS = 10
 
 
 def default_background_threads(num_threads: int) -> int:
-    """The usable cores less two, at least 1, at most `num_threads`."""
-    try:
-        num_cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        num_cores = os.cpu_count() or 1
-    return max(1, min(num_threads, num_cores - 2))
+    """The usable cores (`cpu_cores.usable_cores`) less two, at least 1, at most
+    `num_threads`."""
+    return max(1, min(num_threads, usable_cores() - 2))
 
 
 @dataclass(eq=False)

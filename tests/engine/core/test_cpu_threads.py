@@ -12,6 +12,7 @@ import pytest
 from engine.config import EngineConfig, ModelConfig
 from engine.core.client import SyncMPClient
 from engine.core.cpu_threads import for_core_process
+from engine.cpu_cores import usable_cores
 from engine.executor.torch_executor import cpu_threads
 from tests.engine.core.conftest import SMALL_CONFIG
 
@@ -65,7 +66,7 @@ def test_a_core_process_beside_its_client_runs_one_thread_fewer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The suite sets OMP_NUM_THREADS=1 (tests/conftest.py); a server's environment does not.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    expected = max(1, min(_torch_threads_of_a_fresh_process(), len(os.sched_getaffinity(0))) - 1)
+    expected = max(1, min(_torch_threads_of_a_fresh_process(), usable_cores()) - 1)
     for cpu_threads_set, threads in [(None, expected), (2, 2)]:
         client = SyncMPClient(_small(ModelConfig(device="cpu", cpu_threads=cpu_threads_set)))
         try:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from engine.entrypoints.openai import work_pool
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.work_pool import BACKGROUND_NICENESS, TenantWorkPool
 
@@ -208,10 +209,10 @@ def test_shutdown_fails_waiting_and_later_items_with_503():
 
 
 def test_the_background_threads_default_to_the_cores_left_to_them(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(work_pool, "usable_cores", lambda: 16)
     assert TenantWorkPool(20).num_background_threads == 14
     assert TenantWorkPool(8).num_background_threads == 8
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(work_pool, "usable_cores", lambda: 2)
     assert TenantWorkPool(6).num_background_threads == 1
     with pytest.raises(ValueError, match="num_background_threads"):
         TenantWorkPool(2, num_background_threads=3)
