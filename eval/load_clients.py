@@ -67,9 +67,8 @@ async def _within(reading: Awaitable[Reply], give_up_after_s: float | None) -> R
     if give_up_after_s is None:
         return await reading
     try:
-        async with asyncio.timeout(give_up_after_s):
-            return await reading
-    except TimeoutError:
+        return await asyncio.wait_for(reading, give_up_after_s)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
         return Reply(GAVE_UP)
 
 
