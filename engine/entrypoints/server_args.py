@@ -86,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="threads that parse large bodies, check grammars, render chats and "
                             "tokenize; with several tenants one tenant uses at most half of "
                             "them (default: %(default)s)")
+    group.add_argument("--large-body-cpu", choices=("idle", "niceness"), default="idle",
+                       help="how the processes that parse bodies over 64 KiB, and render and "
+                            "tokenize chats among them, share the CPU: idle (Linux's idle "
+                            "scheduling class: only CPU nothing else wants; a large body may "
+                            "wait long on a machine whose cores all stay busy) or niceness "
+                            "(niceness 10: a tenth of a contended core) (default: %(default)s)")
     group.add_argument("--max-waiting-preparations", type=int,
                        default=DEFAULT_MAX_WAITING_PREPARATIONS,
                        help="a tenant with this many requests waiting for those threads gets "
@@ -151,4 +157,5 @@ def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_stored_response_bytes=args.max_stored_response_bytes,
         preparation_threads=args.preparation_threads,
         max_waiting_preparations=args.max_waiting_preparations,
+        large_body_cpu=args.large_body_cpu,
     )

@@ -44,7 +44,8 @@ class TextEncoder:
 
     def encode(self, text: str, *, add_special_tokens: bool, max_tokens: int) -> EncodedText:
         """`text` tokenized; `token_ids` is None when it has more than `max_tokens` tokens.
-        Called on the frontend's preparation threads, never on the event loop."""
+        Called on the frontend's preparation threads or in its body-parsing children, never
+        on the event loop."""
         encode_batch = self._rust_encode_batch()
         if encode_batch is None:
             token_ids = list(self._tokenizer(text, add_special_tokens=add_special_tokens)

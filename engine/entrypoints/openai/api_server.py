@@ -175,7 +175,8 @@ def build_app(
         pool = settings.work_pool()
         app.state.engine = engine
         app.state.work_pool = pool
-        app.state.body_parser = parser = BodyParser(processor=engine.processor)
+        app.state.body_parser = parser = BodyParser(
+            pool.num_background_threads, engine.processor, settings.large_body_cpu)
         app.state.completions = OpenAIServingCompletion(engine, settings, pool)
         app.state.chat = OpenAIServingChat(engine, settings, pool)
         app.state.responses = OpenAIServingResponses(engine, settings, pool, ResponseStore(

@@ -2,8 +2,8 @@
 validated (validation holds the event loop: a 700,000-item input took 5.6 s, one message of
 420,000 content parts 1.9 s; within these limits it takes at most about 0.1 s).
 
-Standard library only: large bodies are parsed, checked and validated in a child process
-(`json_body.BodyParser`), which imports this module and the body's model alone.
+Standard library only: large bodies are parsed and checked in a child process
+(`json_body.BodyParser`), before their model is validated there.
 """
 
 from __future__ import annotations
@@ -61,20 +61,3 @@ def parse_checked(body: bytes, conversation_field: str | None) -> Any:
     data = json.loads(body)
     check_counts(data, conversation_field)
     return data
-
-
-def parse_validated(body: bytes, conversation_field: str | None, model: Any) -> Any:
-    """`parse_checked`, then validated as `model` (a pydantic model class, or None: not
-    validated): the model instance, or the parsed JSON when it does not validate, so that the
-    server's own validation reports the error. Runs in the parsing child process: validating
-    holds the GIL (an 8 MB chat: 20-36 ms, most of it the lone-surrogate check), which in the
-    server would stall its event loop; validating an instance of the model again is free."""
-    data = parse_checked(body, conversation_field)
-    if model is None:
-        return data
-    try:
-        return model.model_validate(data)
-    except Exception:
-        # Whatever fails (pydantic's errors, the model's own 400s) the server's validation
-        # reports, in the route's error format.
-        return data

@@ -81,10 +81,12 @@ def render_chat_prompt(processor: InputProcessor, body: ChatCompletionRequest) -
     return ChatPrompt(token_ids, continues)
 
 
-def prepared_chat_prompt(processor: InputProcessor, body: ChatCompletionRequest
-                         ) -> ChatPrompt | None:
+def chat_prompt_unless_refused(processor: InputProcessor, body: ChatCompletionRequest
+                               ) -> ChatPrompt | None:
     """`render_chat_prompt` for a large chat body, in the child that parsed it; None (left to
-    the server's own checks and preparation) when its fields fail `check_chat_fields`."""
+    the route, which refuses it) when its fields fail `check_chat_fields`. Checks that need
+    the server's state (its model name, limits, queue, drain) come later, in the route: a
+    body they refuse has been rendered for nothing, never with a template of its own."""
     try:
         check_chat_fields(body)
     except APIError:

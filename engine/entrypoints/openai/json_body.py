@@ -14,33 +14,38 @@ items: about 90 ms, several times slower than loading the parsed JSON). A body t
 does not validate comes back as parsed, for the route to report its error. A chat request's
 conversation is also rendered and tokenized there (`chat_prompt`), when the parser has the
 engine's input processor, for the same reason. The child is asked from the server's
-`TenantWorkPool`, in the tenant's turn, and runs in Linux's idle scheduling class; the rest of
-such a request's preparation runs at low CPU priority too (`ClientContext.large_body`).
+`TenantWorkPool`, in the tenant's turn, and runs in Linux's idle scheduling class (or at
+niceness 10: `ChildCpuClass`); the rest of such a request's preparation runs at low CPU
+priority too (`ClientContext.large_body`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
+import pickle
 import threading
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.types import Receive, Scope
 
-from engine.entrypoints.openai.body_limits import BodyLimitError, parse_validated
-from engine.entrypoints.openai.chat_prompt import prepared_chat_prompt
+from engine.entrypoints.openai.body_limits import BodyLimitError, parse_checked
+from engine.entrypoints.openai.chat_prompt import ChatPrompt, chat_prompt_unless_refused
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.tenants import scope_tenant
 from engine.entrypoints.openai.work_pool import BACKGROUND_NICENESS, TenantWorkPool
 from engine.frontend.processor import InputProcessor
+
+logger = logging.getLogger(__name__)
 
 INLINE_PARSE_BYTES = 64 * 1024
 # The request scope's state key that says the body was over `INLINE_PARSE_BYTES`: the rest of
@@ -57,46 +62,57 @@ CONVERSATION_FIELDS = {"/v1/chat/completions": "messages", "/v1/responses": "inp
 
 @dataclass(frozen=True)
 class ParsedBody:
-    """A body parsed in the child: `value`, as `body_limits.parse_validated` returns it, and
-    what the parser's `prepare` made of it (None when it did not run)."""
+    """A body parsed in the child: `value`, the route's body model's instance when it
+    validated as that model, else the parsed JSON (for the route's own validation to report
+    its error); `chat_prompt`, what the parse's `make_chat_prompt` made of a validated body
+    (None when it did not run, or made nothing)."""
 
     value: Any
-    prepared: Any = None
+    chat_prompt: ChatPrompt | None = None
 
 
-Prepare = Callable[[InputProcessor, Any], Any]
+# Makes a validated chat request's prompt with the child's input processor, or None to leave
+# it to the route (see `chat_prompt.chat_prompt_unless_refused`).
+MakeChatPrompt = Callable[[InputProcessor, Any], ChatPrompt | None]
+# How the parse children share the CPU: Linux's idle scheduling class, or niceness 10.
+ChildCpuClass = Literal["idle", "niceness"]
 
 
 class BodyParser:
-    """Parses large bodies in `num_processes` child processes (spawned at the first large
-    body; a pool broken by a child's death is replaced at the next), each holding a copy of
-    `processor` (the engine's input processor, for `parse`'s `prepare`; None: nothing is
-    prepared). Owned by the server: `parse` is called from its work pool's threads,
-    `shutdown` once at exit."""
+    """Parses large bodies in up to `num_processes` child processes (started as large bodies
+    need them; a pool broken by a child's death is replaced at the next body). Each child
+    holds a copy of `processor` (the engine's input processor, for a parse's
+    `make_chat_prompt`; None: no prompt is made) and runs in `cpu_class`. Owned by the
+    server, which gives it as many processes as its work pool has background threads, so
+    that no body waits here behind another tenant's: the pool's turns decide the order.
+    `parse` is called from the work pool's threads, `shutdown` once at exit."""
 
     def __init__(self, num_processes: int = DEFAULT_PARSER_PROCESSES,
-                 processor: InputProcessor | None = None) -> None:
+                 processor: InputProcessor | None = None,
+                 cpu_class: ChildCpuClass = "idle") -> None:
         if num_processes < 1:
             raise ValueError("num_processes must be at least 1")
         self.num_processes = num_processes
-        self._processor = processor
+        self.cpu_class = cpu_class
+        # Pickled once here, loaded by each child once it runs in its CPU class.
+        self._processor_pickle = None if processor is None else _pickled(processor)
         self._lock = threading.Lock()
         self._executor: ProcessPoolExecutor | None = None
 
     def parse(self, body: bytes, conversation_field: str | None,
-              model: type[BaseModel] | None = None, prepare: Prepare | None = None
-              ) -> ParsedBody:
-        """`body_limits.parse_validated(body, conversation_field, model)` in a child
-        process; then, when the body validated as `model` and the parser has a processor,
-        `prepare(processor, body)` there too."""
+              model: type[BaseModel] | None = None,
+              make_chat_prompt: MakeChatPrompt | None = None) -> ParsedBody:
+        """`body` parsed as JSON and checked by `body_limits.parse_checked`, then validated
+        as `model` (if given), in a child; when it validates and the parser has a processor,
+        `make_chat_prompt(processor, instance)` there too. JSONDecodeError or BodyLimitError
+        for a body that does not parse or is over a limit."""
         executor = self._live_executor()
+        args = (body, conversation_field, model, make_chat_prompt)
         try:
-            return executor.submit(_parse_in_child, body, conversation_field, model,
-                                   prepare).result()
+            return executor.submit(_parse_in_child, *args).result()
         except BrokenProcessPool:
             self._replace(executor)
-            return self._live_executor().submit(_parse_in_child, body, conversation_field,
-                                                model, prepare).result()
+            return self._live_executor().submit(_parse_in_child, *args).result()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -109,7 +125,8 @@ class BodyParser:
             if self._executor is None:
                 self._executor = ProcessPoolExecutor(
                     self.num_processes, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_start_child, initargs=(self._processor,))
+                    initializer=_start_child,
+                    initargs=(self.cpu_class, self._processor_pickle))
             return self._executor
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:
@@ -119,23 +136,40 @@ class BodyParser:
                 self._executor = None
 
 
-# The processor of a parsing child, set once by `_start_child` as the child starts (so that
-# it is unpickled once per child, not once per body); None in every other process.
+def _pickled(processor: InputProcessor) -> bytes | None:
+    """`processor` pickled for the children; None (they make no prompts: the routes do) for
+    one that cannot be, such as one whose tokenizer holds a lambda."""
+    try:
+        return pickle.dumps(processor)
+    except Exception as error:  # pickling fails with many exception types
+        logger.warning("the input processor cannot be copied into the body-parsing "
+                       "processes (%s); large chats are rendered in the server's process", error)
+        return None
+
+
+# The input processor of a parsing child, loaded once by `_start_child` as the child starts
+# (not once per body); None in every other process, and in a child given none.
 _child_processor: InputProcessor | None = None
 
 
-def _start_child(processor: InputProcessor | None) -> None:
+def _start_child(cpu_class: ChildCpuClass, processor_pickle: bytes | None) -> None:
+    """Runs first in each parsing child: its CPU class, then (so that loading the tokenizer
+    and any thread its libraries start already run in that class) its processor."""
     global _child_processor
-    _run_when_idle()
-    _child_processor = processor
+    if cpu_class == "idle":
+        _run_when_idle()
+    else:
+        os.nice(BACKGROUND_NICENESS)
+    if processor_pickle is not None:
+        _child_processor = pickle.loads(processor_pickle)
 
 
 def _run_when_idle() -> None:
-    """Puts this process in Linux's idle scheduling class: it runs on what CPU the others
-    leave, and any other task that wakes up preempts it at once (at niceness 10 a waking
-    task may wait for its slice: the victim's first-token p99 under the chats attack was
-    1.7-1.8x its baseline, against 1.0-1.3x here). Niceness `BACKGROUND_NICENESS` where that
-    class does not exist."""
+    """Puts this process's one thread in Linux's idle scheduling class (threads it starts
+    later inherit it): it runs on what CPU the others leave, and any other task that wakes up
+    preempts it at once (at niceness 10 a waking task may wait for its slice: the victim's
+    first-token p99 under the chats attack was 1.7-1.8x its baseline, against 1.0-1.3x here).
+    Niceness `BACKGROUND_NICENESS` where that class does not exist."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -143,12 +177,20 @@ def _run_when_idle() -> None:
 
 
 def _parse_in_child(body: bytes, conversation_field: str | None,
-                    model: type[BaseModel] | None, prepare: Prepare | None) -> ParsedBody:
-    value = parse_validated(body, conversation_field, model)
-    if prepare is None or _child_processor is None or model is None \
-            or not isinstance(value, model):
-        return ParsedBody(value)
-    return ParsedBody(value, prepare(_child_processor, value))
+                    model: type[BaseModel] | None,
+                    make_chat_prompt: MakeChatPrompt | None) -> ParsedBody:
+    data = parse_checked(body, conversation_field)
+    if model is None:
+        return ParsedBody(data)
+    try:
+        instance = model.model_validate(data)
+    except Exception:
+        # Whatever fails (pydantic's errors, the model's own 400s) the route's validation
+        # reports, in the route's error format.
+        return ParsedBody(data)
+    if make_chat_prompt is None or _child_processor is None:
+        return ParsedBody(instance)
+    return ParsedBody(instance, make_chat_prompt(_child_processor, instance))
 
 
 class PoolParsedRequest(Request):
@@ -171,18 +213,18 @@ class PoolParsedRequest(Request):
             else:
                 parsed = await self._parse_off_loop(body)
                 self._json = parsed.value
-                state[CHAT_PROMPT_STATE] = parsed.prepared
+                state[CHAT_PROMPT_STATE] = parsed.chat_prompt
         return self._json
 
     async def _parse_off_loop(self, body: bytes) -> ParsedBody:
         pool: TenantWorkPool = self.app.state.work_pool
         parser: BodyParser = self.app.state.body_parser
         path = self.url.path
-        prepare = prepared_chat_prompt if path in CHAT_PROMPT_PATHS else None
+        make_chat_prompt = chat_prompt_unless_refused if path in CHAT_PROMPT_PATHS else None
         try:
             return await pool.run(scope_tenant(self.scope), parser.parse, body,
-                                  CONVERSATION_FIELDS.get(path), self.body_model, prepare,
-                                  background=True)
+                                  CONVERSATION_FIELDS.get(path), self.body_model,
+                                  make_chat_prompt, background=True)
         except BodyLimitError as error:
             raise APIError(400, error.message, param=error.param,
                            code="limit_exceeded") from error

@@ -9,7 +9,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, get_args
 
 import msgspec
 from starlette.requests import Request as HTTPRequest
@@ -24,7 +24,11 @@ from engine.entrypoints.openai.errors import (
     shutting_down_error,
 )
 from engine.entrypoints.openai.job_extension import job_info
-from engine.entrypoints.openai.json_body import CHAT_PROMPT_STATE, LARGE_BODY_STATE
+from engine.entrypoints.openai.json_body import (
+    CHAT_PROMPT_STATE,
+    LARGE_BODY_STATE,
+    ChildCpuClass,
+)
 from engine.entrypoints.openai.protocol import SamplingFields
 from engine.entrypoints.openai.request_id import scope_request_id
 from engine.entrypoints.openai.response_store import check_store_room
@@ -91,6 +95,12 @@ class ServerSettings:
 
     `shutdown_timeout_s` is how long requests in flight may finish once the server is told to
     stop (SIGTERM); those still running then end with an error.
+
+    `large_body_cpu`: how the child processes that parse bodies over 64 KiB (and render and
+    tokenize chats among them) share the CPU. "idle": Linux's idle scheduling class, only
+    CPU no other task wants, so that they never delay the engine's steps or other requests
+    (a large body may then wait long on a machine whose every core stays busy); "niceness":
+    niceness 10, a tenth of a contended core.
     """
 
     served_model_name: str
@@ -110,12 +120,16 @@ class ServerSettings:
     max_stored_response_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES
     preparation_threads: int = DEFAULT_PREPARATION_THREADS
     max_waiting_preparations: int = DEFAULT_MAX_WAITING_PREPARATIONS
+    large_body_cpu: ChildCpuClass = "idle"
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.max_request_body_bytes < 1024:
             raise ValueError("max_request_body_bytes must be at least 1024")
+        if self.large_body_cpu not in get_args(ChildCpuClass):
+            raise ValueError(f"large_body_cpu must be one of {get_args(ChildCpuClass)}, got "
+                             f"{self.large_body_cpu!r}")
         if not 0 <= self.shutdown_timeout_s < float("inf"):
             raise ValueError(f"shutdown_timeout_s must be finite and at least 0, got "
                              f"{self.shutdown_timeout_s!r}")

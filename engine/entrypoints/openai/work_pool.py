@@ -2,9 +2,10 @@
 tokenizing, decoding stored responses), on threads shared fairly among tenants.
 
 Work for a request with a large body (`background=True`) runs on threads of lower CPU
-priority (niceness 10, about a tenth of the CPU when others want it): rendering and
-tokenizing an 8 MB chat takes seconds of CPU, which on a busy machine would otherwise be
-taken from the engine core's steps and the event loop that streams every client's tokens.
+priority (niceness 10, about a tenth of the CPU when others want it): a large body's parse
+(which waits for a child process that also renders and tokenizes a chat: seconds of CPU for
+an 8 MB one, `json_body.BodyParser`) and the rest of its preparation would otherwise take
+CPU from the engine core's steps and the event loop that streams every client's tokens.
 Small requests' work keeps the normal priority, so that their time to first token does not
 wait on the large ones'. At most `num_background_threads` such items run at once: by default
 the usable cores less two (one for the engine core's busy loop, one for the event loop), at

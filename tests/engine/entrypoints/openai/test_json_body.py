@@ -4,6 +4,7 @@ and what validates is not validated again there."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -12,17 +13,20 @@ from fastapi import Body, Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, model_validator
 
+from engine.entrypoints.openai import serving_chat
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_PARTS, BodyLimitError
 from engine.entrypoints.openai.chat_prompt import (
     ChatPrompt,
-    prepared_chat_prompt,
+    chat_prompt_unless_refused,
     render_chat_prompt,
 )
 from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, BodyParser, PoolParsedRoute
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.protocol_responses import ResponsesRequest
-from engine.entrypoints.openai.serving import ClientContext
-from engine.entrypoints.openai.work_pool import TenantWorkPool
+from engine.entrypoints.openai.serving import ClientContext, ServerSettings
+from engine.entrypoints.openai.tool_call_ids import issued_call_id
+from engine.entrypoints.openai.work_pool import BACKGROUND_NICENESS, TenantWorkPool
+from engine.entrypoints.server_args import add_arguments, server_settings_from_args
 from engine.frontend.processor import InputProcessor
 from engine.model.tokenizer import load_tokenizer
 
@@ -229,13 +233,22 @@ def test_the_child_makes_a_chats_prompt_as_the_server_would(preparing_parser, pr
                                                            fields):
     body = _chat(**fields)
     parsed = preparing_parser.parse(json.dumps(body).encode(), "messages",
-                                    ChatCompletionRequest, prepared_chat_prompt)
+                                    ChatCompletionRequest, chat_prompt_unless_refused)
     validated = ChatCompletionRequest.model_validate(body)
     assert parsed.value == validated
-    assert parsed.prepared == render_chat_prompt(processor, validated)
-    assert isinstance(parsed.prepared, ChatPrompt)
+    assert parsed.chat_prompt == render_chat_prompt(processor, validated)
+    assert isinstance(parsed.chat_prompt, ChatPrompt)
     if "messages" in fields:
-        assert parsed.prepared.token_ids is None and parsed.prepared.num_tokens > 64
+        assert parsed.chat_prompt.token_ids is None and parsed.chat_prompt.num_tokens > 64
+
+
+def test_the_childs_prompt_names_the_request_whose_tool_call_it_answers(preparing_parser):
+    body = _chat()
+    body["messages"][1]["tool_calls"][0]["id"] = issued_call_id("chatcmpl-earlier", 0)
+    body["messages"][2]["tool_call_id"] = issued_call_id("chatcmpl-earlier", 0)
+    parsed = preparing_parser.parse(json.dumps(body).encode(), "messages",
+                                    ChatCompletionRequest, chat_prompt_unless_refused)
+    assert parsed.chat_prompt.continues_request_id == "chatcmpl-earlier"
 
 
 def test_the_child_does_not_render_what_the_server_refuses(preparing_parser, parser):
@@ -247,16 +260,24 @@ def test_the_child_does_not_render_what_the_server_refuses(preparing_parser, par
     for parsing, body in ((preparing_parser, replacing), (preparing_parser, invalid),
                           (parser, _chat())):
         parsed = parsing.parse(json.dumps(body).encode(), "messages", ChatCompletionRequest,
-                               prepared_chat_prompt)
-        assert parsed.prepared is None
+                               chat_prompt_unless_refused)
+        assert parsed.chat_prompt is None
 
 
-def test_a_large_chat_is_answered_as_the_same_chat_inline(server):
-    """The same chat sent small (prepared on the server's threads) and padded with
-    whitespace past `INLINE_PARSE_BYTES` (its prompt made in the parsing child): the same
-    prompt, the same greedy completion, and the same context-length error when too long."""
+def test_a_large_chat_is_answered_as_the_same_chat_inline(server, monkeypatch):
+    """The same chat sent small (its prompt made on the server's threads) and padded with
+    whitespace past `INLINE_PARSE_BYTES` (made in the parsing child, not by the route): the
+    same prompt, the same greedy completion, and the same context-length error when too
+    long."""
     chat = _chat(max_tokens=4, temperature=0.0)
     too_long = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 1100}]}
+    rendered_by_the_route: list[int] = []
+
+    def counted(processor: InputProcessor, body: ChatCompletionRequest) -> ChatPrompt:
+        rendered_by_the_route.append(len(body.messages))
+        return render_chat_prompt(processor, body)
+
+    monkeypatch.setattr(serving_chat, "render_chat_prompt", counted)
     answers = []
     with server.http() as http:
         for body in (chat, too_long):
@@ -276,15 +297,53 @@ def test_a_large_chat_is_answered_as_the_same_chat_inline(server):
             == large.json()["choices"][0]["message"])
     assert small_refused.status_code == large_refused.status_code == 400
     assert small_refused.json()["error"] == large_refused.json()["error"]
+    assert rendered_by_the_route == [3, 1]  # the two small bodies only
 
 
-def _scheduling_policy(processor: InputProcessor, body: object) -> int:
-    return os.sched_getscheduler(0)
+def _cpu_classes_of_every_thread(processor: InputProcessor, body: object
+                                 ) -> tuple[set[int], int]:
+    """(the scheduling policies of all the child's threads, its niceness)."""
+    return ({os.sched_getscheduler(int(tid)) for tid in os.listdir("/proc/self/task")},
+            os.getpriority(os.PRIO_PROCESS, 0))
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class")
-def test_the_child_runs_in_the_idle_scheduling_class(preparing_parser):
-    """Whatever the child does with a body, it does on CPU no other task wants."""
-    parsed = preparing_parser.parse(json.dumps(_chat()).encode(), "messages",
-                                    ChatCompletionRequest, _scheduling_policy)
-    assert parsed.prepared == os.SCHED_IDLE
+def test_every_thread_of_the_child_runs_in_its_cpu_class(preparing_parser, processor):
+    """Whatever the child does with a body, it does on CPU no other task wants: all its
+    threads, those its libraries started as it loaded the tokenizer included. With
+    `cpu_class="niceness"`, at niceness 10 instead."""
+    chat = json.dumps(_chat()).encode()
+    assert preparing_parser.parse(chat, "messages", ChatCompletionRequest,
+                                  _cpu_classes_of_every_thread).chat_prompt == ({os.SCHED_IDLE}, 0)
+    niced = BodyParser(num_processes=1, processor=processor, cpu_class="niceness")
+    try:
+        policies, niceness = niced.parse(chat, "messages", ChatCompletionRequest,
+                                         _cpu_classes_of_every_thread).chat_prompt
+    finally:
+        niced.shutdown()
+    assert (policies, niceness) == ({os.SCHED_OTHER}, BACKGROUND_NICENESS)
+
+
+def test_the_cpu_class_of_the_parse_children_is_a_server_flag():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    chosen = [server_settings_from_args(parser.parse_args(flags)).large_body_cpu
+              for flags in ([], ["--large-body-cpu", "niceness"])]
+    assert chosen == ["idle", "niceness"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--large-body-cpu", "realtime"])
+    with pytest.raises(ValueError, match="large_body_cpu"):
+        ServerSettings(served_model_name="tiny", large_body_cpu="realtime")  # type: ignore[arg-type]
+
+
+def test_a_processor_that_cannot_be_copied_leaves_the_prompts_to_the_routes(processor):
+    unpicklable = InputProcessor(processor.tokenizer, vocab_size=512, max_model_len=64)
+    unpicklable.note = lambda: None  # type: ignore[attr-defined]
+    parser = BodyParser(num_processes=1, processor=unpicklable)
+    try:
+        parsed = parser.parse(json.dumps(_chat()).encode(), "messages",
+                              ChatCompletionRequest, chat_prompt_unless_refused)
+    finally:
+        parser.shutdown()
+    assert parsed.value == ChatCompletionRequest.model_validate(_chat())
+    assert parsed.chat_prompt is None
