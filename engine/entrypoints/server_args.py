@@ -5,6 +5,7 @@ replicas (`engine.replicas`)."""
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
 from engine.engine_args import EngineArgs
 from engine.entrypoints.connections import (
@@ -12,6 +13,7 @@ from engine.entrypoints.connections import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
 )
+from engine.entrypoints.openai.json_body import ChildCpuClass
 from engine.entrypoints.openai.serving import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPTS,
@@ -86,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="threads that parse large bodies, check grammars, render chats and "
                             "tokenize; with several tenants one tenant uses at most half of "
                             "them (default: %(default)s)")
-    group.add_argument("--large-body-cpu", choices=("idle", "niceness"), default="idle",
+    group.add_argument("--large-body-cpu", choices=get_args(ChildCpuClass), default="idle",
                        help="how the processes that parse bodies over 64 KiB, and render and "
                             "tokenize chats among them, share the CPU: idle (Linux's idle "
                             "scheduling class: only CPU nothing else wants; a large body may "

@@ -21,6 +21,7 @@ priority too (`ClientContext.large_body`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -154,26 +155,52 @@ _child_processor: InputProcessor | None = None
 
 def _start_child(cpu_class: ChildCpuClass, processor_pickle: bytes | None) -> None:
     """Runs first in each parsing child: its CPU class, then (so that loading the tokenizer
-    and any thread its libraries start already run in that class) its processor."""
+    and any thread its libraries start already run in that class) its processor. A processor
+    that does not load leaves the prompts to the routes."""
     global _child_processor
-    if cpu_class == "idle":
-        _run_when_idle()
-    else:
-        os.nice(BACKGROUND_NICENESS)
-    if processor_pickle is not None:
-        _child_processor = pickle.loads(processor_pickle)
-
-
-def _run_when_idle() -> None:
-    """Puts this process's one thread in Linux's idle scheduling class (threads it starts
-    later inherit it): it runs on what CPU the others leave, and any other task that wakes up
-    preempts it at once (at niceness 10 a waking task may wait for its slice: the victim's
-    first-token p99 under the chats attack was 1.7-1.8x its baseline, against 1.0-1.3x here).
-    Niceness `BACKGROUND_NICENESS` where that class does not exist."""
+    _enter_cpu_class(cpu_class)
+    if processor_pickle is None:
+        return
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        _child_processor = pickle.loads(processor_pickle)
+    except Exception:  # unpickling fails with many exception types
+        logger.exception("a body-parsing process cannot load the input processor; large "
+                         "chats are rendered in the server's process")
+
+
+def _enter_cpu_class(cpu_class: ChildCpuClass) -> None:
+    """Puts every thread of this process in `cpu_class`: those started before this ran (by
+    imports of the spawn's start-up, such as a BLAS pool's) and, through them, those started
+    later. "idle": Linux's idle scheduling class, which runs on what CPU the others leave and
+    which any other task that wakes up preempts at once (at niceness 10 a waking task may wait
+    for its slice: the victim's first-token p99 under the chats attack was 1.7-1.8x its
+    baseline, against 1.0-1.3x here); niceness `BACKGROUND_NICENESS` where that class does not
+    exist. "niceness": that niceness, set rather than added (a child started from a
+    background thread inherits its niceness 10)."""
+    for thread_id in _thread_ids():
+        if cpu_class == "idle" and _enter_idle_class(thread_id):
+            continue
+        with contextlib.suppress(OSError):  # a thread that ended; a niceness already higher
+            os.setpriority(os.PRIO_PROCESS, thread_id, BACKGROUND_NICENESS)
+
+
+def _thread_ids() -> list[int]:
+    """This process's threads by their ids (Linux); elsewhere 0, the process."""
+    try:
+        return [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def _enter_idle_class(thread_id: int) -> bool:
+    """Whether the thread is now in the idle scheduling class (or has ended)."""
+    try:
+        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
+    except ProcessLookupError:
+        return True
     except (AttributeError, OSError):
-        os.nice(BACKGROUND_NICENESS)
+        return False
+    return True
 
 
 def _parse_in_child(body: bytes, conversation_field: str | None,
@@ -190,7 +217,12 @@ def _parse_in_child(body: bytes, conversation_field: str | None,
         return ParsedBody(data)
     if make_chat_prompt is None or _child_processor is None:
         return ParsedBody(instance)
-    return ParsedBody(instance, make_chat_prompt(_child_processor, instance))
+    try:
+        return ParsedBody(instance, make_chat_prompt(_child_processor, instance))
+    except Exception:
+        # The route makes the prompt itself, and reports what fails as it does for any body.
+        logger.exception("a body-parsing process could not make a chat's prompt")
+        return ParsedBody(instance)
 
 
 class PoolParsedRequest(Request):
@@ -228,6 +260,9 @@ class PoolParsedRequest(Request):
         except BodyLimitError as error:
             raise APIError(400, error.message, param=error.param,
                            code="limit_exceeded") from error
+        except BrokenProcessPool as error:
+            raise APIError(503, "the server's body-parsing processes failed; retry the "
+                           "request", code="body_parser_failed") from error
 
 
 class PoolParsedRoute(APIRoute):

@@ -9,9 +9,9 @@ CPU from the engine core's steps and the event loop that streams every client's 
 Small requests' work keeps the normal priority, so that their time to first token does not
 wait on the large ones'. At most `num_background_threads` such items run at once: by default
 the usable cores less two (one for the engine core's busy loop, one for the event loop), at
-least one. That work is CPU-bound, so threads beyond the idle cores only take turns on them
-and add to what preempts the engine core and the event loop (docs/benchmarks.md, "Fewer
-threads for large bodies").
+least one and at most eight. That work is CPU-bound, so threads beyond the idle cores only
+take turns on them and add to what preempts the engine core and the event loop
+(docs/benchmarks.md, "Fewer threads for large bodies").
 
 One pool serves the whole server. A tenant runs at most `max_threads_per_tenant` items at
 once, so that a flood from one tenant (say chats of 10,000 messages, each taking seconds to
@@ -44,12 +44,16 @@ DEFAULT_MAX_WAITING_PREPARATIONS = 64
 
 
 BACKGROUND_NICENESS = 10
+# The server runs one body-parsing process for each background thread, each holding a copy
+# of the tokenizer and what its last body left on its heap (about 100 MB or more): eight
+# large bodies at once are plenty for a host of any size.
+MAX_DEFAULT_BACKGROUND_THREADS = 8
 
 
 def default_background_threads(num_threads: int) -> int:
     """The usable cores (`cpu_cores.usable_cores`) less two, at least 1, at most
-    `num_threads`."""
-    return max(1, min(num_threads, usable_cores() - 2))
+    `num_threads` and `MAX_DEFAULT_BACKGROUND_THREADS`."""
+    return max(1, min(num_threads, MAX_DEFAULT_BACKGROUND_THREADS, usable_cores() - 2))
 
 
 @dataclass(eq=False)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 from fastapi import Body, Depends, FastAPI, Request
@@ -20,12 +22,21 @@ from engine.entrypoints.openai.chat_prompt import (
     chat_prompt_unless_refused,
     render_chat_prompt,
 )
-from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, BodyParser, PoolParsedRoute
+from engine.entrypoints.openai.json_body import (
+    INLINE_PARSE_BYTES,
+    BodyParser,
+    ParsedBody,
+    PoolParsedRoute,
+)
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from engine.entrypoints.openai.serving import ClientContext, ServerSettings
 from engine.entrypoints.openai.tool_call_ids import issued_call_id
-from engine.entrypoints.openai.work_pool import BACKGROUND_NICENESS, TenantWorkPool
+from engine.entrypoints.openai.work_pool import (
+    BACKGROUND_NICENESS,
+    TenantWorkPool,
+    lower_thread_priority,
+)
 from engine.entrypoints.server_args import add_arguments, server_settings_from_args
 from engine.frontend.processor import InputProcessor
 from engine.model.tokenizer import load_tokenizer
@@ -301,27 +312,77 @@ def test_a_large_chat_is_answered_as_the_same_chat_inline(server, monkeypatch):
 
 
 def _cpu_classes_of_every_thread(processor: InputProcessor, body: object
-                                 ) -> tuple[set[int], int]:
-    """(the scheduling policies of all the child's threads, its niceness)."""
-    return ({os.sched_getscheduler(int(tid)) for tid in os.listdir("/proc/self/task")},
-            os.getpriority(os.PRIO_PROCESS, 0))
+                                 ) -> tuple[set[int], set[int]]:
+    """(the scheduling policies, the nicenesses) of all the child's threads."""
+    thread_ids = [int(name) for name in os.listdir("/proc/self/task")]
+    return ({os.sched_getscheduler(tid) for tid in thread_ids},
+            {os.getpriority(os.PRIO_PROCESS, tid) for tid in thread_ids})
+
+
+def _parse_from_a_background_thread(parser: BodyParser) -> object:
+    """What `_cpu_classes_of_every_thread` finds in a child started, as the server starts
+    them, from a work-pool thread at niceness 10."""
+    results: list[object] = []
+
+    def parse() -> None:
+        lower_thread_priority(BACKGROUND_NICENESS)
+        results.append(parser.parse(json.dumps(_chat()).encode(), "messages",
+                                    ChatCompletionRequest,
+                                    _cpu_classes_of_every_thread).chat_prompt)
+
+    thread = threading.Thread(target=parse)
+    thread.start()
+    thread.join()
+    return results[0]
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class")
-def test_every_thread_of_the_child_runs_in_its_cpu_class(preparing_parser, processor):
+def test_every_thread_of_the_child_runs_in_its_cpu_class(processor):
     """Whatever the child does with a body, it does on CPU no other task wants: all its
     threads, those its libraries started as it loaded the tokenizer included. With
-    `cpu_class="niceness"`, at niceness 10 instead."""
-    chat = json.dumps(_chat()).encode()
-    assert preparing_parser.parse(chat, "messages", ChatCompletionRequest,
-                                  _cpu_classes_of_every_thread).chat_prompt == ({os.SCHED_IDLE}, 0)
-    niced = BodyParser(num_processes=1, processor=processor, cpu_class="niceness")
-    try:
-        policies, niceness = niced.parse(chat, "messages", ChatCompletionRequest,
-                                         _cpu_classes_of_every_thread).chat_prompt
-    finally:
-        niced.shutdown()
-    assert (policies, niceness) == ({os.SCHED_OTHER}, BACKGROUND_NICENESS)
+    `cpu_class="niceness"`, at niceness 10 (set, not added to the niceness 10 that it
+    inherits from the thread that started it)."""
+    niceness = max(BACKGROUND_NICENESS, os.getpriority(os.PRIO_PROCESS, 0))
+    results = []
+    for cpu_class in ("idle", "niceness"):
+        parser = BodyParser(num_processes=1, processor=processor, cpu_class=cpu_class)
+        try:
+            results.append(_parse_from_a_background_thread(parser))
+        finally:
+            parser.shutdown()
+    assert results[0][0] == {os.SCHED_IDLE}
+    assert results[1] == ({os.SCHED_OTHER}, {niceness})
+
+
+def _failing_chat_prompt(processor: InputProcessor, body: object) -> ChatPrompt | None:
+    raise RuntimeError("a bug")
+
+
+def test_a_failure_to_make_the_prompt_leaves_it_to_the_route(preparing_parser):
+    parsed = preparing_parser.parse(json.dumps(_chat()).encode(), "messages",
+                                    ChatCompletionRequest, _failing_chat_prompt)
+    assert parsed.value == ChatCompletionRequest.model_validate(_chat())
+    assert parsed.chat_prompt is None
+
+
+class _BrokenParser:
+    def parse(self, *args: object) -> ParsedBody:
+        raise BrokenProcessPool("a child died")
+
+
+def test_parse_children_that_keep_dying_answer_503():
+    app = pool_parsed_app(_BrokenParser())  # type: ignore[arg-type]
+
+    @app.post("/v1/chat/completions")
+    async def echo(body: dict) -> dict:
+        return body
+
+    with TestClient(app) as client:
+        answer = client.post("/v1/chat/completions", json={"messages": ["x" * INLINE_PARSE_BYTES]})
+    app.state.work_pool.shutdown()
+    assert answer.status_code == 503
+    assert answer.json()["detail"] == ("the server's body-parsing processes failed; retry the "
+                                       "request")
 
 
 def test_the_cpu_class_of_the_parse_children_is_a_server_flag():

@@ -210,8 +210,10 @@ def test_shutdown_fails_waiting_and_later_items_with_503():
 
 def test_the_background_threads_default_to_the_cores_left_to_them(monkeypatch):
     monkeypatch.setattr(work_pool, "usable_cores", lambda: 16)
-    assert TenantWorkPool(20).num_background_threads == 14
-    assert TenantWorkPool(8).num_background_threads == 8
+    assert TenantWorkPool(20).num_background_threads == 8  # MAX_DEFAULT_BACKGROUND_THREADS
+    assert TenantWorkPool(6).num_background_threads == 6
+    monkeypatch.setattr(work_pool, "usable_cores", lambda: 7)
+    assert TenantWorkPool(20).num_background_threads == 5
     monkeypatch.setattr(work_pool, "usable_cores", lambda: 2)
     assert TenantWorkPool(6).num_background_threads == 1
     with pytest.raises(ValueError, match="num_background_threads"):
