@@ -144,6 +144,42 @@ class WhereValidated(BaseModel):
         return {**data, "validated_in_pid": os.getpid()}
 
 
+# Validations of `CountedInvalid` in this process (the child's are in the child's).
+VALIDATED_HERE: list[int] = []
+
+
+class CountedInvalid(BaseModel):
+    """A body that counts its validations in this process."""
+
+    text: str
+    number: int
+
+    @model_validator(mode="before")
+    @classmethod
+    def _count(cls, data: dict) -> dict:
+        VALIDATED_HERE.append(os.getpid())
+        return data
+
+
+def test_a_large_invalid_body_is_not_validated_again_by_the_route(parser):
+    app = pool_parsed_app(parser)
+
+    @app.post("/echo")
+    async def echo(body: CountedInvalid) -> dict:
+        return {"number": body.number}
+
+    VALIDATED_HERE.clear()
+    with TestClient(app) as client:
+        small = client.post("/echo", json={"text": "x", "number": "many"})
+        validated_small = list(VALIDATED_HERE)
+        large = client.post("/echo", json={"text": "x" * INLINE_PARSE_BYTES, "number": "many"})
+    app.state.work_pool.shutdown()
+    assert validated_small == [os.getpid()] and small.status_code == 422
+    assert len(VALIDATED_HERE) == 1  # the large one was validated in the child only
+    assert large.status_code == 400
+    assert large.json()["detail"].startswith("number: ")
+
+
 def test_a_large_body_is_validated_in_the_child_and_not_again(parser):
     app = pool_parsed_app(parser)
 
@@ -202,17 +238,19 @@ def test_the_child_returns_the_model_or_what_it_parsed(parser):
     validated = parser.parse(json.dumps(chat).encode(), "messages", ChatCompletionRequest).value
     assert validated == ChatCompletionRequest.model_validate(chat)
     invalid = {**chat, "max_tokens": "many"}
-    assert parser.parse(json.dumps(invalid).encode(), "messages",
-                        ChatCompletionRequest).value == invalid
+    refused = parser.parse(json.dumps(invalid).encode(), "messages", ChatCompletionRequest)
+    assert refused.value is None
+    assert (refused.refusal.status, refused.refusal.param) == (400, "max_tokens")
 
 
 @pytest.mark.parametrize("bad", [
     {"max_tokens": "many"},
     {"user": "\ud800"},
-], ids=["wrong-type", "lone-surrogate"])
+    {"temperature": -1, "top_p": 7},
+], ids=["wrong-type", "lone-surrogate", "two-errors"])
 def test_a_large_invalid_body_gets_the_small_ones_error(server, bad):
-    """A body that fails validation in the child is validated again by the route, which
-    answers as it answers the same body inline."""
+    """A body that fails validation in the child gets, from the child's error, the answer
+    the same body gets inline."""
     small = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **bad}
     large = {**small, "messages": [{"role": "user", "content": "hi"}] * 4
              + [{"role": "user", "content": "x" * INLINE_PARSE_BYTES}]}
@@ -222,7 +260,8 @@ def test_a_large_invalid_body_gets_the_small_ones_error(server, bad):
                    for body in (small, large)]
     assert [answer.status_code for answer in answers] == [400, 400]
     errors = [answer.json()["error"] for answer in answers]
-    assert errors[0]["param"] == errors[1]["param"] == next(iter(bad))
+    assert errors[0]["param"] == next(iter(bad))
+    assert errors[0] == errors[1]
 
 
 def _chat(**fields: object) -> dict:
