@@ -248,7 +248,8 @@ def _parse_in_child(body: bytes, conversation_field: str | None,
 class PoolParsedRequest(Request):
     """A request whose `json()` parses a large body with the app's `state.body_parser`, on
     its `state.work_pool`, and returns it validated as `body_model` (the route's body model,
-    if it has one) when it validates; a body over a count of `body_limits` is a 400 then."""
+    if it has one); a body over a count of `body_limits`, or one that does not validate,
+    raises its 400 there (the child's error: the route does not validate it again)."""
 
     def __init__(self, scope: Scope, receive: Receive,
                  body_model: type[BaseModel] | None = None) -> None:

@@ -1,6 +1,7 @@
 """Large bodies are parsed, checked against the body limits and validated as the route's
-model in a child process: what is over a limit never comes back into the server's process,
-and what validates is not validated again there."""
+model in a child process, which also makes a chat's prompt: what is over a limit never comes
+back into the server's process, and what was validated there, whether it passed or not, is
+not validated again."""
 
 from __future__ import annotations
 
