@@ -163,6 +163,11 @@ class ServerProcess:
         while being read counts 0)."""
         return sum(read_rss_mib(pid) or 0.0 for pid in self.process_ids())
 
+    def cpu_s(self) -> tuple[float, float]:
+        """User and system CPU seconds the server's own process has used so far (not its
+        descendants: the engine core, the body-parsing children); (0, 0) once it is gone."""
+        return read_cpu_s(self.pid) or (0.0, 0.0)
+
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -241,6 +246,20 @@ def _kill_survivors(pids: Sequence[int], timeout_s: float) -> None:
     for pid in alive:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def read_cpu_s(pid: int, proc_root: Path = Path("/proc")) -> tuple[float, float] | None:
+    """User and system CPU seconds of process `pid` (its threads, not its children); None
+    if the process is gone."""
+    try:
+        stat = (proc_root / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The fields after the command name, which is in parentheses and may hold spaces: utime
+    # and stime are the 14th and 15th of the whole line.
+    fields = stat.rsplit(")", 1)[1].split()
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks_per_s, int(fields[12]) / ticks_per_s
 
 
 def read_rss_mib(pid: int, proc_root: Path = Path("/proc")) -> float | None:

@@ -24,6 +24,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.gc_heap import freeze_startup_heap
+from engine.core.malloc_thresholds import keep_large_buffers_in_heap
 from engine.core.wire import (
     AbortRequests,
     CoreEvent,
@@ -247,6 +248,9 @@ def run_engine_core(
     # itself once the frontend is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A forward on the CPU allocates its activations anew each step, each one mapped and
+    # faulted in page by page unless malloc keeps them in its heap.
+    keep_large_buffers_in_heap()
     context = zmq.Context()
     input_socket = context.socket(zmq.DEALER)
     input_socket.setsockopt(zmq.IDENTITY, identity)

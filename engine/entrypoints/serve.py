@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from engine.core.gc_heap import freeze_startup_heap
+from engine.core.malloc_thresholds import keep_large_buffers_in_heap
 from engine.engine_args import EngineArgs
 from engine.entrypoints.connections import (
     ConnectionSettings,
@@ -92,6 +93,9 @@ def main(args: argparse.Namespace) -> int:
         logger.error("cannot start: %s", error)
         return 2
     host, port = sock.getsockname()[:2]
+    # Request bodies of megabytes pass through this process's event loop in buffers that
+    # glibc would otherwise map and unmap one by one.
+    keep_large_buffers_in_heap()
 
     def make_engine(observer: RequestStatsObserver) -> AsyncLLM:
         engine = AsyncLLM(config, stats_observer=observer)

@@ -13,6 +13,7 @@ from eval.server_process import (
     ServerSpec,
     descendant_pids,
     parse_prometheus,
+    read_cpu_s,
     read_rss_mib,
 )
 
@@ -26,6 +27,18 @@ def test_rss_of_a_process_and_of_a_missing_one(tmp_path: Path) -> None:
     assert read_rss_mib(42, tmp_path) == 3.0
     assert read_rss_mib(43, tmp_path) is None  # a zombie has no memory line
     assert read_rss_mib(44, tmp_path) is None
+
+
+def test_cpu_of_a_process_with_an_odd_name_and_of_a_missing_one(tmp_path: Path) -> None:
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    (tmp_path / "42").mkdir()
+    fields = ["S", "1", "42", "42", "0", "-1", "0", "0", "0", "0", "0",
+              str(3 * ticks_per_s), str(ticks_per_s), "0", "0"]
+    (tmp_path / "42" / "stat").write_text(f"42 (a) b (c) {' '.join(fields)}\n")
+    assert read_cpu_s(42, tmp_path) == (3.0, 1.0)
+    assert read_cpu_s(43, tmp_path) is None
+    user_s, system_s = read_cpu_s(os.getpid()) or (-1.0, -1.0)
+    assert user_s > 0 and system_s >= 0
 
 
 def test_descendants_are_found_through_odd_command_names(tmp_path: Path) -> None:

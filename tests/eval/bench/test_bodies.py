@@ -32,5 +32,11 @@ def test_a_short_chats_attack_is_answered_and_measured(tmp_path: Path) -> None:
     baseline, attack = figures["chats: victim tokens baseline / attack"].split(" / ")
     assert int(baseline) > 0 and int(attack) > 0
     assert figures["chats: victim failures"] == 0
+    baseline_percent, attack_percent = figures[
+        "chats: server process CPU, % of a core (baseline / attack)"].split(" / ")
+    assert float(baseline_percent) > 0 and float(attack_percent) > 0
+    user_s, system_s = figures["chats: server process CPU in the attack, s (user / system)"
+                               ].split(" / ")
+    assert float(user_s) > 0 and float(system_s) >= 0
     assert report["checks"][0] == {"name": "chats: the server survived", "passed": True,
                                    "detail": ""}

@@ -1,0 +1,73 @@
+"""Keeping large buffers in the C heap instead of mapping and unmapping each one.
+
+glibc's malloc gives every allocation over its mmap threshold (128 KiB at start) pages of
+their own, and returns free memory at the top of a heap to the kernel once it exceeds the
+trim threshold. Its dynamic rule raises both thresholds as large blocks are freed, but two
+of this project's processes still paid for it, measured on its 2-core machine
+(`docs/benchmarks.md`, "Large buffers kept in the heap"):
+- `serve`'s own process, receiving request bodies: each 256 KiB read of a 15 MB body was
+  copied into fresh buffers (h11's receive buffer, uvicorn's, the joined body), each mapped,
+  faulted in page by page and unmapped again: 19 ms of CPU for each body received, two
+  thirds of it in the kernel, against 4.5 ms with both thresholds set here (either alone
+  changed nothing);
+- the engine core on the CPU, whose forward allocates its activations anew each step:
+  `bench throughput` ran at 5,900-6,100 tokens/s, against 7,000-7,100 with them.
+
+`keep_large_buffers_in_heap` sets the mmap threshold to glibc's largest (32 MiB on 64-bit,
+over the 16 MiB body limit) and the trim threshold to twice that, the ratio glibc's own
+dynamic rule keeps. The cost is memory kept for reuse: up to the trim threshold of free memory
+at the top of each malloc arena (about 30 MB more resident after a run of 15 MB bodies).
+
+Only a process's owner may call it (`serve`'s main process, the engine core process): it
+changes malloc for the whole process, for good. Users who set glibc's malloc variables
+themselves (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, or malloc tunables in
+`GLIBC_TUNABLES`) keep theirs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+# glibc's upper bound for the mmap threshold on 64-bit (HEAP_MAX_SIZE / 2): mallopt refuses more.
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
+# mallopt's parameter numbers (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def keep_large_buffers_in_heap(environ: dict[str, str] | None = None) -> bool:
+    """Sets glibc's mmap threshold to `MMAP_THRESHOLD_BYTES` and its trim threshold to
+    `TRIM_THRESHOLD_BYTES` for this process; whether it did. False, and nothing changed,
+    where malloc is not glibc's or `environ` (default: `os.environ`) already tunes it. Called
+    once, early in the life of a process that serves."""
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in _USER_SETTINGS) or "glibc.malloc." in environ.get(
+            "GLIBC_TUNABLES", ""):
+        return False
+    mallopt = _glibc_mallopt()
+    if mallopt is None:
+        return False
+    # Both or neither: the trim threshold alone made receiving a body slower (31 ms a body).
+    # glibc accepts any trim threshold, so only the mmap threshold can be refused.
+    if not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
+def _glibc_mallopt() -> ctypes._CFuncPtr | None:
+    """glibc's `mallopt` on a 64-bit Linux, or None (another C library, such as musl's or
+    macOS's; a 32-bit glibc, whose largest mmap threshold is 512 KiB)."""
+    if (platform.system() != "Linux" or platform.libc_ver()[0] != "glibc"
+            or ctypes.sizeof(ctypes.c_void_p) != 8):
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return mallopt

@@ -1,0 +1,60 @@
+"""Large buffers kept in glibc's heap: a buffer of megabytes is no longer mapped on its own once
+`keep_large_buffers_in_heap` ran, and users' own malloc settings are left alone. The
+allocation checks run in a fresh interpreter each, since the setting is process-wide."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from engine.core.malloc_thresholds import keep_large_buffers_in_heap
+
+_ON_GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+# Prints whether the thresholds were set and how many bytes glibc had mapped on their own
+# (mallinfo2's hblkhd) while a 4 MiB buffer lived.
+_PROBE = """
+import ctypes, json, sys
+from engine.core.malloc_thresholds import keep_large_buffers_in_heap
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+tuned = keep_large_buffers_in_heap() if sys.argv[1] == "tune" else False
+before = mallinfo2().hblkhd
+buffer = bytearray(4 * 1024 * 1024)
+print(json.dumps({"tuned": tuned, "mapped_bytes": mallinfo2().hblkhd - before}))
+"""
+
+
+def _probe(mode: str) -> dict[str, object]:
+    environ = {name: value for name, value in os.environ.items()
+               if not name.startswith("MALLOC_") and name != "GLIBC_TUNABLES"}
+    result = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True,
+                            text=True, check=True, env=environ)
+    return json.loads(result.stdout)
+
+
+@pytest.mark.skipif(not _ON_GLIBC, reason="the thresholds are glibc's")
+def test_a_buffer_of_megabytes_comes_from_the_heap_once_the_thresholds_are_set() -> None:
+    assert _probe("default") == {"tuned": False, "mapped_bytes": pytest.approx(4 << 20,
+                                                                              rel=0.01)}
+    assert _probe("tune") == {"tuned": True, "mapped_bytes": 0}
+
+
+@pytest.mark.parametrize("environ", [
+    {"MALLOC_MMAP_THRESHOLD_": "131072"},
+    {"MALLOC_TRIM_THRESHOLD_": "131072"},
+    {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"},
+])
+def test_users_malloc_settings_are_left_alone(environ: dict[str, str]) -> None:
+    assert keep_large_buffers_in_heap(environ) is False
