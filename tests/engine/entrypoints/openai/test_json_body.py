@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
@@ -362,18 +363,9 @@ def _cpu_classes_of_every_thread(processor: InputProcessor, body: object
 def _parse_from_a_background_thread(parser: BodyParser) -> object:
     """What `_cpu_classes_of_every_thread` finds in a child started, as the server starts
     them, from a work-pool thread at niceness 10."""
-    results: list[object] = []
-
-    def parse() -> None:
-        lower_thread_priority(BACKGROUND_NICENESS)
-        results.append(parser.parse(json.dumps(_chat()).encode(), "messages",
-                                    ChatCompletionRequest,
-                                    _cpu_classes_of_every_thread).chat_prompt)
-
-    thread = threading.Thread(target=parse)
-    thread.start()
-    thread.join()
-    return results[0]
+    return _call_from_a_niced_thread(lambda: parser.parse(
+        json.dumps(_chat()).encode(), "messages", ChatCompletionRequest,
+        _cpu_classes_of_every_thread).chat_prompt)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class")
@@ -392,6 +384,43 @@ def test_every_thread_of_the_child_runs_in_its_cpu_class(processor):
             parser.shutdown()
     assert results[0][0] == {os.SCHED_IDLE}
     assert results[1] == ({os.SCHED_OTHER}, {niceness})
+
+
+def test_the_pools_helper_threads_run_at_the_priority_of_the_thread_that_built_it():
+    """Bodies are parsed from niceness-10 background threads, but the pool's manager and
+    the feeder that writes bodies to the children run at the niceness of the thread that
+    built the parser (the event loop's), also for a pool that replaces a broken one."""
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    parser = BodyParser(num_processes=1)
+    try:
+        for _ in range(2):
+            parsed = _call_from_a_niced_thread(lambda: parser.parse(b"[1]", None))
+            assert parsed.value == [1]  # type: ignore[attr-defined]
+            executor = parser._live_executor()
+            # CPython's names for the pool's two helper threads.
+            helpers = [executor._executor_manager_thread, executor._call_queue._thread]
+            assert {os.getpriority(os.PRIO_PROCESS, helper.native_id)
+                    for helper in helpers} == {niceness}
+            for pid in list(executor._processes):
+                os.kill(pid, 9)
+            executor._executor_manager_thread.join(timeout=30)
+    finally:
+        parser.shutdown()
+
+
+def _call_from_a_niced_thread(call: Callable[[], object]) -> object:
+    """`call()`'s result, called from a new thread at niceness 10, as the work pool's
+    background threads run."""
+    results: list[object] = []
+
+    def run() -> None:
+        lower_thread_priority(BACKGROUND_NICENESS)
+        results.append(call())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return results[0]
 
 
 def _failing_chat_prompt(processor: InputProcessor, body: object) -> ChatPrompt | None:
