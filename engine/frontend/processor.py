@@ -28,11 +28,13 @@ Prompt = str | list[int]
 
 
 class PromptTooLongError(ValueError):
-    """A prompt of `num_tokens` tokens, which leaves no room for output within the model's
-    context (`max_model_len`)."""
+    """A prompt of `num_tokens` tokens (at least that many with `at_least`: a text whose
+    length alone shows it too long is not tokenized), which leaves no room for output within
+    the model's context (`max_model_len`)."""
 
-    def __init__(self, num_tokens: int, max_model_len: int) -> None:
-        super().__init__(f"the prompt has {num_tokens} tokens, which leaves no room for output "
+    def __init__(self, num_tokens: int, max_model_len: int, *, at_least: bool = False) -> None:
+        count = f"at least {num_tokens}" if at_least else f"{num_tokens}"
+        super().__init__(f"the prompt has {count} tokens, which leaves no room for output "
                          f"within max_model_len ({max_model_len})")
         self.num_tokens = num_tokens
 
@@ -168,7 +170,8 @@ class InputProcessor:
         except (TypeError, UnicodeError) as error:  # for example a lone surrogate
             raise ValueError(f"{what} cannot be tokenized: {error}") from error
         if encoded.token_ids is None:
-            raise PromptTooLongError(encoded.num_tokens, self.max_model_len)
+            raise PromptTooLongError(encoded.num_tokens, self.max_model_len,
+                                     at_least=encoded.num_tokens_is_lower_bound)
         return encoded.token_ids
 
     def special_token_ids(self, texts: Iterable[str]) -> frozenset[int]:

@@ -94,9 +94,20 @@ def test_chat_prompt_renders_the_template_with_tools(tokenizer) -> None:
 def test_a_chat_or_prompt_longer_than_the_model_is_rejected_with_its_length(processor) -> None:
     with pytest.raises(ValueError, match=r"the prompt has 32 tokens, .* max_model_len \(32\)"):
         processor.process("a", "x" * 32, SamplingParams())
-    chat = [{"role": "user", "content": "x" * 1000}]
-    with pytest.raises(ValueError, match=r"the prompt has 10\d\d tokens"):
+    chat = [{"role": "user", "content": "x" * 100}]
+    with pytest.raises(ValueError, match=r"the prompt has 1\d\d tokens"):
         processor.chat_prompt(chat)
+
+
+def test_a_text_whose_length_proves_it_too_long_is_refused_with_a_lower_bound(
+        processor) -> None:
+    """No token of the tiny model stands for more characters than its longest added token
+    has (16), so a conversation of over 1,000 characters has more tokens than a context of 32
+    takes without being tokenized (it has over 1,000: one a byte)."""
+    chat = [{"role": "user", "content": "x" * 1000}]
+    with pytest.raises(ValueError, match=r"the prompt has at least (\d+) tokens") as refused:
+        processor.chat_prompt(chat)
+    assert 1000 / 16 <= refused.value.num_tokens <= 1000  # type: ignore[attr-defined]
 
 
 def test_bad_chat_input_is_rejected(processor) -> None:

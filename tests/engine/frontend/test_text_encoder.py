@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 from engine.frontend.text_encoder import EncodedText, TextEncoder
@@ -52,6 +53,81 @@ def test_a_text_over_the_limit_is_counted_without_ids(bpe_tokenizer) -> None:
     assert fits.num_tokens == num_tokens and fits.token_ids is not None
     assert encoder.encode(text, add_special_tokens=False,
                           max_tokens=num_tokens - 1) == EncodedText(num_tokens, None)
+
+
+def test_a_text_whose_length_proves_it_too_long_is_not_encoded(bpe_tokenizer,
+                                                                monkeypatch) -> None:
+    """No token of a byte-level BPE stands for more characters than its longest vocabulary
+    entry has, so `len(text) / that` tokens is a lower bound, reported as one; texts within
+    the bound are still encoded and counted exactly."""
+    encoder = TextEncoder(bpe_tokenizer)
+    bpe_tokenizer("warm up", add_special_tokens=False)  # turns the fixture's truncation off
+    longest = max(map(len, bpe_tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)))
+    encoded: list[str] = []
+    real_encode = encoder._rust_encode_batch
+
+    def recording() -> object:
+        encode_batch = real_encode()
+        return lambda texts, **kwargs: encoded.extend(texts) or encode_batch(texts, **kwargs)
+
+    monkeypatch.setattr(encoder, "_rust_encode_batch", recording)
+    text = "the quick brown fox " * 50
+    at_least = math.ceil(len(text) / longest)
+    assert encoder.encode(text, add_special_tokens=False, max_tokens=at_least - 1) == (
+        EncodedText(at_least, None, num_tokens_is_lower_bound=True))
+    assert encoded == []
+    exact = encoder.encode(text, add_special_tokens=False, max_tokens=at_least)
+    assert encoded == [text] and exact.num_tokens >= at_least
+    assert not exact.num_tokens_is_lower_bound
+
+
+def test_the_bound_holds_for_random_texts(bpe_tokenizer) -> None:
+    longest = max(map(len, bpe_tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)))
+    rng = random.Random(0)
+    pieces = [*TEXTS, *CORPUS[:4], "<s>", "</s>", " " * 30]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        num_tokens = len(bpe_tokenizer(text, add_special_tokens=False).input_ids)
+        assert math.ceil(len(text) / longest) <= num_tokens, text
+
+
+def test_tokens_added_later_raise_the_bound(bpe_tokenizer) -> None:
+    encoder = TextEncoder(bpe_tokenizer)
+    token = "<" + "a-very-long-added-token" * 3 + ">"
+    text = token * 10
+    before = encoder.encode(text, add_special_tokens=False, max_tokens=5)
+    bpe_tokenizer.add_tokens([token])
+    after = encoder.encode(text, add_special_tokens=False, max_tokens=5)
+    # Before, the longest entry was shorter: the same text was at least more tokens.
+    assert before.num_tokens > 10 and before.num_tokens_is_lower_bound
+    assert after == EncodedText(10, None, num_tokens_is_lower_bound=True)
+    assert len(bpe_tokenizer(text, add_special_tokens=False).input_ids) == 10
+
+
+@pytest.mark.parametrize("pipeline", ["normalizer", "removing split", "whitespace",
+                                      "metaspace"])
+def test_pipelines_that_may_drop_characters_are_always_encoded(pipeline) -> None:
+    """A normalizer may delete or merge characters, a pre-tokenizer may drop some, and a
+    Metaspace BPE's entries are not one character a byte: no bound, every text encoded."""
+    rust = Tokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pipeline == "normalizer":
+        rust.normalizer = normalizers.NFC()
+    elif pipeline == "removing split":
+        rust.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(" ", "removed"), pre_tokenizers.ByteLevel(use_regex=False)])
+    elif pipeline == "whitespace":
+        rust.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Whitespace(), pre_tokenizers.ByteLevel(use_regex=False)])
+    else:
+        rust.pre_tokenizer = pre_tokenizers.Metaspace()
+    rust.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=rust)
+    text = "e\u0301" * 2_000 if pipeline == "normalizer" else " " * 2_000 + "fox"
+    expected = len(tokenizer(text, add_special_tokens=False).input_ids)
+    assert TextEncoder(tokenizer).encode(text, add_special_tokens=False,
+                                         max_tokens=1) == EncodedText(expected, None)
 
 
 def test_a_fast_tokenizer_is_encoded_without_its_python_encoding_path(
@@ -113,9 +189,11 @@ def test_the_real_models_ids_are_those_of_its_tokenizer_call() -> None:
               "h\u00e9llo", "\u65e5\u672c", "\U0001f642", "def f():", "<tool_call>", '{"a": 1}',
               "\u200b", "x" * 40, "\uff21"]
     rng = random.Random(0)
+    longest = max(map(len, tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)))
     for _ in range(300):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 24)))
         for add_special_tokens in (True, False):
             expected = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
             assert encoder.encode(text, add_special_tokens=add_special_tokens,
                                   max_tokens=10_000).token_ids == expected, text
+            assert math.ceil(len(text) / longest) <= len(expected), text
