@@ -86,8 +86,7 @@ class TextEncoder:
             return None
         size = backend.get_vocab_size(with_added_tokens=True)
         if self._chars_bound is None or self._chars_bound[0] != size:
-            vocab = backend.get_vocab(with_added_tokens=True)
-            self._chars_bound = (size, max(map(len, vocab), default=0) or None)
+            self._chars_bound = (size, _longest_entry_chars(backend))
         return self._chars_bound[1]
 
     def _rust_encode_batch(self) -> Any:
@@ -108,7 +107,8 @@ def _bounds_chars_per_token(backend: Any) -> bool:
     the longest entry of its vocabulary (added tokens included) has: true of a byte-level
     BPE without a normalizer, whose entries spell the bytes they stand for one character a
     byte (a text has at least as many bytes as characters), whose pre-tokenizers drop no
-    byte, and whose added tokens are matched as they are written. A normalizer may delete
+    byte, and whose added tokens are matched as they are written (unless they strip the
+    whitespace beside them: see `_longest_entry_chars`). A normalizer may delete
     or merge characters (NFC, Qwen2.5's), so any normalizer rules the bound out."""
     if backend.normalizer is not None or not isinstance(backend.model, models.BPE):
         return False
@@ -120,6 +120,16 @@ def _bounds_chars_per_token(backend: Any) -> bool:
     kinds = [step.get("type") for step in steps]
     return ("ByteLevel" in kinds and set(kinds) <= _BYTE_KEEPING_PRE_TOKENIZERS
             and all(step.get("behavior") != "Removed" for step in steps))
+
+
+def _longest_entry_chars(backend: Any) -> int | None:
+    """The characters of the longest vocabulary entry, added tokens included; None when an
+    added token strips the whitespace beside it (`lstrip`, `rstrip`: it then stands for a
+    whitespace run of any length, 1,000 spaces and `<mask>` one token)."""
+    added = backend.get_added_tokens_decoder().values()
+    if any(token.lstrip or token.rstrip for token in added):
+        return None
+    return max(map(len, backend.get_vocab(with_added_tokens=True)), default=0) or None
 
 
 def _bypassable_backend(tokenizer: Any) -> Any:
