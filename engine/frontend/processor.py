@@ -37,6 +37,7 @@ class PromptTooLongError(ValueError):
         super().__init__(f"the prompt has {count} tokens, which leaves no room for output "
                          f"within max_model_len ({max_model_len})")
         self.num_tokens = num_tokens
+        self.at_least = at_least
 
 
 @dataclass(frozen=True)

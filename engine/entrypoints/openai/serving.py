@@ -377,35 +377,40 @@ class OpenAIServing:
         building its ids (see `engine.frontend.text_encoder`): this server's prompt limit or
         OpenAI's `context_length_exceeded`."""
         try:
-            self._check_prompt_length(error.num_tokens, params)
+            self._check_prompt_length(error.num_tokens, params, at_least=error.at_least)
         except APIError as api_error:
             return api_error
         return APIError(400, str(error), param=self.prompt_param)
 
-    def _check_prompt_length(self, num_prompt_tokens: int, params: SamplingParams
-                             ) -> SamplingParams:
-        """`params` with the default `max_tokens` for a prompt of `num_prompt_tokens`;
-        APIError(400) if it is over this server's limit or leaves too little of the context."""
+    def _check_prompt_length(self, num_prompt_tokens: int, params: SamplingParams, *,
+                             at_least: bool = False) -> SamplingParams:
+        """`params` with the default `max_tokens` for a prompt of `num_prompt_tokens` (at
+        least that many with `at_least`: a text too long by its length alone, not
+        tokenized); APIError(400) if it is over this server's limit or leaves too little of
+        the context."""
         max_prompt_tokens = self.settings.max_prompt_tokens
+        count = f"at least {num_prompt_tokens}" if at_least else f"{num_prompt_tokens}"
         if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
-            raise APIError(400, f"the prompt has {num_prompt_tokens} tokens, over this "
+            raise APIError(400, f"the prompt has {count} tokens, over this "
                                 f"server's limit of {max_prompt_tokens}", param="prompt",
                            code="limit_exceeded")
         params = self._default_max_tokens(params, num_prompt_tokens)
-        self._check_context(num_prompt_tokens, params)
+        self._check_context(num_prompt_tokens, params, count)
         return params
 
-    def _check_context(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+    def _check_context(self, num_prompt_tokens: int, params: SamplingParams,
+                       count: str) -> None:
         """OpenAI's `context_length_exceeded` for a prompt that leaves no room for output
         (naming the prompt's field, as OpenAI does) or not `max_tokens` of it (naming
-        `max_tokens`: the prompt fits, the completion asked for does not)."""
+        `max_tokens`: the prompt fits, the completion asked for does not). `count` is the
+        prompt's length as the client is told it ("at least N" for a lower bound)."""
         room = self.max_model_len - num_prompt_tokens
         if room <= 0:
             raise APIError(
                 400,
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"prompt has {num_prompt_tokens}, which leaves no room for output; reduce the "
-                f"length of the {self.prompt_param}",
+                f"prompt has {count}, which leaves no room for output; "
+                f"reduce the length of the {self.prompt_param}",
                 param=self.prompt_param, code="context_length_exceeded",
             )
         if params.max_tokens is not None and params.max_tokens > room:

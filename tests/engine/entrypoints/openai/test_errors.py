@@ -4,6 +4,7 @@ the KV pool ends all-free."""
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -137,6 +138,21 @@ def test_a_prompt_too_long_for_the_context_gets_openais_error(server, send, para
         send(server.client(), limit)
     assert (raised.value.code, raised.value.param) == ("context_length_exceeded", param)
     assert raised.value.body["type"] == "invalid_request_error"
+
+
+def test_a_prompt_too_long_by_its_length_alone_is_said_to_have_at_least_so_many_tokens(
+        server):
+    """A text too long by its length alone is not tokenized (`TextEncoder`): the count the
+    client is told is a lower bound and says so. One within the bound gets its exact count."""
+    client = server.client()
+    with pytest.raises(openai.BadRequestError,
+                       match=r"the prompt has at least (\d+), which leaves no room") as raised:
+        client.completions.create(model="tiny", prompt=LONG_TEXT * 2)
+    assert raised.value.code == "context_length_exceeded"
+    at_least = int(re.search(r"at least (\d+)", str(raised.value)).group(1))
+    assert 1024 <= at_least <= len(LONG_TEXT * 2)  # the tiny model: a token a byte
+    with pytest.raises(openai.BadRequestError, match=r"the prompt has 12000, which leaves"):
+        client.completions.create(model="tiny", prompt=LONG_TEXT)
 
 
 def test_unknown_model_gets_404(server):
