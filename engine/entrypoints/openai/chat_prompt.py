@@ -24,20 +24,23 @@ from engine.frontend.processor import InputProcessor, PromptTooLongError
 class ChatPrompt:
     """A conversation made into a prompt. `token_ids`: the prompt's; None when it cannot be
     made: `error` then says why (the chat template's message), else the prompt has
-    `num_tokens` tokens, too many for the model's context. `continues_request_id`: the
-    finished engine request whose turn it continues (`tool_call_ids.continued_request_id`)."""
+    `num_tokens` tokens (at least that many with `num_tokens_is_lower_bound`), too many for
+    the model's context. `continues_request_id`: the finished engine request whose turn it
+    continues (`tool_call_ids.continued_request_id`)."""
 
     token_ids: list[int] | None
     continues_request_id: str | None
     num_tokens: int = 0
     error: str | None = None
+    num_tokens_is_lower_bound: bool = False
 
     def checked_token_ids(self, max_model_len: int) -> list[int]:
         """`token_ids`; ValueError (`error`) or PromptTooLongError when there are none."""
         if self.error is not None:
             raise ValueError(self.error)
         if self.token_ids is None:
-            raise PromptTooLongError(self.num_tokens, max_model_len)
+            raise PromptTooLongError(self.num_tokens, max_model_len,
+                                     at_least=self.num_tokens_is_lower_bound)
         return self.token_ids
 
 
@@ -75,7 +78,8 @@ def render_chat_prompt(processor: InputProcessor, body: ChatCompletionRequest) -
             messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=body.chat_template_kwargs)
     except PromptTooLongError as error:
-        return ChatPrompt(None, continues, num_tokens=error.num_tokens)
+        return ChatPrompt(None, continues, num_tokens=error.num_tokens,
+                          num_tokens_is_lower_bound=error.at_least)
     except ValueError as error:
         return ChatPrompt(None, continues, error=str(error))
     return ChatPrompt(token_ids, continues)

@@ -153,6 +153,11 @@ def test_a_prompt_too_long_by_its_length_alone_is_said_to_have_at_least_so_many_
     assert 1024 <= at_least <= len(LONG_TEXT * 2)  # the tiny model: a token a byte
     with pytest.raises(openai.BadRequestError, match=r"the prompt has 12000, which leaves"):
         client.completions.create(model="tiny", prompt=LONG_TEXT)
+    # A chat's conversation, inline and (over 64 KiB) made into its prompt in a parse child.
+    for text in (LONG_TEXT * 2, LONG_TEXT * 6):
+        with pytest.raises(openai.BadRequestError, match=r"the prompt has at least \d+, "):
+            client.chat.completions.create(model="tiny",
+                                           messages=[{"role": "user", "content": text}])
 
 
 def test_unknown_model_gets_404(server):
