@@ -11,7 +11,7 @@ before anything becomes a Python object, and builds the id list only for a text 
 Encoding still holds about 125 bytes a token while it lives (1.3 GB for 9.7 MB of words with
 SmolLM2's tokenizer). Where the tokenizer's pipeline bounds how many characters one token
 can stand for (`_max_chars_per_token`: a byte-level BPE without a normalizer, SmolLM2's
-and Llama 3's among them), a text whose length alone proves it too long is not encoded: it
+and the tiny model's among them), a text whose length alone proves it too long is not encoded: it
 has at least `len(text) / that bound` tokens.
 """
 
