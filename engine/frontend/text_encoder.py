@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import models
+from tokenizers import models, pre_tokenizers
 
 # The methods between a fast tokenizer's `__call__` and its Rust tokenizer (transformers 4.x
 # and 5.x). A class that overrides one of them changes the text or the ids on the way (Code
@@ -31,6 +31,7 @@ _ENCODING_PATH = ("__call__", "_call_one", "encode_plus", "_encode_plus", "_batc
 # Pre-tokenizers that keep every byte of the text in some piece (a `Split` that removes what
 # it matches does not; neither do `Whitespace` and `WhitespaceSplit`, which drop whitespace).
 _BYTE_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Digits"})
+_BYTE_LEVEL_ALPHABET = frozenset(pre_tokenizers.ByteLevel.alphabet())
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,9 @@ class TextEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._backend = _bypassable_backend(tokenizer)
-        # (vocabulary size with added tokens, `_max_chars_per_token` at that size): the
-        # bound is computed again once tokens are added.
-        self._chars_bound: tuple[int, int | None] | None = None
+        # (the vocabulary's size and added tokens, `_longest_entry_chars` for them): the bound
+        # is computed again once tokens are added or changed.
+        self._chars_bound: tuple[object, int | None] | None = None
 
     def encode(self, text: str, *, add_special_tokens: bool, max_tokens: int) -> EncodedText:
         """`text` tokenized; `token_ids` is None when it has more than `max_tokens` tokens.
@@ -84,9 +85,11 @@ class TextEncoder:
         backend = self._backend
         if not _bounds_chars_per_token(backend):
             return None
-        size = backend.get_vocab_size(with_added_tokens=True)
-        if self._chars_bound is None or self._chars_bound[0] != size:
-            self._chars_bound = (size, _longest_entry_chars(backend))
+        added = backend.get_added_tokens_decoder()
+        key = (backend.get_vocab_size(with_added_tokens=True),
+               tuple((token.content, token.lstrip, token.rstrip) for token in added.values()))
+        if self._chars_bound is None or self._chars_bound[0] != key:
+            self._chars_bound = (key, _longest_entry_chars(backend))
         return self._chars_bound[1]
 
     def _rust_encode_batch(self) -> Any:
@@ -107,8 +110,8 @@ def _bounds_chars_per_token(backend: Any) -> bool:
     the longest entry of its vocabulary (added tokens included) has: true of a byte-level
     BPE without a normalizer, whose entries spell the bytes they stand for one character a
     byte (a text has at least as many bytes as characters), whose pre-tokenizers drop no
-    byte, and whose added tokens are matched as they are written (unless they strip the
-    whitespace beside them: see `_longest_entry_chars`). A normalizer may delete
+    byte, and whose added tokens are matched as they are written (two more conditions on the
+    vocabulary: `_longest_entry_chars`). A normalizer may delete
     or merge characters (NFC, Qwen2.5's), so any normalizer rules the bound out."""
     if backend.normalizer is not None or not isinstance(backend.model, models.BPE):
         return False
@@ -125,11 +128,16 @@ def _bounds_chars_per_token(backend: Any) -> bool:
 def _longest_entry_chars(backend: Any) -> int | None:
     """The characters of the longest vocabulary entry, added tokens included; None when an
     added token strips the whitespace beside it (`lstrip`, `rstrip`: it then stands for a
-    whitespace run of any length, 1,000 spaces and `<mask>` one token)."""
+    whitespace run of any length, 1,000 spaces and `<mask>` one token), or when the
+    vocabulary lacks one of the byte-level alphabet's 256 symbols (a byte it cannot spell
+    becomes the unknown token, which may stand for a run of them, or nothing at all)."""
     added = backend.get_added_tokens_decoder().values()
     if any(token.lstrip or token.rstrip for token in added):
         return None
-    return max(map(len, backend.get_vocab(with_added_tokens=True)), default=0) or None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if not vocab.keys() >= _BYTE_LEVEL_ALPHABET:
+        return None
+    return max(map(len, vocab))
 
 
 def _bypassable_backend(tokenizer: Any) -> Any:

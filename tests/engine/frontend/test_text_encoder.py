@@ -99,6 +99,24 @@ def test_the_bound_holds_for_random_texts(bpe_tokenizer) -> None:
         assert math.ceil(len(text) / longest) <= num_tokens, text
 
 
+def test_a_token_added_again_to_strip_whitespace_ends_the_bound() -> None:
+    """Re-adding a token the vocabulary has, now with `lstrip`, keeps its size."""
+    rust = Tokenizer(models.BPE())
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    rust.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<mask>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=rust)
+    encoder = TextEncoder(tokenizer)
+    text = " " * 2_000 + "<mask>"
+    assert encoder.encode(text, add_special_tokens=False, max_tokens=0).num_tokens_is_lower_bound
+    backend = tokenizer.backend_tokenizer  # a copy of `rust`
+    size = backend.get_vocab_size(with_added_tokens=True)
+    backend.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    assert backend.get_vocab_size(with_added_tokens=True) == size
+    assert encoder.encode(text, add_special_tokens=False, max_tokens=0) == EncodedText(1, None)
+
+
 def test_tokens_added_later_raise_the_bound(bpe_tokenizer) -> None:
     encoder = TextEncoder(bpe_tokenizer)
     token = "<" + "a-very-long-added-token" * 3 + ">"
@@ -113,12 +131,15 @@ def test_tokens_added_later_raise_the_bound(bpe_tokenizer) -> None:
 
 
 @pytest.mark.parametrize("pipeline", ["normalizer", "removing split", "whitespace",
-                                      "metaspace", "stripping added token"])
+                                      "metaspace", "stripping added token",
+                                      "missing bytes, fused unknowns", "missing bytes"])
 def test_pipelines_that_may_drop_characters_are_always_encoded(pipeline) -> None:
     """A normalizer may delete or merge characters, a pre-tokenizer may drop some, and a
     Metaspace BPE's entries are not one character a byte, an added token that strips the
-    whitespace beside it stands for any run of it: no bound, every text encoded."""
-    rust = Tokenizer(models.BPE())
+    whitespace beside it stands for any run of it, and so may the unknown token for bytes the
+    vocabulary cannot spell (or they are dropped): no bound, every text encoded."""
+    unknown = {"unk_token": "<unk>", "fuse_unk": True} if "fused" in pipeline else {}
+    rust = Tokenizer(models.BPE(**unknown))
     rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     if pipeline == "normalizer":
         rust.normalizer = normalizers.NFC()
@@ -130,15 +151,17 @@ def test_pipelines_that_may_drop_characters_are_always_encoded(pipeline) -> None
             pre_tokenizers.Whitespace(), pre_tokenizers.ByteLevel(use_regex=False)])
     elif pipeline == "metaspace":
         rust.pre_tokenizer = pre_tokenizers.Metaspace()
+    alphabet = [] if "missing bytes" in pipeline else pre_tokenizers.ByteLevel.alphabet()
     rust.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=300, initial_alphabet=alphabet, special_tokens=["<unk>"]))
     if pipeline == "stripping added token":
         rust.add_special_tokens([AddedToken("<mask>", lstrip=True)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=rust)
-    text = "e\u0301" * 2_000 if pipeline == "normalizer" else " " * 2_000 + "<mask>"
+    text = {"normalizer": "e\u0301" * 2_000, "missing bytes": "Z" * 2_000,
+            "missing bytes, fused unknowns": "Z" * 2_000}.get(pipeline, " " * 2_000 + "<mask>")
     expected = len(tokenizer(text, add_special_tokens=False).input_ids)
-    assert TextEncoder(tokenizer).encode(text, add_special_tokens=False,
-                                         max_tokens=0) == EncodedText(expected, None)
+    encoded = TextEncoder(tokenizer).encode(text, add_special_tokens=False, max_tokens=0)
+    assert (encoded.num_tokens, encoded.num_tokens_is_lower_bound) == (expected, False)
 
 
 def test_a_fast_tokenizer_is_encoded_without_its_python_encoding_path(
