@@ -125,7 +125,7 @@ class BodyParser:
         # Starts each pool from a thread at this thread's priority (see above); its one
         # thread is started here, by a first call.
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="body-parser-launcher")
-        self._launcher.submit(_nothing).result()
+        self._launcher.submit(lambda: None).result()
 
     def parse(self, body: bytes, conversation_field: str | None,
               model: type[BaseModel] | None = None,
@@ -157,11 +157,13 @@ class BodyParser:
 
     def _started_executor(self) -> ProcessPoolExecutor:
         """A new pool whose manager thread, and through it its feeder thread, this thread
-        starts with a first call (not waited for)."""
+        starts. CPython's own step for that (which `submit` takes first) starts no child
+        with the spawn context: each child is still spawned by the background thread whose
+        body needs it, at its niceness, until `_start_child` sets its CPU class."""
         executor = ProcessPoolExecutor(
             self.num_processes, mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_child, initargs=(self.cpu_class, self._processor_pickle))
-        executor.submit(_nothing)
+        executor._start_executor_manager_thread()  # type: ignore[attr-defined]
         return executor
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:
@@ -169,10 +171,6 @@ class BodyParser:
             if self._executor is broken:
                 broken.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
-
-
-def _nothing() -> None:
-    """The first call of a new thread or process pool, which starts its threads."""
 
 
 def _pickled(processor: InputProcessor) -> bytes | None:
