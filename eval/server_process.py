@@ -163,10 +163,10 @@ class ServerProcess:
         while being read counts 0)."""
         return sum(read_rss_mib(pid) or 0.0 for pid in self.process_ids())
 
-    def cpu_s(self) -> tuple[float, float]:
+    def cpu_s(self) -> tuple[float, float] | None:
         """User and system CPU seconds the server's own process has used so far (not its
-        descendants: the engine core, the body-parsing children); (0, 0) once it is gone."""
-        return read_cpu_s(self.pid) or (0.0, 0.0)
+        descendants: the engine core, the body-parsing children); None once it is gone."""
+        return read_cpu_s(self.pid)
 
     def log_text(self) -> str:
         try:

@@ -135,23 +135,23 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
             path, body = attack_request(attack, model, settings)
             victim_task = asyncio.create_task(
                 victim.run(http, model, settings.victim_tokens, stop))
-            baseline_cpu_s = server.cpu_s()
+            baseline_cpu = _CpuReading.of(server)
             await asyncio.sleep(settings.baseline_s)
             victim.phase = "attack"
-            attack_cpu_s = server.cpu_s()
+            attack_cpu = _CpuReading.of(server)
             attack_done = loop.run_in_executor(
                 attackers, run_attackers, server.base_url, path, body, settings)
             # The victim is measured over the same window whatever the server makes of the
             # attack: the attackers' last requests may take from seconds to minutes more.
             await asyncio.sleep(settings.attack_s)
-            end_cpu_s = server.cpu_s()
+            end_cpu = _CpuReading.of(server)
             stop.set()
             await victim_task
             statuses = await attack_done
     figures: list[tuple[str, object]] = [
         (f"{attack}: attack body, MB", round(len(body) / 1e6, 1)),
         (f"{attack}: attackers' statuses", counts_text(statuses)),
-        *_server_cpu_figures(attack, baseline_cpu_s, attack_cpu_s, end_cpu_s, settings),
+        *_server_cpu_figures(attack, baseline_cpu, attack_cpu, end_cpu),
     ]
     victim_figures, checks = victim.figures_and_checks(attack, settings.max_latency_ratio,
                                                        first_token=True)
@@ -159,22 +159,36 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
                                             server.is_healthy(), ""), *checks]
 
 
-def _server_cpu_figures(attack: str, baseline_start_s: tuple[float, float],
-                        attack_start_s: tuple[float, float], attack_end_s: tuple[float, float],
-                        settings: BodyAttackSettings) -> list[tuple[str, object]]:
+@dataclass(frozen=True)
+class _CpuReading:
+    """The server process's (user, system) CPU seconds (None once it is gone) at `at_s`
+    (monotonic seconds)."""
+
+    at_s: float
+    cpu_s: tuple[float, float] | None
+
+    @classmethod
+    def of(cls, server: ServerProcess) -> _CpuReading:
+        return cls(time.monotonic(), server.cpu_s())
+
+
+def _server_cpu_figures(attack: str, baseline: _CpuReading, attack_start: _CpuReading,
+                        attack_end: _CpuReading) -> list[tuple[str, object]]:
     """The server process's CPU (its event loop and threads; not the engine core nor the
-    parse children) in each phase, from (user, system) CPU seconds read at each phase's
-    start and the attack's end."""
-    def percent_of_a_core(start: tuple[float, float], end: tuple[float, float],
-                          seconds: float) -> float:
-        return round(100 * (sum(end) - sum(start)) / seconds, 1)
+    parse children) in each phase, from readings at each phase's start and the attack's end."""
+    if baseline.cpu_s is None or attack_start.cpu_s is None or attack_end.cpu_s is None:
+        return [(f"{attack}: server process CPU", "not read: the server is gone")]
+
+    def percent_of_a_core(start: _CpuReading, end: _CpuReading) -> float:
+        used_s = sum(end.cpu_s or ()) - sum(start.cpu_s or ())
+        return round(100 * used_s / (end.at_s - start.at_s), 1)
 
     attack_user_s, attack_system_s = (end - start for start, end in
-                                      zip(attack_start_s, attack_end_s, strict=True))
+                                      zip(attack_start.cpu_s, attack_end.cpu_s, strict=True))
     return [
         (f"{attack}: server process CPU, % of a core (baseline / attack)",
-         f"{percent_of_a_core(baseline_start_s, attack_start_s, settings.baseline_s)} / "
-         f"{percent_of_a_core(attack_start_s, attack_end_s, settings.attack_s)}"),
+         f"{percent_of_a_core(baseline, attack_start)} / "
+         f"{percent_of_a_core(attack_start, attack_end)}"),
         (f"{attack}: server process CPU in the attack, s (user / system)",
          f"{attack_user_s:.2f} / {attack_system_s:.2f}"),
     ]
