@@ -10,9 +10,9 @@ before anything becomes a Python object, and builds the id list only for a text 
 
 Encoding still holds about 125 bytes a token while it lives (1.3 GB for 9.7 MB of words with
 SmolLM2's tokenizer). Where the tokenizer's pipeline bounds how many characters one token
-can stand for (`_max_chars_per_token`: a byte-level BPE without a normalizer, SmolLM2's
-and the tiny model's among them), a text whose length alone proves it too long is not encoded: it
-has at least `len(text) / that bound` tokens.
+can stand for (`_TokenBound`: a byte-level BPE without a normalizer, SmolLM2's and the tiny
+model's among them), a text whose length alone proves it too long is not encoded: it has at
+least (its length less the characters the vocabulary cannot spell) / that bound tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ _ENCODING_PATH = ("__call__", "_call_one", "encode_plus", "_encode_plus", "_batc
 # Pre-tokenizers that keep every byte of the text in some piece (a `Split` that removes what
 # it matches does not; neither do `Whitespace` and `WhitespaceSplit`, which drop whitespace).
 _BYTE_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Digits"})
-_BYTE_LEVEL_ALPHABET = frozenset(pre_tokenizers.ByteLevel.alphabet())
 
 
 @dataclass(frozen=True)
@@ -58,9 +57,8 @@ class TextEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._backend = _bypassable_backend(tokenizer)
-        # (the vocabulary's size and added tokens, `_longest_entry_chars` for them): the bound
-        # is computed again once tokens are added or changed.
-        self._chars_bound: tuple[object, int | None] | None = None
+        # (the vocabulary's size and added tokens, the `_TokenBound` for them).
+        self._bound: tuple[object, _TokenBound | None] | None = None
 
     def encode(self, text: str, *, add_special_tokens: bool, max_tokens: int) -> EncodedText:
         """`text` tokenized; `token_ids` is None when it has more than `max_tokens` tokens.
@@ -72,25 +70,25 @@ class TextEncoder:
                              .input_ids)
             return EncodedText(len(token_ids),
                                token_ids if len(token_ids) <= max_tokens else None)
-        max_chars = self._max_chars_per_token()
-        if max_chars is not None and (at_least := math.ceil(len(text) / max_chars)) > max_tokens:
+        bound = self._token_bound()
+        if bound is not None and (at_least := bound.min_num_tokens(text, max_tokens)):
             return EncodedText(at_least, None, num_tokens_is_lower_bound=True)
         (encoding,) = encode_batch([text], add_special_tokens=add_special_tokens)
         num_tokens = len(encoding)
         return EncodedText(num_tokens, encoding.ids if num_tokens <= max_tokens else None)
 
-    def _max_chars_per_token(self) -> int | None:
-        """`_max_chars_per_token` of the backend's current pipeline, its vocabulary read once
-        per vocabulary size."""
+    def _token_bound(self) -> _TokenBound | None:
+        """The `_TokenBound` of the backend's current pipeline, its vocabulary read again
+        only once tokens are added or changed."""
         backend = self._backend
         if not _bounds_chars_per_token(backend):
             return None
         added = backend.get_added_tokens_decoder()
         key = (backend.get_vocab_size(with_added_tokens=True),
                tuple((token.content, token.lstrip, token.rstrip) for token in added.values()))
-        if self._chars_bound is None or self._chars_bound[0] != key:
-            self._chars_bound = (key, _longest_entry_chars(backend))
-        return self._chars_bound[1]
+        if self._bound is None or self._bound[0] != key:
+            self._bound = (key, _TokenBound.of(backend))
+        return self._bound[1]
 
     def _rust_encode_batch(self) -> Any:
         """The backend's `encode_batch_fast` (`encode_batch` before tokenizers 0.21: both
@@ -110,8 +108,8 @@ def _bounds_chars_per_token(backend: Any) -> bool:
     the longest entry of its vocabulary (added tokens included) has: true of a byte-level
     BPE without a normalizer, whose entries spell the bytes they stand for one character a
     byte (a text has at least as many bytes as characters), whose pre-tokenizers drop no
-    byte, and whose added tokens are matched as they are written (two more conditions on the
-    vocabulary: `_longest_entry_chars`). A normalizer may delete
+    byte, and whose added tokens are matched as they are written (more conditions on the
+    vocabulary: `_TokenBound`). A normalizer may delete
     or merge characters (NFC, Qwen2.5's), so any normalizer rules the bound out."""
     if backend.normalizer is not None or not isinstance(backend.model, models.BPE):
         return False
@@ -125,19 +123,64 @@ def _bounds_chars_per_token(backend: Any) -> bool:
             and all(step.get("behavior") != "Removed" for step in steps))
 
 
-def _longest_entry_chars(backend: Any) -> int | None:
-    """The characters of the longest vocabulary entry, added tokens included; None when an
-    added token strips the whitespace beside it (`lstrip`, `rstrip`: it then stands for a
-    whitespace run of any length, 1,000 spaces and `<mask>` one token), or when the
-    vocabulary lacks one of the byte-level alphabet's 256 symbols (a byte it cannot spell
-    becomes the unknown token, which may stand for a run of them, or nothing at all)."""
-    added = backend.get_added_tokens_decoder().values()
-    if any(token.lstrip or token.rstrip for token in added):
-        return None
-    vocab = backend.get_vocab(with_added_tokens=True)
-    if not vocab.keys() >= _BYTE_LEVEL_ALPHABET:
-        return None
-    return max(map(len, vocab))
+@dataclass(frozen=True)
+class _TokenBound:
+    """A lower bound on a text's tokens for a tokenizer that `_bounds_chars_per_token`
+    admits: no token touches more characters than `longest_entry_chars`, the longest entry
+    of the vocabulary (added tokens included), and every character but those in
+    `unspellable_chars` (ASCII characters whose byte the vocabulary lacks: BPE drops them,
+    or its unknown token fuses a run of them) has a byte some token stands for. With
+    `ascii_texts_only`, the vocabulary lacks a continuation byte too, so that a character of
+    several bytes may have none: then only ASCII texts are bounded."""
+
+    longest_entry_chars: int
+    unspellable_chars: frozenset[str]
+    ascii_texts_only: bool
+
+    def min_num_tokens(self, text: str, max_tokens: int) -> int | None:
+        """At least how many tokens `text` has, when that shows it has more than
+        `max_tokens`; else None (the text must be encoded to tell). Counting the unspellable
+        characters scans the text, so it is done only when the length alone would decide."""
+        longest = self.longest_entry_chars
+        if math.ceil(len(text) / longest) <= max_tokens:
+            return None
+        if self.ascii_texts_only and not text.isascii():
+            return None
+        spelled = len(text) - sum(text.count(char) for char in self.unspellable_chars)
+        at_least = math.ceil(spelled / longest)
+        return at_least if at_least > max_tokens else None
+
+    @classmethod
+    def of(cls, backend: Any) -> _TokenBound | None:
+        """The bound of a backend that `_bounds_chars_per_token` admits; None when an added
+        token strips the whitespace beside it (`lstrip`, `rstrip`: it then stands for a
+        whitespace run of any length, 1,000 spaces and `<mask>` one token)."""
+        added = backend.get_added_tokens_decoder().values()
+        if any(token.lstrip or token.rstrip for token in added):
+            return None
+        vocab = backend.get_vocab(with_added_tokens=True)
+        missing_bytes = {byte for symbol, byte in _BYTE_LEVEL_SYMBOLS.items()
+                         if symbol not in vocab}
+        return cls(max(map(len, vocab)),
+                   frozenset(chr(byte) for byte in missing_bytes if byte < 0x80),
+                   any(0x80 <= byte < 0xC0 for byte in missing_bytes))
+
+
+def _byte_level_symbols() -> dict[str, int]:
+    """The byte-level alphabet: the symbol that stands for each byte (GPT-2's mapping, which
+    `pre_tokenizers.ByteLevel` uses: printable bytes are their own character, the others
+    256 onwards, in order)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    symbols = {chr(byte): byte for byte in printable}
+    symbols.update({chr(256 + index): byte for index, byte in enumerate(others)})
+    if set(symbols) != set(pre_tokenizers.ByteLevel.alphabet()):
+        raise RuntimeError("the tokenizers library's byte-level alphabet has changed")
+    return symbols
+
+
+_BYTE_LEVEL_SYMBOLS = _byte_level_symbols()
 
 
 def _bypassable_backend(tokenizer: Any) -> Any:

@@ -99,6 +99,25 @@ def test_the_bound_holds_for_random_texts(bpe_tokenizer) -> None:
         assert math.ceil(len(text) / longest) <= num_tokens, text
 
 
+def test_characters_the_vocabulary_cannot_spell_are_not_counted() -> None:
+    """A vocabulary without some ASCII bytes (SmolLM2's lacks six control characters) drops
+    them, or fuses a run of them into its unknown token: the bound counts only the rest."""
+    rust = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = [symbol for symbol in pre_tokenizers.ByteLevel.alphabet() if symbol != "Z"]
+    rust.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=alphabet, special_tokens=["<unk>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=rust)
+    encoder = TextEncoder(tokenizer)
+    longest = max(map(len, rust.get_vocab(with_added_tokens=True)))
+    text = "Z" * 5_000 + "the quick brown fox " * 10
+    actual = len(tokenizer(text, add_special_tokens=False).input_ids)
+    refused = encoder.encode(text, add_special_tokens=False, max_tokens=1)
+    assert refused == EncodedText(math.ceil(200 / longest), None,
+                                  num_tokens_is_lower_bound=True)
+    assert refused.num_tokens <= actual
+
+
 def test_a_token_added_again_to_strip_whitespace_ends_the_bound() -> None:
     """Re-adding a token the vocabulary has, now with `lstrip`, keeps its size."""
     rust = Tokenizer(models.BPE())
@@ -219,15 +238,17 @@ def test_the_real_models_ids_are_those_of_its_tokenizer_call() -> None:
     tokens, whitespace runs, multi-byte characters) against `tokenizer(...)`."""
     tokenizer = load_tokenizer(str(require_real_model()))
     encoder = TextEncoder(tokenizer)
+    # The control characters and the plane-4 one are bytes SmolLM2's vocabulary lacks.
     pieces = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", " ", "  " * 9, "\n", "\n\n", "\t",
               "h\u00e9llo", "\u65e5\u672c", "\U0001f642", "def f():", "<tool_call>", '{"a": 1}',
-              "\u200b", "x" * 40, "\uff21"]
+              "\u200b", "x" * 40, "\uff21", "\x04" * 30, "\x1d", "\U00040000"]
     rng = random.Random(0)
-    longest = max(map(len, tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)))
     for _ in range(300):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 24)))
         for add_special_tokens in (True, False):
             expected = tokenizer(text, add_special_tokens=add_special_tokens).input_ids
             assert encoder.encode(text, add_special_tokens=add_special_tokens,
                                   max_tokens=10_000).token_ids == expected, text
-            assert math.ceil(len(text) / longest) <= len(expected), text
+            # With no room at all, every text the bound decides is refused with it.
+            refused = encoder.encode(text, add_special_tokens=add_special_tokens, max_tokens=0)
+            assert refused.num_tokens <= len(expected), text
