@@ -156,7 +156,7 @@ class _TokenBound:
         token strips the whitespace beside it (`lstrip`, `rstrip`: it then stands for a
         whitespace run of any length, 1,000 spaces and `<mask>` one token)."""
         added = backend.get_added_tokens_decoder().values()
-        if any(token.lstrip or token.rstrip for token in added):
+        if _BYTE_LEVEL_SYMBOLS is None or any(token.lstrip or token.rstrip for token in added):
             return None
         vocab = backend.get_vocab(with_added_tokens=True)
         missing_bytes = {byte for symbol, byte in _BYTE_LEVEL_SYMBOLS.items()
@@ -166,18 +166,16 @@ class _TokenBound:
                    any(0x80 <= byte < 0xC0 for byte in missing_bytes))
 
 
-def _byte_level_symbols() -> dict[str, int]:
+def _byte_level_symbols() -> dict[str, int] | None:
     """The byte-level alphabet: the symbol that stands for each byte (GPT-2's mapping, which
     `pre_tokenizers.ByteLevel` uses: printable bytes are their own character, the others
-    256 onwards, in order)."""
+    256 onwards, in order); None, and no bound, should the library's alphabet differ."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
                  *range(ord("\u00ae"), ord("\u00ff") + 1)]
     others = [byte for byte in range(256) if byte not in printable]
     symbols = {chr(byte): byte for byte in printable}
     symbols.update({chr(256 + index): byte for index, byte in enumerate(others)})
-    if set(symbols) != set(pre_tokenizers.ByteLevel.alphabet()):
-        raise RuntimeError("the tokenizers library's byte-level alphabet has changed")
-    return symbols
+    return symbols if set(symbols) == set(pre_tokenizers.ByteLevel.alphabet()) else None
 
 
 _BYTE_LEVEL_SYMBOLS = _byte_level_symbols()
