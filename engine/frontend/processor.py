@@ -33,11 +33,17 @@ class PromptTooLongError(ValueError):
     the model's context (`max_model_len`)."""
 
     def __init__(self, num_tokens: int, max_model_len: int, *, at_least: bool = False) -> None:
-        count = f"at least {num_tokens}" if at_least else f"{num_tokens}"
-        super().__init__(f"the prompt has {count} tokens, which leaves no room for output "
+        super().__init__(f"the prompt has {token_count_text(num_tokens, at_least)} tokens, "
+                         "which leaves no room for output "
                          f"within max_model_len ({max_model_len})")
         self.num_tokens = num_tokens
         self.at_least = at_least
+
+
+def token_count_text(num_tokens: int, at_least: bool) -> str:
+    """A prompt's token count as a client is told it: "N", or "at least N" for a lower
+    bound (`PromptTooLongError.at_least`)."""
+    return f"at least {num_tokens}" if at_least else f"{num_tokens}"
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,9 @@ class TextEncoder:
                              .input_ids)
             return EncodedText(len(token_ids),
                                token_ids if len(token_ids) <= max_tokens else None)
-        bound = self._token_bound()
+        # A text of at most `max_tokens` characters can never be shown too long by its
+        # length: the usual prompt skips reading the pipeline (half a short text's encode).
+        bound = self._token_bound() if len(text) > max_tokens else None
         if bound is not None and (at_least := bound.min_num_tokens(text, max_tokens)):
             return EncodedText(at_least, None, num_tokens_is_lower_bound=True)
         (encoding,) = encode_batch([text], add_special_tokens=add_special_tokens)

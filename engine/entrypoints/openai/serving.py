@@ -46,7 +46,7 @@ from engine.entrypoints.openai.work_pool import (
 )
 from engine.frontend.async_llm import AsyncLLM, QueueFullError
 from engine.frontend.outputs import RequestOutput, RequestRejected
-from engine.frontend.processor import ProcessedRequest, PromptTooLongError
+from engine.frontend.processor import ProcessedRequest, PromptTooLongError, token_count_text
 from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -389,7 +389,7 @@ class OpenAIServing:
         tokenized); APIError(400) if it is over this server's limit or leaves too little of
         the context."""
         max_prompt_tokens = self.settings.max_prompt_tokens
-        count = f"at least {num_prompt_tokens}" if at_least else f"{num_prompt_tokens}"
+        count = token_count_text(num_prompt_tokens, at_least)
         if max_prompt_tokens is not None and num_prompt_tokens > max_prompt_tokens:
             raise APIError(400, f"the prompt has {count} tokens, over this "
                                 f"server's limit of {max_prompt_tokens}", param="prompt",
