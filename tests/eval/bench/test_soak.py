@@ -34,7 +34,8 @@ def test_reduced_soak_keeps_invariants_with_no_leaks(server: ServerProcess) -> N
     assert tally.jobs_completed >= 8 and tally.failed_jobs == 0
     assert tally.turns_completed >= 4 * tally.jobs_completed
     assert report.counters["invariant_checks"] > 0
-    assert report.counters["invariant_checks"] == report.counters["engine_steps"]
+    # Every step is checked, and so is every idle sweep that released a pin or forgot a job.
+    assert report.counters["invariant_checks"] >= report.counters["engine_steps"]
     assert report.invariant_violations == 0 and tally.health_failures == 0
     assert tally.health_polls >= 10  # every 0.5 s, slower when the machine is busy
     state, memory = report.end_state, report.memory
