@@ -32,6 +32,7 @@ def build_estimator(options: ContinuumOptions, scheduler: SchedulerView) -> TTLE
         reload_cost=measured_reload_cost(scheduler) if prices_rebuilds else None,
         rebuild_cost=options.rebuild_cost, pin_cost=options.pin_cost,
         max_ttl_s=options.max_ttl_s, prefill_fit=options.prefill_fit,
+        cold_start_samples=options.cold_start_samples,
     )
     estimator = make_estimator(options.estimator, settings)
     loaded = (options.estimator_state is not None

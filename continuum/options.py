@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from estimator.eq2 import DEFAULT_MAX_TTL_S, PrefillFit, RebuildCost
+from estimator.eq2 import COLD_START_SAMPLES, DEFAULT_MAX_TTL_S, PrefillFit, RebuildCost
+from estimator.history import DEFAULT_MAX_SAMPLES
 from estimator.registry import EstimatorName
 from estimator.solver import PinCost
 
@@ -155,6 +156,11 @@ class ContinuumOptions(ProgramOrderOptions):
         "R's prefill time: start-up (the prefill_profile fit, prefills timed alone) | "
         "under-load (refitted on the last 256 prefills the engine ran, admission to first "
         "token, once 32 are seen; the start-up fit until then)"))
+    cold_start_samples: int = field(default=0, metadata=_help(
+        "Eq. 2 assumes tool durations ~ Exp(mean 1 s) and eta = 1 (the paper's cold start: "
+        "ttl = ln(T + R)) until it has observed more than this many tool durations: 0 (from "
+        f"the first observed duration on, the observed ones decide) | {COLD_START_SAMPLES} "
+        "(the paper's K)"))
     estimator_state: str | None = field(default=None, metadata=_help(
         "estimator state file: loaded at start if present and valid, saved at shutdown"))
     estimator_warm_start: tuple[str, ...] = field(default=(), metadata=_help(
@@ -193,6 +199,9 @@ class ContinuumOptions(ProgramOrderOptions):
         _require(self.prefill_fit == "start-up" or self.prefill_profile != "none",
                  "prefill_fit=under-load prices R, which prefill_profile=none sets to 0")
         _require(self.estimator_state != "", "estimator_state must be a file path")
+        _require(0 <= self.cold_start_samples < DEFAULT_MAX_SAMPLES,
+                 f"cold_start_samples must be in [0, {DEFAULT_MAX_SAMPLES}), got "
+                 f"{self.cold_start_samples!r}")
         _require(self.max_ttl_s > 0 and math.isfinite(self.max_ttl_s),
                  f"max_ttl_s must be a positive finite number, got {self.max_ttl_s!r}")
         _require(self.pin_yield_wait_s >= 0,
@@ -219,6 +228,9 @@ class ContinuumAf226d3Options(ContinuumOptions):
 
     rebuild_cost: RebuildCost = field(default="prefill", metadata=_help(
         "Eq. 2's R: prefill (the paper, af226d3's default) | prefill-times-running"))
+    cold_start_samples: int = field(default=COLD_START_SAMPLES, metadata=_help(
+        "Eq. 2's cold-start prior holds until more than this many tool durations are "
+        f"observed ({COLD_START_SAMPLES}: the paper's K, af226d3's rule)"))
     pin_cost: PinCost = field(default="ttl", metadata=_help(
         "what Eq. 2 charges a pin: ttl (the paper, af226d3's default) | expected-hold | "
         "priced"))

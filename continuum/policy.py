@@ -32,8 +32,9 @@ class ContinuumPolicy(JobFCFSPolicy):
       from its output) is pinned for the estimator's TTL when it is positive (Eq. 2 by
       default, its pins priced by the memory they take, `pin_cost=priced`, and its R the
       prefill time times the requests whose steps a rebuild would lengthen,
-      `rebuild_cost=prefill-times-running`); a turn that
-      called no tool is not pinned. At most one pin per job (a newer one replaces the
+      `rebuild_cost=prefill-times-running`, and its cold-start prior used only until the
+      first tool duration is observed, `cold_start_samples=0`); a turn that called no tool
+      is not pinned. At most one pin per job (a newer one replaces the
       older). With `max_pinned_fraction` < 1, a new pin first has the pins of jobs that
       arrived later released (latest first), else it is declined. The pin is released when
       the job's next turn is admitted, after that turn took its prefix hit.

@@ -4,9 +4,13 @@ For a finished turn that called tool `f` with a context of `r` tokens:
 `ttl = argmax over t in {0} and samples(f) of P(t) * (T * eta + R(r)) - t`, where `P` is the
 empirical CDF of `f`'s durations, `T` the recent mean queueing delay of turns that came back
 without their KV, `eta` the anti-correlation of jobs' done and remaining turns, and `R` the
-cost of rebuilding `r` tokens. With at most `cold_start_samples` (K) samples overall, durations
-are assumed Exp(mean 1 s) and eta = 1, giving `ttl = ln(T + R)` when `T + R > 1`; beyond K
-overall but at most K for `f`, the pooled CDF of all tools is used. With a fitted
+cost of rebuilding `r` tokens. With at most `cold_start_samples` samples overall (the paper's
+K = 100, this class's default), durations are assumed Exp(mean 1 s) and eta = 1, giving
+`ttl = ln(T + R)` when `T + R > 1`; beyond that, the empirical CDF of `f`'s durations once
+`f` has more than `min_tool_samples` (also the paper's K), else the pooled CDF of all tools.
+The `continuum` policy ends the cold start at the first observed duration
+(`cold_start_samples=0`): with the paper's K the prior decides every pin of a short run on a
+fresh engine (`docs/benchmarks.md`, "The cold start of a fresh engine"). With a fitted
 `predictor`, the CDF is instead the predictor's conditional distribution for the call.
 
 `R` is the paper's with `rebuild_cost="prefill"` (this class's default): the prefill time of
@@ -109,6 +113,7 @@ class Eq2Estimator:
         max_ttl_s: float = DEFAULT_MAX_TTL_S,
         predictor: DurationPredictor | None = None,
         cold_start_samples: int = COLD_START_SAMPLES,
+        min_tool_samples: int = COLD_START_SAMPLES,
         history: ToolDurationHistory | None = None,
         queueing_window: int = 256,
         max_records: int = 20_000,
@@ -117,11 +122,11 @@ class Eq2Estimator:
         prefill_fit: PrefillFit = "start-up",
     ) -> None:
         self.history = ToolDurationHistory() if history is None else history
-        if not 0 <= cold_start_samples < self.history.max_samples:
-            raise ValueError(
-                f"cold_start_samples must be in [0, {self.history.max_samples}), "
-                f"got {cold_start_samples}"
-            )
+        for name, value in (("cold_start_samples", cold_start_samples),
+                            ("min_tool_samples", min_tool_samples)):
+            if not 0 <= value < self.history.max_samples:
+                raise ValueError(f"{name} must be in [0, {self.history.max_samples}), "
+                                 f"got {value}")
         if rebuild_cost not in REBUILD_COSTS:
             raise ValueError(f"rebuild_cost must be one of {REBUILD_COSTS}, got {rebuild_cost!r}")
         if pin_cost not in PIN_COSTS:
@@ -131,6 +136,7 @@ class Eq2Estimator:
         if not (max_ttl_s > 0 and math.isfinite(max_ttl_s)):
             raise ValueError(f"max_ttl_s must be a positive finite number, got {max_ttl_s!r}")
         self.cold_start_samples = cold_start_samples
+        self.min_tool_samples = min_tool_samples
         self.prefill_cost = prefill_cost
         self.reload_cost = reload_cost
         self.rebuild_cost = rebuild_cost
@@ -194,7 +200,7 @@ class Eq2Estimator:
         if self.predictor is not None and self.predictor.is_fitted:
             return self.predictor.predict_cdf(self.features(call)), "learned", len(self.records)
         tool_samples = self.history.samples(call.tool_name)
-        tool = call.tool_name if len(tool_samples) > self.cold_start_samples else None
+        tool = call.tool_name if len(tool_samples) > self.min_tool_samples else None
         cdf = self._cdfs.get(tool)
         if cdf is None:
             if len(self._cdfs) > self.history.max_tools:
@@ -343,7 +349,7 @@ class Eq2Estimator:
         return Eq2Estimator(
             reload_cost=self.reload_cost,
             rebuild_cost=self.rebuild_cost, pin_cost=self.pin_cost, max_ttl_s=self.max_ttl_s,
-            cold_start_samples=self.cold_start_samples,
+            cold_start_samples=self.cold_start_samples, min_tool_samples=self.min_tool_samples,
             history=ToolDurationHistory(max_samples=self.history.max_samples,
                                         max_tools=self.history.max_tools,
                                         max_pending=self.history.max_pending),

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 
 from estimator.base import ToolCall, clamp_seconds
 
+# The latest durations kept per tool and pooled, by default.
+DEFAULT_MAX_SAMPLES = 1000
+
 
 class ToolDurationHistory:
     """The latest `max_samples` durations of each tool and of all tools together.
@@ -22,7 +25,8 @@ class ToolDurationHistory:
     """
 
     def __init__(
-        self, *, max_samples: int = 1000, max_tools: int = 256, max_pending: int = 100_000
+        self, *, max_samples: int = DEFAULT_MAX_SAMPLES, max_tools: int = 256,
+        max_pending: int = 100_000,
     ) -> None:
         for name, value in (("max_samples", max_samples), ("max_tools", max_tools),
                             ("max_pending", max_pending)):

@@ -9,7 +9,13 @@ from typing import Any, Literal
 from engine.registry import Registry
 from estimator.base import TTLEstimator
 from estimator.cost_model import HostReloadCost, PrefillCostModel
-from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, PrefillFit, RebuildCost
+from estimator.eq2 import (
+    COLD_START_SAMPLES,
+    DEFAULT_MAX_TTL_S,
+    Eq2Estimator,
+    PrefillFit,
+    RebuildCost,
+)
 from estimator.fixed import FixedTTLEstimator
 from estimator.learned import QuantileBoostingPredictor
 from estimator.solver import PinCost
@@ -27,7 +33,8 @@ class EstimatorSettings:
     (None: R = 0) as `rebuild_cost` says, `reload_cost` reloading one the host tier holds
     (None: no tier); `pin_cost` is what Eq. 2 charges a pin; `max_ttl_s` caps Eq. 2's
     TTLs; `prefill_fit` says whether `prefill_cost` is refitted on the prefills observed
-    under load."""
+    under load; `cold_start_samples` is how many tool durations Eq. 2 must observe before it
+    leaves the cold-start prior (the paper's K = 100 by default)."""
 
     prefill_cost: PrefillCostModel | None = None
     reload_cost: HostReloadCost | None = None
@@ -35,6 +42,7 @@ class EstimatorSettings:
     pin_cost: PinCost = "ttl"
     max_ttl_s: float = DEFAULT_MAX_TTL_S
     prefill_fit: PrefillFit = "start-up"
+    cold_start_samples: int = COLD_START_SAMPLES
 
 
 def _fixed(settings: EstimatorSettings) -> TTLEstimator:

@@ -237,7 +237,7 @@ def pinball_losses(estimator: Eq2Estimator, records: list[DurationRecord]
     empirical = []
     for record in records:
         samples = estimator.history.samples(record.features.tool_name)
-        if len(samples) <= estimator.cold_start_samples:
+        if len(samples) <= estimator.min_tool_samples:
             samples = estimator.history.samples(None)
         cdf = DurationCDF.from_samples(samples)
         empirical.append([cdf.quantile(level) for level in levels])

@@ -107,14 +107,15 @@ class GpuRunSet:
         return GPU_RUNS_ROOT / self.name
 
 
-def _replays_finished_by_the_cut(commit: str) -> GpuRunSet:
+def _replays_finished_by_the_cut(commit: str, continuum_spec: str) -> GpuRunSet:
     """The H100 runs of `commit` whose fcfs and continuum replays of both setups all finished
-    (swe40's by its cut), with today's policies and the profile fitted on them."""
+    (swe40's by its cut), with `continuum_spec` for the continuum the commit ran and the
+    profile fitted on them."""
     return GpuRunSet(
         f"h100-{commit}",
         (_finished(SWE24, "fcfs"), _finished(SWE24, "continuum"),
          _finished(SWE40, "fcfs", SWE40_CUT_S), _finished(SWE40, "continuum", SWE40_CUT_S)),
-        {"fcfs": "fcfs", "continuum": "continuum"},
+        {"fcfs": "fcfs", "continuum": continuum_spec},
         f"h100-llama3.1-8b-{commit}")
 
 
@@ -128,8 +129,9 @@ RUN_SETS = {
             {"fcfs": "fcfs", "continuum": "continuum-af226d3",
              "continuum-fixed": "continuum-af226d3:estimator=fixed-2s"},
             "h100-llama3.1-8b-measured"),
-        _replays_finished_by_the_cut("24b013d"),
-        _replays_finished_by_the_cut("d8b9e2f"),
+        # Today's continuum but for the cold start: the paper's K then.
+        _replays_finished_by_the_cut("24b013d", "continuum:cold_start_samples=100"),
+        _replays_finished_by_the_cut("d8b9e2f", "continuum:cold_start_samples=100"),
     )
 }
 DEFAULT_RUN_SET = "h100-af226d3"

@@ -86,6 +86,12 @@ def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
     assert (papers.rebuild_cost, papers.max_ttl_s) == ("prefill", 30.0)
     measured = Harness(ContinuumAf226d3Policy(), environment=environment).policy.estimator.inner
     assert (measured.rebuild_cost, measured.pin_cost) == ("prefill", "ttl")  # as it ran then
+    # The cold-start prior ends at the first observed duration; the paper's K is an option
+    # (and af226d3's rule); a tool's own durations decide after the paper's K either way.
+    assert (estimator.cold_start_samples, estimator.min_tool_samples) == (0, 100)
+    assert measured.cold_start_samples == 100
+    papers_k = Harness(continuum(cold_start_samples="100"), environment=environment)
+    assert papers_k.policy.estimator.inner.cold_start_samples == 100
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -98,6 +104,8 @@ def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
     ({"ttl": "3"}, "unknown option 'ttl'"),
     ({"prefill_fit": "online"}, "prefill_fit"),
     ({"admission_headroom_blocks": "-1"}, "admission_headroom_blocks"),
+    ({"cold_start_samples": "-1"}, "cold_start_samples"),
+    ({"cold_start_samples": "1000"}, "cold_start_samples"),
     ({"prefill_fit": "under-load", "prefill_profile": "none"}, "prefill_fit"),
 ])
 def test_bad_options_are_refused_with_their_name(options: dict, message: str) -> None:

@@ -33,7 +33,10 @@ def record(estimator: Eq2Estimator, tool: str | None, duration_s: float, job_id:
 
 
 def estimator_with(k: int = 3, rebuild_s: float = 0.0, **settings) -> Eq2Estimator:
-    return Eq2Estimator(cold_start_samples=k, prefill_cost=PrefillCostModel(intercept_s=rebuild_s),
+    """An estimator whose cold start and per-tool CDFs both need more than `k` samples (the
+    paper's one K), unless `settings` part them."""
+    settings = {"cold_start_samples": k, "min_tool_samples": k, **settings}
+    return Eq2Estimator(prefill_cost=PrefillCostModel(intercept_s=rebuild_s),
                         history=ToolDurationHistory(max_samples=10), **settings)
 
 
@@ -51,6 +54,27 @@ def test_cold_start_uses_the_closed_form_until_more_than_k_samples() -> None:
     decision = estimator.decide(call("j", "ls"))
     assert decision.basis == "tool" and decision.num_samples == 4
     assert decision.ttl_s == 0.5  # P(.5) = 1: 4.5 - .5 beats not pinning
+
+
+def test_without_a_cold_start_the_first_observed_duration_decides() -> None:
+    estimator = estimator_with(k=3, rebuild_s=1.5, cold_start_samples=0)
+    assert estimator.decide(call("j", "ls")).basis == "cold-start"  # nothing observed yet
+    record(estimator, "ls", 0.5)
+    decision = estimator.decide(call("j", "ls"))
+    # The pooled CDF until the tool has more than min_tool_samples of its own.
+    assert (decision.basis, decision.num_samples, decision.ttl_s) == ("pooled", 1, 0.5)
+    for _ in range(3):
+        record(estimator, "ls", 0.25)
+    assert estimator.decide(call("j", "ls")).basis == "tool"
+
+
+def test_the_cold_start_and_the_per_tool_threshold_are_checked_on_construction() -> None:
+    valid = {"cold_start_samples": 9, "min_tool_samples": 9}
+    for name in valid:
+        for value in (10, -1):  # the history keeps 10 durations: more could never be seen
+            with pytest.raises(ValueError, match=name):
+                Eq2Estimator(history=ToolDurationHistory(max_samples=10),
+                             **{**valid, name: value})
 
 
 def test_cold_start_does_not_pin_when_the_saving_is_below_one_second() -> None:
@@ -162,7 +186,8 @@ def test_state_round_trips_through_a_json_file(tmp_path) -> None:
     estimator.observe_job_end("x", 7)
     path = tmp_path / "state.json"
     assert save_state(estimator, path) is True
-    restored = Eq2Estimator(cold_start_samples=2, history=ToolDurationHistory(max_samples=10))
+    restored = Eq2Estimator(cold_start_samples=2, min_tool_samples=2,
+                            history=ToolDurationHistory(max_samples=10))
     assert load_state_or_cold_start(restored, path) is True
     assert restored.state() == estimator.state()
     assert restored.prefill_cost == estimator.prefill_cost  # it had none: the state's
@@ -188,7 +213,7 @@ def test_only_the_latest_entries_of_a_larger_state_are_read() -> None:
              "tools_s": {f"t{n}": [1.0] * 12 for n in range(5)},
              "queueing_delays_s": [9.0] * 3 + [1.0] * 4}
     estimator = Eq2Estimator(history=ToolDurationHistory(max_samples=10, max_tools=3),
-                             cold_start_samples=3, queueing_window=4)
+                             cold_start_samples=3, min_tool_samples=3, queueing_window=4)
     estimator.load_state(state)
     assert list(estimator.history.samples(None)) == [float(n) for n in range(15, 25)]
     assert estimator.history.tool_names == ["t2", "t3", "t4"]
@@ -324,8 +349,8 @@ def test_a_learned_estimator_decides_from_its_predictor_and_survives_a_reload(tm
 @pytest.mark.parametrize("background", [False, True])
 def test_a_learned_estimator_retrains_after_enough_new_calls(background) -> None:
     predictor = QuantileBoostingPredictor(max_iter=10, min_records=20)
-    estimator = Eq2Estimator(cold_start_samples=0, predictor=predictor, refit_every=25,
-                             refit_in_background=background)
+    estimator = Eq2Estimator(cold_start_samples=0, min_tool_samples=0, predictor=predictor,
+                             refit_every=25, refit_in_background=background)
     for index in range(24):
         record(estimator, "cat" if index % 2 else "grep", 0.1 + index / 100, job_id=f"j{index}")
     assert not estimator.predictor.is_fitted
