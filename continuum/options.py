@@ -158,9 +158,9 @@ class ContinuumOptions(ProgramOrderOptions):
         "token, once 32 are seen; the start-up fit until then)"))
     cold_start_samples: int = field(default=0, metadata=_help(
         "Eq. 2 assumes tool durations ~ Exp(mean 1 s) and eta = 1 (the paper's cold start: "
-        "ttl = ln(T + R)) until it has observed more than this many tool durations: 0 (from "
-        f"the first observed duration on, the observed ones decide) | {COLD_START_SAMPLES} "
-        "(the paper's K)"))
+        "ttl = ln(T + R)) until it has observed more than this many tool durations, "
+        f"0 to {DEFAULT_MAX_SAMPLES - 1}: 0 (from the first observed duration on, the observed "
+        f"ones decide) or {COLD_START_SAMPLES} (the paper's K), for example"))
     estimator_state: str | None = field(default=None, metadata=_help(
         "estimator state file: loaded at start if present and valid, saved at shutdown"))
     estimator_warm_start: tuple[str, ...] = field(default=(), metadata=_help(

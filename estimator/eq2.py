@@ -96,7 +96,9 @@ class Eq2Estimator:
     host tier holds, which `reload_cost` prices (None: no tier); with
     `prefill_fit="under-load"` (and a `prefill_cost`), the fit of the prefills observed under
     load replaces `prefill_cost` once there is one; `pin_cost` says what a
-    pin is charged (see the module docstring); `max_ttl_s` caps every TTL; `predictor`, once
+    pin is charged (see the module docstring); the cold start holds while at most
+    `cold_start_samples` durations are observed, and a tool's own CDF decides once it has more
+    than `min_tool_samples`; `max_ttl_s` caps every TTL; `predictor`, once
     fitted, replaces the empirical CDF; `max_records` bounds the finished calls kept to
     (re)train it. With `refit_every`, a copy of the predictor is retrained on the records
     after that many new ones, in a background thread (`refit_in_background`) so that no
@@ -309,6 +311,7 @@ class Eq2Estimator:
         return {
             "version": STATE_VERSION,
             "cold_start_samples": self.cold_start_samples,
+            "min_tool_samples": self.min_tool_samples,
             "pooled_s": list(self.history.samples(None)),
             "tools_s": {name: list(self.history.samples(name))
                         for name in self.history.tool_names},

@@ -33,8 +33,8 @@ class EstimatorSettings:
     (None: R = 0) as `rebuild_cost` says, `reload_cost` reloading one the host tier holds
     (None: no tier); `pin_cost` is what Eq. 2 charges a pin; `max_ttl_s` caps Eq. 2's
     TTLs; `prefill_fit` says whether `prefill_cost` is refitted on the prefills observed
-    under load; `cold_start_samples` is how many tool durations Eq. 2 must observe before it
-    leaves the cold-start prior (the paper's K = 100 by default)."""
+    under load; Eq. 2 leaves its cold-start prior once more than `cold_start_samples` tool
+    durations are observed (the paper's K = 100 by default)."""
 
     prefill_cost: PrefillCostModel | None = None
     reload_cost: HostReloadCost | None = None

@@ -92,6 +92,8 @@ def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
     assert measured.cold_start_samples == 100
     papers_k = Harness(continuum(cold_start_samples="100"), environment=environment)
     assert papers_k.policy.estimator.inner.cold_start_samples == 100
+    learned = Harness(continuum(estimator="eq2-learned"), environment=environment)
+    assert learned.policy.estimator.inner.cold_start_samples == 0
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -58,11 +58,14 @@ def test_cold_start_uses_the_closed_form_until_more_than_k_samples() -> None:
 
 def test_without_a_cold_start_the_first_observed_duration_decides() -> None:
     estimator = estimator_with(k=3, rebuild_s=1.5, cold_start_samples=0)
-    assert estimator.decide(call("j", "ls")).basis == "cold-start"  # nothing observed yet
+    for job_id, num_turns in (("a", 2), ("b", 6)):  # jobs of unequal length: eta < 1
+        estimator.observe_job_end(job_id, num_turns)
+    assert estimator.decide(call("j", "ls")).eta == 1.0  # nothing observed yet: cold start
     record(estimator, "ls", 0.5)
     decision = estimator.decide(call("j", "ls"))
     # The pooled CDF until the tool has more than min_tool_samples of its own.
     assert (decision.basis, decision.num_samples, decision.ttl_s) == ("pooled", 1, 0.5)
+    assert decision.eta == estimator.turns.eta < 1.0
     for _ in range(3):
         record(estimator, "ls", 0.25)
     assert estimator.decide(call("j", "ls")).basis == "tool"

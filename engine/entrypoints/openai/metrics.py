@@ -81,9 +81,10 @@ class _CoreStatsCollector(Collector):
             released.add_metric([model, reason], count)
         yield released
         yield _counter("engine_steps", "Engine steps run.", model, stats.num_steps)
-        yield _counter("invariant_checks", "Steps, and idle sweeps that changed something, "
-                       "whose scheduler and KV invariants were checked "
-                       "(--debug-check-invariants).", model, stats.num_invariant_checks)
+        yield _counter("invariant_checks", "Steps, idle sweeps that changed something and "
+                       "async scheduling's last step out, whose scheduler and KV invariants "
+                       "were checked (--debug-check-invariants).", model,
+                       stats.num_invariant_checks)
 
 
 def _host_tier_metrics(stats: EngineStats, model: str) -> Iterator[Metric]:
