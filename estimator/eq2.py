@@ -311,7 +311,6 @@ class Eq2Estimator:
         return {
             "version": STATE_VERSION,
             "cold_start_samples": self.cold_start_samples,
-            "min_tool_samples": self.min_tool_samples,
             "pooled_s": list(self.history.samples(None)),
             "tools_s": {name: list(self.history.samples(name))
                         for name in self.history.tool_names},

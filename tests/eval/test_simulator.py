@@ -151,12 +151,16 @@ def test_policy_options_reach_the_policy() -> None:
     fixed = simulate(jobs, arrivals, pressured(
         "continuum", policy_options=(("estimator", "fixed-2s"), ("max_pinned_fraction", "1"))))
     # The 2 s rule pins every non-final turn (with no cap on the pool's share that pins
-    # hold); Eq. 2 prices these short contexts near zero.
+    # hold); the paper's cold start prices these short contexts near zero, and Eq. 2 over
+    # the observed durations pins some of them.
     assert fixed.pins_created == sum(len(job.turns) - 1 for job in jobs)
-    assert simulate(jobs, arrivals, pressured("continuum")).pins_created == 0
+    papers_k = ("cold_start_samples", "100")
+    assert simulate(jobs, arrivals, pressured("continuum", policy_options=(papers_k,))
+                    ).pins_created == 0
+    assert 0 < simulate(jobs, arrivals, pressured("continuum")).pins_created < fixed.pins_created
     # With arrival holds, the turns Eq. 2 did not pin have their cached prefixes held.
     held = simulate(jobs, arrivals, pressured(
-        "continuum", policy_options=(("arrival_hold", "until-admitted"),)))
+        "continuum", policy_options=(papers_k, ("arrival_hold", "until-admitted"))))
     assert held.pins_created == held.arrival_holds_created > 0
     with pytest.raises(ValueError, match="bogus"):
         Simulation(jobs, arrivals, pressured("continuum", policy_options=(("bogus", "1"),)))
