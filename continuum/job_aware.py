@@ -199,18 +199,19 @@ class JobAwarePolicy(BasePolicy):
         job.last_tool_name = tool_name
         if tool_name is None:
             return None
+        others = [other for other in self.scheduler.running if other is not request]
+        pool_tokens = self.scheduler.block_size * self.scheduler.num_kv_blocks
         return ToolCall(
             job_id=job.job_id,
             tool_name=tool_name,
             finished_at_s=now_s,
             num_context_tokens=request.num_tokens,
             turn_index=job.num_turns_finished - 1,
-            num_running_requests=sum(1 for other in self.scheduler.running
-                                     if other is not request),
+            num_running_requests=len(others),
             request_id=request.request_id,
             num_waiting_requests=len(self.scheduler.waiting),
-            pool_share=request.num_computed_tokens / (self.scheduler.block_size
-                                                      * self.scheduler.num_kv_blocks),
+            pool_share=request.num_computed_tokens / pool_tokens,
+            running_pool_share=sum(other.num_computed_tokens for other in others) / pool_tokens,
         )
 
     def _tool_name(self, request: Request) -> str | None:

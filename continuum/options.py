@@ -133,11 +133,12 @@ class ContinuumOptions(ProgramOrderOptions):
         "Eq. 2's R: prefill-times-running (the context's prefill time times 1 + the requests "
         "running beside the finished turn, whose steps a rebuild lengthens) | prefill (the "
         "paper: the prefill time alone)"))
-    pin_cost: PinCost = field(default="priced", metadata=_help(
+    pin_cost: PinCost = field(default="priced-capped", metadata=_help(
         "what Eq. 2 charges a pin: ttl (the paper: its whole TTL) | expected-hold (the time it "
         "is expected to be held, since a used pin is released when the next turn arrives) | "
         "priced (that expected hold times the share of the pool it holds times the requests "
-        "running and waiting)"))
+        "running and waiting) | priced-capped (priced, those requests counted up to the "
+        "number the whole pool holds at the running requests' mean size)"))
     pin_loss: PinLoss = field(default="ignored", metadata=_help(
         "ignored | discounted (Eq. 2 counts that memory pressure may take a pin before the "
         "next turn comes, at the rate it took pins lately: pins taken per second held over "
@@ -233,7 +234,7 @@ class ContinuumAf226d3Options(ContinuumOptions):
         f"observed ({COLD_START_SAMPLES}: the paper's K, af226d3's rule)"))
     pin_cost: PinCost = field(default="ttl", metadata=_help(
         "what Eq. 2 charges a pin: ttl (the paper, af226d3's default) | expected-hold | "
-        "priced"))
+        "priced | priced-capped"))
     max_pinned_fraction: float = field(default=0.8, metadata=_help(
         "the share of the KV pool pins may hold; a new pin first releases later jobs' pins, "
         "else is declined (1: no cap)"))

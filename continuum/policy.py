@@ -30,7 +30,7 @@ class ContinuumPolicy(JobFCFSPolicy):
 
     - Retention: a non-final turn of a job that called a tool (named by the client or parsed
       from its output) is pinned for the estimator's TTL when it is positive (Eq. 2 by
-      default, its pins priced by the memory they take, `pin_cost=priced`, and its R the
+      default, its pins priced by the memory they take, `pin_cost=priced-capped`, and its R the
       prefill time times the requests whose steps a rebuild would lengthen,
       `rebuild_cost=prefill-times-running`, and its cold-start prior used only until the
       first tool duration is observed, `cold_start_samples=0`); a turn that called no tool

@@ -62,6 +62,8 @@ class ToolCall:
     `num_running_requests` counts the other requests running when it finished, whose steps a
     rebuild of the context would share; `num_waiting_requests` the requests waiting then;
     `pool_share` the share of the KV pool the context's blocks take (0 when unknown);
+    `running_pool_share` the other running requests' computed tokens over the pool's tokens
+    (a prefix they share counts once for each; 0 when unknown);
     `request_id` names the finished turn (None when the caller has no such name, as in trace
     replays); `pin_loss_rate_per_s` how often memory pressure now takes a live pin, per
     second held (0: never, or not counted), the chance that a pin is gone before the next
@@ -78,6 +80,7 @@ class ToolCall:
     num_waiting_requests: int = 0
     pool_share: float = 0.0
     pin_loss_rate_per_s: float = 0.0
+    running_pool_share: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,9 @@ in an engine that batches prefill and decode tokens into one step a rebuild leng
 steps too; `docs/benchmarks.md` compares the two. A pin is charged its TTL, as in the paper
 (`pin_cost="ttl"`), or, as an option, the time it is expected to be held
 (`pin_cost="expected-hold"`, see `estimator.solver`), or that expected hold priced by the
-memory it takes from the requests running and waiting (`pin_cost="priced"`); the cold start
+memory it takes from the requests running and waiting (`pin_cost="priced"`), those requests
+counted up to as many as the pool holds at the running ones' mean size
+(`pin_cost="priced-capped"`); the cold start
 is the paper's whichever. Every TTL is capped at `max_ttl_s`.
 
 Nothing observed can make a decision raise or pin forever: durations and delays are clamped
@@ -73,6 +75,7 @@ from estimator.solver import (
     PinCost,
     cold_start_ttl,
     memory_price,
+    pool_capacity_requests,
     solve_ttl,
 )
 from estimator.traces import TraceJob
@@ -177,14 +180,25 @@ class Eq2Estimator:
             eta = self.turns.eta
             benefit_s = queueing_delay_s * eta + rebuild_s
             cdf, basis, num_samples = self._cdf(call)
-            ttl_s = solve_ttl(cdf, benefit_s, self.pin_cost, price=memory_price(
-                call.pool_share, clamp_count(call.num_running_requests
-                                             + call.num_waiting_requests, MAX_RUNNING_REQUESTS)),
-                loss_rate_per_s=clamp_rate(call.pin_loss_rate_per_s))
+            ttl_s = solve_ttl(cdf, benefit_s, self.pin_cost, price=self.memory_price(call),
+                              loss_rate_per_s=clamp_rate(call.pin_loss_rate_per_s))
         ttl_s = min(ttl_s, self.max_ttl_s) if ttl_s >= 0 else 0.0
         return TTLDecision(ttl_s, basis, num_samples=num_samples,
                            queueing_delay_s=queueing_delay_s, eta=eta, rebuild_s=rebuild_s,
                            benefit_s=benefit_s, duration_cdf=cdf)
+
+    def memory_price(self, call: ToolCall) -> float:
+        """Seconds of delay the call's pin causes the requests running and waiting per second
+        it is held (`pin_cost="priced"`), their count bounded by what the pool holds
+        (`"priced-capped"`); called by `decide` for each decision past the cold start, and
+        unused by the other pin costs."""
+        num_active = clamp_count(call.num_running_requests + call.num_waiting_requests,
+                                 MAX_RUNNING_REQUESTS)
+        capacity = (pool_capacity_requests(clamp_count(call.num_running_requests,
+                                                       MAX_RUNNING_REQUESTS),
+                                           call.running_pool_share)
+                    if self.pin_cost == "priced-capped" else None)
+        return memory_price(call.pool_share, num_active, capacity)
 
     def rebuild_s(self, num_context_tokens: int) -> float:
         """R: seconds to rebuild a context of this many tokens: its reload time when the host

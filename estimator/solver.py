@@ -8,7 +8,12 @@ duration `D`, the TTL is `argmax over t in {0} and the candidates of P(t) * bene
 `C(t)`, the seconds of memory a pin is charged, is the paper's `t` (`pin_cost="ttl"`), or,
 as an option, the time the pin is expected to be held, `E[min(D, t)]`
 (`pin_cost="expected-hold"`): the engine releases a pin as soon as the next turn is admitted,
-so a pin that is used holds memory only for the tool's duration.
+so a pin that is used holds memory only for the tool's duration. `pin_cost="priced"` charges
+that expected hold at a price (`memory_price`): the share of the pool the pin holds times the
+requests running and waiting; `"priced-capped"` counts those requests up to as many as the
+whole pool holds at the running requests' mean size (`pool_capacity_requests`): the price is
+then at most the number of such requests the pin's own blocks could hold, which is as many as
+the memory it keeps from others could run.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-PinCost = Literal["ttl", "expected-hold", "priced"]
-PIN_COSTS: tuple[PinCost, ...] = ("ttl", "expected-hold", "priced")
+PinCost = Literal["ttl", "expected-hold", "priced", "priced-capped"]
+PIN_COSTS: tuple[PinCost, ...] = ("ttl", "expected-hold", "priced", "priced-capped")
+PRICED_PIN_COSTS: tuple[PinCost, ...] = ("priced", "priced-capped")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,21 +102,40 @@ def utility(ttl_s: float, cdf: DurationCDF, benefit_s: float) -> float:
     return 0.0 if ttl_s <= 0 else cdf.probability(ttl_s) * benefit_s - ttl_s
 
 
-def memory_price(pool_share: float, num_active_requests: int) -> float:
+def memory_price(pool_share: float, num_active_requests: int,
+                 max_delayed_requests: float | None = None) -> float:
     """Seconds of delay a pin causes other requests per second it holds memory: the share of
     the KV pool it holds (which a full pool would otherwise give to other work) times the
-    requests running or waiting beside it, all of which that memory would speed up."""
-    return max(0.0, pool_share) * max(0, num_active_requests)
+    requests running or waiting beside it, all of which that memory would speed up, counted
+    up to `max_delayed_requests` (None or NaN: no bound; see `pool_capacity_requests`)."""
+    count = float(max(0, num_active_requests))
+    if max_delayed_requests is not None and not math.isnan(max_delayed_requests):
+        count = min(count, max(0.0, max_delayed_requests))
+    return max(0.0, pool_share) * count
+
+
+def pool_capacity_requests(num_running_requests: int, running_pool_share: float) -> float | None:
+    """How many requests of the running requests' mean size the whole KV pool holds at once
+    (`num_running_requests` holding `running_pool_share` of it), the bound of
+    `pin_cost="priced-capped"`: a pin's share of the pool times this is how many such requests
+    its blocks could hold, and no more can run sooner for the memory it frees each second.
+    Never fewer than `num_running_requests`, which the pool holds now (their shares count
+    prefix blocks they share once each, so together they may exceed the pool). None when
+    nothing runs or the share is not a positive finite number (no size to go by)."""
+    if num_running_requests <= 0 or not (0 < running_pool_share < math.inf):
+        return None
+    return max(float(num_running_requests), num_running_requests / running_pool_share)
 
 
 def solve_ttl(cdf: DurationCDF, benefit_s: float, pin_cost: PinCost = "ttl",
               price: float = 1.0, loss_rate_per_s: float = 0.0) -> float:
     """Eq. 2's TTL: the candidate duration with the highest expected saving, 0 (no pin) unless
     one is strictly positive; the shortest of equal maxima (less memory held). `pin_cost`
-    says how a pin is charged and `price` what a second of it costs with `priced` (see the
-    module docstring). With `loss_rate_per_s` > 0, memory pressure takes a live pin at that
-    rate (after a time X ~ Exp(rate)): a pin saves only if the next turn comes before X, and
-    is held, and charged, until whichever of the TTL, the next turn and X comes first."""
+    says how a pin is charged and `price` what a second of it costs with `priced` or
+    `priced-capped` (see the module docstring). With `loss_rate_per_s` > 0, memory pressure
+    takes a live pin at that rate (after a time X ~ Exp(rate)): a pin saves only if the next
+    turn comes before X, and is held, and charged, until whichever of the TTL, the next turn
+    and X comes first."""
     if pin_cost not in PIN_COSTS:
         raise ValueError(f"pin_cost must be one of {PIN_COSTS}, got {pin_cost!r}")
     if not loss_rate_per_s >= 0:
@@ -125,7 +150,7 @@ def solve_ttl(cdf: DurationCDF, benefit_s: float, pin_cost: PinCost = "ttl",
         hit += (probability - previous_probability) * math.exp(-loss_rate_per_s * duration_s)
         previous_s, previous_probability = duration_s, probability
         cost_s = _survived_s(0.0, duration_s, loss_rate_per_s) if pin_cost == "ttl" else held_s
-        if pin_cost == "priced":
+        if pin_cost in PRICED_PIN_COSTS:
             cost_s *= price
         gain = hit * benefit_s - cost_s
         if duration_s > 0 and gain > best_utility:

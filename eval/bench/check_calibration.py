@@ -129,9 +129,10 @@ RUN_SETS = {
             {"fcfs": "fcfs", "continuum": "continuum-af226d3",
              "continuum-fixed": "continuum-af226d3:estimator=fixed-2s"},
             "h100-llama3.1-8b-measured"),
-        # Today's continuum but for the cold start: the paper's K then.
-        _replays_finished_by_the_cut("24b013d", "continuum:cold_start_samples=100"),
-        _replays_finished_by_the_cut("d8b9e2f", "continuum:cold_start_samples=100"),
+        # Today's continuum but for the cold start (the paper's K then) and the price (not
+        # yet capped by the pool's capacity).
+        _replays_finished_by_the_cut("24b013d", "continuum:cold_start_samples=100:pin_cost=priced"),
+        _replays_finished_by_the_cut("d8b9e2f", "continuum:cold_start_samples=100:pin_cost=priced"),
     )
 }
 DEFAULT_RUN_SET = "h100-af226d3"

@@ -406,3 +406,35 @@ def test_the_estimator_hears_how_often_pressure_took_pins(pin_loss: str,
     h.add("b1", tokens(200, 6), job="B", max_tokens=2)
     h.run_until_finished("b1")
     assert estimator.loss_rates == [0.0, pytest.approx(expected_rate)]
+
+
+class CallRecorder(TTLByTool):
+    """Test estimator: `TTLByTool` that keeps every call it decides."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.calls: list[ToolCall] = []
+
+    def decide(self, call: ToolCall) -> TTLDecision:
+        self.calls.append(call)
+        return super().decide(call)
+
+
+def test_continuum_prices_pins_capped_by_the_pool_by_default() -> None:
+    assert ContinuumOptions().pin_cost == "priced-capped"
+    assert ContinuumAf226d3Options().pin_cost == "ttl"  # as it ran
+
+
+def test_a_tool_call_names_the_pool_shares_of_its_context_and_of_the_running_requests() -> None:
+    recorder = CallRecorder()
+    h = Harness(ContinuumPolicy(ContinuumOptions(), estimator=recorder))  # 32 blocks of 4
+    h.add("long", tokens(100, 20), max_tokens=40)
+    h.add("t1", tokens(1, 10), job="J", max_tokens=3)
+    h.run_until_finished("t1")
+    [call] = recorder.calls
+    pool_tokens = 32 * 4
+    assert call.num_running_requests == 1 and call.num_waiting_requests == 0
+    assert call.pool_share == pytest.approx(12 / pool_tokens)  # 10 prompt + 2 computed outputs
+    running = h.requests["long"].num_computed_tokens
+    assert running > 20
+    assert call.running_pool_share == pytest.approx(running / pool_tokens)

@@ -362,3 +362,28 @@ def test_a_learned_estimator_retrains_after_enough_new_calls(background) -> None
     estimator.wait_for_refit(timeout_s=60)
     assert estimator.predictor.is_fitted and estimator.predictor is not predictor
     assert estimator.decide(call("j", "cat")).basis == "learned"
+
+
+@pytest.mark.parametrize(("pin_cost", "expected_ttl_s"), [("priced", 0.0),
+                                                           ("priced-capped", 1.0)])
+def test_a_capped_price_counts_no_more_requests_than_the_pool_holds(pin_cost, expected_ttl_s
+                                                                     ) -> None:
+    estimator = estimator_with(k=0, rebuild_s=2.0, pin_cost=pin_cost)
+    for _ in range(3):
+        record(estimator, "ls", 1.0)
+    # A fifth of a small pool that holds 5 requests of the running ones' size, 24 active:
+    # priced at 0.2 x 24 = 4.8 s a second it outweighs the 2 s rebuild; capped, 0.2 x 5 = 1.
+    small_pool = ToolCall("j", "ls", 0.0, 1000, 0, num_running_requests=4,
+                          num_waiting_requests=20, pool_share=0.2, running_pool_share=0.8)
+    assert estimator.memory_price(small_pool) == pytest.approx(
+        {"priced": 4.8, "priced-capped": 1.0}[pin_cost])
+    assert estimator.decide(small_pool).ttl_s == expected_ttl_s
+    # With nothing else running there is no mean size: the waiting requests price it in full.
+    alone = ToolCall("j", "ls", 0.0, 1000, 0, num_waiting_requests=20, pool_share=0.2)
+    assert estimator.memory_price(alone) == pytest.approx(4.0)
+    # Shares that say nothing never make a pin free.
+    for share in (math.nan, math.inf, 1e-320, 5.0):
+        odd = ToolCall("j", "ls", 0.0, 1000, 0, num_running_requests=4, num_waiting_requests=20,
+                       pool_share=0.2, running_pool_share=share)
+        assert estimator.memory_price(odd) >= 0.2 * 4
+        assert math.isfinite(estimator.decide(odd).ttl_s)

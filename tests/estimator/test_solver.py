@@ -13,6 +13,7 @@ from estimator.solver import (
     PinValue,
     cold_start_ttl,
     memory_price,
+    pool_capacity_requests,
     solve_ttl,
     utility,
 )
@@ -115,6 +116,30 @@ def test_priced_charges_the_expected_hold_at_the_memory_price() -> None:
     assert solve_ttl(cdf, 0.5, "priced", price=0.0) == 10.0
     # A crowded pool prices it out.
     assert solve_ttl(cdf, 5.0, "priced", price=memory_price(0.05, 200)) == 0.0
+
+
+def test_priced_capped_counts_the_requests_up_to_what_the_pool_holds() -> None:
+    # 10 requests running hold 40 % of the pool: it holds 25 of their mean size.
+    capacity = pool_capacity_requests(num_running_requests=10, running_pool_share=0.4)
+    assert capacity == pytest.approx(25.0)
+    # A pin of a fifth of the pool beside 60 active requests: 12 s a second uncapped, but its
+    # blocks could hold only 5 of the running requests' size.
+    assert memory_price(0.2, 60) == pytest.approx(12.0)
+    assert memory_price(0.2, 60, capacity) == pytest.approx(5.0)
+    assert memory_price(0.2, 10, capacity) == pytest.approx(2.0)  # fewer active than fit
+    assert memory_price(0.2, 60, None) == memory_price(0.2, 60)
+    # Nothing running, or a share that says nothing: no mean size, so no bound.
+    for share in (0.0, -0.1, math.nan, math.inf):
+        assert pool_capacity_requests(3, share) is None
+    assert pool_capacity_requests(0, 0.4) is None
+    assert memory_price(0.2, 60, math.nan) == memory_price(0.2, 60)
+    # A tiny share bounds nothing; shares over the pool (shared prefixes counted once per
+    # request) never bound the count below the requests that run now.
+    assert memory_price(0.2, 60, pool_capacity_requests(3, 1e-320)) == memory_price(0.2, 60)
+    assert pool_capacity_requests(10, 1.5) == 10.0
+    cdf = DurationCDF.from_samples([1.0, 2.0, 10.0])
+    assert solve_ttl(cdf, 5.0, "priced-capped", price=0.2) == solve_ttl(cdf, 5.0, "priced",
+                                                                        price=0.2)
 
 
 @pytest.mark.parametrize(("cdf", "ttl_s", "age_s", "expected_rate"), [
