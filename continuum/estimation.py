@@ -103,6 +103,7 @@ def retention_inputs(call: ToolCall, decision: TTLDecision) -> RetentionInputs:
         ttl_s=decision.ttl_s, source=decision.basis, tool=call.tool_name,
         num_samples=decision.num_samples, queueing_delay_s=decision.queueing_delay_s,
         eta=decision.eta, rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s,
+        memory_price=decision.memory_price,
     )
 
 

@@ -90,10 +90,11 @@ class TTLDecision:
     `basis` names the rule or distribution that decided ("cold-start", "tool", "pooled",
     "learned", "fixed", "constant", "oracle", ...); the other inputs are None where the
     estimator does not use them: `num_samples` (durations behind the distribution),
-    `queueing_delay_s` (T), `eta`, `rebuild_s` (R) and `benefit_s` (T * eta + R).
-    `ttl_s` is finite and >= 0; 0 means do not pin. `duration_cdf` is the distribution of
-    the tool's duration the decision weighed (None: none, or the cold-start prior), which
-    prices the pin while it lives (`estimator.solver.PinValue`).
+    `queueing_delay_s` (T), `eta`, `rebuild_s` (R), `benefit_s` (T * eta + R) and
+    `memory_price` (seconds of the others' delay a second of the pin costs, with a priced
+    `pin_cost`). `ttl_s` is finite and >= 0; 0 means do not pin. `duration_cdf` is the
+    distribution of the tool's duration the decision weighed (None: none, or the cold-start
+    prior), which prices the pin while it lives (`estimator.solver.PinValue`).
     """
 
     ttl_s: float
@@ -104,6 +105,7 @@ class TTLDecision:
     rebuild_s: float | None = None
     benefit_s: float | None = None
     duration_cdf: DurationCDF | None = None
+    memory_price: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.ttl_s >= 0 and math.isfinite(self.ttl_s)):

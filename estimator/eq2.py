@@ -71,6 +71,7 @@ from estimator.predictor import (
 from estimator.signals import RemainingTurnsCorrelation, SlidingMean
 from estimator.solver import (
     PIN_COSTS,
+    PRICED_PIN_COSTS,
     DurationCDF,
     PinCost,
     cold_start_ttl,
@@ -171,7 +172,7 @@ class Eq2Estimator:
         if self.rebuild_cost == "prefill-times-running":
             rebuild_s *= 1 + clamp_count(call.num_running_requests, MAX_RUNNING_REQUESTS)
         num_samples = len(self.history.samples(None))
-        cdf = None
+        cdf, price = None, None
         if num_samples <= self.cold_start_samples:
             eta, basis = 1.0, "cold-start"
             benefit_s = queueing_delay_s + rebuild_s
@@ -180,18 +181,20 @@ class Eq2Estimator:
             eta = self.turns.eta
             benefit_s = queueing_delay_s * eta + rebuild_s
             cdf, basis, num_samples = self._cdf(call)
-            ttl_s = solve_ttl(cdf, benefit_s, self.pin_cost, price=self.memory_price(call),
+            price = self.memory_price(call) if self.pin_cost in PRICED_PIN_COSTS else None
+            ttl_s = solve_ttl(cdf, benefit_s, self.pin_cost,
+                              price=1.0 if price is None else price,
                               loss_rate_per_s=clamp_rate(call.pin_loss_rate_per_s))
         ttl_s = min(ttl_s, self.max_ttl_s) if ttl_s >= 0 else 0.0
         return TTLDecision(ttl_s, basis, num_samples=num_samples,
                            queueing_delay_s=queueing_delay_s, eta=eta, rebuild_s=rebuild_s,
-                           benefit_s=benefit_s, duration_cdf=cdf)
+                           benefit_s=benefit_s, duration_cdf=cdf, memory_price=price)
 
     def memory_price(self, call: ToolCall) -> float:
         """Seconds of delay the call's pin causes the requests running and waiting per second
         it is held (`pin_cost="priced"`), their count bounded by what the pool holds
-        (`"priced-capped"`); called by `decide` for each decision past the cold start, and
-        unused by the other pin costs."""
+        (`"priced-capped"`); called by `decide` for each decision past the cold start with
+        one of those pin costs."""
         num_active = clamp_count(call.num_running_requests + call.num_waiting_requests,
                                  MAX_RUNNING_REQUESTS)
         capacity = (pool_capacity_requests(clamp_count(call.num_running_requests,

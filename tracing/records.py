@@ -146,8 +146,9 @@ class TTLInputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     InferCept with swap: `preserve`, `discard` or `swap`, with the samples behind the tool's
     expected duration in `num_samples` and the context's way back in `rebuild_s`).
     Eq. 2's inputs, when it decided: `num_samples` of the distribution, `queueing_delay_s`
-    (T), `eta`, `rebuild_s` (R) and `benefit_s` (T * eta + R). `declined_by` names what
-    overruled a positive TTL (`pin-cap`: the pins' share of the pool was full).
+    (T), `eta`, `rebuild_s` (R), `benefit_s` (T * eta + R) and `memory_price` (seconds of
+    the others' delay a second of the pin costs, with a priced `pin_cost`). `declined_by`
+    names what overruled a positive TTL (`pin-cap`: the pins' share of the pool was full).
     """
 
     ttl_s: float | None
@@ -159,6 +160,7 @@ class TTLInputs(msgspec.Struct, kw_only=True, omit_defaults=True):
     rebuild_s: float | None = None
     benefit_s: float | None = None
     declined_by: str | None = None
+    memory_price: float | None = None
 
 
 class PinPinned(Event, tag="pin_pinned", kw_only=True):

@@ -34,8 +34,9 @@ class RetentionInputs:
     `no-tool-call`; InferCept with swap: `preserve`, `discard` or `swap`; `arrival-hold`
     for a prefix held from a turn's arrival, `SchedulingPolicy.arrival_hold_s`). Eq. 2's inputs,
     when it decided: `num_samples` of the distribution, `queueing_delay_s` (T), `eta`,
-    `rebuild_s` (R) and `benefit_s` (T * eta + R). `declined_by` names what overruled a
-    positive TTL (`pin-cap`: the pins' share of the pool was full)."""
+    `rebuild_s` (R), `benefit_s` (T * eta + R) and `memory_price` (seconds of the others'
+    delay a second of the pin costs, with a priced `pin_cost`). `declined_by` names what
+    overruled a positive TTL (`pin-cap`: the pins' share of the pool was full)."""
 
     ttl_s: float | None
     source: str
@@ -46,6 +47,7 @@ class RetentionInputs:
     rebuild_s: float | None = None
     benefit_s: float | None = None
     declined_by: str | None = None
+    memory_price: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

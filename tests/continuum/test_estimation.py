@@ -8,6 +8,7 @@ import json
 import pytest
 
 from continuum.af226d3 import ContinuumAf226d3Policy
+from continuum.estimation import retention_inputs
 from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.registry import make_policy
@@ -209,3 +210,13 @@ def test_an_undecodable_output_leaves_the_tool_unknown_and_the_step_running() ->
     h.add("t", list(range(8)), job="a", tool="  ")  # a blank client name says nothing
     h.run_until_finished("t")
     assert h.pin("a") is None and h.policy.job_state("a")["last_tool_name"] is None
+
+
+def test_the_traced_inputs_carry_the_decisions_memory_price() -> None:
+    call = ToolCall("j", "ls", 0.0, 1000, 0)
+    decision = TTLDecision(1.5, "tool", num_samples=7, queueing_delay_s=0.25, eta=0.5,
+                           rebuild_s=2.0, benefit_s=2.125, memory_price=0.75)
+    inputs = retention_inputs(call, decision)
+    assert (inputs.ttl_s, inputs.tool, inputs.benefit_s, inputs.memory_price) == (
+        1.5, "ls", 2.125, 0.75)
+    assert retention_inputs(call, TTLDecision(0.0, "fixed")).memory_price is None

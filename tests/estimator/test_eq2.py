@@ -377,7 +377,9 @@ def test_a_capped_price_counts_no_more_requests_than_the_pool_holds(pin_cost, ex
                           num_waiting_requests=20, pool_share=0.2, running_pool_share=0.8)
     assert estimator.memory_price(small_pool) == pytest.approx(
         {"priced": 4.8, "priced-capped": 1.0}[pin_cost])
-    assert estimator.decide(small_pool).ttl_s == expected_ttl_s
+    decision = estimator.decide(small_pool)
+    assert decision.ttl_s == expected_ttl_s
+    assert decision.memory_price == estimator.memory_price(small_pool)  # for the trace
     # With nothing else running there is no mean size: the waiting requests price it in full.
     alone = ToolCall("j", "ls", 0.0, 1000, 0, num_waiting_requests=20, pool_share=0.2)
     assert estimator.memory_price(alone) == pytest.approx(4.0)
@@ -387,3 +389,9 @@ def test_a_capped_price_counts_no_more_requests_than_the_pool_holds(pin_cost, ex
                        pool_share=0.2, running_pool_share=share)
         assert estimator.memory_price(odd) >= 0.2 * 4
         assert math.isfinite(estimator.decide(odd).ttl_s)
+    # Unpriced pin costs, and the cold start, report no price.
+    unpriced = estimator_with(k=0, rebuild_s=2.0, pin_cost="expected-hold")
+    record(unpriced, "ls", 1.0)
+    assert unpriced.decide(small_pool).basis == "tool"
+    assert unpriced.decide(small_pool).memory_price is None
+    assert estimator_with(k=3, pin_cost=pin_cost).decide(small_pool).memory_price is None

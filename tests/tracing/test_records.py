@@ -31,7 +31,8 @@ from tracing.records import (
 from tracing.writer import TraceWriter
 
 EQ2_INPUTS = TTLInputs(ttl_s=1.25, source="tool", tool="pytest", num_samples=140,
-                       queueing_delay_s=2.5, eta=0.8, rebuild_s=0.3, benefit_s=2.3)
+                       queueing_delay_s=2.5, eta=0.8, rebuild_s=0.3, benefit_s=2.3,
+                       memory_price=0.45)
 
 ONE_OF_EACH = [
     RequestArrived(step=0, time_s=0.0, request_id="a#0", job_id="a", num_prompt_tokens=20,

@@ -237,6 +237,6 @@ def test_a_policys_retention_inputs_are_written_field_for_field() -> None:
     # The policy interface's type and the trace's record must keep the same fields.
     names = [field.name for field in dataclasses.fields(RetentionInputs)]
     assert names == list(TTLInputs.__struct_fields__)
-    values = dict(zip(names, (1.5, "tool", "ls", 7, 0.25, 0.5, 2.0, 2.5, "pin-cap"),
+    values = dict(zip(names, (1.5, "tool", "ls", 7, 0.25, 0.5, 2.0, 2.5, "pin-cap", 0.75),
                       strict=True))
     assert ttl_inputs(RetentionInputs(**values)) == TTLInputs(**values)
