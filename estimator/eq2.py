@@ -28,8 +28,8 @@ steps too; `docs/benchmarks.md` compares the two. A pin is charged its TTL, as i
 (`pin_cost="expected-hold"`, see `estimator.solver`), or that expected hold priced by the
 memory it takes from the requests running and waiting (`pin_cost="priced"`), those requests
 counted up to as many as the pool holds at the running ones' mean size
-(`pin_cost="priced-capped"`); the cold start
-is the paper's whichever. Every TTL is capped at `max_ttl_s`.
+(`pin_cost="priced-capped"`); the cold start is the paper's whichever. Every TTL is capped at
+`max_ttl_s`.
 
 Nothing observed can make a decision raise or pin forever: durations and delays are clamped
 to `MAX_OBSERVED_S` and counts to their bounds (`estimator.base`), and a saved state is

@@ -107,6 +107,11 @@ class GpuRunSet:
         return GPU_RUNS_ROOT / self.name
 
 
+# Today's continuum but for the cold start (the paper's K then) and the price (not yet capped
+# by the pool's capacity), as the 24b013d and d8b9e2f runs measured it.
+CONTINUUM_AS_THE_REPLAYS_RAN = "continuum:cold_start_samples=100:pin_cost=priced"
+
+
 def _replays_finished_by_the_cut(commit: str, continuum_spec: str) -> GpuRunSet:
     """The H100 runs of `commit` whose fcfs and continuum replays of both setups all finished
     (swe40's by its cut), with `continuum_spec` for the continuum the commit ran and the
@@ -129,10 +134,8 @@ RUN_SETS = {
             {"fcfs": "fcfs", "continuum": "continuum-af226d3",
              "continuum-fixed": "continuum-af226d3:estimator=fixed-2s"},
             "h100-llama3.1-8b-measured"),
-        # Today's continuum but for the cold start (the paper's K then) and the price (not
-        # yet capped by the pool's capacity).
-        _replays_finished_by_the_cut("24b013d", "continuum:cold_start_samples=100:pin_cost=priced"),
-        _replays_finished_by_the_cut("d8b9e2f", "continuum:cold_start_samples=100:pin_cost=priced"),
+        _replays_finished_by_the_cut("24b013d", CONTINUUM_AS_THE_REPLAYS_RAN),
+        _replays_finished_by_the_cut("d8b9e2f", CONTINUUM_AS_THE_REPLAYS_RAN),
     )
 }
 DEFAULT_RUN_SET = "h100-af226d3"
