@@ -99,7 +99,9 @@ class SchedulerConfig:
       running request is scheduled on a placeholder for its token still on the device; a
       request that step N finishes has one token computed in step N+1 for nothing. Steps of
       requests with a structured output wait for the tokens first (their next mask needs
-      them).
+      them). None: on where the executor prefers it (a model on CUDA, whose steps run while
+      the host goes on: `Executor.prefers_async_scheduling`) unless there is a host KV tier,
+      off elsewhere.
     """
 
     max_model_len: int = 2048
@@ -112,7 +114,7 @@ class SchedulerConfig:
     job_inference: bool = True
     job_inference_max_turns: int = 16384
     job_inference_max_age_s: float = 300.0
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require_positive("max_model_len", self.max_model_len)

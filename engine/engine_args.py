@@ -83,7 +83,8 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "async_scheduling": (
         "schedule and launch each step before reading the previous step's tokens, so that "
-        "the host's work overlaps the device's (no host KV tier)"
+        "the host's work overlaps the device's (no host KV tier); None: on for a model on "
+        "CUDA without a host KV tier, off elsewhere"
     ),
     "scheduling_policy": f"{' | '.join(POLICIES)} | a module:Class path",
     "executor": "torch (run the model) | simulated (a cost model) | a module:Class path",
@@ -155,7 +156,7 @@ class EngineArgs:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     long_prefill_token_threshold: int | None = SchedulerConfig.long_prefill_token_threshold
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
-    async_scheduling: bool = SchedulerConfig.async_scheduling
+    async_scheduling: bool | None = SchedulerConfig.async_scheduling
     scheduling_policy: str = SchedulerConfig.policy
     executor: str = EngineConfig.executor
     sim_profile: str | None = EngineConfig.sim_profile

@@ -7,28 +7,29 @@
 #               device) and one small `bench forward` of the 8B shapes with triton: a couple of
 #               minutes that show whether the rest can run
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
-#               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend and torch's layer
-#               ops (the first run's code), the triton backend and fused layer kernels, the
-#               same with an fp8 KV cache (triton-fp8: --kv-cache-dtype fp8), with torch's
-#               layer ops (triton-torch-layers: what the fused kernels gain), with
-#               --async-scheduling (triton-async: each decode step launched before the
-#               last one's tokens are read) and with
-#               --enforce-eager (no CUDA graphs), the triton runs with
-#               --profile (launches, device and host time a decode step); on cuda also
-#               SmolLM2-135M's shapes with the triton backend
+#               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend, torch's layer
+#               ops and steps in order (the first run's code), the triton backend and fused
+#               layer kernels with the defaults (async scheduling on CUDA: each decode step
+#               launched before the last one's tokens are read), the same with an fp8 KV
+#               cache (triton-fp8: --kv-cache-dtype fp8), with steps in order (triton-sync:
+#               --no-async-scheduling), with torch's layer ops (triton-torch-layers: what the
+#               fused kernels gain) and with --enforce-eager (no CUDA graphs), the triton
+#               runs with --profile (launches, device and host time a decode step); on cuda
+#               also SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
-#               ops), with triton (fused layer kernels), with triton and an fp8 KV cache
-#               (triton-fp8) and with triton and --async-scheduling (triton-async); with
-#               --quick the sdpa run has 64 requests (step names end in the count); each
-#               reports its 8 slowest steps and the steps in which the CUDA caching
-#               allocator freed device memory (--slow-steps 8)
+#               ops, steps in order), with triton (fused layer kernels), with an fp8 KV cache
+#               (triton-fp8), with steps in order (triton-sync) and with a step budget of
+#               16,384 tokens (triton-16k: vLLM's offline default on an H100); with --quick
+#               the sdpa run has 64 requests (step names end in the count); each reports its
+#               8 slowest steps and the steps in which the CUDA caching allocator freed
+#               device memory (--slow-steps 8)
 #   agent       `serve` + `bench agent`: a replay of that run, fcfs and continuum, on
 #               --agent-backend (default triton); not with --quick. --agent-setup swe24 (the
 #               default: 24 SWE jobs of at most 6 turns at 2 jobs/s, 1,500 KV blocks, 16k
 #               context) or swe40 (40 jobs of at most 8 turns at 4 jobs/s, 2,500 blocks, 32k
 #               context, stopped at 222 s as that run was: jobs done by then); with
-#               --agent-async the servers run with --async-scheduling
+#               --agent-sync the servers run with --no-async-scheduling
 # Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
 # device, torch and triton) and OUT_DIR/results.json merge them, also when the script is
 # stopped (SIGTERM, or the device tool's time limit). OUT_DIR is $OUT when set (the device
@@ -39,12 +40,12 @@
 #
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|forward|
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
-#        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
+#        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-sync]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
-#              triton runs first (the targets' runs, the same with async scheduling, with an
-#              fp8 KV cache, then
-#              triton with torch's layer ops, the sdpa baselines, triton without graphs and
-#              SmolLM2), within --budget-s 540 unless given: one device call's 10 minutes
+#              triton runs first (the targets' runs, the same with an fp8 KV cache, with steps
+#              in order, the 16k step budget, then triton with torch's layer ops, the sdpa
+#              baselines, triton without graphs and SmolLM2), within --budget-s 540 unless
+#              given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
 #              10 minutes, so there run `--part forward --part throughput`, then `--part agent`;
 #              a first call on a new GPU is best `--part smoke` (a couple of minutes)
@@ -80,7 +81,7 @@ while [ $# -gt 0 ]; do
     --budget-s) budget_s=$2; shift ;;
     --agent-backend) agent_backend=$2; shift ;;
     --agent-setup) agent_setup=$2; shift ;;
-    --agent-async) agent_serve=(--async-scheduling) ;;
+    --agent-sync) agent_serve=(--no-async-scheduling) ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -275,12 +276,14 @@ if wants smoke; then
     --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
 fi
 
-forward_run() {  # forward_run sdpa|triton|triton-async|triton-fp8|triton-eager|triton-torch-layers
+# forward_run sdpa|triton|triton-sync|triton-fp8|triton-eager|triton-torch-layers (async
+# scheduling is the default on CUDA; triton-sync turns it off)
+forward_run() {
   local run=$1 flags=()
   case $run in
-    sdpa) flags=(--attention-backend sdpa --layer-kernels torch) ;;  # the first run's code
+    sdpa) flags=(--attention-backend sdpa --layer-kernels torch --no-async-scheduling) ;;
     triton) flags=(--attention-backend triton --layer-kernels triton) ;;
-    triton-async) flags=(--attention-backend triton --layer-kernels triton --async-scheduling) ;;
+    triton-sync) flags=(--attention-backend triton --layer-kernels triton --no-async-scheduling) ;;
     triton-fp8) flags=(--attention-backend triton --layer-kernels triton --kv-cache-dtype fp8) ;;
     triton-eager) flags=(--attention-backend triton --layer-kernels triton --enforce-eager) ;;
     triton-torch-layers) flags=(--attention-backend triton --layer-kernels torch) ;;
@@ -299,11 +302,16 @@ forward_smollm2() {
     --attention-backend triton --decode 1x1024 32x1024 128x1024 32x8000 \
     --json "$raw/forward-smollm2-triton.json"
 }
-throughput_run() {  # throughput_run sdpa|triton|triton-async|triton-fp8 (sdpa: torch's layers)
+# throughput_run sdpa|triton|triton-sync|triton-16k|triton-fp8 (sdpa: torch's layers, steps in
+# order, the first run's code; -16k: --max-num-batched-tokens 16384, vLLM's offline default
+# on an H100)
+throughput_run() {
   local backend=triton layers=triton requests=$target_requests kv=auto flags=()
   case $1 in
-    sdpa) backend=sdpa; layers=torch; requests=$baseline_requests ;;
-    triton-async) flags=(--async-scheduling) ;;
+    sdpa) backend=sdpa; layers=torch; requests=$baseline_requests
+          flags=(--no-async-scheduling) ;;
+    triton-sync) flags=(--no-async-scheduling) ;;
+    triton-16k) flags=(--max-num-batched-tokens 16384) ;;
     triton-fp8) kv=fp8 ;;
   esac
   step "throughput-$1-$requests" "${engine[@]}" bench throughput --impl engine \
@@ -316,23 +324,24 @@ if [ $quick -eq 1 ]; then
   # The targets' runs first: what a spent budget skips is the least needed.
   wants forward && forward_run triton
   wants throughput && throughput_run triton
-  wants forward && forward_run triton-async
-  wants throughput && throughput_run triton-async
   wants forward && forward_run triton-fp8
   wants throughput && throughput_run triton-fp8
+  wants forward && forward_run triton-sync
+  wants throughput && throughput_run triton-sync
+  wants throughput && throughput_run triton-16k
   wants forward && forward_run triton-torch-layers
   wants forward && forward_run sdpa
   wants throughput && throughput_run sdpa
   wants forward && { forward_run triton-eager; forward_smollm2; }
 else
   if wants forward; then
-    for run in sdpa triton triton-async triton-fp8 triton-torch-layers triton-eager; do
+    for run in sdpa triton triton-sync triton-fp8 triton-torch-layers triton-eager; do
       forward_run "$run"
     done
     forward_smollm2
   fi
   if wants throughput; then
-    for run in sdpa triton triton-async triton-fp8; do throughput_run "$run"; done
+    for run in sdpa triton triton-sync triton-16k triton-fp8; do throughput_run "$run"; done
   fi
 fi
 

@@ -49,11 +49,13 @@ class EngineCore:
     token masks of the constrained requests that sample, and advances their grammars by what
     they produced.
 
-    With `SchedulerConfig.async_scheduling` a step is scheduled and submitted before the
-    previous step's result is taken, so that the host's work of a step (the previous
-    result, the schedule, the next inputs) overlaps the device's: one step stays in flight
-    between calls. A step whose requests have a structured output is taken before the next
-    is scheduled, since their next masks need its tokens.
+    With async scheduling (`SchedulerConfig.async_scheduling`, or where that is None the
+    executor's `prefers_async_scheduling` without a host KV tier: `async_scheduling` here) a
+    step is scheduled and submitted before the previous step's result is taken, so that the
+    host's work of a step (the previous result, the schedule, the next inputs) overlaps the
+    device's: one step stays in flight between calls. A step whose requests have a
+    structured output is taken before the next is scheduled, since their next masks need its
+    tokens.
     """
 
     UTILITIES = frozenset({
@@ -84,6 +86,9 @@ class EngineCore:
             ),
         )
         self.vocab_size = self.executor.vocab_size
+        configured = config.scheduler.async_scheduling
+        self.async_scheduling: bool = configured if configured is not None else (
+            self.executor.prefers_async_scheduling and not config.cache.kv_offload_gib)
         self.structured_outputs = StructuredOutputManager(
             functools.partial(load_tokenizer, config.model.model, config.model.tokenizer),
             self.vocab_size, config=config.structured_output)
@@ -197,7 +202,7 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, self._submit(scheduler_output)
         if previous is not None:
             outputs += self._take(previous)
-        if not self.config.scheduler.async_scheduling:
+        if not self.async_scheduling:
             outputs += self._take_in_flight()
         if scheduler_output.is_empty and held_back:
             self.structured_outputs.wait_for_work(GRAMMAR_WAIT_S)

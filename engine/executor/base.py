@@ -21,7 +21,10 @@ class Executor(Protocol):
     `num_kv_blocks` is the KV pool size the executor allocated (the scheduler's pool must match
     it), `num_host_kv_blocks` the host tier's (0: none; `CacheConfig.kv_offload_gib`);
     `vocab_size` bounds the token ids it accepts; `num_cpu_threads` is torch's intra-op threads
-    of a model it runs on CPU (None: no model on CPU). `submit` is called once per engine step
+    of a model it runs on CPU (None: no model on CPU); `prefers_async_scheduling` whether
+    `submit` returns while the device still runs the step, so that scheduling the next step
+    before taking this one's result hides the host's work (the engine core's choice when
+    `SchedulerConfig.async_scheduling` is None). `submit` is called once per engine step
     (the step carries out its `kv_transfers` too) and returns the step launched; the engine
     core takes results in submission order, and with async scheduling submits the next step
     before it takes the last one's result (never more than two out). `execute` is `submit`
@@ -40,6 +43,9 @@ class Executor(Protocol):
     @property
     def num_cpu_threads(self) -> int | None: ...
 
+    @property
+    def prefers_async_scheduling(self) -> bool: ...
+
     def submit(self, scheduler_output: SchedulerOutput) -> PendingStep: ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -49,6 +55,10 @@ class Executor(Protocol):
 
 class SynchronousExecutor:
     """An executor whose steps run to completion inside `execute`: `submit` runs one."""
+
+    @property
+    def prefers_async_scheduling(self) -> bool:
+        return False
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError

@@ -40,6 +40,10 @@ class TorchExecutor:
     def vocab_size(self) -> int:
         return self.runner.arch.vocab_size
 
+    @property
+    def prefers_async_scheduling(self) -> bool:
+        return self.runner.prefers_async_scheduling
+
     def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
         return self.runner.submit(scheduler_output)
 

@@ -272,6 +272,12 @@ class ModelRunner:
         return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                 for _ in range(self.arch.num_hidden_layers)]
 
+    @property
+    def prefers_async_scheduling(self) -> bool:
+        """Whether launching the next step before taking this one's result pays: on CUDA
+        `submit` returns while the device runs the step; on CPU the step runs inside it."""
+        return self.device.type == "cuda"
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step to its end: `submit`, then its `result`."""
         return self.submit(scheduler_output).result()

@@ -10,9 +10,10 @@ not run: steps are built here.
   most `--max-num-batched-tokens` tokens (untimed); then `--decode-steps` single-token steps are
   run once to warm up and `--repeats` times timed, each timed run continuing the sequences
   (contexts grow by `decode_steps` a run). Reported: the median run's milliseconds a step and
-  output tokens a second. With `--async-scheduling` each decode step is launched before the
-  previous step's tokens are read (as the engine core does with that flag), so the host's
-  work of a step overlaps the device's; a run then ends when its last step's tokens are read.
+  output tokens a second. With async scheduling (`--async-scheduling`, by default on CUDA as
+  in the engine core) each decode step is launched before the previous step's tokens are
+  read, so the host's work of a step overlaps the device's; a run then ends when its last
+  step's tokens are read.
   With `--profile`, one more run of `--decode-steps` steps under the torch profiler gives the
   kernel launches, the device's busy time and the host's time a step (`eval.step_profile`)
   and prints the kernels that took the most device time.
@@ -132,8 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(float8 e4m3; the triton attention backend)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly instead of replaying CUDA graphs")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="launch each decode step before reading the previous one's tokens")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        help="launch each decode step before reading the previous one's "
+                             "tokens (default: on CUDA, as the engine core)")
     parser.add_argument("--decode", nargs="*", type=functools.partial(Shape.parse, "decode"),
                         default=DEFAULT_DECODE_SHAPES, metavar="BATCHxCONTEXT",
                         help="decode shapes (none: skip decode)")
@@ -195,7 +197,7 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
         # The runner's rule: decode replays graphs on CUDA where the backend has static decode.
         "cuda_graphs": (runner.device.type == "cuda" and not args.enforce_eager
                         and runner.attention.supports_static_decode),
-        "async_scheduling": args.async_scheduling,
+        "async_scheduling": _pipelined(args, runner),
         "block_size": args.block_size,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "decode_steps": args.decode_steps,
@@ -310,6 +312,14 @@ def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
                        tokens_per_s=shape.batch_size * shape.seq_len / run_s)
 
 
+def _pipelined(args: argparse.Namespace, runner: ModelRunner) -> bool:
+    """Whether decode steps are launched ahead: `--async-scheduling`, else what the engine
+    core does by default (`ModelRunner.prefers_async_scheduling`)."""
+    if args.async_scheduling is not None:
+        return bool(args.async_scheduling)
+    return runner.prefers_async_scheduling
+
+
 def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
                   rng: np.random.Generator) -> tuple[float, StepProfile | None]:
     """Seconds of the median timed run of `decode_steps` steps, after prefill and warm-up,
@@ -317,7 +327,7 @@ def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
     sequences = _Sequences(runner, "decode", shape, _blocks_per_seq(shape, args), rng)
     try:
         decode = functools.partial(sequences.decode, args.decode_steps,
-                                   pipelined=args.async_scheduling)
+                                   pipelined=_pipelined(args, runner))
         sequences.prefill(args.max_num_batched_tokens)
         decode()
         run_s = statistics.median(decode() for _ in range(args.repeats))

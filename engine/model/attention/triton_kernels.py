@@ -36,7 +36,8 @@ import triton.language as tl
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 MIN_BLOCK_SIZE = 8
 # A cache of this dtype (kv_cache_dtype fp8) is read and written with a scale of 1: stores
-# round the step's K/V to it, the attention kernels widen each tile to the query's dtype.
+# round the step's K/V to it, the attention kernels widen each tile to the query's dtype (or,
+# in decode, to float16: `DecodeTile.widen_to_f16`).
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
 _LOG2_E = 1.4426950408889634
@@ -44,7 +45,7 @@ _NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernels then mask caus
 _NUM_SMS = 132  # H100 SXM; the split heuristic aims to fill them
 _MAX_SPLITS = 64  # the reduction holds all splits of a head in registers
 _MIN_BLOCKS_PER_SPLIT = 4
-_DECODE_BLOCK_N = 64  # key positions per decode tile
+_DECODE_BLOCK_N = 64  # key positions per tile of the default decode tile
 _MIN_DOT_M = 16  # tl.dot needs M >= 16 on tensor cores
 
 
@@ -110,6 +111,7 @@ def paged_decode_attention(
     num_splits: int,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    tile: DecodeTile | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V (split-K flash decoding).
 
@@ -131,12 +133,15 @@ def paged_decode_attention(
     - `sliding_window`: when given, the query attends only its last `sliding_window`
       positions (itself included).
     - `out`: optional [B, num_heads, head_dim] output, the query's dtype.
+    - `tile`: the kernel's tile (None: `decode_tile` of the cache's dtype); the tile sweep of
+      `scripts/decode_tiles.py` passes others.
 
     Grid: (B, num_kv_heads, num_splits); each program holds the group's query heads (padded
-    to a power of two, at least 16 for `tl.dot`) and walks its split in tiles of 64 key
-    positions, writing float32 partials (max, sum of exponentials, unnormalised output) that a
-    second kernel, one program per (sequence, head), combines. With `num_splits == 1` the first
-    kernel writes the output itself. Returns `out` (or a new tensor) [B, num_heads, head_dim].
+    to a power of two, at least 16 for `tl.dot`) and walks its split in tiles of
+    `tile.block_n` key positions, writing float32 partials (max, sum of exponentials,
+    unnormalised output) that a second kernel, one program per (sequence, head), combines.
+    With `num_splits == 1` the first kernel writes the output itself. Returns `out` (or a new
+    tensor) [B, num_heads, head_dim].
     """
     num_kv_heads = _check_inputs(query, k_cache, v_cache, block_size)
     batch, num_heads, head_dim = query.shape
@@ -147,7 +152,9 @@ def paged_decode_attention(
     out = _output(query, out)
     if batch == 0:
         return out
-    config = _decode_config(num_heads // num_kv_heads)
+    group = num_heads // num_kv_heads
+    tile = decode_tile(k_cache.dtype) if tile is None else tile
+    _check_decode_tile(tile, k_cache.dtype)
     if num_splits == 1:
         part_max = part_sum = part_acc = out  # unused: the kernel normalises in place
     else:
@@ -161,10 +168,11 @@ def paged_decode_attention(
         scale * _LOG2_E, _window(sliding_window), num_heads, num_splits,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *out.stride(),
-        GROUP=num_heads // num_kv_heads, GROUP_PAD=config.block_m, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
+        GROUP=group, GROUP_PAD=max(_next_power_of_two(group), _MIN_DOT_M), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(query.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        WIDEN_TO_F16=tile.widen_to_f16 and query.dtype != torch.float32,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -275,7 +283,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WIDEN_TO_F16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -296,6 +304,14 @@ def _decode_split_kernel(
         query_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :] * stride_qd,
         mask=head_ok[:, None], other=0.0,
     )
+    if WIDEN_TO_F16:
+        # float8 widens to float16 in one instruction per pair, to bfloat16 only through
+        # float32. The scale goes into the query first, which keeps it in float16's range.
+        q = tl.minimum(tl.maximum(q.to(tl.float32) * qk_scale, -65504.0), 65504.0).to(
+            tl.float16)
+        score_scale = 1.0
+    else:
+        score_scale = qk_scale
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -310,7 +326,7 @@ def _decode_split_kernel(
         slots = block_ids.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd,
                     mask=key_ok[None, :], other=0.0).to(q.dtype)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * score_scale
         # Every tile holds at least one key in range, so the running max stays finite.
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -475,8 +491,48 @@ _tuned_prefill_kernel = triton.autotune(
 )(_prefill_kernel)
 
 
-def _decode_config(group: int) -> _TileConfig:
-    return _TileConfig(max(_next_power_of_two(group), _MIN_DOT_M), _DECODE_BLOCK_N, 4, 2)
+class DecodeTile(NamedTuple):
+    """The decode kernel's tile: key positions a tile (a power of two, at least 16), warps,
+    pipeline stages, and whether a float8 cache is widened to float16 (the query scaled into
+    float16 too) rather than to the query's dtype, for a 16-bit query (a float32 query keeps
+    float32, whose precision float16 would lose)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    widen_to_f16: bool = False
+
+
+# What every cache dtype runs unless the table below says otherwise.
+_DEFAULT_DECODE_TILE = DecodeTile(_DECODE_BLOCK_N, 4, 2)
+# Chosen by scripts/decode_tiles.py on an H100 (docs/benchmarks.md, "Decode tiles"), where a
+# tile beat the default by 2 % or more (geometric mean over the issue's decode shapes): over
+# an fp8 cache, 128-key tiles widened to float16 took 0.93x the default's time (0.86x at
+# batch 32 x 8k); no bf16 tile did (the best, 0.98x, is left out).
+_DECODE_TILES: dict[torch.dtype, DecodeTile] = {
+    FP8_KV_DTYPE: DecodeTile(128, 4, 3, widen_to_f16=True),
+}
+
+
+def decode_tile(cache_dtype: torch.dtype) -> DecodeTile:
+    """The tile `paged_decode_attention` uses over a cache of `cache_dtype`."""
+    return _DECODE_TILES.get(cache_dtype, _DEFAULT_DECODE_TILE)
+
+
+def decode_tile_candidates(cache_dtype: torch.dtype) -> list[DecodeTile]:
+    """The tiles `scripts/decode_tiles.py` measures over a cache of `cache_dtype`."""
+    widen = (False, True) if cache_dtype == FP8_KV_DTYPE else (False,)
+    return [DecodeTile(block_n, warps, stages, widen_to_f16)
+            for widen_to_f16 in widen for block_n in (64, 128) for warps in (4, 8)
+            for stages in (2, 3)]
+
+
+def _check_decode_tile(tile: DecodeTile, cache_dtype: torch.dtype) -> None:
+    if not (_is_power_of_two(tile.block_n) and tile.block_n >= _MIN_DOT_M
+            and tile.num_warps in (1, 2, 4, 8, 16) and tile.num_stages >= 1):
+        raise ValueError(f"invalid decode tile {tile}")
+    if tile.widen_to_f16 and cache_dtype != FP8_KV_DTYPE:
+        raise ValueError(f"widen_to_f16 needs a {FP8_KV_DTYPE} cache, not {cache_dtype}")
 
 
 def _prefill_config(group_pad: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:

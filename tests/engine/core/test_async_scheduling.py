@@ -30,7 +30,7 @@ from tracing.records import RequestFinished, StepDecision
 EOS = 258  # the tiny model's <|im_end|>
 
 
-def _config(async_scheduling: bool, num_kv_blocks: int, policy: str = "continuum",
+def _config(async_scheduling: bool | None, num_kv_blocks: int, policy: str = "continuum",
             device: Device = "cpu") -> EngineConfig:
     return EngineConfig(
         # float32 on CUDA too: bf16 rounds differently in batches of other shapes, and
@@ -221,3 +221,36 @@ def test_a_trace_records_each_finish_under_the_step_that_finished_it(
 def test_async_scheduling_refuses_a_host_tier() -> None:
     with pytest.raises(ValueError, match="async_scheduling"):
         dataclasses.replace(_config(True, 32), cache=CacheConfig(kv_offload_gib=0.01))
+
+
+class AsyncPreferringExecutor(RecordingExecutor):
+    """The tiny model's executor, saying (as a CUDA model's does) that async scheduling pays."""
+
+    @property
+    def prefers_async_scheduling(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("configured", "prefers", "host_tier", "expected"), [
+    (None, False, False, False),  # a model on CPU
+    (None, True, False, True),  # a model on CUDA
+    (None, True, True, False),  # ... with a host KV tier
+    (False, True, False, False),
+    (True, False, False, True),
+], ids=["default-cpu", "default-cuda", "default-cuda-host-tier", "off", "on"])
+def test_the_default_follows_the_executor(configured: bool | None, prefers: bool,
+                                          host_tier: bool, expected: bool) -> None:
+    """`async_scheduling=None` schedules ahead where the executor prefers it and there is no
+    host tier; a given value wins. Ahead, the first call returns no token (it is in flight)."""
+    config = _config(configured, 32)
+    if host_tier:
+        config = dataclasses.replace(config, cache=CacheConfig(
+            num_kv_blocks=32, block_size=8, kv_offload_gib=0.01))
+    executor = (AsyncPreferringExecutor if prefers else RecordingExecutor)(config)
+    core = EngineCore(config, executor=executor)
+    core.add_request(EngineCoreRequest(
+        request_id="a", prompt_token_ids=[5, 6, 7], eos_token_id=EOS,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))
+    assert core.async_scheduling is expected
+    assert (core.step() == []) is expected
+    core.shutdown()

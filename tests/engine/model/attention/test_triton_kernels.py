@@ -29,6 +29,8 @@ import triton.language as tl
 from engine.model.attention.backend import write_kv
 from engine.model.attention.triton_kernels import (
     FP8_KV_DTYPE,
+    DecodeTile,
+    decode_tile_candidates,
     default_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
@@ -129,10 +131,11 @@ def run_decode(
     seq_lens: list[int], *, group: int, num_kv_heads: int, head_dim: int = 32,
     block_size: int = 8, num_splits: int = 2, dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None, shared_blocks: int = 0, seed: int = 0,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None, tile: DecodeTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode kernel's output and the reference's (over the same cache values), both
-    float32 on the CPU; the caches hold `cache_dtype` (default: the query's `dtype`)."""
+    """The decode kernel's output (with `tile`, else the default) and the reference's (over
+    the same cache values), both float32 on the CPU; the caches hold `cache_dtype` (default:
+    the query's `dtype`)."""
     layout = make_layout(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, dtype=cache_dtype or dtype,
                          shared_blocks=shared_blocks, seed=seed)
@@ -144,6 +147,7 @@ def run_decode(
         query, layout.k_cache, layout.v_cache, layout.block_table,
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale,
         block_size=block_size, num_splits=num_splits, sliding_window=sliding_window,
+        tile=tile,
     )
     expected = reference_attention(query, layout, [1] * len(seq_lens), scale, sliding_window)
     return out.cpu().float(), expected
@@ -418,6 +422,33 @@ def test_decode_and_prefill_read_an_fp8_cache(dtype: torch.dtype) -> None:
     out, expected = run_prefill(CONTEXT_LENS, QUERY_LENS, group=2, num_kv_heads=2,
                                 dtype=dtype, cache_dtype=FP8_KV_DTYPE)
     assert_matches(out, expected, dtype)
+
+
+# The tiles the GPU sweep (scripts/decode_tiles.py) chooses among compute the same attention:
+# wider key tiles, and a float8 cache widened to float16 with the scale in the query.
+@pytest.mark.parametrize(("cache_dtype", "tile"), [
+    (cache_dtype, tile) for cache_dtype in (torch.bfloat16, FP8_KV_DTYPE)
+    for tile in dict.fromkeys(DecodeTile(tile.block_n, 4, 2, tile.widen_to_f16)
+                              for tile in decode_tile_candidates(cache_dtype))
+], ids=str)
+def test_decode_tiles_compute_the_same_attention(cache_dtype: torch.dtype,
+                                                 tile: DecodeTile) -> None:
+    out, expected = run_decode([300, 70, 9, 0], group=4, num_kv_heads=2, head_dim=64,
+                               num_splits=4, dtype=torch.bfloat16, shared_blocks=1,
+                               cache_dtype=cache_dtype, tile=tile)
+    assert_matches(out, expected, torch.bfloat16)
+
+
+def test_decode_tiles_are_checked() -> None:
+    layout = make_layout([9], block_size=8, num_kv_heads=1, head_dim=32, dtype=torch.bfloat16)
+    args = (torch.zeros(1, 1, 32, device=DEVICE, dtype=torch.bfloat16), layout.k_cache,
+            layout.v_cache, layout.block_table,
+            torch.tensor([9], dtype=torch.int32, device=DEVICE), 1.0)
+    with pytest.raises(ValueError, match=r"needs a torch\.float8_e4m3fn cache"):
+        paged_decode_attention(*args, block_size=8, num_splits=1,
+                               tile=DecodeTile(64, 4, 2, widen_to_f16=True))
+    with pytest.raises(ValueError, match="invalid decode tile"):
+        paged_decode_attention(*args, block_size=8, num_splits=1, tile=DecodeTile(48, 4, 2))
 
 
 def test_store_kv_rounds_into_an_fp8_cache() -> None:
