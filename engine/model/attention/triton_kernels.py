@@ -305,8 +305,9 @@ def _decode_split_kernel(
         mask=head_ok[:, None], other=0.0,
     )
     if WIDEN_TO_F16:
-        # float8 widens to float16 in one instruction per pair, to bfloat16 only through
-        # float32. The scale goes into the query first, which keeps it in float16's range.
+        # float8 widens to float16 in one instruction per pair of values; bfloat16 takes
+        # one more per value (sm_90's PTX). The scale goes into the query first, which keeps
+        # it in float16's range.
         q = tl.minimum(tl.maximum(q.to(tl.float32) * qk_scale, -65504.0), 65504.0).to(
             tl.float16)
         score_scale = 1.0
