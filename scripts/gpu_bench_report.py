@@ -93,12 +93,12 @@ def _forward_table(runs: dict[str, Any]) -> list[str]:
 
 
 def _profile_table(runs: dict[str, Any]) -> list[str]:
-    """The profiled decode shapes (`bench forward --profile`): launches and times a step."""
+    """The profiled shapes (`bench forward --profile`): launches and times a step."""
     rows = [(name, result) for name, run in runs.items() for result in run["results"]
             if result.get("profile")]
     if not rows:
         return []
-    lines = ["Profiled decode steps (a step, from torch's profiler):", "",
+    lines = ["Profiled steps (a step, from torch's profiler):", "",
              "| run | shape | launches | graph launches | device busy (ms) | host (ms) |",
              "|---|---|---:|---:|---:|---:|"]
     for name, result in rows:

@@ -16,7 +16,7 @@ not run: steps are built here.
   step's tokens are read.
   With `--profile`, one more run of `--decode-steps` steps under the torch profiler gives the
   kernel launches, the device's busy time and the host's time a step (`eval.step_profile`)
-  and prints the kernels that took the most device time.
+  and prints the kernels that took the most device time; so does one more prefill step.
 - Prefill shapes (`--prefill BATCHxTOKENS ...`): BATCH fresh prompts of TOKENS tokens in one
   step, once to warm up, then `--repeats` times timed. Reported: milliseconds and prompt tokens
   a second of the median.
@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of the (untimed) steps that fill decode contexts")
     parser.add_argument("--profile", action="store_true",
-                        help="profile one more run of each decode shape: kernel launches, "
+                        help="profile one more run of each shape: kernel launches, "
                              "device and host time a step, and the costliest kernels")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
@@ -309,7 +309,8 @@ def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
                            tokens_per_s=shape.batch_size * args.decode_steps / run_s,
                            profile=step_profile)
     return ShapeResult(shape, step_ms=run_s * 1e3,
-                       tokens_per_s=shape.batch_size * shape.seq_len / run_s)
+                       tokens_per_s=shape.batch_size * shape.seq_len / run_s,
+                       profile=step_profile)
 
 
 def _pipelined(args: argparse.Namespace, runner: ModelRunner) -> bool:
@@ -340,17 +341,23 @@ def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
 
 
 def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
-                   rng: np.random.Generator) -> tuple[float, None]:
-    """Seconds of the median timed prefill step of fresh prompts, after one warm-up."""
-    runs_s = []
-    for index in range(1 + args.repeats):
+                   rng: np.random.Generator) -> tuple[float, StepProfile | None]:
+    """Seconds of the median timed prefill step of fresh prompts, after one warm-up, and
+    with `--profile` the profile of one more such step."""
+    def prefill(index: int) -> float:
         sequences = _Sequences(runner, f"prefill{index}", shape, _blocks_per_seq(shape, args),
                                rng)
         try:
-            runs_s.append(sequences.prefill(shape.batch_size * shape.seq_len))
+            return sequences.prefill(shape.batch_size * shape.seq_len)
         finally:
             sequences.finish()
-    return statistics.median(runs_s[1:]), None
+
+    runs_s = [prefill(index) for index in range(1 + args.repeats)]
+    step_profile = None
+    if args.profile:
+        step_profile = profile_steps(functools.partial(prefill, 1 + args.repeats), 1,
+                                     runner.device)
+    return statistics.median(runs_s[1:]), step_profile
 
 
 class _Sequences:

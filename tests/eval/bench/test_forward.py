@@ -106,7 +106,7 @@ def test_a_bad_shape_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> Non
     assert "BATCHxTOKENS" in capsys.readouterr().err
 
 
-def test_profile_adds_each_decode_shape_its_step_costs(
+def test_profile_adds_each_shape_its_step_costs(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     json_path = tmp_path / "forward.json"
     assert main(["bench", "forward", "--decode", "2x16", "--prefill", "1x8", "--decode-steps",
@@ -116,5 +116,8 @@ def test_profile_adds_each_decode_shape_its_step_costs(
     assert decode["profile"]["launches_per_step"] == 0
     assert decode["profile"]["device_ms_per_step"] == 0
     assert decode["profile"]["host_ms_per_step"] > 0
-    assert prefill["profile"] is None
-    assert "profile of decode, batch 2, context 16: 0.0 launches" in capsys.readouterr().out
+    assert prefill["profile"]["launches_per_step"] == 0
+    assert prefill["profile"]["host_ms_per_step"] > 0
+    out = capsys.readouterr().out
+    assert "profile of decode, batch 2, context 16: 0.0 launches" in out
+    assert "profile of prefill 1 x 8: 0.0 launches" in out
