@@ -138,7 +138,8 @@ def replica_ids(num_replicas: int) -> list[str]:
 
 
 def cluster_stats(stats: Sequence[EngineStats]) -> EngineStats:
-    """The replicas' counters summed (`kv_usage` averaged); one replica's as they are."""
+    """The replicas' counters summed (`kv_usage` averaged, modes on if any replica's is); one
+    replica's as they are."""
     if len(stats) == 1:
         return stats[0]
     fields = [msgspec.structs.asdict(one) for one in stats]
@@ -147,6 +148,8 @@ def cluster_stats(stats: Sequence[EngineStats]) -> EngineStats:
         values = [one[name] for one in fields]
         if isinstance(first, dict):
             merged[name] = dict(functools.reduce(lambda a, b: a + Counter(b), values, Counter()))
+        elif isinstance(first, bool):  # a mode (async_scheduling): on if any replica's is
+            merged[name] = any(values)
         elif None in values:  # a figure some replica does not have (num_cpu_threads)
             merged[name] = None
         else:

@@ -28,8 +28,10 @@
 #               --agent-backend (default triton); not with --quick. --agent-setup swe24 (the
 #               default: 24 SWE jobs of at most 6 turns at 2 jobs/s, 1,500 KV blocks, 16k
 #               context) or swe40 (40 jobs of at most 8 turns at 4 jobs/s, 2,500 blocks, 32k
-#               context, stopped at 222 s as that run was: jobs done by then); with
-#               --agent-sync the servers run with --no-async-scheduling
+#               context, stopped at 222 s as that run was: jobs done by then); the servers
+#               run their steps in order (--no-async-scheduling), so that their traces can
+#               calibrate the simulator (`bench calibrate` refuses async traces), unless
+#               --agent-async (the engine's default on CUDA)
 # Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
 # device, torch and triton) and OUT_DIR/results.json merge them, also when the script is
 # stopped (SIGTERM, or the device tool's time limit). OUT_DIR is $OUT when set (the device
@@ -40,7 +42,7 @@
 #
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|forward|
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
-#        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-sync]
+#        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with an fp8 KV cache, with steps
 #              in order, the 16k step budget, then triton with torch's layer ops, the sdpa
@@ -70,7 +72,7 @@ quick=0
 device=cuda
 agent_backend=""
 agent_setup=swe24
-agent_serve=()
+agent_serve=(--no-async-scheduling)
 budget_s=""
 parts=()
 while [ $# -gt 0 ]; do
@@ -81,7 +83,7 @@ while [ $# -gt 0 ]; do
     --budget-s) budget_s=$2; shift ;;
     --agent-backend) agent_backend=$2; shift ;;
     --agent-setup) agent_setup=$2; shift ;;
-    --agent-sync) agent_serve=(--no-async-scheduling) ;;
+    --agent-async) agent_serve=() ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac

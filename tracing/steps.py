@@ -11,7 +11,10 @@ forward pass and applying its output: everything the engine loop does for the st
 sample of the step's cost only when the engine was busy in between: a step after which no
 request was unfinished left the engine waiting for work, so the gap to the next snapshot is
 idle time, not step time. Consecutive busy steps form a busy period; a period starts at the
-first step, or at the first step after an idle gap.
+first step, or at the first step after an idle gap. With async scheduling (the trace header's
+`scheduler.async_scheduling`) a step's snapshot is taken while the step before still runs on
+the device, so the gap after it is mostly that step's device time: such durations are not
+the step's own (`bench calibrate` refuses those traces).
 """
 
 from __future__ import annotations

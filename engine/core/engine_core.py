@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 
@@ -70,9 +70,13 @@ class EngineCore:
         policy: SchedulingPolicy | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        self.config = config
         self.clock = clock
         self.executor = make_executor(config) if executor is None else executor
+        self.async_scheduling = self._resolve_async_scheduling(config)
+        # The resolved value, so that the trace's header says which mode ran.
+        config = replace(config, scheduler=replace(config.scheduler,
+                                                   async_scheduling=self.async_scheduling))
+        self.config = config
         self.num_steps = 0
         self.scheduler = Scheduler(
             config.scheduler, config.cache,
@@ -86,9 +90,6 @@ class EngineCore:
             ),
         )
         self.vocab_size = self.executor.vocab_size
-        configured = config.scheduler.async_scheduling
-        self.async_scheduling: bool = configured if configured is not None else (
-            self.executor.prefers_async_scheduling and not config.cache.kv_offload_gib)
         self.structured_outputs = StructuredOutputManager(
             functools.partial(load_tokenizer, config.model.model, config.model.tokenizer),
             self.vocab_size, config=config.structured_output)
@@ -98,6 +99,15 @@ class EngineCore:
         self.execute_time_s = 0.0
         self.kv_copy_time_s = 0.0
         self.num_invariant_checks = 0
+
+    def _resolve_async_scheduling(self, config: EngineConfig) -> bool:
+        """`SchedulerConfig.async_scheduling`, or where it is None what the executor prefers
+        (not with a host KV tier). An executor from a `module:Class` path written before the
+        protocol had `prefers_async_scheduling` runs its steps in order."""
+        if config.scheduler.async_scheduling is not None:
+            return config.scheduler.async_scheduling
+        prefers = getattr(self.executor, "prefers_async_scheduling", False)
+        return bool(prefers) and not config.cache.kv_offload_gib
 
     def _policy_environment(self) -> PolicyEnvironment:
         executor = self.executor
@@ -336,6 +346,7 @@ class EngineCore:
             num_pins_created=scheduler.pins.num_created,
             num_arrival_holds_created=scheduler.pins.num_holds_created,
             num_cpu_threads=self.executor.num_cpu_threads,
+            async_scheduling=self.async_scheduling,
             pins_released={
                 reason.value: count for reason, count in scheduler.pins.num_released.items()
             },

@@ -120,6 +120,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     `execute_time_s` steps waited for its copies. `recomputed_tokens` counts the tokens
     computed again after preemption: what each preemption dropped minus what the request's
     readmission found in the prefix cache (at least 0), as `trace summarize` counts them.
+    `async_scheduling` says whether the core schedules each step before it reads the last
+    one's tokens (the resolved `SchedulerConfig.async_scheduling`).
     """
 
     num_running: int
@@ -152,6 +154,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     host_kv_loaded_tokens: int = 0
     prefix_cache_host_hit_tokens: int = 0
     kv_copy_time_s: float = 0.0
+    async_scheduling: bool = False
 
 
 class PinState(msgspec.Struct, kw_only=True):

@@ -165,9 +165,15 @@ def calibrate(args: argparse.Namespace) -> MeasuredProfile:
 
 def _read(path: str) -> Trace:
     try:
-        return read_trace(path)
+        trace = read_trace(path)
     except (OSError, TraceFormatError) as error:
         raise ValueError(f"cannot read trace {path}: {error}") from None
+    if trace.header.config.get("scheduler", {}).get("async_scheduling"):
+        raise ValueError(
+            f"trace {path} was recorded with async scheduling, where the time between two "
+            "steps' snapshots is mostly the device time of the step before; record "
+            "calibration traces with --no-async-scheduling")
+    return trace
 
 
 def main(args: argparse.Namespace) -> int:

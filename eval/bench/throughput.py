@@ -116,6 +116,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "engine_efficiency": engine["engine_efficiency"],
         "step_overhead_ms": engine["step_overhead_ms"],
         "num_steps": engine["num_steps"],
+        "async_scheduling": engine["async_scheduling"],
         "engine_wall_s": engine["wall_s"],
         "hf_wall_s": hf["wall_s"],
         "hf_batch_size": args.hf_batch_size,
@@ -167,6 +168,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "engine_efficiency": execute_s / wall_s,
         "step_overhead_ms": (wall_s - execute_s) / num_steps * 1e3,
         "num_steps": num_steps,
+        "async_scheduling": after.async_scheduling,
         **_host_tier_figures(before, after, wall_s),
         **({"cuda_allocator": {name: allocator_after[name] - allocator_before[name]
                                for name in allocator_after}} if allocator_after else {}),

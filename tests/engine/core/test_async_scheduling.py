@@ -254,3 +254,28 @@ def test_the_default_follows_the_executor(configured: bool | None, prefers: bool
     assert core.async_scheduling is expected
     assert (core.step() == []) is expected
     core.shutdown()
+
+
+def test_the_trace_header_records_the_mode_that_ran(tmp_path) -> None:
+    """With the default the header holds the resolved mode, not None."""
+    path = tmp_path / "trace.jsonl"
+    config = dataclasses.replace(_config(None, 32), trace=TraceConfig(path=str(path)))
+    core = EngineCore(config, executor=AsyncPreferringExecutor(config))
+    core.shutdown()
+    assert read_trace(path).header.config["scheduler"]["async_scheduling"] is True
+
+
+class ExecutorBeforeTheProperty(RecordingExecutor):
+    """A plugin executor written before the protocol had `prefers_async_scheduling`."""
+
+    def __getattr__(self, name: str) -> object:
+        if name == "prefers_async_scheduling":
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+def test_an_executor_without_the_property_runs_its_steps_in_order() -> None:
+    config = _config(None, 32)
+    core = EngineCore(config, executor=ExecutorBeforeTheProperty(config))
+    assert core.async_scheduling is False
+    core.shutdown()

@@ -102,3 +102,17 @@ def test_unusable_inputs_exit_with_the_reason(tmp_path: Path,
     assert cli_main(["bench", "sim", "--workload", "swe", "--first-jobs", "1",
                      "--jobs-per-s", "1", "--profile", str(empty)]) == 2
     assert "is not a measured cost profile" in capsys.readouterr().err
+
+
+def test_a_trace_recorded_with_async_scheduling_is_refused(
+        simulated_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """There a step's snapshot is taken while the step before still runs on the device, so
+    the time to the next snapshot is not the step's own."""
+    header, *events = gzip.decompress(simulated_trace.read_bytes()).decode().splitlines()
+    record = json.loads(header)
+    record["config"] = {**record.get("config", {}), "scheduler": {"async_scheduling": True}}
+    async_trace = tmp_path / "async.jsonl"
+    async_trace.write_text("\n".join([json.dumps(record), *events]) + "\n")
+    assert cli_main(["bench", "calibrate", "--trace", str(async_trace), "--name", "x",
+                     "--engine-commit", "y"]) == 2
+    assert "recorded with async scheduling" in capsys.readouterr().err

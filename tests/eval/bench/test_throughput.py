@@ -19,6 +19,7 @@ def test_bench_throughput_compares_the_engine_with_transformers(tmp_path) -> Non
     assert results["ratio"] == pytest.approx(results["tokens_per_s"] / results["hf_tokens_per_s"])
     assert 0 < results["engine_efficiency"] <= 1
     assert results["num_requests"] == 6
+    assert results["async_scheduling"] is False  # the default on CPU
 
 
 def test_bench_throughput_reports_the_slowest_steps(tmp_path) -> None:

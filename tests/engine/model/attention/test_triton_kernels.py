@@ -410,9 +410,9 @@ def test_steps_of_new_shapes_compile_nothing_new() -> None:
     assert compiled() == before
 
 
-# An fp8 cache (kv_cache_dtype fp8): the kernels widen its values to the query's dtype, so
-# against a reference over the same (rounded) cache values they are as exact as with a cache
-# of the query's dtype.
+# An fp8 cache (kv_cache_dtype fp8): the kernels widen its values to the query's dtype (the
+# decode kernel's fp8 tile to float16, for a 16-bit query), so against a reference over the
+# same (rounded) cache values they are as exact as with a cache of the query's dtype.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_and_prefill_read_an_fp8_cache(dtype: torch.dtype) -> None:
     out, expected = run_decode([300, 70, 9, 0], group=4, num_kv_heads=2, head_dim=64,
@@ -424,19 +424,44 @@ def test_decode_and_prefill_read_an_fp8_cache(dtype: torch.dtype) -> None:
     assert_matches(out, expected, dtype)
 
 
+def _tiles(cache_dtype: torch.dtype) -> list[DecodeTile]:
+    """Every candidate on a GPU; under the interpreter, where warps and stages change
+    nothing, one of each key count and widening."""
+    candidates = decode_tile_candidates(cache_dtype)
+    if DEVICE == "cuda":
+        return candidates
+    return list(dict.fromkeys(DecodeTile(tile.block_n, 4, 2, tile.widen_to_f16)
+                              for tile in candidates))
+
+
 # The tiles the GPU sweep (scripts/decode_tiles.py) chooses among compute the same attention:
-# wider key tiles, and a float8 cache widened to float16 with the scale in the query.
+# wider key tiles, and a float8 cache widened to float16 with the scale in the query; with
+# and without splits, and in a sliding window.
 @pytest.mark.parametrize(("cache_dtype", "tile"), [
     (cache_dtype, tile) for cache_dtype in (torch.bfloat16, FP8_KV_DTYPE)
-    for tile in dict.fromkeys(DecodeTile(tile.block_n, 4, 2, tile.widen_to_f16)
-                              for tile in decode_tile_candidates(cache_dtype))
+    for tile in _tiles(cache_dtype)
 ], ids=str)
 def test_decode_tiles_compute_the_same_attention(cache_dtype: torch.dtype,
                                                  tile: DecodeTile) -> None:
-    out, expected = run_decode([300, 70, 9, 0], group=4, num_kv_heads=2, head_dim=64,
-                               num_splits=4, dtype=torch.bfloat16, shared_blocks=1,
-                               cache_dtype=cache_dtype, tile=tile)
-    assert_matches(out, expected, torch.bfloat16)
+    for num_splits, sliding_window in ((4, None), (1, None), (3, 40)):
+        out, expected = run_decode([300, 70, 9, 0], group=4, num_kv_heads=2, head_dim=64,
+                                   num_splits=num_splits, dtype=torch.bfloat16,
+                                   shared_blocks=1, cache_dtype=cache_dtype, tile=tile,
+                                   sliding_window=sliding_window)
+        assert_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy
+def test_a_widened_tile_keeps_a_nan_query_nan() -> None:
+    """The clamp into float16's range must not turn a NaN (a broken model) into a finite
+    value, on a GPU (whose min and max drop NaN operands) as under the interpreter."""
+    layout = make_layout([9], block_size=8, num_kv_heads=1, head_dim=32, dtype=FP8_KV_DTYPE)
+    query = torch.full((1, 2, 32), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    out = paged_decode_attention(query, layout.k_cache, layout.v_cache, layout.block_table,
+                                 torch.tensor([9], dtype=torch.int32, device=DEVICE), 1.0,
+                                 block_size=8, num_splits=1,
+                                 tile=DecodeTile(64, 4, 2, widen_to_f16=True))
+    assert torch.isnan(out.float()).all()
 
 
 def test_decode_tiles_are_checked() -> None:
