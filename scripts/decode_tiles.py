@@ -127,8 +127,8 @@ def measure(model: Model, layout: Layout, tile: DecodeTile, device: str,
         return TileTime(name, tile, layout.batch, layout.context, layout.num_splits, None,
                         None, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
     seconds = statistics.median(runs_s) / calls
-    kv_bytes = 2 * layout.k_cache[:layout.batch * layout.context].numel() * (
-        layout.k_cache.element_size())
+    kv_bytes = (2 * layout.batch * layout.context * model.num_kv_heads * model.head_dim
+                * layout.k_cache.element_size())
     return TileTime(name, tile, layout.batch, layout.context, layout.num_splits,
                     seconds * 1e6, kv_bytes / seconds / 1e9)
 

@@ -14,8 +14,9 @@
 #               cache (triton-fp8: --kv-cache-dtype fp8), with steps in order (triton-sync:
 #               --no-async-scheduling), with torch's layer ops (triton-torch-layers: what the
 #               fused kernels gain) and with --enforce-eager (no CUDA graphs), the triton
-#               runs with --profile (launches, device and host time a decode step); on cuda
-#               also SmolLM2-135M's shapes with the triton backend
+#               runs with --profile (launches, device and host time a decode step and a
+#               prefill step, and the costliest kernels); on cuda also SmolLM2-135M's shapes
+#               with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with an fp8 KV cache

@@ -72,10 +72,9 @@ class EngineCore:
     ) -> None:
         self.clock = clock
         self.executor = make_executor(config) if executor is None else executor
-        self.async_scheduling = self._resolve_async_scheduling(config)
         # The resolved value, so that the trace's header says which mode ran.
-        config = replace(config, scheduler=replace(config.scheduler,
-                                                   async_scheduling=self.async_scheduling))
+        config = replace(config, scheduler=replace(
+            config.scheduler, async_scheduling=self._resolve_async_scheduling(config)))
         self.config = config
         self.num_steps = 0
         self.scheduler = Scheduler(
@@ -99,6 +98,12 @@ class EngineCore:
         self.execute_time_s = 0.0
         self.kv_copy_time_s = 0.0
         self.num_invariant_checks = 0
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether a step is scheduled before the last one's tokens are read (the config's
+        value, resolved at construction)."""
+        return bool(self.config.scheduler.async_scheduling)
 
     def _resolve_async_scheduling(self, config: EngineConfig) -> bool:
         """`SchedulerConfig.async_scheduling`, or where it is None what the executor prefers
