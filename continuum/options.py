@@ -29,6 +29,7 @@ PrefillAdmission = Literal["first-chunk", "whole-prompt"]
 PinYield = Literal["later-jobs", "overdue"]
 PinExpiry = Literal["hard", "while-waiting"]
 PinReleaseOrder = Literal["latest-job", "lowest-value"]
+ReservablePins = Literal["later-jobs", "other-jobs"]
 PinLoss = Literal["ignored", "discounted"]
 ArrivalHold = Literal["none", "until-admitted"]
 
@@ -103,10 +104,10 @@ class ProgramOrderOptions(JobOptions):
         "request can be"))
     prefill_admission: PrefillAdmission = field(default="whole-prompt", metadata=_help(
         "when a waiting prompt may start: first-chunk (its first chunk's blocks are free or "
-        "pinned, as vLLM) | whole-prompt (the blocks of all its chunks are, so that it need "
-        "not stall or be preempted halfway)"))
+        "pinned, as vLLM) | whole-prompt (the blocks of all its chunks are free or in pins "
+        "it may take, so that it need not stall or be preempted halfway)"))
     admission_headroom_blocks: int = field(default=1, metadata=_help(
-        "with whole-prompt: blocks per running request that must be free or pinned beyond "
+        "with whole-prompt: blocks per running request that must be free or reservable beyond "
         "the prompt's before it starts, room for the running requests' next tokens (0: "
         "none)"))
 
@@ -193,6 +194,13 @@ class ContinuumOptions(ProgramOrderOptions):
         "the share of the KV pool pins may hold; a new pin first releases later jobs' pins, "
         "else is declined (1: no cap beyond the rule that pins hold only memory no running "
         "request and no earlier job's waiting turn needs)"))
+    reservable_pins: ReservablePins = field(default="later-jobs", metadata=_help(
+        "whose pins a waiting prompt may count as room for its later chunks "
+        "(prefill_admission=whole-prompt): later-jobs (pins of jobs that arrived after its "
+        "own, other jobs' holds of waiting turns and pins whose job's turn waits behind it, "
+        "or every other job's pin once it is overdue: a later job's prompt does not start "
+        "on the memory pinned for an earlier job's next turn) | "
+        "other-jobs (any other job's pin, the rule before)"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -254,4 +262,6 @@ class ContinuumAf226d3Options(ContinuumOptions):
         "first-chunk (af226d3's rule: a prompt starts once its first chunk fits) | "
         "whole-prompt"))
     admission_headroom_blocks: int = field(default=0, metadata=_help(
+        "not used: with first-chunk admission nothing is reserved"))
+    reservable_pins: ReservablePins = field(default="other-jobs", metadata=_help(
         "not used: with first-chunk admission nothing is reserved"))

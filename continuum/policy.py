@@ -4,7 +4,7 @@ pins released before any running request is preempted."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from continuum.estimation import (
     GuardedEstimator,
@@ -51,7 +51,11 @@ class ContinuumPolicy(JobFCFSPolicy):
       last, then the latest job's first, the request's own job's last); then the victims
       of `JobFCFSPolicy` (by `victim_order`; a request still prefilling waits or yields its
       own blocks).
-    - Admission: a waiting head that cannot get blocks has pins released for it (latest job
+    - Admission (`prefill_admission=whole-prompt`): a prompt starts once the blocks of all
+      its chunks are free or held by pins its later chunks may take (`reservable_pins`: by
+      default those of jobs that arrived after its own, other jobs' holds of waiting turns,
+      and pins whose job's turn waits behind it; every other job's once it is overdue).
+    - A waiting head that cannot get blocks has pins released for it (latest job
       first, its own job's last) at once when nothing runs, and while others run once it is
       overdue (`is_overdue`: it has waited `pin_yield_wait_s` or `max_wait_s`, whichever is
       shorter, or `max_plain_wait_s` for a plain request; its own job's pin is then kept);
@@ -221,6 +225,21 @@ class ContinuumPolicy(JobFCFSPolicy):
         if value is None or pin.num_blocks == 0:
             return 0.0
         return value.saving_rate(now_s - pin.pinned_at_s) / pin.num_blocks
+
+    def reservable_pins(self, request: Request, now_s: float) -> Iterable[Pin]:
+        """With `reservable_pins=later-jobs`, the pins of jobs that arrived after `request`'s,
+        other jobs' holds of waiting turns, and the pins of jobs whose turn waits (behind
+        the head `request`, so it cannot reuse them before `request` starts); every other
+        job's once `request` is overdue (they all yield to it then). Program-level order: a
+        later job's prompt does not start on the memory pinned for an earlier job's next
+        turn. These are the blocks it may count on, not a choice of which pins its chunks
+        take under pressure (`pin_to_release_first` decides that)."""
+        if self.options.reservable_pins == "other-jobs" or self.is_overdue(request, now_s):
+            return super().reservable_pins(request, now_s)
+        rank = self.job_rank(request)
+        return [pin for pin in self.scheduler.pins if pin.job_id != request.job_id and (
+            pin.holds_waiting_turn or self.num_waiting(pin.job_id) > 0
+            or self.job_arrival_rank(pin.job_id) > rank)]
 
     def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         if not self.scheduler.running:

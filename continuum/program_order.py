@@ -27,9 +27,9 @@ class JobFCFSPolicy(JobAwarePolicy):
       decoding (and will finish or free blocks) it waits, keeping its blocks, else it
       preempts itself.
     - Admission (`prefill_admission`): a prompt starts once the blocks of its first chunk
-      can be had, or, with `whole-prompt`, those of all its chunks (free, or pinned by other
-      jobs: its later chunks may take those), and `admission_headroom_blocks` more per
-      running request (room for their next tokens).
+      can be had, or, with `whole-prompt`, those of all its chunks (free, or held by the
+      pins its later chunks may take, `reservable_pins`: none here, Continuum pins), and
+      `admission_headroom_blocks` more per running request (room for their next tokens).
     """
 
     options_type = ProgramOrderOptions

@@ -10,7 +10,7 @@ scheduler (`SchedulerView`) and acts on nothing but its own books.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -241,19 +241,28 @@ class SchedulingPolicy(Protocol):
 
     def num_tokens_to_reserve(self, request: Request, num_hit_tokens: int,
                               num_new_tokens: int) -> int:
-        """Tokens past its prefix hit (`num_hit_tokens`) whose blocks must be free or pinned
-        before the waiting head `request` is admitted to compute `num_new_tokens` this step:
-        at least `num_new_tokens` (vLLM's rule: this step's chunk); more makes a long prompt
-        wait until the blocks of its later chunks are there too. Called before every
-        admission attempt; the scheduler allocates only this step's blocks."""
+        """Tokens past its prefix hit (`num_hit_tokens`) whose blocks must be free or held by
+        `reservable_pins` before the waiting head `request` is admitted to compute
+        `num_new_tokens` this step: at least `num_new_tokens` (vLLM's rule: this step's
+        chunk); more makes a long prompt wait until the blocks of its later chunks are there
+        too. Called before every admission attempt; the scheduler allocates only this step's
+        blocks."""
+        ...
+
+    def reservable_pins(self, request: Request, now_s: float) -> Iterable[Pin]:
+        """The live pins, none of `request`'s own job, whose blocks count as room for the
+        waiting head `request`'s later chunks at the step of time `now_s` (those chunks may
+        take them under memory pressure, `select_victim`, or `select_pin_to_release` may
+        give them up). Called when `num_tokens_to_reserve` asks for more than this step's
+        chunk while other requests run."""
         ...
 
 
 class BasePolicy:
-    """Defaults shared by policies: no options, no retention, notifications ignored, and pins
-    released for admission only when nothing is running: other jobs' pins first (most
-    recently pinned first), the request's own job's pin last (its prefix hit usually needs
-    those blocks).
+    """Defaults shared by policies: no options, no retention, notifications ignored, every
+    other job's pin counted as room for a waiting prompt's later chunks, and pins released
+    for admission only when nothing is running: other jobs' pins first (most recently pinned
+    first), the request's own job's pin last (its prefix hit usually needs those blocks).
 
     A policy with options sets `options_type` to a frozen dataclass (see
     `engine.scheduler.options`) and takes the parsed value as its `options` argument.
@@ -315,6 +324,9 @@ class BasePolicy:
     def num_tokens_to_reserve(self, request: Request, num_hit_tokens: int,
                               num_new_tokens: int) -> int:
         return num_new_tokens
+
+    def reservable_pins(self, request: Request, now_s: float) -> Iterable[Pin]:
+        return [pin for pin in self.scheduler.pins if pin.job_id != request.job_id]
 
     def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         if self.scheduler.running:

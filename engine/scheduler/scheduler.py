@@ -454,7 +454,7 @@ class Scheduler:
         num_new_tokens = self._num_new_tokens(request, hit.num_tokens, plan)
         if num_new_tokens == 0:
             return Admission.OVER_BUDGET
-        if not self._can_reserve(request, hit, num_new_tokens):
+        if not self._can_reserve(request, hit, num_new_tokens, now_s):
             self._release_pins_yielding_to(request, now_s)
             return Admission.NO_MEMORY
         while kv_cache_manager.allocate_slots(request, num_new_tokens, hit) is None:
@@ -496,18 +496,24 @@ class Scheduler:
         while (pin := self.policy.select_pin_to_release(request, now_s)) is not None:
             self._release_for_pressure(pin, now_s)
 
-    def _can_reserve(self, request: Request, hit: PrefixHit, num_new_tokens: int) -> bool:
+    def _can_reserve(self, request: Request, hit: PrefixHit, num_new_tokens: int,
+                     now_s: float) -> bool:
         """Whether the blocks of the tokens the policy wants reserved beyond this step's
-        chunk (`num_tokens_to_reserve`) are free or held by other jobs' pins (which the
-        request's later chunks may take). Always True while nothing runs: nothing else could
-        free blocks for it then."""
+        chunk (`num_tokens_to_reserve`) are free or held by the pins the policy lets the
+        request's later chunks take (`reservable_pins`). Always True while nothing runs:
+        nothing else could free blocks for it then."""
         num_tokens = self.policy.num_tokens_to_reserve(request, hit.num_tokens, num_new_tokens)
         if num_tokens <= num_new_tokens or not self._running:
             return True
         num_needed = self.kv_cache_manager.num_free_blocks_needed(request, num_tokens, hit)
-        own_pin = self._pins.get(request.job_id or "")
-        num_pinned = self._pins.num_pinned_blocks - (0 if own_pin is None else own_pin.num_blocks)
-        return num_needed <= self.kv_cache_manager.block_pool.num_free_blocks + num_pinned
+        num_reservable_blocks = 0
+        for pin in self.policy.reservable_pins(request, now_s):
+            if self._pins.get(pin.job_id) is not pin or pin.job_id == request.job_id:
+                raise RuntimeError(f"policy counted the pin of job {pin.job_id!r} as room for "
+                                   f"{request.request_id!r}: not live, or its own job's")
+            num_reservable_blocks += pin.num_blocks
+        num_free_blocks = self.kv_cache_manager.block_pool.num_free_blocks
+        return num_needed <= num_free_blocks + num_reservable_blocks
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, plan: StepPlan) -> int:
         """Tokens `request` may compute this step: its remainder, placeholders included (but

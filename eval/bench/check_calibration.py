@@ -107,9 +107,11 @@ class GpuRunSet:
         return GPU_RUNS_ROOT / self.name
 
 
-# Today's continuum but for the cold start (the paper's K then) and the price (not yet capped
-# by the pool's capacity), as the 24b013d and d8b9e2f runs measured it.
-CONTINUUM_AS_THE_REPLAYS_RAN = "continuum:cold_start_samples=100:pin_cost=priced"
+# Today's continuum but for the cold start (the paper's K then), the price (not yet capped
+# by the pool's capacity) and the pins a waiting prompt could count on (any other job's), as
+# the 24b013d and d8b9e2f runs measured it.
+CONTINUUM_AS_THE_REPLAYS_RAN = ("continuum:cold_start_samples=100:pin_cost=priced"
+                                ":reservable_pins=other-jobs")
 
 
 def _replays_finished_by_the_cut(commit: str, continuum_spec: str) -> GpuRunSet:

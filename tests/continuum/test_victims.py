@@ -17,6 +17,7 @@ from engine.kv_cache.pins import Pin
 from engine.request import Request
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.request_queue import FCFSRequestQueue, RequestQueue
+from estimator.base import ConstantTTLEstimator
 from estimator.solver import DurationCDF, PinValue
 from tests.continuum.harness import Harness, tokens
 from tests.engine.helpers import make_request
@@ -345,3 +346,57 @@ def test_a_prompt_starts_only_when_it_will_not_be_preempted_halfway(
     assert h.scheduler.num_preemptions == num_preemptions
     assert (h.scheduler.recomputed_tokens > 0) == (num_preemptions > 0)
     assert h.admission_order()[1:] == ["b"] * (1 + num_preemptions)
+
+
+@pytest.mark.parametrize(("reservable_pins", "job", "starts_at_once"), [
+    # A later job's long prompt does not start on an earlier job's pinned memory...
+    ("later-jobs", "C", False),
+    ("other-jobs", "C", True),
+    # ...an earlier job's does: pressure would take the later job's pin for its chunks.
+    ("later-jobs", "X", True),
+])
+def test_a_waiting_prompt_counts_only_the_pins_it_may_take(
+        reservable_pins: str, job: str, starts_at_once: bool) -> None:
+    # Jobs arrive X, A, B; 24 blocks of 4 tokens. A's turn ends pinned (7 blocks) while B
+    # decodes; then a 60-token prompt (15 blocks) of job `job` needs A's pinned blocks.
+    policy = ContinuumPolicy(ContinuumOptions(reservable_pins=reservable_pins),
+                             estimator=ConstantTTLEstimator(100.0))
+    h = Harness(policy, num_blocks=24)
+    h.add("X#0", tokens(0, 4), job="X", tool=None, max_tokens=1)
+    h.add("A#0", tokens(100, 28), job="A", max_tokens=1)
+    h.add("B#0", tokens(200, 4), job="B", max_tokens=40)
+    h.run_until_finished("X#0", "A#0")
+    assert h.pin("A") is not None and h.pin("A").num_blocks == 7
+    prompt = h.add(f"{job}#1", tokens(300, 60), job=job, max_tokens=1)
+    h.step()
+    assert (prompt.request_id in h.admitted()) == starts_at_once
+    if starts_at_once:
+        return
+    # A's next turn takes its pin back; the later prompt starts once the blocks are there.
+    h.next_turn("A#1", "A#0", tokens(400, 4), max_tokens=1)
+    h.run_until_finished("A#1", prompt.request_id)
+    order = h.admission_order()
+    assert order.index("A#1") < order.index(prompt.request_id)
+    assert h.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize(("reservable_pins", "holds", "waiting", "expected"), [
+    # The head R (job J1) may count the pins of the jobs that arrived after J1...
+    ("later-jobs", "", "", ["J2", "J3"]),
+    # ...another job's hold of a waiting turn's prefix, never its own job's...
+    ("later-jobs", "J0", "", ["J0", "J2", "J3"]),
+    ("later-jobs", "J1", "", ["J2", "J3"]),
+    # ...and the pin of a job whose turn waits behind it...
+    ("later-jobs", "", "J0", ["J0", "J2", "J3"]),
+    # ...or, as before, every other job's pin.
+    ("other-jobs", "", "", ["J0", "J2", "J3"]),
+])
+def test_the_pins_a_waiting_prompt_may_count(reservable_pins: str, holds: str, waiting: str,
+                                             expected: list[str]) -> None:
+    policy = ContinuumPolicy(ContinuumOptions(reservable_pins=reservable_pins))
+    bind(policy, "", "J0 J1 J2 J3", waiting_jobs=waiting)
+    for job_id in holds.split():
+        policy.scheduler.pins.pins[job_id].holds_waiting_turn = True
+    request = make_request("R", [1, 2, 3], job_id="J1")
+    policy.on_request_arrived(request, now_s=10.0)
+    assert sorted(pin.job_id for pin in policy.reservable_pins(request, 10.0)) == expected

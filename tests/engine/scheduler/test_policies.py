@@ -120,3 +120,30 @@ def test_a_policy_returning_an_invalid_victim_fails_loudly_instead_of_looping() 
         with pytest.raises(RuntimeError, match=message):
             for _ in range(10):
                 run_step(scheduler, runner)
+
+
+class _ReservingPolicy(FCFSPolicy):
+    """Reserves a prompt's every chunk and counts `counted` as room for them."""
+
+    def __init__(self, counted) -> None:
+        self.counted = counted
+
+    def num_tokens_to_reserve(self, request, num_hit_tokens, num_new_tokens):
+        return request.num_tokens - num_hit_tokens
+
+    def reservable_pins(self, request, now_s):
+        return [self.counted]
+
+
+def test_a_policy_counting_a_pin_that_is_not_live_fails_loudly() -> None:
+    from engine.kv_cache.pins import Pin
+
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_model_len=32,
+                               max_num_batched_tokens=8,
+                               policy=_ReservingPolicy(Pin("ghost", "r", [], 0.0, 1.0)))
+    runner = FakeRunner(4)
+    scheduler.add_request(make_request("a", list(range(4)), max_tokens=9))
+    run_step(scheduler, runner)
+    scheduler.add_request(make_request("b", list(range(20, 40)), max_tokens=2))
+    with pytest.raises(RuntimeError, match="not live"):
+        run_step(scheduler, runner)

@@ -42,12 +42,14 @@ def test_policy_specs_default_to_the_policies_as_measured() -> None:
         _policy_map(AF226D3, ["oracle=continuum-oracle"])
     with pytest.raises(ValueError, match="unknown scheduling policy 'nosuch'"):
         _policy_map(AF226D3, ["fcfs=nosuch"])
-    # The later runs measured today's policy but for its cold start (the paper's then) and its
-    # price (not yet capped), and had no continuum-fixed run.
+    # The later runs measured today's policy but for its cold start (the paper's then), its
+    # price (not yet capped) and the pins a waiting prompt counted on (any other job's), and
+    # had no continuum-fixed run.
     for run_set in ("h100-24b013d", "h100-d8b9e2f"):
         later = _policy_map(RUN_SETS[run_set], [])
         assert (later["continuum"].name, later["continuum"].options) == (
-            "continuum", (("cold_start_samples", "100"), ("pin_cost", "priced")))
+            "continuum", (("cold_start_samples", "100"), ("pin_cost", "priced"),
+                          ("reservable_pins", "other-jobs")))
     with pytest.raises(ValueError, match="LABEL one of continuum, fcfs"):
         _policy_map(RUN_SETS["h100-24b013d"], ["continuum-fixed=continuum"])
 
