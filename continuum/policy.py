@@ -234,12 +234,12 @@ class ContinuumPolicy(JobFCFSPolicy):
         later job's prompt does not start on the memory pinned for an earlier job's next
         turn. These are the blocks it may count on, not a choice of which pins its chunks
         take under pressure (`pin_to_release_first` decides that)."""
+        others = super().reservable_pins(request, now_s)
         if self.options.reservable_pins == "other-jobs" or self.is_overdue(request, now_s):
-            return super().reservable_pins(request, now_s)
+            return others
         rank = self.job_rank(request)
-        return [pin for pin in self.scheduler.pins if pin.job_id != request.job_id and (
-            pin.holds_waiting_turn or self.num_waiting(pin.job_id) > 0
-            or self.job_arrival_rank(pin.job_id) > rank)]
+        return [pin for pin in others if pin.holds_waiting_turn
+                or self.num_waiting(pin.job_id) > 0 or self.job_arrival_rank(pin.job_id) > rank]
 
     def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
         if not self.scheduler.running:
