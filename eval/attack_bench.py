@@ -135,9 +135,9 @@ def counts_text(counter: Counter[Any]) -> str:
 def add_attack_arguments(parser: argparse.ArgumentParser, attacks: Sequence[str],
                          defaults: object, helps: Sequence[tuple[str, str]],
                          serve_args: Sequence[str]) -> None:
-    """`--attack` (one of `attacks`, or both), a flag for each (settings field, help) of
+    """`--attack` (one of `attacks`, or all of them), a flag for each (settings field, help) of
     `helps` with its default from `defaults`, the server flags and `--json`."""
-    parser.add_argument("--attack", choices=(*attacks, "both"), default="both",
+    parser.add_argument("--attack", choices=(*attacks, "all"), default="all",
                         help="which attack to run (default: %(default)s)")
     for name, help_text in helps:
         default = getattr(defaults, name)
@@ -161,7 +161,7 @@ def run_attacks(args: argparse.Namespace, attacks: Sequence[str],
         return 2
     figures: Figures = []
     checks: list[Check] = []
-    for name in attacks if args.attack == "both" else (args.attack,):
+    for name in attacks if args.attack == "all" else (args.attack,):
         try:
             with server_from_args(args, check_invariants=False) as server:
                 attack_figures, attack_checks = asyncio.run(attack(server, name, settings))

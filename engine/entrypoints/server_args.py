@@ -13,6 +13,7 @@ from engine.entrypoints.connections import (
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
 )
+from engine.entrypoints.openai.body_budget import DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
 from engine.entrypoints.openai.json_body import ChildCpuClass
 from engine.entrypoints.openai.serving import (
     DEFAULT_MAX_N,
@@ -66,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", type=int,
                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                        help="larger request bodies get 413 (default: %(default)s)")
+    group.add_argument("--max-body-bytes-in-flight", type=int,
+                       default=DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
+                       help="most bytes of request bodies held by the requests in progress; "
+                            "with several tenants one tenant holds at most half (past that a "
+                            "request gets 429); past the total 503 (default: %(default)s)")
     group.add_argument("--max-prompt-tokens", type=int, default=None,
                        help="longer prompts get 400 (default: up to --max-model-len)")
     group.add_argument("--max-output-tokens", type=int, default=None,
@@ -149,6 +155,7 @@ def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         served_model_name=args.served_model_name or args.model,
         tenants=tenants_from_args(args), max_request_body_bytes=args.max_request_body_bytes,
+        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
         tool_call_parser=args.tool_call_parser, max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens, max_n=args.max_n,
         max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,

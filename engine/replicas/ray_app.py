@@ -43,7 +43,14 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from engine.engine_args import EngineArgs
+from engine.entrypoints.openai.body_budget import (
+    BodyByteBudget,
+    BodyReservation,
+    parse_content_length,
+)
 from engine.entrypoints.openai.errors import (
+    APIError,
+    api_error_response,
     error_body,
     error_response,
     invalid_api_key_response,
@@ -285,6 +292,13 @@ class Ingress:
         # The replicas check keys too; checking here first keeps an unauthenticated client
         # from making this process read (and hold) its body.
         self._tenants = tenants_from_args(argparse.Namespace(**serve_args))
+        # As a single server's (each replica has its own as well): the bodies this process
+        # has read, each held until its replica's answer has begun (until then the ingress
+        # may send it again, to another replica).
+        self._body_budget = BodyByteBudget.for_tenants(
+            1 if self._tenants is None else len(self._tenants.names),
+            serve_args["max_body_bytes_in_flight"], self._max_request_body_bytes,
+            retry_after_s=serve_args["retry_after_s"])
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._retries = 0
         self._cut_off = 0
@@ -310,13 +324,24 @@ class Ingress:
 
     @proxy_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:
+        """Reads the request's body (holding its bytes in the ingress's budget) and relays
+        the request to a replica; the answer, once the replica's has begun."""
         if not self._authenticated(request):
             return invalid_api_key_response()
-        body = await self._read_body(request)
-        if body is None:
-            return error_response(413, f"the request body exceeds the limit of "
-                                  f"{self._max_request_body_bytes} bytes",
-                                  code="request_too_large", headers={"Connection": "close"})
+        reservation = BodyReservation(self._body_budget, self._tenant(request))
+        try:
+            body = await self._read_body(request, reservation)
+            if body is None:
+                return error_response(413, f"the request body exceeds the limit of "
+                                      f"{self._max_request_body_bytes} bytes",
+                                      code="request_too_large", headers={"Connection": "close"})
+            return await self._forward(request, body)
+        except APIError as refusal:
+            return api_error_response(refusal)
+        finally:
+            reservation.release()
+
+    async def _forward(self, request: Request, body: bytes) -> Response:
         proxied = ProxiedRequest(request.method, request.url.path,
                                  request.url.query.encode(), _headers(request), body)
         route = self._route(proxied)
@@ -344,18 +369,28 @@ class Ingress:
     def _authenticated(self, request: Request) -> bool:
         """Whether the request may go on: no keys, a path open to all, or a known key."""
         return (self._tenants is None or request.url.path in UNAUTHENTICATED_PATHS
-                or self._tenants.tenant_of_request(request.scope) is not None)
+                or self._tenant(request) is not None)
 
-    async def _read_body(self, request: Request) -> bytes | None:
-        """The body, or None once it exceeds the limit (by its Content-Length, or as read)."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self._max_request_body_bytes:
-            return None
+    def _tenant(self, request: Request) -> str | None:
+        """The tenant of the request's key (None without keys, or without a known key)."""
+        return None if self._tenants is None else self._tenants.tenant_of_request(request.scope)
+
+    async def _read_body(self, request: Request, reservation: BodyReservation
+                         ) -> bytes | None:
+        """The body, or None once it exceeds the limit (by its Content-Length, or as read);
+        its bytes held in `reservation` as they are read. APIError 429 or 503 when the budget
+        has no room for them (for a declared length that does not fit, before any is read)."""
+        declared = parse_content_length(request.headers.get("content-length", ""))
+        if declared is not None:
+            if declared > self._max_request_body_bytes:
+                return None
+            reservation.check_declared(declared)
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > self._max_request_body_bytes:
                 return None
+            reservation.cover(len(body))
         return bytes(body)
 
     def _route(self, request: ProxiedRequest) -> Route | None:

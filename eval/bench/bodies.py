@@ -4,13 +4,20 @@ subprocess (loopback, two tenants), measured from the other tenant.
 The victim streams chat completions one after another and times each one's first token and
 the gaps between its tokens, first alone for `--baseline-s`, then for `--attack-s` while
 `--attackers` clients of the other tenant each send one body after another
-(`--attack chats|responses|both`, each against its own server):
+(`--attack chats|responses|held|all`, each against its own server):
 - **chats**: chats of `--chat-messages` messages of `--message-chars` characters (8 MB by
   default), each taking seconds to render and tokenize (in the server's parse children, on
   cores it shares with every tenant); longer than the model's context, so each ends in a 400
   once tokenized.
 - **responses**: Responses requests whose one input message holds `--response-parts` tiny
   content parts (15 MB by default), costly to parse and validate on the event loop.
+- **held**: instead of `--attackers` clients, `--held-bodies` connections, each declaring a
+  completion body of `--held-body-bytes` (16 MB by default) and sending all of it but its
+  last byte, then holding on until the server answers (at its body timeout, or at once if
+  it refuses the body); each, once answered, opens again after `--reopen-s`, until a
+  second before the attack ends. A server that holds every body it is sent grows by all
+  of them. Check: the server process's resident memory at its peak over its level at the
+  attack's start is at most `--max-rss-growth-mib`.
 The attackers run in a child process with an event loop and HTTP client of their own, as
 remote clients would: sharing the victim's loop, writing their megabytes would delay the
 victim's client itself and count as the server's slowness. The victim's attack phase is the
@@ -18,7 +25,8 @@ victim's client itself and count as the server's slowness. The victim's attack p
 their last bodies, so that a server that answers them sooner is not measured over a shorter
 and denser phase. Figures: the victim's time to first token and inter-token latency (median,
 p99, worst) in both phases and the attackers' statuses. Check: the victim's medians and
-p99s stay within `--max-latency-ratio` of the baseline's.
+p99s stay within `--max-latency-ratio` of the baseline's. Every attack also reports the
+server process's resident memory at its peak in the attack, over its level at the start.
 
 Exit status 1 if a check failed or a server did not start, 2 for bad flags.
 """
@@ -47,11 +55,13 @@ from eval.attack_bench import (
     served_model,
 )
 from eval.server_checks import Check
-from eval.server_process import ServerProcess
+from eval.server_process import ServerProcess, read_rss_mib
 
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
                       "--no-job-inference", *TENANT_ARGS)
-ATTACKS = ("chats", "responses")
+ATTACKS = ("chats", "responses", "held")
+RSS_SAMPLE_INTERVAL_S = 0.2
+HOLDER_LAST_OPEN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -64,26 +74,35 @@ class BodyAttackSettings:
     response_parts: int = 400_000
     baseline_s: float = 8.0
     attack_s: float = 30.0
+    held_bodies: int = 64
+    held_body_bytes: int = 16_000_000
+    reopen_s: float = 1.0
     victim_tokens: int = 32
     max_latency_ratio: float = 1.5
+    max_rss_growth_mib: float = 512.0
 
     def __post_init__(self) -> None:
         if min(self.attackers, self.chat_messages, self.message_chars, self.response_parts,
-               self.victim_tokens) < 1:
-            raise ValueError("counts must be >= 1")
-        if min(self.baseline_s, self.attack_s, self.max_latency_ratio) <= 0:
-            raise ValueError("durations and ratios must be positive")
+               self.held_bodies, self.victim_tokens) < 1 or self.held_body_bytes < 1024:
+            raise ValueError("counts must be >= 1 (--held-body-bytes >= 1024)")
+        if min(self.baseline_s, self.attack_s, self.max_latency_ratio,
+               self.max_rss_growth_mib) <= 0 or self.reopen_s < 0:
+            raise ValueError("durations, ratios and memory must be positive")
 
 
 def attack_request(attack: str, model: str, settings: BodyAttackSettings
                    ) -> tuple[str, bytes]:
-    """The path and JSON body each attacker sends, distinct per attack."""
+    """The path and JSON body each attacker sends, distinct per attack (for `held`, all of a
+    body of `held_body_bytes` but its last byte, the closing brace)."""
     if attack == "chats":
         text = "lorem ipsum " * (settings.message_chars // 12)
         messages = [{"role": "user" if index % 2 else "assistant", "content": f"{index} {text}"}
                     for index in range(settings.chat_messages)]
         body: dict[str, object] = {"model": model, "max_tokens": 1, "messages": messages}
         return "/v1/chat/completions", json.dumps(body).encode()
+    if attack == "held":
+        prefix = f'{{"model": "{model}", "prompt": "hi", "max_tokens": 1'.encode()
+        return "/v1/completions", prefix + b" " * (settings.held_body_bytes - len(prefix) - 1)
     part = {"type": "input_text", "text": "a"}
     body = {"model": model, "max_output_tokens": 1,
             "input": [{"role": "user", "content": [part] * settings.response_parts}]}
@@ -99,6 +118,77 @@ async def _attacker(http: httpx.AsyncClient, path: str, body: bytes, until_s: fl
             statuses[response.status_code] += 1
         except httpx.HTTPError as error:
             statuses[type(error).__name__] += 1
+
+
+async def _holder(address: tuple[str, int], path: str, body: bytes, until_s: float,
+                  reopen_s: float, statuses: Counter[int | str]) -> None:
+    """Holds one connection at a time that sent `body`, one byte short of its declared
+    length, until the server answers or `until_s` (monotonic) passes; opens none in the
+    attack's last `HOLDER_LAST_OPEN_S`, so that "held to the end" means held."""
+    head = (f"POST {path} HTTP/1.1\r\nHost: {address[0]}\r\n"
+            f"Authorization: Bearer {ATTACKER_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) + 1}\r\n\r\n").encode()
+    while until_s - time.monotonic() > HOLDER_LAST_OPEN_S:
+        try:
+            status = await asyncio.wait_for(_hold_once(address, head, body),
+                                            until_s - time.monotonic())
+        except asyncio.TimeoutError:
+            status = "held to the end"
+        except OSError as error:
+            status = type(error).__name__
+        statuses[status] += 1
+        await asyncio.sleep(min(reopen_s, max(0.0, until_s - time.monotonic())))
+
+
+async def _hold_once(address: tuple[str, int], head: bytes, body: bytes) -> int | str:
+    """Opens a connection, sends `head` and `body` and waits for the answer: its status."""
+    reader, writer = await asyncio.open_connection(*address)
+    sending = asyncio.ensure_future(_send(writer, head, body))
+    # Its error, if any (the server may close before the body is written), is the answer's
+    # or the read's.
+    sending.add_done_callback(lambda task: task.cancelled() or task.exception())
+    try:
+        return _status(await reader.readline())
+    finally:
+        sending.cancel()
+        writer.close()
+
+
+def _status(status_line: bytes) -> int | str:
+    """The status of an HTTP response's first line; "closed" for none, "malformed" for one
+    that is not a status line."""
+    if not status_line:
+        return "closed"
+    parts = status_line.split()
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else "malformed"
+
+
+async def _send(writer: asyncio.StreamWriter, head: bytes, body: bytes) -> None:
+    """`head`, then `body` a MiB at a time as the socket takes it (not all of it buffered in
+    this process at once for each connection)."""
+    writer.write(head)
+    view = memoryview(body)
+    for offset in range(0, len(body), 1 << 20):
+        writer.write(view[offset:offset + (1 << 20)])
+        await writer.drain()
+
+
+def run_holders(base_url: str, path: str, body: bytes, settings: BodyAttackSettings
+                ) -> Counter[int | str]:
+    """`settings.held_bodies` connections each holding a body (`_holder`) for
+    `settings.attack_s` seconds; the count of each status or error. Runs in the attackers'
+    child process."""
+
+    async def hold_all() -> Counter[int | str]:
+        statuses: Counter[int | str] = Counter()
+        until_s = time.monotonic() + settings.attack_s
+        host, port = base_url.removeprefix("http://").rsplit(":", 1)
+        await asyncio.gather(*(_holder((host, int(port)), path, body, until_s,
+                                       settings.reopen_s, statuses)
+                               for _ in range(settings.held_bodies)))
+        return statuses
+
+    return asyncio.run(hold_all())
 
 
 def attackers_ready() -> None:
@@ -140,10 +230,11 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
             victim.phase = "attack"
             attack_cpu = _CpuReading.of(server)
             attack_done = loop.run_in_executor(
-                attackers, run_attackers, server.base_url, path, body, settings)
+                attackers, run_holders if attack == "held" else run_attackers,
+                server.base_url, path, body, settings)
             # The victim is measured over the same window whatever the server makes of the
             # attack: the attackers' last requests may take from seconds to minutes more.
-            await asyncio.sleep(settings.attack_s)
+            rss_growth_mib = await _peak_rss_growth_mib(server, settings.attack_s)
             end_cpu = _CpuReading.of(server)
             stop.set()
             await victim_task
@@ -152,11 +243,32 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
         (f"{attack}: attack body, MB", round(len(body) / 1e6, 1)),
         (f"{attack}: attackers' statuses", counts_text(statuses)),
         *_server_cpu_figures(attack, baseline_cpu, attack_cpu, end_cpu),
+        (f"{attack}: server process RSS peak growth in the attack, MiB",
+         "not read" if rss_growth_mib is None else round(rss_growth_mib, 1)),
     ]
     victim_figures, checks = victim.figures_and_checks(attack, settings.max_latency_ratio,
                                                        first_token=True)
-    return figures + victim_figures, [Check(f"{attack}: the server survived",
-                                            server.is_healthy(), ""), *checks]
+    checks.insert(0, Check(f"{attack}: the server survived", server.is_healthy(), ""))
+    if attack == "held":
+        checks.append(Check(
+            f"{attack}: server RSS growth at most {settings.max_rss_growth_mib} MiB",
+            rss_growth_mib is not None and rss_growth_mib <= settings.max_rss_growth_mib,
+            "not read" if rss_growth_mib is None else f"{rss_growth_mib:.1f} MiB"))
+    return figures + victim_figures, checks
+
+
+async def _peak_rss_growth_mib(server: ServerProcess, duration_s: float) -> float | None:
+    """The server process's (not its descendants') resident memory at its highest over
+    `duration_s` seconds from now, over its level now, MiB; None if it was never read."""
+    start_mib = read_rss_mib(server.pid)
+    peak_mib = start_mib
+    until_s = time.monotonic() + duration_s
+    while (left_s := until_s - time.monotonic()) > 0:
+        await asyncio.sleep(min(RSS_SAMPLE_INTERVAL_S, left_s))
+        now_mib = read_rss_mib(server.pid)
+        if now_mib is not None and peak_mib is not None:
+            peak_mib = max(peak_mib, now_mib)
+    return None if start_mib is None or peak_mib is None else peak_mib - start_mib
 
 
 @dataclass(frozen=True)
@@ -200,10 +312,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("chat_messages", "chats: messages of each chat"),
         ("message_chars", "chats: characters of each message"),
         ("response_parts", "responses: content parts of the input message"),
+        ("held_bodies", "held: connections each holding a body one byte short"),
+        ("held_body_bytes", "held: the declared length of each held body"),
+        ("reopen_s", "held: seconds before a connection, once answered, opens again"),
         ("baseline_s", "seconds the victim runs alone first"),
         ("attack_s", "seconds of attack"),
         ("victim_tokens", "tokens of each victim completion"),
         ("max_latency_ratio", "most victim latency under attack over its baseline"),
+        ("max_rss_growth_mib", "held: most growth of the server process's memory"),
     ), DEFAULT_SERVE_ARGS)
 
 

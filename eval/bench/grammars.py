@@ -1,7 +1,7 @@
 """`continuum bench grammars`: one tenant's hostile grammars against a `continuum serve`
 subprocess (loopback, two tenants), measured from the other tenant.
 
-Two attacks, each with its own server (`--attack memory|stall|both`):
+Two attacks, each with its own server (`--attack memory|stall|all`):
 - **memory**: the attacker sends `--distinct` grammars one after another, each a different
   JSON `enum` of `--enum-values` strings (about 1 MB of schema whose compiled lexer takes
   about 20 MB, with fast masks, so that a grammar cache would keep it), asking one token

@@ -24,9 +24,15 @@ from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.body_budget import (
+    BodyByteBudget,
+    BodyReservation,
+    parse_content_length,
+)
 from engine.entrypoints.openai.drain import Drain, ServerShuttingDownError
 from engine.entrypoints.openai.errors import (
     APIError,
+    api_error_response,
     engine_dead_error,
     error_response,
     install_error_handlers,
@@ -113,48 +119,56 @@ class BearerAuthMiddleware:
         await self.app(scope, receive, send)
 
 
-class BodySizeLimitMiddleware:
+class BodyLimitsMiddleware:
     """Answers 413 to a request body over `max_bytes`, by its Content-Length or, for chunked
-    bodies, as soon as the bytes read exceed it."""
+    bodies, as soon as the bytes read exceed it. The bytes read are held in `budget` for the
+    request's tenant until the response has ended; a body whose Content-Length does not fit
+    in what the budget has free gets its 429 or 503 before any of it is read, and one that
+    stops fitting as it arrives gets it then."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, budget: BodyByteBudget) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.budget = budget
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        reservation = BodyReservation(self.budget, scope_tenant(scope))
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
-            try:
-                too_large = int(declared) > self.max_bytes
-            except ValueError:
+            num_bytes_declared = parse_content_length(declared)
+            if num_bytes_declared is None:
                 await error_response(400, "invalid Content-Length")(scope, receive, send)
                 return
-            if too_large:
-                await self._too_large()(scope, receive, send)
+            try:
+                if num_bytes_declared > self.max_bytes:
+                    raise self._too_large_error()
+                reservation.check_declared(num_bytes_declared)
+            except APIError as refusal:
+                await api_error_response(refusal)(scope, receive, send)
                 return
-        num_read = 0
+        num_bytes_read = 0
 
         async def limited_receive() -> Message:
-            nonlocal num_read
+            nonlocal num_bytes_read
             message = await receive()
             if message["type"] == "http.request":
-                num_read += len(message.get("body", b""))
-                if num_read > self.max_bytes:
+                num_bytes_read += len(message.get("body", b""))
+                if num_bytes_read > self.max_bytes:
                     raise self._too_large_error()
+                reservation.cover(num_bytes_read)
             return message
 
-        await self.app(scope, limited_receive, send)
+        try:
+            await self.app(scope, limited_receive, send)
+        finally:
+            reservation.release()
 
     def _too_large_error(self) -> APIError:
         return APIError(413, f"the request body exceeds {self.max_bytes} bytes",
                         code="request_too_large", headers=_CLOSE)
-
-    def _too_large(self) -> JSONResponse:
-        error = self._too_large_error()
-        return error_response(413, error.message, code=error.code, headers=_CLOSE)
 
 
 def build_app(
@@ -203,7 +217,9 @@ def build_app(
     app.state.metrics = metrics
     app.state.drain = Drain(settings.shutdown_timeout_s)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.state.body_budget = settings.body_budget()
+    app.add_middleware(BodyLimitsMiddleware, max_bytes=settings.max_request_body_bytes,
+                       budget=app.state.body_budget)
     if settings.tenants is not None:
         app.add_middleware(BearerAuthMiddleware, tenants=settings.tenants)
     app.add_middleware(RequestIdMiddleware)  # outermost: its header is on every response

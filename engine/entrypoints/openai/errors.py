@@ -57,6 +57,12 @@ def error_response(
                         headers=headers)
 
 
+def api_error_response(error: APIError) -> JSONResponse:
+    """The response that answers `error` (with its headers)."""
+    return error_response(error.status_code, error.message, param=error.param, code=error.code,
+                          headers=error.headers)
+
+
 def invalid_api_key_response() -> JSONResponse:
     """The 401 for a request without a valid API key; the connection closes rather than
     wait for a body nobody will read."""
@@ -122,8 +128,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return error_response(error.status_code, error.message, param=error.param,
-                              code=error.code, headers=error.headers)
+        return api_error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -305,10 +305,12 @@ _ERROR_DESCRIPTIONS = {
     404: "No such model, job or stored response.",
     405: "Method not allowed.",
     413: "The request body is over the server's limit.",
-    429: "The waiting queue is full; retry after Retry-After seconds.",
+    429: "The waiting queue is full, or this client holds its share of request bodies or "
+         "preparations; retry after Retry-After seconds.",
     499: "The client disconnected before the response.",
     500: "Internal server error.",
-    503: "The engine is not running.",
+    503: "The engine is not running, the server is draining, or it holds as many request "
+         "bodies as it may (then with Retry-After).",
 }
 
 SSE_RESPONSE = {"text/event-stream": {"schema": {

@@ -15,6 +15,10 @@ import msgspec
 from starlette.requests import Request as HTTPRequest
 
 from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.body_budget import (
+    DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
+    BodyByteBudget,
+)
 from engine.entrypoints.openai.chat_prompt import ChatPrompt
 from engine.entrypoints.openai.drain import ServerShuttingDownError
 from engine.entrypoints.openai.errors import (
@@ -78,6 +82,11 @@ class ServerSettings:
     the limit:
 
     - `max_request_body_bytes`: the largest request body.
+    - `max_body_bytes_in_flight`: the most bytes of request bodies that the requests in
+      progress may hold in all; with several tenants, one tenant's at most half of it (but
+      at least one largest body). Past a tenant's share a request gets 429, past the total
+      503 (the only answer with one tenant), both with `Retry-After: retry_after_s`
+      (`body_budget.BodyByteBudget`).
     - `max_prompt_tokens`: the longest prompt (`None`: up to the model's context length).
     - `max_output_tokens`: the most tokens one completion may generate, asked for or by
       default (`None`: up to the context length).
@@ -106,6 +115,7 @@ class ServerSettings:
     served_model_name: str
     tenants: Tenants | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
     tool_call_parser: str = "auto"
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
@@ -136,11 +146,16 @@ class ServerSettings:
         for name in ("max_prompt_tokens", "max_output_tokens", "max_n", "max_prompts",
                      "max_stop_strings", "max_stop_token_ids", "max_waiting_requests",
                      "retry_after_s", "max_stored_responses", "max_stored_response_bytes",
-                     "preparation_threads", "max_waiting_preparations"):
+                     "preparation_threads", "max_waiting_preparations",
+                     "max_body_bytes_in_flight"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_body_bytes_in_flight < self.max_request_body_bytes:
+            raise ValueError(f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must "
+                             f"be at least max_request_body_bytes "
+                             f"({self.max_request_body_bytes})")
         check_store_room(self.max_stored_responses, self.max_stored_response_bytes,
                          self.num_tenants)
 
@@ -154,6 +169,13 @@ class ServerSettings:
         return TenantWorkPool.for_tenants(
             self.num_tenants, self.preparation_threads,
             max_waiting_per_tenant=self.max_waiting_preparations,
+            retry_after_s=self.retry_after_s)
+
+    def body_budget(self) -> BodyByteBudget:
+        """A new budget for the body bytes of the server's requests in progress (made once,
+        by `build_app`, for the app's `BodyLimitsMiddleware`)."""
+        return BodyByteBudget.for_tenants(
+            self.num_tenants, self.max_body_bytes_in_flight, self.max_request_body_bytes,
             retry_after_s=self.retry_after_s)
 
 

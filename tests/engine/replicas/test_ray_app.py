@@ -12,7 +12,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,9 @@ APP = "continuum-test"
 ENGINE_FLAGS = ["--model", "tiny", "--num-kv-blocks", "128", "--max-model-len", "1024",
                 "--scheduling-policy", "continuum"]
 SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
+# One tenant (the key's) whose body bytes in flight are two bodies of the largest size.
+KEY_AND_BUDGET_FLAGS = ("--api-key", "secret", "--max-request-body-bytes", "65536",
+                        "--max-body-bytes-in-flight", "131072")
 
 
 def bench_agent(base_url: str, tmp_path: Path) -> tuple[dict[str, Any], str]:
@@ -300,7 +303,7 @@ def _replica_of_job(base_url: str, job_id: str) -> str:
 def test_the_ingress_checks_the_api_key_before_it_reads_a_body(ray_server: RayServer) -> None:
     """A client without a key that announces a body and sends none gets 401 at once: the
     ingress does not wait for (and hold) a body it would refuse. It redeploys."""
-    ray_server.deploy("affinity", ("--api-key", "secret"))
+    ray_server.deploy("affinity", KEY_AND_BUDGET_FLAGS)
     with socket.create_connection(("127.0.0.1", ray_server.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n")
@@ -312,6 +315,42 @@ def test_the_ingress_checks_the_api_key_before_it_reads_a_body(ray_server: RaySe
                         headers={"Authorization": "Bearer secret"},
                         json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert answer.status_code == 200, answer.text
+
+
+def test_the_ingress_refuses_bodies_past_its_budget_unread(ray_server: RayServer) -> None:
+    """Held bodies fill the ingress's budget of body bytes (two of 64 KiB, one byte short
+    each): the next request gets 503 (one tenant: its clients share the whole budget), and
+    once the holders go away requests are served again."""
+    ray_server.deploy("affinity", KEY_AND_BUDGET_FLAGS)
+    url, key = ray_server.base_url, {"Authorization": "Bearer secret"}
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    held = []
+    try:
+        for _ in range(2):
+            sock = socket.create_connection(("127.0.0.1", ray_server.port), timeout=30)
+            held.append(sock)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer secret\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 65536\r\n\r\n" + b" " * 65535)
+        refused = _first_answer(url, key, body, lambda status: status == 503)
+        assert refused.json()["error"]["code"] == "server_busy"
+        assert refused.headers["retry-after"] == "1"
+    finally:
+        for sock in held:
+            sock.close()
+    _first_answer(url, key, body, lambda status: status == 200)
+
+
+def _first_answer(url: str, headers: dict[str, str], body: dict[str, Any],
+                  wanted: Callable[[int], bool]) -> httpx.Response:
+    """The first answer to `body` with a status `wanted`, asked again until one comes."""
+    deadline_s = time.monotonic() + 60
+    while True:
+        answer = httpx.post(url + "/v1/completions", timeout=60, headers=headers, json=body)
+        if wanted(answer.status_code):
+            return answer
+        assert time.monotonic() < deadline_s, answer.text
+        time.sleep(0.1)
 
 
 def test_stopping_the_application_drains_every_replica_first(ray_server: RayServer) -> None:

@@ -40,3 +40,24 @@ def test_a_short_chats_attack_is_answered_and_measured(tmp_path: Path) -> None:
     assert float(user_s) > 0 and float(system_s) >= 0
     assert report["checks"][0] == {"name": "chats: the server survived", "passed": True,
                                    "detail": ""}
+
+
+def test_a_short_held_attack_holds_one_body_and_is_refused_the_rest(tmp_path: Path) -> None:
+    """Each tenant may hold one 8 MB body: of six held connections one is held to the end,
+    the others (and their reopenings) get 429."""
+    out = tmp_path / "held.json"
+    serve_args = ("--num-kv-blocks 512 --max-model-len 1024 --no-job-inference "
+                  "--tenant victim:victim-key --tenant attacker:attacker-key "
+                  "--max-request-body-bytes 8500000 --max-body-bytes-in-flight 17000000")
+    cli_main(["bench", "bodies", "--attack", "held", "--held-bodies", "6",
+              "--held-body-bytes", "8000000", "--reopen-s", "0.5", "--baseline-s", "1.5",
+              "--attack-s", "3", "--victim-tokens", "8", "--max-latency-ratio", "1000",
+              "--serve-args", serve_args, "--json", str(out)])
+    report = json.loads(out.read_text())
+    figures = report["figures"]
+    statuses = dict(item.split(": ") for item in figures["held: attackers' statuses"].split(", "))
+    assert statuses["held to the end"] == "1"
+    assert int(statuses["429"]) >= 5
+    assert isinstance(figures["held: server process RSS peak growth in the attack, MiB"], float)
+    assert figures["held: victim failures"] == 0
+    assert report["checks"][0]["passed"]

@@ -65,6 +65,11 @@ class ServerThread:
     def engine(self) -> AsyncLLM:
         return self.app.state.engine
 
+    @property
+    def num_requests_in_progress(self) -> int:
+        """Requests whose headers uvicorn has parsed and whose response has not ended."""
+        return len(self._server.server_state.tasks)
+
     def run(self, make: Callable[[AsyncLLM], Coroutine[Any, Any, Any]]) -> Any:
         """Runs `make(engine)` in the server's event loop and returns its result."""
         future = asyncio.run_coroutine_threadsafe(make(self.engine), self._loop)

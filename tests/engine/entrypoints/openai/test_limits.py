@@ -265,10 +265,16 @@ def test_more_tools_than_the_limit_are_refused(server, path, body):
 
 @pytest.mark.parametrize("field", ["max_prompt_tokens", "max_output_tokens", "max_n",
                                    "max_prompts", "max_stop_strings", "max_stop_token_ids",
-                                   "max_waiting_requests", "retry_after_s"])
+                                   "max_waiting_requests", "retry_after_s",
+                                   "max_body_bytes_in_flight"])
 def test_limits_must_be_positive(field):
     with pytest.raises(ValueError, match=field):
         dataclasses.replace(LIMITS, **{field: 0})
+
+
+def test_the_body_bytes_in_flight_hold_at_least_one_largest_body():
+    with pytest.raises(ValueError, match="at least max_request_body_bytes"):
+        dataclasses.replace(LIMITS, max_body_bytes_in_flight=LIMITS.max_request_body_bytes - 1)
 
 
 @pytest.mark.parametrize(("path", "field"), [
