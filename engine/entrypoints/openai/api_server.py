@@ -218,6 +218,7 @@ def build_app(
     app.state.drain = Drain(settings.shutdown_timeout_s)
     install_error_handlers(app)
     app.state.body_budget = settings.body_budget()
+    metrics.track_body_budget(app.state.body_budget)
     app.add_middleware(BodyLimitsMiddleware, max_bytes=settings.max_request_body_bytes,
                        budget=app.state.body_budget)
     if settings.tenants is not None:

@@ -20,6 +20,8 @@ all clients share the whole budget and only that 503 applies. Both say `Retry-Af
 
 from __future__ import annotations
 
+from collections import Counter
+
 from engine.entrypoints.openai.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 256 * 1024 * 1024
@@ -56,6 +58,8 @@ class BodyByteBudget:
         self.retry_after_s = retry_after_s
         self._held_bytes = 0
         self._held_by_tenant: dict[str | None, int] = {}
+        # Requests refused so far, by status (429 or 503): what /metrics reports.
+        self.num_refused: Counter[int] = Counter()
 
     @classmethod
     def for_tenants(cls, num_tenants: int, max_bytes: int, largest_body_bytes: int, *,
@@ -83,6 +87,7 @@ class BodyByteBudget:
         `num_bytes` more now; holds nothing either way (for a declared length)."""
         refusal = self._refusal(tenant, num_bytes)
         if refusal is not None:
+            self.num_refused[refusal.status_code] += 1
             raise refusal
 
     def reserve(self, tenant: str | None, num_bytes: int) -> None:

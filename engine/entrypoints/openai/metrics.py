@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.core.wire import EngineStats
+from engine.entrypoints.openai.body_budget import BodyByteBudget
 from engine.frontend.stats import FinishedCompletionStats
 
 PREFIX = "continuum:"
@@ -113,6 +114,28 @@ def _counter(name: str, documentation: str, model: str, value: float) -> Counter
     return family
 
 
+class _BodyBudgetCollector(Collector):
+    """Exposes what a `BodyByteBudget` holds and has refused, read at each scrape."""
+
+    def __init__(self, model_name: str, budget: BodyByteBudget) -> None:
+        self.model_name = model_name
+        self.budget = budget
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge("request_body_bytes_held", "Bytes of request bodies held by the requests "
+                     "in progress.", self.model_name, self.budget.held_bytes)
+        refused = CounterMetricFamily(
+            PREFIX + "request_bodies_refused", "Requests refused because their body would "
+            "pass the tenant's share (429) or the server's total (503) of body bytes.",
+            labels=["model_name", "status"])
+        for status in (429, 503):
+            refused.add_metric([self.model_name, str(status)], self.budget.num_refused[status])
+        yield refused
+
+
 class PrometheusMetrics:
     """The server's metrics registry. Frontend observations may come at any time from the event
     loop; `update_core_stats` is called before each scrape."""
@@ -163,6 +186,10 @@ class PrometheusMetrics:
 
     def update_core_stats(self, stats: EngineStats) -> None:
         self._core.stats = stats
+
+    def track_body_budget(self, budget: BodyByteBudget) -> None:
+        """Reports `budget` (the server's, registered once by `build_app`) at each scrape."""
+        self.registry.register(_BodyBudgetCollector(self.model_name, budget))
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""

@@ -204,6 +204,10 @@ def test_held_bodies_past_a_share_or_the_total_are_refused(budget_server):
         assert busy.status_code == 503, busy.text
         assert busy.json()["error"]["code"] == "server_busy"
         assert budget.held_bytes == 4 * (MAX_BODY_BYTES - 1)
+        assert budget_server.metric("request_body_bytes_held") == budget.held_bytes
+        for status in ("429", "503"):
+            assert budget_server.metric("request_bodies_refused_total",
+                                        f'status="{status}"') >= 1
     finally:
         _close_all(budget_server, held)
     assert _complete(budget_server, "gamma").status_code == 200

@@ -1,11 +1,14 @@
-"""The core's `EngineStats` as Prometheus series: what a scrape of `/metrics` renders from a
-snapshot, parsed back with Prometheus' own text parser."""
+"""The core's `EngineStats` and the server's body budget as Prometheus series: what a scrape
+of `/metrics` renders, parsed back with Prometheus' own text parser."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.wire import EngineStats
+from engine.entrypoints.openai.body_budget import BodyByteBudget
+from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.metrics import PrometheusMetrics
 
 
@@ -64,3 +67,20 @@ def test_no_core_series_before_the_first_snapshot() -> None:
     text = PrometheusMetrics("tiny").render().decode()
     assert "continuum:request_success" in text
     assert "host_kv_cache" not in text and "prefix_cache_hits" not in text
+
+
+def test_the_body_budget_is_read_at_each_scrape() -> None:
+    metrics = PrometheusMetrics("tiny")
+    budget = BodyByteBudget.for_tenants(3, 1000, 100)
+    metrics.track_body_budget(budget)
+    budget.reserve("a", 500)
+    budget.reserve("b", 400)
+    for tenant, num_bytes in (("a", 1), ("c", 101), ("c", 200)):
+        with pytest.raises(APIError):
+            budget.reserve(tenant, num_bytes)
+    samples = {(sample.name, sample.labels.get("status")): sample.value
+               for family in text_string_to_metric_families(metrics.render().decode())
+               for sample in family.samples}
+    assert samples[("continuum:request_body_bytes_held", None)] == 900
+    assert samples[("continuum:request_bodies_refused_total", "429")] == 1
+    assert samples[("continuum:request_bodies_refused_total", "503")] == 2
