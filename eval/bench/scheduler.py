@@ -120,16 +120,21 @@ def _step(scheduler: Scheduler) -> tuple[float, float]:
     start = time.perf_counter()
     output = scheduler.schedule()
     scheduled = time.perf_counter()
-    runner_output = _synthetic_runner_output(output)
+    runner_output = _synthetic_runner_output(scheduler, output)
     before_update = time.perf_counter()
     scheduler.update_from_output(output, runner_output)
     return scheduled - start, time.perf_counter() - before_update
 
 
-def _synthetic_runner_output(output: SchedulerOutput) -> ModelRunnerOutput:
+def _synthetic_runner_output(scheduler: Scheduler, output: SchedulerOutput
+                             ) -> ModelRunnerOutput:
+    """A token for each request the step was scheduled to sample (not for a prompt's chunk
+    that leaves some of it uncomputed)."""
     req_ids = list(output.num_scheduled_tokens)
     token_id = 1 + output.step_id % 1000
-    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[token_id] for _ in req_ids])
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[
+        [token_id] if scheduler.requests[req_id].num_output_placeholders else []
+        for req_id in req_ids])
 
 
 def _percentile(values: list[float], fraction: float) -> float:

@@ -20,6 +20,17 @@ def test_bench_scheduler_writes_its_figures(tmp_path, capsys) -> None:
     assert "median_us" in capsys.readouterr().out
 
 
+def test_bench_scheduler_samples_only_where_a_step_completes_a_prompt(tmp_path) -> None:
+    """50 prompts of 200 tokens against a step's 8,192-token budget: the first step computes
+    part of the 41st prompt, and samples nothing for it."""
+    out = tmp_path / "bench.json"
+    code = main(["bench", "scheduler", "--num-requests", "50", "--num-blocks", "1024",
+                 "--prompt-len", "200", "--steps", "4", "--warmup-steps", "1",
+                 "--policy", "continuum", "--json", str(out)])
+    assert code == 0
+    assert json.loads(out.read_text())["num_running"] == 50
+
+
 def test_bench_scheduler_reports_a_pool_too_small() -> None:
     with pytest.raises(ValueError, match="raise --num-blocks"):
         main(["bench", "scheduler", "--num-requests", "8", "--num-blocks", "40",
