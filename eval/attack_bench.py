@@ -1,7 +1,8 @@
-"""What the attack benchmarks (`bench grammars`, `bench bodies`) share: their flags, the run
-of each attack against its own `continuum serve` subprocess, the report, and the victim, the
-well-behaved tenant. The victim streams completions one after another and times each one's
-first token and the gaps between its tokens, by phase (alone, then under attack)."""
+"""What the attack benchmarks (`bench grammars`, `bench bodies`, `bench flood`) share: their
+flags, the run of each attack against its own `continuum serve` subprocess, the report, and
+the victim, the well-behaved tenant. The victim streams completions one after another and
+times each one's first token and the gaps between its tokens, by phase (alone, then under
+attack)."""
 
 from __future__ import annotations
 

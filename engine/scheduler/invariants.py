@@ -70,6 +70,7 @@ def _check_request_sets(scheduler: SchedulerState) -> None:
     waiting_ids = [request.request_id for request in scheduler.waiting]
     assert len(set(running_ids)) == len(running_ids), "a request runs twice"
     assert len(set(waiting_ids)) == len(waiting_ids), "a request waits twice"
+    assert len(scheduler.waiting) == len(waiting_ids), "the waiting count is off"
     assert not set(running_ids) & set(waiting_ids), "a request both runs and waits"
     assert set(running_ids) | set(waiting_ids) == scheduler.requests.keys(), "lost a request"
     assert len(running_ids) <= scheduler.config.max_num_seqs, "max_num_seqs exceeded"

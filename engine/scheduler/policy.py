@@ -148,8 +148,10 @@ class SchedulingPolicy(Protocol):
     Built by the registry with `from_options` (a classmethod: the policy's options, validated
     into its own frozen config). Call order: `bind` once at scheduler construction; `sweep`
     at the start of every `schedule()` and, while no request is unfinished, on a timer
-    between steps (`Scheduler.sweep`); `new_waiting_queue` once, for the queue the scheduler
-    then owns (it tells it the time at every step start, after `sweep`);
+    between steps (`Scheduler.sweep`); `new_waiting_queue` once for each tenant that begins
+    waiting, for a queue of that tenant's requests that the scheduler then owns (it takes
+    turns among the tenants' queues, `tenant_queue.TenantFairQueue`, and tells each the time
+    at every step start, after `sweep`);
     `on_request_arrived` from `add_request`, before the request joins the waiting queue;
     `on_request_admitted` after a waiting request took its blocks and its job's pin was
     released (`on_pin_released` with reason REUSED comes first); `expired_pins` at the end

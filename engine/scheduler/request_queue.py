@@ -1,8 +1,10 @@
 """Waiting queues: the order in which waiting requests are considered for admission.
 
-A policy builds the queue (`SchedulingPolicy.new_waiting_queue`, its order); the scheduler
-owns it: only the scheduler adds, removes and tells it the time, and policies read it through
-`SchedulerView.waiting`. Every queue counts its requests per job.
+A policy builds the queues (`SchedulingPolicy.new_waiting_queue`, its order: one for each
+tenant with waiting requests, among which the scheduler's `tenant_queue.TenantFairQueue`
+takes turns); the scheduler owns them: only the scheduler adds, removes and tells them the
+time, and policies read the whole through `SchedulerView.waiting`. Every queue counts its
+requests per job.
 """
 
 from __future__ import annotations

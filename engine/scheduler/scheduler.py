@@ -26,10 +26,10 @@ from engine.scheduler.policy import (
     RetentionInputs,
     SchedulingPolicy,
 )
-from engine.scheduler.request_queue import RequestQueue
 from engine.scheduler.runner_output import apply_runner_output
 from engine.scheduler.step_plan import Admission, StepPlan, emit
 from engine.scheduler.sweep import Sweep
+from engine.scheduler.tenant_queue import TenantFairQueue
 from engine.scheduler.tracer import SchedulerTracer
 
 
@@ -80,7 +80,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._running: list[Request] = []
         self.policy = policy
-        self._waiting = policy.new_waiting_queue()
+        self._waiting = TenantFairQueue(policy.new_waiting_queue)
         self._finished_req_ids: set[str] = set()
         # The requests each step scheduled, by step id, until it is updated from its output.
         self._unfinished_steps: dict[int, dict[str, Request]] = {}
@@ -107,7 +107,7 @@ class Scheduler:
         return self._running
 
     @property
-    def waiting(self) -> RequestQueue:
+    def waiting(self) -> TenantFairQueue:
         return self._waiting
 
     @property
@@ -471,7 +471,7 @@ class Scheduler:
         if request.status is RequestStatus.PREEMPTED:
             dropped = self._dropped_tokens.pop(request.request_id, 0)
             self.recomputed_tokens += max(0, dropped - num_hit_tokens)
-        self._waiting.remove_request(request)
+        self._waiting.remove_admitted(request)
         self.events.emit(events.Admitted(
             request, hit, self._pins.get(request.job_id or ""),
             resumed=request.status is RequestStatus.PREEMPTED, now_s=now_s,

@@ -45,6 +45,7 @@ def make_request(
     job_id: str | None = None,
     is_last_step: bool = False,
     tool_name: str | None = None,
+    tenant: str | None = None,
     **sampling: object,
 ) -> Request:
     job = None if job_id is None else JobInfo(
@@ -58,6 +59,7 @@ def make_request(
         eos_token_id=eos_token_id,
         priority=priority,
         job=job,
+        tenant=tenant,
     )
 
 
