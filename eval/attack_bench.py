@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +45,18 @@ async def served_model(http: httpx.AsyncClient) -> str:
     response = await http.get("/v1/models", headers=auth(VICTIM_KEY))
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
+
+
+@contextlib.asynccontextmanager
+async def attacker_process(ready: Callable[[], None]) -> AsyncIterator[ProcessPoolExecutor]:
+    """A child process for an attack's clients, with an event loop and HTTP client of their
+    own as remote clients would have (sharing the victim's loop, writing their requests would
+    delay the victim's client and count as the server's slowness). `ready`, a function of
+    the attack's module, runs there first, before the baseline, so that the process has
+    started and imported that module when the attack begins."""
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as process:
+        await asyncio.get_running_loop().run_in_executor(process, ready)
+        yield process
 
 
 @dataclass

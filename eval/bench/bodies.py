@@ -38,9 +38,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
 
 import httpx
 
@@ -49,6 +47,7 @@ from eval.attack_bench import (
     TENANT_ARGS,
     Victim,
     add_attack_arguments,
+    attacker_process,
     auth,
     counts_text,
     run_attacks,
@@ -217,28 +216,26 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
                   ) -> tuple[list[tuple[str, object]], list[Check]]:
     victim, stop = Victim(chat=True), asyncio.Event()
     loop = asyncio.get_running_loop()
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as attackers:
-        # Started before the baseline, so that its start-up is not part of the attack.
-        await loop.run_in_executor(attackers, attackers_ready)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
-            model = await served_model(http)
-            path, body = attack_request(attack, model, settings)
-            victim_task = asyncio.create_task(
-                victim.run(http, model, settings.victim_tokens, stop))
-            baseline_cpu = _CpuReading.of(server)
-            await asyncio.sleep(settings.baseline_s)
-            victim.phase = "attack"
-            attack_cpu = _CpuReading.of(server)
-            attack_done = loop.run_in_executor(
-                attackers, run_holders if attack == "held" else run_attackers,
-                server.base_url, path, body, settings)
-            # The victim is measured over the same window whatever the server makes of the
-            # attack: the attackers' last requests may take from seconds to minutes more.
-            rss_growth_mib = await _peak_rss_growth_mib(server, settings.attack_s)
-            end_cpu = _CpuReading.of(server)
-            stop.set()
-            await victim_task
-            statuses = await attack_done
+    async with (attacker_process(attackers_ready) as attackers,
+                httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http):
+        model = await served_model(http)
+        path, body = attack_request(attack, model, settings)
+        victim_task = asyncio.create_task(
+            victim.run(http, model, settings.victim_tokens, stop))
+        baseline_cpu = _CpuReading.of(server)
+        await asyncio.sleep(settings.baseline_s)
+        victim.phase = "attack"
+        attack_cpu = _CpuReading.of(server)
+        attack_done = loop.run_in_executor(
+            attackers, run_holders if attack == "held" else run_attackers,
+            server.base_url, path, body, settings)
+        # The victim is measured over the same window whatever the server makes of the
+        # attack: the attackers' last requests may take from seconds to minutes more.
+        rss_growth_mib = await _peak_rss_growth_mib(server, settings.attack_s)
+        end_cpu = _CpuReading.of(server)
+        stop.set()
+        await victim_task
+        statuses = await attack_done
     figures: list[tuple[str, object]] = [
         (f"{attack}: attack body, MB", round(len(body) / 1e6, 1)),
         (f"{attack}: attackers' statuses", counts_text(statuses)),

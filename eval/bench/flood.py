@@ -22,9 +22,7 @@ import argparse
 import asyncio
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
 
 import httpx
 
@@ -33,6 +31,7 @@ from eval.attack_bench import (
     TENANT_ARGS,
     Victim,
     add_attack_arguments,
+    attacker_process,
     auth,
     counts_text,
     ms_text,
@@ -113,20 +112,19 @@ async def _attack(server: ServerProcess, attack: str, settings: FloodSettings
                   ) -> tuple[list[tuple[str, object]], list[Check]]:
     victim, stop = Victim(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as attacker:
-        await loop.run_in_executor(attacker, attackers_ready)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
-            model = await served_model(http)
-            victim_task = asyncio.create_task(
-                victim.run(http, model, settings.victim_tokens, stop))
-            await asyncio.sleep(settings.baseline_s)
-            victim.phase = "attack"
-            flood_done = loop.run_in_executor(attacker, run_flood, server.base_url, model,
-                                              settings)
-            await asyncio.sleep(settings.attack_s)
-            stop.set()
-            await victim_task
-            statuses = await flood_done
+    async with (attacker_process(attackers_ready) as attacker,
+                httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http):
+        model = await served_model(http)
+        victim_task = asyncio.create_task(
+            victim.run(http, model, settings.victim_tokens, stop))
+        await asyncio.sleep(settings.baseline_s)
+        victim.phase = "attack"
+        flood_done = loop.run_in_executor(attacker, run_flood, server.base_url, model,
+                                          settings)
+        await asyncio.sleep(settings.attack_s)
+        stop.set()
+        await victim_task
+        statuses = await flood_done
     # Ratios of a shared batch's latencies are figures here, not checks.
     victim_figures, _ = victim.figures_and_checks(attack, float("inf"), first_token=True)
     worst_s = max(victim.first_token_s["attack"], default=None)
