@@ -113,7 +113,8 @@ class SchedulerView(Protocol):
 
     @property
     def waiting(self) -> WaitingRequests:
-        """The waiting queue, in the policy's own order."""
+        """The waiting requests: each tenant's in the policy's own order, the tenants taking
+        turns (`tenant_queue.TenantFairQueue`; without tenants, the policy's order)."""
         ...
 
     @property
@@ -148,10 +149,11 @@ class SchedulingPolicy(Protocol):
     Built by the registry with `from_options` (a classmethod: the policy's options, validated
     into its own frozen config). Call order: `bind` once at scheduler construction; `sweep`
     at the start of every `schedule()` and, while no request is unfinished, on a timer
-    between steps (`Scheduler.sweep`); `new_waiting_queue` once for each tenant that begins
-    waiting, for a queue of that tenant's requests that the scheduler then owns (it takes
-    turns among the tenants' queues, `tenant_queue.TenantFairQueue`, and tells each the time
-    at every step start, after `sweep`);
+    between steps (`Scheduler.sweep`); `new_waiting_queue` each time a tenant (None without
+    tenants) begins waiting, for a queue of that tenant's requests that the scheduler then
+    owns until none waits (it takes turns among the tenants' queues,
+    `tenant_queue.TenantFairQueue`, and tells each the time at every step start, after
+    `sweep`), so a queue keeps no order of its own beyond its requests' keys;
     `on_request_arrived` from `add_request`, before the request joins the waiting queue;
     `on_request_admitted` after a waiting request took its blocks and its job's pin was
     released (`on_pin_released` with reason REUSED comes first); `expired_pins` at the end

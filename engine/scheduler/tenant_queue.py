@@ -2,17 +2,22 @@
 tenants taking turns.
 
 With one queue for all, a tenant that sends many requests puts every other tenant's behind
-them: a paced flood of 1,000 completions from one tenant kept another's next request waiting
-40 s for its first token (0.02 s alone). Here each tenant with waiting requests has a queue of
-its own, built by the policy (`SchedulingPolicy.new_waiting_queue`), and the next request to
-admit is the head of the tenant admitted least often while it waited: a tenant that starts
-waiting starts level with the least admitted of those already waiting (so none banks turns
-while it sends nothing), and ties go to the tenant waiting longest. A tenant's requests keep
-its policy's order among themselves, and a server without tenants (every request's `tenant`
+them: in `continuum bench flood`, another tenant's next request waited up to 16.8 s for its
+first token in a 30 s flood of 1,000 completions, and 40.2 s in a 60 s flood of 2,000 (0.02 s
+alone). Here each tenant with waiting requests has a queue of its own, built by the policy
+(`SchedulingPolicy.new_waiting_queue`), and the next request to admit is the head of the
+tenant admitted least often since it began waiting; ties go to the tenant admitted least
+recently (one that has just begun waiting first). A tenant that begins waiting starts level
+with the least admitted of those already waiting, so none banks turns while it sends
+nothing. A preempted request goes back to the head of its tenant's queue, but its tenant
+gets no turn back, or a flooding tenant whose requests are preempted for memory would win
+the turns back with each preemption. A server without tenants (every request's `tenant`
 None) has one queue, whose order is its policy's exactly.
 
-Turns count admissions, not tokens: a tenant of long prompts gets as many admissions as one of
-short ones.
+What this changes for a policy with several tenants: its order, and anything it ranks first
+(a pinned job's turn, an overdue request), holds among one tenant's requests; across
+tenants the turns decide. Turns count admissions, not tokens: a tenant of long prompts gets
+as many admissions as one of short ones.
 """
 
 from __future__ import annotations
@@ -26,15 +31,20 @@ from engine.scheduler.request_queue import RequestQueue
 class TenantFairQueue:
     """The scheduler's waiting queue: one policy-ordered queue per tenant with waiting
     requests, and the tenants' turns (see the module docstring). Owned by the scheduler,
-    which alone changes it, and tells it of each admission with `remove_admitted`; policies
-    read it as `WaitingRequests`. A tenant's queue and count are dropped once it has no
-    request waiting, so its state is bounded by the tenants waiting."""
+    which alone changes it and says how each request leaves (`remove_admitted`,
+    `remove_request`, `remove_requests`); policies read it as
+    `WaitingRequests`. A tenant whose queue empties keeps its place until the next
+    `advance_to` (a request passed over within a step comes back to it), and is then dropped,
+    so the state is bounded by the tenants waiting."""
 
     def __init__(self, new_queue: Callable[[], RequestQueue]) -> None:
         self._new_queue = new_queue
-        # By tenant, in the order they began waiting (the turns' tie-break).
         self._queues: dict[str | None, RequestQueue] = {}
+        # Per tenant in `_queues`: admissions since it began waiting, and the number of the
+        # admission it last had (-1: none since it began waiting).
         self._num_admitted: dict[str | None, int] = {}
+        self._last_admission: dict[str | None, int] = {}
+        self._num_admissions = 0
         self._num_requests = 0
         self._now_s: float | None = None
 
@@ -43,43 +53,48 @@ class TenantFairQueue:
         self._num_requests += 1
 
     def prepend_request(self, request: Request) -> None:
-        """Puts a preempted or passed-over request back at the head of its tenant's queue."""
+        """Puts a preempted request, or one passed over this step, back at the head of its
+        tenant's queue (its tenant's turns unchanged)."""
         self._queue_of(request.tenant).prepend_request(request)
         self._num_requests += 1
 
     def peek_request(self) -> Request:
-        if not self._queues:
+        if not self._num_requests:
             raise IndexError("peek from an empty queue")
         return self._queues[self._next_tenant()].peek_request()
 
     def remove_request(self, request: Request) -> None:
-        """Takes out a request that leaves the queue without being admitted (aborted,
-        finished, passed over)."""
-        self._remove(request)
+        """Takes out a request that leaves without being admitted (aborted, finished,
+        passed over)."""
+        self._counted_removal(request.tenant, lambda queue: queue.remove_request(request))
 
     def remove_admitted(self, request: Request) -> None:
         """Takes out a request the scheduler admitted: one turn of its tenant."""
         tenant = request.tenant
-        self._num_admitted[tenant] = self._num_admitted.get(tenant, 0) + 1
-        self._remove(request)
+        self._counted_removal(tenant, lambda queue: queue.remove_request(request))
+        self._num_admitted[tenant] += 1
+        self._last_admission[tenant] = self._num_admissions
+        self._num_admissions += 1
 
     def remove_requests(self, requests: Collection[Request]) -> None:
+        """Takes out requests that leave without being admitted."""
         by_tenant: dict[str | None, list[Request]] = {}
         for request in requests:
             by_tenant.setdefault(request.tenant, []).append(request)
         for tenant, removed in by_tenant.items():
-            queue = self._queues[tenant]
-            queue.remove_requests(removed)
-            self._num_requests -= len(removed)
-            self._drop_if_empty(tenant, queue)
+            self._counted_removal(tenant, lambda queue, gone=removed: queue.remove_requests(gone))
 
     def advance_to(self, now_s: float) -> None:
+        """The scheduler's clock at a step's start: passed to each tenant's queue; the
+        tenants with no request left waiting are dropped."""
         self._now_s = now_s
+        for tenant in [tenant for tenant, queue in self._queues.items() if not len(queue)]:
+            del self._queues[tenant], self._num_admitted[tenant], self._last_admission[tenant]
         for queue in self._queues.values():
             queue.advance_to(now_s)
 
     def num_waiting(self, job_id: str) -> int:
-        # A job's requests are all of one tenant (job ids are namespaced by tenant).
+        """Waiting requests of the job (all of one tenant: job ids are namespaced by it)."""
         return sum(queue.num_waiting(job_id) for queue in self._queues.values())
 
     def __len__(self) -> int:
@@ -88,40 +103,43 @@ class TenantFairQueue:
     def __iter__(self) -> Iterator[Request]:
         """The waiting requests in the order they would be admitted if each were admitted in
         turn."""
-        heads = {tenant: iter(queue) for tenant, queue in self._queues.items()}
-        num_admitted = dict(self._num_admitted)
+        heads = {tenant: iter(queue) for tenant, queue in self._queues.items() if len(queue)}
+        num_admitted, last_admission = dict(self._num_admitted), dict(self._last_admission)
+        num_admissions = self._num_admissions
         while heads:
-            tenant = min(heads, key=lambda t: num_admitted[t])
+            tenant = min(heads, key=lambda t: (num_admitted[t], last_admission[t]))
             request = next(heads[tenant], None)
             if request is None:
                 del heads[tenant]
                 continue
             num_admitted[tenant] += 1
+            last_admission[tenant] = num_admissions
+            num_admissions += 1
             yield request
 
     def _queue_of(self, tenant: str | None) -> RequestQueue:
         queue = self._queues.get(tenant)
         if queue is None:
+            waiting = [self._num_admitted[t] for t, q in self._queues.items() if len(q)]
             queue = self._queues[tenant] = self._new_queue()
             if self._now_s is not None:
                 queue.advance_to(self._now_s)
-            self._num_admitted[tenant] = min(self._num_admitted.values(), default=0)
+            self._num_admitted[tenant] = min(waiting, default=0)
+            self._last_admission[tenant] = -1
         return queue
 
     def _next_tenant(self) -> str | None:
-        """The tenant whose turn it is (some tenant waits)."""
+        """The tenant whose turn it is (some request waits)."""
         if len(self._queues) == 1:
             return next(iter(self._queues))
-        return min(self._queues, key=self._num_admitted.__getitem__)
+        return min((tenant for tenant, queue in self._queues.items() if len(queue)),
+                   key=lambda t: (self._num_admitted[t], self._last_admission[t]))
 
-    def _remove(self, request: Request) -> None:
-        queue = self._queues[request.tenant]
-        queue.remove_request(request)
-        self._num_requests -= 1
-        self._drop_if_empty(request.tenant, queue)
-
-    def _drop_if_empty(self, tenant: str | None, queue: RequestQueue) -> None:
-        if not len(queue):
-            del self._queues[tenant]
-            del self._num_admitted[tenant]
-
+    def _counted_removal(self, tenant: str | None,
+                         remove: Callable[[RequestQueue], None]) -> None:
+        """Runs `remove` on the tenant's queue (KeyError if it has none) and counts what it
+        took out."""
+        queue = self._queues[tenant]
+        num_before = len(queue)
+        remove(queue)
+        self._num_requests -= num_before - len(queue)

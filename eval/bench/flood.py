@@ -9,9 +9,10 @@ preparation queue, 64 a tenant, takes them in and they wait in the engine's queu
 are submitted or the attack phase ends. The attacker runs in a child process with an event
 loop and HTTP client of its own, as a remote client would. Figures: the victim's latencies in
 both phases and the attacker's statuses. Check: the victim's worst time to first token in the
-attack is at most `--max-first-token-s` (a queue shared first come, first served makes it
-wait for the flood ahead of it). Its decoding shares the batch with the attacker's requests,
-so its inter-token latency is reported, not checked.
+attack is at most `--max-first-token-s`: a queue shared first come, first served makes it
+wait for the whole flood ahead of it, and a batch and KV pool full of the attacker's requests
+until one of them finishes. Its decoding shares the batch with the attacker's requests, so
+its inter-token latency is reported, not checked.
 
 Exit status 1 if a check failed or a server did not start, 2 for bad flags.
 """
@@ -64,7 +65,7 @@ class FloodSettings:
             raise ValueError("counts must be >= 1")
         if min(self.baseline_s, self.attack_s, self.max_first_token_s) <= 0 or (
                 self.wave_interval_s < 0):
-            raise ValueError("durations must be positive")
+            raise ValueError("durations must be positive (--wave-interval-s at least 0)")
 
 
 def attackers_ready() -> None:

@@ -4,7 +4,7 @@ policy's order exactly."""
 
 from __future__ import annotations
 
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler.policies import PriorityPolicy
 from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from engine.scheduler.tenant_queue import TenantFairQueue
@@ -43,23 +43,43 @@ def test_a_flooding_tenant_takes_turns_with_one_that_arrives_later():
         queue.add_request(_request(f"a{index}", "a"))
     for _ in range(3):
         queue.remove_admitted(queue.peek_request())
-    # B starts level with A (three admissions each): A has waited longer, then B.
+    # B starts level with A (three admissions each) and, admitted less recently, first.
     queue.add_request(_request("b0", "b"))
-    assert _admit_all(queue)[:3] == ["a3", "b0", "a4"]
+    assert _admit_all(queue)[:3] == ["b0", "a3", "a4"]
 
 
 def test_a_tenant_banks_no_turns_while_it_sends_nothing():
     queue = TenantFairQueue(FCFSRequestQueue)
     queue.add_request(_request("b0", "b"))
     queue.remove_admitted(queue.peek_request())
+    queue.advance_to(1.0)  # a step starts: B waits no more
     for index in range(6):
         queue.add_request(_request(f"a{index}", "a"))
     for _ in range(5):
         queue.remove_admitted(queue.peek_request())
+    queue.advance_to(2.0)
     for index in range(1, 4):
         queue.add_request(_request(f"b{index}", "b"))
     # B's earlier admission does not count, nor do A's five: they take turns from here.
-    assert _admit_all(queue) == ["a5", "b1", "b2", "b3"]
+    assert _admit_all(queue) == ["b1", "a5", "b2", "b3"]
+
+
+def test_a_preempted_request_goes_back_to_its_tenants_head_without_a_turn_back():
+    queue = TenantFairQueue(FCFSRequestQueue)
+    x = _request("x", "a")
+    queue.add_request(x)
+    for index in range(3):
+        queue.add_request(_request(f"b{index}", "b"))
+    queue.remove_admitted(queue.peek_request())   # x
+    queue.remove_admitted(queue.peek_request())   # b0
+    queue.advance_to(1.0)
+    x.status = RequestStatus.PREEMPTED
+    queue.prepend_request(x)
+    # A is dropped once it had none waiting: it comes back level with B, and less recently
+    # admitted.
+    assert [request.request_id for request in queue] == ["x", "b1", "b2"]
+    queue.add_request(_request("x2", "a"))
+    assert [request.request_id for request in queue] == ["x", "b1", "x2", "b2"]
 
 
 def test_leaving_without_admission_is_not_a_turn_and_empty_tenants_are_dropped():
@@ -69,8 +89,9 @@ def test_leaving_without_admission_is_not_a_turn_and_empty_tenants_are_dropped()
         queue.add_request(request)
     queue.remove_request(a0)     # aborted
     assert queue.peek_request() is a1
-    queue.remove_requests([a1, b0])
+    queue.remove_requests([a1, b0, _request("never-queued", "b")])
     assert len(queue) == 0 and list(queue) == []
+    queue.advance_to(1.0)
     assert queue._queues == {} and queue._num_admitted == {}
 
 
@@ -100,6 +121,25 @@ def test_each_tenant_keeps_its_policys_order_and_its_jobs_are_counted():
     assert _admit_all(queue) == ["a-high", "b-high", "a-low", "b-low"]
     queue.add_request(_request("a2", "a", job_id="a/job"))
     assert queue.num_waiting("a/job") == 1 and queue.num_waiting("b/job") == 0
+
+
+def test_a_prompt_passed_over_keeps_its_tenants_turn():
+    """Without chunked prefill a prompt that does not fit what is left of the step's budget
+    is passed over; its tenant keeps its turn, so the next step admits it first."""
+    scheduler = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=64,
+                               policy=PriorityPolicy())
+    runner = FakeRunner(scheduler.block_size)
+    for index in range(20):
+        scheduler.add_request(make_request(f"b{index}", [index + 1] * 30, max_tokens=1,
+                                           tenant="b"))
+    scheduler.add_request(make_request("a0", [99] * 40, max_tokens=1, tenant="a"))
+    for _ in range(3):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, runner.execute(output))
+        scheduler.check_invariants()
+        if "a0" in [request.req_id for request in output.scheduled_new_reqs]:
+            return
+    raise AssertionError("a0 was passed over three steps running")
 
 
 def test_the_scheduler_admits_a_later_tenant_between_a_flooding_tenants_requests():
