@@ -47,6 +47,16 @@ async def served_model(http: httpx.AsyncClient) -> str:
     return str(response.json()["data"][0]["id"])
 
 
+async def attacker_completion(http: httpx.AsyncClient, body: dict[str, Any]) -> int | str:
+    """POSTs `body` to `/v1/completions` as the attacker: the answer's status, or the name of
+    the error that came instead."""
+    try:
+        response = await http.post("/v1/completions", json=body, headers=auth(ATTACKER_KEY))
+        return response.status_code
+    except httpx.HTTPError as error:
+        return type(error).__name__
+
+
 @contextlib.asynccontextmanager
 async def attacker_process(ready: Callable[[], None]) -> AsyncIterator[ProcessPoolExecutor]:
     """A child process for an attack's clients, with an event loop and HTTP client of their

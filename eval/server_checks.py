@@ -145,16 +145,19 @@ class MemoryFigures:
 
 class RssSampler:
     """Samples the server's resident memory every `interval_s` while running as a task, to
-    find the peak; owned by one run."""
+    find the peak; owned by one run. `measure` reads it in MiB (default: the server and its
+    descendants, `ServerProcess.rss_mib`)."""
 
-    def __init__(self, server: ServerProcess, interval_s: float = 0.5) -> None:
+    def __init__(self, server: ServerProcess, interval_s: float = 0.5,
+                 measure: Callable[[], float] | None = None) -> None:
         self.server = server
         self.interval_s = interval_s
+        self.measure = server.rss_mib if measure is None else measure
         self.peak_rss_mib = 0.0
         self._task: asyncio.Task[None] | None = None
 
     def sample(self) -> float:
-        rss_mib = self.server.rss_mib()
+        rss_mib = self.measure()
         self.peak_rss_mib = max(self.peak_rss_mib, rss_mib)
         return rss_mib
 

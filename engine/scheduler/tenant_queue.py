@@ -45,33 +45,30 @@ class TenantFairQueue:
         self._num_admitted: dict[str | None, int] = {}
         self._last_admission: dict[str | None, int] = {}
         self._num_admissions = 0
-        self._num_requests = 0
         self._now_s: float | None = None
 
     def add_request(self, request: Request) -> None:
         self._queue_of(request.tenant).add_request(request)
-        self._num_requests += 1
 
     def prepend_request(self, request: Request) -> None:
         """Puts a preempted request, or one passed over this step, back at the head of its
         tenant's queue (its tenant's turns unchanged)."""
         self._queue_of(request.tenant).prepend_request(request)
-        self._num_requests += 1
 
     def peek_request(self) -> Request:
-        if not self._num_requests:
+        if not len(self):
             raise IndexError("peek from an empty queue")
         return self._queues[self._next_tenant()].peek_request()
 
     def remove_request(self, request: Request) -> None:
         """Takes out a request that leaves without being admitted (aborted, finished,
         passed over)."""
-        self._counted_removal(request.tenant, lambda queue: queue.remove_request(request))
+        self._queues[request.tenant].remove_request(request)
 
     def remove_admitted(self, request: Request) -> None:
         """Takes out a request the scheduler admitted: one turn of its tenant."""
         tenant = request.tenant
-        self._counted_removal(tenant, lambda queue: queue.remove_request(request))
+        self._queues[tenant].remove_request(request)
         self._num_admitted[tenant] += 1
         self._last_admission[tenant] = self._num_admissions
         self._num_admissions += 1
@@ -82,7 +79,7 @@ class TenantFairQueue:
         for request in requests:
             by_tenant.setdefault(request.tenant, []).append(request)
         for tenant, removed in by_tenant.items():
-            self._counted_removal(tenant, lambda queue, gone=removed: queue.remove_requests(gone))
+            self._queues[tenant].remove_requests(removed)
 
     def advance_to(self, now_s: float) -> None:
         """The scheduler's clock at a step's start: passed to each tenant's queue; the
@@ -98,7 +95,7 @@ class TenantFairQueue:
         return sum(queue.num_waiting(job_id) for queue in self._queues.values())
 
     def __len__(self) -> int:
-        return self._num_requests
+        return sum(len(queue) for queue in self._queues.values())
 
     def __iter__(self) -> Iterator[Request]:
         """The waiting requests in the order they would be admitted if each were admitted in
@@ -134,12 +131,3 @@ class TenantFairQueue:
             return next(iter(self._queues))
         return min((tenant for tenant, queue in self._queues.items() if len(queue)),
                    key=lambda t: (self._num_admitted[t], self._last_admission[t]))
-
-    def _counted_removal(self, tenant: str | None,
-                         remove: Callable[[RequestQueue], None]) -> None:
-        """Runs `remove` on the tenant's queue (KeyError if it has none) and counts what it
-        took out."""
-        queue = self._queues[tenant]
-        num_before = len(queue)
-        remove(queue)
-        self._num_requests -= num_before - len(queue)

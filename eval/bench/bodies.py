@@ -53,7 +53,7 @@ from eval.attack_bench import (
     run_attacks,
     served_model,
 )
-from eval.server_checks import Check
+from eval.server_checks import Check, RssSampler
 from eval.server_process import ServerProcess, read_rss_mib
 
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
@@ -256,16 +256,14 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
 
 async def _peak_rss_growth_mib(server: ServerProcess, duration_s: float) -> float | None:
     """The server process's (not its descendants') resident memory at its highest over
-    `duration_s` seconds from now, over its level now, MiB; None if it was never read."""
-    start_mib = read_rss_mib(server.pid)
-    peak_mib = start_mib
-    until_s = time.monotonic() + duration_s
-    while (left_s := until_s - time.monotonic()) > 0:
-        await asyncio.sleep(min(RSS_SAMPLE_INTERVAL_S, left_s))
-        now_mib = read_rss_mib(server.pid)
-        if now_mib is not None and peak_mib is not None:
-            peak_mib = max(peak_mib, now_mib)
-    return None if start_mib is None or peak_mib is None else peak_mib - start_mib
+    `duration_s` seconds from now, over its level now, MiB; None if it was not read."""
+    sampler = RssSampler(server, RSS_SAMPLE_INTERVAL_S,
+                         measure=lambda: read_rss_mib(server.pid) or 0.0)
+    start_mib = sampler.sample()
+    sampler.start()
+    await asyncio.sleep(duration_s)
+    await sampler.stop()
+    return None if not start_mib else sampler.peak_rss_mib - start_mib
 
 
 @dataclass(frozen=True)

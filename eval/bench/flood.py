@@ -28,12 +28,11 @@ from dataclasses import dataclass
 import httpx
 
 from eval.attack_bench import (
-    ATTACKER_KEY,
     TENANT_ARGS,
     Victim,
     add_attack_arguments,
+    attacker_completion,
     attacker_process,
-    auth,
     counts_text,
     ms_text,
     run_attacks,
@@ -86,7 +85,7 @@ def run_flood(base_url: str, model: str, settings: FloodSettings) -> Counter[int
                                      limits=httpx.Limits(max_connections=None)) as http:
             tasks: list[asyncio.Task[int | str]] = []
             while len(tasks) < settings.flood_requests and time.monotonic() < until_s:
-                tasks += [asyncio.create_task(_post(http, body))
+                tasks += [asyncio.create_task(attacker_completion(http, body))
                           for _ in range(min(settings.wave,
                                              settings.flood_requests - len(tasks)))]
                 await asyncio.sleep(settings.wave_interval_s)
@@ -99,14 +98,6 @@ def run_flood(base_url: str, model: str, settings: FloodSettings) -> Counter[int
         return statuses
 
     return asyncio.run(flood())
-
-
-async def _post(http: httpx.AsyncClient, body: dict[str, object]) -> int | str:
-    try:
-        response = await http.post("/v1/completions", json=body, headers=auth(ATTACKER_KEY))
-        return response.status_code
-    except httpx.HTTPError as error:
-        return type(error).__name__
 
 
 async def _attack(server: ServerProcess, attack: str, settings: FloodSettings

@@ -32,11 +32,10 @@ from typing import Any
 import httpx
 
 from eval.attack_bench import (
-    ATTACKER_KEY,
     TENANT_ARGS,
     Victim,
     add_attack_arguments,
-    auth,
+    attacker_completion,
     counts_text,
     run_attacks,
     served_model,
@@ -94,14 +93,6 @@ def enum_body(model: str, index: int, num_values: int) -> dict[str, Any]:
             "structured_outputs": {"json": {"enum": values}}}
 
 
-async def _attack(http: httpx.AsyncClient, body: dict[str, Any]) -> int | str:
-    try:
-        response = await http.post("/v1/completions", json=body, headers=auth(ATTACKER_KEY))
-        return response.status_code
-    except httpx.HTTPError as error:
-        return type(error).__name__
-
-
 # Memory.
 async def _memory_attack(server: ServerProcess, settings: GrammarAttackSettings
                          ) -> tuple[list[tuple[str, object]], list[Check]]:
@@ -113,7 +104,7 @@ async def _memory_attack(server: ServerProcess, settings: GrammarAttackSettings
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
         model = await served_model(http)
         statuses = Counter(
-            [await _attack(http, enum_body(model, index, settings.enum_values))
+            [await attacker_completion(http, enum_body(model, index, settings.enum_values))
              for index in range(settings.distinct)])
     await sampler.stop()
     end_mib = sampler.sample()
@@ -152,7 +143,7 @@ async def _stall_attack(server: ServerProcess, settings: GrammarAttackSettings
         await asyncio.sleep(settings.baseline_s)
         victim.phase = "attack"
         started_s = time.monotonic()
-        attacks = [asyncio.create_task(_attack(http, attack_body(
+        attacks = [asyncio.create_task(attacker_completion(http, attack_body(
             model, None if settings.control else settings.stall_repeat_base + index,
             settings.attack_tokens))) for index in range(settings.attackers)]
         done, pending = await asyncio.wait(attacks, timeout=settings.attack_s)
