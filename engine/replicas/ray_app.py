@@ -41,6 +41,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
+from starlette.requests import ClientDisconnect
 
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.body_budget import (
@@ -328,7 +329,7 @@ class Ingress:
         the request to a replica; the answer, once the replica's has begun."""
         if not self._authenticated(request):
             return invalid_api_key_response()
-        reservation = BodyReservation(self._body_budget, self._tenant(request))
+        reservation = self._body_budget.reservation(self._tenant(request))
         try:
             body = await self._read_body(request, reservation)
             if body is None:
@@ -379,18 +380,24 @@ class Ingress:
                          ) -> bytes | None:
         """The body, or None once it exceeds the limit (by its Content-Length, or as read);
         its bytes held in `reservation` as they are read. APIError 429 or 503 when the budget
-        has no room for them (for a declared length that does not fit, before any is read)."""
+        has no room for them (for a declared length that does not fit, before any is read),
+        or gives their room to an older body."""
         declared = parse_content_length(request.headers.get("content-length", ""))
         if declared is not None:
             if declared > self._max_request_body_bytes:
                 return None
             reservation.check_declared(declared)
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
+        more_body = True
+        while more_body:
+            message = await reservation.unless_revoked(request.receive)
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect
+            body += message.get("body", b"")
             if len(body) > self._max_request_body_bytes:
                 return None
-            reservation.cover(len(body))
+            more_body = bool(message.get("more_body"))
+            reservation.cover(len(body), complete=not more_body)
         return bytes(body)
 
     def _route(self, request: ProxiedRequest) -> Route | None:

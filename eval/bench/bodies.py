@@ -24,7 +24,9 @@ victim's client itself and count as the server's slowness. The victim's attack p
 `--attack-s` in which the attackers keep sending, not the time the server takes to answer
 their last bodies, so that a server that answers them sooner is not measured over a shorter
 and denser phase. Figures: the victim's time to first token and inter-token latency (median,
-p99, worst) in both phases and the attackers' statuses. Check: the victim's medians and
+p99, worst) in both phases, the attackers' statuses and their process's CPU (on the same
+cores as the server's; `--attackers-nice 19` gives it little of the CPU the others want, as
+if it ran on another machine). Check: the victim's medians and
 p99s stay within `--max-latency-ratio` of the baseline's. Every attack also reports the
 server process's resident memory at its peak in the attack, over its level at the start.
 
@@ -36,8 +38,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -79,6 +83,7 @@ class BodyAttackSettings:
     victim_tokens: int = 32
     max_latency_ratio: float = 1.5
     max_rss_growth_mib: float = 512.0
+    attackers_nice: int = 0
 
     def __post_init__(self) -> None:
         if min(self.attackers, self.chat_messages, self.message_chars, self.response_parts,
@@ -87,6 +92,8 @@ class BodyAttackSettings:
         if min(self.baseline_s, self.attack_s, self.max_latency_ratio,
                self.max_rss_growth_mib) <= 0 or self.reopen_s < 0:
             raise ValueError("durations, ratios and memory must be positive")
+        if not 0 <= self.attackers_nice <= 19:
+            raise ValueError("--attackers-nice must be in [0, 19]")
 
 
 def attack_request(attack: str, model: str, settings: BodyAttackSettings
@@ -172,22 +179,41 @@ async def _send(writer: asyncio.StreamWriter, head: bytes, body: bytes) -> None:
         await writer.drain()
 
 
-def run_holders(base_url: str, path: str, body: bytes, settings: BodyAttackSettings
-                ) -> Counter[int | str]:
-    """`settings.held_bodies` connections each holding a body (`_holder`) for
-    `settings.attack_s` seconds; the count of each status or error. Runs in the attackers'
-    child process."""
+@dataclass(frozen=True)
+class AttackersRun:
+    """What the attackers' child process did: the count of each status or error of its
+    requests, and its own CPU seconds (all its threads, user and system) over `wall_s`."""
 
-    async def hold_all() -> Counter[int | str]:
-        statuses: Counter[int | str] = Counter()
+    statuses: Counter[int | str]
+    cpu_s: float
+    wall_s: float
+
+
+def _timed_run(attack: Callable[[Counter[int | str]], Awaitable[None]],
+               settings: BodyAttackSettings) -> AttackersRun:
+    """Runs `attack` (which counts its statuses) on a new event loop, at niceness
+    `settings.attackers_nice`, with its CPU and wall time."""
+    os.setpriority(os.PRIO_PROCESS, 0, settings.attackers_nice)
+    statuses: Counter[int | str] = Counter()
+    cpu_start_s, start_s = time.process_time(), time.monotonic()
+    asyncio.run(attack(statuses))
+    return AttackersRun(statuses, time.process_time() - cpu_start_s,
+                        time.monotonic() - start_s)
+
+
+def run_holders(base_url: str, path: str, body: bytes, settings: BodyAttackSettings
+                ) -> AttackersRun:
+    """`settings.held_bodies` connections each holding a body (`_holder`) for
+    `settings.attack_s` seconds. Runs in the attackers' child process."""
+
+    async def hold_all(statuses: Counter[int | str]) -> None:
         until_s = time.monotonic() + settings.attack_s
         host, port = base_url.removeprefix("http://").rsplit(":", 1)
         await asyncio.gather(*(_holder((host, int(port)), path, body, until_s,
                                        settings.reopen_s, statuses)
                                for _ in range(settings.held_bodies)))
-        return statuses
 
-    return asyncio.run(hold_all())
+    return _timed_run(hold_all, settings)
 
 
 def attackers_ready() -> None:
@@ -196,20 +222,18 @@ def attackers_ready() -> None:
 
 
 def run_attackers(base_url: str, path: str, body: bytes, settings: BodyAttackSettings
-                  ) -> Counter[int | str]:
+                  ) -> AttackersRun:
     """`settings.attackers` clients each sending `body` to `path` one after another for
-    `settings.attack_s` seconds (each request let finish); the count of each status or
-    error. Runs in the attackers' child process."""
+    `settings.attack_s` seconds (each request let finish). Runs in the attackers' child
+    process."""
 
-    async def attack_all() -> Counter[int | str]:
-        statuses: Counter[int | str] = Counter()
+    async def attack_all(statuses: Counter[int | str]) -> None:
         until_s = time.monotonic() + settings.attack_s
         async with httpx.AsyncClient(base_url=base_url, timeout=300.0) as http:
             await asyncio.gather(*(_attacker(http, path, body, until_s, statuses)
                                    for _ in range(settings.attackers)))
-        return statuses
 
-    return asyncio.run(attack_all())
+    return _timed_run(attack_all, settings)
 
 
 async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettings
@@ -235,10 +259,12 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
         end_cpu = _CpuReading.of(server)
         stop.set()
         await victim_task
-        statuses = await attack_done
+        attackers_run = await attack_done
     figures: list[tuple[str, object]] = [
         (f"{attack}: attack body, MB", round(len(body) / 1e6, 1)),
-        (f"{attack}: attackers' statuses", counts_text(statuses)),
+        (f"{attack}: attackers' statuses", counts_text(attackers_run.statuses)),
+        (f"{attack}: attackers' process CPU, % of a core",
+         round(100 * attackers_run.cpu_s / attackers_run.wall_s, 1)),
         *_server_cpu_figures(attack, baseline_cpu, attack_cpu, end_cpu),
         (f"{attack}: server process RSS peak growth in the attack, MiB",
          "not read" if rss_growth_mib is None else round(rss_growth_mib, 1)),
@@ -307,6 +333,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("chat_messages", "chats: messages of each chat"),
         ("message_chars", "chats: characters of each message"),
         ("response_parts", "responses: content parts of the input message"),
+        ("attackers_nice", "the attackers' process's niceness: 19 gives it little of "
+                           "the CPU that the server's processes and the victim want, as if "
+                           "it ran on another machine"),
         ("held_bodies", "held: connections each holding a body one byte short"),
         ("held_body_bytes", "held: the declared length of each held body"),
         ("reopen_s", "held: seconds before a connection, once answered, opens again"),

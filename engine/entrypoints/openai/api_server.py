@@ -26,7 +26,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.body_budget import (
     BodyByteBudget,
-    BodyReservation,
     parse_content_length,
 )
 from engine.entrypoints.openai.drain import Drain, ServerShuttingDownError
@@ -124,7 +123,8 @@ class BodyLimitsMiddleware:
     bodies, as soon as the bytes read exceed it. The bytes read are held in `budget` for the
     request's tenant until the response has ended; a body whose Content-Length does not fit
     in what the budget has free gets its 429 or 503 before any of it is read, and one that
-    stops fitting as it arrives gets it then."""
+    stops fitting as it arrives gets it then, unless younger bodies still arriving give
+    their room back (and get it instead, at once)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, budget: BodyByteBudget) -> None:
         self.app = app
@@ -135,7 +135,7 @@ class BodyLimitsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        reservation = BodyReservation(self.budget, scope_tenant(scope))
+        reservation = self.budget.reservation(scope_tenant(scope))
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             num_bytes_declared = parse_content_length(declared)
@@ -153,12 +153,12 @@ class BodyLimitsMiddleware:
 
         async def limited_receive() -> Message:
             nonlocal num_bytes_read
-            message = await receive()
+            message = await reservation.unless_revoked(receive)
             if message["type"] == "http.request":
                 num_bytes_read += len(message.get("body", b""))
                 if num_bytes_read > self.max_bytes:
                     raise self._too_large_error()
-                reservation.cover(num_bytes_read)
+                reservation.cover(num_bytes_read, complete=not message.get("more_body"))
             return message
 
         try:

@@ -16,17 +16,32 @@ refused before any of it is read. With several tenants each may hold at most hal
 tenant's bodies leave room for the others' (unless the total is under two largest bodies).
 Past the total a request gets 503; with one tenant (a server without keys, or with one key)
 all clients share the whole budget and only that 503 applies. Both say `Retry-After`.
+
+Bodies that arrive at once grow together, so refusing whichever chunk comes when the room
+runs out would refuse most of them midway, and a tenant sending more than its share at once
+(12 bodies of 14.8 MB in a 128 MiB share) would get fewer than one in 400 through. Instead
+the oldest bodies go on: a chunk that does not fit takes back the bytes of bodies still
+arriving that began after its own, youngest first (of its tenant for its tenant's share, of
+any tenant for the total), and those requests are refused, as the chunk's would have been,
+at once, even while they wait for their client's next bytes. Only when that would not make
+room is the chunk's own request refused.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from engine.entrypoints.openai.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES_IN_FLIGHT = 256 * 1024 * 1024
 # More digits than any length an HTTP server accepts (h11 allows at most 20).
 _MAX_CONTENT_LENGTH_DIGITS = 20
+
+T = TypeVar("T")
 
 
 def parse_content_length(value: bytes | str) -> int | None:
@@ -58,7 +73,12 @@ class BodyByteBudget:
         self.retry_after_s = retry_after_s
         self._held_bytes = 0
         self._held_by_tenant: dict[str | None, int] = {}
-        # Requests refused so far, by status (429 or 503): what /metrics reports.
+        self._ages = itertools.count()
+        # The reservations of bodies still arriving that hold bytes, by age: those a chunk of
+        # an older body may take its room back from.
+        self._arriving: dict[int, BodyReservation] = {}
+        # Requests refused so far, by status (429 or 503), those revoked midway included:
+        # what /metrics reports.
         self.num_refused: Counter[int] = Counter()
 
     @classmethod
@@ -111,6 +131,76 @@ class BodyByteBudget:
             self._held_by_tenant[tenant] = tenant_bytes - num_bytes
         self._held_bytes -= num_bytes
 
+    def reservation(self, tenant: str | None) -> BodyReservation:
+        """A new request's reservation for `tenant`, younger than every one made before."""
+        return BodyReservation(self, tenant, next(self._ages))
+
+    def hold(self, reservation: BodyReservation, num_bytes: int, *, arriving: bool
+             ) -> list[BodyReservation]:
+        """Holds `num_bytes` more for `reservation` (`arriving`: whether more of its body is
+        to come). When they do not fit, revokes reservations of bodies still arriving that
+        are younger than it, youngest first, until they do (see the module docstring), and
+        returns those revoked. APIError 429 or 503, revoking and holding nothing, if even
+        revoking all of them would leave no room."""
+        revoked: list[tuple[BodyReservation, APIError]] = []
+        refusal = self._refusal(reservation.tenant, num_bytes)
+        if refusal is not None:
+            planned = self._younger_to_revoke(reservation, num_bytes)
+            if planned is None:
+                self.num_refused[refusal.status_code] += 1
+                raise refusal
+            revoked = planned
+        for younger, its_refusal in revoked:
+            self.forget(younger)
+            self.release(younger.tenant, younger.num_bytes)
+            self.num_refused[its_refusal.status_code] += 1
+            younger.revoke(its_refusal)
+        self.reserve(reservation.tenant, num_bytes)
+        self.forget(reservation)
+        if arriving and reservation.num_bytes + num_bytes > 0:
+            self._arriving[reservation.age] = reservation
+        return [younger for younger, _ in revoked]
+
+    def is_arriving(self, reservation: BodyReservation) -> bool:
+        """Whether `reservation` holds bytes of a body still arriving (and may be revoked)."""
+        return self._arriving.get(reservation.age) is reservation
+
+    def forget(self, reservation: BodyReservation) -> None:
+        """Stops counting `reservation` among the bodies arriving (its request is ending)."""
+        if self.is_arriving(reservation):
+            del self._arriving[reservation.age]
+
+    def _younger_to_revoke(self, reservation: BodyReservation, num_bytes: int
+                           ) -> list[tuple[BodyReservation, APIError]] | None:
+        """The reservations to revoke, each with its refusal, so that `num_bytes` more fit
+        for `reservation`; None if revoking every younger one would not do."""
+        younger = sorted((other for other in self._arriving.values()
+                          if other.age > reservation.age), key=lambda other: -other.age)
+        plan: list[tuple[BodyReservation, APIError]] = []
+        over_share = 0 if self.max_bytes_per_tenant == self.max_bytes else (
+            self.tenant_held_bytes(reservation.tenant) + num_bytes - self.max_bytes_per_tenant)
+        for other in younger:
+            if over_share <= 0:
+                break
+            if other.tenant == reservation.tenant:
+                plan.append((other, self._error(
+                    429, "an earlier request of this tenant needed the room its body held",
+                    "rate_limit_exceeded")))
+                over_share -= other.num_bytes
+        if over_share > 0:
+            return None
+        over_total = (self._held_bytes + num_bytes - self.max_bytes
+                      - sum(other.num_bytes for other, _ in plan))
+        planned = {other.age for other, _ in plan}
+        for other in younger:
+            if over_total <= 0:
+                break
+            if other.age not in planned:
+                plan.append((other, self._error(
+                    503, "an earlier request needed the room its body held", "server_busy")))
+                over_total -= other.num_bytes
+        return None if over_total > 0 else plan
+
     def _refusal(self, tenant: str | None, num_bytes: int) -> APIError | None:
         if num_bytes < 0:
             raise ValueError(f"num_bytes must be at least 0, got {num_bytes}")
@@ -133,14 +223,22 @@ class BodyByteBudget:
 
 
 class BodyReservation:
-    """The bytes one request's body holds in a `BodyByteBudget` for `tenant`. Made by
-    whoever reads the request's body, on the budget's event loop; `release` is called once
-    the body is no longer held (and may be called again: it then releases nothing)."""
+    """The bytes one request's body holds in a `BodyByteBudget` for `tenant`; `age` orders
+    reservations by when their requests came (made by `BodyByteBudget.reservation`). Used
+    by whoever reads the request's body, on the budget's event loop; `release` is called
+    once the body is no longer held (and may be called again: it then releases nothing).
 
-    def __init__(self, budget: BodyByteBudget, tenant: str | None) -> None:
+    A reservation of a body still arriving may be revoked for an older one's room: it then
+    holds nothing and `refusal` says why; the reader finds out from `unless_revoked` or
+    `cover`, which raise it."""
+
+    def __init__(self, budget: BodyByteBudget, tenant: str | None, age: int) -> None:
         self.budget = budget
         self.tenant = tenant
+        self.age = age
         self.num_bytes = 0
+        self.refusal: APIError | None = None
+        self._revoked = asyncio.Event()
 
     def check_declared(self, num_bytes: int) -> None:
         """APIError 429 or 503 if a body of `num_bytes` (its declared length) could not be
@@ -148,14 +246,45 @@ class BodyReservation:
         bodies it does not send."""
         self.budget.check_room(self.tenant, max(0, num_bytes - self.num_bytes))
 
-    def cover(self, num_bytes_read: int) -> None:
-        """Holds what has been read of the body (`num_bytes_read`, growing); APIError 429 or
-        503, holding nothing more, if the budget has no room for the rest."""
-        if num_bytes_read > self.num_bytes:
-            self.budget.reserve(self.tenant, num_bytes_read - self.num_bytes)
-            self.num_bytes = num_bytes_read
+    def cover(self, num_bytes_read: int, *, complete: bool) -> None:
+        """Holds what has been read of the body (`num_bytes_read`, growing; `complete` once
+        it is all read), revoking younger bodies' reservations if need be; APIError 429 or
+        503, holding nothing more, if the budget has no room for the rest, or if this
+        reservation was revoked."""
+        if self.refusal is not None:
+            raise self.refusal
+        self.budget.hold(self, max(0, num_bytes_read - self.num_bytes), arriving=not complete)
+        self.num_bytes = max(self.num_bytes, num_bytes_read)
+
+    async def unless_revoked(self, receive: Callable[[], Awaitable[T]]) -> T:
+        """What `receive()` (the next piece of the body) returns, unless this reservation
+        is revoked first, or was: then APIError, its refusal, and the piece is not awaited
+        further."""
+        if self.refusal is not None:
+            raise self.refusal
+        if not self.budget.is_arriving(self):
+            return await receive()
+        receiving = asyncio.ensure_future(receive())
+        revoked = asyncio.ensure_future(self._revoked.wait())
+        try:
+            await asyncio.wait((receiving, revoked), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            revoked.cancel()
+            if self.refusal is not None or not receiving.done():
+                receiving.cancel()
+        if self.refusal is not None:
+            raise self.refusal
+        return receiving.result()
+
+    def revoke(self, refusal: APIError) -> None:
+        """Called by the budget, which has taken back this reservation's bytes: the request
+        is refused with `refusal`, at once if its reader waits in `unless_revoked`."""
+        self.num_bytes = 0
+        self.refusal = refusal
+        self._revoked.set()
 
     def release(self) -> None:
         """Gives back everything held."""
+        self.budget.forget(self)
         self.budget.release(self.tenant, self.num_bytes)
         self.num_bytes = 0

@@ -3,6 +3,7 @@ reserves nothing (over HTTP: its body is never read), and every reservation come
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -100,21 +101,124 @@ def test_releases_give_back_exactly_what_was_held():
 
 def test_a_reservation_holds_what_was_read_not_what_was_declared():
     budget = BodyByteBudget.for_tenants(2, 1000, 100)
-    reservation = BodyReservation(budget, "a")
+    reservation = budget.reservation("a")
     reservation.check_declared(500)
     assert budget.held_bytes == 0
     with pytest.raises(APIError):
         reservation.check_declared(501)
-    reservation.cover(100)
-    reservation.cover(60)    # read so far: already held
+    reservation.cover(100, complete=False)
+    reservation.cover(60, complete=False)    # read so far: already held
     assert budget.tenant_held_bytes("a") == 100
-    reservation.cover(450)
+    reservation.cover(450, complete=False)
     with pytest.raises(APIError):
-        reservation.cover(501)
+        reservation.cover(501, complete=False)
     assert (reservation.num_bytes, budget.held_bytes) == (450, 450)
     reservation.release()
     reservation.release()
     assert budget.held_bytes == 0
+    assert not budget.is_arriving(reservation)
+
+
+def _arriving(budget: BodyByteBudget, tenant: str | None, num_bytes: int) -> BodyReservation:
+    reservation = budget.reservation(tenant)
+    reservation.cover(num_bytes, complete=False)
+    return reservation
+
+
+def test_an_older_bodys_chunk_takes_the_room_of_the_youngest_of_its_tenant():
+    budget = BodyByteBudget.for_tenants(2, 1000, 100, retry_after_s=3)
+    oldest = _arriving(budget, "a", 100)
+    complete = budget.reservation("a")
+    complete.cover(100, complete=True)
+    middle = _arriving(budget, "a", 150)
+    youngest = _arriving(budget, "a", 150)
+    other = _arriving(budget, "b", 400)
+    # Its share is full (500): the chunk of 120 takes the youngest's 150, not more, and
+    # never a complete body's or another tenant's.
+    assert budget.hold(oldest, 120, arriving=True) == [youngest]
+    oldest.num_bytes += 120
+    assert youngest.refusal is not None and youngest.refusal.status_code == 429
+    assert youngest.refusal.headers == {"Retry-After": "3", "Connection": "close"}
+    assert "earlier request of this tenant" in youngest.refusal.message
+    assert (youngest.num_bytes, budget.is_arriving(youngest)) == (0, False)
+    assert (budget.tenant_held_bytes("a"), budget.tenant_held_bytes("b")) == (470, 400)
+    assert budget.num_refused == {429: 1}
+    with pytest.raises(APIError) as revoked:
+        youngest.cover(200, complete=False)
+    assert revoked.value is youngest.refusal
+    youngest.release()
+    # The youngest body left cannot take an older one's room: it is refused as before.
+    with pytest.raises(APIError):
+        middle.cover(190, complete=False)
+    assert middle.refusal is None and budget.is_arriving(middle)
+    for reservation in (oldest, complete, middle, other):
+        reservation.release()
+    assert budget.held_bytes == 0
+
+
+def test_nothing_is_revoked_when_even_all_younger_bodies_would_not_make_room():
+    budget = BodyByteBudget.for_tenants(2, 1000, 100)
+    oldest = _arriving(budget, "a", 300)
+    younger = _arriving(budget, "a", 100)
+    with pytest.raises(APIError) as refused:
+        oldest.cover(300 + 201, complete=False)
+    assert refused.value.status_code == 429
+    assert younger.refusal is None
+    assert budget.tenant_held_bytes("a") == 400
+
+
+def test_for_the_total_an_older_body_takes_the_room_of_any_tenants_younger_body():
+    budget = BodyByteBudget.for_tenants(3, 1000, 100)
+    oldest = _arriving(budget, "a", 400)
+    younger_b = _arriving(budget, "b", 300)
+    youngest_c = _arriving(budget, "c", 300)
+    oldest.cover(450, complete=False)
+    assert youngest_c.refusal is not None and youngest_c.refusal.status_code == 503
+    assert younger_b.refusal is None
+    assert budget.held_bytes == 750
+
+
+def test_with_one_tenant_the_youngest_bodies_give_way_with_503():
+    budget = BodyByteBudget.for_tenants(1, 1000, 100)
+    oldest = _arriving(budget, None, 400)
+    younger = [_arriving(budget, None, 300) for _ in range(2)]
+    oldest.cover(700, complete=True)
+    assert younger[0].refusal is None
+    assert younger[1].refusal is not None and younger[1].refusal.status_code == 503
+    assert not budget.is_arriving(oldest)
+
+
+def test_a_reader_waiting_for_the_next_chunk_learns_of_its_revocation_at_once():
+    budget = BodyByteBudget.for_tenants(2, 1000, 100)
+    oldest = _arriving(budget, "a", 400)
+    youngest = _arriving(budget, "a", 100)
+    waited_on = []
+
+    async def next_chunk() -> bytes:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            waited_on.append("cancelled")
+            raise
+        return b""
+
+    async def last_message() -> str:
+        return "disconnect"
+
+    async def scenario() -> None:
+        reading = asyncio.ensure_future(youngest.unless_revoked(next_chunk))
+        await asyncio.sleep(0.01)
+        assert not reading.done()
+        oldest.cover(480, complete=False)
+        with pytest.raises(APIError) as refused:
+            await asyncio.wait_for(reading, 5)
+        assert refused.value.status_code == 429
+        assert waited_on == ["cancelled"]
+        # A body no longer arriving is read without a watch, and cannot be revoked.
+        oldest.cover(480, complete=True)
+        assert await oldest.unless_revoked(last_message) == "disconnect"
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize(("value", "length"), [
@@ -258,3 +362,31 @@ def test_a_chunked_body_is_refused_once_its_chunks_pass_the_share(budget_server)
         served = http.post("/v1/completions", content=chunks())
     assert served.status_code == 200, served.text
     _until(lambda: budget.held_bytes == 0)
+
+
+def test_an_older_body_completes_and_the_youngest_gives_its_room_back(budget_server):
+    budget: BodyByteBudget = budget_server.app.state.body_budget
+    kib = 1024
+    prefix = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2'
+    oldest_body = prefix + b" " * (64 * kib - len(prefix) - 1) + b"}"
+    socks = []
+
+    def send_part(num_bytes_declared: int, part: bytes, held_after: int) -> socket.socket:
+        sock = socket.create_connection(_address(budget_server), timeout=30)
+        socks.append(sock)
+        sock.sendall(_headers("alpha", num_bytes_declared) + part)
+        _until(lambda: budget.tenant_held_bytes("alpha") == held_after)
+        return sock
+
+    try:
+        # Each declared length fits when it is sent; together the three fill the share
+        # (128 KiB) but for 4 KiB.
+        oldest = send_part(64 * kib, oldest_body[:16 * kib], 16 * kib)
+        send_part(56 * kib, b" " * 48 * kib, 64 * kib)
+        youngest = send_part(64 * kib, b" " * 60 * kib, 124 * kib)
+        oldest.sendall(oldest_body[16 * kib:])
+        assert youngest.recv(4096).startswith(b"HTTP/1.1 429")
+        assert oldest.recv(4096).startswith(b"HTTP/1.1 200")
+        _until(lambda: budget.tenant_held_bytes("alpha") == 48 * kib)
+    finally:
+        _close_all(budget_server, socks)
