@@ -84,8 +84,10 @@ class StepSnapshot(Event, tag="step_snapshot", kw_only=True):
 
 
 class Preemption(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A running request sent back to waiting because `needed_by` (possibly itself) could
-    not get blocks; its `num_computed_tokens` of KV were dropped."""
+    """A running request sent back to waiting, its `num_computed_tokens` of KV dropped:
+    because `needed_by` (possibly itself) could not get blocks ("out_of_blocks"), or for
+    `needed_by`, waiting, of a tenant within its share of the batch and KV pool while this
+    request's tenant is over its own ("tenant_share")."""
 
     request_id: str
     job_id: str | None = None

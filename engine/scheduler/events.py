@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from engine.kv_cache.manager import PrefixHit
 from engine.kv_cache.pins import Pin
 from engine.kv_cache.transfers import KVTransfers
 from engine.request import Request
 from engine.scheduler.policy import RetentionInputs
+
+PreemptionReason = Literal["out_of_blocks", "tenant_share"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +95,14 @@ class Admitted:
 
 @dataclass(frozen=True, slots=True)
 class Preempted:
-    """`request` is about to lose its `num_computed_tokens` for `needed_by`."""
+    """`request` is about to lose its `num_computed_tokens` for `needed_by`: a running
+    request that could not get blocks ("out_of_blocks"), or a waiting one of a tenant within
+    its share of the batch and KV pool while `request`'s tenant is over its own
+    ("tenant_share", `engine.scheduler.tenant_shares`)."""
 
     request: Request
     needed_by: Request
+    reason: PreemptionReason = "out_of_blocks"
 
 
 @dataclass(frozen=True, slots=True)

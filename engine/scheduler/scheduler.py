@@ -30,6 +30,7 @@ from engine.scheduler.runner_output import apply_runner_output
 from engine.scheduler.step_plan import Admission, StepPlan, emit
 from engine.scheduler.sweep import Sweep
 from engine.scheduler.tenant_queue import TenantFairQueue
+from engine.scheduler.tenant_shares import TenantShares
 from engine.scheduler.tracer import SchedulerTracer
 
 
@@ -233,8 +234,8 @@ class Scheduler:
         self._waiting.advance_to(now_s)
         plan = StepPlan(self.config.max_num_batched_tokens, held_back)
         self._schedule_running(plan, now_s)
-        if not plan.preempted and not plan.stalled:
-            self._schedule_waiting(plan, now_s)
+        self._schedule_waiting(plan, now_s,
+                               memory_short=bool(plan.preempted) or bool(plan.stalled))
         self._expire_pins(now_s)
         transfers = self.kv_cache_manager.take_transfers()
         self.events.emit(events.StepPlanned(plan.admitted, plan.num_scheduled_tokens,
@@ -386,6 +387,7 @@ class Scheduler:
                 continue
             if victim.status is not RequestStatus.RUNNING:
                 raise RuntimeError(f"policy chose {victim} as a victim, which is not running")
+            victim = self._tenant_shares(plan).victim_instead_of(victim)
             self._preempt(victim, plan, needed_by=request)
             if victim is request:
                 return None
@@ -415,8 +417,9 @@ class Scheduler:
             raise RuntimeError(f"policy chose the pin of job {pin.job_id!r}, which is not live")
         self.release_pin(pin.job_id, PinReleaseReason.PRESSURE, now_s=now_s)
 
-    def _preempt(self, request: Request, plan: StepPlan, *, needed_by: Request) -> None:
-        self.events.emit(events.Preempted(request, needed_by))
+    def _preempt(self, request: Request, plan: StepPlan, *, needed_by: Request,
+                 reason: events.PreemptionReason = "out_of_blocks") -> None:
+        self.events.emit(events.Preempted(request, needed_by, reason))
         self._running.remove(request)
         if request.request_id in plan.num_scheduled_tokens:
             plan.drop_continuing(request)
@@ -429,15 +432,24 @@ class Scheduler:
         self._waiting.prepend_request(request)
         plan.preempted.append(request)
 
-    def _schedule_waiting(self, plan: StepPlan, now_s: float) -> None:
+    def _schedule_waiting(self, plan: StepPlan, now_s: float, *, memory_short: bool) -> None:
         """Admits waiting requests in policy order until one cannot get blocks. Without
         chunked prefill, a prompt that does not fit the remaining budget is passed over (it
-        keeps its place) and the next one is tried, as in vLLM V1."""
+        keeps its place) and the next one is tried, as in vLLM V1. When running requests
+        were preempted or left waiting for memory this step (`memory_short`), only a request
+        that takes its tenant's share from a tenant over its own is admitted."""
         max_num_seqs = self.config.max_num_seqs
         passed_over: list[Request] = []
-        while self._waiting and plan.token_budget > 0 and len(self._running) < max_num_seqs:
+        while self._waiting and plan.token_budget > 0:
             request = self._waiting.peek_request()
+            if memory_short and self._share_victim(request, plan) is None:
+                break
+            if (len(self._running) >= max_num_seqs
+                    and not self._preempt_for_share(request, plan)):
+                break
             admission = self._admit(request, plan, now_s)
+            while admission is Admission.NO_MEMORY and self._preempt_for_share(request, plan):
+                admission = self._admit(request, plan, now_s)
             if admission is Admission.NO_MEMORY:
                 break
             if admission is Admission.OVER_BUDGET:
@@ -445,6 +457,30 @@ class Scheduler:
                 passed_over.append(request)
         for request in reversed(passed_over):
             self._waiting.prepend_request(request)
+
+    def _tenant_shares(self, plan: StepPlan) -> TenantShares:
+        """The running requests' use of the batch and KV pool by tenant, now."""
+        req_to_blocks = self.kv_cache_manager.req_to_blocks
+        return TenantShares.measure(
+            self._running, self._waiting.tenants(),
+            lambda request: len(req_to_blocks.get(request.request_id, ())),
+            max_num_seqs=self.config.max_num_seqs, num_kv_blocks=self.num_kv_blocks,
+            admitted_now=plan.admitted)
+
+    def _share_victim(self, request: Request, plan: StepPlan) -> Request | None:
+        """The latest request of the tenant furthest over its share, if waiting `request`'s
+        tenant stays within its own once admitted (`tenant_shares`); else None."""
+        num_blocks_needed = -(-request.num_tokens // self.block_size)
+        return self._tenant_shares(plan).victim_for_waiting(request, num_blocks_needed)
+
+    def _preempt_for_share(self, request: Request, plan: StepPlan) -> bool:
+        """Preempts `_share_victim(request)`, if there is one, for waiting `request`;
+        whether it did."""
+        victim = self._share_victim(request, plan)
+        if victim is None:
+            return False
+        self._preempt(victim, plan, needed_by=request, reason="tenant_share")
+        return True
 
     def _admit(self, request: Request, plan: StepPlan, now_s: float) -> Admission:
         """Moves a waiting request to running if its blocks fit (releasing pins the policy

@@ -90,6 +90,10 @@ class TenantFairQueue:
         for queue in self._queues.values():
             queue.advance_to(now_s)
 
+    def tenants(self) -> list[str | None]:
+        """The tenants with requests waiting."""
+        return [tenant for tenant, queue in self._queues.items() if len(queue)]
+
     def num_waiting(self, job_id: str) -> int:
         """Waiting requests of the job (all of one tenant: job ids are namespaced by it)."""
         return sum(queue.num_waiting(job_id) for queue in self._queues.values())

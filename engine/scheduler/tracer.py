@@ -86,10 +86,10 @@ class SchedulerTracer:
                 self._request_arrived(event)
             case events.Admitted():
                 self._admitted(event)
-            case events.Preempted(request=request, needed_by=needed_by):
+            case events.Preempted(request=request, needed_by=needed_by, reason=reason):
                 self._preempted.append(Preemption(
                     request_id=request.request_id, job_id=request.job_id,
-                    needed_by=needed_by.request_id,
+                    reason=reason, needed_by=needed_by.request_id,
                     num_computed_tokens=request.num_computed_tokens,
                 ))
             case events.StepPlanned():

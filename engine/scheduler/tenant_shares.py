@@ -1,0 +1,109 @@
+"""Each tenant's share of the running batch and of the KV pool, kept by preemption.
+
+The waiting queue takes turns among tenants (`tenant_queue`), but a turn comes only when a
+sequence slot and blocks are free. In `continuum bench flood` one tenant's completions
+filled the batch and the KV pool, and another tenant's request, first in line, waited up to
+9 s for one of them to finish. So, with requests of several tenants running or waiting, each
+tenant's share is an equal part of `max_num_seqs` and of the KV pool; what a tenant holds is
+the sequences and blocks of its running requests (a block shared through the prefix cache
+counts for each request that holds it).
+
+- A waiting request whose tenant would stay within its share once admitted, but which finds
+  no free slot or no free blocks, preempts the latest admitted running request of the
+  tenant furthest over its share, one at a time, while there is such a tenant.
+- When a running request needs blocks and the policy picks as victim a request whose tenant
+  is within its share while another tenant is over its share, the latest admitted request
+  of the tenant furthest over its share goes instead (the requester itself, if that is
+  its own).
+
+A tenant is only ever preempted while it holds more than its share, and only for a tenant
+within its own, so two tenants cannot preempt each other back and forth. Alone, a tenant
+may use everything: nothing is reserved for tenants that send nothing. With one tenant (or
+none: every request's tenant None), nothing here applies and the policy's victims stand.
+Across tenants this rule, not the policy's victim order, decides; within a tenant the
+policy's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class TenantShares:
+    """The running requests' use of the batch and the KV pool by tenant, at one moment.
+
+    Built by the scheduler (`measure`) when it considers a preemption for fairness, and
+    dropped after: the running list changes with every preemption."""
+
+    num_tenants: int
+    share_seqs: float
+    share_blocks: float
+    num_seqs: dict[str | None, int]
+    num_blocks: dict[str | None, int]
+    # Each tenant's latest admitted running request that may be preempted (none admitted
+    # in the step being planned: a request is not admitted and preempted in one step).
+    latest: dict[str | None, Request]
+
+    @classmethod
+    def measure(cls, running: Sequence[Request], waiting_tenants: Iterable[str | None],
+                num_blocks_of: Callable[[Request], int], *, max_num_seqs: int,
+                num_kv_blocks: int, admitted_now: Collection[Request] = ()) -> TenantShares:
+        """The shares of the tenants with requests running (in admission order, as the
+        scheduler keeps them) or waiting; `num_blocks_of` gives a running request's blocks,
+        and `admitted_now` the requests admitted in the step being planned."""
+        num_seqs: dict[str | None, int] = {}
+        num_blocks: dict[str | None, int] = {}
+        latest: dict[str | None, Request] = {}
+        for request in running:
+            tenant = request.tenant
+            num_seqs[tenant] = num_seqs.get(tenant, 0) + 1
+            num_blocks[tenant] = num_blocks.get(tenant, 0) + num_blocks_of(request)
+            if request not in admitted_now:
+                latest[tenant] = request
+        num_tenants = len(set(num_seqs).union(waiting_tenants))
+        divisor = max(1, num_tenants)
+        return cls(num_tenants, max_num_seqs / divisor, num_kv_blocks / divisor,
+                   num_seqs, num_blocks, latest)
+
+    def excess(self, tenant: str | None) -> float:
+        """How far `tenant` is over its share, as a fraction of the share (the larger of its
+        sequences' and its blocks'); 0 or less when within it."""
+        return max(self.num_seqs.get(tenant, 0) / self.share_seqs,
+                   self.num_blocks.get(tenant, 0) / self.share_blocks) - 1
+
+    def fits_share(self, tenant: str | None, num_blocks_needed: int) -> bool:
+        """Whether `tenant` stays within its share with one more request of
+        `num_blocks_needed` blocks."""
+        return (self.num_seqs.get(tenant, 0) + 1 <= self.share_seqs
+                and self.num_blocks.get(tenant, 0) + num_blocks_needed <= self.share_blocks)
+
+    def most_over(self, excluding: str | None) -> str | None:
+        """The tenant furthest over its share other than `excluding`, among those with a
+        request that may be preempted; None if there is none (or fewer than two tenants)."""
+        if self.num_tenants < 2:
+            return None
+        over = [tenant for tenant in self.latest
+                if tenant != excluding and self.excess(tenant) > 0]
+        return max(over, key=self.excess, default=None)
+
+    def victim_for_waiting(self, request: Request, num_blocks_needed: int) -> Request | None:
+        """The running request to preempt so that waiting `request` (of
+        `num_blocks_needed` blocks) may run, or None: its tenant would pass its share, or no
+        other tenant is over its own."""
+        if self.num_tenants < 2 or not self.fits_share(request.tenant, num_blocks_needed):
+            return None
+        over = self.most_over(excluding=request.tenant)
+        return None if over is None else self.latest[over]
+
+    def victim_instead_of(self, chosen: Request) -> Request:
+        """The running request to preempt in place of the policy's `chosen` victim: the
+        latest of the tenant furthest over its share when `chosen`'s tenant is within its
+        own, else `chosen`."""
+        if self.num_tenants < 2 or self.excess(chosen.tenant) > 0:
+            return chosen
+        over = self.most_over(excluding=chosen.tenant)
+        return chosen if over is None else self.latest[over]
