@@ -395,6 +395,7 @@ class Ingress:
                 raise ClientDisconnect
             body += message.get("body", b"")
             if len(body) > self._max_request_body_bytes:
+                reservation.stop_arriving()
                 return None
             more_body = bool(message.get("more_body"))
             reservation.cover(len(body), complete=not more_body)

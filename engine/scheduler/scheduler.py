@@ -80,6 +80,8 @@ class Scheduler:
         )
         self._requests: dict[str, Request] = {}
         self._running: list[Request] = []
+        # Up to two of the tenants seen (None among them): tenants' shares apply from two on.
+        self._tenants_seen: set[str | None] = set()
         self.policy = policy
         self._waiting = TenantFairQueue(policy.new_waiting_queue)
         self._finished_req_ids: set[str] = set()
@@ -177,6 +179,8 @@ class Scheduler:
         now_s = self.clock()
         inferred = self._infer_job(request, now_s)
         self.policy.on_request_arrived(request, now_s)
+        if len(self._tenants_seen) < 2:
+            self._tenants_seen.add(request.tenant)
         self._requests[request.request_id] = request
         self._waiting.add_request(request)
         self.events.emit(events.RequestArrived(
@@ -222,7 +226,9 @@ class Scheduler:
 
     def schedule(self, held_back: frozenset[str] = frozenset()) -> SchedulerOutput:
         """Plans one step: running requests first, then waiting ones if no running request
-        was preempted or left waiting for memory; then pins past their end are released.
+        was preempted or left waiting for memory (with several tenants, then only those that
+        take their tenant's share back, `tenant_shares`); then pins past their end are
+        released.
         `held_back` names requests that must not sample this step (the engine core's
         constrained requests whose grammar mask is not ready): they compute at most the
         tokens before their last one, and keep their blocks and their place."""
@@ -387,7 +393,9 @@ class Scheduler:
                 continue
             if victim.status is not RequestStatus.RUNNING:
                 raise RuntimeError(f"policy chose {victim} as a victim, which is not running")
-            victim = self._tenant_shares(plan).victim_instead_of(victim)
+            if self._tenants_compete():
+                victim = self._tenant_shares(plan).victim_instead_of(
+                    victim, request, self._num_blocks_for(num_new_tokens))
             self._preempt(victim, plan, needed_by=request)
             if victim is request:
                 return None
@@ -437,19 +445,23 @@ class Scheduler:
         chunked prefill, a prompt that does not fit the remaining budget is passed over (it
         keeps its place) and the next one is tried, as in vLLM V1. When running requests
         were preempted or left waiting for memory this step (`memory_short`), only a request
-        that takes its tenant's share from a tenant over its own is admitted."""
-        max_num_seqs = self.config.max_num_seqs
+        that takes its tenant's share from a tenant over its own is admitted. A request
+        preempted this step is not admitted again before the next."""
+        if memory_short and not self._tenants_compete():
+            return
         passed_over: list[Request] = []
         while self._waiting and plan.token_budget > 0:
             request = self._waiting.peek_request()
+            if request in plan.preempted:
+                self._waiting.remove_request(request)
+                passed_over.append(request)
+                continue
             if memory_short and self._share_victim(request, plan) is None:
                 break
-            if (len(self._running) >= max_num_seqs
+            if (len(self._running) >= self.config.max_num_seqs
                     and not self._preempt_for_share(request, plan)):
                 break
-            admission = self._admit(request, plan, now_s)
-            while admission is Admission.NO_MEMORY and self._preempt_for_share(request, plan):
-                admission = self._admit(request, plan, now_s)
+            admission = self._admit_taking_share(request, plan, now_s)
             if admission is Admission.NO_MEMORY:
                 break
             if admission is Admission.OVER_BUDGET:
@@ -458,20 +470,46 @@ class Scheduler:
         for request in reversed(passed_over):
             self._waiting.prepend_request(request)
 
+    def _admit_taking_share(self, request: Request, plan: StepPlan, now_s: float) -> Admission:
+        """`_admit`, preempting for its share (`_preempt_for_share`) while blocks are short.
+        A victim may free no block (its prefix is cached for its tenant's other requests);
+        the loop ends anyway once no tenant keeps its share without its latest request."""
+        admission = self._admit(request, plan, now_s)
+        while admission is Admission.NO_MEMORY and self._preempt_for_share(request, plan):
+            admission = self._admit(request, plan, now_s)
+        return admission
+
+    def _tenants_compete(self) -> bool:
+        """Whether requests of two tenants were ever seen: tenants' shares apply then."""
+        return len(self._tenants_seen) > 1
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
     def _tenant_shares(self, plan: StepPlan) -> TenantShares:
-        """The running requests' use of the batch and KV pool by tenant, now."""
+        """The running requests' use of the batch and KV pool by tenant, now: a request's
+        blocks are those it holds beyond the prefix it found cached at its first admission,
+        so that a prefix its tenant's requests share counts about once."""
         req_to_blocks = self.kv_cache_manager.req_to_blocks
+        block_size = self.block_size
+
+        def num_blocks_of(request: Request) -> int:
+            num_held = len(req_to_blocks.get(request.request_id, ()))
+            return max(0, num_held - (request.num_cached_tokens or 0) // block_size)
+
         return TenantShares.measure(
-            self._running, self._waiting.tenants(),
-            lambda request: len(req_to_blocks.get(request.request_id, ())),
+            self._running, self._waiting.tenants(), num_blocks_of,
             max_num_seqs=self.config.max_num_seqs, num_kv_blocks=self.num_kv_blocks,
-            admitted_now=plan.admitted)
+            admitted_now={request.request_id for request in plan.admitted})
 
     def _share_victim(self, request: Request, plan: StepPlan) -> Request | None:
         """The latest request of the tenant furthest over its share, if waiting `request`'s
-        tenant stays within its own once admitted (`tenant_shares`); else None."""
-        num_blocks_needed = -(-request.num_tokens // self.block_size)
-        return self._tenant_shares(plan).victim_for_waiting(request, num_blocks_needed)
+        tenant stays within its own once admitted and it may run this step (`tenant_shares`);
+        else None."""
+        if not self._tenants_compete() or self._num_new_tokens(request, 0, plan) == 0:
+            return None
+        return self._tenant_shares(plan).victim_for_waiting(
+            request, self._num_blocks_for(request.num_tokens))
 
     def _preempt_for_share(self, request: Request, plan: StepPlan) -> bool:
         """Preempts `_share_victim(request)`, if there is one, for waiting `request`;

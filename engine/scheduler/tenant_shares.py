@@ -5,23 +5,29 @@ sequence slot and blocks are free. In `continuum bench flood` one tenant's compl
 filled the batch and the KV pool, and another tenant's request, first in line, waited up to
 9 s for one of them to finish. So, with requests of several tenants running or waiting, each
 tenant's share is an equal part of `max_num_seqs` and of the KV pool; what a tenant holds is
-the sequences and blocks of its running requests (a block shared through the prefix cache
-counts for each request that holds it).
+the sequences and blocks of its running requests.
 
 - A waiting request whose tenant would stay within its share once admitted, but which finds
   no free slot or no free blocks, preempts the latest admitted running request of the
-  tenant furthest over its share, one at a time, while there is such a tenant.
-- When a running request needs blocks and the policy picks as victim a request whose tenant
-  is within its share while another tenant is over its share, the latest admitted request
-  of the tenant furthest over its share goes instead (the requester itself, if that is
-  its own).
+  tenant furthest over its share, one at a time, while there is such a tenant that would
+  still hold its share of sequences or of blocks without that request.
+- When a running request needs blocks and the policy picks as victim a request of another
+  tenant within its share, the latest admitted request of the tenant furthest over its
+  share goes instead (the requester itself, if that is its own); with no tenant over its
+  share, the requester's tenant's latest goes if the blocks would take that tenant past its
+  share.
+- A request preempted in a step is not admitted again before the next.
 
-A tenant is only ever preempted while it holds more than its share, and only for a tenant
-within its own, so two tenants cannot preempt each other back and forth. Alone, a tenant
-may use everything: nothing is reserved for tenants that send nothing. With one tenant (or
-none: every request's tenant None), nothing here applies and the policy's victims stand.
-Across tenants this rule, not the policy's victim order, decides; within a tenant the
-policy's does.
+So a tenant within its share loses blocks to another tenant only if that tenant stays
+within its own, and a tenant over its share gives them up, which keeps two tenants from
+preempting each other back and forth. Alone, a tenant may use everything: nothing is
+reserved for tenants that send nothing. With requests of one tenant only (or none: every
+request's tenant None) nothing here runs and the policy's victims stand. Across tenants
+this rule, not the policy's victim order, decides; within a tenant the policy's does.
+
+A request counts the blocks it holds beyond the prefix it found cached when first
+admitted, so that a prefix its tenant's requests share counts about once (a cached prefix
+whose request has finished counts for no one).
 """
 
 from __future__ import annotations
@@ -47,27 +53,32 @@ class TenantShares:
     # Each tenant's latest admitted running request that may be preempted (none admitted
     # in the step being planned: a request is not admitted and preempted in one step).
     latest: dict[str | None, Request]
+    latest_num_blocks: dict[str | None, int]  # the blocks each `latest` request counts for
 
     @classmethod
     def measure(cls, running: Sequence[Request], waiting_tenants: Iterable[str | None],
                 num_blocks_of: Callable[[Request], int], *, max_num_seqs: int,
-                num_kv_blocks: int, admitted_now: Collection[Request] = ()) -> TenantShares:
+                num_kv_blocks: int, admitted_now: Collection[str] = ()) -> TenantShares:
         """The shares of the tenants with requests running (in admission order, as the
-        scheduler keeps them) or waiting; `num_blocks_of` gives a running request's blocks,
-        and `admitted_now` the requests admitted in the step being planned."""
+        scheduler keeps them) or waiting; `num_blocks_of` gives the blocks a running request
+        counts for, and `admitted_now` the ids of those admitted in the step being
+        planned."""
         num_seqs: dict[str | None, int] = {}
         num_blocks: dict[str | None, int] = {}
         latest: dict[str | None, Request] = {}
+        latest_num_blocks: dict[str | None, int] = {}
         for request in running:
             tenant = request.tenant
+            request_num_blocks = num_blocks_of(request)
             num_seqs[tenant] = num_seqs.get(tenant, 0) + 1
-            num_blocks[tenant] = num_blocks.get(tenant, 0) + num_blocks_of(request)
-            if request not in admitted_now:
+            num_blocks[tenant] = num_blocks.get(tenant, 0) + request_num_blocks
+            if request.request_id not in admitted_now:
                 latest[tenant] = request
+                latest_num_blocks[tenant] = request_num_blocks
         num_tenants = len(set(num_seqs).union(waiting_tenants))
         divisor = max(1, num_tenants)
         return cls(num_tenants, max_num_seqs / divisor, num_kv_blocks / divisor,
-                   num_seqs, num_blocks, latest)
+                   num_seqs, num_blocks, latest, latest_num_blocks)
 
     def excess(self, tenant: str | None) -> float:
         """How far `tenant` is over its share, as a fraction of the share (the larger of its
@@ -82,13 +93,22 @@ class TenantShares:
                 and self.num_blocks.get(tenant, 0) + num_blocks_needed <= self.share_blocks)
 
     def most_over(self, excluding: str | None) -> str | None:
-        """The tenant furthest over its share other than `excluding`, among those with a
-        request that may be preempted; None if there is none (or fewer than two tenants)."""
+        """The tenant furthest over its share other than `excluding`, among those that
+        would still hold at least their share of sequences or of blocks without their
+        latest request; None if there is none (or fewer than two tenants)."""
         if self.num_tenants < 2:
             return None
         over = [tenant for tenant in self.latest
-                if tenant != excluding and self.excess(tenant) > 0]
+                if tenant != excluding and self.excess(tenant) > 0
+                and self._at_share_without_latest(tenant)]
         return max(over, key=self.excess, default=None)
+
+    def _at_share_without_latest(self, tenant: str | None) -> bool:
+        """Whether `tenant` holds at least its share of sequences or of blocks without its
+        latest request: then preempting that request cannot leave it under its share, and
+        it cannot take the room back at once."""
+        return (self.num_seqs[tenant] - 1 >= self.share_seqs
+                or self.num_blocks[tenant] - self.latest_num_blocks[tenant] >= self.share_blocks)
 
     def victim_for_waiting(self, request: Request, num_blocks_needed: int) -> Request | None:
         """The running request to preempt so that waiting `request` (of
@@ -99,11 +119,21 @@ class TenantShares:
         over = self.most_over(excluding=request.tenant)
         return None if over is None else self.latest[over]
 
-    def victim_instead_of(self, chosen: Request) -> Request:
-        """The running request to preempt in place of the policy's `chosen` victim: the
-        latest of the tenant furthest over its share when `chosen`'s tenant is within its
-        own, else `chosen`."""
-        if self.num_tenants < 2 or self.excess(chosen.tenant) > 0:
+    def victim_instead_of(self, chosen: Request, requester: Request,
+                          num_blocks_needed: int) -> Request:
+        """The running request to preempt in place of the policy's `chosen` victim, for
+        running `requester`, which needs `num_blocks_needed` more blocks. `chosen` stands
+        when it is of `requester`'s tenant or of a tenant over its share. Otherwise the
+        latest of the tenant furthest over its share goes instead; with none over, the
+        latest of `requester`'s tenant (maybe `requester`) if the blocks would take that
+        tenant past its share."""
+        if (self.num_tenants < 2 or chosen.tenant == requester.tenant
+                or self.excess(chosen.tenant) > 0):
             return chosen
         over = self.most_over(excluding=chosen.tenant)
-        return chosen if over is None else self.latest[over]
+        if over is not None:
+            return self.latest[over]
+        own_tenant = requester.tenant
+        if self.num_blocks.get(own_tenant, 0) + num_blocks_needed > self.share_blocks:
+            return self.latest.get(own_tenant, requester)
+        return chosen

@@ -157,6 +157,7 @@ class BodyLimitsMiddleware:
             if message["type"] == "http.request":
                 num_bytes_read += len(message.get("body", b""))
                 if num_bytes_read > self.max_bytes:
+                    reservation.stop_arriving()
                     raise self._too_large_error()
                 reservation.cover(num_bytes_read, complete=not message.get("more_body"))
             return message

@@ -21,10 +21,12 @@ Bodies that arrive at once grow together, so refusing whichever chunk comes when
 runs out would refuse most of them midway, and a tenant sending more than its share at once
 (12 bodies of 14.8 MB in a 128 MiB share) would get fewer than one in 400 through. Instead
 the oldest bodies go on: a chunk that does not fit takes back the bytes of bodies still
-arriving that began after its own, youngest first (of its tenant for its tenant's share, of
-any tenant for the total), and those requests are refused, as the chunk's would have been,
-at once, even while they wait for their client's next bytes. Only when that would not make
-room is the chunk's own request refused.
+arriving whose first bytes came after its body's, youngest first (its tenant's, for its
+tenant's share; for the total, its tenant's, then those of tenants holding more than its
+tenant), and those requests are refused, as the chunk's would have been, at once, even
+while they wait for their client's next bytes. Only when that would not make room is the
+chunk's own request refused. A body's age counts from its first bytes, not its headers,
+which cost nothing.
 """
 
 from __future__ import annotations
@@ -132,8 +134,8 @@ class BodyByteBudget:
         self._held_bytes -= num_bytes
 
     def reservation(self, tenant: str | None) -> BodyReservation:
-        """A new request's reservation for `tenant`, younger than every one made before."""
-        return BodyReservation(self, tenant, next(self._ages))
+        """A new request's reservation for `tenant`."""
+        return BodyReservation(self, tenant)
 
     def hold(self, reservation: BodyReservation, num_bytes: int, *, arriving: bool
              ) -> list[BodyReservation]:
@@ -142,11 +144,14 @@ class BodyByteBudget:
         are younger than it, youngest first, until they do (see the module docstring), and
         returns those revoked. APIError 429 or 503, revoking and holding nothing, if even
         revoking all of them would leave no room."""
+        if reservation.age is None and num_bytes > 0:
+            reservation.age = next(self._ages)
         revoked: list[tuple[BodyReservation, APIError]] = []
         refusal = self._refusal(reservation.tenant, num_bytes)
         if refusal is not None:
             planned = self._younger_to_revoke(reservation, num_bytes)
             if planned is None:
+                self.forget(reservation)
                 self.num_refused[refusal.status_code] += 1
                 raise refusal
             revoked = planned
@@ -163,42 +168,47 @@ class BodyByteBudget:
 
     def is_arriving(self, reservation: BodyReservation) -> bool:
         """Whether `reservation` holds bytes of a body still arriving (and may be revoked)."""
-        return self._arriving.get(reservation.age) is reservation
+        return reservation.age is not None and self._arriving.get(reservation.age) is reservation
 
     def forget(self, reservation: BodyReservation) -> None:
-        """Stops counting `reservation` among the bodies arriving (its request is ending)."""
+        """Stops counting `reservation` among the bodies arriving, which may be revoked (its
+        body is complete, or its request is refused or ending)."""
         if self.is_arriving(reservation):
             del self._arriving[reservation.age]
 
     def _younger_to_revoke(self, reservation: BodyReservation, num_bytes: int
                            ) -> list[tuple[BodyReservation, APIError]] | None:
         """The reservations to revoke, each with its refusal, so that `num_bytes` more fit
-        for `reservation`; None if revoking every younger one would not do."""
-        younger = sorted((other for other in self._arriving.values()
-                          if other.age > reservation.age), key=lambda other: -other.age)
+        for `reservation`, youngest first: for its tenant's share, its tenant's younger
+        bodies; for the total, those left, then younger bodies of tenants holding more than
+        its tenant. None if that would not make room."""
+        tenant = reservation.tenant
+        first_age = -1 if reservation.age is None else reservation.age
+        younger = [other for age, other in sorted(self._arriving.items(), reverse=True)
+                   if age > first_age]
+        own = [other for other in younger if other.tenant == tenant]
         plan: list[tuple[BodyReservation, APIError]] = []
         over_share = 0 if self.max_bytes_per_tenant == self.max_bytes else (
-            self.tenant_held_bytes(reservation.tenant) + num_bytes - self.max_bytes_per_tenant)
-        for other in younger:
-            if over_share <= 0:
-                break
-            if other.tenant == reservation.tenant:
-                plan.append((other, self._error(
-                    429, "an earlier request of this tenant needed the room its body held",
-                    "rate_limit_exceeded")))
-                over_share -= other.num_bytes
+            self.tenant_held_bytes(tenant) + num_bytes - self.max_bytes_per_tenant)
+        while over_share > 0 and len(plan) < len(own):
+            other = own[len(plan)]
+            plan.append((other, self._error(
+                429, "an earlier request of this tenant needed the room its body held",
+                "rate_limit_exceeded")))
+            over_share -= other.num_bytes
         if over_share > 0:
             return None
         over_total = (self._held_bytes + num_bytes - self.max_bytes
                       - sum(other.num_bytes for other, _ in plan))
-        planned = {other.age for other, _ in plan}
-        for other in younger:
+        tenant_bytes = self.tenant_held_bytes(tenant)
+        larger = [other for other in younger if other.tenant != tenant
+                  and self.tenant_held_bytes(other.tenant) > tenant_bytes]
+        for other in own[len(plan):] + larger:
             if over_total <= 0:
                 break
-            if other.age not in planned:
-                plan.append((other, self._error(
-                    503, "an earlier request needed the room its body held", "server_busy")))
-                over_total -= other.num_bytes
+            plan.append((other, self._error(
+                503, "an earlier request needed the room its body held", "server_busy")))
+            over_total -= other.num_bytes
         return None if over_total > 0 else plan
 
     def _refusal(self, tenant: str | None, num_bytes: int) -> APIError | None:
@@ -224,21 +234,22 @@ class BodyByteBudget:
 
 class BodyReservation:
     """The bytes one request's body holds in a `BodyByteBudget` for `tenant`; `age` orders
-    reservations by when their requests came (made by `BodyByteBudget.reservation`). Used
-    by whoever reads the request's body, on the budget's event loop; `release` is called
-    once the body is no longer held (and may be called again: it then releases nothing).
+    reservations by when their bodies began to hold bytes (None before), set by the budget.
+    Made by `BodyByteBudget.reservation` and used by whoever reads the request's body, on
+    the budget's event loop; `release` is called once the body is no longer held (and may
+    be called again: it then releases nothing).
 
     A reservation of a body still arriving may be revoked for an older one's room: it then
     holds nothing and `refusal` says why; the reader finds out from `unless_revoked` or
     `cover`, which raise it."""
 
-    def __init__(self, budget: BodyByteBudget, tenant: str | None, age: int) -> None:
+    def __init__(self, budget: BodyByteBudget, tenant: str | None) -> None:
         self.budget = budget
         self.tenant = tenant
-        self.age = age
+        self.age: int | None = None
         self.num_bytes = 0
         self.refusal: APIError | None = None
-        self._revoked = asyncio.Event()
+        self._receiving: asyncio.Future[object] | None = None
 
     def check_declared(self, num_bytes: int) -> None:
         """APIError 429 or 503 if a body of `num_bytes` (its declared length) could not be
@@ -256,6 +267,11 @@ class BodyReservation:
         self.budget.hold(self, max(0, num_bytes_read - self.num_bytes), arriving=not complete)
         self.num_bytes = max(self.num_bytes, num_bytes_read)
 
+    def stop_arriving(self) -> None:
+        """Called by the reader that refuses the body itself (too large): it can no longer
+        be revoked, nor counted as refused a second time."""
+        self.budget.forget(self)
+
     async def unless_revoked(self, receive: Callable[[], Awaitable[T]]) -> T:
         """What `receive()` (the next piece of the body) returns, unless this reservation
         is revoked first, or was: then APIError, its refusal, and the piece is not awaited
@@ -265,23 +281,23 @@ class BodyReservation:
         if not self.budget.is_arriving(self):
             return await receive()
         receiving = asyncio.ensure_future(receive())
-        revoked = asyncio.ensure_future(self._revoked.wait())
+        self._receiving = receiving
         try:
-            await asyncio.wait((receiving, revoked), return_when=asyncio.FIRST_COMPLETED)
+            return await receiving
+        except asyncio.CancelledError:
+            if self.refusal is None:
+                raise
+            raise self.refusal from None
         finally:
-            revoked.cancel()
-            if self.refusal is not None or not receiving.done():
-                receiving.cancel()
-        if self.refusal is not None:
-            raise self.refusal
-        return receiving.result()
+            self._receiving = None
 
     def revoke(self, refusal: APIError) -> None:
         """Called by the budget, which has taken back this reservation's bytes: the request
         is refused with `refusal`, at once if its reader waits in `unless_revoked`."""
         self.num_bytes = 0
         self.refusal = refusal
-        self._revoked.set()
+        if self._receiving is not None:
+            self._receiving.cancel()
 
     def release(self) -> None:
         """Gives back everything held."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from engine.outputs import EngineCoreOutput
@@ -43,12 +43,20 @@ def _streams(outputs: list[EngineCoreOutput]) -> dict[str, tuple[list[int], str 
     return {req_id: (tokens[req_id], finish.get(req_id)) for req_id in tokens}
 
 
-def _add_requests(scheduler: Scheduler, specs: list[tuple[int, int, int]]) -> None:
+def _add_requests(scheduler: Scheduler, specs: list[tuple[int, int, int]],
+                  num_tenants: int = 0) -> list[str]:
+    """Adds the requests of `specs` (each tenant's jobs named apart: `t1:job2`); their job
+    ids."""
     prefixes = [[7] * 8, [8] * 12, [9] * 4, []]
+    job_ids = set()
     for index, (prefix, length, max_tokens) in enumerate(specs):
         prompt = (prefixes[prefix] + [(index * 7 + k) % 40 + 1 for k in range(length)])[:24]
+        tenant = f"t{index % num_tenants}" if num_tenants else None
+        job_id = f"job{index % 3}" if tenant is None else f"{tenant}:job{index % 3}"
+        job_ids.add(job_id)
         scheduler.add_request(make_request(f"r{index}", prompt, max_tokens=max_tokens,
-                                           eos_token_id=EOS, job_id=f"job{index % 3}"))
+                                           eos_token_id=EOS, job_id=job_id, tenant=tenant))
+    return sorted(job_ids)
 
 
 @given(
@@ -59,13 +67,19 @@ def _add_requests(scheduler: Scheduler, specs: list[tuple[int, int, int]]) -> No
     caching=st.booleans(),
     specs=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 20), st.integers(1, 16)),
                    min_size=1, max_size=10),
+    num_tenants=st.integers(0, 3),
 )
+# A request preempted for a tenant's share must not be admitted again in the same step.
+@example(policy_name="fcfs", num_blocks=10, budget=18, max_num_seqs=5, caching=False,
+         specs=[(3, 13, 8), (1, 2, 10), (3, 17, 12), (3, 7, 14), (2, 8, 11), (3, 5, 4)],
+         num_tenants=2)
 def test_pipelined_steps_give_the_tokens_of_steps_in_order(
-    policy_name, num_blocks, budget, max_num_seqs, caching, specs,
+    policy_name, num_blocks, budget, max_num_seqs, caching, specs, num_tenants,
 ) -> None:
     """Each request gets the same tokens and finish reason whether the next step is scheduled
     before or after the scheduler hears of the last one (preemptions included: the pools are
-    small), the invariants hold after every step, and everything is released at the end."""
+    small, and with tenants some are for a tenant's share), the invariants hold after every
+    step, and everything is released at the end."""
     results = []
     for pipelined in (False, True):
         scheduler = make_scheduler(
@@ -74,14 +88,14 @@ def test_pipelined_steps_give_the_tokens_of_steps_in_order(
             policy=POLICIES[policy_name](),
         )
         runner = FakeRunner(BLOCK_SIZE, sample=_sample)
-        _add_requests(scheduler, specs)
+        job_ids = _add_requests(scheduler, specs, num_tenants)
         if pipelined:
             outputs = PipelinedSteps(scheduler, runner).run_until_done()
         else:
             outputs = []
             while scheduler.has_unfinished_requests():
                 outputs += run_step(scheduler, runner)[1]
-        assert_everything_released(scheduler, runner, ["job0", "job1", "job2"])
+        assert_everything_released(scheduler, runner, job_ids)
         results.append(_streams(outputs))
     assert results[0] == results[1]
 

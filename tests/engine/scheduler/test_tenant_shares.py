@@ -121,7 +121,7 @@ def test_a_tenant_that_would_pass_its_share_waits():
 
 def _shares(running: list[Request], waiting: list[str | None], num_blocks: dict[str, int],
             *, max_num_seqs: int = 4, num_kv_blocks: int = 100,
-            admitted_now: tuple[Request, ...] = ()) -> TenantShares:
+            admitted_now: frozenset[str] | set[str] = frozenset()) -> TenantShares:
     return TenantShares.measure(running, waiting, lambda r: num_blocks[r.request_id],
                                 max_num_seqs=max_num_seqs, num_kv_blocks=num_kv_blocks,
                                 admitted_now=admitted_now)
@@ -130,7 +130,7 @@ def _shares(running: list[Request], waiting: list[str | None], num_blocks: dict[
 def test_shares_count_sequences_and_blocks_of_running_and_waiting_tenants():
     a0, a1, b0 = (make_request(rid, [1], tenant=rid[0]) for rid in ("a0", "a1", "b0"))
     waiting_c = make_request("c0", [1] * 8, tenant="c")
-    shares = _shares([a0, a1, b0], ["c"], {"a0": 10, "a1": 60, "b0": 5}, max_num_seqs=6)
+    shares = _shares([a0, a1, b0], ["c"], {"a0": 40, "a1": 30, "b0": 5}, max_num_seqs=6)
     assert (shares.num_tenants, shares.share_seqs) == (3, 2.0)
     assert shares.excess("a") == 70 / (100 / 3) - 1
     assert shares.excess("b") < 0 and shares.excess("c") == -1
@@ -138,16 +138,25 @@ def test_shares_count_sequences_and_blocks_of_running_and_waiting_tenants():
     assert shares.victim_for_waiting(waiting_c, 2) is a1
     # Over its block share with one more request: it waits.
     assert shares.victim_for_waiting(waiting_c, 34) is None
+    # Over its share, but under it without its latest request: that request stays.
+    tipping = _shares([a0, a1, b0], ["c"], {"a0": 10, "a1": 60, "b0": 5}, max_num_seqs=6)
+    assert tipping.excess("a") > 0 and tipping.victim_for_waiting(waiting_c, 2) is None
     # The policy's victim of a tenant within its share is replaced; one over it stands.
-    assert shares.victim_instead_of(b0) is a1
-    assert shares.victim_instead_of(a0) is a0
+    assert shares.victim_instead_of(b0, waiting_c, 1) is a1
+    assert shares.victim_instead_of(a0, b0, 1) is a0
+    assert shares.victim_instead_of(a0, a1, 1) is a0  # within a tenant, the policy's
+    # No tenant over its share: a requester whose tenant would pass its own gives way.
+    even = _shares([a0, b0], [], {"a0": 50, "b0": 40}, max_num_seqs=6)
+    assert even.victim_instead_of(b0, a0, 1) is a0
+    assert even.victim_instead_of(a0, b0, 10) is a0
+    assert even.victim_instead_of(a0, b0, 11) is b0
 
 
 def test_a_request_admitted_in_the_step_being_planned_is_not_a_victim():
     a0, a1 = (make_request(rid, [1], tenant="a") for rid in ("a0", "a1"))
     waiting_b = make_request("b0", [1], tenant="b")
     shares = _shares([a0, a1], ["b"], {"a0": 1, "a1": 1}, max_num_seqs=2,
-                     admitted_now=(a1,))
+                     admitted_now={"a1"})
     assert shares.victim_for_waiting(waiting_b, 1) is a0
     assert _shares([a0, a1], ["b"], {"a0": 1, "a1": 1}, max_num_seqs=2,
-                   admitted_now=(a0, a1)).victim_for_waiting(waiting_b, 1) is None
+                   admitted_now={"a0", "a1"}).victim_for_waiting(waiting_b, 1) is None

@@ -147,10 +147,13 @@ def test_an_older_bodys_chunk_takes_the_room_of_the_youngest_of_its_tenant():
         youngest.cover(200, complete=False)
     assert revoked.value is youngest.refusal
     youngest.release()
-    # The youngest body left cannot take an older one's room: it is refused as before.
+    # The youngest body left cannot take an older one's room: it is refused as before, and
+    # is no longer among the bodies arriving (no older chunk can revoke it, counting it
+    # refused twice).
     with pytest.raises(APIError):
         middle.cover(190, complete=False)
-    assert middle.refusal is None and budget.is_arriving(middle)
+    assert middle.refusal is None and not budget.is_arriving(middle)
+    assert budget.num_refused == {429: 2}
     for reservation in (oldest, complete, middle, other):
         reservation.release()
     assert budget.held_bytes == 0
@@ -167,15 +170,47 @@ def test_nothing_is_revoked_when_even_all_younger_bodies_would_not_make_room():
     assert budget.tenant_held_bytes("a") == 400
 
 
-def test_for_the_total_an_older_body_takes_the_room_of_any_tenants_younger_body():
+def test_for_the_total_an_older_body_takes_the_room_of_tenants_holding_more():
     budget = BodyByteBudget.for_tenants(3, 1000, 100)
-    oldest = _arriving(budget, "a", 400)
+    oldest = _arriving(budget, "a", 200)
     younger_b = _arriving(budget, "b", 300)
-    youngest_c = _arriving(budget, "c", 300)
-    oldest.cover(450, complete=False)
+    youngest_c = _arriving(budget, "c", 450)
+    oldest.cover(300, complete=False)
     assert youngest_c.refusal is not None and youngest_c.refusal.status_code == 503
     assert younger_b.refusal is None
-    assert budget.held_bytes == 750
+    assert budget.held_bytes == 600
+
+
+def test_for_the_total_tenants_holding_no_more_keep_their_bodies():
+    budget = BodyByteBudget.for_tenants(3, 1000, 100)
+    oldest = _arriving(budget, "a", 450)
+    same = _arriving(budget, "b", 450)
+    smaller = _arriving(budget, "c", 100)
+    with pytest.raises(APIError) as refused:
+        oldest.cover(500, complete=False)
+    assert refused.value.status_code == 503
+    assert same.refusal is None and smaller.refusal is None
+
+
+def test_for_the_total_an_older_body_takes_its_own_tenants_room_first():
+    budget = BodyByteBudget.for_tenants(3, 1000, 100)
+    oldest = _arriving(budget, "a", 200)
+    own = _arriving(budget, "a", 50)
+    other = _arriving(budget, "b", 400)
+    _arriving(budget, "c", 300)
+    oldest.cover(300, complete=False)
+    assert own.refusal is not None and own.refusal.status_code == 503
+    assert other.refusal is None
+
+
+def test_a_body_is_as_old_as_its_first_bytes_not_its_request():
+    budget = BodyByteBudget.for_tenants(2, 1000, 100)
+    announced_first = budget.reservation("a")
+    sending_first = _arriving(budget, "a", 100)
+    announced_first.cover(350, complete=False)
+    sending_first.cover(200, complete=False)
+    assert announced_first.refusal is not None
+    assert sending_first.refusal is None
 
 
 def test_with_one_tenant_the_youngest_bodies_give_way_with_503():
