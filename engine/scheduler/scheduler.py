@@ -445,30 +445,47 @@ class Scheduler:
         chunked prefill, a prompt that does not fit the remaining budget is passed over (it
         keeps its place) and the next one is tried, as in vLLM V1. When running requests
         were preempted or left waiting for memory this step (`memory_short`), only a request
-        that takes its tenant's share from a tenant over its own is admitted. A request
-        preempted this step is not admitted again before the next."""
+        that takes its tenant's share from a tenant over its own is admitted. With several
+        tenants, a tenant is passed over for the rest of the step when its next request was
+        preempted this step, or cannot be admitted and would take its tenant past its share;
+        the other tenants' requests are tried."""
         if memory_short and not self._tenants_compete():
             return
         passed_over: list[Request] = []
-        while self._waiting and plan.token_budget > 0:
-            request = self._waiting.peek_request()
+        passed_over_tenants: set[str | None] = set()
+        while plan.token_budget > 0:
+            request = self._next_waiting(passed_over_tenants)
+            if request is None:
+                break
             if request in plan.preempted:
-                self._waiting.remove_request(request)
-                passed_over.append(request)
+                passed_over_tenants.add(request.tenant)
                 continue
-            if memory_short and self._share_victim(request, plan) is None:
-                break
-            if (len(self._running) >= self.config.max_num_seqs
-                    and not self._preempt_for_share(request, plan)):
-                break
-            admission = self._admit_taking_share(request, plan, now_s)
+            admission = Admission.NO_MEMORY
+            if not (memory_short and self._share_victim(request, plan) is None) and (
+                    len(self._running) < self.config.max_num_seqs
+                    or self._preempt_for_share(request, plan)):
+                admission = self._admit_taking_share(request, plan, now_s)
             if admission is Admission.NO_MEMORY:
-                break
-            if admission is Admission.OVER_BUDGET:
+                if not self._passes_share(request, plan):
+                    break
+                passed_over_tenants.add(request.tenant)
+            elif admission is Admission.OVER_BUDGET:
                 self._waiting.remove_request(request)
                 passed_over.append(request)
         for request in reversed(passed_over):
             self._waiting.prepend_request(request)
+
+    def _next_waiting(self, passed_over_tenants: set[str | None]) -> Request | None:
+        """The next waiting request to try, of a tenant not passed over this step."""
+        if passed_over_tenants:
+            return self._waiting.peek_request_excluding(passed_over_tenants)
+        return self._waiting.peek_request() if self._waiting else None
+
+    def _passes_share(self, request: Request, plan: StepPlan) -> bool:
+        """Whether tenants compete and waiting `request` would take its tenant past its
+        share."""
+        return self._tenants_compete() and not self._tenant_shares(plan).fits_share(
+            request.tenant, self._num_blocks_for(request.num_tokens))
 
     def _admit_taking_share(self, request: Request, plan: StepPlan, now_s: float) -> Admission:
         """`_admit`, preempting for its share (`_preempt_for_share`) while blocks are short.

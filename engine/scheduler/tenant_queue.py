@@ -60,6 +60,16 @@ class TenantFairQueue:
             raise IndexError("peek from an empty queue")
         return self._queues[self._next_tenant()].peek_request()
 
+    def peek_request_excluding(self, tenants: Collection[str | None]) -> Request | None:
+        """The next request to admit among the tenants not in `tenants` (those the scheduler
+        passes over for the rest of a step); None if none of the others has one waiting."""
+        waiting = [tenant for tenant, queue in self._queues.items()
+                   if len(queue) and tenant not in tenants]
+        if not waiting:
+            return None
+        tenant = min(waiting, key=lambda t: (self._num_admitted[t], self._last_admission[t]))
+        return self._queues[tenant].peek_request()
+
     def remove_request(self, request: Request) -> None:
         """Takes out a request that leaves without being admitted (aborted, finished,
         passed over)."""

@@ -11,12 +11,14 @@ the sequences and blocks of its running requests.
   no free slot or no free blocks, preempts the latest admitted running request of the
   tenant furthest over its share, one at a time, while there is such a tenant that would
   still hold its share of sequences or of blocks without that request.
-- When a running request needs blocks and the policy picks as victim a request of another
-  tenant within its share, the latest admitted request of the tenant furthest over its
-  share goes instead (the requester itself, if that is its own); with no tenant over its
-  share, the requester's tenant's latest goes if the blocks would take that tenant past its
-  share.
-- A request preempted in a step is not admitted again before the next.
+- When a running request needs blocks and the policy picks as victim a request of a tenant
+  within its share, the latest admitted request of the tenant furthest over its share goes
+  instead (the requester itself, if that is its own); with no tenant over its share, the
+  requester's tenant's latest goes in place of another tenant's request if the blocks would
+  take the requester's tenant past its share.
+- A tenant whose next waiting request was preempted in the step, or cannot be admitted and
+  would take it past its share, is passed over for the rest of the step; the others'
+  requests are tried.
 
 So a tenant within its share loses blocks to another tenant only if that tenant stays
 within its own, and a tenant over its share gives them up, which keeps two tenants from
@@ -28,6 +30,10 @@ this rule, not the policy's victim order, decides; within a tenant the policy's 
 A request counts the blocks it holds beyond the prefix it found cached when first
 admitted, so that a prefix its tenant's requests share counts about once (a cached prefix
 whose request has finished counts for no one).
+
+A known cost of the rule that a tenant keeps its share without the request it gives up: a
+tenant over its share with a few large requests keeps them, and another tenant's request
+waits until they grow or one finishes.
 """
 
 from __future__ import annotations
@@ -123,17 +129,17 @@ class TenantShares:
                           num_blocks_needed: int) -> Request:
         """The running request to preempt in place of the policy's `chosen` victim, for
         running `requester`, which needs `num_blocks_needed` more blocks. `chosen` stands
-        when it is of `requester`'s tenant or of a tenant over its share. Otherwise the
-        latest of the tenant furthest over its share goes instead; with none over, the
-        latest of `requester`'s tenant (maybe `requester`) if the blocks would take that
-        tenant past its share."""
-        if (self.num_tenants < 2 or chosen.tenant == requester.tenant
-                or self.excess(chosen.tenant) > 0):
+        when its tenant is over its share. Otherwise the latest of the tenant furthest over
+        its share goes instead; with none, `chosen` stands if it is of `requester`'s tenant,
+        and else the latest of `requester`'s tenant (maybe `requester`) goes if the blocks
+        would take that tenant past its share."""
+        if self.num_tenants < 2 or self.excess(chosen.tenant) > 0:
             return chosen
         over = self.most_over(excluding=chosen.tenant)
         if over is not None:
             return self.latest[over]
         own_tenant = requester.tenant
-        if self.num_blocks.get(own_tenant, 0) + num_blocks_needed > self.share_blocks:
+        if (chosen.tenant != own_tenant
+                and self.num_blocks.get(own_tenant, 0) + num_blocks_needed > self.share_blocks):
             return self.latest.get(own_tenant, requester)
         return chosen

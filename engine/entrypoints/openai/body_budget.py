@@ -249,7 +249,8 @@ class BodyReservation:
         self.age: int | None = None
         self.num_bytes = 0
         self.refusal: APIError | None = None
-        self._receiving: asyncio.Future[object] | None = None
+        # Set while a reader waits in `unless_revoked`: `revoke` completes it.
+        self._revoked: asyncio.Future[None] | None = None
 
     def check_declared(self, num_bytes: int) -> None:
         """APIError 429 or 503 if a body of `num_bytes` (its declared length) could not be
@@ -281,23 +282,26 @@ class BodyReservation:
         if not self.budget.is_arriving(self):
             return await receive()
         receiving = asyncio.ensure_future(receive())
-        self._receiving = receiving
+        revoked = self._revoked = asyncio.get_running_loop().create_future()
         try:
-            return await receiving
-        except asyncio.CancelledError:
-            if self.refusal is None:
-                raise
-            raise self.refusal from None
+            await asyncio.wait((receiving, revoked), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self._receiving = None
+            self._revoked = None
+            if not receiving.done():
+                receiving.cancel()
+        if self.refusal is not None:
+            if receiving.done() and not receiving.cancelled():
+                receiving.exception()  # retrieved: the refusal is the answer
+            raise self.refusal
+        return receiving.result()
 
     def revoke(self, refusal: APIError) -> None:
         """Called by the budget, which has taken back this reservation's bytes: the request
         is refused with `refusal`, at once if its reader waits in `unless_revoked`."""
         self.num_bytes = 0
         self.refusal = refusal
-        if self._receiving is not None:
-            self._receiving.cancel()
+        if self._revoked is not None and not self._revoked.done():
+            self._revoked.set_result(None)
 
     def release(self) -> None:
         """Gives back everything held."""

@@ -97,6 +97,37 @@ def test_a_tenant_within_its_share_is_never_the_victim_of_one_over_it():
     assert victim_tenant.num_preemptions == 0
 
 
+def test_each_request_of_a_tenant_within_its_share_takes_a_slot_in_one_step():
+    """B sends two requests while A's flood fills the batch: both get a slot at once, the
+    second not held behind A's next request (which could take no share back)."""
+    scheduler = make_scheduler(max_num_seqs=4, num_blocks=256, max_model_len=128)
+    runner = FakeRunner(scheduler.block_size)
+    _flood(scheduler, "a", 10)
+    _run(scheduler, runner, 2)
+    for index in range(2):
+        scheduler.add_request(make_request(f"b{index}", [900 + index] * 8, max_tokens=30,
+                                           tenant="b"))
+    assert sorted(_run(scheduler, runner, 1)) == ["b0", "b1"]
+
+
+def test_a_running_request_within_its_share_takes_blocks_from_a_tenant_over_its_own():
+    """B's only request needs a block in a full pool; FCFS would preempt it (the latest
+    admitted) or itself, but A, over its share, gives up its latest."""
+    scheduler = make_scheduler(num_blocks=24, max_model_len=64)
+    runner = FakeRunner(scheduler.block_size)
+    flood = _flood(scheduler, "a", 4, prompt_len=7, max_tokens=50)
+    _run(scheduler, runner, 2)
+    late = make_request("b0", [999] * 8, max_tokens=30, tenant="b")
+    scheduler.add_request(late)
+    for _ in range(40):
+        _run(scheduler, runner, 1)
+        if late.status.is_finished:
+            break
+    assert late.status is RequestStatus.FINISHED_LENGTH_CAPPED
+    assert late.num_preemptions == 0
+    assert sum(request.num_preemptions for request in flood) >= 1
+
+
 def test_one_tenant_alone_or_no_tenants_keeps_the_policys_victims_and_waits():
     for tenant in ("a", None):
         scheduler = make_scheduler(max_num_seqs=4, num_blocks=256, max_model_len=128)
@@ -145,6 +176,7 @@ def test_shares_count_sequences_and_blocks_of_running_and_waiting_tenants():
     assert shares.victim_instead_of(b0, waiting_c, 1) is a1
     assert shares.victim_instead_of(a0, b0, 1) is a0
     assert shares.victim_instead_of(a0, a1, 1) is a0  # within a tenant, the policy's
+    assert shares.victim_instead_of(b0, b0, 1) is a1  # not b0's own: a is over its share
     # No tenant over its share: a requester whose tenant would pass its own gives way.
     even = _shares([a0, b0], [], {"a0": 50, "b0": 40}, max_num_seqs=6)
     assert even.victim_instead_of(b0, a0, 1) is a0
