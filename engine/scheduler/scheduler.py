@@ -460,11 +460,7 @@ class Scheduler:
             if request in plan.preempted:
                 passed_over_tenants.add(request.tenant)
                 continue
-            admission = Admission.NO_MEMORY
-            if not (memory_short and self._share_victim(request, plan) is None) and (
-                    len(self._running) < self.config.max_num_seqs
-                    or self._preempt_for_share(request, plan)):
-                admission = self._admit_taking_share(request, plan, now_s)
+            admission = self._try_admit(request, plan, now_s, memory_short=memory_short)
             if admission is Admission.NO_MEMORY:
                 if not self._passes_share(request, plan):
                     break
@@ -474,6 +470,17 @@ class Scheduler:
                 passed_over.append(request)
         for request in reversed(passed_over):
             self._waiting.prepend_request(request)
+
+    def _try_admit(self, request: Request, plan: StepPlan, now_s: float, *,
+                   memory_short: bool) -> Admission:
+        """`_admit_taking_share`, unless the step is short of memory and no share can be
+        taken back for `request`, or the batch is full and no slot can: then NO_MEMORY."""
+        if memory_short and self._share_victim(request, plan) is None:
+            return Admission.NO_MEMORY
+        if (len(self._running) >= self.config.max_num_seqs
+                and not self._preempt_for_share(request, plan)):
+            return Admission.NO_MEMORY
+        return self._admit_taking_share(request, plan, now_s)
 
     def _next_waiting(self, passed_over_tenants: set[str | None]) -> Request | None:
         """The next waiting request to try, of a tenant not passed over this step."""

@@ -67,8 +67,7 @@ class TenantFairQueue:
                    if len(queue) and tenant not in tenants]
         if not waiting:
             return None
-        tenant = min(waiting, key=lambda t: (self._num_admitted[t], self._last_admission[t]))
-        return self._queues[tenant].peek_request()
+        return self._queues[min(waiting, key=self._turn)].peek_request()
 
     def remove_request(self, request: Request) -> None:
         """Takes out a request that leaves without being admitted (aborted, finished,
@@ -144,4 +143,9 @@ class TenantFairQueue:
         if len(self._queues) == 1:
             return next(iter(self._queues))
         return min((tenant for tenant, queue in self._queues.items() if len(queue)),
-                   key=lambda t: (self._num_admitted[t], self._last_admission[t]))
+                   key=self._turn)
+
+    def _turn(self, tenant: str | None) -> tuple[int, int]:
+        """What orders the tenants' turns, the least first: admissions since `tenant` began
+        waiting, then the number of its last admission."""
+        return self._num_admitted[tenant], self._last_admission[tenant]
