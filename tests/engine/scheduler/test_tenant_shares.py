@@ -80,23 +80,6 @@ def test_a_tenant_within_its_share_is_admitted_in_steps_that_preempt_for_memory(
     scheduler.check_invariants()
 
 
-def test_a_tenant_within_its_share_is_never_the_victim_of_one_over_it():
-    """Tenant A's running requests keep growing into a full pool after B's request was
-    admitted; FCFS would preempt the latest admitted (B's) each time, but A's own go."""
-    scheduler = make_scheduler(num_blocks=24, max_model_len=64)
-    runner = FakeRunner(scheduler.block_size)
-    _flood(scheduler, "a", 6)
-    _run(scheduler, runner, 4)
-    victim_tenant = make_request("b0", [99] * 8, max_tokens=40, tenant="b")
-    scheduler.add_request(victim_tenant)
-    for _ in range(60):
-        _run(scheduler, runner, 1)
-        if victim_tenant.status.is_finished:
-            break
-    assert victim_tenant.status is RequestStatus.FINISHED_LENGTH_CAPPED
-    assert victim_tenant.num_preemptions == 0
-
-
 def test_each_request_of_a_tenant_within_its_share_takes_a_slot_in_one_step():
     """B sends two requests while A's flood fills the batch: both get a slot at once, the
     second not held behind A's next request (which could take no share back)."""
@@ -110,16 +93,21 @@ def test_each_request_of_a_tenant_within_its_share_takes_a_slot_in_one_step():
     assert sorted(_run(scheduler, runner, 1)) == ["b0", "b1"]
 
 
-def test_a_running_request_within_its_share_takes_blocks_from_a_tenant_over_its_own():
-    """B's only request needs a block in a full pool; FCFS would preempt it (the latest
-    admitted) or itself, but A, over its share, gives up its latest."""
+@pytest.mark.parametrize(("num_flood", "flood_prompt_len", "warm_steps", "late_prompt_len"), [
+    (6, 8, 4, 8),    # B's request admitted into a pool that A's requests keep growing into
+    (4, 7, 2, 8),    # B's only request is the latest admitted, and needs blocks itself
+])
+def test_a_running_request_within_its_share_takes_blocks_from_a_tenant_over_its_own(
+        num_flood, flood_prompt_len, warm_steps, late_prompt_len):
+    """In a full pool, FCFS would preempt B's request (the latest admitted) or have it
+    preempt itself; A, over its share, gives up its latest instead, every time."""
     scheduler = make_scheduler(num_blocks=24, max_model_len=64)
     runner = FakeRunner(scheduler.block_size)
-    flood = _flood(scheduler, "a", 4, prompt_len=7, max_tokens=50)
-    _run(scheduler, runner, 2)
-    late = make_request("b0", [999] * 8, max_tokens=30, tenant="b")
+    flood = _flood(scheduler, "a", num_flood, prompt_len=flood_prompt_len, max_tokens=50)
+    _run(scheduler, runner, warm_steps)
+    late = make_request("b0", [999] * late_prompt_len, max_tokens=30, tenant="b")
     scheduler.add_request(late)
-    for _ in range(40):
+    for _ in range(60):
         _run(scheduler, runner, 1)
         if late.status.is_finished:
             break
