@@ -18,9 +18,8 @@ Past the total a request gets 503; with one tenant (a server without keys, or wi
 all clients share the whole budget and only that 503 applies. Both say `Retry-After`.
 
 Bodies that arrive at once grow together, so refusing whichever chunk comes when the room
-runs out would refuse most of them midway, and a tenant sending more than its share at once
-(12 bodies of 14.8 MB in a 128 MiB share) would get fewer than one in 400 through. Instead
-the oldest bodies go on: a chunk that does not fit takes back the bytes of bodies still
+runs out could refuse a body almost all received for one that had just begun. Instead the
+oldest bodies go on: a chunk that does not fit takes back the bytes of bodies still
 arriving whose first bytes came after its body's, youngest first (its tenant's, for its
 tenant's share; for the total, its tenant's, then those of tenants holding more than its
 tenant), and those requests are refused, as the chunk's would have been, at once, even
