@@ -30,7 +30,8 @@ from engine.replicas.ray_app import (  # noqa: E402
     build_application,
     stop_application,
 )
-from engine.replicas.routing import RouterName  # noqa: E402
+from engine.replicas.routing import RouterName, rendezvous_rank  # noqa: E402
+from engine.replicas.routing_key import job_key  # noqa: E402
 from eval.metrics import RunMetrics  # noqa: E402
 from eval.replay_client import AgentReplay, ReplaySettings  # noqa: E402
 from eval.workload import AgentJobSpec, TurnSpec  # noqa: E402
@@ -72,6 +73,7 @@ class RayServer:
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.deployed: tuple[RouterName, tuple[str, ...]] | None = None
+        self.replica_ids: set[str] = set()
         self._runs: dict[RouterName, tuple[dict[str, Any], str]] = {}
 
     def deploy(self, router: RouterName, flags: tuple[str, ...] = ()) -> None:
@@ -105,6 +107,7 @@ class RayServer:
                                  headers={"Authorization": f"Bearer {api_key}"})
             seen.add(response.headers["x-continuum-replica"])
             if len(seen) == 2:
+                self.replica_ids = seen
                 return
         raise AssertionError(f"only replicas {seen} answered")
 
@@ -204,9 +207,8 @@ def test_a_killed_replica_leaves_the_other_replicas_jobs_complete(
     jobs that never ran there complete, the completion (no output yet) is retried on the other
     replica, and the streams cut off end with an error."""
     ray_server.deploy("affinity")
-    jobs = [AgentJobSpec(f"kill-{index}", tuple(TurnSpec(24, 6, "bash", 0.3)
-                                                for _ in range(4)))
-            for index in range(8)]
+    jobs = [AgentJobSpec(job_id, tuple(TurnSpec(24, 6, "bash", 0.3) for _ in range(4)))
+            for job_id in _job_ids_on_both_replicas(ray_server.replica_ids, 8)]
     replay = AgentReplay(jobs, [0.0] * len(jobs),
                          ReplaySettings(base_url=ray_server.base_url, request_timeout_s=120))
     result: list[RunMetrics] = []
@@ -248,6 +250,22 @@ def test_round_robin_scatters_jobs_and_loses_their_cache(
 
 
 LONG_OUTPUT_TOKENS = 600
+
+
+def _job_ids_on_both_replicas(replica_ids: set[str], count: int) -> list[str]:
+    """`count` job ids of the replay's API key whose rendezvous-hash replicas are half one
+    replica, half the other: wherever the long completion is placed, some jobs never ran on
+    its replica (ids drawn blindly all hash to one replica once in 128 runs)."""
+    headers = {"authorization": "Bearer EMPTY"}
+    by_replica: dict[str, list[str]] = {replica_id: [] for replica_id in replica_ids}
+    for index in range(100 * count):
+        job_id = f"kill-{index}"
+        home = rendezvous_rank(job_key(job_id, headers), sorted(replica_ids))[0]
+        if len(by_replica[home]) < count // 2:
+            by_replica[home].append(job_id)
+        if sum(map(len, by_replica.values())) == count:
+            return [job_id for job_ids in by_replica.values() for job_id in job_ids]
+    raise AssertionError(f"no {count} job ids split over {replica_ids}")
 
 
 class LongCompletion(threading.Thread):
