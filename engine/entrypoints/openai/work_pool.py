@@ -142,6 +142,13 @@ class TenantWorkPool:
         except asyncio.CancelledError:
             self._drop(tenant, item)
             raise
+        finally:
+            # An exception raised here stays in the item's future, and its traceback holds
+            # this frame, which holds the item: a cycle that only the cyclic GC frees, and
+            # with it everything the frames hold (a request's body of megabytes). Under a
+            # stream of large bodies refused by their parse, those outlived the body
+            # budget's count by the dozen (88 bodies, 1.3 GB, in 30 s).
+            del item
 
     def num_waiting(self, tenant: str | None) -> int:
         """How many of `tenant`'s items wait for a thread."""

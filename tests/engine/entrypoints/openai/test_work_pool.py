@@ -4,8 +4,11 @@ turn, a tenant's queue is bounded (429), cancelled waiters leave it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
 import threading
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -108,6 +111,36 @@ def test_a_cancelled_waiter_leaves_the_queue_and_errors_reach_the_caller():
         assert (pool.num_running("a"), pool.num_waiting("a")) == (0, 0)
         pool.shutdown()
     asyncio.run(scenario())
+
+
+class Body:
+    """Stands for a request body that only the caller's frame refers to."""
+
+
+def test_a_failed_item_leaves_nothing_for_the_cyclic_gc() -> None:
+    """An item's exception, kept in its future, must not tie the caller's frames (and the
+    request body they hold) into a cycle: with the cyclic GC off they are freed at once."""
+    def fail(body: Body) -> None:
+        raise ValueError("over a limit")
+
+    async def parse(pool: TenantWorkPool, body: Body) -> None:
+        await pool.run("a", fail, body, background=True)
+
+    async def scenario() -> weakref.ref[Body]:
+        pool = TenantWorkPool(1)
+        body = Body()
+        alive = weakref.ref(body)
+        with contextlib.suppress(ValueError):
+            await parse(pool, body)
+        del body
+        pool.shutdown()
+        return alive
+
+    gc.disable()
+    try:
+        assert asyncio.run(scenario())() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("kwargs", [{"num_threads": 0}, {"max_waiting_per_tenant": 0},
