@@ -15,6 +15,7 @@ from engine.entrypoints.connections import (
 )
 from engine.entrypoints.openai.body_budget import DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
 from engine.entrypoints.openai.json_body import ChildCpuClass
+from engine.entrypoints.openai.refusal_pacing import DEFAULT_MAX_PACED_REFUSALS_PER_TENANT
 from engine.entrypoints.openai.serving import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_PROMPTS,
@@ -72,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="most bytes of request bodies held by the requests in progress; "
                             "with several tenants one tenant holds at most half (past that a "
                             "request gets 429); past the total 503 (default: %(default)s)")
+    group.add_argument("--max-paced-refusals-per-tenant", type=int,
+                       default=DEFAULT_MAX_PACED_REFUSALS_PER_TENANT,
+                       help="a tenant refused for its body less than --retry-after-s after "
+                            "its previous such refusal gets the answer that much later, its "
+                            "body unread meanwhile, for at most this many of its requests at "
+                            "once; 0: every refusal at once (default: %(default)s)")
     group.add_argument("--max-prompt-tokens", type=int, default=None,
                        help="longer prompts get 400 (default: up to --max-model-len)")
     group.add_argument("--max-output-tokens", type=int, default=None,
@@ -156,6 +163,7 @@ def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
         served_model_name=args.served_model_name or args.model,
         tenants=tenants_from_args(args), max_request_body_bytes=args.max_request_body_bytes,
         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+        max_paced_refusals_per_tenant=args.max_paced_refusals_per_tenant,
         tool_call_parser=args.tool_call_parser, max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens, max_n=args.max_n,
         max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,

@@ -46,6 +46,7 @@ from starlette.requests import ClientDisconnect
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.body_budget import (
     BodyByteBudget,
+    BodyRefused,
     BodyReservation,
     parse_content_length,
 )
@@ -56,6 +57,7 @@ from engine.entrypoints.openai.errors import (
     error_response,
     invalid_api_key_response,
 )
+from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 from engine.entrypoints.openai.serving import sse
 from engine.entrypoints.openai.tenants import UNAUTHENTICATED_PATHS
 from engine.entrypoints.server_args import (
@@ -300,6 +302,8 @@ class Ingress:
             1 if self._tenants is None else len(self._tenants.names),
             serve_args["max_body_bytes_in_flight"], self._max_request_body_bytes,
             retry_after_s=serve_args["retry_after_s"])
+        self._refusal_pacer = RefusalPacer(serve_args["retry_after_s"],
+                                           serve_args["max_paced_refusals_per_tenant"])
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._retries = 0
         self._cut_off = 0
@@ -337,6 +341,9 @@ class Ingress:
                                       f"{self._max_request_body_bytes} bytes",
                                       code="request_too_large", headers={"Connection": "close"})
             return await self._forward(request, body)
+        except BodyRefused as refusal:
+            await self._refusal_pacer.pace(reservation.tenant)
+            return api_error_response(refusal)
         except APIError as refusal:
             return api_error_response(refusal)
         finally:

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.body_budget import (
     BodyByteBudget,
+    BodyRefused,
     parse_content_length,
 )
 from engine.entrypoints.openai.drain import Drain, ServerShuttingDownError
@@ -61,6 +62,7 @@ from engine.entrypoints.openai.protocol import (
     CompletionRequest,
 )
 from engine.entrypoints.openai.protocol_responses import ResponsesRequest
+from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 from engine.entrypoints.openai.request_id import RequestIdMiddleware
 from engine.entrypoints.openai.response_store import ResponseStore
 from engine.entrypoints.openai.serving import (
@@ -124,12 +126,15 @@ class BodyLimitsMiddleware:
     request's tenant until the response has ended; a body whose Content-Length does not fit
     in what the budget has free gets its 429 or 503 before any of it is read, and one that
     stops fitting as it arrives gets it then, unless younger bodies still arriving give
-    their room back (and get it instead, at once)."""
+    their room back (and get it instead, at once). Each such refusal is answered when
+    `pacer` says (late to a tenant that did not wait out its previous one)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, budget: BodyByteBudget) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, budget: BodyByteBudget,
+                 pacer: RefusalPacer) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.budget = budget
+        self.pacer = pacer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -142,24 +147,30 @@ class BodyLimitsMiddleware:
             if num_bytes_declared is None:
                 await error_response(400, "invalid Content-Length")(scope, receive, send)
                 return
+            if num_bytes_declared > self.max_bytes:
+                await api_error_response(self._too_large_error())(scope, receive, send)
+                return
             try:
-                if num_bytes_declared > self.max_bytes:
-                    raise self._too_large_error()
                 reservation.check_declared(num_bytes_declared)
-            except APIError as refusal:
+            except BodyRefused as refusal:
+                await self.pacer.pace(reservation.tenant)
                 await api_error_response(refusal)(scope, receive, send)
                 return
         num_bytes_read = 0
 
         async def limited_receive() -> Message:
             nonlocal num_bytes_read
-            message = await reservation.unless_revoked(receive)
-            if message["type"] == "http.request":
-                num_bytes_read += len(message.get("body", b""))
-                if num_bytes_read > self.max_bytes:
-                    reservation.stop_arriving()
-                    raise self._too_large_error()
-                reservation.cover(num_bytes_read, complete=not message.get("more_body"))
+            try:
+                message = await reservation.unless_revoked(receive)
+                if message["type"] == "http.request":
+                    num_bytes_read += len(message.get("body", b""))
+                    if num_bytes_read > self.max_bytes:
+                        reservation.stop_arriving()
+                        raise self._too_large_error()
+                    reservation.cover(num_bytes_read, complete=not message.get("more_body"))
+            except BodyRefused:
+                await self.pacer.pace(reservation.tenant)
+                raise
             return message
 
         try:
@@ -219,9 +230,10 @@ def build_app(
     app.state.drain = Drain(settings.shutdown_timeout_s)
     install_error_handlers(app)
     app.state.body_budget = settings.body_budget()
-    metrics.track_body_budget(app.state.body_budget)
+    app.state.refusal_pacer = settings.refusal_pacer()
+    metrics.track_body_budget(app.state.body_budget, app.state.refusal_pacer)
     app.add_middleware(BodyLimitsMiddleware, max_bytes=settings.max_request_body_bytes,
-                       budget=app.state.body_budget)
+                       budget=app.state.body_budget, pacer=app.state.refusal_pacer)
     if settings.tenants is not None:
         app.add_middleware(BearerAuthMiddleware, tenants=settings.tenants)
     app.add_middleware(RequestIdMiddleware)  # outermost: its header is on every response

@@ -54,6 +54,11 @@ def parse_content_length(value: bytes | str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+class BodyRefused(APIError):
+    """A request refused because its body has no room in a `BodyByteBudget`: 429 past its
+    tenant's share, 503 past the total, both with `Retry-After`."""
+
+
 class BodyByteBudget:
     """Body bytes held by requests in progress: at most `max_bytes` in all and
     `max_bytes_per_tenant` for one tenant (`None` is the tenant of a server without keys).
@@ -145,7 +150,7 @@ class BodyByteBudget:
         revoking all of them would leave no room."""
         if reservation.age is None and num_bytes > 0:
             reservation.age = next(self._ages)
-        revoked: list[tuple[BodyReservation, APIError]] = []
+        revoked: list[tuple[BodyReservation, BodyRefused]] = []
         refusal = self._refusal(reservation.tenant, num_bytes)
         if refusal is not None:
             planned = self._younger_to_revoke(reservation, num_bytes)
@@ -176,7 +181,7 @@ class BodyByteBudget:
             del self._arriving[reservation.age]
 
     def _younger_to_revoke(self, reservation: BodyReservation, num_bytes: int
-                           ) -> list[tuple[BodyReservation, APIError]] | None:
+                           ) -> list[tuple[BodyReservation, BodyRefused]] | None:
         """The reservations to revoke, each with its refusal, so that `num_bytes` more fit
         for `reservation`, youngest first: for its tenant's share, its tenant's younger
         bodies; for the total, those left, then younger bodies of tenants holding more than
@@ -186,7 +191,7 @@ class BodyByteBudget:
         younger = [other for age, other in sorted(self._arriving.items(), reverse=True)
                    if age > first_age]
         own = [other for other in younger if other.tenant == tenant]
-        plan: list[tuple[BodyReservation, APIError]] = []
+        plan: list[tuple[BodyReservation, BodyRefused]] = []
         over_share = 0 if self.max_bytes_per_tenant == self.max_bytes else (
             self.tenant_held_bytes(tenant) + num_bytes - self.max_bytes_per_tenant)
         while over_share > 0 and len(plan) < len(own):
@@ -210,7 +215,7 @@ class BodyByteBudget:
             over_total -= other.num_bytes
         return None if over_total > 0 else plan
 
-    def _refusal(self, tenant: str | None, num_bytes: int) -> APIError | None:
+    def _refusal(self, tenant: str | None, num_bytes: int) -> BodyRefused | None:
         if num_bytes < 0:
             raise ValueError(f"num_bytes must be at least 0, got {num_bytes}")
         tenant_bytes = self.tenant_held_bytes(tenant)
@@ -226,8 +231,8 @@ class BodyByteBudget:
                                     f"server's {self.max_bytes}", "server_busy")
         return None
 
-    def _error(self, status: int, message: str, code: str) -> APIError:
-        return APIError(status, f"{message}; retry later", code=code,
+    def _error(self, status: int, message: str, code: str) -> BodyRefused:
+        return BodyRefused(status, f"{message}; retry later", code=code,
                         headers={"Retry-After": str(self.retry_after_s), "Connection": "close"})
 
 
@@ -247,7 +252,7 @@ class BodyReservation:
         self.tenant = tenant
         self.age: int | None = None
         self.num_bytes = 0
-        self.refusal: APIError | None = None
+        self.refusal: BodyRefused | None = None
         # Set while a reader waits in `unless_revoked`: `revoke` completes it.
         self._revoked: asyncio.Future[None] | None = None
 
@@ -294,7 +299,7 @@ class BodyReservation:
             raise self.refusal
         return receiving.result()
 
-    def revoke(self, refusal: APIError) -> None:
+    def revoke(self, refusal: BodyRefused) -> None:
         """Called by the budget, which has taken back this reservation's bytes: the request
         is refused with `refusal`, at once if its reader waits in `unless_revoked`."""
         self.num_bytes = 0

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from engine.core.wire import EngineStats
 from engine.entrypoints.openai.body_budget import BodyByteBudget
+from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 from engine.frontend.stats import FinishedCompletionStats
 
 PREFIX = "continuum:"
@@ -115,11 +116,13 @@ def _counter(name: str, documentation: str, model: str, value: float) -> Counter
 
 
 class _BodyBudgetCollector(Collector):
-    """Exposes what a `BodyByteBudget` holds and has refused, read at each scrape."""
+    """Exposes what a `BodyByteBudget` holds and has refused, and how many of those
+    refusals its `RefusalPacer` answered late, read at each scrape."""
 
-    def __init__(self, model_name: str, budget: BodyByteBudget) -> None:
+    def __init__(self, model_name: str, budget: BodyByteBudget, pacer: RefusalPacer) -> None:
         self.model_name = model_name
         self.budget = budget
+        self.pacer = pacer
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -134,6 +137,9 @@ class _BodyBudgetCollector(Collector):
         for status in (429, 503):
             refused.add_metric([self.model_name, str(status)], self.budget.num_refused[status])
         yield refused
+        yield _counter("request_body_refusals_paced", "Of those refusals, how many were "
+                       "answered Retry-After seconds late: their tenant had been refused less "
+                       "than that before.", self.model_name, self.pacer.num_paced)
 
 
 class PrometheusMetrics:
@@ -187,9 +193,10 @@ class PrometheusMetrics:
     def update_core_stats(self, stats: EngineStats) -> None:
         self._core.stats = stats
 
-    def track_body_budget(self, budget: BodyByteBudget) -> None:
-        """Reports `budget` (the server's, registered once by `build_app`) at each scrape."""
-        self.registry.register(_BodyBudgetCollector(self.model_name, budget))
+    def track_body_budget(self, budget: BodyByteBudget, pacer: RefusalPacer) -> None:
+        """Reports `budget` and the `pacer` of its refusals (the server's, registered once by
+        `build_app`) at each scrape."""
+        self.registry.register(_BodyBudgetCollector(self.model_name, budget, pacer))
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""

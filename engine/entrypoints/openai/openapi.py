@@ -306,7 +306,8 @@ _ERROR_DESCRIPTIONS = {
     405: "Method not allowed.",
     413: "The request body is over the server's limit.",
     429: "The waiting queue is full, or this client holds its share of request bodies or "
-         "preparations; retry after Retry-After seconds.",
+         "preparations; retry after Retry-After seconds (a tenant that sends a body again "
+         "sooner gets its refusal that much later).",
     499: "The client disconnected before the response.",
     500: "Internal server error.",
     503: "The engine is not running, the server is draining, or it holds as many request "

@@ -34,6 +34,10 @@ from engine.entrypoints.openai.json_body import (
     ChildCpuClass,
 )
 from engine.entrypoints.openai.protocol import SamplingFields
+from engine.entrypoints.openai.refusal_pacing import (
+    DEFAULT_MAX_PACED_REFUSALS_PER_TENANT,
+    RefusalPacer,
+)
 from engine.entrypoints.openai.request_id import scope_request_id
 from engine.entrypoints.openai.response_store import check_store_room
 from engine.entrypoints.openai.structured_outputs import GrammarChecker
@@ -87,6 +91,10 @@ class ServerSettings:
       at least one largest body). Past a tenant's share a request gets 429, past the total
       503 (the only answer with one tenant), both with `Retry-After: retry_after_s`
       (`body_budget.BodyByteBudget`).
+    - `max_paced_refusals_per_tenant`: a tenant refused for its body less than
+      `retry_after_s` after its previous such refusal gets the answer `retry_after_s` late,
+      its body unread meanwhile, for at most this many of its requests at once; 0 answers
+      every refusal at once (`refusal_pacing.RefusalPacer`).
     - `max_prompt_tokens`: the longest prompt (`None`: up to the model's context length).
     - `max_output_tokens`: the most tokens one completion may generate, asked for or by
       default (`None`: up to the context length).
@@ -116,6 +124,7 @@ class ServerSettings:
     tenants: Tenants | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
+    max_paced_refusals_per_tenant: int = DEFAULT_MAX_PACED_REFUSALS_PER_TENANT
     tool_call_parser: str = "auto"
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
@@ -152,6 +161,11 @@ class ServerSettings:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (isinstance(self.max_paced_refusals_per_tenant, bool)
+                or not isinstance(self.max_paced_refusals_per_tenant, int)
+                or self.max_paced_refusals_per_tenant < 0):
+            raise ValueError(f"max_paced_refusals_per_tenant must be an integer at least 0, "
+                             f"got {self.max_paced_refusals_per_tenant!r}")
         if self.max_body_bytes_in_flight < self.max_request_body_bytes:
             raise ValueError(f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) must "
                              f"be at least max_request_body_bytes "
@@ -177,6 +191,11 @@ class ServerSettings:
         return BodyByteBudget.for_tenants(
             self.num_tenants, self.max_body_bytes_in_flight, self.max_request_body_bytes,
             retry_after_s=self.retry_after_s)
+
+    def refusal_pacer(self) -> RefusalPacer:
+        """A new pacer for the refusals of the server's body budget (made once, by
+        `build_app`, for the app's `BodyLimitsMiddleware`)."""
+        return RefusalPacer(self.retry_after_s, self.max_paced_refusals_per_tenant)
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,10 @@ APP = "continuum-test"
 ENGINE_FLAGS = ["--model", "tiny", "--num-kv-blocks", "128", "--max-model-len", "1024",
                 "--scheduling-policy", "continuum"]
 SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
-# One tenant (the key's) whose body bytes in flight are two bodies of the largest size.
+# One tenant (the key's) whose body bytes in flight are two bodies of the largest size; a
+# refusal sent again within 3 s of the previous is answered 3 s late.
 KEY_AND_BUDGET_FLAGS = ("--api-key", "secret", "--max-request-body-bytes", "65536",
-                        "--max-body-bytes-in-flight", "131072")
+                        "--max-body-bytes-in-flight", "131072", "--retry-after-s", "3")
 
 
 def bench_agent(base_url: str, tmp_path: Path) -> tuple[dict[str, Any], str]:
@@ -337,8 +338,9 @@ def test_the_ingress_checks_the_api_key_before_it_reads_a_body(ray_server: RaySe
 
 def test_the_ingress_refuses_bodies_past_its_budget_unread(ray_server: RayServer) -> None:
     """Held bodies fill the ingress's budget of body bytes (two of 64 KiB, one byte short
-    each): the next request gets 503 (one tenant: its clients share the whole budget), and
-    once the holders go away requests are served again."""
+    each): the next request gets 503 (one tenant: its clients share the whole budget), one
+    sent again at once gets it Retry-After late, and once the holders go away requests are
+    served again."""
     ray_server.deploy("affinity", KEY_AND_BUDGET_FLAGS)
     url, key = ray_server.base_url, {"Authorization": "Bearer secret"}
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
@@ -352,7 +354,10 @@ def test_the_ingress_refuses_bodies_past_its_budget_unread(ray_server: RayServer
                          b"Content-Length: 65536\r\n\r\n" + b" " * 65535)
         refused = _first_answer(url, key, body, lambda status: status == 503)
         assert refused.json()["error"]["code"] == "server_busy"
-        assert refused.headers["retry-after"] == "1"
+        assert refused.headers["retry-after"] == "3"
+        started_s = time.monotonic()
+        again = httpx.post(url + "/v1/completions", timeout=60, headers=key, json=body)
+        assert again.status_code == 503 and time.monotonic() - started_s >= 3.0
     finally:
         for sock in held:
             sock.close()

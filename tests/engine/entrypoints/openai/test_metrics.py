@@ -3,6 +3,8 @@ of `/metrics` renders, parsed back with Prometheus' own text parser."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -10,6 +12,7 @@ from engine.core.wire import EngineStats
 from engine.entrypoints.openai.body_budget import BodyByteBudget
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.metrics import PrometheusMetrics
+from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 
 
 def _stats(**fields: object) -> EngineStats:
@@ -72,7 +75,10 @@ def test_no_core_series_before_the_first_snapshot() -> None:
 def test_the_body_budget_is_read_at_each_scrape() -> None:
     metrics = PrometheusMetrics("tiny")
     budget = BodyByteBudget.for_tenants(3, 1000, 100)
-    metrics.track_body_budget(budget)
+    pacer = RefusalPacer(1.0, clock=lambda: 0.0, sleep=lambda _: asyncio.sleep(0))
+    metrics.track_body_budget(budget, pacer)
+    for _ in range(3):  # the second and third come at once after the first: late
+        asyncio.run(pacer.pace("c"))
     budget.reserve("a", 500)
     budget.reserve("b", 400)
     for tenant, num_bytes in (("a", 1), ("c", 101), ("c", 200)):
@@ -84,3 +90,4 @@ def test_the_body_budget_is_read_at_each_scrape() -> None:
     assert samples[("continuum:request_body_bytes_held", None)] == 900
     assert samples[("continuum:request_bodies_refused_total", "429")] == 1
     assert samples[("continuum:request_bodies_refused_total", "503")] == 2
+    assert samples[("continuum:request_body_refusals_paced_total", None)] == 2
