@@ -9,11 +9,12 @@ other tenant's requests wanted.
 `RefusalPacer` answers such a refusal only after the `Retry-After` delay: a tenant's refusal
 that comes less than `delay_s` after the same tenant's previous one waits `delay_s` before
 it is sent, its connection held and its body left unread meanwhile, so that its client
-stalls instead of sending again. A client that waits out `Retry-After` is never slowed by
-its own refusals; several clients of one tenant refused at once get all but the first
-refusal `delay_s` late (they were told to wait that long anyway). At most
-`max_waiting_per_tenant` refusals of a tenant wait at once (each holds a connection and the
-kernel's buffer of its unread bytes); past that they are answered at once.
+stalls instead of sending again. A tenant whose refusals come `delay_s` or more apart (its
+clients wait out `Retry-After`) gets each at once; several clients of one tenant refused
+within `delay_s` of each other get all but the first refusal `delay_s` late (they are told
+to wait that long anyway). At most `max_waiting_per_tenant` refusals of a tenant wait at
+once (each holds a connection and the kernel's buffer of its unread bytes); past that they
+are answered at once. On a server without keys every client is one tenant (`None`).
 """
 
 from __future__ import annotations
