@@ -75,10 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "request gets 429); past the total 503 (default: %(default)s)")
     group.add_argument("--max-paced-refusals-per-tenant", type=int,
                        default=DEFAULT_MAX_PACED_REFUSALS_PER_TENANT,
-                       help="a tenant refused for its body less than --retry-after-s after "
-                            "its previous such refusal gets the answer that much later, its "
-                            "body unread meanwhile, for at most this many of its requests at "
-                            "once; 0: every refusal at once (default: %(default)s)")
+                       help="a tenant refused for its body before any of it is read, less "
+                            "than --retry-after-s after its previous such refusal was "
+                            "answered, gets the answer that much later, its body unread "
+                            "meanwhile, for at most this many of its requests at once; 0: "
+                            "every refusal at once (default: %(default)s)")
     group.add_argument("--max-prompt-tokens", type=int, default=None,
                        help="longer prompts get 400 (default: up to --max-model-len)")
     group.add_argument("--max-output-tokens", type=int, default=None,

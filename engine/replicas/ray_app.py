@@ -128,7 +128,10 @@ class EngineReplica:
         self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
         args = argparse.Namespace(**serve_args)
         config = EngineArgs.from_cli_args(args).to_engine_config()
-        settings = server_settings_from_args(args)
+        # The ingress paces its refusals; a replica gets bodies the ingress has read whole,
+        # so holding its refusal would only hold them longer.
+        settings = dataclasses.replace(server_settings_from_args(args),
+                                       max_paced_refusals_per_tenant=0)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._engine_died = False
         self._decisions: Counter[str] = Counter()
@@ -341,9 +344,6 @@ class Ingress:
                                       f"{self._max_request_body_bytes} bytes",
                                       code="request_too_large", headers={"Connection": "close"})
             return await self._forward(request, body)
-        except BodyRefused as refusal:
-            await self._refusal_pacer.pace(reservation.tenant)
-            return api_error_response(refusal)
         except APIError as refusal:
             return api_error_response(refusal)
         finally:
@@ -387,13 +387,18 @@ class Ingress:
                          ) -> bytes | None:
         """The body, or None once it exceeds the limit (by its Content-Length, or as read);
         its bytes held in `reservation` as they are read. APIError 429 or 503 when the budget
-        has no room for them (for a declared length that does not fit, before any is read),
-        or gives their room to an older body."""
+        has no room for them (for a declared length that does not fit, before any is read,
+        and then as late as the ingress's `RefusalPacer` says), or gives their room to an
+        older body."""
         declared = parse_content_length(request.headers.get("content-length", ""))
         if declared is not None:
             if declared > self._max_request_body_bytes:
                 return None
-            reservation.check_declared(declared)
+            try:
+                reservation.check_declared(declared)
+            except BodyRefused:
+                await self._refusal_pacer.pace(reservation.tenant)
+                raise
         body = bytearray()
         more_body = True
         while more_body:

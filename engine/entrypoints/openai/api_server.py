@@ -126,8 +126,9 @@ class BodyLimitsMiddleware:
     request's tenant until the response has ended; a body whose Content-Length does not fit
     in what the budget has free gets its 429 or 503 before any of it is read, and one that
     stops fitting as it arrives gets it then, unless younger bodies still arriving give
-    their room back (and get it instead, at once). Each such refusal is answered when
-    `pacer` says (late to a tenant that did not wait out its previous one)."""
+    their room back (and get it instead, at once). A refusal before any of the body is read
+    is answered when `pacer` says (late to a tenant that did not wait out its previous
+    one); one midway is answered at once, since holding it would hold what was read."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, budget: BodyByteBudget,
                  pacer: RefusalPacer) -> None:
@@ -160,17 +161,13 @@ class BodyLimitsMiddleware:
 
         async def limited_receive() -> Message:
             nonlocal num_bytes_read
-            try:
-                message = await reservation.unless_revoked(receive)
-                if message["type"] == "http.request":
-                    num_bytes_read += len(message.get("body", b""))
-                    if num_bytes_read > self.max_bytes:
-                        reservation.stop_arriving()
-                        raise self._too_large_error()
-                    reservation.cover(num_bytes_read, complete=not message.get("more_body"))
-            except BodyRefused:
-                await self.pacer.pace(reservation.tenant)
-                raise
+            message = await reservation.unless_revoked(receive)
+            if message["type"] == "http.request":
+                num_bytes_read += len(message.get("body", b""))
+                if num_bytes_read > self.max_bytes:
+                    reservation.stop_arriving()
+                    raise self._too_large_error()
+                reservation.cover(num_bytes_read, complete=not message.get("more_body"))
             return message
 
         try:

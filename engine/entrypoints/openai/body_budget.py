@@ -312,3 +312,6 @@ class BodyReservation:
         self.budget.forget(self)
         self.budget.release(self.tenant, self.num_bytes)
         self.num_bytes = 0
+        # The refusal, once raised, holds the reader's frames (and the body read so far)
+        # through its traceback, and they hold this reservation: without this, a cycle.
+        self.refusal = None

@@ -307,11 +307,11 @@ _ERROR_DESCRIPTIONS = {
     413: "The request body is over the server's limit.",
     429: "The waiting queue is full, or this client holds its share of request bodies or "
          "preparations; retry after Retry-After seconds (a tenant that sends a body again "
-         "sooner gets its refusal that much later).",
+         "sooner may get its refusal for the body that much later).",
     499: "The client disconnected before the response.",
     500: "Internal server error.",
     503: "The engine is not running, the server is draining, or it holds as many request "
-         "bodies as it may (then with Retry-After).",
+         "bodies as it may (then with Retry-After, and as late as a 429 for the body).",
 }
 
 SSE_RESPONSE = {"text/event-stream": {"schema": {

@@ -7,14 +7,17 @@ socket that the server then closes, and that churn, not the server's work, took 
 other tenant's requests wanted.
 
 `RefusalPacer` answers such a refusal only after the `Retry-After` delay: a tenant's refusal
-that comes less than `delay_s` after the same tenant's previous one waits `delay_s` before
-it is sent, its connection held and its body left unread meanwhile, so that its client
-stalls instead of sending again. A tenant whose refusals come `delay_s` or more apart (its
-clients wait out `Retry-After`) gets each at once; several clients of one tenant refused
-within `delay_s` of each other get all but the first refusal `delay_s` late (they are told
-to wait that long anyway). At most `max_waiting_per_tenant` refusals of a tenant wait at
-once (each holds a connection and the kernel's buffer of its unread bytes); past that they
-are answered at once. On a server without keys every client is one tenant (`None`).
+that comes less than `delay_s` after the same tenant's previous refusal was answered waits
+`delay_s` before it is sent, its connection held and its body left unread meanwhile, so that
+its client stalls instead of sending again. Only refusals made before any of the body is
+read (a declared `Content-Length` that does not fit) are paced: holding one made midway
+would hold what was read. A tenant whose clients wait out `Retry-After` gets each refusal at
+once; several clients of one tenant refused within `delay_s` of each other get all but the
+first refusal `delay_s` late (they are told to wait that long anyway). At most
+`max_waiting_per_tenant` refusals of a tenant wait at once (each holds a connection and the
+kernel's buffer of its unread bytes); past that they are answered at once. On a server
+without keys every client is one tenant (`None`). A client that goes away while its refusal
+waits keeps its place until the delay ends.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+
+from engine.clock import Clock
 
 DEFAULT_MAX_PACED_REFUSALS_PER_TENANT = 32
 
@@ -35,7 +40,7 @@ class RefusalPacer:
 
     def __init__(self, delay_s: float,
                  max_waiting_per_tenant: int = DEFAULT_MAX_PACED_REFUSALS_PER_TENANT, *,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if delay_s < 0 or max_waiting_per_tenant < 0:
             raise ValueError(f"delay_s and max_waiting_per_tenant must be at least 0, got "
@@ -44,9 +49,9 @@ class RefusalPacer:
         self.max_waiting_per_tenant = max_waiting_per_tenant
         self._clock = clock
         self._sleep = sleep
-        # Each tenant's latest refusal, seconds on `clock`: one entry a tenant ever refused
-        # (tenants are the server's configured keys).
-        self._last_refusal_s: dict[str | None, float] = {}
+        # When each tenant's latest refusal was answered (or made, while it waits), seconds
+        # on `clock`: one entry a tenant ever refused (tenants are the server's keys).
+        self._last_answer_s: dict[str | None, float] = {}
         self._waiting: Counter[str | None] = Counter()
         # Refusals answered late so far: what /metrics reports.
         self.num_paced = 0
@@ -56,22 +61,25 @@ class RefusalPacer:
         return self._waiting[tenant]
 
     async def pace(self, tenant: str | None) -> bool:
-        """Called once a request of `tenant` is refused, before the refusal is answered;
-        returns when it may be answered: at once if the tenant's previous refusal came at
-        least `delay_s` ago (or never), or if `max_waiting_per_tenant` of its refusals
-        already wait; else after `delay_s`. Returns whether it waited."""
+        """Called once a request of `tenant` is refused, before any of its body is read and
+        before the refusal is answered; returns when it may be answered: at once if the
+        tenant's previous refusal was answered at least `delay_s` ago (or never), or if
+        `max_waiting_per_tenant` of its refusals already wait; else after `delay_s`.
+        Returns whether it waited."""
         now_s = self._clock()
-        previous_s = self._last_refusal_s.get(tenant)
-        self._last_refusal_s[tenant] = now_s
+        previous_s = self._last_answer_s.get(tenant)
+        self._last_answer_s[tenant] = now_s
         if (previous_s is None or now_s - previous_s >= self.delay_s
                 or self._waiting[tenant] >= self.max_waiting_per_tenant):
             return False
         self._waiting[tenant] += 1
-        self.num_paced += 1
         try:
             await self._sleep(self.delay_s)
         finally:
             self._waiting[tenant] -= 1
             if not self._waiting[tenant]:
                 del self._waiting[tenant]
+        # A client that sends again as soon as this answer comes is paced again.
+        self._last_answer_s[tenant] = max(self._last_answer_s[tenant], self._clock())
+        self.num_paced += 1
         return True

@@ -91,10 +91,10 @@ class ServerSettings:
       at least one largest body). Past a tenant's share a request gets 429, past the total
       503 (the only answer with one tenant), both with `Retry-After: retry_after_s`
       (`body_budget.BodyByteBudget`).
-    - `max_paced_refusals_per_tenant`: a tenant refused for its body less than
-      `retry_after_s` after its previous such refusal gets the answer `retry_after_s` late,
-      its body unread meanwhile, for at most this many of its requests at once; 0 answers
-      every refusal at once (`refusal_pacing.RefusalPacer`).
+    - `max_paced_refusals_per_tenant`: a tenant refused for its body before any of it is
+      read, less than `retry_after_s` after its previous such refusal was answered, gets the
+      answer `retry_after_s` late, its body unread meanwhile, for at most this many of its
+      requests at once; 0 answers every refusal at once (`refusal_pacing.RefusalPacer`).
     - `max_prompt_tokens`: the longest prompt (`None`: up to the model's context length).
     - `max_output_tokens`: the most tokens one completion may generate, asked for or by
       default (`None`: up to the context length).

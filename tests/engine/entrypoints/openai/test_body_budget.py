@@ -4,8 +4,11 @@ reserves nothing (over HTTP: its body is never read), and every reservation come
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -254,6 +257,35 @@ def test_a_reader_waiting_for_the_next_chunk_learns_of_its_revocation_at_once():
         assert await oldest.unless_revoked(last_message) == "disconnect"
 
     asyncio.run(scenario())
+
+
+class Chunks:
+    """Stands for the body read so far, which only its reader's frame refers to."""
+
+
+def test_a_revoked_readers_frames_are_freed_with_its_reservation():
+    """The refusal a revoked reservation raises holds the reader's frames through its
+    traceback; once the reservation is released, they (and the body read so far) are freed
+    by reference counting alone."""
+    budget = BodyByteBudget.for_tenants(2, 1000, 100)
+    oldest = _arriving(budget, "a", 400)
+    youngest = _arriving(budget, "a", 100)
+    oldest.cover(480, complete=False)  # revokes the youngest
+
+    def read_on(chunks: Chunks) -> None:
+        youngest.cover(200, complete=False)
+
+    chunks = Chunks()
+    alive = weakref.ref(chunks)
+    gc.disable()
+    try:
+        with contextlib.suppress(APIError):
+            read_on(chunks)
+        del chunks
+        youngest.release()
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize(("value", "length"), [

@@ -63,6 +63,26 @@ def test_a_refusal_within_the_delay_of_the_previous_waits_the_delay() -> None:
     asyncio.run(scenario())
 
 
+def test_a_client_that_sends_again_as_soon_as_answered_is_paced_again() -> None:
+    """The delay counts from when the previous refusal was answered, not made: one refusal
+    after another, each sent as the last was answered, all but the first wait."""
+    async def scenario() -> None:
+        clock = FakeClock()
+
+        async def sleep(delay_s: float) -> None:
+            clock.now_s += delay_s
+
+        pacer = RefusalPacer(1.5, clock=clock, sleep=sleep)
+        assert await pacer.pace("a") is False
+        clock.now_s = 0.1
+        assert [await pacer.pace("a") for _ in range(3)] == [True] * 3
+        assert clock.now_s == pytest.approx(0.1 + 3 * 1.5) and pacer.num_paced == 3
+        clock.now_s += 1.5  # the client waited out its Retry-After
+        assert await pacer.pace("a") is False
+
+    asyncio.run(scenario())
+
+
 def test_tenants_are_paced_apart() -> None:
     async def scenario() -> None:
         pacer, _, sleep = _pacer()
@@ -108,7 +128,7 @@ def test_a_cancelled_wait_is_no_longer_counted() -> None:
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert pacer.waiting("a") == 0
+        assert pacer.waiting("a") == 0 and pacer.num_paced == 0  # never answered late
 
     asyncio.run(scenario())
 
@@ -175,4 +195,11 @@ def test_a_tenant_that_sends_again_at_once_gets_its_refusal_late(paced_server) -
         assert second.status_code == 429 and second.headers["retry-after"] == "1"
         assert second_s >= 1.0 and pacer.num_paced == 1
         assert budget.tenant_held_bytes("alpha") == BODY_BYTES - 1
+        # Neither a body refused midway (chunked: no length to refuse it by), which holding
+        # would hold what was read, nor one too large is paced.
+        with paced_server.http(headers={"Authorization": f"Bearer {KEYS['alpha']}"}) as http:
+            chunked = http.post("/v1/completions", content=iter([b" " * 1024] * 4))
+            too_large = http.post("/v1/completions", content=b" " * (BODY_BYTES + 1))
+        assert (chunked.status_code, too_large.status_code) == (429, 413)
+        assert pacer.num_paced == 1
     _until(lambda: budget.held_bytes == 0)
