@@ -112,9 +112,13 @@ class BodyByteBudget:
         """APIError 429 or 503 (see the module docstring) if `tenant` could not hold
         `num_bytes` more now; holds nothing either way (for a declared length)."""
         refusal = self._refusal(tenant, num_bytes)
-        if refusal is not None:
-            self.num_refused[refusal.status_code] += 1
+        if refusal is None:
+            return
+        self.num_refused[refusal.status_code] += 1
+        try:
             raise refusal
+        finally:
+            del refusal  # see `hold`
 
     def reserve(self, tenant: str | None, num_bytes: int) -> None:
         """Holds `num_bytes` more for a request of `tenant`; holds nothing and raises as
@@ -157,7 +161,13 @@ class BodyByteBudget:
             if planned is None:
                 self.forget(reservation)
                 self.num_refused[refusal.status_code] += 1
-                raise refusal
+                try:
+                    raise refusal
+                finally:
+                    # Its traceback holds this frame: kept here, it would hold it back, a
+                    # cycle through the reader's frames and the body read so far that only
+                    # the cyclic collector frees.
+                    del refusal
             revoked = planned
         for younger, its_refusal in revoked:
             self.forget(younger)
@@ -313,5 +323,7 @@ class BodyReservation:
         self.budget.release(self.tenant, self.num_bytes)
         self.num_bytes = 0
         # The refusal, once raised, holds the reader's frames (and the body read so far)
-        # through its traceback, and they hold this reservation: without this, a cycle.
-        self.refusal = None
+        # through its traceback, and they hold this reservation: without this, a cycle. The
+        # refusal itself stays, should the reader call again.
+        if self.refusal is not None:
+            self.refusal.__traceback__ = None

@@ -138,8 +138,9 @@ class _BodyBudgetCollector(Collector):
             refused.add_metric([self.model_name, str(status)], self.budget.num_refused[status])
         yield refused
         yield _counter("request_body_refusals_paced", "Of those refusals, how many were "
-                       "answered Retry-After seconds late: their tenant had been refused less "
-                       "than that before.", self.model_name, self.pacer.num_paced)
+                       "answered Retry-After seconds late: their tenant's previous refusal "
+                       "had been answered less than that before.", self.model_name,
+                       self.pacer.num_paced)
 
 
 class PrometheusMetrics:

@@ -288,6 +288,34 @@ def test_a_revoked_readers_frames_are_freed_with_its_reservation():
         gc.enable()
 
 
+@pytest.mark.parametrize("refused_by", ["cover", "check_declared"])
+def test_a_refused_readers_frames_are_freed_with_its_request(refused_by: str):
+    """A body refused by its own chunk (no younger body to take room from), or by its
+    declared length, is freed with its reader by reference counting alone: the refusal's
+    traceback holds the reader's frames, and no frame of the budget holds the refusal."""
+    budget = BodyByteBudget.for_tenants(2, 1000, 100)
+    _arriving(budget, "a", 500)
+    reservation = budget.reservation("a")
+
+    def read_on(chunks: Chunks) -> None:
+        if refused_by == "cover":
+            reservation.cover(100, complete=False)
+        else:
+            reservation.check_declared(100)
+
+    chunks = Chunks()
+    alive = weakref.ref(chunks)
+    gc.disable()
+    try:
+        with contextlib.suppress(APIError):
+            read_on(chunks)
+        del chunks
+        reservation.release()
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize(("value", "length"), [
     (b"0", 0), (b"65536", 65536), ("12", 12), (b"9" * 20, int("9" * 20)),
     (b"", None), (b"-1", None), (b"+1", None), (b" 1", None), (b"1.0", None),
