@@ -263,17 +263,13 @@ class Chunks:
     """Stands for the body read so far, which only its reader's frame refers to."""
 
 
-def test_a_revoked_readers_frames_are_freed_with_its_reservation():
-    """The refusal a revoked reservation raises holds the reader's frames through its
-    traceback; once the reservation is released, they (and the body read so far) are freed
-    by reference counting alone."""
-    budget = BodyByteBudget.for_tenants(2, 1000, 100)
-    oldest = _arriving(budget, "a", 400)
-    youngest = _arriving(budget, "a", 100)
-    oldest.cover(480, complete=False)  # revokes the youngest
-
+def _chunks_freed_after_refusal(reservation: BodyReservation,
+                                read: Callable[[], object]) -> bool:
+    """Whether the body read so far (a `Chunks` that only the reader's frame refers to) is
+    freed by reference counting alone, with the cyclic GC off, once `read()` has raised its
+    refusal and `reservation` is released."""
     def read_on(chunks: Chunks) -> None:
-        youngest.cover(200, complete=False)
+        read()
 
     chunks = Chunks()
     alive = weakref.ref(chunks)
@@ -282,10 +278,22 @@ def test_a_revoked_readers_frames_are_freed_with_its_reservation():
         with contextlib.suppress(APIError):
             read_on(chunks)
         del chunks
-        youngest.release()
-        assert alive() is None
+        reservation.release()
+        return alive() is None
     finally:
         gc.enable()
+
+
+def test_a_revoked_readers_frames_are_freed_with_its_reservation():
+    """The refusal a revoked reservation raises holds the reader's frames through its
+    traceback; once the reservation is released, they (and the body read so far) are freed
+    by reference counting alone."""
+    budget = BodyByteBudget.for_tenants(2, 1000, 100)
+    oldest = _arriving(budget, "a", 400)
+    youngest = _arriving(budget, "a", 100)
+    oldest.cover(480, complete=False)  # revokes the youngest
+    assert _chunks_freed_after_refusal(youngest,
+                                       lambda: youngest.cover(200, complete=False))
 
 
 @pytest.mark.parametrize("refused_by", ["cover", "check_declared"])
@@ -296,24 +304,9 @@ def test_a_refused_readers_frames_are_freed_with_its_request(refused_by: str):
     budget = BodyByteBudget.for_tenants(2, 1000, 100)
     _arriving(budget, "a", 500)
     reservation = budget.reservation("a")
-
-    def read_on(chunks: Chunks) -> None:
-        if refused_by == "cover":
-            reservation.cover(100, complete=False)
-        else:
-            reservation.check_declared(100)
-
-    chunks = Chunks()
-    alive = weakref.ref(chunks)
-    gc.disable()
-    try:
-        with contextlib.suppress(APIError):
-            read_on(chunks)
-        del chunks
-        reservation.release()
-        assert alive() is None
-    finally:
-        gc.enable()
+    read = ((lambda: reservation.cover(100, complete=False)) if refused_by == "cover"
+            else (lambda: reservation.check_declared(100)))
+    assert _chunks_freed_after_refusal(reservation, read)
 
 
 @pytest.mark.parametrize(("value", "length"), [
