@@ -315,7 +315,8 @@ def test_the_child_makes_a_chats_prompt_as_the_server_would(preparing_parser, pr
     parsed = preparing_parser.parse(json.dumps(body).encode(), "messages",
                                     ChatCompletionRequest, chat_prompt_unless_refused)
     validated = ChatCompletionRequest.model_validate(body)
-    assert parsed.value == validated
+    assert parsed.value.messages == []
+    assert parsed.value.model_copy(update={"messages": validated.messages}) == validated
     assert parsed.chat_prompt == render_chat_prompt(processor, validated)
     assert isinstance(parsed.chat_prompt, ChatPrompt)
     if "messages" in fields:
