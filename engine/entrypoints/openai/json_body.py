@@ -3,21 +3,21 @@
 CPython's JSON parser holds the GIL for the whole parse (0.2 s for 15 MB of small items), and
 a parse in pure Python on a thread is worse: its threads take the GIL from the event loop
 every few milliseconds, each time the loop wakes up (one victim's inter-token p99 went from
-17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES` is parsed in a child process
-(`BodyParser`), which also checks the counts of `body_limits`: a body over them never comes
-back into the server's process. One within them is validated there as the route's body
-model and comes back as the model's instance, which the route's validation then takes as it
-is: FastAPI's validation holds the GIL in one piece on the event loop (an 8 MB chat of 2,000
-messages: 20-36 ms; 10,000 Responses items: about 110 ms), while loading the instance's
-pickle runs on the parser's result thread in Python that yields the GIL (5 ms; 10,000
-items: about 90 ms, several times slower than loading the parsed JSON). A body that
-does not validate comes back as its error, which the route answers as its own validation
-would have, without validating it again on the event loop. A chat request's
-conversation is also rendered and tokenized there (`chat_prompt`), when the parser has the
-engine's input processor, for the same reason. The child is asked from the server's
-`TenantWorkPool`, in the tenant's turn, and runs in Linux's idle scheduling class (or at
-niceness 10: `ChildCpuClass`); the rest of such a request's preparation runs at low CPU
-priority too (`ClientContext.large_body`).
+17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES` is joined from its chunks on a thread
+(`PoolParsedRequest.body`) and parsed in a child process (`BodyParser`), which also checks
+the counts of `body_limits`: a body over them never comes back into the server's process. One
+within them is validated there as the route's body model and comes back as the model's
+instance, which the route's validation then takes as it is: FastAPI's validation holds the
+GIL in one piece on the event loop (an 8 MB chat of 2,000 messages: 20-36 ms; 10,000
+Responses items: about 110 ms), while loading the instance's pickle runs on the parser's
+result thread in Python that yields the GIL (5 ms; 10,000 items: about 90 ms, several times
+slower than loading the parsed JSON). A body that does not validate comes back as its error,
+which the route answers as its own validation would have, without validating it again on the
+event loop. A chat request's conversation is also rendered and tokenized there
+(`chat_prompt`), when the parser has the engine's input processor, for the same reason. The
+child is asked from the server's `TenantWorkPool`, in the tenant's turn, and runs in Linux's
+idle scheduling class (or at niceness 10: `ChildCpuClass`); the rest of such a request's
+preparation runs at low CPU priority too (`ClientContext.large_body`).
 """
 
 from __future__ import annotations
@@ -282,6 +282,25 @@ class PoolParsedRequest(Request):
                  body_model: type[BaseModel] | None = None) -> None:
         super().__init__(scope, receive)
         self.body_model = body_model
+
+    async def body(self) -> bytes:
+        """The body's bytes. Joined from its chunks on a thread of the work pool, in the
+        tenant's turn, when over `INLINE_PARSE_BYTES`: Starlette's join on the event loop
+        held the loop for about 8 ms for each 8 MB body under `bench bodies --attack chats`
+        (py-spy, 2026-11-26), its longest stall; a join of bytes that large releases the GIL
+        while it copies."""
+        if not hasattr(self, "_body"):
+            chunks: list[bytes] = []
+            async with contextlib.aclosing(self.stream()) as stream:
+                async for chunk in stream:
+                    chunks.append(chunk)
+            if sum(map(len, chunks)) <= INLINE_PARSE_BYTES:
+                self._body = b"".join(chunks)
+            else:
+                pool: TenantWorkPool = self.app.state.work_pool
+                self._body = await pool.run(scope_tenant(self.scope), b"".join, chunks,
+                                            background=True)
+        return self._body
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
