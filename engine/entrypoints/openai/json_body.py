@@ -3,25 +3,27 @@
 CPython's JSON parser holds the GIL for the whole parse (0.2 s for 15 MB of small items), and
 a parse in pure Python on a thread is worse: its threads take the GIL from the event loop
 every few milliseconds, each time the loop wakes up (one victim's inter-token p99 went from
-17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES` is joined from its chunks on a thread
-(`PoolParsedRequest.body`) and parsed in a child process (`BodyParser`), which also checks
-the counts of `body_limits`: a body over them never comes back into the server's process. One
-within them is validated there as the route's body model and comes back as the model's
-instance, which the route's validation then takes as it is: FastAPI's validation holds the
-GIL in one piece on the event loop (an 8 MB chat of 2,000 messages: 20-36 ms; 10,000
-Responses items: about 110 ms), while loading the instance's pickle runs on the parser's
-result thread in Python that yields the GIL (5 ms; 10,000 items: about 90 ms, several times
-slower than loading the parsed JSON). A body that does not validate comes back as its error,
-which the route answers as its own validation would have, without validating it again on the
-event loop. A chat request's conversation is also rendered and tokenized there
-(`chat_prompt`), when the parser has the engine's input processor, for the same reason. The
-child is asked from the server's `TenantWorkPool`, in the tenant's turn, and runs in Linux's
-idle scheduling class (or at niceness 10: `ChildCpuClass`); the rest of such a request's
-preparation runs at low CPU priority too (`ClientContext.large_body`).
+17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES` is parsed in a child process
+(`BodyParser`), which also checks the counts of `body_limits`: a body over them never comes
+back into the server's process. One within them is validated there as the route's body model
+and comes back as the model's instance, which the route's validation then takes as it is:
+FastAPI's validation holds the GIL in one piece on the event loop (an 8 MB chat of 2,000
+messages: 20-36 ms; 10,000 Responses items: about 110 ms), while loading the instance's
+pickle runs on the parser's result thread in Python that yields the GIL (5 ms; 10,000 items:
+about 90 ms, several times slower than loading the parsed JSON). A body that does not
+validate comes back as its error, which the route answers as its own validation would have,
+without validating it again on the event loop. A chat request's conversation is also rendered
+and tokenized there (`chat_prompt`), when the parser has the engine's input processor, for
+the same reason. The child is asked from the server's `TenantWorkPool`, in the tenant's turn,
+and runs in Linux's idle scheduling class (or at niceness 10: `ChildCpuClass`); the rest of
+such a request's preparation runs at low CPU priority too (`ClientContext.large_body`). A
+body of a mebibyte or more is joined from its chunks on the parser's thread
+(`BodyParser.join`), not on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -30,7 +32,7 @@ import os
 import pickle
 import threading
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -59,6 +61,10 @@ LARGE_BODY_STATE = "continuum_large_body"
 CHAT_PROMPT_STATE = "continuum_chat_prompt"
 CHAT_PROMPT_PATHS = frozenset({"/v1/chat/completions"})
 DEFAULT_PARSER_PROCESSES = 2
+# Bodies of at least this many bytes in more than one chunk are joined on the parser's joining
+# thread (`BodyParser.join`), not the event loop: CPython's `bytes.join` releases the GIL
+# while it copies from 1 MiB up, and a smaller join takes tens of microseconds.
+OFF_LOOP_JOIN_BYTES = 1 << 20
 # The body field that holds the conversation, by path (see `body_limits.check_counts`).
 CONVERSATION_FIELDS = {"/v1/chat/completions": "messages", "/v1/responses": "input"}
 
@@ -83,7 +89,7 @@ class ParsedBody:
     validated body (None when it did not run, or made nothing). When there is a
     `chat_prompt`, `value`'s conversation field is an empty list: the prompt stands for the
     conversation, which the route never reads then, and loading an 8 MB chat's 2,000
-    messages back held the server's GIL for about 15 ms (this machine, 2026-11-26)."""
+    messages back held the server's GIL for about 15 ms (`docs/benchmarks.md`, 2026-11-26)."""
 
     value: Any
     chat_prompt: ChatPrompt | None = None
@@ -104,8 +110,8 @@ class BodyParser:
     `make_chat_prompt`; None: no prompt is made) and runs in `cpu_class`. Owned by the
     server, which gives it as many processes as its work pool has background threads, so
     that no body waits here behind another tenant's: the pool's turns decide the order.
-    Built on the event loop's thread; `parse` is called from the work pool's threads,
-    `shutdown` once at exit.
+    Built on the event loop's thread; `parse` is called from the work pool's threads, `join`
+    from the event loop, `shutdown` once at exit.
 
     The pool's helper threads in the server's process (its manager, and its call queue's
     feeder, which pickles each body and writes it to a child 64 KiB at a time, taking the
@@ -129,6 +135,16 @@ class BodyParser:
         # thread is started here, by a first call.
         self._launcher = ThreadPoolExecutor(1, thread_name_prefix="body-parser-launcher")
         self._launcher.submit(lambda: None).result()
+        self._joiner = ThreadPoolExecutor(1, thread_name_prefix="body-joiner")
+
+    def join(self, chunks: list[bytes]) -> Future[bytes]:
+        """`b"".join(chunks)` on the parser's one joining thread, at the priority of the
+        thread that built the parser, for the event loop to await (`PoolParsedRequest.body`):
+        joining an 8 MB body's chunks on the loop held it about 8 ms under `bench bodies
+        --attack chats` (2026-11-26). Not in the tenants' turns of the work pool, where it
+        would wait behind another tenant's parse: each join takes milliseconds, and the body
+        budget bounds the bytes waiting for one."""
+        return self._joiner.submit(b"".join, chunks)
 
     def parse(self, body: bytes, conversation_field: str | None,
               model: type[BaseModel] | None = None,
@@ -151,6 +167,7 @@ class BodyParser:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
         self._launcher.shutdown(wait=False)
+        self._joiner.shutdown(wait=False, cancel_futures=True)
 
     def _live_executor(self) -> ProcessPoolExecutor:
         with self._lock:
@@ -276,7 +293,8 @@ class PoolParsedRequest(Request):
     """A request whose `json()` parses a large body with the app's `state.body_parser`, on
     its `state.work_pool`, and returns it validated as `body_model` (the route's body model,
     if it has one); a body over a count of `body_limits`, or one that does not validate,
-    raises its 400 there (the child's error: the route does not validate it again)."""
+    raises its 400 there (the child's error: the route does not validate it again). Its
+    `body()` joins a body of `OFF_LOOP_JOIN_BYTES` or more on the parser's thread."""
 
     def __init__(self, scope: Scope, receive: Receive,
                  body_model: type[BaseModel] | None = None) -> None:
@@ -284,22 +302,22 @@ class PoolParsedRequest(Request):
         self.body_model = body_model
 
     async def body(self) -> bytes:
-        """The body's bytes. Joined from its chunks on a thread of the work pool, in the
-        tenant's turn, when over `INLINE_PARSE_BYTES`: Starlette's join on the event loop
-        held the loop for about 8 ms for each 8 MB body under `bench bodies --attack chats`
-        (py-spy, 2026-11-26), its longest stall; a join of bytes that large releases the GIL
-        while it copies."""
+        """The body's bytes, as Starlette's `Request.body` reads them, but joined from its
+        chunks by `BodyParser.join` when they are at least `OFF_LOOP_JOIN_BYTES` (a body
+        that came in one chunk is that chunk, never copied)."""
         if not hasattr(self, "_body"):
             chunks: list[bytes] = []
             async with contextlib.aclosing(self.stream()) as stream:
                 async for chunk in stream:
-                    chunks.append(chunk)
-            if sum(map(len, chunks)) <= INLINE_PARSE_BYTES:
+                    if chunk:
+                        chunks.append(chunk)
+            if len(chunks) == 1:
+                self._body = chunks[0]
+            elif sum(map(len, chunks)) < OFF_LOOP_JOIN_BYTES:
                 self._body = b"".join(chunks)
             else:
-                pool: TenantWorkPool = self.app.state.work_pool
-                self._body = await pool.run(scope_tenant(self.scope), b"".join, chunks,
-                                            background=True)
+                parser: BodyParser = self.app.state.body_parser
+                self._body = await asyncio.wrap_future(parser.join(chunks))
         return self._body
 
     async def json(self) -> Any:

@@ -205,7 +205,8 @@ class ClientContext:
     None outside `RequestIdMiddleware`), which log lines about the request name;
     `large_body`: its body was too large to parse inline, so its preparation runs in the work
     pool's background (lower CPU priority); `chat_prompt`: a large chat body's conversation,
-    made into its prompt in the child that parsed the body (None: made by the handler)."""
+    made into its prompt in the child that parsed the body (None: made by the handler). When
+    it is set, the body's messages are an empty list: the prompt stands for them."""
 
     headers: Mapping[str, str]
     tenant: str | None

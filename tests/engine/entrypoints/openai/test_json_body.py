@@ -6,13 +6,14 @@ not validated again."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
-import hashlib
 import json
 import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
@@ -29,6 +30,7 @@ from engine.entrypoints.openai.chat_prompt import (
 )
 from engine.entrypoints.openai.json_body import (
     INLINE_PARSE_BYTES,
+    OFF_LOOP_JOIN_BYTES,
     BodyParser,
     ParsedBody,
     PoolParsedRequest,
@@ -163,43 +165,40 @@ def test_a_large_bodys_preparation_runs_in_the_background(parser):
     app.state.work_pool.shutdown()
 
 
-class _RecordingPool(TenantWorkPool):
-    """A work pool that records what it is asked to run: (the function, in the background)."""
+async def _body_read_in_pieces(app: FastAPI, pieces: list[bytes]) -> bytes:
+    """`PoolParsedRequest.body` of a request of `app` whose body arrives as `pieces`."""
+    messages = [{"type": "http.request", "body": piece, "more_body": True} for piece in pieces]
+    messages.append({"type": "http.request", "body": b"", "more_body": False})
 
-    def __init__(self, num_threads: int) -> None:
-        super().__init__(num_threads)
-        self.ran: list[tuple[Callable[..., object], bool]] = []
+    async def receive() -> dict:
+        return messages.pop(0)
 
-    async def run(self, tenant: str | None, fn: Callable[..., object], *args: object,
-                  background: bool = False) -> object:
-        self.ran.append((fn, background))
-        return await super().run(tenant, fn, *args, background=background)
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": [],
+             "query_string": b"", "app": app}
+    return await PoolParsedRequest(scope, receive).body()
 
 
-def test_a_large_body_is_joined_in_the_background_not_on_the_event_loop(parser):
+def test_a_body_of_a_mebibyte_in_pieces_is_joined_off_the_event_loop(parser, monkeypatch):
     """Starlette joins a body's chunks on the event loop (8 MB held it about 8 ms under `bench
-    bodies --attack chats`): a large body's are joined by the work pool, in the background,
-    into the same bytes; a small body's where they are read."""
-    app = pool_parsed_app(parser)
-    app.state.work_pool.shutdown()
-    app.state.work_pool = pool = _RecordingPool(2)
+    bodies --attack chats`): from `OFF_LOOP_JOIN_BYTES` up they are joined by the parser's
+    joining thread, into the same bytes; a smaller body's where it is read; a body that came
+    in one piece is that piece."""
+    app = FastAPI()
+    app.state.body_parser = parser
+    joined: list[int] = []
+    join = parser.join
 
-    @app.post("/echo")
-    async def echo(request: Request) -> dict:
-        body = await request.body()
-        return {"length": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    def recording_join(chunks: list[bytes]) -> Future[bytes]:
+        joined.append(sum(map(len, chunks)))
+        return join(chunks)
 
-    bodies = [os.urandom(10), os.urandom(3 * INLINE_PARSE_BYTES)]
-    ran = []
-    with TestClient(app) as client:
-        for body in bodies:
-            pool.ran.clear()
-            answer = client.post("/echo", content=iter([body[:7], body[7:]]))
-            assert answer.json() == {"length": len(body),
-                                     "sha256": hashlib.sha256(body).hexdigest()}
-            ran.append(list(pool.ran))
-    pool.shutdown()
-    assert ran == [[], [(b"".join, True)]]
+    monkeypatch.setattr(parser, "join", recording_join)
+    large, small = os.urandom(OFF_LOOP_JOIN_BYTES), os.urandom(OFF_LOOP_JOIN_BYTES - 1)
+    assert asyncio.run(_body_read_in_pieces(app, [large[:7], large[7:]])) == large
+    assert joined == [len(large)]
+    assert asyncio.run(_body_read_in_pieces(app, [small[:7], small[7:]])) == small
+    assert asyncio.run(_body_read_in_pieces(app, [large])) is large
+    assert joined == [len(large)]
 
 
 class WhereValidated(BaseModel):
