@@ -312,7 +312,7 @@ class PoolParsedRequest(Request):
                     if chunk:
                         chunks.append(chunk)
             if len(chunks) == 1:
-                self._body = chunks[0]
+                self._body = bytes(chunks[0])  # the same object when it is bytes
             elif sum(map(len, chunks)) < OFF_LOOP_JOIN_BYTES:
                 self._body = b"".join(chunks)
             else:
