@@ -138,12 +138,12 @@ class BodyParser:
         self._joiner = ThreadPoolExecutor(1, thread_name_prefix="body-joiner")
 
     def join(self, chunks: list[bytes]) -> Future[bytes]:
-        """`b"".join(chunks)` on the parser's one joining thread, at the priority of the
-        thread that built the parser, for the event loop to await (`PoolParsedRequest.body`):
-        joining an 8 MB body's chunks on the loop held it about 8 ms under `bench bodies
-        --attack chats` (2026-11-26). Not in the tenants' turns of the work pool, where it
-        would wait behind another tenant's parse: each join takes milliseconds, and the body
-        budget bounds the bytes waiting for one."""
+        """`b"".join(chunks)` on the parser's one joining thread, which the event loop's first
+        call starts (so it runs at the loop's priority), for the loop to await
+        (`PoolParsedRequest.body`): joining an 8 MB body's chunks on the loop held it about
+        8 ms under `bench bodies --attack chats` (2026-11-26). Not in the tenants' turns of
+        the work pool, where it would wait behind another tenant's parse: each join takes
+        milliseconds, and the body budget bounds the bytes waiting for one."""
         return self._joiner.submit(b"".join, chunks)
 
     def parse(self, body: bytes, conversation_field: str | None,
