@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 PROMPT_PREFIX_CHARS = 2048
@@ -55,6 +56,33 @@ def routing_key(path: str, body: Any, headers: Mapping[str, str]) -> str | None:
     if path.endswith("/completions"):
         return _prompt_key(scope, body.get("prompt"))
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class BodyRoute:
+    """What the ingress routes a generation request by, read from its JSON body: its routing
+    key (`routing_key`), and the `previous_response_id` it continues (a Responses API
+    follow-up); each None when the body has none."""
+
+    key: str | None
+    previous_response_id: str | None
+
+
+def body_route(path: str, headers: Mapping[str, str], body: bytes) -> BodyRoute:
+    """The `BodyRoute` of a generation `POST` to `path` with lower-cased `headers` and JSON
+    `body` (its bytes: one that does not parse, or nests past the parser's depth, has
+    neither). Runs in the ingress's process for a small body, in a parsing child for a large
+    one (`ray_app.Ingress`)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return BodyRoute(None, None)
+    previous = value.get("previous_response_id") if isinstance(value, dict) else None
+    try:
+        key = routing_key(path, value, headers)
+    except RecursionError:  # an opening nested almost as deep as the parser goes: no key
+        key = None
+    return BodyRoute(key, previous if isinstance(previous, str) else None)
 
 
 def job_key(job_id: str, headers: Mapping[str, str]) -> str:

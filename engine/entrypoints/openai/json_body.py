@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +51,8 @@ from engine.entrypoints.openai.work_pool import BACKGROUND_NICENESS, TenantWorkP
 from engine.frontend.processor import InputProcessor
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 INLINE_PARSE_BYTES = 64 * 1024
 # The request scope's state key that says the body was over `INLINE_PARSE_BYTES`: the rest of
@@ -108,10 +110,10 @@ class BodyParser:
     need them; a pool broken by a child's death is replaced at the next body). Each child
     holds a copy of `processor` (the engine's input processor, for a parse's
     `make_chat_prompt`; None: no prompt is made) and runs in `cpu_class`. Owned by the
-    server, which gives it as many processes as its work pool has background threads, so
-    that no body waits here behind another tenant's: the pool's turns decide the order.
-    Built on the event loop's thread; `parse` is called from the work pool's threads, `join`
-    from the event loop, `shutdown` once at exit.
+    server (or the Ray ingress), which gives it as many processes as its work pool has
+    background threads, so that no body waits here behind another tenant's: the pool's turns
+    decide the order. Built on the event loop's thread; `parse` and `summary` are called
+    from the work pool's threads, `join` from the event loop, `shutdown` once at exit.
 
     The pool's helper threads in the server's process (its manager, and its call queue's
     feeder, which pickles each body and writes it to a child 64 KiB at a time, taking the
@@ -153,13 +155,16 @@ class BodyParser:
         as `model` (if given), in a child; when it validates and the parser has a processor,
         `make_chat_prompt(processor, instance)` there too. JSONDecodeError or BodyLimitError
         for a body that does not parse or is over a limit."""
-        executor = self._live_executor()
-        args = (body, conversation_field, model, make_chat_prompt)
-        try:
-            return executor.submit(_parse_in_child, *args).result()
-        except BrokenProcessPool:
-            self._replace(executor)
-            return self._live_executor().submit(_parse_in_child, *args).result()
+        return self._in_child(_parse_in_child, body, conversation_field, model,
+                              make_chat_prompt)
+
+    def summary(self, body: bytes, summarize: Callable[[bytes], _T]) -> _T:
+        """`summarize(body)` in a child: only what it returns comes back into this process
+        (it, and `summarize` itself, must pickle). Blocking, as `parse` is: called from the
+        work pool's threads. For a caller that needs a little of a large body without
+        parsing it in its own process: the Ray ingress reads a large body's route so
+        (`ray_app.Ingress`)."""
+        return self._in_child(summarize, body)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -168,6 +173,16 @@ class BodyParser:
                 self._executor = None
         self._launcher.shutdown(wait=False)
         self._joiner.shutdown(wait=False, cancel_futures=True)
+
+    def _in_child(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` in a child, on a pool replaced and asked once more if a child's death
+        broke it (before or while it ran `fn`); BrokenProcessPool if that one breaks too."""
+        executor = self._live_executor()
+        try:
+            return executor.submit(fn, *args).result()
+        except BrokenProcessPool:
+            self._replace(executor)
+            return self._live_executor().submit(fn, *args).result()
 
     def _live_executor(self) -> ProcessPoolExecutor:
         with self._lock:

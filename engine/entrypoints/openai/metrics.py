@@ -9,7 +9,7 @@ metrics are the snapshot fetched when `/metrics` is scraped.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -115,9 +115,32 @@ def _counter(name: str, documentation: str, model: str, value: float) -> Counter
     return family
 
 
+def body_budget_families(budget: BodyByteBudget, pacer: RefusalPacer, *,
+                         prefix: str = PREFIX, labels: Mapping[str, str] | None = None
+                         ) -> list[Metric]:
+    """What `budget` holds and has refused, and how many of those refusals `pacer` answered
+    late, as metric families named from `prefix`, each sample with `labels`: the server's
+    (labelled by its model) and the Ray ingress's own (`continuum:ingress_...`)."""
+    names, values = list(labels or {}), list((labels or {}).values())
+    held = GaugeMetricFamily(prefix + "request_body_bytes_held", "Bytes of request bodies "
+                             "held by the requests in progress.", labels=names)
+    held.add_metric(values, budget.held_bytes)
+    refused = CounterMetricFamily(
+        prefix + "request_bodies_refused", "Requests refused because their body would pass "
+        "the tenant's share (429) or the total (503) of body bytes.",
+        labels=[*names, "status"])
+    for status in (429, 503):
+        refused.add_metric([*values, str(status)], budget.num_refused[status])
+    paced = CounterMetricFamily(
+        prefix + "request_body_refusals_paced", "Of those refusals, how many were answered "
+        "Retry-After seconds late: their tenant's previous refusal had been answered less "
+        "than that before.", labels=names)
+    paced.add_metric(values, pacer.num_paced)
+    return [held, refused, paced]
+
+
 class _BodyBudgetCollector(Collector):
-    """Exposes what a `BodyByteBudget` holds and has refused, and how many of those
-    refusals its `RefusalPacer` answered late, read at each scrape."""
+    """Exposes `body_budget_families` of the server's budget and pacer at each scrape."""
 
     def __init__(self, model_name: str, budget: BodyByteBudget, pacer: RefusalPacer) -> None:
         self.model_name = model_name
@@ -128,19 +151,8 @@ class _BodyBudgetCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        yield _gauge("request_body_bytes_held", "Bytes of request bodies held by the requests "
-                     "in progress.", self.model_name, self.budget.held_bytes)
-        refused = CounterMetricFamily(
-            PREFIX + "request_bodies_refused", "Requests refused because their body would "
-            "pass the tenant's share (429) or the server's total (503) of body bytes.",
-            labels=["model_name", "status"])
-        for status in (429, 503):
-            refused.add_metric([self.model_name, str(status)], self.budget.num_refused[status])
-        yield refused
-        yield _counter("request_body_refusals_paced", "Of those refusals, how many were "
-                       "answered Retry-After seconds late: their tenant's previous refusal "
-                       "had been answered less than that before.", self.model_name,
-                       self.pacer.num_paced)
+        yield from body_budget_families(self.budget, self.pacer,
+                                        labels={"model_name": self.model_name})
 
 
 class PrometheusMetrics:

@@ -26,6 +26,7 @@ serve = pytest.importorskip("ray.serve")
 from engine.cli import main as cli_main  # noqa: E402
 from engine.entrypoints.server_args import add_arguments  # noqa: E402
 from engine.replicas.ray_app import (  # noqa: E402
+    ROUTE_IN_CHILD_BYTES,
     ReplicaAppSettings,
     build_application,
     stop_application,
@@ -178,11 +179,20 @@ def test_responses_follow_ups_reach_the_replica_holding_the_conversation(
         assert stream.headers["x-continuum-replica"] == replica
         events = list(stream.parse())
         previous = events[-1].response.id
+    # A follow-up of ROUTE_IN_CHILD_BYTES: its route read in the ingress's parsing child.
+    padded = json.dumps({"model": "tiny", "input": "go on", "max_output_tokens": 4,
+                         "previous_response_id": previous})
+    padded = padded[:-1] + " " * ROUTE_IN_CHILD_BYTES + "}"
+    large = httpx.post(ray_server.base_url + "/v1/responses", content=padded, timeout=60,
+                       headers={"Content-Type": "application/json"})
+    assert large.status_code == 200, large.text
+    assert large.headers["x-continuum-replica"] == replica
+    previous = large.json()["id"]
     assert client.responses.retrieve(previous).id == previous
     listed = client.responses.input_items.with_raw_response.list(previous, order="asc")
     assert listed.headers["x-continuum-replica"] == replica  # the replica storing it
-    items = listed.parse().data  # the first input, then three turns of output and "go on"
-    assert [item.role for item in items] == ["user", *["assistant", "user"] * 3]
+    items = listed.parse().data  # the first input, then four turns of output and "go on"
+    assert [item.role for item in items] == ["user", *["assistant", "user"] * 4]
     assert (items[0].content[0].text, items[-1].content[0].text) == ("hello there", "go on")
     # Ids no replica stores: each replica is asked, and the single server's answer comes back.
     unknown = httpx.post(ray_server.base_url + "/v1/responses", timeout=60, json={
@@ -200,6 +210,12 @@ def test_bad_input_gets_the_single_servers_error(ray_server: RayServer) -> None:
                           json={"model": "tiny", "messages": [], "max_tokens": -1})
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
+    # Nested past the JSON parser's depth: a route of neither key nor follow-up, read here
+    # (a small body) or in the ingress's parsing child (a large one), then the replica's 400.
+    for deep in (b"[" * 3000, b"[" * ROUTE_IN_CHILD_BYTES):
+        response = httpx.post(ray_server.base_url + "/v1/chat/completions", timeout=60,
+                              content=deep, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, response.text
 
 
 def test_a_killed_replica_leaves_the_other_replicas_jobs_complete(
@@ -352,16 +368,34 @@ def test_the_ingress_refuses_bodies_past_its_budget_unread(ray_server: RayServer
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                          b"Authorization: Bearer secret\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 65536\r\n\r\n" + b" " * 65535)
+        # Until the ingress holds both, a probe may be admitted and then give its room to
+        # an older body: a refusal while it is read, which is not paced.
+        deadline_s = time.monotonic() + 60
+        while _ingress_sample(url, key, "continuum:ingress_request_body_bytes_held") < 131070:
+            assert time.monotonic() < deadline_s
+            time.sleep(0.05)
         refused = _first_answer(url, key, body, lambda status: status == 503)
         assert refused.json()["error"]["code"] == "server_busy"
         assert refused.headers["retry-after"] == "3"
         started_s = time.monotonic()
         again = httpx.post(url + "/v1/completions", timeout=60, headers=key, json=body)
         assert again.status_code == 503 and time.monotonic() - started_s >= 3.0
+        assert _ingress_sample(url, key, 'continuum:ingress_request_bodies_refused_total'
+                               '{status="503"}') >= 2
+        assert _ingress_sample(url, key,
+                               "continuum:ingress_request_body_refusals_paced_total") >= 1
     finally:
         for sock in held:
             sock.close()
     _first_answer(url, key, body, lambda status: status == 200)
+
+
+def _ingress_sample(url: str, headers: dict[str, str], name: str) -> float:
+    """The value of the sample `name` (with its labels, if any) in the ingress's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=60, headers=headers).text
+    value, = (float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.rsplit(" ", 1)[0] == name)
+    return value
 
 
 def _first_answer(url: str, headers: dict[str, str], body: dict[str, Any],

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from engine.replicas.routing_key import PROMPT_PREFIX_TOKENS, job_key, routing_key
+import json
+
+from engine.replicas.routing_key import (
+    PROMPT_PREFIX_TOKENS,
+    BodyRoute,
+    body_route,
+    job_key,
+    routing_key,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -60,3 +68,17 @@ def test_malformed_bodies_have_no_key() -> None:
     assert key(CHAT, None) is None
     assert key(CHAT, [1, 2]) is None
     assert key(CHAT, {"job_id": 5, "messages": []}) is None
+
+
+def test_a_body_route_is_its_key_and_the_response_it_continues() -> None:
+    """What the ingress routes a generation body by (read in a child from a large one): its
+    routing key, and a `previous_response_id` only when it is a string; neither for a body
+    that does not parse, however it fails."""
+    headers = {"authorization": "Bearer alice"}
+    follow_up = {"input": "go on", "previous_response_id": "resp_1"}
+    assert body_route("/v1/responses", headers, json.dumps(follow_up).encode()) == BodyRoute(
+        routing_key("/v1/responses", follow_up, headers), "resp_1")
+    numbered = json.dumps({**follow_up, "previous_response_id": 7}).encode()
+    assert body_route("/v1/responses", headers, numbered).previous_response_id is None
+    for malformed in (b'{"messages": ', b"[" * 100_000, b"\xff"):
+        assert body_route(CHAT, headers, malformed) == BodyRoute(None, None)

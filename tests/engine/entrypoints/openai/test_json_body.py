@@ -86,6 +86,23 @@ def test_parses_in_a_child_process_as_json_loads_does(parser):
         parser.parse(b'{"a": 1', None)
 
 
+def _pid_and_length(body: bytes) -> tuple[int, int]:
+    return os.getpid(), len(body)
+
+
+def test_a_summary_is_made_in_a_child_and_only_it_comes_back(parser):
+    """`BodyParser.summary`: the caller's function of a body, run in a child (the Ray
+    ingress reads a large body's route so), on a pool replaced when a child died idle."""
+    pid, length = parser.summary(b"x" * 100, _pid_and_length)
+    assert pid != os.getpid() and length == 100
+    executor = parser._live_executor()
+    for child in list(executor._processes):
+        os.kill(child, 9)
+    while not executor._broken:
+        time.sleep(0.01)
+    assert parser.summary(b"yz", _pid_and_length)[1] == 2
+
+
 def test_a_body_over_a_limit_is_refused_in_the_child(parser):
     body = json.dumps({"messages": [{"content": [{}] * (MAX_CONVERSATION_PARTS + 1)}]})
     with pytest.raises(BodyLimitError) as refused:
