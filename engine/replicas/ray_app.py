@@ -422,19 +422,24 @@ class Ingress:
             except BodyRefused:
                 await self._refusal_pacer.pace(reservation.tenant)
                 raise
-        body = bytearray()
+        chunks: list[bytes] = []
+        num_bytes = 0
         more_body = True
         while more_body:
             message = await reservation.unless_revoked(request.receive)
             if message["type"] == "http.disconnect":
                 raise ClientDisconnect
-            body += message.get("body", b"")
-            if len(body) > self._max_request_body_bytes:
+            if chunk := message.get("body", b""):
+                chunks.append(chunk)
+                num_bytes += len(chunk)
+            if num_bytes > self._max_request_body_bytes:
                 reservation.stop_arriving()
                 return None
             more_body = bool(message.get("more_body"))
-            reservation.cover(len(body), complete=not more_body)
-        return bytes(body)
+            reservation.cover(num_bytes, complete=not more_body)
+        # Appending each chunk to one buffer here, then copying it out, held this loop for
+        # about a quarter of its busy time under `bench bodies --attack chats` (2026-11-26).
+        return await self._body_parser.joined(chunks)
 
     async def _generation_route(self, request: ProxiedRequest, tenant: str | None
                                 ) -> Route | None:

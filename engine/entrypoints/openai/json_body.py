@@ -148,6 +148,17 @@ class BodyParser:
         milliseconds, and the body budget bounds the bytes waiting for one."""
         return self._joiner.submit(b"".join, chunks)
 
+    async def joined(self, chunks: list[bytes]) -> bytes:
+        """A body read in `chunks` (none empty), as one bytes object, for the event loop:
+        the one chunk itself (never copied when it is bytes); joined on the loop below
+        `OFF_LOOP_JOIN_BYTES`; else by `join`, off the loop. Used by `PoolParsedRequest.body`
+        and the Ray ingress's body reader."""
+        if len(chunks) == 1:
+            return bytes(chunks[0])
+        if sum(map(len, chunks)) < OFF_LOOP_JOIN_BYTES:
+            return b"".join(chunks)
+        return await asyncio.wrap_future(self.join(chunks))
+
     def parse(self, body: bytes, conversation_field: str | None,
               model: type[BaseModel] | None = None,
               make_chat_prompt: MakeChatPrompt | None = None) -> ParsedBody:
@@ -326,13 +337,8 @@ class PoolParsedRequest(Request):
                 async for chunk in stream:
                     if chunk:
                         chunks.append(chunk)
-            if len(chunks) == 1:
-                self._body = bytes(chunks[0])  # the same object when it is bytes
-            elif sum(map(len, chunks)) < OFF_LOOP_JOIN_BYTES:
-                self._body = b"".join(chunks)
-            else:
-                parser: BodyParser = self.app.state.body_parser
-                self._body = await asyncio.wrap_future(parser.join(chunks))
+            parser: BodyParser = self.app.state.body_parser
+            self._body = await parser.joined(chunks)
         return self._body
 
     async def json(self) -> Any:
