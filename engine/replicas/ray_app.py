@@ -61,7 +61,7 @@ from engine.entrypoints.openai.errors import (
     error_response,
     invalid_api_key_response,
 )
-from engine.entrypoints.openai.json_body import BodyParser
+from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, BodyParser
 from engine.entrypoints.openai.metrics import body_budget_families
 from engine.entrypoints.openai.serving import sse
 from engine.entrypoints.openai.tenants import UNAUTHENTICATED_PATHS
@@ -92,12 +92,16 @@ MAX_ONGOING_REQUESTS_PER_REPLICA = 4096
 ENGINE_STOP_MARGIN_S = 5.0
 _REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
 _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
-# A generation body of this many bytes or more has its route read in a parsing child: its
-# `json.loads` would hold the event loop, which relays every tenant's stream, for
-# milliseconds (an 8 MB chat: 8 ms; 15 MB of Responses items: 0.3 s). A smaller one, such as
-# an agent's turn with a long context, is parsed here in about a millisecond or less,
-# without waiting for a child.
+# A generation body of this many bytes or more, or of more than `INLINE_PARSE_BYTES` with
+# at least `ROUTE_IN_CHILD_COMMAS` commas (about as many JSON values), has its route read in
+# a parsing child (`_reads_route_in_child`): its `json.loads` would hold the event
+# loop, which relays every tenant's stream, for milliseconds (an 8 MB chat: 8 ms; 15 MB of
+# Responses items: 0.3 s; just under 1 MiB of `[{},{},...]`: about 30 ms). A smaller or
+# sparser one, such as an agent's turn with a long context, is parsed here without waiting
+# for a child: 1-2 ms at most (a string of 1 MiB; 8,191 values: about 1 ms; this machine,
+# 2026-11-26). Counting the commas takes a fraction of a millisecond a MiB.
 ROUTE_IN_CHILD_BYTES = 1 << 20
+ROUTE_IN_CHILD_COMMAS = 8192
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,13 @@ class EngineReplica:
         self._engine_died = True
 
 
+def _reads_route_in_child(body: bytes) -> bool:
+    """Whether a generation body's route is read in a parsing child (see
+    `ROUTE_IN_CHILD_BYTES`)."""
+    return len(body) >= ROUTE_IN_CHILD_BYTES or (
+        len(body) > INLINE_PARSE_BYTES and body.count(b",") >= ROUTE_IN_CHILD_COMMAS)
+
+
 def _headers(request: Request) -> tuple[tuple[bytes, bytes], ...]:
     return tuple((key, value) for key, value in request.headers.raw if key.lower() != b"host")
 
@@ -226,11 +237,12 @@ def _response_headers(head: ResponseHead) -> dict[str, str]:
 def _json_or_none(body: bytes) -> Any:
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # a replica's answer echoes the client's nesting
         return None
 
 
 def _lowercase_headers(request: ProxiedRequest) -> dict[str, str]:
+    """The request's headers by lower-cased name, as `routing_key` reads them."""
     return {key.decode().lower(): value.decode(errors="replace")
             for key, value in request.headers}
 
@@ -300,7 +312,10 @@ proxy_app = FastAPI(title="Continuum engine (replicated)", docs_url=None, redoc_
 
 @serve.ingress(proxy_app)
 class Ingress:
-    """The HTTP entry: routes each request to an engine replica and relays its response."""
+    """The HTTP entry: routes each request to an engine replica and relays its response.
+    Owns, besides its body budget, a work pool and the `BodyParser` children (up to the
+    pool's background threads, spawned as large bodies need them) that read large bodies'
+    routes; both stop in `__del__`."""
 
     def __init__(self, replicas: DeploymentHandle, num_replicas: int,
                  serve_args: dict[str, Any]) -> None:
@@ -327,9 +342,12 @@ class Ingress:
         self._routes_unread = 0
 
     def __del__(self) -> None:
-        # Called by Ray Serve as it stops the replica.
-        self._work_pool.shutdown()
-        self._body_parser.shutdown()
+        # Called by Ray Serve as it stops the replica, even after an `__init__` that failed
+        # before these were made.
+        if (pool := getattr(self, "_work_pool", None)) is not None:
+            pool.shutdown()
+        if (parser := getattr(self, "_body_parser", None)) is not None:
+            parser.shutdown()
 
     @proxy_app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
@@ -448,20 +466,23 @@ class Ingress:
         or a large body whose parsing children died). APIError 429 when the tenant already
         has the work pool's most bodies waiting for a child, 503 once the ingress stops."""
         read_route = functools.partial(body_route, request.path, _lowercase_headers(request))
-        if len(request.body) < ROUTE_IN_CHILD_BYTES:
+        if not _reads_route_in_child(request.body):
             route = read_route(request.body)
         else:
             try:
                 route = await self._work_pool.run(tenant, self._body_parser.summary,
                                                   request.body, read_route, background=True)
             except BrokenProcessPool:
-                logger.warning("the ingress's body-parsing processes failed; asking each "
-                               "replica in turn")
                 self._routes_unread += 1
-                return None
+                logger.warning("the ingress's body-parsing processes failed; a Responses "
+                               "request is asked of each replica in turn, any other is "
+                               "load-balanced")
+                # Only a Responses follow-up is bound to a replica, which only they know.
+                return None if request.path == "/v1/responses" else Route(None)
         return self._route_of_body(request.path, route)
 
     def _route_of_body(self, path: str, route: BodyRoute) -> Route | None:
+        """The route of a generation to `path` whose body reads as `route`."""
         previous = route.previous_response_id
         if path == "/v1/responses" and previous is not None:
             stored = self._responses.get(previous)

@@ -105,7 +105,9 @@ def rendezvous_rank(key: str, replica_ids: Sequence[str]) -> list[str]:
     Removing a replica moves only the keys whose best it was; adding one takes about 1/N of
     the keys. Stable across processes (a cryptographic hash, not Python's salted `hash`)."""
     def score(replica_id: str) -> bytes:
-        return hashlib.blake2b(f"{key}\x00{replica_id}".encode(), digest_size=8).digest()
+        # A key may hold a lone surrogate from a JSON escape (a job id of "\ud800").
+        text = f"{key}\x00{replica_id}".encode("utf-8", "surrogatepass")
+        return hashlib.blake2b(text, digest_size=8).digest()
 
     return sorted(replica_ids, key=score, reverse=True)
 

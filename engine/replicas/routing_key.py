@@ -136,4 +136,6 @@ def _prompt_key(scope: str, prompt: Any) -> str | None:
 
 def _digest(scope: str, kind: str, value: Any) -> str:
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return f"{scope}{kind}:{hashlib.blake2b(text.encode(), digest_size=12).hexdigest()}"
+    # JSON escapes may leave a lone surrogate in the text ("\ud800"), which UTF-8 refuses.
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12)
+    return f"{scope}{kind}:{digest.hexdigest()}"

@@ -113,7 +113,8 @@ class BodyParser:
     server (or the Ray ingress), which gives it as many processes as its work pool has
     background threads, so that no body waits here behind another tenant's: the pool's turns
     decide the order. Built on the event loop's thread; `parse` and `summary` are called
-    from the work pool's threads, `join` from the event loop, `shutdown` once at exit.
+    from the work pool's threads, `join` and `joined` from the event loop, `shutdown` once
+    at exit.
 
     The pool's helper threads in the server's process (its manager, and its call queue's
     feeder, which pickles each body and writes it to a child 64 KiB at a time, taking the

@@ -12,7 +12,9 @@ import json
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +26,19 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from engine.cli import main as cli_main  # noqa: E402
+from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES  # noqa: E402
+from engine.entrypoints.openai.work_pool import TenantWorkPool  # noqa: E402
 from engine.entrypoints.server_args import add_arguments  # noqa: E402
+from engine.replicas.asgi import ProxiedRequest  # noqa: E402
 from engine.replicas.ray_app import (  # noqa: E402
     ROUTE_IN_CHILD_BYTES,
+    ROUTE_IN_CHILD_COMMAS,
+    Ingress,
     ReplicaAppSettings,
     build_application,
     stop_application,
 )
-from engine.replicas.routing import RouterName, rendezvous_rank  # noqa: E402
+from engine.replicas.routing import Route, RouterName, rendezvous_rank  # noqa: E402
 from engine.replicas.routing_key import job_key  # noqa: E402
 from eval.metrics import RunMetrics  # noqa: E402
 from eval.replay_client import AgentReplay, ReplaySettings  # noqa: E402
@@ -126,6 +133,49 @@ def ray_server() -> Iterator[RayServer]:
     server.stop()
 
 
+class DeadChildren:
+    """A body parser whose children die at every body; records the bodies it was given."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    def summary(self, body: bytes, summarize: Callable[[bytes], Any]) -> Any:
+        self.bodies.append(body)
+        raise BrokenProcessPool("a child died")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_which_bodies_are_routed_in_a_child_and_without_one_when_it_died() -> None:
+    """Without Ray: a large or dense generation body goes to the ingress's parsing child; when
+    the children die, a Responses request is asked of each replica in turn (it may follow a
+    response only one replica stores) and any other is load-balanced. A sparse body under a
+    mebibyte is routed inline."""
+    unwrapped = Ingress.__wrapped__  # the class itself, without Ray Serve's ASGI wrapper
+    ingress = unwrapped.__new__(unwrapped)
+    ingress._work_pool, ingress._body_parser = TenantWorkPool(2), DeadChildren()
+    ingress._responses, ingress._routes_unread = OrderedDict(), 0
+
+    async def route(path: str, body: bytes) -> Route | None:
+        return await ingress._generation_route(
+            ProxiedRequest("POST", path, b"", (), body), None)
+
+    large = b'{"input": "' + b"x" * ROUTE_IN_CHILD_BYTES + b'"}'
+    dense = (b'{"prompt": [' + b"1," * ROUTE_IN_CHILD_COMMAS + b'1], "user": "'
+             + b"x" * INLINE_PARSE_BYTES + b'"}')
+    sparse = b'{"prompt": "' + b"x" * (ROUTE_IN_CHILD_BYTES - 20) + b'"}'
+    try:
+        assert asyncio.run(route("/v1/responses", large)) is None
+        assert asyncio.run(route("/v1/completions", dense)) == Route(None)
+        assert ingress._body_parser.bodies == [large, dense]
+        assert ingress._routes_unread == 2
+        assert asyncio.run(route("/v1/completions", sparse)).key is not None
+        assert ingress._body_parser.bodies == [large, dense]
+    finally:
+        ingress._work_pool.shutdown()
+
+
 def test_affinity_keeps_each_job_on_one_replica_and_its_cache(
         ray_server: RayServer, tmp_path: Path) -> None:
     run, printed = ray_server.bench_agent_run("affinity", tmp_path)
@@ -187,6 +237,8 @@ def test_responses_follow_ups_reach_the_replica_holding_the_conversation(
                        headers={"Content-Type": "application/json"})
     assert large.status_code == 200, large.text
     assert large.headers["x-continuum-replica"] == replica
+    assert large.headers["x-continuum-route"] == "affinity"  # not each replica in turn
+    assert _ingress_sample(ray_server.base_url, {}, "continuum:ingress_routes_unread_total") == 0
     previous = large.json()["id"]
     assert client.responses.retrieve(previous).id == previous
     listed = client.responses.input_items.with_raw_response.list(previous, order="asc")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from engine.replicas.routing import rendezvous_rank
 from engine.replicas.routing_key import (
     PROMPT_PREFIX_TOKENS,
     BodyRoute,
@@ -82,3 +83,13 @@ def test_a_body_route_is_its_key_and_the_response_it_continues() -> None:
     assert body_route("/v1/responses", headers, numbered).previous_response_id is None
     for malformed in (b'{"messages": ', b"[" * 100_000, b"\xff"):
         assert body_route(CHAT, headers, malformed) == BodyRoute(None, None)
+
+
+def test_a_lone_surrogate_in_a_body_still_has_a_key_and_a_replica() -> None:
+    """JSON escapes can spell a lone surrogate, which UTF-8 refuses: such a conversation or
+    job still has a key (the ingress answered 500 before), and a replica to go to."""
+    for body in (b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                 b'{"job_id": "\\udfff", "messages": []}'):
+        key = body_route(CHAT, {}, body).key
+        assert key is not None
+        assert sorted(rendezvous_rank(key, ["a", "b"])) == ["a", "b"]
