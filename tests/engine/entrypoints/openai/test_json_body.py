@@ -522,6 +522,8 @@ def test_a_failure_to_make_the_prompt_leaves_it_to_the_route(preparing_parser):
 
 
 class _BrokenParser:
+    joined = BodyParser.joined  # a body under a mebibyte, as the parser gives it
+
     def parse(self, *args: object) -> ParsedBody:
         raise BrokenProcessPool("a child died")
 
