@@ -48,6 +48,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
 
+from engine.core.malloc_thresholds import keep_large_buffers_in_heap
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.body_budget import (
     BodyRefused,
@@ -137,6 +138,9 @@ class EngineReplica:
         from engine.entrypoints.openai.api_server import build_app
 
         self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
+        # This actor owns its Ray worker process, through which request bodies of megabytes
+        # pass, as `serve`'s process does (its engine core sets them in its own process).
+        keep_large_buffers_in_heap()
         args = argparse.Namespace(**serve_args)
         config = EngineArgs.from_cli_args(args).to_engine_config()
         # The ingress paces its refusals; a replica gets bodies the ingress has read whole,
@@ -321,6 +325,8 @@ class Ingress:
                  serve_args: dict[str, Any]) -> None:
         self._replicas = replicas
         self._num_replicas = num_replicas
+        # As `serve`'s process: every request body passes through this actor's process.
+        keep_large_buffers_in_heap()
         settings = server_settings_from_args(argparse.Namespace(**serve_args))
         self._max_request_body_bytes = settings.max_request_body_bytes
         # The replicas check keys too; checking here first keeps an unauthenticated client
@@ -463,8 +469,9 @@ class Ingress:
                                 ) -> Route | None:
         """How generation `request` of `tenant` is routed, by its `BodyRoute`; None: ask
         each replica in turn (a Responses follow-up of a response this ingress does not know,
-        or a large body whose parsing children died). APIError 429 when the tenant already
-        has the work pool's most bodies waiting for a child, 503 once the ingress stops."""
+        or a large Responses body whose parsing children died: any other is then
+        load-balanced). APIError 429 when the tenant already has the work pool's most bodies
+        waiting for a child, 503 once the ingress stops."""
         read_route = functools.partial(body_route, request.path, _lowercase_headers(request))
         if not _reads_route_in_child(request.body):
             route = read_route(request.body)
