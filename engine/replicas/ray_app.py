@@ -5,9 +5,9 @@
   in-process (`engine.replicas.asgi`), so every endpoint behaves as on a single server. A
   replica whose engine core died fails Ray Serve's health check and is restarted by it.
 - **`Ingress`** (one replica, the HTTP entry): reads each request's routing key
-  (`engine.replicas.routing_key`; of a body of `ROUTE_IN_CHILD_BYTES` or more in a child
-  process, as a single server parses a large body, so that parsing it does not hold the
-  event loop that relays every tenant's stream), forwards the request through a deployment
+  (`engine.replicas.routing_key`; of a body over `INLINE_PARSE_BYTES` in a child process,
+  as a single server parses such a body, so that parsing it does not hold the event loop
+  that relays every tenant's stream), forwards the request through a deployment
   handle whose request router is `ReplicaRequestRouter`, and streams the replica's response
   back. `GET /metrics` merges every replica's series, labelled by replica, with the
   ingress's own.
@@ -48,7 +48,6 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import ClientDisconnect
 
-from engine.core.malloc_thresholds import keep_large_buffers_in_heap
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.body_budget import (
     BodyRefused,
@@ -93,16 +92,6 @@ MAX_ONGOING_REQUESTS_PER_REPLICA = 4096
 ENGINE_STOP_MARGIN_S = 5.0
 _REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
 _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
-# A generation body of this many bytes or more, or of more than `INLINE_PARSE_BYTES` with
-# at least `ROUTE_IN_CHILD_COMMAS` commas (about as many JSON values), has its route read in
-# a parsing child (`_reads_route_in_child`): its `json.loads` would hold the event
-# loop, which relays every tenant's stream, for milliseconds (an 8 MB chat: 8 ms; 15 MB of
-# Responses items: 0.3 s; just under 1 MiB of `[{},{},...]`: about 30 ms). A smaller or
-# sparser one, such as an agent's turn with a long context, is parsed here without waiting
-# for a child: 1-2 ms at most (a string of 1 MiB; 8,191 values: about 1 ms; this machine,
-# 2026-11-26). Counting the commas takes a fraction of a millisecond a MiB.
-ROUTE_IN_CHILD_BYTES = 1 << 20
-ROUTE_IN_CHILD_COMMAS = 8192
 
 
 @dataclass(frozen=True)
@@ -138,9 +127,6 @@ class EngineReplica:
         from engine.entrypoints.openai.api_server import build_app
 
         self._lifespan: contextlib.AbstractAsyncContextManager[None] | None = None
-        # This actor owns its Ray worker process, through which request bodies of megabytes
-        # pass, as `serve`'s process does (its engine core sets them in its own process).
-        keep_large_buffers_in_heap()
         args = argparse.Namespace(**serve_args)
         config = EngineArgs.from_cli_args(args).to_engine_config()
         # The ingress paces its refusals; a replica gets bodies the ingress has read whole,
@@ -218,13 +204,6 @@ class EngineReplica:
 
     def _on_engine_dead(self) -> None:
         self._engine_died = True
-
-
-def _reads_route_in_child(body: bytes) -> bool:
-    """Whether a generation body's route is read in a parsing child (see
-    `ROUTE_IN_CHILD_BYTES`)."""
-    return len(body) >= ROUTE_IN_CHILD_BYTES or (
-        len(body) > INLINE_PARSE_BYTES and body.count(b",") >= ROUTE_IN_CHILD_COMMAS)
 
 
 def _headers(request: Request) -> tuple[tuple[bytes, bytes], ...]:
@@ -325,8 +304,6 @@ class Ingress:
                  serve_args: dict[str, Any]) -> None:
         self._replicas = replicas
         self._num_replicas = num_replicas
-        # As `serve`'s process: every request body passes through this actor's process.
-        keep_large_buffers_in_heap()
         settings = server_settings_from_args(argparse.Namespace(**serve_args))
         self._max_request_body_bytes = settings.max_request_body_bytes
         # The replicas check keys too; checking here first keeps an unauthenticated client
@@ -473,7 +450,11 @@ class Ingress:
         load-balanced). APIError 429 when the tenant already has the work pool's most bodies
         waiting for a child, 503 once the ingress stops."""
         read_route = functools.partial(body_route, request.path, _lowercase_headers(request))
-        if not _reads_route_in_child(request.body):
+        # As a single server parses a body: a larger one would hold this loop, which relays
+        # every tenant's stream, for milliseconds to seconds (an 8 MB chat: 8 ms; 15 MB of
+        # Responses items: 0.3 s; just under 1 MiB of nested lists: 0.15-0.3 s), and no
+        # cheap count of its bytes bounds that (a rule by commas was gamed by nesting).
+        if len(request.body) <= INLINE_PARSE_BYTES:
             route = read_route(request.body)
         else:
             try:
@@ -607,8 +588,8 @@ class Ingress:
             "died while streaming", value=self._cut_off)
         unread = CounterMetricFamily(
             "continuum:ingress_routes_unread", "Large generation bodies whose route the "
-            "ingress's parsing processes failed to read (each replica was asked in turn)",
-            value=self._routes_unread)
+            "ingress's parsing processes failed to read (a Responses request was then asked "
+            "of each replica in turn, any other load-balanced)", value=self._routes_unread)
         budget = body_budget_families(self._body_budget, self._refusal_pacer,
                                       prefix="continuum:ingress_")
         return [retries, cut_off, unread, *budget]

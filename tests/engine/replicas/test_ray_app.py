@@ -31,8 +31,6 @@ from engine.entrypoints.openai.work_pool import TenantWorkPool  # noqa: E402
 from engine.entrypoints.server_args import add_arguments  # noqa: E402
 from engine.replicas.asgi import ProxiedRequest  # noqa: E402
 from engine.replicas.ray_app import (  # noqa: E402
-    ROUTE_IN_CHILD_BYTES,
-    ROUTE_IN_CHILD_COMMAS,
     Ingress,
     ReplicaAppSettings,
     build_application,
@@ -148,11 +146,12 @@ class DeadChildren:
 
 
 def test_which_bodies_are_routed_in_a_child_and_without_one_when_it_died() -> None:
-    """Without Ray: a large or dense generation body goes to the ingress's parsing child; when
-    the children die, a Responses request is asked of each replica in turn (it may follow a
-    response only one replica stores) and any other is load-balanced. A sparse body under a
-    mebibyte is routed inline."""
-    unwrapped = Ingress.__wrapped__  # the class itself, without Ray Serve's ASGI wrapper
+    """Without Ray: a generation body over `INLINE_PARSE_BYTES` goes to the ingress's parsing
+    child; when the children die, a Responses request is asked of each replica in turn (it
+    may follow a response only one replica stores) and any other is load-balanced. A body of
+    `INLINE_PARSE_BYTES` is routed inline."""
+    # The class itself, under Ray Serve's ASGI wrapper (whose `__del__` is a coroutine).
+    unwrapped = next(cls for cls in Ingress.__mro__ if "_generation_route" in vars(cls))
     ingress = unwrapped.__new__(unwrapped)
     ingress._work_pool, ingress._body_parser = TenantWorkPool(2), DeadChildren()
     ingress._responses, ingress._routes_unread = OrderedDict(), 0
@@ -161,17 +160,18 @@ def test_which_bodies_are_routed_in_a_child_and_without_one_when_it_died() -> No
         return await ingress._generation_route(
             ProxiedRequest("POST", path, b"", (), body), None)
 
-    large = b'{"input": "' + b"x" * ROUTE_IN_CHILD_BYTES + b'"}'
-    dense = (b'{"prompt": [' + b"1," * ROUTE_IN_CHILD_COMMAS + b'1], "user": "'
-             + b"x" * INLINE_PARSE_BYTES + b'"}')
-    sparse = b'{"prompt": "' + b"x" * (ROUTE_IN_CHILD_BYTES - 20) + b'"}'
+    def prompt_of(num_bytes: int, opening: bytes = b'{"prompt": "') -> bytes:
+        return opening + b"x" * (num_bytes - len(opening) - 2) + b'"}'
+
+    large, inline = prompt_of(INLINE_PARSE_BYTES + 1), prompt_of(INLINE_PARSE_BYTES)
+    nested = b'{"input": ' + b"[" * 900 + b"]" * 900 + b', "user": "' + b"x" * 70_000 + b'"}'
     try:
-        assert asyncio.run(route("/v1/responses", large)) is None
-        assert asyncio.run(route("/v1/completions", dense)) == Route(None)
-        assert ingress._body_parser.bodies == [large, dense]
+        assert asyncio.run(route("/v1/responses", nested)) is None
+        assert asyncio.run(route("/v1/completions", large)) == Route(None)
+        assert ingress._body_parser.bodies == [nested, large]
         assert ingress._routes_unread == 2
-        assert asyncio.run(route("/v1/completions", sparse)).key is not None
-        assert ingress._body_parser.bodies == [large, dense]
+        assert asyncio.run(route("/v1/completions", inline)).key is not None
+        assert ingress._body_parser.bodies == [nested, large]
     finally:
         ingress._work_pool.shutdown()
 
@@ -229,10 +229,10 @@ def test_responses_follow_ups_reach_the_replica_holding_the_conversation(
         assert stream.headers["x-continuum-replica"] == replica
         events = list(stream.parse())
         previous = events[-1].response.id
-    # A follow-up of ROUTE_IN_CHILD_BYTES: its route read in the ingress's parsing child.
+    # A follow-up over INLINE_PARSE_BYTES: its route read in the ingress's parsing child.
     padded = json.dumps({"model": "tiny", "input": "go on", "max_output_tokens": 4,
                          "previous_response_id": previous})
-    padded = padded[:-1] + " " * ROUTE_IN_CHILD_BYTES + "}"
+    padded = padded[:-1] + " " * INLINE_PARSE_BYTES + "}"
     large = httpx.post(ray_server.base_url + "/v1/responses", content=padded, timeout=60,
                        headers={"Content-Type": "application/json"})
     assert large.status_code == 200, large.text
@@ -263,8 +263,8 @@ def test_bad_input_gets_the_single_servers_error(ray_server: RayServer) -> None:
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
     # Nested past the JSON parser's depth: a route of neither key nor follow-up, read here
-    # (a small body) or in the ingress's parsing child (a large one), then the replica's 400.
-    for deep in (b"[" * 3000, b"[" * ROUTE_IN_CHILD_BYTES):
+    # (a small body) or in the ingress's parsing child (a larger one), then the replica's 400.
+    for deep in (b"[" * 3000, b"[" * (INLINE_PARSE_BYTES + 1)):
         response = httpx.post(ray_server.base_url + "/v1/chat/completions", timeout=60,
                               content=deep, headers={"Content-Type": "application/json"})
         assert response.status_code == 400, response.text

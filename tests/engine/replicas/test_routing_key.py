@@ -93,3 +93,23 @@ def test_a_lone_surrogate_in_a_body_still_has_a_key_and_a_replica() -> None:
         key = body_route(CHAT, {}, body).key
         assert key is not None
         assert sorted(rendezvous_rank(key, ["a", "b"])) == ["a", "b"]
+
+
+def test_keys_and_ranks_of_valid_text_stay_as_they_were() -> None:
+    """Routing must not move a conversation between versions: these keys and replica orders
+    were computed by a35e6fb's code, before keys were encoded to allow lone surrogates."""
+    headers = {"authorization": "Bearer alice"}
+    scope = "57960de955fc/"
+    assert key(CHAT, {"messages": [{"role": "system", "content": "be brief"},
+                                   {"role": "user", "content": "hello"}]}, headers) == \
+        scope + "conversation:be515bcb8051b20fb8ffc8dc"
+    assert key(CHAT, {"messages": [{"role": "user", "content": "d\u00e9j\u00e0 vu"}]},
+               headers) == scope + "conversation:fcff7933e6025352a5b84df1"
+    assert key("/v1/responses", {"input": "emoji \U0001F600", "instructions": "x"},
+               headers) == scope + "conversation:ee922e4e1ade52615863f42d"
+    assert key("/v1/completions", {"prompt": "caf\u00e9 " * 3}, headers) == \
+        scope + "prompt:ea05454742864725d5073b00"
+    replicas = ["r1", "r2", "r3", "r4"]
+    assert rendezvous_rank("alice/job:j1", replicas) == ["r1", "r4", "r2", "r3"]
+    assert rendezvous_rank("x/conversation:\u00e9\U0001F600", replicas) == \
+        ["r4", "r1", "r3", "r2"]
