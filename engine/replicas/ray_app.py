@@ -453,7 +453,7 @@ class Ingress:
         # As a single server parses a body: a larger one would hold this loop, which relays
         # every tenant's stream, for milliseconds to seconds (an 8 MB chat: 8 ms; 15 MB of
         # Responses items: 0.3 s; just under 1 MiB of nested lists: 0.15-0.3 s), and no
-        # cheap count of its bytes bounds that (a rule by commas was gamed by nesting).
+        # cheap count of its bytes bounds that (nested lists have no commas, for one).
         if len(request.body) <= INLINE_PARSE_BYTES:
             route = read_route(request.body)
         else:
