@@ -41,7 +41,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client.metrics_core import CounterMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -579,7 +579,7 @@ class Ingress:
         while len(self._responses) > MAX_REMEMBERED_RESPONSES:
             self._responses.popitem(last=False)
 
-    def _own_metrics(self) -> list[CounterMetricFamily]:
+    def _own_metrics(self) -> list[Metric]:
         retries = CounterMetricFamily(
             "continuum:replica_retries", "Requests sent again because their replica died "
             "(or its engine did) before answering", value=self._retries)

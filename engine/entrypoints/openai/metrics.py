@@ -121,7 +121,8 @@ def body_budget_families(budget: BodyByteBudget, pacer: RefusalPacer, *,
     """What `budget` holds and has refused, and how many of those refusals `pacer` answered
     late, as metric families named from `prefix`, each sample with `labels`: the server's
     (labelled by its model) and the Ray ingress's own (`continuum:ingress_...`)."""
-    names, values = list(labels or {}), list((labels or {}).values())
+    labels = labels or {}
+    names, values = list(labels), list(labels.values())
     held = GaugeMetricFamily(prefix + "request_body_bytes_held", "Bytes of request bodies "
                              "held by the requests in progress.", labels=names)
     held.add_metric(values, budget.held_bytes)
