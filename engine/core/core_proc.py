@@ -211,6 +211,7 @@ class EngineCoreProc:
                 self._answer_malformed(raw, error)
                 continue
             self.input_queue.put(message)
+            self.core.wake()
 
     def _answer_malformed(self, raw: bytes, error: Exception) -> None:
         """Tells the sender what was wrong, when the message says who is waiting for it."""
@@ -276,6 +277,7 @@ def _build_and_serve(
     except Exception as error:
         input_socket.send(encoder.encode(CoreStartupFailed(f"{type(error).__name__}: {error}")))
         return 1
+    core.prepare_grammars()
     freeze_startup_heap()
     input_socket.send(encoder.encode(CoreReady(
         num_kv_blocks=core.executor.num_kv_blocks, vocab_size=core.vocab_size,

@@ -19,7 +19,8 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.core.wire import EngineCoreRequest, EngineStats, JobState, PinState
 from engine.executor.base import Executor, KVReloadProfiler, PrefillProfiler, make_executor
 from engine.kv_cache.pins import PinReleaseReason
-from engine.model.tokenizer import load_decoder, load_tokenizer
+from engine.model.directory import load_arch
+from engine.model.tokenizer import load_decoder, tokenizer_dir
 from engine.outputs import EngineCoreOutput, PendingStep
 from engine.request import FinishReason, Request
 from engine.scheduler.output import SchedulerOutput
@@ -28,6 +29,7 @@ from engine.scheduler.registry import make_policy
 from engine.scheduler.scheduler import Scheduler, Sweep
 from engine.scheduler.tracer import SchedulerTracer
 from engine.structured_output.manager import GrammarFailure, StructuredOutputManager
+from engine.structured_output.tokenizer import GrammarTokenizerSource, read_grammar_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class EngineCore:
         )
         self.vocab_size = self.executor.vocab_size
         self.structured_outputs = StructuredOutputManager(
-            functools.partial(load_tokenizer, config.model.model, config.model.tokenizer),
+            functools.partial(_read_grammar_tokenizer, config.model.model, config.model.tokenizer),
             self.vocab_size, config=config.structured_output)
         self._compiling: dict[str, Request] = {}  # held back until their grammar compiled
         self._in_flight: _InFlightStep | None = None  # submitted, its result not yet taken
@@ -134,6 +136,22 @@ class EngineCore:
                                  decode=load_decoder(self.config.model.model,
                                                      self.config.model.tokenizer),
                                  profile_kv_reload=profile_kv_reload)
+
+    def wake(self) -> None:
+        """Ends a step's wait for grammars (`GRAMMAR_WAIT_S`) at once. Thread-safe: the core
+        process's input thread calls it for every message it queues, so that a request
+        arriving while the core waits for another's compile is taken in at once."""
+        self.structured_outputs.wake()
+
+    def prepare_grammars(self) -> None:
+        """Builds the grammars' tokenizer now rather than when the first grammar arrives (see
+        `StructuredOutputManager.prepare`); the serving core calls it once, before it serves.
+        A failure is logged, and grammars then fail at compile as they would have."""
+        try:
+            eos_token_ids = load_arch(self.config.model.model).eos_token_ids
+            self.structured_outputs.prepare(eos_token_ids[0] if eos_token_ids else None)
+        except Exception as error:  # a model whose tokenizer llguidance cannot read
+            logger.warning("grammars cannot be prepared: %s", error)
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queues a request (after its grammar compiled, if it has one); ValueError (and no
@@ -453,6 +471,10 @@ class _InFlightStep:
 
     scheduler_output: SchedulerOutput
     pending: PendingStep
+
+
+def _read_grammar_tokenizer(model: str, tokenizer: str | None) -> GrammarTokenizerSource:
+    return read_grammar_tokenizer(tokenizer_dir(model, tokenizer))
 
 
 def _failed(failure: GrammarFailure) -> EngineCoreOutput:

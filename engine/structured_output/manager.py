@@ -32,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ import numpy as np
 from engine.config import StructuredOutputConfig
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.structured_output.spec import StructuredOutputSpec
+from engine.structured_output.tokenizer import GrammarTokenizerSource
 
 NUM_MASK_THREADS = 4
 MAX_SLOW_MASKS = 3
@@ -133,16 +134,17 @@ class _Grammar:
 class StructuredOutputManager:
     """Grammars of the core's requests, from compile to the request's end.
 
-    `load_tokenizer` returns the Hugging Face tokenizer of the model; it is called once, on a
-    compile thread, when the first grammar arrives. `vocab_size` is the model's (it may exceed
-    the tokenizer's: the extra ids are never allowed). `config` holds the limits; `clock`
-    gives seconds (deadlines). The compile thread alone touches the tokenizers.
+    `read_tokenizer` returns the model's tokenizer as llguidance reads it; it is called once,
+    by `prepare` or else on the compile thread when the first grammar arrives. `vocab_size`
+    is the model's (it may exceed the tokenizer's: the extra ids are never allowed). `config`
+    holds the limits; `clock` gives seconds (deadlines). Once compiles started, the compile
+    thread alone touches the tokenizers.
     """
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, *,
+    def __init__(self, read_tokenizer: Callable[[], GrammarTokenizerSource], vocab_size: int, *,
                  config: StructuredOutputConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._load_tokenizer = load_tokenizer
+        self._read_tokenizer = read_tokenizer
         self.vocab_size = vocab_size
         self.config = StructuredOutputConfig() if config is None else config
         self._clock = clock
@@ -151,13 +153,15 @@ class StructuredOutputManager:
         self._mask_pool = ThreadPoolExecutor(
             NUM_MASK_THREADS, thread_name_prefix="grammar-mask",
             initializer=_lower_thread_priority)
-        self._hf_tokenizer: Any = None
+        self._tokenizer_source: GrammarTokenizerSource | None = None
         self._tokenizers: dict[int | None, llguidance.LLTokenizer] = {}
         self._cache: OrderedDict[tuple[str, int | None], _CacheEntry] = OrderedDict()
         self._unsettled: list[_CacheEntry] = []  # compiling, in the cache or not
         self._cached_bytes = 0
         self._compiling: dict[str, tuple[_CacheEntry, str | None]] = {}
         self._grammars: dict[str, _Grammar] = {}
+        # Set by workers when a compile or mask ends, and by `wake`: `wait_for_work` ends then.
+        self._work_done = threading.Event()
         self.num_compiles = 0
         self.num_cache_hits = 0
         self.compile_time_s = 0.0
@@ -189,6 +193,16 @@ class StructuredOutputManager:
     def has_grammar(self, request_id: str) -> bool:
         return request_id in self._grammars
 
+    def prepare(self, model_eos_token_id: int | None) -> None:
+        """Builds, on the calling thread, the tokenizer of the grammars of requests that carry
+        the EOS the frontend gives them: the tokenizer's own, else `model_eos_token_id` (the
+        model's first). The serving core calls it at start-up, before any compile: building
+        it holds the GIL for up to seconds, which on the compile thread, when the first
+        grammar arrives, would stall the step loop. Requests with another EOS have theirs
+        built on the compile thread."""
+        source = self._source()
+        self._tokenizer(model_eos_token_id if source.eos_token_id is None else source.eos_token_id)
+
     def submit(self, request_id: str, spec: StructuredOutputSpec,
                eos_token_id: int | None) -> None:
         """Starts compiling `spec` for `request_id` (whose EOS the grammar allows at its end);
@@ -201,6 +215,7 @@ class StructuredOutputManager:
             entry = self._cache[key] = _CacheEntry(key)
             entry.future = self._compile_pool.submit(self._compile, spec.grammar, eos_token_id,
                                                      entry)
+            entry.future.add_done_callback(self._on_work_done)
             self._unsettled.append(entry)
             self.num_compiles += 1
         else:
@@ -234,13 +249,25 @@ class StructuredOutputManager:
         return outcomes
 
     def wait_for_work(self, timeout_s: float) -> None:
-        """Blocks until a compile or a mask in flight finishes, or `timeout_s` passes (the
-        core waits here when nothing else can run)."""
+        """Blocks until a compile or a mask in flight finishes, `wake` is called, or
+        `timeout_s` passes (the core waits here when nothing else can run). Returns at once
+        when nothing is in flight or something already finished, and may return early (the
+        caller looks again)."""
         futures: list[Future[Any]] = [entry.future for entry, _ in self._compiling.values()]
         futures += [grammar.job.future for grammar in self._grammars.values()
                     if grammar.job is not None]
-        if futures:
-            wait(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+        if futures and not any(future.done() for future in futures) and \
+                self._work_done.wait(timeout_s):
+            self._work_done.clear()
+
+    def wake(self) -> None:
+        """Ends a `wait_for_work` in progress, or the next one, at once. Thread-safe: the
+        core process's input thread calls it when a message arrives, so that a request or
+        an abort does not wait behind another request's compile."""
+        self._work_done.set()
+
+    def _on_work_done(self, _future: Future[Any]) -> None:
+        self._work_done.set()
 
     def await_masks(self) -> MaskRound:
         """Called before every step: waits, until at most the mask budget after they were
@@ -369,6 +396,7 @@ class StructuredOutputManager:
         grammar.words = None
         job = _MaskJob(Future(), self._clock())
         job.future = self._mask_pool.submit(self._compute_mask, grammar.matcher, job)
+        job.future.add_done_callback(self._on_work_done)
         grammar.job = job
 
     def _collect_mask(self, grammar: _Grammar) -> str | None:
@@ -433,16 +461,20 @@ class StructuredOutputManager:
             raise ValueError(self._too_slow)
         return _Compiled(matcher, first_words, first_mask_cpu_s, num_bytes)
 
-    def _tokenizer(self, eos_token_id: int | None) -> llguidance.LLTokenizer:
-        tokenizer = self._tokenizers.get(eos_token_id)
-        if tokenizer is None:
-            import llguidance.hf  # imports transformers: only once a grammar arrives
+    def _source(self) -> GrammarTokenizerSource:
+        if self._tokenizer_source is None:
+            self._tokenizer_source = self._read_tokenizer()
+        return self._tokenizer_source
 
-            if self._hf_tokenizer is None:
-                self._hf_tokenizer = self._load_tokenizer()
-            tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos_token_id)
-            self._tokenizers[eos_token_id] = tokenizer
+    def _tokenizer(self, eos_token_id: int | None) -> llguidance.LLTokenizer:
+        """The tokenizer whose EOS is `eos_token_id` (None: the tokenizer's own)."""
+        source = self._source()
+        eos = source.eos_token_id if eos_token_id is None else eos_token_id
+        tokenizer = self._tokenizers.get(eos)
+        if tokenizer is None:
+            tokenizer = llguidance.LLTokenizer(source.tokenizer_json, n_vocab=self.vocab_size,
+                                               eos_token=eos)
+            self._tokenizers[eos] = tokenizer
         return tokenizer
 
 

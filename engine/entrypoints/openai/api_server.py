@@ -74,6 +74,7 @@ from engine.entrypoints.openai.serving import (
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_responses import OpenAIServingResponses
+from engine.entrypoints.openai.structured_outputs import GrammarChecker
 from engine.entrypoints.openai.tenants import (
     TENANT_SCOPE_KEY,
     UNAUTHENTICATED_PATHS,
@@ -200,9 +201,11 @@ def build_app(
         app.state.work_pool = pool
         app.state.body_parser = parser = BodyParser(
             pool.num_background_threads, engine.processor, settings.large_body_cpu)
-        app.state.completions = OpenAIServingCompletion(engine, settings, pool)
-        app.state.chat = OpenAIServingChat(engine, settings, pool)
-        app.state.responses = OpenAIServingResponses(engine, settings, pool, ResponseStore(
+        grammar_checker = _prepared_grammar_checker(engine)
+        app.state.completions = OpenAIServingCompletion(engine, settings, pool, grammar_checker)
+        app.state.chat = OpenAIServingChat(engine, settings, pool, grammar_checker)
+        app.state.responses = OpenAIServingResponses(
+            engine, settings, pool, grammar_checker, ResponseStore(
             max_responses=settings.max_stored_responses,
             max_bytes=settings.max_stored_response_bytes,
             num_tenants=settings.num_tenants))
@@ -246,6 +249,17 @@ def begin_drain(app: FastAPI) -> None:
     generations get 503, and requests still running after `shutdown_timeout_s` end with an
     error. Called from the server's event loop."""
     app.state.drain.begin(getattr(app.state, "engine", None))
+
+
+def _prepared_grammar_checker(engine: AsyncLLM) -> GrammarChecker:
+    """The endpoints' grammar checker, its tokenizer built before the server takes requests
+    (a failure is logged: constrained requests then fail when they are checked)."""
+    checker = GrammarChecker(engine.processor.tokenizer)
+    try:
+        checker.prepare()
+    except Exception as error:  # a tokenizer llguidance cannot read
+        logger.warning("structured outputs cannot be checked: %s", error)
+    return checker
 
 
 async def _call_when_dead(engine: AsyncLLM, on_engine_dead: Callable[[], None]) -> None:

@@ -228,17 +228,17 @@ class OpenAIServing:
     """Base of the endpoint handlers: turns validated HTTP bodies into engine requests.
     `prompt_param` names the body field that holds the prompt, as OpenAI's errors name it
     (`param` of a context-length error). Blocking work runs on `pool`, which the server
-    owns and shares among the handlers."""
+    owns and shares among the handlers, and so is `grammar_checker`."""
 
     prompt_param: ClassVar[str] = "prompt"
 
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool
-                 ) -> None:
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
+                 grammar_checker: GrammarChecker) -> None:
         self.engine = engine
         self.settings = settings
         self.pool = pool
         self._token_texts: dict[int, str] = {}
-        self.grammar_checker = GrammarChecker(engine.processor.tokenizer)
+        self.grammar_checker = grammar_checker
 
     async def run_for(self, client: ClientContext, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the work pool in `client`'s tenant's turn, in the background for a

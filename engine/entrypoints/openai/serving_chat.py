@@ -30,7 +30,11 @@ from engine.entrypoints.openai.serving import (
     sse,
     sse_error,
 )
-from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
+from engine.entrypoints.openai.structured_outputs import (
+    GrammarChecker,
+    chat_structured_output,
+    may_constrain,
+)
 from engine.entrypoints.openai.tool_call_ids import issued_call_id
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.entrypoints.openai.work_pool import TenantWorkPool
@@ -73,9 +77,9 @@ class OpenAIServingChat(OpenAIServing):
 
     prompt_param = "messages"
 
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool
-                 ) -> None:
-        super().__init__(engine, settings, pool)
+    def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
+                 grammar_checker: GrammarChecker) -> None:
+        super().__init__(engine, settings, pool, grammar_checker)
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
         self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
 

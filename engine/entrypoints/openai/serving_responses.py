@@ -64,7 +64,11 @@ from engine.entrypoints.openai.serving import (
     merge_streams,
     sse,
 )
-from engine.entrypoints.openai.structured_outputs import chat_structured_output, may_constrain
+from engine.entrypoints.openai.structured_outputs import (
+    GrammarChecker,
+    chat_structured_output,
+    may_constrain,
+)
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.entrypoints.openai.work_pool import TenantWorkPool
@@ -265,8 +269,8 @@ class OpenAIServingResponses(OpenAIServing):
     prompt_param = "input"
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
-                 store: ResponseStore) -> None:
-        super().__init__(engine, settings, pool)
+                 grammar_checker: GrammarChecker, store: ResponseStore) -> None:
+        super().__init__(engine, settings, pool, grammar_checker)
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
         self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
         self.store = store

@@ -53,7 +53,8 @@ class Constraint:
 class GrammarChecker:
     """Checks grammars against the model's tokenizer (special-token names included) and
     remembers the grammars that passed. Thread-safe: requests are prepared on worker threads.
-    `tokenizer` is the Hugging Face tokenizer; its llguidance view is built on first use."""
+    `tokenizer` is the Hugging Face tokenizer; its llguidance view is built by `prepare`, or
+    on first use. One checker serves all the server's endpoints."""
 
     def __init__(self, tokenizer: Any, *, max_entries: int = MAX_CHECKED_GRAMMARS) -> None:
         self.tokenizer = tokenizer
@@ -62,6 +63,14 @@ class GrammarChecker:
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._passed: OrderedDict[str, None] = OrderedDict()
         self._call_formats: dict[str, ToolCallFormat] = {}
+
+    def prepare(self) -> None:
+        """Builds the tokenizer's llguidance view now (the server calls it at start-up): it
+        holds the GIL for as long as it takes (0.4 s for SmolLM2's 49,152 tokens), which on a
+        worker thread, when the first constrained request arrives, would stall the event
+        loop."""
+        with self._lock:
+            self._tokenizer()
 
     def spec(self, kind: StructuredOutputKind, grammar: str, param: str) -> StructuredOutputSpec:
         """The spec of `grammar`; APIError 400 with `param` if llguidance rejects it."""

@@ -8,16 +8,25 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import msgspec
 import pytest
+import zmq
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core import engine_core as engine_core_module
 from engine.core.client import AsyncMPClient, EngineDeadError, InprocClient, SyncMPClient
-from engine.core.wire import UtilityCall
+from engine.core.core_proc import EngineCoreProc
+from engine.core.engine_core import EngineCore
+from engine.core.wire import CoreEvent, EngineCoreRequest, Shutdown, UtilityCall
 from engine.request import FinishReason, JobInfo
+from engine.sampling_params import SamplingParams
+from engine.structured_output import grammars
+from engine.structured_output.manager import StructuredOutputManager
+from engine.structured_output.spec import StructuredOutputSpec
 from tests.engine.core.conftest import SMALL_CONFIG, core_request
 
 
@@ -218,3 +227,53 @@ def _process_exists(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/stat")
     return not (status.exists() and status.read_text().split()[2] == "Z")  # zombies are gone
+
+
+def test_a_request_is_taken_in_while_the_core_waits_for_another_requests_compile(
+        monkeypatch) -> None:
+    """The busy loop, on a thread here: while the only work is a grammar compile (held), a
+    step waits for it up to `GRAMMAR_WAIT_S` (made a minute); the input thread wakes that
+    wait when a message arrives, so a plain request is served at once."""
+    gate = threading.Event()
+    real_compile = StructuredOutputManager._compile
+
+    def held_compile(self, *args):
+        gate.wait(60.0)
+        return real_compile(self, *args)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", held_compile)
+    monkeypatch.setattr(engine_core_module, "GRAMMAR_WAIT_S", 60.0)
+    context = zmq.Context()
+    sockets = {name: context.socket(zmq.PAIR) for name in
+               ("core_in", "client_in", "core_out", "client_out")}
+    sockets["core_in"].bind("inproc://input")
+    sockets["client_in"].connect("inproc://input")
+    sockets["core_out"].bind("inproc://output")
+    sockets["client_out"].connect("inproc://output")
+    proc = EngineCoreProc(EngineCore(SMALL_CONFIG), sockets["core_in"], sockets["core_out"],
+                          os.getppid())
+    loop = threading.Thread(target=proc.run)
+    loop.start()
+    encoder, decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CoreEvent)
+    try:
+        spec = StructuredOutputSpec(kind="choice", grammar=grammars.choice_grammar(["yes"]))
+        sockets["client_in"].send(encoder.encode(EngineCoreRequest(
+            request_id="constrained", prompt_token_ids=[1, 2, 3], eos_token_id=258,
+            sampling_params=SamplingParams(max_tokens=4, structured_output=spec))))
+        time.sleep(0.3)  # the loop is in its wait for the compile now
+        sockets["client_in"].send(encoder.encode(core_request("plain", max_tokens=2)))
+        assert sockets["client_out"].poll(20_000), "the plain request waited for the compile"
+        finished = set()
+        while "plain" not in finished and sockets["client_out"].poll(20_000):
+            event = decoder.decode(sockets["client_out"].recv())
+            finished |= {output.request_id for output in getattr(event, "outputs", [])
+                         if output.finish_reason is not None}
+        assert "plain" in finished and "constrained" not in finished
+    finally:
+        gate.set()
+        sockets["client_in"].send(encoder.encode(Shutdown()))
+        loop.join(30.0)
+        for socket in sockets.values():
+            socket.close(linger=0)
+        context.term()
+    assert not loop.is_alive()

@@ -4,9 +4,13 @@ the constrained rows, the output matches its grammar, and nothing leaks."""
 from __future__ import annotations
 
 import json
+import logging
 import re
+import threading
+from dataclasses import replace
 
 import jsonschema
+import llguidance
 import pytest
 
 from engine.core.engine_core import EngineCore
@@ -144,3 +148,39 @@ def test_min_tokens_does_not_hold_a_finished_grammar_open(core):
                               min_tokens=10))
     token_ids, reason, _ = _run(core)["short"]
     assert _text(token_ids[:-1]) == "ok" and reason is FinishReason.STOP
+
+
+def test_the_serving_core_prepares_the_grammars_tokenizer_before_it_serves(monkeypatch):
+    """`prepare_grammars` (called by the core process before its handshake) builds the
+    tokenizer of the frontend's EOS on the calling thread; a constrained request then
+    compiles with no other build, so the compile thread never builds one beside the step
+    loop."""
+    real = llguidance.LLTokenizer
+    builds: list[tuple[object, str]] = []
+
+    def counting(*args, **kwargs):
+        builds.append((kwargs.get("eos_token"), threading.current_thread().name))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", counting)
+    engine_core = EngineCore(SMALL_CONFIG)
+    try:
+        engine_core.prepare_grammars()
+        assert builds == [(EOS, threading.current_thread().name)]
+        engine_core.add_request(_request("r", _spec("choice", grammars.choice_grammar(["yes"]))))
+        assert _run(engine_core)["r"][1] is FinishReason.STOP
+        assert len(builds) == 1
+    finally:
+        engine_core.shutdown()
+
+
+def test_grammars_that_cannot_be_prepared_are_logged_not_fatal(tmp_path, caplog):
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    config = replace(SMALL_CONFIG, model=replace(SMALL_CONFIG.model, tokenizer=str(tmp_path)))
+    engine_core = EngineCore(config)
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.core.engine_core"):
+            engine_core.prepare_grammars()
+        assert "grammars cannot be prepared: no fast tokenizer for grammars" in caplog.text
+    finally:
+        engine_core.shutdown()

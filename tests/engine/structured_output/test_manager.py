@@ -8,11 +8,12 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import llguidance
 import numpy as np
 import pytest
 
 from engine.config import StructuredOutputConfig
-from engine.model.tokenizer import load_tokenizer
+from engine.model.tiny import TINY_MODEL_DIR
 from engine.structured_output import grammars
 from engine.structured_output import manager as manager_module
 from engine.structured_output.manager import (
@@ -21,15 +22,16 @@ from engine.structured_output.manager import (
     allocated_bytes,
 )
 from engine.structured_output.spec import StructuredOutputSpec
+from engine.structured_output.tokenizer import GrammarTokenizerSource, read_grammar_tokenizer
 from tests.engine.helpers import FakeClock
 
 EOS = 258
 VOCAB = 272
-LOAD_TINY = functools.partial(load_tokenizer, "tiny")
+LOAD_TINY = functools.partial(read_grammar_tokenizer, TINY_MODEL_DIR)
 
 
 def _make(config: StructuredOutputConfig | None = None, *,
-          load: Callable[[], Any] = LOAD_TINY,
+          load: Callable[[], GrammarTokenizerSource] = LOAD_TINY,
           clock: Callable[[], float] | None = None) -> StructuredOutputManager:
     kwargs: dict[str, Any] = {} if clock is None else {"clock": clock}
     return StructuredOutputManager(load, VOCAB, config=config, **kwargs)
@@ -72,6 +74,51 @@ def _ready(manager: StructuredOutputManager) -> Any:
 def _allowed(words: np.ndarray) -> list[int]:
     bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:VOCAB]
     return bits.nonzero()[0].tolist()
+
+
+class _CountingTokenizers:
+    """Stands in for `llguidance.LLTokenizer`: builds the real one, and records each build's
+    EOS and thread."""
+
+    def __init__(self) -> None:
+        self.real = llguidance.LLTokenizer
+        self.builds: list[tuple[Any, str]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.builds.append((kwargs.get("eos_token"), threading.current_thread().name))
+        return self.real(*args, **kwargs)
+
+
+def test_prepare_builds_the_tokenizer_on_the_calling_thread_for_the_requests_eos(monkeypatch):
+    tokenizers = _CountingTokenizers()
+    monkeypatch.setattr(llguidance, "LLTokenizer", tokenizers)
+    reads = []
+    manager = _make(load=lambda: reads.append(1) or LOAD_TINY())
+    try:
+        manager.prepare(model_eos_token_id=0)  # the tokenizer names its EOS: that one counts
+        assert tokenizers.builds == [(EOS, threading.current_thread().name)]
+        _compiled(manager, "r", grammars.choice_grammar(["ab"]))
+        assert len(tokenizers.builds) == 1 and len(reads) == 1
+        manager.submit("other-eos", _spec(grammars.choice_grammar(["ab"])), 0)
+        assert [outcome.failure for outcome in _outcomes(manager)] == [None]
+        assert tokenizers.builds[1][0] == 0 and tokenizers.builds[1][1].startswith("grammar")
+        assert len(reads) == 1
+    finally:
+        manager.shutdown()
+
+
+def test_prepare_takes_the_models_eos_when_the_tokenizer_names_none(monkeypatch):
+    tokenizers = _CountingTokenizers()
+    monkeypatch.setattr(llguidance, "LLTokenizer", tokenizers)
+    source = LOAD_TINY()
+    manager = _make(load=lambda: GrammarTokenizerSource(source.tokenizer_json, None))
+    try:
+        manager.prepare(model_eos_token_id=EOS)
+        assert [eos for eos, _ in tokenizers.builds] == [EOS]
+        _compiled(manager, "r", grammars.choice_grammar(["ab"]))
+        assert len(tokenizers.builds) == 1
+    finally:
+        manager.shutdown()
 
 
 def test_masks_follow_the_grammar_and_end_with_eos(manager):
@@ -268,3 +315,46 @@ def test_remove_forgets_requests_and_duplicates_are_refused(manager):
     manager.remove(["r", "unknown"])
     assert not manager.request_ids and manager.bitmask(["r"]) is None
     assert not manager.await_masks().held_back
+
+
+class _HeldCompiles(StructuredOutputManager):
+    """Compiles wait for `gate` before they start (a compile that takes as long as a test
+    wants, using no CPU meanwhile)."""
+
+    gate = threading.Event()
+
+    def _compile(self, *args: Any) -> Any:
+        self.gate.wait(30.0)
+        return super()._compile(*args)
+
+
+def test_wake_ends_a_wait_for_a_compile_at_once():
+    manager = _HeldCompiles(LOAD_TINY, VOCAB)
+    try:
+        _HeldCompiles.gate.clear()
+        manager.submit("r", _spec(grammars.choice_grammar(["ab"])), EOS)
+        waited = threading.Event()
+        waiter = threading.Thread(target=lambda: (manager.wait_for_work(60.0), waited.set()))
+        waiter.start()
+        assert not waited.wait(0.2)  # the compile is held: the wait goes on
+        manager.wake()
+        assert waited.wait(10.0)
+        assert manager.num_compiling == 1 and not manager.pop_compiled()
+        _HeldCompiles.gate.set()
+        assert [outcome.failure for outcome in _outcomes(manager)] == [None]
+        waiter.join()
+    finally:
+        _HeldCompiles.gate.set()
+        manager.shutdown()
+
+
+def test_a_wait_returns_at_once_when_a_compile_already_finished(manager):
+    manager.submit("r", _spec(grammars.choice_grammar(["ab"])), EOS)
+    manager.wait_for_work(10.0)
+    manager.submit("cached", _spec(grammars.choice_grammar(["ab"])), EOS)  # done already
+    waited = threading.Event()
+    waiter = threading.Thread(target=lambda: (manager.wait_for_work(60.0), waited.set()))
+    waiter.start()
+    assert waited.wait(10.0)
+    waiter.join()
+    assert {outcome.request_id for outcome in _outcomes(manager)} == {"r", "cached"}

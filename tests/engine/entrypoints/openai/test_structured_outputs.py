@@ -250,3 +250,23 @@ def test_a_strict_schema_that_allows_other_keys_is_refused(server):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and "strict mode forbids" in error["message"]
+
+
+def test_the_grammar_checker_builds_its_tokenizer_when_prepared_not_when_checking(monkeypatch):
+    """The server prepares its one checker at start-up: the tokenizer build holds the GIL,
+    so a first constrained request must not make it on a worker thread."""
+    import llguidance.hf
+
+    from engine.entrypoints.openai.structured_outputs import GrammarChecker
+    from engine.model.tokenizer import load_tokenizer
+    from engine.structured_output import grammars
+
+    builds = []
+    real = llguidance.hf.from_tokenizer
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer",
+                        lambda *args, **kwargs: builds.append(1) or real(*args, **kwargs))
+    checker = GrammarChecker(load_tokenizer("tiny"))
+    checker.prepare()
+    assert builds == [1]
+    spec = checker.spec("choice", grammars.choice_grammar(["a"]), "structured_outputs")
+    assert spec.param == "structured_outputs" and builds == [1]
