@@ -61,7 +61,11 @@ from engine.entrypoints.openai.errors import (
     error_response,
     invalid_api_key_response,
 )
-from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES, BodyParser
+from engine.entrypoints.openai.json_body import (
+    INLINE_PARSE_BYTES,
+    BodyParser,
+    ChildAnswerTimeout,
+)
 from engine.entrypoints.openai.metrics import body_budget_families
 from engine.entrypoints.openai.serving import sse
 from engine.entrypoints.openai.tenants import UNAUTHENTICATED_PATHS
@@ -304,6 +308,7 @@ class Ingress:
                  serve_args: dict[str, Any]) -> None:
         self._replicas = replicas
         self._num_replicas = num_replicas
+        self._first_replica_asked = 0  # rotates, so that requests asked of each spread out
         settings = server_settings_from_args(argparse.Namespace(**serve_args))
         self._max_request_body_bytes = settings.max_request_body_bytes
         # The replicas check keys too; checking here first keeps an unauthenticated client
@@ -446,8 +451,8 @@ class Ingress:
                                 ) -> Route | None:
         """How generation `request` of `tenant` is routed, by its `BodyRoute`; None: ask
         each replica in turn (a Responses follow-up of a response this ingress does not know,
-        or a large Responses body whose parsing children died: any other is then
-        load-balanced). APIError 429 when the tenant already has the work pool's most bodies
+        or a large Responses body whose parsing children died or did not answer: any other
+        is then load-balanced). APIError 429 when the tenant already has the work pool's most bodies
         waiting for a child, 503 once the ingress stops."""
         read_route = functools.partial(body_route, request.path, _lowercase_headers(request))
         # As a single server parses a body: a larger one would hold this loop, which relays
@@ -460,7 +465,7 @@ class Ingress:
             try:
                 route = await self._work_pool.run(tenant, self._body_parser.summary,
                                                   request.body, read_route, background=True)
-            except BrokenProcessPool:
+            except (BrokenProcessPool, ChildAnswerTimeout):
                 self._routes_unread += 1
                 logger.warning("the ingress's body-parsing processes failed; a Responses "
                                "request is asked of each replica in turn, any other is "
@@ -547,10 +552,14 @@ class Ingress:
     async def _ask_each_replica(self, request: ProxiedRequest) -> Response:
         """Sends `request` to each replica in turn until one knows what it names (a stored
         response, a job): answers other than 404, a previous response not found and 503.
-        When none does, the last such answer (a 503 first)."""
+        When none does, the last such answer (a 503 first). Each request starts at the
+        replica after the one the previous request started at: a Responses request whose
+        route could not be read, which any replica serves, is spread over them."""
         unavailable: Response | None = None
         unknown: Response | None = None
-        for index in range(self._num_replicas):
+        first = self._first_replica_asked
+        self._first_replica_asked = (first + 1) % self._num_replicas
+        for index in range(first, first + self._num_replicas):
             response = await self._send(request, Route(None, "replica", replica_index=index))
             if response.status_code != 503 and not await _names_something_unknown(response):
                 for discarded in (unavailable, unknown):

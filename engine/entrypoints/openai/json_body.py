@@ -67,8 +67,16 @@ DEFAULT_PARSER_PROCESSES = 2
 # thread (`BodyParser.join`), not the event loop: CPython's `bytes.join` releases the GIL
 # while it copies from 1 MiB up, and a smaller join takes tens of microseconds.
 OFF_LOOP_JOIN_BYTES = 1 << 20
+# How long a caller waits for a child's answer: far longer than any parse of a body the limits
+# allow, so that only a lost answer (a future CPython leaves pending when its pool breaks
+# while a body is submitted) ends in `ChildAnswerTimeout`, not a work-pool thread held forever.
+CHILD_ANSWER_TIMEOUT_S = 120.0
 # The body field that holds the conversation, by path (see `body_limits.check_counts`).
 CONVERSATION_FIELDS = {"/v1/chat/completions": "messages", "/v1/responses": "input"}
+
+
+class ChildAnswerTimeout(TimeoutError):
+    """A body-parsing child did not answer within its `BodyParser`'s `answer_timeout_s`."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ class BodyParser:
     background threads, so that no body waits here behind another tenant's: the pool's turns
     decide the order. Built on the event loop's thread; `parse` and `summary` are called
     from the work pool's threads, `join` and `joined` from the event loop, `shutdown` once
-    at exit.
+    at exit. A caller waits at most `answer_timeout_s` for a child's answer.
 
     The pool's helper threads in the server's process (its manager, and its call queue's
     feeder, which pickles each body and writes it to a child 64 KiB at a time, taking the
@@ -125,11 +133,15 @@ class BodyParser:
 
     def __init__(self, num_processes: int = DEFAULT_PARSER_PROCESSES,
                  processor: InputProcessor | None = None,
-                 cpu_class: ChildCpuClass = "idle") -> None:
+                 cpu_class: ChildCpuClass = "idle", *,
+                 answer_timeout_s: float = CHILD_ANSWER_TIMEOUT_S) -> None:
         if num_processes < 1:
             raise ValueError("num_processes must be at least 1")
+        if not answer_timeout_s > 0:
+            raise ValueError("answer_timeout_s must be positive")
         self.num_processes = num_processes
         self.cpu_class = cpu_class
+        self.answer_timeout_s = answer_timeout_s
         # Pickled once here, loaded by each child once it runs in its CPU class.
         self._processor_pickle = None if processor is None else _pickled(processor)
         self._lock = threading.Lock()
@@ -188,13 +200,29 @@ class BodyParser:
 
     def _in_child(self, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` in a child, on a pool replaced and asked once more if a child's death
-        broke it (before or while it ran `fn`); BrokenProcessPool if that one breaks too."""
+        broke it (before or while it ran `fn`); BrokenProcessPool if that one breaks too,
+        ChildAnswerTimeout if a child does not answer in time."""
         executor = self._live_executor()
         try:
-            return executor.submit(fn, *args).result()
+            return self._answer(executor.submit(fn, *args))
         except BrokenProcessPool:
             self._replace(executor)
-            return self._live_executor().submit(fn, *args).result()
+            return self._answer(self._live_executor().submit(fn, *args))
+
+    def _answer(self, future: Future[_T]) -> _T:
+        try:
+            return future.result(timeout=self.answer_timeout_s)
+        except TimeoutError as error:
+            if future.done():
+                raise  # the child's own error
+            future.cancel()
+            raise ChildAnswerTimeout(f"no answer from a body-parsing process within "
+                                     f"{self.answer_timeout_s:g} s") from error
+        finally:
+            # A child's error carries this frame in its traceback, and the future holds that
+            # error: a cycle that only the cyclic collector would free, the refused body's
+            # request with it (as `Future.result` itself avoids).
+            del future
 
     def _live_executor(self) -> ProcessPoolExecutor:
         with self._lock:
@@ -371,7 +399,7 @@ class PoolParsedRequest(Request):
         except BodyLimitError as error:
             raise APIError(400, error.message, param=error.param,
                            code="limit_exceeded") from error
-        except BrokenProcessPool as error:
+        except (BrokenProcessPool, ChildAnswerTimeout) as error:
             raise APIError(503, "the server's body-parsing processes failed; retry the "
                            "request", code="body_parser_failed") from error
 

@@ -21,12 +21,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from starlette.responses import Response
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from engine.cli import main as cli_main  # noqa: E402
-from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES  # noqa: E402
+from engine.entrypoints.openai.json_body import (  # noqa: E402
+    INLINE_PARSE_BYTES,
+    ChildAnswerTimeout,
+)
 from engine.entrypoints.openai.work_pool import TenantWorkPool  # noqa: E402
 from engine.entrypoints.server_args import add_arguments  # noqa: E402
 from engine.replicas.asgi import ProxiedRequest  # noqa: E402
@@ -132,20 +136,24 @@ def ray_server() -> Iterator[RayServer]:
 
 
 class DeadChildren:
-    """A body parser whose children die at every body; records the bodies it was given."""
+    """A body parser whose children die (or do not answer) at every body: it raises `error`;
+    records the bodies it was given."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
         self.bodies: list[bytes] = []
 
     def summary(self, body: bytes, summarize: Callable[[bytes], Any]) -> Any:
         self.bodies.append(body)
-        raise BrokenProcessPool("a child died")
+        raise self.error
 
     def shutdown(self) -> None:
         pass
 
 
-def test_which_bodies_are_routed_in_a_child_and_without_one_when_it_died() -> None:
+@pytest.mark.parametrize("error", [BrokenProcessPool("a child died"),
+                                   ChildAnswerTimeout("no answer")])
+def test_which_bodies_are_routed_in_a_child_and_without_one_when_it_died(error) -> None:
     """Without Ray: a generation body over `INLINE_PARSE_BYTES` goes to the ingress's parsing
     child; when the children die, a Responses request is asked of each replica in turn (it
     may follow a response only one replica stores) and any other is load-balanced. A body of
@@ -153,7 +161,7 @@ def test_which_bodies_are_routed_in_a_child_and_without_one_when_it_died() -> No
     # The class itself, under Ray Serve's ASGI wrapper (whose `__del__` is a coroutine).
     unwrapped = next(cls for cls in Ingress.__mro__ if "_generation_route" in vars(cls))
     ingress = unwrapped.__new__(unwrapped)
-    ingress._work_pool, ingress._body_parser = TenantWorkPool(2), DeadChildren()
+    ingress._work_pool, ingress._body_parser = TenantWorkPool(2), DeadChildren(error)
     ingress._responses, ingress._routes_unread = OrderedDict(), 0
 
     async def route(path: str, body: bytes) -> Route | None:
@@ -174,6 +182,32 @@ def test_which_bodies_are_routed_in_a_child_and_without_one_when_it_died() -> No
         assert ingress._body_parser.bodies == [nested, large]
     finally:
         ingress._work_pool.shutdown()
+
+
+def test_requests_asked_of_each_replica_start_at_the_next_replica_each_time() -> None:
+    """Without Ray: a request that any replica serves (a Responses body whose route could
+    not be read) goes to the first replica asked; the next such request starts at the next
+    replica, so that they spread out. One that names something unknown is asked of all."""
+    unwrapped = next(cls for cls in Ingress.__mro__ if "_ask_each_replica" in vars(cls))
+    ingress = unwrapped.__new__(unwrapped)
+    ingress._num_replicas, ingress._first_replica_asked = 3, 0
+    asked: list[int | None] = []
+    unknown_on: set[int] = set()
+
+    async def send(request: ProxiedRequest, route: Route) -> Response:
+        asked.append(route.replica_index)
+        index = (route.replica_index or 0) % 3
+        return Response(status_code=404 if index in unknown_on else 200)
+
+    ingress._send = send
+    request = ProxiedRequest("POST", "/v1/responses", b"", (), b"{}")
+    for _ in range(4):
+        assert asyncio.run(ingress._ask_each_replica(request)).status_code == 200
+    assert [index % 3 for index in asked] == [0, 1, 2, 0]
+    asked.clear()
+    unknown_on.update({1, 2})
+    assert asyncio.run(ingress._ask_each_replica(request)).status_code == 200
+    assert [index % 3 for index in asked] == [1, 2, 0]
 
 
 def test_affinity_keeps_each_job_on_one_replica_and_its_cache(

@@ -32,6 +32,7 @@ from engine.entrypoints.openai.json_body import (
     INLINE_PARSE_BYTES,
     OFF_LOOP_JOIN_BYTES,
     BodyParser,
+    ChildAnswerTimeout,
     ParsedBody,
     PoolParsedRequest,
     PoolParsedRoute,
@@ -103,6 +104,29 @@ def test_a_summary_is_made_in_a_child_and_only_it_comes_back(parser):
         assert time.monotonic() < deadline_s
         time.sleep(0.01)
     assert parser.summary(b"yz", _pid_and_length)[1] == 2
+
+
+def _length_after_a_while(body: bytes) -> int:
+    time.sleep(3.0)
+    return len(body)
+
+
+def test_a_child_that_does_not_answer_in_time_is_a_timeout_not_a_wait_forever():
+    """A caller (a work-pool thread) waits at most `answer_timeout_s` for a child, so that an
+    answer CPython loses when a pool breaks under a submit cannot hold it forever; the pool
+    itself is kept, and answers the next body."""
+    slow = BodyParser(num_processes=1)
+    try:
+        assert slow.summary(b"warm", len) == 4  # the child is up: only the wait counts now
+        slow.answer_timeout_s = 0.5
+        with pytest.raises(ChildAnswerTimeout, match=r"within 0\.5 s"):
+            slow.summary(b"late", _length_after_a_while)
+        slow.answer_timeout_s = 30.0
+        assert slow.parse(b"[2]", None).value == [2]  # queued behind the late one
+    finally:
+        slow.shutdown()
+    with pytest.raises(ValueError, match="answer_timeout_s"):
+        BodyParser(answer_timeout_s=0)
 
 
 def test_a_body_over_a_limit_is_refused_in_the_child(parser):
@@ -524,12 +548,17 @@ def test_a_failure_to_make_the_prompt_leaves_it_to_the_route(preparing_parser):
 class _BrokenParser:
     joined = BodyParser.joined  # a body under a mebibyte, as the parser gives it
 
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
     def parse(self, *args: object) -> ParsedBody:
-        raise BrokenProcessPool("a child died")
+        raise self.error
 
 
-def test_parse_children_that_keep_dying_answer_503():
-    app = pool_parsed_app(_BrokenParser())  # type: ignore[arg-type]
+@pytest.mark.parametrize("error", [BrokenProcessPool("a child died"),
+                                   ChildAnswerTimeout("no answer")])
+def test_parse_children_that_keep_dying_or_do_not_answer_answer_503(error):
+    app = pool_parsed_app(_BrokenParser(error))  # type: ignore[arg-type]
 
     @app.post("/v1/chat/completions")
     async def echo(body: dict) -> dict:
