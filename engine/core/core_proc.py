@@ -277,7 +277,6 @@ def _build_and_serve(
     except Exception as error:
         input_socket.send(encoder.encode(CoreStartupFailed(f"{type(error).__name__}: {error}")))
         return 1
-    core.prepare_grammars()
     freeze_startup_heap()
     input_socket.send(encoder.encode(CoreReady(
         num_kv_blocks=core.executor.num_kv_blocks, vocab_size=core.vocab_size,

@@ -19,7 +19,6 @@ from engine.config import EngineConfig, SchedulerConfig
 from engine.core.wire import EngineCoreRequest, EngineStats, JobState, PinState
 from engine.executor.base import Executor, KVReloadProfiler, PrefillProfiler, make_executor
 from engine.kv_cache.pins import PinReleaseReason
-from engine.model.directory import load_arch
 from engine.model.tokenizer import load_decoder, tokenizer_dir
 from engine.outputs import EngineCoreOutput, PendingStep
 from engine.request import FinishReason, Request
@@ -62,6 +61,7 @@ class EngineCore:
 
     UTILITIES = frozenset({
         "stats", "reset_prefix_cache", "release_job", "job_state", "check_invariants",
+        "prepare_grammars",
     })
 
     def __init__(
@@ -143,15 +143,18 @@ class EngineCore:
         arriving while the core waits for another's compile is taken in at once."""
         self.structured_outputs.wake()
 
-    def prepare_grammars(self) -> None:
-        """Builds the grammars' tokenizer now rather than when the first grammar arrives (see
-        `StructuredOutputManager.prepare`); the serving core calls it once, before it serves.
-        A failure is logged, and grammars then fail at compile as they would have."""
+    def prepare_grammars(self, eos_token_id: int | None) -> bool:
+        """Builds the tokenizer of the grammars of requests whose EOS is `eos_token_id` now,
+        rather than when the first grammar arrives (see `StructuredOutputManager.prepare`).
+        A served frontend calls it once at start-up, before it takes requests, with the EOS
+        it gives them (`InputProcessor.eos_token_id`). Returns whether it was built; a
+        failure is logged, and grammars then fail at compile as they would have."""
         try:
-            eos_token_ids = load_arch(self.config.model.model).eos_token_ids
-            self.structured_outputs.prepare(eos_token_ids[0] if eos_token_ids else None)
+            self.structured_outputs.prepare(eos_token_id)
         except Exception as error:  # a model whose tokenizer llguidance cannot read
             logger.warning("grammars cannot be prepared: %s", error)
+            return False
+        return True
 
     def add_request(self, core_request: EngineCoreRequest) -> None:
         """Queues a request (after its grammar compiled, if it has one); ValueError (and no

@@ -231,6 +231,13 @@ class AsyncLLM:
         return msgspec.convert(await self.client.call_utility_async("job_state", job_id),
                                JobState | None)
 
+    async def prepare_grammars(self) -> bool:
+        """Has the core build its grammars' tokenizer for the EOS this frontend gives
+        requests (`EngineCore.prepare_grammars`); the server calls it at start-up, before it
+        takes requests. Whether it was built."""
+        return bool(await self.client.call_utility_async("prepare_grammars",
+                                                         self.processor.eos_token_id))
+
     async def check_invariants(self) -> None:
         """Asks the core to check its scheduler and KV invariants (AssertionError -> failure)."""
         await self.client.call_utility_async("check_invariants")

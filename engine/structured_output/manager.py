@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -44,6 +45,8 @@ from engine.config import StructuredOutputConfig
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.structured_output.spec import StructuredOutputSpec
 from engine.structured_output.tokenizer import GrammarTokenizerSource
+
+logger = logging.getLogger(__name__)
 
 NUM_MASK_THREADS = 4
 MAX_SLOW_MASKS = 3
@@ -161,7 +164,10 @@ class StructuredOutputManager:
         self._compiling: dict[str, tuple[_CacheEntry, str | None]] = {}
         self._grammars: dict[str, _Grammar] = {}
         # Set by workers when a compile or mask ends, and by `wake`: `wait_for_work` ends then.
+        # The futures' callback holds the event only, not the manager (no reference cycle).
         self._work_done = threading.Event()
+        work_done = self._work_done
+        self._work_done_callback: Callable[[Future[Any]], None] = lambda _: work_done.set()
         self.num_compiles = 0
         self.num_cache_hits = 0
         self.compile_time_s = 0.0
@@ -193,15 +199,13 @@ class StructuredOutputManager:
     def has_grammar(self, request_id: str) -> bool:
         return request_id in self._grammars
 
-    def prepare(self, model_eos_token_id: int | None) -> None:
-        """Builds, on the calling thread, the tokenizer of the grammars of requests that carry
-        the EOS the frontend gives them: the tokenizer's own, else `model_eos_token_id` (the
-        model's first). The serving core calls it at start-up, before any compile: building
-        it holds the GIL for up to seconds, which on the compile thread, when the first
-        grammar arrives, would stall the step loop. Requests with another EOS have theirs
-        built on the compile thread."""
-        source = self._source()
-        self._tokenizer(model_eos_token_id if source.eos_token_id is None else source.eos_token_id)
+    def prepare(self, eos_token_id: int | None) -> None:
+        """Builds, on the calling thread, the tokenizer of the grammars of requests whose EOS
+        is `eos_token_id` (None: the tokenizer's own). Called through the core's
+        `prepare_grammars` before any compile: building it holds the GIL for up to seconds,
+        which on the compile thread, when the first grammar arrives, would stall the step
+        loop. Requests with another EOS have theirs built on the compile thread (logged)."""
+        self._tokenizer(eos_token_id)
 
     def submit(self, request_id: str, spec: StructuredOutputSpec,
                eos_token_id: int | None) -> None:
@@ -215,7 +219,7 @@ class StructuredOutputManager:
             entry = self._cache[key] = _CacheEntry(key)
             entry.future = self._compile_pool.submit(self._compile, spec.grammar, eos_token_id,
                                                      entry)
-            entry.future.add_done_callback(self._on_work_done)
+            entry.future.add_done_callback(self._work_done_callback)
             self._unsettled.append(entry)
             self.num_compiles += 1
         else:
@@ -264,9 +268,6 @@ class StructuredOutputManager:
         """Ends a `wait_for_work` in progress, or the next one, at once. Thread-safe: the
         core process's input thread calls it when a message arrives, so that a request or
         an abort does not wait behind another request's compile."""
-        self._work_done.set()
-
-    def _on_work_done(self, _future: Future[Any]) -> None:
         self._work_done.set()
 
     def await_masks(self) -> MaskRound:
@@ -396,7 +397,7 @@ class StructuredOutputManager:
         grammar.words = None
         job = _MaskJob(Future(), self._clock())
         job.future = self._mask_pool.submit(self._compute_mask, grammar.matcher, job)
-        job.future.add_done_callback(self._on_work_done)
+        job.future.add_done_callback(self._work_done_callback)
         grammar.job = job
 
     def _collect_mask(self, grammar: _Grammar) -> str | None:
@@ -472,6 +473,10 @@ class StructuredOutputManager:
         eos = source.eos_token_id if eos_token_id is None else eos_token_id
         tokenizer = self._tokenizers.get(eos)
         if tokenizer is None:
+            if self._tokenizers:
+                logger.warning("building the grammars' tokenizer for EOS %s beside the step "
+                               "loop (prepared for EOS %s)", eos, ", ".join(
+                                   str(prepared) for prepared in self._tokenizers))
             tokenizer = llguidance.LLTokenizer(source.tokenizer_json, n_vocab=self.vocab_size,
                                                eos_token=eos)
             self._tokenizers[eos] = tokenizer

@@ -202,6 +202,7 @@ def build_app(
         app.state.body_parser = parser = BodyParser(
             pool.num_background_threads, engine.processor, settings.large_body_cpu)
         grammar_checker = _prepared_grammar_checker(engine)
+        await engine.prepare_grammars()
         app.state.completions = OpenAIServingCompletion(engine, settings, pool, grammar_checker)
         app.state.chat = OpenAIServingChat(engine, settings, pool, grammar_checker)
         app.state.responses = OpenAIServingResponses(

@@ -122,7 +122,8 @@ class BodyParser:
     background threads, so that no body waits here behind another tenant's: the pool's turns
     decide the order. Built on the event loop's thread; `parse` and `summary` are called
     from the work pool's threads, `join` and `joined` from the event loop, `shutdown` once
-    at exit. A caller waits at most `answer_timeout_s` for a child's answer.
+    at exit. A caller waits at most `answer_timeout_s` for a child's answer, per try (see
+    `_in_child`); a child that hangs keeps its place in the pool.
 
     The pool's helper threads in the server's process (its manager, and its call queue's
     feeder, which pickles each body and writes it to a child 64 KiB at a time, taking the
@@ -213,8 +214,8 @@ class BodyParser:
         try:
             return future.result(timeout=self.answer_timeout_s)
         except TimeoutError as error:
-            if future.done():
-                raise  # the child's own error
+            if future.done():  # answered just now, or the child's own TimeoutError
+                return future.result()
             future.cancel()
             raise ChildAnswerTimeout(f"no answer from a body-parsing process within "
                                      f"{self.answer_timeout_s:g} s") from error

@@ -66,6 +66,10 @@ def test_outputs_match_the_in_process_core(client: SyncMPClient) -> None:
     assert remote == local
 
 
+def test_the_frontend_has_the_core_prepare_its_grammars(client: SyncMPClient) -> None:
+    assert client.call_utility("prepare_grammars", 258) is True
+
+
 def test_utilities_answer_and_report_errors(client: SyncMPClient) -> None:
     stats = client.call_utility("stats")
     assert stats["num_kv_blocks"] == client.num_kv_blocks == 128

@@ -151,10 +151,9 @@ def test_min_tokens_does_not_hold_a_finished_grammar_open(core):
 
 
 def test_the_serving_core_prepares_the_grammars_tokenizer_before_it_serves(monkeypatch):
-    """`prepare_grammars` (called by the core process before its handshake) builds the
-    tokenizer of the frontend's EOS on the calling thread; a constrained request then
-    compiles with no other build, so the compile thread never builds one beside the step
-    loop."""
+    """`prepare_grammars` (which a served frontend calls at start-up with its EOS) builds
+    the tokenizer of that EOS on the calling thread; a constrained request then compiles
+    with no other build, so the compile thread never builds one beside the step loop."""
     real = llguidance.LLTokenizer
     builds: list[tuple[object, str]] = []
 
@@ -165,7 +164,7 @@ def test_the_serving_core_prepares_the_grammars_tokenizer_before_it_serves(monke
     monkeypatch.setattr(llguidance, "LLTokenizer", counting)
     engine_core = EngineCore(SMALL_CONFIG)
     try:
-        engine_core.prepare_grammars()
+        assert engine_core.prepare_grammars(EOS)
         assert builds == [(EOS, threading.current_thread().name)]
         engine_core.add_request(_request("r", _spec("choice", grammars.choice_grammar(["yes"]))))
         assert _run(engine_core)["r"][1] is FinishReason.STOP
@@ -180,7 +179,7 @@ def test_grammars_that_cannot_be_prepared_are_logged_not_fatal(tmp_path, caplog)
     engine_core = EngineCore(config)
     try:
         with caplog.at_level(logging.WARNING, logger="engine.core.engine_core"):
-            engine_core.prepare_grammars()
+            assert not engine_core.prepare_grammars(EOS)
         assert "grammars cannot be prepared: no fast tokenizer for grammars" in caplog.text
     finally:
         engine_core.shutdown()

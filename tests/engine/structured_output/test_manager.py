@@ -4,6 +4,7 @@ masks computed off the step loop, accepting tokens, forgetting."""
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -89,34 +90,23 @@ class _CountingTokenizers:
         return self.real(*args, **kwargs)
 
 
-def test_prepare_builds_the_tokenizer_on_the_calling_thread_for_the_requests_eos(monkeypatch):
+def test_prepare_builds_the_tokenizer_on_the_calling_thread_for_the_requests_eos(
+        monkeypatch, caplog):
     tokenizers = _CountingTokenizers()
     monkeypatch.setattr(llguidance, "LLTokenizer", tokenizers)
     reads = []
     manager = _make(load=lambda: reads.append(1) or LOAD_TINY())
     try:
-        manager.prepare(model_eos_token_id=0)  # the tokenizer names its EOS: that one counts
+        manager.prepare(None)  # the tokenizer's own EOS, which the tiny model names: 258
         assert tokenizers.builds == [(EOS, threading.current_thread().name)]
         _compiled(manager, "r", grammars.choice_grammar(["ab"]))
         assert len(tokenizers.builds) == 1 and len(reads) == 1
-        manager.submit("other-eos", _spec(grammars.choice_grammar(["ab"])), 0)
-        assert [outcome.failure for outcome in _outcomes(manager)] == [None]
+        with caplog.at_level(logging.WARNING, logger=manager_module.__name__):
+            manager.submit("other-eos", _spec(grammars.choice_grammar(["ab"])), 0)
+            assert [outcome.failure for outcome in _outcomes(manager)] == [None]
         assert tokenizers.builds[1][0] == 0 and tokenizers.builds[1][1].startswith("grammar")
+        assert "for EOS 0 beside the step loop (prepared for EOS 258)" in caplog.text
         assert len(reads) == 1
-    finally:
-        manager.shutdown()
-
-
-def test_prepare_takes_the_models_eos_when_the_tokenizer_names_none(monkeypatch):
-    tokenizers = _CountingTokenizers()
-    monkeypatch.setattr(llguidance, "LLTokenizer", tokenizers)
-    source = LOAD_TINY()
-    manager = _make(load=lambda: GrammarTokenizerSource(source.tokenizer_json, None))
-    try:
-        manager.prepare(model_eos_token_id=EOS)
-        assert [eos for eos, _ in tokenizers.builds] == [EOS]
-        _compiled(manager, "r", grammars.choice_grammar(["ab"]))
-        assert len(tokenizers.builds) == 1
     finally:
         manager.shutdown()
 
