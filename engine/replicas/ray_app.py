@@ -452,8 +452,8 @@ class Ingress:
         """How generation `request` of `tenant` is routed, by its `BodyRoute`; None: ask
         each replica in turn (a Responses follow-up of a response this ingress does not know,
         or a large Responses body whose parsing children died or did not answer: any other
-        is then load-balanced). APIError 429 when the tenant already has the work pool's most bodies
-        waiting for a child, 503 once the ingress stops."""
+        is then load-balanced). APIError 429 when the tenant already has the work pool's
+        most bodies waiting for a child, 503 once the ingress stops."""
         read_route = functools.partial(body_route, request.path, _lowercase_headers(request))
         # As a single server parses a body: a larger one would hold this loop, which relays
         # every tenant's stream, for milliseconds to seconds (an 8 MB chat: 8 ms; 15 MB of

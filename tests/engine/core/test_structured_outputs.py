@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured_output import grammars
 from engine.structured_output.spec import StructuredOutputSpec
 from tests.engine.core.conftest import SMALL_CONFIG
+from tests.engine.structured_output.tokenizer_builds import CountingTokenizers
 
 EOS = 258  # the tiny model's <|im_end|>
 SCHEMA = {"type": "object", "properties": {
@@ -154,21 +155,15 @@ def test_the_serving_core_prepares_the_grammars_tokenizer_before_it_serves(monke
     """`prepare_grammars` (which a served frontend calls at start-up with its EOS) builds
     the tokenizer of that EOS on the calling thread; a constrained request then compiles
     with no other build, so the compile thread never builds one beside the step loop."""
-    real = llguidance.LLTokenizer
-    builds: list[tuple[object, str]] = []
-
-    def counting(*args, **kwargs):
-        builds.append((kwargs.get("eos_token"), threading.current_thread().name))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(llguidance, "LLTokenizer", counting)
+    tokenizers = CountingTokenizers()
+    monkeypatch.setattr(llguidance, "LLTokenizer", tokenizers)
     engine_core = EngineCore(SMALL_CONFIG)
     try:
         assert engine_core.prepare_grammars(EOS)
-        assert builds == [(EOS, threading.current_thread().name)]
+        assert tokenizers.builds == [(EOS, threading.current_thread().name)]
         engine_core.add_request(_request("r", _spec("choice", grammars.choice_grammar(["yes"]))))
         assert _run(engine_core)["r"][1] is FinishReason.STOP
-        assert len(builds) == 1
+        assert len(tokenizers.builds) == 1
     finally:
         engine_core.shutdown()
 

@@ -25,6 +25,7 @@ from engine.structured_output.manager import (
 from engine.structured_output.spec import StructuredOutputSpec
 from engine.structured_output.tokenizer import GrammarTokenizerSource, read_grammar_tokenizer
 from tests.engine.helpers import FakeClock
+from tests.engine.structured_output.tokenizer_builds import CountingTokenizers
 
 EOS = 258
 VOCAB = 272
@@ -77,22 +78,9 @@ def _allowed(words: np.ndarray) -> list[int]:
     return bits.nonzero()[0].tolist()
 
 
-class _CountingTokenizers:
-    """Stands in for `llguidance.LLTokenizer`: builds the real one, and records each build's
-    EOS and thread."""
-
-    def __init__(self) -> None:
-        self.real = llguidance.LLTokenizer
-        self.builds: list[tuple[Any, str]] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.builds.append((kwargs.get("eos_token"), threading.current_thread().name))
-        return self.real(*args, **kwargs)
-
-
 def test_prepare_builds_the_tokenizer_on_the_calling_thread_for_the_requests_eos(
         monkeypatch, caplog):
-    tokenizers = _CountingTokenizers()
+    tokenizers = CountingTokenizers()
     monkeypatch.setattr(llguidance, "LLTokenizer", tokenizers)
     reads = []
     manager = _make(load=lambda: reads.append(1) or LOAD_TINY())
