@@ -53,9 +53,11 @@ ENGINE_FLAGS = ["--model", "tiny", "--num-kv-blocks", "128", "--max-model-len", 
                 "--scheduling-policy", "continuum"]
 SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
 # One tenant (the key's) whose body bytes in flight are two bodies of the largest size; a
-# refusal sent again within 3 s of the previous is answered 3 s late.
+# refusal sent again within 3 s of the previous is answered 3 s late. A drain ends at once:
+# the last test stops the application (one deployment for the last three tests).
 KEY_AND_BUDGET_FLAGS = ("--api-key", "secret", "--max-request-body-bytes", "65536",
-                        "--max-body-bytes-in-flight", "131072", "--retry-after-s", "3")
+                        "--max-body-bytes-in-flight", "131072", "--retry-after-s", "3",
+                        "--shutdown-timeout-s", "0")
 
 
 def bench_agent(base_url: str, tmp_path: Path) -> tuple[dict[str, Any], str]:
@@ -501,16 +503,16 @@ def test_stopping_the_application_drains_every_replica_first(ray_server: RayServ
     replicas as a single server drains: a new generation gets 503 `server_shutting_down`, a
     stream still running at the drain's end gets that error event and `[DONE]` instead of
     being cut off. Last: it deletes the application."""
-    ray_server.deploy("affinity", ("--shutdown-timeout-s", "0"))
-    url = ray_server.base_url
-    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+    ray_server.deploy("affinity", KEY_AND_BUDGET_FLAGS)
+    url, key = ray_server.base_url, {"Authorization": "Bearer secret"}
+    with httpx.stream("POST", url + "/v1/completions", timeout=60, headers=key, json={
             "model": "tiny", "prompt": "hi", "max_tokens": 900, "ignore_eos": True,
             "stream": True}) as stream:
         lines = stream.iter_lines()
         assert next(line for line in lines if line).startswith("data: {")
         drained = serve.get_app_handle(APP).drain.remote().result(timeout_s=60)
         assert len(set(drained)) == 2
-        refused = httpx.post(url + "/v1/completions", timeout=60,
+        refused = httpx.post(url + "/v1/completions", timeout=60, headers=key,
                              json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         rest = [line for line in lines if line]
     assert refused.status_code == 503
