@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -60,18 +59,10 @@ class AsyncLLM:
         stats_observer: RequestStatsObserver | None = None,
     ) -> None:
         self.config = config
-        # The tokenizer (transformers' import, then its files) loads while the core process
-        # starts: the two are the bulk of a server's start-up and share nothing.
-        with ThreadPoolExecutor(1, thread_name_prefix="continuum-tokenizer-load") as loader:
-            processor = loader.submit(InputProcessor.for_config, config, tokenizer)
-            self.client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
-            try:
-                self.processor = processor.result()
-            except BaseException:
-                self.client.shutdown()
-                raise
+        self.processor = InputProcessor.for_config(config, tokenizer)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer, stats_observer=stats_observer)
+        self.client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
         self._output_handler: asyncio.Task[None] | None = None
         self._request_counter = itertools.count()
         self._background_aborts: set[asyncio.Task[None]] = set()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import signal
 import time
@@ -318,13 +317,3 @@ def test_killing_the_core_fails_pending_requests_within_seconds() -> None:
         assert engine.engine.is_dead
     finally:
         engine.close()
-
-
-def test_a_tokenizer_that_fails_to_load_leaves_no_core_process(tmp_path) -> None:
-    """`AsyncLLM` loads the tokenizer while its core process starts: when the tokenizer
-    fails, the error is the tokenizer's and the core is stopped."""
-    (tmp_path / "tokenizer_config.json").write_text("{not json")
-    before = set(multiprocessing.active_children())
-    with pytest.raises(ValueError, match="no usable tokenizer"):
-        AsyncLLM.from_engine_args(EngineArgs(**ENGINE_ARGS, tokenizer=str(tmp_path)))
-    assert set(multiprocessing.active_children()) <= before
