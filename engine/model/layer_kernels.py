@@ -5,7 +5,7 @@ microseconds of a norm's, rotary's or SiLU's separate elementwise ops, each with
 the graph (docs/benchmarks.md, issue 35). These kernels fuse each of them into one:
 - `rms_norm`: a residual add (optional) and the RMS norm of its sum, one row per program;
 - `rotary_`: rotary embedding of a step's query and key heads, in place, one token per program;
-- `silu_and_mul`: `silu(gate) * up`.
+- `silu_and_mul`: `silu(gate) * up`, reading the halves of a fused gate/up product in place.
 
 Each computes what the torch code of `engine.model.layers` and `engine.model.rope` computes,
 in float32 between roundings to the activations' dtype. The norm and SiLU round where
@@ -80,17 +80,20 @@ def rotary_(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` (contiguous, same shape and dtype), a new tensor."""
+    """`silu(gate) * up`, a new contiguous tensor. `gate` and `up` are rows [rows, size] of
+    one shape and dtype with contiguous rows, which may be strided (the two halves of a fused
+    gate/up product)."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
                          f"{up.dtype} differ")
-    if not (gate.is_contiguous() and up.is_contiguous()):
-        raise ValueError("gate and up must be contiguous")
-    out = torch.empty_like(gate)
-    numel = gate.numel()
-    if numel:
-        _silu_and_mul_kernel[(triton.cdiv(numel, _ELEMENTWISE_BLOCK),)](
-            gate, up, out, numel, BLOCK=_ELEMENTWISE_BLOCK)
+    _check_rows("gate", gate)
+    _check_rows("up", up)
+    rows, size = gate.shape
+    out = torch.empty((rows, size), dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        block = min(_ELEMENTWISE_BLOCK, triton.next_power_of_2(size))
+        _silu_and_mul_kernel[(rows, triton.cdiv(size, block))](
+            gate, gate.stride(0), up, up.stride(0), out, size, BLOCK=block)
     return out
 
 
@@ -158,12 +161,14 @@ def _rotary_kernel(query_ptr, query_token_stride, query_head_stride, key_ptr, ke
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < numel
-    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0)
-    up = tl.load(up_ptr + offsets, mask=mask, other=0.0)
+def _silu_and_mul_kernel(gate_ptr, gate_row_stride, up_ptr, up_row_stride, out_ptr, size,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0)
     gate_f = gate.to(tl.float32)
     activated = (gate_f * tl.sigmoid(gate_f)).to(gate.dtype)
-    tl.store(out_ptr + offsets, (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
-             mask=mask)
+    tl.store(out_ptr + row * size + cols,
+             (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)

@@ -1,8 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) on the paged KV cache.
 
 Parameter names follow Hugging Face checkpoints, except that the q/k/v projections are fused
-into `qkv_proj` (one larger matmul, measurably faster); `load_weights` maps the checkpoint's
-separate tensors into its shards.
+into `qkv_proj` (one larger matmul, measurably faster) and the MLP's gate and up projections
+into `gate_up_proj`; `load_weights` maps the checkpoint's separate tensors into their shards.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from engine.model.attention import AttentionMetadata
 from engine.model.layers import RMSNorm, SwiGLUMLP
 from engine.model.rope import PositionRotary, RotaryEmbedding
 
-# checkpoint projection name -> its shard index in the fused `qkv_proj`
-_QKV_SHARDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+# checkpoint projection name -> (the fused parameter's module, the shard's index in it)
+_FUSED_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
+                 "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
+                 "up_proj": ("gate_up_proj", 1)}
 
 
 class LlamaAttention(nn.Module):
@@ -51,10 +53,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, use_triton: bool):
+    def __init__(self, arch: ModelArch, use_triton: bool, fuse_gate_up: bool):
         super().__init__()
         self.self_attn = LlamaAttention(arch)
-        self.mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, use_triton)
+        self.mlp = SwiGLUMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, use_triton,
+                             fuse_gate_up)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
 
@@ -75,12 +78,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, max_positions: int, use_triton: bool):
+    def __init__(self, arch: ModelArch, max_positions: int, use_triton: bool,
+                 fuse_gate_up: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta,
                                       arch.rope_scaling, use_triton)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, use_triton)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, use_triton, fuse_gate_up)
                                     for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
 
@@ -90,13 +94,16 @@ class LlamaForCausalLM(nn.Module):
 
     With `use_triton_kernels` the layers' norms, rotary and SiLU run as fused Triton kernels
     (`engine.model.layer_kernels`; CUDA, or CPU under Triton's interpreter), else as torch ops.
+    With `fuse_gate_up` each MLP's gate and up projections are one matmul (see `SwiGLUMLP`;
+    the loader sets it on CUDA); the weights are the same either way.
     """
 
-    def __init__(self, arch: ModelArch, max_positions: int, use_triton_kernels: bool = False):
+    def __init__(self, arch: ModelArch, max_positions: int, use_triton_kernels: bool = False,
+                 fuse_gate_up: bool = False):
         super().__init__()
         self.arch = arch
         self.use_triton_kernels = use_triton_kernels
-        self.model = LlamaModel(arch, max_positions, use_triton_kernels)
+        self.model = LlamaModel(arch, max_positions, use_triton_kernels, fuse_gate_up)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -145,9 +152,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _load_keys(self, param_name: str) -> list[str]:
         """What must be loaded into a parameter: the whole of it, or each of its shards."""
-        fused_name = param_name.split(".")[-2] if "." in param_name else ""
-        if fused_name == "qkv_proj":
-            return [f"{param_name}#{shard}" for shard in range(3)]
+        module_name = param_name.split(".")[-2] if "." in param_name else ""
+        num_shards = sum(1 for fused, _ in _FUSED_SHARDS.values() if fused == module_name)
+        if num_shards:
+            return [f"{param_name}#{shard}" for shard in range(num_shards)]
         return [param_name]
 
     def _is_tied_head(self, name: str) -> bool:
@@ -157,14 +165,22 @@ class LlamaForCausalLM(nn.Module):
         self, name: str, params: dict[str, nn.Parameter]
     ) -> tuple[torch.Tensor, str]:
         parts = name.split(".")
-        shard = _QKV_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
-        if shard is None:
+        fused = _FUSED_SHARDS.get(parts[-2]) if len(parts) >= 2 else None
+        if fused is None:
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name} matches no model parameter")
             return params[name], name
-        param_name = ".".join([*parts[:-2], "qkv_proj", parts[-1]])
+        module_name, shard = fused
+        param_name = ".".join([*parts[:-2], module_name, parts[-1]])
         if param_name not in params:
             raise ValueError(f"checkpoint tensor {name} matches no model parameter")
-        sizes = (self.arch.q_size, self.arch.kv_size, self.arch.kv_size)
+        sizes = self._shard_sizes(module_name)
         start = sum(sizes[:shard])
         return params[param_name].narrow(0, start, sizes[shard]), f"{param_name}#{shard}"
+
+    def _shard_sizes(self, module_name: str) -> tuple[int, ...]:
+        """Rows of each checkpoint tensor in a fused parameter, in shard order."""
+        arch = self.arch
+        if module_name == "qkv_proj":
+            return (arch.q_size, arch.kv_size, arch.kv_size)
+        return (arch.intermediate_size, arch.intermediate_size)

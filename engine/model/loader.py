@@ -65,7 +65,8 @@ def load_model(
         )
     use_triton = resolve_layer_kernels(config.layer_kernels, device) == "triton"
     with torch.device(device):
-        model = LlamaForCausalLM(arch, max_positions, use_triton_kernels=use_triton)
+        model = LlamaForCausalLM(arch, max_positions, use_triton_kernels=use_triton,
+                                 fuse_gate_up=device.type == "cuda")
     if config.model == TINY_MODEL_NAME:
         init_dummy_weights(model, config.seed, torch.device("cpu"))
     elif config.load_format == "dummy":

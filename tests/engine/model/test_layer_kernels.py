@@ -102,3 +102,15 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype) -> None:
     _close(silu_and_mul(gate, up), F.silu(gate) * up)
     with pytest.raises(ValueError, match="differ"):
         silu_and_mul(gate, up[:, :10])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_reads_the_halves_of_a_fused_product(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    gate_up = (4 * torch.randn(5, 2 * 1500, generator=generator)).to(DEVICE, dtype)
+    gate, up = gate_up[:, :1500], gate_up[:, 1500:]
+    out = silu_and_mul(gate, up)
+    assert out.is_contiguous()
+    _close(out, F.silu(gate) * up)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        silu_and_mul(gate.t(), up.t())

@@ -39,6 +39,9 @@ def test_fused_projections_hold_the_checkpoint_shards(tmp_path: Path) -> None:
     attn = hf_model.model.layers[1].self_attn
     expected = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     assert torch.equal(model.model.layers[1].self_attn.qkv_proj.weight, expected)
+    mlp = hf_model.model.layers[1].mlp
+    assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight,
+                       torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
 
 
 def test_dummy_weights_are_reproducible_from_the_seed(tmp_path: Path) -> None:
