@@ -380,6 +380,46 @@ def _decode_reduce_kernel(
              result.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _prefill_key_tile(q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row,
+                      k_base, v_base, stride_ks, stride_kd, stride_vs, stride_vd,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of the prefill kernel's online softmax: `(acc, m_i, l_i)` updated. Not
+    `MASKED`: every query row sees every key of the tile, so no bound or mask is applied."""
+    dims = tl.arange(0, HEAD_DIM)
+    pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_ok = pos < key_hi
+    if MASKED:
+        block_ids = tl.load(block_row + pos // BLOCK_SIZE, mask=key_ok, other=0)
+    else:
+        block_ids = tl.load(block_row + pos // BLOCK_SIZE)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    k_ptrs = k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd
+    if MASKED:
+        k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0).to(q.dtype)
+    else:
+        k = tl.load(k_ptrs).to(q.dtype)
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        allowed = (key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+                   & (pos[None, :] > q_pos[:, None] - window))
+        scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row can see no key of a tile (its window starts later): shift by 0, not by -inf.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd
+    if MASKED:
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0).to(q.dtype)
+    else:
+        v = tl.load(v_ptrs).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -418,9 +458,18 @@ def _prefill_kernel(
 
     # Key range of this tile's queries; empty for a tile past the sequence's queries.
     first_q_pos = context_len + q_tile * BLOCK_Q
+    last_q_pos = context_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, query_len) - 1
     key_lo = tl.maximum(first_q_pos - window + 1, 0)
     key_hi = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
     key_hi = tl.where(q_tile * BLOCK_Q < query_len, key_hi, 0)
+    # Key tiles [lo, hi) in three runs: the middle one's tiles are seen whole by every query
+    # row (inside the last query's window, at or before the first query), so they skip the
+    # mask; the tiles before it (the window's edge) and after it (the causal diagonal) do not.
+    lo = key_lo // BLOCK_N
+    hi = tl.cdiv(key_hi, BLOCK_N)
+    first_whole = tl.cdiv(tl.maximum(last_q_pos - window + 1, 0), BLOCK_N)
+    mid_lo = tl.minimum(tl.maximum(first_whole, lo), hi)
+    mid_hi = tl.minimum(tl.maximum((first_q_pos + 1) // BLOCK_N, mid_lo), hi)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -428,28 +477,21 @@ def _prefill_kernel(
     block_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    offs_n = tl.arange(0, BLOCK_N)
-    for tile in range(key_lo // BLOCK_N, tl.cdiv(key_hi, BLOCK_N)):
-        pos = tile * BLOCK_N + offs_n
-        key_ok = pos < key_hi
-        block_ids = tl.load(block_row + pos // BLOCK_SIZE, mask=key_ok, other=0)
-        slots = block_ids.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        k = tl.load(k_base + slots[None, :] * stride_ks + dims[:, None] * stride_kd,
-                    mask=key_ok[None, :], other=0.0).to(q.dtype)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        allowed = (key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-                   & (pos[None, :] > q_pos[:, None] - window))
-        scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # A row can see no key of a tile (its window starts later): shift by 0, not by -inf.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(scores - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slots[:, None] * stride_vs + dims[None, :] * stride_vd,
-                    mask=key_ok[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for tile in range(lo, mid_lo):
+        acc, m_i, l_i = _prefill_key_tile(
+            q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row, k_base, v_base,
+            stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            DOT_PRECISION, True)
+    for tile in range(mid_lo, mid_hi):
+        acc, m_i, l_i = _prefill_key_tile(
+            q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row, k_base, v_base,
+            stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            DOT_PRECISION, False)
+    for tile in range(mid_hi, hi):
+        acc, m_i, l_i = _prefill_key_tile(
+            q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row, k_base, v_base,
+            stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            DOT_PRECISION, True)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(

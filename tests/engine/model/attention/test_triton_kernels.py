@@ -267,6 +267,15 @@ def test_prefill_sliding_window(sliding_window: int) -> None:
     assert_matches(out, expected, torch.float32)
 
 
+@pytest.mark.parametrize("sliding_window", [45, 100])
+def test_prefill_long_sliding_window_over_whole_and_edge_key_tiles(sliding_window: int) -> None:
+    # Windows wider than a key tile (32 or 64 positions): a query tile's keys run from masked
+    # tiles at the window's edge through whole tiles, which skip the mask, to the diagonal.
+    out, expected = run_prefill([60, 0], [150, 130], group=2, num_kv_heads=2,
+                                sliding_window=sliding_window)
+    assert_matches(out, expected, torch.float32)
+
+
 @pytest.mark.parametrize(("dtype", "head_dim", "block_size"), [
     (torch.float32, 128, 16), (torch.bfloat16, 64, 8), (torch.float16, 32, 32),
 ], ids=["float32-d128-b16", "bfloat16-d64-b8", "float16-d32-b32"])

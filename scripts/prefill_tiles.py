@@ -1,0 +1,160 @@
+"""Times the prefill attention kernel's tiles on a GPU, one call a layer.
+
+At Llama-3.1-8B's attention shapes (32 query heads over 8 KV heads of dim 128, blocks of 16
+tokens drawn at random from the pool, bf16) and two prefill steps of 2,048 tokens (one
+prompt of 2,048; four chunks of 512 over cached prefixes of 512), each tile given (rows of
+queries x padded group, keys a tile, warps, stages) runs `_prefill_kernel` directly, and
+`auto` runs `paged_prefill_attention` as the engine does (the autotuner's choice among
+`_TUNED_PREFILL_TILES`); each tile's output is checked against auto's (the largest absolute
+difference, NaN if it left a row unwritten). Times are `triton.testing.do_bench` medians
+in device events. Also printed: the tensor-core rate each reaches (the causal QK^T and PV
+products' FLOPs over its time). Run from another checkout (`python
+OTHER/scripts/prefill_tiles.py`), it times that checkout's kernel: two versions compared on
+one device.
+
+Usage: python scripts/prefill_tiles.py [--tiles M,N,WARPS,STAGES ...] [--json FILE]
+       [--device cuda|cpu]
+  --device cpu  a dry run under Triton's interpreter: small shapes, times that mean nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.model.attention import triton_kernels
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+# (name, context tokens of each sequence, query tokens of each sequence)
+STEPS = (("1 x 2,048", (0,), (2048,)), ("4 x 512 over 512", (512,) * 4, (512,) * 4))
+CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 12 over 20", (20, 20), (12, 12)))
+
+
+def _time_us(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+    fn()
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e6
+
+
+class PrefillStep:
+    """One step's queries and a paged cache holding their sequences, blocks at random."""
+
+    def __init__(self, context_lens: tuple[int, ...], query_lens: tuple[int, ...],
+                 device: torch.device, generator: torch.Generator) -> None:
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+        blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+        order = torch.randperm(sum(blocks), generator=generator).numpy().astype(np.int32)
+        table = np.zeros((len(seq_lens), max(blocks)), dtype=np.int32)
+        start = 0
+        for index, count in enumerate(blocks):
+            table[index, :count] = order[start:start + count]
+            start += count
+        slots = sum(blocks) * BLOCK_SIZE
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.k_cache = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, generator=generator
+                                   ).to(device, dtype)
+        self.v_cache = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, generator=generator
+                                   ).to(device, dtype)
+        self.query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=generator
+                                 ).to(device, dtype)
+        self.block_table = torch.from_numpy(table).to(device)
+        self.query_start_loc = torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32,
+                                            device=device)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.max_query_len = max(query_lens)
+        self.out = torch.empty_like(self.query)
+        self.scale = HEAD_DIM ** -0.5
+        # causal pairs (query, key) of each sequence, times two products of HEAD_DIM MACs
+        pairs = sum(q * c + q * (q + 1) // 2 for c, q in zip(context_lens, query_lens,
+                                                             strict=True))
+        self.flops = pairs * NUM_HEADS * HEAD_DIM * 4
+
+    def auto(self) -> None:
+        triton_kernels.paged_prefill_attention(
+            self.query, self.k_cache, self.v_cache, self.block_table, self.query_start_loc,
+            self.seq_lens, self.scale, block_size=BLOCK_SIZE, max_query_len=self.max_query_len,
+            out=self.out)
+
+    def tile(self, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+        group = NUM_HEADS // NUM_KV_HEADS
+        block_q = block_m // group
+        args = (self.query, self.k_cache, self.v_cache, self.block_table,
+                self.query_start_loc, self.seq_lens, self.out,
+                self.scale * triton_kernels._LOG2_E, triton_kernels._window(None),
+                *self.query.stride(), *self.k_cache.stride(), *self.v_cache.stride(),
+                self.block_table.stride(0), *self.out.stride())
+        grid = (-(-self.max_query_len // block_q), NUM_KV_HEADS, self.seq_lens.shape[0])
+        triton_kernels._prefill_kernel[grid](
+            *args, GROUP=group, GROUP_PAD=group, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
+            DOT_PRECISION=triton_kernels._dot_precision(self.query.dtype), BLOCK_Q=block_q,
+            BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiles", nargs="+", default=None, metavar="M,N,WARPS,STAGES")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    tiles = ([tuple(int(part) for part in tile.split(",")) for tile in args.tiles]
+             if args.tiles else list(triton_kernels._TUNED_PREFILL_TILES))
+    if device.type == "cpu":
+        tiles = [(32, 32, 4, 1)]
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for name, context_lens, query_lens in (STEPS if device.type == "cuda" else CPU_STEPS):
+        step = PrefillStep(context_lens, query_lens, device, generator)
+        variants: list[tuple[str, Callable[[], None]]] = [("auto", step.auto)]
+        variants += [(",".join(map(str, tile)), functools.partial(step.tile, *tile))
+                     for tile in tiles]
+        step.auto()
+        reference = step.out.clone()
+        for label, fn in variants:
+            step.out.fill_(float("nan"))
+            fn()
+            error = (step.out.float() - reference.float()).abs().max().item()
+            us = _time_us(fn, device)
+            rows.append({"step": name, "tile": label, "us": us,
+                         "tflops": step.flops / (us * 1e-6) / 1e12, "max_diff_vs_auto": error})
+    source = Path(triton_kernels.__file__).resolve()
+    print(f"prefill attention, {NUM_HEADS} heads over {NUM_KV_HEADS}, head dim {HEAD_DIM}, "
+          f"kernel of {source}")
+    print("| step | tile (rows, keys, warps, stages) | us a layer | TFLOP/s | max diff vs auto |")
+    print("|---|---|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['step']} | {row['tile']} | {row['us']:.1f} | {row['tflops']:.0f} | "
+              f"{row['max_diff_vs_auto']:.2g} |")
+    best = {name: min((row for row in rows if row["step"] == name), key=lambda row: row["us"])
+            for name in dict.fromkeys(row["step"] for row in rows)}
+    print("fastest: " + "; ".join(f"{name}: {row['tile']} ({row['us']:.1f} us)"
+                                  for name, row in best.items()))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(
+            {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+             "kernel": str(source), "rows": rows,
+             "median_us": statistics.median(row["us"] for row in rows)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
