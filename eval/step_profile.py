@@ -2,6 +2,8 @@
 launches (the CPU's calls that start work on the device: kernels, and whole CUDA graphs,
 each counting one), the device's busy time (the sum of its kernels' and copies' durations)
 and the host's time a step. `bench forward --profile` adds these to each decode shape.
+`profile_run` profiles a whole run instead (`bench throughput --profile`): its wall time, the
+device's busy time, and that time split by kind of kernel (`KERNEL_GROUPS`).
 
 On the CPU there is no device activity: launches and device time are 0.
 """
@@ -19,6 +21,15 @@ from torch.profiler import ProfilerActivity, profile
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                           "cuLaunchKernelEx", "cudaGraphLaunch", "cudaLaunchCooperativeKernel"})
 TOP_KERNELS = 12
+# (group, substrings of the kernel names it takes, lower case); a kernel matching none is
+# "other" (sampling, embedding, torch's elementwise ops)
+KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("matmul", ("nvjet", "gemm", "cutlass", "splitkreduce", "xmma", "cublas")),
+    ("attention decode", ("_decode_split", "_decode_reduce")),
+    ("attention prefill", ("_prefill",)),
+    ("layer kernels", ("_rms_norm", "_rotary", "_silu_and_mul", "_store_kv")),
+    ("copies", ("memcpy", "memset")),
+)
 
 
 @dataclass(frozen=True)
@@ -55,3 +66,46 @@ def profile_steps(run_steps: Callable[[], float], num_steps: int,
                        graph_launches_per_step=graph_launches / num_steps,
                        device_ms_per_step=device_us / 1e3 / num_steps,
                        host_ms_per_step=host_s * 1e3 / num_steps, top_kernels=top)
+
+
+@dataclass(frozen=True)
+class RunProfile:
+    """A whole profiled run: its host wall seconds, the device's busy seconds (the sum of its
+    kernels' and copies' durations), those seconds by `KERNEL_GROUPS` (largest first), and the
+    profiler's table of the costliest kernels (empty on the CPU)."""
+
+    wall_s: float
+    device_busy_s: float
+    device_s_by_group: dict[str, float]
+    top_kernels: str
+
+
+def kernel_group(name: str) -> str:
+    """The `KERNEL_GROUPS` group of a device activity's name, else "other"."""
+    lowered = name.lower()
+    for group, patterns in KERNEL_GROUPS:
+        if any(pattern in lowered for pattern in patterns):
+            return group
+    return "other"
+
+
+def profile_run(run: Callable[[], float], device: torch.device) -> RunProfile:
+    """Profiles `run` (which returns its host seconds) with the device's activity."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        wall_s = run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    by_group: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            group = kernel_group(event.name)
+            by_group[group] = by_group.get(group, 0.0) + event.time_range.elapsed_us() / 1e6
+    top = ""
+    if device.type == "cuda":
+        top = prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS)
+    return RunProfile(wall_s=wall_s, device_busy_s=sum(by_group.values()),
+                      device_s_by_group=dict(sorted(by_group.items(), key=lambda item: -item[1])),
+                      top_kernels=top)

@@ -18,7 +18,11 @@ each of which synchronizes the device). With `--slow-steps N`, the engine is dri
 reported (`slow_steps`: each step's index, wall milliseconds, requests running and waiting
 after it, and on CUDA what the caching allocator did inside it), with the count and the
 seconds of every step in which the allocator called `cudaFree` or retried (`allocator_steps`):
-whether the slow steps are the allocator's. Each side runs in its own
+whether the slow steps are the allocator's. The timed run starts from an empty prefix cache
+(after an untimed warm-up). With `--profile` (`--impl engine`), the workload runs once more,
+from an empty prefix cache again, under the torch profiler (`profile`: that run's wall
+seconds, the device's busy seconds and those seconds by kind of kernel, `eval.step_profile`;
+the costliest kernels printed): where a run's device time goes. Each side runs in its own
 fresh process (a model loaded second in one process runs measurably slower on small CPUs).
 """
 
@@ -67,10 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-steps", type=int, default=0, metavar="N",
                         help="report the N slowest engine steps, with what the CUDA caching "
                              "allocator did in each (engine side only; default: 0, none)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the workload once more under the torch profiler: device "
+                             "time by kind of kernel (--impl engine only)")
     EngineArgs.add_cli_args(parser)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.profile and args.impl != "engine":
+        print("error: --profile profiles the engine's run: give --impl engine", file=sys.stderr)
+        return 2
     if args.impl == "both":
         results = compare(args)
     elif args.impl == "engine":
@@ -144,6 +154,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
               for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    _forget_cached_prompts(llm)  # else the timed run finds the warm-up's prompts cached
     with startup_heap_frozen():  # as serve's core process runs, for the timed part
         before = llm.engine.get_stats()
         allocator_before = _cuda_allocator_counts()
@@ -156,6 +167,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         wall_s = time.perf_counter() - start
     after = llm.engine.get_stats()
     allocator_after = _cuda_allocator_counts()
+    profile = _profile(llm, prompts, params) if args.profile else None
     llm.shutdown()
     num_output_tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
     assert num_output_tokens == sum(r.output_len for r in workload), "lengths were not forced"
@@ -173,7 +185,36 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         **({"cuda_allocator": {name: allocator_after[name] - allocator_before[name]
                                for name in allocator_after}} if allocator_after else {}),
         **(_step_figures(steps, args.slow_steps) if steps else {}),
+        **({"profile": profile} if profile is not None else {}),
     }
+
+
+def _profile(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str, Any]:
+    """The workload run once more under the torch profiler: its wall seconds, the device's
+    busy seconds and those by kind of kernel; the costliest kernels are printed."""
+    import torch
+
+    from eval.step_profile import profile_run
+
+    def run() -> float:
+        _forget_cached_prompts(llm)  # the timed run's
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with startup_heap_frozen():
+        profiled = profile_run(run, torch.device("cuda" if cuda else "cpu"))
+    print(f"profiled run: {profiled.wall_s:.2f} s, device busy {profiled.device_busy_s:.2f} s"
+          f"\n{profiled.top_kernels}", flush=True)
+    return {"wall_s": profiled.wall_s, "device_busy_s": profiled.device_busy_s,
+            "device_s_by_group": profiled.device_s_by_group}
+
+
+def _forget_cached_prompts(llm: Any) -> None:
+    """Empties the prefix cache, so that a run prefills every prompt it sends again."""
+    if not llm.engine.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset: a KV block is still in use")
 
 
 @dataclass(frozen=True)

@@ -37,3 +37,21 @@ def test_bench_throughput_reports_the_slowest_steps(tmp_path) -> None:
     assert slow[0]["wall_ms"] <= results["wall_s"] * 1e3
     assert all(step["allocator"] == {} for step in slow)  # no CUDA here
     assert results["allocator_steps"] == {"num_steps": 0, "wall_s": 0}
+
+
+def test_bench_throughput_profiles_one_more_run(tmp_path, capsys) -> None:
+    out = tmp_path / "throughput.json"
+    code = main(["bench", "throughput", "--impl", "engine", "--num-requests", "3",
+                 "--prompt-len", "8", "16", "--output-len", "2", "5", "--max-model-len", "128",
+                 "--num-kv-blocks", "64", "--profile", "--json", str(out)])
+    assert code == 0
+    profile = json.loads(out.read_text())["profile"]
+    assert profile["wall_s"] > 0
+    # No device on the CPU: no kernels, so no busy time and no groups.
+    assert profile["device_busy_s"] == 0 and profile["device_s_by_group"] == {}
+    assert "profiled run" in capsys.readouterr().out
+
+
+def test_bench_throughput_refuses_a_profile_of_both_sides(capsys) -> None:
+    assert main(["bench", "throughput", "--profile"]) == 2
+    assert "--impl engine" in capsys.readouterr().err
