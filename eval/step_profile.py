@@ -1,7 +1,9 @@
 """What one engine step costs the host and the device, from the torch profiler: kernel
 launches (the CPU's calls that start work on the device: kernels, and whole CUDA graphs,
-each counting one), the device's busy time (the sum of its kernels' and copies' durations)
-and the host's time a step. `bench forward --profile` adds these to each decode shape.
+each counting one), the device's busy time (the sum of its kernels' and copies' durations),
+the host's time a step, and where the device sat idle inside the profiled steps (before its
+first activity, between activities, after its last: `DeviceIdle`). `bench forward --profile`
+adds these to each shape.
 `profile_run` profiles a whole run instead (`bench throughput --profile`): its wall time, the
 device's busy time, and that time split by kind of kernel (`KERNEL_GROUPS`).
 
@@ -15,12 +17,13 @@ from dataclasses import dataclass
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 # The runtime and driver calls that launch work on a CUDA device.
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                           "cuLaunchKernelEx", "cudaGraphLaunch", "cudaLaunchCooperativeKernel"})
 TOP_KERNELS = 12
+_STEPS_RANGE = "profiled steps"  # the host's range of the steps, in the profiler's events
 # (group, substrings of the kernel names it takes, lower case); a kernel matching none is
 # "other" (sampling, embedding, torch's elementwise ops)
 KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -33,15 +36,45 @@ KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 @dataclass(frozen=True)
+class DeviceIdle:
+    """Milliseconds the device did nothing inside a host time range: before its first
+    activity began, in the gaps between activities (overlapping ones merged), and after its
+    last ended. All 0 when it had no activity (the CPU)."""
+
+    before_first_ms: float
+    between_ms: float
+    after_last_ms: float
+
+
+def device_idle(activities_us: list[tuple[float, float]], start_us: float,
+                end_us: float) -> DeviceIdle:
+    """The device's idle time in `[start_us, end_us]` around its `(start, end)` activities
+    (microseconds on one clock)."""
+    if not activities_us:
+        return DeviceIdle(0.0, 0.0, 0.0)
+    ordered = sorted(activities_us)
+    between_us = 0.0
+    busy_until_us = ordered[0][1]
+    for begin_us, finish_us in ordered[1:]:
+        between_us += max(0.0, begin_us - busy_until_us)
+        busy_until_us = max(busy_until_us, finish_us)
+    return DeviceIdle(before_first_ms=max(0.0, ordered[0][0] - start_us) / 1e3,
+                      between_ms=between_us / 1e3,
+                      after_last_ms=max(0.0, end_us - busy_until_us) / 1e3)
+
+
+@dataclass(frozen=True)
 class StepProfile:
     """Per-step averages over a profiled run; `top_kernels` is the profiler's table of the
-    kernels that took the most device time (empty on the CPU)."""
+    kernels that took the most device time (empty on the CPU); `idle` is the device's idle
+    time inside the run, a step (a run of one step: where the host held the device up)."""
 
     launches_per_step: float
     graph_launches_per_step: float
     device_ms_per_step: float
     host_ms_per_step: float
     top_kernels: str
+    idle: DeviceIdle
 
 
 def profile_steps(run_steps: Callable[[], float], num_steps: int,
@@ -51,21 +84,29 @@ def profile_steps(run_steps: Callable[[], float], num_steps: int,
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
-        host_s = run_steps()
+        with record_function(_STEPS_RANGE):
+            host_s = run_steps()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     events = prof.events()
     launches = sum(1 for event in events if event.name in LAUNCH_CALLS)
     graph_launches = sum(1 for event in events if event.name == "cudaGraphLaunch")
-    device_us = sum(event.time_range.elapsed_us() for event in events
-                    if event.device_type == DeviceType.CUDA)
+    activities_us = [(event.time_range.start, event.time_range.end) for event in events
+                     if event.device_type == DeviceType.CUDA]
+    device_us = sum(end - start for start, end in activities_us)
+    steps = next(event for event in events
+                 if event.name == _STEPS_RANGE and event.device_type == DeviceType.CPU)
+    idle = device_idle(activities_us, steps.time_range.start, steps.time_range.end)
     top = ""
     if device.type == "cuda":
         top = prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS)
     return StepProfile(launches_per_step=launches / num_steps,
                        graph_launches_per_step=graph_launches / num_steps,
                        device_ms_per_step=device_us / 1e3 / num_steps,
-                       host_ms_per_step=host_s * 1e3 / num_steps, top_kernels=top)
+                       host_ms_per_step=host_s * 1e3 / num_steps, top_kernels=top,
+                       idle=DeviceIdle(idle.before_first_ms / num_steps,
+                                       idle.between_ms / num_steps,
+                                       idle.after_last_ms / num_steps))
 
 
 @dataclass(frozen=True)

@@ -98,14 +98,20 @@ def _profile_table(runs: dict[str, Any]) -> list[str]:
             if result.get("profile")]
     if not rows:
         return []
-    lines = ["Profiled steps (a step, from torch's profiler):", "",
-             "| run | shape | launches | graph launches | device busy (ms) | host (ms) |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["Profiled steps (a step, from torch's profiler; the device's idle time inside "
+             "the steps before its first kernel, between kernels and after its last):", "",
+             "| run | shape | launches | graph launches | device busy (ms) | host (ms) | "
+             "idle before / between / after (ms) |",
+             "|---|---|---:|---:|---:|---:|---|"]
     for name, result in rows:
         profile = result["profile"]
+        idle = profile.get("idle")  # absent from runs before 2026-11-27
+        idle_cell = ("" if idle is None else f"{idle['before_first_ms']:.2f} / "
+                     f"{idle['between_ms']:.2f} / {idle['after_last_ms']:.2f}")
         lines.append(f"| {name} | {result['label']} | {profile['launches_per_step']:,.0f} | "
                      f"{profile['graph_launches_per_step']:,.0f} | "
-                     f"{profile['device_ms_per_step']:.2f} | {profile['host_ms_per_step']:.2f} |")
+                     f"{profile['device_ms_per_step']:.2f} | {profile['host_ms_per_step']:.2f} | "
+                     f"{idle_cell} |")
     return [*lines, ""]
 
 

@@ -302,7 +302,11 @@ def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
         print(f"profile of {shape.label}: {step_profile.launches_per_step:.1f} launches "
               f"({step_profile.graph_launches_per_step:.1f} graphs), device "
               f"{step_profile.device_ms_per_step:.2f} ms, host "
-              f"{step_profile.host_ms_per_step:.2f} ms a step\n{step_profile.top_kernels}",
+              f"{step_profile.host_ms_per_step:.2f} ms a step; device idle "
+              f"{step_profile.idle.before_first_ms:.2f} ms before its first kernel, "
+              f"{step_profile.idle.between_ms:.2f} between, "
+              f"{step_profile.idle.after_last_ms:.2f} after its last, a step\n"
+              f"{step_profile.top_kernels}",
               flush=True)
     if shape.kind == "decode":
         return ShapeResult(shape, step_ms=run_s / args.decode_steps * 1e3,

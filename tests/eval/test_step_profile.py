@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from eval.step_profile import kernel_group, profile_run
+from eval.step_profile import DeviceIdle, device_idle, kernel_group, profile_run, profile_steps
 
 
 def test_kernels_are_grouped_by_their_names() -> None:
@@ -27,3 +27,24 @@ def test_a_run_on_the_cpu_has_its_wall_time_and_no_device_time() -> None:
     assert profile.wall_s > 0
     assert profile.device_busy_s == 0 and profile.device_s_by_group == {}
     assert profile.top_kernels == ""
+
+
+def test_device_idle_splits_the_gaps_around_and_between_activities() -> None:
+    # Activities (us) 10-20 and 15-30 overlap (merged), then a gap to 40-45; range 0-60.
+    idle = device_idle([(40.0, 45.0), (10.0, 20.0), (15.0, 30.0)], 0.0, 60.0)
+    assert idle == DeviceIdle(before_first_ms=0.010, between_ms=0.010, after_last_ms=0.015)
+    assert device_idle([], 0.0, 60.0) == DeviceIdle(0.0, 0.0, 0.0)
+    # An activity that outlasts the range leaves no idle time after it.
+    assert device_idle([(5.0, 70.0)], 0.0, 60.0).after_last_ms == 0.0
+
+
+def test_profiled_steps_on_the_cpu_have_host_time_and_no_device_idle() -> None:
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(2):
+            torch.ones(32, 32) @ torch.ones(32, 32)
+        return time.perf_counter() - start
+
+    profile = profile_steps(run, 2, torch.device("cpu"))
+    assert profile.host_ms_per_step > 0 and profile.device_ms_per_step == 0
+    assert profile.idle == DeviceIdle(0.0, 0.0, 0.0)

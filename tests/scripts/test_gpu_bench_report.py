@@ -22,7 +22,12 @@ def test_report_tables_the_steps_that_ran_and_names_the_failed(tmp_path: Path) -
         {"label": "decode, batch 1, context 1,024", "step_ms": 21.3, "tokens_per_s": 47.0,
          "error": None},
         {"label": "decode, batch 32, context 8,192", "step_ms": None, "tokens_per_s": None,
-         "error": "CUDA out of memory"}]}))
+         "error": "CUDA out of memory"},
+        {"label": "prefill 1 x 2,048", "step_ms": 52.5, "tokens_per_s": 39_013.0,
+         "error": None, "profile": {
+             "launches_per_step": 326.0, "graph_launches_per_step": 0.0,
+             "device_ms_per_step": 48.81, "host_ms_per_step": 53.9,
+             "idle": {"before_first_ms": 1.2, "between_ms": 0.4, "after_last_ms": 2.05}}}]}))
     result = subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw),
                              str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=True)
     summary = (tmp_path / "summary.md").read_text()
@@ -30,6 +35,8 @@ def test_report_tables_the_steps_that_ran_and_names_the_failed(tmp_path: Path) -
     assert summary.startswith("# GPU benchmark: NVIDIA H100 80GB HBM3\n")
     assert "| decode, batch 1, context 1,024 | 21.30 | 47 |" in summary
     assert "| decode, batch 32, context 8,192 | CUDA out of memory |  |" in summary
+    assert ("| sdpa | prefill 1 x 2,048 | 326 | 0 | 48.81 | 53.90 | 1.20 / 0.40 / 2.05 |"
+            in summary)
     assert "- throughput-triton: FAILED (exit 1; raw/throughput-triton.log), 12 s" in summary
     assert ("- forward-triton-eager: STOPPED at the time budget "
             "(raw/forward-triton-eager.log), 300 s") in summary

@@ -118,6 +118,8 @@ def test_profile_adds_each_shape_its_step_costs(
     assert decode["profile"]["host_ms_per_step"] > 0
     assert prefill["profile"]["launches_per_step"] == 0
     assert prefill["profile"]["host_ms_per_step"] > 0
+    assert prefill["profile"]["idle"] == {"before_first_ms": 0, "between_ms": 0,
+                                          "after_last_ms": 0}  # no device on the CPU
     out = capsys.readouterr().out
     assert "profile of decode, batch 2, context 16: 0.0 launches" in out
     assert "profile of prefill 1 x 8: 0.0 launches" in out
