@@ -12,8 +12,9 @@ On the CPU there is no device activity: launches and device time are 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd import DeviceType
@@ -77,6 +78,14 @@ class StepProfile:
     idle: DeviceIdle
 
 
+def device_activities(events: Iterable[Any]) -> list[Any]:
+    """The profiler events that are the device's work (kernels, copies, memsets): on the
+    device, and not a `record_function` range, which the profiler mirrors onto the device's
+    timeline from its first kernel to its last."""
+    return [event for event in events
+            if event.device_type == DeviceType.CUDA and not event.is_user_annotation]
+
+
 def profile_steps(run_steps: Callable[[], float], num_steps: int,
                   device: torch.device) -> StepProfile:
     """Profiles `run_steps` (which runs `num_steps` steps and returns their host seconds)."""
@@ -91,11 +100,13 @@ def profile_steps(run_steps: Callable[[], float], num_steps: int,
     events = prof.events()
     launches = sum(1 for event in events if event.name in LAUNCH_CALLS)
     graph_launches = sum(1 for event in events if event.name == "cudaGraphLaunch")
-    activities_us = [(event.time_range.start, event.time_range.end) for event in events
-                     if event.device_type == DeviceType.CUDA]
+    activities_us = [(event.time_range.start, event.time_range.end)
+                     for event in device_activities(events)]
     device_us = sum(end - start for start, end in activities_us)
-    steps = next(event for event in events
-                 if event.name == _STEPS_RANGE and event.device_type == DeviceType.CPU)
+    steps = next((event for event in events
+                  if event.name == _STEPS_RANGE and event.device_type == DeviceType.CPU), None)
+    if steps is None:
+        raise RuntimeError(f"the profiler recorded no {_STEPS_RANGE!r} range")
     idle = device_idle(activities_us, steps.time_range.start, steps.time_range.end)
     top = ""
     if device.type == "cuda":
@@ -112,8 +123,9 @@ def profile_steps(run_steps: Callable[[], float], num_steps: int,
 @dataclass(frozen=True)
 class RunProfile:
     """A whole profiled run: its host wall seconds, the device's busy seconds (the sum of its
-    kernels' and copies' durations), those seconds by `KERNEL_GROUPS` (largest first), and the
-    profiler's table of the costliest kernels (empty on the CPU)."""
+    kernels' and copies' durations: kernels overlapping on several streams count each), those
+    seconds by `KERNEL_GROUPS` (largest first), and the profiler's table of the costliest
+    kernels (empty on the CPU)."""
 
     wall_s: float
     device_busy_s: float
@@ -140,10 +152,9 @@ def profile_run(run: Callable[[], float], device: torch.device) -> RunProfile:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     by_group: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
-            group = kernel_group(event.name)
-            by_group[group] = by_group.get(group, 0.0) + event.time_range.elapsed_us() / 1e6
+    for event in device_activities(prof.events()):
+        group = kernel_group(event.name)
+        by_group[group] = by_group.get(group, 0.0) + event.time_range.elapsed_us() / 1e6
     top = ""
     if device.type == "cuda":
         top = prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS)

@@ -183,4 +183,6 @@ class LlamaForCausalLM(nn.Module):
         arch = self.arch
         if module_name == "qkv_proj":
             return (arch.q_size, arch.kv_size, arch.kv_size)
-        return (arch.intermediate_size, arch.intermediate_size)
+        if module_name == "gate_up_proj":
+            return (arch.intermediate_size, arch.intermediate_size)
+        raise ValueError(f"{module_name} is not a fused projection")

@@ -15,7 +15,8 @@ not run: steps are built here.
   read, so the host's work of a step overlaps the device's; a run then ends when its last
   step's tokens are read.
   With `--profile`, one more run of `--decode-steps` steps under the torch profiler gives the
-  kernel launches, the device's busy time and the host's time a step (`eval.step_profile`)
+  kernel launches, the device's busy time, the host's time and the device's idle time
+  (before its first kernel, between kernels, after its last) a step (`eval.step_profile`)
   and prints the kernels that took the most device time; so does one more prefill step.
 - Prefill shapes (`--prefill BATCHxTOKENS ...`): BATCH fresh prompts of TOKENS tokens in one
   step, once to warm up, then `--repeats` times timed. Reported: milliseconds and prompt tokens
@@ -358,9 +359,15 @@ def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
 
     runs_s = [prefill(index) for index in range(1 + args.repeats)]
     step_profile = None
-    if args.profile:
-        step_profile = profile_steps(functools.partial(prefill, 1 + args.repeats), 1,
-                                     runner.device)
+    if args.profile:  # the step alone: its requests are made before and finished after
+        sequences = _Sequences(runner, f"prefill{1 + args.repeats}", shape,
+                               _blocks_per_seq(shape, args), rng)
+        try:
+            step_profile = profile_steps(
+                functools.partial(sequences.prefill, shape.batch_size * shape.seq_len), 1,
+                runner.device)
+        finally:
+            sequences.finish()
     return statistics.median(runs_s[1:]), step_profile
 
 

@@ -18,12 +18,13 @@ each of which synchronizes the device). With `--slow-steps N`, the engine is dri
 reported (`slow_steps`: each step's index, wall milliseconds, requests running and waiting
 after it, and on CUDA what the caching allocator did inside it), with the count and the
 seconds of every step in which the allocator called `cudaFree` or retried (`allocator_steps`):
-whether the slow steps are the allocator's. The timed run starts from an empty prefix cache
-(after an untimed warm-up). With `--profile` (`--impl engine`), the workload runs once more,
-from an empty prefix cache again, under the torch profiler (`profile`: that run's wall
-seconds, the device's busy seconds and those seconds by kind of kernel, `eval.step_profile`;
-the costliest kernels printed): where a run's device time goes. Each side runs in its own
-fresh process (a model loaded second in one process runs measurably slower on small CPUs).
+whether the slow steps are the allocator's. An untimed warm-up on prompts of its own comes
+first, so the timed run finds no prompt cached. With `--profile` (`--impl engine`), the
+workload runs once more, from an emptied prefix cache, under the torch profiler (`profile`:
+that run's wall seconds, the device's busy seconds and those seconds by kind of kernel,
+`eval.step_profile`; the costliest kernels printed): where a run's device time goes. Each
+side runs in its own fresh process (a model loaded second in one process runs measurably
+slower on small CPUs).
 """
 
 from __future__ import annotations
@@ -153,8 +154,9 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
               for r in workload]
     prompts = [r.prompt_token_ids for r in workload]
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)
-    _forget_cached_prompts(llm)  # else the timed run finds the warm-up's prompts cached
+    # Prompts of its own: the timed run would find the warm-up's prefixes cached.
+    warm_up = [[(token + 1) % _VOCAB_FOR_PROMPTS for token in prompt] for prompt in prompts[:8]]
+    llm.generate(warm_up, params[:8], use_tqdm=False)
     with startup_heap_frozen():  # as serve's core process runs, for the timed part
         before = llm.engine.get_stats()
         allocator_before = _cuda_allocator_counts()
@@ -190,14 +192,20 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _profile(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str, Any]:
-    """The workload run once more under the torch profiler: its wall seconds, the device's
-    busy seconds and those by kind of kernel; the costliest kernels are printed."""
+    """The workload run once more under the torch profiler, from an empty prefix cache: its
+    wall seconds, the device's busy seconds and those by kind of kernel; the costliest
+    kernels are printed. `{"error": ...}` when the timed run's prompts cannot be forgotten
+    (a block still held: a pinned job's)."""
     import torch
 
     from eval.step_profile import profile_run
 
+    if not llm.engine.reset_prefix_cache():
+        error = "the prefix cache could not be reset (a KV block is still held): no profile"
+        print(f"warning: {error}", file=sys.stderr, flush=True)
+        return {"error": error}
+
     def run() -> float:
-        _forget_cached_prompts(llm)  # the timed run's
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
@@ -209,12 +217,6 @@ def _profile(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str,
           f"\n{profiled.top_kernels}", flush=True)
     return {"wall_s": profiled.wall_s, "device_busy_s": profiled.device_busy_s,
             "device_s_by_group": profiled.device_s_by_group}
-
-
-def _forget_cached_prompts(llm: Any) -> None:
-    """Empties the prefix cache, so that a run prefills every prompt it sends again."""
-    if not llm.engine.reset_prefix_cache():
-        raise RuntimeError("the prefix cache could not be reset: a KV block is still in use")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,19 @@
 """`eval.step_profile`: kernels grouped by kind, and a whole run profiled on the CPU."""
 
 import time
+from types import SimpleNamespace
 
 import torch
+from torch.autograd import DeviceType
 
-from eval.step_profile import DeviceIdle, device_idle, kernel_group, profile_run, profile_steps
+from eval.step_profile import (
+    DeviceIdle,
+    device_activities,
+    device_idle,
+    kernel_group,
+    profile_run,
+    profile_steps,
+)
 
 
 def test_kernels_are_grouped_by_their_names() -> None:
@@ -48,3 +57,15 @@ def test_profiled_steps_on_the_cpu_have_host_time_and_no_device_idle() -> None:
     profile = profile_steps(run, 2, torch.device("cpu"))
     assert profile.host_ms_per_step > 0 and profile.device_ms_per_step == 0
     assert profile.idle == DeviceIdle(0.0, 0.0, 0.0)
+
+
+def test_a_record_function_range_on_the_device_is_not_device_work() -> None:
+    def event(name: str, device_type: DeviceType, annotation: bool) -> SimpleNamespace:
+        return SimpleNamespace(name=name, device_type=device_type,
+                               is_user_annotation=annotation)
+
+    kernel = event("_prefill_kernel", DeviceType.CUDA, False)
+    events = [kernel, event("profiled steps", DeviceType.CUDA, True),
+              event("profiled steps", DeviceType.CPU, True), event("aten::mm", DeviceType.CPU,
+                                                                   False)]
+    assert device_activities(events) == [kernel]

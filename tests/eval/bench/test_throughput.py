@@ -55,3 +55,14 @@ def test_bench_throughput_profiles_one_more_run(tmp_path, capsys) -> None:
 def test_bench_throughput_refuses_a_profile_of_both_sides(capsys) -> None:
     assert main(["bench", "throughput", "--profile"]) == 2
     assert "--impl engine" in capsys.readouterr().err
+
+
+def test_a_profile_that_cannot_empty_the_prefix_cache_reports_why(capsys) -> None:
+    from types import SimpleNamespace
+
+    from eval.bench.throughput import _profile
+
+    held = SimpleNamespace(engine=SimpleNamespace(reset_prefix_cache=lambda: False))
+    profile = _profile(held, [[1, 2, 3]], [None])
+    assert "could not be reset" in profile["error"]
+    assert "warning" in capsys.readouterr().err
