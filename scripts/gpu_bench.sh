@@ -6,6 +6,10 @@
 #               loader, the layer kernels, async scheduling against steps in order on the
 #               device) and one small `bench forward` of the 8B shapes with triton: a couple of
 #               minutes that show whether the rest can run
+#   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
+#               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
+#               autotuner's choice, outputs checked) and scripts/mlp_gemms.py (the MLP's gate
+#               and up projections as one GEMM or two); seconds, not minutes
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
 #               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend, torch's layer
 #               ops and steps in order (the first run's code), the triton backend and fused
@@ -41,7 +45,7 @@
 # past --budget-s is skipped (recorded, exit 125), one still running at it is stopped (exit 124).
 # The exit code is 1 if any step failed or was skipped.
 #
-# Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|forward|
+# Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|kernels|forward|
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
 #        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
@@ -96,8 +100,9 @@ if [ ${#parts[@]} -eq 0 ]; then
 fi
 for part in "${parts[@]}"; do
   case $part in
-    smoke|forward|throughput|agent) ;;
-    *) echo "--part must be smoke, forward, throughput or agent, got $part" >&2; exit 2 ;;
+    smoke|kernels|forward|throughput|agent) ;;
+    *) echo "--part must be smoke, kernels, forward, throughput or agent, got $part" >&2
+       exit 2 ;;
   esac
 done
 wants() { [[ " ${parts[*]} " == *" $1 "* ]]; }
@@ -277,6 +282,13 @@ if wants smoke; then
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
   step forward-smoke-triton "${engine[@]}" bench forward --config "$config" --device "$device" \
     --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
+fi
+
+if wants kernels; then
+  step kernels-prefill-tiles "$python" scripts/prefill_tiles.py --device "$device" \
+    --json "$raw/kernels-prefill-tiles.json"
+  step kernels-mlp-gemms "$python" scripts/mlp_gemms.py --device "$device" \
+    --json "$raw/kernels-mlp-gemms.json"
 fi
 
 # forward_run sdpa|triton|triton-sync|triton-fp8|triton-eager|triton-torch-layers (async
