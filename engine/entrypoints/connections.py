@@ -19,6 +19,11 @@ through its documented extension point, `uvicorn.Config(http=<protocol class>)`:
   slow to send a request, or holding connections open, cannot lock out prompt ones; when
   every open connection is busy with a request, the new one gets an immediate 503 with
   `Connection: close` and is closed, so it holds no descriptor.
+* peer close: each request's scope carries `PEER_CLOSED_EXTENSION`, a callable that says
+  whether the client has shut its side of the connection, read from the socket itself
+  (`poll` for `POLLRDHUP`), since uvicorn stops reading a connection whose body the app
+  leaves unread and would not see the client go (a paced refusal waits so:
+  `refusal_pacing`).
 
 Both 408 and 503 carry OpenAI error bodies. `setup_connection_guards` also raises the soft
 open-file limit to the hard one, lowers the cap to fit the limit, and rate-limits the log
@@ -34,6 +39,7 @@ import http
 import json
 import logging
 import resource
+import select
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -45,6 +51,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from engine.entrypoints.openai.errors import error_body
+from engine.entrypoints.openai.refusal_pacing import PEER_CLOSED_EXTENSION
 
 logger = logging.getLogger("continuum.connections")
 
@@ -57,6 +64,9 @@ DEFAULT_MAX_CONNECTIONS = 1024
 # Descriptors kept for everything but client connections (the listening socket, the engine
 # core's sockets and pipes, log files, imports), when the cap is fitted to the limit.
 RESERVED_DESCRIPTORS = 128
+# What `poll` reports for a client that closed its side or whose connection broke (POLLRDHUP
+# is Linux's; elsewhere only a whole close or an error is seen).
+_PEER_CLOSED_EVENTS = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 # The soft limit sought when the hard limit is unlimited (Linux refuses RLIM_INFINITY).
 _UNLIMITED_TARGET_DESCRIPTORS = 65536
 DEFAULT_LOG_INTERVAL_S = 10.0
@@ -153,7 +163,12 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
 
     def handle_events(self) -> None:
+        cycle = self.cycle
         super().handle_events()
+        if self.cycle is not None and self.cycle is not cycle:
+            # A new request: its app task, created above, has not run yet.
+            extensions = self.cycle.scope.setdefault("extensions", {})
+            extensions[PEER_CLOSED_EXTENSION] = self.peer_closed
         state = self.conn.their_state
         if state is not h11.IDLE:
             self._cancel_header_timer()
@@ -163,6 +178,18 @@ class GuardedH11Protocol(H11Protocol):
                                                         self._on_body_timeout)
         else:
             self._cancel_body_timer()
+
+    def peer_closed(self) -> bool:
+        """Whether the client has closed its side of the connection, or the connection is
+        gone; seen on the socket, also while uvicorn has paused reading it."""
+        if self.transport.is_closing():
+            return True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), _PEER_CLOSED_EVENTS)
+        return bool(poller.poll(0))
 
     def _reject(self, transport: asyncio.Transport) -> None:
         self._rejected = True

@@ -62,7 +62,7 @@ from engine.entrypoints.openai.protocol import (
     CompletionRequest,
 )
 from engine.entrypoints.openai.protocol_responses import ResponsesRequest
-from engine.entrypoints.openai.refusal_pacing import RefusalPacer
+from engine.entrypoints.openai.refusal_pacing import RefusalPacer, peer_closed_check
 from engine.entrypoints.openai.request_id import RequestIdMiddleware
 from engine.entrypoints.openai.response_store import ResponseStore
 from engine.entrypoints.openai.serving import (
@@ -155,7 +155,7 @@ class BodyLimitsMiddleware:
             try:
                 reservation.check_declared(num_bytes_declared)
             except BodyRefused as refusal:
-                await self.pacer.pace(reservation.tenant)
+                await self.pacer.pace(reservation.tenant, peer_closed_check(scope))
                 await api_error_response(refusal)(scope, receive, send)
                 return
         num_bytes_read = 0

@@ -17,7 +17,11 @@ first refusal `delay_s` late (they are told to wait that long anyway). At most
 `max_waiting_per_tenant` refusals of a tenant wait at once (each holds a connection and the
 kernel's buffer of its unread bytes); past that they are answered at once. On a server
 without keys every client is one tenant (`None`). A client that goes away while its refusal
-waits keeps its place until the delay ends.
+waits gives its place up within `PEER_CHECK_INTERVAL_S`, where the server's protocol says
+how to see that (`PEER_CLOSED_EXTENSION`: `continuum serve`'s; uvicorn stops reading a
+connection whose body it holds unread, so it would not see the client go): the refusal is
+then answered at once and not counted as paced. Elsewhere (the replicated ingress) it keeps
+its place until the delay ends.
 """
 
 from __future__ import annotations
@@ -26,10 +30,23 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from engine.clock import Clock
 
 DEFAULT_MAX_PACED_REFUSALS_PER_TENANT = 32
+# The ASGI scope's extension (under `scope["extensions"]`) that a server protocol may set to a
+# callable saying whether the request's client has closed its side of the connection.
+PEER_CLOSED_EXTENSION = "continuum.peer_closed"
+# How often a waiting refusal looks whether its client went away, seconds.
+PEER_CHECK_INTERVAL_S = 0.05
+
+
+def peer_closed_check(scope: dict[str, Any]) -> Callable[[], bool] | None:
+    """The request's `PEER_CLOSED_EXTENSION` callable, if its server set one."""
+    extensions = scope.get("extensions") or {}
+    check = extensions.get(PEER_CLOSED_EXTENSION)
+    return check if callable(check) else None
 
 
 class RefusalPacer:
@@ -60,12 +77,14 @@ class RefusalPacer:
         """How many of `tenant`'s refusals wait now."""
         return self._waiting[tenant]
 
-    async def pace(self, tenant: str | None) -> bool:
+    async def pace(self, tenant: str | None,
+                   peer_closed: Callable[[], bool] | None = None) -> bool:
         """Called once a request of `tenant` is refused, before any of its body is read and
         before the refusal is answered; returns when it may be answered: at once if the
         tenant's previous refusal was answered at least `delay_s` ago (or never), or if
-        `max_waiting_per_tenant` of its refusals already wait; else after `delay_s`.
-        Returns whether it waited."""
+        `max_waiting_per_tenant` of its refusals already wait; else after `delay_s`, or as
+        soon as `peer_closed` (looked at every `PEER_CHECK_INTERVAL_S`) says the client went
+        away. Returns whether it waited the whole delay."""
         now_s = self._clock()
         previous_s = self._last_answer_s.get(tenant)
         self._last_answer_s[tenant] = now_s
@@ -74,12 +93,25 @@ class RefusalPacer:
             return False
         self._waiting[tenant] += 1
         try:
-            await self._sleep(self.delay_s)
+            waited = await self._wait(now_s + self.delay_s, peer_closed)
         finally:
             self._waiting[tenant] -= 1
             if not self._waiting[tenant]:
                 del self._waiting[tenant]
+        if not waited:
+            return False
         # A client that sends again as soon as this answer comes is paced again.
         self._last_answer_s[tenant] = max(self._last_answer_s[tenant], self._clock())
         self.num_paced += 1
+        return True
+
+    async def _wait(self, until_s: float, peer_closed: Callable[[], bool] | None) -> bool:
+        """Sleeps until `until_s` on the clock; False if `peer_closed` said so first."""
+        if peer_closed is None:
+            await self._sleep(self.delay_s)
+            return True
+        while (left_s := until_s - self._clock()) > 0:
+            if peer_closed():
+                return False
+            await self._sleep(min(left_s, PEER_CHECK_INTERVAL_S))
         return True

@@ -1,7 +1,8 @@
 """Slow and many clients against a real `continuum serve`: silent and trickling connections
 are closed after the header timeout, a stalled body gets 408, connections beyond the cap get
 503 and hold no descriptor; meanwhile `/health` answers and the engine leaks nothing. Also
-the rate-limited log filter, with an injected clock."""
+the rate-limited log filter, with an injected clock, and the protocol's view of a client
+that closed its side."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from engine.entrypoints.connections import (
     ConnectionSettings,
+    GuardedH11Protocol,
     RateLimitFilter,
     error_response_bytes,
     fit_to_open_file_limit,
@@ -391,3 +394,34 @@ def test_the_log_filter_passes_other_messages_and_kinds_apart():
     assert limit.filter(_record("Too many open files in the core"))
     assert limit.filter(_record("accept failed", name="uvicorn.error",
                                 error=OSError(errno.EMFILE, "x")))
+
+
+class _SocketTransport:
+    """What `GuardedH11Protocol.peer_closed` reads of an asyncio transport."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_extra_info(self, name: str) -> socket.socket | None:
+        return self.sock if name == "socket" else None
+
+
+def test_peer_closed_sees_a_client_that_shut_its_side_with_its_bytes_unread() -> None:
+    """As when uvicorn has paused reading a connection: the server reads nothing, yet the
+    client's close shows on the socket."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        served, _ = listener.accept()
+        with served:
+            protocol = SimpleNamespace(transport=_SocketTransport(served))
+            client.sendall(b"x" * 100_000)  # left unread by the server
+            assert GuardedH11Protocol.peer_closed(protocol) is False
+            client.shutdown(socket.SHUT_WR)
+            deadline_s = time.monotonic() + 10
+            while not GuardedH11Protocol.peer_closed(protocol):
+                assert time.monotonic() < deadline_s, "the close was never seen"
+                time.sleep(0.01)
+            client.close()

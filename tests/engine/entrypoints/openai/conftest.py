@@ -17,6 +17,7 @@ import uvicorn
 
 from engine.core.wire import EngineStats
 from engine.engine_args import EngineArgs
+from engine.entrypoints.connections import ConnectionSettings, guarded_protocol
 from engine.entrypoints.openai.api_server import build_app
 from engine.entrypoints.openai.serving import ServerSettings
 from engine.entrypoints.openai.tenants import Tenants
@@ -31,7 +32,7 @@ class ServerThread:
     """Serves the app on 127.0.0.1:<free port> until `stop()`."""
 
     def __init__(self, engine_args: EngineArgs, settings: ServerSettings,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, guarded: bool = False) -> None:
         config = engine_args.to_engine_config()
         self.settings = settings
         self.api_key = api_key
@@ -39,7 +40,10 @@ class ServerThread:
                              settings)
         self._sock = bind_socket("127.0.0.1", 0)
         self.base_url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        # `guarded`: the connection protocol of `continuum serve` (timeouts, cap, peer close)
+        protocol: Any = guarded_protocol(ConnectionSettings()) if guarded else "auto"
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
+                                                     http=protocol))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, daemon=True)
 
@@ -116,8 +120,9 @@ def start_server(**overrides: Any) -> ServerThread:
     settings = overrides.pop("settings", None) or ServerSettings(
         served_model_name="tiny", max_request_body_bytes=MAX_BODY_BYTES)
     api_key = overrides.pop("api_key", None)
+    guarded = overrides.pop("guarded", False)
     engine_args = EngineArgs(**{"num_kv_blocks": 256, "max_model_len": 1024, **overrides})
-    return ServerThread(engine_args, settings, api_key).start()
+    return ServerThread(engine_args, settings, api_key, guarded).start()
 
 
 @pytest.fixture(scope="package")

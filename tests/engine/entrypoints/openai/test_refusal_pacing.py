@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine.entrypoints.openai.body_budget import BodyByteBudget
-from engine.entrypoints.openai.refusal_pacing import RefusalPacer
+from engine.entrypoints.openai.refusal_pacing import PEER_CHECK_INTERVAL_S, RefusalPacer
 from engine.entrypoints.openai.serving import ServerSettings
 from engine.entrypoints.openai.tenants import Tenants
 from tests.engine.entrypoints.openai.conftest import ServerThread, start_server
@@ -133,6 +133,29 @@ def test_a_cancelled_wait_is_no_longer_counted() -> None:
     asyncio.run(scenario())
 
 
+def test_a_refusal_whose_client_went_away_stops_waiting_and_is_not_paced() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        slept_s: list[float] = []
+
+        async def sleep(delay_s: float) -> None:
+            slept_s.append(delay_s)
+            clock.now_s += delay_s
+
+        pacer = RefusalPacer(1.5, clock=clock, sleep=sleep)
+        await pacer.pace("a")
+        looks = iter([False, False, True])
+        assert await pacer.pace("a", peer_closed=lambda: next(looks)) is False
+        assert slept_s == [PEER_CHECK_INTERVAL_S] * 2
+        assert pacer.waiting("a") == 0 and pacer.num_paced == 0
+        # A client that stays waits the whole delay, in slices.
+        slept_s.clear()
+        assert await pacer.pace("a", peer_closed=lambda: False) is True
+        assert sum(slept_s) == pytest.approx(1.5) and pacer.num_paced == 1
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize(("delay_s", "max_waiting"), [(-1.0, 1), (1.0, -1)])
 def test_negative_settings_are_refused(delay_s: float, max_waiting: int) -> None:
     with pytest.raises(ValueError, match="at least 0"):
@@ -145,9 +168,10 @@ BODY_BYTES = 64 * 1024
 
 @pytest.fixture(scope="module")
 def paced_server() -> Iterator[ServerThread]:
-    """Two tenants, each holding at most one 64 KiB body; refusals paced by 1 s."""
+    """Two tenants, each holding at most one 64 KiB body; refusals paced by 1 s; the
+    connection protocol of `continuum serve`."""
     tenants = Tenants.from_pairs([(key, name) for name, key in KEYS.items()])
-    running = start_server(api_key=KEYS["alpha"], settings=ServerSettings(
+    running = start_server(api_key=KEYS["alpha"], guarded=True, settings=ServerSettings(
         served_model_name="tiny", tenants=tenants, max_request_body_bytes=BODY_BYTES,
         max_body_bytes_in_flight=2 * BODY_BYTES, retry_after_s=1))
     yield running
@@ -202,4 +226,28 @@ def test_a_tenant_that_sends_again_at_once_gets_its_refusal_late(paced_server) -
             too_large = http.post("/v1/completions", content=b" " * (BODY_BYTES + 1))
         assert (chunked.status_code, too_large.status_code) == (429, 413)
         assert pacer.num_paced == 1
+    _until(lambda: budget.held_bytes == 0)
+
+
+def test_a_paced_refusal_whose_client_goes_away_gives_its_place_up(paced_server) -> None:
+    """Alpha's share held, a refusal made at once, then one paced: its client closes the
+    connection while it waits, and the wait ends without being counted as paced."""
+    budget: BodyByteBudget = paced_server.app.state.body_budget
+    pacer: RefusalPacer = paced_server.app.state.refusal_pacer
+    host, port = paced_server.base_url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+            f"Authorization: Bearer {KEYS['alpha']}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {BODY_BYTES}\r\n\r\n"
+            ).encode()
+    with socket.create_connection((host, int(port))) as holder:
+        holder.sendall(head + b" " * (BODY_BYTES - 1))
+        _until(lambda: budget.tenant_held_bytes("alpha") == BODY_BYTES - 1)
+        assert _post(paced_server, "alpha")[0].status_code == 429
+        num_paced = pacer.num_paced
+        leaving = socket.create_connection((host, int(port)))
+        leaving.sendall(head)
+        _until(lambda: pacer.waiting("alpha") == 1)
+        leaving.close()
+        _until(lambda: pacer.waiting("alpha") == 0)
+        assert pacer.num_paced == num_paced
     _until(lambda: budget.held_bytes == 0)
