@@ -20,10 +20,12 @@ through its documented extension point, `uvicorn.Config(http=<protocol class>)`:
   every open connection is busy with a request, the new one gets an immediate 503 with
   `Connection: close` and is closed, so it holds no descriptor.
 * peer close: each request's scope carries `PEER_CLOSED_EXTENSION`, a callable that says
-  whether the client has shut its side of the connection, read from the socket itself
-  (`poll` for `POLLRDHUP`), since uvicorn stops reading a connection whose body the app
-  leaves unread and would not see the client go (a paced refusal waits so:
-  `refusal_pacing`).
+  whether the client has shut its side of the connection: uvicorn saw it, or (Linux) the
+  socket shows it (`poll` for `POLLRDHUP`) while uvicorn has paused reading a connection
+  whose body the app leaves unread (a paced refusal waits so: `refusal_pacing`). A close
+  travels behind the bytes the client had still to send, so it is seen for a client that
+  sent little of its body (one waiting for `100 Continue`, say) or reset its connection, not
+  for one that closes with more unsent than the socket buffers take.
 
 Both 408 and 503 carry OpenAI error bodies. `setup_connection_guards` also raises the soft
 open-file limit to the hard one, lowers the cap to fit the limit, and rate-limits the log
@@ -123,6 +125,8 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._rejected = False
+        # uvicorn calls `self.app` with each request's scope: the peer check goes in there.
+        self._inner_app, self.app = self.app, self._app_with_peer_check
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.settings.max_connections and not self._evict_slowest():
@@ -162,13 +166,12 @@ class GuardedH11Protocol(H11Protocol):
             self._arm_header_timer()  # the first byte of a keep-alive connection's next request
         super().data_received(data)
 
+    async def _app_with_peer_check(self, scope: Any, receive: Any, send: Any) -> None:
+        scope.setdefault("extensions", {})[PEER_CLOSED_EXTENSION] = self.peer_closed
+        await self._inner_app(scope, receive, send)
+
     def handle_events(self) -> None:
-        cycle = self.cycle
         super().handle_events()
-        if self.cycle is not None and self.cycle is not cycle:
-            # A new request: its app task, created above, has not run yet.
-            extensions = self.cycle.scope.setdefault("extensions", {})
-            extensions[PEER_CLOSED_EXTENSION] = self.peer_closed
         state = self.conn.their_state
         if state is not h11.IDLE:
             self._cancel_header_timer()
@@ -181,11 +184,13 @@ class GuardedH11Protocol(H11Protocol):
 
     def peer_closed(self) -> bool:
         """Whether the client has closed its side of the connection, or the connection is
-        gone; seen on the socket, also while uvicorn has paused reading it."""
+        gone: uvicorn saw it, or the socket shows it while uvicorn has paused reading. A
+        client's close arrives behind the bytes it still had to send, so one that closes with
+        more of its body unsent than the socket's buffers take is not seen."""
         if self.transport.is_closing():
             return True
         sock = self.transport.get_extra_info("socket")
-        if sock is None:
+        if sock is None or sock.fileno() < 0:
             return False
         poller = select.poll()
         poller.register(sock.fileno(), _PEER_CLOSED_EVENTS)

@@ -17,10 +17,11 @@ first refusal `delay_s` late (they are told to wait that long anyway). At most
 `max_waiting_per_tenant` refusals of a tenant wait at once (each holds a connection and the
 kernel's buffer of its unread bytes); past that they are answered at once. On a server
 without keys every client is one tenant (`None`). A client that goes away while its refusal
-waits gives its place up within `PEER_CHECK_INTERVAL_S`, where the server's protocol says
-how to see that (`PEER_CLOSED_EXTENSION`: `continuum serve`'s; uvicorn stops reading a
-connection whose body it holds unread, so it would not see the client go): the refusal is
-then answered at once and not counted as paced. Elsewhere (the replicated ingress) it keeps
+waits gives its place up within `PEER_CHECK_INTERVAL_S` where the server's protocol can see
+it go (`PEER_CLOSED_EXTENSION`, set by `continuum serve`'s: a client that sent little of its
+body, one waiting for `100 Continue` say, or that reset its connection; not one that closes
+with megabytes still unsent, whose close waits behind them): the refusal is then answered
+at once and not counted as paced. Otherwise, and behind the replicated ingress, it keeps
 its place until the delay ends.
 """
 

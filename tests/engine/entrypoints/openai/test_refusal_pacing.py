@@ -230,8 +230,9 @@ def test_a_tenant_that_sends_again_at_once_gets_its_refusal_late(paced_server) -
 
 
 def test_a_paced_refusal_whose_client_goes_away_gives_its_place_up(paced_server) -> None:
-    """Alpha's share held, a refusal made at once, then one paced: its client closes the
-    connection while it waits, and the wait ends without being counted as paced."""
+    """Alpha's share held, a refusal made at once, then one paced, of a client that waits
+    for `100 Continue` before sending its body: it closes the connection while its refusal
+    waits, and the wait ends without being counted as paced."""
     budget: BodyByteBudget = paced_server.app.state.body_budget
     pacer: RefusalPacer = paced_server.app.state.refusal_pacer
     host, port = paced_server.base_url.removeprefix("http://").split(":")
@@ -244,10 +245,9 @@ def test_a_paced_refusal_whose_client_goes_away_gives_its_place_up(paced_server)
         _until(lambda: budget.tenant_held_bytes("alpha") == BODY_BYTES - 1)
         assert _post(paced_server, "alpha")[0].status_code == 429
         num_paced = pacer.num_paced
-        leaving = socket.create_connection((host, int(port)))
-        leaving.sendall(head)
-        _until(lambda: pacer.waiting("alpha") == 1)
-        leaving.close()
+        with socket.create_connection((host, int(port))) as leaving:
+            leaving.sendall(head.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n"))
+            _until(lambda: pacer.waiting("alpha") == 1)
         _until(lambda: pacer.waiting("alpha") == 0)
         assert pacer.num_paced == num_paced
     _until(lambda: budget.held_bytes == 0)
