@@ -125,8 +125,6 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._rejected = False
-        # uvicorn calls `self.app` with each request's scope: the peer check goes in there.
-        self._inner_app, self.app = self.app, self._app_with_peer_check
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.settings.max_connections and not self._evict_slowest():
@@ -166,12 +164,16 @@ class GuardedH11Protocol(H11Protocol):
             self._arm_header_timer()  # the first byte of a keep-alive connection's next request
         super().data_received(data)
 
-    async def _app_with_peer_check(self, scope: Any, receive: Any, send: Any) -> None:
-        scope.setdefault("extensions", {})[PEER_CLOSED_EXTENSION] = self.peer_closed
-        await self._inner_app(scope, receive, send)
-
     def handle_events(self) -> None:
+        cycle = self.cycle
         super().handle_events()
+        if self.cycle is not None and self.cycle is not cycle:
+            # A new request, whose app task uvicorn has just created: the task runs once
+            # this call returns (the event loop's default task factory), so it sees the
+            # check. Wrapping `self.app` instead would tie each protocol into a cycle of its
+            # own, freed only by the cyclic collector.
+            extensions = self.cycle.scope.setdefault("extensions", {})
+            extensions[PEER_CLOSED_EXTENSION] = self.peer_closed
         state = self.conn.their_state
         if state is not h11.IDLE:
             self._cancel_header_timer()
