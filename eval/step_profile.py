@@ -86,17 +86,31 @@ def device_activities(events: Iterable[Any]) -> list[Any]:
             if event.device_type == DeviceType.CUDA and not event.is_user_annotation]
 
 
-def profile_steps(run_steps: Callable[[], float], num_steps: int,
-                  device: torch.device) -> StepProfile:
-    """Profiles `run_steps` (which runs `num_steps` steps and returns their host seconds)."""
+def _profiled(run: Callable[[], float], device: torch.device) -> tuple[float, profile]:
+    """`run()`'s host seconds and the profile of it, with the device's activity (waited for)
+    when `device` is CUDA; `run` is wrapped in the `_STEPS_RANGE` range."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         with record_function(_STEPS_RANGE):
-            host_s = run_steps()
+            host_s = run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    return host_s, prof
+
+
+def _top_kernels(prof: profile, device: torch.device) -> str:
+    """The profiler's table of the costliest kernels; empty without a CUDA device."""
+    if device.type != "cuda":
+        return ""
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS)
+
+
+def profile_steps(run_steps: Callable[[], float], num_steps: int,
+                  device: torch.device) -> StepProfile:
+    """Profiles `run_steps` (which runs `num_steps` steps and returns their host seconds)."""
+    host_s, prof = _profiled(run_steps, device)
     events = prof.events()
     launches = sum(1 for event in events if event.name in LAUNCH_CALLS)
     graph_launches = sum(1 for event in events if event.name == "cudaGraphLaunch")
@@ -108,13 +122,11 @@ def profile_steps(run_steps: Callable[[], float], num_steps: int,
     if steps is None:
         raise RuntimeError(f"the profiler recorded no {_STEPS_RANGE!r} range")
     idle = device_idle(activities_us, steps.time_range.start, steps.time_range.end)
-    top = ""
-    if device.type == "cuda":
-        top = prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS)
     return StepProfile(launches_per_step=launches / num_steps,
                        graph_launches_per_step=graph_launches / num_steps,
                        device_ms_per_step=device_us / 1e3 / num_steps,
-                       host_ms_per_step=host_s * 1e3 / num_steps, top_kernels=top,
+                       host_ms_per_step=host_s * 1e3 / num_steps,
+                       top_kernels=_top_kernels(prof, device),
                        idle=DeviceIdle(idle.before_first_ms / num_steps,
                                        idle.between_ms / num_steps,
                                        idle.after_last_ms / num_steps))
@@ -144,20 +156,11 @@ def kernel_group(name: str) -> str:
 
 def profile_run(run: Callable[[], float], device: torch.device) -> RunProfile:
     """Profiles `run` (which returns its host seconds) with the device's activity."""
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        wall_s = run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    wall_s, prof = _profiled(run, device)
     by_group: dict[str, float] = {}
     for event in device_activities(prof.events()):
         group = kernel_group(event.name)
         by_group[group] = by_group.get(group, 0.0) + event.time_range.elapsed_us() / 1e6
-    top = ""
-    if device.type == "cuda":
-        top = prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS)
     return RunProfile(wall_s=wall_s, device_busy_s=sum(by_group.values()),
                       device_s_by_group=dict(sorted(by_group.items(), key=lambda item: -item[1])),
-                      top_kernels=top)
+                      top_kernels=_top_kernels(prof, device))

@@ -210,9 +210,8 @@ def _profile(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str,
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     with startup_heap_frozen():
-        profiled = profile_run(run, torch.device("cuda" if cuda else "cpu"))
+        profiled = profile_run(run, torch.device("cuda" if _cuda_in_use() else "cpu"))
     print(f"profiled run: {profiled.wall_s:.2f} s, device busy {profiled.device_busy_s:.2f} s"
           f"\n{profiled.top_kernels}", flush=True)
     return {"wall_s": profiled.wall_s, "device_busy_s": profiled.device_busy_s,
@@ -271,12 +270,19 @@ def _step_figures(steps: list[StepRecord], num_slow: int) -> dict[str, Any]:
     }
 
 
+def _cuda_in_use() -> bool:
+    """Whether this process (the in-process engine) has started using CUDA."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def _cuda_allocator_counts() -> dict[str, int]:
     """The caching allocator's cumulative device allocations, frees and retried allocations
     of this process (the in-process engine's); {} without CUDA."""
     import torch
 
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    if not _cuda_in_use():
         return {}
     stats = torch.cuda.memory_stats()
     return {"device_allocs": stats.get("num_device_alloc", 0),
