@@ -61,8 +61,9 @@ def compile_prefill(block_m: int, block_n: int, num_warps: int, num_stages: int,
     kernel = JITFunction(triton_kernels._prefill_kernel.fn)
     names = kernel.arg_names
     constexprs: dict[str, object] = {
-        "GROUP": group_pad, "GROUP_PAD": group_pad, "BLOCK_Q": block_m // group_pad,
-        "HEAD_DIM": head_dim, "BLOCK_SIZE": 16, "BLOCK_N": block_n, "DOT_PRECISION": "ieee",
+        "NUM_KV_HEADS": 8, "GROUP": group_pad, "GROUP_PAD": group_pad,
+        "BLOCK_Q": block_m // group_pad, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
+        "BLOCK_N": block_n, "DOT_PRECISION": "ieee",
         **dict.fromkeys(_UNIT_STRIDES, 1)}
     signature = {}
     for name in names:

@@ -95,18 +95,11 @@ class PrefillStep:
             out=self.out)
 
     def tile(self, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
-        group = NUM_HEADS // NUM_KV_HEADS
-        block_q = block_m // group
-        args = (self.query, self.k_cache, self.v_cache, self.block_table,
-                self.query_start_loc, self.seq_lens, self.out,
-                self.scale * triton_kernels._LOG2_E, triton_kernels._window(None),
-                *self.query.stride(), *self.k_cache.stride(), *self.v_cache.stride(),
-                self.block_table.stride(0), *self.out.stride())
-        grid = (-(-self.max_query_len // block_q), NUM_KV_HEADS, self.seq_lens.shape[0])
-        triton_kernels._prefill_kernel[grid](
-            *args, GROUP=group, GROUP_PAD=group, HEAD_DIM=HEAD_DIM, BLOCK_SIZE=BLOCK_SIZE,
-            DOT_PRECISION=triton_kernels._dot_precision(self.query.dtype), BLOCK_Q=block_q,
-            BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        triton_kernels._launch_prefill(
+            self.query, self.k_cache, self.v_cache, self.block_table, self.query_start_loc,
+            self.seq_lens, self.out, self.scale, block_size=BLOCK_SIZE,
+            max_query_len=self.max_query_len, sliding_window=None,
+            tile=triton_kernels._TileConfig(block_m, block_n, num_warps, num_stages))
 
 
 def main() -> int:

@@ -417,7 +417,8 @@ class ModelRunner:
         rows = np.array([batch.row_of[req_id] for req_id in scheduled_ids], dtype=np.int64)
         query_lens = np.array([num_scheduled[req_id] for req_id in scheduled_ids],
                               dtype=np.int64)
-        # Decodes first, longest context first: attention groups decodes of similar length.
+        # Decodes first, longest context first: the attention kernels dispatch the costliest
+        # sequences first, and decodes of similar length sit together.
         order = np.lexsort((-batch.num_computed_tokens[rows], query_lens != 1))
         rows, query_lens = rows[order], query_lens[order]
         req_ids = [scheduled_ids[index] for index in order.tolist()]

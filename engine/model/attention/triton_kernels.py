@@ -136,8 +136,12 @@ def paged_decode_attention(
     - `tile`: the kernel's tile (None: `decode_tile` of the cache's dtype); the tile sweep of
       `scripts/decode_tiles.py` passes others.
 
-    Grid: (B, num_kv_heads, num_splits); each program holds the group's query heads (padded
-    to a power of two, at least 16 for `tl.dot`) and walks its split in tiles of
+    One program per sequence, KV head and split, in a flat grid: program `p` takes KV head
+    `p % num_kv_heads`, split `p // num_kv_heads % num_splits` and sequence `p //
+    (num_kv_heads * num_splits)`, so all the work of a sequence is dispatched together and,
+    as the runner lays decodes out longest context first, the costliest programs first
+    rather than a head's longest sequences last. Each program holds the group's query heads
+    (padded to a power of two, at least 16 for `tl.dot`) and walks its split in tiles of
     `tile.block_n` key positions, writing float32 partials (max, sum of exponentials,
     unnormalised output) that a second kernel, one program per (sequence, head), combines.
     With `num_splits == 1` the first kernel writes the output itself. Returns `out` (or a new
@@ -163,7 +167,7 @@ def paged_decode_attention(
         part_sum = torch.empty_like(part_max)
         part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
                                device=query.device)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_split_kernel[(batch * num_kv_heads * num_splits,)](
         query, k_cache, v_cache, block_table, seq_lens, out, part_max, part_sum, part_acc,
         scale * _LOG2_E, _window(sliding_window), num_heads, num_splits,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
@@ -213,13 +217,13 @@ def paged_prefill_attention(
       `(q - sliding_window, q]`; otherwise all keys `<= q` (bottom-right aligned causal mask).
     - `out`: optional [T, num_heads, head_dim] output, the query's dtype.
 
-    Grid: (cdiv(max_query_len, BLOCK_Q), num_kv_heads, S). A program's BLOCK_M rows (64; 32
-    in float32; for 16-bit on CUDA, with at most 128 query heads a KV head, 64 or 128 as
-    measured on the device: `_TUNED_PREFILL_TILES`) are BLOCK_Q query tokens times the G
-    query heads of one KV head (G padded to a power of two), so a K/V tile serves the whole
-    group; it walks only the key tiles (64 positions; 32 in float32) its causal and window
-    range reaches, with `tl.dot` for QK^T and PV. Programs past a sequence's queries do
-    nothing. Returns `out` (or a new tensor) [T, num_heads, head_dim].
+    Programs: one per query tile, KV head and sequence (`_launch_prefill`). A program's
+    BLOCK_M rows (64; 32 in float32; for 16-bit on CUDA, with at most 128 query heads a KV
+    head, 64 or 128 as measured on the device: `_TUNED_PREFILL_TILES`) are BLOCK_Q query
+    tokens times the G query heads of one KV head (G padded to a power of two), so a K/V tile
+    serves the whole group; it walks only the key tiles (64 positions; 32 in float32) its
+    causal and window range reaches, with `tl.dot` for QK^T and PV. Programs past a
+    sequence's queries do nothing. Returns `out` (or a new tensor) [T, num_heads, head_dim].
     """
     num_kv_heads = _check_inputs(query, k_cache, v_cache, block_size)
     num_tokens, num_heads, head_dim = query.shape
@@ -230,25 +234,54 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len < 1:
         return out
+    group_pad = _next_power_of_two(num_heads // num_kv_heads)
+    if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and group_pad <= max(_TUNED_PREFILL_BLOCK_M)):
+        tile = None  # the autotuner's
+    else:
+        tile = _prefill_config(group_pad, head_dim, query.dtype)
+    _launch_prefill(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
+                    scale, block_size=block_size, max_query_len=max_query_len,
+                    sliding_window=sliding_window, tile=tile)
+    return out
+
+
+def _launch_prefill(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    out: torch.Tensor, scale: float, *, block_size: int, max_query_len: int,
+    sliding_window: int | None, tile: _TileConfig | None,
+) -> None:
+    """Enqueues the prefill kernel over checked inputs: with `tile` (rows, keys, warps,
+    stages) as given, or, None, with the autotuner's tile (`_tuned_prefill_kernel`).
+
+    The grid is flat: program `p` takes KV head `p % num_kv_heads`, sequence `p //
+    num_kv_heads % S` and query tile `last - p // (num_kv_heads * S)`. So the device
+    dispatches the last query tiles, which walk the most key tiles under a causal mask, first
+    and the cheap first tiles last, rather than ending on one head's costliest tiles."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = k_cache.shape[1]
+    num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_pad = _next_power_of_two(group)
     args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
-            scale * _LOG2_E, _window(sliding_window),
+            scale * _LOG2_E, _window(sliding_window), num_seqs, max_query_len,
             *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
             *out.stride())
-    shapes = {"GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim,
-              "BLOCK_SIZE": block_size, "DOT_PRECISION": _dot_precision(query.dtype)}
-    if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and group_pad <= max(_TUNED_PREFILL_BLOCK_M)):
-        _tuned_prefill_kernel[lambda meta: (triton.cdiv(max_query_len, meta["BLOCK_Q"]),
-                                            num_kv_heads, num_seqs)](*args, **shapes)
-        return out
-    config = _prefill_config(group_pad, head_dim, query.dtype)
-    block_q = config.block_m // group_pad
-    _prefill_kernel[(triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs)](
-        *args, **shapes, BLOCK_Q=block_q, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return out
+    shapes = {"NUM_KV_HEADS": num_kv_heads, "GROUP": group, "GROUP_PAD": group_pad,
+              "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
+              "DOT_PRECISION": _dot_precision(query.dtype)}
+
+    def grid(block_q: int) -> tuple[int]:
+        return (triton.cdiv(max_query_len, block_q) * num_kv_heads * num_seqs,)
+
+    if tile is None:
+        _tuned_prefill_kernel[lambda meta: grid(meta["BLOCK_Q"])](*args, **shapes)
+        return
+    block_q = tile.block_m // group_pad
+    _prefill_kernel[grid(block_q)](
+        *args, **shapes, BLOCK_Q=block_q, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
 
 
 @triton.jit
@@ -285,9 +318,11 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_TO_F16: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    program = tl.program_id(0)
+    num_kv_heads = num_heads // GROUP
+    kv_head = program % num_kv_heads
+    split = program // num_kv_heads % num_splits
+    seq = program // (num_kv_heads * num_splits)
     seq_len = tl.load(seq_lens_ptr + seq)
     first_key = tl.maximum(seq_len - window, 0)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -420,23 +455,24 @@ def _prefill_key_tile(q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, b
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "max_query_len"])
 def _prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr,
-    qk_scale, window,
+    qk_scale, window, num_seqs, max_query_len,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
     stride_bt,
     stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    q_tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.program_id(2)
+    program = tl.program_id(0)
+    kv_head = program % NUM_KV_HEADS
+    seq = program // NUM_KV_HEADS % num_seqs
+    q_tile = tl.cdiv(max_query_len, BLOCK_Q) - 1 - program // (NUM_KV_HEADS * num_seqs)
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
     seq_len = tl.load(seq_lens_ptr + seq)

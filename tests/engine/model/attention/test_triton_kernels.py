@@ -26,6 +26,7 @@ pytest.importorskip("triton")
 import triton
 import triton.language as tl
 
+from engine.model.attention import triton_kernels
 from engine.model.attention.backend import write_kv
 from engine.model.attention.triton_kernels import (
     FP8_KV_DTYPE,
@@ -157,10 +158,12 @@ def run_prefill(
     context_lens: list[int], query_lens: list[int], *, group: int, num_kv_heads: int,
     head_dim: int = 32, block_size: int = 8, dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None, shared_blocks: int = 0, seed: int = 0,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None, tile: tuple[int, int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill kernel's output and the reference's (over the same cache values), both
-    float32 on the CPU; the caches hold `cache_dtype` (default: the query's `dtype`)."""
+    float32 on the CPU; the caches hold `cache_dtype` (default: the query's `dtype`).
+    `tile` (rows, keys, warps, stages) launches the kernel with that tile, as the autotuner
+    would, instead of `paged_prefill_attention`'s choice."""
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     layout = make_layout(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, dtype=cache_dtype or dtype,
@@ -171,11 +174,18 @@ def run_prefill(
     query_start_loc = torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32,
                                    device=DEVICE)
     scale = head_dim ** -0.5
-    out = paged_prefill_attention(
-        query, layout.k_cache, layout.v_cache, layout.block_table, query_start_loc,
-        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scale,
-        block_size=block_size, max_query_len=max(query_lens), sliding_window=sliding_window,
-    )
+    args = (query, layout.k_cache, layout.v_cache, layout.block_table, query_start_loc,
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
+    if tile is None:
+        out = paged_prefill_attention(*args, scale, block_size=block_size,
+                                      max_query_len=max(query_lens),
+                                      sliding_window=sliding_window)
+    else:
+        out = torch.full_like(query, float("nan"))
+        triton_kernels._launch_prefill(*args, out, scale, block_size=block_size,
+                                       max_query_len=max(query_lens),
+                                       sliding_window=sliding_window,
+                                       tile=triton_kernels._TileConfig(*tile))
     expected = reference_attention(query, layout, query_lens, scale, sliding_window)
     return out.cpu().float(), expected
 
@@ -253,6 +263,23 @@ def test_prefill_long_queries_over_several_query_and_key_tiles() -> None:
     # 150 queries and 190 keys span several query tiles and key tiles (32 or 64 of each).
     out, expected = run_prefill([40, 0], [150, 70], group=1, num_kv_heads=1)
     assert_matches(out, expected, torch.float32)
+
+
+def test_prefill_programs_cover_every_query_tile_head_and_sequence() -> None:
+    # The grid is flat, last query tiles first: 3 KV heads x 3 sequences x up to 5 query
+    # tiles, sequences with fewer tiles than the longest among them.
+    out, expected = run_prefill([40, 0, 5], [150, 70, 33], group=2, num_kv_heads=3)
+    assert_matches(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("tile", triton_kernels._TUNED_PREFILL_TILES,
+                         ids=lambda tile: ",".join(map(str, tile)))
+def test_each_tuned_prefill_tile_matches_reference(tile: tuple[int, int, int, int]) -> None:
+    # The autotuner's tiles run on CUDA only; here each one over the causal diagonal, whole
+    # key tiles and a cached prefix, in bfloat16 as on the device.
+    out, expected = run_prefill([0, 70], [150, 60], group=4, num_kv_heads=2, head_dim=64,
+                                block_size=16, dtype=torch.bfloat16, tile=tile)
+    assert_matches(out, expected, torch.bfloat16)
 
 
 def test_prefill_extends_two_sequences_sharing_prefix_blocks() -> None:
@@ -376,7 +403,7 @@ def test_tuned_prefill_tiles_cover_every_group_and_include_the_untuned_rule() ->
 STEP_VARYING_ARGUMENTS = {
     "_decode_split_kernel": {"stride_bt", "num_splits"},
     "_decode_reduce_kernel": {"num_splits"},
-    "_prefill_kernel": {"stride_bt"},
+    "_prefill_kernel": {"stride_bt", "num_seqs", "max_query_len"},
 }
 
 
