@@ -545,7 +545,7 @@ def _widen_kernel(float8_ptr, float32_ptr, bfloat16_ptr, N: tl.constexpr):
 
 def test_float8_widens_exactly_nan_included() -> None:
     # The NaN that marks a slot no kernel may read stays NaN in an fp8 cache too (Triton 3.6's
-    # interpreter made it 480 before `_mend_interpreter`).
+    # interpreter made it 480 before `mend_interpreter`).
     values = torch.tensor([448.0, float("nan"), -32.0, 0.015625, -0.0, 1.5, 240.0, 3.0])
     float8 = values.to(FP8_KV_DTYPE).to(DEVICE)
     float32 = torch.empty(8, device=DEVICE)
