@@ -146,6 +146,7 @@ LoadFormat = Literal["auto", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "sdpa", "triton"]
 LayerKernelsName = Literal["auto", "torch", "triton"]
+Quantization = Literal["none", "fp8"]
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,10 @@ class ModelConfig:
     fused kernels (`engine.model.layer_kernels`; CUDA, or CPU under Triton's interpreter);
     `auto` is triton on CUDA when Triton is installed, else torch;
     `enforce_eager` turns CUDA graphs off (decode steps then launch every kernel).
+    `quantization="fp8"` stores the decoder layers' projection weights in float8 e4m3, one
+    scale per output channel, quantized once after loading, and quantizes their inputs per
+    token at each call (`engine.model.fp8_linear`; on CUDA, bfloat16 on a GPU with FP8 tensor
+    cores); the embeddings, norms and LM head keep `dtype`.
     `cpu_threads` is torch's intra-op threads for the model on CPU (None: torch's count, or
     with `leave_core_to_frontend` one fewer, at least 1; None there means the client that
     starts a core process turns it on unless `OMP_NUM_THREADS` is set, and an engine in the
@@ -179,6 +184,7 @@ class ModelConfig:
     attention_backend: AttentionBackendName = "auto"
     layer_kernels: LayerKernelsName = "auto"
     enforce_eager: bool = False
+    quantization: Quantization = "none"
     cpu_threads: int | None = None
     leave_core_to_frontend: bool | None = None
 
@@ -193,6 +199,7 @@ class ModelConfig:
         _require_choice("device", self.device, Device)
         _require_choice("attention_backend", self.attention_backend, AttentionBackendName)
         _require_choice("layer_kernels", self.layer_kernels, LayerKernelsName)
+        _require_choice("quantization", self.quantization, Quantization)
         _require_positive("cpu_threads", self.cpu_threads)
 
 
@@ -272,6 +279,9 @@ class EngineConfig:
         if self.executor == "simulated" and self.cache.kv_cache_dtype != "auto":
             raise ValueError(f"the simulated executor prices a KV cache of the profile's dtype, "
                              f"not kv_cache_dtype {self.cache.kv_cache_dtype!r}")
+        if self.executor == "simulated" and self.model.quantization != "none":
+            raise ValueError(f"the simulated executor prices the profile's weights, not "
+                             f"quantization {self.model.quantization!r}")
         if self.scheduler.async_scheduling and self.cache.kv_offload_gib:
             raise ValueError("async_scheduling does not work with a host KV tier "
                              "(kv_offload_gib) yet: a step's tier copies are completed when "

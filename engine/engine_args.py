@@ -19,6 +19,7 @@ from engine.config import (
     LayerKernelsName,
     LoadFormat,
     ModelConfig,
+    Quantization,
     SchedulerConfig,
     StructuredOutputConfig,
     TraceConfig,
@@ -51,6 +52,11 @@ _HELP = {
         "CUDA, or CPU under TRITON_INTERPRET=1) | auto (triton on CUDA, torch on CPU)"
     ),
     "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
+    "quantization": (
+        "none | fp8: the decoder layers' projection weights in float8 e4m3 (a scale per "
+        "output channel), their inputs quantized per token (half the weight bytes, FP8 "
+        "tensor cores; CUDA needs bfloat16 and a GPU with FP8, e.g. an H100)"
+    ),
     "cpu_threads": (
         "torch's threads for a model on CPU; None: torch's count when the engine runs in the "
         "caller's process, one fewer (a core left to the frontend) in `serve`'s engine core "
@@ -139,6 +145,7 @@ class EngineArgs:
     attention_backend: AttentionBackendName = ModelConfig.attention_backend
     layer_kernels: LayerKernelsName = ModelConfig.layer_kernels
     enforce_eager: bool = ModelConfig.enforce_eager
+    quantization: Quantization = ModelConfig.quantization
     cpu_threads: int | None = ModelConfig.cpu_threads
     leave_core_to_frontend: bool | None = ModelConfig.leave_core_to_frontend
     seed: int = ModelConfig.seed
@@ -191,6 +198,7 @@ class EngineArgs:
                               attention_backend=self.attention_backend,
                               layer_kernels=self.layer_kernels,
                               enforce_eager=self.enforce_eager,
+                              quantization=self.quantization,
                               cpu_threads=self.cpu_threads,
                               leave_core_to_frontend=self.leave_core_to_frontend),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,

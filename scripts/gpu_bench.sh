@@ -3,9 +3,9 @@
 # engine/model/configs/llama3.1-8b.json, the tokenizer of `tiny`) through the engine.
 #   smoke       (only when asked for: --part smoke) the CUDA tests (the Triton kernels against
 #               the sdpa reference on the device, float32/bf16 parity with transformers, the
-#               loader, the layer kernels, async scheduling against steps in order on the
-#               device) and one small `bench forward` of the 8B shapes with triton: a couple of
-#               minutes that show whether the rest can run
+#               loader, the layer kernels, fp8 projections, async scheduling against steps in
+#               order on the device) and one small `bench forward` of the 8B shapes with
+#               triton: a couple of minutes that show whether the rest can run
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
 #               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
 #               autotuner's choice, outputs checked) and scripts/mlp_gemms.py (the MLP's gate
@@ -15,7 +15,8 @@
 #               ops and steps in order (the first run's code), the triton backend and fused
 #               layer kernels with the defaults (async scheduling on CUDA: each decode step
 #               launched before the last one's tokens are read), the same with an fp8 KV
-#               cache (triton-fp8: --kv-cache-dtype fp8), with steps in order (triton-sync:
+#               cache (triton-fp8: --kv-cache-dtype fp8), with fp8 projection weights
+#               (triton-fp8w: --quantization fp8), with steps in order (triton-sync:
 #               --no-async-scheduling), with torch's layer ops (triton-torch-layers: what the
 #               fused kernels gain) and with --enforce-eager (no CUDA graphs), the triton
 #               runs with --profile (launches, device and host time a decode step and a
@@ -24,8 +25,9 @@
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with an fp8 KV cache
-#               (triton-fp8), with steps in order (triton-sync) and with a step budget of
-#               16,384 tokens (triton-16k: vLLM's offline default on an H100); with --quick
+#               (triton-fp8), with fp8 projections (triton-fp8w), with steps in order
+#               (triton-sync) and with a step budget of 16,384 tokens (triton-16k: vLLM's
+#               offline default on an H100); with --quick
 #               the sdpa run has 64 requests (step names end in the count); each reports its
 #               8 slowest steps and the steps in which the CUDA caching allocator freed
 #               device memory (--slow-steps 8)
@@ -49,8 +51,8 @@
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
 #        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
-#              triton runs first (the targets' runs, the same with an fp8 KV cache, with steps
-#              in order, the 16k step budget, then triton with torch's layer ops, the sdpa
+#              triton runs first (the targets' runs, the same with an fp8 KV cache, with fp8
+#              projections, with steps in order, the 16k step budget, then triton with torch's layer ops, the sdpa
 #              baselines, triton without graphs and SmolLM2), within --budget-s 540 unless
 #              given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
@@ -278,7 +280,7 @@ engine=("$python" -m engine.cli)
 if wants smoke; then
   tests=(tests/engine/model/attention/test_triton_kernels.py tests/engine/model/test_parity.py
          tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py
-         tests/engine/core/test_async_scheduling.py)
+         tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
   step forward-smoke-triton "${engine[@]}" bench forward --config "$config" --device "$device" \
     --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
@@ -291,8 +293,8 @@ if wants kernels; then
     --json "$raw/kernels-mlp-gemms.json"
 fi
 
-# forward_run sdpa|triton|triton-sync|triton-fp8|triton-eager|triton-torch-layers (async
-# scheduling is the default on CUDA; triton-sync turns it off)
+# forward_run sdpa|triton|triton-sync|triton-fp8|triton-fp8w|triton-eager|triton-torch-layers
+# (async scheduling is the default on CUDA; triton-sync turns it off; -fp8w: fp8 projections)
 forward_run() {
   local run=$1 flags=()
   case $run in
@@ -300,6 +302,7 @@ forward_run() {
     triton) flags=(--attention-backend triton --layer-kernels triton) ;;
     triton-sync) flags=(--attention-backend triton --layer-kernels triton --no-async-scheduling) ;;
     triton-fp8) flags=(--attention-backend triton --layer-kernels triton --kv-cache-dtype fp8) ;;
+    triton-fp8w) flags=(--attention-backend triton --layer-kernels triton --quantization fp8) ;;
     triton-eager) flags=(--attention-backend triton --layer-kernels triton --enforce-eager) ;;
     triton-torch-layers) flags=(--attention-backend triton --layer-kernels torch) ;;
   esac
@@ -317,9 +320,9 @@ forward_smollm2() {
     --attention-backend triton --decode 1x1024 32x1024 128x1024 32x8000 \
     --json "$raw/forward-smollm2-triton.json"
 }
-# throughput_run sdpa|triton|triton-sync|triton-16k|triton-fp8 (sdpa: torch's layers, steps in
-# order, the first run's code; -16k: --max-num-batched-tokens 16384, vLLM's offline default
-# on an H100)
+# throughput_run sdpa|triton|triton-sync|triton-16k|triton-fp8|triton-fp8w (sdpa: torch's
+# layers, steps in order, the first run's code; -16k: --max-num-batched-tokens 16384, vLLM's
+# offline default on an H100; -fp8w: fp8 projections, --quantization fp8)
 throughput_run() {
   local backend=triton layers=triton requests=$target_requests kv=auto flags=()
   case $1 in
@@ -328,6 +331,7 @@ throughput_run() {
     triton-sync) flags=(--no-async-scheduling) ;;
     triton-16k) flags=(--max-num-batched-tokens 16384) ;;
     triton-fp8) kv=fp8 ;;
+    triton-fp8w) flags=(--quantization fp8) ;;
   esac
   step "throughput-$1-$requests" "${engine[@]}" bench throughput --impl engine \
     "${engine_flags[@]}" --num-requests "$requests" "${workload[@]}" \
@@ -341,6 +345,8 @@ if [ $quick -eq 1 ]; then
   wants throughput && throughput_run triton
   wants forward && forward_run triton-fp8
   wants throughput && throughput_run triton-fp8
+  wants forward && forward_run triton-fp8w
+  wants throughput && throughput_run triton-fp8w
   wants forward && forward_run triton-sync
   wants throughput && throughput_run triton-sync
   wants throughput && throughput_run triton-16k
@@ -350,13 +356,15 @@ if [ $quick -eq 1 ]; then
   wants forward && { forward_run triton-eager; forward_smollm2; }
 else
   if wants forward; then
-    for run in sdpa triton triton-sync triton-fp8 triton-torch-layers triton-eager; do
+    for run in sdpa triton triton-sync triton-fp8 triton-fp8w triton-torch-layers triton-eager; do
       forward_run "$run"
     done
     forward_smollm2
   fi
   if wants throughput; then
-    for run in sdpa triton triton-sync triton-16k triton-fp8; do throughput_run "$run"; done
+    for run in sdpa triton triton-sync triton-16k triton-fp8 triton-fp8w; do
+      throughput_run "$run"
+    done
   fi
 fi
 

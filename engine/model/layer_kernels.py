@@ -5,7 +5,8 @@ microseconds of a norm's, rotary's or SiLU's separate elementwise ops, each with
 the graph (docs/benchmarks.md, issue 35). These kernels fuse each of them into one:
 - `rms_norm`: a residual add (optional) and the RMS norm of its sum, one row per program;
 - `rotary_`: rotary embedding of a step's query and key heads, in place, one token per program;
-- `silu_and_mul`: `silu(gate) * up`, reading the halves of a fused gate/up product in place.
+- `silu_and_mul`: `silu(gate) * up`, reading the halves of a fused gate/up product in place;
+- `quantize_fp8_rows`: each row's scale and its values in float8 (`engine.model.fp8_linear`).
 
 Each computes what the torch code of `engine.model.layers` and `engine.model.rope` computes,
 in float32 between roundings to the activations' dtype. The norm and SiLU round where
@@ -22,6 +23,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.model.triton_interpreter import mend_interpreter
+
+if triton.knobs.runtime.interpret:
+    mend_interpreter()
 
 _ELEMENTWISE_BLOCK = 1024
 
@@ -95,6 +101,24 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(rows, triton.cdiv(size, block))](
             gate, gate.stride(0), up, up.stride(0), out, size, BLOCK=block)
     return out
+
+
+def quantize_fp8_rows(x: torch.Tensor, fp8_dtype: torch.dtype, min_scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(values, scales)` of rows `x` [rows, size] (contiguous rows): `scales` float32 [rows,
+    1], each row's largest magnitude over `fp8_dtype`'s largest value (at least
+    `min_scale`), and `values` [rows, size] in `fp8_dtype`, the row over its scale (rounded
+    to nearest). One program a row, as `rms_norm`."""
+    _check_rows("x", x)
+    rows, size = x.shape
+    values = torch.empty((rows, size), dtype=fp8_dtype, device=x.device)
+    scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(size)
+        _quantize_fp8_rows_kernel[(rows,)](
+            x, x.stride(0), values, scales, size, torch.finfo(fp8_dtype).max, min_scale,
+            BLOCK=block, num_warps=min(max(block // 512, 1), 16))
+    return values, scales
 
 
 def _check_rows(name: str, tensor: torch.Tensor) -> None:
@@ -172,3 +196,17 @@ def _silu_and_mul_kernel(gate_ptr, gate_row_stride, up_ptr, up_row_stride, out_p
     activated = (gate_f * tl.sigmoid(gate_f)).to(gate.dtype)
     tl.store(out_ptr + row * size + cols,
              (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+@triton.jit
+def _quantize_fp8_rows_kernel(x_ptr, x_row_stride, values_ptr, scales_ptr, size, fp8_max,
+                              min_scale, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, min_scale)
+    quantized = tl.clamp(x / scale, -fp8_max, fp8_max)
+    tl.store(values_ptr + row * size + cols, quantized.to(values_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(scales_ptr + row, scale)

@@ -19,6 +19,7 @@ import torch
 
 from engine.config import LayerKernelsName, ModelConfig
 from engine.model.directory import TINY_MODEL_NAME, load_arch, resolve_model_dir
+from engine.model.fp8_linear import quantize_projections
 from engine.model.llama import LlamaForCausalLM
 from engine.model.triton_support import check_triton_runs_on, triton_installed
 
@@ -64,9 +65,11 @@ def load_model(
             f"{arch.max_position_embeddings}"
         )
     use_triton = resolve_layer_kernels(config.layer_kernels, device) == "triton"
+    quantized = config.quantization == "fp8"
     with torch.device(device):
+        # An FP8 projection multiplies whole: gate and up are then one product on CPU too.
         model = LlamaForCausalLM(arch, max_positions, use_triton_kernels=use_triton,
-                                 fuse_gate_up=device.type == "cuda")
+                                 fuse_gate_up=device.type == "cuda" or quantized)
     if config.model == TINY_MODEL_NAME:
         init_dummy_weights(model, config.seed, torch.device("cpu"))
     elif config.load_format == "dummy":
@@ -76,6 +79,8 @@ def load_model(
     else:
         model.load_weights(iterate_safetensors(resolve_model_dir(config.model)))
     model = model.to(dtype=dtype).eval()
+    if quantized:
+        quantize_projections(model.model.layers, use_triton)
     if device.type == "cuda":
         # The float32 weights of construction stay cached otherwise, and the KV sizing counts
         # cached memory as used.

@@ -54,6 +54,7 @@ from engine.config import (
     KVCacheDtype,
     LayerKernelsName,
     ModelConfig,
+    Quantization,
     SchedulerConfig,
 )
 from engine.model.directory import load_arch
@@ -132,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default="auto",
                         help="what the KV cache stores: auto (the model's dtype) or fp8 "
                              "(float8 e4m3; the triton attention backend)")
+    parser.add_argument("--quantization", choices=get_args(Quantization), default="none",
+                        help="fp8: the layers' projection weights in float8 e4m3, their "
+                             "inputs quantized per token (CUDA: bfloat16 on an FP8 GPU)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
@@ -193,6 +197,7 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
         **environment(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
+        "quantization": args.quantization,
         "attention_backend": runner.attention.name,
         "layer_kernels": "triton" if runner.model.use_triton_kernels else "torch",
         # The runner's rule: decode replays graphs on CUDA where the backend has static decode.
@@ -220,8 +225,9 @@ def environment(device: torch.device) -> dict[str, str]:
 def markdown_table(report: dict[str, Any]) -> str:
     """The report's shapes as a markdown table under a line naming what ran them."""
     graphs = "CUDA graphs for decode" if report["cuda_graphs"] else "eager"
+    weights = ", fp8 projections" if report.get("quantization", "none") != "none" else ""
     lines = [
-        f"{report['model']} ({report['dtype']}) on {report['device']}: torch "
+        f"{report['model']} ({report['dtype']}{weights}) on {report['device']}: torch "
         f"{report['torch']}, triton {report['triton']}, attention {report['attention_backend']},"
         f" layer kernels {report['layer_kernels']}, KV cache {report['kv_cache_dtype']},"
         f" {graphs}",
@@ -266,7 +272,7 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
                           max_model_len=max_model_len, seed=args.seed, device=args.device,
                           attention_backend=args.attention_backend,
                           layer_kernels=args.layer_kernels,
-                          enforce_eager=args.enforce_eager),
+                          enforce_eager=args.enforce_eager, quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(

@@ -31,6 +31,7 @@ def test_defaults_are_valid_and_frozen() -> None:
         (ModelConfig, {"load_format": "magic"}, "load_format"),
         (ModelConfig, {"model": ""}, "model"),
         (ModelConfig, {"device": "tpu"}, "device"),
+        (ModelConfig, {"quantization": "int4"}, "quantization"),
         (CacheConfig, {"cpu_kv_cache_space_gib": 0}, "cpu_kv_cache_space_gib"),
         (CacheConfig, {"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
         (CacheConfig, {"kv_cache_dtype": "fp8", "kv_offload_gib": 1.0}, "host tier"),
@@ -44,6 +45,8 @@ def test_invalid_values_are_rejected(factory, kwargs, message) -> None:
 def test_engine_config_cross_checks() -> None:
     with pytest.raises(ValueError, match="simulated executor prices"):
         EngineConfig(executor="simulated", cache=CacheConfig(kv_cache_dtype="fp8"))
+    with pytest.raises(ValueError, match="simulated executor prices"):
+        EngineConfig(executor="simulated", model=ModelConfig(quantization="fp8"))
     with pytest.raises(ValueError, match="disagrees"):
         EngineConfig(model=ModelConfig(max_model_len=128),
                      scheduler=SchedulerConfig(max_model_len=256))

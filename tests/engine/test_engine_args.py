@@ -15,6 +15,7 @@ from engine.config import (
     LayerKernelsName,
     LoadFormat,
     ModelConfig,
+    Quantization,
     SchedulerConfig,
     StructuredOutputConfig,
     TraceConfig,
@@ -33,13 +34,14 @@ def test_cli_flags_round_trip() -> None:
     EngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--max-model-len", "512", "--num-kv-blocks", "64",
                               "--no-enable-prefix-caching", "--scheduling-policy", "priority",
-                              "--gpu-memory-utilization", "0.5"])
+                              "--gpu-memory-utilization", "0.5", "--quantization", "fp8"])
     engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.to_engine_config()
     assert (config.scheduler.max_model_len, config.cache.num_kv_blocks) == (512, 64)
     assert config.cache.enable_prefix_caching is False
     assert config.cache.gpu_memory_utilization == 0.5
     assert config.scheduler.policy == "priority"
+    assert config.model.quantization == "fp8"
 
 
 def test_invalid_values_name_the_field() -> None:
@@ -150,7 +152,8 @@ def test_cli_choices_are_the_config_literals() -> None:
                        "device": get_args(Device),
                        "attention_backend": get_args(AttentionBackendName),
                        "kv_cache_dtype": get_args(KVCacheDtype),
-                       "layer_kernels": get_args(LayerKernelsName)}
+                       "layer_kernels": get_args(LayerKernelsName),
+                       "quantization": get_args(Quantization)}
     hints = typing.get_type_hints(ModelConfig)
     assert (hints["dtype"], hints["load_format"], hints["device"]) == (Dtype, LoadFormat, Device)
     with pytest.raises(SystemExit):

@@ -1,0 +1,118 @@
+"""FP8 projections (`quantization="fp8"`) on this CPU: torch's `_scaled_mm` has a CPU kernel,
+and the row quantization kernel runs under Triton's interpreter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.frontend.llm import LLM
+from engine.model.attention import AttentionLayout, make_attention_backend
+from engine.model.fp8_linear import FP8_DTYPE, FP8_MAX, Fp8Linear, quantize_rows
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_model
+from engine.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+def _random_rows(rows: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(rows * size)
+    x = torch.randn(rows, size, generator=generator) * 3
+    x[1] = 0.0  # a row of zeros: scale MIN_SCALE, values 0, no NaN
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_quantization_kernel_computes_the_torch_values(dtype: torch.dtype) -> None:
+    pytest.importorskip("triton")
+    x = _random_rows(5, 96, dtype)  # 96: not a power of two, the kernel masks the rest
+    values, scales = quantize_rows(x, use_triton=True)
+    expected_values, expected_scales = quantize_rows(x, use_triton=False)
+    assert values.dtype == FP8_DTYPE and scales.shape == (5, 1)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(values.view(torch.uint8), expected_values.view(torch.uint8))
+    assert torch.equal(values[1].float(), torch.zeros(96))
+    # each row's largest magnitude maps to e4m3's largest value; the rest round within it
+    assert torch.allclose(values.float().abs().amax(dim=1)[[0, 2, 3, 4]],
+                          torch.full((4,), FP8_MAX))
+    torch.testing.assert_close((values.float() * scales), x.float(), atol=0.0, rtol=0.07)
+
+
+def test_fp8_linear_is_close_to_the_linear_it_quantizes() -> None:
+    generator = torch.Generator().manual_seed(0)
+    linear = nn.Linear(64, 48, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=generator) * 0.05)
+        linear.bias.copy_(torch.randn(48, generator=generator))
+    quantized = Fp8Linear.quantize(linear, use_triton=False)
+    assert quantized.weight.dtype == FP8_DTYPE and quantized.weight_scale.shape == (1, 48)
+    x = torch.randn(2, 5, 64, generator=generator)  # leading dimensions are kept
+    with torch.no_grad():
+        expected, out = linear(x), quantized(x)
+    assert out.shape == (2, 5, 48) and out.dtype == torch.float32
+    error = (out - expected).abs().max() / expected.abs().max()
+    assert error < 0.05, error
+    assert not torch.equal(out, expected)
+
+
+def test_fp8_linear_refuses_sizes_that_scaled_mm_cannot_take() -> None:
+    with pytest.raises(ValueError, match="multiples of 16"):
+        Fp8Linear.quantize(nn.Linear(40, 48), use_triton=False)
+
+
+def _logits(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    arch = model.arch
+    layout = AttentionLayout.of_model(arch, 16, CPU, torch.float32, 256)
+    num_blocks = -(-len(token_ids) // 16)
+    metadata = make_attention_backend("sdpa", layout).build_metadata(
+        np.array([len(token_ids)]), np.array([0]), np.arange(num_blocks)[None])
+    kv_caches = [torch.zeros(2, (num_blocks + 1) * 16, arch.num_key_value_heads, arch.head_dim)
+                 for _ in range(arch.num_hidden_layers)]
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), torch.from_numpy(metadata.positions),
+                       kv_caches, metadata)
+        return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("layer_kernels", ["torch", "triton"])
+def test_quantized_tiny_model_is_close_to_the_model(layer_kernels: str) -> None:
+    if layer_kernels == "triton":
+        pytest.importorskip("triton")
+    model = load_model(ModelConfig(layer_kernels=layer_kernels), CPU, torch.float32, 256)
+    quantized = load_model(ModelConfig(layer_kernels=layer_kernels, quantization="fp8"), CPU,
+                           torch.float32, 256)
+    layer = quantized.model.layers[0]
+    projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj)
+    assert all(isinstance(p, Fp8Linear) and p.weight.element_size() == 1 for p in projections)
+    assert quantized.lm_head.weight.dtype == torch.float32  # the head and embeddings are kept
+    token_ids = list(range(3, 43))
+    expected, logits = _logits(model, token_ids), _logits(quantized, token_ids)
+    spread = (expected.max() - expected.min()).item()
+    assert (logits - expected).abs().max().item() < 0.1 * spread
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.8
+
+
+def test_an_engine_with_fp8_projections_generates() -> None:
+    llm = LLM(quantization="fp8", num_kv_blocks=64, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (first,) = llm.generate(["fp8 weights"], params, use_tqdm=False)
+    (again,) = llm.generate(["fp8 weights"], params, use_tqdm=False)  # a prefix-cache hit
+    assert len(first.outputs[0].token_ids) == 8
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quantized_model_on_cuda_is_close_to_bfloat16() -> None:
+    cuda = torch.device("cuda")
+    model = load_model(ModelConfig(), cuda, torch.bfloat16, 256)
+    quantized = load_model(ModelConfig(quantization="fp8"), cuda, torch.bfloat16, 256)
+    x = torch.randn(7, model.arch.hidden_size, device=cuda, dtype=torch.bfloat16)
+    layer, fp8_layer = model.model.layers[0].mlp, quantized.model.layers[0].mlp
+    with torch.inference_mode():
+        expected, out = layer(x).float(), fp8_layer(x).float()
+    assert (out - expected).abs().max() < 0.1 * expected.abs().max()
