@@ -52,9 +52,9 @@
 #        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with an fp8 KV cache, with fp8
-#              projections, with steps in order, the 16k step budget, then triton with torch's layer ops, the sdpa
-#              baselines, triton without graphs and SmolLM2), within --budget-s 540 unless
-#              given: one device call's 10 minutes
+#              projections, with steps in order, the 16k step budget, then triton with
+#              torch's layer ops, the sdpa baselines, triton without graphs and SmolLM2),
+#              within --budget-s 540 unless given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
 #              10 minutes, so there run `--part forward --part throughput`, then `--part agent`;
 #              a first call on a new GPU is best `--part smoke` (a couple of minutes)

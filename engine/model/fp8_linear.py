@@ -34,21 +34,60 @@ _PROJECTIONS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
                 ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
 
+def fp8_refusal(device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None,
+                device_name: str) -> str | None:
+    """Why FP8 projections cannot run on this device with activations of `dtype` (None: they
+    can). On CUDA, `_scaled_mm` with rowwise scales needs bfloat16 output and FP8 tensor
+    cores (`capability`, compute capability 8.9 and later); its CPU kernel takes any float
+    dtype."""
+    if device_type != "cuda":
+        return None
+    if dtype != torch.bfloat16:
+        return f"quantization 'fp8' on CUDA needs dtype bfloat16, not {dtype}"
+    if capability is None or capability < (8, 9):
+        return (f"quantization 'fp8' needs FP8 tensor cores (compute capability 8.9 or "
+                f"later); {device_name} has {capability}")
+    return None
+
+
+def check_fp8_supported(device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError if FP8 projections cannot run on `device` (`fp8_refusal`), or if one small
+    product fails there (torch's rowwise kernels cover some architectures only). Called by
+    the loader before it builds the model."""
+    capability = name = None
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        name = torch.cuda.get_device_name(device)
+    refusal = fp8_refusal(device.type, dtype, capability, name or device.type)
+    if refusal is not None:
+        raise ValueError(refusal)
+    probe = nn.Linear(_DIM_MULTIPLE, _DIM_MULTIPLE, bias=False, device=device, dtype=dtype)
+    try:
+        with torch.no_grad():
+            Fp8Linear.quantize(probe, use_triton=False)(probe.weight[:1])
+    except RuntimeError as error:
+        raise ValueError(f"quantization 'fp8' does not run on {name or device.type}: "
+                         f"{str(error).splitlines()[0]}") from error
+
+
 def quantize_rows(x: torch.Tensor, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(values, scales)` of rows `x` [rows, size]: float8 values and float32 scales [rows,
-    1] with `x ~= values * scales`. `use_triton`: one fused kernel
-    (`layer_kernels.quantize_fp8_rows`), else torch ops computing the same values."""
+    """`(values, scales)` of rows `x` [rows, size]: float8 values [rows, size], row-major,
+    and float32 scales [rows, 1], with `x ~= values * scales`. `use_triton`: one fused kernel
+    (`layer_kernels.quantize_fp8_rows`; it allocates nothing but its outputs), else torch
+    ops computing the same values (and a float32 copy of `x` on the way)."""
     if use_triton:
         return layer_kernels().quantize_fp8_rows(x, FP8_DTYPE, MIN_SCALE)
     wide = x.float()  # `x` itself when float32: not written
     scales = (wide.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_(min=MIN_SCALE)
-    return (wide / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+    values = (wide / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return values.contiguous(), scales
 
 
 class Fp8Linear(nn.Module):
     """`y = x W^T + b` with `W` in float8 e4m3 [out, in] and `weight_scale` float32 [1, out];
     `x` rows [rows, in] (any leading shape), `y` in `x`'s dtype. Built by `quantize` from an
-    `nn.Linear`; holds no gradients."""
+    `nn.Linear`; holds no gradients. Its buffers are floating point to `Module.to`: convert
+    a model's dtype before quantizing it, never after (the loader does)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None, use_triton: bool) -> None:
@@ -61,28 +100,22 @@ class Fp8Linear(nn.Module):
     @classmethod
     @torch.no_grad()
     def quantize(cls, linear: nn.Linear, use_triton: bool) -> Fp8Linear:
-        """`linear`'s weight rounded to float8, a scale per output channel (its bias kept).
-        ValueError where `_scaled_mm` cannot run it: a dimension not a multiple of 16, or on
-        CUDA a dtype other than bfloat16 or a GPU without FP8 tensor cores."""
+        """`linear`'s weight rounded to float8, a scale per output channel (its bias kept);
+        `use_triton` also quantizes the weight with the kernel. ValueError for a dimension
+        that is not a multiple of 16 (`_scaled_mm` takes none on CUDA); whether the device
+        can run it is `check_fp8_supported`'s."""
         weight = linear.weight
         out_features, in_features = weight.shape
         if out_features % _DIM_MULTIPLE or in_features % _DIM_MULTIPLE:
             raise ValueError(f"quantization 'fp8' needs projection sizes that are multiples "
                              f"of {_DIM_MULTIPLE}, got {in_features} -> {out_features}")
-        if weight.is_cuda:
-            if weight.dtype != torch.bfloat16:
-                raise ValueError(f"quantization 'fp8' on CUDA needs dtype bfloat16, not "
-                                 f"{weight.dtype}")
-            if torch.cuda.get_device_capability(weight.device) < (8, 9):
-                raise ValueError(f"quantization 'fp8' needs FP8 tensor cores (compute "
-                                 f"capability 8.9 or later); "
-                                 f"{torch.cuda.get_device_name(weight.device)} has none")
-        values, scales = quantize_rows(weight, use_triton=False)
+        values, scales = quantize_rows(weight, use_triton)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(values, scales.reshape(1, out_features).contiguous(), bias, use_triton)
 
     @property
     def out_features(self) -> int:
+        """Output channels (the weight's rows)."""
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +129,15 @@ class Fp8Linear(nn.Module):
 
 
 def quantize_projections(layers: nn.ModuleList, use_triton: bool) -> None:
-    """Replaces each decoder layer's four projections by their `Fp8Linear`, one at a time
-    (each bf16 weight is freed as its float8 copy is made, so the peak is one projection
-    more than the model)."""
+    """Replaces each decoder layer's four projections by their `Fp8Linear`, one at a time:
+    each weight is freed as its float8 copy is made, so the peak is the model plus one
+    projection's float8 copy (plus, with torch's ops rather than the kernel, a float32 copy
+    of that projection). The MLPs must multiply gate and up as one product (`fuse_gate_up`):
+    their halves are not `nn.Linear`s once quantized."""
     for layer in layers:
+        if not layer.mlp.fuse_gate_up:
+            raise ValueError("quantization 'fp8' needs the MLP's gate and up as one product "
+                             "(fuse_gate_up)")
         for owner_name, name in _PROJECTIONS:
             owner = getattr(layer, owner_name)
             setattr(owner, name, Fp8Linear.quantize(getattr(owner, name), use_triton))

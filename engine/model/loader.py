@@ -19,7 +19,7 @@ import torch
 
 from engine.config import LayerKernelsName, ModelConfig
 from engine.model.directory import TINY_MODEL_NAME, load_arch, resolve_model_dir
-from engine.model.fp8_linear import quantize_projections
+from engine.model.fp8_linear import check_fp8_supported, quantize_projections
 from engine.model.llama import LlamaForCausalLM
 from engine.model.triton_support import check_triton_runs_on, triton_installed
 
@@ -66,6 +66,8 @@ def load_model(
         )
     use_triton = resolve_layer_kernels(config.layer_kernels, device) == "triton"
     quantized = config.quantization == "fp8"
+    if quantized:
+        check_fp8_supported(device, dtype)  # before building or loading anything
     with torch.device(device):
         # An FP8 projection multiplies whole: gate and up are then one product on CPU too.
         model = LlamaForCausalLM(arch, max_positions, use_triton_kernels=use_triton,

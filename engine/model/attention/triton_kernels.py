@@ -15,9 +15,10 @@ Neither wrapper reads device values on the host: both can be captured in a CUDA 
 Arguments that change from step to step are never compile-time values: Triton compiles a
 kernel again for every new value of a `tl.constexpr` and for every new divisibility class of
 a specialised int, and a compile of the prefill kernel stalls a live step by most of a second.
-So the block table's row stride (its width follows the step's longest sequence) is not
-specialised, and the decode split count is a runtime int; what stays compile-time (head
-shapes, block size, tiles, whether the decode splits at all) is fixed for a model.
+So the block table's row stride (its width follows the step's longest sequence) and the
+prefill's sequence count are not specialised, and the decode split count is a runtime int;
+what stays compile-time (head shapes, block size, tiles, whether the decode splits at all) is
+fixed for a model.
 
 Under Triton's interpreter (`TRITON_INTERPRET=1`: CPU tensors, for tests) importing this module
 first mends three gaps of Triton 3.6's interpreter (`engine.model.triton_interpreter`);
@@ -48,6 +49,7 @@ _LOG2_E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernels then mask causally only
 _NUM_SMS = 132  # H100 SXM; the split heuristic aims to fill them
 _MAX_SPLITS = 64  # the reduction holds all splits of a head in registers
+_MAX_GRID = 2**31 - 1  # programs on a grid's first axis (CUDA's limit)
 _MIN_BLOCKS_PER_SPLIT = 4
 _DECODE_BLOCK_N = 64  # key positions per tile of the default decode tile
 _MIN_DOT_M = 16  # tl.dot needs M >= 16 on tensor cores
@@ -140,11 +142,10 @@ def paged_decode_attention(
     - `tile`: the kernel's tile (None: `decode_tile` of the cache's dtype); the tile sweep of
       `scripts/decode_tiles.py` passes others.
 
-    One program per sequence, KV head and split, in a flat grid: program `p` takes KV head
-    `p % num_kv_heads`, split `p // num_kv_heads % num_splits` and sequence `p //
-    (num_kv_heads * num_splits)`, so all the work of a sequence is dispatched together and,
-    as the runner lays decodes out longest context first, the costliest programs first
-    rather than a head's longest sequences last. Each program holds the group's query heads
+    One program per sequence, KV head and split, in a flat grid whose order puts a
+    sequence's work together, in the order of the sequences (`_decode_program`): as the
+    runner lays decodes out longest context first, the costliest programs go first rather
+    than a head's longest sequences last. Each program holds the group's query heads
     (padded to a power of two, at least 16 for `tl.dot`) and walks its split in tiles of
     `tile.block_n` key positions, writing float32 partials (max, sum of exponentials,
     unnormalised output) that a second kernel, one program per (sequence, head), combines.
@@ -259,17 +260,16 @@ def _launch_prefill(
     """Enqueues the prefill kernel over checked inputs: with `tile` (rows, keys, warps,
     stages) as given, or, None, with the autotuner's tile (`_tuned_prefill_kernel`).
 
-    The grid is flat: program `p` takes KV head `p % num_kv_heads`, sequence `p //
-    num_kv_heads % S` and query tile `last - p // (num_kv_heads * S)`. So the device
-    dispatches the last query tiles, which walk the most key tiles under a causal mask, first
-    and the cheap first tiles last, rather than ending on one head's costliest tiles."""
+    The grid is flat, `cdiv(max_query_len, BLOCK_Q)` rounds of one program per KV head and
+    sequence, each round one query tile further back from every sequence's last
+    (`_prefill_program`). ValueError if it would pass Triton's limit on the grid."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[1]
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_pad = _next_power_of_two(group)
     args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
-            scale * _LOG2_E, _window(sliding_window), num_seqs, max_query_len,
+            scale * _LOG2_E, _window(sliding_window), num_seqs,
             *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
             *out.stride())
     shapes = {"NUM_KV_HEADS": num_kv_heads, "GROUP": group, "GROUP_PAD": group_pad,
@@ -278,6 +278,10 @@ def _launch_prefill(
 
     def grid(block_q: int) -> tuple[int]:
         return (triton.cdiv(max_query_len, block_q) * num_kv_heads * num_seqs,)
+
+    if grid(1)[0] > _MAX_GRID:  # the most programs any tile launches (BLOCK_Q 1)
+        raise ValueError(f"a prefill of {num_seqs} sequences, {max_query_len} query tokens "
+                         f"and {num_kv_heads} KV heads needs more than {_MAX_GRID} programs")
 
     if tile is None:
         _tuned_prefill_kernel[lambda meta: grid(meta["BLOCK_Q"])](*args, **shapes)
@@ -322,11 +326,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_TO_F16: tl.constexpr,
 ):
-    program = tl.program_id(0)
-    num_kv_heads = num_heads // GROUP
-    kv_head = program % num_kv_heads
-    split = program // num_kv_heads % num_splits
-    seq = program // (num_kv_heads * num_splits)
+    kv_head, split, seq = _decode_program(tl.program_id(0), num_heads // GROUP, num_splits)
     seq_len = tl.load(seq_lens_ptr + seq)
     first_key = tl.maximum(seq_len - window, 0)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
@@ -459,11 +459,37 @@ def _prefill_key_tile(q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, b
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "max_query_len"])
+@triton.jit
+def _prefill_program(program, query_start_loc_ptr, num_seqs, NUM_KV_HEADS: tl.constexpr,
+                     BLOCK_Q: tl.constexpr):
+    """What prefill program `program` computes: `(kv_head, seq, q_tile, query_start,
+    query_len)`. KV heads vary fastest, then sequences, then query tiles counted back from
+    each sequence's last, so the device dispatches every sequence's last tiles (under a causal
+    mask, those that walk the most key tiles) first and its cheap first tiles last. A
+    negative `q_tile` lies before a shorter sequence's first query: that program does
+    nothing."""
+    kv_head = program % NUM_KV_HEADS
+    seq = program // NUM_KV_HEADS % num_seqs
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    q_tile = tl.cdiv(query_len, BLOCK_Q) - 1 - program // (NUM_KV_HEADS * num_seqs)
+    return kv_head, seq, q_tile, query_start, query_len
+
+
+@triton.jit
+def _decode_program(program, num_kv_heads, num_splits):
+    """`(kv_head, split, seq)` of decode program `program`: KV heads vary fastest, then
+    splits, then sequences, so all the work of a sequence is dispatched together and in the
+    runner's order of sequences (longest context first)."""
+    return (program % num_kv_heads, program // num_kv_heads % num_splits,
+            program // (num_kv_heads * num_splits))
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr,
-    qk_scale, window, num_seqs, max_query_len,
+    qk_scale, window, num_seqs,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
@@ -473,19 +499,15 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    program = tl.program_id(0)
-    kv_head = program % NUM_KV_HEADS
-    seq = program // NUM_KV_HEADS % num_seqs
-    q_tile = tl.cdiv(max_query_len, BLOCK_Q) - 1 - program // (NUM_KV_HEADS * num_seqs)
-    query_start = tl.load(query_start_loc_ptr + seq)
-    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    kv_head, seq, q_tile, query_start, query_len = _prefill_program(
+        tl.program_id(0), query_start_loc_ptr, num_seqs, NUM_KV_HEADS, BLOCK_Q)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
 
     rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
     token = q_tile * BLOCK_Q + rows // GROUP_PAD
     heads = rows % GROUP_PAD
-    row_ok = (token < query_len) & (heads < GROUP)
+    row_ok = (token >= 0) & (token < query_len) & (heads < GROUP)
     q_pos = context_len + token
     q_rows = (query_start + token).to(tl.int64)
     q_heads = kv_head * GROUP + heads
@@ -496,12 +518,12 @@ def _prefill_kernel(
         mask=row_ok[:, None], other=0.0,
     )
 
-    # Key range of this tile's queries; empty for a tile past the sequence's queries.
+    # Key range of this tile's queries; empty for a tile before the sequence's queries.
     first_q_pos = context_len + q_tile * BLOCK_Q
     last_q_pos = context_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, query_len) - 1
     key_lo = tl.maximum(first_q_pos - window + 1, 0)
     key_hi = tl.minimum(first_q_pos + BLOCK_Q, seq_len)
-    key_hi = tl.where(q_tile * BLOCK_Q < query_len, key_hi, 0)
+    key_hi = tl.where(q_tile >= 0, key_hi, 0)
     # Key tiles [lo, hi) in three runs: the middle one's tiles are seen whole by every query
     # row (inside the last query's window, at or before the first query), so they skip the
     # mask; the tiles before it (the window's edge) and after it (the causal diagonal) do not.

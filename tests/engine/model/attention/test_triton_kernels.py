@@ -31,6 +31,8 @@ from engine.model.attention.backend import write_kv
 from engine.model.attention.triton_kernels import (
     FP8_KV_DTYPE,
     DecodeTile,
+    _decode_program,
+    _prefill_program,
     decode_tile_candidates,
     default_num_splits,
     paged_decode_attention,
@@ -272,6 +274,60 @@ def test_prefill_programs_cover_every_query_tile_head_and_sequence() -> None:
     assert_matches(out, expected, torch.float32)
 
 
+@triton.jit
+def _prefill_order_probe(query_start_loc_ptr, out_ptr, num_seqs, NUM_KV_HEADS: tl.constexpr,
+                         BLOCK_Q: tl.constexpr):
+    program = tl.program_id(0)
+    kv_head, seq, q_tile, _, _ = _prefill_program(program, query_start_loc_ptr, num_seqs,
+                                                  NUM_KV_HEADS, BLOCK_Q)
+    tl.store(out_ptr + program * 3, kv_head)
+    tl.store(out_ptr + program * 3 + 1, seq)
+    tl.store(out_ptr + program * 3 + 2, q_tile)
+
+
+@triton.jit
+def _decode_order_probe(out_ptr, num_kv_heads, num_splits):
+    program = tl.program_id(0)
+    kv_head, split, seq = _decode_program(program, num_kv_heads, num_splits)
+    tl.store(out_ptr + program * 3, kv_head)
+    tl.store(out_ptr + program * 3 + 1, split)
+    tl.store(out_ptr + program * 3 + 2, seq)
+
+
+def test_prefill_dispatches_every_sequences_last_query_tiles_first() -> None:
+    # A cached prefix's chunk (7 queries) beside longer prompts: its one tile, the costliest
+    # of its sequence, goes in the first round with every sequence's last tile.
+    query_lens, block_q, num_kv_heads = [40, 7, 100], 16, 2
+    num_rounds = -(-max(query_lens) // block_q)
+    order = torch.full((num_rounds * num_kv_heads * len(query_lens), 3), -9, dtype=torch.int32)
+    query_start_loc = torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32)
+    _prefill_order_probe[(order.shape[0],)](query_start_loc, order, len(query_lens),
+                                            NUM_KV_HEADS=num_kv_heads, BLOCK_Q=block_q)
+    programs = [tuple(row) for row in order.tolist()]
+    tiles = {(seq, tile) for _, seq, tile in programs if tile >= 0}
+    assert tiles == {(seq, tile) for seq, n in enumerate(query_lens)
+                     for tile in range(-(-n // block_q))}
+    assert len([p for p in programs if p[2] >= 0]) == num_kv_heads * len(tiles)
+    first_round = programs[:num_kv_heads * len(query_lens)]
+    assert sorted((seq, tile) for _, seq, tile in first_round) == sorted(
+        (seq, -(-n // block_q) - 1) for seq, n in enumerate(query_lens)
+        for _ in range(num_kv_heads))
+    for seq in range(len(query_lens)):  # each sequence's tiles from its last, heads together
+        mine = [(tile, head) for head, s, tile in programs if s == seq and tile >= 0]
+        assert mine == sorted(mine, key=lambda p: (-p[0], p[1]))
+
+
+def test_decode_dispatches_a_sequences_heads_and_splits_together_in_sequence_order() -> None:
+    num_kv_heads, num_splits, batch = 2, 3, 4
+    order = torch.full((num_kv_heads * num_splits * batch, 3), -9, dtype=torch.int32)
+    _decode_order_probe[(order.shape[0],)](order, num_kv_heads, num_splits)
+    programs = [tuple(row) for row in order.tolist()]
+    assert sorted(programs) == sorted((head, split, seq) for head in range(num_kv_heads)
+                                      for split in range(num_splits) for seq in range(batch))
+    assert [seq for _, _, seq in programs] == sorted(seq for _, _, seq in programs)
+    assert [head for head, _, _ in programs[:num_kv_heads]] == list(range(num_kv_heads))
+
+
 @pytest.mark.parametrize("tile", triton_kernels._TUNED_PREFILL_TILES,
                          ids=lambda tile: ",".join(map(str, tile)))
 def test_each_tuned_prefill_tile_matches_reference(tile: tuple[int, int, int, int]) -> None:
@@ -403,7 +459,7 @@ def test_tuned_prefill_tiles_cover_every_group_and_include_the_untuned_rule() ->
 STEP_VARYING_ARGUMENTS = {
     "_decode_split_kernel": {"stride_bt", "num_splits"},
     "_decode_reduce_kernel": {"num_splits"},
-    "_prefill_kernel": {"stride_bt", "num_seqs", "max_query_len"},
+    "_prefill_kernel": {"stride_bt", "num_seqs"},
 }
 
 
