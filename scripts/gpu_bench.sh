@@ -50,6 +50,7 @@
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|kernels|forward|
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
 #        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
+#        [--baseline DIR]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with an fp8 KV cache, with fp8
 #              projections, with steps in order, the 16k step budget, then triton with
@@ -62,6 +63,11 @@
 #              script started (default: none; 540 with --quick)
 #   --device cpu  a dry run of the same steps on this CPU machine with the tiny model and tiny
 #              shapes (triton under TRITON_INTERPRET=1), in a couple of minutes
+#   --baseline DIR  another checkout of the repository (say `git archive COMMIT engine eval
+#              scripts pyproject.toml | tar -x -C .baseline`, carried as an ignored folder):
+#              the prefill tile timings, the forward run `triton` and the offline run
+#              `triton` also run from it, each right after this checkout's (steps named
+#              `...-base`), so that two engines are compared on one device
 #
 # On the GPU machine (the device tool): its image has torch and triton but not msgspec,
 # llguidance, pyzmq (which every engine command imports) nor fastapi, uvicorn, pydantic, openai
@@ -80,6 +86,7 @@ device=cuda
 agent_backend=""
 agent_setup=swe24
 agent_serve=(--no-async-scheduling)
+baseline=""
 budget_s=""
 parts=()
 while [ $# -gt 0 ]; do
@@ -91,6 +98,7 @@ while [ $# -gt 0 ]; do
     --agent-backend) agent_backend=$2; shift ;;
     --agent-setup) agent_setup=$2; shift ;;
     --agent-async) agent_serve=() ;;
+    --baseline) baseline=$(cd "$2" && pwd) || exit 2; shift ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -120,7 +128,7 @@ fi
 
 python=${PYTHON:-}
 if [ -z "$python" ]; then
-  if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
+  if [ -x .venv/bin/python ]; then python=$PWD/.venv/bin/python; else python=python3; fi
 fi
 if [ -d .whl ] && ! "$python" -c "import msgspec" 2>/dev/null; then
   site=$(mktemp -d)/site
@@ -138,6 +146,8 @@ if ! "$python" -c "import $needed" 2>/dev/null; then
 fi
 
 out=${OUT:-gpu-bench-out}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: baseline steps run from another directory
 raw=$out/raw
 rm -rf "$raw"
 mkdir -p "$raw"
@@ -180,7 +190,7 @@ stopped() {
 trap stopped TERM INT
 
 if [ "$device" = cuda ]; then
-  config=engine/model/configs/llama3.1-8b.json
+  config=$PWD/engine/model/configs/llama3.1-8b.json
   model_name=llama3.1-8b
   forward_shapes=()  # bench forward's defaults are the issue's table
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
@@ -199,7 +209,7 @@ if [ "$device" = cuda ]; then
   fi
   agent_backend=${agent_backend:-triton}
 elif [ "$device" = cpu ]; then
-  config=engine/model/tiny/config.json
+  config=$PWD/engine/model/tiny/config.json
   model_name=tiny
   export TRITON_INTERPRET=1  # the triton backend's kernels run on CPU tensors
   forward_shapes=(--decode 2x48 4x96 --prefill 1x64 --decode-steps 2 --repeats 1
@@ -221,7 +231,7 @@ fi
 model_dir=$scratch/$model_name
 mkdir -p "$model_dir"
 cp "$config" "$model_dir/config.json"
-engine_flags=(--model "$model_dir" --load-format dummy --tokenizer engine/model/tiny
+engine_flags=(--model "$model_dir" --load-format dummy --tokenizer "$PWD/engine/model/tiny"
               --device "$device")
 
 "$python" - "$config" "$device" "$([ $quick -eq 1 ] && echo quick || echo full)" \
@@ -286,9 +296,15 @@ if wants smoke; then
     --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
 fi
 
+# A command after these runs from the baseline checkout, its engine first on the path.
+on_baseline=(env -C "$baseline" "PYTHONPATH=$baseline${PYTHONPATH:+:$PYTHONPATH}")
+
 if wants kernels; then
   step kernels-prefill-tiles "$python" scripts/prefill_tiles.py --device "$device" \
     --json "$raw/kernels-prefill-tiles.json"
+  [ -z "$baseline" ] || step kernels-prefill-tiles-base "$python" \
+    "$baseline/scripts/prefill_tiles.py" --device "$device" \
+    --json "$raw/kernels-prefill-tiles-base.json"
   step kernels-mlp-gemms "$python" scripts/mlp_gemms.py --device "$device" \
     --json "$raw/kernels-mlp-gemms.json"
 fi
@@ -307,8 +323,13 @@ forward_run() {
     triton-torch-layers) flags=(--attention-backend triton --layer-kernels torch) ;;
   esac
   [ "$run" = sdpa ] || flags+=(--profile)  # launches, device and host time a decode step
-  step "forward-$run" "${engine[@]}" bench forward --config "$config" --device "$device" \
-    "${flags[@]}" "${forward_shapes[@]}" --json "$raw/forward-$run.json"
+  local command=(bench forward --config "$config" --device "$device" "${flags[@]}"
+                 "${forward_shapes[@]}")
+  step "forward-$run" "${engine[@]}" "${command[@]}" --json "$raw/forward-$run.json"
+  if [ -n "$baseline" ] && [ "$run" = triton ]; then
+    step "forward-$run-base" "${on_baseline[@]}" "${engine[@]}" "${command[@]}" \
+      --json "$raw/forward-$run-base.json"
+  fi
 }
 forward_smollm2() {
   # The real model of `continuum models pull` (3 query heads per KV head, head dim 64), by
@@ -333,10 +354,15 @@ throughput_run() {
     triton-fp8) kv=fp8 ;;
     triton-fp8w) flags=(--quantization fp8) ;;
   esac
-  step "throughput-$1-$requests" "${engine[@]}" bench throughput --impl engine \
-    "${engine_flags[@]}" --num-requests "$requests" "${workload[@]}" \
-    --attention-backend "$backend" --layer-kernels "$layers" --kv-cache-dtype "$kv" \
-    --slow-steps 8 "${flags[@]}" --json "$raw/throughput-$1-$requests.json"
+  local command=(bench throughput --impl engine "${engine_flags[@]}" --num-requests "$requests"
+                 "${workload[@]}" --attention-backend "$backend" --layer-kernels "$layers"
+                 --kv-cache-dtype "$kv" --slow-steps 8 "${flags[@]}")
+  step "throughput-$1-$requests" "${engine[@]}" "${command[@]}" \
+    --json "$raw/throughput-$1-$requests.json"
+  if [ -n "$baseline" ] && [ "$1" = triton ]; then
+    step "throughput-$1-base-$requests" "${on_baseline[@]}" "${engine[@]}" "${command[@]}" \
+      --json "$raw/throughput-$1-base-$requests.json"
+  fi
 }
 
 if [ $quick -eq 1 ]; then
