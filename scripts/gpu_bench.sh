@@ -64,10 +64,11 @@
 #   --device cpu  a dry run of the same steps on this CPU machine with the tiny model and tiny
 #              shapes (triton under TRITON_INTERPRET=1), in a couple of minutes
 #   --baseline DIR  another checkout of the repository (say `git archive COMMIT engine eval
-#              scripts pyproject.toml | tar -x -C .baseline`, carried as an ignored folder):
-#              the prefill tile timings, the forward run `triton` and the offline run
-#              `triton` also run from it, each right after this checkout's (steps named
-#              `...-base`), so that two engines are compared on one device
+#              scripts pyproject.toml | tar -x -C .baseline`, carried as an ignored folder;
+#              a relative DIR is taken from the repository's root): the prefill tile
+#              timings, the forward run `triton` and the offline run `triton` also run from
+#              it, each right after this checkout's (steps named `...-base`), so that two
+#              engines are compared on one device; they spend the same --budget-s
 #
 # On the GPU machine (the device tool): its image has torch and triton but not msgspec,
 # llguidance, pyzmq (which every engine command imports) nor fastapi, uvicorn, pydantic, openai
@@ -98,7 +99,7 @@ while [ $# -gt 0 ]; do
     --agent-backend) agent_backend=$2; shift ;;
     --agent-setup) agent_setup=$2; shift ;;
     --agent-async) agent_serve=() ;;
-    --baseline) baseline=$(cd "$2" && pwd) || exit 2; shift ;;
+    --baseline) baseline=$(cd -- "$2" > /dev/null && pwd) || exit 2; shift ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -128,8 +129,10 @@ fi
 
 python=${PYTHON:-}
 if [ -z "$python" ]; then
-  if [ -x .venv/bin/python ]; then python=$PWD/.venv/bin/python; else python=python3; fi
+  if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
 fi
+# Absolute when it is a path: baseline steps run from another directory.
+[[ $python != */* || $python == /* ]] || python=$PWD/$python
 if [ -d .whl ] && ! "$python" -c "import msgspec" 2>/dev/null; then
   site=$(mktemp -d)/site
   "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -1,8 +1,9 @@
 """Times the prefill attention kernel's tiles on a GPU, one call a layer.
 
 At Llama-3.1-8B's attention shapes (32 query heads over 8 KV heads of dim 128, blocks of 16
-tokens drawn at random from the pool, bf16) and two prefill steps of 2,048 tokens (one
-prompt of 2,048; four chunks of 512 over cached prefixes of 512), each tile given (rows of
+tokens drawn at random from the pool, bf16) and three prefill steps (one prompt of 2,048;
+four chunks of 512 over cached prefixes of 512; chunks of 128 over cached prefixes of 8,000
+and 4,000 beside a prompt of 2,048), each tile given (rows of
 queries x padded group, keys a tile, warps, stages) runs `_prefill_kernel` directly, and
 `auto` runs `paged_prefill_attention` as the engine does (the autotuner's choice among
 `_TUNED_PREFILL_TILES`); each tile's output is checked against auto's (the largest absolute
@@ -40,8 +41,12 @@ from engine.model.attention import triton_kernels
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # (name, context tokens of each sequence, query tokens of each sequence)
-STEPS = (("1 x 2,048", (0,), (2048,)), ("4 x 512 over 512", (512,) * 4, (512,) * 4))
-CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 12 over 20", (20, 20), (12, 12)))
+# The mixed step: two short chunks over long cached prefixes (each sequence's costliest
+# programs) beside a prompt, where the order of the programs matters most.
+STEPS = (("1 x 2,048", (0,), (2048,)), ("4 x 512 over 512", (512,) * 4, (512,) * 4),
+         ("128 over 8,000 and 4,000, 2,048", (8000, 4000, 0), (128, 128, 2048)))
+CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 12 over 20", (20, 20), (12, 12)),
+             ("8 over 40, 24", (40, 0), (8, 24)))
 
 
 def _time_us(fn: Callable[[], object], device: torch.device) -> float:

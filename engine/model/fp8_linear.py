@@ -52,8 +52,8 @@ def fp8_refusal(device_type: str, dtype: torch.dtype, capability: tuple[int, int
 
 def check_fp8_supported(device: torch.device, dtype: torch.dtype) -> None:
     """ValueError if FP8 projections cannot run on `device` (`fp8_refusal`), or if one small
-    product fails there (torch's rowwise kernels cover some architectures only). Called by
-    the loader before it builds the model."""
+    product (a row times a 16 x 16 weight) fails there (torch's rowwise kernels cover some
+    architectures only). Called by the loader before it builds the model."""
     capability = name = None
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
@@ -66,15 +66,16 @@ def check_fp8_supported(device: torch.device, dtype: torch.dtype) -> None:
         with torch.no_grad():
             Fp8Linear.quantize(probe, use_triton=False)(probe.weight[:1])
     except RuntimeError as error:
+        reason = (str(error).splitlines() or [repr(error)])[0]
         raise ValueError(f"quantization 'fp8' does not run on {name or device.type}: "
-                         f"{str(error).splitlines()[0]}") from error
+                         f"{reason}") from error
 
 
 def quantize_rows(x: torch.Tensor, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`(values, scales)` of rows `x` [rows, size]: float8 values [rows, size], row-major,
     and float32 scales [rows, 1], with `x ~= values * scales`. `use_triton`: one fused kernel
     (`layer_kernels.quantize_fp8_rows`; it allocates nothing but its outputs), else torch
-    ops computing the same values (and a float32 copy of `x` on the way)."""
+    ops computing the same values (with two float32 temporaries the size of `x`)."""
     if use_triton:
         return layer_kernels().quantize_fp8_rows(x, FP8_DTYPE, MIN_SCALE)
     wide = x.float()  # `x` itself when float32: not written
@@ -131,9 +132,9 @@ class Fp8Linear(nn.Module):
 def quantize_projections(layers: nn.ModuleList, use_triton: bool) -> None:
     """Replaces each decoder layer's four projections by their `Fp8Linear`, one at a time:
     each weight is freed as its float8 copy is made, so the peak is the model plus one
-    projection's float8 copy (plus, with torch's ops rather than the kernel, a float32 copy
-    of that projection). The MLPs must multiply gate and up as one product (`fuse_gate_up`):
-    their halves are not `nn.Linear`s once quantized."""
+    projection's float8 copy (plus, with torch's ops rather than the kernel, two float32
+    temporaries of that projection's size). The MLPs must multiply gate and up as one
+    product (`fuse_gate_up`): their halves are not `nn.Linear`s once quantized."""
     for layer in layers:
         if not layer.mlp.fuse_gate_up:
             raise ValueError("quantization 'fp8' needs the MLP's gate and up as one product "

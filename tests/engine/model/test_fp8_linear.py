@@ -126,9 +126,11 @@ def test_quantized_tiny_model_is_close_to_the_model(layer_kernels: str) -> None:
     assert quantized.lm_head.weight.dtype == torch.float32  # the head and embeddings are kept
     token_ids = list(range(3, 43))
     expected, logits = _logits(model, token_ids), _logits(quantized, token_ids)
+    # 3.3 % of the logits' range and 38 of 40 argmaxes here; every weight scale 8 % high
+    # gives 9.3 % and 35, 8 % low 11.3 % and 32
     spread = (expected.max() - expected.min()).item()
-    assert (logits - expected).abs().max().item() < 0.1 * spread
-    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.8
+    assert (logits - expected).abs().max().item() < 0.06 * spread
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.9
 
 
 def test_an_engine_with_fp8_projections_generates() -> None:

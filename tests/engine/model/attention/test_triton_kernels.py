@@ -161,11 +161,13 @@ def run_prefill(
     head_dim: int = 32, block_size: int = 8, dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None, shared_blocks: int = 0, seed: int = 0,
     cache_dtype: torch.dtype | None = None, tile: tuple[int, int, int, int] | None = None,
+    max_query_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill kernel's output and the reference's (over the same cache values), both
     float32 on the CPU; the caches hold `cache_dtype` (default: the query's `dtype`).
     `tile` (rows, keys, warps, stages) launches the kernel with that tile, as the autotuner
-    would, instead of `paged_prefill_attention`'s choice."""
+    would, instead of `paged_prefill_attention`'s choice; `max_query_len` may overstate the
+    longest query (None: the longest)."""
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     layout = make_layout(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, dtype=cache_dtype or dtype,
@@ -178,14 +180,15 @@ def run_prefill(
     scale = head_dim ** -0.5
     args = (query, layout.k_cache, layout.v_cache, layout.block_table, query_start_loc,
             torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
+    max_query_len = max(query_lens) if max_query_len is None else max_query_len
     if tile is None:
         out = paged_prefill_attention(*args, scale, block_size=block_size,
-                                      max_query_len=max(query_lens),
+                                      max_query_len=max_query_len,
                                       sliding_window=sliding_window)
     else:
         out = torch.full_like(query, float("nan"))
         triton_kernels._launch_prefill(*args, out, scale, block_size=block_size,
-                                       max_query_len=max(query_lens),
+                                       max_query_len=max_query_len,
                                        sliding_window=sliding_window,
                                        tile=triton_kernels._TileConfig(*tile))
     expected = reference_attention(query, layout, query_lens, scale, sliding_window)
@@ -335,6 +338,15 @@ def test_each_tuned_prefill_tile_matches_reference(tile: tuple[int, int, int, in
     # key tiles and a cached prefix, in bfloat16 as on the device.
     out, expected = run_prefill([0, 70], [150, 60], group=4, num_kv_heads=2, head_dim=64,
                                 block_size=16, dtype=torch.bfloat16, tile=tile)
+    assert_matches(out, expected, torch.bfloat16)
+
+
+def test_prefill_rounds_past_every_sequences_queries_write_nothing() -> None:
+    # max_query_len overstated (the grid's extra rounds find no query), a window, a tuned
+    # tile, and a chunk of one query over a cached prefix beside prompts.
+    out, expected = run_prefill([30, 0, 5], [9, 40, 1], group=4, num_kv_heads=1,
+                                head_dim=64, block_size=16, dtype=torch.bfloat16,
+                                sliding_window=13, tile=(64, 64, 4, 3), max_query_len=100)
     assert_matches(out, expected, torch.bfloat16)
 
 
