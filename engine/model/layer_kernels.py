@@ -54,8 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual.stride(0) if residual is not None else 0,
             weight, out, out.stride(0), summed, summed.stride(0), size, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
-            # About 16 values a thread: a 4,096-wide row takes 8 warps.
-            num_warps=min(max(block // 512, 1), 16))
+            num_warps=_row_warps(block))
     return out, summed
 
 
@@ -117,8 +116,14 @@ def quantize_fp8_rows(x: torch.Tensor, fp8_dtype: torch.dtype, min_scale: float
         block = triton.next_power_of_2(size)
         _quantize_fp8_rows_kernel[(rows,)](
             x, x.stride(0), values, scales, size, torch.finfo(fp8_dtype).max, min_scale,
-            BLOCK=block, num_warps=min(max(block // 512, 1), 16))
+            BLOCK=block, num_warps=_row_warps(block))
     return values, scales
+
+
+def _row_warps(block: int) -> int:
+    """Warps of a one-row-a-program kernel over `block` columns: about 16 values a thread (a
+    4,096-wide row takes 8 warps), at most 16 warps."""
+    return min(max(block // 512, 1), 16)
 
 
 def _check_rows(name: str, tensor: torch.Tensor) -> None:

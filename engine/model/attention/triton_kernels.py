@@ -227,8 +227,9 @@ def paged_prefill_attention(
     head, 64 or 128 as measured on the device: `_TUNED_PREFILL_TILES`) are BLOCK_Q query
     tokens times the G query heads of one KV head (G padded to a power of two), so a K/V tile
     serves the whole group; it walks only the key tiles (64 positions; 32 in float32) its
-    causal and window range reaches, with `tl.dot` for QK^T and PV. Programs past a
-    sequence's queries do nothing. Returns `out` (or a new tensor) [T, num_heads, head_dim].
+    causal and window range reaches, with `tl.dot` for QK^T and PV. Programs before a
+    shorter sequence's first query do nothing. Returns `out` (or a new tensor) [T,
+    num_heads, head_dim].
     """
     num_kv_heads = _check_inputs(query, k_cache, v_cache, block_size)
     num_tokens, num_heads, head_dim = query.shape
