@@ -11,7 +11,8 @@
 #               autotuner's choice, outputs checked) and scripts/mlp_gemms.py (the MLP's gate
 #               and up projections as one GEMM or two); seconds, not minutes
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
-#               batch 32 at 8k, prefill 2,048 tokens) with the sdpa backend, torch's layer
+#               batch 32 at 8k, prefill 2,048 tokens; and 8 steps of 2,048 prompt tokens
+#               back to back, as the engine core runs them) with the sdpa backend, torch's layer
 #               ops and steps in order (the first run's code), the triton backend and fused
 #               layer kernels with the defaults (async scheduling on CUDA: each decode step
 #               launched before the last one's tokens are read), the same with an fp8 KV

@@ -17,10 +17,14 @@ not run: steps are built here.
   With `--profile`, one more run of `--decode-steps` steps under the torch profiler gives the
   kernel launches, the device's busy time, the host's time and the device's idle time
   (before its first kernel, between kernels, after its last) a step (`eval.step_profile`)
-  and prints the kernels that took the most device time; so does one more prefill step.
+  and prints the kernels that took the most device time; so does one more prefill run.
 - Prefill shapes (`--prefill BATCHxTOKENS ...`): BATCH fresh prompts of TOKENS tokens in one
   step, once to warm up, then `--repeats` times timed. Reported: milliseconds and prompt tokens
-  a second of the median.
+  a second of the median. `BATCHxTOKENSxSTEPS` times STEPS such steps back to back, each of
+  fresh prompts: with async scheduling each is launched before the previous one's tokens are
+  read, as the engine core runs consecutive prefill steps, so a step's host work (input
+  preparation, launches, the read of its token) overlaps the device's work of the step before.
+  Reported: milliseconds a step and prompt tokens a second of the median run.
 
 Weights are random (`load_format="dummy"`; timing does not depend on their values) and prompts
 are random token ids, so `--config FILE` (a Hugging Face `config.json`) measures any model's
@@ -37,6 +41,7 @@ import functools
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -71,25 +76,31 @@ ShapeKind = Literal["decode", "prefill"]
 @dataclass(frozen=True)
 class Shape:
     """`batch_size` sequences of `seq_len` tokens: decode steps after a cached context of
-    `seq_len` tokens, or one prefill step of `seq_len`-token prompts."""
+    `seq_len` tokens, or prefill steps of `seq_len`-token prompts (`num_steps` of them back to
+    back, each of fresh prompts)."""
 
     kind: ShapeKind
     batch_size: int
     seq_len: int
+    num_steps: int = 1
 
     @classmethod
     def parse(cls, kind: ShapeKind, text: str) -> Shape:
-        """`BATCHxTOKENS`, e.g. `32x1024`."""
-        batch, _, tokens = text.lower().partition("x")
-        if not (batch.isdigit() and tokens.isdigit() and int(batch) > 0 and int(tokens) > 0):
-            raise argparse.ArgumentTypeError(f"{kind} shape must be BATCHxTOKENS, got {text!r}")
-        return cls(kind, int(batch), int(tokens))
+        """`BATCHxTOKENS`, e.g. `32x1024`; for prefill also `BATCHxTOKENSxSTEPS`."""
+        fields = text.lower().split("x")
+        max_fields = 3 if kind == "prefill" else 2
+        if not (2 <= len(fields) <= max_fields
+                and all(field.isdigit() and int(field) > 0 for field in fields)):
+            usage = "BATCHxTOKENS[xSTEPS]" if kind == "prefill" else "BATCHxTOKENS"
+            raise argparse.ArgumentTypeError(f"{kind} shape must be {usage}, got {text!r}")
+        return cls(kind, *map(int, fields))
 
     @property
     def label(self) -> str:
         if self.kind == "decode":
             return f"decode, batch {self.batch_size}, context {self.seq_len:,}"
-        return f"prefill {self.batch_size} x {self.seq_len:,}"
+        label = f"prefill {self.batch_size} x {self.seq_len:,}"
+        return label if self.num_steps == 1 else f"{label}, {self.num_steps} steps back to back"
 
 
 @dataclass(frozen=True)
@@ -111,10 +122,11 @@ class ShapeResult:
                 "tokens_per_s": self.tokens_per_s, "error": self.error, "profile": profile}
 
 
-# The issue's table: decode at 1k context for three batch sizes and at 8k, one 2k prefill.
+# The issue's table: decode at 1k context for three batch sizes and at 8k, one 2k prefill;
+# and 2k prefills back to back, as the engine core runs them.
 DEFAULT_DECODE_SHAPES = [Shape("decode", 1, 1024), Shape("decode", 32, 1024),
                          Shape("decode", 128, 1024), Shape("decode", 32, 8192)]
-DEFAULT_PREFILL_SHAPES = [Shape("prefill", 1, 2048)]
+DEFAULT_PREFILL_SHAPES = [Shape("prefill", 1, 2048), Shape("prefill", 1, 2048, num_steps=8)]
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 
 
@@ -278,8 +290,14 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
         scheduler=SchedulerConfig(
             max_model_len=max_model_len,
             max_num_batched_tokens=max(args.max_num_batched_tokens, max_prefill_tokens),
-            max_num_seqs=max(shape.batch_size for shape in shapes)),
+            max_num_seqs=max(_max_num_seqs(shape) for shape in shapes)),
     )
+
+
+def _max_num_seqs(shape: Shape) -> int:
+    """Requests of `shape` in the runner at once: two steps' with prefills back to back (one
+    step in flight while the next is launched)."""
+    return shape.batch_size * (2 if shape.num_steps > 1 else 1)
 
 
 def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
@@ -316,11 +334,11 @@ def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
               f"{step_profile.top_kernels}",
               flush=True)
     if shape.kind == "decode":
-        return ShapeResult(shape, step_ms=run_s / args.decode_steps * 1e3,
-                           tokens_per_s=shape.batch_size * args.decode_steps / run_s,
-                           profile=step_profile)
-    return ShapeResult(shape, step_ms=run_s * 1e3,
-                       tokens_per_s=shape.batch_size * shape.seq_len / run_s,
+        num_steps, num_tokens = args.decode_steps, shape.batch_size * args.decode_steps
+    else:
+        num_steps = shape.num_steps
+        num_tokens = shape.batch_size * shape.seq_len * num_steps
+    return ShapeResult(shape, step_ms=run_s / num_steps * 1e3, tokens_per_s=num_tokens / run_s,
                        profile=step_profile)
 
 
@@ -353,28 +371,67 @@ def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
 
 def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
                    rng: np.random.Generator) -> tuple[float, StepProfile | None]:
-    """Seconds of the median timed prefill step of fresh prompts, after one warm-up, and
-    with `--profile` the profile of one more such step."""
-    def prefill(index: int) -> float:
-        sequences = _Sequences(runner, f"prefill{index}", shape, _blocks_per_seq(shape, args),
-                               rng)
-        try:
-            return sequences.prefill(shape.batch_size * shape.seq_len)
-        finally:
-            sequences.finish()
+    """Seconds of the median timed run of `shape.num_steps` prefill steps of fresh prompts,
+    after one warm-up run, and with `--profile` the profile of one more such run. The prompts
+    are drawn before a run, and its requests leave the runner after it."""
+    pipelined = _pipelined(args, runner)
 
-    runs_s = [prefill(index) for index in range(1 + args.repeats)]
-    step_profile = None
-    if args.profile:  # the step alone: its requests are made before and finished after
-        sequences = _Sequences(runner, f"prefill{1 + args.repeats}", shape,
-                               _blocks_per_seq(shape, args), rng)
+    def measured(index: int, measure: Callable[[_PrefillRun], Any]) -> Any:
+        prefill_run = _PrefillRun(runner, f"prefill{index}", shape, args, rng)
         try:
-            step_profile = profile_steps(
-                functools.partial(sequences.prefill, shape.batch_size * shape.seq_len), 1,
-                runner.device)
+            return measure(prefill_run)
         finally:
-            sequences.finish()
-    return statistics.median(runs_s[1:]), step_profile
+            prefill_run.finish()
+
+    run_s = [measured(index, lambda prefill_run: prefill_run.run(pipelined))
+             for index in range(1 + args.repeats)]
+    step_profile = None
+    if args.profile:
+        step_profile = measured(1 + args.repeats, lambda prefill_run: profile_steps(
+            functools.partial(prefill_run.run, pipelined), shape.num_steps, runner.device))
+    return statistics.median(run_s[1:]), step_profile
+
+
+class _PrefillRun:
+    """`shape.num_steps` steps, each of `shape.batch_size` fresh prompts of `shape.seq_len`
+    tokens. Every step's requests own the same blocks: a step's kernels run after the previous
+    step's, in the device's one stream."""
+
+    def __init__(self, runner: ModelRunner, name: str, shape: Shape, args: argparse.Namespace,
+                 rng: np.random.Generator):
+        self.steps = [_Sequences(runner, f"{name}-{index}", shape, _blocks_per_seq(shape, args),
+                                 rng) for index in range(shape.num_steps)]
+        self.seq_len = shape.seq_len
+        self.unfinished: list[_Sequences] = []  # launched, still in the runner
+
+    def run(self, pipelined: bool) -> float:
+        """Runs the steps in order; returns the seconds from the first launch until the last
+        step's tokens are read. `pipelined`: each step is launched before the previous one's
+        tokens are read. A step's requests leave the runner once its tokens are read, but for
+        the last step's (`finish`), so that a run of one step times that step alone."""
+        started_s = time.perf_counter()
+        launched: PendingStep | None = None
+        for sequences in self.steps:
+            if launched is not None and not pipelined:
+                self._take(launched)
+            previous = launched
+            launched = sequences.launch(dict.fromkeys(sequences.prompts, self.seq_len))
+            self.unfinished.append(sequences)
+            if previous is not None and pipelined:
+                self._take(previous)
+        assert launched is not None
+        launched.result()
+        return time.perf_counter() - started_s
+
+    def _take(self, step: PendingStep) -> None:
+        """Reads the oldest launched step's tokens and drops its requests from the runner."""
+        step.result()
+        self.unfinished.pop(0).finish()
+
+    def finish(self) -> None:
+        """Drops the requests still in the runner."""
+        while self.unfinished:
+            self.unfinished.pop(0).finish()
 
 
 class _Sequences:

@@ -12,8 +12,10 @@ import pytest
 from engine.cli import main
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.model.tiny import TINY_MODEL_DIR
+from engine.outputs import PendingStep
+from engine.scheduler.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
-from eval.bench.forward import Shape, _Sequences
+from eval.bench.forward import Shape, _PrefillRun, _Sequences
 
 
 def test_tiny_config_writes_a_sane_report(tmp_path: Path) -> None:
@@ -84,9 +86,59 @@ def test_pipelined_decode_steps_sample_what_steps_in_order_sample(backend: str) 
 def test_shapes_are_parsed_or_refused() -> None:
     assert Shape.parse("decode", "32x1024") == Shape("decode", 32, 1024)
     assert Shape.parse("prefill", "1x2048").label == "prefill 1 x 2,048"
-    for text in ("32", "0x8", "ax8", "4x"):
+    assert Shape.parse("prefill", "1x2048x8") == Shape("prefill", 1, 2048, num_steps=8)
+    assert Shape.parse("prefill", "1x2048x8").label == "prefill 1 x 2,048, 8 steps back to back"
+    for text in ("32", "0x8", "ax8", "4x", "4x8x2"):
         with pytest.raises(argparse.ArgumentTypeError, match="BATCHxTOKENS"):
             Shape.parse("decode", text)
+    for text in ("4x8x0", "4x8x", "4x8x2x2"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"BATCHxTOKENS\[xSTEPS\]"):
+            Shape.parse("prefill", text)
+
+
+@pytest.mark.parametrize(("backend", "pipelined"),
+                         [("sdpa", False), ("sdpa", True), ("triton", True)])
+def test_prefills_back_to_back_leave_the_runner_empty(backend: str, pipelined: bool) -> None:
+    """Each step's prompts are prefilled whole and sample one token; a step's requests leave
+    the runner once its tokens are read, so at most two steps' requests are ever in it."""
+    runner = ModelRunner(EngineConfig(
+        model=ModelConfig(model="tiny", attention_backend=backend),
+        cache=CacheConfig(block_size=8, num_kv_blocks=8),
+        scheduler=SchedulerConfig(max_model_len=40, max_num_batched_tokens=24, max_num_seqs=4)))
+    args = argparse.Namespace(block_size=8, decode_steps=1, repeats=1, profile=False)
+    prefill_run = _PrefillRun(runner, "p", Shape("prefill", 2, 12, num_steps=3), args,
+                              np.random.default_rng(0))
+    rows_seen = []
+    submit = runner.submit
+
+    def counting_submit(scheduler_output: SchedulerOutput) -> PendingStep:
+        launched = submit(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens:
+            rows_seen.append(runner.batch.num_reqs)
+            assert scheduler_output.total_num_scheduled_tokens == 24
+        return launched
+
+    runner.submit = counting_submit  # type: ignore[method-assign]
+    assert prefill_run.run(pipelined) > 0
+    # Pipelined, a step is launched beside the previous one's requests; else after they left.
+    assert rows_seen == ([2, 4, 4] if pipelined else [2, 2, 2])
+    last = prefill_run.steps[-1]
+    rows = [runner.batch.row_of[req_id] for req_id in last.prompts]
+    assert runner.batch.num_tokens[rows].tolist() == [13, 13]  # the prompt and one sampled
+    prefill_run.finish()
+    assert runner.batch.num_reqs == 0
+
+
+def test_prefills_back_to_back_are_a_shape_of_their_own(tmp_path: Path) -> None:
+    json_path, table_path = tmp_path / "forward.json", tmp_path / "forward.md"
+    assert main(["bench", "forward", "--decode", "--prefill", "2x12", "2x12x3", "--repeats", "1",
+                 "--async-scheduling", "--json", str(json_path),
+                 "--markdown", str(table_path)]) == 0
+    one, stream = json.loads(json_path.read_text())["results"]
+    assert (one["num_steps"], stream["num_steps"]) == (1, 3)
+    assert stream["error"] is None
+    assert stream["tokens_per_s"] == pytest.approx(3 * 24 / (3 * stream["step_ms"]) * 1e3)
+    assert "| prefill 2 x 12, 3 steps back to back |" in table_path.read_text()
 
 
 def test_shapes_beyond_the_model_positions_are_reported_not_run(tmp_path: Path) -> None:
