@@ -35,6 +35,7 @@ class LLMEngine:
         self.client: InprocClient | SyncMPClient = (
             SyncMPClient(config) if multiprocess else InprocClient(config, **core_kwargs)
         )
+        self._grammars_prepared = False
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> LLMEngine:
@@ -55,7 +56,12 @@ class LLMEngine:
         ))
 
     def add_processed_request(self, processed: ProcessedRequest) -> None:
-        """Queues a request that `self.processor` has already validated."""
+        """Queues a request that `self.processor` has already validated; the first with a
+        grammar has the core prepare its grammars first (`prepare_grammars`)."""
+        if not self._grammars_prepared and any(
+                core_request.sampling_params.structured_output is not None
+                for core_request in processed.core_requests):
+            self.prepare_grammars()
         self.output_processor.add_request(processed)
         try:
             for core_request in processed.core_requests:
@@ -84,6 +90,16 @@ class LLMEngine:
         """A snapshot of the core's queues, KV pool, pins and step timings."""
         return msgspec.convert(self.client.call_utility("stats"), EngineStats,
                                from_attributes=True)
+
+    def prepare_grammars(self) -> bool:
+        """Has the core build its grammars' tokenizer for the EOS this engine gives requests
+        (`EngineCore.prepare_grammars`), here rather than on its compile thread beside the
+        steps of requests without a grammar, which building it (holding the GIL for up to
+        seconds) would stall. Called once, before the first request with a grammar is
+        queued. Whether it was built (a failure is logged by the core; grammars then fail at
+        compile)."""
+        self._grammars_prepared = True
+        return bool(self.client.call_utility("prepare_grammars", self.processor.eos_token_id))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets cached prefixes; False (no change) while any block is in use."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
+import llguidance
 import pytest
 
 from engine.core.client import EngineDeadError
@@ -16,6 +18,9 @@ from engine.frontend.llm import LLM
 from engine.frontend.llm_engine import LLMEngine
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.structured_output import grammars
+from engine.structured_output.spec import StructuredOutputSpec
+from tests.engine.structured_output.tokenizer_builds import CountingTokenizers
 
 ENGINE_ARGS = {"max_model_len": 256, "num_kv_blocks": 128, "max_num_seqs": 32}
 PROMPTS = ["Hello, world", "日本語のテキスト", [5, 6, 7, 8, 9] * 7, "a" * 40]
@@ -94,6 +99,29 @@ def test_generate_keeps_prompt_order_and_reports_cached_tokens(llm) -> None:
     outputs = llm.generate([[*shared, 1], [*shared, 2]], GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids[-1] for o in outputs] == [1, 2]
     assert llm.generate([[*shared, 3]], GREEDY, use_tqdm=False)[0].num_cached_tokens == 32
+
+
+def test_llm_builds_the_grammar_tokenizer_before_its_first_grammar_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not on the compile thread, where building it would stall the steps of the requests
+    without a grammar beside it; once, whatever the later grammar requests."""
+    tokenizers = CountingTokenizers()
+    monkeypatch.setattr(llguidance, "LLTokenizer", tokenizers)
+    llm = LLM(**ENGINE_ARGS)
+    try:
+        plain = llm.generate("no grammar", GREEDY, use_tqdm=False)[0]
+        assert plain.outputs[0].token_ids and tokenizers.builds == []
+        choice = SamplingParams(temperature=0.0, max_tokens=8,
+                                structured_output=StructuredOutputSpec(
+                                    kind="grammar", grammar=grammars.choice_grammar(["yes"])))
+        for _ in range(2):
+            outputs = llm.generate(["no grammar", "a grammar"], [GREEDY, choice],
+                                   use_tqdm=False)
+            assert outputs[1].outputs[0].text == "yes"
+        eos = llm.engine.processor.eos_token_id
+        assert tokenizers.builds == [(eos, threading.current_thread().name)]
+    finally:
+        llm.shutdown()
 
 
 def test_seeded_sampling_is_reproducible_and_n_completions_differ(llm) -> None:
