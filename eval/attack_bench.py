@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -72,9 +73,13 @@ async def attacker_process(ready: Callable[[], None]) -> AsyncIterator[ProcessPo
 @dataclass
 class Victim:
     """The victim's latencies by phase; owned by one run, which sets `phase`. `chat` sends
-    chat completions (rendered and tokenized by the server), else text completions."""
+    chat completions (rendered and tokenized by the server), else text completions.
+    `grammar`: each completion's output must match a regex of its own (so that each is
+    compiled, none served from the grammar cache), of more characters than it asks tokens
+    for, and does not ignore EOS (a constraint may not)."""
 
     chat: bool = False
+    grammar: bool = False
     phase: str = "baseline"
     gaps_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     first_token_s: dict[str, list[float]] = field(
@@ -83,14 +88,18 @@ class Victim:
 
     async def run(self, http: httpx.AsyncClient, model: str, max_tokens: int,
                   stop: asyncio.Event) -> None:
-        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "ignore_eos": True,
-                                "stream": True}
+        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": True,
+                                "ignore_eos": not self.grammar}
         if self.chat:
             body["messages"] = [{"role": "user", "content": "hello"}]
         else:
             body["prompt"] = "hello"
         path = "/v1/chat/completions" if self.chat else "/v1/completions"
-        while not stop.is_set():
+        for index in itertools.count():
+            if stop.is_set():
+                return
+            if self.grammar:
+                body["structured_outputs"] = {"regex": f"{index} [a-z]{{{2 * max_tokens}}}"}
             try:
                 await self._one(http, path, body)
             except httpx.HTTPError:

@@ -167,7 +167,8 @@ class EngineCore:
         self.scheduler.check_new_request(request)
         if request.request_id in self._compiling:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.structured_outputs.submit(request.request_id, spec, request.eos_token_id)
+        self.structured_outputs.submit(request.request_id, spec, request.eos_token_id,
+                                       request.tenant)
         self._compiling[request.request_id] = request
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -28,6 +28,7 @@ JSON_OPTIONS: Mapping[str, Any] = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
 }
 MAX_GRAMMAR_CHARS = 1 << 20
+MAX_ERROR_CHARS = 300  # of a grammar's error message, as a client gets it
 
 ToolCallStyle = Literal["hermes", "llama3_json"]
 
@@ -113,7 +114,8 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None)
         raise ValueError(f"the grammar is longer than {MAX_GRAMMAR_CHARS} characters")
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if failed:
-        raise ValueError(_first_line(messages[0]) if messages else "invalid grammar")
+        raise ValueError(short_error(messages[0]) if messages and messages[0].strip()
+                         else "invalid grammar")
 
 
 def checked_spec(kind: Any, grammar: str,
@@ -156,5 +158,9 @@ def _call_bodies(tools: Sequence[ToolSchema], arguments_key: str) -> str:
     return " | ".join(_json_rule(_call_schema(tool, arguments_key)) for tool in tools)
 
 
-def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+def short_error(error: BaseException | str) -> str:
+    """The first line of an error, at most `MAX_ERROR_CHARS` long: llguidance's messages can
+    carry its parser's state after their first line, and echo a whole rule in it."""
+    lines = str(error).strip().splitlines()
+    line = lines[0] if lines else type(error).__name__
+    return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 3] + "..."

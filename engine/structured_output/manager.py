@@ -2,12 +2,14 @@
 
 Owned by the `EngineCore` (one thread calls it). Grammar work never runs on the step loop:
 - **Compiles** run on a worker thread, one at a time (`submit`, then `pop_compiled`), so that
-  the heap each allocates is its own; a request waits in the core, outside the scheduler,
-  until its grammar is ready. A compile is charged its text and that heap, and fails,
-  uncached, past `max_grammar_bytes` or, as a deadline the core checks at every step
-  (counted from the compile's start), past `max_grammar_compile_s`. Compiled grammars are shared by
-  requests with the same (grammar, EOS) through a cache bounded in bytes
-  (`grammar_cache_bytes`, least recently used first out); failures are never cached.
+  the heap each allocates is its own, taken by tenants in turn (`compile_queue.py`), so that
+  one tenant's backlog of grammars delays another's next one by at most one compile; a
+  request waits in the core, outside the scheduler, until its grammar is ready. A compile is
+  charged its text and that heap, and fails, uncached, past `max_grammar_bytes` or, as a
+  deadline the core checks at every step (counted from the compile's start), past
+  `max_grammar_compile_s`. Compiled grammars are shared by requests with the same (grammar,
+  EOS) through a cache bounded in bytes (`grammar_cache_bytes`, least recently used first
+  out); failures are never cached.
 - **Masks** run on worker threads too: a request's first mask is the compile's, and its
   next one is started as soon as it accepts a token. Before every step the core calls
   `await_masks`, which waits until a deadline for the masks started less than
@@ -43,6 +45,8 @@ import numpy as np
 
 from engine.config import StructuredOutputConfig
 from engine.structured_output.bitmask import GrammarBitmask
+from engine.structured_output.compile_queue import CompileQueue
+from engine.structured_output.grammars import short_error
 from engine.structured_output.spec import StructuredOutputSpec
 from engine.structured_output.tokenizer import GrammarTokenizerSource
 
@@ -50,7 +54,6 @@ logger = logging.getLogger(__name__)
 
 NUM_MASK_THREADS = 4
 MAX_SLOW_MASKS = 3
-MAX_ERROR_CHARS = 300
 WORKER_NICENESS = 10  # a tenth of the step loop's CPU share
 
 
@@ -153,6 +156,8 @@ class StructuredOutputManager:
         self._clock = clock
         self._compile_pool = ThreadPoolExecutor(
             1, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority)
+        # One `_compile_next` is submitted to the pool for each entry queued here.
+        self._compile_queue: CompileQueue[_CacheEntry] = CompileQueue(_not_started)
         self._mask_pool = ThreadPoolExecutor(
             NUM_MASK_THREADS, thread_name_prefix="grammar-mask",
             initializer=_lower_thread_priority)
@@ -208,24 +213,31 @@ class StructuredOutputManager:
         self._tokenizer(eos_token_id)
 
     def submit(self, request_id: str, spec: StructuredOutputSpec,
-               eos_token_id: int | None) -> None:
-        """Starts compiling `spec` for `request_id` (whose EOS the grammar allows at its end);
-        `pop_compiled` reports when it is done."""
+               eos_token_id: int | None, tenant: str | None = None) -> None:
+        """Queues `spec`'s compile for `request_id` (whose EOS the grammar allows at its end)
+        in `tenant`'s turn, unless the cache has it; `pop_compiled` reports when it is done.
+        A grammar still waiting for its compile joins this tenant's queue too, so that it
+        starts in whichever of the two tenants' turns comes first."""
         if request_id in self._compiling or request_id in self._grammars:
             raise ValueError(f"request id {request_id!r} already has a grammar")
         key = (spec.grammar, eos_token_id)
         entry = self._cache.get(key)
         if entry is None:
             entry = self._cache[key] = _CacheEntry(key)
-            entry.future = self._compile_pool.submit(self._compile, spec.grammar, eos_token_id,
-                                                     entry)
             entry.future.add_done_callback(self._work_done_callback)
             self._unsettled.append(entry)
             self.num_compiles += 1
+            self._queue_compile(tenant, entry)
         else:
             self._cache.move_to_end(key)
             self.num_cache_hits += 1
+            if _not_started(entry):
+                self._queue_compile(tenant, entry)
         self._compiling[request_id] = (entry, spec.param)
+
+    def _queue_compile(self, tenant: str | None, entry: _CacheEntry) -> None:
+        self._compile_queue.add(tenant, entry)
+        self._compile_pool.submit(self._compile_next)
 
     def pop_compiled(self) -> list[CompileOutcome]:
         """The compiles that ended since the last call: a successful one's request has its
@@ -238,7 +250,8 @@ class StructuredOutputManager:
         outcomes = []
         for request_id, (entry, param) in list(self._compiling.items()):
             if entry.future.done():
-                error = _short(entry.future.exception())
+                exception = entry.future.exception()
+                error = None if exception is None else short_error(exception)
             elif entry.started_s is not None and now_s - entry.started_s > limit_s:
                 error = f"the grammar took longer than {limit_s:g} s to compile"
                 self._drop(entry)
@@ -334,7 +347,8 @@ class StructuredOutputManager:
             if matcher.is_stopped():
                 return None  # the grammar is complete: what follows is the EOS that ends it
             if not matcher.consume_token(token_id):
-                return _short(f"the output left its grammar: {matcher.get_error() or 'rejected'}")
+                return short_error(
+                    f"the output left its grammar: {matcher.get_error() or 'rejected'}")
         return None
 
     def remove(self, request_ids: Iterable[str]) -> None:
@@ -353,6 +367,8 @@ class StructuredOutputManager:
                     self._drop(entry)
 
     def shutdown(self) -> None:
+        for entry in self._compile_queue.clear():
+            entry.future.cancel()
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -414,7 +430,7 @@ class StructuredOutputManager:
         try:
             result = job.future.result()
         except Exception as error:  # a worker's failure ends its request only
-            return _short(f"the grammar failed: {error}")
+            return short_error(f"the grammar failed: {error}")
         self.mask_time_s += result.cpu_s
         if result.error is not None:
             return result.error
@@ -439,8 +455,24 @@ class StructuredOutputManager:
         job.cpu_clock = (clock_id, time.clock_gettime(clock_id))
         words = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
         llguidance.numpy.fill_next_token_bitmask(matcher, words, 0)
-        error = _short(f"the grammar failed: {matcher.get_error()}") if matcher.is_error() else None
+        error = (short_error(f"the grammar failed: {matcher.get_error()}") if matcher.is_error()
+                 else None)
         return _MaskResult(words, time.thread_time() - started_cpu_s, error)
+
+    def _compile_next(self) -> None:
+        """Compiles the next grammar in the tenants' turns into its entry's future (on the
+        compile thread); nothing when none waits (the entries queued more than once, or
+        cancelled, leave the pool more calls than compiles)."""
+        while (entry := self._compile_queue.take()) is not None:
+            if entry.future.set_running_or_notify_cancel():
+                break
+        else:
+            return
+        grammar, eos_token_id = entry.key
+        try:
+            entry.future.set_result(self._compile(grammar, eos_token_id, entry))
+        except BaseException as error:  # the request's failure, reported by `pop_compiled`
+            entry.future.set_exception(error)
 
     def _compile(self, grammar: str, eos_token_id: int | None,
                  entry: _CacheEntry) -> _Compiled:
@@ -483,12 +515,22 @@ class StructuredOutputManager:
         return tokenizer
 
 
+# llguidance's default limits, but errors without the parser's state and the grammar after
+# their first line (the tokens so far, the request's schema): a client gets the first line.
+_QUIET_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+
+
+def _not_started(entry: _CacheEntry) -> bool:
+    """Whether the entry's compile still waits: neither started, finished nor cancelled."""
+    return not (entry.future.running() or entry.future.done())
+
+
 def compile_grammar(tokenizer: llguidance.LLTokenizer,
                     grammar: str) -> tuple[llguidance.LLMatcher, np.ndarray, float]:
     """A matcher at the grammar's start, its first mask (computed now: the lexer and the
     parser's tables are built then, not in the step that first samples), and the CPU seconds
     of that first mask."""
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_QUIET_LIMITS)
     error = matcher.get_error()
     if error:
         raise ValueError(f"invalid grammar: {error}")
@@ -537,16 +579,6 @@ def _cpu_used_s(job: _MaskJob) -> float:
         return time.clock_gettime(clock_id) - started_s
     except OSError:  # the worker thread ended
         return 0.0
-
-
-def _short(error: BaseException | str | None) -> str | None:
-    """The first line of an error, at most `MAX_ERROR_CHARS` long (llguidance's messages can
-    carry its parser's state after the first line)."""
-    if error is None:
-        return None
-    lines = str(error).strip().splitlines()
-    line = lines[0] if lines else type(error).__name__
-    return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 3] + "..."
 
 
 def _lower_thread_priority() -> None:

@@ -15,7 +15,10 @@ Two attacks, each with its own server (`--attack memory|stall|all`):
   the victim's inter-token latency and time to first token (median, p99, max) in both
   phases, and the attackers' statuses. Check: the victim's medians and p99s stay within
   `--max-latency-ratio` of the baseline's. `--control` sends the same completions without
-  a grammar: what as many plain requests cost the victim.
+  a grammar: what as many plain requests cost the victim. `--victim-grammar` gives each of
+  the victim's completions a grammar of its own (a distinct regex, compiled for it): its
+  first token then waits for its compile, which the engine core takes in the tenants'
+  turns, so the attackers' backlog of compiles counts once at most.
 
 Exit status 1 if a check failed or a server did not start, 2 for bad flags.
 """
@@ -66,6 +69,7 @@ class GrammarAttackSettings:
     victim_tokens: int = 32
     max_latency_ratio: float = 1.5
     control: bool = False
+    victim_grammar: bool = False
 
     def __post_init__(self) -> None:
         if min(self.distinct, self.enum_values, self.attackers, self.stall_repeat_base,
@@ -136,7 +140,7 @@ def _rss_by_process(server: ServerProcess) -> dict[int, float]:
 # Stall.
 async def _stall_attack(server: ServerProcess, settings: GrammarAttackSettings
                         ) -> tuple[list[tuple[str, object]], list[Check]]:
-    victim, stop = Victim(), asyncio.Event()
+    victim, stop = Victim(grammar=settings.victim_grammar), asyncio.Event()
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http:
         model = await served_model(http)
         victim_task = asyncio.create_task(victim.run(http, model, settings.victim_tokens, stop))
@@ -174,6 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control", action="store_true",
                         help="stall: the attackers send the same completions without a "
                              "grammar (what as many plain requests cost the victim)")
+    parser.add_argument("--victim-grammar", action="store_true",
+                        help="stall: each victim completion has a grammar of its own, "
+                             "compiled for it (its first token waits for that compile)")
     add_attack_arguments(parser, ATTACKS, GrammarAttackSettings(), (
         ("distinct", "memory: distinct grammars sent"),
         ("enum_values", "memory: strings in each grammar's enum"),

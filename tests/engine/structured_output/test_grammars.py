@@ -87,3 +87,13 @@ def test_tool_calls_or_json(tokenizer):
 def test_bad_inputs_raise_value_error(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("grammar", ["start: /" + "a" * 2000 + "[/", "start: " + "b" * 2000])
+def test_a_grammar_error_is_one_short_line(grammar):
+    """llguidance echoes the rule it rejects: 2,000 characters of it here, before the cap."""
+    with pytest.raises(ValueError) as refused:
+        grammars.check_grammar(grammar)
+    message = str(refused.value)
+    assert len(message) == grammars.MAX_ERROR_CHARS and message.endswith("...")
+    assert "\n" not in message and message.startswith("at 1(8): ")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,8 +18,8 @@ from engine.config import StructuredOutputConfig
 from engine.model.tiny import TINY_MODEL_DIR
 from engine.structured_output import grammars
 from engine.structured_output import manager as manager_module
+from engine.structured_output.grammars import MAX_ERROR_CHARS
 from engine.structured_output.manager import (
-    MAX_ERROR_CHARS,
     StructuredOutputManager,
     allocated_bytes,
 )
@@ -304,6 +305,51 @@ class _HeldCompiles(StructuredOutputManager):
     def _compile(self, *args: Any) -> Any:
         self.gate.wait(30.0)
         return super()._compile(*args)
+
+
+class _StartOrder(StructuredOutputManager):
+    """Records the grammars in the order their compiles start; the first compile waits for
+    `gate`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started: list[str] = []
+        self.gate = threading.Event()
+
+    def _compile(self, grammar: str, *args: Any) -> Any:
+        self.started.append(grammar)
+        if len(self.started) == 1:
+            self.gate.wait(30.0)
+        return super()._compile(grammar, *args)
+
+
+def test_compiles_are_taken_by_tenants_in_turn_not_first_come_first_served():
+    """A tenant's backlog of grammars delays another tenant's next one by at most the compile
+    running: the flood's first compile is held while it queues three more, then the victim
+    sends two grammars, the second one the flood queued already (it starts in the victim's
+    turn, as the flood's turn comes later)."""
+    manager = _StartOrder(LOAD_TINY, VOCAB)
+    flood = [grammars.choice_grammar([f"f{index}"]) for index in range(4)]
+    victim = grammars.choice_grammar(["v"])
+    try:
+        manager.submit("f0", _spec(flood[0]), EOS, "flood")
+        deadline_s = time.monotonic() + 30
+        while not manager.started:
+            assert time.monotonic() < deadline_s
+            time.sleep(0.01)
+        for index in range(1, 4):
+            manager.submit(f"f{index}", _spec(flood[index]), EOS, "flood")
+        manager.submit("v", _spec(victim), EOS, "victim")
+        manager.submit("v-shared", _spec(flood[3]), EOS, "victim")
+        manager.gate.set()
+        outcomes = _outcomes(manager)
+        assert sorted(outcome.request_id for outcome in outcomes if not outcome.failure) == [
+            "f0", "f1", "f2", "f3", "v", "v-shared"]
+        assert manager.started == [flood[0], victim, flood[1], flood[3], flood[2]]
+        assert (manager.num_compiles, manager.num_cache_hits) == (5, 1)
+    finally:
+        manager.gate.set()
+        manager.shutdown()
 
 
 def test_wake_ends_a_wait_for_a_compile_at_once():
