@@ -81,7 +81,9 @@ class JobInference:
     in (as of the abort) so that a retry joins the job again.
 
     **Bounds.** At most `max_turns` turns, each for at most `max_age_s`: a sweep drops older
-    ones (and a lookup skips them); a full table drops its oldest. The job of a dropped turn has no
+    ones (and a lookup skips them); a full table drops the oldest turn of the tenant that holds
+    the most, so that one tenant's flood of requests never pushes another tenant's turns out
+    while it holds more of the table (with one tenant: the oldest). The job of a dropped turn has no
     unfinished turn and can never be continued, so it ends (its pin, if any, is released and
     the policy forgets it), as does a job left with nothing to continue (its first turn was
     aborted, or its finished prompt filled no block). The scheduler caps an inferred job's pin
@@ -100,6 +102,8 @@ class JobInference:
         self.max_turns = max_turns
         self.max_age_s = max_age_s
         self._turns: OrderedDict[str, _FinishedTurn] = OrderedDict()  # by job id, oldest first
+        # The same turns by tenant, each tenant's oldest first (a tenant with none is absent).
+        self._turns_by_tenant: dict[str | None, OrderedDict[str, None]] = {}
         self._job_ids_by_key: dict[BlockHash, list[str]] = {}
         # Clients may reuse a request id: the jobs of the turns filed under it, oldest first.
         self._job_ids_by_request_id: dict[str, list[str]] = {}
@@ -225,23 +229,29 @@ class JobInference:
         return now_s - turn.finished_at_s > self.max_age_s
 
     def _add(self, turn: _FinishedTurn) -> list[str]:
-        """Files `turn`, dropping the oldest turns while the table is over its size; returns
-        the dropped turns' jobs."""
+        """Files `turn`, dropping the oldest turns of the tenant holding the most while the
+        table is over its size; returns the dropped turns' jobs."""
         previous = self._turns.get(turn.job_id)
         if previous is not None:
             self._remove(previous)
         self._turns[turn.job_id] = turn
+        self._turns_by_tenant.setdefault(turn.tenant, OrderedDict())[turn.job_id] = None
         self._job_ids_by_key.setdefault(turn.key_hash, []).append(turn.job_id)
         self._job_ids_by_request_id.setdefault(turn.request_id, []).append(turn.job_id)
         ended = []
         while len(self._turns) > self.max_turns:
-            oldest = next(iter(self._turns.values()))
+            largest = max(self._turns_by_tenant.values(), key=len)
+            oldest = self._turns[next(iter(largest))]
             self._remove(oldest)
             ended.append(oldest.job_id)
         return ended
 
     def _remove(self, turn: _FinishedTurn) -> None:
         del self._turns[turn.job_id]
+        tenant_turns = self._turns_by_tenant[turn.tenant]
+        del tenant_turns[turn.job_id]
+        if not tenant_turns:
+            del self._turns_by_tenant[turn.tenant]
         _unfile(self._job_ids_by_request_id, turn.request_id, turn.job_id)
         _unfile(self._job_ids_by_key, turn.key_hash, turn.job_id)
 
@@ -257,6 +267,11 @@ class JobInference:
         assert times == sorted(times), "finished turns out of order"
         indexed = sorted(job_id for ids in self._job_ids_by_key.values() for job_id in ids)
         assert indexed == sorted(self._turns), "the key index disagrees with the table"
+        by_tenant: dict[str | None, list[str]] = {}
+        for job_id, turn in self._turns.items():
+            by_tenant.setdefault(turn.tenant, []).append(job_id)
+        assert {tenant: list(turns) for tenant, turns in self._turns_by_tenant.items()} == \
+            by_tenant, "the tenant index disagrees with the table"
         by_request_id: dict[str, list[str]] = {}
         for job_id, turn in self._turns.items():
             by_request_id.setdefault(turn.request_id, []).append(job_id)

@@ -266,6 +266,31 @@ def test_the_table_is_bounded_in_turns_and_its_dropped_turns_end_their_jobs():
     run_until_done(scheduler, runner)
 
 
+def test_a_full_table_drops_the_turns_of_the_tenant_holding_the_most():
+    """One tenant's flood of finished requests never pushes another tenant's turns out of
+    the table while it holds more of it: the victim's job goes on."""
+    scheduler, runner, _ = _setup(job_inference_max_turns=3)
+
+    def turn(request_id: str, prompt: list[int], tenant: str) -> Request:
+        request = Request(request_id, prompt, SamplingParams(max_tokens=3), arrival_time_s=0.0,
+                          tenant=tenant)
+        scheduler.add_request(request)
+        run_until_done(scheduler, runner)
+        return request
+
+    victim = turn("victim-1", FIRST_PROMPT, "victim")
+    flood = [turn(f"flood-{k}", [k, *FIRST_PROMPT], "flood") for k in range(6)]
+    assert len(scheduler.job_inference) == 3
+    assert scheduler.pins.get(victim.job_id) is not None
+    assert [request.job_id in scheduler.pins for request in flood] == [False] * 4 + [True] * 2
+    scheduler.check_invariants()
+    following = Request("victim-2", _next_prompt(FIRST_PROMPT), SamplingParams(max_tokens=3),
+                        arrival_time_s=0.0, tenant="victim")
+    scheduler.add_request(following)
+    assert following.job_id == victim.job_id
+    run_until_done(scheduler, runner)
+
+
 def test_turns_of_two_jobs_may_share_a_request_id():
     """Clients of the Python API choose request ids and may reuse one for turns of two
     inferred jobs: the id names the later turn, and both turns leave the table cleanly (its
