@@ -240,7 +240,9 @@ class JobInference:
         self._job_ids_by_request_id.setdefault(turn.request_id, []).append(turn.job_id)
         ended = []
         while len(self._turns) > self.max_turns:
-            largest = max(self._turns_by_tenant.values(), key=len)
+            # The tenant holding the most; between tenants holding as many, the oldest turn.
+            largest = max(self._turns_by_tenant.values(), key=lambda turns: (
+                len(turns), -self._turns[next(iter(turns))].finished_at_s))
             oldest = self._turns[next(iter(largest))]
             self._remove(oldest)
             ended.append(oldest.job_id)

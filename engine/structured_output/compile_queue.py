@@ -27,7 +27,9 @@ class CompileQueue(Generic[_Item]):
     another tenant's queue). Holds every tenant it has seen (as many as the server's API
     keys, and None).
 
-    Thread-safe: the engine core's thread adds, the compile thread takes."""
+    Thread-safe for one taker: the engine core's thread adds, the one compile thread takes
+    (two takers could both take an item that waits in two queues; `is_live` is checked, not
+    claimed, under the lock)."""
 
     def __init__(self, is_live: Callable[[_Item], bool]) -> None:
         self._is_live = is_live

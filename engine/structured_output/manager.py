@@ -156,7 +156,8 @@ class StructuredOutputManager:
         self._clock = clock
         self._compile_pool = ThreadPoolExecutor(
             1, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority)
-        # One `_compile_next` is submitted to the pool for each entry queued here.
+        # Compiles waiting, in the tenants' turns: added to by the owner's thread, taken by the
+        # compile thread, which gets one `_compile_next` call for each entry queued here.
         self._compile_queue: CompileQueue[_CacheEntry] = CompileQueue(_not_started)
         self._mask_pool = ThreadPoolExecutor(
             NUM_MASK_THREADS, thread_name_prefix="grammar-mask",
@@ -236,6 +237,8 @@ class StructuredOutputManager:
         self._compiling[request_id] = (entry, spec.param)
 
     def _queue_compile(self, tenant: str | None, entry: _CacheEntry) -> None:
+        """Queues `entry`'s compile in `tenant`'s turn, with a call of the compile thread to
+        take the next one."""
         self._compile_queue.add(tenant, entry)
         self._compile_pool.submit(self._compile_next)
 

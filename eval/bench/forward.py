@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 import torch
@@ -71,6 +71,7 @@ from eval.report import write_json_report, write_report
 from eval.step_profile import StepProfile, profile_steps
 
 ShapeKind = Literal["decode", "prefill"]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -376,7 +377,7 @@ def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
     are drawn before a run, and its requests leave the runner after it."""
     pipelined = _pipelined(args, runner)
 
-    def measured(index: int, measure: Callable[[_PrefillRun], Any]) -> Any:
+    def measured(index: int, measure: Callable[[_PrefillRun], _T]) -> _T:
         prefill_run = _PrefillRun(runner, f"prefill{index}", shape, args, rng)
         try:
             return measure(prefill_run)
@@ -398,7 +399,7 @@ class _PrefillRun:
     step's, in the device's one stream."""
 
     def __init__(self, runner: ModelRunner, name: str, shape: Shape, args: argparse.Namespace,
-                 rng: np.random.Generator):
+                 rng: np.random.Generator) -> None:
         self.steps = [_Sequences(runner, f"{name}-{index}", shape, _blocks_per_seq(shape, args),
                                  rng) for index in range(shape.num_steps)]
         self.seq_len = shape.seq_len

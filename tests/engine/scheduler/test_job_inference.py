@@ -291,6 +291,28 @@ def test_a_full_table_drops_the_turns_of_the_tenant_holding_the_most():
     run_until_done(scheduler, runner)
 
 
+def test_between_tenants_holding_as_many_turns_the_oldest_turn_goes():
+    scheduler, runner, clock = _setup(job_inference_max_turns=4)
+
+    def turn(request_id: str, prompt: list[int], tenant: str) -> Request:
+        clock.advance(1.0)
+        request = Request(request_id, prompt, SamplingParams(max_tokens=3),
+                          arrival_time_s=clock(), tenant=tenant)
+        scheduler.add_request(request)
+        run_until_done(scheduler, runner)
+        return request
+
+    first = turn("a-1", [1, *FIRST_PROMPT], "alpha")
+    oldest = turn("b-1", [2, *FIRST_PROMPT], "beta")
+    kept = turn("a-2", [3, *FIRST_PROMPT], "alpha")
+    turn("a-1-next", _next_prompt([1, *FIRST_PROMPT]), "alpha")  # alpha's first turn left
+    turn("b-2", [4, *FIRST_PROMPT], "beta")
+    turn("c-1", [5, *FIRST_PROMPT], "gamma")  # alpha and beta hold two turns each
+    assert oldest.job_id not in scheduler.pins and kept.job_id in scheduler.pins
+    assert first.job_id in scheduler.pins
+    scheduler.check_invariants()
+
+
 def test_turns_of_two_jobs_may_share_a_request_id():
     """Clients of the Python API choose request ids and may reuse one for turns of two
     inferred jobs: the id names the later turn, and both turns leave the table cleanly (its

@@ -287,6 +287,22 @@ def test_a_grammar_whose_masks_overrun_the_budget_fails_alone(budget_s, num_repe
         manager.shutdown()
 
 
+def test_a_rejected_token_reports_no_parser_state_nor_grammar():
+    """llguidance's verbose errors carry the tokens so far, the parser's counters and the
+    whole grammar after their first line; the core's matchers are built without them."""
+    source = LOAD_TINY()
+    tokenizer = llguidance.LLTokenizer(source.tokenizer_json, n_vocab=VOCAB,
+                                       eos_token=source.eos_token_id)
+    schema = grammars.json_schema_grammar({"type": "object", "properties": {
+        "secret_field": {"type": "integer"}}, "required": ["secret_field"]})
+    matcher, _, _ = manager_module.compile_grammar(tokenizer, schema)
+    assert all(matcher.consume_token(byte) for byte in b'{"secret_field": 1')
+    assert not matcher.consume_token(ord("z"))
+    error = matcher.get_error()
+    assert error.startswith("Parser Error: token") and "doesn't satisfy the grammar" in error
+    assert "<state>" not in error and "secret_field" not in error
+
+
 def test_remove_forgets_requests_and_duplicates_are_refused(manager):
     _compiled(manager, "r", grammars.choice_grammar(["x"]))
     with pytest.raises(ValueError, match="already"):
