@@ -196,7 +196,7 @@ trap stopped TERM INT
 if [ "$device" = cuda ]; then
   config=$PWD/engine/model/configs/llama3.1-8b.json
   model_name=llama3.1-8b
-  forward_shapes=()  # bench forward's defaults are the table
+  forward_shapes=()  # bench forward's defaults: the table, and 2k prefills back to back
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
   # The target's run is 256 requests; --quick gives the sdpa baseline 64 (it takes 5x longer).
   target_requests=256
