@@ -19,8 +19,11 @@ SYSTEM = "You are a careful agent. Use the tools you are given and answer briefl
 QUESTIONS = ("List the files here.", "Run the tests.")
 
 
-def greedy_turns(backend: str, layer_kernels: str) -> list[tuple[str, int]]:
-    """(text, cached prompt tokens) of each question after the shared system prompt."""
+def greedy_turns(backend: str, layer_kernels: str
+                 ) -> list[tuple[str, int, list[list[tuple[str, float]]]]]:
+    """(text, cached prompt tokens, each token's top 3 logprobs) of each question after the
+    shared system prompt. The tiny model's greedy text is a few tokens repeated, which a
+    wrong attention could still produce; the logprobs show the distribution itself."""
     server = ServerProcess(ServerSpec(serve_args=(
         # fcfs: the continuum policy's start-up prefill profile is slow under the interpreter.
         "--attention-backend", backend, "--layer-kernels", layer_kernels,
@@ -31,13 +34,16 @@ def greedy_turns(backend: str, layer_kernels: str) -> list[tuple[str, int]]:
         turns = []
         for question in QUESTIONS:
             reply = client.chat.completions.create(
-                model="tiny", temperature=0.0, max_tokens=8,
+                model="tiny", temperature=0.0, max_tokens=8, logprobs=True, top_logprobs=3,
                 messages=[{"role": "system", "content": SYSTEM},
                           {"role": "user", "content": question}],
                 extra_body={"ignore_eos": True})
             details = reply.usage.prompt_tokens_details
-            turns.append((reply.choices[0].message.content,
-                          details.cached_tokens if details else 0))
+            choice = reply.choices[0]
+            assert choice.logprobs is not None and choice.logprobs.content is not None
+            turns.append((choice.message.content, details.cached_tokens if details else 0,
+                          [[(top.token, top.logprob) for top in token.top_logprobs]
+                           for token in choice.logprobs.content]))
         return turns
     finally:
         log = server.log_text()
@@ -46,5 +52,12 @@ def greedy_turns(backend: str, layer_kernels: str) -> list[tuple[str, int]]:
 
 def test_triton_backend_serves_the_same_greedy_tokens_as_sdpa() -> None:
     triton_turns = greedy_turns("triton", "triton")
-    assert triton_turns == greedy_turns("sdpa", "torch")
-    assert all(cached > 0 for _, cached in triton_turns[1:])
+    sdpa_turns = greedy_turns("sdpa", "torch")
+    assert [turn[:2] for turn in triton_turns] == [turn[:2] for turn in sdpa_turns]
+    assert all(cached > 0 for _, cached, _ in triton_turns[1:])
+    for (_, _, triton_tops), (_, _, sdpa_tops) in zip(triton_turns, sdpa_turns, strict=True):
+        assert len(triton_tops) == len(sdpa_tops) == 8
+        for triton_top, sdpa_top in zip(triton_tops, sdpa_tops, strict=True):
+            assert [token for token, _ in triton_top] == [token for token, _ in sdpa_top]
+            assert [value for _, value in triton_top] == pytest.approx(
+                [value for _, value in sdpa_top], abs=1e-4)
