@@ -2,8 +2,8 @@
 
 The engine core compiles one grammar at a time (`manager.py`). Taken first come first
 served, a tenant that sends thirty slow grammars at once would put every other tenant's next
-grammar behind all thirty; taken in turn, another tenant's next grammar waits for at most
-one compile of each tenant ahead of it, whatever their backlogs.
+grammar behind all thirty; taken in turn, another tenant's next grammar waits for the
+compile running and at most one compile of each tenant ahead of it, whatever their backlogs.
 """
 
 from __future__ import annotations

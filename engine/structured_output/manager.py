@@ -3,13 +3,13 @@
 Owned by the `EngineCore` (one thread calls it). Grammar work never runs on the step loop:
 - **Compiles** run on a worker thread, one at a time (`submit`, then `pop_compiled`), so that
   the heap each allocates is its own, taken by tenants in turn (`compile_queue.py`), so that
-  one tenant's backlog of grammars delays another's next one by at most one compile; a
-  request waits in the core, outside the scheduler, until its grammar is ready. A compile is
-  charged its text and that heap, and fails, uncached, past `max_grammar_bytes` or, as a
-  deadline the core checks at every step (counted from the compile's start), past
-  `max_grammar_compile_s`. Compiled grammars are shared by requests with the same (grammar,
-  EOS) through a cache bounded in bytes (`grammar_cache_bytes`, least recently used first
-  out); failures are never cached.
+  another tenant's next grammar waits for the compile running and at most one of each tenant
+  ahead of it, whatever their backlogs; a request waits in the core, outside the scheduler,
+  until its grammar is ready. A compile is charged its text and that heap, and fails,
+  uncached, past `max_grammar_bytes` or, as a deadline the core checks at every step (counted
+  from the compile's start), past `max_grammar_compile_s`. Compiled grammars are shared by
+  requests with the same (grammar, EOS) through a cache bounded in bytes
+  (`grammar_cache_bytes`, least recently used first out); failures are never cached.
 - **Masks** run on worker threads too: a request's first mask is the compile's, and its
   next one is started as soon as it accepts a token. Before every step the core calls
   `await_masks`, which waits until a deadline for the masks started less than
