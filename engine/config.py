@@ -144,7 +144,7 @@ class SchedulerConfig:
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 LoadFormat = Literal["auto", "dummy"]
 Device = Literal["auto", "cpu", "cuda"]
-AttentionBackendName = Literal["auto", "sdpa", "triton"]
+AttentionBackendName = Literal["auto", "sdpa", "triton", "triton-sdpa"]
 LayerKernelsName = Literal["auto", "torch", "triton"]
 Quantization = Literal["none", "fp8"]
 

@@ -15,20 +15,22 @@
 #               back to back, as the engine core runs them) with the sdpa backend, torch's layer
 #               ops and steps in order (the first run's code), the triton backend and fused
 #               layer kernels with the defaults (async scheduling on CUDA: each decode step
-#               launched before the last one's tokens are read), the same with an fp8 KV
-#               cache (triton-fp8: --kv-cache-dtype fp8), with fp8 projection weights
-#               (triton-fp8w: --quantization fp8), with steps in order (triton-sync:
-#               --no-async-scheduling), with torch's layer ops (triton-torch-layers: what the
-#               fused kernels gain) and with --enforce-eager (no CUDA graphs), the triton
+#               launched before the last one's tokens are read), the same with the
+#               triton-sdpa backend (triton-sdpa: SDPA attends long prompts with no cached
+#               prefix), with an fp8 KV cache (triton-fp8: --kv-cache-dtype fp8), with fp8
+#               projection weights (triton-fp8w: --quantization fp8), with steps in order
+#               (triton-sync: --no-async-scheduling), with torch's layer ops
+#               (triton-torch-layers: what the fused kernels gain) and with --enforce-eager
+#               (no CUDA graphs), the triton
 #               runs with --profile (launches, device and host time a decode step and a
 #               prefill step, and the costliest kernels); on cuda also SmolLM2-135M's shapes
 #               with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
-#               ops, steps in order), with triton (fused layer kernels), with an fp8 KV cache
-#               (triton-fp8), with fp8 projections (triton-fp8w), with steps in order
-#               (triton-sync) and with a step budget of 16,384 tokens (triton-16k: vLLM's
-#               offline default on an H100); with --quick
+#               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
+#               with an fp8 KV cache (triton-fp8), with fp8 projections (triton-fp8w), with
+#               steps in order (triton-sync) and with a step budget of 16,384 tokens
+#               (triton-16k: vLLM's offline default on an H100); with --quick
 #               the sdpa run has 64 requests (step names end in the count); each reports its
 #               8 slowest steps and the steps in which the CUDA caching allocator freed
 #               device memory (--slow-steps 8)
@@ -292,7 +294,8 @@ step() {
 engine=("$python" -m engine.cli)
 
 if wants smoke; then
-  tests=(tests/engine/model/attention/test_triton_kernels.py tests/engine/model/test_parity.py
+  tests=(tests/engine/model/attention/test_triton_kernels.py
+         tests/engine/model/attention/test_triton_sdpa_backend.py tests/engine/model/test_parity.py
          tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py
          tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
@@ -313,13 +316,15 @@ if wants kernels; then
     --json "$raw/kernels-mlp-gemms.json"
 fi
 
-# forward_run sdpa|triton|triton-sync|triton-fp8|triton-fp8w|triton-eager|triton-torch-layers
-# (async scheduling is the default on CUDA; triton-sync turns it off; -fp8w: fp8 projections)
+# forward_run sdpa|triton|triton-sdpa|triton-sync|triton-fp8|triton-fp8w|triton-eager|
+# triton-torch-layers (async scheduling is the default on CUDA; triton-sync turns it off;
+# -fp8w: fp8 projections; triton-sdpa: the backend of that name, SDPA for long fresh prompts)
 forward_run() {
   local run=$1 flags=()
   case $run in
     sdpa) flags=(--attention-backend sdpa --layer-kernels torch --no-async-scheduling) ;;
     triton) flags=(--attention-backend triton --layer-kernels triton) ;;
+    triton-sdpa) flags=(--attention-backend triton-sdpa --layer-kernels triton) ;;
     triton-sync) flags=(--attention-backend triton --layer-kernels triton --no-async-scheduling) ;;
     triton-fp8) flags=(--attention-backend triton --layer-kernels triton --kv-cache-dtype fp8) ;;
     triton-fp8w) flags=(--attention-backend triton --layer-kernels triton --quantization fp8) ;;
@@ -345,14 +350,15 @@ forward_smollm2() {
     --attention-backend triton --decode 1x1024 32x1024 128x1024 32x8000 \
     --json "$raw/forward-smollm2-triton.json"
 }
-# throughput_run sdpa|triton|triton-sync|triton-16k|triton-fp8|triton-fp8w (sdpa: torch's
-# layers, steps in order, the first run's code; -16k: --max-num-batched-tokens 16384, vLLM's
-# offline default on an H100; -fp8w: fp8 projections, --quantization fp8)
+# throughput_run sdpa|triton|triton-sdpa|triton-sync|triton-16k|triton-fp8|triton-fp8w (sdpa:
+# torch's layers, steps in order, the first run's code; -16k: --max-num-batched-tokens 16384,
+# vLLM's offline default on an H100; -fp8w: fp8 projections, --quantization fp8)
 throughput_run() {
   local backend=triton layers=triton requests=$target_requests kv=auto flags=()
   case $1 in
     sdpa) backend=sdpa; layers=torch; requests=$baseline_requests
           flags=(--no-async-scheduling) ;;
+    triton-sdpa) backend=triton-sdpa ;;
     triton-sync) flags=(--no-async-scheduling) ;;
     triton-16k) flags=(--max-num-batched-tokens 16384) ;;
     triton-fp8) kv=fp8 ;;
@@ -373,6 +379,8 @@ if [ $quick -eq 1 ]; then
   # The targets' runs first: what a spent budget skips is the least needed.
   wants forward && forward_run triton
   wants throughput && throughput_run triton
+  wants forward && forward_run triton-sdpa
+  wants throughput && throughput_run triton-sdpa
   wants forward && forward_run triton-fp8
   wants throughput && throughput_run triton-fp8
   wants forward && forward_run triton-fp8w
@@ -386,13 +394,14 @@ if [ $quick -eq 1 ]; then
   wants forward && { forward_run triton-eager; forward_smollm2; }
 else
   if wants forward; then
-    for run in sdpa triton triton-sync triton-fp8 triton-fp8w triton-torch-layers triton-eager; do
+    for run in sdpa triton triton-sdpa triton-sync triton-fp8 triton-fp8w triton-torch-layers \
+               triton-eager; do
       forward_run "$run"
     done
     forward_smollm2
   fi
   if wants throughput; then
-    for run in sdpa triton triton-sync triton-16k triton-fp8 triton-fp8w; do
+    for run in sdpa triton triton-sdpa triton-sync triton-16k triton-fp8 triton-fp8w; do
       throughput_run "$run"
     done
   fi

@@ -1,13 +1,15 @@
 """Times the prefill attention kernel's tiles on a GPU, one call a layer.
 
 At Llama-3.1-8B's attention shapes (32 query heads over 8 KV heads of dim 128, blocks of 16
-tokens drawn at random from the pool, bf16) and three prefill steps (one prompt of 2,048;
-four chunks of 512 over cached prefixes of 512; chunks of 128 over cached prefixes of 8,000
-and 4,000 beside a prompt of 2,048), each tile given (rows of
-queries x padded group, keys a tile, warps, stages) runs `_prefill_kernel` directly, and
+tokens drawn at random from the pool, bf16) and five prefill steps (one prompt of 2,048;
+four prompts of 512; eight of 256; four chunks of 512 over cached prefixes of 512; chunks of
+128 over cached prefixes of 8,000 and 4,000 beside a prompt of 2,048), each tile given (rows
+of queries x padded group, keys a tile, warps, stages) runs `_prefill_kernel` directly, and
 `auto` runs `paged_prefill_attention` as the engine does (the autotuner's choice among
-`_TUNED_PREFILL_TILES`); each tile's output is checked against auto's (the largest absolute
-difference, NaN if it left a row unwritten). Times are `triton.testing.do_bench` medians
+`_TUNED_PREFILL_TILES`). In the steps of prompts alone (no cached prefix) `sdpa` attends as
+`triton-sdpa` does: torch's SDPA over each prompt's own K/V, one call a prompt. Each
+variant's output is checked against auto's (the largest absolute difference, NaN if it left
+a row unwritten). Times are `triton.testing.do_bench` medians
 in device events. Also printed: the tensor-core rate each reaches (the causal QK^T and PV
 products' FLOPs over its time). Run from another checkout (`python
 OTHER/scripts/prefill_tiles.py`), it times that checkout's kernel: two versions compared on
@@ -38,15 +40,17 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.model.attention import triton_kernels
+from engine.model.attention.triton_backend import causal_sdpa
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # (name, context tokens of each sequence, query tokens of each sequence)
 # The mixed step: two short chunks over long cached prefixes (each sequence's costliest
 # programs) beside a prompt, where the order of the programs matters most.
-STEPS = (("1 x 2,048", (0,), (2048,)), ("4 x 512 over 512", (512,) * 4, (512,) * 4),
+STEPS = (("1 x 2,048", (0,), (2048,)), ("4 x 512", (0,) * 4, (512,) * 4),
+         ("8 x 256", (0,) * 8, (256,) * 8), ("4 x 512 over 512", (512,) * 4, (512,) * 4),
          ("128 over 8,000 and 4,000, 2,048", (8000, 4000, 0), (128, 128, 2048)))
-CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 12 over 20", (20, 20), (12, 12)),
-             ("8 over 40, 24", (40, 0), (8, 24)))
+CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 12", (0, 0), (12, 12)),
+             ("2 x 12 over 20", (20, 20), (12, 12)), ("8 over 40, 24", (40, 0), (8, 24)))
 
 
 def _time_us(fn: Callable[[], object], device: torch.device) -> float:
@@ -86,6 +90,15 @@ class PrefillStep:
                                             device=device)
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         self.max_query_len = max(query_lens)
+        self.prompts_only = not any(context_lens)
+        # Each token's K/V in step order, as the layer hands them to attention.
+        slot_ids = [int(table[index, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
+                    for index, seq_len in enumerate(seq_lens)
+                    for pos in range(seq_len - query_lens[index], seq_len)]
+        self.key = self.k_cache[slot_ids]
+        self.value = self.v_cache[slot_ids]
+        ends = np.cumsum(query_lens)
+        self.spans = [(int(end - q), int(end)) for q, end in zip(query_lens, ends, strict=True)]
         self.out = torch.empty_like(self.query)
         self.scale = HEAD_DIM ** -0.5
         # causal pairs (query, key) of each sequence, times two products of HEAD_DIM MACs
@@ -98,6 +111,22 @@ class PrefillStep:
             self.query, self.k_cache, self.v_cache, self.block_table, self.query_start_loc,
             self.seq_lens, self.scale, block_size=BLOCK_SIZE, max_query_len=self.max_query_len,
             out=self.out)
+
+    def sdpa(self) -> None:
+        """SDPA's part of a step of prompts alone in `triton-sdpa`: a call a prompt."""
+        if len(self.spans) == 1:  # as the backend, which then returns SDPA's output itself
+            causal_sdpa(self.query, self.key, self.value, self.scale)
+            return
+        for start, end in self.spans:
+            self.out[start:end] = causal_sdpa(self.query[start:end], self.key[start:end],
+                                               self.value[start:end], self.scale)
+
+    def sdpa_checked(self) -> None:
+        """`sdpa`, its output written to `out` (a copy `sdpa` leaves out for one prompt)."""
+        if len(self.spans) == 1:
+            self.out.copy_(causal_sdpa(self.query, self.key, self.value, self.scale))
+        else:
+            self.sdpa()
 
     def tile(self, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
         triton_kernels._launch_prefill(
@@ -125,11 +154,13 @@ def main() -> int:
         variants: list[tuple[str, Callable[[], None]]] = [("auto", step.auto)]
         variants += [(",".join(map(str, tile)), functools.partial(step.tile, *tile))
                      for tile in tiles]
+        if step.prompts_only:
+            variants.append(("sdpa", step.sdpa))
         step.auto()
         reference = step.out.clone()
         for label, fn in variants:
             step.out.fill_(float("nan"))
-            fn()
+            (step.sdpa_checked if label == "sdpa" else fn)()
             error = (step.out.float() - reference.float()).abs().max().item()
             us = _time_us(fn, device)
             rows.append({"step": name, "tile": label, "us": us,
@@ -137,7 +168,8 @@ def main() -> int:
     source = Path(triton_kernels.__file__).resolve()
     print(f"prefill attention, {NUM_HEADS} heads over {NUM_KV_HEADS}, head dim {HEAD_DIM}, "
           f"kernel of {source}")
-    print("| step | tile (rows, keys, warps, stages) | us a layer | TFLOP/s | max diff vs auto |")
+    print("| step | tile (rows, keys, warps, stages), or sdpa | us a layer | TFLOP/s "
+          "| max diff vs auto |")
     print("|---|---|---:|---:|---:|")
     for row in rows:
         print(f"| {row['step']} | {row['tile']} | {row['us']:.1f} | {row['tflops']:.0f} | "

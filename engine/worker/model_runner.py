@@ -127,7 +127,8 @@ class ModelRunner:
             decode_buckets(config.scheduler.max_num_seqs)
             if self.attention.supports_static_decode else ())
         # On CUDA the profile always runs: it is also the start-up forward that compiles the
-        # kernels and tunes the prefill tile at the full budget, before the pool exists.
+        # kernels and tunes the prefill tile at (all but a block of) the full budget, before the
+        # pool exists.
         profiled_bytes = self._profile_reserved_bytes() if self.device.type == "cuda" else 0
         reserved_bytes = profiled_bytes if config.cache.num_kv_blocks is None else 0
         self.num_kv_blocks = determine_num_kv_blocks(
@@ -159,15 +160,18 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_reserved_bytes(self) -> int:
         """Device memory the KV pool must leave free, measured on a scratch cache before the
-        real pool is sized: the larger peak of a full-budget forward (plus logits for every
-        sequence it could sample) and of the largest decode bucket, plus that decode peak
-        again for the CUDA graphs' memory pool (unless `enforce_eager`), which stays
-        allocated, and the null block."""
+        real pool is sized: the largest peak of a full-budget forward (plus logits for every
+        sequence it could sample), as a prompt and as a chunk over a cached block (a backend
+        may attend the two with different kernels), and of the largest decode bucket, plus
+        that decode peak again for the CUDA graphs' memory pool (unless `enforce_eager`),
+        which stays allocated, and the null block."""
         scheduler = self.config.scheduler
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)
         scratch = self._allocate_kv_caches(max(-(-num_tokens // self.block_size), max_bucket))
-        prefill_peak = self._prefill_peak_bytes(scratch, num_tokens)
+        prefill_peak = max(self._prefill_peak_bytes(scratch, num_tokens, context_len)
+                           for context_len in (0, self.block_size)
+                           if context_len < num_tokens)
         decode_peak = self._decode_peak_bytes(scratch, max_bucket) if max_bucket else 0
         del scratch
         torch.cuda.empty_cache()
@@ -175,11 +179,15 @@ class ModelRunner:
         null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.kv_dtype)
         return max(prefill_peak, decode_peak) + graphs_bytes + null_block_bytes
 
-    def _prefill_peak_bytes(self, scratch: list[torch.Tensor], num_tokens: int) -> int:
+    def _prefill_peak_bytes(self, scratch: list[torch.Tensor], num_tokens: int,
+                            context_len: int) -> int:
+        """The peak of a forward of one sequence of `num_tokens` tokens, the first
+        `context_len` of them cached, the rest computed."""
         metadata = self.attention.build_metadata(
-            np.array([num_tokens]), np.array([0]),
+            np.array([num_tokens - context_len]), np.array([context_len]),
             np.arange(-(-num_tokens // self.block_size))[None])
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        input_ids = torch.zeros(num_tokens - context_len, dtype=torch.int64,
+                                device=self.device)
         positions = torch.from_numpy(metadata.positions).to(self.device)
         num_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
         return _peak_bytes(self.device, lambda: self.model.compute_logits(
@@ -418,8 +426,10 @@ class ModelRunner:
         query_lens = np.array([num_scheduled[req_id] for req_id in scheduled_ids],
                               dtype=np.int64)
         # Decodes first, longest context first: the attention kernels dispatch the costliest
-        # sequences first, and decodes of similar length sit together.
-        order = np.lexsort((-batch.num_computed_tokens[rows], query_lens != 1))
+        # sequences first, and decodes of similar length sit together. Prompts with no cached
+        # prefix come last, longest last: a backend that attends the long ones apart
+        # (`triton-sdpa`) finds them together at the end.
+        order = np.lexsort((query_lens, -batch.num_computed_tokens[rows], query_lens != 1))
         rows, query_lens = rows[order], query_lens[order]
         req_ids = [scheduled_ids[index] for index in order.tolist()]
         context_lens = batch.num_computed_tokens[rows]

@@ -3,6 +3,8 @@
 - `sdpa`: attention in torch (K/V gathered out of the paged cache, then SDPA); every device.
 - `triton`: Triton kernels reading K/V in place through the block table; CUDA (or CPU under
   Triton's interpreter, for tests); decode plans over static buffers for CUDA graphs.
+- `triton-sdpa`: `triton`, but long prompts with no cached prefix are attended by torch's
+  SDPA (its flash kernel on CUDA) over the step's own K/V.
 - `auto`: `triton` on CUDA where Triton is installed and its kernels cover the layout (head
   dim and block size), else `sdpa`. (A GPU run of `scripts/gpu_bench.sh` passed with triton
   on an H100: its CUDA tests, and decode 2-4x faster than sdpa; docs/benchmarks.md.)
@@ -28,6 +30,7 @@ ATTENTION_BACKENDS: Registry[Callable[[AttentionLayout], AttentionBackend]] = Re
     "attention backend", {
         "sdpa": "engine.model.attention.sdpa:SdpaBackend",
         "triton": "engine.model.attention.triton_backend:TritonBackend",
+        "triton-sdpa": "engine.model.attention.triton_backend:TritonSdpaBackend",
     })
 
 __all__ = [

@@ -1,10 +1,14 @@
-"""The Triton attention backend: kernels that read K/V straight from the paged cache.
+"""The Triton attention backends: kernels that read K/V straight from the paged cache.
 
-Decode runs split-K (flash-decoding) over each sequence's blocks; prefill and chunked extend
-run one causal kernel over the cached prefix and the step's own tokens. Nothing is gathered
-into a workspace, and no step reads a device value on the host, so a decode plan over static
-buffers can be captured in a CUDA graph. On CPU the same kernels run under Triton's
-interpreter (`TRITON_INTERPRET=1`, for tests).
+`triton`: decode runs split-K (flash-decoding) over each sequence's blocks; prefill and
+chunked extend run one causal kernel over the cached prefix and the step's own tokens.
+Nothing is gathered into a workspace, and no step reads a device value on the host, so a
+decode plan over static buffers can be captured in a CUDA graph. On CPU the same kernels run
+under Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
+
+`triton-sdpa`: the same, but a prompt with no cached prefix, long enough to pay for a call of
+its own, is attended by torch's SDPA (its flash kernel on CUDA) over the step's own K/V,
+which are contiguous there: no cache read, no gather. Its K/V are still written to the cache.
 """
 
 from __future__ import annotations
@@ -23,10 +27,16 @@ from engine.model.attention.backend import (
     FlatStep,
     to_device,
 )
+from engine.model.attention.sdpa import sdpa_in_row_slices
 from engine.model.triton_support import check_triton_runs_on
 
 # Triton compiles float8 e4m3 only for GPUs of this compute capability or newer (Ada, Hopper).
 MIN_FP8_CAPABILITY = (8, 9)
+# `triton-sdpa` gives SDPA the prompts of a step that have no cached prefix and at least this
+# many tokens. A call costs a launch per prompt and layer, where the prefill kernel takes
+# every prompt in one; the attention of a short prompt is too small for a faster kernel to
+# repay that. Not tuned: no GPU has timed the two kernels on short prompts.
+MIN_SDPA_PROMPT_TOKENS = 256
 
 
 def check_float8_runs_on(device: torch.device) -> None:
@@ -67,15 +77,22 @@ class TritonMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
     num_decode_tokens: int
     decode: DecodePlan | None
-    prefill: PrefillPlan | None
+    prefill: PrefillPlan | None  # the prefill kernel's sequences, after the decodes
     layout: AttentionLayout
+    # [start, end) token rows of the step's last sequences, each a prompt with no cached
+    # prefix that SDPA attends over the step's own K/V (`triton-sdpa`); after `prefill`'s.
+    sdpa_prompts: tuple[tuple[int, int], ...] = ()
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         triton_kernels.store_kv(key, value, k_cache, v_cache, self.slot_mapping)
+        if self.sdpa_prompts == ((0, query.shape[0]),):
+            # SDPA's output is the step's: no copy into an output of the step's own.
+            return causal_sdpa(query, key, value, scale)
         output = torch.empty_like(query)
         split = self.num_decode_tokens
+        kernel_rows_end = self.sdpa_prompts[0][0] if self.sdpa_prompts else query.shape[0]
         block_size, window = self.layout.block_size, self.layout.sliding_window
         if self.decode is not None:
             triton_kernels.paged_decode_attention(
@@ -84,11 +101,21 @@ class TritonMetadata(AttentionMetadata):
                 sliding_window=window, out=output[:split])
         if self.prefill is not None:
             triton_kernels.paged_prefill_attention(
-                query[split:], k_cache, v_cache, self.prefill.block_table,
+                query[split:kernel_rows_end], k_cache, v_cache, self.prefill.block_table,
                 self.prefill.query_start_loc, self.prefill.seq_lens, scale,
                 block_size=block_size, max_query_len=self.prefill.max_query_len,
-                sliding_window=window, out=output[split:])
+                sliding_window=window, out=output[split:kernel_rows_end])
+        for start, end in self.sdpa_prompts:
+            output[start:end] = causal_sdpa(query[start:end], key[start:end],
+                                            value[start:end], scale)
         return output
+
+
+def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """One prompt's causal attention over its own K/V by torch's SDPA: `query` [tokens, heads,
+    head_dim], `key`/`value` [tokens, kv_heads, head_dim]; returns [tokens, heads, head_dim]."""
+    return sdpa_in_row_slices(query, key, value, mask=None, scale=scale, max_score_bytes=None)
 
 
 class TritonBackend(AttentionBackend):
@@ -116,17 +143,28 @@ class TritonBackend(AttentionBackend):
         layout = self.layout
         step = FlatStep.of(query_lens, context_lens, block_table, layout.block_size)
         query_lens, seq_lens, num_decodes = step.query_lens, step.seq_lens, step.num_decodes
+        num_kernel_seqs = len(query_lens) - self.num_sdpa_prompts(step)
+        token_ends = np.cumsum(query_lens)
         return TritonMetadata(
             positions=step.positions,
             slot_mapping=to_device(step.slots, layout.device),
             num_decode_tokens=num_decodes,
             decode=self._decode_plan(seq_lens[:num_decodes], block_table[:num_decodes])
             if num_decodes else None,
-            prefill=self._prefill_plan(query_lens[num_decodes:], seq_lens[num_decodes:],
-                                       block_table[num_decodes:])
-            if num_decodes < len(query_lens) else None,
+            prefill=self._prefill_plan(query_lens[num_decodes:num_kernel_seqs],
+                                       seq_lens[num_decodes:num_kernel_seqs],
+                                       block_table[num_decodes:num_kernel_seqs])
+            if num_decodes < num_kernel_seqs else None,
             layout=layout,
+            sdpa_prompts=tuple((int(end - length), int(end)) for length, end in zip(
+                query_lens[num_kernel_seqs:].tolist(), token_ends[num_kernel_seqs:].tolist(),
+                strict=True)),
         )
+
+    def num_sdpa_prompts(self, step: FlatStep) -> int:
+        """How many of the step's last sequences SDPA attends instead of the prefill kernel:
+        none in `triton`."""
+        return 0
 
     def build_decode_metadata(self, buffers: DecodeBuffers) -> TritonMetadata:
         layout = self.layout
@@ -163,3 +201,52 @@ class TritonBackend(AttentionBackend):
 
     def _device_int32(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.layout.device, np.int32)
+
+
+class TritonSdpaBackend(TritonBackend):
+    """`triton` with torch's SDPA for the prompts of at least `min_sdpa_prompt_tokens` tokens
+    that have no cached prefix: on CUDA SDPA's flash kernel, which the `sdpa` backend ran
+    faster than the prefill kernel on an H100 (docs/benchmarks.md).
+
+    SDPA takes no prompt (`sdpa_applies` False) where it would be slow or would read other
+    K/V than the kernels: in a sliding window (which SDPA applies through a mask, so with its
+    math kernel); on CUDA in float32 or before compute capability 8.0 (no flash kernel: the
+    math kernel would hold every head's scores of the prompt); with a KV cache of another
+    dtype than the model's (fp8: the kernels read the cache's rounded K/V, SDPA would read
+    the step's own, so a prompt's result would depend on whether it hit the prefix cache).
+    """
+
+    name = "triton-sdpa"
+
+    def __init__(self, layout: AttentionLayout,
+                 min_sdpa_prompt_tokens: int = MIN_SDPA_PROMPT_TOKENS) -> None:
+        super().__init__(layout)
+        if min_sdpa_prompt_tokens < 1:
+            raise ValueError(f"min_sdpa_prompt_tokens must be >= 1, got "
+                             f"{min_sdpa_prompt_tokens}")
+        self.min_sdpa_prompt_tokens = min_sdpa_prompt_tokens
+        self.sdpa_applies = (layout.sliding_window is None
+                             and layout.cache_dtype == layout.dtype
+                             and _has_flash_sdpa(layout))
+
+    def num_sdpa_prompts(self, step: FlatStep) -> int:
+        """The step's last sequences that are prompts with no cached prefix and at least
+        `min_sdpa_prompt_tokens` tokens (the runner lays such prompts out last)."""
+        if not self.sdpa_applies:
+            return 0
+        count = 0
+        for query_len, context_len in zip(step.query_lens[::-1].tolist(),
+                                          step.context_lens[::-1].tolist(), strict=True):
+            if context_len or query_len < self.min_sdpa_prompt_tokens:
+                break
+            count += 1
+        return count
+
+
+def _has_flash_sdpa(layout: AttentionLayout) -> bool:
+    """Whether SDPA attends a causal prompt of `layout` without the math kernel: on CUDA, a
+    16-bit dtype on compute capability 8.0 or newer; the CPU's own kernel takes any."""
+    if layout.device.type != "cuda":
+        return True
+    return (layout.dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(layout.device) >= (8, 0))

@@ -36,5 +36,6 @@ def test_auto_is_sdpa_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_named_backend_is_kept_and_an_unknown_one_refused() -> None:
     assert resolve_attention_backend("sdpa", layout("cuda")) == "sdpa"
     assert resolve_attention_backend("triton", layout("cpu")) == "triton"
+    assert resolve_attention_backend("triton-sdpa", layout("cuda")) == "triton-sdpa"
     with pytest.raises(ValueError, match="flash"):
         resolve_attention_backend("flash", layout("cpu"))  # type: ignore[arg-type]

@@ -1,0 +1,222 @@
+"""The `triton-sdpa` backend: long prompts without a cached prefix attended by torch's SDPA,
+everything else by the Triton kernels, computes what `triton` computes (within each dtype's
+rounding).
+
+Without a GPU the kernels run under Triton's interpreter and SDPA on the CPU; on a GPU
+(`scripts/gpu_bench.sh --part smoke`) the bfloat16 cases run SDPA's flash kernel, and an
+engine on the backend starts (its start-up profile) and generates.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from engine.frontend.llm import LLM
+from engine.model.attention import make_attention_backend, triton_backend
+from engine.model.attention.backend import AttentionLayout
+from engine.model.attention.triton_backend import (
+    TritonBackend,
+    TritonMetadata,
+    TritonSdpaBackend,
+)
+from engine.model.attention.triton_kernels import FP8_KV_DTYPE
+from engine.sampling_params import SamplingParams
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCK_SIZE = 8
+NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 32
+MAX_BLOCKS = 8
+TOLERANCES = {torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+              torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+def make_layout(dtype: torch.dtype, sliding_window: int | None = None,
+                kv_dtype: torch.dtype | None = None) -> AttentionLayout:
+    return AttentionLayout(num_heads=NUM_KV_HEADS * GROUP, num_kv_heads=NUM_KV_HEADS,
+                           head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+                           sliding_window=sliding_window, device=DEVICE, dtype=dtype,
+                           max_model_len=MAX_BLOCKS * BLOCK_SIZE, kv_dtype=kv_dtype)
+
+
+class Step:
+    """A step's sequences (decodes first, as the runner lays them out) with random queries and
+    K/V, and a cache whose context slots hold random K/V; sequence i owns blocks
+    i * MAX_BLOCKS onwards."""
+
+    def __init__(self, context_lens: list[int], query_lens: list[int], dtype: torch.dtype,
+                 seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        num_tokens = sum(query_lens)
+
+        def draw(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=generator).to(DEVICE, dtype)
+
+        self.query = draw(num_tokens, NUM_KV_HEADS * GROUP, HEAD_DIM)
+        self.key = draw(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        self.value = draw(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        num_slots = (len(query_lens) * MAX_BLOCKS + 1) * BLOCK_SIZE
+        self.kv_cache = draw(2, num_slots, NUM_KV_HEADS, HEAD_DIM)
+        self.context_lens = np.array(context_lens)
+        self.query_lens = np.array(query_lens)
+        self.block_table = (np.arange(len(query_lens))[:, None] * MAX_BLOCKS
+                            + np.arange(MAX_BLOCKS)[None, :])
+
+    def attend(self, backend: TritonBackend) -> tuple[TritonMetadata, torch.Tensor,
+                                                      torch.Tensor]:
+        """The backend's plan, output (float32 on the CPU) and cache after the step."""
+        metadata = backend.build_metadata(self.query_lens, self.context_lens, self.block_table)
+        kv_cache = self.kv_cache.clone()
+        out = metadata.attend(self.query, self.key, self.value, kv_cache, HEAD_DIM ** -0.5)
+        return metadata, out.float().cpu(), kv_cache.cpu()
+
+
+# Two decodes, a chunk over a cached prefix, then prompts with no cached prefix, shortest
+# first: 5 tokens (under the bound of 16) and 16 and 27 (at and over it).
+MIXED = ([30, 12, 16, 0, 0, 0], [1, 1, 8, 5, 16, 27])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_fresh_prompts_go_to_sdpa_and_the_step_attends_as_with_the_kernels(
+        dtype: torch.dtype) -> None:
+    step = Step(*MIXED, dtype=dtype)
+    kernels = TritonBackend(make_layout(dtype))
+    hybrid = TritonSdpaBackend(make_layout(dtype), min_sdpa_prompt_tokens=16)
+    _, expected, expected_cache = step.attend(kernels)
+    metadata, out, cache = step.attend(hybrid)
+    if DEVICE.type == "cuda" and dtype == torch.float32:
+        assert metadata.sdpa_prompts == ()  # SDPA's flash kernel takes 16-bit inputs only
+    else:
+        assert metadata.sdpa_prompts == ((15, 31), (31, 58))
+        assert metadata.prefill is not None
+        assert metadata.prefill.seq_lens.tolist() == [24, 5]  # the chunk, the short prompt
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    assert torch.equal(cache, expected_cache)  # every token's K/V written alike
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_of_one_long_prompt_is_sdpa_alone(dtype: torch.dtype) -> None:
+    step = Step([0], [40], dtype=dtype, seed=1)
+    _, expected, expected_cache = step.attend(TritonBackend(make_layout(dtype)))
+    metadata, out, cache = step.attend(TritonSdpaBackend(make_layout(dtype), 16))
+    if not (DEVICE.type == "cuda" and dtype == torch.float32):
+        assert metadata.sdpa_prompts == ((0, 40),)
+        assert metadata.prefill is None and metadata.decode is None
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    assert torch.equal(cache, expected_cache)
+
+
+def test_prompts_before_a_short_one_or_a_chunk_stay_with_the_kernel() -> None:
+    backend = TritonSdpaBackend(make_layout(torch.float32), min_sdpa_prompt_tokens=16)
+    # Only a suffix goes to SDPA: a long prompt before a short one is the kernel's.
+    metadata = backend.build_metadata(np.array([20, 5]), np.array([0, 0]),
+                                      np.zeros((2, MAX_BLOCKS), dtype=np.int64))
+    assert metadata.sdpa_prompts == ()
+    metadata = backend.build_metadata(np.array([20, 30]), np.array([0, 8]),
+                                      np.zeros((2, MAX_BLOCKS), dtype=np.int64))
+    assert metadata.sdpa_prompts == ()
+
+
+def test_a_sliding_window_keeps_every_prompt_with_the_kernel() -> None:
+    step = Step([0, 0], [20, 30], dtype=torch.float32)
+    windowed = make_layout(torch.float32, sliding_window=8)
+    _, expected, _ = step.attend(TritonBackend(windowed))
+    metadata, out, _ = step.attend(TritonSdpaBackend(windowed, 16))
+    assert metadata.sdpa_prompts == ()
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
+
+
+def test_an_fp8_cache_keeps_every_prompt_with_the_kernel() -> None:
+    # The kernels read the cache's rounded K/V; SDPA would read the step's own, and a
+    # prompt's result would then depend on whether it hit the prefix cache.
+    backend = TritonSdpaBackend(make_layout(torch.float32, kv_dtype=FP8_KV_DTYPE), 16)
+    assert not backend.sdpa_applies
+    metadata = backend.build_metadata(np.array([20, 30]), np.array([0, 0]),
+                                      np.zeros((2, MAX_BLOCKS), dtype=np.int64))
+    assert metadata.sdpa_prompts == ()
+
+
+def test_the_backend_is_chosen_by_name_and_checks_its_bound() -> None:
+    backend = make_attention_backend("triton-sdpa", make_layout(torch.float32))
+    assert isinstance(backend, TritonSdpaBackend) and backend.name == "triton-sdpa"
+    with pytest.raises(ValueError, match="min_sdpa_prompt_tokens"):
+        TritonSdpaBackend(make_layout(torch.float32), min_sdpa_prompt_tokens=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the kernels run under the interpreter, on CPU tensors, only without "
+                           "a GPU; with one, the next test runs the backend")
+def test_an_engine_on_triton_sdpa_computes_what_sdpa_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A 300-token prompt (over the default bound of 256: SDPA) and a short one (the kernel)
+    # in one step, each position's logprobs compared; then a prompt sharing the long one's
+    # first 256 tokens: a prefix-cache hit, whose 44 new tokens the kernel attends over the
+    # cached blocks. One token each: decode steps are slow under the interpreter.
+    generator = torch.Generator().manual_seed(3)
+    long_prompt = torch.randint(0, 256, (300,), generator=generator).tolist()
+    short_prompt = torch.randint(0, 256, (20,), generator=generator).tolist()
+    hit_prompt = long_prompt[:256] + torch.randint(0, 256, (44,), generator=generator).tolist()
+    first_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2,
+                                  prompt_logprobs=2)
+    hit_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2)
+    sdpa_rows: list[int] = []  # the rows each SDPA call of triton-sdpa attends
+    causal_sdpa = triton_backend.causal_sdpa
+
+    def counted(query: torch.Tensor, *args: object) -> torch.Tensor:
+        sdpa_rows.append(query.shape[0])
+        return causal_sdpa(query, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_backend, "causal_sdpa", counted)
+    results = {}
+    for backend in ("sdpa", "triton-sdpa"):
+        # fcfs: the continuum policy's start-up prefill profile is slow under the interpreter.
+        llm = LLM(attention_backend=backend, block_size=BLOCK_SIZE, num_kv_blocks=128,
+                  max_model_len=512, scheduling_policy="fcfs", device="cpu")
+        sdpa_rows.clear()
+        try:
+            first = llm.generate([long_prompt, short_prompt], first_params, use_tqdm=False)
+            (hit,) = llm.generate([hit_prompt], hit_params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        assert hit.num_cached_tokens == 256
+        results[backend] = [*first, hit]
+        # The runner put the long prompt after the short one, though it came first: SDPA
+        # took it in every layer, and nothing else.
+        assert sdpa_rows == ([300] * 4 if backend == "triton-sdpa" else [])
+    for sdpa, hybrid in zip(results["sdpa"], results["triton-sdpa"], strict=True):
+        assert hybrid.outputs[0].token_ids == sdpa.outputs[0].token_ids
+        for ours, theirs in zip([*(hybrid.prompt_logprobs or [None])[1:],
+                                 *hybrid.outputs[0].logprobs],
+                                [*(sdpa.prompt_logprobs or [None])[1:],
+                                 *sdpa.outputs[0].logprobs], strict=True):
+            assert ours is not None and theirs is not None
+            assert ours.top_token_ids == theirs.top_token_ids
+            np.testing.assert_allclose(ours.top_logprobs, theirs.top_logprobs, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_engine_on_triton_sdpa_generates_on_cuda() -> None:
+    # Its start-up profile runs a full-budget prompt (SDPA) and a chunk (the prefill kernel,
+    # whose tile the autotuner picks there); a prefix-cache hit then gives the same tokens.
+    generator = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 256, (300,), generator=generator).tolist()
+    llm = LLM(attention_backend="triton-sdpa", device="cuda", num_kv_blocks=128,
+              max_model_len=512)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        (first,) = llm.generate([prompt], params, use_tqdm=False)
+        (again,) = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert len(first.outputs[0].token_ids) == 8
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
