@@ -9,16 +9,11 @@ engine on the backend starts (its start-up profile) and generates.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # run under the interpreter without a GPU (tests/conftest.py)
 
 from engine.frontend.llm import LLM
 from engine.model.attention import make_attention_backend, triton_backend
