@@ -127,7 +127,7 @@ class ModelRunner:
             decode_buckets(config.scheduler.max_num_seqs)
             if self.attention.supports_static_decode else ())
         # On CUDA the profile always runs: it is also the start-up forward that compiles the
-        # kernels and tunes the prefill tile at (all but a block of) the full budget, before the
+        # kernels and tunes the prefill tile at (all but a token of) the full budget, before the
         # pool exists.
         profiled_bytes = self._profile_reserved_bytes() if self.device.type == "cuda" else 0
         reserved_bytes = profiled_bytes if config.cache.num_kv_blocks is None else 0
@@ -161,16 +161,16 @@ class ModelRunner:
     def _profile_reserved_bytes(self) -> int:
         """Device memory the KV pool must leave free, measured on a scratch cache before the
         real pool is sized: the largest peak of a full-budget forward (plus logits for every
-        sequence it could sample), as a prompt and as a chunk over a cached block (a backend
-        may attend the two with different kernels), and of the largest decode bucket, plus
-        that decode peak again for the CUDA graphs' memory pool (unless `enforce_eager`),
-        which stays allocated, and the null block."""
+        sequence it could sample) over each cached prefix the backend names (a prompt, and
+        a chunk where the backend attends the two with different kernels), and of the
+        largest decode bucket, plus that decode peak again for the CUDA graphs' memory pool
+        (unless `enforce_eager`), which stays allocated, and the null block."""
         scheduler = self.config.scheduler
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)
         scratch = self._allocate_kv_caches(max(-(-num_tokens // self.block_size), max_bucket))
         prefill_peak = max(self._prefill_peak_bytes(scratch, num_tokens, context_len)
-                           for context_len in (0, self.block_size)
+                           for context_len in self.attention.profiled_context_lens()
                            if context_len < num_tokens)
         decode_peak = self._decode_peak_bytes(scratch, max_bucket) if max_bucket else 0
         del scratch
@@ -189,7 +189,7 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens - context_len, dtype=torch.int64,
                                 device=self.device)
         positions = torch.from_numpy(metadata.positions).to(self.device)
-        num_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        num_rows = min(num_tokens - context_len, self.config.scheduler.max_num_seqs)
         return _peak_bytes(self.device, lambda: self.model.compute_logits(
             self.model(input_ids, positions, scratch, metadata)[:num_rows]).softmax(dim=-1))
 

@@ -113,6 +113,14 @@ class AttentionBackend(ABC):
         """A decode plan reading only `buffers` (whose contents change between replays)."""
         raise NotImplementedError(f"the {self.name} attention backend has no static decode")
 
+    def profiled_context_lens(self) -> tuple[int, ...]:
+        """Cached-prefix lengths of the full-budget steps the runner profiles at start-up on
+        CUDA (each step's memory peak, before the pool is sized; also the forwards that
+        compile and tune the kernels): one prompt, with no cached prefix. A backend that
+        attends prompts and chunks over a cached prefix with different kernels adds a
+        chunk, so that both run."""
+        return (0,)
+
     def scratch_bytes(self, num_kv_tokens: int) -> int:
         """At most how many bytes of scratch memory one layer's attention allocates in a step
         over a pool of `num_kv_tokens` (beyond a forward's activations, which the runner

@@ -229,6 +229,11 @@ class TritonSdpaBackend(TritonBackend):
                              and layout.cache_dtype == layout.dtype
                              and _has_flash_sdpa(layout))
 
+    def profiled_context_lens(self) -> tuple[int, ...]:
+        """A prompt (SDPA's, if long enough) and a chunk over one cached token (the prefill
+        kernel's), where SDPA applies."""
+        return (0, 1) if self.sdpa_applies else (0,)
+
     def num_sdpa_prompts(self, step: FlatStep) -> int:
         """The step's last sequences that are prompts with no cached prefix and at least
         `min_sdpa_prompt_tokens` tokens (the runner lays such prompts out last)."""

@@ -140,6 +140,15 @@ def test_an_fp8_cache_keeps_every_prompt_with_the_kernel() -> None:
     assert metadata.sdpa_prompts == ()
 
 
+def test_start_up_profiles_a_chunk_too_where_sdpa_takes_prompts() -> None:
+    # A prompt alone would leave the prefill kernel uncompiled and its tile untuned until a
+    # serving step reached it.
+    assert TritonBackend(make_layout(torch.float32)).profiled_context_lens() == (0,)
+    assert TritonSdpaBackend(make_layout(torch.float32)).profiled_context_lens() == (0, 1)
+    fp8 = TritonSdpaBackend(make_layout(torch.float32, kv_dtype=FP8_KV_DTYPE))
+    assert fp8.profiled_context_lens() == (0,)
+
+
 def test_the_backend_is_chosen_by_name_and_checks_its_bound() -> None:
     backend = make_attention_backend("triton-sdpa", make_layout(torch.float32))
     assert isinstance(backend, TritonSdpaBackend) and backend.name == "triton-sdpa"
@@ -199,19 +208,41 @@ def test_an_engine_on_triton_sdpa_computes_what_sdpa_does(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_an_engine_on_triton_sdpa_generates_on_cuda() -> None:
-    # Its start-up profile runs a full-budget prompt (SDPA) and a chunk (the prefill kernel,
-    # whose tile the autotuner picks there); a prefix-cache hit then gives the same tokens.
+def test_an_engine_on_triton_sdpa_computes_what_triton_does_on_cuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # In bf16: each prompt position's logprob of its token against an engine on `triton`,
+    # SDPA called for the 300-token prompt in every layer (the start-up profile's calls
+    # aside), and the same tokens again through a prefix-cache hit.
     generator = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, 256, (300,), generator=generator).tolist()
-    llm = LLM(attention_backend="triton-sdpa", device="cuda", num_kv_blocks=128,
-              max_model_len=512)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        (first,) = llm.generate([prompt], params, use_tqdm=False)
-        (again,) = llm.generate([prompt], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    assert len(first.outputs[0].token_ids) == 8
-    assert again.num_cached_tokens > 0
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    # Prompt logprobs are computed, not read from the prefix cache: the hit asks for none.
+    hit_params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    sdpa_rows: list[int] = []
+    causal_sdpa = triton_backend.causal_sdpa
+
+    def counted(query: torch.Tensor, *args: object) -> torch.Tensor:
+        sdpa_rows.append(query.shape[0])
+        return causal_sdpa(query, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_backend, "causal_sdpa", counted)
+    results = {}
+    for backend in ("triton", "triton-sdpa"):
+        llm = LLM(attention_backend=backend, device="cuda", num_kv_blocks=128,
+                  max_model_len=512)
+        sdpa_rows.clear()
+        try:
+            (first,) = llm.generate([prompt], params, use_tqdm=False)
+            (again,) = llm.generate([prompt], hit_params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        assert sdpa_rows == ([300] * 4 if backend == "triton-sdpa" else [])
+        assert again.num_cached_tokens > 0
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        results[backend] = first
+    kernel, hybrid = results["triton"], results["triton-sdpa"]
+    assert kernel.prompt_logprobs is not None and hybrid.prompt_logprobs is not None
+    np.testing.assert_allclose(
+        [entry.logprob for entry in hybrid.prompt_logprobs[1:] if entry is not None],
+        [entry.logprob for entry in kernel.prompt_logprobs[1:] if entry is not None],
+        atol=5e-2)
