@@ -1,9 +1,11 @@
 """Times the prefill attention kernel's tiles on a GPU, one call a layer.
 
 At Llama-3.1-8B's attention shapes (32 query heads over 8 KV heads of dim 128, blocks of 16
-tokens drawn at random from the pool, bf16) and five prefill steps (one prompt of 2,048;
+tokens drawn at random from the pool, bf16) and six prefill steps (one prompt of 2,048;
 four prompts of 512; eight of 256; four chunks of 512 over cached prefixes of 512; chunks of
-128 over cached prefixes of 8,000 and 4,000 beside a prompt of 2,048), each tile given (rows
+128 over cached prefixes of 8,000 and 4,000 beside a prompt of 2,048; an agent's next turn,
+a chunk of 256 over a cached prefix of 30,000, whose 128 programs or fewer leave an H100's
+132 SMs short of work and walk up to 473 key tiles each), each tile given (rows
 of queries x padded group, keys a tile, warps, stages) runs `_prefill_kernel` directly, and
 `auto` runs `paged_prefill_attention` as the engine does (the autotuner's choice among
 `_TUNED_PREFILL_TILES`). In the steps of prompts alone (no cached prefix) `sdpa` attends as
@@ -48,7 +50,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # programs) beside a prompt, where the order of the programs matters most.
 STEPS = (("1 x 2,048", (0,), (2048,)), ("4 x 512", (0,) * 4, (512,) * 4),
          ("8 x 256", (0,) * 8, (256,) * 8), ("4 x 512 over 512", (512,) * 4, (512,) * 4),
-         ("128 over 8,000 and 4,000, 2,048", (8000, 4000, 0), (128, 128, 2048)))
+         ("128 over 8,000 and 4,000, 2,048", (8000, 4000, 0), (128, 128, 2048)),
+         ("256 over 30,000", (30000,), (256,)))
 CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 12", (0, 0), (12, 12)),
              ("2 x 12 over 20", (20, 20), (12, 12)), ("8 over 40, 24", (40, 0), (8, 24)))
 
