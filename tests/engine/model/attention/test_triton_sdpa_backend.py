@@ -156,11 +156,24 @@ def test_the_backend_is_chosen_by_name_and_checks_its_bound() -> None:
         TritonSdpaBackend(make_layout(torch.float32), min_sdpa_prompt_tokens=0)
 
 
+@pytest.fixture
+def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each call `triton-sdpa` makes to SDPA, in order."""
+    rows: list[int] = []
+    causal_sdpa = triton_backend.causal_sdpa
+
+    def counted(query: torch.Tensor, *args: object) -> torch.Tensor:
+        rows.append(query.shape[0])
+        return causal_sdpa(query, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_backend, "causal_sdpa", counted)
+    return rows
+
+
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="the kernels run under the interpreter, on CPU tensors, only without "
                            "a GPU; with one, the next test runs the backend")
-def test_an_engine_on_triton_sdpa_computes_what_sdpa_does(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_engine_on_triton_sdpa_computes_what_sdpa_does(sdpa_rows: list[int]) -> None:
     # A 300-token prompt (over the default bound of 256: SDPA) and a short one (the kernel)
     # in one step, each position's logprobs compared; then a prompt sharing the long one's
     # first 256 tokens: a prefix-cache hit, whose 44 new tokens the kernel attends over the
@@ -172,14 +185,6 @@ def test_an_engine_on_triton_sdpa_computes_what_sdpa_does(
     first_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2,
                                   prompt_logprobs=2)
     hit_params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2)
-    sdpa_rows: list[int] = []  # the rows each SDPA call of triton-sdpa attends
-    causal_sdpa = triton_backend.causal_sdpa
-
-    def counted(query: torch.Tensor, *args: object) -> torch.Tensor:
-        sdpa_rows.append(query.shape[0])
-        return causal_sdpa(query, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(triton_backend, "causal_sdpa", counted)
     results = {}
     for backend in ("sdpa", "triton-sdpa"):
         # fcfs: the continuum policy's start-up prefill profile is slow under the interpreter.
@@ -209,7 +214,7 @@ def test_an_engine_on_triton_sdpa_computes_what_sdpa_does(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_an_engine_on_triton_sdpa_computes_what_triton_does_on_cuda(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        sdpa_rows: list[int]) -> None:
     # In bf16: each prompt position's logprob of its token against an engine on `triton`,
     # SDPA called for the 300-token prompt in every layer (the start-up profile's calls
     # aside), and the same tokens again through a prefix-cache hit.
@@ -218,14 +223,6 @@ def test_an_engine_on_triton_sdpa_computes_what_triton_does_on_cuda(
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
     # Prompt logprobs are computed, not read from the prefix cache: the hit asks for none.
     hit_params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    sdpa_rows: list[int] = []
-    causal_sdpa = triton_backend.causal_sdpa
-
-    def counted(query: torch.Tensor, *args: object) -> torch.Tensor:
-        sdpa_rows.append(query.shape[0])
-        return causal_sdpa(query, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(triton_backend, "causal_sdpa", counted)
     results = {}
     for backend in ("triton", "triton-sdpa"):
         llm = LLM(attention_backend=backend, device="cuda", num_kv_blocks=128,
