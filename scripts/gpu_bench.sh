@@ -295,6 +295,7 @@ engine=("$python" -m engine.cli)
 
 if wants smoke; then
   tests=(tests/engine/model/attention/test_triton_kernels.py
+         tests/engine/model/attention/test_triton_backend.py
          tests/engine/model/attention/test_triton_sdpa_backend.py tests/engine/model/test_parity.py
          tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py
          tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py)

@@ -8,9 +8,10 @@ strides specialised to 1, the block table's row stride not specialised), so the 
 code a GPU would run. Nothing runs: it needs neither a GPU nor a CUDA driver.
 
 Usage: python scripts/kernel_codegen.py [--tiles M,N,WARPS,STAGES ...] [--head-dims 64 128]
-       [--groups 1 2 4 8 16] [--dtypes bf16 fp16 bf16/fp8] [--arch 90] [--json FILE]
+       [--groups 1 2 4 8 16] [--dtypes bf16 fp16 bf16/fp8] [--split] [--arch 90] [--json FILE]
 (default: every tile of `_TUNED_PREFILL_TILES`; a dtype `Q/KV` names the query's and the
-cache's). Exits 1 if a tile spills or its loads are not pipelined.
+cache's; `--split` compiles the variant that splits keys and writes float32 partials). Exits 1
+if a tile spills or its loads are not pipelined.
 """
 
 from __future__ import annotations
@@ -49,21 +50,24 @@ class TileCode:
     head_dim: int
     group_pad: int
     dtype: str
+    split: bool
     async_copies: int
     registers: int | None
     spill_bytes: int | None
 
 
 def compile_prefill(block_m: int, block_n: int, num_warps: int, num_stages: int, *,
-                    head_dim: int, group_pad: int, dtype: str, arch: int) -> TileCode:
-    """One tile of the prefill kernel compiled for `sm_{arch}`."""
+                    head_dim: int, group_pad: int, dtype: str, arch: int,
+                    split: bool = False) -> TileCode:
+    """One tile of the prefill kernel compiled for `sm_{arch}` (`split`: its variant that
+    splits keys)."""
     query_type, _, kv_type = dtype.partition("/")
     kernel = JITFunction(triton_kernels._prefill_kernel.fn)
     names = kernel.arg_names
     constexprs: dict[str, object] = {
         "NUM_KV_HEADS": 8, "GROUP": group_pad, "GROUP_PAD": group_pad,
         "BLOCK_Q": block_m // group_pad, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
-        "BLOCK_N": block_n, "DOT_PRECISION": "ieee",
+        "BLOCK_N": block_n, "DOT_PRECISION": "ieee", "SPLIT": split,
         **dict.fromkeys(_UNIT_STRIDES, 1)}
     signature = {}
     for name in names:
@@ -73,6 +77,8 @@ def compile_prefill(block_m: int, block_n: int, num_warps: int, num_stages: int,
             signature[name] = "*" + _TRITON_TYPES[kv_type or query_type]
         elif name in ("query_ptr", "out_ptr"):
             signature[name] = "*" + _TRITON_TYPES[query_type]
+        elif name.startswith("part_"):
+            signature[name] = "*fp32"
         elif name.endswith("_ptr"):
             signature[name] = "*i32"
         else:
@@ -87,7 +93,7 @@ def compile_prefill(block_m: int, block_n: int, num_warps: int, num_stages: int,
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     registers, spill_bytes = _ptxas_usage(compiled.asm["ptx"], arch)
-    return TileCode(block_m, block_n, num_warps, num_stages, head_dim, group_pad, dtype,
+    return TileCode(block_m, block_n, num_warps, num_stages, head_dim, group_pad, dtype, split,
                     compiled.asm["ttgir"].count("async_copy_global_to_local"),
                     registers, spill_bytes)
 
@@ -111,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", nargs="+", type=int, default=(64, 128))
     parser.add_argument("--groups", nargs="+", type=int, default=(1, 2, 4, 8, 16))
     parser.add_argument("--dtypes", nargs="+", default=("bf16", "fp16", "bf16/fp8"))
+    parser.add_argument("--split", action="store_true")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 for dtype in args.dtypes:
                     code = compile_prefill(block_m, block_n, num_warps, num_stages,
                                            head_dim=head_dim, group_pad=group_pad,
-                                           dtype=dtype, arch=args.arch)
+                                           dtype=dtype, arch=args.arch, split=args.split)
                     codes.append(code)
                     print(f"| {block_m} | {block_n} | {num_warps} | {num_stages} | "
                           f"{head_dim} | {group_pad} | {dtype} | {code.async_copies} | "

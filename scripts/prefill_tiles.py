@@ -4,12 +4,14 @@ At Llama-3.1-8B's attention shapes (32 query heads over 8 KV heads of dim 128, b
 tokens drawn at random from the pool, bf16) and six prefill steps (one prompt of 2,048;
 four prompts of 512; eight of 256; four chunks of 512 over cached prefixes of 512; chunks of
 128 over cached prefixes of 8,000 and 4,000 beside a prompt of 2,048; an agent's next turn,
-a chunk of 256 over a cached prefix of 30,000, whose 128 programs or fewer leave an H100's
-132 SMs short of work and walk up to 473 key tiles each), each tile given (rows
-of queries x padded group, keys a tile, warps, stages) runs `_prefill_kernel` directly, and
-`auto` runs `paged_prefill_attention` as the engine does (the autotuner's choice among
-`_TUNED_PREFILL_TILES`). In the steps of prompts alone (no cached prefix) `sdpa` attends as
-`triton-sdpa` does: torch's SDPA over each prompt's own K/V, one call a prompt. Each
+a chunk of 256 over a cached prefix of 30,000, whose 128 programs leave an H100's 132 SMs
+short of work unless their keys are split, and a chunk of 64 over the same), each tile given
+(rows of queries x padded group, keys a tile, warps, stages) runs `_prefill_kernel` directly,
+and `auto` runs `paged_prefill_attention` as the engine does (the autotuner's choice among
+`_TUNED_PREFILL_TILES`, with the key splits of `default_prefill_splits`, which the tiles
+take too). Where those split, `auto, 1 split` and `auto, N splits` (twice as many) time the
+same call unsplit and split further. In the steps of prompts alone (no cached prefix) `sdpa`
+attends as `triton-sdpa` does: torch's SDPA over each prompt's own K/V, one call a prompt. Each
 variant's output is checked against auto's (the largest absolute difference, NaN if it left
 a row unwritten). Times are `triton.testing.do_bench` medians
 in device events. Also printed: the tensor-core rate each reaches (the causal QK^T and PV
@@ -51,20 +53,15 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 STEPS = (("1 x 2,048", (0,), (2048,)), ("4 x 512", (0,) * 4, (512,) * 4),
          ("8 x 256", (0,) * 8, (256,) * 8), ("4 x 512 over 512", (512,) * 4, (512,) * 4),
          ("128 over 8,000 and 4,000, 2,048", (8000, 4000, 0), (128, 128, 2048)),
-         ("256 over 30,000", (30000,), (256,)))
+         ("256 over 30,000", (30000,), (256,)), ("64 over 30,000", (30000,), (64,)))
 CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 8", (0, 0), (8, 8)),
-             ("2 x 12 over 20", (20, 20), (12, 12)), ("8 over 40, 24", (40, 0), (8, 24)))
+             ("4 over 1,030", (1030,), (4,)), ("8 over 40, 24", (40, 0), (8, 24)))
 
 
-def _time_us(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        from triton.testing import do_bench
+def _time_us(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
 
-        return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-    fn()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e6
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 class PrefillStep:
@@ -94,6 +91,8 @@ class PrefillStep:
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
         self.max_query_len = max(query_lens)
         self.prompts_only = not any(context_lens)
+        self.num_splits = triton_kernels.default_prefill_splits(
+            query_lens, max(seq_lens), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
         # Each token's K/V in step order, as the layer hands them to attention.
         slot_ids = [int(table[index, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE
                     for index, seq_len in enumerate(seq_lens)
@@ -109,11 +108,12 @@ class PrefillStep:
                                                              strict=True))
         self.flops = pairs * NUM_HEADS * HEAD_DIM * 4
 
-    def auto(self) -> None:
+    def auto(self, num_splits: int | None = None) -> None:
+        """The engine's call: the autotuner's tile, the rule's splits unless given."""
         triton_kernels.paged_prefill_attention(
             self.query, self.k_cache, self.v_cache, self.block_table, self.query_start_loc,
             self.seq_lens, self.scale, block_size=BLOCK_SIZE, max_query_len=self.max_query_len,
-            out=self.out)
+            out=self.out, num_splits=self.num_splits if num_splits is None else num_splits)
 
     def sdpa(self) -> None:
         """SDPA's part of a step of prompts alone in `triton-sdpa`: a call a prompt."""
@@ -136,7 +136,8 @@ class PrefillStep:
             self.query, self.k_cache, self.v_cache, self.block_table, self.query_start_loc,
             self.seq_lens, self.out, self.scale, block_size=BLOCK_SIZE,
             max_query_len=self.max_query_len, sliding_window=None,
-            tile=triton_kernels._TileConfig(block_m, block_n, num_warps, num_stages))
+            tile=triton_kernels._TileConfig(block_m, block_n, num_warps, num_stages),
+            num_splits=self.num_splits)
 
 
 def main() -> int:
@@ -157,16 +158,24 @@ def main() -> int:
         variants: list[tuple[str, Callable[[], None]]] = [("auto", step.auto)]
         variants += [(",".join(map(str, tile)), functools.partial(step.tile, *tile))
                      for tile in tiles]
+        if step.num_splits > 1:
+            more = min(2 * step.num_splits, 64)
+            variants += [("auto, 1 split", functools.partial(step.auto, 1)),
+                         (f"auto, {more} splits", functools.partial(step.auto, more))]
         if step.prompts_only:
             variants.append(("sdpa", step.sdpa))
-        step.auto()
-        reference = step.out.clone()
+        reference = None  # auto's output, the first variant's
         for label, fn in variants:
             step.out.fill_(float("nan"))
+            started = time.perf_counter()
             (step.sdpa_checked if label == "sdpa" else fn)()
+            checked_us = (time.perf_counter() - started) * 1e6
+            if reference is None:
+                reference = step.out.clone()
             error = (step.out.float() - reference.float()).abs().max().item()
-            us = _time_us(fn, device)
-            rows.append({"step": name, "tile": label, "us": us,
+            # Under the interpreter the checked call's time is the dry run's (it means nothing).
+            us = _time_us(fn) if device.type == "cuda" else checked_us
+            rows.append({"step": name, "tile": label, "num_splits": step.num_splits, "us": us,
                          "tflops": step.flops / (us * 1e-6) / 1e12, "max_diff_vs_auto": error})
     source = Path(triton_kernels.__file__).resolve()
     print(f"prefill attention, {NUM_HEADS} heads over {NUM_KV_HEADS}, head dim {HEAD_DIM}, "

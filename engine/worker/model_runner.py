@@ -39,7 +39,7 @@ from engine.model.attention import (
     AttentionMetadata,
     make_attention_backend,
 )
-from engine.model.attention.backend import slot_mapping, step_positions, to_device
+from engine.model.attention.backend import ProfiledStep, slot_mapping, step_positions, to_device
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model, resolve_device, resolve_dtype
 from engine.outputs import (
@@ -169,9 +169,8 @@ class ModelRunner:
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)
         scratch = self._allocate_kv_caches(max(-(-num_tokens // self.block_size), max_bucket))
-        prefill_peak = max(self._prefill_peak_bytes(scratch, num_tokens, context_len)
-                           for context_len in self.attention.profiled_context_lens()
-                           if context_len < num_tokens)
+        prefill_peak = max(self._prefill_peak_bytes(scratch, step)
+                           for step in self.attention.profiled_steps(num_tokens))
         decode_peak = self._decode_peak_bytes(scratch, max_bucket) if max_bucket else 0
         del scratch
         torch.cuda.empty_cache()
@@ -179,17 +178,18 @@ class ModelRunner:
         null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.kv_dtype)
         return max(prefill_peak, decode_peak) + graphs_bytes + null_block_bytes
 
-    def _prefill_peak_bytes(self, scratch: list[torch.Tensor], num_tokens: int,
-                            context_len: int) -> int:
-        """The peak of a forward of one sequence of `num_tokens` tokens, the first
-        `context_len` of them cached, the rest computed."""
+    def _prefill_peak_bytes(self, scratch: list[torch.Tensor], step: ProfiledStep) -> int:
+        """The peak of a forward of `step`, one sequence over the scratch cache's blocks,
+        which a context longer than the scratch reads again and again (its K/V are
+        garbage either way)."""
+        num_scratch_blocks = scratch[0].shape[1] // self.block_size
+        num_blocks = -(-(step.context_len + step.query_len) // self.block_size)
         metadata = self.attention.build_metadata(
-            np.array([num_tokens - context_len]), np.array([context_len]),
-            np.arange(-(-num_tokens // self.block_size))[None])
-        input_ids = torch.zeros(num_tokens - context_len, dtype=torch.int64,
-                                device=self.device)
+            np.array([step.query_len]), np.array([step.context_len]),
+            (np.arange(num_blocks) % num_scratch_blocks)[None])
+        input_ids = torch.zeros(step.query_len, dtype=torch.int64, device=self.device)
         positions = torch.from_numpy(metadata.positions).to(self.device)
-        num_rows = min(num_tokens - context_len, self.config.scheduler.max_num_seqs)
+        num_rows = min(step.query_len, self.config.scheduler.max_num_seqs)
         return _peak_bytes(self.device, lambda: self.model.compute_logits(
             self.model(input_ids, positions, scratch, metadata)[:num_rows]).softmax(dim=-1))
 

@@ -1,5 +1,6 @@
 """`scripts/prefill_tiles.py`'s CPU dry run: every tile is timed and written, and its output
-matches the engine's own call's; in the steps of prompts alone, so does SDPA's."""
+matches the engine's own call's; in the steps of prompts alone, so does SDPA's, and where the
+engine splits keys, so do the same call unsplit and split further."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def test_prefill_tiles_times_each_tile_and_checks_it_against_the_engines_call(
                     "--json", str(out)], cwd=REPO, check=True, capture_output=True, text=True)
     rows = json.loads(out.read_text())["rows"]
     assert {(row["step"], row["tile"]) for row in rows} == {
-        (step, tile) for step in ("1 x 40", "2 x 8", "2 x 12 over 20", "8 over 40, 24")
-        for tile in ("auto", "32,32,4,1")} | {("1 x 40", "sdpa"), ("2 x 8", "sdpa")}
+        (step, tile) for step in ("1 x 40", "2 x 8", "4 over 1,030", "8 over 40, 24")
+        for tile in ("auto", "32,32,4,1")} | {("1 x 40", "sdpa"), ("2 x 8", "sdpa")} | {
+        ("4 over 1,030", "auto, 1 split"), ("4 over 1,030", "auto, 4 splits")}
+    # The chunk over a long context splits its keys (the tile too); the others do not.
+    assert {row["step"]: row["num_splits"] for row in rows} == {
+        "1 x 40": 1, "2 x 8": 1, "4 over 1,030": 2, "8 over 40, 24": 1}
     assert all(row["us"] > 0 and row["max_diff_vs_auto"] < 1e-5 for row in rows)

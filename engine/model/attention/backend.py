@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +55,13 @@ class AttentionLayout:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+class ProfiledStep(NamedTuple):
+    """A step of one sequence: `query_len` new tokens after `context_len` cached ones."""
+
+    query_len: int
+    context_len: int
 
 
 class AttentionMetadata(ABC):
@@ -113,13 +120,13 @@ class AttentionBackend(ABC):
         """A decode plan reading only `buffers` (whose contents change between replays)."""
         raise NotImplementedError(f"the {self.name} attention backend has no static decode")
 
-    def profiled_context_lens(self) -> tuple[int, ...]:
-        """Cached-prefix lengths of the full-budget steps the runner profiles at start-up on
-        CUDA (each step's memory peak, before the pool is sized; also the forwards that
-        compile and tune the kernels): one prompt, with no cached prefix. A backend that
-        attends prompts and chunks over a cached prefix with different kernels adds a
-        chunk, so that both run."""
-        return (0,)
+    def profiled_steps(self, num_tokens: int) -> tuple[ProfiledStep, ...]:
+        """The one-sequence steps the runner profiles at start-up on CUDA, given the step
+        budget `num_tokens` (each step's memory peak, before the pool is sized; also the
+        forwards that compile and tune the kernels): a prompt of `num_tokens`, with no
+        cached prefix. A backend that attends other steps with other kernels or kernel
+        variants adds one step for each, so that every one runs before serving."""
+        return (ProfiledStep(num_tokens, 0),)
 
     def scratch_bytes(self, num_kv_tokens: int) -> int:
         """At most how many bytes of scratch memory one layer's attention allocates in a step

@@ -14,6 +14,7 @@ which are contiguous there: no cache read, no gather. Its K/V are still written 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from engine.model.attention.backend import (
     AttentionMetadata,
     DecodeBuffers,
     FlatStep,
+    ProfiledStep,
     to_device,
 )
 from engine.model.attention.sdpa import sdpa_in_row_slices
@@ -37,6 +39,12 @@ MIN_FP8_CAPABILITY = (8, 9)
 # every prompt in one; the attention of a short prompt is too small for a faster kernel to
 # repay that. Not tuned: no GPU has timed the two kernels on short prompts.
 MIN_SDPA_PROMPT_TOKENS = 256
+# The chunk of the start-up step that tunes the split prefill kernel: an agent's next turn.
+_PROFILED_CHUNK_TOKENS = 256
+
+# How a prefill is attended: SDPA over the step's own K/V (`triton-sdpa`), the prefill kernel,
+# or its variant that splits each program's keys.
+PrefillAttention = Literal["sdpa", "kernel", "split kernel"]
 
 
 def check_float8_runs_on(device: torch.device) -> None:
@@ -69,6 +77,7 @@ class PrefillPlan:
     query_start_loc: torch.Tensor  # [seqs + 1] int32, relative to the first prefill token
     seq_lens: torch.Tensor  # [seqs] int32
     max_query_len: int
+    num_splits: int = 1  # key splits of each program (`default_prefill_splits`)
 
 
 @dataclass(frozen=True)
@@ -104,7 +113,8 @@ class TritonMetadata(AttentionMetadata):
                 query[split:kernel_rows_end], k_cache, v_cache, self.prefill.block_table,
                 self.prefill.query_start_loc, self.prefill.seq_lens, scale,
                 block_size=block_size, max_query_len=self.prefill.max_query_len,
-                sliding_window=window, out=output[split:kernel_rows_end])
+                sliding_window=window, out=output[split:kernel_rows_end],
+                num_splits=self.prefill.num_splits)
         for start, end in self.sdpa_prompts:
             output[start:end] = causal_sdpa(query[start:end], key[start:end],
                                             value[start:end], scale)
@@ -162,9 +172,15 @@ class TritonBackend(AttentionBackend):
         )
 
     def num_sdpa_prompts(self, step: FlatStep) -> int:
-        """How many of the step's last sequences SDPA attends instead of the prefill kernel:
-        none in `triton`."""
-        return 0
+        """How many of the step's last sequences SDPA attends instead of the prefill kernel
+        (`is_sdpa_prompt`; the runner lays such prompts out last)."""
+        count = 0
+        for query_len, context_len in zip(step.query_lens[::-1].tolist(),
+                                          step.context_lens[::-1].tolist(), strict=True):
+            if not self.is_sdpa_prompt(query_len, context_len):
+                break
+            count += 1
+        return count
 
     def build_decode_metadata(self, buffers: DecodeBuffers) -> TritonMetadata:
         layout = self.layout
@@ -191,13 +207,58 @@ class TritonBackend(AttentionBackend):
 
     def _prefill_plan(self, query_lens: np.ndarray, seq_lens: np.ndarray,
                       block_table: np.ndarray) -> PrefillPlan:
-        num_blocks = -(-int(seq_lens.max()) // self.layout.block_size)
+        max_seq_len = int(seq_lens.max())
+        num_blocks = -(-max_seq_len // self.layout.block_size)
         return PrefillPlan(
             block_table=self._device_int32(block_table[:, :num_blocks]),
             query_start_loc=self._device_int32(np.concatenate([[0], np.cumsum(query_lens)])),
             seq_lens=self._device_int32(seq_lens),
             max_query_len=int(query_lens.max()),
+            num_splits=self._prefill_splits(query_lens.tolist(), max_seq_len),
         )
+
+    def _prefill_splits(self, query_lens: list[int], max_seq_len: int) -> int:
+        layout = self.layout
+        return triton_kernels.default_prefill_splits(
+            query_lens, max_seq_len, layout.num_heads, layout.num_kv_heads, layout.head_dim)
+
+    def profiled_steps(self, num_tokens: int) -> tuple[ProfiledStep, ...]:
+        """The full-budget prompt, then one step for each other way this backend can attend a
+        prefill (`attention_of`) that a serving step can reach, so that each compiles (and
+        the prefill kernel's tile is tuned, apart with and without key splits) before
+        serving. In order of preference: a chunk at the budget over one cached token, a
+        chunk over one cached token whose sequence holds under 1,024 tokens (too short to
+        split), and a chunk of 256 or 2 tokens over the longest context (split where any
+        step is)."""
+        max_model_len = self.layout.max_model_len
+        steps = list(super().profiled_steps(num_tokens))
+        short = min(num_tokens, 2 * triton_kernels.MIN_PREFILL_KEYS_PER_SPLIT - 1)
+        candidates = [ProfiledStep(num_tokens - 1, 1), ProfiledStep(short - 1, 1)]
+        candidates += [ProfiledStep(query_len, max_model_len - query_len)
+                       for query_len in (min(_PROFILED_CHUNK_TOKENS, num_tokens), 2)]
+        for step in candidates:
+            reached = {self.attention_of(done) for done in steps}
+            if (2 <= step.query_len <= num_tokens and step.context_len >= 0
+                    and self.attention_of(step) not in reached):
+                steps.append(step)
+        return tuple(steps)
+
+    def attention_of(self, step: ProfiledStep) -> PrefillAttention:
+        """How a step of one sequence (`query_len` >= 2) is attended."""
+        if self.is_sdpa_prompt(step.query_len, step.context_len):
+            return "sdpa"
+        splits = self._prefill_splits([step.query_len], step.query_len + step.context_len)
+        return "split kernel" if splits > 1 else "kernel"
+
+    def is_sdpa_prompt(self, query_len: int, context_len: int) -> bool:
+        """Whether SDPA attends a sequence of `query_len` new tokens after `context_len`
+        cached ones, when it comes last in a step: never in `triton`."""
+        return False
+
+    def scratch_bytes(self, num_kv_tokens: int) -> int:
+        """The partials of a prefill whose keys are split: at most
+        `triton_kernels.PREFILL_PARTIALS_BYTES` whatever the pool."""
+        return triton_kernels.PREFILL_PARTIALS_BYTES
 
     def _device_int32(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.layout.device, np.int32)
@@ -229,23 +290,11 @@ class TritonSdpaBackend(TritonBackend):
                              and layout.cache_dtype == layout.dtype
                              and _has_flash_sdpa(layout))
 
-    def profiled_context_lens(self) -> tuple[int, ...]:
-        """A prompt (SDPA's, if long enough) and a chunk over one cached token (the prefill
-        kernel's), where SDPA applies."""
-        return (0, 1) if self.sdpa_applies else (0,)
-
-    def num_sdpa_prompts(self, step: FlatStep) -> int:
-        """The step's last sequences that are prompts with no cached prefix and at least
-        `min_sdpa_prompt_tokens` tokens (the runner lays such prompts out last)."""
-        if not self.sdpa_applies:
-            return 0
-        count = 0
-        for query_len, context_len in zip(step.query_lens[::-1].tolist(),
-                                          step.context_lens[::-1].tolist(), strict=True):
-            if context_len or query_len < self.min_sdpa_prompt_tokens:
-                break
-            count += 1
-        return count
+    def is_sdpa_prompt(self, query_len: int, context_len: int) -> bool:
+        """A prompt with no cached prefix and at least `min_sdpa_prompt_tokens` tokens, where
+        SDPA applies."""
+        return (self.sdpa_applies and context_len == 0
+                and query_len >= self.min_sdpa_prompt_tokens)
 
 
 def _has_flash_sdpa(layout: AttentionLayout) -> bool:

@@ -27,6 +27,7 @@ compiled kernels are untouched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -51,8 +52,13 @@ _NUM_SMS = 132  # H100 SXM; the split heuristic aims to fill them
 _MAX_SPLITS = 64  # the reduction holds all splits of a head in registers
 _MAX_GRID = 2**31 - 1  # programs on a grid's first axis (CUDA's limit)
 _MIN_BLOCKS_PER_SPLIT = 4
+MIN_PREFILL_KEYS_PER_SPLIT = 512  # eight key tiles of 64
+# The float32 partials of a step's split prefill (max, sum and output of every query row, head
+# and split) take at most this many bytes; the rule gives fewer splits rather than more.
+PREFILL_PARTIALS_BYTES = 32 * 2**20
 _DECODE_BLOCK_N = 64  # key positions per tile of the default decode tile
 _MIN_DOT_M = 16  # tl.dot needs M >= 16 on tensor cores
+_PREFILL_ROWS = 64  # rows of the untuned prefill tile in 16-bit (`_prefill_config`)
 
 
 class _TileConfig(NamedTuple):
@@ -83,6 +89,29 @@ def default_num_splits(max_seq_len: int, block_size: int, batch: int, num_kv_hea
     min_split_len = max(_MIN_BLOCKS_PER_SPLIT * block_size, _DECODE_BLOCK_N)
     splits = min(wanted, max_seq_len // min_split_len, _MAX_SPLITS)
     return _floor_power_of_two(max(splits, 1))
+
+
+def default_prefill_splits(query_lens: Sequence[int], max_seq_len: int, num_heads: int,
+                           num_kv_heads: int, head_dim: int) -> int:
+    """Key splits per program for `paged_prefill_attention`, a host-side choice from the
+    step's query lengths and its longest sequence (cached context and queries).
+
+    A step of short chunks over long cached contexts (an agent's next turn) launches fewer
+    programs than an H100 has SMs, each walking every key tile of its context; splitting
+    each program's keys aims, as decode does, at two programs an SM (counting 64-row query
+    tiles, the untuned rule's). No split covers fewer than 512 keys of the longest sequence,
+    whose fixed cost the reduction would not repay, and the partials stay within
+    `PREFILL_PARTIALS_BYTES`. 1 for a step that fills the card (every full-budget prompt).
+    """
+    group_pad = _next_power_of_two(num_heads // num_kv_heads)
+    block_q = max(_PREFILL_ROWS // group_pad, 1)
+    programs = num_kv_heads * sum(-(-query_len // block_q) for query_len in query_lens)
+    if programs == 0 or programs >= _NUM_SMS:
+        return 1
+    partial_bytes = sum(query_lens) * num_heads * (head_dim + 2) * 4
+    splits = min(-(-2 * _NUM_SMS // programs), max_seq_len // MIN_PREFILL_KEYS_PER_SPLIT,
+                 PREFILL_PARTIALS_BYTES // partial_bytes, _MAX_SPLITS)
+    return max(splits, 1)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -204,6 +233,7 @@ def paged_prefill_attention(
     max_query_len: int,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Causal attention of multi-token queries (prefills and chunks over a cached prefix).
 
@@ -221,8 +251,13 @@ def paged_prefill_attention(
     - `sliding_window`: when given, a query at position q attends keys in
       `(q - sliding_window, q]`; otherwise all keys `<= q` (bottom-right aligned causal mask).
     - `out`: optional [T, num_heads, head_dim] output, the query's dtype.
+    - `num_splits`: a host int from 1 to 64 (`default_prefill_splits`); split `s` of a
+      program covers the `s`-th share of the key tiles its queries reach. With more than
+      one, every program writes float32 partials as decode's splits do, and a second
+      kernel (decode's reduction under a name of its own) combines them, one program per
+      query row and head.
 
-    Programs: one per query tile, KV head and sequence (`_launch_prefill`). A program's
+    Programs: one per query tile, KV head, key split and sequence (`_launch_prefill`). A program's
     BLOCK_M rows (64; 32 in float32; for 16-bit on CUDA, with at most 128 query heads a KV
     head, 64 or 128 as measured on the device: `_TUNED_PREFILL_TILES`) are BLOCK_Q query
     tokens times the G query heads of one KV head (G padded to a power of two), so a K/V tile
@@ -236,6 +271,8 @@ def paged_prefill_attention(
     _check_index("block_table", block_table, 2)
     _check_index("query_start_loc", query_start_loc, 1)
     _check_index("seq_lens", seq_lens, 1)
+    if not 1 <= num_splits <= _MAX_SPLITS:
+        raise ValueError(f"num_splits must be from 1 to {_MAX_SPLITS}, got {num_splits}")
     out = _output(query, out)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len < 1:
@@ -248,7 +285,7 @@ def paged_prefill_attention(
         tile = _prefill_config(group_pad, head_dim, query.dtype)
     _launch_prefill(query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
                     scale, block_size=block_size, max_query_len=max_query_len,
-                    sliding_window=sliding_window, tile=tile)
+                    sliding_window=sliding_window, tile=tile, num_splits=num_splits)
     return out
 
 
@@ -256,41 +293,56 @@ def _launch_prefill(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     out: torch.Tensor, scale: float, *, block_size: int, max_query_len: int,
-    sliding_window: int | None, tile: _TileConfig | None,
+    sliding_window: int | None, tile: _TileConfig | None, num_splits: int = 1,
 ) -> None:
     """Enqueues the prefill kernel over checked inputs: with `tile` (rows, keys, warps,
-    stages) as given, or, None, with the autotuner's tile (`_tuned_prefill_kernel`).
+    stages) as given, or, None, with the autotuner's tile (`_tuned_prefill_kernel`, tuned
+    apart with and without splits); with `num_splits` > 1, then the reduction.
 
-    The grid is flat, `cdiv(max_query_len, BLOCK_Q)` rounds of one program per KV head and
-    sequence, each round one query tile further back from every sequence's last
+    The grid is flat, `cdiv(max_query_len, BLOCK_Q)` rounds of one program per KV head, key
+    split and sequence, each round one query tile further back from every sequence's last
     (`_prefill_program`). ValueError if it would pass Triton's limit on the grid."""
-    num_heads, head_dim = query.shape[1:]
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_pad = _next_power_of_two(group)
+    if num_splits == 1:
+        part_max = part_sum = part_acc = out  # unused: the kernel normalises in place
+    else:
+        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                               device=query.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim),
+                               dtype=torch.float32, device=query.device)
     args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
-            scale * _LOG2_E, _window(sliding_window), num_seqs,
-            *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-            *out.stride())
+            part_max, part_sum, part_acc, scale * _LOG2_E, _window(sliding_window), num_seqs,
+            num_splits, *query.stride(), *k_cache.stride(), *v_cache.stride(),
+            block_table.stride(0), *out.stride())
     shapes = {"NUM_KV_HEADS": num_kv_heads, "GROUP": group, "GROUP_PAD": group_pad,
               "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
-              "DOT_PRECISION": _dot_precision(query.dtype)}
+              "DOT_PRECISION": _dot_precision(query.dtype), "SPLIT": num_splits > 1}
 
     def grid(block_q: int) -> tuple[int]:
-        return (triton.cdiv(max_query_len, block_q) * num_kv_heads * num_seqs,)
+        return (triton.cdiv(max_query_len, block_q) * num_kv_heads * num_splits * num_seqs,)
 
     if grid(1)[0] > _MAX_GRID:  # the most programs any tile launches (BLOCK_Q 1)
-        raise ValueError(f"a prefill of {num_seqs} sequences, {max_query_len} query tokens "
-                         f"and {num_kv_heads} KV heads needs more than {_MAX_GRID} programs")
+        raise ValueError(f"a prefill of {num_seqs} sequences, {max_query_len} query tokens, "
+                         f"{num_kv_heads} KV heads and {num_splits} key splits needs more "
+                         f"than {_MAX_GRID} programs")
 
     if tile is None:
         _tuned_prefill_kernel[lambda meta: grid(meta["BLOCK_Q"])](*args, **shapes)
-        return
-    block_q = tile.block_m // group_pad
-    _prefill_kernel[grid(block_q)](
-        *args, **shapes, BLOCK_Q=block_q, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+    else:
+        block_q = tile.block_m // group_pad
+        _prefill_kernel[grid(block_q)](
+            *args, **shapes, BLOCK_Q=block_q, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
+            num_stages=tile.num_stages)
+    if num_splits > 1:
+        _prefill_reduce_kernel[(num_tokens, num_heads)](
+            part_max, part_sum, part_acc, out, *out.stride(), num_splits,
+            MAX_SPLITS=_MAX_SPLITS, HEAD_DIM=head_dim, num_warps=4,
+        )
 
 
 @triton.jit
@@ -399,11 +451,31 @@ def _decode_reduce_kernel(
     stride_ob, stride_oh, stride_od, num_splits,
     MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    _combine_splits(part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
+                    stride_od, num_splits, MAX_SPLITS, HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _prefill_reduce_kernel(
+    part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr,
+    stride_ot, stride_oh, stride_od, num_splits,
+    MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    _combine_splits(part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
+                    stride_od, num_splits, MAX_SPLITS, HEAD_DIM)
+
+
+@triton.jit
+def _combine_splits(part_max_ptr, part_sum_ptr, part_acc_ptr, out_ptr, stride_or, stride_oh,
+                    stride_od, num_splits, MAX_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Output row `program_id(0)`, head `program_id(1)`, from the float32 partials of its
+    splits ([rows, heads, splits (, head_dim)]); two kernels call it so that a profile tells
+    decode's reduction from prefill's."""
+    row = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, MAX_SPLITS)
     split_ok = splits < num_splits
-    part = (seq * tl.num_programs(1) + head) * num_splits + splits
+    part = (row * tl.num_programs(1) + head) * num_splits + splits
     maxes = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
     sums = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
     top = tl.max(maxes, 0)
@@ -416,7 +488,7 @@ def _decode_reduce_kernel(
                   mask=split_ok[:, None], other=0.0)
     numerator = tl.sum(acc * weights[:, None], 0)
     result = numerator / tl.where(denominator > 0, denominator, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od,
+    tl.store(out_ptr + row * stride_or + head * stride_oh + dims * stride_od,
              result.to(out_ptr.dtype.element_ty))
 
 
@@ -461,20 +533,21 @@ def _prefill_key_tile(q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, b
 
 
 @triton.jit
-def _prefill_program(program, query_start_loc_ptr, num_seqs, NUM_KV_HEADS: tl.constexpr,
-                     BLOCK_Q: tl.constexpr):
-    """What prefill program `program` computes: `(kv_head, seq, q_tile, query_start,
-    query_len)`. KV heads vary fastest, then sequences, then query tiles counted back from
-    each sequence's last, so the device dispatches every sequence's last tiles (under a causal
-    mask, those that walk the most key tiles) first and its cheap first tiles last. A
-    negative `q_tile` lies before a shorter sequence's first query: that program does
-    nothing."""
+def _prefill_program(program, query_start_loc_ptr, num_seqs, num_splits,
+                     NUM_KV_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """What prefill program `program` computes: `(kv_head, split, seq, q_tile, query_start,
+    query_len)`. KV heads vary fastest, then key splits, then sequences, then query tiles
+    counted back from each sequence's last, so the device dispatches every sequence's last
+    tiles (under a causal mask, those that walk the most key tiles) first and its cheap first
+    tiles last. A negative `q_tile` lies before a shorter sequence's first query: that
+    program does nothing."""
     kv_head = program % NUM_KV_HEADS
-    seq = program // NUM_KV_HEADS % num_seqs
+    split = program // NUM_KV_HEADS % num_splits
+    seq = program // (NUM_KV_HEADS * num_splits) % num_seqs
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
-    q_tile = tl.cdiv(query_len, BLOCK_Q) - 1 - program // (NUM_KV_HEADS * num_seqs)
-    return kv_head, seq, q_tile, query_start, query_len
+    q_tile = tl.cdiv(query_len, BLOCK_Q) - 1 - program // (NUM_KV_HEADS * num_splits * num_seqs)
+    return kv_head, split, seq, q_tile, query_start, query_len
 
 
 @triton.jit
@@ -486,11 +559,11 @@ def _decode_program(program, num_kv_heads, num_splits):
             program // (num_kv_heads * num_splits))
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "num_splits"])
 def _prefill_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    out_ptr,
-    qk_scale, window, num_seqs,
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    qk_scale, window, num_seqs, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ks, stride_kh, stride_kd,
     stride_vs, stride_vh, stride_vd,
@@ -498,10 +571,10 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    kv_head, seq, q_tile, query_start, query_len = _prefill_program(
-        tl.program_id(0), query_start_loc_ptr, num_seqs, NUM_KV_HEADS, BLOCK_Q)
+    kv_head, split, seq, q_tile, query_start, query_len = _prefill_program(
+        tl.program_id(0), query_start_loc_ptr, num_seqs, num_splits, NUM_KV_HEADS, BLOCK_Q)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
 
@@ -533,6 +606,10 @@ def _prefill_kernel(
     first_whole = tl.cdiv(tl.maximum(last_q_pos - window + 1, 0), BLOCK_N)
     mid_lo = tl.minimum(tl.maximum(first_whole, lo), hi)
     mid_hi = tl.minimum(tl.maximum((first_q_pos + 1) // BLOCK_N, mid_lo), hi)
+    # This program's split of them: the `split`-th share of [lo, hi), all of it unsplit.
+    tiles_per_split = tl.cdiv(tl.maximum(hi - lo, 0), num_splits)
+    split_lo = lo + split * tiles_per_split
+    split_hi = tl.minimum(split_lo + tiles_per_split, hi)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -540,28 +617,36 @@ def _prefill_kernel(
     block_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    for tile in range(lo, mid_lo):
+    for tile in range(split_lo, tl.minimum(mid_lo, split_hi)):
         acc, m_i, l_i = _prefill_key_tile(
             q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row, k_base, v_base,
             stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             DOT_PRECISION, True)
-    for tile in range(mid_lo, mid_hi):
+    for tile in range(tl.maximum(mid_lo, split_lo), tl.minimum(mid_hi, split_hi)):
         acc, m_i, l_i = _prefill_key_tile(
             q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row, k_base, v_base,
             stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             DOT_PRECISION, False)
-    for tile in range(mid_hi, hi):
+    for tile in range(tl.maximum(mid_hi, split_lo), split_hi):
         acc, m_i, l_i = _prefill_key_tile(
             q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row, k_base, v_base,
             stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             DOT_PRECISION, True)
 
-    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + q_rows[:, None] * stride_ot + q_heads[:, None] * stride_oh
-        + dims[None, :] * stride_od,
-        result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
-    )
+    if not SPLIT:
+        result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + q_rows[:, None] * stride_ot + q_heads[:, None] * stride_oh
+            + dims[None, :] * stride_od,
+            result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
+        )
+    else:
+        # The decode reduction's layout, [query rows, heads, splits (, head_dim)].
+        part = (q_rows * (NUM_KV_HEADS * GROUP) + q_heads) * num_splits + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None])
 
 
 # Prefill in 16-bit on CUDA: the tile shape is measured on the device at the first prefill of
@@ -592,7 +677,7 @@ _tuned_prefill_kernel = triton.autotune(
              for block_q in (1, 2, 4, 8, 16, 32, 64, 128)
              for block_n, warps, stages in dict.fromkeys(tile[1:] for tile in
                                                          _TUNED_PREFILL_TILES)],
-    key=["HEAD_DIM", "GROUP_PAD", "BLOCK_SIZE"],
+    key=["HEAD_DIM", "GROUP_PAD", "BLOCK_SIZE", "SPLIT"],
     prune_configs_by={"early_config_prune": _prune_prefill_configs},
 )(_prefill_kernel)
 
@@ -646,7 +731,7 @@ def _prefill_config(group_pad: int, head_dim: int, dtype: torch.dtype) -> _TileC
         # float32 operands take the FMA path, not tensor cores: smaller tiles avoid spills.
         return _TileConfig(max(32, group_pad), 32, 4 if head_dim <= 32 else 8,
                            2 if head_dim <= 64 else 1)
-    return _TileConfig(max(64, group_pad), 64, 4 if head_dim <= 64 else 8, 2)
+    return _TileConfig(max(_PREFILL_ROWS, group_pad), 64, 4 if head_dim <= 64 else 8, 2)
 
 
 def _check_inputs(

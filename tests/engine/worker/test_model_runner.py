@@ -230,3 +230,35 @@ def test_placeholders_take_the_next_positions_until_their_tokens_are_set() -> No
     assert batch.token_ids[0, :3].tolist() == [3, 7, 8]
     batch.remove("b")
     assert batch.num_penalised_rows == 0
+
+
+def test_the_start_up_profile_runs_each_step_the_backend_names_over_the_scratch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA these forwards compile and tune every kernel variant before the pool is sized;
+    # here the same code runs on the CPU (its peaks not measured). The split variant's step,
+    # a chunk over the longest context, reads the few scratch blocks again and again.
+    pytest.importorskip("triton")
+    runner = ModelRunner(EngineConfig(
+        model=ModelConfig(model="tiny", attention_backend="triton"),
+        cache=CacheConfig(block_size=16, num_kv_blocks=65),
+        scheduler=SchedulerConfig(max_model_len=1030, max_num_batched_tokens=16,
+                                  max_num_seqs=2)))
+    build_metadata = runner.attention.build_metadata
+    plans = []
+
+    def spy(query_lens: np.ndarray, context_lens: np.ndarray, block_table: np.ndarray):
+        metadata = build_metadata(query_lens, context_lens, block_table)
+        plans.append((query_lens.tolist(), context_lens.tolist(), int(block_table.max()),
+                      metadata.prefill.num_splits))
+        return metadata
+
+    def peak_bytes(device: torch.device, run) -> int:
+        assert torch.isfinite(run()).all()
+        return 0
+
+    monkeypatch.setattr(runner.attention, "build_metadata", spy)
+    monkeypatch.setattr("engine.worker.model_runner._peak_bytes", peak_bytes)
+    runner._profile_reserved_bytes()
+    # The scratch holds 2 blocks (the largest decode bucket's) and the null block; the
+    # chunk's 65 blocks read them in turn.
+    assert plans == [([16], [0], 0, 1), ([16], [1014], 2, 2)]

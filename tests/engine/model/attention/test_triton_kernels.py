@@ -35,6 +35,7 @@ from engine.model.attention.triton_kernels import (
     _prefill_program,
     decode_tile_candidates,
     default_num_splits,
+    default_prefill_splits,
     paged_decode_attention,
     paged_prefill_attention,
     store_kv,
@@ -161,13 +162,13 @@ def run_prefill(
     head_dim: int = 32, block_size: int = 8, dtype: torch.dtype = torch.float32,
     sliding_window: int | None = None, shared_blocks: int = 0, seed: int = 0,
     cache_dtype: torch.dtype | None = None, tile: tuple[int, int, int, int] | None = None,
-    max_query_len: int | None = None,
+    max_query_len: int | None = None, num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill kernel's output and the reference's (over the same cache values), both
     float32 on the CPU; the caches hold `cache_dtype` (default: the query's `dtype`).
     `tile` (rows, keys, warps, stages) launches the kernel with that tile, as the autotuner
     would, instead of `paged_prefill_attention`'s choice; `max_query_len` may overstate the
-    longest query (None: the longest)."""
+    longest query (None: the longest); `num_splits` splits each program's keys."""
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     layout = make_layout(seq_lens, block_size=block_size, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, dtype=cache_dtype or dtype,
@@ -184,13 +185,14 @@ def run_prefill(
     if tile is None:
         out = paged_prefill_attention(*args, scale, block_size=block_size,
                                       max_query_len=max_query_len,
-                                      sliding_window=sliding_window)
+                                      sliding_window=sliding_window, num_splits=num_splits)
     else:
         out = torch.full_like(query, float("nan"))
         triton_kernels._launch_prefill(*args, out, scale, block_size=block_size,
                                        max_query_len=max_query_len,
                                        sliding_window=sliding_window,
-                                       tile=triton_kernels._TileConfig(*tile))
+                                       tile=triton_kernels._TileConfig(*tile),
+                                       num_splits=num_splits)
     expected = reference_attention(query, layout, query_lens, scale, sliding_window)
     return out.cpu().float(), expected
 
@@ -270,6 +272,67 @@ def test_prefill_long_queries_over_several_query_and_key_tiles() -> None:
     assert_matches(out, expected, torch.float32)
 
 
+# Key splits: a program's key tiles shared out among `num_splits` programs whose partials a
+# reduction combines. A row may see no key of its split (past the causal diagonal) and must
+# then weigh nothing.
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_prefill_splits_keys_over_cached_contexts(num_splits: int) -> None:
+    out, expected = run_prefill([300, 0, 61], [20, 40, 5], group=2, num_kv_heads=2,
+                                shared_blocks=2, num_splits=num_splits)
+    assert_matches(out, expected, torch.float32)
+
+
+def test_prefill_splits_past_a_short_key_range_find_no_tile() -> None:
+    out, expected = run_prefill([100], [3], group=1, num_kv_heads=1, num_splits=64)
+    assert_matches(out, expected, torch.float32)
+
+
+def test_prefill_splits_in_a_sliding_window() -> None:
+    # Splits that fall wholly before the window, and masked tiles at its edge in one split.
+    out, expected = run_prefill([150, 0], [30, 50], group=4, num_kv_heads=1, num_splits=3,
+                                sliding_window=45)
+    assert_matches(out, expected, torch.float32)
+
+
+def test_prefill_splits_with_a_tuned_tile_in_bfloat16() -> None:
+    # As the autotuner's split variant runs on the device: a 16-bit tile, and an overstated
+    # max_query_len whose extra rounds find no query.
+    out, expected = run_prefill([260, 0, 5], [24, 40, 1], group=4, num_kv_heads=2,
+                                head_dim=64, block_size=16, dtype=torch.bfloat16,
+                                tile=(64, 64, 4, 2), max_query_len=50, num_splits=3)
+    assert_matches(out, expected, torch.bfloat16)
+
+
+def test_prefill_rejects_split_counts_out_of_range() -> None:
+    layout = make_layout([5], block_size=8, num_kv_heads=1, head_dim=32)
+    for num_splits in (0, 65):
+        with pytest.raises(ValueError, match="num_splits must be from 1 to 64"):
+            paged_prefill_attention(
+                torch.zeros(5, 1, 32, device=DEVICE), layout.k_cache, layout.v_cache,
+                layout.block_table, torch.tensor([0, 5], dtype=torch.int32, device=DEVICE),
+                torch.tensor([5], dtype=torch.int32, device=DEVICE), 1.0, block_size=8,
+                max_query_len=5, num_splits=num_splits)
+
+
+def test_default_prefill_splits() -> None:
+    llama = {"num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
+    # A full-budget prompt fills the card; so do many chunks.
+    assert default_prefill_splits([2048], 2048, **llama) == 1
+    assert default_prefill_splits([64] * 40, 30_000, **llama) == 1
+    # An agent's next turn: 256 tokens over 30,000 cached make 128 programs, so 3 splits.
+    assert default_prefill_splits([256], 30_256, **llama) == 3
+    # Short contexts keep 512 keys a split; partials stay within their bytes.
+    assert default_prefill_splits([16], 700, **llama) == 1
+    assert default_prefill_splits([16], 1100, **llama) == 2
+    for query_lens in ([2], [16], [64, 300], [512]):
+        for max_seq_len in (600, 5000, 130_000):
+            splits = default_prefill_splits(query_lens, max_seq_len, **llama)
+            assert 1 <= splits <= 64
+            partial_bytes = sum(query_lens) * 32 * 130 * 4 * splits
+            assert splits == 1 or partial_bytes <= triton_kernels.PREFILL_PARTIALS_BYTES
+    assert default_prefill_splits([], 100, **llama) == 1
+
+
 def test_prefill_programs_cover_every_query_tile_head_and_sequence() -> None:
     # The grid is flat, last query tiles first: 3 KV heads x 3 sequences x up to 5 query
     # tiles, sequences with fewer tiles than the longest among them.
@@ -278,14 +341,15 @@ def test_prefill_programs_cover_every_query_tile_head_and_sequence() -> None:
 
 
 @triton.jit
-def _prefill_order_probe(query_start_loc_ptr, out_ptr, num_seqs, NUM_KV_HEADS: tl.constexpr,
-                         BLOCK_Q: tl.constexpr):
+def _prefill_order_probe(query_start_loc_ptr, out_ptr, num_seqs, num_splits,
+                         NUM_KV_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr):
     program = tl.program_id(0)
-    kv_head, seq, q_tile, _, _ = _prefill_program(program, query_start_loc_ptr, num_seqs,
-                                                  NUM_KV_HEADS, BLOCK_Q)
-    tl.store(out_ptr + program * 3, kv_head)
-    tl.store(out_ptr + program * 3 + 1, seq)
-    tl.store(out_ptr + program * 3 + 2, q_tile)
+    kv_head, split, seq, q_tile, _, _ = _prefill_program(
+        program, query_start_loc_ptr, num_seqs, num_splits, NUM_KV_HEADS, BLOCK_Q)
+    tl.store(out_ptr + program * 4, kv_head)
+    tl.store(out_ptr + program * 4 + 1, seq)
+    tl.store(out_ptr + program * 4 + 2, q_tile)
+    tl.store(out_ptr + program * 4 + 3, split)
 
 
 @triton.jit
@@ -297,27 +361,32 @@ def _decode_order_probe(out_ptr, num_kv_heads, num_splits):
     tl.store(out_ptr + program * 3 + 2, seq)
 
 
-def test_prefill_dispatches_every_sequences_last_query_tiles_first() -> None:
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefill_dispatches_every_sequences_last_query_tiles_first(num_splits: int) -> None:
     # A cached prefix's chunk (7 queries) beside longer prompts: its one tile, the costliest
-    # of its sequence, goes in the first round with every sequence's last tile.
+    # of its sequence, goes in the first round with every sequence's last tile, every key
+    # split of a tile together.
     query_lens, block_q, num_kv_heads = [40, 7, 100], 16, 2
     num_rounds = -(-max(query_lens) // block_q)
-    order = torch.full((num_rounds * num_kv_heads * len(query_lens), 3), -9, dtype=torch.int32)
+    per_round = num_kv_heads * num_splits * len(query_lens)
+    order = torch.full((num_rounds * per_round, 4), -9, dtype=torch.int32)
     query_start_loc = torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32)
     _prefill_order_probe[(order.shape[0],)](query_start_loc, order, len(query_lens),
-                                            NUM_KV_HEADS=num_kv_heads, BLOCK_Q=block_q)
+                                            num_splits, NUM_KV_HEADS=num_kv_heads,
+                                            BLOCK_Q=block_q)
     programs = [tuple(row) for row in order.tolist()]
-    tiles = {(seq, tile) for _, seq, tile in programs if tile >= 0}
-    assert tiles == {(seq, tile) for seq, n in enumerate(query_lens)
-                     for tile in range(-(-n // block_q))}
-    assert len([p for p in programs if p[2] >= 0]) == num_kv_heads * len(tiles)
-    first_round = programs[:num_kv_heads * len(query_lens)]
-    assert sorted((seq, tile) for _, seq, tile in first_round) == sorted(
+    live = [program for program in programs if program[2] >= 0]
+    assert sorted(live) == sorted(
+        (head, seq, tile, split) for seq, n in enumerate(query_lens)
+        for tile in range(-(-n // block_q)) for head in range(num_kv_heads)
+        for split in range(num_splits))
+    first_round = programs[:per_round]
+    assert sorted((seq, tile) for _, seq, tile, _ in first_round) == sorted(
         (seq, -(-n // block_q) - 1) for seq, n in enumerate(query_lens)
-        for _ in range(num_kv_heads))
+        for _ in range(num_kv_heads * num_splits))
     for seq in range(len(query_lens)):  # each sequence's tiles from its last, heads together
-        mine = [(tile, head) for head, s, tile in programs if s == seq and tile >= 0]
-        assert mine == sorted(mine, key=lambda p: (-p[0], p[1]))
+        mine = [(tile, split, head) for head, s, tile, split in live if s == seq]
+        assert mine == sorted(mine, key=lambda p: (-p[0], p[1], p[2]))
 
 
 def test_decode_dispatches_a_sequences_heads_and_splits_together_in_sequence_order() -> None:
@@ -471,7 +540,8 @@ def test_tuned_prefill_tiles_cover_every_group_and_include_the_untuned_rule() ->
 STEP_VARYING_ARGUMENTS = {
     "_decode_split_kernel": {"stride_bt", "num_splits"},
     "_decode_reduce_kernel": {"num_splits"},
-    "_prefill_kernel": {"stride_bt", "num_seqs"},
+    "_prefill_kernel": {"stride_bt", "num_seqs", "num_splits"},
+    "_prefill_reduce_kernel": {"num_splits"},
 }
 
 
@@ -498,16 +568,18 @@ def test_step_varying_arguments_are_neither_constexpr_nor_specialised() -> None:
 def test_steps_of_new_shapes_compile_nothing_new() -> None:
     def compiled() -> int:
         from engine.model.attention import triton_kernels as k
-        kernels = [k._decode_split_kernel, k._decode_reduce_kernel, k._prefill_kernel]
+        kernels = [k._decode_split_kernel, k._decode_reduce_kernel, k._prefill_kernel,
+                   k._prefill_reduce_kernel]
         return sum(len(kernel.device_caches[torch.cuda.current_device()][0])
                    for kernel in kernels)
 
     def steps(shapes: tuple[tuple[int, int], ...]) -> None:
         for width, num_splits in shapes:  # block table width in blocks (of 8), splits
             run_decode([width * 8 - 15, 8], group=2, num_kv_heads=2, num_splits=num_splits)
-            run_prefill([0, width * 8 - 16], [9, 8], group=2, num_kv_heads=2)
+            run_prefill([0, width * 8 - 16], [9, 8], group=2, num_kv_heads=2,
+                        num_splits=num_splits)
 
-    steps(((3, 1), (3, 2)))  # each kernel once, the decode with and without splits
+    steps(((3, 1), (3, 2)))  # each kernel once, with and without splits
     before = compiled()
     # Row strides of every divisibility class (16 and 32 are multiples of 16), 1 to 64 splits.
     steps(((2, 4), (16, 1), (17, 8), (32, 64), (40, 3)))

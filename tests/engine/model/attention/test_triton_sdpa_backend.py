@@ -9,6 +9,8 @@ engine on the backend starts (its start-up profile) and generates.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -140,13 +142,24 @@ def test_an_fp8_cache_keeps_every_prompt_with_the_kernel() -> None:
     assert metadata.sdpa_prompts == ()
 
 
-def test_start_up_profiles_a_chunk_too_where_sdpa_takes_prompts() -> None:
-    # A prompt alone would leave the prefill kernel uncompiled and its tile untuned until a
-    # serving step reached it.
-    assert TritonBackend(make_layout(torch.float32)).profiled_context_lens() == (0,)
-    assert TritonSdpaBackend(make_layout(torch.float32)).profiled_context_lens() == (0, 1)
+def test_start_up_profiles_a_step_for_each_kernel_variant() -> None:
+    # A prompt alone would leave the prefill kernel (under triton-sdpa) and its split variant
+    # uncompiled and their tiles untuned until a serving step reached them.
+    short = make_layout(torch.float32)  # 64 positions: no step splits its keys
+    assert TritonBackend(short).profiled_steps(64) == ((64, 0),)
+    # Under the bound of 256 the budget's prompt is the kernel's; at 16, SDPA's.
+    assert TritonSdpaBackend(short).profiled_steps(64) == ((64, 0),)
+    assert TritonSdpaBackend(short, 16).profiled_steps(64) == ((64, 0), (63, 1))
     fp8 = TritonSdpaBackend(make_layout(torch.float32, kv_dtype=FP8_KV_DTYPE))
-    assert fp8.profiled_context_lens() == (0,)
+    assert fp8.profiled_steps(64) == ((64, 0),)
+    long = dataclasses.replace(short, max_model_len=4096)
+    chunk = (256, 4096 - 256)
+    assert TritonBackend(long).profiled_steps(2048) == ((2048, 0), chunk)
+    assert TritonSdpaBackend(long).profiled_steps(2048) == ((2048, 0), (2047, 1), chunk)
+    assert TritonBackend(long).profiled_steps(100) == ((100, 0), (100, 3996))
+    metadata = TritonBackend(long).build_metadata(
+        np.array([chunk[0]]), np.array([chunk[1]]), np.zeros((1, 512), dtype=np.int64))
+    assert metadata.prefill is not None and metadata.prefill.num_splits > 1
 
 
 def test_the_backend_is_chosen_by_name_and_checks_its_bound() -> None:
