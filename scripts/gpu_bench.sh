@@ -23,8 +23,10 @@
 #               (triton-torch-layers: what the fused kernels gain) and with --enforce-eager
 #               (no CUDA graphs), the triton
 #               runs with --profile (launches, device and host time a decode step and a
-#               prefill step, and the costliest kernels); on cuda also SmolLM2-135M's shapes
-#               with the triton backend
+#               prefill step, and the costliest kernels); triton on an agent's next turns,
+#               chunks of 256 and 64 tokens over 30,000 cached and 4 x 256 over 8,000
+#               (forward-extend-triton, --extend: the prefill kernel's key splits); on cuda
+#               also SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
@@ -199,6 +201,8 @@ if [ "$device" = cuda ]; then
   config=$PWD/engine/model/configs/llama3.1-8b.json
   model_name=llama3.1-8b
   forward_shapes=()  # bench forward's defaults: the issue's table, and 2k prefills back to back
+  # An agent's next turns: chunks over long cached contexts (the prefill kernel's key splits).
+  extend_shapes=(--extend 1x256@30000 1x64@30000 4x256@8000)
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
   # The target's run is 256 requests; --quick gives the sdpa baseline 64 (it takes 5x longer).
   target_requests=256
@@ -220,6 +224,7 @@ elif [ "$device" = cpu ]; then
   export TRITON_INTERPRET=1  # the triton backend's kernels run on CPU tensors
   forward_shapes=(--decode 2x48 4x96 --prefill 1x64 --decode-steps 2 --repeats 1
                   --max-num-batched-tokens 64)
+  extend_shapes=(--extend 1x4@60 --repeats 1 --max-num-batched-tokens 64)
   smoke_shapes=("${forward_shapes[@]}")
   target_requests=4
   baseline_requests=4
@@ -341,6 +346,13 @@ forward_run() {
       --json "$raw/forward-$run-base.json"
   fi
 }
+forward_extend() {
+  # In a run of its own: a 30,000-token context raises the runner's max_model_len, which
+  # sizes the decode graphs' splits and would change the decode targets' steps.
+  step forward-extend-triton "${engine[@]}" bench forward --config "$config" \
+    --device "$device" --attention-backend triton --layer-kernels triton --decode --prefill \
+    "${extend_shapes[@]}" --profile --json "$raw/forward-extend-triton.json"
+}
 forward_smollm2() {
   # The real model of `continuum models pull` (3 query heads per KV head, head dim 64), by
   # its shapes: the GPU machine cannot fetch it. Its 8,192 positions hold no 8k context plus
@@ -382,6 +394,7 @@ if [ $quick -eq 1 ]; then
   wants throughput && throughput_run triton
   wants forward && forward_run triton-sdpa
   wants throughput && throughput_run triton-sdpa
+  wants forward && forward_extend
   wants forward && forward_run triton-fp8
   wants throughput && throughput_run triton-fp8
   wants forward && forward_run triton-fp8w
@@ -399,6 +412,7 @@ else
                triton-eager; do
       forward_run "$run"
     done
+    forward_extend
     forward_smollm2
   fi
   if wants throughput; then

@@ -126,9 +126,9 @@ class ModelRunner:
         self.decode_buckets = (
             decode_buckets(config.scheduler.max_num_seqs)
             if self.attention.supports_static_decode else ())
-        # On CUDA the profile always runs: it is also the start-up forward that compiles the
-        # kernels and tunes the prefill tile at (all but a token of) the full budget, before the
-        # pool exists.
+        # On CUDA the profile always runs: its forwards also compile the kernels and tune the
+        # prefill tile (at the full budget, and apart for each other kernel variant the
+        # backend names), before the pool exists.
         profiled_bytes = self._profile_reserved_bytes() if self.device.type == "cuda" else 0
         reserved_bytes = profiled_bytes if config.cache.num_kv_blocks is None else 0
         self.num_kv_blocks = determine_num_kv_blocks(
@@ -160,11 +160,11 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_reserved_bytes(self) -> int:
         """Device memory the KV pool must leave free, measured on a scratch cache before the
-        real pool is sized: the largest peak of a full-budget forward (plus logits for every
-        sequence it could sample) over each cached prefix the backend names (a prompt, and
-        a chunk where the backend attends the two with different kernels), and of the
-        largest decode bucket, plus that decode peak again for the CUDA graphs' memory pool
-        (unless `enforce_eager`), which stays allocated, and the null block."""
+        real pool is sized: the largest peak of the forwards of the steps the backend names
+        (`AttentionBackend.profiled_steps`: a full-budget prompt, and a step for each other
+        way it attends a prefill; plus logits for every sequence a step could sample), and
+        of the largest decode bucket, plus that decode peak again for the CUDA graphs'
+        memory pool (unless `enforce_eager`), which stays allocated, and the null block."""
         scheduler = self.config.scheduler
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)

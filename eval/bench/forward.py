@@ -25,6 +25,12 @@ not run: steps are built here.
   read, as the engine core runs consecutive prefill steps, so a step's host work (input
   preparation, launches, the read of its token) overlaps the device's work of the step before.
   Reported: milliseconds a step and prompt tokens a second of the median run.
+- Extend shapes (`--extend BATCHxTOKENS@CONTEXT ...`): an agent's next turn, BATCH chunks of
+  TOKENS new tokens, each over CONTEXT tokens already in the cache. The contexts are
+  prefilled once (untimed); every run then sends new requests over the same prompts and
+  blocks that arrive with the CONTEXT tokens computed, as a prefix-cache hit does, and
+  times their one step: once to warm up, then `--repeats` times. Reported: milliseconds
+  and new tokens a second of the median.
 
 Weights are random (`load_format="dummy"`; timing does not depend on their values) and prompts
 are random token ids, so `--config FILE` (a Hugging Face `config.json`) measures any model's
@@ -37,12 +43,13 @@ the dtype and the attention backend.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
@@ -70,24 +77,33 @@ from engine.worker.model_runner import ModelRunner
 from eval.report import write_json_report, write_report
 from eval.step_profile import StepProfile, profile_steps
 
-ShapeKind = Literal["decode", "prefill"]
+ShapeKind = Literal["decode", "prefill", "extend"]
 _T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
 class Shape:
     """`batch_size` sequences of `seq_len` tokens: decode steps after a cached context of
-    `seq_len` tokens, or prefill steps of `seq_len`-token prompts (`num_steps` of them back to
-    back, each of fresh prompts)."""
+    `seq_len` tokens, prefill steps of `seq_len`-token prompts (`num_steps` of them back to
+    back, each of fresh prompts), or a step of `seq_len`-token chunks each over
+    `context_len` cached tokens (extend)."""
 
     kind: ShapeKind
     batch_size: int
     seq_len: int
     num_steps: int = 1
+    context_len: int = 0
 
     @classmethod
     def parse(cls, kind: ShapeKind, text: str) -> Shape:
-        """`BATCHxTOKENS`, e.g. `32x1024`; for prefill also `BATCHxTOKENSxSTEPS`."""
+        """`BATCHxTOKENS`, e.g. `32x1024`; for prefill also `BATCHxTOKENSxSTEPS`; for extend
+        `BATCHxTOKENS@CONTEXT`, e.g. `1x256@30000`."""
+        if kind == "extend":
+            shape, _, context = text.partition("@")
+            if not (context.isdigit() and int(context) > 0):
+                raise argparse.ArgumentTypeError(
+                    f"extend shape must be BATCHxTOKENS@CONTEXT, got {text!r}")
+            return replace(cls.parse("decode", shape), kind="extend", context_len=int(context))
         fields = text.lower().split("x")
         max_fields = 3 if kind == "prefill" else 2
         if not (2 <= len(fields) <= max_fields
@@ -100,6 +116,9 @@ class Shape:
     def label(self) -> str:
         if self.kind == "decode":
             return f"decode, batch {self.batch_size}, context {self.seq_len:,}"
+        if self.kind == "extend":
+            return (f"extend {self.batch_size} x {self.seq_len:,} over {self.context_len:,} "
+                    "cached")
         label = f"prefill {self.batch_size} x {self.seq_len:,}"
         return label if self.num_steps == 1 else f"{label}, {self.num_steps} steps back to back"
 
@@ -160,6 +179,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", nargs="*", type=functools.partial(Shape.parse, "prefill"),
                         default=DEFAULT_PREFILL_SHAPES, metavar="BATCHxTOKENS",
                         help="prefill shapes (none: skip prefill)")
+    parser.add_argument("--extend", nargs="*", type=functools.partial(Shape.parse, "extend"),
+                        default=[], metavar="BATCHxTOKENS@CONTEXT",
+                        help="chunks of TOKENS over CONTEXT cached tokens, an agent's next "
+                             "turn (default: none)")
     parser.add_argument("--decode-steps", type=int, default=16, help="steps of one timed run")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per shape after one warm-up run; the median is kept")
@@ -176,9 +199,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    shapes = [*args.decode, *args.prefill]
+    shapes = [*args.decode, *args.prefill, *args.extend]
     if not shapes:
-        raise ValueError("no shape to measure: give --decode or --prefill shapes")
+        raise ValueError("no shape to measure: give --decode, --prefill or --extend shapes")
     report = run(args, shapes)
     table = markdown_table(report)
     print(table)
@@ -278,7 +301,7 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
     """A runner config whose KV pool, sequence length and batch hold the largest shape."""
     num_blocks = max(shape.batch_size * _blocks_per_seq(shape, args) for shape in shapes)
     max_prefill_tokens = max((shape.batch_size * shape.seq_len for shape in shapes
-                              if shape.kind == "prefill"), default=0)
+                              if shape.kind != "decode"), default=0)
     max_model_len = max(_max_seq_len(shape, args) for shape in shapes)
     return EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, load_format="dummy",
@@ -304,8 +327,8 @@ def _max_num_seqs(shape: Shape) -> int:
 def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
     """Tokens a sequence of `shape` reaches: its prompt, plus for decode the warm-up, timed
     and profiled runs' steps and the token sampled by the last one."""
-    if shape.kind == "prefill":
-        return shape.seq_len + 1
+    if shape.kind != "decode":
+        return shape.context_len + shape.seq_len + 1
     num_runs = 1 + args.repeats + int(args.profile)
     return shape.seq_len + num_runs * args.decode_steps + 1
 
@@ -318,7 +341,8 @@ def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
              rng: np.random.Generator) -> ShapeResult:
     """One shape's median timed run; the runner holds no request before or after."""
     print(f"measuring {shape.label}", flush=True)
-    measure = _decode_run_s if shape.kind == "decode" else _prefill_run_s
+    measure = {"decode": _decode_run_s, "prefill": _prefill_run_s,
+               "extend": _extend_run_s}[shape.kind]
     try:
         run_s, step_profile = measure(runner, shape, args, rng)
     except torch.cuda.OutOfMemoryError as error:
@@ -368,6 +392,37 @@ def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
         return run_s, step_profile
     finally:
         sequences.finish()
+
+
+def _extend_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
+                  rng: np.random.Generator) -> tuple[float, StepProfile | None]:
+    """Seconds of the median timed step of `shape.seq_len`-token chunks over the contexts
+    (prefilled once, untimed), after one warm-up step, and with `--profile` the profile of
+    one more. Each run's requests arrive with the contexts as a prefix-cache hit and leave
+    the runner after it."""
+    full = replace(shape, seq_len=shape.context_len + shape.seq_len)
+    filled = _Sequences(runner, "extend", full, _blocks_per_seq(shape, args), rng)
+    try:
+        filled.prefill(args.max_num_batched_tokens, up_to=shape.context_len)
+    finally:
+        filled.finish()
+
+    def measured(index: int, measure: Callable[[_Sequences], _T]) -> _T:
+        turn = filled.arriving_again(f"extend{index}")
+        try:
+            return measure(turn)
+        finally:
+            turn.finish()
+
+    def chunks(turn: _Sequences) -> float:
+        return turn.step(dict.fromkeys(turn.prompts, shape.seq_len))
+
+    run_s = [measured(index, chunks) for index in range(1 + args.repeats)]
+    step_profile = None
+    if args.profile:
+        step_profile = measured(1 + args.repeats, lambda turn: profile_steps(
+            functools.partial(chunks, turn), 1, runner.device))
+    return statistics.median(run_s[1:]), step_profile
 
 
 def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
@@ -454,10 +509,11 @@ class _Sequences:
         self.sent: set[str] = set()
         self.step_id = 0
 
-    def prefill(self, token_budget: int) -> float:
-        """Every prompt, in steps of at most `token_budget` tokens, in request order; returns
-        the seconds the runner took."""
-        pending = {req_id: len(prompt) for req_id, prompt in self.prompts.items()}
+    def prefill(self, token_budget: int, up_to: int | None = None) -> float:
+        """Every prompt (its first `up_to` tokens, if given), in steps of at most
+        `token_budget` tokens, in request order; returns the seconds the runner took."""
+        pending = {req_id: len(prompt) if up_to is None else up_to
+                   for req_id, prompt in self.prompts.items()}
         runner_s = 0.0
         while pending:
             scheduled: dict[str, int] = {}
@@ -502,7 +558,8 @@ class _Sequences:
         request; its tokens are read by the returned step's `result`."""
         new = [NewRequestData(req_id=req_id, prompt_token_ids=self.prompts[req_id],
                               output_token_ids=[], sampling_params=_GREEDY,
-                              block_ids=self.block_ids[req_id], num_computed_tokens=0)
+                              block_ids=self.block_ids[req_id],
+                              num_computed_tokens=self.num_computed[req_id])
                for req_id in num_tokens if req_id not in self.sent]
         cached_ids = [req_id for req_id in num_tokens if req_id in self.sent]
         output = SchedulerOutput(
@@ -519,6 +576,18 @@ class _Sequences:
             self.num_computed[req_id] += count
         self.step_id += 1
         return launched
+
+    def arriving_again(self, name: str) -> _Sequences:
+        """New requests, `name-0` onwards, over these prompts and blocks, arriving with the
+        tokens these have computed already in the cache, as a prefix-cache hit does. These
+        must have left the runner (`finish`)."""
+        again = copy.copy(self)
+        again.prompts = {f"{name}-{index}": prompt
+                         for index, prompt in enumerate(self.prompts.values())}
+        again.block_ids = dict(zip(again.prompts, self.block_ids.values(), strict=True))
+        again.num_computed = dict(zip(again.prompts, self.num_computed.values(), strict=True))
+        again.sent = set()
+        return again
 
     def finish(self) -> None:
         """Drops every request from the runner (a step that schedules no token)."""

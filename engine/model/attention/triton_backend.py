@@ -220,7 +220,8 @@ class TritonBackend(AttentionBackend):
     def _prefill_splits(self, query_lens: list[int], max_seq_len: int) -> int:
         layout = self.layout
         return triton_kernels.default_prefill_splits(
-            query_lens, max_seq_len, layout.num_heads, layout.num_kv_heads, layout.head_dim)
+            query_lens, max_seq_len, layout.num_heads, layout.num_kv_heads, layout.head_dim,
+            layout.sliding_window)
 
     def profiled_steps(self, num_tokens: int) -> tuple[ProfiledStep, ...]:
         """The full-budget prompt, then one step for each other way this backend can attend a
@@ -233,12 +234,13 @@ class TritonBackend(AttentionBackend):
         max_model_len = self.layout.max_model_len
         steps = list(super().profiled_steps(num_tokens))
         short = min(num_tokens, 2 * triton_kernels.MIN_PREFILL_KEYS_PER_SPLIT - 1)
-        candidates = [ProfiledStep(num_tokens - 1, 1), ProfiledStep(short - 1, 1)]
+        candidates = [ProfiledStep(num_tokens - 1, 1), ProfiledStep(max(short - 1, 2), 1)]
         candidates += [ProfiledStep(query_len, max_model_len - query_len)
                        for query_len in (min(_PROFILED_CHUNK_TOKENS, num_tokens), 2)]
         for step in candidates:
             reached = {self.attention_of(done) for done in steps}
             if (2 <= step.query_len <= num_tokens and step.context_len >= 0
+                    and step.query_len + step.context_len <= max_model_len
                     and self.attention_of(step) not in reached):
                 steps.append(step)
         return tuple(steps)

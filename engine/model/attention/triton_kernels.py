@@ -48,7 +48,8 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 
 _LOG2_E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernels then mask causally only
-_NUM_SMS = 132  # H100 SXM; the split heuristic aims to fill them
+_NUM_SMS = 132  # H100 SXM; the split heuristics aim to fill them
+_PROGRAMS_PER_SM = 2  # what the split heuristics aim at
 _MAX_SPLITS = 64  # the reduction holds all splits of a head in registers
 _MAX_GRID = 2**31 - 1  # programs on a grid's first axis (CUDA's limit)
 _MIN_BLOCKS_PER_SPLIT = 4
@@ -85,32 +86,40 @@ def default_num_splits(max_seq_len: int, block_size: int, batch: int, num_kv_hea
     the most splits.
     """
     programs = max(batch, 1) * max(num_kv_heads, 1)
-    wanted = -(-2 * _NUM_SMS // programs)
+    wanted = -(-_PROGRAMS_PER_SM * _NUM_SMS // programs)
     min_split_len = max(_MIN_BLOCKS_PER_SPLIT * block_size, _DECODE_BLOCK_N)
     splits = min(wanted, max_seq_len // min_split_len, _MAX_SPLITS)
     return _floor_power_of_two(max(splits, 1))
 
 
 def default_prefill_splits(query_lens: Sequence[int], max_seq_len: int, num_heads: int,
-                           num_kv_heads: int, head_dim: int) -> int:
+                           num_kv_heads: int, head_dim: int,
+                           sliding_window: int | None = None) -> int:
     """Key splits per program for `paged_prefill_attention`, a host-side choice from the
-    step's query lengths and its longest sequence (cached context and queries).
+    step's query lengths and its longest sequence (cached context and queries, in tokens).
 
     A step of short chunks over long cached contexts (an agent's next turn) launches fewer
     programs than an H100 has SMs, each walking every key tile of its context; splitting
-    each program's keys aims, as decode does, at two programs an SM (counting 64-row query
-    tiles, the untuned rule's). No split covers fewer than 512 keys of the longest sequence,
-    whose fixed cost the reduction would not repay, and the partials stay within
-    `PREFILL_PARTIALS_BYTES`. 1 for a step that fills the card (every full-budget prompt).
+    each program's keys aims, as decode does, at two programs an SM. Programs are counted
+    approximately: in 64-row query tiles (the 16-bit rule's; float32 tiles have 32 rows, the
+    autotuner may take 128), and without the step's decodes, which another kernel attends.
+    No split covers fewer than 512 of the keys a query can reach (the longest sequence, or
+    its window), whose fixed cost the reduction would not repay, and the partials stay
+    within `PREFILL_PARTIALS_BYTES`. 1 for a step that fills the card (every full-budget
+    prompt of Llama-3.1-8B's shapes).
     """
     group_pad = _next_power_of_two(num_heads // num_kv_heads)
     block_q = max(_PREFILL_ROWS // group_pad, 1)
     programs = num_kv_heads * sum(-(-query_len // block_q) for query_len in query_lens)
     if programs == 0 or programs >= _NUM_SMS:
         return 1
-    partial_bytes = sum(query_lens) * num_heads * (head_dim + 2) * 4
-    splits = min(-(-2 * _NUM_SMS // programs), max_seq_len // MIN_PREFILL_KEYS_PER_SPLIT,
-                 PREFILL_PARTIALS_BYTES // partial_bytes, _MAX_SPLITS)
+    keys = max_seq_len
+    if sliding_window is not None:
+        keys = min(keys, sliding_window + max(query_lens))
+    partial_bytes = _partials_bytes(sum(query_lens), num_heads, head_dim, 1)
+    splits = min(-(-_PROGRAMS_PER_SM * _NUM_SMS // programs),
+                 keys // MIN_PREFILL_KEYS_PER_SPLIT, PREFILL_PARTIALS_BYTES // partial_bytes,
+                 _MAX_SPLITS)
     return max(splits, 1)
 
 
@@ -193,14 +202,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     tile = decode_tile(k_cache.dtype) if tile is None else tile
     _check_decode_tile(tile, k_cache.dtype)
-    if num_splits == 1:
-        part_max = part_sum = part_acc = out  # unused: the kernel normalises in place
-    else:
-        part_max = torch.empty((batch, num_heads, num_splits), dtype=torch.float32,
-                               device=query.device)
-        part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
-                               device=query.device)
+    part_max, part_sum, part_acc = _partials(out, num_splits)
     _decode_split_kernel[(batch * num_kv_heads * num_splits,)](
         query, k_cache, v_cache, block_table, seq_lens, out, part_max, part_sum, part_acc,
         scale * _LOG2_E, _window(sliding_window), num_heads, num_splits,
@@ -307,14 +309,7 @@ def _launch_prefill(
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     group_pad = _next_power_of_two(group)
-    if num_splits == 1:
-        part_max = part_sum = part_acc = out  # unused: the kernel normalises in place
-    else:
-        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
-                               device=query.device)
-        part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim),
-                               dtype=torch.float32, device=query.device)
+    part_max, part_sum, part_acc = _partials(out, num_splits)
     args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
             part_max, part_sum, part_acc, scale * _LOG2_E, _window(sliding_window), num_seqs,
             num_splits, *query.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -573,8 +568,11 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    # Unsplit, the split count is the constant 1: the program's decomposition and its key
+    # runs compile to the code of a kernel without splits.
     kv_head, split, seq, q_tile, query_start, query_len = _prefill_program(
-        tl.program_id(0), query_start_loc_ptr, num_seqs, num_splits, NUM_KV_HEADS, BLOCK_Q)
+        tl.program_id(0), query_start_loc_ptr, num_seqs, num_splits if SPLIT else 1,
+        NUM_KV_HEADS, BLOCK_Q)
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
 
@@ -606,10 +604,18 @@ def _prefill_kernel(
     first_whole = tl.cdiv(tl.maximum(last_q_pos - window + 1, 0), BLOCK_N)
     mid_lo = tl.minimum(tl.maximum(first_whole, lo), hi)
     mid_hi = tl.minimum(tl.maximum((first_q_pos + 1) // BLOCK_N, mid_lo), hi)
-    # This program's split of them: the `split`-th share of [lo, hi), all of it unsplit.
-    tiles_per_split = tl.cdiv(tl.maximum(hi - lo, 0), num_splits)
-    split_lo = lo + split * tiles_per_split
-    split_hi = tl.minimum(split_lo + tiles_per_split, hi)
+    # Split, this program walks the `split`-th share of [lo, hi) only: each run cut to it.
+    if SPLIT:
+        tiles_per_split = tl.cdiv(tl.maximum(hi - lo, 0), num_splits)
+        split_lo = lo + split * tiles_per_split
+        split_hi = tl.minimum(split_lo + tiles_per_split, hi)
+        edge_hi = tl.minimum(mid_lo, split_hi)
+        whole_lo = tl.maximum(mid_lo, split_lo)
+        whole_hi = tl.minimum(mid_hi, split_hi)
+        diagonal_lo = tl.maximum(mid_hi, split_lo)
+    else:
+        split_lo, edge_hi, whole_lo, whole_hi, diagonal_lo, split_hi = (
+            lo, mid_lo, mid_lo, mid_hi, mid_hi, hi)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -617,17 +623,17 @@ def _prefill_kernel(
     block_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    for tile in range(split_lo, tl.minimum(mid_lo, split_hi)):
+    for tile in range(split_lo, edge_hi):
         acc, m_i, l_i = _prefill_key_tile(
             q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row, k_base, v_base,
             stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             DOT_PRECISION, True)
-    for tile in range(tl.maximum(mid_lo, split_lo), tl.minimum(mid_hi, split_hi)):
+    for tile in range(whole_lo, whole_hi):
         acc, m_i, l_i = _prefill_key_tile(
             q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row, k_base, v_base,
             stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             DOT_PRECISION, False)
-    for tile in range(tl.maximum(mid_hi, split_lo), split_hi):
+    for tile in range(diagonal_lo, split_hi):
         acc, m_i, l_i = _prefill_key_tile(
             q, acc, m_i, l_i, tile, key_hi, q_pos, window, qk_scale, block_row, k_base, v_base,
             stride_ks, stride_kd, stride_vs, stride_vd, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
@@ -724,6 +730,26 @@ def _check_decode_tile(tile: DecodeTile, cache_dtype: torch.dtype) -> None:
         raise ValueError(f"invalid decode tile {tile}")
     if tile.widen_to_f16 and cache_dtype != FP8_KV_DTYPE:
         raise ValueError(f"widen_to_f16 needs a {FP8_KV_DTYPE} cache, not {cache_dtype}")
+
+
+def _partials(out: torch.Tensor, num_splits: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 partials of a split kernel writing `out` [rows, heads, head_dim]: max and
+    sum [rows, heads, splits], unnormalised output [rows, heads, splits, head_dim]. Unsplit,
+    `out` three times (unused: the kernel normalises in place)."""
+    if num_splits == 1:
+        return out, out, out
+    rows, num_heads, head_dim = out.shape
+    part_max = torch.empty((rows, num_heads, num_splits), dtype=torch.float32,
+                           device=out.device)
+    part_acc = torch.empty((rows, num_heads, num_splits, head_dim), dtype=torch.float32,
+                           device=out.device)
+    return part_max, torch.empty_like(part_max), part_acc
+
+
+def _partials_bytes(rows: int, num_heads: int, head_dim: int, num_splits: int) -> int:
+    """Bytes of `_partials` for `rows` query rows."""
+    return rows * num_heads * num_splits * (head_dim + 2) * 4
 
 
 def _prefill_config(group_pad: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:

@@ -21,7 +21,8 @@ from eval.bench.forward import Shape, _PrefillRun, _Sequences
 def test_tiny_config_writes_a_sane_report(tmp_path: Path) -> None:
     json_path, table_path = tmp_path / "forward.json", tmp_path / "forward.md"
     code = main(["bench", "forward", "--config", str(TINY_MODEL_DIR / "config.json"),
-                 "--decode", "1x40", "3x20", "--prefill", "2x24", "--decode-steps", "3",
+                 "--decode", "1x40", "3x20", "--prefill", "2x24", "--extend", "2x6@30",
+                 "--decode-steps", "3",
                  "--repeats", "2", "--max-num-batched-tokens", "16", "--async-scheduling",
                  "--json", str(json_path), "--markdown", str(table_path)])
     assert code == 0
@@ -32,13 +33,15 @@ def test_tiny_config_writes_a_sane_report(tmp_path: Path) -> None:
     assert report["attention_backend"] == "sdpa" and report["cuda_graphs"] is False  # auto
     results = report["results"]
     assert [(r["kind"], r["batch_size"], r["seq_len"]) for r in results] == [
-        ("decode", 1, 40), ("decode", 3, 20), ("prefill", 2, 24)]
+        ("decode", 1, 40), ("decode", 3, 20), ("prefill", 2, 24), ("extend", 2, 6)]
+    assert results[-1]["context_len"] == 30
     for result in results:
         assert result["error"] is None and result["step_ms"] > 0
         num_tokens = result["batch_size"] * (1 if result["kind"] == "decode" else result["seq_len"])
         assert result["tokens_per_s"] == pytest.approx(num_tokens / result["step_ms"] * 1e3)
     table = table_path.read_text()
     assert "| decode, batch 3, context 20 |" in table and "| prefill 2 x 24 |" in table
+    assert "| extend 2 x 6 over 30 cached |" in table
 
 
 def test_sequences_follow_the_runner_through_chunked_prefill_and_decode() -> None:
@@ -94,6 +97,39 @@ def test_shapes_are_parsed_or_refused() -> None:
     for text in ("4x8x0", "4x8x", "4x8x2x2"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"BATCHxTOKENS\[xSTEPS\]"):
             Shape.parse("prefill", text)
+    assert Shape.parse("extend", "1x256@30000") == Shape("extend", 1, 256, context_len=30000)
+    assert Shape.parse("extend", "1x256@30000").label == "extend 1 x 256 over 30,000 cached"
+    for text in ("1x256", "1x256@0", "1x256@x", "1x2x3@5", "0x8@5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BATCHxTOKENS"):
+            Shape.parse("extend", text)
+
+
+def test_an_extend_turn_arrives_as_a_prefix_hit_and_samples_what_a_whole_prefill_does(
+        ) -> None:
+    runner = ModelRunner(EngineConfig(
+        model=ModelConfig(model="tiny"), cache=CacheConfig(block_size=4, num_kv_blocks=32),
+        scheduler=SchedulerConfig(max_model_len=40, max_num_batched_tokens=16, max_num_seqs=3)))
+    filled = _Sequences(runner, "s", Shape("prefill", 2, 30), blocks_per_seq=8,
+                        rng=np.random.default_rng(0))
+    filled.prefill(token_budget=16, up_to=24)
+    filled.finish()
+    turn = filled.arriving_again("t")
+    assert turn.num_computed == {"t-0": 24, "t-1": 24} and turn.prompts == {
+        "t-0": filled.prompts["s-0"], "t-1": filled.prompts["s-1"]}
+    turn.step(dict.fromkeys(turn.prompts, 6))  # one step: the chunks over the cached 24
+    batch = runner.batch
+    rows = [batch.row_of[req_id] for req_id in turn.prompts]
+    assert batch.num_computed_tokens[rows].tolist() == [24, 24]  # as the step began
+    assert batch.num_tokens[rows].tolist() == [31, 31]  # the prompt and one sampled
+    sampled = batch.token_ids[rows, 30].tolist()
+    turn.finish()
+    whole = _Sequences(runner, "w", Shape("prefill", 2, 30), blocks_per_seq=8,
+                       rng=np.random.default_rng(0))
+    whole.prefill(token_budget=16)
+    rows = [batch.row_of[req_id] for req_id in whole.prompts]
+    assert batch.token_ids[rows, 30].tolist() == sampled
+    whole.finish()
+    assert batch.num_reqs == 0
 
 
 @pytest.mark.parametrize(("backend", "pipelined"),

@@ -288,7 +288,8 @@ def test_prefill_splits_past_a_short_key_range_find_no_tile() -> None:
 
 
 def test_prefill_splits_in_a_sliding_window() -> None:
-    # Splits that fall wholly before the window, and masked tiles at its edge in one split.
+    # Programs whose window starts past their last key tile (no tile in any split), and
+    # masked tiles at the window's edge inside one split.
     out, expected = run_prefill([150, 0], [30, 50], group=4, num_kv_heads=1, num_splits=3,
                                 sliding_window=45)
     assert_matches(out, expected, torch.float32)
@@ -331,6 +332,10 @@ def test_default_prefill_splits() -> None:
             partial_bytes = sum(query_lens) * 32 * 130 * 4 * splits
             assert splits == 1 or partial_bytes <= triton_kernels.PREFILL_PARTIALS_BYTES
     assert default_prefill_splits([], 100, **llama) == 1
+    # In a window a program reaches its window and its queries' keys, not the context.
+    assert default_prefill_splits([16], 30_016, **llama) == 33
+    assert default_prefill_splits([16], 30_016, **llama, sliding_window=4096) == 8
+    assert default_prefill_splits([16], 30_016, **llama, sliding_window=500) == 1
 
 
 def test_prefill_programs_cover_every_query_tile_head_and_sequence() -> None:

@@ -157,6 +157,8 @@ def test_start_up_profiles_a_step_for_each_kernel_variant() -> None:
     assert TritonBackend(long).profiled_steps(2048) == ((2048, 0), chunk)
     assert TritonSdpaBackend(long).profiled_steps(2048) == ((2048, 0), (2047, 1), chunk)
     assert TritonBackend(long).profiled_steps(100) == ((100, 0), (100, 3996))
+    # The smallest budget still reaches every variant: SDPA, the kernel, its split.
+    assert TritonSdpaBackend(long, 2).profiled_steps(2) == ((2, 0), (2, 1), (2, 4094))
     metadata = TritonBackend(long).build_metadata(
         np.array([chunk[0]]), np.array([chunk[1]]), np.zeros((1, 512), dtype=np.int64))
     assert metadata.prefill is not None and metadata.prefill.num_splits > 1
