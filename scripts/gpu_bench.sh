@@ -24,8 +24,9 @@
 #               (no CUDA graphs), the triton
 #               runs with --profile (launches, device and host time a decode step and a
 #               prefill step, and the costliest kernels); triton on an agent's next turns,
-#               chunks of 256 and 64 tokens over 30,000 cached and 4 x 256 over 8,000
-#               (forward-extend-triton, --extend: the prefill kernel's key splits); on cuda
+#               chunks of 256 and 64 tokens over 30,000 cached, which split the prefill
+#               kernel's keys, and 4 x 256 over 8,000, which does not (forward-extend-triton,
+#               --extend); on cuda
 #               also SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
@@ -201,7 +202,8 @@ if [ "$device" = cuda ]; then
   config=$PWD/engine/model/configs/llama3.1-8b.json
   model_name=llama3.1-8b
   forward_shapes=()  # bench forward's defaults: the issue's table, and 2k prefills back to back
-  # An agent's next turns: chunks over long cached contexts (the prefill kernel's key splits).
+  # An agent's next turns: chunks over long cached contexts, the first two split the prefill
+  # kernel's keys (3 and 9 splits), the last (512 programs) is the unsplit control.
   extend_shapes=(--extend 1x256@30000 1x64@30000 4x256@8000)
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
   # The target's run is 256 requests; --quick gives the sdpa baseline 64 (it takes 5x longer).

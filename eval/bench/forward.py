@@ -43,7 +43,6 @@ the dtype and the attention backend.
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import statistics
 import tempfile
@@ -100,10 +99,12 @@ class Shape:
         `BATCHxTOKENS@CONTEXT`, e.g. `1x256@30000`."""
         if kind == "extend":
             shape, _, context = text.partition("@")
-            if not (context.isdigit() and int(context) > 0):
+            fields = shape.lower().split("x")
+            if not (context.isdigit() and int(context) > 0 and len(fields) == 2
+                    and all(field.isdigit() and int(field) > 0 for field in fields)):
                 raise argparse.ArgumentTypeError(
                     f"extend shape must be BATCHxTOKENS@CONTEXT, got {text!r}")
-            return replace(cls.parse("decode", shape), kind="extend", context_len=int(context))
+            return cls("extend", *map(int, fields), context_len=int(context))
         fields = text.lower().split("x")
         max_fields = 3 if kind == "prefill" else 2
         if not (2 <= len(fields) <= max_fields
@@ -325,8 +326,9 @@ def _max_num_seqs(shape: Shape) -> int:
 
 
 def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
-    """Tokens a sequence of `shape` reaches: its prompt, plus for decode the warm-up, timed
-    and profiled runs' steps and the token sampled by the last one."""
+    """Tokens a sequence of `shape` reaches: its prompt (an extend's context and chunk) and
+    the token sampled after it; for decode the prompt, the warm-up, timed and profiled runs'
+    steps and the token sampled by the last one."""
     if shape.kind != "decode":
         return shape.context_len + shape.seq_len + 1
     num_runs = 1 + args.repeats + int(args.profile)
@@ -498,20 +500,29 @@ class _Sequences:
 
     def __init__(self, runner: ModelRunner, name: str, shape: Shape, blocks_per_seq: int,
                  rng: np.random.Generator):
+        prompts = [rng.integers(0, runner.arch.vocab_size, shape.seq_len).tolist()
+                   for _ in range(shape.batch_size)]
+        self._start(runner, name, prompts, blocks_per_seq, [0] * len(prompts))
+
+    def _start(self, runner: ModelRunner, name: str, prompts: list[list[int]],
+               blocks_per_seq: int, num_computed: list[int]) -> None:
+        """Requests `name-0` onwards, none sent yet: request `i` has prompt `prompts[i]`,
+        blocks from `i * blocks_per_seq` and `num_computed[i]` tokens already cached."""
         self.runner = runner
-        self.prompts = {f"{name}-{index}": rng.integers(0, runner.arch.vocab_size,
-                                                        shape.seq_len).tolist()
-                        for index in range(shape.batch_size)}
+        self.blocks_per_seq = blocks_per_seq
+        self.prompts = {f"{name}-{index}": prompt for index, prompt in enumerate(prompts)}
         self.block_ids = {req_id: list(range(index * blocks_per_seq,
                                              (index + 1) * blocks_per_seq))
                           for index, req_id in enumerate(self.prompts)}
-        self.num_computed = dict.fromkeys(self.prompts, 0)
+        self.num_computed = dict(zip(self.prompts, num_computed, strict=True))
         self.sent: set[str] = set()
         self.step_id = 0
 
     def prefill(self, token_budget: int, up_to: int | None = None) -> float:
         """Every prompt (its first `up_to` tokens, if given), in steps of at most
         `token_budget` tokens, in request order; returns the seconds the runner took."""
+        if up_to is not None and not all(0 < up_to < len(p) for p in self.prompts.values()):
+            raise ValueError(f"up_to must leave every prompt a token to compute, got {up_to}")
         pending = {req_id: len(prompt) if up_to is None else up_to
                    for req_id, prompt in self.prompts.items()}
         runner_s = 0.0
@@ -581,12 +592,11 @@ class _Sequences:
         """New requests, `name-0` onwards, over these prompts and blocks, arriving with the
         tokens these have computed already in the cache, as a prefix-cache hit does. These
         must have left the runner (`finish`)."""
-        again = copy.copy(self)
-        again.prompts = {f"{name}-{index}": prompt
-                         for index, prompt in enumerate(self.prompts.values())}
-        again.block_ids = dict(zip(again.prompts, self.block_ids.values(), strict=True))
-        again.num_computed = dict(zip(again.prompts, self.num_computed.values(), strict=True))
-        again.sent = set()
+        if any(req_id in self.runner.batch.row_of for req_id in self.sent):
+            raise ValueError("these requests are still in the runner: finish them first")
+        again = _Sequences.__new__(_Sequences)
+        again._start(self.runner, name, list(self.prompts.values()), self.blocks_per_seq,
+                     list(self.num_computed.values()))
         return again
 
     def finish(self) -> None:

@@ -229,14 +229,18 @@ class TritonBackend(AttentionBackend):
         the prefill kernel's tile is tuned, apart with and without key splits) before
         serving. In order of preference: a chunk at the budget over one cached token, a
         chunk over one cached token whose sequence holds under 1,024 tokens (too short to
-        split), and a chunk of 256 or 2 tokens over the longest context (split where any
-        step is)."""
-        max_model_len = self.layout.max_model_len
+        split), and a chunk of 256 tokens, or of one query tile of the split rule, over the
+        longest context. The last splits wherever any step does: no step launches fewer
+        programs, and none reaches more keys a program."""
+        layout = self.layout
+        max_model_len = layout.max_model_len
         steps = list(super().profiled_steps(num_tokens))
         short = min(num_tokens, 2 * triton_kernels.MIN_PREFILL_KEYS_PER_SPLIT - 1)
+        tile = triton_kernels.split_rule_query_tile(layout.num_heads, layout.num_kv_heads)
         candidates = [ProfiledStep(num_tokens - 1, 1), ProfiledStep(max(short - 1, 2), 1)]
         candidates += [ProfiledStep(query_len, max_model_len - query_len)
-                       for query_len in (min(_PROFILED_CHUNK_TOKENS, num_tokens), 2)]
+                       for query_len in (min(_PROFILED_CHUNK_TOKENS, num_tokens),
+                                         max(min(tile, num_tokens), 2))]
         for step in candidates:
             reached = {self.attention_of(done) for done in steps}
             if (2 <= step.query_len <= num_tokens and step.context_len >= 0

@@ -103,24 +103,30 @@ def default_prefill_splits(query_lens: Sequence[int], max_seq_len: int, num_head
     each program's keys aims, as decode does, at two programs an SM. Programs are counted
     approximately: in 64-row query tiles (the 16-bit rule's; float32 tiles have 32 rows, the
     autotuner may take 128), and without the step's decodes, which another kernel attends.
-    No split covers fewer than 512 of the keys a query can reach (the longest sequence, or
-    its window), whose fixed cost the reduction would not repay, and the partials stay
+    No split covers fewer than 512 of the keys a program can reach (the longest sequence, or
+    its query tile's window), whose fixed cost the reduction would not repay, and the
+    partials stay
     within `PREFILL_PARTIALS_BYTES`. 1 for a step that fills the card (every full-budget
     prompt of Llama-3.1-8B's shapes).
     """
-    group_pad = _next_power_of_two(num_heads // num_kv_heads)
-    block_q = max(_PREFILL_ROWS // group_pad, 1)
+    block_q = split_rule_query_tile(num_heads, num_kv_heads)
     programs = num_kv_heads * sum(-(-query_len // block_q) for query_len in query_lens)
     if programs == 0 or programs >= _NUM_SMS:
         return 1
     keys = max_seq_len
-    if sliding_window is not None:
-        keys = min(keys, sliding_window + max(query_lens))
+    if sliding_window is not None:  # one query tile's keys: its first query's window on
+        keys = min(keys, sliding_window + min(max(query_lens), block_q) - 1)
     partial_bytes = _partials_bytes(sum(query_lens), num_heads, head_dim, 1)
     splits = min(-(-_PROGRAMS_PER_SM * _NUM_SMS // programs),
                  keys // MIN_PREFILL_KEYS_PER_SPLIT, PREFILL_PARTIALS_BYTES // partial_bytes,
                  _MAX_SPLITS)
     return max(splits, 1)
+
+
+def split_rule_query_tile(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens a program holds as `default_prefill_splits` counts programs: a 64-row
+    tile over the padded group of query heads a KV head serves."""
+    return max(_PREFILL_ROWS // _next_power_of_two(num_heads // num_kv_heads), 1)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

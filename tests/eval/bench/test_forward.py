@@ -111,7 +111,11 @@ def test_an_extend_turn_arrives_as_a_prefix_hit_and_samples_what_a_whole_prefill
         scheduler=SchedulerConfig(max_model_len=40, max_num_batched_tokens=16, max_num_seqs=3)))
     filled = _Sequences(runner, "s", Shape("prefill", 2, 30), blocks_per_seq=8,
                         rng=np.random.default_rng(0))
+    with pytest.raises(ValueError, match="up_to must leave every prompt a token"):
+        filled.prefill(token_budget=16, up_to=30)
     filled.prefill(token_budget=16, up_to=24)
+    with pytest.raises(ValueError, match="finish them first"):
+        filled.arriving_again("t")
     filled.finish()
     turn = filled.arriving_again("t")
     assert turn.num_computed == {"t-0": 24, "t-1": 24} and turn.prompts == {

@@ -332,10 +332,12 @@ def test_default_prefill_splits() -> None:
             partial_bytes = sum(query_lens) * 32 * 130 * 4 * splits
             assert splits == 1 or partial_bytes <= triton_kernels.PREFILL_PARTIALS_BYTES
     assert default_prefill_splits([], 100, **llama) == 1
-    # In a window a program reaches its window and its queries' keys, not the context.
+    # In a window a program reaches its query tile's window (16 queries here), not the
+    # context, however long the chunk.
     assert default_prefill_splits([16], 30_016, **llama) == 33
     assert default_prefill_splits([16], 30_016, **llama, sliding_window=4096) == 8
     assert default_prefill_splits([16], 30_016, **llama, sliding_window=500) == 1
+    assert default_prefill_splits([256], 30_256, **llama, sliding_window=1000) == 1
 
 
 def test_prefill_programs_cover_every_query_tile_head_and_sequence() -> None:
