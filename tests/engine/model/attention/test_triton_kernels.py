@@ -275,10 +275,11 @@ def test_prefill_long_queries_over_several_query_and_key_tiles() -> None:
 # Key splits: a program's key tiles shared out among `num_splits` programs whose partials a
 # reduction combines. A row may see no key of its split (past the causal diagonal) and must
 # then weigh nothing.
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_prefill_splits_keys_over_cached_contexts(num_splits: int) -> None:
+def test_prefill_splits_keys_over_cached_contexts() -> None:
+    # 3 splits of the long sequence's 10 key tiles (4, 4 and 2), and of the other programs'
+    # 1 to 3 tiles, some splits empty.
     out, expected = run_prefill([300, 0, 61], [20, 40, 5], group=2, num_kv_heads=2,
-                                shared_blocks=2, num_splits=num_splits)
+                                shared_blocks=2, num_splits=3)
     assert_matches(out, expected, torch.float32)
 
 
@@ -298,7 +299,7 @@ def test_prefill_splits_in_a_sliding_window() -> None:
 def test_prefill_splits_with_a_tuned_tile_in_bfloat16() -> None:
     # As the autotuner's split variant runs on the device: a 16-bit tile, and an overstated
     # max_query_len whose extra rounds find no query.
-    out, expected = run_prefill([260, 0, 5], [24, 40, 1], group=4, num_kv_heads=2,
+    out, expected = run_prefill([150, 0, 5], [24, 40, 1], group=4, num_kv_heads=2,
                                 head_dim=64, block_size=16, dtype=torch.bfloat16,
                                 tile=(64, 64, 4, 2), max_query_len=50, num_splits=3)
     assert_matches(out, expected, torch.bfloat16)
