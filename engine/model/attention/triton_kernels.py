@@ -105,16 +105,15 @@ def default_prefill_splits(query_lens: Sequence[int], max_seq_len: int, num_head
     autotuner may take 128), and without the step's decodes, which another kernel attends.
     No split covers fewer than 512 of the keys a program can reach (the longest sequence, or
     its query tile's window), whose fixed cost the reduction would not repay, and the
-    partials stay
-    within `PREFILL_PARTIALS_BYTES`. 1 for a step that fills the card (every full-budget
-    prompt of Llama-3.1-8B's shapes).
+    partials stay within `PREFILL_PARTIALS_BYTES`. 1 for a step that fills the card (every
+    full-budget prompt of Llama-3.1-8B's shapes).
     """
     block_q = split_rule_query_tile(num_heads, num_kv_heads)
     programs = num_kv_heads * sum(-(-query_len // block_q) for query_len in query_lens)
     if programs == 0 or programs >= _NUM_SMS:
         return 1
     keys = max_seq_len
-    if sliding_window is not None:  # one query tile's keys: its first query's window on
+    if sliding_window is not None:  # a program's: its first query's window to its last query
         keys = min(keys, sliding_window + min(max(query_lens), block_q) - 1)
     partial_bytes = _partials_bytes(sum(query_lens), num_heads, head_dim, 1)
     splits = min(-(-_PROGRAMS_PER_SM * _NUM_SMS // programs),
