@@ -241,12 +241,15 @@ class TritonBackend(AttentionBackend):
         candidates += [ProfiledStep(query_len, max_model_len - query_len)
                        for query_len in (min(_PROFILED_CHUNK_TOKENS, num_tokens),
                                          max(min(tile, num_tokens), 2))]
+        reached = {self.attention_of(step) for step in steps}
         for step in candidates:
-            reached = {self.attention_of(done) for done in steps}
-            if (2 <= step.query_len <= num_tokens and step.context_len >= 0
-                    and step.query_len + step.context_len <= max_model_len
-                    and self.attention_of(step) not in reached):
+            if not (2 <= step.query_len <= num_tokens and step.context_len >= 0
+                    and step.query_len + step.context_len <= max_model_len):
+                continue
+            attention = self.attention_of(step)
+            if attention not in reached:
                 steps.append(step)
+                reached.add(attention)
         return tuple(steps)
 
     def attention_of(self, step: ProfiledStep) -> PrefillAttention:

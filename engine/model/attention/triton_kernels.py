@@ -115,9 +115,9 @@ def default_prefill_splits(query_lens: Sequence[int], max_seq_len: int, num_head
     keys = max_seq_len
     if sliding_window is not None:  # a program's: its first query's window to its last query
         keys = min(keys, sliding_window + min(max(query_lens), block_q) - 1)
-    partial_bytes = _partials_bytes(sum(query_lens), num_heads, head_dim, 1)
+    split_bytes = _partials_bytes_per_split(sum(query_lens), num_heads, head_dim)
     splits = min(-(-_PROGRAMS_PER_SM * _NUM_SMS // programs),
-                 keys // MIN_PREFILL_KEYS_PER_SPLIT, PREFILL_PARTIALS_BYTES // partial_bytes,
+                 keys // MIN_PREFILL_KEYS_PER_SPLIT, PREFILL_PARTIALS_BYTES // split_bytes,
                  _MAX_SPLITS)
     return max(splits, 1)
 
@@ -652,7 +652,7 @@ def _prefill_kernel(
             result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None],
         )
     else:
-        # The decode reduction's layout, [query rows, heads, splits (, head_dim)].
+        # `_combine_splits`' layout, [query rows, heads, splits (, head_dim)].
         part = (q_rows * (NUM_KV_HEADS * GROUP) + q_heads) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
@@ -752,9 +752,9 @@ def _partials(out: torch.Tensor, num_splits: int
     return part_max, torch.empty_like(part_max), part_acc
 
 
-def _partials_bytes(rows: int, num_heads: int, head_dim: int, num_splits: int) -> int:
-    """Bytes of `_partials` for `rows` query rows."""
-    return rows * num_heads * num_splits * (head_dim + 2) * 4
+def _partials_bytes_per_split(rows: int, num_heads: int, head_dim: int) -> int:
+    """Bytes of `_partials` a split adds for `rows` query rows (float32 max, sum, output)."""
+    return rows * num_heads * (head_dim + 2) * 4
 
 
 def _prefill_config(group_pad: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
