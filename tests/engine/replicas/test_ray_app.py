@@ -52,15 +52,19 @@ APP = "continuum-test"
 ENGINE_FLAGS = ["--model", "tiny", "--num-kv-blocks", "128", "--max-model-len", "1024",
                 "--scheduling-policy", "continuum"]
 SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
-# One tenant (the key's) whose body bytes in flight are two bodies of the largest size; a
-# refusal sent again within 3 s of the previous is answered 3 s late. A drain ends at once:
-# the last test stops the application (one deployment for the last three tests).
+# The round-robin deployment, which the last four tests share (deployments take most of this
+# file's time): one tenant (the key's) whose body bytes in flight are two bodies of the
+# largest size; a refusal sent again within 3 s of the previous is answered 3 s late. A drain
+# ends at once: the last test stops the application.
 KEY_AND_BUDGET_FLAGS = ("--api-key", "secret", "--max-request-body-bytes", "65536",
                         "--max-body-bytes-in-flight", "131072", "--retry-after-s", "3",
                         "--shutdown-timeout-s", "0")
+FLAGS_OF_ROUTER: dict[RouterName, tuple[str, ...]] = {
+    "affinity": (), "round-robin": KEY_AND_BUDGET_FLAGS}
 
 
-def bench_agent(base_url: str, tmp_path: Path) -> tuple[dict[str, Any], str]:
+def bench_agent(base_url: str, tmp_path: Path, api_key: str = "EMPTY"
+                ) -> tuple[dict[str, Any], str]:
     """`continuum bench agent` with the first 8 jobs of the slice (4 turns each): the run's
     figures from its JSON, and what it printed."""
     out = tmp_path / f"agent-{time.monotonic_ns()}.json"
@@ -68,7 +72,8 @@ def bench_agent(base_url: str, tmp_path: Path) -> tuple[dict[str, Any], str]:
     with contextlib.redirect_stdout(printed):
         code = cli_main(["bench", "agent", "--base-url", base_url, "--trace", str(SLICE),
                          "--first-jobs", "8", "--max-turns", "4", "--token-scale", "0.05",
-                         "--jobs-per-s", "20", "--no-progress", "--json", str(out)])
+                         "--jobs-per-s", "20", "--api-key", api_key, "--no-progress",
+                         "--json", str(out)])
     assert code == 0, printed.getvalue()
     run, = json.loads(out.read_text())["runs"]
     return run, printed.getvalue()
@@ -89,11 +94,16 @@ class RayServer:
         self.replica_ids: set[str] = set()
         self._runs: dict[RouterName, tuple[dict[str, Any], str]] = {}
 
-    def deploy(self, router: RouterName, flags: tuple[str, ...] = ()) -> None:
-        """Deploys the app with `router` and more `continuum serve` flags (restarting the
-        replicas) unless it is deployed so."""
+    def deploy(self, router: RouterName) -> None:
+        """Deploys the app with `router` and its `FLAGS_OF_ROUTER` unless it is deployed so.
+        A deployed app is deleted first: Ray Serve's update would replace its replicas one
+        at a time, which takes about 10 s longer here."""
+        flags = FLAGS_OF_ROUTER[router]
         if (router, flags) == self.deployed:
             return
+        if self.deployed is not None:
+            serve.delete(APP)
+            self.deployed = None
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         settings = ReplicaAppSettings(
@@ -101,14 +111,19 @@ class RayServer:
             router=router, replica_num_cpus=0)
         serve.run(build_application(settings), name=APP, route_prefix="/")
         self.deployed = (router, flags)
-        self._wait_for_both_replicas(flags[flags.index("--api-key") + 1]
-                                     if "--api-key" in flags else "EMPTY")
+        self._wait_for_both_replicas(self.api_key)
+
+    @property
+    def api_key(self) -> str:
+        """The deployed app's API key ("EMPTY" when it has none, as clients send then)."""
+        flags = () if self.deployed is None else self.deployed[1]
+        return flags[flags.index("--api-key") + 1] if "--api-key" in flags else "EMPTY"
 
     def bench_agent_run(self, router: RouterName, tmp_path: Path) -> tuple[dict[str, Any], str]:
         """`bench_agent` against the app with `router` (run once per router)."""
         if router not in self._runs:
             self.deploy(router)
-            self._runs[router] = bench_agent(self.base_url, tmp_path)
+            self._runs[router] = bench_agent(self.base_url, tmp_path, self.api_key)
         return self._runs[router]
 
     def _wait_for_both_replicas(self, api_key: str) -> None:
@@ -425,8 +440,8 @@ def _replica_of_job(base_url: str, job_id: str) -> str:
 
 def test_the_ingress_checks_the_api_key_before_it_reads_a_body(ray_server: RayServer) -> None:
     """A client without a key that announces a body and sends none gets 401 at once: the
-    ingress does not wait for (and hold) a body it would refuse. It redeploys."""
-    ray_server.deploy("affinity", KEY_AND_BUDGET_FLAGS)
+    ingress does not wait for (and hold) a body it would refuse."""
+    ray_server.deploy("round-robin")
     with socket.create_connection(("127.0.0.1", ray_server.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n")
@@ -445,7 +460,7 @@ def test_the_ingress_refuses_bodies_past_its_budget_unread(ray_server: RayServer
     each): the next request gets 503 (one tenant: its clients share the whole budget), one
     sent again at once gets it Retry-After late, and once the holders go away requests are
     served again."""
-    ray_server.deploy("affinity", KEY_AND_BUDGET_FLAGS)
+    ray_server.deploy("round-robin")
     url, key = ray_server.base_url, {"Authorization": "Bearer secret"}
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     held = []
@@ -503,7 +518,7 @@ def test_stopping_the_application_drains_every_replica_first(ray_server: RayServ
     replicas as a single server drains: a new generation gets 503 `server_shutting_down`, a
     stream still running at the drain's end gets that error event and `[DONE]` instead of
     being cut off. Last: it deletes the application."""
-    ray_server.deploy("affinity", KEY_AND_BUDGET_FLAGS)
+    ray_server.deploy("round-robin")
     url, key = ray_server.base_url, {"Authorization": "Bearer secret"}
     with httpx.stream("POST", url + "/v1/completions", timeout=60, headers=key, json={
             "model": "tiny", "prompt": "hi", "max_tokens": 900, "ignore_eos": True,
