@@ -6,6 +6,7 @@ on; compiled kernels are untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -16,7 +17,8 @@ import triton.language as tl
 
 @functools.cache
 def mend_interpreter() -> None:
-    """Fixes three gaps of Triton 3.6's interpreter that compiled kernels do not have.
+    """Fixes three gaps of Triton 3.6's interpreter that compiled kernels do not have, and
+    drops work whose result it throws away.
 
     It turns loop bounds into ints with `int()` of a one-element array, which NumPy >= 2.4
     refuses (triton-lang/triton#9171: every loop with runtime bounds fails), its `tl.dot`
@@ -25,6 +27,13 @@ def mend_interpreter() -> None:
     rounds up past its top bit into the exponent field instead of carrying (31.3 becomes 16,
     not 32), and widening turns a float8 NaN into 480. The replacements compute what a
     compiled kernel does; float8 conversions are torch's (rounding to nearest, ties to even).
+
+    Its builders also check every 32-bit integer add, subtract and multiply for overflow
+    (each operand widened to 64 bits, the result compared with both bounds), then hand the
+    check to `device_assert`, which drops it: the interpreter's options never turn `debug`
+    on. Those checks took about a third of a kernel's time under the interpreter. Here they
+    follow `debug`, as compiled kernels' asserts do, so nothing that was checked is lost.
+
     Patches once, however often it is called.
     """
     from triton.runtime import interpreter
@@ -64,6 +73,21 @@ def mend_interpreter() -> None:
     def create_dot_bfloat16(builder: Any, a: Any, b: Any, *args: Any) -> Any:
         return create_dot(builder, as_float32(a), as_float32(b), *args)
 
+    builder_init = interpreter.InterpreterBuilder.__init__
+
+    def init_without_dropped_checks(builder: Any, *args: Any, **kwargs: Any) -> None:
+        builder_init(builder, *args, **kwargs)
+        skip_dropped_overflow_checks(builder)
+
+    interpreter.InterpreterBuilder.__init__ = init_without_dropped_checks
+    skip_dropped_overflow_checks(interpreter.interpreter_builder)
     interpreter._patch_lang_tensor = patch_tensor_index
     interpreter.InterpreterBuilder.create_dot = create_dot_bfloat16
     interpreter._convert_float = convert_float8
+
+
+def skip_dropped_overflow_checks(builder: Any) -> None:
+    """Sets an interpreter builder's `sanitize_overflow` to its `debug`: `device_assert`
+    drops the overflow checks unless `debug` is on (`mend_interpreter`)."""
+    builder.options = dataclasses.replace(builder.options,
+                                          sanitize_overflow=builder.options.debug)

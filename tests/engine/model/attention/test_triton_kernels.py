@@ -703,3 +703,25 @@ def test_float8_widens_exactly_nan_included() -> None:
     torch.testing.assert_close(float32.cpu(), expected, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(bfloat16.cpu().float(), expected, rtol=0, atol=0,
                                equal_nan=True)
+
+
+@triton.jit
+def _wrap_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    x = tl.load(x_ptr + offsets)
+    tl.store(out_ptr + offsets, x * 4 + 1)
+
+
+def test_int32_products_wrap_as_compiled_kernels_do() -> None:
+    """Overflowing 32-bit products wrap; under the interpreter, which skips the overflow
+    checks its `device_assert` would drop (`mend_interpreter`), as well."""
+    x = torch.tensor([2**30, -(2**30) - 1, 7, 2**29], dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(x)
+    _wrap_kernel[(1,)](x, out, N=4)
+    expected = (x.cpu().numpy().astype(np.int64) * 4 + 1).astype(np.int32)  # two's complement
+    assert out.cpu().tolist() == expected.tolist() == [1, -3, 29, -(2**31) + 1]
+    if DEVICE == "cpu":
+        from triton.runtime import interpreter
+
+        for builder in (interpreter.interpreter_builder, interpreter.InterpreterBuilder()):
+            assert builder.options.sanitize_overflow is builder.options.debug is False
