@@ -15,8 +15,12 @@ from eval.server_process import ServerProcess, ServerSpec
 
 pytest.importorskip("triton")
 
-SYSTEM = "You are a careful agent. Use the tools you are given and answer briefly."
-QUESTIONS = ("List the files here.", "Run the tests.")
+# Short (the tiny tokenizer spends a token a byte; each token costs a program of every layer
+# kernel under the interpreter), yet longer than a step's 32 tokens with the chat template:
+# the first prompt is prefilled in chunks, the second extends the first's cached blocks.
+SYSTEM = "You are an agent."
+QUESTIONS = ("List the files.", "Run the tests.")
+MAX_TOKENS = 6
 
 
 def greedy_turns(backend: str, layer_kernels: str
@@ -28,13 +32,13 @@ def greedy_turns(backend: str, layer_kernels: str
         # fcfs: the continuum policy's start-up prefill profile is slow under the interpreter.
         "--attention-backend", backend, "--layer-kernels", layer_kernels,
         "--scheduling-policy", "fcfs", "--num-kv-blocks", "256",
-        "--max-model-len", "256", "--max-num-batched-tokens", "64"))).start()
+        "--max-model-len", "256", "--max-num-batched-tokens", "32"))).start()
     try:
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
         turns = []
         for question in QUESTIONS:
             reply = client.chat.completions.create(
-                model="tiny", temperature=0.0, max_tokens=8, logprobs=True, top_logprobs=3,
+                model="tiny", temperature=0.0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=3,
                 messages=[{"role": "system", "content": SYSTEM},
                           {"role": "user", "content": question}],
                 extra_body={"ignore_eos": True})
@@ -56,7 +60,7 @@ def test_triton_backend_serves_the_same_greedy_tokens_as_sdpa() -> None:
     assert [turn[:2] for turn in triton_turns] == [turn[:2] for turn in sdpa_turns]
     assert all(cached > 0 for _, cached, _ in triton_turns[1:])
     for (_, _, triton_tops), (_, _, sdpa_tops) in zip(triton_turns, sdpa_turns, strict=True):
-        assert len(triton_tops) == len(sdpa_tops) == 8
+        assert len(triton_tops) == len(sdpa_tops) == MAX_TOKENS
         for triton_top, sdpa_top in zip(triton_tops, sdpa_tops, strict=True):
             assert [token for token, _ in triton_top] == [token for token, _ in sdpa_top]
             assert [value for _, value in triton_top] == pytest.approx(
