@@ -24,7 +24,8 @@ from engine.core.wire import EngineStats, JobState
 from engine.engine_args import EngineArgs
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.outputs import RequestOutput, RequestRejected
-from engine.frontend.processor import InputProcessor, ProcessedRequest, Prompt
+from engine.frontend.processor import ProcessedRequest, Prompt
+from engine.frontend.startup import start_with_processor
 from engine.frontend.stats import RequestStatsObserver
 from engine.request import JobInfo
 from engine.sampling_params import SamplingParams
@@ -59,10 +60,10 @@ class AsyncLLM:
         stats_observer: RequestStatsObserver | None = None,
     ) -> None:
         self.config = config
-        self.processor = InputProcessor.for_config(config, tokenizer)
+        self.processor, self.client = start_with_processor(
+            config, tokenizer, lambda: AsyncMPClient(config, startup_timeout_s=startup_timeout_s))
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer, stats_observer=stats_observer)
-        self.client = AsyncMPClient(config, startup_timeout_s=startup_timeout_s)
         self._output_handler: asyncio.Task[None] | None = None
         self._request_counter = itertools.count()
         self._background_aborts: set[asyncio.Task[None]] = set()

@@ -13,6 +13,7 @@ from engine.engine_args import EngineArgs
 from engine.frontend.output_processor import OutputProcessor
 from engine.frontend.outputs import RequestOutput
 from engine.frontend.processor import InputProcessor, ProcessedRequest, Prompt
+from engine.frontend.startup import start_with_processor
 from engine.request import JobInfo
 from engine.sampling_params import SamplingParams
 
@@ -29,12 +30,15 @@ class LLMEngine:
         **core_kwargs: Any,
     ) -> None:
         self.config = config
-        self.processor = InputProcessor.for_config(config, tokenizer)
+        self.client: InprocClient | SyncMPClient
+        if multiprocess:
+            self.processor, self.client = start_with_processor(
+                config, tokenizer, lambda: SyncMPClient(config))
+        else:
+            self.processor = InputProcessor.for_config(config, tokenizer)
+            self.client = InprocClient(config, **core_kwargs)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client: InprocClient | SyncMPClient = (
-            SyncMPClient(config) if multiprocess else InprocClient(config, **core_kwargs)
-        )
         self._grammars_prepared = False
 
     @classmethod
