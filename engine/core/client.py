@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import multiprocessing
 import os
@@ -18,6 +17,7 @@ import tempfile
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -101,16 +101,23 @@ class InprocClient:
         self.core.shutdown()
 
 
+StartupCheck = Callable[[], BaseException | None]
+"""Asked while a core process starts (every `POLL_INTERVAL_MS`): an error to stop the start
+with and raise, or None to go on waiting."""
+
+
 class _CoreProcess:
     """The core process and the frontend's ends of its sockets (bound here, before it starts).
 
     Binds a ROUTER (input) and a PULL (output) socket on IPC paths in a private directory,
     starts the process (spawned, so no threads or CUDA state are forked), and waits for its
-    `CoreReady`; raises RuntimeError with the core's message if it failed to start.
+    `CoreReady`; raises RuntimeError with the core's message if it failed to start, or the
+    error `startup_check` returned (the process then stopped).
     """
 
     def __init__(
-        self, config: EngineConfig, context: zmq.Context, startup_timeout_s: float
+        self, config: EngineConfig, context: zmq.Context, startup_timeout_s: float,
+        startup_check: StartupCheck | None = None,
     ) -> None:
         self._directory = tempfile.mkdtemp(prefix="continuum-core-")
         input_address = f"ipc://{self._directory}/input"
@@ -128,15 +135,18 @@ class _CoreProcess:
         )
         self.process.start()
         try:
-            self.ready = self._handshake(startup_timeout_s)
+            self.ready = self._handshake(startup_timeout_s, startup_check)
         except BaseException:
             self.close()
             raise
 
-    def _handshake(self, timeout_s: float) -> CoreReady:
+    def _handshake(self, timeout_s: float, startup_check: StartupCheck | None) -> CoreReady:
         decoder = msgspec.msgpack.Decoder(CoreHello)
         deadline_s = time.monotonic() + timeout_s
         while not self.input_socket.poll(POLL_INTERVAL_MS):
+            stop = None if startup_check is None else startup_check()
+            if stop is not None:
+                raise stop
             if self.process.exitcode is not None:
                 raise RuntimeError(
                     f"the engine core process exited during startup "
@@ -158,11 +168,14 @@ class _CoreProcess:
     def close(self) -> None:
         """Stops the process (asking first, if it lives), closes the sockets. Idempotent."""
         if self.process.exitcode is None:
-            with contextlib.suppress(zmq.ZMQError):
+            try:
                 self.input_socket.send_multipart(
                     [self.identity, msgspec.msgpack.encode(Shutdown())], flags=zmq.NOBLOCK
                 )
-            self.process.join(timeout=5)
+            except zmq.ZMQError:
+                pass  # not connected yet (still starting): there is no one to ask
+            else:
+                self.process.join(timeout=5)
         if self.process.exitcode is None:
             self.process.terminate()
             self.process.join(timeout=5)
@@ -177,10 +190,11 @@ class _CoreProcess:
 class _MPClientBase:
     """Shared by the multiprocess clients: the process, encoding, and the dead-core state."""
 
-    def __init__(self, config: EngineConfig, *, startup_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, *, startup_timeout_s: float = 600.0,
+                 startup_check: StartupCheck | None = None) -> None:
         self._context = zmq.Context()
         try:
-            self._proc = _CoreProcess(config, self._context, startup_timeout_s)
+            self._proc = _CoreProcess(config, self._context, startup_timeout_s, startup_check)
         except BaseException:
             self._context.term()
             raise

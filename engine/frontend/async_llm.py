@@ -61,7 +61,8 @@ class AsyncLLM:
     ) -> None:
         self.config = config
         self.processor, self.client = start_with_processor(
-            config, tokenizer, lambda: AsyncMPClient(config, startup_timeout_s=startup_timeout_s))
+            config, tokenizer, lambda check: AsyncMPClient(
+                config, startup_timeout_s=startup_timeout_s, startup_check=check))
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer, stats_observer=stats_observer)
         self._output_handler: asyncio.Task[None] | None = None

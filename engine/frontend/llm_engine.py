@@ -33,7 +33,7 @@ class LLMEngine:
         self.client: InprocClient | SyncMPClient
         if multiprocess:
             self.processor, self.client = start_with_processor(
-                config, tokenizer, lambda: SyncMPClient(config))
+                config, tokenizer, lambda check: SyncMPClient(config, startup_check=check))
         else:
             self.processor = InputProcessor.for_config(config, tokenizer)
             self.client = InprocClient(config, **core_kwargs)

@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 
 # Short (the tiny tokenizer spends a token a byte; each token costs a program of every layer
 # kernel under the interpreter), yet longer than a step's 32 tokens with the chat template:
-# the first prompt is prefilled in chunks, the second extends the first's cached blocks.
+# the first prompt is prefilled in chunks, the second extends the first's cached blocks. No
+# sequence reaches 128 tokens, so decode runs unsplit here (test_triton_kernels.py splits it).
 SYSTEM = "You are an agent."
 QUESTIONS = ("List the files.", "Run the tests.")
 MAX_TOKENS = 6

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from typing import Any
 
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.client import StartupCheck
 from engine.engine_args import EngineArgs
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.llm_engine import LLMEngine
 from engine.frontend.processor import InputProcessor
 from engine.frontend.startup import start_with_processor
 
-CONFIG = EngineArgs(max_model_len=256, num_kv_blocks=64).to_engine_config()
+# fcfs: no start-up prefill profile, so a core that is waited for starts sooner.
+CONFIG = EngineArgs(max_model_len=256, num_kv_blocks=64,
+                    scheduling_policy="fcfs").to_engine_config()
 
 
 class FakeClient:
@@ -37,7 +41,7 @@ def test_the_processor_is_built_while_the_client_starts(tokenizer, monkeypatch) 
         assert starting.wait(timeout=30)
         return built(config, given)
 
-    def start_client() -> FakeClient:
+    def start_client(check: StartupCheck) -> FakeClient:
         starting.set()
         assert building.wait(timeout=30)
         return FakeClient()
@@ -54,8 +58,27 @@ def test_a_processor_that_fails_shuts_the_started_client_down(monkeypatch) -> No
     monkeypatch.setattr(InputProcessor, "for_config", classmethod(for_config))
     client = FakeClient()
     with pytest.raises(ValueError, match="no usable tokenizer"):
-        start_with_processor(CONFIG, None, lambda: client)
+        start_with_processor(CONFIG, None, lambda check: client)
     assert client.num_shutdowns == 1
+
+
+def test_a_processor_that_fails_stops_the_client_while_it_starts(monkeypatch) -> None:
+    """The start asks its check until the processor's error comes, and raises it: a failed
+    tokenizer does not wait for the core to be ready."""
+    def for_config(cls: type[InputProcessor], config: EngineConfig, given: Any) -> None:
+        raise ValueError("no usable tokenizer")
+
+    def start_client(check: StartupCheck) -> FakeClient:
+        for _ in range(30_000):  # at most 30 s
+            error = check()
+            if error is not None:
+                raise error
+            time.sleep(0.001)
+        raise AssertionError("the check never returned the processor's error")
+
+    monkeypatch.setattr(InputProcessor, "for_config", classmethod(for_config))
+    with pytest.raises(ValueError, match="no usable tokenizer"):
+        start_with_processor(CONFIG, None, start_client)
 
 
 def test_a_client_that_fails_to_start_raises_once_the_processor_is_built(tokenizer,
@@ -69,7 +92,7 @@ def test_a_client_that_fails_to_start_raises_once_the_processor_is_built(tokeniz
         finished.set()
         return processor
 
-    def start_client() -> FakeClient:
+    def start_client(check: StartupCheck) -> FakeClient:
         raise RuntimeError("the engine core failed to start")
 
     monkeypatch.setattr(InputProcessor, "for_config", classmethod(for_config))
@@ -81,6 +104,7 @@ def test_a_client_that_fails_to_start_raises_once_the_processor_is_built(tokeniz
 @pytest.mark.parametrize("frontend", ["AsyncLLM", "LLMEngine"])
 def test_no_core_process_outlives_a_tokenizer_that_fails_to_load(frontend: str,
                                                                  monkeypatch) -> None:
+    """The real clients ask the check as they wait for the core's handshake."""
     def for_config(cls: type[InputProcessor], config: EngineConfig, given: Any) -> None:
         raise ValueError("no usable tokenizer")
 
