@@ -1,8 +1,9 @@
 """Starting a frontend over a core process: the core and the tokenizer at once.
 
-Neither needs the other. A tokenizer's loader imports transformers, which takes seconds on a
-CPU, and a core process spends its own seconds importing torch and building the model: done
-at once, a frontend starts in about the longer of the two instead of their sum.
+Neither needs the other. A tokenizer's loader imports transformers, about a second of CPU
+(several when the tokenizer needs `AutoTokenizer`, which imports torch), and a core process
+spends its own seconds importing torch and building the model: done at once, a frontend
+starts in about the longer of the two instead of their sum.
 """
 
 from __future__ import annotations
