@@ -1,11 +1,13 @@
-"""The prefill cost model: a quadratic fit (scikit-learn) of prefill seconds on length."""
+"""The prefill cost model: a non-negative quadratic fit of prefill seconds on length."""
 
 from __future__ import annotations
 
 import json
 import math
 
+import numpy as np
 import pytest
+from sklearn.linear_model import LinearRegression
 
 from estimator.base import MAX_CONTEXT_TOKENS
 from estimator.cost_model import (
@@ -29,6 +31,32 @@ def test_fit_keeps_every_coefficient_non_negative() -> None:
     fitted = PrefillCostModel.fit([(16, 0.010), (64, 0.009), (256, 0.011), (1024, 0.030)])
     assert min(fitted.intercept_s, fitted.linear_s, fitted.quadratic_s) >= 0
     assert all(fitted.cost_s(n) >= 0 for n in (0, 10, 10_000))
+
+
+def scikit_learn_fit(points: list[tuple[int, float]]) -> PrefillCostModel:
+    """The fit as scikit-learn computes it, through the origin when the intercept is < 0."""
+    features = [[n / 1000, (n / 1000) ** 2] for n, _ in points]
+    seconds = [s for _, s in points]
+    regression = LinearRegression(positive=True).fit(features, seconds)
+    if regression.intercept_ < 0:
+        regression = LinearRegression(positive=True, fit_intercept=False).fit(features, seconds)
+    return PrefillCostModel(max(float(regression.intercept_), 0.0), *map(float, regression.coef_))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fit_is_scikit_learns_non_negative_least_squares(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 8192, size=int(rng.integers(2, 12)))
+    lengths[1] = lengths[0] + 1  # two distinct lengths at least
+    # Noisy profiles: some need a zero coefficient, some a zero (refitted) intercept.
+    truth = rng.uniform(-0.02, 0.05, size=3)
+    points = [(int(n), max(0.0, float(truth[0] + truth[1] * n / 1000 + truth[2] * (n / 1000) ** 2
+                                      + rng.normal(0, 0.01))))
+              for n in lengths]
+    fitted, expected = PrefillCostModel.fit(points), scikit_learn_fit(points)
+    for name in ("intercept_s", "linear_s", "quadratic_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(expected, name), rel=1e-6,
+                                                      abs=1e-9)
 
 
 @pytest.mark.parametrize("points", [[(16, 0.1)], [(16, 0.1), (16, 0.2)], [(16, -1.0), (32, 1)]])
