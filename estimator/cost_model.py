@@ -12,6 +12,7 @@ prefills the engine ran lately. With a host KV tier, a context held there is rel
 from __future__ import annotations
 
 import json
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,8 +78,8 @@ class PrefillCostModel:
 
         if len({int(n) for n, _ in points}) < 2:
             raise ValueError("a prefill profile needs at least two distinct lengths")
-        if any(n < 0 or not s >= 0 for n, s in points):
-            raise ValueError("prefill profile points must be (tokens >= 0, seconds >= 0)")
+        if any(n < 0 or not 0 <= s < math.inf for n, s in points):
+            raise ValueError("prefill profile points must be (tokens >= 0, finite seconds >= 0)")
         units = np.array([n / _TOKENS_PER_UNIT for n, _ in points])
         features = np.stack([units, units * units], axis=1)
         seconds = np.array([float(s) for _, s in points])

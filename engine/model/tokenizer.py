@@ -21,6 +21,15 @@ from engine.model.tiny import TINY_MODEL_DIR
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model", "tiktoken.model")
 
+# The names a tokenizer configuration gives the generic fast tokenizer (transformers 4 wrote
+# the first, 5 writes the second; in 5 both name one class).
+GENERIC_FAST_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+# Model types (None: a tokenizer directory without a model) among those the engine runs whose
+# tokenizer `AutoTokenizer` loads with the class its configuration names. Not qwen2, whose
+# configurations transformers 5 overrides with `Qwen2Tokenizer` (rebuilt from the vocabulary,
+# with a normalizer of its own), nor mistral, overridden when mistral-common is installed.
+MODEL_TYPES_KEEPING_TOKENIZER_CLASS = frozenset({None, "llama", "qwen3"})
+
 
 def tokenizer_dir(model: str, tokenizer: str | None = None) -> Path:
     """The directory the tokenizer loads from: `tokenizer` (`"tiny"` or a local directory)
@@ -46,10 +55,10 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
     `tokenizer` directory when given (see `tokenizer_dir`): the one `AutoTokenizer` loads.
 
     A directory whose tokenizer is the generic fast tokenizer (`_loads_as_generic_fast`) is
-    loaded through that class directly. `AutoTokenizer` would first read the model's
-    configuration through transformers' model registry, which imports torch: 4.9 s of CPU
-    for the tiny model's tokenizer on this project's CPU machine, against 0.9 s, in every
-    server's frontend process, which otherwise never imports torch.
+    loaded through that class directly. Importing `AutoTokenizer` imports transformers'
+    model configuration classes, and with them torch (transformers 5): 4.9 s of CPU for the
+    tiny model's tokenizer on this project's CPU machine, against 0.9 s, in every server's
+    frontend process, which otherwise never imports torch.
     """
     directory = tokenizer_dir(model, tokenizer)
     try:
@@ -69,23 +78,15 @@ def _loads_as_generic_fast(directory: Path) -> bool:
     (`PreTrainedTokenizerFast`, `TokenizersBackend` in transformers 5): its
     `tokenizer_config.json` names that class and no code of its own (`auto_map`), it has a
     `tokenizer.json`, and the directory's model, if it holds one, is of a type for which
-    transformers keeps the class the configuration names (it overrides it for some
-    types, such as mistral's when mistral-common is installed)."""
+    transformers keeps the class the configuration names
+    (`MODEL_TYPES_KEEPING_TOKENIZER_CLASS`)."""
     config = _read_json_object(directory / "tokenizer_config.json")
     model_config = _read_json_object(directory / "config.json")
     if config is None or model_config is None or not (directory / "tokenizer.json").is_file():
         return False
-    return (config.get("tokenizer_class") in _GENERIC_FAST_TOKENIZER_CLASSES
+    return (config.get("tokenizer_class") in GENERIC_FAST_TOKENIZER_CLASSES
             and "auto_map" not in config
-            and model_config.get("model_type") in _MODEL_TYPES_KEEPING_TOKENIZER_CLASS)
-
-
-# The names a tokenizer configuration gives the generic fast tokenizer (transformers 4 wrote
-# the first, 5 writes the second; in 5 both name one class).
-_GENERIC_FAST_TOKENIZER_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
-# Model types (None: a tokenizer directory without a model) whose tokenizer `AutoTokenizer`
-# loads with the class its configuration names, among those the engine runs.
-_MODEL_TYPES_KEEPING_TOKENIZER_CLASS = frozenset({None, "llama", "qwen2", "qwen3"})
+            and model_config.get("model_type") in MODEL_TYPES_KEEPING_TOKENIZER_CLASS)
 
 
 def _read_json_object(path: Path) -> dict[str, Any] | None:

@@ -59,7 +59,8 @@ def test_fit_is_scikit_learns_non_negative_least_squares(seed: int) -> None:
                                                       abs=1e-9)
 
 
-@pytest.mark.parametrize("points", [[(16, 0.1)], [(16, 0.1), (16, 0.2)], [(16, -1.0), (32, 1)]])
+@pytest.mark.parametrize("points", [[(16, 0.1)], [(16, 0.1), (16, 0.2)], [(16, -1.0), (32, 1)],
+                                    [(16, 0.1), (32, math.inf)], [(16, 0.1), (32, math.nan)]])
 def test_fit_rejects_unusable_profiles(points) -> None:
     with pytest.raises(ValueError):
         PrefillCostModel.fit(points)

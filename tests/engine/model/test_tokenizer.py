@@ -13,10 +13,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.model.tiny import TINY_MODEL_DIR
-from engine.model.tokenizer import load_tokenizer
+from engine.model.tokenizer import (
+    GENERIC_FAST_TOKENIZER_CLASSES,
+    MODEL_TYPES_KEEPING_TOKENIZER_CLASS,
+    load_tokenizer,
+)
 from tests.engine.model.real_model import require_real_model
 
-TEXTS = ["Hello, world!", "  two  spaces\tand a tab\n", "héllo wörld ✓ 漢字 🙂",
+TEXTS = ["Hello, world!", "  two  spaces\tand a tab\n", "héllo wörld ✓ 漢字 🙂", "e\u0301",
          "<|im_start|>user\nhi<|im_end|>", "<tool_call>{\"a\": 1}</tool_call>", "a" * 300]
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -61,9 +65,12 @@ def test_a_generic_fast_tokenizer_loads_as_auto_tokenizer_loads_it(which: str) -
 
 
 def copy_tiny_tokenizer(directory: Path, *, tokenizer_class: str | None = None,
-                        model_type: str | None = None, auto_map: bool = False) -> Path:
-    """The tiny model's tokenizer files in `directory`, its configuration changed as asked."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+                        model_type: str | None = None, auto_map: bool = False,
+                        with_model: bool = True) -> Path:
+    """The tiny model's tokenizer files in `directory` (and its `config.json` if
+    `with_model`), the configuration changed as asked."""
+    names = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+    for name in [*names, "config.json"] if with_model else names:
         shutil.copy(TINY_MODEL_DIR / name, directory / name)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     if tokenizer_class is not None:
@@ -78,13 +85,31 @@ def copy_tiny_tokenizer(directory: Path, *, tokenizer_class: str | None = None,
     return directory
 
 
+@pytest.mark.parametrize("tokenizer_class", sorted(GENERIC_FAST_TOKENIZER_CLASSES))
+@pytest.mark.parametrize("model_type", sorted(MODEL_TYPES_KEEPING_TOKENIZER_CLASS, key=str))
+def test_every_configuration_loaded_directly_is_what_auto_tokenizer_loads(
+        tmp_path: Path, tokenizer_class: str, model_type: str | None) -> None:
+    """The configurations `load_tokenizer` loads without `AutoTokenizer`, against it (a
+    transformers upgrade that overrides one of them fails here)."""
+    directory = copy_tiny_tokenizer(tmp_path, tokenizer_class=tokenizer_class,
+                                    model_type=model_type, with_model=model_type is not None)
+    # A tokenizer directory without a model is the `tokenizer` one of a model's.
+    loaded = load_tokenizer("tiny", str(directory))
+    expected = AutoTokenizer.from_pretrained(directory)
+    assert type(loaded) is type(expected)
+    assert [loaded(text).input_ids for text in TEXTS] \
+        == [expected(text).input_ids for text in TEXTS]
+    assert loaded.eos_token_id == expected.eos_token_id
+
+
 def test_a_tokenizer_of_its_own_class_loads_through_auto_tokenizer(tmp_path: Path) -> None:
     directory = copy_tiny_tokenizer(tmp_path, tokenizer_class="GPT2Tokenizer")
     assert type(load_tokenizer(str(directory))).__name__ == "GPT2Tokenizer"
 
 
-@pytest.mark.parametrize("changes", [{"auto_map": True}, {"model_type": "mistral"}],
-                         ids=["own-code", "mistral"])
+@pytest.mark.parametrize("changes", [{"auto_map": True}, {"model_type": "mistral"},
+                                     {"model_type": "qwen2"}],
+                         ids=["own-code", "mistral", "qwen2"])
 def test_configurations_auto_tokenizer_may_override_load_through_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, changes: dict[str, object]) -> None:
     directory = copy_tiny_tokenizer(tmp_path, **changes)  # type: ignore[arg-type]
