@@ -66,11 +66,11 @@ class PrefillCostModel:
     @classmethod
     def fit(cls, points: Sequence[tuple[int, float]]) -> PrefillCostModel:
         """Fits (num_tokens, seconds) measurements; ValueError if there are fewer than two
-        distinct lengths or a value is negative.
+        distinct lengths or a value is negative or not finite.
 
         The least squares of scikit-learn's `LinearRegression(positive=True)`, solved with
         the SciPy routine it calls (`scipy.optimize.nnls`) on the features and seconds
-        centred by their means: importing scikit-learn took 1.4 s of a server's start on
+        centred by their means: importing scikit-learn took 1.35 s of a server's start on
         this project's CPU machine, SciPy's solver 0.55 s.
         """
         import numpy as np

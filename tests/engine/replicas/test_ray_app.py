@@ -90,7 +90,7 @@ class RayServer:
             self.port = sock.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.deployed: tuple[RouterName, tuple[str, ...]] | None = None
+        self.deployed: RouterName | None = None
         self.replica_ids: set[str] = set()
         self._runs: dict[RouterName, tuple[dict[str, Any], str]] = {}
 
@@ -98,8 +98,7 @@ class RayServer:
         """Deploys the app with `router` and its `FLAGS_OF_ROUTER` unless it is deployed so.
         A deployed app is deleted first: Ray Serve's update would replace its replicas one
         at a time, which takes about 10 s longer here."""
-        flags = FLAGS_OF_ROUTER[router]
-        if (router, flags) == self.deployed:
+        if router == self.deployed:
             return
         if self.deployed is not None:
             serve.delete(APP)
@@ -107,16 +106,16 @@ class RayServer:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
         settings = ReplicaAppSettings(
-            serve_args=vars(parser.parse_args([*ENGINE_FLAGS, *flags])), num_replicas=2,
-            router=router, replica_num_cpus=0)
+            serve_args=vars(parser.parse_args([*ENGINE_FLAGS, *FLAGS_OF_ROUTER[router]])),
+            num_replicas=2, router=router, replica_num_cpus=0)
         serve.run(build_application(settings), name=APP, route_prefix="/")
-        self.deployed = (router, flags)
+        self.deployed = router
         self._wait_for_both_replicas(self.api_key)
 
     @property
     def api_key(self) -> str:
         """The deployed app's API key ("EMPTY" when it has none, as clients send then)."""
-        flags = () if self.deployed is None else self.deployed[1]
+        flags = () if self.deployed is None else FLAGS_OF_ROUTER[self.deployed]
         return flags[flags.index("--api-key") + 1] if "--api-key" in flags else "EMPTY"
 
     def bench_agent_run(self, router: RouterName, tmp_path: Path) -> tuple[dict[str, Any], str]:
