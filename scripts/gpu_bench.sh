@@ -4,7 +4,8 @@
 #   smoke       (only when asked for: --part smoke) the CUDA tests (the Triton kernels against
 #               the sdpa reference on the device, float32/bf16 parity with transformers, the
 #               loader, the layer kernels, fp8 projections, async scheduling against steps in
-#               order on the device) and one small `bench forward` of the 8B shapes with
+#               order on the device, steps launched with synchronizing CUDA calls made
+#               errors) and one small `bench forward` of the 8B shapes with
 #               triton: a couple of minutes that show whether the rest can run
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
 #               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
@@ -26,8 +27,9 @@
 #               prefill step, and the costliest kernels); triton on an agent's next turns,
 #               chunks of 256 and 64 tokens over 30,000 cached, which split the prefill
 #               kernel's keys, and 4 x 256 over 8,000, which does not (forward-extend-triton,
-#               --extend); on cuda
-#               also SmolLM2-135M's shapes with the triton backend
+#               --extend); decode batch 32 and 128 at 1k under each kind of sampling
+#               (forward-sampling-triton, --sampling: greedy, random, seeded, penalties,
+#               grammar); on cuda also SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
@@ -205,6 +207,7 @@ if [ "$device" = cuda ]; then
   # An agent's next turns: chunks over long cached contexts, the first two split the prefill
   # kernel's keys (3 and 9 splits), the last (512 programs) is the unsplit control.
   extend_shapes=(--extend 1x256@30000 1x64@30000 4x256@8000)
+  sampling_shapes=(--decode 32x1024 128x1024 --prefill)
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
   # The target's run is 256 requests; --quick gives the sdpa baseline 64 (it takes 5x longer).
   target_requests=256
@@ -227,6 +230,8 @@ elif [ "$device" = cpu ]; then
   forward_shapes=(--decode 2x48 4x96 --prefill 1x64 --decode-steps 2 --repeats 1
                   --max-num-batched-tokens 64)
   extend_shapes=(--extend 1x4@60 --repeats 1 --max-num-batched-tokens 64)
+  sampling_shapes=(--decode 2x48 --prefill --decode-steps 2 --repeats 1
+                   --max-num-batched-tokens 64)
   smoke_shapes=("${forward_shapes[@]}")
   target_requests=4
   baseline_requests=4
@@ -305,7 +310,8 @@ if wants smoke; then
          tests/engine/model/attention/test_triton_backend.py
          tests/engine/model/attention/test_triton_sdpa_backend.py tests/engine/model/test_parity.py
          tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py
-         tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py)
+         tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py
+         tests/engine/worker/test_step_syncs.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
   step forward-smoke-triton "${engine[@]}" bench forward --config "$config" --device "$device" \
     --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
@@ -355,6 +361,14 @@ forward_extend() {
     --device "$device" --attention-backend triton --layer-kernels triton --decode --prefill \
     "${extend_shapes[@]}" --profile --json "$raw/forward-extend-triton.json"
 }
+forward_sampling() {
+  # What each kind of sampling adds to a decode step: penalties and grammar masks are
+  # applied on the device from inputs copied without waiting for it.
+  step forward-sampling-triton "${engine[@]}" bench forward --config "$config" \
+    --device "$device" --attention-backend triton --layer-kernels triton \
+    "${sampling_shapes[@]}" --sampling greedy random seeded penalties grammar \
+    --json "$raw/forward-sampling-triton.json"
+}
 forward_smollm2() {
   # The real model of `continuum models pull` (3 query heads per KV head, head dim 64), by
   # its shapes: the GPU machine cannot fetch it. Its 8,192 positions hold no 8k context plus
@@ -403,6 +417,7 @@ if [ $quick -eq 1 ]; then
   wants throughput && throughput_run triton-fp8w
   wants forward && forward_run triton-sync
   wants throughput && throughput_run triton-sync
+  wants forward && forward_sampling
   wants throughput && throughput_run triton-16k
   wants forward && forward_run triton-torch-layers
   wants forward && forward_run sdpa
@@ -415,6 +430,7 @@ else
       forward_run "$run"
     done
     forward_extend
+    forward_sampling
     forward_smollm2
   fi
   if wants throughput; then

@@ -15,14 +15,15 @@ class Penalties:
     presence: torch.Tensor  # [rows] float32
     frequency: torch.Tensor  # [rows] float32
     repetition: torch.Tensor  # [rows] float32
-    output_counts: torch.Tensor  # [rows, vocab] float32: occurrences in the output so far
+    output_counts: torch.Tensor  # [rows, vocab] int32: occurrences in the output so far
     seen_mask: torch.Tensor  # [rows, vocab] bool: occurs in the prompt or the output
 
 
 @dataclass(frozen=True)
 class LogitBias:
     """Additive logit biases as sparse entries: `values[e]` is added to the logit of token
-    `token_ids[e]` in row `rows[e]`. Only rows with a bias have entries."""
+    `token_ids[e]` in row `rows[e]`. Only rows with a bias or a ban have entries; a ban (a stop
+    token before `min_tokens`) is an entry of minus infinity."""
 
     rows: torch.Tensor  # [entries] int64
     token_ids: torch.Tensor  # [entries] int64
@@ -30,15 +31,27 @@ class LogitBias:
 
 
 @dataclass(frozen=True)
+class GrammarRows:
+    """The rows a structured output's grammar constrains this step, with their allowed tokens
+    packed as the grammar bitmask packs them: bit `t % 32` of `words[k, t // 32]` is set when
+    row `rows[k]` may sample token `t`. Unpacked on the device by the sampler."""
+
+    rows: torch.Tensor  # [constrained rows] int64
+    words: torch.Tensor  # [constrained rows, ceil(vocab / 32)] int32
+
+
+@dataclass(frozen=True)
 class SamplingMetadata:
     """What the sampler needs beside the logits.
 
     Filters that no row uses are `None`, so a plain greedy or plain temperature batch does no
-    extra work. `seeds[i]` is row `i`'s request seed (`None`: draw from the runner's shared
-    generator); `output_positions[i]` is the index of the token row `i` samples, so a seeded
-    request draws the same randomness for its n-th token whatever the batch or preemptions.
-    `banned_token_ids[i]` lists tokens row `i` may not produce yet (EOS and stop ids before
-    `min_tokens`). `logit_bias` is `None` when no row has one.
+    extra work. Every tensor is on the sampler's device already (copied without waiting for
+    it); the lists stay on the host. `seeds[i]` is row `i`'s request seed (`None`: draw from the
+    runner's shared generator); `output_positions[i]` is the index of the token row `i`
+    samples, so a seeded request draws the same randomness for its n-th token whatever the
+    batch or preemptions. `logit_bias` holds the requests' biases and their bans (EOS and stop
+    ids before `min_tokens`, except in rows a grammar constrains: there the grammar alone
+    decides where the output may end); `None` when no row has either.
     """
 
     temperature: torch.Tensor  # [rows] float32, 0 means greedy
@@ -49,12 +62,9 @@ class SamplingMetadata:
     seeds: list[int | None]
     output_positions: list[int]
     penalties: Penalties | None
-    banned_token_ids: list[list[int]]
     max_num_logprobs: int | None
     logit_bias: LogitBias | None = None
-    # [rows, vocab] bool: the tokens each row's grammar allows (None: no row has a grammar);
-    # set by the model runner from the step's grammar bitmask, after the batch built the rest.
-    allowed_token_mask: torch.Tensor | None = None
+    grammar: GrammarRows | None = None  # None: no row has a grammar
 
     @property
     def num_rows(self) -> int:

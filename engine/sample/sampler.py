@@ -1,8 +1,9 @@
 """The sampler: logits [rows, vocab] -> one token id per row, plus optional logprobs.
 
-Order of operations: add logit biases, ban not-yet-allowed stop tokens, mask the tokens a
-structured output's grammar does not allow, apply penalties, then either take the
-argmax (greedy rows) or divide by the temperature, apply min-p, top-k and top-p, and sample.
+Order of operations: add logit biases (with them the bans of stop tokens not yet allowed),
+mask the tokens a structured output's grammar does not allow, apply penalties, then either
+take the argmax (greedy rows) or divide by the temperature, apply min-p, top-k and top-p, and
+sample.
 Sampling uses the exponential race (`argmax(p / q)` with `q ~ Exp(1)`), which draws exactly
 one categorical sample per row from noise that can be seeded per row.
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sample.grammar_mask import apply_grammar
 from engine.sample.metadata import LogitBias, Penalties, SamplingMetadata
 
 _SEED_MULTIPLIER = 6364136223846793005
@@ -53,10 +55,8 @@ class Sampler:
         logits = logits.float()
         if metadata.logit_bias is not None:
             logits = apply_logit_bias(logits, metadata.logit_bias)
-        if any(metadata.banned_token_ids):
-            logits = _ban_tokens(logits, metadata.banned_token_ids)
-        if metadata.allowed_token_mask is not None:
-            logits = logits.masked_fill(~metadata.allowed_token_mask, float("-inf"))
+        if metadata.grammar is not None:
+            logits = apply_grammar(logits, metadata.grammar)
         if metadata.penalties is not None:
             logits = apply_penalties(logits, metadata.penalties)
         sampled = logits.argmax(dim=-1)
@@ -79,15 +79,9 @@ class Sampler:
         return (probs / self._exponential_noise(probs, metadata)).argmax(dim=-1)
 
     def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        noise = torch.empty_like(probs)
-        if all(seed is None for seed in metadata.seeds):
-            # One draw for all rows, as the rows' draws below would be, without indexing by
-            # a host list (a copy to the device that would wait for the stream).
-            return noise.exponential_(generator=self.generator)
-        unseeded = [row for row, seed in enumerate(metadata.seeds) if seed is None]
-        if unseeded:
-            shared = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
-            noise[unseeded] = shared.exponential_(generator=self.generator)
+        # One draw for all rows, then each seeded row's own: indexing the unseeded rows by a
+        # host list would copy it to the device, and that copy waits for the stream.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in enumerate(metadata.seeds):
             if seed is not None:
                 generator = torch.Generator(device=probs.device)
@@ -96,17 +90,9 @@ class Sampler:
         return noise
 
 
-def _ban_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
-    logits = logits.clone()
-    for row, token_ids in enumerate(banned_token_ids):
-        if token_ids:
-            logits[row, token_ids] = float("-inf")
-    return logits
-
-
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
-    """A new tensor: `logits` plus each bias entry (the input, which may be the raw logits
-    the logprobs are taken from, is left as it is)."""
+    """A new tensor: `logits` plus each bias entry, a ban's minus infinity too (the input,
+    which may be the raw logits the logprobs are taken from, is left as it is)."""
     return logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
 
 

@@ -15,9 +15,9 @@ whose `result` waits for its sampled tokens (`execute_model` does both). Each st
 4. for requests that ask for prompt logprobs, computes the logprobs of the prompt tokens that
    the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
    all its positions at once).
-Nothing in a step waits for the device unless it needs token ids on the host: a batch with
-penalties waits for the steps still out first (the penalties count the ids), and a step
-with prompt logprobs reads them back before it returns.
+Nothing in a step waits for the device unless it needs token ids on the host: a step with
+prompt logprobs reads them back before it returns. Every copy to the device is asynchronous,
+from pinned memory; the penalties count the sampled ids on the device (`token_counts.py`).
 With a host tier it also carries out the step's copies (`kv_transfers`), even in a step that
 schedules no token: urgent stores and loads before the forward, lazy stores overlapping it,
 all done before the step returns.
@@ -49,7 +49,6 @@ from engine.outputs import (
     PromptLogprobs,
     TokenLogprobs,
 )
-from engine.sample.grammar_mask import with_grammar_mask
 from engine.sample.sampler import SampledLogprobs, Sampler, gather_logprobs
 from engine.scheduler.output import SchedulerOutput
 from engine.worker.decode_graphs import (
@@ -68,6 +67,7 @@ from engine.worker.kv_cache_sizing import (
     resolve_kv_cache_dtype,
 )
 from engine.worker.runner_step import PendingTokens, RunnerStep, TokenPatch
+from engine.worker.token_counts import TokenCounts
 
 # At most this many bytes of float32 logits exist at once while prompt logprobs are computed.
 PROMPT_LOGITS_CHUNK_BYTES = 128 * 2**20
@@ -147,6 +147,7 @@ class ModelRunner:
             max_model_len=max_model_len,
             max_blocks_per_req=-(-max_model_len // self.block_size),
             vocab_size=self.arch.vocab_size,
+            device=self.device,
         )
         self.decode_graphs = self._decode_graphs(self.kv_caches)
         if self.decode_graphs is not None:
@@ -164,7 +165,8 @@ class ModelRunner:
         (`AttentionBackend.profiled_steps`: a full-budget prompt, and a step for each other
         way it attends a prefill; plus logits for every sequence a step could sample), and
         of the largest decode bucket, plus that decode peak again for the CUDA graphs'
-        memory pool (unless `enforce_eager`), which stays allocated, and the null block."""
+        memory pool (unless `enforce_eager`), which stays allocated, the null block, and the
+        penalties' token counts (`TokenCounts`, allocated at the first penalised request)."""
         scheduler = self.config.scheduler
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)
@@ -176,7 +178,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         graphs_bytes = decode_peak if not self.config.model.enforce_eager else 0
         null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.kv_dtype)
-        return max(prefill_peak, decode_peak) + graphs_bytes + null_block_bytes
+        token_counts_bytes = TokenCounts.num_bytes(scheduler.max_num_seqs, self.arch.vocab_size)
+        return (max(prefill_peak, decode_peak) + graphs_bytes + null_block_bytes
+                + token_counts_bytes)
 
     def _prefill_peak_bytes(self, scratch: list[torch.Tensor], step: ProfiledStep) -> int:
         """The peak of a forward of `step`, one sequence over the scratch cache's blocks,
@@ -317,20 +321,13 @@ class ModelRunner:
         enqueued on the device; complete at once when the step samples nothing."""
         if scheduler_output.is_empty:
             return CompletedStep(ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
-        if self._unresolved and self.batch.num_penalised_rows:
-            # Penalties count the tokens sampled so far: those still out are read first.
-            self._unresolved[-1].result()
         inputs = self.prepare_inputs(scheduler_output)
-        # Sampling inputs are copied to the device before the forward is enqueued, while the
-        # device is idle: their (pageable) copies then wait for nothing.
+        hidden = self._forward(inputs)
+        # Built while the device runs the forward; its copies do not wait for it.
         metadata = None
         if inputs.sampling_rows:
-            metadata = self.batch.sampling_metadata(inputs.sampling_rows, self.device)
-            if scheduler_output.grammar_bitmask is not None:
-                metadata = with_grammar_mask(metadata, inputs.sampling_req_ids,
-                                             scheduler_output.grammar_bitmask,
-                                             self.arch.vocab_size)
-        hidden = self._forward(inputs)
+            metadata = self.batch.sampling_metadata(inputs.sampling_rows,
+                                                    scheduler_output.grammar_bitmask)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_spans)
         if metadata is None:
             return CompletedStep(ModelRunnerOutput(
@@ -341,6 +338,7 @@ class ModelRunner:
             ))
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         output = self.sampler(logits, metadata)
+        self.batch.count_sampled(inputs.sampling_rows, output.sampled_token_ids)
         step = RunnerStep(
             req_ids=inputs.req_ids, sampling_req_ids=inputs.sampling_req_ids,
             sampled=output.sampled_token_ids,

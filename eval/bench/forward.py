@@ -72,11 +72,15 @@ from engine.model.directory import load_arch
 from engine.outputs import PendingStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.structured_output.bitmask import GrammarBitmask
 from engine.worker.model_runner import ModelRunner
 from eval.report import write_json_report, write_report
 from eval.step_profile import StepProfile, profile_steps
 
 ShapeKind = Literal["decode", "prefill", "extend"]
+# What the shape's requests ask of the sampler (`SAMPLINGS`); `grammar` also constrains
+# every sampling row by a bitmask, as structured outputs do.
+SamplingName = Literal["greedy", "random", "seeded", "penalties", "grammar"]
 _T = TypeVar("_T")
 
 
@@ -92,6 +96,7 @@ class Shape:
     seq_len: int
     num_steps: int = 1
     context_len: int = 0
+    sampling: SamplingName = "greedy"
 
     @classmethod
     def parse(cls, kind: ShapeKind, text: str) -> Shape:
@@ -115,13 +120,16 @@ class Shape:
 
     @property
     def label(self) -> str:
+        sampling = "" if self.sampling == "greedy" else f", {self.sampling} sampling"
         if self.kind == "decode":
-            return f"decode, batch {self.batch_size}, context {self.seq_len:,}"
+            return f"decode, batch {self.batch_size}, context {self.seq_len:,}{sampling}"
         if self.kind == "extend":
             return (f"extend {self.batch_size} x {self.seq_len:,} over {self.context_len:,} "
-                    "cached")
+                    f"cached{sampling}")
         label = f"prefill {self.batch_size} x {self.seq_len:,}"
-        return label if self.num_steps == 1 else f"{label}, {self.num_steps} steps back to back"
+        if self.num_steps > 1:
+            label = f"{label}, {self.num_steps} steps back to back"
+        return label + sampling
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,16 @@ DEFAULT_DECODE_SHAPES = [Shape("decode", 1, 1024), Shape("decode", 32, 1024),
                          Shape("decode", 128, 1024), Shape("decode", 32, 8192)]
 DEFAULT_PREFILL_SHAPES = [Shape("prefill", 1, 2048), Shape("prefill", 1, 2048, num_steps=8)]
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+_RANDOM = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_tokens": None,
+           "ignore_eos": True}
+SAMPLINGS: dict[SamplingName, SamplingParams] = {
+    "greedy": _GREEDY,
+    "random": SamplingParams(**_RANDOM),
+    "seeded": SamplingParams(**_RANDOM, seed=1234),
+    "penalties": SamplingParams(**_RANDOM, presence_penalty=0.5, frequency_penalty=0.5,
+                                repetition_penalty=1.1),
+    "grammar": _GREEDY,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -184,6 +202,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=[], metavar="BATCHxTOKENS@CONTEXT",
                         help="chunks of TOKENS over CONTEXT cached tokens, an agent's next "
                              "turn (default: none)")
+    parser.add_argument("--sampling", nargs="+", choices=get_args(SamplingName),
+                        default=["greedy"],
+                        help="what the requests ask of the sampler: each shape runs under "
+                             "each (random: temperature 0.8, top-p 0.95, top-k 50; seeded: "
+                             "that with a seed; penalties: that with presence, frequency and "
+                             "repetition penalties; grammar: greedy within a random bitmask "
+                             "over the vocabulary a step, as structured outputs)")
     parser.add_argument("--decode-steps", type=int, default=16, help="steps of one timed run")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per shape after one warm-up run; the median is kept")
@@ -200,7 +225,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    shapes = [*args.decode, *args.prefill, *args.extend]
+    shapes = [replace(shape, sampling=sampling)
+              for shape in [*args.decode, *args.prefill, *args.extend]
+              for sampling in dict.fromkeys(args.sampling)]
     if not shapes:
         raise ValueError("no shape to measure: give --decode, --prefill or --extend shapes")
     report = run(args, shapes)
@@ -496,20 +523,31 @@ class _Sequences:
     """`shape.batch_size` requests with random prompts of `shape.seq_len` tokens, stepped
     through `runner` by hand-built `SchedulerOutput`s as the scheduler would send them: in full
     the first step a request is scheduled, as deltas after. Request `i` owns the consecutive
-    blocks from `i * blocks_per_seq`; they are all given up front, so no step adds blocks."""
+    blocks from `i * blocks_per_seq`; they are all given up front, so no step adds blocks.
+    Their sampling is `shape.sampling`'s; under `grammar`, request `i` may sample the tokens
+    of a random bitmask drawn once (`grammar_words[i]`), sent with every step it samples in."""
 
     def __init__(self, runner: ModelRunner, name: str, shape: Shape, blocks_per_seq: int,
                  rng: np.random.Generator):
-        prompts = [rng.integers(0, runner.arch.vocab_size, shape.seq_len).tolist()
+        vocab_size = runner.arch.vocab_size
+        prompts = [rng.integers(0, vocab_size, shape.seq_len).tolist()
                    for _ in range(shape.batch_size)]
-        self._start(runner, name, prompts, blocks_per_seq, [0] * len(prompts))
+        grammar_words = None
+        if shape.sampling == "grammar":
+            grammar_words = rng.integers(-2**31, 2**31, (shape.batch_size, -(-vocab_size // 32)),
+                                         dtype=np.int64).astype(np.int32)
+        self._start(runner, name, prompts, blocks_per_seq, [0] * len(prompts), shape.sampling,
+                    grammar_words)
 
     def _start(self, runner: ModelRunner, name: str, prompts: list[list[int]],
-               blocks_per_seq: int, num_computed: list[int]) -> None:
+               blocks_per_seq: int, num_computed: list[int], sampling: SamplingName,
+               grammar_words: np.ndarray | None) -> None:
         """Requests `name-0` onwards, none sent yet: request `i` has prompt `prompts[i]`,
         blocks from `i * blocks_per_seq` and `num_computed[i]` tokens already cached."""
         self.runner = runner
         self.blocks_per_seq = blocks_per_seq
+        self.sampling = sampling
+        self.grammar_words = grammar_words
         self.prompts = {f"{name}-{index}": prompt for index, prompt in enumerate(prompts)}
         self.block_ids = {req_id: list(range(index * blocks_per_seq,
                                              (index + 1) * blocks_per_seq))
@@ -568,7 +606,7 @@ class _Sequences:
         """Launches one runner step scheduling `num_tokens[req_id]` tokens of each named
         request; its tokens are read by the returned step's `result`."""
         new = [NewRequestData(req_id=req_id, prompt_token_ids=self.prompts[req_id],
-                              output_token_ids=[], sampling_params=_GREEDY,
+                              output_token_ids=[], sampling_params=SAMPLINGS[self.sampling],
                               block_ids=self.block_ids[req_id],
                               num_computed_tokens=self.num_computed[req_id])
                for req_id in num_tokens if req_id not in self.sent]
@@ -579,7 +617,8 @@ class _Sequences:
                 req_ids=cached_ids, new_block_ids=[[] for _ in cached_ids],
                 num_computed_tokens=[self.num_computed[req_id] for req_id in cached_ids]),
             num_scheduled_tokens=num_tokens, total_num_scheduled_tokens=sum(num_tokens.values()),
-            finished_req_ids=set(), preempted_req_ids=set())
+            finished_req_ids=set(), preempted_req_ids=set(),
+            grammar_bitmask=self._grammar_bitmask(num_tokens))
         # Marked before the step: if it fails (out of memory), the runner holds them already.
         self.sent.update(num_tokens)
         launched = self.runner.submit(output)
@@ -587,6 +626,19 @@ class _Sequences:
             self.num_computed[req_id] += count
         self.step_id += 1
         return launched
+
+    def _grammar_bitmask(self, num_tokens: dict[str, int]) -> GrammarBitmask | None:
+        """The bitmask rows of the step's requests that sample (reach the end of their
+        prompt or decode), as the engine core sends them; None without a grammar."""
+        if self.grammar_words is None:
+            return None
+        indices = [index for index, (req_id, prompt) in enumerate(self.prompts.items())
+                   if req_id in num_tokens
+                   and self.num_computed[req_id] + num_tokens[req_id] >= len(prompt)]
+        if not indices:
+            return None
+        names = list(self.prompts)
+        return GrammarBitmask([names[index] for index in indices], self.grammar_words[indices])
 
     def arriving_again(self, name: str) -> _Sequences:
         """New requests, `name-0` onwards, over these prompts and blocks, arriving with the
@@ -596,7 +648,7 @@ class _Sequences:
             raise ValueError("these requests are still in the runner: finish them first")
         again = _Sequences.__new__(_Sequences)
         again._start(self.runner, name, list(self.prompts.values()), self.blocks_per_seq,
-                     list(self.num_computed.values()))
+                     list(self.num_computed.values()), self.sampling, self.grammar_words)
         return again
 
     def finish(self) -> None:

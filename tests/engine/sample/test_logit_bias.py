@@ -8,11 +8,8 @@ import torch
 from engine.sample.metadata import LogitBias, Penalties
 from engine.sample.sampler import apply_logit_bias
 from engine.sampling_params import SamplingParams
-from engine.worker.input_batch import InputBatch
 from tests.engine.sample.test_sampler import VOCAB, make_metadata, make_sampler, random_logits
-from tests.engine.worker.test_model_runner import new_request
-
-CPU = torch.device("cpu")
+from tests.engine.worker.test_model_runner import make_batch, new_request
 
 
 def bias(entries: list[tuple[int, int, float]]) -> LogitBias:
@@ -57,8 +54,8 @@ def test_bias_comes_before_penalties_and_logprobs_stay_raw() -> None:
     seen = torch.zeros(1, VOCAB, dtype=torch.bool)
     seen[0, [1, 3]] = True
     penalties = Penalties(presence=torch.zeros(1), frequency=torch.zeros(1),
-                          repetition=torch.tensor([2.0]), output_counts=torch.zeros(1, VOCAB),
-                          seen_mask=seen)
+                          repetition=torch.tensor([2.0]),
+                          output_counts=torch.zeros(1, VOCAB, dtype=torch.int32), seen_mask=seen)
     metadata = make_metadata(1, temperature=torch.zeros(1), penalties=penalties,
                              logit_bias=bias([(0, 1, 3.0)]), max_num_logprobs=2)
     output = make_sampler()(logits, metadata)
@@ -70,12 +67,12 @@ def test_bias_comes_before_penalties_and_logprobs_stay_raw() -> None:
 
 
 def test_input_batch_builds_sparse_entries_only_for_rows_with_a_bias() -> None:
-    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4, vocab_size=32)
+    batch = make_batch()
     batch.add(new_request("a", [1, 2], [], [0]))
     batch.add(new_request("b", [3], [], [1], logit_bias=((4, 2.5), (30, -100.0))))
     batch.add(new_request("c", [5], [], [2], logit_bias=((4, 1.0),)))
-    assert batch.sampling_metadata([0], CPU).logit_bias is None
-    metadata = batch.sampling_metadata([2, 0, 1], CPU)
+    assert batch.sampling_metadata([0]).logit_bias is None
+    metadata = batch.sampling_metadata([2, 0, 1])
     assert metadata.logit_bias is not None
     entries = list(zip(metadata.logit_bias.rows.tolist(), metadata.logit_bias.token_ids.tolist(),
                        metadata.logit_bias.values.tolist(), strict=True))

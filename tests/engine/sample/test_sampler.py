@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.sample.metadata import Penalties, SamplingMetadata
+from engine.sample.metadata import LogitBias, Penalties, SamplingMetadata
 from engine.sample.sampler import (
     Sampler,
     apply_min_p,
@@ -25,8 +25,7 @@ def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
 def make_metadata(rows: int, **overrides: object) -> SamplingMetadata:
     base = SamplingMetadata(
         temperature=torch.ones(rows), all_greedy=False, top_k=None, top_p=None, min_p=None,
-        seeds=[None] * rows, output_positions=[0] * rows, penalties=None,
-        banned_token_ids=[[] for _ in range(rows)], max_num_logprobs=None,
+        seeds=[None] * rows, output_positions=[0] * rows, penalties=None, max_num_logprobs=None,
     )
     return replace(base, **overrides)
 
@@ -110,8 +109,8 @@ def test_seeded_rows_are_reproducible_whatever_the_batch() -> None:
 
 def test_penalties_match_their_definition() -> None:
     logits = random_logits(2, seed=6)
-    output_counts = torch.zeros(2, VOCAB)
-    output_counts[0, [1, 2]] = torch.tensor([3.0, 1.0])
+    output_counts = torch.zeros(2, VOCAB, dtype=torch.int32)
+    output_counts[0, [1, 2]] = torch.tensor([3, 1], dtype=torch.int32)
     seen = output_counts > 0
     seen[1, 5] = True  # a prompt token of row 1
     penalties = Penalties(
@@ -130,8 +129,9 @@ def test_penalties_match_their_definition() -> None:
 def test_banned_tokens_are_never_sampled() -> None:
     logits = torch.zeros(2, VOCAB)
     logits[:, 3] = 50.0
-    metadata = make_metadata(2, temperature=torch.tensor([0.0, 1.0]),
-                             banned_token_ids=[[3], [3, 4]])
+    bans = LogitBias(rows=torch.tensor([0, 1, 1]), token_ids=torch.tensor([3, 3, 4]),
+                     values=torch.full((3,), float("-inf")))
+    metadata = make_metadata(2, temperature=torch.tensor([0.0, 1.0]), logit_bias=bans)
     sampled = make_sampler()(logits, metadata).sampled_token_ids.tolist()
     assert 3 not in sampled and sampled[1] != 4
 

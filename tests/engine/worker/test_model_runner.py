@@ -9,6 +9,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype, ModelConfig, SchedulerConfig
 from engine.model.directory import load_arch
 from engine.request import Request
+from engine.sample.metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import NewRequestData
 from engine.scheduler.policies import FCFSPolicy
@@ -20,6 +21,7 @@ from engine.worker.kv_cache_sizing import (
     resolve_kv_cache_dtype,
 )
 from engine.worker.model_runner import ModelRunner
+from engine.worker.token_counts import TokenCounts
 from tests.engine.helpers import FakeClock
 
 BLOCK_SIZE = 4
@@ -111,6 +113,11 @@ def test_partial_prefill_samples_nothing_and_logprobs_are_returned() -> None:
     assert all(lp is None for i, lp in enumerate(output.logprobs) if i != index)
 
 
+def make_batch() -> InputBatch:
+    return InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4, vocab_size=32,
+                      device=torch.device("cpu"))
+
+
 def new_request(req_id: str, tokens: list[int], outputs: list[int], blocks: list[int],
                 **params: object) -> NewRequestData:
     return NewRequestData(req_id=req_id, prompt_token_ids=tokens, output_token_ids=outputs,
@@ -119,7 +126,7 @@ def new_request(req_id: str, tokens: list[int], outputs: list[int], blocks: list
 
 
 def test_input_batch_keeps_rows_dense() -> None:
-    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4, vocab_size=32)
+    batch = make_batch()
     for index in range(3):
         batch.add(new_request(f"r{index}", [index] * (index + 2), [], [10 * index, 10 * index + 1]))
     batch.remove("r0")
@@ -127,25 +134,43 @@ def test_input_batch_keeps_rows_dense() -> None:
     assert batch.token_ids[0, : batch.num_tokens[0]].tolist() == [2, 2, 2, 2]
     assert batch.block_table[0, :2].tolist() == [20, 21]
     batch.append_blocks("r2", [22])
-    batch.append_token(0, 7)
+    assert batch.append_placeholders(np.array([0])).tolist() == [4]
+    batch.set_token(0, 4, 7)
     assert batch.output_token_ids(0).tolist() == [7]
     assert batch.block_table[0, :3].tolist() == [20, 21, 22]
 
 
+def bans(metadata: SamplingMetadata) -> list[tuple[int, int]]:
+    """The (row, token) entries of minus infinity in the metadata's sparse logit bias."""
+    bias = metadata.logit_bias
+    if bias is None:
+        return []
+    return [(row, token_id) for row, token_id, value in zip(
+        bias.rows.tolist(), bias.token_ids.tolist(), bias.values.tolist(), strict=True)
+        if value == float("-inf")]
+
+
 def test_sampling_metadata_bans_stops_until_min_tokens_and_counts_penalties() -> None:
-    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4, vocab_size=32)
+    batch = make_batch()
     batch.add(new_request("a", [1, 2], [5, 5], [0], min_tokens=3, stop_token_ids=(4,),
                           frequency_penalty=0.5))
-    batch.add(new_request("b", [3], [], [1], min_tokens=3, ignore_eos=True, temperature=0.0))
-    metadata = batch.sampling_metadata([0, 1], torch.device("cpu"))
-    assert metadata.banned_token_ids == [[4, 9], []]  # b's stop list is empty, EOS ignored
+    batch.add(new_request("b", [3], [], [1], min_tokens=3, ignore_eos=True, temperature=0.0,
+                          repetition_penalty=1.2))
+    metadata = batch.sampling_metadata([0, 1])
+    assert bans(metadata) == [(0, 4), (0, 9)]  # b's stop list is empty, EOS ignored
     assert metadata.output_positions == [2, 0]
     assert metadata.penalties is not None
-    assert metadata.penalties.output_counts[0, 5].item() == 2.0
-    assert metadata.penalties.seen_mask[0, [1, 2, 5]].all()
-    assert metadata.penalties.seen_mask[1, 3] and not metadata.penalties.seen_mask[1, 5]
-    batch.append_token(0, 6)
-    assert batch.sampling_metadata([0], torch.device("cpu")).banned_token_ids == [[]]
+    assert metadata.penalties.output_counts[0].tolist() == [0] * 5 + [2] + [0] * 26
+    assert metadata.penalties.seen_mask[0].nonzero().flatten().tolist() == [1, 2, 5]
+    assert metadata.penalties.seen_mask[1].nonzero().flatten().tolist() == [3]
+    # A step samples 7 for b and 5 for a: counted on the device, from the sampled ids.
+    batch.count_sampled([1, 0], torch.tensor([7, 5]))
+    batch.append_placeholders(np.array([1, 0]))
+    counted = batch.sampling_metadata([1, 0]).penalties
+    assert counted is not None
+    assert counted.output_counts[:, [5, 7]].tolist() == [[0, 1], [3, 0]]
+    assert counted.seen_mask[0].nonzero().flatten().tolist() == [3, 7]
+    assert bans(batch.sampling_metadata([0])) == []  # a has its three tokens
 
 
 def test_kv_pool_sized_from_the_cpu_budget() -> None:
@@ -217,19 +242,22 @@ def test_an_fp8_cache_needs_a_gpu_that_compiles_float8(monkeypatch: pytest.Monke
 
 
 def test_placeholders_take_the_next_positions_until_their_tokens_are_set() -> None:
-    batch = InputBatch(max_num_reqs=4, max_model_len=16, max_blocks_per_req=4, vocab_size=32)
+    batch = make_batch()
     batch.add(new_request("a", [1, 2], [], [0]))
     batch.add(new_request("b", [3], [7], [1], presence_penalty=0.5))
-    assert batch.num_penalised_rows == 1
     positions = batch.append_placeholders(np.array([1, 0]))
     assert positions.tolist() == [2, 2] and batch.num_tokens.tolist()[:2] == [3, 3]
+    batch.count_sampled([1, 0], torch.tensor([8, 9]))  # the placeholders' tokens, on the device
     batch.set_token(0, 2, 9)
-    batch.remove("a")  # b moves into row 0, its placeholder with it
-    assert batch.num_penalised_rows == 1
+    batch.remove("a")  # b moves into row 0, its placeholder and its counts with it
     batch.set_token(0, 2, 8)
     assert batch.token_ids[0, :3].tolist() == [3, 7, 8]
+    penalties = batch.sampling_metadata([0]).penalties
+    assert penalties is not None
+    assert penalties.output_counts[0].nonzero().flatten().tolist() == [7, 8]
+    assert penalties.seen_mask[0].nonzero().flatten().tolist() == [3, 7, 8]
     batch.remove("b")
-    assert batch.num_penalised_rows == 0
+    assert batch.num_reqs == 0
 
 
 def test_the_start_up_profile_runs_each_step_the_backend_names_over_the_scratch(
@@ -258,7 +286,18 @@ def test_the_start_up_profile_runs_each_step_the_backend_names_over_the_scratch(
 
     monkeypatch.setattr(runner.attention, "build_metadata", spy)
     monkeypatch.setattr("engine.worker.model_runner._peak_bytes", peak_bytes)
-    runner._profile_reserved_bytes()
+    reserved_bytes = runner._profile_reserved_bytes()
     # The scratch holds 2 blocks (the largest decode bucket's) and the null block; the
     # chunk's 65 blocks read them in turn.
     assert plans == [([16], [0], 0, 1), ([16], [1014], 2, 2)]
+    # With no peak measured: the null block, and the penalties' counts of 2 rows.
+    assert reserved_bytes == (kv_block_bytes(runner.arch, 16, runner.kv_dtype)
+                              + TokenCounts.num_bytes(2, runner.arch.vocab_size))
+
+
+def test_the_penalties_counts_take_the_bytes_the_runner_reserves() -> None:
+    counts = TokenCounts(max_num_reqs=3, vocab_size=50, device=torch.device("cpu"))
+    counts.write_row(1, [4, 4, 9], [2])
+    tables = [counts.gather(torch.tensor([1]))[0], *counts._tables()]
+    assert tables[0].tolist() == [[0, 0, 1] + [0] * 47]
+    assert sum(t.numel() * t.element_size() for t in tables[1:]) == TokenCounts.num_bytes(3, 50)

@@ -15,7 +15,7 @@ from engine.model.tiny import TINY_MODEL_DIR
 from engine.outputs import PendingStep
 from engine.scheduler.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
-from eval.bench.forward import Shape, _PrefillRun, _Sequences
+from eval.bench.forward import SAMPLINGS, SamplingName, Shape, _PrefillRun, _Sequences
 
 
 def test_tiny_config_writes_a_sane_report(tmp_path: Path) -> None:
@@ -63,6 +63,29 @@ def test_sequences_follow_the_runner_through_chunked_prefill_and_decode() -> Non
     assert batch.num_reqs == 0
 
 
+@pytest.mark.parametrize("sampling", ["grammar", "penalties"])
+def test_sequences_sample_as_their_shape_asks(sampling: SamplingName) -> None:
+    """Under `grammar` each request samples only its bitmask's tokens (the chunked prefill's
+    partial steps, which sample nothing, send no row for it: the runner would refuse one)."""
+    runner = ModelRunner(EngineConfig(
+        model=ModelConfig(model="tiny"), cache=CacheConfig(block_size=4, num_kv_blocks=32),
+        scheduler=SchedulerConfig(max_model_len=40, max_num_batched_tokens=16, max_num_seqs=3)))
+    sequences = _Sequences(runner, "s", Shape("decode", 3, 10, sampling=sampling),
+                           blocks_per_seq=10, rng=np.random.default_rng(0))
+    sequences.prefill(token_budget=7)
+    sequences.decode(num_steps=4)
+    batch = runner.batch
+    for index, req_id in enumerate(sequences.prompts):
+        row = batch.row_of[req_id]
+        assert batch.rows[row].sampling_params == SAMPLINGS[sampling]
+        if sampling == "grammar":
+            assert sequences.grammar_words is not None
+            words = sequences.grammar_words[index]
+            assert all(int(words[token // 32]) >> (token % 32) & 1
+                       for token in batch.token_ids[row, 10:15].tolist())
+    sequences.finish()
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])
 def test_pipelined_decode_steps_sample_what_steps_in_order_sample(backend: str) -> None:
     """`--async-scheduling`: each step is launched before the last one's tokens are read (its
@@ -91,6 +114,8 @@ def test_shapes_are_parsed_or_refused() -> None:
     assert Shape.parse("prefill", "1x2048").label == "prefill 1 x 2,048"
     assert Shape.parse("prefill", "1x2048x8") == Shape("prefill", 1, 2048, num_steps=8)
     assert Shape.parse("prefill", "1x2048x8").label == "prefill 1 x 2,048, 8 steps back to back"
+    assert (Shape("decode", 32, 1024, sampling="penalties").label
+            == "decode, batch 32, context 1,024, penalties sampling")
     for text in ("32", "0x8", "ax8", "4x", "4x8x2"):
         with pytest.raises(argparse.ArgumentTypeError, match="BATCHxTOKENS"):
             Shape.parse("decode", text)

@@ -1,0 +1,60 @@
+"""On CUDA, launching a step waits for nothing: every sampling input reaches the device by an
+asynchronous copy, and the penalties count the sampled ids on the device. Only taking a
+step's result (its sampled ids on the host) synchronises, and a step with prompt logprobs,
+which reads them back by design, is left out. Runs where CUDA is (`scripts/gpu_bench.sh
+--part smoke`); CPU tests check the same steps' tokens (`test_async_scheduling.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.executor.base import make_executor
+from engine.outputs import PendingStep
+from engine.scheduler.output import SchedulerOutput
+from tests.engine.core.test_async_scheduling import _config, _requests, _run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class NoWaitExecutor:
+    """The tiny model's executor, launching each step with every synchronizing CUDA call an
+    error (`torch.cuda.set_sync_debug_mode`)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.inner = make_executor(config)
+        self.num_submitted = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = self.inner.submit(scheduler_output)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        self.num_submitted += 1
+        return launched
+
+
+@pytest.mark.parametrize(("num_kv_blocks", "policy"), [(96, "continuum"), (16, "fcfs")],
+                         ids=["roomy", "preempting"])
+def test_launching_a_step_never_waits_for_the_device(num_kv_blocks: int, policy: str) -> None:
+    """Greedy, seeded, penalised, logprob, stop-token, min-tokens and constrained requests,
+    with prefix hits (and preemptions in the small pool), decode steps on CUDA graphs."""
+    requests = [request for request in _requests(None)
+                if request.sampling_params.prompt_logprobs is None]
+    config = _config(True, num_kv_blocks, policy, "cuda")
+    # Untimed first: kernels met for the first time compile here, not under the check.
+    reference_core = EngineCore(config)
+    reference = _run(reference_core, requests)
+    reference_core.shutdown()
+    executor = NoWaitExecutor(config)
+    core = EngineCore(config, executor=executor)
+    checked = _run(core, requests)
+    core.shutdown()
+    assert executor.num_submitted > len(requests)
+    assert checked == reference
