@@ -18,7 +18,7 @@ def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if words.shape[1] * 32 < vocab_size:
         raise ValueError(f"a bitmask of {words.shape[1]} words cannot cover {vocab_size} tokens")
     if words.device.type == "cpu":
-        # numpy's unpacking is 3-10x faster than torch's bit operations on a CPU.
+        # numpy's unpacking is several times faster than torch's bit operations on a CPU.
         return unpack_with_numpy(words, vocab_size)
     return unpack_with_torch(words, vocab_size)
 

@@ -79,9 +79,11 @@ class Sampler:
         return (probs / self._exponential_noise(probs, metadata)).argmax(dim=-1)
 
     def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        # One draw for all rows, then each seeded row's own: indexing the unseeded rows by a
-        # host list would copy it to the device, and that copy waits for the stream.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = torch.empty_like(probs)
+        if any(seed is None for seed in metadata.seeds):
+            # One draw for all rows, seeded ones overwritten below: indexing the unseeded
+            # rows by a host list would copy it to the device, a copy that waits for it.
+            noise.exponential_(generator=self.generator)
         for row, seed in enumerate(metadata.seeds):
             if seed is not None:
                 generator = torch.Generator(device=probs.device)
@@ -93,7 +95,10 @@ class Sampler:
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
     """A new tensor: `logits` plus each bias entry, a ban's minus infinity too (the input,
     which may be the raw logits the logprobs are taken from, is left as it is)."""
-    return logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
+    # `index_add` over the flat logits: `index_put(accumulate=True)` reads its indices' range
+    # back to the host on some torch versions.
+    flat_indices = bias.rows * logits.shape[1] + bias.token_ids
+    return logits.reshape(-1).index_add(0, flat_indices, bias.values).view(logits.shape)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:

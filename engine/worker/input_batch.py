@@ -109,9 +109,6 @@ class InputBatch:
         """Fills in a placeholder appended by `append_placeholders`."""
         self.token_ids[row, position] = token_id
 
-    def output_token_ids(self, row: int) -> np.ndarray:
-        return self.token_ids[row, self.rows[row].num_prompt_tokens : self.num_tokens[row]]
-
     def count_sampled(self, rows: list[int], sampled: torch.Tensor) -> None:
         """Adds the tokens a step sampled (`sampled[i]`, on the device, for batch row
         `rows[i]`) to the penalties' counts of the penalised rows among them."""

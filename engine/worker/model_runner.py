@@ -16,8 +16,9 @@ whose `result` waits for its sampled tokens (`execute_model` does both). Each st
    the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
    all its positions at once).
 Nothing in a step waits for the device unless it needs token ids on the host: a step with
-prompt logprobs reads them back before it returns. Every copy to the device is asynchronous,
-from pinned memory; the penalties count the sampled ids on the device (`token_counts.py`).
+prompt logprobs reads them back before it returns. The step's inputs and sampling inputs are
+copied asynchronously, from pinned memory (the `sdpa` backend's attention inputs excepted),
+and the penalties count the sampled ids on the device (`token_counts.py`).
 With a host tier it also carries out the step's copies (`kv_transfers`), even in a step that
 schedules no token: urgent stores and loads before the forward, lazy stores overlapping it,
 all done before the step returns.
@@ -149,6 +150,8 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             device=self.device,
         )
+        if self.device.type == "cuda":
+            self.batch.token_counts.allocate()  # reserved in the pool's sizing above
         self.decode_graphs = self._decode_graphs(self.kv_caches)
         if self.decode_graphs is not None:
             with torch.inference_mode():
@@ -166,7 +169,7 @@ class ModelRunner:
         way it attends a prefill; plus logits for every sequence a step could sample), and
         of the largest decode bucket, plus that decode peak again for the CUDA graphs'
         memory pool (unless `enforce_eager`), which stays allocated, the null block, and the
-        penalties' token counts (`TokenCounts`, allocated at the first penalised request)."""
+        penalties' token counts (`TokenCounts`, allocated once the pool is sized)."""
         scheduler = self.config.scheduler
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)

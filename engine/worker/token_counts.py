@@ -5,7 +5,9 @@ repetition penalty whether it occurs in the prompt or the output. Both live here
 row: a penalised request that enters the batch (new or resumed) writes its tokens once, and
 every step adds the tokens it sampled from the sampler's device tensor. So a penalised step
 neither waits for the tokens of the steps still out nor builds vocabulary-sized arrays on the
-host. Rows of requests without penalties are never written or read.
+host. Rows of requests without penalties are never written; a step with a penalised row
+gathers every sampling row, and an unpenalised one's (perhaps stale) counts meet penalties of
+0 and 1, which leave its logits as they are.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ _COUNT_DTYPE = torch.int32
 class TokenCounts:
     """`output_counts[row, t]`: occurrences of token `t` in the output of the request in
     `row`; `in_prompt[row, t]`: whether `t` occurs in its prompt. Owned by `InputBatch`, which
-    calls it as requests enter, leave and move rows; the tensors are allocated when the first
-    penalised request enters (`num_bytes` of device memory, which the runner reserves)."""
+    calls it as requests enter, leave and move rows. The tables take `num_bytes`: allocated by
+    `allocate` (the runner's, at start-up on CUDA, where the pool's sizing reserved them and an
+    allocation while serving could wait for the device), else when the first penalised
+    request enters."""
 
     def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device) -> None:
         self.max_num_reqs = max_num_reqs
@@ -58,11 +62,13 @@ class TokenCounts:
 
     def add_sampled(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Counts `token_ids[i]` (sampled this step) in the output of `rows[i]`; both on the
-        device, rows distinct."""
+        device."""
         output_counts, _ = self._tables()
-        output_counts.index_put_((rows, token_ids),
-                                 torch.ones(rows.shape, dtype=_COUNT_DTYPE, device=self.device),
-                                 accumulate=True)
+        # `index_add_` over the flat table: `index_put_(accumulate=True)` reads its indices'
+        # range back to the host on some torch versions.
+        output_counts.view(-1).index_add_(
+            0, rows * self.vocab_size + token_ids,
+            torch.ones(rows.shape, dtype=_COUNT_DTYPE, device=self.device))
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For `rows` (on the device): their output counts [rows, vocab] int32 and whether
@@ -70,6 +76,10 @@ class TokenCounts:
         output_counts, in_prompt = self._tables()
         counts = output_counts.index_select(0, rows)
         return counts, in_prompt.index_select(0, rows).logical_or_(counts > 0)
+
+    def allocate(self) -> None:
+        """Allocates both tables now (once; later calls do nothing)."""
+        self._tables()
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._output_counts is None or self._in_prompt is None:

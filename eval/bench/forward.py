@@ -208,7 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "each (random: temperature 0.8, top-p 0.95, top-k 50; seeded: "
                              "that with a seed; penalties: that with presence, frequency and "
                              "repetition penalties; grammar: greedy within a random bitmask "
-                             "over the vocabulary a step, as structured outputs)")
+                             "over the vocabulary, drawn once a request and sent with every "
+                             "step it samples in, as structured outputs)")
     parser.add_argument("--decode-steps", type=int, default=16, help="steps of one timed run")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per shape after one warm-up run; the median is kept")

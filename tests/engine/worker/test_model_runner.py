@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -41,8 +43,11 @@ def prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (length,), generator=generator).tolist()
 
 
-def run(runner: ModelRunner, requests: list[Request]) -> tuple[dict[str, list[int]], int]:
-    """Runs the requests to completion; returns their tokens and the number of preemptions."""
+def run(runner: ModelRunner, requests: list[Request],
+        check_step: Callable[[ModelRunner], None] | None = None
+        ) -> tuple[dict[str, list[int]], int]:
+    """Runs the requests to completion, calling `check_step` after every step; returns their
+    tokens and the number of preemptions."""
     config = runner.config
     scheduler = Scheduler(config.scheduler, config.cache, FCFSPolicy(),
                           num_kv_blocks=runner.num_kv_blocks, clock=FakeClock())
@@ -57,6 +62,8 @@ def run(runner: ModelRunner, requests: list[Request]) -> tuple[dict[str, list[in
         for output in scheduler.update_from_output(scheduler_output, runner_output):
             outputs[output.request_id].extend(output.new_token_ids)
         scheduler.check_invariants()
+        if check_step is not None:
+            check_step(runner)
     runner.execute_model(scheduler.schedule())
     assert runner.batch.num_reqs == 0
     return outputs, num_preempted
@@ -64,6 +71,41 @@ def run(runner: ModelRunner, requests: list[Request]) -> tuple[dict[str, list[in
 
 def request(req_id: str, tokens: list[int], **params: object) -> Request:
     return Request(req_id, tokens, SamplingParams(ignore_eos=True, **params), arrival_time_s=0.0)
+
+
+def check_penalty_counts(runner: ModelRunner) -> None:
+    """The device's counts of every penalised row are those of the tokens the row holds."""
+    batch = runner.batch
+    rows = [row for row, state in enumerate(batch.rows) if state.sampling_params.has_penalties]
+    if not rows:
+        return
+    penalties = batch.sampling_metadata(rows).penalties
+    assert penalties is not None
+    vocab_size = runner.arch.vocab_size
+    for index, row in enumerate(rows):
+        tokens = batch.token_ids[row, : batch.num_tokens[row]]
+        outputs = tokens[batch.rows[row].num_prompt_tokens :]
+        expected_counts = np.bincount(outputs, minlength=vocab_size)
+        assert penalties.output_counts[index].tolist() == expected_counts.tolist()
+        seen = np.zeros(vocab_size, dtype=bool)
+        seen[tokens] = True
+        assert penalties.seen_mask[index].tolist() == seen.tolist()
+
+
+def test_penalties_count_the_tokens_rows_hold_through_moves_and_preemption() -> None:
+    penalised = {"temperature": 1.0, "max_tokens": 12, "frequency_penalty": 0.5,
+                 "repetition_penalty": 1.3}
+    requests = [request(f"r{i}", prompt(6 + 3 * i, i), seed=i,
+                        **(penalised if i % 3 else {"temperature": 1.0, "max_tokens": 5 + i}))
+                for i in range(7)]
+    checks = []
+
+    def check(runner: ModelRunner) -> None:
+        check_penalty_counts(runner)
+        checks.append(runner.batch.num_reqs)
+
+    _, num_preempted = run(make_runner(num_kv_blocks=16), requests, check)
+    assert num_preempted > 0 and max(checks) > 2
 
 
 def test_seeded_request_is_reproducible_across_batches_and_preemption() -> None:
@@ -136,7 +178,7 @@ def test_input_batch_keeps_rows_dense() -> None:
     batch.append_blocks("r2", [22])
     assert batch.append_placeholders(np.array([0])).tolist() == [4]
     batch.set_token(0, 4, 7)
-    assert batch.output_token_ids(0).tolist() == [7]
+    assert batch.token_ids[0, : batch.num_tokens[0]].tolist() == [2, 2, 2, 2, 7]
     assert batch.block_table[0, :3].tolist() == [20, 21, 22]
 
 
@@ -295,9 +337,17 @@ def test_the_start_up_profile_runs_each_step_the_backend_names_over_the_scratch(
                               + TokenCounts.num_bytes(2, runner.arch.vocab_size))
 
 
-def test_the_penalties_counts_take_the_bytes_the_runner_reserves() -> None:
+def test_the_penalties_counts_are_rewritten_whole_and_take_the_bytes_reserved() -> None:
     counts = TokenCounts(max_num_reqs=3, vocab_size=50, device=torch.device("cpu"))
+    counts.allocate()
     counts.write_row(1, [4, 4, 9], [2])
-    tables = [counts.gather(torch.tensor([1]))[0], *counts._tables()]
-    assert tables[0].tolist() == [[0, 0, 1] + [0] * 47]
-    assert sum(t.numel() * t.element_size() for t in tables[1:]) == TokenCounts.num_bytes(3, 50)
+    counts.add_sampled(torch.tensor([1, 1]), torch.tensor([2, 7]))
+    output_counts, seen = counts.gather(torch.tensor([1]))
+    assert output_counts[0].nonzero().flatten().tolist() == [2, 7]
+    assert output_counts[0, [2, 7]].tolist() == [2, 1]
+    assert seen[0].nonzero().flatten().tolist() == [2, 4, 7, 9]
+    counts.write_row(1, [5], [])  # another request takes the row: nothing of the first stays
+    output_counts, seen = counts.gather(torch.tensor([1]))
+    assert not output_counts.any() and seen[0].nonzero().flatten().tolist() == [5]
+    tables = counts._tables()
+    assert sum(t.numel() * t.element_size() for t in tables) == TokenCounts.num_bytes(3, 50)

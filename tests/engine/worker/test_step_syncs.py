@@ -1,8 +1,11 @@
-"""On CUDA, launching a step waits for nothing: every sampling input reaches the device by an
-asynchronous copy, and the penalties count the sampled ids on the device. Only taking a
-step's result (its sampled ids on the host) synchronises, and a step with prompt logprobs,
-which reads them back by design, is left out. Runs where CUDA is (`scripts/gpu_bench.sh
---part smoke`); CPU tests check the same steps' tokens (`test_async_scheduling.py`)."""
+"""On CUDA, launching a step makes no synchronizing call that torch can flag
+(`torch.cuda.set_sync_debug_mode`: blocking copies, reads of device values, stream
+synchronizations): every sampling input reaches the device by an asynchronous copy, and the
+penalties count the sampled ids on the device. Taking a step's result (its sampled ids on
+the host) waits, and a step with prompt logprobs, which reads them back by design, is left
+out. Event waits (the static decode buffers wait for their last copies out) are not flagged
+and not checked here. Runs where CUDA is (`scripts/gpu_bench.sh --part smoke`); CPU tests
+check the same steps' tokens (`test_async_scheduling.py`)."""
 
 from __future__ import annotations
 
@@ -45,6 +48,12 @@ class NoWaitExecutor:
 def test_launching_a_step_never_waits_for_the_device(num_kv_blocks: int, policy: str) -> None:
     """Greedy, seeded, penalised, logprob, stop-token, min-tokens and constrained requests,
     with prefix hits (and preemptions in the small pool), decode steps on CUDA graphs."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # the check catches a read of the device, the kind of wait it is there for
+        with pytest.raises(RuntimeError, match="synchronizing"):
+            torch.zeros(1, device="cuda").item()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     requests = [request for request in _requests(None)
                 if request.sampling_params.prompt_logprobs is None]
     config = _config(True, num_kv_blocks, policy, "cuda")
