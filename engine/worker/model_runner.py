@@ -16,9 +16,9 @@ whose `result` waits for its sampled tokens (`execute_model` does both). Each st
    the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
    all its positions at once).
 Nothing in a step waits for the device unless it needs token ids on the host: a step with
-prompt logprobs reads them back before it returns. The step's inputs and sampling inputs are
-copied asynchronously, from pinned memory (the `sdpa` backend's attention inputs excepted),
-and the penalties count the sampled ids on the device (`token_counts.py`).
+prompt logprobs reads them back before it returns. The step's inputs, attention metadata
+and sampling inputs go to the device by asynchronous copies from pinned memory, and the
+penalties count the sampled ids on the device (`token_counts.py`).
 With a host tier it also carries out the step's copies (`kv_transfers`), even in a step that
 schedules no token: urgent stores and loads before the forward, lazy stores overlapping it,
 all done before the step returns.
@@ -578,9 +578,9 @@ class ModelRunner:
         for begin in range(0, len(token_indices), rows_per_chunk):
             end = begin + rows_per_chunk
             logits = self.model.compute_logits(
-                hidden[torch.from_numpy(token_indices[begin:end]).to(self.device)])
+                hidden[to_device(token_indices[begin:end], self.device)])
             parts.append(gather_logprobs(
-                logits, torch.from_numpy(targets[begin:end]).to(self.device), num_top))
+                logits, to_device(targets[begin:end], self.device), num_top))
         return SampledLogprobs(
             token_ids=torch.cat([part.token_ids for part in parts]),
             logprobs=torch.cat([part.logprobs for part in parts]),

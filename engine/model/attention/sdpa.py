@@ -203,8 +203,8 @@ def _decode_group(
     mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
     return DecodeGroup(
         start=start,
-        block_table=torch.from_numpy(np.ascontiguousarray(block_table[:, :num_blocks])).to(device),
-        mask=torch.from_numpy(mask[:, None, None, :]).to(device=device, dtype=dtype),
+        block_table=to_device(block_table[:, :num_blocks], device),
+        mask=to_device(mask[:, None, None, :], device).to(dtype),
     )
 
 
@@ -223,8 +223,8 @@ def _prefill_seq(
         allowed &= key_positions[None, :] > query_positions - sliding_window
     return PrefillSeq(
         query_start, query_len, context_len,
-        kv_slots=torch.from_numpy(slots).to(device),
-        mask=torch.from_numpy(allowed[None, None]).to(device),
+        kv_slots=to_device(slots, device),
+        mask=to_device(allowed[None, None], device),
     )
 
 
