@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling_params import MAX_LOGPROBS
+
 
 @dataclass(frozen=True)
 class Penalties:
@@ -69,3 +71,27 @@ class SamplingMetadata:
     @property
     def num_rows(self) -> int:
         return len(self.seeds)
+
+    @classmethod
+    def worst_case(cls, num_rows: int, vocab_size: int, device: torch.device
+                   ) -> SamplingMetadata:
+        """`num_rows` rows that ask for everything the sampler allocates memory for:
+        temperature, top-k, top-p and min-p, penalties, a logit bias, a grammar and the most
+        logprobs (the runner's memory profile samples them)."""
+        ones = torch.ones(num_rows, device=device)
+        rows = torch.arange(num_rows, device=device)
+        shape = (num_rows, vocab_size)
+        return cls(
+            temperature=ones, all_greedy=False,
+            top_k=torch.full((num_rows,), vocab_size, dtype=torch.int64, device=device),
+            top_p=ones * 0.9, min_p=ones * 0.1,
+            seeds=[None] * num_rows, output_positions=[0] * num_rows,
+            penalties=Penalties(
+                presence=ones, frequency=ones, repetition=ones,
+                output_counts=torch.zeros(shape, dtype=torch.int32, device=device),
+                seen_mask=torch.zeros(shape, dtype=torch.bool, device=device)),
+            max_num_logprobs=MAX_LOGPROBS,
+            logit_bias=LogitBias(rows=rows, token_ids=torch.zeros_like(rows), values=ones),
+            grammar=GrammarRows(rows=rows, words=torch.full(
+                (num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)),
+        )

@@ -50,7 +50,9 @@ from engine.outputs import (
     PromptLogprobs,
     TokenLogprobs,
 )
+from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import SampledLogprobs, Sampler, gather_logprobs
+from engine.sampling_params import MAX_LOGPROBS
 from engine.scheduler.output import SchedulerOutput
 from engine.worker.decode_graphs import (
     DecodeGraphs,
@@ -166,10 +168,11 @@ class ModelRunner:
         """Device memory the KV pool must leave free, measured on a scratch cache before the
         real pool is sized: the largest peak of the forwards of the steps the backend names
         (`AttentionBackend.profiled_steps`: a full-budget prompt, and a step for each other
-        way it attends a prefill; plus logits for every sequence a step could sample), and
-        of the largest decode bucket, plus that decode peak again for the CUDA graphs'
-        memory pool (unless `enforce_eager`), which stays allocated, the null block, and the
-        penalties' token counts (`TokenCounts`, allocated once the pool is sized)."""
+        way it attends a prefill; plus logits for every sequence a step could sample), of
+        the largest decode bucket, and of sampling (`_sampling_peak_bytes`); plus that decode
+        peak again for the CUDA graphs' memory pool (unless `enforce_eager`), which stays
+        allocated, the null block, and the penalties' token counts (`TokenCounts`, allocated
+        once the pool is sized)."""
         scheduler = self.config.scheduler
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)
@@ -178,11 +181,12 @@ class ModelRunner:
                            for step in self.attention.profiled_steps(num_tokens))
         decode_peak = self._decode_peak_bytes(scratch, max_bucket) if max_bucket else 0
         del scratch
+        sampling_peak = self._sampling_peak_bytes(scheduler.max_num_seqs)
         torch.cuda.empty_cache()
         graphs_bytes = decode_peak if not self.config.model.enforce_eager else 0
         null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.kv_dtype)
         token_counts_bytes = TokenCounts.num_bytes(scheduler.max_num_seqs, self.arch.vocab_size)
-        return (max(prefill_peak, decode_peak) + graphs_bytes + null_block_bytes
+        return (max(prefill_peak, decode_peak, sampling_peak) + graphs_bytes + null_block_bytes
                 + token_counts_bytes)
 
     def _prefill_peak_bytes(self, scratch: list[torch.Tensor], step: ProfiledStep) -> int:
@@ -198,7 +202,7 @@ class ModelRunner:
         positions = torch.from_numpy(metadata.positions).to(self.device)
         num_rows = min(step.query_len, self.config.scheduler.max_num_seqs)
         return _peak_bytes(self.device, lambda: self.model.compute_logits(
-            self.model(input_ids, positions, scratch, metadata)[:num_rows]).softmax(dim=-1))
+            self.model(input_ids, positions, scratch, metadata)[:num_rows]))
 
     def _decode_peak_bytes(self, scratch: list[torch.Tensor], batch_size: int) -> int:
         graphs = self._decode_graphs(scratch, use_graphs=False)
@@ -207,8 +211,27 @@ class ModelRunner:
                           positions=np.zeros(batch_size, dtype=np.int64),
                           slot_mapping=np.arange(batch_size) * self.block_size,
                           block_table=np.arange(batch_size)[:, None])
-        return _peak_bytes(self.device, lambda: self.model.compute_logits(
-            graphs.run(step)).softmax(dim=-1))
+        return _peak_bytes(self.device, lambda: self.model.compute_logits(graphs.run(step)))
+
+    def _sampling_peak_bytes(self, num_rows: int) -> int:
+        """The larger peak of sampling `num_rows` rows with every filter, penalties, a grammar,
+        a bias and the most logprobs (`SamplingMetadata.worst_case`), and of one chunk of prompt
+        logprobs; after a forward, whose activations are freed by then."""
+        vocab_size = self.arch.vocab_size
+        sampler = Sampler(torch.Generator(device=self.device))  # the engine's stays unused
+
+        def logits(rows: int) -> torch.Tensor:
+            return self.model.compute_logits(torch.zeros(
+                (rows, self.arch.hidden_size), dtype=self.dtype, device=self.device))
+
+        chunk_rows = max(1, PROMPT_LOGITS_CHUNK_BYTES // (4 * vocab_size))
+        targets = torch.zeros(chunk_rows, dtype=torch.int64, device=self.device)
+        return max(
+            _peak_bytes(self.device, lambda: sampler(
+                logits(num_rows), SamplingMetadata.worst_case(num_rows, vocab_size,
+                                                              self.device))),
+            _peak_bytes(self.device, lambda: gather_logprobs(
+                logits(chunk_rows), targets, MAX_LOGPROBS)))
 
     def _decode_graphs(self, kv_caches: list[torch.Tensor], use_graphs: bool | None = None
                        ) -> DecodeGraphs | None:

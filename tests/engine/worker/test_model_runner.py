@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype, ModelConfig, SchedulerConfig
 from engine.model.directory import load_arch
@@ -323,7 +324,8 @@ def test_the_start_up_profile_runs_each_step_the_backend_names_over_the_scratch(
         return metadata
 
     def peak_bytes(device: torch.device, run) -> int:
-        assert torch.isfinite(run()).all()
+        result = run()  # the forwards' logits, or sampling's outputs
+        assert not isinstance(result, torch.Tensor) or torch.isfinite(result).all()
         return 0
 
     monkeypatch.setattr(runner.attention, "build_metadata", spy)
@@ -335,6 +337,35 @@ def test_the_start_up_profile_runs_each_step_the_backend_names_over_the_scratch(
     # With no peak measured: the null block, and the penalties' counts of 2 rows.
     assert reserved_bytes == (kv_block_bytes(runner.arch, 16, runner.kv_dtype)
                               + TokenCounts.num_bytes(2, runner.arch.vocab_size))
+
+
+def test_the_memory_profile_samples_with_every_feature(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """On CUDA the pool leaves room for what sampling the most rows with everything on
+    allocates; here the same code runs (its peak not measured) and each feature's ops run."""
+    runner = make_runner()
+    ops: set[str] = set()
+
+    class RecordOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    outputs = []
+
+    def peak_bytes(device: torch.device, run) -> int:
+        with RecordOps():
+            outputs.append(run())
+        return 7
+
+    monkeypatch.setattr("engine.worker.model_runner._peak_bytes", peak_bytes)
+    assert runner._sampling_peak_bytes(5) == 7
+    sampled, prompt_logprobs = outputs
+    assert sampled.sampled_token_ids.shape == (5,) and sampled.logprobs.token_ids.shape == (5, 21)
+    assert prompt_logprobs.logprobs.shape[1] == 21
+    assert {"aten::index_add", "aten::sort", "aten::cumsum", "aten::exponential_",
+            "aten::topk", "aten::_log_softmax",
+            "aten::masked_fill"} <= ops
 
 
 def test_the_penalties_counts_are_rewritten_whole_and_take_the_bytes_reserved() -> None:
