@@ -90,7 +90,7 @@ class SamplingMetadata:
                 presence=ones, frequency=ones, repetition=ones,
                 output_counts=torch.zeros(shape, dtype=torch.int32, device=device),
                 seen_mask=torch.zeros(shape, dtype=torch.bool, device=device)),
-            max_num_logprobs=MAX_LOGPROBS,
+            max_num_logprobs=min(MAX_LOGPROBS, vocab_size),
             logit_bias=LogitBias(rows=rows, token_ids=torch.zeros_like(rows), values=ones),
             grammar=GrammarRows(rows=rows, words=torch.full(
                 (num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)),

@@ -95,8 +95,9 @@ class Sampler:
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
     """A new tensor: `logits` plus each bias entry, a ban's minus infinity too (the input,
     which may be the raw logits the logprobs are taken from, is left as it is)."""
-    # `index_add` over the flat logits: `index_put(accumulate=True)` reads its indices' range
-    # back to the host on some torch versions.
+    # `index_add` over the flat logits, a scatter-add on the device: `index_put(accumulate=
+    # True)` takes a sort-based path, whose indices some torch releases range-check on the host.
+    # The engine checks every token id against the vocabulary before a request is admitted.
     flat_indices = bias.rows * logits.shape[1] + bias.token_ids
     return logits.reshape(-1).index_add(0, flat_indices, bias.values).view(logits.shape)
 

@@ -15,8 +15,9 @@ whose `result` waits for its sampled tokens (`execute_model` does both). Each st
 4. for requests that ask for prompt logprobs, computes the logprobs of the prompt tokens that
    the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
    all its positions at once).
-Nothing in a step waits for the device unless it needs token ids on the host: a step with
-prompt logprobs reads them back before it returns. The step's inputs, attention metadata
+Nothing in a step waits for the device unless it needs token ids on the host (a step with
+prompt logprobs reads them back before it returns), but for the static decode buffers, which
+are refilled once their previous copies have finished. The step's inputs, attention metadata
 and sampling inputs go to the device by asynchronous copies from pinned memory, and the
 penalties count the sampled ids on the device (`token_counts.py`).
 With a host tier it also carries out the step's copies (`kv_transfers`), even in a step that
@@ -168,11 +169,11 @@ class ModelRunner:
         """Device memory the KV pool must leave free, measured on a scratch cache before the
         real pool is sized: the largest peak of the forwards of the steps the backend names
         (`AttentionBackend.profiled_steps`: a full-budget prompt, and a step for each other
-        way it attends a prefill; plus logits for every sequence a step could sample), of
-        the largest decode bucket, and of sampling (`_sampling_peak_bytes`); plus that decode
-        peak again for the CUDA graphs' memory pool (unless `enforce_eager`), which stays
-        allocated, the null block, and the penalties' token counts (`TokenCounts`, allocated
-        once the pool is sized)."""
+        way it attends a prefill), of the largest decode bucket's forward, and of what a
+        step does after its forward (`_sampling_peak_bytes`); plus that decode peak again for
+        the CUDA graphs' memory pool (unless `enforce_eager`), which stays allocated, the
+        null block, and the penalties' token counts (`TokenCounts`, allocated once the pool
+        is sized)."""
         scheduler = self.config.scheduler
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)
@@ -181,7 +182,7 @@ class ModelRunner:
                            for step in self.attention.profiled_steps(num_tokens))
         decode_peak = self._decode_peak_bytes(scratch, max_bucket) if max_bucket else 0
         del scratch
-        sampling_peak = self._sampling_peak_bytes(scheduler.max_num_seqs)
+        sampling_peak = self._sampling_peak_bytes(num_tokens, scheduler.max_num_seqs)
         torch.cuda.empty_cache()
         graphs_bytes = decode_peak if not self.config.model.enforce_eager else 0
         null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.kv_dtype)
@@ -200,9 +201,8 @@ class ModelRunner:
             (np.arange(num_blocks) % num_scratch_blocks)[None])
         input_ids = torch.zeros(step.query_len, dtype=torch.int64, device=self.device)
         positions = torch.from_numpy(metadata.positions).to(self.device)
-        num_rows = min(step.query_len, self.config.scheduler.max_num_seqs)
-        return _peak_bytes(self.device, lambda: self.model.compute_logits(
-            self.model(input_ids, positions, scratch, metadata)[:num_rows]))
+        return _peak_bytes(self.device,
+                           lambda: self.model(input_ids, positions, scratch, metadata))
 
     def _decode_peak_bytes(self, scratch: list[torch.Tensor], batch_size: int) -> int:
         graphs = self._decode_graphs(scratch, use_graphs=False)
@@ -211,27 +211,29 @@ class ModelRunner:
                           positions=np.zeros(batch_size, dtype=np.int64),
                           slot_mapping=np.arange(batch_size) * self.block_size,
                           block_table=np.arange(batch_size)[:, None])
-        return _peak_bytes(self.device, lambda: self.model.compute_logits(graphs.run(step)))
+        return _peak_bytes(self.device, lambda: graphs.run(step))
 
-    def _sampling_peak_bytes(self, num_rows: int) -> int:
-        """The larger peak of sampling `num_rows` rows with every filter, penalties, a grammar,
-        a bias and the most logprobs (`SamplingMetadata.worst_case`), and of one chunk of prompt
-        logprobs; after a forward, whose activations are freed by then."""
+    def _sampling_peak_bytes(self, num_tokens: int, num_rows: int) -> int:
+        """The peak of what `_launch` does after a forward of `num_tokens` tokens, whose hidden
+        states stay while the rest is freed: `num_rows` rows' sampling inputs with every
+        filter, penalties, a grammar, a bias and the most logprobs
+        (`SamplingMetadata.worst_case`), a chunk of prompt logprobs, then the logits and
+        the sampler."""
         vocab_size = self.arch.vocab_size
+        num_rows = min(num_rows, num_tokens)
+        chunk_rows = min(prompt_logits_rows_per_chunk(vocab_size), num_tokens)
         sampler = Sampler(torch.Generator(device=self.device))  # the engine's stays unused
 
-        def logits(rows: int) -> torch.Tensor:
-            return self.model.compute_logits(torch.zeros(
-                (rows, self.arch.hidden_size), dtype=self.dtype, device=self.device))
+        def after_forward() -> object:
+            hidden = torch.zeros((num_tokens, self.arch.hidden_size), dtype=self.dtype,
+                                 device=self.device)
+            metadata = SamplingMetadata.worst_case(num_rows, vocab_size, self.device)
+            gather_logprobs(self.model.compute_logits(hidden[:chunk_rows]),
+                            torch.zeros(chunk_rows, dtype=torch.int64, device=self.device),
+                            min(MAX_LOGPROBS, vocab_size))
+            return sampler(self.model.compute_logits(hidden[:num_rows]), metadata)
 
-        chunk_rows = max(1, PROMPT_LOGITS_CHUNK_BYTES // (4 * vocab_size))
-        targets = torch.zeros(chunk_rows, dtype=torch.int64, device=self.device)
-        return max(
-            _peak_bytes(self.device, lambda: sampler(
-                logits(num_rows), SamplingMetadata.worst_case(num_rows, vocab_size,
-                                                              self.device))),
-            _peak_bytes(self.device, lambda: gather_logprobs(
-                logits(chunk_rows), targets, MAX_LOGPROBS)))
+        return _peak_bytes(self.device, after_forward)
 
     def _decode_graphs(self, kv_caches: list[torch.Tensor], use_graphs: bool | None = None
                        ) -> DecodeGraphs | None:
@@ -596,7 +598,7 @@ class ModelRunner:
         targets = np.concatenate([
             self.batch.token_ids[span.row, span.start_index : span.start_index + span.num_positions]
             for span in spans])
-        rows_per_chunk = max(1, PROMPT_LOGITS_CHUNK_BYTES // (4 * self.arch.vocab_size))
+        rows_per_chunk = prompt_logits_rows_per_chunk(self.arch.vocab_size)
         parts = []
         for begin in range(0, len(token_indices), rows_per_chunk):
             end = begin + rows_per_chunk
@@ -628,6 +630,11 @@ class ModelRunner:
                 top_logprobs=values[index][1 : 1 + num_top],
             )]
         return result
+
+
+def prompt_logits_rows_per_chunk(vocab_size: int) -> int:
+    """Rows of float32 logits computed at once for prompt logprobs."""
+    return max(1, PROMPT_LOGITS_CHUNK_BYTES // (4 * vocab_size))
 
 
 def _peak_bytes(device: torch.device, run: Callable[[], object]) -> int:

@@ -64,8 +64,8 @@ class TokenCounts:
         """Counts `token_ids[i]` (sampled this step) in the output of `rows[i]`; both on the
         device."""
         output_counts, _ = self._tables()
-        # `index_add_` over the flat table: `index_put_(accumulate=True)` reads its indices'
-        # range back to the host on some torch versions.
+        # `index_add_` over the flat table, a scatter-add on the device (see
+        # `apply_logit_bias`); sampled ids are below the vocabulary size.
         output_counts.view(-1).index_add_(
             0, rows * self.vocab_size + token_ids,
             torch.ones(rows.shape, dtype=_COUNT_DTYPE, device=self.device))

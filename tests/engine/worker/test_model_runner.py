@@ -7,11 +7,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype, ModelConfig, SchedulerConfig
 from engine.model.directory import load_arch
 from engine.request import Request
+from engine.sample import sampler as sampler_module
 from engine.sample.metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import NewRequestData
@@ -323,10 +323,12 @@ def test_the_start_up_profile_runs_each_step_the_backend_names_over_the_scratch(
                       metadata.prefill.num_splits))
         return metadata
 
+    peaks = iter([10, 20, 30, 40])  # the two prefill forwards, the decode one, sampling
+
     def peak_bytes(device: torch.device, run) -> int:
-        result = run()  # the forwards' logits, or sampling's outputs
+        result = run()  # the forwards' hidden states, or the sampler's output
         assert not isinstance(result, torch.Tensor) or torch.isfinite(result).all()
-        return 0
+        return next(peaks)
 
     monkeypatch.setattr(runner.attention, "build_metadata", spy)
     monkeypatch.setattr("engine.worker.model_runner._peak_bytes", peak_bytes)
@@ -334,38 +336,43 @@ def test_the_start_up_profile_runs_each_step_the_backend_names_over_the_scratch(
     # The scratch holds 2 blocks (the largest decode bucket's) and the null block; the
     # chunk's 65 blocks read them in turn.
     assert plans == [([16], [0], 0, 1), ([16], [1014], 2, 2)]
-    # With no peak measured: the null block, and the penalties' counts of 2 rows.
-    assert reserved_bytes == (kv_block_bytes(runner.arch, 16, runner.kv_dtype)
+    # The largest peak (sampling's), the decode forward's again for the graphs' pool, the
+    # null block, and the penalties' counts of 2 rows.
+    assert reserved_bytes == (40 + 30 + kv_block_bytes(runner.arch, 16, runner.kv_dtype)
                               + TokenCounts.num_bytes(2, runner.arch.vocab_size))
 
 
 def test_the_memory_profile_samples_with_every_feature(monkeypatch: pytest.MonkeyPatch
                                                       ) -> None:
-    """On CUDA the pool leaves room for what sampling the most rows with everything on
-    allocates; here the same code runs (its peak not measured) and each feature's ops run."""
-    runner = make_runner()
-    ops: set[str] = set()
+    """On CUDA the pool leaves room for what a step does after its forward, sampling the
+    most rows with everything on; here the same code runs (its peak not measured) and each
+    of the sampler's steps sees every row."""
+    runner = make_runner(max_num_batched_tokens=16)
+    rows_seen: dict[str, int] = {}
 
-    class RecordOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.add(func._schema.name)
-            return func(*args, **(kwargs or {}))
+    def spy(name: str) -> None:
+        function = getattr(sampler_module, name)
 
+        def recording(logits: torch.Tensor, *args: object) -> torch.Tensor:
+            rows_seen[name] = logits.shape[0]
+            return function(logits, *args)
+
+        monkeypatch.setattr(sampler_module, name, recording)
+
+    for name in ("apply_logit_bias", "apply_grammar", "apply_penalties", "apply_min_p",
+                 "apply_top_k_top_p", "gather_logprobs"):
+        spy(name)
     outputs = []
 
     def peak_bytes(device: torch.device, run) -> int:
-        with RecordOps():
-            outputs.append(run())
+        outputs.append(run())
         return 7
 
     monkeypatch.setattr("engine.worker.model_runner._peak_bytes", peak_bytes)
-    assert runner._sampling_peak_bytes(5) == 7
-    sampled, prompt_logprobs = outputs
+    assert runner._sampling_peak_bytes(num_tokens=16, num_rows=5) == 7
+    sampled, = outputs
     assert sampled.sampled_token_ids.shape == (5,) and sampled.logprobs.token_ids.shape == (5, 21)
-    assert prompt_logprobs.logprobs.shape[1] == 21
-    assert {"aten::index_add", "aten::sort", "aten::cumsum", "aten::exponential_",
-            "aten::topk", "aten::_log_softmax",
-            "aten::masked_fill"} <= ops
+    assert rows_seen == dict.fromkeys(rows_seen, 5) and len(rows_seen) == 6
 
 
 def test_the_penalties_counts_are_rewritten_whole_and_take_the_bytes_reserved() -> None:

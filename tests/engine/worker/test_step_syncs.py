@@ -9,10 +9,12 @@ check the same steps' tokens (`test_async_scheduling.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import AttentionBackendName, EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.executor.base import make_executor
 from engine.outputs import PendingStep
@@ -43,11 +45,14 @@ class NoWaitExecutor:
         return launched
 
 
+@pytest.mark.parametrize("backend", ["auto", "sdpa"])
 @pytest.mark.parametrize(("num_kv_blocks", "policy"), [(96, "continuum"), (16, "fcfs")],
                          ids=["roomy", "preempting"])
-def test_launching_a_step_never_waits_for_the_device(num_kv_blocks: int, policy: str) -> None:
+def test_launching_a_step_never_waits_for_the_device(num_kv_blocks: int, policy: str,
+                                                      backend: AttentionBackendName) -> None:
     """Greedy, seeded, penalised, logprob, stop-token, min-tokens and constrained requests,
-    with prefix hits (and preemptions in the small pool), decode steps on CUDA graphs."""
+    with prefix hits (and preemptions in the small pool); with `auto` (triton) decode steps
+    replay CUDA graphs, with `sdpa` every step runs eagerly."""
     torch.cuda.set_sync_debug_mode("error")
     try:  # the check catches a read of the device, the kind of wait it is there for
         with pytest.raises(RuntimeError, match="synchronizing"):
@@ -57,6 +62,8 @@ def test_launching_a_step_never_waits_for_the_device(num_kv_blocks: int, policy:
     requests = [request for request in _requests(None)
                 if request.sampling_params.prompt_logprobs is None]
     config = _config(True, num_kv_blocks, policy, "cuda")
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, attention_backend=backend))
     # Untimed first: kernels met for the first time compile here, not under the check.
     reference_core = EngineCore(config)
     reference = _run(reference_core, requests)
