@@ -127,9 +127,8 @@ class InputBatch:
         params = [self.rows[row].sampling_params for row in rows]
         num_outputs = [int(self.num_tokens[row]) - self.rows[row].num_prompt_tokens
                        for row in rows]
-        index_of = {row: index for index, row in enumerate(rows)}
-        constrained = ([index_of[self.row_of[req_id]] for req_id in grammar.req_ids]
-                       if grammar is not None else [])
+        constrained = [] if grammar is None else _indices_of(
+            [self.row_of[req_id] for req_id in grammar.req_ids], rows)
 
         def column(values: list[float], dtype: type[np.generic] = np.float32) -> torch.Tensor:
             return to_device(np.array(values, dtype=dtype), self.device)
@@ -171,6 +170,12 @@ class InputBatch:
             output_counts=output_counts,
             seen_mask=seen,
         )
+
+
+def _indices_of(items: list[int], sequence: list[int]) -> list[int]:
+    """The index in `sequence` of each of `items` (each must be in it)."""
+    index_of = {item: index for index, item in enumerate(sequence)}
+    return [index_of[item] for item in items]
 
 
 def _logit_bias(params: list[SamplingParams], bans: list[list[int]], device: torch.device

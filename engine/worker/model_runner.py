@@ -366,7 +366,8 @@ class ModelRunner:
             ))
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         output = self.sampler(logits, metadata)
-        self.batch.count_sampled(inputs.sampling_rows, output.sampled_token_ids)
+        if metadata.penalties is not None:  # else no sampling row counts its tokens
+            self.batch.count_sampled(inputs.sampling_rows, output.sampled_token_ids)
         step = RunnerStep(
             req_ids=inputs.req_ids, sampling_req_ids=inputs.sampling_req_ids,
             sampled=output.sampled_token_ids,
