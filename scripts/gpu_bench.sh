@@ -28,8 +28,8 @@
 #               chunks of 256 and 64 tokens over 30,000 cached, which split the prefill
 #               kernel's keys, and 4 x 256 over 8,000, which does not (forward-extend-triton,
 #               --extend); decode batch 32 and 128 at 1k under each kind of sampling
-#               (forward-sampling-triton, --sampling: greedy, random, seeded, penalties,
-#               grammar); on cuda also SmolLM2-135M's shapes with the triton backend
+#               (forward-sampling-triton, --sampling: greedy, random, nucleus, seeded,
+#               penalties, grammar); on cuda also SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
@@ -366,7 +366,7 @@ forward_sampling() {
   # applied on the device from inputs copied without waiting for it.
   step forward-sampling-triton "${engine[@]}" bench forward --config "$config" \
     --device "$device" --attention-backend triton --layer-kernels triton \
-    "${sampling_shapes[@]}" --sampling greedy random seeded penalties grammar \
+    "${sampling_shapes[@]}" --sampling greedy random nucleus seeded penalties grammar \
     --json "$raw/forward-sampling-triton.json"
 }
 forward_smollm2() {

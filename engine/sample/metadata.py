@@ -53,13 +53,16 @@ class SamplingMetadata:
     samples, so a seeded request draws the same randomness for its n-th token whatever the
     batch or preemptions. `logit_bias` holds the requests' biases and their bans (EOS and stop
     ids before `min_tokens`, except in rows a grammar constrains: there the grammar alone
-    decides where the output may end); `None` when no row has either.
+    decides where the output may end); `None` when no row has either. `max_top_k` is the
+    largest top-k when every row with a top-p has a top-k too, so that each row keeps only
+    tokens among its `max_top_k` most likely (`top_k_top_p.py`); else `None`.
     """
 
     temperature: torch.Tensor  # [rows] float32, 0 means greedy
     all_greedy: bool
     top_k: torch.Tensor | None  # [rows] int64, vocab size where disabled
-    top_p: torch.Tensor | None  # [rows] float32
+    top_p: torch.Tensor | None  # [rows] float32, 1 where disabled
+    max_top_k: int | None
     min_p: torch.Tensor | None  # [rows] float32
     seeds: list[int | None]
     output_positions: list[int]
@@ -76,15 +79,16 @@ class SamplingMetadata:
     def worst_case(cls, num_rows: int, vocab_size: int, device: torch.device
                    ) -> SamplingMetadata:
         """`num_rows` rows that ask for everything the sampler allocates memory for:
-        temperature, top-k, top-p and min-p, penalties, a logit bias, a grammar and the most
-        logprobs (the runner's memory profile samples them)."""
+        temperature, top-k, top-p (no row's top-k bounding it, so that a GPU sorts the whole
+        vocabulary) and min-p, penalties, a logit bias, a grammar and the most logprobs (the
+        runner's memory profile samples them)."""
         ones = torch.ones(num_rows, device=device)
         rows = torch.arange(num_rows, device=device)
         shape = (num_rows, vocab_size)
         return cls(
             temperature=ones, all_greedy=False,
             top_k=torch.full((num_rows,), vocab_size, dtype=torch.int64, device=device),
-            top_p=ones * 0.9, min_p=ones * 0.1,
+            top_p=ones * 0.9, max_top_k=None, min_p=ones * 0.1,
             seeds=[None] * num_rows, output_positions=[0] * num_rows,
             penalties=Penalties(
                 presence=ones, frequency=ones, repetition=ones,

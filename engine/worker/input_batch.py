@@ -144,6 +144,7 @@ class InputBatch:
             top_k=column([p.top_k or self.vocab_size for p in params], np.int64)
             if any(p.top_k for p in params) else None,
             top_p=column([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
+            max_top_k=_max_top_k(params, self.vocab_size),
             min_p=column([p.min_p for p in params]) if any(p.min_p for p in params) else None,
             seeds=[p.seed for p in params],
             output_positions=num_outputs,
@@ -170,6 +171,14 @@ class InputBatch:
             output_counts=output_counts,
             seen_mask=seen,
         )
+
+
+def _max_top_k(params: list[SamplingParams], vocab_size: int) -> int | None:
+    """The largest top-k of `params` when every one with a top-p has a top-k too; else (or
+    with no top-k at all) None."""
+    if any(p.top_p < 1 and not p.top_k for p in params):
+        return None
+    return max((min(p.top_k, vocab_size) for p in params if p.top_k), default=None)
 
 
 def _indices_of(items: list[int], sequence: list[int]) -> list[int]:

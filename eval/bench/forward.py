@@ -80,7 +80,7 @@ from eval.step_profile import StepProfile, profile_steps
 ShapeKind = Literal["decode", "prefill", "extend"]
 # What the shape's requests ask of the sampler (`SAMPLINGS`); `grammar` also constrains
 # every sampling row by a bitmask, as structured outputs do.
-SamplingName = Literal["greedy", "random", "seeded", "penalties", "grammar"]
+SamplingName = Literal["greedy", "random", "nucleus", "seeded", "penalties", "grammar"]
 _T = TypeVar("_T")
 
 
@@ -162,6 +162,9 @@ _RANDOM = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_tokens": None,
 SAMPLINGS: dict[SamplingName, SamplingParams] = {
     "greedy": _GREEDY,
     "random": SamplingParams(**_RANDOM),
+    # Top-p alone, as OpenAI clients send it: no top-k bounds the candidates, so a GPU sorts
+    # the vocabulary (with random weights the nucleus is most of it on a CPU too).
+    "nucleus": SamplingParams(**{**_RANDOM, "top_k": 0}),
     "seeded": SamplingParams(**_RANDOM, seed=1234),
     "penalties": SamplingParams(**_RANDOM, presence_penalty=0.5, frequency_penalty=0.5,
                                 repetition_penalty=1.1),

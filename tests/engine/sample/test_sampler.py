@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,7 @@ from engine.sample.sampler import (
     Sampler,
     apply_min_p,
     apply_penalties,
-    apply_top_k_top_p,
+    draw_exponential,
     gather_logprobs,
 )
 
@@ -24,7 +25,8 @@ def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 def make_metadata(rows: int, **overrides: object) -> SamplingMetadata:
     base = SamplingMetadata(
-        temperature=torch.ones(rows), all_greedy=False, top_k=None, top_p=None, min_p=None,
+        temperature=torch.ones(rows), all_greedy=False, top_k=None, top_p=None, max_top_k=None,
+        min_p=None,
         seeds=[None] * rows, output_positions=[0] * rows, penalties=None, max_num_logprobs=None,
     )
     return replace(base, **overrides)
@@ -36,30 +38,6 @@ def make_sampler(seed: int = 0) -> Sampler:
 
 def kept(logits: torch.Tensor) -> list[set[int]]:
     return [set(torch.nonzero(row != NEG_INF).flatten().tolist()) for row in logits]
-
-
-def test_top_k_keeps_each_rows_k_best() -> None:
-    logits = random_logits(3)
-    masked = apply_top_k_top_p(logits, torch.tensor([1, 4, VOCAB]), None)
-    for row, k in zip(range(3), (1, 4, VOCAB), strict=True):
-        assert kept(masked)[row] == set(logits[row].topk(k).indices.tolist())
-    assert torch.equal(masked[2], logits[2])
-
-
-def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
-    logits = random_logits(4, seed=1)
-    top_p = torch.tensor([0.05, 0.5, 0.9, 1.0])
-    masked = apply_top_k_top_p(logits, None, top_p)
-    for row in range(4):
-        probs = logits[row].softmax(-1)
-        order = probs.argsort(descending=True).tolist()
-        expected, mass = set(), 0.0
-        for token in order:
-            expected.add(token)
-            mass += probs[token].item()
-            if mass >= top_p[row].item():
-                break
-        assert kept(masked)[row] == expected
 
 
 def test_min_p_drops_tokens_below_a_fraction_of_the_best() -> None:
@@ -76,10 +54,22 @@ def test_sampling_follows_the_distribution_and_its_filters() -> None:
     tokens = make_sampler()(logits, make_metadata(4000)).sampled_token_ids
     frequencies = torch.bincount(tokens, minlength=VOCAB).float() / 4000
     assert torch.allclose(frequencies[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
-    top2 = make_sampler()(logits, make_metadata(4000, top_k=torch.full((4000,), 2)))
+    top2 = make_sampler()(logits, make_metadata(4000, top_k=torch.full((4000,), 2),
+                                                max_top_k=2))
     assert set(top2.sampled_token_ids.tolist()) == {0, 1}
+    nucleus = make_sampler()(logits, make_metadata(4000, top_p=torch.full((4000,), 0.75)))
+    assert set(nucleus.sampled_token_ids.tolist()) == {0, 1}
     cold = make_sampler()(logits, make_metadata(4000, temperature=torch.full((4000,), 0.05)))
     assert (cold.sampled_token_ids == 0).float().mean() > 0.99
+
+
+def test_exponential_draws_have_the_exponential_distribution() -> None:
+    draws = torch.empty(200_000)
+    draw_exponential(draws, torch.Generator().manual_seed(0))
+    assert draws.min() > 0
+    assert abs(draws.mean().item() - 1) < 0.01 and abs(draws.var().item() - 1) < 0.03
+    for x in (0.1, 1.0, 3.0):  # the survival function exp(-x)
+        assert abs((draws > x).float().mean().item() - math.exp(-x)) < 0.005
 
 
 def test_greedy_rows_take_the_argmax_beside_random_rows() -> None:
@@ -94,14 +84,14 @@ def test_seeded_rows_are_reproducible_whatever_the_batch() -> None:
     alone = [
         make_sampler(seed=s)(logits, make_metadata(1, seeds=[7], output_positions=[p]))
         .sampled_token_ids.item()
-        for s, p in [(0, 0), (1, 1), (2, 2), (3, 3)] * 5
-    ]
+        for s, p in enumerate(range(12))
+    ] * 2
     batch = torch.cat([random_logits(3, seed=5), logits])
     in_batch = [
         make_sampler(seed=9)(batch, make_metadata(
             4, seeds=[None, 11, None, 7], output_positions=[5, 0, 2, p]))
         .sampled_token_ids[3].item()
-        for p in [0, 1, 2, 3] * 5
+        for p in list(range(12)) * 2
     ]
     assert alone == in_batch
     assert len(set(alone)) > 1  # positions draw different noise

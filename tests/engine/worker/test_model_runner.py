@@ -193,6 +193,20 @@ def bans(metadata: SamplingMetadata) -> list[tuple[int, int]]:
         if value == float("-inf")]
 
 
+@pytest.mark.parametrize(("params", "max_top_k"), [
+    ([{}, {"temperature": 0.0}], None),  # no filter
+    ([{"top_k": 5}, {"top_k": 20, "top_p": 0.9}, {}], 20),  # every top-p has a top-k
+    ([{"top_k": 5}, {"top_p": 0.9}], None),  # a top-p alone: the whole vocabulary
+    ([{"top_k": 500}], 32),  # no more than the vocabulary
+])
+def test_sampling_metadata_bounds_the_filters_candidates_by_top_k(
+        params: list[dict[str, object]], max_top_k: int | None) -> None:
+    batch = make_batch()
+    for index, row_params in enumerate(params):
+        batch.add(new_request(f"r{index}", [1], [], [index], **row_params))
+    assert batch.sampling_metadata(list(range(len(params)))).max_top_k == max_top_k
+
+
 def test_sampling_metadata_bans_stops_until_min_tokens_and_counts_penalties() -> None:
     batch = make_batch()
     batch.add(new_request("a", [1, 2], [5, 5], [0], min_tokens=3, stop_token_ids=(4,),

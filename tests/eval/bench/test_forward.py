@@ -63,7 +63,7 @@ def test_sequences_follow_the_runner_through_chunked_prefill_and_decode() -> Non
     assert batch.num_reqs == 0
 
 
-@pytest.mark.parametrize("sampling", ["grammar", "penalties"])
+@pytest.mark.parametrize("sampling", ["grammar", "penalties", "nucleus"])
 def test_sequences_sample_as_their_shape_asks(sampling: SamplingName) -> None:
     """Under `grammar` each request samples only its bitmask's tokens (the chunked prefill's
     partial steps, which sample nothing, send no row for it: the runner would refuse one)."""
