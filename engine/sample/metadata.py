@@ -54,8 +54,9 @@ class SamplingMetadata:
     batch or preemptions. `logit_bias` holds the requests' biases and their bans (EOS and stop
     ids before `min_tokens`, except in rows a grammar constrains: there the grammar alone
     decides where the output may end); `None` when no row has either. `max_top_k` is the
-    largest top-k when every row with a top-p has a top-k too, so that each row keeps only
-    tokens among its `max_top_k` most likely (`top_k_top_p.py`); else `None`.
+    largest top-k (at most the vocabulary's size) when every row with a top-p has a top-k
+    too, so that both of each row's cuts lie among its `max_top_k` largest logits
+    (`top_k_top_p.py`); `None` when some row's top-p has no top-k, or no row has a top-k.
     """
 
     temperature: torch.Tensor  # [rows] float32, 0 means greedy

@@ -9,8 +9,8 @@ dropped together, whatever order a sort would put them in.
 
 Both thresholds are read from a row's most likely tokens (its candidates), sorted, so the
 whole vocabulary is sorted only when a row may need more of it:
-- when every row with a top-p has a top-k too, the `max_top_k` best tokens of each row hold
-  every kept token (`torch.topk`, on any device);
+- when every row with a top-p has a top-k too, both thresholds lie among each row's
+  `max_top_k` largest logits (`torch.topk`, on any device);
 - otherwise, under `search="grow"` (on the CPU, where reading a value back costs nothing), a
   row whose top-p is not reached within its `FIRST_CANDIDATES` best tokens (or whose top-k
   is beyond them) searches again among more, until the whole row;
@@ -75,58 +75,76 @@ def _grown(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
         threshold[rows] = found
         if num_needed is None or not bool((num_needed > 0).any()):
             return threshold
-        unresolved = num_needed > 0
-        rows = rows[unresolved]
-        wanted = max(num_candidates * CANDIDATE_GROWTH, 2 * int(num_needed.max()))
-        num_candidates = vocab_size if wanted > vocab_size // 2 else wanted
+        rows = rows[num_needed > 0]
+        num_wanted = max(num_candidates * CANDIDATE_GROWTH, 2 * int(num_needed.max()))
+        num_candidates = vocab_size if num_wanted > vocab_size // 2 else num_wanted
 
 
 def _from_candidates(logits: torch.Tensor, candidates: torch.Tensor,
                      top_k: torch.Tensor | None, top_p: torch.Tensor | None, *,
                      count_needed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The thresholds [rows, 1] read from `candidates` [rows, m], each row's m largest logits
-    in descending order, and with `count_needed` [rows] int64: 0 for a row they settle, else
-    at least how many candidates it needs (more than m). A row is unsettled (never when m is
-    the vocabulary) when its top-k is beyond the m, or when its top-p alone bounds it and is
-    not reached within the m: each token left has at most the last candidate's probability.
-    Without `count_needed` (None) the caller knows that the candidates settle every row."""
+    in descending order; with `count_needed`, also [rows] int64: 0 for a row they settle,
+    else at least how many candidates it needs (more than m). Without it (None then) the
+    caller knows that they settle every row. They never leave a row unsettled when m is the
+    vocabulary."""
+    count_needed = count_needed and candidates.shape[1] < logits.shape[1]
+    kth, beyond_k = _top_k_cut(logits, candidates, top_k)
+    num_needed = beyond_k if count_needed else None
+    if top_p is None:
+        return kth, num_needed
+    nucleus, needed_for_p = _top_p_cut(logits, candidates, kth, top_p, count_needed)
+    if needed_for_p is not None:
+        num_needed = torch.maximum(beyond_k, needed_for_p)
+    return torch.maximum(kth, nucleus), num_needed
+
+
+def _top_k_cut(logits: torch.Tensor, candidates: torch.Tensor, top_k: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k-th largest logit [rows, 1] (minus infinity where top-k is disabled), and
+    [rows] int64 its k where that is beyond the candidates (the cut read there is not the
+    row's), else 0."""
     num_rows, num_candidates = candidates.shape
     vocab_size = logits.shape[1]
     no_limit = torch.full((num_rows, 1), float("-inf"), dtype=logits.dtype,
                           device=logits.device)
-    kth = no_limit
-    count_needed = count_needed and num_candidates < vocab_size
-    num_needed = (torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
-                  if count_needed else None)
-    if top_k is not None:
-        k = top_k.clamp(1, vocab_size).unsqueeze(1)
-        kth = torch.where(k >= vocab_size, no_limit,
-                          candidates.gather(1, k.clamp(max=num_candidates) - 1))
-        if count_needed:
-            num_needed = torch.where((k < vocab_size) & (k > num_candidates), k, 0).squeeze(1)
-    if top_p is None:
-        return kth, num_needed
-    top = candidates[:, :1]
-    # The mass of the whole row above top-k's cut (ties at the cut may run past the
-    # candidates), in units of the top token's.
     if top_k is None:
-        kept_mass = (logits.logsumexp(dim=-1, keepdim=True) - top).exp()
-    else:
-        kept_mass = torch.where(logits >= kth, (logits - top).exp(), 0).sum(dim=-1,
-                                                                              keepdim=True)
-    cumulative = torch.where(candidates >= kth, (candidates - top).exp(), 0).cumsum(dim=-1)
-    p = top_p.unsqueeze(1)
+        return no_limit, torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+    k = top_k.clamp(1, vocab_size).unsqueeze(1)
+    kth = torch.where(k >= vocab_size, no_limit,
+                      candidates.gather(1, k.clamp(max=num_candidates) - 1))
+    beyond = (k < vocab_size) & (k > num_candidates)
+    return kth, torch.where(beyond, k, 0).squeeze(1)
+
+
+def _top_p_cut(logits: torch.Tensor, candidates: torch.Tensor, kth: torch.Tensor,
+               top_p: torch.Tensor, count_needed: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's top-p cut [rows, 1] over the tokens at or above `kth` (minus infinity where
+    top-p is disabled or not reached within the candidates); with `count_needed`, also
+    [rows] int64: where a row that top-p alone bounds is not reached there, at least how many
+    candidates it needs (every token left is no more likely than the last candidate), else 0.
+    """
+    num_candidates = candidates.shape[1]
+    vocab_size = logits.shape[1]
+    top = candidates[:, :1]
+    # Masses relative to the top token's, summed in float64: float32 sums drift with the
+    # logits' scale and with the order a batch's threads add them in, enough to move a cut.
+    kept_mass = torch.where(logits >= kth, (logits - top).exp(), 0).sum(
+        dim=-1, keepdim=True, dtype=torch.float64)
+    cumulative = torch.where(candidates >= kth, (candidates - top).exp(), 0).cumsum(
+        dim=-1, dtype=torch.float64)
+    p = top_p.unsqueeze(1).double()
     num_below = (cumulative < p * kept_mass).sum(dim=-1, keepdim=True)
     not_reached = num_below == num_candidates
-    nucleus = torch.where(not_reached | (p >= 1), no_limit,
+    nucleus = torch.where(not_reached | (p >= 1), float("-inf"),
                           candidates.gather(1, num_below.clamp(max=num_candidates - 1)))
-    if count_needed:
-        last_mass = (candidates[:, -1:] - top).exp()
-        missing = (p * kept_mass - cumulative[:, -1:]).clamp(min=0)
-        at_least = num_candidates + torch.where(last_mass > 0, missing / last_mass,
-                                                vocab_size).ceil().clamp(1, vocab_size)
-        unsettled = not_reached & (p < 1) & (kth == float("-inf"))
-        num_needed = torch.where(unsettled.squeeze(1),
-                                 at_least.squeeze(1).to(torch.int64).clamp(max=vocab_size),
-                                 num_needed)
-    return torch.maximum(kth, nucleus), num_needed
+    if not count_needed:
+        return nucleus, None
+    last_mass = (candidates[:, -1:] - top).exp().double()
+    missing_mass = (p * kept_mass - cumulative[:, -1:]).clamp(min=0)
+    at_least = num_candidates + torch.where(last_mass > 0, missing_mass / last_mass,
+                                            vocab_size).ceil().clamp(1, vocab_size)
+    unsettled = not_reached & (p < 1) & (kth == float("-inf"))
+    num_needed = torch.where(unsettled, at_least.clamp(max=vocab_size), 0)
+    return nucleus, num_needed.squeeze(1).to(torch.int64)

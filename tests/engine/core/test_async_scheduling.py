@@ -51,11 +51,11 @@ def _requests(stop_token_id: int | None) -> list[EngineCoreRequest]:
     variants: list[dict[str, object]] = [
         {"max_tokens": 24, "ignore_eos": True},
         {"max_tokens": 5, "ignore_eos": True},
-        {"max_tokens": 30, "temperature": 0.9, "seed": 11, "top_k": 20},
+        {"max_tokens": 30, "temperature": 0.9, "seed": 11, "top_k": 20, "top_p": 0.8},
         {"max_tokens": 16, "frequency_penalty": 1.5, "presence_penalty": 0.5},
         {"max_tokens": 12, "logprobs": 3, "ignore_eos": True},
         {"max_tokens": 10, "prompt_logprobs": 2},
-        {"max_tokens": 40, "temperature": 1.0, "seed": 5, "ignore_eos": True,
+        {"max_tokens": 40, "temperature": 1.0, "seed": 5, "top_p": 0.9, "ignore_eos": True,
          "stop_token_ids": [] if stop_token_id is None else [stop_token_id]},
         {"max_tokens": 20, "temperature": 0.7, "seed": 3, "structured_output": regex},
         {"max_tokens": 1, "ignore_eos": True},

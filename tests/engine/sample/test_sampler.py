@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -11,7 +10,6 @@ from engine.sample.sampler import (
     Sampler,
     apply_min_p,
     apply_penalties,
-    draw_exponential,
     gather_logprobs,
 )
 
@@ -63,15 +61,6 @@ def test_sampling_follows_the_distribution_and_its_filters() -> None:
     assert (cold.sampled_token_ids == 0).float().mean() > 0.99
 
 
-def test_exponential_draws_have_the_exponential_distribution() -> None:
-    draws = torch.empty(200_000)
-    draw_exponential(draws, torch.Generator().manual_seed(0))
-    assert draws.min() > 0
-    assert abs(draws.mean().item() - 1) < 0.01 and abs(draws.var().item() - 1) < 0.03
-    for x in (0.1, 1.0, 3.0):  # the survival function exp(-x)
-        assert abs((draws > x).float().mean().item() - math.exp(-x)) < 0.005
-
-
 def test_greedy_rows_take_the_argmax_beside_random_rows() -> None:
     logits = random_logits(4, seed=3)
     temperature = torch.tensor([0.0, 1.0, 0.0, 1.0])
@@ -80,16 +69,21 @@ def test_greedy_rows_take_the_argmax_beside_random_rows() -> None:
 
 
 def test_seeded_rows_are_reproducible_whatever_the_batch() -> None:
+    """A seeded row samples the same tokens alone and beside rows of other seeds and
+    filters, which change how its filter's candidates are searched."""
     logits = random_logits(1, seed=4)
     alone = [
-        make_sampler(seed=s)(logits, make_metadata(1, seeds=[7], output_positions=[p]))
+        make_sampler(seed=s)(logits, make_metadata(
+            1, seeds=[7], output_positions=[p], top_k=torch.tensor([6]),
+            top_p=torch.tensor([0.9]), max_top_k=6))
         .sampled_token_ids.item()
         for s, p in enumerate(range(12))
     ] * 2
     batch = torch.cat([random_logits(3, seed=5), logits])
     in_batch = [
         make_sampler(seed=9)(batch, make_metadata(
-            4, seeds=[None, 11, None, 7], output_positions=[5, 0, 2, p]))
+            4, seeds=[None, 11, None, 7], output_positions=[5, 0, 2, p],
+            top_k=torch.tensor([VOCAB, 2, VOCAB, 6]), top_p=torch.tensor([0.5, 1.0, 1.0, 0.9])))
         .sampled_token_ids[3].item()
         for p in list(range(12)) * 2
     ]
