@@ -7,8 +7,9 @@ A row keeps its logits at or above its threshold, the larger of
 Tokens tied with a threshold are all kept, so equal logits (common in bfloat16) are kept or
 dropped together, whatever order a sort would put them in.
 
-Both thresholds are read from a row's most likely tokens (its candidates), sorted, so the
-whole vocabulary is sorted only when a row may need more of it:
+Both thresholds are read from a row's most likely tokens (its candidates), in descending
+order. The whole row is sorted for a top-p alone on a GPU, or on a CPU for a row that needs
+over half of it:
 - when every row with a top-p has a top-k too, both thresholds lie among each row's
   `max_top_k` largest logits (`torch.topk`, on any device);
 - otherwise, under `search="grow"` (on the CPU, where reading a value back costs nothing), a

@@ -128,3 +128,17 @@ def test_the_cpu_grows_the_candidates_only_for_rows_that_need_them(
     searched.clear()
     apply_top_k_top_p(logits[:2], torch.tensor([300, 40]), top_p, 300, "sort")
     assert searched == [(2, 300)]  # top-k bounds every row: no sort, whatever the device
+
+
+@pytest.mark.parametrize("shift", [0.0, 256.0, 1024.0])
+def test_the_top_p_cut_holds_at_large_logits(shift: float) -> None:
+    """Logits of a few hundred (a low temperature) leave the cut where the definition puts
+    it: two tokens, the first 10**-5 short of top-p alone, so both are kept."""
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, 0], logits[0, 1] = shift + 2.19, shift
+    first = torch.softmax(logits[0, :2].double(), dim=0)[0].item()
+    for search in ("grow", "sort"):
+        masked = apply_top_k_top_p(logits, None, torch.tensor([first + 1e-5]), None, search)
+        assert kept(masked) == [{0, 1}]
+        masked = apply_top_k_top_p(logits, None, torch.tensor([first - 1e-5]), None, search)
+        assert kept(masked) == [{0}]
