@@ -90,30 +90,32 @@ def _from_candidates(logits: torch.Tensor, candidates: torch.Tensor,
     caller knows that they settle every row. They never leave a row unsettled when m is the
     vocabulary."""
     count_needed = count_needed and candidates.shape[1] < logits.shape[1]
-    kth, beyond_k = _top_k_cut(logits, candidates, top_k)
-    num_needed = beyond_k if count_needed else None
+    kth, num_needed = _top_k_cut(logits, candidates, top_k, count_needed)
     if top_p is None:
         return kth, num_needed
     nucleus, needed_for_p = _top_p_cut(logits, candidates, kth, top_p, count_needed)
-    if needed_for_p is not None:
-        num_needed = torch.maximum(beyond_k, needed_for_p)
+    if num_needed is not None and needed_for_p is not None:
+        num_needed = torch.maximum(num_needed, needed_for_p)
     return torch.maximum(kth, nucleus), num_needed
 
 
-def _top_k_cut(logits: torch.Tensor, candidates: torch.Tensor, top_k: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k-th largest logit [rows, 1] (minus infinity where top-k is disabled), and
-    [rows] int64 its k where that is beyond the candidates (the cut read there is not the
-    row's), else 0."""
+def _top_k_cut(logits: torch.Tensor, candidates: torch.Tensor, top_k: torch.Tensor | None,
+               count_needed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's k-th largest logit [rows, 1] (minus infinity where top-k is disabled); with
+    `count_needed`, also [rows] int64: its k where that is beyond the candidates (the cut
+    read there is not the row's), else 0."""
     num_rows, num_candidates = candidates.shape
     vocab_size = logits.shape[1]
     no_limit = torch.full((num_rows, 1), float("-inf"), dtype=logits.dtype,
                           device=logits.device)
     if top_k is None:
-        return no_limit, torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+        return no_limit, (torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+                          if count_needed else None)
     k = top_k.clamp(1, vocab_size).unsqueeze(1)
     kth = torch.where(k >= vocab_size, no_limit,
                       candidates.gather(1, k.clamp(max=num_candidates) - 1))
+    if not count_needed:
+        return kth, None
     beyond = (k < vocab_size) & (k > num_candidates)
     return kth, torch.where(beyond, k, 0).squeeze(1)
 
