@@ -72,10 +72,6 @@ class SamplingMetadata:
     logit_bias: LogitBias | None = None
     grammar: GrammarRows | None = None  # None: no row has a grammar
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.seeds)
-
     @classmethod
     def worst_case(cls, num_rows: int, vocab_size: int, device: torch.device
                    ) -> SamplingMetadata:

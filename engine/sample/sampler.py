@@ -77,7 +77,7 @@ class Sampler:
         if metadata.top_k is not None or metadata.top_p is not None:
             # Searching a row's candidates further reads back whether it must: free on a CPU,
             # a wait for the device elsewhere.
-            search: CandidateSearch = "grow" if logits.device.type == "cpu" else "sort"
+            search: CandidateSearch = "binned" if logits.device.type == "cpu" else "sort"
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p,
                                        metadata.max_top_k, search)
         probs = logits.softmax(dim=-1)

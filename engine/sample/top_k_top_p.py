@@ -8,13 +8,14 @@ Tokens tied with a threshold are all kept, so equal logits (common in bfloat16) 
 dropped together, whatever order a sort would put them in.
 
 Both thresholds are read from a row's most likely tokens (its candidates), in descending
-order. The whole row is sorted for a top-p alone on a GPU, or on a CPU for a row that needs
-over half of it:
+order:
 - when every row with a top-p has a top-k too, both thresholds lie among each row's
   `max_top_k` largest logits (`torch.topk`, on any device);
-- otherwise, under `search="grow"` (on the CPU, where reading a value back costs nothing), a
-  row whose top-p is not reached within its `FIRST_CANDIDATES` best tokens (or whose top-k
-  is beyond them) searches again among more, until the whole row;
+- otherwise, under `search="binned"` (on the CPU, where reading a value back costs nothing),
+  among each row's `FIRST_CANDIDATES` largest; a row they do not settle (a wide nucleus, or
+  a top-k beyond them) finds its top-k cut among its k largest and its top-p cut by binning
+  its probability mass by logit (`_top_p_cut_by_bins`): only the tokens of the bin where the
+  mass reaches p are sorted, not the row;
 - under `search="sort"` (on a GPU, where deciding that would wait for the device) every row
   is sorted whole.
 """
@@ -26,9 +27,13 @@ from typing import Literal
 import torch
 
 FIRST_CANDIDATES = 256
-CANDIDATE_GROWTH = 16
+# A row's logits from its top down to `MASS_BINS_SPAN` below it are cut into `NUM_MASS_BINS`
+# bins of equal width; lower ones share the lowest bin (e^-40 a token: no mass that moves a
+# cut, whatever the vocabulary).
+NUM_MASS_BINS = 4096
+MASS_BINS_SPAN = 40.0
 
-CandidateSearch = Literal["grow", "sort"]
+CandidateSearch = Literal["binned", "sort"]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
@@ -38,116 +43,146 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     infinity. `top_k` [rows] int64 (the vocabulary's size where disabled), `top_p` [rows]
     float32 (1 where disabled); `max_top_k`: the largest top-k when every row with a top-p
     also has a top-k, else None."""
-    threshold = kept_threshold(logits, top_k, top_p, max_top_k, search)
+    threshold = _kept_threshold(logits, top_k, top_p, max_top_k, search)
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def kept_threshold(logits: torch.Tensor, top_k: torch.Tensor | None,
-                   top_p: torch.Tensor | None, max_top_k: int | None,
-                   search: CandidateSearch) -> torch.Tensor:
+def _kept_threshold(logits: torch.Tensor, top_k: torch.Tensor | None,
+                    top_p: torch.Tensor | None, max_top_k: int | None,
+                    search: CandidateSearch) -> torch.Tensor:
     """[rows, 1]: the smallest logit each row keeps (minus infinity: every one)."""
     vocab_size = logits.shape[1]
     if max_top_k is not None:
         candidates = logits.topk(min(max_top_k, vocab_size), dim=-1).values
-        return _from_candidates(logits, candidates, top_k, top_p, count_needed=False)[0]
+        return _from_candidates(logits, candidates, top_k, top_p)[0]
     if search == "sort":
         candidates = logits.sort(dim=-1, descending=True).values
-        return _from_candidates(logits, candidates, top_k, top_p, count_needed=False)[0]
-    return _grown(logits, top_k, top_p)
+        return _from_candidates(logits, candidates, top_k, top_p)[0]
+    return _binned(logits, top_k, top_p)
 
 
-def _grown(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-           ) -> torch.Tensor:
-    """The thresholds, each row's searched among more candidates until it is found: at least
-    `CANDIDATE_GROWTH` times as many, and twice what a row still needs at least; the whole
-    row, sorted, once that is over half of it."""
+def _binned(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+            ) -> torch.Tensor:
+    """The thresholds, read from each row's first candidates; for the rows they do not
+    settle, from the row's k largest logits where it has a top-k, else from its mass binned
+    by logit."""
     vocab_size = logits.shape[1]
-    threshold = torch.empty((logits.shape[0], 1), dtype=logits.dtype, device=logits.device)
-    rows = torch.arange(logits.shape[0], device=logits.device)
-    num_candidates = min(FIRST_CANDIDATES, vocab_size)
-    while True:
-        searched = logits[rows]
-        candidates = (searched.sort(dim=-1, descending=True).values
-                      if num_candidates == vocab_size
-                      else searched.topk(num_candidates, dim=-1).values)
-        found, num_needed = _from_candidates(
-            searched, candidates, None if top_k is None else top_k[rows],
-            None if top_p is None else top_p[rows], count_needed=True)
-        threshold[rows] = found
-        if num_needed is None or not bool((num_needed > 0).any()):
-            return threshold
-        rows = rows[num_needed > 0]
-        num_wanted = max(num_candidates * CANDIDATE_GROWTH, 2 * int(num_needed.max()))
-        num_candidates = vocab_size if num_wanted > vocab_size // 2 else num_wanted
+    candidates = logits.topk(min(FIRST_CANDIDATES, vocab_size), dim=-1).values
+    threshold, unsettled = _from_candidates(logits, candidates, top_k, top_p)
+    if top_k is not None:
+        with_top_k = (unsettled & (top_k < vocab_size)).nonzero().squeeze(1)
+        unsettled &= top_k >= vocab_size
+        if len(with_top_k):
+            row_k = top_k[with_top_k]
+            threshold[with_top_k] = _from_candidates(
+                logits[with_top_k], logits[with_top_k].topk(int(row_k.max()), dim=-1).values,
+                row_k, None if top_p is None else top_p[with_top_k])[0]
+    if top_p is not None and bool(unsettled.any()):
+        top_p_alone = unsettled.nonzero().squeeze(1)
+        threshold[top_p_alone] = _top_p_cut_by_bins(logits[top_p_alone], top_p[top_p_alone])
+    return threshold
 
 
 def _from_candidates(logits: torch.Tensor, candidates: torch.Tensor,
-                     top_k: torch.Tensor | None, top_p: torch.Tensor | None, *,
-                     count_needed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     top_k: torch.Tensor | None, top_p: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The thresholds [rows, 1] read from `candidates` [rows, m], each row's m largest logits
-    in descending order; with `count_needed`, also [rows] int64: 0 for a row they settle,
-    else at least how many candidates it needs (more than m). Without it (None then) the
-    caller knows that they settle every row. They never leave a row unsettled when m is the
-    vocabulary."""
-    count_needed = count_needed and candidates.shape[1] < logits.shape[1]
-    kth, num_needed = _top_k_cut(logits, candidates, top_k, count_needed)
+    in descending order, and [rows] bool: the rows whose thresholds they do not settle (their
+    top-k beyond the candidates, or their top-p not reached there); never one when m is the
+    vocabulary or every row's top-k."""
+    kth, k_beyond = _top_k_cut(logits, candidates, top_k)
     if top_p is None:
-        return kth, num_needed
-    nucleus, needed_for_p = _top_p_cut(logits, candidates, kth, top_p, count_needed)
-    if num_needed is not None and needed_for_p is not None:
-        num_needed = torch.maximum(num_needed, needed_for_p)
-    return torch.maximum(kth, nucleus), num_needed
+        return kth, k_beyond
+    nucleus, p_beyond = _top_p_cut(logits, candidates, kth, top_p, has_top_k=top_k is not None)
+    return torch.maximum(kth, nucleus), k_beyond | p_beyond
 
 
-def _top_k_cut(logits: torch.Tensor, candidates: torch.Tensor, top_k: torch.Tensor | None,
-               count_needed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's k-th largest logit [rows, 1] (minus infinity where top-k is disabled); with
-    `count_needed`, also [rows] int64: its k where that is beyond the candidates (the cut
-    read there is not the row's), else 0."""
+def _top_k_cut(logits: torch.Tensor, candidates: torch.Tensor, top_k: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k-th largest logit [rows, 1] (minus infinity where top-k is disabled), and
+    [rows] bool: whether its k is beyond the candidates (the cut read there is not the
+    row's)."""
     num_rows, num_candidates = candidates.shape
     vocab_size = logits.shape[1]
     no_limit = torch.full((num_rows, 1), float("-inf"), dtype=logits.dtype,
                           device=logits.device)
     if top_k is None:
-        return no_limit, (torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
-                          if count_needed else None)
+        return no_limit, torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
     k = top_k.clamp(1, vocab_size).unsqueeze(1)
     kth = torch.where(k >= vocab_size, no_limit,
                       candidates.gather(1, k.clamp(max=num_candidates) - 1))
-    if not count_needed:
-        return kth, None
-    beyond = (k < vocab_size) & (k > num_candidates)
-    return kth, torch.where(beyond, k, 0).squeeze(1)
+    return kth, ((k < vocab_size) & (k > num_candidates)).squeeze(1)
 
 
 def _top_p_cut(logits: torch.Tensor, candidates: torch.Tensor, kth: torch.Tensor,
-               top_p: torch.Tensor, count_needed: bool
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               top_p: torch.Tensor, *, has_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's top-p cut [rows, 1] over the tokens at or above `kth` (minus infinity where
-    top-p is disabled or not reached within the candidates); with `count_needed`, also
-    [rows] int64: where a row that top-p alone bounds is not reached there, at least how many
-    candidates it needs (every token left is no more likely than the last candidate), else 0.
+    top-p is disabled or not reached within the candidates), and [rows] bool: whether a row
+    whose top-p is enabled does not reach it within the candidates.
+    `has_top_k` False: `kth` is minus infinity in every row, so no token is masked by it.
     """
     num_candidates = candidates.shape[1]
-    vocab_size = logits.shape[1]
     top = candidates[:, :1]
     # Masses relative to the top token's, summed in float64: float32 sums drift with the
     # logits' scale and with the order a batch's threads add them in, enough to move a cut.
-    kept_mass = torch.where(logits >= kth, (logits - top).exp(), 0).sum(
-        dim=-1, keepdim=True, dtype=torch.float64)
-    cumulative = torch.where(candidates >= kth, (candidates - top).exp(), 0).cumsum(
-        dim=-1, dtype=torch.float64)
+    masses = (candidates - top).exp()
+    if has_top_k:
+        masses = torch.where(candidates >= kth, masses, 0)
+    cumulative = masses.cumsum(dim=-1, dtype=torch.float64)
+    if num_candidates == logits.shape[1]:  # the whole row: its kept mass is the last sum
+        kept_mass = cumulative[:, -1:]
+    else:
+        kept_mass = _kept_masses(logits, top, kth, has_top_k).sum(dim=-1, keepdim=True,
+                                                                 dtype=torch.float64)
     p = top_p.unsqueeze(1).double()
     num_below = (cumulative < p * kept_mass).sum(dim=-1, keepdim=True)
-    not_reached = num_below == num_candidates
+    not_reached = (num_below == num_candidates) & (p < 1)
     nucleus = torch.where(not_reached | (p >= 1), float("-inf"),
                           candidates.gather(1, num_below.clamp(max=num_candidates - 1)))
-    if not count_needed:
-        return nucleus, None
-    last_mass = (candidates[:, -1:] - top).exp().double()
-    missing_mass = (p * kept_mass - cumulative[:, -1:]).clamp(min=0)
-    at_least = num_candidates + torch.where(last_mass > 0, missing_mass / last_mass,
-                                            vocab_size).ceil().clamp(1, vocab_size)
-    unsettled = not_reached & (p < 1) & (kth == float("-inf"))
-    num_needed = torch.where(unsettled, at_least.clamp(max=vocab_size), 0)
-    return nucleus, num_needed.squeeze(1).to(torch.int64)
+    return nucleus, not_reached.squeeze(1)
+
+
+def _top_p_cut_by_bins(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's top-p cut [rows, 1] (minus infinity where top-p is disabled), for rows
+    without a top-k, found without sorting the row: its masses are summed per bin of logits
+    (bins of equal width below its top; a token in a higher bin is never less likely than
+    one in a lower), the bin where the mass from the top reaches p is found, and only that
+    bin's tokens are sorted to find the cut inside it."""
+    num_rows = logits.shape[0]
+    top = logits.amax(dim=-1, keepdim=True)
+    below_top = logits - top
+    masses = below_top.exp()
+    # Truncation floors what the clamp leaves non-negative; bin b of row r is counted as
+    # r * NUM_MASS_BINS + b, one count over the batch.
+    bins = (below_top * (NUM_MASS_BINS / MASS_BINS_SPAN) + NUM_MASS_BINS).clamp_(
+        0, NUM_MASS_BINS - 1).to(torch.int64)
+    first_bins = torch.arange(0, num_rows * NUM_MASS_BINS, NUM_MASS_BINS,
+                              device=logits.device).unsqueeze(1)
+    bins += first_bins
+    bin_masses = torch.bincount(bins.flatten(), weights=masses.flatten().double(),
+                                minlength=num_rows * NUM_MASS_BINS).view(num_rows, -1)
+    # mass_from[b]: the mass of bins b and above; the crossing bin is the highest whose
+    # mass from the top reaches the target.
+    mass_from = bin_masses.flip(-1).cumsum(dim=-1).flip(-1)
+    target = top_p.unsqueeze(1).double() * mass_from[:, :1]
+    crossing = ((mass_from >= target).sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    above = torch.cat([mass_from[:, 1:], mass_from.new_zeros(num_rows, 1)], dim=-1
+                      ).gather(1, crossing)
+    in_crossing = (bins == crossing + first_bins) & (masses > 0)
+    num_in_crossing = in_crossing.sum(dim=-1, keepdim=True)
+    in_bin = torch.where(in_crossing, logits, float("-inf")).topk(
+        max(int(num_in_crossing.max()), 1), dim=-1).values
+    cumulative = above + torch.where(in_bin > float("-inf"), (in_bin - top).exp(), 0).cumsum(
+        dim=-1, dtype=torch.float64)
+    position = (cumulative < target).sum(dim=-1, keepdim=True)
+    # Summed in another order than the bins' totals, the bin's own sum may fall short of the
+    # target by a rounding: its last token then.
+    cut = in_bin.gather(1, torch.minimum(position, (num_in_crossing - 1).clamp(min=0)))
+    return torch.where(top_p.unsqueeze(1) >= 1, float("-inf"), cut)
+
+
+def _kept_masses(logits: torch.Tensor, top: torch.Tensor, kth: torch.Tensor,
+                 has_top_k: bool) -> torch.Tensor:
+    """Each token's mass relative to its row's `top` logit, 0 below `kth`."""
+    masses = (logits - top).exp()
+    return torch.where(logits >= kth, masses, 0) if has_top_k else masses

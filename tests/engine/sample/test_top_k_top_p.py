@@ -3,6 +3,8 @@ whole, whichever way the candidates are found (top-k's bound, grown on the CPU, 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -48,7 +50,7 @@ def make_logits(seed: int) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("search", ["grow", "sort"])
+@pytest.mark.parametrize("search", ["binned", "sort"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_kept_sets_match_the_definition(search: CandidateSearch, seed: int) -> None:
     logits = make_logits(seed)
@@ -63,8 +65,14 @@ def test_the_kept_sets_match_the_definition(search: CandidateSearch, seed: int) 
         every_top_p_has_top_k = all(kk < VOCAB for kk, pp in zip(top_k, top_p, strict=True)
                                     if pp < 1)
         max_top_k = (max(kk for kk in top_k if kk < VOCAB) if every_top_p_has_top_k else None)
-        for bound in {max_top_k, None}:
-            masked = apply_top_k_top_p(logits, k, p, bound, search)
+        # A filter no row uses may also come as None (the sampler's metadata then has none).
+        filters = [(k, p)]
+        if all(kk >= VOCAB for kk in top_k):
+            filters.append((None, p))
+        if all(pp >= 1 for pp in top_p):
+            filters.append((k, None))
+        for (k_or_none, p_or_none), bound in itertools.product(filters, {max_top_k, None}):
+            masked = apply_top_k_top_p(logits, k_or_none, p_or_none, bound, search)
             expected = [reference_kept(logits[row], top_k[row], top_p[row])
                         for row in range(num_rows)]
             assert kept(masked) == expected, (top_k, top_p, bound)
@@ -74,7 +82,7 @@ def test_the_kept_sets_match_the_definition(search: CandidateSearch, seed: int) 
 
 def test_ties_at_either_cut_are_kept_whole() -> None:
     logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0] + [-9.0] * (VOCAB - 6)])
-    by_k = apply_top_k_top_p(logits, torch.tensor([2]), None, 2, "grow")
+    by_k = apply_top_k_top_p(logits, torch.tensor([2]), None, 2, "binned")
     assert kept(by_k) == [{0, 1, 2, 3}]
     by_p = apply_top_k_top_p(logits, None, torch.tensor([0.5]), None, "sort")
     assert kept(by_p) == [{0, 1, 2, 3}]  # the mass reaches 0.5 inside the tied group
@@ -83,51 +91,74 @@ def test_ties_at_either_cut_are_kept_whole() -> None:
 def test_a_filter_that_keeps_everything_masks_nothing() -> None:
     logits = make_logits(2)
     rows = logits.shape[0]
-    for search in ("grow", "sort"):
+    for search in ("binned", "sort"):
         masked = apply_top_k_top_p(logits, torch.full((rows,), VOCAB), torch.ones(rows),
                                    None, search)
         assert torch.equal(masked, logits)
 
 
-def test_the_cpu_grows_the_candidates_only_for_rows_that_need_them(
+def test_the_cpu_searches_again_only_the_rows_its_first_candidates_do_not_settle(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A peaked row is settled among the first candidates. A row whose nucleus is a few
-    hundred tokens searches again among more, twice what it still needs at least; a flat
-    one jumps to its whole row; a top-k beyond the first candidates takes twice its k."""
-    searched: list[tuple[int, int]] = []
-    from_candidates = top_k_top_p._from_candidates
+    """A peaked row is settled among the first candidates. A row whose top-k is beyond them
+    is searched again among its k largest; a row with a wider nucleus and no top-k, by bins
+    (only the crossing bin's tokens sorted). Under `sort` or a bound on every row's top-k,
+    nothing is searched again."""
+    searched: list[tuple[str, int, int]] = []
+    by_bins, from_candidates = top_k_top_p._top_p_cut_by_bins, top_k_top_p._from_candidates
 
-    def recording(logits: torch.Tensor, candidates: torch.Tensor, *args: object,
-                  **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
-        searched.append((candidates.shape[0], candidates.shape[1]))
-        return from_candidates(logits, candidates, *args, **kwargs)
+    def binned(logits: torch.Tensor, *args: object) -> torch.Tensor:
+        searched.append(("bins", *logits.shape))
+        return by_bins(logits, *args)
 
-    monkeypatch.setattr(top_k_top_p, "_from_candidates", recording)
-    monkeypatch.setattr(top_k_top_p, "CANDIDATE_GROWTH", 2)
+    def candidates(logits: torch.Tensor, found: torch.Tensor, *args: object
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        searched.append(("candidates", *found.shape))
+        return from_candidates(logits, found, *args)
+
+    monkeypatch.setattr(top_k_top_p, "_top_p_cut_by_bins", binned)
+    monkeypatch.setattr(top_k_top_p, "_from_candidates", candidates)
     vocab = 4000
     generator = torch.Generator().manual_seed(4)
-    logits = torch.randn(3, vocab, generator=generator) * torch.tensor([[8.0], [0.1], [0.02]])
-    logits[1, 400:] -= 10  # the mass on 400 tokens: a nucleus of a few hundred
-    peaked_and_wide, peaked_and_flat = logits[[0, 1]], logits[[0, 2]]
-    top_p = torch.tensor([0.9, 0.9])
+    logits = torch.randn(3, vocab, generator=generator) * torch.tensor([[8.0], [0.5], [0.02]])
 
-    def grown(rows: torch.Tensor, top_k: torch.Tensor | None, p: torch.Tensor | None
-              ) -> list[tuple[int, int]]:
+    def filtered(rows: torch.Tensor, top_k: list[int] | None, top_p: list[float],
+                 search: CandidateSearch = "binned", bound: int | None = None
+                 ) -> list[tuple[str, int, int]]:
         searched.clear()
-        masked = apply_top_k_top_p(rows, top_k, p, None, "grow")
-        k = [vocab] * 2 if top_k is None else top_k.tolist()
+        k = [vocab] * len(rows) if top_k is None else top_k
+        masked = apply_top_k_top_p(rows, None if top_k is None else torch.tensor(top_k),
+                                   torch.tensor(top_p), bound, search)
         assert kept(masked) == [reference_kept(row, kk, pp)
-                                for row, kk, pp in zip(rows, k, p.tolist(), strict=True)]
+                                for row, kk, pp in zip(rows, k, top_p, strict=True)]
         return list(searched)
 
-    first, second = grown(peaked_and_wide, None, top_p)
-    assert first == (2, 256) and second[0] == 1 and 512 <= second[1] < vocab // 2
-    assert grown(peaked_and_flat, None, top_p) == [(2, 256), (1, vocab)]
-    assert grown(peaked_and_flat, torch.tensor([300, vocab]), torch.tensor([1.0, 1.0])
-                 ) == [(2, 256), (1, 600)]
-    searched.clear()
-    apply_top_k_top_p(logits[:2], torch.tensor([300, 40]), top_p, 300, "sort")
-    assert searched == [(2, 300)]  # top-k bounds every row: no sort, whatever the device
+    first = ("candidates", 3, 256)
+    assert filtered(logits[[0]], None, [0.9]) == [("candidates", 1, 256)]
+    assert filtered(logits, None, [0.9, 0.9, 0.9]) == [first, ("bins", 2, vocab)]
+    assert filtered(logits, [300, vocab, 2], [1.0, 1.0, 1.0]) == [first, ("candidates", 1, 300)]
+    assert filtered(logits, [600, vocab, 2], [0.9, 0.5, 0.5]) == [
+        first, ("candidates", 1, 600), ("bins", 1, vocab)]
+    assert filtered(logits, None, [0.9, 0.9, 0.9], "sort") == [("candidates", 3, vocab)]
+    assert filtered(logits, [300, 40, 2], [0.9, 0.9, 0.9], "binned", 300) == [
+        ("candidates", 3, 300)]
+
+
+def test_the_bins_find_the_cut_inside_a_crowded_bin() -> None:
+    """Every token in one bin (a flat row, and one of bfloat16 ties), a mass spread over
+    more than the bins' span, banned tokens, and a top-p under the top token's own mass:
+    the binned cut is the definition's."""
+    vocab = 3000
+    generator = torch.Generator().manual_seed(5)
+    flat = torch.randn(vocab, generator=generator) * 1e-4
+    ties = (torch.randn(vocab, generator=generator) * 0.05).bfloat16().float()
+    wide = torch.linspace(0.0, -120.0, vocab)[torch.randperm(vocab, generator=generator)]
+    banned = torch.randn(vocab, generator=generator)
+    banned[::3] = float("-inf")
+    logits = torch.stack([flat, ties, wide, banned, wide])
+    top_p = [0.7, 0.3, 0.999, 0.95, 0.01]
+    masked = apply_top_k_top_p(logits, None, torch.tensor(top_p), None, "binned")
+    assert kept(masked) == [reference_kept(row, vocab, p)
+                            for row, p in zip(logits, top_p, strict=True)]
 
 
 @pytest.mark.parametrize("shift", [0.0, 256.0, 1024.0])
@@ -137,7 +168,7 @@ def test_the_top_p_cut_holds_at_large_logits(shift: float) -> None:
     logits = torch.full((1, VOCAB), float("-inf"))
     logits[0, 0], logits[0, 1] = shift + 2.19, shift
     first = torch.softmax(logits[0, :2].double(), dim=0)[0].item()
-    for search in ("grow", "sort"):
+    for search in ("binned", "sort"):
         masked = apply_top_k_top_p(logits, None, torch.tensor([first + 1e-5]), None, search)
         assert kept(masked) == [{0, 1}]
         masked = apply_top_k_top_p(logits, None, torch.tensor([first - 1e-5]), None, search)
