@@ -27,11 +27,14 @@ from typing import Literal
 import torch
 
 FIRST_CANDIDATES = 256
-# A row's logits from its top down to `MASS_BINS_SPAN` below it are cut into `NUM_MASS_BINS`
-# bins of equal width; lower ones share the lowest bin (e^-40 a token: no mass that moves a
-# cut, whatever the vocabulary).
+# A row's logits from its top down to `MASS_BINS_SPAN` (in logits, so nats of probability)
+# below it are cut into `NUM_MASS_BINS` bins of equal width; lower ones share the lowest bin
+# (e^-40 a token: no mass that moves a cut, whatever the vocabulary).
 NUM_MASS_BINS = 4096
 MASS_BINS_SPAN = 40.0
+# Rows whose crossing bin holds more than this share of the vocabulary (a flat row) sort it
+# apart from the others, whose sorts stay as short as their own bins.
+CROWDED_BIN_SHARE = 1 / 16
 
 CandidateSearch = Literal["binned", "sort"]
 
@@ -39,10 +42,10 @@ CandidateSearch = Literal["binned", "sort"]
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None, max_top_k: int | None,
                       search: CandidateSearch) -> torch.Tensor:
-    """`logits` [rows, vocab] with every token below its row's threshold set to minus
-    infinity. `top_k` [rows] int64 (the vocabulary's size where disabled), `top_p` [rows]
-    float32 (1 where disabled); `max_top_k`: the largest top-k when every row with a top-p
-    also has a top-k, else None."""
+    """`logits` [rows, vocab] (float32, as the sampler's) with every token below its row's
+    threshold set to minus infinity. `top_k` [rows] int64 (the vocabulary's size where
+    disabled), `top_p` [rows] float32 (1 where disabled); `max_top_k`: the largest top-k
+    when every row with a top-p also has a top-k, else None."""
     threshold = _kept_threshold(logits, top_k, top_p, max_top_k, search)
     return logits.masked_fill(logits < threshold, float("-inf"))
 
@@ -73,9 +76,9 @@ def _binned(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
         with_top_k = (unsettled & (top_k < vocab_size)).nonzero().squeeze(1)
         unsettled &= top_k >= vocab_size
         if len(with_top_k):
-            row_k = top_k[with_top_k]
+            row_k, searched = top_k[with_top_k], logits[with_top_k]
             threshold[with_top_k] = _from_candidates(
-                logits[with_top_k], logits[with_top_k].topk(int(row_k.max()), dim=-1).values,
+                searched, searched.topk(int(row_k.max()), dim=-1).values,
                 row_k, None if top_p is None else top_p[with_top_k])[0]
     if top_p is not None and bool(unsettled.any()):
         top_p_alone = unsettled.nonzero().squeeze(1)
@@ -89,7 +92,8 @@ def _from_candidates(logits: torch.Tensor, candidates: torch.Tensor,
     """The thresholds [rows, 1] read from `candidates` [rows, m], each row's m largest logits
     in descending order, and [rows] bool: the rows whose thresholds they do not settle (their
     top-k beyond the candidates, or their top-p not reached there); never one when m is the
-    vocabulary or every row's top-k."""
+    vocabulary. (With m every row's top-k, a row whose ties at its k-th logit run past the
+    candidates is flagged, though its threshold, that logit, is right.)"""
     kth, k_beyond = _top_k_cut(logits, candidates, top_k)
     if top_p is None:
         return kth, k_beyond
@@ -148,28 +152,50 @@ def _top_p_cut_by_bins(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
     (bins of equal width below its top; a token in a higher bin is never less likely than
     one in a lower), the bin where the mass from the top reaches p is found, and only that
     bin's tokens are sorted to find the cut inside it."""
-    num_rows = logits.shape[0]
-    top = logits.amax(dim=-1, keepdim=True)
-    below_top = logits - top
+    logits32 = logits.float()  # a bin index of 4,095 rounds up in half precision
+    top = logits32.amax(dim=-1, keepdim=True)
+    bins, masses, mass_from = _mass_bins(logits32 - top)
+    target = top_p.unsqueeze(1).double() * mass_from[:, :1]
+    # The crossing bin is the highest whose mass from the top reaches the target.
+    crossing = ((mass_from >= target).sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    above = torch.cat([mass_from[:, 1:], mass_from.new_zeros(len(logits), 1)], dim=-1
+                      ).gather(1, crossing)
+    in_crossing = (bins == crossing) & (masses > 0)
+    num_in_crossing = in_crossing.sum(dim=-1)
+    cut = torch.empty_like(top)
+    crowded = num_in_crossing > CROWDED_BIN_SHARE * logits.shape[1]
+    for group in (crowded, ~crowded):
+        rows = group.nonzero().squeeze(1)
+        if len(rows):
+            cut[rows] = _cut_in_bin(logits32[rows], top[rows], in_crossing[rows],
+                                    num_in_crossing[rows], above[rows], target[rows])
+    return torch.where(top_p.unsqueeze(1) >= 1, float("-inf"), cut).to(logits.dtype)
+
+
+def _mass_bins(below_top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For logits less their row's top [rows, vocab] float32: each token's bin [rows, vocab]
+    int64 (0 the lowest), its mass, and [rows, NUM_MASS_BINS] float64 the mass of the bins
+    from each one up to the top."""
+    num_rows = below_top.shape[0]
     masses = below_top.exp()
-    # Truncation floors what the clamp leaves non-negative; bin b of row r is counted as
-    # r * NUM_MASS_BINS + b, one count over the batch.
+    # Truncation floors what the clamp leaves non-negative.
     bins = (below_top * (NUM_MASS_BINS / MASS_BINS_SPAN) + NUM_MASS_BINS).clamp_(
         0, NUM_MASS_BINS - 1).to(torch.int64)
+    # Bin b of row r is counted as r * NUM_MASS_BINS + b: one count over the batch, each row's
+    # masses added in its own order.
     first_bins = torch.arange(0, num_rows * NUM_MASS_BINS, NUM_MASS_BINS,
-                              device=logits.device).unsqueeze(1)
-    bins += first_bins
-    bin_masses = torch.bincount(bins.flatten(), weights=masses.flatten().double(),
+                              device=below_top.device).unsqueeze(1)
+    bin_masses = torch.bincount((bins + first_bins).flatten(), weights=masses.flatten().double(),
                                 minlength=num_rows * NUM_MASS_BINS).view(num_rows, -1)
-    # mass_from[b]: the mass of bins b and above; the crossing bin is the highest whose
-    # mass from the top reaches the target.
-    mass_from = bin_masses.flip(-1).cumsum(dim=-1).flip(-1)
-    target = top_p.unsqueeze(1).double() * mass_from[:, :1]
-    crossing = ((mass_from >= target).sum(dim=-1, keepdim=True) - 1).clamp(min=0)
-    above = torch.cat([mass_from[:, 1:], mass_from.new_zeros(num_rows, 1)], dim=-1
-                      ).gather(1, crossing)
-    in_crossing = (bins == crossing + first_bins) & (masses > 0)
-    num_in_crossing = in_crossing.sum(dim=-1, keepdim=True)
+    return bins, masses, bin_masses.flip(-1).cumsum(dim=-1).flip(-1)
+
+
+def _cut_in_bin(logits: torch.Tensor, top: torch.Tensor, in_crossing: torch.Tensor,
+                num_in_crossing: torch.Tensor, above: torch.Tensor, target: torch.Tensor
+                ) -> torch.Tensor:
+    """The cuts [rows, 1]: each row's tokens of its crossing bin (`in_crossing`, counted by
+    `num_in_crossing`) in descending order, the first at which the mass of the bins `above`
+    and of the tokens so far reaches `target`."""
     in_bin = torch.where(in_crossing, logits, float("-inf")).topk(
         max(int(num_in_crossing.max()), 1), dim=-1).values
     cumulative = above + torch.where(in_bin > float("-inf"), (in_bin - top).exp(), 0).cumsum(
@@ -177,8 +203,8 @@ def _top_p_cut_by_bins(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
     position = (cumulative < target).sum(dim=-1, keepdim=True)
     # Summed in another order than the bins' totals, the bin's own sum may fall short of the
     # target by a rounding: its last token then.
-    cut = in_bin.gather(1, torch.minimum(position, (num_in_crossing - 1).clamp(min=0)))
-    return torch.where(top_p.unsqueeze(1) >= 1, float("-inf"), cut)
+    last = (num_in_crossing.unsqueeze(1) - 1).clamp(min=0)
+    return in_bin.gather(1, torch.minimum(position, last))
 
 
 def _kept_masses(logits: torch.Tensor, top: torch.Tensor, kth: torch.Tensor,

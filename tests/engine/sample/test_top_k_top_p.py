@@ -1,5 +1,6 @@
 """Top-k and top-p by a threshold a row: the kept sets match their definition, ties kept
-whole, whichever way the candidates are found (top-k's bound, grown on the CPU, sorted)."""
+whole, whichever way the cuts are found (top-k's bound; on the CPU, the first candidates,
+then a top-k's candidates or the mass binned by logit; the sort of every row)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from engine.sample import top_k_top_p
 from engine.sample.top_k_top_p import CandidateSearch, apply_top_k_top_p
 
-VOCAB = 1000  # beyond the first candidates, so growing is exercised
+VOCAB = 1000  # beyond the first candidates, so searching again is exercised
 
 
 def reference_kept(row: torch.Tensor, k: int, p: float) -> set[int]:
@@ -143,22 +144,39 @@ def test_the_cpu_searches_again_only_the_rows_its_first_candidates_do_not_settle
         ("candidates", 3, 300)]
 
 
-def test_the_bins_find_the_cut_inside_a_crowded_bin() -> None:
-    """Every token in one bin (a flat row, and one of bfloat16 ties), a mass spread over
-    more than the bins' span, banned tokens, and a top-p under the top token's own mass:
-    the binned cut is the definition's."""
+def test_the_bins_find_the_cut_in_any_row_that_reaches_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose nucleus outgrows the first candidates, each cut as the definition puts
+    it: a flat row (its crossing bin most of the row, so sorted apart from the others),
+    bfloat16 ties, a row spread over more than the bins' span (its lowest bin shared) and
+    one with banned tokens; then a flat row of 20,000 tokens at p 0.5, whose cut bin sums
+    in float32 would move by a token."""
+    group_sizes: list[int] = []
+    cut_in_bin = top_k_top_p._cut_in_bin
+
+    def recording(logits: torch.Tensor, *args: object) -> torch.Tensor:
+        group_sizes.append(logits.shape[0])
+        return cut_in_bin(logits, *args)
+
+    monkeypatch.setattr(top_k_top_p, "_cut_in_bin", recording)
     vocab = 3000
     generator = torch.Generator().manual_seed(5)
     flat = torch.randn(vocab, generator=generator) * 1e-4
-    ties = (torch.randn(vocab, generator=generator) * 0.05).bfloat16().float()
-    wide = torch.linspace(0.0, -120.0, vocab)[torch.randperm(vocab, generator=generator)]
+    ties = (torch.randn(vocab, generator=generator) * 0.02).bfloat16().float()
+    wide = torch.linspace(0.0, -60.0, vocab)[torch.randperm(vocab, generator=generator)]
     banned = torch.randn(vocab, generator=generator)
     banned[::3] = float("-inf")
-    logits = torch.stack([flat, ties, wide, banned, wide])
-    top_p = [0.7, 0.3, 0.999, 0.95, 0.01]
+    logits = torch.stack([flat, ties, wide, banned])
+    top_p = [0.7, 0.3, 0.999, 0.95]
     masked = apply_top_k_top_p(logits, None, torch.tensor(top_p), None, "binned")
-    assert kept(masked) == [reference_kept(row, vocab, p)
+    assert kept(masked) == [{token for token in reference_kept(row, vocab, p)
+                             if row[token] > float("-inf")}
                             for row, p in zip(logits, top_p, strict=True)]
+    assert group_sizes == [2, 2]  # the flat rows, then the others
+
+    wider = torch.randn(1, 20000, generator=torch.Generator().manual_seed(0)) * 1e-4
+    masked = apply_top_k_top_p(wider, None, torch.tensor([0.5]), None, "binned")
+    assert kept(masked) == [reference_kept(wider[0], 20000, 0.5)]
 
 
 @pytest.mark.parametrize("shift", [0.0, 256.0, 1024.0])
