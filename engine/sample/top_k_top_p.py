@@ -12,9 +12,9 @@ order:
 - when every row with a top-p has a top-k too, both thresholds lie among each row's
   `max_top_k` largest logits (`torch.topk`, on any device);
 - otherwise, under `search="binned"` (on the CPU, where reading a value back costs nothing),
-  among each row's `FIRST_CANDIDATES` largest; a row they do not settle (a wide nucleus, or
-  a top-k beyond them) finds its top-k cut among its k largest and its top-p cut by binning
-  its probability mass by logit (`_top_p_cut_by_bins`): only the tokens of the bin where the
+  among each row's `FIRST_CANDIDATES` largest; a row they do not settle takes its k largest
+  if it has a top-k (both cuts lie there), else finds its top-p cut by binning its
+  probability mass by logit (`_top_p_cut_by_bins`): only the tokens of the bin where the
   mass reaches p are sorted, not the row;
 - under `search="sort"` (on a GPU, where deciding that would wait for the device) every row
   is sorted whole.
