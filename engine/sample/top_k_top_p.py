@@ -136,8 +136,10 @@ def _top_p_cut(logits: torch.Tensor, candidates: torch.Tensor, kth: torch.Tensor
     if num_candidates == logits.shape[1]:  # the whole row: its kept mass is the last sum
         kept_mass = cumulative[:, -1:]
     else:
-        kept_mass = _kept_masses(logits, top, kth, has_top_k).sum(dim=-1, keepdim=True,
-                                                                 dtype=torch.float64)
+        row_masses = (logits - top).exp()
+        if has_top_k:
+            row_masses = torch.where(logits >= kth, row_masses, 0)
+        kept_mass = row_masses.sum(dim=-1, keepdim=True, dtype=torch.float64)
     p = top_p.unsqueeze(1).double()
     num_below = (cumulative < p * kept_mass).sum(dim=-1, keepdim=True)
     not_reached = (num_below == num_candidates) & (p < 1)
@@ -147,8 +149,8 @@ def _top_p_cut(logits: torch.Tensor, candidates: torch.Tensor, kth: torch.Tensor
 
 
 def _top_p_cut_by_bins(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Each row's top-p cut [rows, 1] (minus infinity where top-p is disabled), for rows
-    without a top-k, found without sorting the row: its masses are summed per bin of logits
+    """Each row's top-p cut [rows, 1], for rows without a top-k whose top-p is below 1,
+    found without sorting the row: its masses are summed per bin of logits
     (bins of equal width below its top; a token in a higher bin is never less likely than
     one in a lower), the bin where the mass from the top reaches p is found, and only that
     bin's tokens are sorted to find the cut inside it."""
@@ -169,7 +171,7 @@ def _top_p_cut_by_bins(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
         if len(rows):
             cut[rows] = _cut_in_bin(logits32[rows], top[rows], in_crossing[rows],
                                     num_in_crossing[rows], above[rows], target[rows])
-    return torch.where(top_p.unsqueeze(1) >= 1, float("-inf"), cut).to(logits.dtype)
+    return cut.to(logits.dtype)
 
 
 def _mass_bins(below_top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -206,9 +208,3 @@ def _cut_in_bin(logits: torch.Tensor, top: torch.Tensor, in_crossing: torch.Tens
     last = (num_in_crossing.unsqueeze(1) - 1).clamp(min=0)
     return in_bin.gather(1, torch.minimum(position, last))
 
-
-def _kept_masses(logits: torch.Tensor, top: torch.Tensor, kth: torch.Tensor,
-                 has_top_k: bool) -> torch.Tensor:
-    """Each token's mass relative to its row's `top` logit, 0 below `kth`."""
-    masses = (logits - top).exp()
-    return torch.where(logits >= kth, masses, 0) if has_top_k else masses
