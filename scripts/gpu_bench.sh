@@ -34,7 +34,7 @@
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
 #               with an fp8 KV cache (triton-fp8), with fp8 projections (triton-fp8w), with
-#               steps in order (triton-sync) and with a step budget of 16,384 tokens
+#               both (triton-fp8-all), with steps in order (triton-sync) and with a step budget of 16,384 tokens
 #               (triton-16k: vLLM's offline default on an H100); with --quick
 #               the sdpa run has 64 requests (step names end in the count); each reports its
 #               8 slowest steps and the steps in which the CUDA caching allocator freed
@@ -60,8 +60,9 @@
 #        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
 #        [--baseline DIR]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
-#              triton runs first (the targets' runs, the same with an fp8 KV cache, with fp8
-#              projections, with steps in order, the 16k step budget, then triton with
+#              triton runs first (the targets' runs, the same with triton-sdpa, the sampling
+#              kinds, an agent's next turns, fp8 projections, fp8 projections and KV cache,
+#              an fp8 KV cache, steps in order, the 16k step budget, then triton with
 #              torch's layer ops, the sdpa baselines, triton without graphs and SmolLM2),
 #              within --budget-s 540 unless given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
@@ -379,9 +380,10 @@ forward_smollm2() {
     --attention-backend triton --decode 1x1024 32x1024 128x1024 32x8000 \
     --json "$raw/forward-smollm2-triton.json"
 }
-# throughput_run sdpa|triton|triton-sdpa|triton-sync|triton-16k|triton-fp8|triton-fp8w (sdpa:
-# torch's layers, steps in order, the first run's code; -16k: --max-num-batched-tokens 16384,
-# vLLM's offline default on an H100; -fp8w: fp8 projections, --quantization fp8)
+# throughput_run sdpa|triton|triton-sdpa|triton-sync|triton-16k|triton-fp8|triton-fp8w|
+# triton-fp8-all (sdpa: torch's layers, steps in order, the first run's code; -16k:
+# --max-num-batched-tokens 16384, vLLM's offline default on an H100; -fp8w: fp8 projections,
+# --quantization fp8; -fp8-all: both an fp8 KV cache and fp8 projections)
 throughput_run() {
   local backend=triton layers=triton requests=$target_requests kv=auto flags=()
   case $1 in
@@ -392,6 +394,7 @@ throughput_run() {
     triton-16k) flags=(--max-num-batched-tokens 16384) ;;
     triton-fp8) kv=fp8 ;;
     triton-fp8w) flags=(--quantization fp8) ;;
+    triton-fp8-all) kv=fp8; flags=(--quantization fp8) ;;
   esac
   local command=(bench throughput --impl engine "${engine_flags[@]}" --num-requests "$requests"
                  "${workload[@]}" --attention-backend "$backend" --layer-kernels "$layers"
@@ -410,14 +413,15 @@ if [ $quick -eq 1 ]; then
   wants throughput && throughput_run triton
   wants forward && forward_run triton-sdpa
   wants throughput && throughput_run triton-sdpa
+  wants forward && forward_sampling
   wants forward && forward_extend
-  wants forward && forward_run triton-fp8
-  wants throughput && throughput_run triton-fp8
   wants forward && forward_run triton-fp8w
   wants throughput && throughput_run triton-fp8w
+  wants throughput && throughput_run triton-fp8-all
+  wants forward && forward_run triton-fp8
+  wants throughput && throughput_run triton-fp8
   wants forward && forward_run triton-sync
   wants throughput && throughput_run triton-sync
-  wants forward && forward_sampling
   wants throughput && throughput_run triton-16k
   wants forward && forward_run triton-torch-layers
   wants forward && forward_run sdpa
@@ -434,7 +438,8 @@ else
     forward_smollm2
   fi
   if wants throughput; then
-    for run in sdpa triton triton-sdpa triton-sync triton-16k triton-fp8 triton-fp8w; do
+    for run in sdpa triton triton-sdpa triton-sync triton-16k triton-fp8 triton-fp8w \
+               triton-fp8-all; do
       throughput_run "$run"
     done
   fi
