@@ -377,8 +377,9 @@ def test_prefill_dispatches_every_sequences_last_query_tiles_first(num_splits: i
     query_lens, block_q, num_kv_heads = [40, 7, 100], 16, 2
     num_rounds = -(-max(query_lens) // block_q)
     per_round = num_kv_heads * num_splits * len(query_lens)
-    order = torch.full((num_rounds * per_round, 4), -9, dtype=torch.int32)
-    query_start_loc = torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32)
+    order = torch.full((num_rounds * per_round, 4), -9, dtype=torch.int32, device=DEVICE)
+    query_start_loc = torch.tensor(np.cumsum([0, *query_lens]), dtype=torch.int32,
+                                   device=DEVICE)
     _prefill_order_probe[(order.shape[0],)](query_start_loc, order, len(query_lens),
                                             num_splits, NUM_KV_HEADS=num_kv_heads,
                                             BLOCK_Q=block_q)
@@ -399,7 +400,8 @@ def test_prefill_dispatches_every_sequences_last_query_tiles_first(num_splits: i
 
 def test_decode_dispatches_a_sequences_heads_and_splits_together_in_sequence_order() -> None:
     num_kv_heads, num_splits, batch = 2, 3, 4
-    order = torch.full((num_kv_heads * num_splits * batch, 3), -9, dtype=torch.int32)
+    order = torch.full((num_kv_heads * num_splits * batch, 3), -9, dtype=torch.int32,
+                       device=DEVICE)
     _decode_order_probe[(order.shape[0],)](order, num_kv_heads, num_splits)
     programs = [tuple(row) for row in order.tolist()]
     assert sorted(programs) == sorted((head, split, seq) for head in range(num_kv_heads)
