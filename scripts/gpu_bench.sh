@@ -73,7 +73,8 @@
 #   --device cpu  a dry run of the same steps on this CPU machine with the tiny model and tiny
 #              shapes (triton under TRITON_INTERPRET=1), in a couple of minutes
 #   --baseline DIR  another checkout of the repository (say `git archive COMMIT engine eval
-#              scripts pyproject.toml | tar -x -C .baseline`, carried as an ignored folder;
+#              scripts tracing estimator continuum pyproject.toml | tar -x -C .baseline`,
+#              carried as an ignored folder; checked before any step: its `bench` must import;
 #              a relative DIR is taken from the repository's root): the prefill tile
 #              timings, the forward run `triton` and the offline run `triton` also run from
 #              it, each right after this checkout's (steps named `...-base`), so that two
@@ -154,6 +155,25 @@ wants agent && needed="$needed, fastapi, uvicorn, pydantic, openai"
 if ! "$python" -c "import $needed" 2>/dev/null; then
   echo "missing Python packages (need $needed): run scripts/fetch_gpu_wheels.sh here and" \
        "carry .whl to the GPU machine (see the top of this script)" >&2
+  exit 2
+fi
+
+# The baseline's benches must import, each of the project's modules from the baseline itself
+# (not from an install of this checkout): a package missing from its archive fails here.
+if [ -n "$baseline" ] && ! env -C "$baseline" "PYTHONPATH=$baseline${PYTHONPATH:+:$PYTHONPATH}" \
+    "$python" - "$baseline" 2>/dev/null <<'EOF'; then
+import sys
+
+import eval.bench.forward  # noqa: F401
+import eval.bench.throughput  # noqa: F401
+
+ours = ("engine", "eval", "tracing", "estimator", "continuum")
+sys.exit(any(name.split(".")[0] in ours and not module.__file__.startswith(sys.argv[1] + "/")
+             for name, module in list(sys.modules.items())
+             if getattr(module, "__file__", None)))
+EOF
+  echo "--baseline $baseline: its benches do not import from it alone (a package missing" \
+       "from the archive?); see --help" >&2
   exit 2
 fi
 
