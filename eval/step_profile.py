@@ -67,14 +67,17 @@ def device_idle(activities_us: list[tuple[float, float]], start_us: float,
 @dataclass(frozen=True)
 class StepProfile:
     """Per-step averages over a profiled run; `top_kernels` is the profiler's table of the
-    kernels that took the most device time (empty on the CPU); `idle` is the device's idle
-    time inside the run, a step (a run of one step: where the host held the device up)."""
+    kernels that took the most device time (empty on the CPU), `top_host_ops` its table of
+    the operators that took the most host time of their own (where a step whose host time
+    exceeds its device time spends it); `idle` is the device's idle time inside the run, a
+    step (a run of one step: where the host held the device up)."""
 
     launches_per_step: float
     graph_launches_per_step: float
     device_ms_per_step: float
     host_ms_per_step: float
     top_kernels: str
+    top_host_ops: str
     idle: DeviceIdle
 
 
@@ -127,6 +130,8 @@ def profile_steps(run_steps: Callable[[], float], num_steps: int,
                        device_ms_per_step=device_us / 1e3 / num_steps,
                        host_ms_per_step=host_s * 1e3 / num_steps,
                        top_kernels=_top_kernels(prof, device),
+                       top_host_ops=prof.key_averages().table(
+                           sort_by="self_cpu_time_total", row_limit=TOP_KERNELS),
                        idle=DeviceIdle(idle.before_first_ms / num_steps,
                                        idle.between_ms / num_steps,
                                        idle.after_last_ms / num_steps))

@@ -146,7 +146,7 @@ class ShapeResult:
         profile = None
         if self.profile is not None:
             profile = {key: value for key, value in asdict(self.profile).items()
-                       if key != "top_kernels"}
+                       if key not in ("top_kernels", "top_host_ops")}
         return {**asdict(self.shape), "label": self.shape.label, "step_ms": self.step_ms,
                 "tokens_per_s": self.tokens_per_s, "error": self.error, "profile": profile}
 
@@ -389,7 +389,8 @@ def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
               f"{step_profile.idle.before_first_ms:.2f} ms before its first kernel, "
               f"{step_profile.idle.between_ms:.2f} between, "
               f"{step_profile.idle.after_last_ms:.2f} after its last, a step\n"
-              f"{step_profile.top_kernels}",
+              f"{step_profile.top_kernels}\nthe host's time by operator:\n"
+              f"{step_profile.top_host_ops}",
               flush=True)
     if shape.kind == "decode":
         num_steps, num_tokens = args.decode_steps, shape.batch_size * args.decode_steps

@@ -57,6 +57,8 @@ def test_profiled_steps_on_the_cpu_have_host_time_and_no_device_idle() -> None:
     profile = profile_steps(run, 2, torch.device("cpu"))
     assert profile.host_ms_per_step > 0 and profile.device_ms_per_step == 0
     assert profile.idle == DeviceIdle(0.0, 0.0, 0.0)
+    assert profile.top_kernels == ""
+    assert "aten::mm" in profile.top_host_ops  # the host's operators, on every device
 
 
 def test_a_record_function_range_on_the_device_is_not_device_work() -> None:

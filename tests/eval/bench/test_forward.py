@@ -240,3 +240,5 @@ def test_profile_adds_each_shape_its_step_costs(
     out = capsys.readouterr().out
     assert "profile of decode, batch 2, context 16: 0.0 launches" in out
     assert "profile of prefill 1 x 8: 0.0 launches" in out
+    assert "the host's time by operator:" in out
+    assert "top_host_ops" not in decode["profile"]
