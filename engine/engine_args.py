@@ -45,8 +45,8 @@ _HELP = {
     "attention_backend": (
         "attention kernels: sdpa (torch, every device) | triton (paged kernels; CUDA, or CPU "
         "under TRITON_INTERPRET=1) | triton-sdpa (triton, with torch's SDPA for long prompts "
-        "that have no cached prefix) | auto (triton on CUDA where its kernels cover the "
-        "model, else sdpa)"
+        "that have no cached prefix) | auto (triton-sdpa on CUDA where the kernels cover "
+        "the model, else sdpa)"
     ),
     "layer_kernels": (
         "how the layers' norms, rotary and SiLU run: torch (ops) | triton (fused kernels; "

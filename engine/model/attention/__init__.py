@@ -5,9 +5,10 @@
   Triton's interpreter, for tests); decode plans over static buffers for CUDA graphs.
 - `triton-sdpa`: `triton`, but long prompts with no cached prefix are attended by torch's
   SDPA (its flash kernel on CUDA) over the step's own K/V.
-- `auto`: `triton` on CUDA where Triton is installed and its kernels cover the layout (head
-  dim and block size), else `sdpa`. (A GPU run of `scripts/gpu_bench.sh` passed with triton
-  on an H100: its CUDA tests, and decode 2-4x faster than sdpa; docs/benchmarks.md.)
+- `auto`: `triton-sdpa` on CUDA where Triton is installed and its kernels cover the layout
+  (head dim and block size), else `sdpa`. (GPU runs of `scripts/gpu_bench.sh` passed on an
+  H100: triton's CUDA tests and decode 2-4x faster than sdpa; then triton-sdpa's tests, its
+  decode as triton's and its 2,048-token prefill 3.6 % faster; docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def resolve_attention_backend(name: AttentionBackendName, layout: AttentionLayou
     if name == "auto":
         # Only triton reads a cache of another dtype than the model's (fp8): off CUDA, or
         # where triton does not cover the model, sdpa then says so.
-        return "triton" if _triton_covers(layout) else "sdpa"
+        return "triton-sdpa" if _triton_covers(layout) else "sdpa"
     ATTENTION_BACKENDS.check(name)
     return name
 

@@ -9,6 +9,8 @@ under Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
 `triton-sdpa`: the same, but a prompt with no cached prefix, long enough to pay for a call of
 its own, is attended by torch's SDPA (its flash kernel on CUDA) over the step's own K/V,
 which are contiguous there: no cache read, no gather. Its K/V are still written to the cache.
+Each such prompt is padded to a bucket of rows (`sdpa_padded_rows`), so that SDPA sees a few
+shapes, each prepared at start-up, rather than one per prompt length.
 """
 
 from __future__ import annotations
@@ -35,12 +37,22 @@ from engine.model.triton_support import check_triton_runs_on
 # Triton compiles float8 e4m3 only for GPUs of this compute capability or newer (Ada, Hopper).
 MIN_FP8_CAPABILITY = (8, 9)
 # `triton-sdpa` gives SDPA the prompts of a step that have no cached prefix and at least this
-# many tokens. A call costs a launch per prompt and layer, where the prefill kernel takes
-# every prompt in one; the attention of a short prompt is too small for a faster kernel to
-# repay that. Not tuned: no GPU has timed the two kernels on short prompts.
-MIN_SDPA_PROMPT_TOKENS = 256
+# many tokens. On an H100 (`scripts/prefill_tiles.py`, Llama-3.1-8B's heads) a call took
+# 83-87 us a layer for a prompt of 256, 512 or 2,048 tokens, where the prefill kernel took
+# 137 us for one prompt of 2,048, 84 for four of 512 and 82 for eight of 256, all in one
+# launch: SDPA repays its call only for long prompts. 1,536: where the kernel's time for one
+# prompt, about quadratic in its length, reaches a call's (about 77 us by that scaling; not
+# timed at that length).
+MIN_SDPA_PROMPT_TOKENS = 1536
 # The chunk of the start-up step that tunes the split prefill kernel: an agent's next turn.
 _PROFILED_CHUNK_TOKENS = 256
+# SDPA's rows are padded to a multiple of this, or of an eighth of the next power of two at
+# or above the prompt's length where that is more (`sdpa_padded_rows`). On an H100 an offline
+# run whose prompts had every length from 128 to 1,024 took 39.2 ms a step under
+# `triton-sdpa` against 17.6 under `triton`, its admitting steps 330-400 ms each, while a
+# prompt of one repeated length ran faster than the kernel (docs/benchmarks.md): a cost per
+# new shape, not per token.
+_SDPA_ROWS_QUANTUM = 256
 
 # How a prefill is attended: SDPA over the step's own K/V (`triton-sdpa`), the prefill kernel,
 # or its variant that splits each program's keys.
@@ -124,8 +136,29 @@ class TritonMetadata(AttentionMetadata):
 def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float) -> torch.Tensor:
     """One prompt's causal attention over its own K/V by torch's SDPA: `query` [tokens, heads,
-    head_dim], `key`/`value` [tokens, kv_heads, head_dim]; returns [tokens, heads, head_dim]."""
-    return sdpa_in_row_slices(query, key, value, mask=None, scale=scale, max_score_bytes=None)
+    head_dim], `key`/`value` [tokens, kv_heads, head_dim]; returns [tokens, heads, head_dim].
+    SDPA runs on `sdpa_padded_rows(tokens)` rows of each, zeros after the prompt's: under the
+    causal mask no row of the prompt reaches the padding's keys."""
+    tokens = query.shape[0]
+    padding = sdpa_padded_rows(tokens) - tokens
+    if padding:
+        query, key, value = (torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, padding))
+                             for rows in (query, key, value))
+    out = sdpa_in_row_slices(query, key, value, mask=None, scale=scale, max_score_bytes=None)
+    return out[:tokens] if padding else out
+
+
+def sdpa_padded_rows(tokens: int) -> int:
+    """The rows `causal_sdpa` runs SDPA on for a prompt of `tokens` (>= 1): a multiple of 256
+    up to 2,048, then of an eighth of the next power of two (512 up to 4,096, 1,024 up to
+    8,192, ...): 8 shapes up to 2,048 rows and 4 for each doubling beyond, with fewer than a
+    quarter more rows than the prompt's there."""
+    quantum = max(_SDPA_ROWS_QUANTUM, _next_power_of_two(tokens) // 8)
+    return -(-tokens // quantum) * quantum
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class TritonBackend(AttentionBackend):
@@ -289,8 +322,10 @@ class TritonSdpaBackend(TritonBackend):
     name = "triton-sdpa"
 
     def __init__(self, layout: AttentionLayout,
-                 min_sdpa_prompt_tokens: int = MIN_SDPA_PROMPT_TOKENS) -> None:
+                 min_sdpa_prompt_tokens: int | None = None) -> None:
         super().__init__(layout)
+        if min_sdpa_prompt_tokens is None:
+            min_sdpa_prompt_tokens = MIN_SDPA_PROMPT_TOKENS
         if min_sdpa_prompt_tokens < 1:
             raise ValueError(f"min_sdpa_prompt_tokens must be >= 1, got "
                              f"{min_sdpa_prompt_tokens}")
@@ -304,6 +339,24 @@ class TritonSdpaBackend(TritonBackend):
         SDPA applies."""
         return (self.sdpa_applies and context_len == 0
                 and query_len >= self.min_sdpa_prompt_tokens)
+
+    def profiled_steps(self, num_tokens: int) -> tuple[ProfiledStep, ...]:
+        """`triton`'s steps, then a prompt for each other bucket of rows that SDPA can be
+        given (`sdpa_padded_rows` of the prompts from `min_sdpa_prompt_tokens` to
+        `num_tokens`), so that SDPA meets each of its shapes before serving."""
+        steps = list(super().profiled_steps(num_tokens))
+        if not self.sdpa_applies or num_tokens < self.min_sdpa_prompt_tokens:
+            return tuple(steps)
+        reached = {sdpa_padded_rows(step.query_len) for step in steps
+                   if self.is_sdpa_prompt(step.query_len, step.context_len)}
+        query_len = self.min_sdpa_prompt_tokens
+        while query_len <= num_tokens:
+            rows = sdpa_padded_rows(query_len)
+            if rows not in reached:
+                steps.append(ProfiledStep(query_len, 0))
+                reached.add(rows)
+            query_len = rows + 1
+        return tuple(steps)
 
 
 def _has_flash_sdpa(layout: AttentionLayout) -> bool:

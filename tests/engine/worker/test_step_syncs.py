@@ -51,7 +51,7 @@ class NoWaitExecutor:
 def test_launching_a_step_never_waits_for_the_device(num_kv_blocks: int, policy: str,
                                                       backend: AttentionBackendName) -> None:
     """Greedy, seeded, penalised, logprob, stop-token, min-tokens and constrained requests,
-    with prefix hits (and preemptions in the small pool); with `auto` (triton) decode steps
+    with prefix hits (and preemptions in the small pool); with `auto` (triton-sdpa) decode steps
     replay CUDA graphs, with `sdpa` every step runs eagerly."""
     torch.cuda.set_sync_debug_mode("error")
     try:  # the check catches a read of the device, the kind of wait it is there for

@@ -1,5 +1,5 @@
-"""Which attention backend a name selects: `auto` is triton on CUDA where Triton is installed
-and its kernels cover the layout, sdpa everywhere else."""
+"""Which attention backend a name selects: `auto` is triton-sdpa on CUDA where Triton is
+installed and its kernels cover the layout, sdpa everywhere else."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ def layout(device: str, head_dim: int = 64, block_size: int = 16) -> AttentionLa
                            device=torch.device(device), dtype=torch.bfloat16, max_model_len=256)
 
 
-def test_auto_is_triton_on_cuda_where_its_kernels_cover_the_layout() -> None:
+def test_auto_is_triton_sdpa_on_cuda_where_its_kernels_cover_the_layout() -> None:
     pytest.importorskip("triton")
-    assert resolve_attention_backend("auto", layout("cuda")) == "triton"
+    assert resolve_attention_backend("auto", layout("cuda")) == "triton-sdpa"
     assert resolve_attention_backend("auto", layout("cuda", head_dim=80)) == "sdpa"
     assert resolve_attention_backend("auto", layout("cuda", block_size=4)) == "sdpa"
     assert resolve_attention_backend("auto", layout("cpu")) == "sdpa"

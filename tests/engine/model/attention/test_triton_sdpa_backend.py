@@ -24,6 +24,7 @@ from engine.model.attention.triton_backend import (
     TritonBackend,
     TritonMetadata,
     TritonSdpaBackend,
+    sdpa_padded_rows,
 )
 from engine.model.attention.triton_kernels import FP8_KV_DTYPE
 from engine.sampling_params import SamplingParams
@@ -144,24 +145,65 @@ def test_an_fp8_cache_keeps_every_prompt_with_the_kernel() -> None:
 
 def test_start_up_profiles_a_step_for_each_kernel_variant() -> None:
     # A prompt alone would leave the prefill kernel (under triton-sdpa) and its split variant
-    # uncompiled and their tiles untuned until a serving step reached them.
-    short = make_layout(torch.float32)  # 64 positions: no step splits its keys
+    # uncompiled and their tiles untuned until a serving step reached them. In bfloat16,
+    # which SDPA takes on every device (on CUDA, no float32).
+    short = make_layout(torch.bfloat16)
+    assert short.max_model_len == 64  # no step splits its keys
+    long = dataclasses.replace(short, max_model_len=4096)
     assert TritonBackend(short).profiled_steps(64) == ((64, 0),)
-    # Under the bound of 256 the budget's prompt is the kernel's; at 16, SDPA's.
+    # Under the bound (1,536) the budget's prompt is the kernel's; at 16, SDPA's.
+    assert TritonSdpaBackend(short).min_sdpa_prompt_tokens == 1536
     assert TritonSdpaBackend(short).profiled_steps(64) == ((64, 0),)
     assert TritonSdpaBackend(short, 16).profiled_steps(64) == ((64, 0), (63, 1))
-    fp8 = TritonSdpaBackend(make_layout(torch.float32, kv_dtype=FP8_KV_DTYPE))
+    fp8 = TritonSdpaBackend(dataclasses.replace(short, kv_dtype=FP8_KV_DTYPE))
     assert fp8.profiled_steps(64) == ((64, 0),)
-    long = dataclasses.replace(short, max_model_len=4096)
     chunk = (256, 4096 - 256)
     assert TritonBackend(long).profiled_steps(2048) == ((2048, 0), chunk)
-    assert TritonSdpaBackend(long).profiled_steps(2048) == ((2048, 0), (2047, 1), chunk)
+    # Then a prompt for each other bucket of SDPA's rows: 1,536 and 1,792 (2,048: the
+    # budget's prompt); from a bound of 256, every multiple of 256.
+    assert TritonSdpaBackend(long).profiled_steps(2048) == (
+        (2048, 0), (2047, 1), chunk, (1536, 0), (1537, 0))
+    buckets = tuple((query_len, 0) for query_len in (256, 257, 513, 769, 1025, 1281, 1537))
+    assert TritonSdpaBackend(long, 256).profiled_steps(2048) == (
+        (2048, 0), (2047, 1), chunk, *buckets)
+    # Prompts of 1,500 to 2,000 tokens: 1,536, 1,792 and 2,048 rows (the budget's prompt).
+    assert TritonSdpaBackend(long, 1500).profiled_steps(2000) == (
+        (2000, 0), (1999, 1), chunk, (1500, 0), (1537, 0))
     assert TritonBackend(long).profiled_steps(100) == ((100, 0), (100, 3996))
     # The smallest budget still reaches every variant: SDPA, the kernel, its split.
     assert TritonSdpaBackend(long, 2).profiled_steps(2) == ((2, 0), (2, 1), (2, 4094))
     metadata = TritonBackend(long).build_metadata(
         np.array([chunk[0]]), np.array([chunk[1]]), np.zeros((1, 512), dtype=np.int64))
     assert metadata.prefill is not None and metadata.prefill.num_splits > 1
+
+
+def test_sdpa_rows_come_in_buckets() -> None:
+    assert [sdpa_padded_rows(n) for n in (1, 256, 257, 1792, 1793, 2048)] == [
+        256, 256, 512, 1792, 2048, 2048]
+    assert [sdpa_padded_rows(n) for n in (2049, 2561, 4096, 4097, 16385)] == [
+        2560, 3072, 4096, 5120, 20480]
+
+
+@pytest.mark.parametrize("tokens", [300, 256])
+def test_a_prompt_padded_for_sdpa_attends_as_it_would_alone(
+        tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows: list[int] = []
+    sdpa = triton_backend.sdpa_in_row_slices
+
+    def counted(query: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        rows.append(query.shape[0])
+        return sdpa(query, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_backend, "sdpa_in_row_slices", counted)
+    generator = torch.Generator().manual_seed(tokens)
+    query = torch.randn(tokens, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=generator)
+    key, value = (torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+                  for _ in range(2))
+    out = triton_backend.causal_sdpa(query, key, value, 0.3)
+    assert rows == [512 if tokens == 300 else 256]
+    assert out.shape == query.shape
+    expected = sdpa(query, key, value, mask=None, scale=0.3, max_score_bytes=None)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_the_backend_is_chosen_by_name_and_checks_its_bound() -> None:
@@ -173,7 +215,9 @@ def test_the_backend_is_chosen_by_name_and_checks_its_bound() -> None:
 
 @pytest.fixture
 def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows of each call `triton-sdpa` makes to SDPA, in order."""
+    """The rows of each call `triton-sdpa` makes to SDPA, in order, with the bound on its
+    prompts at 256 tokens (1,536 by default): small models' engines reach it."""
+    monkeypatch.setattr(triton_backend, "MIN_SDPA_PROMPT_TOKENS", 256)
     rows: list[int] = []
     causal_sdpa = triton_backend.causal_sdpa
 
@@ -189,7 +233,7 @@ def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
                     reason="the kernels run under the interpreter, on CPU tensors, only without "
                            "a GPU; with one, the next test runs the backend")
 def test_an_engine_on_triton_sdpa_computes_what_sdpa_does(sdpa_rows: list[int]) -> None:
-    # A 300-token prompt (over the default bound of 256: SDPA) and a short one (the kernel)
+    # A 300-token prompt (over the bound of 256: SDPA) and a short one (the kernel)
     # in one step, each position's logprobs compared; then a prompt sharing the long one's
     # first 256 tokens: a prefix-cache hit, whose 44 new tokens the kernel attends over the
     # cached blocks. One token each: decode steps are slow under the interpreter.
