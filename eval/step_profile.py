@@ -110,6 +110,11 @@ def _top_kernels(prof: profile, device: torch.device) -> str:
     return prof.key_averages().table(sort_by="self_device_time_total", row_limit=TOP_KERNELS)
 
 
+def _top_host_ops(prof: profile) -> str:
+    """The profiler's table of the operators that took the most host time of their own."""
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP_KERNELS)
+
+
 def profile_steps(run_steps: Callable[[], float], num_steps: int,
                   device: torch.device) -> StepProfile:
     """Profiles `run_steps` (which runs `num_steps` steps and returns their host seconds)."""
@@ -130,8 +135,7 @@ def profile_steps(run_steps: Callable[[], float], num_steps: int,
                        device_ms_per_step=device_us / 1e3 / num_steps,
                        host_ms_per_step=host_s * 1e3 / num_steps,
                        top_kernels=_top_kernels(prof, device),
-                       top_host_ops=prof.key_averages().table(
-                           sort_by="self_cpu_time_total", row_limit=TOP_KERNELS),
+                       top_host_ops=_top_host_ops(prof),
                        idle=DeviceIdle(idle.before_first_ms / num_steps,
                                        idle.between_ms / num_steps,
                                        idle.after_last_ms / num_steps))

@@ -57,7 +57,7 @@
 #
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|kernels|forward|
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
-#        sdpa|triton|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
+#        sdpa|triton|triton-sdpa|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
 #        [--baseline DIR]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with triton-sdpa, the sampling
@@ -109,7 +109,7 @@ while [ $# -gt 0 ]; do
     --agent-backend) agent_backend=$2; shift ;;
     --agent-setup) agent_setup=$2; shift ;;
     --agent-async) agent_serve=() ;;
-    --baseline) baseline=$(cd -- "$2" > /dev/null && pwd) || exit 2; shift ;;
+    --baseline) baseline=$(cd -- "$2" > /dev/null && pwd -P) || exit 2; shift ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -161,16 +161,20 @@ fi
 # The baseline's benches must import, each of the project's modules from the baseline itself
 # (not from an install of this checkout): a package missing from its archive fails here.
 if [ -n "$baseline" ] && ! env -C "$baseline" "PYTHONPATH=$baseline${PYTHONPATH:+:$PYTHONPATH}" \
-    "$python" - "$baseline" 2>/dev/null <<'EOF'; then
+    "$python" - "$baseline" <<'EOF'; then
+import os
 import sys
 
 import eval.bench.forward  # noqa: F401
 import eval.bench.throughput  # noqa: F401
 
 ours = ("engine", "eval", "tracing", "estimator", "continuum")
-sys.exit(any(name.split(".")[0] in ours and not module.__file__.startswith(sys.argv[1] + "/")
-             for name, module in list(sys.modules.items())
-             if getattr(module, "__file__", None)))
+root = os.path.realpath(sys.argv[1]) + os.sep
+elsewhere = sorted(name for name, module in list(sys.modules.items())
+                   if name.split(".")[0] in ours and getattr(module, "__file__", None)
+                   and not os.path.realpath(module.__file__).startswith(root))
+if elsewhere:
+    sys.exit(f"imported from outside the baseline: {', '.join(elsewhere[:8])}")
 EOF
   echo "--baseline $baseline: its benches do not import from it alone (a package missing" \
        "from the archive?); see --help" >&2

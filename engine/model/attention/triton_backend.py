@@ -40,10 +40,10 @@ MIN_FP8_CAPABILITY = (8, 9)
 # many tokens. On an H100 (`scripts/prefill_tiles.py`, Llama-3.1-8B's heads) a call took
 # 83-87 us a layer for a prompt of 256, 512 or 2,048 tokens, where the prefill kernel took
 # 137 us for one prompt of 2,048, 84 for four of 512 and 82 for eight of 256, all in one
-# launch: SDPA repays its call only for long prompts. 1,536: where the kernel's time for one
-# prompt, about quadratic in its length, reaches a call's (about 77 us by that scaling; not
-# timed at that length).
-MIN_SDPA_PROMPT_TOKENS = 1536
+# launch: SDPA repays its call only for long prompts. The kernel's time for one prompt,
+# about quadratic in its length, reaches a call's near 1,610 tokens (by that scaling; not
+# timed there); 1,792 is the padded row count at or above it (`sdpa_padded_rows`).
+MIN_SDPA_PROMPT_TOKENS = 1792
 # The chunk of the start-up step that tunes the split prefill kernel: an agent's next turn.
 _PROFILED_CHUNK_TOKENS = 256
 # SDPA's rows are padded to a multiple of this, or of an eighth of the next power of two at
@@ -155,6 +155,12 @@ def sdpa_padded_rows(tokens: int) -> int:
     quarter more rows than the prompt's there."""
     quantum = max(_SDPA_ROWS_QUANTUM, _next_power_of_two(tokens) // 8)
     return -(-tokens // quantum) * quantum
+
+
+def _sdpa_input(tokens: int) -> tuple[int, bool]:
+    """What SDPA is given for a prompt of `tokens`: its rows, and whether they are padded."""
+    rows = sdpa_padded_rows(tokens)
+    return rows, rows != tokens
 
 
 def _next_power_of_two(n: int) -> int:
@@ -323,6 +329,8 @@ class TritonSdpaBackend(TritonBackend):
 
     def __init__(self, layout: AttentionLayout,
                  min_sdpa_prompt_tokens: int | None = None) -> None:
+        """`min_sdpa_prompt_tokens`: the shortest prompt SDPA takes; None:
+        `MIN_SDPA_PROMPT_TOKENS`, read when the backend is built."""
         super().__init__(layout)
         if min_sdpa_prompt_tokens is None:
             min_sdpa_prompt_tokens = MIN_SDPA_PROMPT_TOKENS
@@ -341,20 +349,23 @@ class TritonSdpaBackend(TritonBackend):
                 and query_len >= self.min_sdpa_prompt_tokens)
 
     def profiled_steps(self, num_tokens: int) -> tuple[ProfiledStep, ...]:
-        """`triton`'s steps, then a prompt for each other bucket of rows that SDPA can be
-        given (`sdpa_padded_rows` of the prompts from `min_sdpa_prompt_tokens` to
-        `num_tokens`), so that SDPA meets each of its shapes before serving."""
+        """`triton`'s steps, then a prompt for each other input SDPA can be given, so that
+        it meets each before serving: for each count of rows (`sdpa_padded_rows`) of the
+        prompts from `min_sdpa_prompt_tokens` to `num_tokens`, a prompt shorter than the
+        count (padded: a contiguous copy) and one of the count itself (the step's own
+        strided rows; a plan of cuDNN's SDPA is kept per shape and strides)."""
         steps = list(super().profiled_steps(num_tokens))
-        if not self.sdpa_applies or num_tokens < self.min_sdpa_prompt_tokens:
+        if not self.sdpa_applies:
             return tuple(steps)
-        reached = {sdpa_padded_rows(step.query_len) for step in steps
+        reached = {_sdpa_input(step.query_len) for step in steps
                    if self.is_sdpa_prompt(step.query_len, step.context_len)}
-        query_len = self.min_sdpa_prompt_tokens
+        query_len = max(self.min_sdpa_prompt_tokens, 2)
         while query_len <= num_tokens:
             rows = sdpa_padded_rows(query_len)
-            if rows not in reached:
-                steps.append(ProfiledStep(query_len, 0))
-                reached.add(rows)
+            for length in (query_len, rows):
+                if length <= num_tokens and _sdpa_input(length) not in reached:
+                    steps.append(ProfiledStep(length, 0))
+                    reached.add(_sdpa_input(length))
             query_len = rows + 1
         return tuple(steps)
 

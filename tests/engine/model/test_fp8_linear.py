@@ -1,9 +1,10 @@
 """FP8 projections (`quantization="fp8"`) on this CPU: torch's `_scaled_mm` has a CPU kernel,
 and the row quantization kernel runs under Triton's interpreter (on a GPU, on the device).
 
-The CPU product's tests skip where torch's CPU kernel cannot multiply with rowwise scales:
-they failed on the GPU machine's torch 2.11 (`scripts/gpu_bench.sh --part smoke`,
-2026-11-28), whose CUDA product the `..._on_cuda` tests check."""
+On a GPU machine the CPU product's tests skip where torch's CPU kernel cannot multiply with
+rowwise scales: they failed on the GPU image's torch 2.11 (`scripts/gpu_bench.sh --part
+smoke`, 2026-11-28), whose CUDA product the `..._on_cuda` tests check. Without a GPU they
+always run."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def _cpu_scaled_mm_runs() -> bool:
     return True
 
 
-needs_cpu_product = pytest.mark.skipif(not _cpu_scaled_mm_runs(),
-                                       reason="torch's CPU _scaled_mm takes no rowwise scales")
+needs_cpu_product = pytest.mark.skipif(
+    torch.cuda.is_available() and not _cpu_scaled_mm_runs(),
+    reason="this GPU machine's torch has no CPU _scaled_mm with rowwise scales")
 # Triton's kernels read CPU tensors only under its interpreter (tests/conftest.py sets it
 # where there is no GPU).
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -128,7 +130,7 @@ def test_devices_and_dtypes_fp8_refuses() -> None:
 
 
 def test_the_cpu_is_checked_by_a_small_product() -> None:
-    if _cpu_scaled_mm_runs():
+    if not torch.cuda.is_available() or _cpu_scaled_mm_runs():
         check_fp8_supported(CPU, torch.float32)
     else:
         with pytest.raises(ValueError, match="does not run on cpu"):

@@ -151,24 +151,29 @@ def test_start_up_profiles_a_step_for_each_kernel_variant() -> None:
     assert short.max_model_len == 64  # no step splits its keys
     long = dataclasses.replace(short, max_model_len=4096)
     assert TritonBackend(short).profiled_steps(64) == ((64, 0),)
-    # Under the bound (1,536) the budget's prompt is the kernel's; at 16, SDPA's.
-    assert TritonSdpaBackend(short).min_sdpa_prompt_tokens == 1536
+    # Under the bound (1,792) the budget's prompt is the kernel's; at 16, SDPA's.
+    assert TritonSdpaBackend(short).min_sdpa_prompt_tokens == 1792
     assert TritonSdpaBackend(short).profiled_steps(64) == ((64, 0),)
     assert TritonSdpaBackend(short, 16).profiled_steps(64) == ((64, 0), (63, 1))
     fp8 = TritonSdpaBackend(dataclasses.replace(short, kv_dtype=FP8_KV_DTYPE))
     assert fp8.profiled_steps(64) == ((64, 0),)
     chunk = (256, 4096 - 256)
     assert TritonBackend(long).profiled_steps(2048) == ((2048, 0), chunk)
-    # Then a prompt for each other bucket of SDPA's rows: 1,536 and 1,792 (2,048: the
-    # budget's prompt); from a bound of 256, every multiple of 256.
+    # Then, for each count of SDPA's rows, a prompt padded to it and one of it exactly (its
+    # own strided rows): 1,792 exactly, 1,793 padded to 2,048 (2,048: the budget's prompt);
+    # from a bound of 256, every multiple of 256 and the length after it.
     assert TritonSdpaBackend(long).profiled_steps(2048) == (
-        (2048, 0), (2047, 1), chunk, (1536, 0), (1537, 0))
-    buckets = tuple((query_len, 0) for query_len in (256, 257, 513, 769, 1025, 1281, 1537))
+        (2048, 0), (2047, 1), chunk, (1792, 0), (1793, 0))
+    buckets = tuple((query_len, 0) for rows in range(256, 2048, 256)
+                    for query_len in (rows, rows + 1))
     assert TritonSdpaBackend(long, 256).profiled_steps(2048) == (
         (2048, 0), (2047, 1), chunk, *buckets)
-    # Prompts of 1,500 to 2,000 tokens: 1,536, 1,792 and 2,048 rows (the budget's prompt).
+    # Prompts of 1,500 to 2,000 tokens: 1,536, 1,792 and 2,048 rows (the budget's prompt,
+    # padded).
     assert TritonSdpaBackend(long, 1500).profiled_steps(2000) == (
-        (2000, 0), (1999, 1), chunk, (1500, 0), (1537, 0))
+        (2000, 0), (1999, 1), chunk, (1500, 0), (1536, 0), (1537, 0), (1792, 0))
+    # No prompt of one token (a step's shortest prefill is two).
+    assert TritonSdpaBackend(long, 1).profiled_steps(300)[-2:] == ((2, 0), (256, 0))
     assert TritonBackend(long).profiled_steps(100) == ((100, 0), (100, 3996))
     # The smallest budget still reaches every variant: SDPA, the kernel, its split.
     assert TritonSdpaBackend(long, 2).profiled_steps(2) == ((2, 0), (2, 1), (2, 4094))
@@ -217,7 +222,7 @@ def test_the_backend_is_chosen_by_name_and_checks_its_bound() -> None:
 def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of each call `triton-sdpa` makes to SDPA, in order, with the bound on its
     prompts at 256 tokens (1,536 by default): small models' engines reach it."""
-    monkeypatch.setattr(triton_backend, "MIN_SDPA_PROMPT_TOKENS", 256)
+    monkeypatch.setattr(triton_backend, "MIN_SDPA_PROMPT_TOKENS", 256)  # the default's
     rows: list[int] = []
     causal_sdpa = triton_backend.causal_sdpa
 
