@@ -34,8 +34,9 @@
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
 #               with an fp8 KV cache (triton-fp8), with fp8 projections (triton-fp8w), with
-#               both (triton-fp8-all), with steps in order (triton-sync) and with a step budget of 16,384 tokens
-#               (triton-16k: vLLM's offline default on an H100); with --quick
+#               both (triton-fp8-all), with steps in order (triton-sync) and with a step
+#               budget of 16,384 tokens (triton-16k: vLLM's offline default on an H100); with
+#               --quick
 #               the sdpa run has 64 requests (step names end in the count); each reports its
 #               8 slowest steps and the steps in which the CUDA caching allocator freed
 #               device memory (--slow-steps 8)

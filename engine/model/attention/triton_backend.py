@@ -153,7 +153,7 @@ def sdpa_padded_rows(tokens: int) -> int:
     up to 2,048, then of an eighth of the next power of two (512 up to 4,096, 1,024 up to
     8,192, ...): 8 shapes up to 2,048 rows and 4 for each doubling beyond, with fewer than a
     quarter more rows than the prompt's there."""
-    quantum = max(_SDPA_ROWS_QUANTUM, _next_power_of_two(tokens) // 8)
+    quantum = max(_SDPA_ROWS_QUANTUM, triton_kernels.next_power_of_two(tokens) // 8)
     return -(-tokens // quantum) * quantum
 
 
@@ -161,10 +161,6 @@ def _sdpa_input(tokens: int) -> tuple[int, bool]:
     """What SDPA is given for a prompt of `tokens`: its rows, and whether they are padded."""
     rows = sdpa_padded_rows(tokens)
     return rows, rows != tokens
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 class TritonBackend(AttentionBackend):

@@ -125,7 +125,7 @@ def default_prefill_splits(query_lens: Sequence[int], max_seq_len: int, num_head
 def split_rule_query_tile(num_heads: int, num_kv_heads: int) -> int:
     """Query tokens a program holds as `default_prefill_splits` counts programs: a 64-row
     tile over the padded group of query heads a KV head serves."""
-    return max(_PREFILL_ROWS // _next_power_of_two(num_heads // num_kv_heads), 1)
+    return max(_PREFILL_ROWS // next_power_of_two(num_heads // num_kv_heads), 1)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -145,7 +145,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     _store_kv_kernel[(tokens,)](
         key, value, k_cache, v_cache, slots, *key.stride()[:2], *value.stride()[:2],
         *k_cache.stride()[:2], *v_cache.stride()[:2], num_kv_heads, head_dim,
-        BLOCK_H=_next_power_of_two(num_kv_heads), BLOCK_D=_next_power_of_two(head_dim))
+        BLOCK_H=next_power_of_two(num_kv_heads), BLOCK_D=next_power_of_two(head_dim))
 
 
 def paged_decode_attention(
@@ -213,7 +213,7 @@ def paged_decode_attention(
         scale * _LOG2_E, _window(sliding_window), num_heads, num_splits,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *out.stride(),
-        GROUP=group, GROUP_PAD=max(_next_power_of_two(group), _MIN_DOT_M), HEAD_DIM=head_dim,
+        GROUP=group, GROUP_PAD=max(next_power_of_two(group), _MIN_DOT_M), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(query.dtype),
         WIDEN_TO_F16=tile.widen_to_f16 and query.dtype != torch.float32,
@@ -284,7 +284,7 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0 or max_query_len < 1:
         return out
-    group_pad = _next_power_of_two(num_heads // num_kv_heads)
+    group_pad = next_power_of_two(num_heads // num_kv_heads)
     if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and group_pad <= max(_TUNED_PREFILL_BLOCK_M)):
         tile = None  # the autotuner's
@@ -313,7 +313,7 @@ def _launch_prefill(
     num_kv_heads = k_cache.shape[1]
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
-    group_pad = _next_power_of_two(group)
+    group_pad = next_power_of_two(group)
     part_max, part_sum, part_acc = _partials(out, num_splits)
     args = (query, k_cache, v_cache, block_table, query_start_loc, seq_lens, out,
             part_max, part_sum, part_acc, scale * _LOG2_E, _window(sliding_window), num_seqs,
@@ -830,7 +830,8 @@ def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
-def _next_power_of_two(value: int) -> int:
+def next_power_of_two(value: int) -> int:
+    """The least power of two >= `value` (1 for `value` <= 1)."""
     return 1 << max(value - 1, 0).bit_length()
 
 

@@ -221,7 +221,7 @@ def test_the_backend_is_chosen_by_name_and_checks_its_bound() -> None:
 @pytest.fixture
 def sdpa_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of each call `triton-sdpa` makes to SDPA, in order, with the bound on its
-    prompts at 256 tokens (1,536 by default): small models' engines reach it."""
+    prompts at 256 tokens (1,792 by default): small models' engines reach it."""
     monkeypatch.setattr(triton_backend, "MIN_SDPA_PROMPT_TOKENS", 256)  # the default's
     rows: list[int] = []
     causal_sdpa = triton_backend.causal_sdpa
