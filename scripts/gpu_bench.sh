@@ -10,7 +10,9 @@
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
 #               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
 #               autotuner's choice, outputs checked) and scripts/mlp_gemms.py (the MLP's gate
-#               and up projections as one GEMM or two); seconds, not minutes
+#               and up projections as one GEMM or two), and on cuda `scripts/sampler_cost.py
+#               --part device` (top-p by a sort of every row or by the radix select);
+#               seconds, not minutes
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
 #               batch 32 at 8k, prefill 2,048 tokens; and 8 steps of 2,048 prompt tokens
 #               back to back, as the engine core runs them) with the sdpa backend, torch's layer
@@ -354,6 +356,8 @@ if wants kernels; then
     --json "$raw/kernels-prefill-tiles-base.json"
   step kernels-mlp-gemms "$python" scripts/mlp_gemms.py --device "$device" \
     --json "$raw/kernels-mlp-gemms.json"
+  [ "$device" != cuda ] || step kernels-top-p "$python" scripts/sampler_cost.py --part device \
+    --json "$raw/kernels-top-p.json"
 fi
 
 # forward_run sdpa|triton|triton-sdpa|triton-sync|triton-fp8|triton-fp8w|triton-eager|

@@ -10,8 +10,16 @@ Two measurements:
   tokens, scaled from flat (0.1) to peaked (8), median milliseconds of 10 calls, for a
   top-p alone, a top-k of 2,000 with it (no bound given: each row searched for itself) and
   the GPU's sort of every row, run here.
+- `device` (not by default; CUDA, or `--device cpu` under the interpreter as a dry run):
+  `apply_top_k_top_p` on the device, the sort of every row (`sort`, CUDA's search) against
+  the radix select (`radix`), on 1 to 256 rows of random logits over Llama-3's 128,256
+  tokens, flat (scale 1, as random weights give) and peaked (scale 8), for a top-p of 0.9
+  alone and with a top-k of 50 on half the rows; the mean milliseconds of 20 calls (median
+  of 5 such runs), and whether both kept the same tokens. `RADIX_ON_CUDA` in
+  `engine/sample/top_k_top_p.py` follows what it finds; `--json` writes the rows.
 
-Usage: python scripts/sampler_cost.py [--part model|filter ...]
+Usage: python scripts/sampler_cost.py [--part model|filter|device ...] [--device cuda|cpu]
+       [--vocab-size N] [--rows N ...] [--calls N] [--runs N] [--json FILE]
 (`python - --part model < scripts/sampler_cost.py` from another worktree measures that one's
 engine: run as a file, the script imports the installed checkout's.)
 """
@@ -20,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,6 +96,61 @@ def filter_part() -> None:
         print(f"| {scale} | " + " | ".join(f"{ms:.1f}" for ms in timings) + " |")
 
 
+def device_part(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--part device needs CUDA (or --device cpu: the interpreter)")
+    vocab_size = args.vocab_size
+    generator = torch.Generator(device=device).manual_seed(0)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    rows_out: list[dict[str, Any]] = []
+    print(f"{device_name}, vocabulary {vocab_size:,}\n"
+          "| rows | logits' scale | filter | sort (ms) | radix (ms) | same tokens kept |\n"
+          "|---:|---:|---|---:|---:|---|")
+    for num_rows in args.rows:
+        top_p = torch.full((num_rows,), 0.9, device=device)
+        half_top_k = torch.where(torch.arange(num_rows, device=device) % 2 == 0, 50,
+                                 vocab_size)
+        for scale in (1.0, 8.0):
+            logits = torch.randn(num_rows, vocab_size, device=device,
+                                 generator=generator) * scale
+            for name, top_k in (("top-p 0.9", None), ("top-p 0.9, top-k 50 on half", half_top_k)):
+                masked = {search: apply_top_k_top_p(logits, top_k, top_p, None, search)
+                          for search in ("sort", "radix")}
+                timings = {search: _device_ms(functools.partial(
+                    apply_top_k_top_p, logits, top_k, top_p, None, search), device,
+                    args.calls, args.runs) for search in ("sort", "radix")}
+                same = torch.equal(masked["sort"], masked["radix"])
+                rows_out.append({"rows": num_rows, "scale": scale, "filter": name,
+                                 "sort_ms": timings["sort"], "radix_ms": timings["radix"],
+                                 "same_tokens_kept": same})
+                print(f"| {num_rows} | {scale} | {name} | {timings['sort']:.3f} | "
+                      f"{timings['radix']:.3f} | {same} |")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(
+            {"device": device_name, "vocab_size": vocab_size, "rows": rows_out}, indent=2))
+
+
+def _device_ms(function: Callable[[], object], device: torch.device, calls: int,
+               runs: int) -> float:
+    """The median over `runs` of the mean milliseconds of `calls` calls, the device's queue
+    drained before and after each run."""
+    def drain() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    function()
+    drain()
+    means = []
+    for _ in range(runs):
+        started_s = time.perf_counter()
+        for _ in range(calls):
+            function()
+        drain()
+        means.append((time.perf_counter() - started_s) / calls)
+    return 1000 * statistics.median(means)
+
+
 def _median_ms(function: Callable[[], object], repeats: int = 10) -> float:
     function()
     times = []
@@ -98,13 +163,24 @@ def _median_ms(function: Callable[[], object], repeats: int = 10) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", action="append", choices=["model", "filter"])
-    parts = parser.parse_args().part or ["model", "filter"]
+    parser.add_argument("--part", action="append", choices=["model", "filter", "device"])
+    device_options = parser.add_argument_group("--part device")
+    device_options.add_argument("--device", default="cuda",
+                                help="cuda, or cpu under TRITON_INTERPRET=1 (a dry run)")
+    device_options.add_argument("--vocab-size", type=int, default=128256)  # Llama-3's
+    device_options.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    device_options.add_argument("--calls", type=int, default=20)
+    device_options.add_argument("--runs", type=int, default=5)
+    device_options.add_argument("--json", dest="json_path", default=None)
+    args = parser.parse_args()
+    parts = args.part or ["model", "filter"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     if "model" in parts:
         model_part()
     if "filter" in parts:
         filter_part()
+    if "device" in parts:
+        device_part(args)
     return 0
 
 

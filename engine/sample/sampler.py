@@ -19,7 +19,7 @@ import torch
 
 from engine.sample.grammar_mask import apply_grammar
 from engine.sample.metadata import LogitBias, Penalties, SamplingMetadata
-from engine.sample.top_k_top_p import CandidateSearch, apply_top_k_top_p
+from engine.sample.top_k_top_p import apply_top_k_top_p, search_on
 
 _SEED_MULTIPLIER = 6364136223846793005
 _SEED_MODULUS = 2**63
@@ -75,11 +75,8 @@ class Sampler:
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         if metadata.top_k is not None or metadata.top_p is not None:
-            # Searching a row's candidates further reads back whether it must: free on a CPU,
-            # a wait for the device elsewhere.
-            search: CandidateSearch = "binned" if logits.device.type == "cpu" else "sort"
             logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p,
-                                       metadata.max_top_k, search)
+                                       metadata.max_top_k, search_on(logits.device))
         probs = logits.softmax(dim=-1)
         return (probs / self._exponential_noise(probs, metadata)).argmax(dim=-1)
 

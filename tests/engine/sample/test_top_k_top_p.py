@@ -1,6 +1,7 @@
 """Top-k and top-p by a threshold a row: the kept sets match their definition, ties kept
 whole, whichever way the cuts are found (top-k's bound; on the CPU, the first candidates,
-then a top-k's candidates or the mass binned by logit; the sort of every row)."""
+then a top-k's candidates or the mass binned by logit; the sort of every row; the radix
+select of `radix_cut`, under Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def make_logits(seed: int) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("search", ["binned", "sort"])
-@pytest.mark.parametrize("seed", [0, 1])
+# One seed for the radix select: the interpreter takes seconds a call.
+@pytest.mark.parametrize(("search", "seed"), [*itertools.product(["binned", "sort"], [0, 1]),
+                                              ("radix", 0)])
 def test_the_kept_sets_match_the_definition(search: CandidateSearch, seed: int) -> None:
     logits = make_logits(seed)
     num_rows = logits.shape[0]
@@ -85,14 +87,17 @@ def test_ties_at_either_cut_are_kept_whole() -> None:
     logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0] + [-9.0] * (VOCAB - 6)])
     by_k = apply_top_k_top_p(logits, torch.tensor([2]), None, 2, "binned")
     assert kept(by_k) == [{0, 1, 2, 3}]
-    by_p = apply_top_k_top_p(logits, None, torch.tensor([0.5]), None, "sort")
-    assert kept(by_p) == [{0, 1, 2, 3}]  # the mass reaches 0.5 inside the tied group
+    for search in ("sort", "radix"):
+        by_p = apply_top_k_top_p(logits, None, torch.tensor([0.5]), None, search)
+        assert kept(by_p) == [{0, 1, 2, 3}]  # the mass reaches 0.5 inside the tied group
+    by_k = apply_top_k_top_p(logits, torch.tensor([2]), None, None, "radix")
+    assert kept(by_k) == [{0, 1, 2, 3}]
 
 
 def test_a_filter_that_keeps_everything_masks_nothing() -> None:
     logits = make_logits(2)
     rows = logits.shape[0]
-    for search in ("binned", "sort"):
+    for search in ("binned", "sort", "radix"):
         masked = apply_top_k_top_p(logits, torch.full((rows,), VOCAB), torch.ones(rows),
                                    None, search)
         assert torch.equal(masked, logits)
@@ -186,7 +191,7 @@ def test_the_top_p_cut_holds_at_large_logits(shift: float) -> None:
     logits = torch.full((1, VOCAB), float("-inf"))
     logits[0, 0], logits[0, 1] = shift + 2.19, shift
     first = torch.softmax(logits[0, :2].double(), dim=0)[0].item()
-    for search in ("binned", "sort"):
+    for search in ("binned", "sort", "radix"):
         masked = apply_top_k_top_p(logits, None, torch.tensor([first + 1e-5]), None, search)
         assert kept(masked) == [{0, 1}]
         masked = apply_top_k_top_p(logits, None, torch.tensor([first - 1e-5]), None, search)
