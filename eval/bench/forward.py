@@ -17,7 +17,9 @@ not run: steps are built here.
   With `--profile`, one more run of `--decode-steps` steps under the torch profiler gives the
   kernel launches, the device's busy time, the host's time and the device's idle time
   (before its first kernel, between kernels, after its last) a step (`eval.step_profile`)
-  and prints the kernels that took the most device time; so does one more prefill run.
+  and prints the kernels that took the most device time, the operators that took the most
+  host time, and the Python the host was in, sampled (`eval.host_stacks`: the time between
+  operators too); so does one more prefill run.
 - Prefill shapes (`--prefill BATCHxTOKENS ...`): BATCH fresh prompts of TOKENS tokens in one
   step, once to warm up, then `--repeats` times timed. Reported: milliseconds and prompt tokens
   a second of the median. `BATCHxTOKENSxSTEPS` times STEPS such steps back to back, each of
@@ -146,7 +148,7 @@ class ShapeResult:
         profile = None
         if self.profile is not None:
             profile = {key: value for key, value in asdict(self.profile).items()
-                       if key not in ("top_kernels", "top_host_ops")}
+                       if key not in ("top_kernels", "top_host_ops", "host_stacks")}
         return {**asdict(self.shape), "label": self.shape.label, "step_ms": self.step_ms,
                 "tokens_per_s": self.tokens_per_s, "error": self.error, "profile": profile}
 
@@ -390,7 +392,8 @@ def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
               f"{step_profile.idle.between_ms:.2f} between, "
               f"{step_profile.idle.after_last_ms:.2f} after its last, a step\n"
               f"{step_profile.top_kernels}\nthe host's time by operator:\n"
-              f"{step_profile.top_host_ops}",
+              f"{step_profile.top_host_ops}\nthe host's Python, sampled:\n"
+              f"{step_profile.host_stacks}",
               flush=True)
     if shape.kind == "decode":
         num_steps, num_tokens = args.decode_steps, shape.batch_size * args.decode_steps

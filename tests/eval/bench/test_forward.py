@@ -241,4 +241,5 @@ def test_profile_adds_each_shape_its_step_costs(
     assert "profile of decode, batch 2, context 16: 0.0 launches" in out
     assert "profile of prefill 1 x 8: 0.0 launches" in out
     assert "the host's time by operator:" in out
-    assert "top_host_ops" not in decode["profile"]
+    assert "the host's Python, sampled:" in out
+    assert "top_host_ops" not in decode["profile"] and "host_stacks" not in decode["profile"]
