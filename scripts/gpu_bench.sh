@@ -356,8 +356,9 @@ if wants kernels; then
     --json "$raw/kernels-prefill-tiles-base.json"
   step kernels-mlp-gemms "$python" scripts/mlp_gemms.py --device "$device" \
     --json "$raw/kernels-mlp-gemms.json"
-  [ "$device" != cuda ] || step kernels-top-p "$python" scripts/sampler_cost.py --part device \
-    --json "$raw/kernels-top-p.json"
+  # Run as a file, the script imports the installed engine; the GPU machine has none.
+  [ "$device" != cuda ] || step kernels-top-p env "PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+    "$python" scripts/sampler_cost.py --part device --json "$raw/kernels-top-p.json"
 fi
 
 # forward_run sdpa|triton|triton-sdpa|triton-sync|triton-fp8|triton-fp8w|triton-eager|

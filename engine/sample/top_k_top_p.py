@@ -41,17 +41,18 @@ MASS_BINS_SPAN = 40.0
 CROWDED_BIN_SHARE = 1 / 16
 
 CandidateSearch = Literal["binned", "sort", "radix"]
-# Whether CUDA takes `radix` rather than `sort`: not until a GPU has timed both
+# Whether CUDA takes `radix` rather than `sort`: not unless a GPU's timings of both favour it
 # (`scripts/sampler_cost.py --part device`; docs/benchmarks.md).
 RADIX_ON_CUDA = False
 
 
 def search_on(device: torch.device) -> CandidateSearch:
     """The search for logits on `device`: `binned` on the CPU, where reading a value back
-    costs nothing; elsewhere one that never waits for the device."""
+    costs nothing; elsewhere one that never waits for the device (`radix` on CUDA when
+    `RADIX_ON_CUDA`, else `sort`)."""
     if device.type == "cpu":
         return "binned"
-    return "radix" if RADIX_ON_CUDA else "sort"
+    return "radix" if RADIX_ON_CUDA and device.type == "cuda" else "sort"
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

@@ -1,11 +1,18 @@
 """The radix select of `radix_cut` (under Triton's interpreter): each cut is exactly the sort
-path's, over the order of every kind of float32, rows longer than one sum of chunks, and
-flat rows whose cut a rounding could move; bad input is refused."""
+path's, over the order of every kind of float32, rows longer than one sum of chunks, either
+digit width, and targets a thousandth of a token's mass from a crossing; a pass whose sums
+fall short of its target keeps its lowest digit; bad input is refused."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("triton")
+
+import triton
+import triton.language as tl
 
 from engine.sample import radix_cut, top_k_top_p
 from engine.sample.radix_cut import radix_cuts
@@ -18,19 +25,19 @@ def sorted_cuts(logits: torch.Tensor, top_k: torch.Tensor | None,
 
 
 def test_top_k_cuts_follow_the_order_of_every_kind_of_float() -> None:
-    """Every k of a row holding minus infinity, both zeros, subnormals, the extremes and
-    values of both signs: the k-th largest value, whatever its bits."""
-    values = torch.tensor([float("-inf"), -3.0e38, -1.0, -1.0e-40, -0.0, 0.0, 1.0e-45, 1.0e-40,
-                           0.5, 1.0, 1.5, 3.0e38])
+    """Every k of a row holding both infinities (minus infinity twice), the extremes, both
+    zeros, subnormals and values of both signs: the k-th largest value, whatever its bits;
+    minus infinity at k 12, the last k that is not the whole row."""
+    top = torch.finfo(torch.float32).max
+    values = torch.tensor([float("-inf"), float("-inf"), -top, -1.0, -1.0e-40, -0.0, 0.0,
+                           1.0e-45, 1.0e-40, 0.5, 1.0, top, float("inf")])
     row = values[torch.randperm(len(values), generator=torch.Generator().manual_seed(0))]
-    ks = torch.arange(1, len(values) + 1)
-    logits = row.repeat(len(ks), 1)
-    cuts = radix_cuts(logits, ks, None)
+    ks = torch.arange(1, len(values))
+    cuts = radix_cuts(row.repeat(len(ks), 1), ks, None)
     descending = values.flip(0)
     for k, cut in zip(ks.tolist(), cuts.tolist(), strict=True):
-        # Both zeros compare equal: either is the right cut at k 7 and 8.
-        assert cut == descending[k - 1].item() or (cut == 0.0 and descending[k - 1] == 0.0)
-    assert cuts[-1] == float("-inf")  # k 12, the whole row
+        assert cut == descending[k - 1].item()  # both zeros compare equal (k 7 and 8)
+    assert cuts[-1] == float("-inf")
 
 
 def test_the_cuts_are_the_sort_paths_over_rows_of_several_sums() -> None:
@@ -50,12 +57,58 @@ def test_the_cuts_are_the_sort_paths_over_rows_of_several_sums() -> None:
         assert torch.equal(radix_cuts(logits, k, p), sorted_cuts(logits, k, p)), (k, p)
 
 
-def test_a_flat_row_keeps_its_cut_where_float64_sums_put_it() -> None:
-    """20,000 tokens within 1e-4 of each other at p 0.5: each token a 20,000th of the mass,
-    so a sum off by a token's mass would move the cut."""
-    wide = torch.randn(1, 20000, generator=torch.Generator().manual_seed(0)) * 1e-4
-    top_p = torch.tensor([0.5])
-    assert torch.equal(radix_cuts(wide, None, top_p), sorted_cuts(wide, None, top_p))
+def test_a_target_a_thousandth_of_a_token_from_its_crossing_is_cut_there() -> None:
+    """16,384 tokens 2**-20 apart in logit (nearly equal masses), shuffled. Two values of p
+    put the target a few ten-thousandths of a token's mass past the cumulative mass of the
+    first 8,160 tokens and short of the first 8,161's (float64 sums of float32 masses, as the
+    sort path adds them): a sum that drifted by a thousandth of a token would move the
+    cut."""
+    num_tokens = 16384
+    logits = -torch.arange(num_tokens, dtype=torch.float32) * 2.0**-20
+    cumulative = np.cumsum(logits.exp().double().numpy())
+    top_p = torch.tensor([0.5, 0.500061])  # targets of total * p in float64
+    targets = top_p.double().numpy() * cumulative[-1]
+    below, above = targets - cumulative[8159], cumulative[8160] - targets
+    assert (below > 0).all() and (above > 0).all() and (np.minimum(below, above) < 1e-3).all()
+    shuffled = logits[torch.randperm(num_tokens, generator=torch.Generator().manual_seed(3))]
+    rows = shuffled.repeat(2, 1)
+    cuts = radix_cuts(rows, None, top_p)
+    assert torch.equal(cuts, torch.full((2,), logits[8160].item()))
+    assert torch.equal(cuts, sorted_cuts(rows, None, top_p))
+
+
+def test_either_digit_width_cuts_where_the_sort_path_does() -> None:
+    logits = torch.randn(3, 700, generator=torch.Generator().manual_seed(4)) * torch.tensor(
+        [[4.0], [1.0], [0.1]])
+    top_k, top_p = torch.tensor([20, 700, 3]), torch.tensor([0.9, 0.5, 1.0])
+    assert torch.equal(radix_cuts(logits, top_k, top_p, digit_bits=2),
+                       sorted_cuts(logits, top_k, top_p))
+
+
+@triton.jit
+def _choose_digit_kernel(weights_ptr, above_ptr, target_ptr, digit_ptr, new_above_ptr):
+    weights = tl.load(weights_ptr + tl.arange(0, 16))
+    digit, above = radix_cut._choose_digit(weights, tl.load(above_ptr), tl.load(target_ptr), 4)
+    tl.store(digit_ptr, digit)
+    tl.store(new_above_ptr, above)
+
+
+@pytest.mark.parametrize(("target", "digit", "new_above"), [
+    (2.5, 14, 2.0),  # the weight from the top reaches 2.5 at digit 14: 1 above + 1 + 0.5
+    (1.0, 15, 1.0),  # reached by the top digit's own weight
+    (9.0, 0, 2.5),  # never reached (a rounding): digit 0, all the weights above it kept
+])
+def test_a_pass_takes_the_highest_digit_that_reaches_its_target(
+        target: float, digit: int, new_above: float) -> None:
+    weights = torch.zeros(16, dtype=torch.float64)
+    weights[15], weights[14] = 1.0, 0.5
+    weights[0] = 2.0
+    above = torch.tensor([1.0], dtype=torch.float64)
+    found_digit = torch.zeros(1, dtype=torch.int32)
+    found_above = torch.zeros(1, dtype=torch.float64)
+    _choose_digit_kernel[(1,)](weights, above, torch.tensor([target], dtype=torch.float64),
+                               found_digit, found_above)
+    assert (found_digit.item(), found_above.item()) == (digit, new_above)
 
 
 def test_disabled_filters_and_strided_rows() -> None:
@@ -80,12 +133,16 @@ def test_bad_input_is_refused() -> None:
         radix_cuts(logits, None, torch.ones(3))
     with pytest.raises(ValueError, match="top_k has shape"):
         radix_cuts(logits, torch.ones(2, 1, dtype=torch.int64), None)
+    with pytest.raises(ValueError, match="digit_bits"):
+        radix_cuts(logits, None, None, digit_bits=3)
 
 
 def test_the_search_for_each_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU bins; CUDA sorts until a GPU has timed the radix select, then takes it."""
+    """The CPU bins; CUDA sorts unless a GPU's timings favour the radix select; any other
+    device sorts."""
     assert search_on(torch.device("cpu")) == "binned"
     assert search_on(torch.device("cuda")) == "sort"
     monkeypatch.setattr(top_k_top_p, "RADIX_ON_CUDA", True)
     assert search_on(torch.device("cuda")) == "radix"
-    assert radix_cut._BLOCK * radix_cut._CHUNKS_PER_SUM < 5000  # the test above spans sums
+    assert search_on(torch.device("meta")) == "sort"
+    assert radix_cut.BLOCK * radix_cut.CHUNKS_PER_SUM < 5000  # the test above spans sums
