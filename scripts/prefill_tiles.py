@@ -13,9 +13,17 @@ take too). Where those split, `auto, 1 split` and `auto, N splits` (twice as man
 same call unsplit and split further. In the steps of prompts alone (no cached prefix) `sdpa`
 attends as `triton-sdpa` does: torch's SDPA over each prompt's own K/V, one call a prompt. Each
 variant's output is checked against auto's (the largest absolute difference, NaN if it left
-a row unwritten). Times are `triton.testing.do_bench` medians
-in device events. Also printed: the tensor-core rate each reaches (the causal QK^T and PV
-products' FLOPs over its time). Run from another checkout (`python
+a row unwritten). Three times a call, in microseconds:
+- `us`: the device's, from a CUDA graph of the calls replayed (`do_bench_cudagraph`: no
+  launches timed, the L2 cache warm from the call before);
+- `eager_us`: `triton.testing.do_bench`'s median of device events around each eager call
+  after an L2 flush. A call whose host work outlasts the flush's (about 80 us on an H100)
+  holds the device idle inside its events, so a short kernel's `eager_us` includes part of
+  its launch: the H100 runs of 6a474e2 and before reported only this time;
+- `host_us`: the median host time of an eager call (its Python and launches; the device's
+  queue drained every 20 calls, outside the timed calls).
+Also printed: the tensor-core rate each reaches (the causal QK^T and PV products' FLOPs
+over `us`). Run from another checkout (`python
 OTHER/scripts/prefill_tiles.py`), it times that checkout's kernel: two versions compared on
 one device.
 
@@ -58,10 +66,33 @@ CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 8", (0, 0), (8, 8)),
              ("4 over 1,030", (1030,), (4,)), ("8 over 40, 24", (40, 0), (8, 24)))
 
 
-def _time_us(fn: Callable[[], object]) -> float:
-    from triton.testing import do_bench
+def _device_times_us(fn: Callable[[], object]) -> dict[str, float | None]:
+    """`fn`'s microseconds a call on CUDA: the device's from a graph's replay (None if its
+    capture fails), the eager calls' in device events, and the host's."""
+    from triton.testing import do_bench, do_bench_cudagraph
 
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+    try:
+        graph_us: float | None = do_bench_cudagraph(fn, return_mode="median") * 1e3
+    except RuntimeError as error:
+        print(f"no CUDA graph of the call: {str(error).splitlines()[0]}", file=sys.stderr)
+        graph_us = None
+    eager_us = do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+    return {"us": graph_us, "eager_us": eager_us, "host_us": _host_us(fn, torch.cuda.synchronize)}
+
+
+def _host_us(fn: Callable[[], object], drain: Callable[[], object], calls: int = 200,
+             drain_every: int = 20) -> float:
+    """The median host microseconds of a call of `fn`, `drain` (waiting for the device's
+    queue) run untimed every `drain_every` calls."""
+    call_us = []
+    for index in range(calls):
+        if index % drain_every == 0:
+            drain()
+        started = time.perf_counter()
+        fn()
+        call_us.append((time.perf_counter() - started) * 1e6)
+    drain()
+    return statistics.median(call_us)
 
 
 class PrefillStep:
@@ -140,6 +171,10 @@ class PrefillStep:
             num_splits=self.num_splits)
 
 
+def _us(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiles", nargs="+", default=None, metavar="M,N,WARPS,STAGES")
@@ -174,27 +209,33 @@ def main() -> int:
                 reference = step.out.clone()
             error = (step.out.float() - reference.float()).abs().max().item()
             # Under the interpreter the checked call's time is the dry run's (it means nothing).
-            us = _time_us(fn) if device.type == "cuda" else checked_us
-            rows.append({"step": name, "tile": label, "num_splits": step.num_splits, "us": us,
-                         "tflops": step.flops / (us * 1e-6) / 1e12, "max_diff_vs_auto": error})
+            times = (_device_times_us(fn) if device.type == "cuda" else
+                     {"us": checked_us, "eager_us": checked_us, "host_us": checked_us})
+            us = times["us"]
+            rows.append({"step": name, "tile": label, "num_splits": step.num_splits, **times,
+                         "tflops": None if us is None else step.flops / (us * 1e-6) / 1e12,
+                         "max_diff_vs_auto": error})
     source = Path(triton_kernels.__file__).resolve()
     print(f"prefill attention, {NUM_HEADS} heads over {NUM_KV_HEADS}, head dim {HEAD_DIM}, "
           f"kernel of {source}")
-    print("| step | tile (rows, keys, warps, stages), or sdpa | us a layer | TFLOP/s "
-          "| max diff vs auto |")
-    print("|---|---|---:|---:|---:|")
+    print("| step | tile (rows, keys, warps, stages), or sdpa | us a layer (graph) | eager us "
+          "(events) | host us a call | TFLOP/s | max diff vs auto |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['step']} | {row['tile']} | {row['us']:.1f} | {row['tflops']:.0f} | "
+        print(f"| {row['step']} | {row['tile']} | {_us(row['us'])} | {_us(row['eager_us'])} | "
+              f"{_us(row['host_us'])} | {_us(row['tflops'], '.0f')} | "
               f"{row['max_diff_vs_auto']:.2g} |")
-    best = {name: min((row for row in rows if row["step"] == name), key=lambda row: row["us"])
-            for name in dict.fromkeys(row["step"] for row in rows)}
-    print("fastest: " + "; ".join(f"{name}: {row['tile']} ({row['us']:.1f} us)"
-                                  for name, row in best.items()))
+    timed = [row for row in rows if row["us"] is not None]
+    best = {name: min((row for row in timed if row["step"] == name), key=lambda row: row["us"])
+            for name in dict.fromkeys(row["step"] for row in timed)}
+    print("fastest on the device: " + "; ".join(f"{name}: {row['tile']} ({row['us']:.1f} us)"
+                                                for name, row in best.items()))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(
             {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
              "kernel": str(source), "rows": rows,
-             "median_us": statistics.median(row["us"] for row in rows)}, indent=1))
+             "median_us": statistics.median(row["us"] for row in timed) if timed else None},
+            indent=1))
     return 0
 
 

@@ -29,3 +29,4 @@ def test_prefill_tiles_times_each_tile_and_checks_it_against_the_engines_call(
     assert {row["step"]: row["num_splits"] for row in rows} == {
         "1 x 40": 1, "2 x 8": 1, "4 over 1,030": 2, "8 over 40, 24": 1}
     assert all(row["us"] > 0 and row["max_diff_vs_auto"] < 1e-5 for row in rows)
+    assert all(row["eager_us"] > 0 and row["host_us"] > 0 for row in rows)
