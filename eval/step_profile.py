@@ -20,8 +20,6 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from eval.host_stacks import HostStacks
-
 # The runtime and driver calls that launch work on a CUDA device.
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                           "cuLaunchKernelEx", "cudaGraphLaunch", "cudaLaunchCooperativeKernel"})
@@ -71,9 +69,10 @@ class StepProfile:
     """Per-step averages over a profiled run; `top_kernels` is the profiler's table of the
     kernels that took the most device time (empty on the CPU), `top_host_ops` its table of
     the operators that took the most host time of their own (where a step whose host time
-    exceeds its device time spends it), `host_stacks` the Python functions the host was in
-    (`eval.host_stacks`: time between operators too); `idle` is the device's idle time
-    inside the run, a step (a run of one step: where the host held the device up)."""
+    exceeds its device time spends it); `idle` is the device's idle time inside the run, a
+    step (a run of one step: where the host held the device up). `host_stacks`, empty
+    here, is for a caller that samples the host's Python in a run of its own
+    (`eval.host_stacks`: sampling slows the host, so not in this run)."""
 
     launches_per_step: float
     graph_launches_per_step: float
@@ -81,8 +80,8 @@ class StepProfile:
     host_ms_per_step: float
     top_kernels: str
     top_host_ops: str
-    host_stacks: str
     idle: DeviceIdle
+    host_stacks: str = ""
 
 
 def device_activities(events: Iterable[Any]) -> list[Any]:
@@ -93,20 +92,18 @@ def device_activities(events: Iterable[Any]) -> list[Any]:
             if event.device_type == DeviceType.CUDA and not event.is_user_annotation]
 
 
-def _profiled(run: Callable[[], float], device: torch.device
-              ) -> tuple[float, profile, HostStacks]:
-    """`run()`'s host seconds, the profile of it, with the device's activity (waited for)
-    when `device` is CUDA, and its host stacks; `run` is wrapped in the `_STEPS_RANGE`
-    range."""
+def _profiled(run: Callable[[], float], device: torch.device) -> tuple[float, profile]:
+    """`run()`'s host seconds and the profile of it, with the device's activity (waited for)
+    when `device` is CUDA; `run` is wrapped in the `_STEPS_RANGE` range."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
-        with record_function(_STEPS_RANGE), HostStacks() as stacks:
+        with record_function(_STEPS_RANGE):
             host_s = run()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return host_s, prof, stacks
+    return host_s, prof
 
 
 def _top_kernels(prof: profile, device: torch.device) -> str:
@@ -124,7 +121,7 @@ def _top_host_ops(prof: profile) -> str:
 def profile_steps(run_steps: Callable[[], float], num_steps: int,
                   device: torch.device) -> StepProfile:
     """Profiles `run_steps` (which runs `num_steps` steps and returns their host seconds)."""
-    host_s, prof, stacks = _profiled(run_steps, device)
+    host_s, prof = _profiled(run_steps, device)
     events = prof.events()
     launches = sum(1 for event in events if event.name in LAUNCH_CALLS)
     graph_launches = sum(1 for event in events if event.name == "cudaGraphLaunch")
@@ -142,7 +139,6 @@ def profile_steps(run_steps: Callable[[], float], num_steps: int,
                        host_ms_per_step=host_s * 1e3 / num_steps,
                        top_kernels=_top_kernels(prof, device),
                        top_host_ops=_top_host_ops(prof),
-                       host_stacks=stacks.table(num_steps=num_steps),
                        idle=DeviceIdle(idle.before_first_ms / num_steps,
                                        idle.between_ms / num_steps,
                                        idle.after_last_ms / num_steps))
@@ -152,14 +148,13 @@ def profile_steps(run_steps: Callable[[], float], num_steps: int,
 class RunProfile:
     """A whole profiled run: its host wall seconds, the device's busy seconds (the sum of its
     kernels' and copies' durations: kernels overlapping on several streams count each), those
-    seconds by `KERNEL_GROUPS` (largest first), the profiler's table of the costliest
-    kernels (empty on the CPU), and the Python functions the host was in (`host_stacks`)."""
+    seconds by `KERNEL_GROUPS` (largest first), and the profiler's table of the costliest
+    kernels (empty on the CPU)."""
 
     wall_s: float
     device_busy_s: float
     device_s_by_group: dict[str, float]
     top_kernels: str
-    host_stacks: str
 
 
 def kernel_group(name: str) -> str:
@@ -173,11 +168,11 @@ def kernel_group(name: str) -> str:
 
 def profile_run(run: Callable[[], float], device: torch.device) -> RunProfile:
     """Profiles `run` (which returns its host seconds) with the device's activity."""
-    wall_s, prof, stacks = _profiled(run, device)
+    wall_s, prof = _profiled(run, device)
     by_group: dict[str, float] = {}
     for event in device_activities(prof.events()):
         group = kernel_group(event.name)
         by_group[group] = by_group.get(group, 0.0) + event.time_range.elapsed_us() / 1e6
     return RunProfile(wall_s=wall_s, device_busy_s=sum(by_group.values()),
                       device_s_by_group=dict(sorted(by_group.items(), key=lambda item: -item[1])),
-                      top_kernels=_top_kernels(prof, device), host_stacks=stacks.table())
+                      top_kernels=_top_kernels(prof, device))

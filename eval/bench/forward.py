@@ -17,9 +17,10 @@ not run: steps are built here.
   With `--profile`, one more run of `--decode-steps` steps under the torch profiler gives the
   kernel launches, the device's busy time, the host's time and the device's idle time
   (before its first kernel, between kernels, after its last) a step (`eval.step_profile`)
-  and prints the kernels that took the most device time, the operators that took the most
-  host time, and the Python the host was in, sampled (`eval.host_stacks`: the time between
-  operators too); so does one more prefill run.
+  and prints the kernels that took the most device time and the operators that took the
+  most host time; so does one more prefill run. Then runs of their own (4 steps at least,
+  as sampling slows the host) sample the host's Python (`eval.host_stacks`: the time
+  between operators too, by innermost function and by the engine's line).
 - Prefill shapes (`--prefill BATCHxTOKENS ...`): BATCH fresh prompts of TOKENS tokens in one
   step, once to warm up, then `--repeats` times timed. Reported: milliseconds and prompt tokens
   a second of the median. `BATCHxTOKENSxSTEPS` times STEPS such steps back to back, each of
@@ -76,6 +77,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.worker.model_runner import ModelRunner
+from eval.host_stacks import HostStacks
 from eval.report import write_json_report, write_report
 from eval.step_profile import StepProfile, profile_steps
 
@@ -84,6 +86,9 @@ ShapeKind = Literal["decode", "prefill", "extend"]
 # every sampling row by a bitmask, as structured outputs do.
 SamplingName = Literal["greedy", "random", "nucleus", "seeded", "penalties", "grammar"]
 _T = TypeVar("_T")
+# Steps (at least) whose host Python `--profile` samples, in runs of their own after the
+# profiled one: a one-step shape's single step gives too few samples.
+_SAMPLED_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -360,11 +365,11 @@ def _max_num_seqs(shape: Shape) -> int:
 
 def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
     """Tokens a sequence of `shape` reaches: its prompt (an extend's context and chunk) and
-    the token sampled after it; for decode the prompt, the warm-up, timed and profiled runs'
-    steps and the token sampled by the last one."""
+    the token sampled after it; for decode the prompt, the warm-up, timed, profiled and
+    sampled runs' steps and the token sampled by the last one."""
     if shape.kind != "decode":
         return shape.context_len + shape.seq_len + 1
-    num_runs = 1 + args.repeats + int(args.profile)
+    num_runs = 1 + args.repeats + 2 * int(args.profile)  # profiled, then sampled
     return shape.seq_len + num_runs * args.decode_steps + 1
 
 
@@ -425,7 +430,9 @@ def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
         run_s = statistics.median(decode() for _ in range(args.repeats))
         step_profile = None
         if args.profile:
-            step_profile = profile_steps(decode, args.decode_steps, runner.device)
+            step_profile = replace(
+                profile_steps(decode, args.decode_steps, runner.device),
+                host_stacks=_sampled([decode]).table(num_steps=args.decode_steps))
         return run_s, step_profile
     finally:
         sequences.finish()
@@ -459,6 +466,11 @@ def _extend_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
     if args.profile:
         step_profile = measured(1 + args.repeats, lambda turn: profile_steps(
             functools.partial(chunks, turn), 1, runner.device))
+        stacks = HostStacks()
+        for index in range(_SAMPLED_STEPS):
+            measured(2 + args.repeats + index,
+                     lambda turn: _sampled([functools.partial(chunks, turn)], stacks))
+        step_profile = replace(step_profile, host_stacks=stacks.table(num_steps=_SAMPLED_STEPS))
     return statistics.median(run_s[1:]), step_profile
 
 
@@ -482,7 +494,24 @@ def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
     if args.profile:
         step_profile = measured(1 + args.repeats, lambda prefill_run: profile_steps(
             functools.partial(prefill_run.run, pipelined), shape.num_steps, runner.device))
+        stacks = HostStacks()
+        for index in range(-(-_SAMPLED_STEPS // shape.num_steps)):
+            measured(2 + args.repeats + index, lambda prefill_run: _sampled(
+                [functools.partial(prefill_run.run, pipelined)], stacks))
+        sampled_steps = -(-_SAMPLED_STEPS // shape.num_steps) * shape.num_steps
+        step_profile = replace(step_profile, host_stacks=stacks.table(num_steps=sampled_steps))
     return statistics.median(run_s[1:]), step_profile
+
+
+def _sampled(runs: list[Callable[[], object]], stacks: HostStacks | None = None
+             ) -> HostStacks:
+    """`stacks` (a new sampler if None) after sampling the host's Python through each run,
+    the runs themselves only: what prepares a run stays out."""
+    stacks = HostStacks() if stacks is None else stacks
+    for run in runs:
+        with stacks:
+            run()
+    return stacks
 
 
 class _PrefillRun:

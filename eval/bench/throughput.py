@@ -22,8 +22,7 @@ whether the slow steps are the allocator's. An untimed warm-up on prompts of its
 first, so the timed run finds no prompt cached. With `--profile` (`--impl engine`), the
 workload runs once more, from an emptied prefix cache, under the torch profiler (`profile`:
 that run's wall seconds, the device's busy seconds and those seconds by kind of kernel,
-`eval.step_profile`; the costliest kernels and the host's sampled Python,
-`eval.host_stacks`, printed): where a run's device and host time go. Each
+`eval.step_profile`; the costliest kernels printed): where a run's device time goes. Each
 side runs in its own fresh process (a model loaded second in one process runs measurably
 slower on small CPUs).
 """
@@ -214,8 +213,7 @@ def _profile(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str,
     with startup_heap_frozen():
         profiled = profile_run(run, torch.device("cuda" if _cuda_in_use() else "cpu"))
     print(f"profiled run: {profiled.wall_s:.2f} s, device busy {profiled.device_busy_s:.2f} s"
-          f"\n{profiled.top_kernels}\nthe host's Python, sampled:\n{profiled.host_stacks}",
-          flush=True)
+          f"\n{profiled.top_kernels}", flush=True)
     return {"wall_s": profiled.wall_s, "device_busy_s": profiled.device_busy_s,
             "device_s_by_group": profiled.device_s_by_group}
 

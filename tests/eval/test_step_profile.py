@@ -59,7 +59,7 @@ def test_profiled_steps_on_the_cpu_have_host_time_and_no_device_idle() -> None:
     assert profile.idle == DeviceIdle(0.0, 0.0, 0.0)
     assert profile.top_kernels == ""
     assert "aten::mm" in profile.top_host_ops  # the host's operators, on every device
-    assert "| ms | share | innermost frame |" in profile.host_stacks  # and its Python
+    assert profile.host_stacks == ""  # sampled by a caller, in runs of its own
 
 
 def test_a_record_function_range_on_the_device_is_not_device_work() -> None:

@@ -242,4 +242,7 @@ def test_profile_adds_each_shape_its_step_costs(
     assert "profile of prefill 1 x 8: 0.0 launches" in out
     assert "the host's time by operator:" in out
     assert "the host's Python, sampled:" in out
+    # Sampled apart from the profiled run: the engine's own lines are named, with their share.
+    assert "| ms | share | repository line, with what it calls |" in out
+    assert "engine/worker/model_runner.py:" in out
     assert "top_host_ops" not in decode["profile"] and "host_stacks" not in decode["profile"]
