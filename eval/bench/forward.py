@@ -430,9 +430,10 @@ def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
         run_s = statistics.median(decode() for _ in range(args.repeats))
         step_profile = None
         if args.profile:
-            step_profile = replace(
-                profile_steps(decode, args.decode_steps, runner.device),
-                host_stacks=_sampled([decode]).table(num_steps=args.decode_steps))
+            stacks = HostStacks()
+            _sample(stacks, decode)
+            step_profile = replace(profile_steps(decode, args.decode_steps, runner.device),
+                                   host_stacks=stacks.table(num_steps=args.decode_steps))
         return run_s, step_profile
     finally:
         sequences.finish()
@@ -469,7 +470,7 @@ def _extend_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
         stacks = HostStacks()
         for index in range(_SAMPLED_STEPS):
             measured(2 + args.repeats + index,
-                     lambda turn: _sampled([functools.partial(chunks, turn)], stacks))
+                     lambda turn: _sample(stacks, functools.partial(chunks, turn)))
         step_profile = replace(step_profile, host_stacks=stacks.table(num_steps=_SAMPLED_STEPS))
     return statistics.median(run_s[1:]), step_profile
 
@@ -495,23 +496,19 @@ def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
         step_profile = measured(1 + args.repeats, lambda prefill_run: profile_steps(
             functools.partial(prefill_run.run, pipelined), shape.num_steps, runner.device))
         stacks = HostStacks()
-        for index in range(-(-_SAMPLED_STEPS // shape.num_steps)):
-            measured(2 + args.repeats + index, lambda prefill_run: _sampled(
-                [functools.partial(prefill_run.run, pipelined)], stacks))
-        sampled_steps = -(-_SAMPLED_STEPS // shape.num_steps) * shape.num_steps
-        step_profile = replace(step_profile, host_stacks=stacks.table(num_steps=sampled_steps))
+        num_sampled_runs = -(-_SAMPLED_STEPS // shape.num_steps)
+        for index in range(num_sampled_runs):
+            measured(2 + args.repeats + index, lambda prefill_run: _sample(
+                stacks, functools.partial(prefill_run.run, pipelined)))
+        step_profile = replace(step_profile, host_stacks=stacks.table(
+            num_steps=num_sampled_runs * shape.num_steps))
     return statistics.median(run_s[1:]), step_profile
 
 
-def _sampled(runs: list[Callable[[], object]], stacks: HostStacks | None = None
-             ) -> HostStacks:
-    """`stacks` (a new sampler if None) after sampling the host's Python through each run,
-    the runs themselves only: what prepares a run stays out."""
-    stacks = HostStacks() if stacks is None else stacks
-    for run in runs:
-        with stacks:
-            run()
-    return stacks
+def _sample(stacks: HostStacks, run: Callable[[], object]) -> None:
+    """Adds `run`'s host Python to `stacks`: the run alone, not what prepares it."""
+    with stacks:
+        run()
 
 
 class _PrefillRun:
