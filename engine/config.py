@@ -164,6 +164,9 @@ class ModelConfig:
     fused kernels (`engine.model.layer_kernels`; CUDA, or CPU under Triton's interpreter);
     `auto` is triton on CUDA when Triton is installed, else torch;
     `enforce_eager` turns CUDA graphs off (decode steps then launch every kernel).
+    `piecewise_graphs` runs steps that are not decode-only, up to 512 tokens, on static
+    buffers: on CUDA (unless `enforce_eager`) by CUDA graphs of the forward's pieces between
+    attentions (`engine.worker.piecewise_graphs`); off by default until a GPU has measured it.
     `quantization="fp8"` stores the decoder layers' projection weights in float8 e4m3, one
     scale per output channel, quantized once after loading, and quantizes their inputs per
     token at each call (`engine.model.fp8_linear`; on CUDA, bfloat16 on a GPU with FP8 tensor
@@ -184,6 +187,7 @@ class ModelConfig:
     attention_backend: AttentionBackendName = "auto"
     layer_kernels: LayerKernelsName = "auto"
     enforce_eager: bool = False
+    piecewise_graphs: bool = False
     quantization: Quantization = "none"
     cpu_threads: int | None = None
     leave_core_to_frontend: bool | None = None

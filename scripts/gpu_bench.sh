@@ -29,14 +29,16 @@
 #               prefill step, and the costliest kernels); triton on an agent's next turns,
 #               chunks of 256 and 64 tokens over 30,000 cached, which split the prefill
 #               kernel's keys, and 4 x 256 over 8,000, which does not (forward-extend-triton,
-#               --extend); decode batch 32 and 128 at 1k under each kind of sampling
+#               --extend), and the same with --piecewise-graphs (forward-extend-triton-
+#               piecewise: CUDA graphs of the pieces between attentions); decode batch 32 and 128 at 1k under each kind of sampling
 #               (forward-sampling-triton, --sampling: greedy, random, nucleus, seeded,
 #               penalties, grammar); on cuda also SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
 #               with an fp8 KV cache (triton-fp8), with fp8 projections (triton-fp8w), with
-#               both (triton-fp8-all), with steps in order (triton-sync) and with a step
+#               both (triton-fp8-all), with steps in order (triton-sync), with
+#               --piecewise-graphs (triton-piecewise) and with a step
 #               budget of 16,384 tokens (triton-16k: vLLM's offline default on an H100); with
 #               --quick
 #               the sdpa run has 64 requests (step names end in the count); each reports its
@@ -387,10 +389,14 @@ forward_run() {
 }
 forward_extend() {
   # In a run of its own: a 30,000-token context raises the runner's max_model_len, which
-  # sizes the decode graphs' splits and would change the decode targets' steps.
-  step forward-extend-triton "${engine[@]}" bench forward --config "$config" \
+  # sizes the decode graphs' splits and would change the decode targets' steps. With
+  # `piecewise` the same with --piecewise-graphs (the chunks of 256 and 64 tokens replay the
+  # graphs of the pieces between attentions; 4 x 256, over 512 tokens, stays eager).
+  local name=forward-extend-triton${1:+-$1} flags=()
+  [ "${1:-}" = piecewise ] && flags=(--piecewise-graphs)
+  step "$name" "${engine[@]}" bench forward --config "$config" \
     --device "$device" --attention-backend triton --layer-kernels triton --decode --prefill \
-    "${extend_shapes[@]}" --profile --json "$raw/forward-extend-triton.json"
+    "${extend_shapes[@]}" "${flags[@]}" --profile --json "$raw/$name.json"
 }
 forward_sampling() {
   # What each kind of sampling adds to a decode step: penalties and grammar masks are
@@ -411,9 +417,10 @@ forward_smollm2() {
     --json "$raw/forward-smollm2-triton.json"
 }
 # throughput_run sdpa|triton|triton-sdpa|triton-sync|triton-16k|triton-fp8|triton-fp8w|
-# triton-fp8-all (sdpa: torch's layers, steps in order, the first run's code; -16k:
-# --max-num-batched-tokens 16384, vLLM's offline default on an H100; -fp8w: fp8 projections,
-# --quantization fp8; -fp8-all: both an fp8 KV cache and fp8 projections)
+# triton-fp8-all|triton-piecewise (sdpa: torch's layers, steps in order, the first run's
+# code; -16k: --max-num-batched-tokens 16384, vLLM's offline default on an H100; -fp8w: fp8
+# projections, --quantization fp8; -fp8-all: both an fp8 KV cache and fp8 projections;
+# -piecewise: --piecewise-graphs)
 throughput_run() {
   local backend=triton layers=triton requests=$target_requests kv=auto flags=()
   case $1 in
@@ -425,6 +432,7 @@ throughput_run() {
     triton-fp8) kv=fp8 ;;
     triton-fp8w) flags=(--quantization fp8) ;;
     triton-fp8-all) kv=fp8; flags=(--quantization fp8) ;;
+    triton-piecewise) flags=(--piecewise-graphs) ;;
   esac
   local command=(bench throughput --impl engine "${engine_flags[@]}" --num-requests "$requests"
                  "${workload[@]}" --attention-backend "$backend" --layer-kernels "$layers"
@@ -445,6 +453,7 @@ if [ $quick -eq 1 ]; then
   wants throughput && throughput_run triton-sdpa
   wants forward && forward_sampling
   wants forward && forward_extend
+  wants forward && forward_extend piecewise
   wants forward && forward_run triton-fp8w
   wants throughput && throughput_run triton-fp8w
   wants throughput && throughput_run triton-fp8-all
@@ -452,6 +461,7 @@ if [ $quick -eq 1 ]; then
   wants throughput && throughput_run triton-fp8
   wants forward && forward_run triton-sync
   wants throughput && throughput_run triton-sync
+  wants throughput && throughput_run triton-piecewise
   wants throughput && throughput_run triton-16k
   wants forward && forward_run triton-torch-layers
   wants forward && forward_run sdpa
@@ -464,12 +474,13 @@ else
       forward_run "$run"
     done
     forward_extend
+    forward_extend piecewise
     forward_sampling
     forward_smollm2
   fi
   if wants throughput; then
     for run in sdpa triton triton-sdpa triton-sync triton-16k triton-fp8 triton-fp8w \
-               triton-fp8-all; do
+               triton-fp8-all triton-piecewise; do
       throughput_run "$run"
     done
   fi

@@ -1,0 +1,141 @@
+"""Steps that are not decode-only, on static buffers: CUDA graphs of the forward's pieces
+between attentions, per token-count bucket, replayed eagerly on CPU.
+
+A step of prefills, chunks or decodes mixed with them cannot replay one graph of the whole
+forward: its attention plan (how many sequences, how long, how many key splits) changes the
+kernels' grids every step. Everything else in a layer (norms, projections, rotary, SiLU,
+residual adds) depends only on the step's token count. So the forward is cut at each
+layer's attention (`LlamaForCausalLM.num_pieces`): the pieces between attentions are
+captured once per token-count bucket, and a step of `n` tokens, padded to the smallest
+bucket `B >= n`, replays them with each layer's attention run eagerly in between, over its
+`n` real rows only. The padding rows never reach the KV cache (the attention writes the
+step's `n` rows) and no real row reads them (every piece works row by row), so their stale
+values are harmless.
+
+Each piece reads static buffers (the step's input ids and positions, the last attention's
+output, the residual stream) and copies what it produces into static buffers (the next
+attention's query, key and value, the residual stream, or the final hidden states), so no
+tensor of the graphs' memory pool lives from one piece to the next, and the buckets' graphs
+can share that pool in any order of replay.
+
+Where an eager step is bound by the host's launches (a short chunk over a long context: a
+few hundred kernels a step, each launched from Python), the graphs leave it the attention's
+launches and one replay a piece. Large steps gain nothing (their device time exceeds their
+launches'), so buckets stop at `MAX_PIECEWISE_TOKENS`.
+
+Owned by the model runner, which calls `run` for the steps that fit a bucket and are not
+decode-only steps on the decode graphs (`decode_graphs.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.model.attention import AttentionMetadata
+from engine.model.llama import AttentionInputs, LlamaForCausalLM
+from engine.worker.decode_graphs import bucket_for
+
+# The largest step captured, in tokens. From about this size a step of an 8B model keeps an
+# H100 busier than its eager launches keep the host (a 2,048-token prefill: 50 ms on the
+# device against a few ms of launches), and each bucket costs start-up time and memory.
+MAX_PIECEWISE_TOKENS = 512
+
+
+def piecewise_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Token counts captured: 8, 16, then steps of 16 to 64, of 32 to 256 and of 64 to
+    `MAX_PIECEWISE_TOKENS`, up to `max_num_batched_tokens` (which is one when smaller)."""
+    sizes = {8, 16, *range(32, 65, 16), *range(96, 257, 32),
+             *range(320, MAX_PIECEWISE_TOKENS + 1, 64)}
+    limit = min(max_num_batched_tokens, MAX_PIECEWISE_TOKENS)
+    return tuple(sorted({size for size in sizes if size < limit} | {limit}))
+
+
+class PiecewiseGraphs:
+    """Runs steps of at most `max(buckets)` tokens by pieces on static buffers: each piece a
+    CUDA graph replay after `capture` (CUDA only), eagerly otherwise.
+
+    `capture` must run before any step; the graphs hold the buffers' addresses (not the KV
+    caches', which only the eager attention reads).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, buckets: Sequence[int], device: torch.device,
+                 dtype: torch.dtype, use_graphs: bool) -> None:
+        if not buckets or model.num_pieces < 2:
+            raise ValueError("piecewise graphs need a bucket and a model with layers")
+        arch = model.arch
+        rows = max(buckets)
+        self.model = model
+        self.buckets = tuple(sorted(buckets))
+        self._use_graphs = use_graphs
+        self._input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._query = torch.zeros((rows, arch.num_attention_heads, arch.head_dim), dtype=dtype,
+                                  device=device)
+        self._key = torch.zeros((rows, arch.num_key_value_heads, arch.head_dim), dtype=dtype,
+                                device=device)
+        self._value = torch.zeros_like(self._key)
+        self._attention_out = torch.zeros_like(self._query)
+        self._residual = torch.zeros((rows, arch.hidden_size), dtype=dtype, device=device)
+        self._hidden = torch.zeros_like(self._residual)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` tokens runs here."""
+        return num_tokens <= self.buckets[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [n, hidden_size] of a step of `n` tokens (`fits(n)`): a view of a
+        static buffer, valid until the next step runs."""
+        num_tokens = input_ids.shape[0]
+        bucket = bucket_for(num_tokens, self.buckets)
+        if bucket is None:
+            raise ValueError(f"a step of {num_tokens} tokens exceeds the largest bucket")
+        self._input_ids[:num_tokens].copy_(input_ids)
+        self._positions[:num_tokens].copy_(positions)
+        inputs = AttentionInputs(self._query[:num_tokens], self._key[:num_tokens],
+                                 self._value[:num_tokens], self._residual[:num_tokens])
+        for index in range(self.model.num_pieces):
+            graph = self._graphs.get((bucket, index))
+            if graph is None:
+                self._run_piece(bucket, index)
+            else:
+                graph.replay()
+            if index < len(kv_caches):
+                self.model.attend(index, inputs, kv_caches[index], metadata,
+                                  out=self._attention_out[:num_tokens])
+        return self._hidden[:num_tokens]
+
+    def capture(self) -> None:
+        """Captures every bucket's pieces, largest bucket first, into one memory pool."""
+        if not self._use_graphs:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for bucket in reversed(self.buckets):
+            for index in range(self.model.num_pieces):
+                self._run_piece(bucket, index)  # warm-up: Triton compiles, allocator settles
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._run_piece(bucket, index)
+                self._graphs[(bucket, index)] = graph
+        torch.cuda.synchronize()
+
+    def _run_piece(self, bucket: int, index: int) -> None:
+        """Piece `index` over the buffers' first `bucket` rows, its products copied into them."""
+        model = self.model
+        if index == model.num_pieces - 1:
+            self._hidden[:bucket].copy_(model.head_piece(self._attention_out[:bucket],
+                                                         self._residual[:bucket]))
+            return
+        rotary = model.rotary_of(self._positions[:bucket])
+        if index == 0:
+            inputs = model.embed_piece(self._input_ids[:bucket], rotary)
+        else:
+            inputs = model.layer_piece(index, self._attention_out[:bucket],
+                                       self._residual[:bucket], rotary)
+        for buffer, product in zip((self._query, self._key, self._value, self._residual),
+                                   inputs, strict=True):
+            buffer[:bucket].copy_(product)

@@ -1,0 +1,152 @@
+"""Steps that are not decode-only, by pieces on static buffers: buckets, padding, the runner's
+use of them and their memory, run by the eager replay used off CUDA."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.model.attention import AttentionMetadata
+from engine.worker.model_runner import ModelRunner
+from engine.worker.piecewise_graphs import (
+    MAX_PIECEWISE_TOKENS,
+    PiecewiseGraphs,
+    piecewise_buckets,
+)
+from tests.engine.worker.test_model_runner import make_runner, prompt, request, run
+
+BLOCK_SIZE = 8
+
+
+def test_buckets_step_up_to_the_budget_or_the_largest_captured_step() -> None:
+    assert piecewise_buckets(2048)[:8] == (8, 16, 32, 48, 64, 96, 128, 160)
+    assert piecewise_buckets(2048)[-3:] == (384, 448, MAX_PIECEWISE_TOKENS)
+    assert piecewise_buckets(100)[-3:] == (64, 96, 100)
+    assert piecewise_buckets(5) == (5,)
+    assert all(b - a <= 64 for a, b in itertools.pairwise(piecewise_buckets(4096)))
+
+
+def piecewise_runner(attention_backend: str = "sdpa", max_num_batched_tokens: int = 64,
+                     enabled: bool = True) -> ModelRunner:
+    return ModelRunner(EngineConfig(
+        model=ModelConfig(model="tiny", attention_backend=attention_backend,  # type: ignore[arg-type]
+                          piecewise_graphs=enabled),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=64),
+        scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_num_seqs=8),
+    ))
+
+
+def mixed_step(runner: ModelRunner, query_lens: list[int], context_lens: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Input ids, positions and metadata of a step whose sequences own blocks in turn: decodes
+    first, then chunks over cached contexts, then a prompt."""
+    blocks_per_seq = min(64 // BLOCK_SIZE, runner.num_kv_blocks // len(query_lens))
+    table = np.arange(len(query_lens) * blocks_per_seq).reshape(len(query_lens), -1)
+    metadata = runner.attention.build_metadata(np.array(query_lens), np.array(context_lens),
+                                               table)
+    num_tokens = sum(query_lens)
+    input_ids = torch.tensor(prompt(num_tokens, seed=num_tokens))
+    return input_ids, torch.from_numpy(metadata.positions), metadata
+
+
+@pytest.mark.parametrize("attention_backend", ["sdpa", "triton"])
+@torch.inference_mode()
+def test_a_step_by_pieces_matches_the_whole_forward_whatever_the_padding_rows_hold(
+        attention_backend: str) -> None:
+    if attention_backend == "triton":
+        pytest.importorskip("triton")  # under the interpreter without a GPU
+    runner = piecewise_runner(attention_backend)
+    graphs = runner.piecewise_graphs
+    assert graphs is not None and graphs.buckets == (8, 16, 32, 48, 64)
+    generator = torch.Generator().manual_seed(0)
+    for cache in runner.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    # A large step, then smaller ones into the rows it filled; then every buffer's padding
+    # rows poisoned: no real row may read them.
+    for query_lens, context_lens in (([1, 1, 9, 30], [7, 12, 3, 0]), ([1, 6], [5, 10]),
+                                     ([1, 1, 1, 4, 2], [3, 9, 4, 0, 6])):
+        for buffer in (graphs._query, graphs._key, graphs._value, graphs._attention_out,
+                       graphs._residual, graphs._hidden):
+            buffer[sum(query_lens):] = float("nan")
+        input_ids, positions, metadata = mixed_step(runner, query_lens, context_lens)
+        caches = [cache.clone() for cache in runner.kv_caches]
+        expected = runner.model(input_ids, positions, caches, metadata)
+        hidden = graphs.run(input_ids, positions, runner.kv_caches, metadata)
+        assert hidden.shape == expected.shape
+        torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
+        num_tokens, bucket = sum(query_lens), {41: 48, 7: 8, 9: 16}[sum(query_lens)]
+        assert torch.isnan(graphs._hidden[num_tokens:bucket]).all()  # the padding ran
+        for cache, expected_cache in zip(runner.kv_caches, caches, strict=True):
+            torch.testing.assert_close(cache, expected_cache, atol=1e-6, rtol=1e-6)
+
+
+@torch.inference_mode()
+def test_a_step_beyond_the_largest_bucket_is_refused() -> None:
+    runner = piecewise_runner(max_num_batched_tokens=16)
+    graphs = runner.piecewise_graphs
+    assert graphs is not None and graphs.fits(16) and not graphs.fits(17)
+    input_ids, positions, metadata = mixed_step(runner, [17], [0])
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        graphs.run(input_ids, positions, runner.kv_caches, metadata)
+
+
+def test_without_layers_or_buckets_there_are_no_pieces() -> None:
+    runner = make_runner()
+    assert runner.piecewise_graphs is None  # off by default
+    with pytest.raises(ValueError, match="need a bucket"):
+        PiecewiseGraphs(runner.model, (), runner.device, runner.dtype, use_graphs=False)
+
+
+def test_the_runner_takes_steps_that_fit_by_pieces_and_samples_as_without(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prompts chunked by a 16-token budget beside decodes, prefix-cache hits on a shared
+    # prefix, a seeded random sampler and penalties: the same tokens with and without.
+    requests = [
+        ("shared-a", prompt(24, 1), {"max_tokens": 6}),
+        ("shared-b", prompt(24, 1)[:20] + prompt(5, 2), {"max_tokens": 5}),
+        ("seeded", prompt(13, 3), {"max_tokens": 7, "temperature": 0.9, "seed": 11}),
+        ("penalised", prompt(9, 4), {"max_tokens": 4, "presence_penalty": 0.5}),
+    ]
+
+    def run_requests(runner: ModelRunner) -> dict[str, list[int]]:
+        return run(runner, [request(req_id, tokens, **params)
+                            for req_id, tokens, params in requests])[0]
+
+    expected = run_requests(piecewise_runner(max_num_batched_tokens=16, enabled=False))
+    runner = piecewise_runner(max_num_batched_tokens=16)
+    graphs = runner.piecewise_graphs
+    assert graphs is not None
+    steps_by_pieces = []
+    graphs_run = graphs.run
+
+    def spy(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        steps_by_pieces.append(input_ids.shape[0])
+        return graphs_run(input_ids, *args)
+
+    monkeypatch.setattr(graphs, "run", spy)
+    assert run_requests(runner) == expected
+    # Every step fits the largest bucket (the budget's 16 tokens), chunks and, as `sdpa`
+    # has no decode graphs, decode-only steps too.
+    assert max(steps_by_pieces) == 16 and min(steps_by_pieces) < 8
+
+
+def test_the_memory_profile_reserves_the_largest_bucket_by_pieces(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = piecewise_runner(max_num_batched_tokens=40)
+    runs = []
+
+    def peak_bytes(device: torch.device, run) -> int:
+        runs.append(run())
+        return 1000 * len(runs)
+
+    monkeypatch.setattr("engine.worker.model_runner._peak_bytes", peak_bytes)
+    assert runner._piecewise_peak_bytes(runner.kv_caches) == 1000
+    hidden, = runs
+    assert hidden.shape == (40, runner.arch.hidden_size) and torch.isfinite(hidden).all()
+    off = piecewise_runner(max_num_batched_tokens=40, enabled=False)
+    assert off._piecewise_peak_bytes(off.kv_caches) == 0
