@@ -164,9 +164,10 @@ class ModelConfig:
     fused kernels (`engine.model.layer_kernels`; CUDA, or CPU under Triton's interpreter);
     `auto` is triton on CUDA when Triton is installed, else torch;
     `enforce_eager` turns CUDA graphs off (decode steps then launch every kernel).
-    `piecewise_graphs` runs steps that are not decode-only, up to 512 tokens, on static
-    buffers: on CUDA (unless `enforce_eager`) by CUDA graphs of the forward's pieces between
-    attentions (`engine.worker.piecewise_graphs`); off by default until a GPU has measured it.
+    `piecewise_graphs` runs steps that are not decode-only, up to 512 tokens
+    (`engine.worker.piecewise_graphs.MAX_PIECEWISE_TOKENS`), by CUDA graphs of the forward's
+    pieces between attentions, on static buffers (eagerly on CPU; not at all with
+    `enforce_eager`); off by default until a GPU has measured it.
     `quantization="fp8"` stores the decoder layers' projection weights in float8 e4m3, one
     scale per output channel, quantized once after loading, and quantizes their inputs per
     token at each call (`engine.model.fp8_linear`; on CUDA, bfloat16 on a GPU with FP8 tensor

@@ -5,8 +5,9 @@
 #               the sdpa reference on the device, float32/bf16 parity with transformers, the
 #               loader, the layer kernels, fp8 projections, async scheduling against steps in
 #               order on the device, steps launched with synchronizing CUDA calls made
-#               errors) and one small `bench forward` of the 8B shapes with
-#               triton: a couple of minutes that show whether the rest can run
+#               errors, the piecewise graphs captured and replayed) and one small
+#               `bench forward` of the 8B shapes with triton: a couple of minutes that show
+#               whether the rest can run
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
 #               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
 #               autotuner's choice, outputs checked) and scripts/mlp_gemms.py (the MLP's gate
@@ -51,7 +52,9 @@
 #               context, stopped at 222 s as that run was: jobs done by then); the servers
 #               run their steps in order (--no-async-scheduling), so that their traces can
 #               calibrate the simulator (`bench calibrate` refuses async traces), unless
-#               --agent-async (the engine's default on CUDA)
+#               --agent-async (the engine's default on CUDA); --agent-piecewise serves with
+#               --piecewise-graphs (steps with an arriving turn's tokens by graphs of their
+#               pieces)
 # Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
 # device, torch and triton) and OUT_DIR/results.json merge them, also when the script is
 # stopped (SIGTERM, or the device tool's time limit). OUT_DIR is $OUT when set (the device
@@ -63,6 +66,7 @@
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|kernels|forward|
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
 #        sdpa|triton|triton-sdpa|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
+#        [--agent-piecewise]
 #        [--baseline DIR]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with triton-sdpa, the sampling
@@ -101,7 +105,7 @@ quick=0
 device=cuda
 agent_backend=""
 agent_setup=swe24
-agent_serve=(--no-async-scheduling)
+agent_serve=(--no-async-scheduling)  # the serve flags --agent-async and --agent-piecewise set
 baseline=""
 budget_s=""
 parts=()
@@ -113,7 +117,8 @@ while [ $# -gt 0 ]; do
     --budget-s) budget_s=$2; shift ;;
     --agent-backend) agent_backend=$2; shift ;;
     --agent-setup) agent_setup=$2; shift ;;
-    --agent-async) agent_serve=() ;;
+    --agent-async) agent_serve[0]=--async-scheduling ;;
+    --agent-piecewise) agent_serve[1]=--piecewise-graphs ;;
     --baseline) baseline=$(cd -- "$2" > /dev/null && pwd -P) || exit 2; shift ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
@@ -341,7 +346,7 @@ if wants smoke; then
          tests/engine/model/attention/test_triton_sdpa_backend.py tests/engine/model/test_parity.py
          tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py
          tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py
-         tests/engine/worker/test_step_syncs.py)
+         tests/engine/worker/test_step_syncs.py tests/engine/worker/test_piecewise_graphs.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
   step forward-smoke-triton "${engine[@]}" bench forward --config "$config" --device "$device" \
     --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"

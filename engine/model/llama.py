@@ -128,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [tokens, hidden] of a flattened batch (see `attention`): the
         pieces (`num_pieces`) with each layer's attention between two of them."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.model.layers)} layers")
         rotary = self.rotary_of(positions)
         if not kv_caches:  # a model without layers
             return self.model.norm(self.model.embed_tokens(input_ids))

@@ -286,20 +286,21 @@ class ModelRunner:
             self.decode_buckets, buffers, use_graphs)
 
     def _piecewise_buckets(self) -> tuple[int, ...]:
-        """The token counts the piecewise graphs take; none without `piecewise_graphs`."""
-        if not self.config.model.piecewise_graphs:
+        """The token counts the piecewise graphs take; none without `piecewise_graphs` or with
+        `enforce_eager` (eager pieces would only pad the step)."""
+        if not self.config.model.piecewise_graphs or self.config.model.enforce_eager:
             return ()
         scheduler = self.config.scheduler
         return piecewise_buckets(min(scheduler.max_num_batched_tokens, scheduler.max_model_len))
 
     def _piecewise_graphs(self) -> PiecewiseGraphs | None:
-        """Steps that are not decode-only on static buffers, with `piecewise_graphs`; graphs
-        are captured on CUDA unless `enforce_eager`."""
+        """Steps that are not decode-only on static buffers (`_piecewise_buckets`), captured
+        as graphs on CUDA and run eagerly elsewhere (the same code path, for tests)."""
         buckets = self._piecewise_buckets()
         if not buckets:
             return None
-        use_graphs = self.device.type == "cuda" and not self.config.model.enforce_eager
-        return PiecewiseGraphs(self.model, buckets, self.device, self.dtype, use_graphs)
+        return PiecewiseGraphs(self.model, buckets, self.device, self.dtype,
+                               use_graphs=self.device.type == "cuda")
 
     @torch.inference_mode()
     def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
@@ -341,10 +342,10 @@ class ModelRunner:
         metadata = self.attention.build_metadata(np.array([num_tokens]), np.array([0]),
                                                  np.arange(num_blocks)[None])
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.from_numpy(metadata.positions).to(self.device)
         self._synchronize()
         started_s = time.perf_counter()
-        hidden = self.model(input_ids, torch.from_numpy(metadata.positions).to(self.device),
-                            self.kv_caches, metadata)
+        hidden = self._run_model(input_ids, positions, metadata)
         self.model.compute_logits(hidden[-1:])
         self._synchronize()
         return time.perf_counter() - started_s
@@ -585,11 +586,16 @@ class ModelRunner:
         assert inputs.metadata is not None
         if inputs.token_patch is not None:
             inputs.token_patch.apply(inputs.input_ids)
+        return self._run_model(inputs.input_ids, inputs.positions, inputs.metadata)
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of a step that is not on the static decode buffers: by the
+        piecewise graphs where the step fits them, else the model's eager forward."""
         graphs = self.piecewise_graphs
-        if graphs is not None and graphs.fits(inputs.input_ids.shape[0]):
-            return graphs.run(inputs.input_ids, inputs.positions, self.kv_caches,
-                              inputs.metadata)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        if graphs is not None and graphs.fits(input_ids.shape[0]):
+            return graphs.run(input_ids, positions, self.kv_caches, metadata)
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
     def _prompt_logprob_spans(
         self, req_ids: list[str], rows: np.ndarray, context_lens: np.ndarray,

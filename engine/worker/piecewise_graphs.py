@@ -45,7 +45,7 @@ MAX_PIECEWISE_TOKENS = 512
 
 def piecewise_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Token counts captured: 8, 16, then steps of 16 to 64, of 32 to 256 and of 64 to
-    `MAX_PIECEWISE_TOKENS`, up to `max_num_batched_tokens` (which is one when smaller)."""
+    `MAX_PIECEWISE_TOKENS`; a step budget below that is itself the largest bucket."""
     sizes = {8, 16, *range(32, 65, 16), *range(96, 257, 32),
              *range(320, MAX_PIECEWISE_TOKENS + 1, 64)}
     limit = min(max_num_batched_tokens, MAX_PIECEWISE_TOKENS)
@@ -54,10 +54,11 @@ def piecewise_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
 
 class PiecewiseGraphs:
     """Runs steps of at most `max(buckets)` tokens by pieces on static buffers: each piece a
-    CUDA graph replay after `capture` (CUDA only), eagerly otherwise.
+    CUDA graph replay after `capture` (CUDA only), eagerly otherwise (CPU tests).
 
-    `capture` must run before any step; the graphs hold the buffers' addresses (not the KV
-    caches', which only the eager attention reads).
+    Owned by the model runner, built once its KV pool exists; `capture` runs before any
+    step. The graphs hold the buffers' addresses, not the KV caches' (only the eager
+    attention reads those).
     """
 
     def __init__(self, model: LlamaForCausalLM, buckets: Sequence[int], device: torch.device,
@@ -81,6 +82,11 @@ class PiecewiseGraphs:
         self._hidden = torch.zeros_like(self._residual)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
+    @property
+    def captured(self) -> bool:
+        """Whether the pieces replay CUDA graphs (else they run eagerly)."""
+        return bool(self._graphs)
+
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` tokens runs here."""
         return num_tokens <= self.buckets[-1]
@@ -93,6 +99,8 @@ class PiecewiseGraphs:
         bucket = bucket_for(num_tokens, self.buckets)
         if bucket is None:
             raise ValueError(f"a step of {num_tokens} tokens exceeds the largest bucket")
+        if len(kv_caches) != self.model.num_pieces - 1:
+            raise ValueError(f"{len(kv_caches)} KV caches for {self.model.num_pieces - 1} layers")
         self._input_ids[:num_tokens].copy_(input_ids)
         self._positions[:num_tokens].copy_(positions)
         inputs = AttentionInputs(self._query[:num_tokens], self._key[:num_tokens],
@@ -103,7 +111,7 @@ class PiecewiseGraphs:
                 self._run_piece(bucket, index)
             else:
                 graph.replay()
-            if index < len(kv_caches):
+            if index < len(kv_caches):  # the last piece has no attention after it
                 self.model.attend(index, inputs, kv_caches[index], metadata,
                                   out=self._attention_out[:num_tokens])
         return self._hidden[:num_tokens]
@@ -113,10 +121,12 @@ class PiecewiseGraphs:
         if not self._use_graphs:
             return
         pool = torch.cuda.graph_pool_handle()
+        pieces = range(self.model.num_pieces)
         for bucket in reversed(self.buckets):
-            for index in range(self.model.num_pieces):
-                self._run_piece(bucket, index)  # warm-up: Triton compiles, allocator settles
-                torch.cuda.synchronize()
+            for index in pieces:  # warm-up: Triton compiles, the allocator settles
+                self._run_piece(bucket, index)
+            torch.cuda.synchronize()
+            for index in pieces:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self._run_piece(bucket, index)

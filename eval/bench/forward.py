@@ -281,7 +281,10 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
         # The runner's rule: decode replays graphs on CUDA where the backend has static decode.
         "cuda_graphs": (runner.device.type == "cuda" and not args.enforce_eager
                         and runner.attention.supports_static_decode),
-        "piecewise_graphs": runner.piecewise_graphs is not None,
+        # Steps that are not decode-only: by captured pieces, by pieces run eagerly (CPU), or
+        # by the whole forward.
+        "piecewise_graphs": ("off" if runner.piecewise_graphs is None
+                             else "captured" if runner.piecewise_graphs.captured else "eager"),
         "async_scheduling": _pipelined(args, runner),
         "block_size": args.block_size,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -304,8 +307,8 @@ def environment(device: torch.device) -> dict[str, str]:
 def markdown_table(report: dict[str, Any]) -> str:
     """The report's shapes as a markdown table under a line naming what ran them."""
     graphs = "CUDA graphs for decode" if report["cuda_graphs"] else "eager"
-    if report.get("piecewise_graphs"):
-        graphs += ", other steps by pieces (--piecewise-graphs)"
+    if report.get("piecewise_graphs", "off") != "off":
+        graphs += f", other steps by pieces ({report['piecewise_graphs']})"
     weights = ", fp8 projections" if report.get("quantization", "none") != "none" else ""
     lines = [
         f"{report['model']} ({report['dtype']}{weights}) on {report['device']}: torch "
