@@ -29,9 +29,10 @@
 #               runs with --profile (launches, device and host time a decode step and a
 #               prefill step, and the costliest kernels); triton on an agent's next turns,
 #               chunks of 256 and 64 tokens over 30,000 cached, which split the prefill
-#               kernel's keys, and 4 x 256 over 8,000, which does not (forward-extend-triton,
-#               --extend), and the same with --piecewise-graphs (forward-extend-triton-
-#               piecewise: CUDA graphs of the pieces between attentions); decode batch 32 and 128 at 1k under each kind of sampling
+#               kernel's keys, 4 x 256 over 8,000, which does not, and 256 over 8,000 beside
+#               32 decodes at 1k (forward-extend-triton, --extend), and the same with
+#               --piecewise-graphs (forward-extend-triton-piecewise: CUDA graphs of the
+#               pieces between attentions); decode batch 32 and 128 at 1k under each kind of sampling
 #               (forward-sampling-triton, --sampling: greedy, random, nucleus, seeded,
 #               penalties, grammar); on cuda also SmolLM2-135M's shapes with the triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
@@ -240,8 +241,9 @@ if [ "$device" = cuda ]; then
   model_name=llama3.1-8b
   forward_shapes=()  # bench forward's defaults: the table, and 2k prefills back to back
   # An agent's next turns: chunks over long cached contexts, the first two split the prefill
-  # kernel's keys (3 and 9 splits), the last (512 programs) is the unsplit control.
-  extend_shapes=(--extend 1x256@30000 1x64@30000 4x256@8000)
+  # kernel's keys (3 and 9 splits), the third (512 programs) is the unsplit control; the
+  # last arrives beside 32 decodes at 1k, as in a serving step.
+  extend_shapes=(--extend 1x256@30000 1x64@30000 4x256@8000 1x256@8000+32x1024)
   sampling_shapes=(--decode 32x1024 128x1024 --prefill)
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
   # The target's run is 256 requests; --quick gives the sdpa baseline 64 (it takes 5x longer).
@@ -264,7 +266,7 @@ elif [ "$device" = cpu ]; then
   export TRITON_INTERPRET=1  # the triton backend's kernels run on CPU tensors
   forward_shapes=(--decode 2x48 4x96 --prefill 1x64 --decode-steps 2 --repeats 1
                   --max-num-batched-tokens 64)
-  extend_shapes=(--extend 1x4@60 --repeats 1 --max-num-batched-tokens 64)
+  extend_shapes=(--extend 1x4@60 1x4@40+2x16 --repeats 1 --max-num-batched-tokens 64)
   sampling_shapes=(--decode 2x48 --prefill --decode-steps 2 --repeats 1
                    --max-num-batched-tokens 64)
   smoke_shapes=("${forward_shapes[@]}")
@@ -395,8 +397,9 @@ forward_run() {
 forward_extend() {
   # In a run of its own: a 30,000-token context raises the runner's max_model_len, which
   # sizes the decode graphs' splits and would change the decode targets' steps. With
-  # `piecewise` the same with --piecewise-graphs (the chunks of 256 and 64 tokens replay the
-  # graphs of the pieces between attentions; 4 x 256, over 512 tokens, stays eager).
+  # `piecewise` the same with --piecewise-graphs (the chunks of 256 and 64 tokens, and the
+  # turn beside decodes, replay the graphs of the pieces between attentions; 4 x 256, over
+  # 512 tokens, stays eager).
   local name=forward-extend-triton${1:+-$1} flags=()
   [ "${1:-}" = piecewise ] && flags=(--piecewise-graphs)
   step "$name" "${engine[@]}" bench forward --config "$config" \

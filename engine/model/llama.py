@@ -137,7 +137,9 @@ class LlamaForCausalLM(nn.Module):
         last = len(kv_caches) - 1
         for index, kv_cache in enumerate(kv_caches[:last]):
             out = self.attend(index, inputs, kv_cache, metadata)
-            inputs = self.layer_piece(index + 1, out, inputs.residual, rotary)
+            residual = inputs.residual
+            del inputs  # its query, key and value: freed before the MLP's products exist
+            inputs = self.layer_piece(index + 1, out, residual, rotary)
         return self.head_piece(self.attend(last, inputs, kv_caches[last], metadata),
                                inputs.residual)
 

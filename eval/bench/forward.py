@@ -28,12 +28,15 @@ not run: steps are built here.
   read, as the engine core runs consecutive prefill steps, so a step's host work (input
   preparation, launches, the read of its token) overlaps the device's work of the step before.
   Reported: milliseconds a step and prompt tokens a second of the median run.
-- Extend shapes (`--extend BATCHxTOKENS@CONTEXT ...`): an agent's next turn, BATCH chunks of
-  TOKENS new tokens, each over CONTEXT tokens already in the cache. The contexts are
-  prefilled once (untimed); every run then sends new requests over the same prompts and
-  blocks that arrive with the CONTEXT tokens computed, as a prefix-cache hit does, and
-  times their one step: once to warm up, then `--repeats` times. Reported: milliseconds
-  and new tokens a second of the median.
+- Extend shapes (`--extend BATCHxTOKENS@CONTEXT[+DECODESxDCONTEXT] ...`): an agent's next
+  turn, BATCH chunks of TOKENS new tokens, each over CONTEXT tokens already in the cache.
+  The contexts are prefilled once (untimed); every run then sends new requests over the
+  same prompts and blocks that arrive with the CONTEXT tokens computed, as a prefix-cache
+  hit does, and times their one step: once to warm up, then `--repeats` times. With
+  `+DECODESxDCONTEXT` the turn arrives while DECODES other requests decode (prompts of
+  DCONTEXT tokens, prefilled untimed): each timed step also schedules a token of each, as
+  a serving step does when a turn arrives. Reported: milliseconds and new tokens (chunks'
+  and decodes') a second of the median.
 
 Weights are random (`load_format="dummy"`; timing does not depend on their values) and prompts
 are random token ids, so `--config FILE` (a Hugging Face `config.json`) measures any model's
@@ -96,7 +99,8 @@ class Shape:
     """`batch_size` sequences of `seq_len` tokens: decode steps after a cached context of
     `seq_len` tokens, prefill steps of `seq_len`-token prompts (`num_steps` of them back to
     back, each of fresh prompts), or a step of `seq_len`-token chunks each over
-    `context_len` cached tokens (extend)."""
+    `context_len` cached tokens (extend), beside a decode token of each of `decodes_beside`
+    other requests, whose prompts have `decode_context_len` tokens."""
 
     kind: ShapeKind
     batch_size: int
@@ -104,19 +108,28 @@ class Shape:
     num_steps: int = 1
     context_len: int = 0
     sampling: SamplingName = "greedy"
+    decodes_beside: int = 0
+    decode_context_len: int = 0
 
     @classmethod
     def parse(cls, kind: ShapeKind, text: str) -> Shape:
         """`BATCHxTOKENS`, e.g. `32x1024`; for prefill also `BATCHxTOKENSxSTEPS`; for extend
-        `BATCHxTOKENS@CONTEXT`, e.g. `1x256@30000`."""
+        `BATCHxTOKENS@CONTEXT`, e.g. `1x256@30000`, or with decodes beside the chunks
+        `BATCHxTOKENS@CONTEXT+DECODESxDCONTEXT`, e.g. `1x256@8000+32x1024`."""
         if kind == "extend":
-            shape, _, context = text.partition("@")
+            chunks, plus, beside = text.partition("+")
+            shape, _, context = chunks.partition("@")
             fields = shape.lower().split("x")
+            beside_fields = beside.lower().split("x") if plus else ["0", "0"]
             if not (context.isdigit() and int(context) > 0 and len(fields) == 2
-                    and all(field.isdigit() and int(field) > 0 for field in fields)):
+                    and all(field.isdigit() and int(field) > 0 for field in fields)
+                    and len(beside_fields) == 2 and all(map(str.isdigit, beside_fields))
+                    and (not plus or min(map(int, beside_fields)) > 0)):
                 raise argparse.ArgumentTypeError(
-                    f"extend shape must be BATCHxTOKENS@CONTEXT, got {text!r}")
-            return cls("extend", *map(int, fields), context_len=int(context))
+                    f"extend shape must be BATCHxTOKENS@CONTEXT[+DECODESxDCONTEXT], got {text!r}")
+            decodes, decode_context = map(int, beside_fields)
+            return cls("extend", *map(int, fields), context_len=int(context),
+                       decodes_beside=decodes, decode_context_len=decode_context)
         fields = text.lower().split("x")
         max_fields = 3 if kind == "prefill" else 2
         if not (2 <= len(fields) <= max_fields
@@ -131,8 +144,10 @@ class Shape:
         if self.kind == "decode":
             return f"decode, batch {self.batch_size}, context {self.seq_len:,}{sampling}"
         if self.kind == "extend":
+            beside = (f", beside {self.decodes_beside} decodes at {self.decode_context_len:,}"
+                      if self.decodes_beside else "")
             return (f"extend {self.batch_size} x {self.seq_len:,} over {self.context_len:,} "
-                    f"cached{sampling}")
+                    f"cached{beside}{sampling}")
         label = f"prefill {self.batch_size} x {self.seq_len:,}"
         if self.num_steps > 1:
             label = f"{label}, {self.num_steps} steps back to back"
@@ -261,14 +276,14 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         model = _model_dir(args, Path(scratch))
         max_positions = load_arch(model).max_position_embeddings
-        fitting = [shape for shape in shapes if _max_seq_len(shape, args) <= max_positions]
+        fitting = [shape for shape in shapes if _positions(shape, args) <= max_positions]
         if not fitting:
             raise ValueError(f"every shape needs more positions than the model's "
                              f"{max_positions}")
         runner = ModelRunner(_engine_config(args, model, fitting))
     rng = np.random.default_rng(args.seed)
     results = [_measure(runner, shape, args, rng) if shape in fitting else ShapeResult(
-        shape, error=f"not run: needs {_max_seq_len(shape, args)} positions, the model has "
+        shape, error=f"not run: needs {_positions(shape, args)} positions, the model has "
                      f"{max_positions}") for shape in shapes]
     return {
         "model": _model_name(args),
@@ -347,10 +362,10 @@ def _model_dir(args: argparse.Namespace, scratch: Path) -> str:
 
 def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) -> EngineConfig:
     """A runner config whose KV pool, sequence length and batch hold the largest shape."""
-    num_blocks = max(shape.batch_size * _blocks_per_seq(shape, args) for shape in shapes)
+    num_blocks = max(_num_blocks(shape, args) for shape in shapes)
     max_prefill_tokens = max((shape.batch_size * shape.seq_len for shape in shapes
                               if shape.kind != "decode"), default=0)
-    max_model_len = max(_max_seq_len(shape, args) for shape in shapes)
+    max_model_len = max(_positions(shape, args) for shape in shapes)
     return EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, load_format="dummy",
                           max_model_len=max_model_len, seed=args.seed, device=args.device,
@@ -370,8 +385,8 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
 
 def _max_num_seqs(shape: Shape) -> int:
     """Requests of `shape` in the runner at once: two steps' with prefills back to back (one
-    step in flight while the next is launched)."""
-    return shape.batch_size * (2 if shape.num_steps > 1 else 1)
+    step in flight while the next is launched); an extend's decodes beside its chunks."""
+    return shape.batch_size * (2 if shape.num_steps > 1 else 1) + shape.decodes_beside
 
 
 def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
@@ -384,8 +399,33 @@ def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
     return shape.seq_len + num_runs * args.decode_steps + 1
 
 
+def _beside_seq_len(shape: Shape, args: argparse.Namespace) -> int:
+    """Tokens a decode beside an extend's chunks reaches: its prompt, a token a measured step
+    (warm-up, timed, profiled and sampled) and the token sampled by the last; 0 without."""
+    if not shape.decodes_beside:
+        return 0
+    num_runs = 1 + args.repeats + (1 + _SAMPLED_STEPS) * int(args.profile)
+    return shape.decode_context_len + num_runs + 1
+
+
+def _positions(shape: Shape, args: argparse.Namespace) -> int:
+    """Positions the longest sequence of `shape` reaches."""
+    return max(_max_seq_len(shape, args), _beside_seq_len(shape, args))
+
+
 def _blocks_per_seq(shape: Shape, args: argparse.Namespace) -> int:
     return -(-_max_seq_len(shape, args) // args.block_size)
+
+
+def _beside_blocks_per_seq(shape: Shape, args: argparse.Namespace) -> int:
+    return -(-_beside_seq_len(shape, args) // args.block_size)
+
+
+def _num_blocks(shape: Shape, args: argparse.Namespace) -> int:
+    """KV blocks the requests of `shape` own: the shape's sequences', then the decodes'
+    beside an extend's chunks (`_Sequences`' `first_block`)."""
+    return (shape.batch_size * _blocks_per_seq(shape, args)
+            + shape.decodes_beside * _beside_blocks_per_seq(shape, args))
 
 
 def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
@@ -415,7 +455,7 @@ def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
         num_steps, num_tokens = args.decode_steps, shape.batch_size * args.decode_steps
     else:
         num_steps = shape.num_steps
-        num_tokens = shape.batch_size * shape.seq_len * num_steps
+        num_tokens = (shape.batch_size * shape.seq_len + shape.decodes_beside) * num_steps
     return ShapeResult(shape, step_ms=run_s / num_steps * 1e3, tokens_per_s=num_tokens / run_s,
                        profile=step_profile)
 
@@ -456,8 +496,24 @@ def _extend_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
     (prefilled once, untimed), after one warm-up step, and with `--profile` the profile of
     one more. Each run's requests arrive with the contexts as a prefix-cache hit and leave
     the runner after it."""
+    beside = _Sequences(runner, "beside", Shape("decode", shape.decodes_beside,
+                                                shape.decode_context_len),
+                        _beside_blocks_per_seq(shape, args), rng)
+    try:
+        beside.prefill(args.max_num_batched_tokens)
+        return _extend_turns_s(runner, shape, args, rng, beside)
+    finally:
+        beside.finish()
+
+
+def _extend_turns_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
+                    rng: np.random.Generator, beside: _Sequences
+                    ) -> tuple[float, StepProfile | None]:
+    """`_extend_run_s` once the decodes `beside` the chunks (none, or prefilled) are in."""
     full = replace(shape, seq_len=shape.context_len + shape.seq_len)
-    filled = _Sequences(runner, "extend", full, _blocks_per_seq(shape, args), rng)
+    first_block = shape.decodes_beside * _beside_blocks_per_seq(shape, args)
+    filled = _Sequences(runner, "extend", full, _blocks_per_seq(shape, args), rng,
+                        first_block=first_block)
     try:
         filled.prefill(args.max_num_batched_tokens, up_to=shape.context_len)
     finally:
@@ -471,7 +527,8 @@ def _extend_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
             turn.finish()
 
     def chunks(turn: _Sequences) -> float:
-        return turn.step(dict.fromkeys(turn.prompts, shape.seq_len))
+        return _step_together({turn: dict.fromkeys(turn.prompts, shape.seq_len),
+                               beside: dict.fromkeys(beside.prompts, 1)})
 
     run_s = [measured(index, chunks) for index in range(1 + args.repeats)]
     step_profile = None
@@ -568,12 +625,13 @@ class _Sequences:
     """`shape.batch_size` requests with random prompts of `shape.seq_len` tokens, stepped
     through `runner` by hand-built `SchedulerOutput`s as the scheduler would send them: in full
     the first step a request is scheduled, as deltas after. Request `i` owns the consecutive
-    blocks from `i * blocks_per_seq`; they are all given up front, so no step adds blocks.
+    blocks from `first_block + i * blocks_per_seq`; they are all given up front, so no step
+    adds blocks.
     Their sampling is `shape.sampling`'s; under `grammar`, request `i` may sample the tokens
     of a random bitmask drawn once (`grammar_words[i]`), sent with every step it samples in."""
 
     def __init__(self, runner: ModelRunner, name: str, shape: Shape, blocks_per_seq: int,
-                 rng: np.random.Generator):
+                 rng: np.random.Generator, first_block: int = 0):
         vocab_size = runner.arch.vocab_size
         prompts = [rng.integers(0, vocab_size, shape.seq_len).tolist()
                    for _ in range(shape.batch_size)]
@@ -581,21 +639,23 @@ class _Sequences:
         if shape.sampling == "grammar":
             grammar_words = rng.integers(-2**31, 2**31, (shape.batch_size, -(-vocab_size // 32)),
                                          dtype=np.int64).astype(np.int32)
-        self._start(runner, name, prompts, blocks_per_seq, [0] * len(prompts), shape.sampling,
-                    grammar_words)
+        self._start(runner, name, prompts, blocks_per_seq, first_block, [0] * len(prompts),
+                    shape.sampling, grammar_words)
 
     def _start(self, runner: ModelRunner, name: str, prompts: list[list[int]],
-               blocks_per_seq: int, num_computed: list[int], sampling: SamplingName,
-               grammar_words: np.ndarray | None) -> None:
+               blocks_per_seq: int, first_block: int, num_computed: list[int],
+               sampling: SamplingName, grammar_words: np.ndarray | None) -> None:
         """Requests `name-0` onwards, none sent yet: request `i` has prompt `prompts[i]`,
-        blocks from `i * blocks_per_seq` and `num_computed[i]` tokens already cached."""
+        blocks from `first_block + i * blocks_per_seq` and `num_computed[i]` tokens already
+        cached."""
         self.runner = runner
         self.blocks_per_seq = blocks_per_seq
+        self.first_block = first_block
         self.sampling = sampling
         self.grammar_words = grammar_words
         self.prompts = {f"{name}-{index}": prompt for index, prompt in enumerate(prompts)}
-        self.block_ids = {req_id: list(range(index * blocks_per_seq,
-                                             (index + 1) * blocks_per_seq))
+        self.block_ids = {req_id: list(range(first_block + index * blocks_per_seq,
+                                             first_block + (index + 1) * blocks_per_seq))
                           for index, req_id in enumerate(self.prompts)}
         self.num_computed = dict(zip(self.prompts, num_computed, strict=True))
         self.sent: set[str] = set()
@@ -650,6 +710,11 @@ class _Sequences:
     def launch(self, num_tokens: dict[str, int]) -> PendingStep:
         """Launches one runner step scheduling `num_tokens[req_id]` tokens of each named
         request; its tokens are read by the returned step's `result`."""
+        return self.runner.submit(self.scheduled(num_tokens))
+
+    def scheduled(self, num_tokens: dict[str, int]) -> SchedulerOutput:
+        """The step scheduling `num_tokens[req_id]` tokens of each named request, counted as
+        sent and computed: the caller submits it (alone, or merged: `_step_together`)."""
         new = [NewRequestData(req_id=req_id, prompt_token_ids=self.prompts[req_id],
                               output_token_ids=[], sampling_params=SAMPLINGS[self.sampling],
                               block_ids=self.block_ids[req_id],
@@ -666,11 +731,10 @@ class _Sequences:
             grammar_bitmask=self._grammar_bitmask(num_tokens))
         # Marked before the step: if it fails (out of memory), the runner holds them already.
         self.sent.update(num_tokens)
-        launched = self.runner.submit(output)
         for req_id, count in num_tokens.items():
             self.num_computed[req_id] += count
         self.step_id += 1
-        return launched
+        return output
 
     def _grammar_bitmask(self, num_tokens: dict[str, int]) -> GrammarBitmask | None:
         """The bitmask rows of the step's requests that sample (reach the end of their
@@ -693,7 +757,8 @@ class _Sequences:
             raise ValueError("these requests are still in the runner: finish them first")
         again = _Sequences.__new__(_Sequences)
         again._start(self.runner, name, list(self.prompts.values()), self.blocks_per_seq,
-                     list(self.num_computed.values()), self.sampling, self.grammar_words)
+                     self.first_block, list(self.num_computed.values()), self.sampling,
+                     self.grammar_words)
         return again
 
     def finish(self) -> None:
@@ -703,3 +768,33 @@ class _Sequences:
             num_scheduled_tokens={}, total_num_scheduled_tokens=0,
             finished_req_ids=set(self.sent), preempted_req_ids=set()))
 
+
+
+def _step_together(groups: dict[_Sequences, dict[str, int]]) -> float:
+    """One runner step scheduling tokens of several groups' requests (`_Sequences.scheduled`
+    of each, merged); returns the seconds it took to launch and read back."""
+    outputs = [sequences.scheduled(num_tokens) for sequences, num_tokens in groups.items()
+               if num_tokens]
+    step = outputs[0] if len(outputs) == 1 else _merged(outputs)
+    runner = next(iter(groups)).runner
+    started_s = time.perf_counter()
+    runner.submit(step).result()
+    return time.perf_counter() - started_s
+
+
+def _merged(outputs: list[SchedulerOutput]) -> SchedulerOutput:
+    """One step of several groups' steps (the first's id); ValueError under a grammar."""
+    if any(output.grammar_bitmask is not None for output in outputs):
+        raise ValueError("steps of several groups are merged without grammars")
+    cached = [output.scheduled_cached_reqs for output in outputs]
+    num_scheduled = {req_id: count for output in outputs
+                     for req_id, count in output.num_scheduled_tokens.items()}
+    return SchedulerOutput(
+        step_id=outputs[0].step_id,
+        scheduled_new_reqs=[new for output in outputs for new in output.scheduled_new_reqs],
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=[req_id for part in cached for req_id in part.req_ids],
+            new_block_ids=[blocks for part in cached for blocks in part.new_block_ids],
+            num_computed_tokens=[count for part in cached for count in part.num_computed_tokens]),
+        num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
+        finished_req_ids=set(), preempted_req_ids=set())

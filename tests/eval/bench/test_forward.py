@@ -15,13 +15,21 @@ from engine.model.tiny import TINY_MODEL_DIR
 from engine.outputs import PendingStep
 from engine.scheduler.output import SchedulerOutput
 from engine.worker.model_runner import ModelRunner
-from eval.bench.forward import SAMPLINGS, SamplingName, Shape, _PrefillRun, _Sequences
+from eval.bench.forward import (
+    SAMPLINGS,
+    SamplingName,
+    Shape,
+    _PrefillRun,
+    _Sequences,
+    _step_together,
+)
 
 
 def test_tiny_config_writes_a_sane_report(tmp_path: Path) -> None:
     json_path, table_path = tmp_path / "forward.json", tmp_path / "forward.md"
     code = main(["bench", "forward", "--config", str(TINY_MODEL_DIR / "config.json"),
                  "--decode", "1x40", "3x20", "--prefill", "2x24", "--extend", "2x6@30",
+                 "1x5@20+3x12",
                  "--decode-steps", "3",
                  "--repeats", "2", "--max-num-batched-tokens", "16", "--async-scheduling",
                  "--json", str(json_path), "--markdown", str(table_path)])
@@ -33,15 +41,19 @@ def test_tiny_config_writes_a_sane_report(tmp_path: Path) -> None:
     assert report["attention_backend"] == "sdpa" and report["cuda_graphs"] is False  # auto
     results = report["results"]
     assert [(r["kind"], r["batch_size"], r["seq_len"]) for r in results] == [
-        ("decode", 1, 40), ("decode", 3, 20), ("prefill", 2, 24), ("extend", 2, 6)]
-    assert results[-1]["context_len"] == 30
+        ("decode", 1, 40), ("decode", 3, 20), ("prefill", 2, 24), ("extend", 2, 6),
+        ("extend", 1, 5)]
+    assert results[-2]["context_len"] == 30
+    assert (results[-1]["decodes_beside"], results[-1]["decode_context_len"]) == (3, 12)
     for result in results:
         assert result["error"] is None and result["step_ms"] > 0
         num_tokens = result["batch_size"] * (1 if result["kind"] == "decode" else result["seq_len"])
+        num_tokens += result["decodes_beside"]
         assert result["tokens_per_s"] == pytest.approx(num_tokens / result["step_ms"] * 1e3)
     table = table_path.read_text()
     assert "| decode, batch 3, context 20 |" in table and "| prefill 2 x 24 |" in table
     assert "| extend 2 x 6 over 30 cached |" in table
+    assert "| extend 1 x 5 over 20 cached, beside 3 decodes at 12 |" in table
 
 
 def test_sequences_follow_the_runner_through_chunked_prefill_and_decode() -> None:
@@ -124,7 +136,12 @@ def test_shapes_are_parsed_or_refused() -> None:
             Shape.parse("prefill", text)
     assert Shape.parse("extend", "1x256@30000") == Shape("extend", 1, 256, context_len=30000)
     assert Shape.parse("extend", "1x256@30000").label == "extend 1 x 256 over 30,000 cached"
-    for text in ("1x256", "1x256@0", "1x256@x", "1x2x3@5", "0x8@5"):
+    assert Shape.parse("extend", "1x256@8000+32x1024") == Shape(
+        "extend", 1, 256, context_len=8000, decodes_beside=32, decode_context_len=1024)
+    assert (Shape.parse("extend", "1x256@8000+32x1024").label
+            == "extend 1 x 256 over 8,000 cached, beside 32 decodes at 1,024")
+    for text in ("1x256", "1x256@0", "1x256@x", "1x2x3@5", "0x8@5", "1x2@5+", "1x2@5+3",
+                 "1x2@5+0x4", "1x2@5+3x0", "1x2@5+3x4x1", "1x2@5+3x4+1x1"):
         with pytest.raises(argparse.ArgumentTypeError, match="BATCHxTOKENS"):
             Shape.parse("extend", text)
 
@@ -158,6 +175,43 @@ def test_an_extend_turn_arrives_as_a_prefix_hit_and_samples_what_a_whole_prefill
     rows = [batch.row_of[req_id] for req_id in whole.prompts]
     assert batch.token_ids[rows, 30].tolist() == sampled
     whole.finish()
+    assert batch.num_reqs == 0
+
+
+def test_a_turn_beside_decodes_is_one_step_of_both_on_blocks_of_their_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = ModelRunner(EngineConfig(
+        model=ModelConfig(model="tiny"), cache=CacheConfig(block_size=4, num_kv_blocks=40),
+        scheduler=SchedulerConfig(max_model_len=40, max_num_batched_tokens=16, max_num_seqs=5)))
+    rng = np.random.default_rng(0)
+    beside = _Sequences(runner, "d", Shape("decode", 3, 10), blocks_per_seq=4, rng=rng)
+    beside.prefill(token_budget=16)
+    filled = _Sequences(runner, "s", Shape("prefill", 2, 30), blocks_per_seq=8, rng=rng,
+                        first_block=12)
+    filled.prefill(token_budget=16, up_to=24)
+    filled.finish()
+    turn = filled.arriving_again("t")
+    assert turn.block_ids["t-0"][0] == 12 and beside.block_ids["d-2"][-1] == 11
+    steps: list[SchedulerOutput] = []
+    submit = runner.submit
+
+    def spy(output: SchedulerOutput) -> PendingStep:
+        steps.append(output)
+        return submit(output)
+
+    monkeypatch.setattr(runner, "submit", spy)
+    assert _step_together({turn: dict.fromkeys(turn.prompts, 6),
+                           beside: dict.fromkeys(beside.prompts, 1)}) > 0
+    step, = steps
+    assert step.num_scheduled_tokens == {"t-0": 6, "t-1": 6, "d-0": 1, "d-1": 1, "d-2": 1}
+    assert step.total_num_scheduled_tokens == 15
+    assert [new.req_id for new in step.scheduled_new_reqs] == ["t-0", "t-1"]
+    assert step.scheduled_cached_reqs.req_ids == ["d-0", "d-1", "d-2"]
+    batch = runner.batch
+    assert [int(batch.num_tokens[batch.row_of[req_id]])
+            for req_id in [*turn.prompts, *beside.prompts]] == [31, 31, 12, 12, 12]
+    turn.finish()
+    beside.finish()
     assert batch.num_reqs == 0
 
 
