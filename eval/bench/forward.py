@@ -363,8 +363,8 @@ def _model_dir(args: argparse.Namespace, scratch: Path) -> str:
 def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) -> EngineConfig:
     """A runner config whose KV pool, sequence length and batch hold the largest shape."""
     num_blocks = max(_num_blocks(shape, args) for shape in shapes)
-    max_prefill_tokens = max((shape.batch_size * shape.seq_len for shape in shapes
-                              if shape.kind != "decode"), default=0)
+    max_prefill_tokens = max((shape.batch_size * shape.seq_len + shape.decodes_beside
+                              for shape in shapes if shape.kind != "decode"), default=0)
     max_model_len = max(_positions(shape, args) for shape in shapes)
     return EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, load_format="dummy",
