@@ -227,9 +227,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_PREFILL_SHAPES, metavar="BATCHxTOKENS",
                         help="prefill shapes (none: skip prefill)")
     parser.add_argument("--extend", nargs="*", type=functools.partial(Shape.parse, "extend"),
-                        default=[], metavar="BATCHxTOKENS@CONTEXT",
+                        default=[], metavar="BATCHxTOKENS@CONTEXT[+DECODESxDCONTEXT]",
                         help="chunks of TOKENS over CONTEXT cached tokens, an agent's next "
-                             "turn (default: none)")
+                             "turn, in a step with a token of each of DECODES requests "
+                             "decoding after DCONTEXT tokens if given (default: none)")
     parser.add_argument("--sampling", nargs="+", choices=get_args(SamplingName),
                         default=["greedy"],
                         help="what the requests ask of the sampler: each shape runs under "
@@ -495,9 +496,12 @@ def _extend_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
     """Seconds of the median timed step of `shape.seq_len`-token chunks over the contexts
     (prefilled once, untimed), after one warm-up step, and with `--profile` the profile of
     one more. Each run's requests arrive with the contexts as a prefix-cache hit and leave
-    the runner after it."""
+    the runner after it. The decodes beside them (`shape.decodes_beside`, under the shape's
+    sampling) are prefilled once, untimed, and stay in the runner for the whole shape, a
+    token longer after each step."""
     beside = _Sequences(runner, "beside", Shape("decode", shape.decodes_beside,
-                                                shape.decode_context_len),
+                                                shape.decode_context_len,
+                                                sampling=shape.sampling),
                         _beside_blocks_per_seq(shape, args), rng)
     try:
         beside.prefill(args.max_num_batched_tokens)
@@ -714,7 +718,13 @@ class _Sequences:
 
     def scheduled(self, num_tokens: dict[str, int]) -> SchedulerOutput:
         """The step scheduling `num_tokens[req_id]` tokens of each named request, counted as
-        sent and computed: the caller submits it (alone, or merged: `_step_together`)."""
+        sent and computed: the caller submits it (alone, or merged: `_step_together`).
+        ValueError if a request would pass the end of its blocks."""
+        capacity = self.blocks_per_seq * self.runner.block_size
+        for req_id, count in num_tokens.items():
+            if self.num_computed[req_id] + count > capacity:
+                raise ValueError(f"{req_id} would hold {self.num_computed[req_id] + count} "
+                                 f"tokens in blocks of {capacity}")
         new = [NewRequestData(req_id=req_id, prompt_token_ids=self.prompts[req_id],
                               output_token_ids=[], sampling_params=SAMPLINGS[self.sampling],
                               block_ids=self.block_ids[req_id],
@@ -773,19 +783,17 @@ class _Sequences:
 def _step_together(groups: dict[_Sequences, dict[str, int]]) -> float:
     """One runner step scheduling tokens of several groups' requests (`_Sequences.scheduled`
     of each, merged); returns the seconds it took to launch and read back."""
+    started_s = time.perf_counter()  # building the step counts, as in `_Sequences.step`
     outputs = [sequences.scheduled(num_tokens) for sequences, num_tokens in groups.items()
                if num_tokens]
     step = outputs[0] if len(outputs) == 1 else _merged(outputs)
-    runner = next(iter(groups)).runner
-    started_s = time.perf_counter()
-    runner.submit(step).result()
+    next(iter(groups)).runner.submit(step).result()
     return time.perf_counter() - started_s
 
 
 def _merged(outputs: list[SchedulerOutput]) -> SchedulerOutput:
-    """One step of several groups' steps (the first's id); ValueError under a grammar."""
-    if any(output.grammar_bitmask is not None for output in outputs):
-        raise ValueError("steps of several groups are merged without grammars")
+    """One step of several groups' steps (the first's id), their grammars' rows joined."""
+    masks = [output.grammar_bitmask for output in outputs if output.grammar_bitmask is not None]
     cached = [output.scheduled_cached_reqs for output in outputs]
     num_scheduled = {req_id: count for output in outputs
                      for req_id, count in output.num_scheduled_tokens.items()}
@@ -797,4 +805,7 @@ def _merged(outputs: list[SchedulerOutput]) -> SchedulerOutput:
             new_block_ids=[blocks for part in cached for blocks in part.new_block_ids],
             num_computed_tokens=[count for part in cached for count in part.num_computed_tokens]),
         num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=sum(num_scheduled.values()),
-        finished_req_ids=set(), preempted_req_ids=set())
+        finished_req_ids=set(), preempted_req_ids=set(),
+        grammar_bitmask=GrammarBitmask([req_id for mask in masks for req_id in mask.req_ids],
+                                       np.concatenate([mask.words for mask in masks]))
+        if masks else None)

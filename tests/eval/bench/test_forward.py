@@ -19,6 +19,7 @@ from eval.bench.forward import (
     SAMPLINGS,
     SamplingName,
     Shape,
+    _engine_config,
     _PrefillRun,
     _Sequences,
     _step_together,
@@ -246,6 +247,56 @@ def test_prefills_back_to_back_leave_the_runner_empty(backend: str, pipelined: b
     assert runner.batch.num_tokens[rows].tolist() == [13, 13]  # the prompt and one sampled
     prefill_run.finish()
     assert runner.batch.num_reqs == 0
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "grammar"])
+def test_a_turn_beside_decodes_runs_on_blocks_of_its_own_and_every_step_has_both(
+        sampling: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Alone in its runner (the pool sized by this shape only), profiled (the decodes gain a
+    # token a warm-up, timed, profiled and sampled step), in blocks of 4 tokens.
+    steps: list[tuple[SchedulerOutput, int]] = []
+    submit = ModelRunner.submit
+
+    def spy(runner: ModelRunner, output: SchedulerOutput) -> PendingStep:
+        steps.append((output, runner.num_kv_blocks))
+        return submit(runner, output)
+
+    monkeypatch.setattr(ModelRunner, "submit", spy)
+    json_path = tmp_path / "forward.json"
+    assert main(["bench", "forward", "--decode", "--prefill", "--extend", "1x4@20+2x10",
+                 "--block-size", "4", "--max-num-batched-tokens", "4", "--repeats", "2",
+                 "--profile", "--sampling", sampling, "--json", str(json_path)]) == 0
+    result, = json.loads(json_path.read_text())["results"]
+    assert result["error"] is None
+    blocks: dict[str, set[int]] = {}
+    for output, num_kv_blocks in steps:
+        for new in output.scheduled_new_reqs:
+            assert max(new.block_ids) < num_kv_blocks
+            blocks.setdefault(new.req_id.split("-")[0], set()).update(new.block_ids)
+    decode_blocks = blocks.pop("beside")
+    assert all(not decode_blocks & turn_blocks for turn_blocks in blocks.values())
+    turns = [output for output, _ in steps if any(
+        req_id.startswith("extend") and not req_id.startswith("extend-")
+        for req_id in output.num_scheduled_tokens)]
+    assert len(turns) == 1 + 2 + 1 + 4  # warm-up, timed, profiled and sampled
+    for output in turns:
+        assert output.num_scheduled_tokens["beside-0"] == 1
+        assert output.num_scheduled_tokens["beside-1"] == 1
+        assert output.total_num_scheduled_tokens == 6
+        if sampling == "grammar":
+            assert output.grammar_bitmask is not None
+            assert len(output.grammar_bitmask.req_ids) == 3  # the turn's and both decodes'
+
+
+def test_a_turn_beside_decodes_counts_them_in_the_step_budget() -> None:
+    args = argparse.Namespace(block_size=4, decode_steps=1, repeats=1, profile=False,
+                              max_num_batched_tokens=4, dtype="auto", seed=0, device="cpu",
+                              attention_backend="auto", layer_kernels="auto",
+                              enforce_eager=False, piecewise_graphs=False, quantization="none",
+                              kv_cache_dtype="auto")
+    config = _engine_config(args, "tiny", [Shape.parse("extend", "1x4@20+3x10")])
+    assert config.scheduler.max_num_batched_tokens == 7
+    assert config.scheduler.max_num_seqs == 4
 
 
 def test_prefills_back_to_back_are_a_shape_of_their_own(tmp_path: Path) -> None:
