@@ -95,8 +95,10 @@ class HostStacks:
             while not self._stop.wait(self.interval_s):
                 frame = sys._current_frames().get(target)
                 now_s = time.perf_counter()
-                # Not the sampler's own start or exit.
-                if frame is not None and self._entered.is_set() and not self._stop.is_set():
+                # Not the sampler's own start or exit: the flags bound it, but the thread
+                # may be sampled inside `__enter__` or `__exit__` before either flag moves.
+                if (frame is not None and self._entered.is_set() and not self._stop.is_set()
+                        and not _in_sampler(frame)):
                     self._record(frame, now_s - last_s)
                 last_s = now_s
         except BaseException as error:  # handed to the sampled thread on exit
@@ -137,6 +139,19 @@ class HostStacks:
         lines += [f"| {1e3 * seconds / per:.2f} | {_share(seconds, total_s)} | {own_line} |"
                   for own_line, seconds in self.inclusive_seconds.most_common(rows)]
         return "\n".join(lines)
+
+
+_SAMPLER_CODES = frozenset({HostStacks.__enter__.__code__, HostStacks.__exit__.__code__})
+
+
+def _in_sampler(frame: FrameType | None) -> bool:
+    """Whether a stack runs the sampler's own start or exit (`HostStacks.__enter__` or
+    `__exit__`, or what they call)."""
+    while frame is not None:
+        if frame.f_code in _SAMPLER_CODES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _share(seconds: float, total_s: float) -> str:

@@ -103,3 +103,21 @@ def test_a_sampler_is_entered_once_at_a_time_and_needs_positive_figures() -> Non
         stacks.__enter__()
     with pytest.raises(ValueError, match="num_steps"):
         stacks.table(num_steps=0)
+
+
+def test_the_sampler_s_own_exit_is_recognised_and_never_recorded() -> None:
+    # The thread can be sampled inside `__exit__` before the stop flag is set; such a stack
+    # (here, the join of the sampling thread) is the sampler's own.
+    seen: list[bool] = []
+    stacks = HostStacks(interval_s=0.001)
+    with stacks:
+        thread = stacks._thread
+        assert thread is not None
+
+        class Joining:
+            def join(self) -> None:
+                seen.append(host_stacks._in_sampler(sys._getframe()))
+                thread.join()
+
+        stacks._thread = Joining()  # type: ignore[assignment]
+    assert seen == [True] and not host_stacks._in_sampler(sys._getframe())
