@@ -32,9 +32,10 @@
 #               kernel's keys, 4 x 256 over 8,000, which does not, and 256 over 8,000 beside
 #               32 decodes at 1k (forward-extend-triton, --extend), and the same with
 #               --piecewise-graphs (forward-extend-triton-piecewise: CUDA graphs of the
-#               pieces between attentions); decode batch 32 and 128 at 1k under each kind of sampling
-#               (forward-sampling-triton, --sampling: greedy, random, nucleus, seeded,
-#               penalties, grammar); on cuda also SmolLM2-135M's shapes with the triton backend
+#               pieces between attentions); decode batch 32 and 128 at 1k under each kind
+#               of sampling (forward-sampling-triton, --sampling: greedy, random, nucleus,
+#               seeded, penalties, grammar); on cuda also SmolLM2-135M's shapes with the
+#               triton backend
 #   throughput  `bench throughput --impl engine`: 256 requests, prompts 128-1,024 tokens,
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
