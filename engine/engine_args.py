@@ -54,9 +54,13 @@ _HELP = {
     ),
     "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
     "piecewise_graphs": (
-        "run steps that are not decode-only (up to 512 tokens) as CUDA graphs of the "
-        "forward's pieces between attentions, the attentions eager (CUDA; off by default "
+        "run steps that are not decode-only (up to --piecewise-max-tokens) as CUDA graphs of "
+        "the forward's pieces between attentions, the attentions eager (CUDA; off by default "
         "until measured on a GPU)"
+    ),
+    "piecewise_max_tokens": (
+        "the largest step, in tokens, that --piecewise-graphs captures (buckets of about a "
+        "quarter of a doubling above 512; capped by --max-num-batched-tokens)"
     ),
     "quantization": (
         "none | fp8: the decoder layers' projection weights in float8 e4m3 (a scale per "
@@ -152,6 +156,7 @@ class EngineArgs:
     layer_kernels: LayerKernelsName = ModelConfig.layer_kernels
     enforce_eager: bool = ModelConfig.enforce_eager
     piecewise_graphs: bool = ModelConfig.piecewise_graphs
+    piecewise_max_tokens: int = ModelConfig.piecewise_max_tokens
     quantization: Quantization = ModelConfig.quantization
     cpu_threads: int | None = ModelConfig.cpu_threads
     leave_core_to_frontend: bool | None = ModelConfig.leave_core_to_frontend
@@ -206,6 +211,7 @@ class EngineArgs:
                               layer_kernels=self.layer_kernels,
                               enforce_eager=self.enforce_eager,
                               piecewise_graphs=self.piecewise_graphs,
+                              piecewise_max_tokens=self.piecewise_max_tokens,
                               quantization=self.quantization,
                               cpu_threads=self.cpu_threads,
                               leave_core_to_frontend=self.leave_core_to_frontend),

@@ -8,8 +8,9 @@ whose `result` waits for its sampled tokens (`execute_model` does both). Each st
    attention metadata (through the attention backend); an input token that an earlier step
    sampled and the host has not read back yet is taken from the device (`runner_step.py`),
 3. runs the model (a decode-only step on static buffers, replaying a CUDA graph where
-   available: `decode_graphs.py`; with `piecewise_graphs` another step of up to 512 tokens
-   replays graphs of the pieces between attentions: `piecewise_graphs.py`), computes
+   available: `decode_graphs.py`; with `piecewise_graphs` another step of up to
+   `piecewise_max_tokens` replays graphs of the pieces between attentions:
+   `piecewise_graphs.py`), computes
    logits only for requests that reach the end of their known tokens (a partial prefill
    samples nothing), samples, appends placeholders for the sampled tokens to its rows and
    starts copying the ids to pinned host memory; `result` waits for that copy and fills
@@ -291,7 +292,8 @@ class ModelRunner:
         if not self.config.model.piecewise_graphs or self.config.model.enforce_eager:
             return ()
         scheduler = self.config.scheduler
-        return piecewise_buckets(min(scheduler.max_num_batched_tokens, scheduler.max_model_len))
+        return piecewise_buckets(min(scheduler.max_num_batched_tokens, scheduler.max_model_len),
+                                 self.config.model.piecewise_max_tokens)
 
     def _piecewise_graphs(self) -> PiecewiseGraphs | None:
         """Steps that are not decode-only on static buffers (`_piecewise_buckets`), captured

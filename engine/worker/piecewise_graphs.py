@@ -20,8 +20,8 @@ can share that pool in any order of replay.
 
 Where an eager step is bound by the host's launches (a short chunk over a long context: a
 few hundred kernels a step, each launched from Python), the graphs leave it the attention's
-launches and one replay a piece. Large steps gain nothing (their device time exceeds their
-launches'), so buckets stop at `MAX_PIECEWISE_TOKENS`.
+launches and one replay a piece. Large steps gain little where their device time exceeds
+their launches', so buckets stop at `ModelConfig.piecewise_max_tokens` (512 by default).
 
 Owned by the model runner, which calls `run` for the steps that fit a bucket and are not
 decode-only steps on the decode graphs (`decode_graphs.py`).
@@ -37,18 +37,25 @@ from engine.model.attention import AttentionMetadata
 from engine.model.llama import AttentionInputs, LlamaForCausalLM
 from engine.worker.decode_graphs import bucket_for
 
-# The largest step captured, in tokens. From about this size a step of an 8B model keeps an
-# H100 busier than its eager launches keep the host (a 2,048-token prefill: 50 ms on the
-# device against a few ms of launches), and each bucket costs start-up time and memory.
-MAX_PIECEWISE_TOKENS = 512
+# Buckets up to this size: 8, 16, then steps of 16, 32 and 64 (`piecewise_buckets`).
+_SMALL_BUCKETS = (8, 16, *range(32, 65, 16), *range(96, 257, 32), *range(320, 513, 64))
+# Above the small buckets, each doubling is cut in this many equal steps: at 4 a step of n
+# tokens pads fewer than n / 4 rows.
+_BUCKETS_A_DOUBLING = 4
 
 
-def piecewise_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
-    """Token counts captured: 8, 16, then steps of 16 to 64, of 32 to 256 and of 64 to
-    `MAX_PIECEWISE_TOKENS`; a step budget below that is itself the largest bucket."""
-    sizes = {8, 16, *range(32, 65, 16), *range(96, 257, 32),
-             *range(320, MAX_PIECEWISE_TOKENS + 1, 64)}
-    limit = min(max_num_batched_tokens, MAX_PIECEWISE_TOKENS)
+def piecewise_buckets(max_num_batched_tokens: int, max_tokens: int) -> tuple[int, ...]:
+    """Token counts captured: 8, 16, then steps of 16 to 64, of 32 to 256, of 64 to 512 and
+    of a quarter of the last power of two beyond (640, 768, 896, 1,024, 1,280, ...), up to
+    `max_tokens` (`ModelConfig.piecewise_max_tokens`); the smaller of `max_tokens` and the
+    step budget is itself the largest bucket."""
+    limit = min(max_num_batched_tokens, max_tokens)
+    sizes = set(_SMALL_BUCKETS)
+    power = _SMALL_BUCKETS[-1]
+    while power < limit:
+        sizes.update(range(power + power // _BUCKETS_A_DOUBLING, 2 * power + 1,
+                           power // _BUCKETS_A_DOUBLING))
+        power *= 2
     return tuple(sorted({size for size in sizes if size < limit} | {limit}))
 
 

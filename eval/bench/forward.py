@@ -215,8 +215,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--piecewise-graphs", action="store_true",
-                        help="run steps that are not decode-only (up to 512 tokens) as CUDA "
-                             "graphs of the forward's pieces between attentions")
+                        help="run steps that are not decode-only (up to "
+                             "--piecewise-max-tokens) as CUDA graphs of the forward's pieces "
+                             "between attentions")
+    parser.add_argument("--piecewise-max-tokens", type=int,
+                        default=ModelConfig.piecewise_max_tokens,
+                        help="the largest step that --piecewise-graphs captures (default: "
+                             "%(default)s)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         help="launch each decode step before reading the previous one's "
                              "tokens (default: on CUDA, as the engine core)")
@@ -374,6 +379,7 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
                           layer_kernels=args.layer_kernels,
                           enforce_eager=args.enforce_eager,
                           piecewise_graphs=args.piecewise_graphs,
+                          piecewise_max_tokens=args.piecewise_max_tokens,
                           quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks,
                           kv_cache_dtype=args.kv_cache_dtype),

@@ -13,11 +13,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.model.attention import AttentionMetadata
 from engine.worker.model_runner import ModelRunner
-from engine.worker.piecewise_graphs import (
-    MAX_PIECEWISE_TOKENS,
-    PiecewiseGraphs,
-    piecewise_buckets,
-)
+from engine.worker.piecewise_graphs import PiecewiseGraphs, piecewise_buckets
 from tests.engine.worker.test_model_runner import make_runner, prompt, request, run
 
 BLOCK_SIZE = 8
@@ -27,18 +23,31 @@ HIDDEN_TOLERANCE = {"atol": 1e-4, "rtol": 1e-4} if ON_CUDA else {"atol": 1e-5, "
 
 
 def test_buckets_step_up_to_the_budget_or_the_largest_captured_step() -> None:
-    assert piecewise_buckets(2048)[:8] == (8, 16, 32, 48, 64, 96, 128, 160)
-    assert piecewise_buckets(2048)[-3:] == (384, 448, MAX_PIECEWISE_TOKENS)
-    assert piecewise_buckets(100)[-3:] == (64, 96, 100)
-    assert piecewise_buckets(5) == (5,)
-    assert all(b - a <= 64 for a, b in itertools.pairwise(piecewise_buckets(4096)))
+    assert piecewise_buckets(2048, 512)[:8] == (8, 16, 32, 48, 64, 96, 128, 160)
+    assert piecewise_buckets(2048, 512)[-3:] == (384, 448, 512)
+    assert piecewise_buckets(100, 512)[-3:] == (64, 96, 100)
+    assert piecewise_buckets(5, 512) == (5,)
+    assert piecewise_buckets(2048, 40)[-2:] == (32, 40)
+    assert all(b - a <= 64 for a, b in itertools.pairwise(piecewise_buckets(4096, 512)))
+
+
+def test_beyond_512_tokens_each_doubling_takes_four_buckets() -> None:
+    assert piecewise_buckets(2048, 2048)[-9:] == (512, 640, 768, 896, 1024, 1280, 1536, 1792,
+                                                  2048)
+    assert piecewise_buckets(16384, 8192)[-4:] == (5120, 6144, 7168, 8192)
+    assert piecewise_buckets(1000, 2048)[-2:] == (896, 1000)
+    # Beyond 512 a step of n tokens pads fewer than n / 4 rows: the worst is one token past a
+    # bucket.
+    buckets = piecewise_buckets(16384, 16384)
+    assert all(b - (a + 1) < (a + 1) / 4 for a, b in itertools.pairwise(buckets) if a >= 512)
 
 
 def piecewise_runner(attention_backend: str = "sdpa", max_num_batched_tokens: int = 64,
-                     enabled: bool = True) -> ModelRunner:
+                     enabled: bool = True, max_tokens: int = 512) -> ModelRunner:
     return ModelRunner(EngineConfig(
         model=ModelConfig(model="tiny", attention_backend=attention_backend,  # type: ignore[arg-type]
-                          dtype="float32", piecewise_graphs=enabled),
+                          dtype="float32", piecewise_graphs=enabled,
+                          piecewise_max_tokens=max_tokens),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=64),
         scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=8),
@@ -189,3 +198,40 @@ def test_without_the_option_or_with_enforce_eager_no_step_runs_by_pieces() -> No
         cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=16),
         scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2)))
     assert runner.piecewise_graphs is None and runner._piecewise_peak_bytes([]) == 0
+
+
+def test_a_step_beyond_the_largest_captured_step_runs_eagerly_and_samples_as_without(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = piecewise_runner(max_num_batched_tokens=32, max_tokens=16)
+    graphs = runner.piecewise_graphs
+    assert graphs is not None and graphs.buckets[-1] == 16
+    steps_by_pieces: list[int] = []
+    graphs_run = graphs.run
+
+    def spy(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        steps_by_pieces.append(input_ids.shape[0])
+        return graphs_run(input_ids, *args)
+
+    eager_steps: list[int] = []
+    model_forward = runner.model.forward
+
+    def eager_spy(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        eager_steps.append(input_ids.shape[0])
+        return model_forward(input_ids, *args)
+
+    monkeypatch.setattr(graphs, "run", spy)
+    monkeypatch.setattr(runner.model, "forward", eager_spy)
+
+    def requests() -> list:
+        return [request("long", prompt(30, 5), max_tokens=4),
+                request("short", prompt(6, 6), max_tokens=4)]
+
+    expected = run(piecewise_runner(max_num_batched_tokens=32, enabled=False), requests())[0]
+    assert run(runner, requests())[0] == expected
+    # The prompts' first step fills the 32-token budget and runs eagerly; the rest, by pieces.
+    assert eager_steps == [32] and steps_by_pieces and max(steps_by_pieces) <= 16
+
+
+def test_the_largest_captured_step_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="piecewise_max_tokens must be a positive integer"):
+        ModelConfig(piecewise_graphs=True, piecewise_max_tokens=0)
