@@ -53,6 +53,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.model.attention import triton_kernels
 from engine.model.attention.triton_backend import causal_sdpa
+from eval import kernel_timing
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # (name, context tokens of each sequence, query tokens of each sequence)
@@ -68,31 +69,9 @@ CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 8", (0, 0), (8, 8)),
 
 def _device_times_us(fn: Callable[[], object]) -> dict[str, float | None]:
     """`fn`'s microseconds a call on CUDA: the device's from a graph's replay (None if its
-    capture fails), the eager calls' in device events, and the host's."""
-    from triton.testing import do_bench, do_bench_cudagraph
-
-    try:
-        graph_us: float | None = do_bench_cudagraph(fn, return_mode="median") * 1e3
-    except RuntimeError as error:
-        print(f"no CUDA graph of the call: {str(error).splitlines()[0]}", file=sys.stderr)
-        graph_us = None
-    eager_us = do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-    return {"us": graph_us, "eager_us": eager_us, "host_us": _host_us(fn, torch.cuda.synchronize)}
-
-
-def _host_us(fn: Callable[[], object], drain: Callable[[], object], calls: int = 200,
-             drain_every: int = 20) -> float:
-    """The median host microseconds of a call of `fn`, `drain` (waiting for the device's
-    queue) run untimed every `drain_every` calls."""
-    call_us = []
-    for index in range(calls):
-        if index % drain_every == 0:
-            drain()
-        started = time.perf_counter()
-        fn()
-        call_us.append((time.perf_counter() - started) * 1e6)
-    drain()
-    return statistics.median(call_us)
+    capture fails), the eager calls' in device events, and the host's (`eval.kernel_timing`)."""
+    return {"us": kernel_timing.graph_us(fn), "eager_us": kernel_timing.eager_us(fn),
+            "host_us": kernel_timing.host_us(fn, torch.cuda.synchronize)}
 
 
 class PrefillStep:

@@ -10,10 +10,17 @@ and the LM head keep the model's dtype.
 
 Scales are "rowwise": weight row `n` is divided by `max|W[n, :]| / 448` (448 is e4m3's
 largest value) and each input row by its own `max|x[m, :]| / 448`, so that `y = x W^T` is
-`(x_q W_q^T) * s_x[m] * s_w[n]`, with the product summed in float32 by `_scaled_mm`. This is
-the "fp8 dynamic, per channel" scheme of vLLM and FBGEMM. Each value keeps 3 mantissa bits:
-on random weights a projection's output differs from the bf16 one by a few percent of its
-largest value. Quality on real checkpoints is not evaluated here.
+`(x_q W_q^T) * s_x[m] * s_w[n]`, multiplied by `_scaled_mm`. This is the "fp8 dynamic, per
+channel" scheme of vLLM and FBGEMM. Each value keeps 3 mantissa bits: on random weights a
+projection's output differs from the bf16 one by a few percent of its largest value. Quality
+on real checkpoints is not evaluated here.
+
+The product uses the FP8 tensor cores' fast accumulation (`use_fast_accum=True`): on Hopper
+the running sums then stay in the tensor cores' own narrower accumulators rather than being
+promoted to float32 as they go. vLLM's CUTLASS FP8 kernels for Hopper accumulate that way,
+and torch's rowwise kernel is reported much slower without it; its error is one more term
+beside the rounding of values to 3 mantissa bits (`scripts/fp8_gemms.py` measures both the
+time and the difference on a GPU). CPU kernels ignore the flag.
 """
 
 from __future__ import annotations
@@ -123,7 +130,8 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         values, scales = quantize_rows(rows, self.use_triton)
         out = torch._scaled_mm(values, self.weight.t(), scale_a=scales,
-                               scale_b=self.weight_scale, out_dtype=x.dtype)
+                               scale_b=self.weight_scale, out_dtype=x.dtype,
+                               use_fast_accum=True)
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)

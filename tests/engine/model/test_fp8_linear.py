@@ -204,6 +204,24 @@ def test_fp8_linear_on_cuda_computes_the_dequantized_product(rows: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("in_features", [4096, 14336])
+def test_fast_accumulation_on_cuda_stays_near_the_exact_product(in_features: int) -> None:
+    # Llama-3.1-8B's reductions (hidden 4,096; the MLP's 14,336): the tensor cores' fast
+    # accumulation against float32 sums of the same float8 values and scales. A weight scale
+    # 8 % off would miss by several percent of the largest output.
+    cuda = torch.device("cuda")
+    check_fp8_supported(cuda, torch.bfloat16)
+    linear = _linear(in_features, 256, bias=False).to(cuda, torch.bfloat16)
+    quantized = Fp8Linear.quantize(linear, use_triton=True)
+    x = torch.randn(64, in_features, device=cuda, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = quantized(x).float()
+    values, scales = quantize_rows(x, use_triton=True)
+    exact = (values.float() * scales) @ (quantized.weight.float() * quantized.weight_scale.t()).t()
+    assert (out - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_an_engine_with_fp8_projections_generates_on_cuda() -> None:
     # Decode steps replay CUDA graphs captured with the FP8 products in them.
     llm = LLM(quantization="fp8", device="cuda", num_kv_blocks=64, max_model_len=256)
