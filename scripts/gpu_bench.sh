@@ -5,13 +5,15 @@
 #               the sdpa reference on the device, float32/bf16 parity with transformers, the
 #               loader, the layer kernels, fp8 projections, async scheduling against steps in
 #               order on the device, steps launched with synchronizing CUDA calls made
-#               errors, the piecewise graphs captured and replayed) and one small
-#               `bench forward` of the 8B shapes with triton: a couple of minutes that show
-#               whether the rest can run
+#               errors, the piecewise graphs captured and replayed) and, unless the forward
+#               part runs, one small `bench forward` of the 8B shapes with triton: a couple
+#               of minutes that show whether the rest can run
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
 #               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
-#               autotuner's choice, outputs checked) and scripts/mlp_gemms.py (the MLP's gate
-#               and up projections as one GEMM or two), and on cuda `scripts/sampler_cost.py
+#               autotuner's choice, outputs checked), scripts/fp8_gemms.py (each projection
+#               in bf16 and in fp8, with exact and with fast accumulation: device and host
+#               time a call) and, without --quick, scripts/mlp_gemms.py (the MLP's gate and
+#               up projections as one GEMM or two), and on cuda `scripts/sampler_cost.py
 #               --part device` (top-p by a sort of every row or by the radix select);
 #               seconds, not minutes
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
@@ -22,7 +24,8 @@
 #               launched before the last one's tokens are read), the same with the
 #               triton-sdpa backend (triton-sdpa: SDPA attends long prompts with no cached
 #               prefix), with an fp8 KV cache (triton-fp8: --kv-cache-dtype fp8), with fp8
-#               projection weights (triton-fp8w: --quantization fp8), with steps in order
+#               projection weights (triton-fp8w: --quantization fp8; triton-fp8w-piecewise
+#               with steps up to 2,048 tokens by graphs of their pieces), with steps in order
 #               (triton-sync: --no-async-scheduling), with torch's layer ops
 #               (triton-torch-layers: what the fused kernels gain) and with --enforce-eager
 #               (no CUDA graphs), the triton
@@ -40,8 +43,10 @@
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
 #               with an fp8 KV cache (triton-fp8), with fp8 projections (triton-fp8w), with
-#               both (triton-fp8-all), with steps in order (triton-sync), with
-#               --piecewise-graphs (triton-piecewise) and with a step
+#               both (triton-fp8-all, and triton-fp8-all-piecewise), with steps in order
+#               (triton-sync), with --piecewise-graphs --piecewise-max-tokens 2048
+#               (triton-piecewise: every step of the budget by graphs of its pieces) and
+#               with a step
 #               budget of 16,384 tokens (triton-16k: vLLM's offline default on an H100); with
 #               --quick
 #               the sdpa run has 64 requests (step names end in the count); each reports its
@@ -71,10 +76,12 @@
 #        [--agent-piecewise]
 #        [--baseline DIR]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
-#              triton runs first (the targets' runs, the same with triton-sdpa, the sampling
-#              kinds, an agent's next turns, fp8 projections, fp8 projections and KV cache,
-#              an fp8 KV cache, steps in order, the 16k step budget, then triton with
-#              torch's layer ops, the sdpa baselines, triton without graphs and SmolLM2),
+#              triton runs first (the targets' runs, the same with triton-sdpa, an agent's
+#              next turns with and without piecewise graphs, fp8 projections with and
+#              without them, both fp8 options with and without them, bf16 with them, fp8
+#              projections alone, the sampling kinds, an fp8 KV cache, steps in order, the
+#              16k step budget, then triton with torch's layer ops, the sdpa baselines,
+#              triton without graphs and SmolLM2),
 #              within --budget-s 540 unless given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
 #              10 minutes, so there run `--part forward --part throughput`, then `--part agent`;
@@ -247,6 +254,8 @@ if [ "$device" = cuda ]; then
   extend_shapes=(--extend 1x256@30000 1x64@30000 4x256@8000 1x256@8000+32x1024)
   sampling_shapes=(--decode 32x1024 128x1024 --prefill)
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
+  # Steps by graphs of their pieces up to the step budget's 2,048 tokens (the -piecewise runs).
+  piecewise_2k=(--piecewise-graphs --piecewise-max-tokens 2048)
   # The target's run is 256 requests; --quick gives the sdpa baseline 64 (it takes 5x longer).
   target_requests=256
   baseline_requests=256
@@ -271,6 +280,7 @@ elif [ "$device" = cpu ]; then
   sampling_shapes=(--decode 2x48 --prefill --decode-steps 2 --repeats 1
                    --max-num-batched-tokens 64)
   smoke_shapes=("${forward_shapes[@]}")
+  piecewise_2k=(--piecewise-graphs --piecewise-max-tokens 64)
   target_requests=4
   baseline_requests=4
   workload=(--prompt-len 8 32 --output-len 2 8 --max-model-len 256)
@@ -351,8 +361,10 @@ if wants smoke; then
          tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py
          tests/engine/worker/test_step_syncs.py tests/engine/worker/test_piecewise_graphs.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
-  step forward-smoke-triton "${engine[@]}" bench forward --config "$config" --device "$device" \
-    --attention-backend triton "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
+  # The forward part's first run is the same forward at full size.
+  wants forward || step forward-smoke-triton "${engine[@]}" bench forward --config "$config" \
+    --device "$device" --attention-backend triton "${smoke_shapes[@]}" \
+    --json "$raw/forward-smoke-triton.json"
 fi
 
 # A command after these runs from the baseline checkout, its engine first on the path.
@@ -364,16 +376,20 @@ if wants kernels; then
   [ -z "$baseline" ] || step kernels-prefill-tiles-base "$python" \
     "$baseline/scripts/prefill_tiles.py" --device "$device" \
     --json "$raw/kernels-prefill-tiles-base.json"
-  step kernels-mlp-gemms "$python" scripts/mlp_gemms.py --device "$device" \
-    --json "$raw/kernels-mlp-gemms.json"
+  step kernels-fp8-gemms "$python" scripts/fp8_gemms.py --device "$device" \
+    --json "$raw/kernels-fp8-gemms.json"
+  # Measured on two cards already (docs/benchmarks.md, "Measured a fourth time").
+  [ $quick -eq 1 ] || step kernels-mlp-gemms "$python" scripts/mlp_gemms.py \
+    --device "$device" --json "$raw/kernels-mlp-gemms.json"
   # Run as a file, the script imports the installed engine; the GPU machine has none.
   [ "$device" != cuda ] || step kernels-top-p env "PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}" \
     "$python" scripts/sampler_cost.py --part device --json "$raw/kernels-top-p.json"
 fi
 
-# forward_run sdpa|triton|triton-sdpa|triton-sync|triton-fp8|triton-fp8w|triton-eager|
-# triton-torch-layers (async scheduling is the default on CUDA; triton-sync turns it off;
-# -fp8w: fp8 projections; triton-sdpa: the backend of that name, SDPA for long fresh prompts)
+# forward_run sdpa|triton|triton-sdpa|triton-sync|triton-fp8|triton-fp8w|triton-fp8w-piecewise|
+# triton-eager|triton-torch-layers (async scheduling is the default on CUDA; triton-sync turns
+# it off; -fp8w: fp8 projections; -piecewise: steps up to 2,048 tokens by graphs of their
+# pieces; triton-sdpa: the backend of that name, SDPA for long fresh prompts)
 forward_run() {
   local run=$1 flags=()
   case $run in
@@ -383,6 +399,8 @@ forward_run() {
     triton-sync) flags=(--attention-backend triton --layer-kernels triton --no-async-scheduling) ;;
     triton-fp8) flags=(--attention-backend triton --layer-kernels triton --kv-cache-dtype fp8) ;;
     triton-fp8w) flags=(--attention-backend triton --layer-kernels triton --quantization fp8) ;;
+    triton-fp8w-piecewise) flags=(--attention-backend triton --layer-kernels triton
+                                  --quantization fp8 "${piecewise_2k[@]}") ;;
     triton-eager) flags=(--attention-backend triton --layer-kernels triton --enforce-eager) ;;
     triton-torch-layers) flags=(--attention-backend triton --layer-kernels torch) ;;
   esac
@@ -426,10 +444,10 @@ forward_smollm2() {
     --json "$raw/forward-smollm2-triton.json"
 }
 # throughput_run sdpa|triton|triton-sdpa|triton-sync|triton-16k|triton-fp8|triton-fp8w|
-# triton-fp8-all|triton-piecewise (sdpa: torch's layers, steps in order, the first run's
-# code; -16k: --max-num-batched-tokens 16384, vLLM's offline default on an H100; -fp8w: fp8
-# projections, --quantization fp8; -fp8-all: both an fp8 KV cache and fp8 projections;
-# -piecewise: --piecewise-graphs)
+# triton-fp8-all|triton-fp8-all-piecewise|triton-piecewise (sdpa: torch's layers, steps in
+# order, the first run's code; -16k: --max-num-batched-tokens 16384, vLLM's offline default on
+# an H100; -fp8w: fp8 projections, --quantization fp8; -fp8-all: both an fp8 KV cache and fp8
+# projections; -piecewise: --piecewise-graphs --piecewise-max-tokens 2048)
 throughput_run() {
   local backend=triton layers=triton requests=$target_requests kv=auto flags=()
   case $1 in
@@ -441,7 +459,8 @@ throughput_run() {
     triton-fp8) kv=fp8 ;;
     triton-fp8w) flags=(--quantization fp8) ;;
     triton-fp8-all) kv=fp8; flags=(--quantization fp8) ;;
-    triton-piecewise) flags=(--piecewise-graphs) ;;
+    triton-fp8-all-piecewise) kv=fp8; flags=(--quantization fp8 "${piecewise_2k[@]}") ;;
+    triton-piecewise) flags=("${piecewise_2k[@]}") ;;
   esac
   local command=(bench throughput --impl engine "${engine_flags[@]}" --num-requests "$requests"
                  "${workload[@]}" --attention-backend "$backend" --layer-kernels "$layers"
@@ -460,17 +479,19 @@ if [ $quick -eq 1 ]; then
   wants throughput && throughput_run triton
   wants forward && forward_run triton-sdpa
   wants throughput && throughput_run triton-sdpa
-  wants forward && forward_sampling
   wants forward && forward_extend
   wants forward && forward_extend piecewise
   wants forward && forward_run triton-fp8w
-  wants throughput && throughput_run triton-fp8w
+  wants forward && forward_run triton-fp8w-piecewise
   wants throughput && throughput_run triton-fp8-all
+  wants throughput && throughput_run triton-fp8-all-piecewise
+  wants throughput && throughput_run triton-piecewise
+  wants throughput && throughput_run triton-fp8w
+  wants forward && forward_sampling
   wants forward && forward_run triton-fp8
   wants throughput && throughput_run triton-fp8
   wants forward && forward_run triton-sync
   wants throughput && throughput_run triton-sync
-  wants throughput && throughput_run triton-piecewise
   wants throughput && throughput_run triton-16k
   wants forward && forward_run triton-torch-layers
   wants forward && forward_run sdpa
@@ -478,8 +499,8 @@ if [ $quick -eq 1 ]; then
   wants forward && { forward_run triton-eager; forward_smollm2; }
 else
   if wants forward; then
-    for run in sdpa triton triton-sdpa triton-sync triton-fp8 triton-fp8w triton-torch-layers \
-               triton-eager; do
+    for run in sdpa triton triton-sdpa triton-sync triton-fp8 triton-fp8w triton-fp8w-piecewise \
+               triton-torch-layers triton-eager; do
       forward_run "$run"
     done
     forward_extend
@@ -489,7 +510,7 @@ else
   fi
   if wants throughput; then
     for run in sdpa triton triton-sdpa triton-sync triton-16k triton-fp8 triton-fp8w \
-               triton-fp8-all triton-piecewise; do
+               triton-fp8-all triton-fp8-all-piecewise triton-piecewise; do
       throughput_run "$run"
     done
   fi
