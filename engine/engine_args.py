@@ -60,7 +60,8 @@ _HELP = {
     ),
     "piecewise_max_tokens": (
         "the largest step, in tokens, that --piecewise-graphs captures (buckets of about a "
-        "quarter of a doubling above 512; capped by --max-num-batched-tokens)"
+        "quarter of a doubling above 512; capped by --max-num-batched-tokens and "
+        "--max-model-len)"
     ),
     "quantization": (
         "none | fp8: the decoder layers' projection weights in float8 e4m3 (a scale per "

@@ -1,10 +1,11 @@
 """A kernel call's time on a GPU, three ways: the device's, its eager calls', the host's.
 
-Scripts that time kernels (`scripts/prefill_tiles.py`, `scripts/fp8_gemms.py`) report all
-three, because a call whose host work outlasts its device work is timed wrongly by device
-events alone: `triton.testing.do_bench` flushes the L2 cache with a kernel of about 80 us on
-an H100 before each call, and when the call's launch takes longer than that, the device sits
-idle inside the call's events until the launch arrives.
+Scripts that time kernels (`scripts/prefill_tiles.py` all three, `scripts/fp8_gemms.py` the
+graph's and the host's) report more than device events, because a call whose host work
+outlasts its device work is timed wrongly by device events alone: `triton.testing.do_bench`
+flushes the L2 cache with a kernel of about 80 us on an H100 before each call, and when the
+call's launch takes longer than that, the device sits idle inside the call's events until
+the launch arrives.
 - `graph_us`: the device's, from a CUDA graph of the calls replayed
   (`triton.testing.do_bench_cudagraph`): no launch is timed and the L2 cache is warm from the
   call before. None where the call cannot be captured.

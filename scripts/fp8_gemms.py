@@ -11,17 +11,17 @@ gate/up 4,096 -> 28,672, down 14,336 -> 4,096) and each token count, five calls:
 - `quantize`: the per-token row quantization of the input (`quantize_rows`, the Triton
   kernel on CUDA);
 - `layer`: `Fp8Linear.forward` whole (quantize, then the fast product).
-Each has three times a call (`eval.kernel_timing`): the device's from a replayed CUDA graph,
-the host's for an eager call and, for the products alone, the weight bytes a second the
-device's time reads. The "fast error" column is the fast product's largest difference from
-the exact one over the exact one's largest magnitude (bf16 outputs; random weights and
-inputs). The FP8 prefill of the H100 run of 6a474e2 was bound by its host (`_scaled_mm`
-took 114 us of host time a call under the profiler); the host column says what a call costs
-without it.
+Each has two times a call (`eval.kernel_timing`): the device's from a replayed CUDA graph and
+the host's for an eager call; the products also have the weight bytes a second the device's
+time reads. The "fast error" column is the fast product's largest difference from the exact
+one over the exact one's largest magnitude (bf16 outputs; random weights and inputs). The
+FP8 prefill of the H100 run of 6a474e2 was bound by its host (`_scaled_mm` took 114 us of
+host time a call under the profiler); the host column says what a call costs without it.
 
 Usage: python scripts/fp8_gemms.py [--device cuda|cpu] [--tokens N ...] [--json FILE]
-  --device cpu  a dry run with small shapes and torch's quantization, times on the host's
-                clock (CPU `_scaled_mm` ignores the accumulation flag)
+  --device cpu  a dry run with small shapes in float32 (the rows named bf16 are float32
+                there) and torch's quantization, times on the host's clock (CPU
+                `_scaled_mm` ignores the accumulation flag)
 """
 
 from __future__ import annotations
@@ -87,19 +87,20 @@ def measure(name: str, in_features: int, out_features: int, tokens: int,
         "layer": lambda: quantized(x)}
     with torch.no_grad():
         exact = product(False)().float()
-        fast_error = ((product(True)().float() - exact).abs().max()
-                      / exact.abs().max().clamp(min=1e-30)).item()
+        fast_relative_error = ((product(True)().float() - exact).abs().max()
+                               / exact.abs().max().clamp(min=1e-30)).item()
         weight_bytes = {"bf16": linear.weight.numel() * linear.weight.element_size(),
                         "fp8 exact": quantized.weight.numel(), "fp8 fast": quantized.weight.numel()}
         rows = []
         for variant in VARIANTS:
             times = _times_us(calls[variant], device)
-            us, read = times["us"], weight_bytes.get(variant)
+            us, read_bytes = times["us"], weight_bytes.get(variant)
             rows.append({"projection": name, "in": in_features, "out": out_features,
                          "tokens": tokens, "variant": variant, **times,
-                         "weight_tb_per_s": (None if us is None or read is None
-                                             else read / (us * 1e-6) / 1e12),
-                         "fast_error": fast_error if variant == "fp8 fast" else None})
+                         "weight_tb_per_s": (None if us is None or read_bytes is None
+                                             else read_bytes / (us * 1e-6) / 1e12),
+                         "fast_relative_error": (fast_relative_error if variant == "fp8 fast"
+                                                 else None)})
     return rows
 
 
@@ -115,24 +116,26 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
-        projections, dtype, name = PROJECTIONS, torch.bfloat16, torch.cuda.get_device_name()
+        projections, dtype = PROJECTIONS, torch.bfloat16
+        device_name = torch.cuda.get_device_name()
         tokens = args.tokens or DEFAULT_TOKENS
     else:
-        projections, dtype, name = CPU_PROJECTIONS, torch.float32, "cpu"
+        projections, dtype, device_name = CPU_PROJECTIONS, torch.float32, "cpu"
         tokens = args.tokens or (1, 32)
     rows = [row for projection in projections for count in tokens
             for row in measure(*projection, count, device, dtype)]
-    print(f"projections, {dtype}, {name}, torch {torch.__version__}")
+    print(f"projections, {dtype}, {device_name}, torch {torch.__version__}")
     print("| projection | tokens | call | us (graph) | host us a call | weights read (TB/s) "
           "| fast error |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['projection']} | {row['tokens']} | {row['variant']} | "
               f"{_cell(row['us'], '.1f')} | {_cell(row['host_us'], '.1f')} | "
-              f"{_cell(row['weight_tb_per_s'], '.2f')} | {_cell(row['fast_error'], '.2e')} |")
+              f"{_cell(row['weight_tb_per_s'], '.2f')} | "
+              f"{_cell(row['fast_relative_error'], '.2e')} |")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(
-            {"device": name, "torch": torch.__version__, "dtype": str(dtype), "rows": rows},
+            {"device": device_name, "torch": torch.__version__, "dtype": str(dtype), "rows": rows},
             indent=1))
     return 0
 

@@ -5,9 +5,9 @@
 #               the sdpa reference on the device, float32/bf16 parity with transformers, the
 #               loader, the layer kernels, fp8 projections, async scheduling against steps in
 #               order on the device, steps launched with synchronizing CUDA calls made
-#               errors, the piecewise graphs captured and replayed) and, unless the forward
-#               part runs, one small `bench forward` of the 8B shapes with triton: a couple
-#               of minutes that show whether the rest can run
+#               errors, the piecewise graphs captured and replayed) and, unless --quick's
+#               forward part runs, one small `bench forward` of the 8B shapes with triton: a
+#               couple of minutes that show whether the rest can run
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
 #               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
 #               autotuner's choice, outputs checked), scripts/fp8_gemms.py (each projection
@@ -24,7 +24,7 @@
 #               launched before the last one's tokens are read), the same with the
 #               triton-sdpa backend (triton-sdpa: SDPA attends long prompts with no cached
 #               prefix), with an fp8 KV cache (triton-fp8: --kv-cache-dtype fp8), with fp8
-#               projection weights (triton-fp8w: --quantization fp8; triton-fp8w-piecewise
+#               projection weights (triton-fp8w: --quantization fp8; triton-fp8w-piecewise-2k
 #               with steps up to 2,048 tokens by graphs of their pieces), with steps in order
 #               (triton-sync: --no-async-scheduling), with torch's layer ops
 #               (triton-torch-layers: what the fused kernels gain) and with --enforce-eager
@@ -43,9 +43,9 @@
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
 #               with an fp8 KV cache (triton-fp8), with fp8 projections (triton-fp8w), with
-#               both (triton-fp8-all, and triton-fp8-all-piecewise), with steps in order
+#               both (triton-fp8-all, and triton-fp8-all-piecewise-2k), with steps in order
 #               (triton-sync), with --piecewise-graphs --piecewise-max-tokens 2048
-#               (triton-piecewise: every step of the budget by graphs of its pieces) and
+#               (triton-piecewise-2k: every step of the budget by graphs of its pieces) and
 #               with a step
 #               budget of 16,384 tokens (triton-16k: vLLM's offline default on an H100); with
 #               --quick
@@ -254,8 +254,9 @@ if [ "$device" = cuda ]; then
   extend_shapes=(--extend 1x256@30000 1x64@30000 4x256@8000 1x256@8000+32x1024)
   sampling_shapes=(--decode 32x1024 128x1024 --prefill)
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
-  # Steps by graphs of their pieces up to the step budget's 2,048 tokens (the -piecewise runs).
-  piecewise_2k=(--piecewise-graphs --piecewise-max-tokens 2048)
+  # Steps by graphs of their pieces up to the step budget's 2,048 tokens (the -piecewise-2k
+  # runs; the CPU's below: its 64).
+  piecewise_budget=(--piecewise-graphs --piecewise-max-tokens 2048)
   # The target's run is 256 requests; --quick gives the sdpa baseline 64 (it takes 5x longer).
   target_requests=256
   baseline_requests=256
@@ -280,7 +281,7 @@ elif [ "$device" = cpu ]; then
   sampling_shapes=(--decode 2x48 --prefill --decode-steps 2 --repeats 1
                    --max-num-batched-tokens 64)
   smoke_shapes=("${forward_shapes[@]}")
-  piecewise_2k=(--piecewise-graphs --piecewise-max-tokens 64)
+  piecewise_budget=(--piecewise-graphs --piecewise-max-tokens 64)
   target_requests=4
   baseline_requests=4
   workload=(--prompt-len 8 32 --output-len 2 8 --max-model-len 256)
@@ -361,10 +362,10 @@ if wants smoke; then
          tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py
          tests/engine/worker/test_step_syncs.py tests/engine/worker/test_piecewise_graphs.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
-  # The forward part's first run is the same forward at full size.
-  wants forward || step forward-smoke-triton "${engine[@]}" bench forward --config "$config" \
-    --device "$device" --attention-backend triton "${smoke_shapes[@]}" \
-    --json "$raw/forward-smoke-triton.json"
+  # --quick's forward part runs triton's forward at full size first.
+  { [ $quick -eq 1 ] && wants forward; } || step forward-smoke-triton "${engine[@]}" \
+    bench forward --config "$config" --device "$device" --attention-backend triton \
+    "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
 fi
 
 # A command after these runs from the baseline checkout, its engine first on the path.
@@ -386,9 +387,9 @@ if wants kernels; then
     "$python" scripts/sampler_cost.py --part device --json "$raw/kernels-top-p.json"
 fi
 
-# forward_run sdpa|triton|triton-sdpa|triton-sync|triton-fp8|triton-fp8w|triton-fp8w-piecewise|
+# forward_run sdpa|triton|triton-sdpa|triton-sync|triton-fp8|triton-fp8w|triton-fp8w-piecewise-2k|
 # triton-eager|triton-torch-layers (async scheduling is the default on CUDA; triton-sync turns
-# it off; -fp8w: fp8 projections; -piecewise: steps up to 2,048 tokens by graphs of their
+# it off; -fp8w: fp8 projections; -piecewise-2k: steps up to 2,048 tokens by graphs of their
 # pieces; triton-sdpa: the backend of that name, SDPA for long fresh prompts)
 forward_run() {
   local run=$1 flags=()
@@ -399,8 +400,8 @@ forward_run() {
     triton-sync) flags=(--attention-backend triton --layer-kernels triton --no-async-scheduling) ;;
     triton-fp8) flags=(--attention-backend triton --layer-kernels triton --kv-cache-dtype fp8) ;;
     triton-fp8w) flags=(--attention-backend triton --layer-kernels triton --quantization fp8) ;;
-    triton-fp8w-piecewise) flags=(--attention-backend triton --layer-kernels triton
-                                  --quantization fp8 "${piecewise_2k[@]}") ;;
+    triton-fp8w-piecewise-2k) flags=(--attention-backend triton --layer-kernels triton
+                                     --quantization fp8 "${piecewise_budget[@]}") ;;
     triton-eager) flags=(--attention-backend triton --layer-kernels triton --enforce-eager) ;;
     triton-torch-layers) flags=(--attention-backend triton --layer-kernels torch) ;;
   esac
@@ -444,10 +445,10 @@ forward_smollm2() {
     --json "$raw/forward-smollm2-triton.json"
 }
 # throughput_run sdpa|triton|triton-sdpa|triton-sync|triton-16k|triton-fp8|triton-fp8w|
-# triton-fp8-all|triton-fp8-all-piecewise|triton-piecewise (sdpa: torch's layers, steps in
+# triton-fp8-all|triton-fp8-all-piecewise-2k|triton-piecewise-2k (sdpa: torch's layers, steps in
 # order, the first run's code; -16k: --max-num-batched-tokens 16384, vLLM's offline default on
 # an H100; -fp8w: fp8 projections, --quantization fp8; -fp8-all: both an fp8 KV cache and fp8
-# projections; -piecewise: --piecewise-graphs --piecewise-max-tokens 2048)
+# projections; -piecewise-2k: --piecewise-graphs --piecewise-max-tokens 2048)
 throughput_run() {
   local backend=triton layers=triton requests=$target_requests kv=auto flags=()
   case $1 in
@@ -459,8 +460,8 @@ throughput_run() {
     triton-fp8) kv=fp8 ;;
     triton-fp8w) flags=(--quantization fp8) ;;
     triton-fp8-all) kv=fp8; flags=(--quantization fp8) ;;
-    triton-fp8-all-piecewise) kv=fp8; flags=(--quantization fp8 "${piecewise_2k[@]}") ;;
-    triton-piecewise) flags=("${piecewise_2k[@]}") ;;
+    triton-fp8-all-piecewise-2k) kv=fp8; flags=(--quantization fp8 "${piecewise_budget[@]}") ;;
+    triton-piecewise-2k) flags=("${piecewise_budget[@]}") ;;
   esac
   local command=(bench throughput --impl engine "${engine_flags[@]}" --num-requests "$requests"
                  "${workload[@]}" --attention-backend "$backend" --layer-kernels "$layers"
@@ -482,10 +483,10 @@ if [ $quick -eq 1 ]; then
   wants forward && forward_extend
   wants forward && forward_extend piecewise
   wants forward && forward_run triton-fp8w
-  wants forward && forward_run triton-fp8w-piecewise
+  wants forward && forward_run triton-fp8w-piecewise-2k
   wants throughput && throughput_run triton-fp8-all
-  wants throughput && throughput_run triton-fp8-all-piecewise
-  wants throughput && throughput_run triton-piecewise
+  wants throughput && throughput_run triton-fp8-all-piecewise-2k
+  wants throughput && throughput_run triton-piecewise-2k
   wants throughput && throughput_run triton-fp8w
   wants forward && forward_sampling
   wants forward && forward_run triton-fp8
@@ -499,7 +500,7 @@ if [ $quick -eq 1 ]; then
   wants forward && { forward_run triton-eager; forward_smollm2; }
 else
   if wants forward; then
-    for run in sdpa triton triton-sdpa triton-sync triton-fp8 triton-fp8w triton-fp8w-piecewise \
+    for run in sdpa triton triton-sdpa triton-sync triton-fp8 triton-fp8w triton-fp8w-piecewise-2k \
                triton-torch-layers triton-eager; do
       forward_run "$run"
     done
@@ -510,7 +511,7 @@ else
   fi
   if wants throughput; then
     for run in sdpa triton triton-sdpa triton-sync triton-16k triton-fp8 triton-fp8w \
-               triton-fp8-all triton-fp8-all-piecewise triton-piecewise; do
+               triton-fp8-all triton-fp8-all-piecewise-2k triton-piecewise-2k; do
       throughput_run "$run"
     done
   fi

@@ -37,24 +37,28 @@ from engine.model.attention import AttentionMetadata
 from engine.model.llama import AttentionInputs, LlamaForCausalLM
 from engine.worker.decode_graphs import bucket_for
 
-# Buckets up to this size: 8, 16, then steps of 16, 32 and 64 (`piecewise_buckets`).
-_SMALL_BUCKETS = (8, 16, *range(32, 65, 16), *range(96, 257, 32), *range(320, 513, 64))
+# The small buckets end here, at a power of two, from which each doubling has a few buckets.
+_SMALL_BUCKETS_MAX = 512
+# 8, 16, then steps of 16 to 64, of 32 to 256 and of 64 to `_SMALL_BUCKETS_MAX`.
+_SMALL_BUCKETS = (8, 16, *range(32, 65, 16), *range(96, 257, 32),
+                  *range(320, _SMALL_BUCKETS_MAX + 1, 64))
 # Above the small buckets, each doubling is cut in this many equal steps: at 4 a step of n
 # tokens pads fewer than n / 4 rows.
 _BUCKETS_A_DOUBLING = 4
 
 
-def piecewise_buckets(max_num_batched_tokens: int, max_tokens: int) -> tuple[int, ...]:
-    """Token counts captured: 8, 16, then steps of 16 to 64, of 32 to 256, of 64 to 512 and
-    of a quarter of the last power of two beyond (640, 768, 896, 1,024, 1,280, ...), up to
-    `max_tokens` (`ModelConfig.piecewise_max_tokens`); the smaller of `max_tokens` and the
-    step budget is itself the largest bucket."""
-    limit = min(max_num_batched_tokens, max_tokens)
+def piecewise_buckets(max_num_batched_tokens: int, piecewise_max_tokens: int
+                      ) -> tuple[int, ...]:
+    """Token counts captured: the small buckets (8, 16, then steps of 16 to 64, of 32 to 256
+    and of 64 to 512), then steps of a quarter of the last power of two (640, 768, 896,
+    1,024, 1,280, ...), up to `piecewise_max_tokens` (`ModelConfig.piecewise_max_tokens`);
+    the smaller of that and the step budget is itself the largest bucket."""
+    limit = min(max_num_batched_tokens, piecewise_max_tokens)
     sizes = set(_SMALL_BUCKETS)
-    power = _SMALL_BUCKETS[-1]
+    power = _SMALL_BUCKETS_MAX
     while power < limit:
-        sizes.update(range(power + power // _BUCKETS_A_DOUBLING, 2 * power + 1,
-                           power // _BUCKETS_A_DOUBLING))
+        step = power // _BUCKETS_A_DOUBLING
+        sizes.update(range(power + step, 2 * power + 1, step))
         power *= 2
     return tuple(sorted({size for size in sizes if size < limit} | {limit}))
 

@@ -29,26 +29,12 @@ from engine.model.fp8_linear import (
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.sampling_params import SamplingParams
+from tests.engine.model.fp8_support import cpu_scaled_mm_runs, needs_cpu_product
 
 CPU = torch.device("cpu")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _cpu_scaled_mm_runs() -> bool:
-    """Whether this torch's CPU `_scaled_mm` multiplies float8 rows with rowwise scales, as
-    `Fp8Linear` calls it."""
-    ones = torch.ones(16, 16).to(FP8_DTYPE)
-    try:
-        torch._scaled_mm(ones, ones.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
-                         out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-needs_cpu_product = pytest.mark.skipif(
-    torch.cuda.is_available() and not _cpu_scaled_mm_runs(),
-    reason="this GPU machine's torch has no CPU _scaled_mm with rowwise scales")
 # Triton's kernels read CPU tensors only under its interpreter (tests/conftest.py sets it
 # where there is no GPU).
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -89,6 +75,14 @@ def _linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> n
     return linear
 
 
+def _dequantized_product(quantized: Fp8Linear, x: torch.Tensor, use_triton: bool
+                         ) -> torch.Tensor:
+    """`x` times the quantized weight as float32 sums of the float8 values times their scales
+    (no bias)."""
+    values, scales = quantize_rows(x, use_triton)
+    return (values.float() * scales) @ (quantized.weight.float() * quantized.weight_scale.t()).t()
+
+
 @needs_cpu_product
 @pytest.mark.parametrize("rows", [1, 7])
 def test_fp8_linear_computes_the_dequantized_product(rows: int) -> None:
@@ -98,12 +92,26 @@ def test_fp8_linear_computes_the_dequantized_product(rows: int) -> None:
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
         out = quantized(x)
-    values, scales = quantize_rows(x, use_triton=False)
-    exact = ((values.float() * scales) @ (quantized.weight.float() * quantized.weight_scale.t()).t()
-             + linear.bias)
+    exact = _dequantized_product(quantized, x, use_triton=False) + linear.bias
     torch.testing.assert_close(out, exact, atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # leading dimensions are kept
         assert quantized(x.reshape(1, rows, 64)).shape == (1, rows, 48)
+
+
+def test_fp8_linear_asks_for_the_tensor_cores_fast_accumulation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CPU kernel ignores the flag, so only the call can show it is passed.
+    calls: list[dict[str, object]] = []
+
+    def scaled_mm(values: torch.Tensor, weight: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        calls.append(kwargs)
+        return torch.zeros(values.shape[0], weight.shape[1], dtype=torch.float32)
+
+    quantized = Fp8Linear.quantize(_linear(32, 16, bias=False), use_triton=False)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    with torch.no_grad():
+        assert quantized(torch.ones(3, 32)).shape == (3, 16)
+    assert [call["use_fast_accum"] for call in calls] == [True]
 
 
 @needs_cpu_product
@@ -130,7 +138,7 @@ def test_devices_and_dtypes_fp8_refuses() -> None:
 
 
 def test_the_cpu_is_checked_by_a_small_product() -> None:
-    if not torch.cuda.is_available() or _cpu_scaled_mm_runs():
+    if not torch.cuda.is_available() or cpu_scaled_mm_runs():
         check_fp8_supported(CPU, torch.float32)
     else:
         with pytest.raises(ValueError, match="does not run on cpu"):
@@ -196,10 +204,7 @@ def test_fp8_linear_on_cuda_computes_the_dequantized_product(rows: int) -> None:
         x = torch.randn(rows, 128, device=cuda, dtype=torch.bfloat16)
         with torch.no_grad():
             out = quantized(x)
-        values, scales = quantize_rows(x, use_triton)
-        exact = ((values.float() * scales)
-                 @ (quantized.weight.float() * quantized.weight_scale.t()).t()
-                 + linear.bias.float())
+        exact = _dequantized_product(quantized, x, use_triton) + linear.bias.float()
         torch.testing.assert_close(out.float(), exact, atol=2e-2, rtol=2e-2)  # bf16 output
 
 
@@ -216,8 +221,7 @@ def test_fast_accumulation_on_cuda_stays_near_the_exact_product(in_features: int
     x = torch.randn(64, in_features, device=cuda, dtype=torch.bfloat16)
     with torch.no_grad():
         out = quantized(x).float()
-    values, scales = quantize_rows(x, use_triton=True)
-    exact = (values.float() * scales) @ (quantized.weight.float() * quantized.weight_scale.t()).t()
+    exact = _dequantized_product(quantized, x, use_triton=True)
     assert (out - exact).abs().max() <= 0.02 * exact.abs().max()
 
 

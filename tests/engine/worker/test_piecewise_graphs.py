@@ -43,11 +43,11 @@ def test_beyond_512_tokens_each_doubling_takes_four_buckets() -> None:
 
 
 def piecewise_runner(attention_backend: str = "sdpa", max_num_batched_tokens: int = 64,
-                     enabled: bool = True, max_tokens: int = 512) -> ModelRunner:
+                     enabled: bool = True, piecewise_max_tokens: int = 512) -> ModelRunner:
     return ModelRunner(EngineConfig(
         model=ModelConfig(model="tiny", attention_backend=attention_backend,  # type: ignore[arg-type]
                           dtype="float32", piecewise_graphs=enabled,
-                          piecewise_max_tokens=max_tokens),
+                          piecewise_max_tokens=piecewise_max_tokens),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=64),
         scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=max_num_batched_tokens,
                                   max_num_seqs=8),
@@ -202,7 +202,7 @@ def test_without_the_option_or_with_enforce_eager_no_step_runs_by_pieces() -> No
 
 def test_a_step_beyond_the_largest_captured_step_runs_eagerly_and_samples_as_without(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = piecewise_runner(max_num_batched_tokens=32, max_tokens=16)
+    runner = piecewise_runner(max_num_batched_tokens=32, piecewise_max_tokens=16)
     graphs = runner.piecewise_graphs
     assert graphs is not None and graphs.buckets[-1] == 16
     steps_by_pieces: list[int] = []
