@@ -16,6 +16,7 @@ the launch arrives.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -55,3 +56,24 @@ def host_us(fn: Callable[[], object], drain: Callable[[], object], calls: int = 
         call_us.append((time.perf_counter() - started) * 1e6)
     drain()
     return statistics.median(call_us)
+
+
+def host_clock_us(fn: Callable[[], object], runs: int = 5) -> float:
+    """The median host microseconds of `runs` calls of `fn` after one untimed call: a CPU dry
+    run's time, where the host computes the call itself."""
+    fn()
+    run_us = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        fn()
+        run_us.append((time.perf_counter() - started) * 1e6)
+    return statistics.median(run_us)
+
+
+def add_script_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a script that times kernels at a model's shapes over token counts:
+    `--device cuda|cpu` (cpu: a dry run with small shapes), `--tokens N ...` (None: the
+    script's own) and `--json FILE`."""
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--json", dest="json_path", default=None)

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,13 +52,8 @@ def _times_us(fn: Callable[[], object], device: torch.device) -> dict[str, float
     if device.type == "cuda":
         return {"us": kernel_timing.graph_us(fn),
                 "host_us": kernel_timing.host_us(fn, torch.cuda.synchronize)}
-    fn()
-    runs = []
-    for _ in range(5):
-        started = time.perf_counter()
-        fn()
-        runs.append((time.perf_counter() - started) * 1e6)
-    return {"us": statistics.median(runs), "host_us": statistics.median(runs)}
+    host_us = kernel_timing.host_clock_us(fn)
+    return {"us": host_us, "host_us": host_us}
 
 
 def measure(name: str, in_features: int, out_features: int, tokens: int,
@@ -110,9 +103,7 @@ def _cell(value: object, spec: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tokens", type=int, nargs="+", default=None)
-    parser.add_argument("--json", dest="json_path", default=None)
+    kernel_timing.add_script_arguments(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":

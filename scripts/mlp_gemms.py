@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from eval import kernel_timing
 
 HIDDEN, INTERMEDIATE = 4096, 14336
 DEFAULT_TOKENS = (1, 8, 32, 64, 128, 192, 256, 2048, 2304, 4096)
@@ -33,16 +34,8 @@ DEFAULT_TOKENS = (1, 8, 32, 64, 128, 192, 256, 2048, 2304, 4096)
 
 def _time_us(fn: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-    fn()
-    runs = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs) * 1e6
+        return kernel_timing.eager_us(fn)
+    return kernel_timing.host_clock_us(fn)
 
 
 def measure(tokens: int, hidden: int, intermediate: int, dtype: torch.dtype,
@@ -62,9 +55,7 @@ def measure(tokens: int, hidden: int, intermediate: int, dtype: torch.dtype,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tokens", type=int, nargs="+", default=None)
-    parser.add_argument("--json", dest="json_path", default=None)
+    kernel_timing.add_script_arguments(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
