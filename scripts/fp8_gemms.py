@@ -1,33 +1,42 @@
 """Times FP8 projections (`--quantization fp8`) against bf16 ones on a GPU, Llama-3.1-8B's shapes.
 
 For each of a decoder layer's four projections (qkv 4,096 -> 6,144, o 4,096 -> 4,096,
-gate/up 4,096 -> 28,672, down 14,336 -> 4,096) and each token count, five calls:
+gate/up 4,096 -> 28,672, down 14,336 -> 4,096) and each token count, these calls:
 - `bf16`: `F.linear` over bf16 weights, the engine's default;
 - `fp8 exact`: torch's rowwise `_scaled_mm` with float32 accumulation (`use_fast_accum=False`,
   what `Fp8Linear` called until the FP8 tensor cores' fast accumulation replaced it);
 - `fp8 fast`: the same with `use_fast_accum=True`, what `Fp8Linear` calls now (vLLM's CUTLASS
   kernels for Hopper accumulate so too; torch's rowwise kernel without it is reported much
   slower);
+- `fp8 small N,K,W,S` (at most `fp8_small_matmul.MAX_ROWS` tokens): `fp8_small_matmul`, the
+  rows unquantized times the float8 weights widened in registers, with each tile timed
+  (output columns, reduction positions, warps, stages; the first is its default);
 - `quantize`: the per-token row quantization of the input (`quantize_rows`, the Triton
   kernel on CUDA);
-- `layer`: `Fp8Linear.forward` whole (quantize, then the fast product).
+- `layer`: `Fp8Linear.forward` whole, as the engine runs it (quantize, then the fast
+  product, while `SMALL_MATMUL_MAX_ROWS` is 0).
 Each has two times a call (`eval.kernel_timing`): the device's from a replayed CUDA graph and
 the host's for an eager call; the products also have the weight bytes a second the device's
-time reads. The "fast error" column is the fast product's largest difference from the exact
-one over the exact one's largest magnitude (bf16 outputs; random weights and inputs). The
+time reads. The relative error is a product's largest difference from its reference over
+the reference's largest magnitude (bf16 outputs; random weights and inputs): for `fp8 fast`
+the exact product, for `fp8 small` float32 sums of the rows times the float8 weights. The
 FP8 prefill of the H100 run of 6a474e2 was bound by its host (`_scaled_mm` took 114 us of
 host time a call under the profiler); the host column says what a call costs without it.
+A batch-1 decode step with FP8 projections read its weights at about 1.4 TB/s there; the
+bytes column says which product does better.
 
 Usage: python scripts/fp8_gemms.py [--device cuda|cpu] [--tokens N ...] [--json FILE]
   --device cpu  a dry run with small shapes in float32 (the rows named bf16 are float32
-                there) and torch's quantization, times on the host's clock (CPU
-                `_scaled_mm` ignores the accumulation flag)
+                there), torch's quantization and the small kernel under Triton's
+                interpreter, times on the host's clock (CPU `_scaled_mm` ignores the
+                accumulation flag)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,8 +45,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
+    os.environ["TRITON_INTERPRET"] = "1"  # the small kernel on CPU tensors
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.model.fp8_linear import Fp8Linear, quantize_rows
+from engine.model.fp8_small_matmul import (
+    DEFAULT_TILE,
+    MAX_ROWS,
+    SmallMatmulTile,
+    fp8_small_matmul,
+)
 from eval import kernel_timing
 
 # (name, input features, output features) of Llama-3.1-8B's projections.
@@ -45,7 +63,9 @@ PROJECTIONS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
                ("down", 14336, 4096))
 CPU_PROJECTIONS = (("qkv", 64, 96), ("down", 224, 64))
 DEFAULT_TOKENS = (1, 32, 128, 256, 2048)
-VARIANTS = ("bf16", "fp8 exact", "fp8 fast", "quantize", "layer")
+# The small kernel's tiles timed: its default, then wider, deeper and narrower ones.
+SMALL_TILES = (DEFAULT_TILE, SmallMatmulTile(128, 128, 4, 4), SmallMatmulTile(64, 256, 4, 3),
+               SmallMatmulTile(32, 128, 4, 4))
 
 
 def _times_us(fn: Callable[[], object], device: torch.device) -> dict[str, float | None]:
@@ -56,9 +76,18 @@ def _times_us(fn: Callable[[], object], device: torch.device) -> dict[str, float
     return {"us": host_us, "host_us": host_us}
 
 
+def _small_name(tile: SmallMatmulTile) -> str:
+    return f"fp8 small {tile.block_n},{tile.block_k},{tile.num_warps},{tile.num_stages}"
+
+
+def _relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((out.float() - reference).abs().max()
+            / reference.abs().max().clamp(min=1e-30)).item()
+
+
 def measure(name: str, in_features: int, out_features: int, tokens: int,
             device: torch.device, dtype: torch.dtype) -> list[dict[str, object]]:
-    """One row a variant for projection `name` over `tokens` input rows."""
+    """One row a call for projection `name` over `tokens` input rows."""
     generator = torch.Generator(device=device).manual_seed(tokens * out_features)
     linear = nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
     with torch.no_grad():
@@ -74,26 +103,35 @@ def measure(name: str, in_features: int, out_features: int, tokens: int,
                                         scale_b=quantized.weight_scale, out_dtype=dtype,
                                         use_fast_accum=fast)
 
+    def small(tile: SmallMatmulTile) -> Callable[[], torch.Tensor]:
+        return lambda: fp8_small_matmul(x, quantized.weight, quantized.weight_scale, tile)
+
+    products = {"fp8 exact": product(False), "fp8 fast": product(True)}
+    if tokens <= MAX_ROWS:
+        products.update({_small_name(tile): small(tile) for tile in SMALL_TILES})
     calls: dict[str, Callable[[], object]] = {
-        "bf16": lambda: F.linear(x, linear.weight), "fp8 exact": product(False),
-        "fp8 fast": product(True), "quantize": lambda: quantize_rows(x, use_triton),
-        "layer": lambda: quantized(x)}
+        "bf16": lambda: F.linear(x, linear.weight), **products,
+        "quantize": lambda: quantize_rows(x, use_triton), "layer": lambda: quantized(x)}
     with torch.no_grad():
         exact = product(False)().float()
-        fast_relative_error = ((product(True)().float() - exact).abs().max()
-                               / exact.abs().max().clamp(min=1e-30)).item()
-        weight_bytes = {"bf16": linear.weight.numel() * linear.weight.element_size(),
-                        "fp8 exact": quantized.weight.numel(), "fp8 fast": quantized.weight.numel()}
+        # The rows as they are times the float8 weights, summed in float32: what the small
+        # kernel computes (it does not round the rows to float8).
+        unquantized_rows = x.float() @ (quantized.weight.float()
+                                        * quantized.weight_scale.t()).t()
+        errors = {"fp8 fast": _relative_error(product(True)(), exact)}
+        errors.update({variant: _relative_error(fn(), unquantized_rows)
+                       for variant, fn in products.items() if variant.startswith("fp8 small")})
+        weight_bytes = {variant: quantized.weight.numel() for variant in products}
+        weight_bytes["bf16"] = linear.weight.numel() * linear.weight.element_size()
         rows = []
-        for variant in VARIANTS:
-            times = _times_us(calls[variant], device)
+        for variant, fn in calls.items():
+            times = _times_us(fn, device)
             us, read_bytes = times["us"], weight_bytes.get(variant)
             rows.append({"projection": name, "in": in_features, "out": out_features,
                          "tokens": tokens, "variant": variant, **times,
                          "weight_tb_per_s": (None if us is None or read_bytes is None
                                              else read_bytes / (us * 1e-6) / 1e12),
-                         "fast_relative_error": (fast_relative_error if variant == "fp8 fast"
-                                                 else None)})
+                         "relative_error": errors.get(variant)})
     return rows
 
 
@@ -117,13 +155,13 @@ def main() -> int:
             for row in measure(*projection, count, device, dtype)]
     print(f"projections, {dtype}, {device_name}, torch {torch.__version__}")
     print("| projection | tokens | call | us (graph) | host us a call | weights read (TB/s) "
-          "| fast error |")
+          "| relative error |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['projection']} | {row['tokens']} | {row['variant']} | "
               f"{_cell(row['us'], '.1f')} | {_cell(row['host_us'], '.1f')} | "
               f"{_cell(row['weight_tb_per_s'], '.2f')} | "
-              f"{_cell(row['fast_relative_error'], '.2e')} |")
+              f"{_cell(row['relative_error'], '.2e')} |")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(
             {"device": device_name, "torch": torch.__version__, "dtype": str(dtype), "rows": rows},

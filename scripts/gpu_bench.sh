@@ -11,9 +11,10 @@
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
 #               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
 #               autotuner's choice, outputs checked), scripts/fp8_gemms.py (each projection
-#               in bf16 and in fp8, with exact and with fast accumulation: device and host
-#               time a call) and, without --quick, scripts/mlp_gemms.py (the MLP's gate and
-#               up projections as one GEMM or two), and on cuda `scripts/sampler_cost.py
+#               in bf16 and in fp8, with exact and with fast accumulation, and
+#               fp8_small_matmul's tiles up to 64 tokens: device and host time a call) and,
+#               without --quick, scripts/mlp_gemms.py (the MLP's gate and up projections as
+#               one GEMM or two), and on cuda `scripts/sampler_cost.py
 #               --part device` (top-p by a sort of every row or by the radix select);
 #               seconds, not minutes
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
@@ -359,7 +360,8 @@ if wants smoke; then
          tests/engine/model/attention/test_triton_backend.py
          tests/engine/model/attention/test_triton_sdpa_backend.py tests/engine/model/test_parity.py
          tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py
-         tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py
+         tests/engine/model/test_fp8_linear.py tests/engine/model/test_fp8_small_matmul.py
+         tests/engine/core/test_async_scheduling.py
          tests/engine/worker/test_step_syncs.py tests/engine/worker/test_piecewise_graphs.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
   # --quick's forward part runs triton's forward at full size first.
