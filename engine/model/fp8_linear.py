@@ -113,28 +113,27 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
                  bias: torch.Tensor | None, use_triton: bool,
-                 small_matmul_max_rows: int = SMALL_MATMUL_MAX_ROWS) -> None:
+                 small_matmul_max_rows: int | None = None) -> None:
+        """`small_matmul_max_rows` None: `SMALL_MATMUL_MAX_ROWS`."""
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", bias)
         self.use_triton = use_triton
+        max_rows = _small_matmul_max_rows(small_matmul_max_rows)
         # Without the layer kernels there is no Triton to run it.
-        self.small_matmul_max_rows = small_matmul_max_rows if use_triton else 0
-        most_rows = _small_matmul().MAX_ROWS if self.small_matmul_max_rows > 0 else 0
-        if not 0 <= self.small_matmul_max_rows <= most_rows:
-            raise ValueError(f"small_matmul_max_rows must be from 0 to the kernel's most rows, "
-                             f"got {small_matmul_max_rows}")
+        self.small_matmul_max_rows = max_rows if use_triton else 0
 
     @classmethod
     @torch.no_grad()
     def quantize(cls, linear: nn.Linear, use_triton: bool,
-                 small_matmul_max_rows: int = SMALL_MATMUL_MAX_ROWS) -> Fp8Linear:
+                 small_matmul_max_rows: int | None = None) -> Fp8Linear:
         """`linear`'s weight rounded to float8, a scale per output channel (its bias kept);
         `use_triton` also quantizes the weight with the kernel (and lets products of at most
         `small_matmul_max_rows` rows take `fp8_small_matmul`). ValueError for a dimension
         that is not a multiple of 16 (`_scaled_mm` takes none on CUDA); whether the device
         can run it is `check_fp8_supported`'s."""
+        _small_matmul_max_rows(small_matmul_max_rows)  # checked before any work
         weight = linear.weight
         out_features, in_features = weight.shape
         if out_features % _DIM_MULTIPLE or in_features % _DIM_MULTIPLE:
@@ -152,7 +151,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= self.small_matmul_max_rows:
+        if 0 < rows.shape[0] <= self.small_matmul_max_rows:
             out = _small_matmul().fp8_small_matmul(rows.contiguous(), self.weight,
                                                    self.weight_scale)
         else:
@@ -163,6 +162,17 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _small_matmul_max_rows(max_rows: int | None) -> int:
+    """`max_rows`, or `SMALL_MATMUL_MAX_ROWS` for None; ValueError outside 0 to the kernel's
+    `MAX_ROWS` (the kernel's module is imported only for a positive count)."""
+    if max_rows is None:
+        max_rows = SMALL_MATMUL_MAX_ROWS
+    if max_rows < 0 or (max_rows > 0 and max_rows > _small_matmul().MAX_ROWS):
+        raise ValueError(f"small_matmul_max_rows must be from 0 to the kernel's most rows, "
+                         f"got {max_rows}")
+    return max_rows
 
 
 def _small_matmul() -> ModuleType:

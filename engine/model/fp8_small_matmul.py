@@ -35,6 +35,7 @@ if triton.knobs.runtime.interpret:
 # bytes, and float8 tensor cores (`_scaled_mm`) multiply faster.
 MAX_ROWS = 64
 _MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+_ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Programs enough to fill an H100's 132 SMs twice over, as the attention kernels' split rules.
 _TARGET_PROGRAMS = 2 * 132
 # A split covers at least this many of `in`: fewer would not repay the partials' traffic.
@@ -67,11 +68,14 @@ def split_k(out_features: int, in_features: int, tile: SmallMatmulTile) -> int:
 def fp8_small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      tile: SmallMatmulTile = DEFAULT_TILE) -> torch.Tensor:
     """`(x W^T) * weight_scale` in `x`'s dtype: `x` rows [rows, in] (contiguous rows, at most
-    `MAX_ROWS`), `weight` float8 e4m3 [out, in] (row-major), `weight_scale` float32 [1, out]
-    (or [out]). Sums in float32. A new tensor [rows, out]."""
+    `MAX_ROWS`; bfloat16, float16 or float32), `weight` float8 e4m3 [out, in] (row-major),
+    `weight_scale` float32 [1, out] (or [out]). Sums in float32. A new tensor [rows, out]."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be rows [rows, in] with contiguous rows, got shape "
                          f"{tuple(x.shape)} and strides {x.stride()}")
+    if x.dtype not in _ROW_DTYPES or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_small_matmul multiplies rows of {_ROW_DTYPES} by float8 e4m3 "
+                         f"weights, got {x.dtype} and {weight.dtype}")
     rows, in_features = x.shape
     out_features = weight.shape[0]
     if rows > MAX_ROWS:
@@ -79,14 +83,17 @@ def fp8_small_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if weight.shape != (out_features, in_features) or weight.stride(1) != 1:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)} or "
                          f"its rows are not contiguous")
-    if weight_scale.numel() != out_features:
-        raise ValueError(f"weight_scale has {weight_scale.numel()} values for "
-                         f"{out_features} outputs")
+    if weight_scale.numel() != out_features or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale must be {out_features} float32 values, got "
+                         f"{weight_scale.numel()} of {weight_scale.dtype}")
+    weight_scale = weight_scale.reshape(-1).contiguous()
     out = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    splits = split_k(out_features, in_features, tile)
-    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), tile.block_k) * tile.block_k
+    k_per_split = triton.cdiv(triton.cdiv(in_features, split_k(out_features, in_features, tile)),
+                              tile.block_k) * tile.block_k
+    # Whole tiles a split can leave the last splits nothing: launch only those with keys.
+    splits = triton.cdiv(in_features, k_per_split)
     partials = (out if splits == 1 else
                 torch.empty((splits, rows, out_features), dtype=torch.float32, device=x.device))
     grid = (triton.cdiv(out_features, tile.block_n), splits)

@@ -30,29 +30,28 @@ def _exact(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.
     return x.float() @ (weight.float() * scale.t()).t()
 
 
-# Rows at 1, across the dot's 16 and at the most; reductions within one tile, across tiles,
-# split (a 2,048 reduction over 64 outputs splits 4 ways) and ragged at a tile's end; outputs
-# not a multiple of the tile.
+# Row-dtype tolerances: float32 sums either way; a 16-bit output rounds once (to 2^-8 or 2^-11
+# of a value, toward zero under the interpreter).
+_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+# Rows at 1, across the dot's 16 and at the most (64: Hopper's warp-group product); reductions
+# within one tile, across tiles, split (2,048 over 64 outputs: 4 ways; over 208: 4 column
+# tiles, the last partial, each split 4 ways) and ragged at a tile's end (1,040; 4,112: whole
+# tiles a split would leave the last splits empty); outputs not a multiple of the tile.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [
-    (1, 128, 64), (17, 400, 96), (MAX_ROWS, 256, 80), (3, 2048, 64), (5, 1040, 48)])
+    (1, 128, 64), (17, 400, 96), (MAX_ROWS, 256, 80), (3, 2048, 64), (5, 1040, 48),
+    (MAX_ROWS, 2048, 208), (2, 4112, 64)])
 def test_the_product_matches_float32_sums_of_the_dequantized_weights(
-        rows: int, in_features: int, out_features: int) -> None:
+        rows: int, in_features: int, out_features: int, dtype: torch.dtype) -> None:
     weight, scale = _quantized(out_features, in_features, seed=rows)
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    out = fp8_small_matmul(x, weight, scale)
-    assert out.shape == (rows, out_features) and out.dtype == torch.float32
-    torch.testing.assert_close(out, _exact(x, weight, scale), atol=1e-4, rtol=1e-4)
-
-
-def test_bfloat16_rows_give_bfloat16_within_its_rounding() -> None:
-    weight, scale = _quantized(64, 2048, seed=3)  # split 4 ways: partials summed in float32
-    x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(8)).to(DEVICE,
-                                                                            torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(7)).to(DEVICE,
+                                                                                      dtype)
     out = fp8_small_matmul(x, weight, scale)
     exact = _exact(x, weight, scale)
-    assert out.dtype == torch.bfloat16
-    # One rounding to bfloat16 (8 bits: 2^-8 of a value), toward zero under the interpreter.
-    assert ((out.float() - exact).abs() <= exact.abs() * 2 ** -7 + 1e-3).all()
+    assert out.shape == (rows, out_features) and out.dtype == dtype
+    assert ((out.float() - exact).abs() <= exact.abs() * _TOLERANCE[dtype] + 1e-4).all()
 
 
 def test_splits_fill_the_card_but_never_split_a_short_reduction() -> None:
@@ -71,11 +70,19 @@ def test_bad_inputs_are_refused() -> None:
         fp8_small_matmul(torch.zeros(2, 96, device=DEVICE), weight, scale)
     with pytest.raises(ValueError, match="contiguous rows"):
         fp8_small_matmul(torch.zeros(128, 2, device=DEVICE).t(), weight, scale)
+    with pytest.raises(ValueError, match="float8 e4m3"):
+        fp8_small_matmul(torch.zeros(2, 128, device=DEVICE), weight.float(), scale)
+    with pytest.raises(ValueError, match="float8 e4m3"):
+        fp8_small_matmul(torch.zeros(2, 128, dtype=torch.int32, device=DEVICE), weight, scale)
+    with pytest.raises(ValueError, match="float32 values"):
+        fp8_small_matmul(torch.zeros(2, 128, device=DEVICE), weight, scale.double())
     assert fp8_small_matmul(torch.zeros(0, 128, device=DEVICE), weight, scale).shape == (0, 64)
 
 
 def test_fp8_linear_takes_it_for_small_products_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    linear = torch.nn.Linear(128, 48, bias=True).to(DEVICE)
+    # bfloat16 on CUDA, as the engine runs FP8 projections there (float32 on this CPU).
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    linear = torch.nn.Linear(128, 48, bias=True).to(DEVICE, dtype)
     quantized = Fp8Linear.quantize(linear, use_triton=True, small_matmul_max_rows=8)
     scaled_mm_rows: list[int] = []
     scaled_mm = torch._scaled_mm
@@ -85,18 +92,26 @@ def test_fp8_linear_takes_it_for_small_products_only(monkeypatch: pytest.MonkeyP
         return scaled_mm(values, *args, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", spy)
-    x = torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    x = torch.randn(2, 4, 128, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
     with torch.no_grad():
         small = quantized(x)  # 8 rows: the kernel, rows unquantized
         large = quantized(torch.cat([x, x]))  # 16 rows: `_scaled_mm`
-    exact = _exact(x.reshape(8, 128), quantized.weight, quantized.weight_scale) + linear.bias
-    torch.testing.assert_close(small.reshape(8, 48), exact, atol=1e-4, rtol=1e-4)
+    exact = (_exact(x.reshape(8, 128), quantized.weight, quantized.weight_scale)
+             + linear.bias.float())
+    # The bias adds in the output's dtype: a second rounding on CUDA.
+    tolerance = 2 * _TOLERANCE[dtype]
+    assert ((small.reshape(8, 48).float() - exact).abs()
+            <= exact.abs() * tolerance + 1e-3).all()
     assert scaled_mm_rows == [16] and large.shape == (4, 4, 48)
 
 
 def test_the_small_product_needs_the_layer_kernels_and_at_most_its_rows() -> None:
-    linear = torch.nn.Linear(32, 16, bias=False)
+    linear = torch.nn.Linear(32, 16, bias=False).to(DEVICE)
     assert Fp8Linear.quantize(linear, use_triton=False, small_matmul_max_rows=8
                               ).small_matmul_max_rows == 0
-    with pytest.raises(ValueError, match="small_matmul_max_rows"):
-        Fp8Linear.quantize(linear, use_triton=True, small_matmul_max_rows=MAX_ROWS + 1)
+    assert Fp8Linear.quantize(linear, use_triton=True).small_matmul_max_rows == 0  # off
+    for bad in (MAX_ROWS + 1, -1):
+        with pytest.raises(ValueError, match="small_matmul_max_rows"):
+            Fp8Linear.quantize(linear, use_triton=True, small_matmul_max_rows=bad)
+        with pytest.raises(ValueError, match="small_matmul_max_rows"):
+            Fp8Linear.quantize(linear, use_triton=False, small_matmul_max_rows=bad)
