@@ -88,6 +88,19 @@ def _relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
             / reference.abs().max().clamp(min=1e-30)).item()
 
 
+def _runs(fn: Callable[[], object], label: str) -> bool:
+    """Whether `fn` runs (a kernel not yet compiled on this device may not): the other calls'
+    figures are kept either way, the failure printed on stderr."""
+    try:
+        with torch.no_grad():
+            fn()
+    except Exception as error:  # a compile or launch failure of any kind: reported, left out
+        print(f"{label} failed: {(str(error).splitlines() or [repr(error)])[0]}",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def measure(name: str, in_features: int, out_features: int, tokens: int,
             device: torch.device, dtype: torch.dtype) -> list[dict[str, object]]:
     """One row a call for projection `name` over `tokens` input rows."""
@@ -111,7 +124,8 @@ def measure(name: str, in_features: int, out_features: int, tokens: int,
 
     products = {"fp8 exact": product(False), "fp8 fast": product(True)}
     if tokens <= MAX_ROWS:
-        products.update({_small_name(tile): small(tile) for tile in SMALL_TILES})
+        products.update({_small_name(tile): small(tile) for tile in SMALL_TILES
+                         if _runs(small(tile), _small_name(tile))})
     calls: dict[str, Callable[[], object]] = {
         "bf16": lambda: F.linear(x, linear.weight), **products,
         "quantize": lambda: quantize_rows(x, use_triton), "layer": lambda: quantized(x)}
