@@ -379,7 +379,10 @@ if wants kernels; then
   [ -z "$baseline" ] || step kernels-prefill-tiles-base "$python" \
     "$baseline/scripts/prefill_tiles.py" --device "$device" \
     --json "$raw/kernels-prefill-tiles-base.json"
-  step kernels-fp8-gemms "$python" scripts/fp8_gemms.py --device "$device" \
+  # --quick: a decode step's rows at batch 1 and 32, and a prefill's 2,048.
+  fp8_tokens=()
+  [ $quick -eq 1 ] && [ "$device" = cuda ] && fp8_tokens=(--tokens 1 32 2048)
+  step kernels-fp8-gemms "$python" scripts/fp8_gemms.py --device "$device" "${fp8_tokens[@]}" \
     --json "$raw/kernels-fp8-gemms.json"
   # Measured on two cards already (docs/benchmarks.md, "Measured a fourth time").
   [ $quick -eq 1 ] || step kernels-mlp-gemms "$python" scripts/mlp_gemms.py \
