@@ -10,11 +10,10 @@ whose `result` waits for its sampled tokens (`execute_model` does both). Each st
 3. runs the model (a decode-only step on static buffers, replaying a CUDA graph where
    available: `decode_graphs.py`; with `piecewise_graphs` another step of up to
    `piecewise_max_tokens` replays graphs of the pieces between attentions:
-   `piecewise_graphs.py`), computes
-   logits only for requests that reach the end of their known tokens (a partial prefill
-   samples nothing), samples, appends placeholders for the sampled tokens to its rows and
-   starts copying the ids to pinned host memory; `result` waits for that copy and fills
-   the placeholders in;
+   `piecewise_graphs.py`), computes logits only for requests that reach the end of their
+   known tokens (a partial prefill samples nothing), samples, appends placeholders for the
+   sampled tokens to its rows and starts copying the ids to pinned host memory; `result`
+   waits for that copy and fills the placeholders in;
 4. for requests that ask for prompt logprobs, computes the logprobs of the prompt tokens that
    the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
    all its positions at once).

@@ -420,19 +420,20 @@ def _positions(shape: Shape, args: argparse.Namespace) -> int:
     return max(_max_seq_len(shape, args), _beside_seq_len(shape, args))
 
 
+def _blocks_for(num_tokens: int, args: argparse.Namespace) -> int:
+    """KV blocks that hold `num_tokens` tokens."""
+    return -(-num_tokens // args.block_size)
+
+
 def _blocks_per_seq(shape: Shape, args: argparse.Namespace) -> int:
-    return -(-_max_seq_len(shape, args) // args.block_size)
-
-
-def _beside_blocks_per_seq(shape: Shape, args: argparse.Namespace) -> int:
-    return -(-_beside_seq_len(shape, args) // args.block_size)
+    return _blocks_for(_max_seq_len(shape, args), args)
 
 
 def _num_blocks(shape: Shape, args: argparse.Namespace) -> int:
     """KV blocks the requests of `shape` own: the shape's sequences', then the decodes'
     beside an extend's chunks (`_Sequences`' `first_block`)."""
     return (shape.batch_size * _blocks_per_seq(shape, args)
-            + shape.decodes_beside * _beside_blocks_per_seq(shape, args))
+            + shape.decodes_beside * _blocks_for(_beside_seq_len(shape, args), args))
 
 
 def _measure(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
@@ -508,7 +509,7 @@ def _extend_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
     beside = _Sequences(runner, "beside", Shape("decode", shape.decodes_beside,
                                                 shape.decode_context_len,
                                                 sampling=shape.sampling),
-                        _beside_blocks_per_seq(shape, args), rng)
+                        _blocks_for(_beside_seq_len(shape, args), args), rng)
     try:
         beside.prefill(args.max_num_batched_tokens)
         return _extend_turns_s(runner, shape, args, rng, beside)
@@ -521,7 +522,7 @@ def _extend_turns_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
                     ) -> tuple[float, StepProfile | None]:
     """`_extend_run_s` once the decodes `beside` the chunks (none, or prefilled) are in."""
     full = replace(shape, seq_len=shape.context_len + shape.seq_len)
-    first_block = shape.decodes_beside * _beside_blocks_per_seq(shape, args)
+    first_block = shape.decodes_beside * _blocks_for(_beside_seq_len(shape, args), args)
     filled = _Sequences(runner, "extend", full, _blocks_per_seq(shape, args), rng,
                         first_block=first_block)
     try:
@@ -778,12 +779,14 @@ class _Sequences:
         return again
 
     def finish(self) -> None:
-        """Drops every request from the runner (a step that schedules no token)."""
+        """Drops every request from the runner (a step that schedules no token), if any was
+        sent."""
+        if not self.sent:
+            return
         self.runner.execute_model(SchedulerOutput(
             step_id=self.step_id, scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData(),
             num_scheduled_tokens={}, total_num_scheduled_tokens=0,
             finished_req_ids=set(self.sent), preempted_req_ids=set()))
-
 
 
 def _step_together(groups: dict[_Sequences, dict[str, int]]) -> float:
