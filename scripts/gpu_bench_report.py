@@ -48,6 +48,7 @@ def summary_markdown(results: dict[str, Any]) -> str:
              f"mode {env['mode']}", ""]
     lines += _forward_table(results["forward"])
     lines += _throughput_table(results["throughput"])
+    lines += _slow_steps_table(results["throughput"])
     lines += _agent_table(results["agent"])
     lines += ["## Steps", ""]
     for step in results["steps"]:
@@ -129,6 +130,29 @@ def _throughput_table(runs: dict[str, Any]) -> list[str]:
         lines.append(f"| {name} | {run['output_tokens']:,} | {run['wall_s']:.2f} | "
                      f"{run['tokens_per_s']:,.0f} | {run['num_steps']} | "
                      f"{run['wall_s'] / run['num_steps'] * 1e3:.1f} | {slowest} | {freed} |")
+    return [*lines, ""]
+
+
+def _slow_steps_table(runs: dict[str, Any]) -> list[str]:
+    """Each run's slowest steps with where their time went, for runs that recorded it (since
+    2026-11-28: the executor's launch and wait, collections, compiles)."""
+    rows = [(name, step) for name, run in runs.items() for step in run.get("slow_steps", [])
+            if "submit_ms" in step]
+    if not rows:
+        return []
+    lines = ["The slowest steps (ms; launch and wait inside the executor, the rest outside it: "
+             "scheduling and outputs; Python's collections of the oldest generation; Triton's "
+             "compiles):", "",
+             "| run | step | running / waiting | wall | launch | wait | rest | "
+             "oldest-generation collections (ms of all collections) | compiles |",
+             "|---|---:|---|---:|---:|---:|---:|---|---|"]
+    for name, step in rows:
+        rest_ms = step["wall_ms"] - step["submit_ms"] - step["wait_ms"]
+        compiles = ", ".join(step["triton_compiles"]) or "-"
+        lines.append(f"| {name} | {step['index']} | {step['num_running']} / "
+                     f"{step['num_waiting']} | {step['wall_ms']:.1f} | {step['submit_ms']:.1f} | "
+                     f"{step['wait_ms']:.1f} | {rest_ms:.1f} | {step['gc_collections'][-1]} "
+                     f"({step['gc_ms']:.1f}) | {compiles} |")
     return [*lines, ""]
 
 

@@ -98,6 +98,7 @@ class EngineCore:
         self._in_flight: _InFlightStep | None = None  # submitted, its result not yet taken
         self.step_time_s = 0.0
         self.execute_time_s = 0.0
+        self.submit_time_s = 0.0  # the part of execute_time_s in `executor.submit`
         self.kv_copy_time_s = 0.0
         self.num_invariant_checks = 0
 
@@ -249,7 +250,9 @@ class EngineCore:
     def _submit(self, scheduler_output: SchedulerOutput) -> _InFlightStep:
         started_s = time.perf_counter()
         pending = self.executor.submit(scheduler_output)
-        self.execute_time_s += time.perf_counter() - started_s
+        submit_s = time.perf_counter() - started_s
+        self.execute_time_s += submit_s
+        self.submit_time_s += submit_s
         return _InFlightStep(scheduler_output, pending)
 
     def _take_in_flight(self) -> list[EngineCoreOutput]:
@@ -370,6 +373,7 @@ class EngineCore:
             num_steps=self.num_steps,
             step_time_s=self.step_time_s,
             execute_time_s=self.execute_time_s,
+            submit_time_s=self.submit_time_s,
             num_pins_created=scheduler.pins.num_created,
             num_arrival_holds_created=scheduler.pins.num_holds_created,
             num_cpu_threads=self.executor.num_cpu_threads,

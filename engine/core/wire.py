@@ -110,7 +110,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     """A snapshot of the core: queue lengths, KV pool use, prefix cache, pins, step timings.
 
     Counters are cumulative since the core started (`pins_released` by release reason); times
-    are seconds of wall time (`execute_time_s` inside the executor, `step_time_s` in whole
+    are seconds of wall time (`execute_time_s` inside the executor, of which `submit_time_s`
+    launching steps and the rest waiting for their results; `step_time_s` in whole
     steps; `grammar_compile_time_s` is spent on the compile thread, off the step loop), but
     `grammar_mask_time_s`, CPU seconds of the mask workers computing structured outputs'
     token masks. With a host KV tier,
@@ -138,6 +139,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_steps: int
     step_time_s: float
     execute_time_s: float
+    submit_time_s: float = 0.0
     num_pins_created: int = 0  # arrival holds included
     num_arrival_holds_created: int = 0
     num_cpu_threads: int | None = None  # torch's intra-op threads of a model on CPU

@@ -16,9 +16,11 @@ tokens stored and loaded. On CUDA, also what the caching allocator did during th
 each of which synchronizes the device). With `--slow-steps N`, the engine is driven one
 `LLMEngine.step` at a time instead of through `generate`, and the N slowest timed steps are
 reported (`slow_steps`: each step's index, wall milliseconds, requests running and waiting
-after it, and on CUDA what the caching allocator did inside it), with the count and the
-seconds of every step in which the allocator called `cudaFree` or retried (`allocator_steps`):
-whether the slow steps are the allocator's. An untimed warm-up on prompts of its own comes
+after it; its milliseconds launching steps and waiting for their results inside the
+executor; Python's collections and Triton's compiles inside it, `eval.bench.step_events`;
+and on CUDA what the caching allocator did inside it), with the count and the seconds of
+every step in which the allocator called `cudaFree` or retried (`allocator_steps`): what a
+slow step spent its time on. An untimed warm-up on prompts of its own comes
 first, so the timed run finds no prompt cached. With `--profile` (`--impl engine`), the
 workload runs once more, from an emptied prefix cache, under the torch profiler (`profile`:
 that run's wall seconds, the device's busy seconds and those seconds by kind of kernel,
@@ -44,6 +46,7 @@ import msgspec
 
 from engine.core.gc_heap import startup_heap_frozen
 from engine.engine_args import EngineArgs
+from eval.bench.step_events import StepEventRecorder
 from eval.report import emit
 
 _IMPLEMENTATIONS = ("engine", "transformers")
@@ -221,14 +224,22 @@ def _profile(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str,
 @dataclass(frozen=True)
 class StepRecord:
     """One timed engine step: its index in the run, its wall milliseconds, the requests
-    running and waiting after it, and the caching allocator's counters' growth inside it
-    (empty without CUDA)."""
+    running and waiting after it, the caching allocator's counters' growth inside it
+    (empty without CUDA), and what else took its time (milliseconds): launching steps
+    (`submit_ms`: inputs prepared and kernels enqueued) and waiting for their results
+    (`wait_ms`) inside the executor, Python's collections by generation and their time, the
+    Triton kernels compiled."""
 
     index: int
     wall_ms: float
     num_running: int
     num_waiting: int
     allocator: dict[str, int]
+    submit_ms: float = 0.0
+    wait_ms: float = 0.0
+    gc_collections: tuple[int, ...] = ()
+    gc_ms: float = 0.0
+    triton_compiles: tuple[str, ...] = ()
 
 
 def _generate_step_by_step(engine: Any, prompts: list[list[int]], params: list[Any],
@@ -242,18 +253,27 @@ def _generate_step_by_step(engine: Any, prompts: list[list[int]], params: list[A
         engine.add_request(request_id, prompt, msgspec.structs.replace(
             sampling, output_kind=RequestOutputKind.FINAL_ONLY))
     finished: dict[str, Any] = {}
-    while engine.has_unfinished_requests():
-        counts_before = _cuda_allocator_counts()
-        started_s = time.perf_counter()
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        wall_ms = (time.perf_counter() - started_s) * 1e3
-        counts_after = _cuda_allocator_counts()
-        stats = engine.get_stats()
-        steps.append(StepRecord(len(steps), wall_ms, stats.num_running, stats.num_waiting,
-                                {name: counts_after[name] - counts_before[name]
-                                 for name in counts_after}))
+    stats = engine.get_stats()
+    with StepEventRecorder() as recorder:
+        while engine.has_unfinished_requests():
+            counts_before, stats_before = _cuda_allocator_counts(), stats
+            recorder.take()
+            started_s = time.perf_counter()
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            wall_ms = (time.perf_counter() - started_s) * 1e3
+            events = recorder.take()
+            counts_after = _cuda_allocator_counts()
+            stats = engine.get_stats()
+            submit_s = stats.submit_time_s - stats_before.submit_time_s
+            steps.append(StepRecord(
+                len(steps), wall_ms, stats.num_running, stats.num_waiting,
+                {name: counts_after[name] - counts_before[name] for name in counts_after},
+                submit_ms=submit_s * 1e3,
+                wait_ms=(stats.execute_time_s - stats_before.execute_time_s - submit_s) * 1e3,
+                gc_collections=events.gc_collections, gc_ms=events.gc_ms,
+                triton_compiles=events.triton_compiles))
     return [finished[request_id] for request_id in request_ids]
 
 

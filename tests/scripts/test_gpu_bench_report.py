@@ -64,3 +64,29 @@ def test_report_tables_the_slowest_throughput_steps(tmp_path: Path) -> None:
     summary = (tmp_path / "summary.md").read_text()
     assert "| triton-256 | 73,000 | 11.50 | 6,348 | 571 | 20.1 | 465, 90 | 1 (0.47) |" \
         in summary
+    assert "The slowest steps" not in summary  # recorded without where their time went
+
+
+def test_report_says_where_the_slowest_steps_spent_their_time(tmp_path: Path) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "environment.json").write_text(json.dumps({
+        "device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0",
+        "config": "engine/model/configs/llama3.1-8b.json", "mode": "quick"}))
+    (raw / "status.tsv").write_text("throughput-triton-256\t0\t30\n")
+    (raw / "throughput-triton-256.json").write_text(json.dumps({
+        "output_tokens": 74_948, "wall_s": 7.75, "tokens_per_s": 9_671.0, "num_steps": 574,
+        "slow_steps": [
+            {"index": 444, "wall_ms": 210.7, "num_running": 61, "num_waiting": 0,
+             "allocator": {}, "submit_ms": 3.5, "wait_ms": 7.0,
+             "gc_collections": [1, 1, 1], "gc_ms": 195.4, "triton_compiles": []},
+            {"index": 15, "wall_ms": 110.6, "num_running": 62, "num_waiting": 194,
+             "allocator": {}, "submit_ms": 98.0, "wait_ms": 9.0,
+             "gc_collections": [0, 0, 0], "gc_ms": 0.0,
+             "triton_compiles": ["_prefill_kernel", "_prefill_reduce_kernel"]}]}))
+    subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw), str(tmp_path)],
+                   cwd=REPO, capture_output=True, text=True, check=True)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| triton-256 | 444 | 61 / 0 | 210.7 | 3.5 | 7.0 | 200.2 | 1 (195.4) | - |" in summary
+    assert ("| triton-256 | 15 | 62 / 194 | 110.6 | 98.0 | 9.0 | 3.6 | 0 (0.0) | "
+            "_prefill_kernel, _prefill_reduce_kernel |") in summary

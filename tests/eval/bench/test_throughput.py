@@ -36,6 +36,12 @@ def test_bench_throughput_reports_the_slowest_steps(tmp_path) -> None:
     assert all(0 <= step["index"] < results["num_steps"] for step in slow)
     assert slow[0]["wall_ms"] <= results["wall_s"] * 1e3
     assert all(step["allocator"] == {} for step in slow)  # no CUDA here
+    for step in slow:
+        # Each step launches one and (in order, the CPU's default) waits for it.
+        assert step["submit_ms"] > 0 and step["wait_ms"] >= 0
+        assert step["submit_ms"] + step["wait_ms"] <= step["wall_ms"]
+        assert len(step["gc_collections"]) == 3 and step["gc_ms"] >= 0
+        assert step["triton_compiles"] == []  # the tiny model runs torch's ops here
     assert results["allocator_steps"] == {"num_steps": 0, "wall_s": 0}
 
 
