@@ -75,7 +75,7 @@
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
 #        sdpa|triton|triton-sdpa|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
 #        [--agent-piecewise]
-#        [--baseline DIR]
+#        [--baseline DIR] [--dry-run]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with triton-sdpa, an agent's
 #              next turns with and without piecewise graphs, fp8 projections with and
@@ -98,6 +98,9 @@
 #              timings, the forward run `triton` and the offline run `triton` also run from
 #              it, each right after this checkout's (steps named `...-base`), so that two
 #              engines are compared on one device; they spend the same --budget-s
+#   --dry-run  print each step's command (`== dry run NAME: COMMAND`, shell-quoted) instead of
+#              running it, and record it as passed: what a device call would run, in seconds
+#              (tests/scripts/test_gpu_bench_dry_run.py parses every engine command of it)
 #
 # On the GPU machine (the device tool): its image has torch and triton but not msgspec,
 # llguidance, pyzmq (which every engine command imports) nor fastapi, uvicorn, pydantic, openai
@@ -118,6 +121,7 @@ agent_setup=swe24
 agent_serve=(--no-async-scheduling)  # the serve flags --agent-async and --agent-piecewise set
 baseline=""
 budget_s=""
+dry_run=0
 parts=()
 while [ $# -gt 0 ]; do
   case $1 in
@@ -130,6 +134,7 @@ while [ $# -gt 0 ]; do
     --agent-async) agent_serve[0]=--async-scheduling ;;
     --agent-piecewise) agent_serve[1]=--piecewise-graphs ;;
     --baseline) baseline=$(cd -- "$2" > /dev/null && pwd -P) || exit 2; shift ;;
+    --dry-run) dry_run=1 ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -302,7 +307,8 @@ cp "$config" "$model_dir/config.json"
 engine_flags=(--model "$model_dir" --load-format dummy --tokenizer "$PWD/engine/model/tiny"
               --device "$device")
 
-"$python" - "$config" "$device" "$([ $quick -eq 1 ] && echo quick || echo full)" \
+"$python" - "$config" "$device" \
+  "$([ $quick -eq 1 ] && echo quick || echo full)$([ $dry_run -eq 0 ] || echo ', dry run')" \
   > "$raw/environment.json" <<'EOF'
 import json
 import sys
@@ -329,6 +335,13 @@ EOF
 step() {
   local name=$1 started=$SECONDS code
   shift
+  if [ $dry_run -eq 1 ]; then
+    printf '== dry run %s:' "$name"
+    printf ' %q' "$@"
+    echo
+    printf '%s\t0\t0\n' "$name" >> "$raw/status.tsv"
+    return
+  fi
   local limit=()
   if [ -n "$budget_s" ]; then
     local left=$((budget_s - SECONDS))
