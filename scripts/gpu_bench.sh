@@ -234,7 +234,7 @@ reported=0
 report() {
   [ $reported -eq 0 ] || return 0
   reported=1
-  "$python" scripts/gpu_bench_report.py "$raw" "$out"
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$python" scripts/gpu_bench_report.py "$raw" "$out"
   if [ -n "${OUT:-}" ]; then
     tar czf "$out/raw.tar.gz" -C "$out" raw && rm -rf "$raw"
   fi

@@ -3,7 +3,10 @@
 Usage: python scripts/gpu_bench_report.py RAW_DIR OUT_DIR. RAW_DIR holds `environment.json`,
 `status.tsv` (name, exit code, seconds of each step) and each step's JSON: `forward-*.json`
 (`bench forward`), `throughput-*.json` (`bench throughput --impl engine`), `agent-*.json`
-(`bench agent`). Standard library only, so it runs wherever the script does.
+(`bench agent`). On a card `eval.gpu_floors` knows, each figure is also set against that
+card's own floor. Standard library and the repository's `eval.gpu_floors` only (with the
+repository's root on `PYTHONPATH`, as `gpu_bench.sh` runs it), so it runs wherever the
+script does.
 """
 
 from __future__ import annotations
@@ -12,6 +15,18 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from eval.gpu_floors import (
+    Card,
+    ModelShape,
+    Precision,
+    WorkloadCounts,
+    card_of,
+    run_floor,
+    step_floor,
+)
+
+_REPO = Path(__file__).resolve().parents[1]
 
 
 def main(raw_dir: Path, out_dir: Path) -> int:
@@ -49,6 +64,10 @@ def summary_markdown(results: dict[str, Any]) -> str:
     lines += _forward_table(results["forward"])
     lines += _throughput_table(results["throughput"])
     lines += _slow_steps_table(results["throughput"])
+    try:
+        lines += _floors_tables(results)
+    except (KeyError, TypeError, ValueError) as error:  # a report of another era's fields
+        lines += [f"(No floors: {type(error).__name__}: {error}.)", ""]
     lines += _agent_table(results["agent"])
     lines += ["## Steps", ""]
     for step in results["steps"]:
@@ -154,6 +173,93 @@ def _slow_steps_table(runs: dict[str, Any]) -> list[str]:
                      f"{step['wait_ms']:.1f} | {rest_ms:.1f} | {step['gc_collections'][-1]} "
                      f"({step['gc_ms']:.1f}) | {compiles} |")
     return [*lines, ""]
+
+
+def _floors_tables(results: dict[str, Any]) -> list[str]:
+    """Each forward shape's and offline run's time over its floor on this card (1.00x: the
+    floor), each run against its own precision's; nothing on a card without figures."""
+    env = results["environment"]
+    card = card_of(env["device"])
+    if card is None:
+        return []
+    lines = [f"## Against the {card.name}'s floor (`eval/gpu_floors.py`)", "",
+             "Measured time over the floor of this card's datasheet: the bytes a step must "
+             "read at its bandwidth or its FLOPs at its peak rate, whichever is longer "
+             "(1.00x is the floor; each run against its own precision's).", ""]
+    lines += _forward_floors(results["forward"], card, env["config"])
+    lines += _throughput_floors(results["throughput"], card, env["config"])
+    return lines if len(lines) > 4 else []
+
+
+def _forward_floors(runs: dict[str, Any], card: Card, config: str) -> list[str]:
+    names = [name for name, run in runs.items() if _model_shape(run["model"], config)]
+    if not names:
+        return []
+    lines = ["| shape | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    by_label = {name: {r["label"]: r for r in runs[name]["results"]} for name in names}
+    labels = dict.fromkeys(label for results in by_label.values() for label in results)
+    for label in labels:
+        cells = []
+        for name in names:
+            result = by_label[name].get(label)
+            ratio = None if result is None else _shape_over_floor(runs[name], result, card,
+                                                                  config)
+            cells.append("" if ratio is None else f"{ratio:.2f}x")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _shape_over_floor(run: dict[str, Any], result: dict[str, Any], card: Card,
+                      config: str) -> float | None:
+    """A shape's measured time a step over its floor: decode and extend steps by their
+    milliseconds, prefills by their tokens a second (steps back to back included)."""
+    model = _model_shape(run["model"], config)
+    if model is None or result["error"] is not None:
+        return None
+    batch, tokens = result["batch_size"], result["seq_len"]
+    if result["kind"] == "decode":
+        sequences = [(1, tokens)] * batch
+    elif result["kind"] == "prefill":
+        sequences = [(tokens, 0)] * batch
+    else:
+        sequences = ([(tokens, result["context_len"])] * batch
+                     + [(1, result.get("decode_context_len", 0))]
+                     * result.get("decodes_beside", 0))
+    floor_s = step_floor(model, card, _precision(run), sequences).lower_s
+    if result["kind"] == "prefill":
+        return batch * tokens / result["tokens_per_s"] / floor_s
+    return result["step_ms"] / 1e3 / floor_s
+
+
+def _throughput_floors(runs: dict[str, Any], card: Card, config: str) -> list[str]:
+    rows = [(name, run) for name, run in runs.items() if "workload" in run]
+    model = _model_shape(Path(config).stem, config)
+    if not rows or model is None:
+        return []
+    lines = ["| offline run | output tokens/s | the floor's tokens/s | time over the floor |",
+             "|---|---:|---:|---:|"]
+    for name, run in rows:
+        counts = WorkloadCounts(**run["workload"])
+        floor_s = run_floor(model, card, _precision(run), counts).lower_s
+        lines.append(f"| {name} | {run['tokens_per_s']:,.0f} | "
+                     f"{counts.output_tokens / floor_s:,.0f} | {run['wall_s'] / floor_s:.2f}x |")
+    return [*lines, ""]
+
+
+def _precision(run: dict[str, Any]) -> Precision:
+    """A 16-bit run's precision (CUDA runs are bfloat16); an older report without the fields
+    is taken as bf16 throughout."""
+    return Precision.of_run(run.get("quantization", "none"),
+                            run.get("kv_cache_dtype", "auto"))
+
+
+def _model_shape(model_name: str, config: str) -> ModelShape | None:
+    """The shape of the model a run names: the benchmark's config, or the repository's
+    config of that name; None if neither is found."""
+    for path in (Path(config), _REPO / "engine/model/configs" / f"{model_name}.json"):
+        if path.stem == model_name and path.is_file():
+            return ModelShape.from_file(path)
+    return None
 
 
 def _agent_table(runs: dict[str, Any]) -> list[str]:

@@ -9,7 +9,8 @@ its longest request needs (only each request's own tokens count as output).
 
 Reported: output tokens/s of both and their ratio; the engine's efficiency (time inside the
 executor, which runs the model forward and sampling, over the wall time of `generate`) and
-its mean per-step overhead (wall time outside the executor per step). With `--kv-offload-gib`
+its mean per-step overhead (wall time outside the executor per step); the workload's counts
+that bound any run of it (`workload`, `eval.gpu_floors.WorkloadCounts`). With `--kv-offload-gib`
 (`--impl engine`), also the share of step time the host-tier copies held steps up and the
 tokens stored and loaded. On CUDA, also what the caching allocator did during the run
 (`cuda_allocator`: `cudaMalloc`s, `cudaFree`s and allocations retried after freeing the cache,
@@ -47,6 +48,7 @@ import msgspec
 from engine.core.gc_heap import startup_heap_frozen
 from engine.engine_args import EngineArgs
 from eval.bench.step_events import StepEventRecorder
+from eval.gpu_floors import counts_of
 from eval.report import emit
 
 _IMPLEMENTATIONS = ("engine", "transformers")
@@ -186,6 +188,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "step_overhead_ms": (wall_s - execute_s) / num_steps * 1e3,
         "num_steps": num_steps,
         "async_scheduling": after.async_scheduling,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "workload": asdict(counts_of([len(prompt) for prompt in prompts],
+                                     [request.output_len for request in workload])),
         **_host_tier_figures(before, after, wall_s),
         **({"cuda_allocator": {name: allocator_after[name] - allocator_before[name]
                                for name in allocator_after}} if allocator_after else {}),

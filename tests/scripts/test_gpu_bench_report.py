@@ -90,3 +90,60 @@ def test_report_says_where_the_slowest_steps_spent_their_time(tmp_path: Path) ->
     assert "| triton-256 | 444 | 61 / 0 | 210.7 | 3.5 | 7.0 | 200.2 | 1 (195.4) | - |" in summary
     assert ("| triton-256 | 15 | 62 / 194 | 110.6 | 98.0 | 9.0 | 3.6 | 0 (0.0) | "
             "_prefill_kernel, _prefill_reduce_kernel |") in summary
+
+
+def _raw(tmp_path: Path, device: str, files: dict[str, object]) -> Path:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "environment.json").write_text(json.dumps({
+        "device": device, "torch": "2.11.0", "triton": "3.6.0",
+        "config": str(REPO / "engine/model/configs/llama3.1-8b.json"), "mode": "quick"}))
+    (raw / "status.tsv").write_text("".join(f"{name}\t0\t30\n" for name in files))
+    for name, content in files.items():
+        (raw / f"{name}.json").write_text(json.dumps(content))
+    return raw
+
+
+def _summary(tmp_path: Path, raw: Path) -> str:
+    subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw), str(tmp_path)],
+                   cwd=REPO, capture_output=True, text=True, check=True)
+    return (tmp_path / "summary.md").read_text()
+
+
+_FORWARD = {"model": "llama3.1-8b", "quantization": "none", "kv_cache_dtype": "bfloat16",
+            "results": [
+                {"kind": "decode", "batch_size": 32, "seq_len": 8192, "context_len": 0,
+                 "label": "decode, batch 32, context 8,192", "step_ms": 18.04,
+                 "tokens_per_s": 1_774.0, "error": None, "profile": None},
+                {"kind": "prefill", "batch_size": 1, "seq_len": 2048, "context_len": 0,
+                 "label": "prefill 1 x 2,048", "step_ms": 51.7, "tokens_per_s": 39_619.0,
+                 "error": None, "profile": None}]}
+_THROUGHPUT = {"output_tokens": 74_948, "wall_s": 10.08, "tokens_per_s": 7_436.0,
+               "num_steps": 574, "quantization": "none", "kv_cache_dtype": "auto",
+               "workload": {"prompt_tokens": 144_138, "prompt_attention_pairs": 48_391_154,
+                            "decode_tokens": 74_692, "decode_context_tokens": 55_434_654,
+                            "min_decode_steps": 510, "num_requests": 256}}
+
+
+def test_report_sets_each_figure_against_the_cards_floor(tmp_path: Path) -> None:
+    raw = _raw(tmp_path, "NVIDIA H100 80GB HBM3",
+               {"forward-triton": _FORWARD, "throughput-triton-256": _THROUGHPUT})
+    summary = _summary(tmp_path, raw)
+    assert "## Against the NVIDIA H100 SXM 80GB's floor" in summary
+    # 18.04 ms over the 14.74 ms bandwidth floor; 39,619 tokens/s against 68,252.
+    assert "| decode, batch 32, context 8,192 | 1.22x |" in summary
+    assert "| prefill 1 x 2,048 | 1.72x |" in summary
+    assert "| triton-256 | 7,436 | 16,827 | 2.26x |" in summary
+
+
+def test_report_has_no_floors_on_a_card_without_figures(tmp_path: Path) -> None:
+    raw = _raw(tmp_path, "NVIDIA A100-SXM4-80GB", {"forward-triton": _FORWARD})
+    assert "floor" not in _summary(tmp_path, raw)
+
+
+def test_report_of_unreadable_floors_still_writes_the_rest(tmp_path: Path) -> None:
+    broken = {**_THROUGHPUT, "workload": {"prompt_tokens": 1}}
+    raw = _raw(tmp_path, "NVIDIA H100 80GB HBM3", {"throughput-triton-256": broken})
+    summary = _summary(tmp_path, raw)
+    assert "(No floors: TypeError" in summary
+    assert "| triton-256 | 74,948 | 10.08 | 7,436 | 574 |" in summary

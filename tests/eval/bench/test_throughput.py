@@ -5,6 +5,7 @@ import json
 import pytest
 
 from engine.cli import main
+from eval.gpu_floors import WorkloadCounts
 
 
 def test_bench_throughput_compares_the_engine_with_transformers(tmp_path) -> None:
@@ -43,6 +44,11 @@ def test_bench_throughput_reports_the_slowest_steps(tmp_path) -> None:
         assert len(step["gc_collections"]) == 3 and step["gc_ms"] >= 0
         assert step["triton_compiles"] == []  # the tiny model runs torch's ops here
     assert results["allocator_steps"] == {"num_steps": 0, "wall_s": 0}
+    # What bounds any run of the workload (eval.gpu_floors), for the report's floors.
+    counts = WorkloadCounts(**results["workload"])
+    assert counts.num_requests == 5 and counts.output_tokens == results["output_tokens"]
+    assert 5 * 8 <= counts.prompt_tokens <= 5 * 24
+    assert (results["quantization"], results["kv_cache_dtype"]) == ("none", "auto")
 
 
 def test_bench_throughput_profiles_one_more_run(tmp_path, capsys) -> None:
