@@ -329,6 +329,14 @@ print(json.dumps({"device": name, "torch": torch.__version__, "triton": triton,
                   "config": config, "mode": mode}))
 EOF
 
+# dry_run_print NAME COMMAND...: what --dry-run prints instead of running a command.
+dry_run_print() {
+  printf '== dry run %s:' "$1"
+  shift
+  printf ' %q' "$@"
+  echo
+}
+
 # step NAME COMMAND...: runs it with its output in raw/NAME.log; records exit code and seconds.
 # With --budget-s, a step is skipped (exit 125) once the budget is spent, and stopped (exit
 # 124) when it runs past it.
@@ -336,9 +344,8 @@ step() {
   local name=$1 started=$SECONDS code
   shift
   if [ $dry_run -eq 1 ]; then
-    printf '== dry run %s:' "$name"
-    printf ' %q' "$@"
-    echo
+    # A shell function (the agent replay) prints its own commands.
+    if declare -F "$1" > /dev/null; then "$@"; else dry_run_print "$name" "$@"; fi
     printf '%s\t0\t0\n' "$name" >> "$raw/status.tsv"
     return
   fi
@@ -540,11 +547,20 @@ agent_replay() {
   local policy=$1 port
   port=$("$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); \
 print(s.getsockname()[1])")
+  local serve=("$python" -m engine.cli serve "${engine_flags[@]}" "${serve_flags[@]}"
+               --attention-backend "$agent_backend" --scheduling-policy "$policy"
+               --port "$port" "${agent_serve[@]}" --log-level warning
+               --trace-path "$raw/agent-$agent_setup-$policy.trace.jsonl")
+  local replay=("${engine[@]}" bench agent --base-url "http://127.0.0.1:$port" --workload swe
+                "${agent_flags[@]}" --label "$policy" --no-progress
+                --json "$raw/agent-$agent_setup-$policy.json")
+  if [ $dry_run -eq 1 ]; then
+    dry_run_print "agent-$agent_setup-$policy-serve" "${serve[@]}"
+    dry_run_print "agent-$agent_setup-$policy" "${replay[@]}"
+    return 0
+  fi
   # In a session of its own, so that stop_server reaches the engine core too.
-  setsid "$python" -m engine.cli serve "${engine_flags[@]}" "${serve_flags[@]}" \
-    --attention-backend "$agent_backend" --scheduling-policy "$policy" --port "$port" \
-    "${agent_serve[@]}" \
-    --log-level warning --trace-path "$raw/agent-$agent_setup-$policy.trace.jsonl" &
+  setsid "${serve[@]}" &
   server=$!
   "$python" - "$port" "$server" <<'EOF'
 import os
@@ -565,8 +581,7 @@ sys.exit("the server did not become healthy")
 EOF
   local code=$?
   if [ $code -eq 0 ]; then
-    "${engine[@]}" bench agent --base-url "http://127.0.0.1:$port" --workload swe "${agent_flags[@]}" \
-      --label "$policy" --no-progress --json "$raw/agent-$agent_setup-$policy.json"
+    "${replay[@]}"
     code=$?
   fi
   stop_server

@@ -161,13 +161,14 @@ def _slow_steps_table(runs: dict[str, Any]) -> list[str]:
         return []
     lines = ["The slowest steps (ms; launch and wait inside the executor, the rest outside it: "
              "scheduling and outputs; Python's collections of the oldest generation; Triton's "
-             "compiles):", "",
+             "compiles and loads from its disk cache):", "",
              "| run | step | running / waiting | wall | launch | wait | rest | "
              "oldest-generation collections (ms of all collections) | compiles |",
              "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for name, step in rows:
         rest_ms = step["wall_ms"] - step["submit_ms"] - step["wait_ms"]
-        compiles = ", ".join(step["triton_compiles"]) or "-"
+        compiles = ("not recorded" if step["triton_compiles"] is None
+                    else ", ".join(step["triton_compiles"]) or "-")
         lines.append(f"| {name} | {step['index']} | {step['num_running']} / "
                      f"{step['num_waiting']} | {step['wall_ms']:.1f} | {step['submit_ms']:.1f} | "
                      f"{step['wait_ms']:.1f} | {rest_ms:.1f} | {step['gc_collections'][-1]} "

@@ -111,10 +111,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
     Counters are cumulative since the core started (`pins_released` by release reason); times
     are seconds of wall time (`execute_time_s` inside the executor, of which `submit_time_s`
-    launching steps and the rest waiting for their results; `step_time_s` in whole
-    steps; `grammar_compile_time_s` is spent on the compile thread, off the step loop), but
-    `grammar_mask_time_s`, CPU seconds of the mask workers computing structured outputs'
-    token masks. With a host KV tier,
+    submitting steps, on CUDA their launch, on a CPU their whole forward, and the rest
+    taking their results; `step_time_s` in whole steps; `grammar_compile_time_s` is spent
+    on the compile thread, off the step loop), but `grammar_mask_time_s`, CPU seconds of
+    the mask workers computing structured outputs' token masks. With a host KV tier,
     `num_host_kv_blocks` (0: none) of which `num_used_host_kv_blocks` hold KV, the tokens
     stored to and loaded from it, and `prefix_cache_host_hit_tokens`, the part of
     `prefix_cache_hit_tokens` found there, and `kv_copy_time_s`, the part of

@@ -4,7 +4,8 @@
 rare long step that the step's own figures cannot show. A collection of the oldest
 generation walks every tracked object (`engine.core.gc_heap`); a kernel that meets a new
 specialization, or an autotuner a new key, compiles in the step that launches it (hundreds
-of milliseconds on a fresh machine, whose cache is empty).
+of milliseconds on a fresh machine, whose cache is empty), or loads the compiled kernel
+from Triton's disk cache when an earlier process compiled it.
 """
 
 from __future__ import annotations
@@ -16,55 +17,57 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-NUM_GENERATIONS = 3
+NUM_GENERATIONS = len(gc.get_count())
 
 
 @dataclass(frozen=True)
 class StepEvents:
     """What `StepEventRecorder.take` saw since its last take: collections by generation
-    (oldest last), their milliseconds in all, and the Triton kernels compiled, by name."""
+    (oldest last), their milliseconds in all, and Triton's kernels compiled, each as `NAME
+    (N ms)` or `NAME (from the disk cache)`; None when Triton's listener was not set (no
+    Triton)."""
 
     gc_collections: tuple[int, ...] = (0,) * NUM_GENERATIONS
     gc_ms: float = 0.0
-    triton_compiles: tuple[str, ...] = ()
+    triton_compiles: tuple[str, ...] | None = ()
 
 
 @dataclass
 class StepEventRecorder:
     """Records collections and compiles between `take`s while entered (a context manager).
 
-    Entering appends a callback to `gc.callbacks` and sets Triton's
-    `knobs.runtime.jit_post_compile_hook` (calling the hook it replaces, if any); leaving
-    removes both. Without Triton, only collections are recorded. One recorder at a time: a
-    second one's hook would chain to the first's. Not thread-safe (collections run in any
-    thread; counts are only read between steps)."""
+    Entering sets Triton's `knobs.compilation.listener`, which Triton calls after each
+    compile and each load from its disk cache (calling the listener it replaces, if any),
+    and appends a callback to `gc.callbacks`; leaving removes both. Without Triton only
+    collections are recorded. One recorder at a time: a second one's listener would chain
+    to the first's. Counts are read between steps; collections run in any thread."""
 
-    _collections: list[int] = field(default_factory=lambda: [0] * NUM_GENERATIONS)
-    _gc_s: float = 0.0
-    _compiles: list[str] = field(default_factory=list)
-    _started_s: float | None = None
-    _replaced_hook: Callable[..., Any] | None = None
-    _knobs: Any = None
+    _collections: list[int] = field(init=False, default_factory=lambda: [0] * NUM_GENERATIONS)
+    _gc_s: float = field(init=False, default=0.0)
+    _compiles: list[str] = field(init=False, default_factory=list)
+    _started_s: float | None = field(init=False, default=None)
+    _replaced_listener: Callable[..., Any] | None = field(init=False, default=None)
+    _knobs: Any = field(init=False, default=None)
 
     def __enter__(self) -> StepEventRecorder:
-        gc.callbacks.append(self._on_collection)
-        self._knobs = _triton_runtime_knobs()
+        self._knobs = _triton_compilation_knobs()
         if self._knobs is not None:
-            self._replaced_hook = self._knobs.jit_post_compile_hook
-            self._knobs.jit_post_compile_hook = self._on_compile
+            self._replaced_listener = self._knobs.listener
+            self._knobs.listener = self._on_compile
+        gc.callbacks.append(self._on_collection)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         gc.callbacks.remove(self._on_collection)
         if self._knobs is not None:
-            self._knobs.jit_post_compile_hook = self._replaced_hook
+            self._knobs.listener = self._replaced_listener
             self._knobs = None
 
     def take(self) -> StepEvents:
         """The events since the last take (or since entering), and a fresh count."""
         events = StepEvents(tuple(self._collections), self._gc_s * 1e3,
-                            tuple(self._compiles))
+                            tuple(self._compiles) if self._knobs is not None else None)
         self._collections = [0] * NUM_GENERATIONS
         self._gc_s = 0.0
         self._compiles = []
@@ -79,17 +82,20 @@ class StepEventRecorder:
             self._gc_s += time.perf_counter() - self._started_s
             self._started_s = None
 
-    def _on_compile(self, *, fn: Any, **kwargs: Any) -> bool | None:
-        self._compiles.append(str(getattr(fn, "name", fn)))
-        if self._replaced_hook is not None:
-            return self._replaced_hook(fn=fn, **kwargs)
-        return None
+    def _on_compile(self, *, src: Any, times: Any, cache_hit: bool, **kwargs: Any) -> None:
+        name = str(getattr(src, "name", src))
+        self._compiles.append(f"{name} (from the disk cache)" if cache_hit
+                              else f"{name} ({times.total / 1e3:.0f} ms)")
+        if self._replaced_listener is not None:
+            self._replaced_listener(src=src, times=times, cache_hit=cache_hit, **kwargs)
 
 
-def _triton_runtime_knobs() -> Any:
-    """Triton's runtime knobs, or None without Triton (it is an optional dependency)."""
+def _triton_compilation_knobs() -> Any:
+    """Triton's compilation knobs (`knobs.compilation`, whose `listener` Triton's compiler
+    calls), or None without Triton (an optional dependency) or with one that has none."""
     try:
         from triton import knobs
     except ImportError:
         return None
-    return knobs.runtime
+    compilation = getattr(knobs, "compilation", None)
+    return compilation if hasattr(compilation, "listener") else None

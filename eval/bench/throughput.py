@@ -10,24 +10,24 @@ its longest request needs (only each request's own tokens count as output).
 Reported: output tokens/s of both and their ratio; the engine's efficiency (time inside the
 executor, which runs the model forward and sampling, over the wall time of `generate`) and
 its mean per-step overhead (wall time outside the executor per step); the workload's counts
-that bound any run of it (`workload`, `eval.gpu_floors.WorkloadCounts`). With `--kv-offload-gib`
-(`--impl engine`), also the share of step time the host-tier copies held steps up and the
-tokens stored and loaded. On CUDA, also what the caching allocator did during the run
-(`cuda_allocator`: `cudaMalloc`s, `cudaFree`s and allocations retried after freeing the cache,
-each of which synchronizes the device). With `--slow-steps N`, the engine is driven one
-`LLMEngine.step` at a time instead of through `generate`, and the N slowest timed steps are
-reported (`slow_steps`: each step's index, wall milliseconds, requests running and waiting
-after it; its milliseconds launching steps and waiting for their results inside the
-executor; Python's collections and Triton's compiles inside it, `eval.bench.step_events`;
-and on CUDA what the caching allocator did inside it), with the count and the seconds of
-every step in which the allocator called `cudaFree` or retried (`allocator_steps`): what a
-slow step spent its time on. An untimed warm-up on prompts of its own comes
-first, so the timed run finds no prompt cached. With `--profile` (`--impl engine`), the
-workload runs once more, from an emptied prefix cache, under the torch profiler (`profile`:
-that run's wall seconds, the device's busy seconds and those seconds by kind of kernel,
-`eval.step_profile`; the costliest kernels printed): where a run's device time goes. Each
-side runs in its own fresh process (a model loaded second in one process runs measurably
-slower on small CPUs).
+that bound any run of it (`workload`, `eval.gpu_floors.WorkloadCounts`). With
+`--kv-offload-gib` (`--impl engine`), also the share of step time the host-tier copies held
+steps up and the tokens stored and loaded. On CUDA, also what the caching allocator did
+during the run (`cuda_allocator`: `cudaMalloc`s, `cudaFree`s and allocations retried after
+freeing the cache, each of which synchronizes the device). With `--slow-steps N`, the engine
+is driven one `LLMEngine.step` at a time instead of through `generate`, and the N slowest
+timed steps are reported (`slow_steps`: each step's index, wall milliseconds, requests
+running and waiting after it; its milliseconds submitting steps and taking their results
+inside the executor (`StepRecord`); Python's collections and Triton's compiles or disk-cache
+loads inside it, `eval.bench.step_events`; and on CUDA what the caching allocator did inside
+it), with the count and the seconds of every step in which the allocator called `cudaFree`
+or retried (`allocator_steps`): what a slow step spent its time on. An untimed warm-up on
+prompts of its own comes first, so the timed run finds no prompt cached. With `--profile`
+(`--impl engine`), the workload runs once more, from an emptied prefix cache, under the
+torch profiler (`profile`: that run's wall seconds, the device's busy seconds and those
+seconds by kind of kernel, `eval.step_profile`; the costliest kernels printed): where a
+run's device time goes. Each side runs in its own fresh process (a model loaded second in
+one process runs measurably slower on small CPUs).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import msgspec
 
 from engine.core.gc_heap import startup_heap_frozen
 from engine.engine_args import EngineArgs
-from eval.bench.step_events import StepEventRecorder
+from eval.bench.step_events import NUM_GENERATIONS, StepEventRecorder
 from eval.gpu_floors import counts_of
 from eval.report import emit
 
@@ -75,8 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run one side in this process (used by 'both')")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
     parser.add_argument("--slow-steps", type=int, default=0, metavar="N",
-                        help="report the N slowest engine steps, with what the CUDA caching "
-                             "allocator did in each (engine side only; default: 0, none)")
+                        help="report the N slowest engine steps, each with its time in the "
+                             "executor's launch and wait, Python's collections, Triton's "
+                             "compiles and what the CUDA caching allocator did in it (engine "
+                             "side only; default: 0, none)")
     parser.add_argument("--profile", action="store_true",
                         help="run the workload once more under the torch profiler: device "
                              "time by kind of kernel (--impl engine only)")
@@ -231,10 +233,15 @@ def _profile(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str,
 class StepRecord:
     """One timed engine step: its index in the run, its wall milliseconds, the requests
     running and waiting after it, the caching allocator's counters' growth inside it
-    (empty without CUDA), and what else took its time (milliseconds): launching steps
-    (`submit_ms`: inputs prepared and kernels enqueued) and waiting for their results
-    (`wait_ms`) inside the executor, Python's collections by generation and their time, the
-    Triton kernels compiled."""
+    (empty without CUDA), and what else took its time, in milliseconds:
+    - `submit_ms`, in `executor.submit`: on CUDA the inputs prepared and the kernels
+      enqueued; on CPU, or with a host KV tier, the whole forward (it runs there);
+    - `wait_ms`, in taking a step's result: waiting for the device (for the step before,
+      under async scheduling) and reading the sampled tokens back;
+    - the rest of `wall_ms`: scheduling, applying the outputs, the output processor;
+    - Python's collections by generation and their time, and Triton's kernels compiled or
+      loaded from its disk cache (`eval.bench.step_events.StepEvents`; None without Triton).
+    """
 
     index: int
     wall_ms: float
@@ -243,9 +250,9 @@ class StepRecord:
     allocator: dict[str, int]
     submit_ms: float = 0.0
     wait_ms: float = 0.0
-    gc_collections: tuple[int, ...] = ()
+    gc_collections: tuple[int, ...] = (0,) * NUM_GENERATIONS
     gc_ms: float = 0.0
-    triton_compiles: tuple[str, ...] = ()
+    triton_compiles: tuple[str, ...] | None = ()
 
 
 def _generate_step_by_step(engine: Any, prompts: list[list[int]], params: list[Any],

@@ -1,10 +1,12 @@
 """`scripts/gpu_bench.sh --dry-run`: every step a device call would run, each engine command
-parsed and its config validated here, so that a flag a late step mistypes fails on this CPU
+parsed and its config built here, so that a flag a late step mistypes fails on this CPU
 rather than in a device call's last minutes."""
 
 import argparse
+import os
 import shlex
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,17 +20,21 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "engine/model/configs/llama3.1-8b.json"
 
 
-def _dry_run(out: Path, *flags: str) -> dict[str, list[str]]:
-    """Each step's name and command, in order."""
+def _dry_run(out: Path, *flags: str) -> list[tuple[str, list[str]]]:
+    """Each command's name and words, in order (an agent replay prints two: its server's
+    and its client's)."""
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     result = subprocess.run(["bash", "scripts/gpu_bench.sh", "--dry-run", *flags], cwd=REPO,
-                            env={"PATH": "/usr/bin:/bin", "OUT": str(out)},
-                            capture_output=True, text=True, timeout=120, check=True)
-    steps = {}
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    commands = []
     for line in result.stdout.splitlines():
         if line.startswith("== dry run "):
             name, command = line.removeprefix("== dry run ").split(": ", 1)
-            steps[name] = shlex.split(command)
-    return steps
+            commands.append((name, shlex.split(command)))
+    names = [name for name, _ in commands]
+    assert len(names) == len(set(names)), "two steps would write the same raw/NAME.json"
+    return commands
 
 
 def _check_engine_command(argv: list[str], model_dir: Path) -> None:
@@ -38,36 +44,39 @@ def _check_engine_command(argv: list[str], model_dir: Path) -> None:
         argv = [*argv]
         argv[argv.index("--model") + 1] = str(model_dir)
     args = build_parser(argv).parse_args(argv)
-    if argv[:2] == ["bench", "throughput"]:
+    if argv[:2] == ["bench", "throughput"] or argv[:1] == ["serve"]:
         EngineArgs.from_cli_args(args).to_engine_config()
     elif argv[:2] == ["bench", "forward"]:
-        _check_forward(args, model_dir)
-    else:
+        _check_forward(args, model_dir.parent)
+    elif argv[:2] != ["bench", "agent"]:  # a client: its flags parsed is all there is
         pytest.fail(f"a step runs an engine command this test does not check: {argv[:2]}")
 
 
-def _check_forward(args: argparse.Namespace, model_dir: Path) -> None:
-    """The runner config `bench forward` would build for its shapes (`--config` is copied
-    into a scratch folder, as `model_dir` here)."""
+def _check_forward(args: argparse.Namespace, scratch: Path) -> None:
+    """The runner config `bench forward` would build for its shapes, over its own `--config`
+    copied into a scratch folder as the command does."""
     shapes = [replace(shape, sampling=sampling)
               for shape in [*args.decode, *args.prefill, *args.extend]
               for sampling in dict.fromkeys(args.sampling)]
     assert shapes
-    assert Path(args.config).is_file()
-    forward._engine_config(args, str(model_dir), shapes)
+    model_dir = scratch / "forward"
+    model_dir.mkdir(exist_ok=True)
+    forward._engine_config(args, forward._model_dir(args, model_dir), shapes)
 
 
-@pytest.mark.parametrize("mode", [("--quick",), ()], ids=["quick", "full"])
-def test_every_engine_command_of_a_run_parses_and_validates(tmp_path: Path,
-                                                             mode: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("mode", [("--quick",), ("--part", "agent")], ids=["quick", "full"])
+def test_every_engine_command_of_a_run_parses_and_builds_its_config(
+        tmp_path: Path, mode: tuple[str, ...]) -> None:
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(CONFIG.read_text())
-    steps = _dry_run(tmp_path / "out", *mode, "--part", "smoke", "--part", "kernels",
-                     "--part", "forward", "--part", "throughput")
-    assert next(iter(steps)) == "smoke-tests"
-    assert "throughput-triton-fp8-all-piecewise-2k-256" in steps
-    for name, command in steps.items():
+    commands = _dry_run(tmp_path / "out", *mode, "--part", "smoke", "--part", "kernels",
+                        "--part", "forward", "--part", "throughput")
+    names = [name for name, _ in commands]
+    assert names[0] == "smoke-tests"
+    assert "throughput-triton-fp8-all-piecewise-2k-256" in names
+    assert ("agent-swe24-continuum" in names) == ("--quick" not in mode)
+    for name, command in commands:
         if "engine.cli" in command:
             _check_engine_command(command[command.index("engine.cli") + 1:], model_dir)
         elif "pytest" in command:
@@ -81,6 +90,6 @@ def test_every_engine_command_of_a_run_parses_and_validates(tmp_path: Path,
 
 
 def test_the_quick_run_starts_with_the_targets_runs(tmp_path: Path) -> None:
-    steps = _dry_run(tmp_path / "out", "--quick")
-    assert list(steps)[:4] == ["forward-triton", "throughput-triton-256",
-                               "forward-triton-sdpa", "throughput-triton-sdpa-256"]
+    names = [name for name, _ in _dry_run(tmp_path / "out", "--quick")]
+    assert names[:4] == ["forward-triton", "throughput-triton-256",
+                         "forward-triton-sdpa", "throughput-triton-sdpa-256"]
