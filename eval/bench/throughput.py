@@ -19,7 +19,7 @@ is driven one `LLMEngine.step` at a time instead of through `generate`, and the 
 timed steps are reported (`slow_steps`: each step's index, wall milliseconds, requests
 running and waiting after it; its milliseconds submitting steps and taking their results
 inside the executor (`StepRecord`); Python's collections and Triton's compiles or disk-cache
-loads inside it, `eval.bench.step_events`; and on CUDA what the caching allocator did inside
+loads inside it, `eval.step_events`; and on CUDA what the caching allocator did inside
 it), with the count and the seconds of every step in which the allocator called `cudaFree`
 or retried (`allocator_steps`): what a slow step spent its time on. An untimed warm-up on
 prompts of its own comes first, so the timed run finds no prompt cached. With `--profile`
@@ -47,9 +47,9 @@ import msgspec
 
 from engine.core.gc_heap import startup_heap_frozen
 from engine.engine_args import EngineArgs
-from eval.bench.step_events import NUM_GENERATIONS, StepEventRecorder
 from eval.gpu_floors import counts_of
 from eval.report import emit
+from eval.step_events import NUM_GENERATIONS, StepEventRecorder
 
 _IMPLEMENTATIONS = ("engine", "transformers")
 _WORKLOAD_FLAGS = ("num_requests", "workload_seed", "hf_batch_size", "slow_steps")
@@ -240,7 +240,7 @@ class StepRecord:
       under async scheduling) and reading the sampled tokens back;
     - the rest of `wall_ms`: scheduling, applying the outputs, the output processor;
     - Python's collections by generation and their time, and Triton's kernels compiled or
-      loaded from its disk cache (`eval.bench.step_events.StepEvents`; None without Triton).
+      loaded from its disk cache (`eval.step_events.StepEvents`; None without Triton).
     """
 
     index: int

@@ -1,4 +1,4 @@
-"""`eval.bench.step_events`: collections and Triton compiles between takes."""
+"""`eval.step_events`: collections and Triton compiles between takes."""
 
 import gc
 import json
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from eval.bench import step_events
-from eval.bench.step_events import NUM_GENERATIONS, StepEventRecorder, StepEvents
+from eval import step_events
+from eval.step_events import NUM_GENERATIONS, StepEventRecorder, StepEvents
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_triton_itself_reports_a_compile_then_a_load_from_its_disk_cache(
         "import triton.language as tl\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
-        "from eval.bench.step_events import StepEventRecorder\n"
+        "from eval.step_events import StepEventRecorder\n"
         "@triton.jit\n"
         "def _add_one(x_ptr, n, BLOCK: tl.constexpr):\n"
         "    offsets = tl.arange(0, BLOCK)\n"
