@@ -2,13 +2,15 @@
 
 A step cannot take less than the bytes it must read over the card's memory bandwidth, nor
 less than its multiply-adds over the card's peak rate; its floor is the larger of the two
-(`Floor.lower_s`): no kernel, schedule or overlap beats it. A figure measured on a card is
+(`Floor.lower_s`). No kernel, schedule or overlap beats it, for an engine that computes one
+token a sequence a decode step (no speculative decoding), at the datasheet's rates, with
+attention and the LM head in 16 bits. A figure measured on a card is
 judged against that card's own floor (`measured / floor` is a ratio of one card's figures),
 which is how a run on an H200 can be read while issue 35's targets were set on an H100.
 
 What is counted (Llama-style decoders, `ModelShape.from_config`):
 - bytes: every projection's weights and the LM head's (the embedding gives only the step's
-  rows), each a step reads once; the K/V of every context token each decode reads once;
+  rows), each a step reads once; the K/V of every cached token each sequence reads once;
 - FLOPs: 2 a weight a token through the projections (the LM head only for the tokens whose
   logits a step computes: a decode's, a prompt's last), and attention's two products, 4
   a query head dimension a key, over the causal pairs of a prompt and a decode's context.
@@ -24,7 +26,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 CardName = Literal["h100-sxm", "h200"]
 
@@ -48,6 +50,8 @@ CARDS: dict[CardName, Card] = {
 def card_of(device_name: str) -> Card | None:
     """The card torch names `device_name` (`torch.cuda.get_device_name()`), or None for one
     not listed (an H100 PCIe or NVL has other figures)."""
+    if "MIG" in device_name:  # a slice: a part of the card's SMs and bandwidth
+        return None
     if device_name.startswith("NVIDIA H100 80GB HBM3"):
         return CARDS["h100-sxm"]
     if device_name.startswith("NVIDIA H200") and "NVL" not in device_name:
@@ -67,11 +71,12 @@ class ModelShape:
     kv_values_per_token: int  # K and V values a token keeps, all layers
 
     @classmethod
-    def from_config(cls, config: dict) -> ModelShape:
+    def from_config(cls, config: dict[str, Any]) -> ModelShape:
         """From a Hugging Face config.json's fields (Llama, Qwen2 and SmolLM2 name them
-        alike)."""
+        alike; without `num_key_value_heads`, one KV head a query head)."""
         hidden = config["hidden_size"]
-        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        heads = config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads", heads)
         head_dim = config.get("head_dim") or hidden // heads
         layers = config["num_hidden_layers"]
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
@@ -84,6 +89,7 @@ class ModelShape:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelShape:
+        """From a config.json file."""
         return cls.from_config(json.loads(Path(path).read_text()))
 
 
@@ -129,7 +135,7 @@ class WorkloadCounts:
     prompt_tokens: int
     prompt_attention_pairs: int  # causal (query, key) pairs of the prompts
     decode_tokens: int  # output tokens after each request's first (sampled by its prefill)
-    decode_context_tokens: int  # context tokens the decodes attend, summed
+    decode_context_tokens: int  # keys the decodes attend, summed (each its own among them)
     min_decode_steps: int  # the longest output's decodes, one a step
     num_requests: int
 
@@ -183,8 +189,10 @@ def step_floor(model: ModelShape, card: Card, precision: Precision,
 def run_floor(model: ModelShape, card: Card, precision: Precision,
               counts: WorkloadCounts) -> Floor:
     """An offline run of `counts`: at least `min_decode_steps` steps, each reading the
-    weights; every decode reading its context's K/V; every token through the projections."""
-    kv_bytes = counts.decode_context_tokens * model.kv_values_per_token * precision.kv_bytes
+    weights; every decode reading its cached tokens' K/V (its own new token's it has);
+    every token through the projections."""
+    cached_tokens = counts.decode_context_tokens - counts.decode_tokens
+    kv_bytes = cached_tokens * model.kv_values_per_token * precision.kv_bytes
     weight_bytes = counts.min_decode_steps * _weight_bytes(model, precision)
     logits_rows = counts.num_requests + counts.decode_tokens
     tokens = counts.prompt_tokens + counts.decode_tokens
@@ -196,6 +204,7 @@ def run_floor(model: ModelShape, card: Card, precision: Precision,
 
 
 def _weight_bytes(model: ModelShape, precision: Precision) -> float:
+    """Bytes of the weights a step reads: every projection's and the LM head's."""
     return model.layer_params * precision.weight_bytes + model.head_params * precision.head_bytes
 
 

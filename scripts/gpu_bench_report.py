@@ -4,9 +4,8 @@ Usage: python scripts/gpu_bench_report.py RAW_DIR OUT_DIR. RAW_DIR holds `enviro
 `status.tsv` (name, exit code, seconds of each step) and each step's JSON: `forward-*.json`
 (`bench forward`), `throughput-*.json` (`bench throughput --impl engine`), `agent-*.json`
 (`bench agent`). On a card `eval.gpu_floors` knows, each figure is also set against that
-card's own floor. Standard library and the repository's `eval.gpu_floors` only (with the
-repository's root on `PYTHONPATH`, as `gpu_bench.sh` runs it), so it runs wherever the
-script does.
+card's own floor, when the repository's root is on `PYTHONPATH` (as `gpu_bench.sh` runs
+it); the rest needs the standard library only, so it runs wherever the script does.
 """
 
 from __future__ import annotations
@@ -14,17 +13,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from eval.gpu_floors import (
-    Card,
-    ModelShape,
-    Precision,
-    WorkloadCounts,
-    card_of,
-    run_floor,
-    step_floor,
-)
+try:
+    from eval import gpu_floors
+except ImportError:  # the repository's root is not on the path: no floors tables
+    gpu_floors = None
+
+if TYPE_CHECKING:
+    from eval.gpu_floors import Card, ModelShape, Precision
 
 _REPO = Path(__file__).resolve().parents[1]
 
@@ -66,7 +63,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
     lines += _slow_steps_table(results["throughput"])
     try:
         lines += _floors_tables(results)
-    except (KeyError, TypeError, ValueError) as error:  # a report of another era's fields
+    # An optional table: whatever a run's fields or the interpreter's path hold, the report
+    # that a stopped run relies on is still written.
+    except Exception as error:
         lines += [f"(No floors: {type(error).__name__}: {error}.)", ""]
     lines += _agent_table(results["agent"])
     lines += ["## Steps", ""]
@@ -178,21 +177,29 @@ def _slow_steps_table(runs: dict[str, Any]) -> list[str]:
 
 def _floors_tables(results: dict[str, Any]) -> list[str]:
     """Each forward shape's and offline run's time over its floor on this card (1.00x: the
-    floor), each run against its own precision's; nothing on a card without figures."""
+    floor), each run against its own precision's; nothing on a card without figures.
+    A line saying so without the repository on the path."""
+    if gpu_floors is None:
+        return ["(No floors: `eval.gpu_floors` is not importable; put the repository's root "
+                "on PYTHONPATH.)", ""]
     env = results["environment"]
-    card = card_of(env["device"])
+    card = gpu_floors.card_of(env["device"])
     if card is None:
         return []
-    lines = [f"## Against the {card.name}'s floor (`eval/gpu_floors.py`)", "",
-             "Measured time over the floor of this card's datasheet: the bytes a step must "
-             "read at its bandwidth or its FLOPs at its peak rate, whichever is longer "
-             "(1.00x is the floor; each run against its own precision's).", ""]
-    lines += _forward_floors(results["forward"], card, env["config"])
-    lines += _throughput_floors(results["throughput"], card, env["config"])
-    return lines if len(lines) > 4 else []
+    tables = (_forward_floors(results["forward"], card, env["config"])
+              + _throughput_floors(results["throughput"], card, env["config"]))
+    if not tables:
+        return []
+    return [f"## Against the {card.name}'s floor (`eval/gpu_floors.py`)", "",
+            "Measured time over the floor of this card's datasheet: the bytes a step must "
+            "read at its bandwidth or its FLOPs at its peak rate, whichever is longer "
+            "(1.00x is the floor; each run against its own precision's; a decode shape's "
+            "floor takes its context, which its timed steps pass by up to 63 tokens).", "",
+            *tables]
 
 
 def _forward_floors(runs: dict[str, Any], card: Card, config: str) -> list[str]:
+    """Shapes as rows, the runs of a known model as columns: time over the floor."""
     names = [name for name, run in runs.items() if _model_shape(run["model"], config)]
     if not names:
         return []
@@ -226,22 +233,24 @@ def _shape_over_floor(run: dict[str, Any], result: dict[str, Any], card: Card,
         sequences = ([(tokens, result["context_len"])] * batch
                      + [(1, result.get("decode_context_len", 0))]
                      * result.get("decodes_beside", 0))
-    floor_s = step_floor(model, card, _precision(run), sequences).lower_s
+    floor_s = gpu_floors.step_floor(model, card, _precision(run), sequences).lower_s
     if result["kind"] == "prefill":
         return batch * tokens / result["tokens_per_s"] / floor_s
     return result["step_ms"] / 1e3 / floor_s
 
 
 def _throughput_floors(runs: dict[str, Any], card: Card, config: str) -> list[str]:
-    rows = [(name, run) for name, run in runs.items() if "workload" in run]
-    model = _model_shape(Path(config).stem, config)
-    if not rows or model is None:
+    """The offline runs that report their workload's counts: tokens/s against the floor's."""
+    rows = [(name, run, _model_shape(run.get("model", Path(config).stem), config))
+            for name, run in runs.items() if "workload" in run]
+    rows = [(name, run, model) for name, run, model in rows if model is not None]
+    if not rows:
         return []
     lines = ["| offline run | output tokens/s | the floor's tokens/s | time over the floor |",
              "|---|---:|---:|---:|"]
-    for name, run in rows:
-        counts = WorkloadCounts(**run["workload"])
-        floor_s = run_floor(model, card, _precision(run), counts).lower_s
+    for name, run, model in rows:
+        counts = gpu_floors.WorkloadCounts(**run["workload"])
+        floor_s = gpu_floors.run_floor(model, card, _precision(run), counts).lower_s
         lines.append(f"| {name} | {run['tokens_per_s']:,.0f} | "
                      f"{counts.output_tokens / floor_s:,.0f} | {run['wall_s'] / floor_s:.2f}x |")
     return [*lines, ""]
@@ -250,7 +259,7 @@ def _throughput_floors(runs: dict[str, Any], card: Card, config: str) -> list[st
 def _precision(run: dict[str, Any]) -> Precision:
     """A 16-bit run's precision (CUDA runs are bfloat16); an older report without the fields
     is taken as bf16 throughout."""
-    return Precision.of_run(run.get("quantization", "none"),
+    return gpu_floors.Precision.of_run(run.get("quantization", "none"),
                             run.get("kv_cache_dtype", "auto"))
 
 
@@ -259,7 +268,7 @@ def _model_shape(model_name: str, config: str) -> ModelShape | None:
     config of that name; None if neither is found."""
     for path in (Path(config), _REPO / "engine/model/configs" / f"{model_name}.json"):
         if path.stem == model_name and path.is_file():
-            return ModelShape.from_file(path)
+            return gpu_floors.ModelShape.from_file(path)
     return None
 
 

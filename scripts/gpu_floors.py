@@ -58,6 +58,7 @@ def floors(config: Path) -> list[dict[str, object]]:
 
 
 def _in_unit(floor: Floor, unit: str, sequences: list[tuple[int, int]]) -> float:
+    """A step's floor in milliseconds, or as the new tokens a second it allows."""
     if unit == "ms":
         return floor.lower_s * 1e3
     return sum(query for query, _ in sequences) / floor.lower_s

@@ -190,6 +190,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "step_overhead_ms": (wall_s - execute_s) / num_steps * 1e3,
         "num_steps": num_steps,
         "async_scheduling": after.async_scheduling,
+        "model": Path(args.model).name,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "workload": asdict(counts_of([len(prompt) for prompt in prompts],

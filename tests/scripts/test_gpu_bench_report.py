@@ -133,7 +133,7 @@ def test_report_sets_each_figure_against_the_cards_floor(tmp_path: Path) -> None
     # 18.04 ms over the 14.74 ms bandwidth floor; 39,619 tokens/s against 68,252.
     assert "| decode, batch 32, context 8,192 | 1.22x |" in summary
     assert "| prefill 1 x 2,048 | 1.72x |" in summary
-    assert "| triton-256 | 7,436 | 16,827 | 2.26x |" in summary
+    assert "| triton-256 | 7,436 | 16,838 | 2.26x |" in summary
 
 
 def test_report_has_no_floors_on_a_card_without_figures(tmp_path: Path) -> None:
@@ -146,4 +146,16 @@ def test_report_of_unreadable_floors_still_writes_the_rest(tmp_path: Path) -> No
     raw = _raw(tmp_path, "NVIDIA H100 80GB HBM3", {"throughput-triton-256": broken})
     summary = _summary(tmp_path, raw)
     assert "(No floors: TypeError" in summary
+    assert "| triton-256 | 74,948 | 10.08 | 7,436 | 574 |" in summary
+
+
+def test_report_without_the_repository_on_the_path_still_writes_the_rest(
+        tmp_path: Path) -> None:
+    raw = _raw(tmp_path, "NVIDIA H100 80GB HBM3", {"throughput-triton-256": _THROUGHPUT})
+    # -S: no site-packages, so no installed copy of the repository either.
+    subprocess.run([sys.executable, "-S", "scripts/gpu_bench_report.py", str(raw),
+                    str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=True,
+                   env={"PATH": "/usr/bin:/bin"})
+    summary = (tmp_path / "summary.md").read_text()
+    assert "(No floors: `eval.gpu_floors` is not importable" in summary
     assert "| triton-256 | 74,948 | 10.08 | 7,436 | 574 |" in summary

@@ -48,7 +48,8 @@ def test_bench_throughput_reports_the_slowest_steps(tmp_path) -> None:
     counts = WorkloadCounts(**results["workload"])
     assert counts.num_requests == 5 and counts.output_tokens == results["output_tokens"]
     assert 5 * 8 <= counts.prompt_tokens <= 5 * 24
-    assert (results["quantization"], results["kv_cache_dtype"]) == ("none", "auto")
+    assert (results["model"], results["quantization"], results["kv_cache_dtype"]) == (
+        "tiny", "none", "auto")
 
 
 def test_bench_throughput_profiles_one_more_run(tmp_path, capsys) -> None:
