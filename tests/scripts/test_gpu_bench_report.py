@@ -10,6 +10,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _raw(tmp_path: Path, device: str, files: dict[str, object]) -> Path:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "environment.json").write_text(json.dumps({
+        "device": device, "torch": "2.11.0", "triton": "3.6.0",
+        "config": str(REPO / "engine/model/configs/llama3.1-8b.json"), "mode": "quick"}))
+    (raw / "status.tsv").write_text("".join(f"{name}\t0\t30\n" for name in files))
+    for name, content in files.items():
+        (raw / f"{name}.json").write_text(json.dumps(content))
+    return raw
+
+
+def _summary(tmp_path: Path, raw: Path) -> str:
+    subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw), str(tmp_path)],
+                   cwd=REPO, capture_output=True, text=True, check=True)
+    return (tmp_path / "summary.md").read_text()
+
+
+
 def test_report_tables_the_steps_that_ran_and_names_the_failed(tmp_path: Path) -> None:
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -46,35 +65,21 @@ def test_report_tables_the_steps_that_ran_and_names_the_failed(tmp_path: Path) -
 
 
 def test_report_tables_the_slowest_throughput_steps(tmp_path: Path) -> None:
-    raw = tmp_path / "raw"
-    raw.mkdir()
-    (raw / "environment.json").write_text(json.dumps({
-        "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
-        "config": "engine/model/configs/llama3.1-8b.json", "mode": "quick"}))
-    (raw / "status.tsv").write_text("throughput-triton-256\t0\t30\n")
-    (raw / "throughput-triton-256.json").write_text(json.dumps({
+    raw = _raw(tmp_path, "NVIDIA H100 80GB HBM3", {"throughput-triton-256": {
         "output_tokens": 73_000, "wall_s": 11.5, "tokens_per_s": 6_347.8, "num_steps": 571,
         "slow_steps": [{"index": 3, "wall_ms": 465.2, "num_running": 200, "num_waiting": 56,
                         "allocator": {"device_frees": 2}},
                        {"index": 9, "wall_ms": 90.4, "num_running": 210, "num_waiting": 40,
                         "allocator": {}}],
-        "allocator_steps": {"num_steps": 1, "wall_s": 0.4652}}))
-    subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw), str(tmp_path)],
-                   cwd=REPO, capture_output=True, text=True, check=True)
-    summary = (tmp_path / "summary.md").read_text()
+        "allocator_steps": {"num_steps": 1, "wall_s": 0.4652}}})
+    summary = _summary(tmp_path, raw)
     assert "| triton-256 | 73,000 | 11.50 | 6,348 | 571 | 20.1 | 465, 90 | 1 (0.47) |" \
         in summary
     assert "The slowest steps" not in summary  # recorded without where their time went
 
 
 def test_report_says_where_the_slowest_steps_spent_their_time(tmp_path: Path) -> None:
-    raw = tmp_path / "raw"
-    raw.mkdir()
-    (raw / "environment.json").write_text(json.dumps({
-        "device": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0",
-        "config": "engine/model/configs/llama3.1-8b.json", "mode": "quick"}))
-    (raw / "status.tsv").write_text("throughput-triton-256\t0\t30\n")
-    (raw / "throughput-triton-256.json").write_text(json.dumps({
+    raw = _raw(tmp_path, "NVIDIA H200", {"throughput-triton-256": {
         "output_tokens": 74_948, "wall_s": 7.75, "tokens_per_s": 9_671.0, "num_steps": 574,
         "slow_steps": [
             {"index": 444, "wall_ms": 210.7, "num_running": 61, "num_waiting": 0,
@@ -83,32 +88,17 @@ def test_report_says_where_the_slowest_steps_spent_their_time(tmp_path: Path) ->
             {"index": 15, "wall_ms": 110.6, "num_running": 62, "num_waiting": 194,
              "allocator": {}, "submit_ms": 98.0, "wait_ms": 9.0,
              "gc_collections": [0, 0, 0], "gc_ms": 0.0,
-             "triton_compiles": ["_prefill_kernel", "_prefill_reduce_kernel"]}]}))
-    subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw), str(tmp_path)],
-                   cwd=REPO, capture_output=True, text=True, check=True)
-    summary = (tmp_path / "summary.md").read_text()
+             "triton_compiles": ["_prefill_kernel (412 ms)",
+                                 "_prefill_reduce_kernel (from the disk cache)"]},
+            {"index": 16, "wall_ms": 60.0, "num_running": 62, "num_waiting": 190,
+             "allocator": {}, "submit_ms": 50.0, "wait_ms": 9.0,
+             "gc_collections": [0, 0, 0], "gc_ms": 0.0, "triton_compiles": None}]}})
+    summary = _summary(tmp_path, raw)
     assert "| triton-256 | 444 | 61 / 0 | 210.7 | 3.5 | 7.0 | 200.2 | 1 (195.4) | - |" in summary
     assert ("| triton-256 | 15 | 62 / 194 | 110.6 | 98.0 | 9.0 | 3.6 | 0 (0.0) | "
-            "_prefill_kernel, _prefill_reduce_kernel |") in summary
-
-
-def _raw(tmp_path: Path, device: str, files: dict[str, object]) -> Path:
-    raw = tmp_path / "raw"
-    raw.mkdir()
-    (raw / "environment.json").write_text(json.dumps({
-        "device": device, "torch": "2.11.0", "triton": "3.6.0",
-        "config": str(REPO / "engine/model/configs/llama3.1-8b.json"), "mode": "quick"}))
-    (raw / "status.tsv").write_text("".join(f"{name}\t0\t30\n" for name in files))
-    for name, content in files.items():
-        (raw / f"{name}.json").write_text(json.dumps(content))
-    return raw
-
-
-def _summary(tmp_path: Path, raw: Path) -> str:
-    subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw), str(tmp_path)],
-                   cwd=REPO, capture_output=True, text=True, check=True)
-    return (tmp_path / "summary.md").read_text()
-
+            "_prefill_kernel (412 ms), _prefill_reduce_kernel (from the disk cache) |") in summary
+    assert "| triton-256 | 16 | 62 / 190 | 60.0 | 50.0 | 9.0 | 1.0 | 0 (0.0) | not recorded |" \
+        in summary
 
 _FORWARD = {"model": "llama3.1-8b", "quantization": "none", "kv_cache_dtype": "bfloat16",
             "results": [
