@@ -4,9 +4,9 @@ A step cannot take less than the bytes it must read over the card's memory bandw
 less than its multiply-adds over the card's peak rate; its floor is the larger of the two
 (`Floor.lower_s`). No kernel, schedule or overlap beats it, for an engine that computes one
 token a sequence a decode step (no speculative decoding), at the datasheet's rates, with
-attention and the LM head in 16 bits. A figure measured on a card is
-judged against that card's own floor (`measured / floor` is a ratio of one card's figures),
-which is how a run on an H200 can be read while issue 35's targets were set on an H100.
+attention and the LM head in 16 bits. A figure measured on a card is judged against that
+card's own floor (`measured / floor` is a ratio of one card's figures), which is how a run
+on an H200 can be read while issue 35's targets were set on an H100.
 
 What is counted (Llama-style decoders, `ModelShape.from_config`):
 - bytes: every projection's weights and the LM head's (the embedding gives only the step's
