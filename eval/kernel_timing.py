@@ -70,10 +70,12 @@ def host_clock_us(fn: Callable[[], object], runs: int = 5) -> float:
     return statistics.median(run_us)
 
 
-def add_script_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of a script that times kernels at a model's shapes over token counts:
-    `--device cuda|cpu` (cpu: a dry run with small shapes), `--tokens N ...` (None: the
-    script's own) and `--json FILE`."""
+def parse_script_arguments(doc: str) -> argparse.Namespace:
+    """The command line of a script that times kernels at a model's shapes over token counts
+    (described by `doc`'s first line): `--device cuda|cpu` (cpu: a dry run with small
+    shapes), `--tokens N ...` (None: the script's own) and `--json FILE`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--json", dest="json_path", default=None)
+    return parser.parse_args()

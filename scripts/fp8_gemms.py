@@ -36,7 +36,6 @@ Usage: python scripts/fp8_gemms.py [--device cuda|cpu] [--tokens N ...] [--json 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -157,9 +156,7 @@ def _cell(value: object, spec: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    kernel_timing.add_script_arguments(parser)
-    args = parser.parse_args()
+    args = kernel_timing.parse_script_arguments(__doc__)
     device = torch.device(args.device)
     if device.type == "cuda":
         projections, dtype = PROJECTIONS, torch.bfloat16

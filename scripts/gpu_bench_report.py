@@ -200,7 +200,9 @@ def _floors_tables(results: dict[str, Any]) -> list[str]:
 
 def _forward_floors(runs: dict[str, Any], card: Card, config: str) -> list[str]:
     """Shapes as rows, the runs of a known model as columns: time over the floor."""
-    names = [name for name, run in runs.items() if _model_shape(run["model"], config)]
+    models = {name: model for name, run in runs.items()
+              if (model := _model_shape(run["model"], config)) is not None}
+    names = list(models)
     if not names:
         return []
     lines = ["| shape | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
@@ -211,18 +213,17 @@ def _forward_floors(runs: dict[str, Any], card: Card, config: str) -> list[str]:
         for name in names:
             result = by_label[name].get(label)
             ratio = None if result is None else _shape_over_floor(runs[name], result, card,
-                                                                  config)
+                                                                  models[name])
             cells.append("" if ratio is None else f"{ratio:.2f}x")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
 def _shape_over_floor(run: dict[str, Any], result: dict[str, Any], card: Card,
-                      config: str) -> float | None:
+                      model: ModelShape) -> float | None:
     """A shape's measured time a step over its floor: decode and extend steps by their
     milliseconds, prefills by their tokens a second (steps back to back included)."""
-    model = _model_shape(run["model"], config)
-    if model is None or result["error"] is not None:
+    if result["error"] is not None:
         return None
     batch, tokens = result["batch_size"], result["seq_len"]
     if result["kind"] == "decode":

@@ -16,7 +16,6 @@ Usage: python scripts/mlp_gemms.py [--device cuda|cpu] [--tokens N ...] [--json 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -54,9 +53,7 @@ def measure(tokens: int, hidden: int, intermediate: int, dtype: torch.dtype,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    kernel_timing.add_script_arguments(parser)
-    args = parser.parse_args()
+    args = kernel_timing.parse_script_arguments(__doc__)
     device = torch.device(args.device)
     if device.type == "cuda":
         hidden, intermediate, dtype = HIDDEN, INTERMEDIATE, torch.bfloat16
