@@ -164,14 +164,6 @@ class ModelConfig:
     fused kernels (`engine.model.layer_kernels`; CUDA, or CPU under Triton's interpreter);
     `auto` is triton on CUDA when Triton is installed, else torch;
     `enforce_eager` turns CUDA graphs off (decode steps then launch every kernel).
-    `piecewise_graphs` runs steps that are not decode-only, up to `piecewise_max_tokens`
-    tokens (and the step budget and `max_model_len`), by CUDA graphs of the forward's pieces
-    between attentions, on static buffers (`engine.worker.piecewise_graphs`; eagerly on CPU;
-    not at all with `enforce_eager`); off by default until a GPU has measured it. From about
-    512 tokens an 8B model's bf16 step keeps an H100 busier than its eager launches keep the
-    host, and a step padded to its bucket multiplies padding rows too, so the default stops
-    there; a step whose host work outlasts its device's (FP8 projections' prefill) may gain
-    from a larger one.
     `quantization="fp8"` stores the decoder layers' projection weights in float8 e4m3, one
     scale per output channel, quantized once after loading, and quantizes their inputs per
     token at each call (`engine.model.fp8_linear`; on CUDA, bfloat16 on a GPU with FP8 tensor
@@ -192,8 +184,6 @@ class ModelConfig:
     attention_backend: AttentionBackendName = "auto"
     layer_kernels: LayerKernelsName = "auto"
     enforce_eager: bool = False
-    piecewise_graphs: bool = False
-    piecewise_max_tokens: int = 512
     quantization: Quantization = "none"
     cpu_threads: int | None = None
     leave_core_to_frontend: bool | None = None
@@ -210,7 +200,6 @@ class ModelConfig:
         _require_choice("attention_backend", self.attention_backend, AttentionBackendName)
         _require_choice("layer_kernels", self.layer_kernels, LayerKernelsName)
         _require_choice("quantization", self.quantization, Quantization)
-        _require_positive("piecewise_max_tokens", self.piecewise_max_tokens)
         _require_positive("cpu_threads", self.cpu_threads)
 
 

@@ -53,16 +53,6 @@ _HELP = {
         "CUDA, or CPU under TRITON_INTERPRET=1) | auto (triton on CUDA, torch on CPU)"
     ),
     "enforce_eager": "run decode steps eagerly instead of replaying CUDA graphs",
-    "piecewise_graphs": (
-        "run steps that are not decode-only (up to --piecewise-max-tokens) as CUDA graphs of "
-        "the forward's pieces between attentions, the attentions eager (CUDA; off by default "
-        "until measured on a GPU)"
-    ),
-    "piecewise_max_tokens": (
-        "the largest step, in tokens, that --piecewise-graphs captures (buckets of about a "
-        "quarter of a doubling above 512; capped by --max-num-batched-tokens and "
-        "--max-model-len)"
-    ),
     "quantization": (
         "none | fp8: the decoder layers' projection weights in float8 e4m3 (a scale per "
         "output channel), their inputs quantized per token (half the weight bytes, FP8 "
@@ -156,8 +146,6 @@ class EngineArgs:
     attention_backend: AttentionBackendName = ModelConfig.attention_backend
     layer_kernels: LayerKernelsName = ModelConfig.layer_kernels
     enforce_eager: bool = ModelConfig.enforce_eager
-    piecewise_graphs: bool = ModelConfig.piecewise_graphs
-    piecewise_max_tokens: int = ModelConfig.piecewise_max_tokens
     quantization: Quantization = ModelConfig.quantization
     cpu_threads: int | None = ModelConfig.cpu_threads
     leave_core_to_frontend: bool | None = ModelConfig.leave_core_to_frontend
@@ -211,8 +199,6 @@ class EngineArgs:
                               attention_backend=self.attention_backend,
                               layer_kernels=self.layer_kernels,
                               enforce_eager=self.enforce_eager,
-                              piecewise_graphs=self.piecewise_graphs,
-                              piecewise_max_tokens=self.piecewise_max_tokens,
                               quantization=self.quantization,
                               cpu_threads=self.cpu_threads,
                               leave_core_to_frontend=self.leave_core_to_frontend),

@@ -3,23 +3,18 @@
 For each of a decoder layer's four projections (qkv 4,096 -> 6,144, o 4,096 -> 4,096,
 gate/up 4,096 -> 28,672, down 14,336 -> 4,096) and each token count, these calls:
 - `bf16`: `F.linear` over bf16 weights, the engine's default;
-- `fp8 exact`: torch's rowwise `_scaled_mm` with float32 accumulation (`use_fast_accum=False`,
-  what `Fp8Linear` called until the FP8 tensor cores' fast accumulation replaced it);
-- `fp8 fast`: the same with `use_fast_accum=True`, what `Fp8Linear` calls now (vLLM's CUTLASS
+- `fp8 exact`: torch's rowwise `_scaled_mm` with float32 accumulation (`use_fast_accum=False`);
+- `fp8 fast`: the same with `use_fast_accum=True`, what `Fp8Linear` calls (vLLM's CUTLASS
   kernels for Hopper accumulate so too; torch's rowwise kernel without it is reported much
   slower);
-- `fp8 small N,K,W,S` (at most `fp8_small_matmul.MAX_ROWS` tokens): `fp8_small_matmul`, the
-  rows unquantized times the float8 weights widened in registers, with each tile timed
-  (output columns, reduction positions, warps, stages; the first is its default);
 - `quantize`: the per-token row quantization of the input (`quantize_rows`, the Triton
   kernel on CUDA);
 - `layer`: `Fp8Linear.forward` whole, as the engine runs it (quantize, then the fast
-  product, while `SMALL_MATMUL_MAX_ROWS` is 0).
+  product).
 Each has two times a call (`eval.kernel_timing`): the device's from a replayed CUDA graph and
 the host's for an eager call; the products also have the weight bytes a second the device's
-time reads. The relative error is a product's largest difference from its reference over
-the reference's largest magnitude (bf16 outputs; random weights and inputs): for `fp8 fast`
-the exact product, for `fp8 small` float32 sums of the rows times the float8 weights. The
+time reads. The relative error of `fp8 fast` is its largest difference from the exact
+product over that product's largest magnitude (bf16 outputs; random weights and inputs). The
 FP8 prefill of the H100 run of 6a474e2 was bound by its host (`_scaled_mm` took 114 us of
 host time a call under the profiler); the host column says what a call costs without it.
 A batch-1 decode step with FP8 projections read its weights at about 1.4 TB/s there; the
@@ -29,15 +24,13 @@ gate/up (117 MB) and down (59 MB).
 
 Usage: python scripts/fp8_gemms.py [--device cuda|cpu] [--tokens N ...] [--json FILE]
   --device cpu  a dry run with small shapes in float32 (the rows named bf16 are float32
-                there), torch's quantization and the small kernel under Triton's
-                interpreter, times on the host's clock (CPU `_scaled_mm` ignores the
-                accumulation flag)
+                there), torch's quantization, times on the host's clock (CPU `_scaled_mm`
+                ignores the accumulation flag)
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -46,18 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-if "--device=cpu" in sys.argv or (
-        "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]):
-    os.environ["TRITON_INTERPRET"] = "1"  # the small kernel on CPU tensors
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.model.fp8_linear import Fp8Linear, quantize_rows
-from engine.model.fp8_small_matmul import (
-    DEFAULT_TILE,
-    MAX_ROWS,
-    SmallMatmulTile,
-    fp8_small_matmul,
-)
 from eval import kernel_timing
 
 # (name, input features, output features) of Llama-3.1-8B's projections.
@@ -65,9 +48,6 @@ PROJECTIONS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),
                ("down", 14336, 4096))
 CPU_PROJECTIONS = (("qkv", 64, 96), ("down", 224, 64))
 DEFAULT_TOKENS = (1, 32, 128, 256, 2048)
-# The small kernel's tiles timed: its default, then wider, deeper and narrower ones.
-SMALL_TILES = (DEFAULT_TILE, SmallMatmulTile(128, 128, 4, 4), SmallMatmulTile(64, 256, 4, 3),
-               SmallMatmulTile(32, 128, 4, 4))
 
 
 def _times_us(fn: Callable[[], object], device: torch.device) -> dict[str, float | None]:
@@ -78,26 +58,9 @@ def _times_us(fn: Callable[[], object], device: torch.device) -> dict[str, float
     return {"us": host_us, "host_us": host_us}
 
 
-def _small_name(tile: SmallMatmulTile) -> str:
-    return f"fp8 small {tile.block_n},{tile.block_k},{tile.num_warps},{tile.num_stages}"
-
-
 def _relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return ((out.float() - reference).abs().max()
             / reference.abs().max().clamp(min=1e-30)).item()
-
-
-def _runs(fn: Callable[[], object], label: str) -> bool:
-    """Whether `fn` runs (a kernel not yet compiled on this device may not): the other calls'
-    figures are kept either way, the failure printed on stderr."""
-    try:
-        with torch.no_grad():
-            fn()
-    except Exception as error:  # a compile or launch failure of any kind: reported, left out
-        print(f"{label} failed: {(str(error).splitlines() or [repr(error)])[0]}",
-              file=sys.stderr)
-        return False
-    return True
 
 
 def measure(name: str, in_features: int, out_features: int, tokens: int,
@@ -118,25 +81,13 @@ def measure(name: str, in_features: int, out_features: int, tokens: int,
                                         scale_b=quantized.weight_scale, out_dtype=dtype,
                                         use_fast_accum=fast)
 
-    def small(tile: SmallMatmulTile) -> Callable[[], torch.Tensor]:
-        return lambda: fp8_small_matmul(x, quantized.weight, quantized.weight_scale, tile)
-
     products = {"fp8 exact": product(False), "fp8 fast": product(True)}
-    if tokens <= MAX_ROWS:
-        products.update({_small_name(tile): small(tile) for tile in SMALL_TILES
-                         if _runs(small(tile), _small_name(tile))})
     calls: dict[str, Callable[[], object]] = {
         "bf16": lambda: F.linear(x, linear.weight), **products,
         "quantize": lambda: quantize_rows(x, use_triton), "layer": lambda: quantized(x)}
     with torch.no_grad():
         exact = product(False)().float()
-        # The rows as they are times the float8 weights, summed in float32: what the small
-        # kernel computes (it does not round the rows to float8).
-        unquantized_rows = x.float() @ (quantized.weight.float()
-                                        * quantized.weight_scale.t()).t()
         errors = {"fp8 fast": _relative_error(product(True)(), exact)}
-        errors.update({variant: _relative_error(fn(), unquantized_rows)
-                       for variant, fn in products.items() if variant.startswith("fp8 small")})
         weight_bytes = {variant: quantized.weight.numel() for variant in products}
         weight_bytes["bf16"] = linear.weight.numel() * linear.weight.element_size()
         rows = []

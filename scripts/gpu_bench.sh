@@ -5,18 +5,15 @@
 #               the sdpa reference on the device, float32/bf16 parity with transformers, the
 #               loader, the layer kernels, fp8 projections, async scheduling against steps in
 #               order on the device, steps launched with synchronizing CUDA calls made
-#               errors, the piecewise graphs captured and replayed) and, unless --quick's
-#               forward part runs, one small `bench forward` of the 8B shapes with triton: a
-#               couple of minutes that show whether the rest can run
+#               errors) and, unless --quick's forward part runs, one small `bench forward`
+#               of the 8B shapes with triton: a couple of minutes that show whether the rest
+#               can run
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
 #               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
 #               autotuner's choice, outputs checked), scripts/fp8_gemms.py (each projection
-#               in bf16 and in fp8, with exact and with fast accumulation, and
-#               fp8_small_matmul's tiles up to 64 tokens: device and host time a call) and,
-#               without --quick, scripts/mlp_gemms.py (the MLP's gate and up projections as
-#               one GEMM or two), and on cuda `scripts/sampler_cost.py
-#               --part device` (top-p by a sort of every row or by the radix select);
-#               seconds, not minutes
+#               in bf16 and in fp8, with exact and with fast accumulation: device and host
+#               time a call) and, without --quick, scripts/mlp_gemms.py (the MLP's gate and
+#               up projections as one GEMM or two); seconds, not minutes
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
 #               batch 32 at 8k, prefill 2,048 tokens; and 8 steps of 2,048 prompt tokens
 #               back to back, as the engine core runs them) with the sdpa backend, torch's layer
@@ -25,8 +22,7 @@
 #               launched before the last one's tokens are read), the same with the
 #               triton-sdpa backend (triton-sdpa: SDPA attends long prompts with no cached
 #               prefix), with an fp8 KV cache (triton-fp8: --kv-cache-dtype fp8), with fp8
-#               projection weights (triton-fp8w: --quantization fp8; triton-fp8w-piecewise-2k
-#               with steps up to 2,048 tokens by graphs of their pieces), with steps in order
+#               projection weights (triton-fp8w: --quantization fp8), with steps in order
 #               (triton-sync: --no-async-scheduling), with torch's layer ops
 #               (triton-torch-layers: what the fused kernels gain) and with --enforce-eager
 #               (no CUDA graphs), the triton
@@ -34,9 +30,8 @@
 #               prefill step, and the costliest kernels); triton on an agent's next turns,
 #               chunks of 256 and 64 tokens over 30,000 cached, which split the prefill
 #               kernel's keys, 4 x 256 over 8,000, which does not, and 256 over 8,000 beside
-#               32 decodes at 1k (forward-extend-triton, --extend), and the same with
-#               --piecewise-graphs (forward-extend-triton-piecewise: CUDA graphs of the
-#               pieces between attentions); decode batch 32 and 128 at 1k under each kind
+#               32 decodes at 1k (forward-extend-triton, --extend); decode batch 32 and 128
+#               at 1k under each kind
 #               of sampling (forward-sampling-triton, --sampling: greedy, random, nucleus,
 #               seeded, penalties, grammar); on cuda also SmolLM2-135M's shapes with the
 #               triton backend
@@ -44,10 +39,7 @@
 #               outputs 64-512 (the first H100 run's, issue 35), with sdpa (torch's layer
 #               ops, steps in order), with triton (fused layer kernels), with triton-sdpa,
 #               with an fp8 KV cache (triton-fp8), with fp8 projections (triton-fp8w), with
-#               both (triton-fp8-all, and triton-fp8-all-piecewise-2k), with steps in order
-#               (triton-sync), with --piecewise-graphs --piecewise-max-tokens 2048
-#               (triton-piecewise-2k: every step of the budget by graphs of its pieces) and
-#               with a step
+#               both (triton-fp8-all), with steps in order (triton-sync) and with a step
 #               budget of 16,384 tokens (triton-16k: vLLM's offline default on an H100); with
 #               --quick
 #               the sdpa run has 64 requests (step names end in the count); each reports its
@@ -60,9 +52,7 @@
 #               context, stopped at 222 s as that run was: jobs done by then); the servers
 #               run their steps in order (--no-async-scheduling), so that their traces can
 #               calibrate the simulator (`bench calibrate` refuses async traces), unless
-#               --agent-async (the engine's default on CUDA); --agent-piecewise serves with
-#               --piecewise-graphs (steps with an arriving turn's tokens by graphs of their
-#               pieces)
+#               --agent-async (the engine's default on CUDA)
 # Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
 # device, torch and triton) and OUT_DIR/results.json merge them, also when the script is
 # stopped (SIGTERM, or the device tool's time limit). OUT_DIR is $OUT when set (the device
@@ -74,14 +64,12 @@
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|kernels|forward|
 #        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
 #        sdpa|triton|triton-sdpa|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
-#        [--agent-piecewise]
 #        [--baseline DIR] [--dry-run]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with triton-sdpa, an agent's
-#              next turns with and without piecewise graphs, fp8 projections with and
-#              without them, both fp8 options with and without them, bf16 with them, fp8
-#              projections alone, the sampling kinds, an fp8 KV cache, steps in order, the
-#              16k step budget, then triton with torch's layer ops, the sdpa baselines,
+#              next turns, fp8 projections, both fp8 options, the sampling kinds, an fp8 KV
+#              cache, steps in order, the 16k step budget, then triton with torch's layer
+#              ops, the sdpa baselines,
 #              triton without graphs and SmolLM2),
 #              within --budget-s 540 unless given: one device call's 10 minutes
 #   --part     run only these parts (repeatable); the full run takes more than one device call's
@@ -118,7 +106,7 @@ quick=0
 device=cuda
 agent_backend=""
 agent_setup=swe24
-agent_serve=(--no-async-scheduling)  # the serve flags --agent-async and --agent-piecewise set
+agent_serve=(--no-async-scheduling)  # the serve flag --agent-async sets
 baseline=""
 budget_s=""
 dry_run=0
@@ -132,7 +120,6 @@ while [ $# -gt 0 ]; do
     --agent-backend) agent_backend=$2; shift ;;
     --agent-setup) agent_setup=$2; shift ;;
     --agent-async) agent_serve[0]=--async-scheduling ;;
-    --agent-piecewise) agent_serve[1]=--piecewise-graphs ;;
     --baseline) baseline=$(cd -- "$2" > /dev/null && pwd -P) || exit 2; shift ;;
     --dry-run) dry_run=1 ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
@@ -260,9 +247,6 @@ if [ "$device" = cuda ]; then
   extend_shapes=(--extend 1x256@30000 1x64@30000 4x256@8000 1x256@8000+32x1024)
   sampling_shapes=(--decode 32x1024 128x1024 --prefill)
   smoke_shapes=(--decode 4x1024 --prefill 1x2048 --decode-steps 4 --repeats 1)
-  # Steps by graphs of their pieces up to the step budget's 2,048 tokens (the -piecewise-2k
-  # runs; the CPU's below: its 64).
-  piecewise_budget=(--piecewise-graphs --piecewise-max-tokens 2048)
   # The target's run is 256 requests; --quick gives the sdpa baseline 64 (it takes 5x longer).
   target_requests=256
   baseline_requests=256
@@ -287,7 +271,6 @@ elif [ "$device" = cpu ]; then
   sampling_shapes=(--decode 2x48 --prefill --decode-steps 2 --repeats 1
                    --max-num-batched-tokens 64)
   smoke_shapes=("${forward_shapes[@]}")
-  piecewise_budget=(--piecewise-graphs --piecewise-max-tokens 64)
   target_requests=4
   baseline_requests=4
   workload=(--prompt-len 8 32 --output-len 2 8 --max-model-len 256)
@@ -381,8 +364,7 @@ if wants smoke; then
          tests/engine/model/attention/test_triton_sdpa_backend.py tests/engine/model/test_parity.py
          tests/engine/model/test_loader.py tests/engine/model/test_layer_kernels.py
          tests/engine/model/test_fp8_linear.py tests/engine/core/test_async_scheduling.py
-         tests/engine/worker/test_step_syncs.py tests/engine/worker/test_piecewise_graphs.py
-         tests/engine/model/test_fp8_small_matmul.py)  # last: not yet compiled on a GPU
+         tests/engine/worker/test_step_syncs.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
   # --quick's forward part runs triton's forward at full size first.
   { [ $quick -eq 1 ] && wants forward; } || step forward-smoke-triton "${engine[@]}" \
@@ -407,15 +389,11 @@ if wants kernels; then
   # Measured on two cards already (docs/benchmarks.md, "Measured a fourth time").
   [ $quick -eq 1 ] || step kernels-mlp-gemms "$python" scripts/mlp_gemms.py \
     --device "$device" --json "$raw/kernels-mlp-gemms.json"
-  # Run as a file, the script imports the installed engine; the GPU machine has none.
-  [ "$device" != cuda ] || step kernels-top-p env "PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}" \
-    "$python" scripts/sampler_cost.py --part device --json "$raw/kernels-top-p.json"
 fi
 
-# forward_run sdpa|triton|triton-sdpa|triton-sync|triton-fp8|triton-fp8w|triton-fp8w-piecewise-2k|
-# triton-eager|triton-torch-layers (async scheduling is the default on CUDA; triton-sync turns
-# it off; -fp8w: fp8 projections; -piecewise-2k: steps up to 2,048 tokens by graphs of their
-# pieces; triton-sdpa: the backend of that name, SDPA for long fresh prompts)
+# forward_run sdpa|triton|triton-sdpa|triton-sync|triton-fp8|triton-fp8w|triton-eager|
+# triton-torch-layers (async scheduling is the default on CUDA; triton-sync turns it off;
+# -fp8w: fp8 projections; triton-sdpa: the backend of that name, SDPA for long fresh prompts)
 forward_run() {
   local run=$1 flags=()
   case $run in
@@ -425,8 +403,6 @@ forward_run() {
     triton-sync) flags=(--attention-backend triton --layer-kernels triton --no-async-scheduling) ;;
     triton-fp8) flags=(--attention-backend triton --layer-kernels triton --kv-cache-dtype fp8) ;;
     triton-fp8w) flags=(--attention-backend triton --layer-kernels triton --quantization fp8) ;;
-    triton-fp8w-piecewise-2k) flags=(--attention-backend triton --layer-kernels triton
-                                     --quantization fp8 "${piecewise_budget[@]}") ;;
     triton-eager) flags=(--attention-backend triton --layer-kernels triton --enforce-eager) ;;
     triton-torch-layers) flags=(--attention-backend triton --layer-kernels torch) ;;
   esac
@@ -441,15 +417,10 @@ forward_run() {
 }
 forward_extend() {
   # In a run of its own: a 30,000-token context raises the runner's max_model_len, which
-  # sizes the decode graphs' splits and would change the decode targets' steps. With
-  # `piecewise` the same with --piecewise-graphs (the chunks of 256 and 64 tokens, and the
-  # turn beside decodes, replay the graphs of the pieces between attentions; 4 x 256, over
-  # 512 tokens, stays eager).
-  local name=forward-extend-triton${1:+-$1} flags=()
-  [ "${1:-}" = piecewise ] && flags=(--piecewise-graphs)
-  step "$name" "${engine[@]}" bench forward --config "$config" \
+  # sizes the decode graphs' splits and would change the decode targets' steps.
+  step forward-extend-triton "${engine[@]}" bench forward --config "$config" \
     --device "$device" --attention-backend triton --layer-kernels triton --decode --prefill \
-    "${extend_shapes[@]}" "${flags[@]}" --profile --json "$raw/$name.json"
+    "${extend_shapes[@]}" --profile --json "$raw/forward-extend-triton.json"
 }
 forward_sampling() {
   # What each kind of sampling adds to a decode step: penalties and grammar masks are
@@ -470,10 +441,9 @@ forward_smollm2() {
     --json "$raw/forward-smollm2-triton.json"
 }
 # throughput_run sdpa|triton|triton-sdpa|triton-sync|triton-16k|triton-fp8|triton-fp8w|
-# triton-fp8-all|triton-fp8-all-piecewise-2k|triton-piecewise-2k (sdpa: torch's layers, steps in
-# order, the first run's code; -16k: --max-num-batched-tokens 16384, vLLM's offline default on
-# an H100; -fp8w: fp8 projections, --quantization fp8; -fp8-all: both an fp8 KV cache and fp8
-# projections; -piecewise-2k: --piecewise-graphs --piecewise-max-tokens 2048)
+# triton-fp8-all (sdpa: torch's layers, steps in order, the first run's code; -16k:
+# --max-num-batched-tokens 16384, vLLM's offline default on an H100; -fp8w: fp8 projections,
+# --quantization fp8; -fp8-all: both an fp8 KV cache and fp8 projections)
 throughput_run() {
   local backend=triton layers=triton requests=$target_requests kv=auto flags=()
   case $1 in
@@ -485,8 +455,6 @@ throughput_run() {
     triton-fp8) kv=fp8 ;;
     triton-fp8w) flags=(--quantization fp8) ;;
     triton-fp8-all) kv=fp8; flags=(--quantization fp8) ;;
-    triton-fp8-all-piecewise-2k) kv=fp8; flags=(--quantization fp8 "${piecewise_budget[@]}") ;;
-    triton-piecewise-2k) flags=("${piecewise_budget[@]}") ;;
   esac
   local command=(bench throughput --impl engine "${engine_flags[@]}" --num-requests "$requests"
                  "${workload[@]}" --attention-backend "$backend" --layer-kernels "$layers"
@@ -506,12 +474,8 @@ if [ $quick -eq 1 ]; then
   wants forward && forward_run triton-sdpa
   wants throughput && throughput_run triton-sdpa
   wants forward && forward_extend
-  wants forward && forward_extend piecewise
   wants forward && forward_run triton-fp8w
-  wants forward && forward_run triton-fp8w-piecewise-2k
   wants throughput && throughput_run triton-fp8-all
-  wants throughput && throughput_run triton-fp8-all-piecewise-2k
-  wants throughput && throughput_run triton-piecewise-2k
   wants throughput && throughput_run triton-fp8w
   wants forward && forward_sampling
   wants forward && forward_run triton-fp8
@@ -525,18 +489,17 @@ if [ $quick -eq 1 ]; then
   wants forward && { forward_run triton-eager; forward_smollm2; }
 else
   if wants forward; then
-    for run in sdpa triton triton-sdpa triton-sync triton-fp8 triton-fp8w triton-fp8w-piecewise-2k \
-               triton-torch-layers triton-eager; do
+    for run in sdpa triton triton-sdpa triton-sync triton-fp8 triton-fp8w triton-torch-layers \
+               triton-eager; do
       forward_run "$run"
     done
     forward_extend
-    forward_extend piecewise
     forward_sampling
     forward_smollm2
   fi
   if wants throughput; then
     for run in sdpa triton triton-sdpa triton-sync triton-16k triton-fp8 triton-fp8w \
-               triton-fp8-all triton-fp8-all-piecewise-2k triton-piecewise-2k; do
+               triton-fp8-all; do
       throughput_run "$run"
     done
   fi

@@ -21,18 +21,9 @@ promoted to float32 as they go. vLLM's CUTLASS FP8 kernels for Hopper accumulate
 and torch's rowwise kernel is reported much slower without it; its error is one more term
 beside the rounding of values to 3 mantissa bits (`scripts/fp8_gemms.py` measures both the
 time and the difference on a GPU). CPU kernels ignore the flag.
-
-Products of at most `SMALL_MATMUL_MAX_ROWS` rows (with the layer kernels) can skip both the
-rows' quantization and `_scaled_mm`: `engine.model.fp8_small_matmul` widens the float8
-weights in registers and multiplies the rows as they are. That is for decode steps, where
-`_scaled_mm` read the H100's weights at about 1.4 TB/s; it stays off (0 rows) until a GPU's
-timings (`scripts/fp8_gemms.py`) show it faster.
 """
 
 from __future__ import annotations
-
-import importlib
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -43,9 +34,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 # A row of zeros gets this scale (its values are then all zero), not a division by zero.
 MIN_SCALE = 1e-12
-# The most rows whose product `fp8_small_matmul` computes instead of `_scaled_mm`, with the
-# layer kernels (0: none; at most `fp8_small_matmul.MAX_ROWS`). Off until a GPU measures it.
-SMALL_MATMUL_MAX_ROWS = 0
 # `_scaled_mm` on CUDA needs both dimensions of the weight divisible by 16.
 _DIM_MULTIPLE = 16
 # Which projections of a decoder layer are quantized: (submodule, attribute).
@@ -107,33 +95,23 @@ class Fp8Linear(nn.Module):
     """`y = x W^T + b` with `W` in float8 e4m3 [out, in] and `weight_scale` float32 [1, out];
     `x` rows [rows, in] (any leading shape), `y` in `x`'s dtype. Built by `quantize` from an
     `nn.Linear`; holds no gradients. Its buffers are floating point to `Module.to`: convert
-    a model's dtype before quantizing it, never after (the loader does). With `use_triton`,
-    a product of at most `small_matmul_max_rows` rows runs `fp8_small_matmul` (its rows
-    unquantized), the others `_scaled_mm`."""
+    a model's dtype before quantizing it, never after (the loader does)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None, use_triton: bool,
-                 small_matmul_max_rows: int | None = None) -> None:
-        """`small_matmul_max_rows` None: `SMALL_MATMUL_MAX_ROWS`."""
+                 bias: torch.Tensor | None, use_triton: bool) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", bias)
         self.use_triton = use_triton
-        max_rows = _small_matmul_max_rows(small_matmul_max_rows)
-        # Without the layer kernels there is no Triton to run it.
-        self.small_matmul_max_rows = max_rows if use_triton else 0
 
     @classmethod
     @torch.no_grad()
-    def quantize(cls, linear: nn.Linear, use_triton: bool,
-                 small_matmul_max_rows: int | None = None) -> Fp8Linear:
+    def quantize(cls, linear: nn.Linear, use_triton: bool) -> Fp8Linear:
         """`linear`'s weight rounded to float8, a scale per output channel (its bias kept);
-        `use_triton` also quantizes the weight with the kernel (and lets products of at most
-        `small_matmul_max_rows` rows take `fp8_small_matmul`). ValueError for a dimension
+        `use_triton` also quantizes the weight with the kernel. ValueError for a dimension
         that is not a multiple of 16 (`_scaled_mm` takes none on CUDA); whether the device
         can run it is `check_fp8_supported`'s."""
-        _small_matmul_max_rows(small_matmul_max_rows)  # checked before any work
         weight = linear.weight
         out_features, in_features = weight.shape
         if out_features % _DIM_MULTIPLE or in_features % _DIM_MULTIPLE:
@@ -141,8 +119,7 @@ class Fp8Linear(nn.Module):
                              f"of {_DIM_MULTIPLE}, got {in_features} -> {out_features}")
         values, scales = quantize_rows(weight, use_triton)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(values, scales.reshape(1, out_features).contiguous(), bias, use_triton,
-                   small_matmul_max_rows)
+        return cls(values, scales.reshape(1, out_features).contiguous(), bias, use_triton)
 
     @property
     def out_features(self) -> int:
@@ -151,34 +128,13 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if 0 < rows.shape[0] <= self.small_matmul_max_rows:
-            out = _small_matmul().fp8_small_matmul(rows.contiguous(), self.weight,
-                                                   self.weight_scale)
-        else:
-            values, scales = quantize_rows(rows, self.use_triton)
-            out = torch._scaled_mm(values, self.weight.t(), scale_a=scales,
-                                   scale_b=self.weight_scale, out_dtype=x.dtype,
-                                   use_fast_accum=True)
+        values, scales = quantize_rows(rows, self.use_triton)
+        out = torch._scaled_mm(values, self.weight.t(), scale_a=scales,
+                               scale_b=self.weight_scale, out_dtype=x.dtype,
+                               use_fast_accum=True)
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
-
-
-def _small_matmul_max_rows(max_rows: int | None) -> int:
-    """`max_rows`, or `SMALL_MATMUL_MAX_ROWS` for None; ValueError outside 0 to the kernel's
-    `MAX_ROWS` (the kernel's module is imported only for a positive count)."""
-    if max_rows is None:
-        max_rows = SMALL_MATMUL_MAX_ROWS
-    if max_rows < 0 or (max_rows > 0 and max_rows > _small_matmul().MAX_ROWS):
-        raise ValueError(f"small_matmul_max_rows must be from 0 to the kernel's most rows, "
-                         f"got {max_rows}")
-    return max_rows
-
-
-def _small_matmul() -> ModuleType:
-    """`engine.model.fp8_small_matmul`, imported on first use: Triton is an optional
-    dependency."""
-    return importlib.import_module("engine.model.fp8_small_matmul")
 
 
 def quantize_projections(layers: nn.ModuleList, use_triton: bool) -> None:

@@ -8,7 +8,6 @@ into `gate_up_proj`; `load_weights` maps the checkpoint's separate tensors into 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -24,15 +23,6 @@ _FUSED_SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1),
                  "up_proj": ("gate_up_proj", 1)}
 
 
-class AttentionInputs(NamedTuple):
-    """What a layer's attention reads, and the residual stream beside it."""
-
-    query: torch.Tensor  # [tokens, heads, head_dim]
-    key: torch.Tensor  # [tokens, kv_heads, head_dim]
-    value: torch.Tensor  # [tokens, kv_heads, head_dim]
-    residual: torch.Tensor  # [tokens, hidden_size]
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, arch: ModelArch):
         super().__init__()
@@ -46,10 +36,10 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = arch.head_dim**-0.5
 
-    def project(self, rotary: PositionRotary, hidden: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rotated query [tokens, heads, head_dim] and key, and the value [tokens,
-        kv_heads, head_dim], of `hidden` [tokens, hidden_size] (views of one product)."""
+    def forward(
+        self, rotary: PositionRotary, hidden: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split(self.shard_sizes, dim=-1)
         query = query.view(num_tokens, self.num_heads, self.head_dim)
@@ -58,7 +48,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = rotary.apply(query, key)
-        return query, key, value
+        out = metadata.attend(query, key, value, kv_cache, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -70,23 +61,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, use_triton)
 
-    def pre_attention(self, rotary: PositionRotary, hidden: torch.Tensor,
-                      residual: torch.Tensor | None) -> AttentionInputs:
-        """The layer's attention inputs from the previous layer's `(mlp output, residual
-        stream)` (the first layer gets the embeddings and no residual): each block's output is
-        added to the residual stream by the norm that follows it, so the add and the norm are
-        one fused kernel."""
+    def forward(
+        self, rotary: PositionRotary, hidden: torch.Tensor, residual: torch.Tensor | None,
+        kv_cache: torch.Tensor, metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(mlp output, residual stream)` from the previous layer's (the first layer gets
+        the embeddings and no residual): each block's output is added to the residual stream
+        by the norm that follows it, so the add and the norm are one fused kernel."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        return AttentionInputs(*self.self_attn.project(rotary, hidden), residual)
-
-    def post_attention(self, attention_out: torch.Tensor, residual: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(mlp output, residual stream)` from the attention's output [tokens, heads,
-        head_dim] and the residual stream beside it."""
-        hidden = self.self_attn.o_proj(attention_out.reshape(attention_out.shape[0], -1))
+        hidden = self.self_attn(rotary, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -126,60 +112,15 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Final hidden states [tokens, hidden] of a flattened batch (see `attention`): the
-        pieces (`num_pieces`) with each layer's attention between two of them."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.model.layers)} layers")
-        rotary = self.rotary_of(positions)
-        if not kv_caches:  # a model without layers
-            return self.model.norm(self.model.embed_tokens(input_ids))
-        inputs = self.embed_piece(input_ids, rotary)
-        last = len(kv_caches) - 1
-        for index, kv_cache in enumerate(kv_caches[:last]):
-            out = self.attend(index, inputs, kv_cache, metadata)
-            residual = inputs.residual
-            del inputs  # its query, key and value: freed before the MLP's products exist
-            inputs = self.layer_piece(index + 1, out, residual, rotary)
-        return self.head_piece(self.attend(last, inputs, kv_caches[last], metadata),
-                               inputs.residual)
-
-    # The forward in pieces, for a runner that replays each piece as a CUDA graph and runs
-    # the attention between them eagerly (`engine.worker.piecewise_graphs`): piece 0 is
-    # `embed_piece`, piece i (1 <= i < layers) `layer_piece(i, ...)`, piece `layers`
-    # `head_piece`; layer i's attention runs between pieces i and i + 1.
-
-    @property
-    def num_pieces(self) -> int:
-        """The forward's pieces: one more than its layers."""
-        return len(self.model.layers) + 1
-
-    def rotary_of(self, positions: torch.Tensor) -> PositionRotary:
-        """The rotation of `positions` [tokens], which every layer's attention inputs take."""
-        return self.model.rotary.for_positions(positions, self.model.embed_tokens.weight.dtype)
-
-    def embed_piece(self, input_ids: torch.Tensor, rotary: PositionRotary) -> AttentionInputs:
-        """Piece 0: the embeddings of `input_ids`, then the first layer's attention inputs."""
-        return self.model.layers[0].pre_attention(rotary, self.model.embed_tokens(input_ids),
-                                                  None)
-
-    def layer_piece(self, index: int, attention_out: torch.Tensor, residual: torch.Tensor,
-                    rotary: PositionRotary) -> AttentionInputs:
-        """Piece `index` (1 <= index < layers): the rest of layer `index - 1` from its
-        attention's output, then the attention inputs of layer `index`."""
-        layers = self.model.layers
-        hidden, residual = layers[index - 1].post_attention(attention_out, residual)
-        return layers[index].pre_attention(rotary, hidden, residual)
-
-    def head_piece(self, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The last piece: the rest of the last layer, then the final norm: hidden states."""
-        hidden, residual = self.model.layers[-1].post_attention(attention_out, residual)
+        """Final hidden states [tokens, hidden] of a flattened batch (see `attention`)."""
+        hidden = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary.for_positions(positions, hidden.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(rotary, hidden, residual, kv_cache, metadata)
+        if residual is None:  # a model without layers
+            return self.model.norm(hidden)
         return self.model.norm.forward_with_residual(hidden, residual)[0]
-
-    def attend(self, index: int, inputs: AttentionInputs, kv_cache: torch.Tensor,
-               metadata: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Layer `index`'s attention (`AttentionMetadata.attend`), into `out` if given."""
-        scale = self.model.layers[index].self_attn.scale
-        return metadata.attend(inputs.query, inputs.key, inputs.value, kv_cache, scale, out=out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [rows, vocab] of selected hidden states."""

@@ -76,9 +76,9 @@ class SamplingMetadata:
     def worst_case(cls, num_rows: int, vocab_size: int, device: torch.device
                    ) -> SamplingMetadata:
         """`num_rows` rows that ask for everything the sampler allocates memory for:
-        temperature, top-k, top-p (no row's top-k bounding it, so that a GPU searches the
-        whole vocabulary, by its sort or its radix select) and min-p, penalties, a logit
-        bias, a grammar and the most logprobs (the runner's memory profile samples them)."""
+        temperature, top-k, top-p (no row's top-k bounding it, so that a GPU sorts the whole
+        vocabulary) and min-p, penalties, a logit bias, a grammar and the most logprobs (the
+        runner's memory profile samples them)."""
         ones = torch.ones(num_rows, device=device)
         rows = torch.arange(num_rows, device=device)
         shape = (num_rows, vocab_size)

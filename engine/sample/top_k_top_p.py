@@ -17,15 +17,12 @@ order:
   probability mass by logit (`_top_p_cut_by_bins`): only the tokens of the bin where the
   mass reaches p are sorted, not the row;
 - under `search="sort"` (on a GPU, where deciding that would wait for the device) every row
-  is sorted whole;
-- under `search="radix"` (a GPU, or the interpreter) a Triton kernel finds both cuts by a
-  radix select over the row's bits, without a sort or a wait (`radix_cut`).
+  is sorted whole.
 `search_on` picks the search for a device.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Literal
 
 import torch
@@ -40,19 +37,13 @@ MASS_BINS_SPAN = 40.0
 # apart from the others, whose sorts stay as short as their own bins.
 CROWDED_BIN_SHARE = 1 / 16
 
-CandidateSearch = Literal["binned", "sort", "radix"]
-# Whether CUDA takes `radix` rather than `sort`: not unless a GPU's timings of both favour it
-# (`scripts/sampler_cost.py --part device`; docs/benchmarks.md).
-RADIX_ON_CUDA = False
+CandidateSearch = Literal["binned", "sort"]
 
 
 def search_on(device: torch.device) -> CandidateSearch:
     """The search for logits on `device`: `binned` on the CPU, where reading a value back
-    costs nothing; elsewhere one that never waits for the device (`radix` on CUDA when
-    `RADIX_ON_CUDA`, else `sort`)."""
-    if device.type == "cpu":
-        return "binned"
-    return "radix" if RADIX_ON_CUDA and device.type == "cuda" else "sort"
+    costs nothing; elsewhere `sort`, which never waits for the device."""
+    return "binned" if device.type == "cpu" else "sort"
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
@@ -77,10 +68,6 @@ def _kept_threshold(logits: torch.Tensor, top_k: torch.Tensor | None,
     if search == "sort":
         candidates = logits.sort(dim=-1, descending=True).values
         return _from_candidates(logits, candidates, top_k, top_p)[0]
-    if search == "radix":
-        # Imported here: Triton is installed only on Linux.
-        radix_cut = importlib.import_module("engine.sample.radix_cut")
-        return radix_cut.radix_cuts(logits, top_k, top_p).unsqueeze(1)
     return _binned(logits, top_k, top_p)
 
 

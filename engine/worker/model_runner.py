@@ -8,11 +8,9 @@ whose `result` waits for its sampled tokens (`execute_model` does both). Each st
    attention metadata (through the attention backend); an input token that an earlier step
    sampled and the host has not read back yet is taken from the device (`runner_step.py`),
 3. runs the model (a decode-only step on static buffers, replaying a CUDA graph where
-   available: `decode_graphs.py`; with `piecewise_graphs` another step of up to
-   `piecewise_max_tokens` replays graphs of the pieces between attentions:
-   `piecewise_graphs.py`), computes logits only for requests that reach the end of their
-   known tokens (a partial prefill samples nothing), samples, appends placeholders for the
-   sampled tokens to its rows and starts copying the ids to pinned host memory; `result`
+   available: `decode_graphs.py`), computes logits only for requests that reach the end of
+   their known tokens (a partial prefill samples nothing), samples, appends placeholders for
+   the sampled tokens to its rows and starts copying the ids to pinned host memory; `result`
    waits for that copy and fills the placeholders in;
 4. for requests that ask for prompt logprobs, computes the logprobs of the prompt tokens that
    the step's positions predict (in chunks of rows, so a long prompt never holds the logits of
@@ -72,7 +70,6 @@ from engine.worker.kv_cache_sizing import (
     kv_block_bytes,
     resolve_kv_cache_dtype,
 )
-from engine.worker.piecewise_graphs import PiecewiseGraphs, piecewise_buckets
 from engine.worker.runner_step import PendingTokens, RunnerStep, TokenPatch
 from engine.worker.token_counts import TokenCounts
 
@@ -162,10 +159,6 @@ class ModelRunner:
         if self.decode_graphs is not None:
             with torch.inference_mode():
                 self.decode_graphs.capture()
-        self.piecewise_graphs = self._piecewise_graphs()
-        if self.piecewise_graphs is not None:
-            with torch.inference_mode():
-                self.piecewise_graphs.capture()
         generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self._pending_tokens = PendingTokens()
@@ -179,9 +172,8 @@ class ModelRunner:
         way it attends a prefill), of the largest decode bucket's forward, and of what a
         step does after its forward (`_sampling_peak_bytes`); plus that decode peak again for
         the CUDA graphs' memory pool (unless `enforce_eager`), which stays allocated, the
-        peak of the piecewise graphs' largest step (their buffers and their pool, with
-        `piecewise_graphs`), the null block, and the penalties' token counts (`TokenCounts`,
-        allocated once the pool is sized)."""
+        null block, and the penalties' token counts (`TokenCounts`, allocated once the pool
+        is sized)."""
         scheduler = self.config.scheduler
         num_tokens = min(scheduler.max_num_batched_tokens, scheduler.max_model_len)
         max_bucket = max(self.decode_buckets, default=0)
@@ -189,44 +181,19 @@ class ModelRunner:
         prefill_peak = max(self._prefill_peak_bytes(scratch, step)
                            for step in self.attention.profiled_steps(num_tokens))
         decode_peak = self._decode_peak_bytes(scratch, max_bucket) if max_bucket else 0
-        piecewise_peak = self._piecewise_peak_bytes(scratch)
         del scratch
         sampling_peak = self._sampling_peak_bytes(num_tokens, scheduler.max_num_seqs)
         torch.cuda.empty_cache()
         graphs_bytes = decode_peak if not self.config.model.enforce_eager else 0
         null_block_bytes = kv_block_bytes(self.arch, self.block_size, self.kv_dtype)
         token_counts_bytes = TokenCounts.num_bytes(scheduler.max_num_seqs, self.arch.vocab_size)
-        return (max(prefill_peak, decode_peak, sampling_peak) + graphs_bytes + piecewise_peak
-                + null_block_bytes + token_counts_bytes)
+        return (max(prefill_peak, decode_peak, sampling_peak) + graphs_bytes + null_block_bytes
+                + token_counts_bytes)
 
     def _prefill_peak_bytes(self, scratch: list[torch.Tensor], step: ProfiledStep) -> int:
-        """The peak of a forward of `step` over the scratch cache (`_scratch_step`)."""
-        input_ids, positions, metadata = self._scratch_step(scratch, step)
-        return _peak_bytes(self.device,
-                           lambda: self.model(input_ids, positions, scratch, metadata))
-
-    def _piecewise_peak_bytes(self, scratch: list[torch.Tensor]) -> int:
-        """The peak of an eager step of the largest piecewise bucket, the static buffers
-        allocated within it (the graphs' pool holds at most its temporaries); 0 without
-        `piecewise_graphs`."""
-        buckets = self._piecewise_buckets()
-        if not buckets:
-            return 0
-        input_ids, positions, metadata = self._scratch_step(scratch,
-                                                            ProfiledStep(buckets[-1], 0))
-
-        def run() -> torch.Tensor:
-            graphs = PiecewiseGraphs(self.model, buckets, self.device, self.dtype,
-                                     use_graphs=False)
-            return graphs.run(input_ids, positions, scratch, metadata)
-
-        return _peak_bytes(self.device, run)
-
-    def _scratch_step(self, scratch: list[torch.Tensor], step: ProfiledStep
-                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The input ids, positions and attention metadata of `step`, one sequence over the
-        scratch cache's blocks, which a context longer than the scratch reads again and
-        again (its K/V are garbage either way)."""
+        """The peak of a forward of `step`, one sequence over the scratch cache's blocks,
+        which a context longer than the scratch reads again and again (its K/V are
+        garbage either way)."""
         num_scratch_blocks = scratch[0].shape[1] // self.block_size
         num_blocks = -(-(step.context_len + step.query_len) // self.block_size)
         metadata = self.attention.build_metadata(
@@ -234,7 +201,8 @@ class ModelRunner:
             (np.arange(num_blocks) % num_scratch_blocks)[None])
         input_ids = torch.zeros(step.query_len, dtype=torch.int64, device=self.device)
         positions = torch.from_numpy(metadata.positions).to(self.device)
-        return input_ids, positions, metadata
+        return _peak_bytes(self.device,
+                           lambda: self.model(input_ids, positions, scratch, metadata))
 
     def _decode_peak_bytes(self, scratch: list[torch.Tensor], batch_size: int) -> int:
         graphs = self._decode_graphs(scratch, use_graphs=False)
@@ -285,24 +253,6 @@ class ModelRunner:
                                                               metadata),
             self.decode_buckets, buffers, use_graphs)
 
-    def _piecewise_buckets(self) -> tuple[int, ...]:
-        """The token counts the piecewise graphs take; none without `piecewise_graphs` or with
-        `enforce_eager` (eager pieces would only pad the step)."""
-        if not self.config.model.piecewise_graphs or self.config.model.enforce_eager:
-            return ()
-        scheduler = self.config.scheduler
-        return piecewise_buckets(min(scheduler.max_num_batched_tokens, scheduler.max_model_len),
-                                 self.config.model.piecewise_max_tokens)
-
-    def _piecewise_graphs(self) -> PiecewiseGraphs | None:
-        """Steps that are not decode-only on static buffers (`_piecewise_buckets`), captured
-        as graphs on CUDA and run eagerly elsewhere (the same code path, for tests)."""
-        buckets = self._piecewise_buckets()
-        if not buckets:
-            return None
-        return PiecewiseGraphs(self.model, buckets, self.device, self.dtype,
-                               use_graphs=self.device.type == "cuda")
-
     @torch.inference_mode()
     def profile_prefill(self, lengths: Sequence[int]) -> list[tuple[int, float]]:
         """(length, seconds) of one whole-prompt prefill per length, the best of two runs.
@@ -343,10 +293,10 @@ class ModelRunner:
         metadata = self.attention.build_metadata(np.array([num_tokens]), np.array([0]),
                                                  np.arange(num_blocks)[None])
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.from_numpy(metadata.positions).to(self.device)
         self._synchronize()
         started_s = time.perf_counter()
-        hidden = self._run_model(input_ids, positions, metadata)
+        hidden = self.model(input_ids, torch.from_numpy(metadata.positions).to(self.device),
+                            self.kv_caches, metadata)
         self.model.compute_logits(hidden[-1:])
         self._synchronize()
         return time.perf_counter() - started_s
@@ -587,16 +537,7 @@ class ModelRunner:
         assert inputs.metadata is not None
         if inputs.token_patch is not None:
             inputs.token_patch.apply(inputs.input_ids)
-        return self._run_model(inputs.input_ids, inputs.positions, inputs.metadata)
-
-    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                   metadata: AttentionMetadata) -> torch.Tensor:
-        """Hidden states of a step that is not on the static decode buffers: by the
-        piecewise graphs where the step fits them, else the model's eager forward."""
-        graphs = self.piecewise_graphs
-        if graphs is not None and graphs.fits(input_ids.shape[0]):
-            return graphs.run(input_ids, positions, self.kv_caches, metadata)
-        return self.model(input_ids, positions, self.kv_caches, metadata)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def _prompt_logprob_spans(
         self, req_ids: list[str], rows: np.ndarray, context_lens: np.ndarray,

@@ -214,14 +214,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "inputs quantized per token (CUDA: bfloat16 on an FP8 GPU)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run decode steps eagerly instead of replaying CUDA graphs")
-    parser.add_argument("--piecewise-graphs", action="store_true",
-                        help="run steps that are not decode-only (up to "
-                             "--piecewise-max-tokens) as CUDA graphs of the forward's pieces "
-                             "between attentions")
-    parser.add_argument("--piecewise-max-tokens", type=int,
-                        default=ModelConfig.piecewise_max_tokens,
-                        help="the largest step that --piecewise-graphs captures (default: "
-                             "%(default)s)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         help="launch each decode step before reading the previous one's "
                              "tokens (default: on CUDA, as the engine core)")
@@ -302,10 +294,6 @@ def run(args: argparse.Namespace, shapes: list[Shape]) -> dict[str, Any]:
         # The runner's rule: decode replays graphs on CUDA where the backend has static decode.
         "cuda_graphs": (runner.device.type == "cuda" and not args.enforce_eager
                         and runner.attention.supports_static_decode),
-        # Steps that are not decode-only: by captured pieces, by pieces run eagerly (CPU), or
-        # by the whole forward.
-        "piecewise_graphs": ("off" if runner.piecewise_graphs is None
-                             else "captured" if runner.piecewise_graphs.captured else "eager"),
         "async_scheduling": _pipelined(args, runner),
         "block_size": args.block_size,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -328,8 +316,6 @@ def environment(device: torch.device) -> dict[str, str]:
 def markdown_table(report: dict[str, Any]) -> str:
     """The report's shapes as a markdown table under a line naming what ran them."""
     graphs = "CUDA graphs for decode" if report["cuda_graphs"] else "eager"
-    if report.get("piecewise_graphs", "off") != "off":
-        graphs += f", other steps by pieces ({report['piecewise_graphs']})"
     weights = ", fp8 projections" if report.get("quantization", "none") != "none" else ""
     lines = [
         f"{report['model']} ({report['dtype']}{weights}) on {report['device']}: torch "
@@ -378,8 +364,6 @@ def _engine_config(args: argparse.Namespace, model: str, shapes: list[Shape]) ->
                           attention_backend=args.attention_backend,
                           layer_kernels=args.layer_kernels,
                           enforce_eager=args.enforce_eager,
-                          piecewise_graphs=args.piecewise_graphs,
-                          piecewise_max_tokens=args.piecewise_max_tokens,
                           quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=num_blocks,
                           kv_cache_dtype=args.kv_cache_dtype),

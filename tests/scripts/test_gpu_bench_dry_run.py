@@ -74,7 +74,7 @@ def test_every_engine_command_of_a_run_parses_and_builds_its_config(
                         "--part", "forward", "--part", "throughput")
     names = [name for name, _ in commands]
     assert names[0] == "smoke-tests"
-    assert "throughput-triton-fp8-all-piecewise-2k-256" in names
+    assert "throughput-triton-fp8-all-256" in names
     assert ("agent-swe24-continuum" in names) == ("--quick" not in mode)
     for name, command in commands:
         if "engine.cli" in command:

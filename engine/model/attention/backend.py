@@ -72,14 +72,11 @@ class AttentionMetadata(ABC):
 
     @abstractmethod
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kv_cache: torch.Tensor, scale: float, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
+               kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Writes this step's `key`/`value` into `kv_cache`, then attends.
 
         `query` [tokens, heads, head_dim], `key`/`value` [tokens, kv_heads, head_dim];
-        returns [tokens, heads, head_dim] in the query's dtype: `out` when given (a
-        contiguous tensor of that shape and dtype, which a CUDA graph reads next), else a
-        new tensor or one of the backend's.
+        returns [tokens, heads, head_dim] in the query's dtype.
         """
 
 

@@ -100,10 +100,8 @@ class SdpaMetadata(AttentionMetadata):
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kv_cache: torch.Tensor, scale: float, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        attended = paged_attention(query, key, value, kv_cache, self, scale)
-        return attended if out is None else out.copy_(attended)
+               kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return paged_attention(query, key, value, kv_cache, self, scale)
 
 
 class SdpaBackend(AttentionBackend):

@@ -105,14 +105,13 @@ class TritonMetadata(AttentionMetadata):
     sdpa_prompts: tuple[tuple[int, int], ...] = ()
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kv_cache: torch.Tensor, scale: float, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
+               kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         triton_kernels.store_kv(key, value, k_cache, v_cache, self.slot_mapping)
-        if out is None and self.sdpa_prompts == ((0, query.shape[0]),):
+        if self.sdpa_prompts == ((0, query.shape[0]),):
             # SDPA's output is the step's: no copy into an output of the step's own.
             return causal_sdpa(query, key, value, scale)
-        output = torch.empty_like(query) if out is None else out
+        output = torch.empty_like(query)
         split = self.num_decode_tokens
         kernel_rows_end = self.sdpa_prompts[0][0] if self.sdpa_prompts else query.shape[0]
         block_size, window = self.layout.block_size, self.layout.sliding_window

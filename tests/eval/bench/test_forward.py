@@ -292,8 +292,7 @@ def test_a_turn_beside_decodes_counts_them_in_the_step_budget() -> None:
     args = argparse.Namespace(block_size=4, decode_steps=1, repeats=1, profile=False,
                               max_num_batched_tokens=4, dtype="auto", seed=0, device="cpu",
                               attention_backend="auto", layer_kernels="auto",
-                              enforce_eager=False, piecewise_graphs=False,
-                              piecewise_max_tokens=512, quantization="none",
+                              enforce_eager=False, quantization="none",
                               kv_cache_dtype="auto")
     config = _engine_config(args, "tiny", [Shape.parse("extend", "1x4@20+3x10")])
     assert config.scheduler.max_num_batched_tokens == 7

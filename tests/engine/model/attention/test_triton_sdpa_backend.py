@@ -82,22 +82,6 @@ class Step:
 MIXED = ([30, 12, 16, 0, 0, 0], [1, 1, 8, 5, 16, 27])
 
 
-@pytest.mark.parametrize("steps", [MIXED, ([0], [20])])  # the second: SDPA's alone
-def test_an_output_buffer_given_receives_the_step_s_attention(
-        steps: tuple[list[int], list[int]]) -> None:
-    # A CUDA graph's piece reads the attention from a buffer of its own
-    # (`engine.worker.piecewise_graphs`), whichever way the step is attended.
-    step = Step(*steps, dtype=torch.float32)
-    backend = TritonSdpaBackend(make_layout(torch.float32), min_sdpa_prompt_tokens=16)
-    _, expected, _ = step.attend(backend)
-    metadata = backend.build_metadata(step.query_lens, step.context_lens, step.block_table)
-    buffer = torch.full_like(step.query, float("nan"))
-    out = metadata.attend(step.query, step.key, step.value, step.kv_cache.clone(),
-                          HEAD_DIM ** -0.5, out=buffer)
-    assert out is buffer
-    torch.testing.assert_close(buffer.cpu(), expected, atol=0, rtol=0)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_fresh_prompts_go_to_sdpa_and_the_step_attends_as_with_the_kernels(
         dtype: torch.dtype) -> None:
