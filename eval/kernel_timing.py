@@ -1,6 +1,6 @@
 """A kernel call's time on a GPU, three ways: the device's, its eager calls', the host's.
 
-Scripts that time kernels (`scripts/prefill_tiles.py` all three, `scripts/fp8_gemms.py` the
+Scripts that time kernels (`eval/gpu/prefill_tiles.py` all three, `eval/gpu/fp8_gemms.py` the
 graph's and the host's) report more than device events, because a call whose host work
 outlasts its device work is timed wrongly by device events alone: `triton.testing.do_bench`
 flushes the L2 cache with a kernel of about 80 us on an H100 before each call, and when the

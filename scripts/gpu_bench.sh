@@ -9,10 +9,10 @@
 #               of the 8B shapes with triton: a couple of minutes that show whether the rest
 #               can run
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
-#               shapes: scripts/prefill_tiles.py (each prefill attention tile against the
-#               autotuner's choice, outputs checked), scripts/fp8_gemms.py (each projection
+#               shapes: eval/gpu/prefill_tiles.py (each prefill attention tile against the
+#               autotuner's choice, outputs checked), eval/gpu/fp8_gemms.py (each projection
 #               in bf16 and in fp8, with exact and with fast accumulation: device and host
-#               time a call) and, without --quick, scripts/mlp_gemms.py (the MLP's gate and
+#               time a call) and, without --quick, eval/gpu/mlp_gemms.py (the MLP's gate and
 #               up projections as one GEMM or two); seconds, not minutes
 #   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
 #               batch 32 at 8k, prefill 2,048 tokens; and 8 steps of 2,048 prompt tokens
@@ -92,7 +92,7 @@
 #
 # On the GPU machine (the device tool): its image has torch and triton but not msgspec,
 # llguidance, pyzmq (which every engine command imports) nor fastapi, uvicorn, pydantic, openai
-# (serve, bench agent). Fetch their wheels here once with `bash scripts/fetch_gpu_wheels.sh`
+# (serve, bench agent). Fetch their wheels here once with `bash eval/gpu/fetch_wheels.sh`
 # (into .whl/, git-ignored), then call the tool's `run` with carry [".whl"] and
 #   command: PYTHONUNBUFFERED=1 bash scripts/gpu_bench.sh --quick
 # This script installs .whl/*.whl with `pip install --no-index --no-deps --target` into a
@@ -165,7 +165,7 @@ fi
 needed="msgspec, zmq, llguidance"
 wants agent && needed="$needed, fastapi, uvicorn, pydantic, openai"
 if ! "$python" -c "import $needed" 2>/dev/null; then
-  echo "missing Python packages (need $needed): run scripts/fetch_gpu_wheels.sh here and" \
+  echo "missing Python packages (need $needed): run eval/gpu/fetch_wheels.sh here and" \
        "carry .whl to the GPU machine (see the top of this script)" >&2
   exit 2
 fi
@@ -221,7 +221,7 @@ reported=0
 report() {
   [ $reported -eq 0 ] || return 0
   reported=1
-  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$python" scripts/gpu_bench_report.py "$raw" "$out"
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$python" eval/gpu/bench_report.py "$raw" "$out"
   if [ -n "${OUT:-}" ]; then
     tar czf "$out/raw.tar.gz" -C "$out" raw && rm -rf "$raw"
   fi
@@ -376,18 +376,22 @@ fi
 on_baseline=(env -C "$baseline" "PYTHONPATH=$baseline${PYTHONPATH:+:$PYTHONPATH}")
 
 if wants kernels; then
-  step kernels-prefill-tiles "$python" scripts/prefill_tiles.py --device "$device" \
+  step kernels-prefill-tiles "$python" eval/gpu/prefill_tiles.py --device "$device" \
     --json "$raw/kernels-prefill-tiles.json"
-  [ -z "$baseline" ] || step kernels-prefill-tiles-base "$python" \
-    "$baseline/scripts/prefill_tiles.py" --device "$device" \
-    --json "$raw/kernels-prefill-tiles-base.json"
+  if [ -n "$baseline" ]; then
+    # A baseline older than eval/gpu/ has the script in scripts/.
+    base_tiles=$baseline/eval/gpu/prefill_tiles.py
+    [ -f "$base_tiles" ] || base_tiles=$baseline/scripts/prefill_tiles.py
+    step kernels-prefill-tiles-base "$python" "$base_tiles" --device "$device" \
+      --json "$raw/kernels-prefill-tiles-base.json"
+  fi
   # --quick: a decode step's rows at batch 1 and 32, and a prefill's 2,048.
   fp8_tokens=()
   [ $quick -eq 1 ] && [ "$device" = cuda ] && fp8_tokens=(--tokens 1 32 2048)
-  step kernels-fp8-gemms "$python" scripts/fp8_gemms.py --device "$device" "${fp8_tokens[@]}" \
+  step kernels-fp8-gemms "$python" eval/gpu/fp8_gemms.py --device "$device" "${fp8_tokens[@]}" \
     --json "$raw/kernels-fp8-gemms.json"
   # Measured on two cards already (docs/benchmarks.md, "Measured a fourth time").
-  [ $quick -eq 1 ] || step kernels-mlp-gemms "$python" scripts/mlp_gemms.py \
+  [ $quick -eq 1 ] || step kernels-mlp-gemms "$python" eval/gpu/mlp_gemms.py \
     --device "$device" --json "$raw/kernels-mlp-gemms.json"
 fi
 

@@ -19,7 +19,7 @@ The product uses the FP8 tensor cores' fast accumulation (`use_fast_accum=True`)
 the running sums then stay in the tensor cores' own narrower accumulators rather than being
 promoted to float32 as they go. vLLM's CUTLASS FP8 kernels for Hopper accumulate that way,
 and torch's rowwise kernel is reported much slower without it; its error is one more term
-beside the rounding of values to 3 mantissa bits (`scripts/fp8_gemms.py` measures both the
+beside the rounding of values to 3 mantissa bits (`eval/gpu/fp8_gemms.py` measures both the
 time and the difference on a GPU). CPU kernels ignore the flag.
 """
 

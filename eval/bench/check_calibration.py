@@ -1,9 +1,11 @@
 """`continuum bench check-calibration`: a cost profile's simulation of the GPU runs it was
 calibrated on, against what those runs measured.
 
-The runs are one shipped set of agent replays (`--runs`): `eval/gpu_runs/h100-af226d3`,
-`h100-24b013d` or `h100-d8b9e2f`, each an engine commit measured on an H100 (their READMEs say
-how they ran). Each run is simulated with the same jobs, arrivals and engine limits as
+The runs are one set of agent replays in the repository (`--runs`):
+`eval/gpu_runs/h100-af226d3`, `h100-24b013d` or `h100-d8b9e2f`, each an engine commit
+measured on an H100 (their READMEs say how they ran). The package does not ship them: the
+command reads them from a checkout (this module's own, else the working directory's), or
+from `--runs-dir`. Each run is simulated with the same jobs, arrivals and engine limits as
 `bench agent` and `continuum serve` had (the setup's `bench agent` flags, parsed as `bench
 agent` parses them), under the policy spec given for its measured policy (`--policy
 LABEL=SPEC`; by default the spec that behaves as the policy did at the set's commit).
@@ -37,7 +39,8 @@ from eval.workload_flags import add_workload_arguments, load_workload
 from tracing.progress import Progress, progress_by, trace_span_s
 from tracing.reader import read_trace
 
-GPU_RUNS_ROOT = Path(__file__).resolve().parents[1] / "gpu_runs"
+# Where `eval/gpu_runs/` is when this module runs from a checkout of the repository.
+CHECKOUT_GPU_RUNS = Path(__file__).resolve().parents[1] / "gpu_runs"
 JCT_TOLERANCE = 0.15
 
 SetupName = Literal["swe24", "swe40"]
@@ -92,10 +95,25 @@ def _stopped(setup: GpuSetup, policy: str) -> GpuRun:
     return GpuRun(setup, policy, f"{_stem(setup, policy)}-cut.jsonl.gz")
 
 
+def gpu_runs_root(checkout_runs: Path = CHECKOUT_GPU_RUNS, cwd: Path | None = None) -> Path:
+    """The repository's `eval/gpu_runs/`: `checkout_runs` (this module's checkout), else the
+    one under `cwd` (the working directory). ValueError when neither exists, as from an
+    installed package, which carries no measured runs."""
+    in_cwd = (Path.cwd() if cwd is None else cwd) / "eval" / "gpu_runs"
+    for root in (checkout_runs, in_cwd):
+        if root.is_dir():
+            return root
+    raise ValueError(f"the measured GPU runs are in the repository's eval/gpu_runs/, which the "
+                     f"installed package does not include (looked in {checkout_runs} and "
+                     f"{in_cwd}): run this from a checkout of the repository, or give "
+                     f"--runs-dir")
+
+
 @dataclass(frozen=True)
 class GpuRunSet:
-    """The shipped runs of one engine commit on one device, in `eval/gpu_runs/NAME`, the
-    policy specs that behave as that commit's policies did, and the profile fitted on them."""
+    """The runs of one engine commit on one device, in `eval/gpu_runs/NAME`, the policy specs
+    that behave as that commit's policies did, and the name of the profile fitted on them
+    (its file `NAME.json` beside the runs, else a profile the engine ships)."""
 
     name: str
     runs: tuple[GpuRun, ...]
@@ -104,7 +122,15 @@ class GpuRunSet:
 
     @property
     def runs_dir(self) -> Path:
-        return GPU_RUNS_ROOT / self.name
+        """The set's folder in the repository (`gpu_runs_root`'s ValueError without one)."""
+        return gpu_runs_root() / self.name
+
+
+def profile_in(runs_dir: Path, profile: str) -> str:
+    """`profile` as `get_sim_profile` takes it: the file `runs_dir/PROFILE.json` when there
+    is one (a profile fitted on those runs), else `profile` itself (a name or a file)."""
+    beside_runs = runs_dir / f"{profile}.json"
+    return str(beside_runs) if Path(profile).name == profile and beside_runs.is_file() else profile
 
 
 # Today's continuum but for the cold start (the paper's K then), the price (not yet capped
@@ -267,7 +293,8 @@ def _policy_map(run_set: GpuRunSet, items: Sequence[str]) -> dict[str, PolicySpe
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", choices=sorted(RUN_SETS), default=DEFAULT_RUN_SET,
-                        help="the shipped GPU runs to check against (default: %(default)s)")
+                        help="the GPU runs to check against, in the repository's "
+                             "eval/gpu_runs/ (default: %(default)s)")
     parser.add_argument("--profile", default=None, metavar="NAME|FILE",
                         help="the cost profile to check (default: the one fitted on --runs: "
                              + ", ".join(f"{s.profile} for {s.name}" for s in RUN_SETS.values())
@@ -279,15 +306,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "af226d3)")
     parser.add_argument("--runs-dir", type=Path, default=None,
                         help="where the measured traces and agent JSONs are "
-                             "(default: the shipped ones of --runs)")
+                             "(default: eval/gpu_runs/RUNS of the repository checkout)")
     parser.add_argument("--json", default=None, help="write the figures here")
 
 
 def main(args: argparse.Namespace) -> int:
     run_set = RUN_SETS[args.runs]
-    profile = args.profile or run_set.profile
-    runs_dir = args.runs_dir or run_set.runs_dir
     try:
+        runs_dir = args.runs_dir or run_set.runs_dir
+        profile = profile_in(runs_dir, args.profile or run_set.profile)
         specs = _policy_map(run_set, args.policy)
         get_sim_profile(profile)
         with tempfile.TemporaryDirectory() as work_dir:

@@ -117,7 +117,7 @@ def test_the_8k_decode_target_is_below_an_h100s_bf16_floor() -> None:
 
 def test_the_script_tables_each_target_on_each_card(tmp_path: Path) -> None:
     out = tmp_path / "floors.json"
-    result = subprocess.run([sys.executable, "scripts/gpu_floors.py", "--json", str(out)],
+    result = subprocess.run([sys.executable, "eval/gpu/floors.py", "--json", str(out)],
                             cwd=REPO, capture_output=True, text=True, check=True, timeout=120)
     rows = json.loads(out.read_text())
     assert len(rows) == 6 * 2 * 3  # targets x cards x precisions

@@ -83,7 +83,7 @@ def test_every_engine_command_of_a_run_parses_and_builds_its_config(
             tests = [word for word in command if word.startswith("tests/")]
             assert tests and all((REPO / test).is_file() for test in tests), name
         else:
-            scripts = [word for word in command if word.startswith("scripts/")]
+            scripts = [word for word in command if word.startswith(("scripts/", "eval/gpu/"))]
             assert scripts and all((REPO / script).is_file() for script in scripts), name
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "dry run" in summary

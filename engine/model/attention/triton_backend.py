@@ -37,7 +37,7 @@ from engine.model.triton_support import check_triton_runs_on
 # Triton compiles float8 e4m3 only for GPUs of this compute capability or newer (Ada, Hopper).
 MIN_FP8_CAPABILITY = (8, 9)
 # `triton-sdpa` gives SDPA the prompts of a step that have no cached prefix and at least this
-# many tokens. On an H100 (`scripts/prefill_tiles.py`, Llama-3.1-8B's heads) a call took
+# many tokens. On an H100 (`eval/gpu/prefill_tiles.py`, Llama-3.1-8B's heads) a call took
 # 83-87 us a layer for a prompt of 256, 512 or 2,048 tokens, where the prefill kernel took
 # 137 us for one prompt of 2,048, 84 for four of 512 and 82 for eight of 256, all in one
 # launch: SDPA repays its call only for long prompts. The kernel's time for one prompt,

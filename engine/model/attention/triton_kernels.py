@@ -183,7 +183,7 @@ def paged_decode_attention(
       positions (itself included).
     - `out`: optional [B, num_heads, head_dim] output, the query's dtype.
     - `tile`: the kernel's tile (None: `decode_tile` of the cache's dtype); the tile sweep of
-      `scripts/decode_tiles.py` passes others.
+      `eval/gpu/decode_tiles.py` passes others.
 
     One program per sequence, KV head and split, in a flat grid whose order puts a
     sequence's work together, in the order of the sequences (`_decode_program`): as the
@@ -707,7 +707,7 @@ class DecodeTile(NamedTuple):
 
 # What every cache dtype runs unless the table below says otherwise.
 _DEFAULT_DECODE_TILE = DecodeTile(_DECODE_BLOCK_N, 4, 2)
-# Chosen by scripts/decode_tiles.py on an H100 (docs/benchmarks.md, "Decode tiles"), where a
+# Chosen by eval/gpu/decode_tiles.py on an H100 (docs/benchmarks.md, "Decode tiles"), where a
 # tile beat the old one by 2 % or more (geometric mean over decode batch 128 x 1k and 32 x
 # 8k): over an fp8 cache, 128-key tiles widened to float16 took 0.876x its time (0.86x at 32
 # x 8k); no bf16 tile did (the best, 0.998x, is left out).
@@ -722,7 +722,7 @@ def decode_tile(cache_dtype: torch.dtype) -> DecodeTile:
 
 
 def decode_tile_candidates(cache_dtype: torch.dtype) -> list[DecodeTile]:
-    """The tiles `scripts/decode_tiles.py` measures over a cache of `cache_dtype`."""
+    """The tiles `eval/gpu/decode_tiles.py` measures over a cache of `cache_dtype`."""
     widen = (False, True) if cache_dtype == FP8_KV_DTYPE else (False,)
     return [DecodeTile(block_n, warps, stages, widen_to_f16)
             for widen_to_f16 in widen for block_n in (64, 128) for warps in (4, 8)

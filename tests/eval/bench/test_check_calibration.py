@@ -4,7 +4,10 @@ given for it, and compared with what it measured on the same definitions."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +21,14 @@ from eval.bench.check_calibration import (
     RunCheck,
     _policy_map,
     check_run,
+    gpu_runs_root,
     order_checks,
+    profile_in,
     render,
 )
 from tracing.progress import Progress
 
+REPO = Path(__file__).resolve().parents[3]
 TINY = GpuSetup("swe24", num_jobs=2, jobs_per_s=2.0, max_turns=2, num_kv_blocks=1500)
 
 
@@ -60,7 +66,44 @@ def test_every_shipped_run_set_has_its_files_and_profile() -> None:
             assert (run_set.runs_dir / run.trace_file).is_file()
             assert run.agent_file is None or (run_set.runs_dir / run.agent_file).is_file()
         assert (run_set.runs_dir / "README.md").is_file()
-        get_sim_profile(run_set.profile)
+        profile = get_sim_profile(profile_in(run_set.runs_dir, run_set.profile))
+        assert profile.name == run_set.profile
+
+
+def test_a_profile_fitted_on_a_set_s_runs_is_read_from_beside_them(tmp_path: Path) -> None:
+    runs_dir = RUN_SETS["h100-24b013d"].runs_dir
+    assert profile_in(runs_dir, "h100-llama3.1-8b-24b013d") == str(
+        runs_dir / "h100-llama3.1-8b-24b013d.json")
+    # A profile the engine ships, and a file given, are taken as they are.
+    assert profile_in(runs_dir, "h100-llama3.1-8b-measured") == "h100-llama3.1-8b-measured"
+    given = tmp_path / "h100-llama3.1-8b-24b013d.json"
+    assert profile_in(runs_dir, str(given)) == str(given)
+
+
+def test_the_runs_are_found_in_a_checkout_or_under_the_working_directory(
+        tmp_path: Path) -> None:
+    assert gpu_runs_root() == REPO / "eval" / "gpu_runs"
+    missing = tmp_path / "site-packages" / "eval" / "gpu_runs"
+    assert gpu_runs_root(missing, cwd=REPO) == REPO / "eval" / "gpu_runs"
+    with pytest.raises(ValueError, match="run this from a checkout of the repository"):
+        gpu_runs_root(missing, cwd=tmp_path)
+
+
+def test_an_install_without_the_repository_says_where_the_runs_are(tmp_path: Path) -> None:
+    # The packages as a wheel installs them (no eval/gpu_runs/), run from outside a checkout.
+    site = tmp_path / "site"
+    for package in ("engine", "eval", "tracing", "estimator", "continuum"):
+        shutil.copytree(REPO / package, site / package,
+                        ignore=shutil.ignore_patterns("gpu_runs", "gpu", "__pycache__"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "bench", "check-calibration", "--runs",
+         "h100-24b013d"], cwd=elsewhere, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(site)})
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "eval/gpu_runs/" in result.stderr and "--runs-dir" in result.stderr
 
 
 def test_a_run_is_simulated_and_compared_on_the_same_definitions(tmp_path: Path) -> None:

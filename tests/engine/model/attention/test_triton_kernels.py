@@ -620,7 +620,7 @@ def _tiles(cache_dtype: torch.dtype) -> list[DecodeTile]:
                               for tile in candidates))
 
 
-# The tiles the GPU sweep (scripts/decode_tiles.py) chooses among compute the same attention:
+# The tiles the GPU sweep (eval/gpu/decode_tiles.py) chooses among compute the same attention:
 # wider key tiles, and a float8 cache widened to float16 with the scale in the query; with
 # and without splits, and in a sliding window.
 @pytest.mark.parametrize(("cache_dtype", "tile"), [

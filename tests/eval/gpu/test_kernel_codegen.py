@@ -1,4 +1,4 @@
-"""`scripts/kernel_codegen.py` compiles the prefill kernel (and its split variant) for sm_90
+"""`eval/gpu/kernel_codegen.py` compiles the prefill kernel (and its split variant) for sm_90
 without a GPU: its K/V loads through the block table are pipelined, and it does not spill."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_a_three_stage_tile_prefetches_its_loads_without_spilling(tmp_path: Path) -> None:
     out = tmp_path / "codegen.json"
-    subprocess.run([sys.executable, "scripts/kernel_codegen.py", "--tiles", "64,64,8,2",
+    subprocess.run([sys.executable, "eval/gpu/kernel_codegen.py", "--tiles", "64,64,8,2",
                     "64,64,8,3", "--head-dims", "128", "--groups", "4", "--dtypes", "bf16",
                     "--json", str(out)], cwd=REPO, check=True, capture_output=True, text=True)
     two_stages, three_stages = json.loads(out.read_text())
@@ -26,7 +26,7 @@ def test_a_three_stage_tile_prefetches_its_loads_without_spilling(tmp_path: Path
 def test_the_split_variant_pipelines_its_loads_without_spilling(tmp_path: Path) -> None:
     # The variant that splits keys and writes float32 partials (chunks over long contexts).
     out = tmp_path / "codegen.json"
-    subprocess.run([sys.executable, "scripts/kernel_codegen.py", "--tiles", "64,64,4,3",
+    subprocess.run([sys.executable, "eval/gpu/kernel_codegen.py", "--tiles", "64,64,4,3",
                     "--head-dims", "128", "--groups", "4", "--dtypes", "bf16", "--split",
                     "--json", str(out)], cwd=REPO, check=True, capture_output=True, text=True)
     (code,) = json.loads(out.read_text())

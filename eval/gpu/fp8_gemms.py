@@ -22,7 +22,7 @@ bytes column says which product does better. The graph replays no L2 flush betwe
 the float8 weights of qkv (25 MB) and o (17 MB) fit in an H100's 50 MB L2, so judge rates by
 gate/up (117 MB) and down (59 MB).
 
-Usage: python scripts/fp8_gemms.py [--device cuda|cpu] [--tokens N ...] [--json FILE]
+Usage: python eval/gpu/fp8_gemms.py [--device cuda|cpu] [--tokens N ...] [--json FILE]
   --device cpu  a dry run with small shapes in float32 (the rows named bf16 are float32
                 there), torch's quantization, times on the host's clock (CPU `_scaled_mm`
                 ignores the accumulation flag)
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.model.fp8_linear import Fp8Linear, quantize_rows
 from eval import kernel_timing
 

@@ -1,4 +1,4 @@
-"""`scripts/prefill_tiles.py`'s CPU dry run: every tile is timed and written, and its output
+"""`eval/gpu/prefill_tiles.py`'s CPU dry run: every tile is timed and written, and its output
 matches the engine's own call's; in the steps of prompts alone, so does SDPA's, and where the
 engine splits keys, so do the same call unsplit and split further."""
 
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_prefill_tiles_times_each_tile_and_checks_it_against_the_engines_call(
         tmp_path: Path) -> None:
     pytest.importorskip("triton")
     out = tmp_path / "tiles.json"
-    subprocess.run([sys.executable, "scripts/prefill_tiles.py", "--device", "cpu",
+    subprocess.run([sys.executable, "eval/gpu/prefill_tiles.py", "--device", "cpu",
                     "--json", str(out)], cwd=REPO, check=True, capture_output=True, text=True)
     rows = json.loads(out.read_text())["rows"]
     assert {(row["step"], row["tile"]) for row in rows} == {

@@ -24,10 +24,10 @@ a row unwritten). Three times a call, in microseconds:
   queue drained every 20 calls, outside the timed calls).
 Also printed: the tensor-core rate each reaches (the causal QK^T and PV products' FLOPs
 over `us`). Run from another checkout (`python
-OTHER/scripts/prefill_tiles.py`), it times that checkout's kernel: two versions compared on
+OTHER/eval/gpu/prefill_tiles.py`), it times that checkout's kernel: two versions compared on
 one device.
 
-Usage: python scripts/prefill_tiles.py [--tiles M,N,WARPS,STAGES ...] [--json FILE]
+Usage: python eval/gpu/prefill_tiles.py [--tiles M,N,WARPS,STAGES ...] [--json FILE]
        [--device cuda|cpu]
   --device cpu  a dry run under Triton's interpreter: small shapes, times that mean nothing
 """
@@ -50,7 +50,7 @@ import torch
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
     os.environ["TRITON_INTERPRET"] = "1"
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.model.attention import triton_kernels
 from engine.model.attention.triton_backend import causal_sdpa
 from eval import kernel_timing

@@ -10,7 +10,7 @@ in bf16, outlast the GPU's L2 cache, so back-to-back calls do not read them from
 microseconds of each, the fused one's time over the separate ones', and the weight bytes a
 second the fused one reads; `--json` writes the rows.
 
-Usage: python scripts/mlp_gemms.py [--device cuda|cpu] [--tokens N ...] [--json FILE]
+Usage: python eval/gpu/mlp_gemms.py [--device cuda|cpu] [--tokens N ...] [--json FILE]
   --device cpu  a dry run with small shapes, times taken on the host's clock
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from eval import kernel_timing
 
 HIDDEN, INTERMEDIATE = 4096, 14336

@@ -3,7 +3,7 @@ backend's tokens differ from the first's.
 
 Without a GPU the triton backend's kernels run in Triton's interpreter (set here), which is
 slow: minutes for SmolLM2-135M's 30 layers. Usage:
-    .venv/bin/python scripts/compare_attention_backends.py --model smollm2-135m-instruct
+    .venv/bin/python eval/gpu/compare_attention_backends.py --model smollm2-135m-instruct
 """
 
 from __future__ import annotations

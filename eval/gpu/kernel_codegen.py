@@ -7,7 +7,7 @@ The strides are given the divisibility Triton sees at run time (each divisible b
 strides specialised to 1, the block table's row stride not specialised), so the code is the
 code a GPU would run. Nothing runs: it needs neither a GPU nor a CUDA driver.
 
-Usage: python scripts/kernel_codegen.py [--tiles M,N,WARPS,STAGES ...] [--head-dims 64 128]
+Usage: python eval/gpu/kernel_codegen.py [--tiles M,N,WARPS,STAGES ...] [--head-dims 64 128]
        [--groups 1 2 4 8 16] [--dtypes bf16 fp16 bf16/fp8] [--split] [--arch 90] [--json FILE]
 (default: every tile of `_TUNED_PREFILL_TILES`; a dtype `Q/KV` names the query's and the
 cache's; `--split` compiles the variant that splits keys and writes float32 partials). Exits 1
@@ -34,7 +34,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.model.attention import triton_kernels
 
 _TRITON_TYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8e4nv"}

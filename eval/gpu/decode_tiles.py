@@ -13,7 +13,7 @@ The report gives each tile's microseconds a call and the K/V bytes it read a sec
 engine reads its tiles from `triton_kernels._DECODE_TILES`, set by hand from this report
 where the chosen tile beats the current one by 2 % or more.
 
-Usage: python scripts/decode_tiles.py [--device cuda|cpu] [--json FILE]
+Usage: python eval/gpu/decode_tiles.py [--device cuda|cpu] [--json FILE]
   --device cpu  a dry run under Triton's interpreter: tiny shapes, two tiles a dtype, and
                 times that mean nothing
 """
@@ -36,7 +36,7 @@ import torch
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == ["cpu"]:
     os.environ["TRITON_INTERPRET"] = "1"
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.model.attention import triton_kernels
 from engine.model.attention.triton_kernels import (
     FP8_KV_DTYPE,

@@ -5,13 +5,13 @@
 # test suite passes with). The engine imports msgspec, llguidance and pyzmq for every command
 # (`bench forward` and `bench throughput` included); `serve` and `bench agent` need the rest.
 #
-# Usage, here (network needed): bash scripts/fetch_gpu_wheels.sh
+# Usage, here (network needed): bash eval/gpu/fetch_wheels.sh
 # Then on the GPU machine (the device tool's `run`, with ".whl" in `carry`):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # (scripts/gpu_bench.sh does this itself when .whl/ is there and msgspec is missing).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 # Distributions missing from the image (/work/.library/device/KINDS.md lists what it has), with
 # those of their requirements whose image versions are too old or absent.

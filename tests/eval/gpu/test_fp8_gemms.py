@@ -1,4 +1,4 @@
-"""`scripts/fp8_gemms.py`'s CPU dry run: every call of every projection timed and written."""
+"""`eval/gpu/fp8_gemms.py`'s CPU dry run: every call of every projection timed and written."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 
 from tests.engine.model.fp8_support import needs_cpu_product
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CALLS = ["bf16", "fp8 exact", "fp8 fast", "quantize", "layer"]
 
 
 @needs_cpu_product
 def test_fp8_gemms_times_each_call_of_each_projection(tmp_path: Path) -> None:
     out = tmp_path / "fp8.json"
-    subprocess.run([sys.executable, "scripts/fp8_gemms.py", "--device", "cpu", "--tokens", "2",
+    subprocess.run([sys.executable, "eval/gpu/fp8_gemms.py", "--device", "cpu", "--tokens", "2",
                     "65", "--json", str(out)], cwd=REPO, check=True, capture_output=True,
                    text=True)
     rows = json.loads(out.read_text())["rows"]

@@ -11,8 +11,8 @@ Two measurements:
   top-p alone, a top-k of 2,000 with it (no bound given: each row searched for itself) and
   the GPU's sort of every row, run here.
 
-Usage: python scripts/sampler_cost.py [--part model|filter ...]
-(`python - --part model < scripts/sampler_cost.py` from another worktree measures that one's
+Usage: python eval/gpu/sampler_cost.py [--part model|filter ...]
+(`python - --part model < eval/gpu/sampler_cost.py` from another worktree measures that one's
 engine: run as a file, the script imports the installed checkout's.)
 """
 

@@ -6,7 +6,7 @@ throughput`'s 256 requests (prompts 128-1,024 tokens, outputs 64-512, its defaul
 bf16, with an fp8 KV cache, and with fp8 projections as well. Prints a markdown table; no
 GPU needed.
 
-Usage: python scripts/gpu_floors.py [--config FILE] [--json PATH]
+Usage: python eval/gpu/floors.py [--config FILE] [--json PATH]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from eval.bench.throughput import make_workload
 from eval.gpu_floors import CARDS, Floor, ModelShape, Precision, counts_of, run_floor, step_floor
 
-_CONFIG = Path(__file__).resolve().parents[1] / "engine/model/configs/llama3.1-8b.json"
+_CONFIG = Path(__file__).resolve().parents[2] / "engine/model/configs/llama3.1-8b.json"
 _PRECISIONS = {"bf16": Precision(), "fp8 KV cache": Precision.of_run("none", "fp8"),
                "fp8 KV cache and projections": Precision.of_run("fp8", "fp8")}
 # (label, unit, the step's sequences or None for the offline run, the target)

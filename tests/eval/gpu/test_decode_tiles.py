@@ -1,4 +1,4 @@
-"""`scripts/decode_tiles.py` picks the decode tile with the lowest geometric mean of its time
+"""`eval/gpu/decode_tiles.py` picks the decode tile with the lowest geometric mean of its time
 over the current tile's, across the scored shapes; a tile that failed at one is never picked,
 and unscored shapes (whose calls measure the host) do not count."""
 
@@ -14,8 +14,9 @@ pytest.importorskip("triton")
 
 from engine.model.attention.triton_kernels import DecodeTile
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("decode_tiles", REPO / "scripts" / "decode_tiles.py")
+REPO = Path(__file__).resolve().parents[3]
+_spec = importlib.util.spec_from_file_location("decode_tiles",
+                                              REPO / "eval" / "gpu" / "decode_tiles.py")
 assert _spec is not None and _spec.loader is not None
 decode_tiles = importlib.util.module_from_spec(_spec)
 # Registered only while the module runs: its dataclasses look themselves up there.

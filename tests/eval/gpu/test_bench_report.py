@@ -1,4 +1,4 @@
-"""`scripts/gpu_bench_report.py` merges the raw results of `scripts/gpu_bench.sh`."""
+"""`eval/gpu/bench_report.py` merges the raw results of `scripts/gpu_bench.sh`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _raw(tmp_path: Path, device: str, files: dict[str, object]) -> Path:
@@ -23,7 +23,7 @@ def _raw(tmp_path: Path, device: str, files: dict[str, object]) -> Path:
 
 
 def _summary(tmp_path: Path, raw: Path) -> str:
-    subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw), str(tmp_path)],
+    subprocess.run([sys.executable, "eval/gpu/bench_report.py", str(raw), str(tmp_path)],
                    cwd=REPO, capture_output=True, text=True, check=True)
     return (tmp_path / "summary.md").read_text()
 
@@ -47,7 +47,7 @@ def test_report_tables_the_steps_that_ran_and_names_the_failed(tmp_path: Path) -
              "launches_per_step": 326.0, "graph_launches_per_step": 0.0,
              "device_ms_per_step": 48.81, "host_ms_per_step": 53.9,
              "idle": {"before_first_ms": 1.2, "between_ms": 0.4, "after_last_ms": 2.05}}}]}))
-    result = subprocess.run([sys.executable, "scripts/gpu_bench_report.py", str(raw),
+    result = subprocess.run([sys.executable, "eval/gpu/bench_report.py", str(raw),
                              str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=True)
     summary = (tmp_path / "summary.md").read_text()
     assert summary == result.stdout.removesuffix("\n")
@@ -143,7 +143,7 @@ def test_report_without_the_repository_on_the_path_still_writes_the_rest(
         tmp_path: Path) -> None:
     raw = _raw(tmp_path, "NVIDIA H100 80GB HBM3", {"throughput-triton-256": _THROUGHPUT})
     # -S: no site-packages, so no installed copy of the repository either.
-    subprocess.run([sys.executable, "-S", "scripts/gpu_bench_report.py", str(raw),
+    subprocess.run([sys.executable, "-S", "eval/gpu/bench_report.py", str(raw),
                     str(tmp_path)], cwd=REPO, capture_output=True, text=True, check=True,
                    env={"PATH": "/usr/bin:/bin"})
     summary = (tmp_path / "summary.md").read_text()

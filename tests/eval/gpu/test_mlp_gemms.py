@@ -1,4 +1,4 @@
-"""`scripts/mlp_gemms.py`'s CPU dry run: both ways of the gate/up product timed and written."""
+"""`eval/gpu/mlp_gemms.py`'s CPU dry run: both ways of the gate/up product timed and written."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_mlp_gemms_times_the_fused_and_the_separate_products(tmp_path: Path) -> None:
     out = tmp_path / "gemms.json"
-    subprocess.run([sys.executable, "scripts/mlp_gemms.py", "--device", "cpu", "--tokens", "1",
+    subprocess.run([sys.executable, "eval/gpu/mlp_gemms.py", "--device", "cpu", "--tokens", "1",
                     "4", "--json", str(out)], cwd=REPO, check=True, capture_output=True,
                    text=True)
     rows = json.loads(out.read_text())["rows"]

@@ -1,6 +1,6 @@
 """Merges the raw results of `scripts/gpu_bench.sh` into `results.json` and `summary.md`.
 
-Usage: python scripts/gpu_bench_report.py RAW_DIR OUT_DIR. RAW_DIR holds `environment.json`,
+Usage: python eval/gpu/bench_report.py RAW_DIR OUT_DIR. RAW_DIR holds `environment.json`,
 `status.tsv` (name, exit code, seconds of each step) and each step's JSON: `forward-*.json`
 (`bench forward`), `throughput-*.json` (`bench throughput --impl engine`), `agent-*.json`
 (`bench agent`). On a card `eval.gpu_floors` knows, each figure is also set against that
@@ -23,7 +23,7 @@ except ImportError:  # the repository's root is not on the path: no floors table
 if TYPE_CHECKING:
     from eval.gpu_floors import Card, ModelShape, Precision
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def main(raw_dir: Path, out_dir: Path) -> int:
