@@ -1,5 +1,6 @@
-"""The documentation stays runnable: every `continuum ...` command in the README and in
-`docs/` parses with the real command line, and no file of the repository points outside it."""
+"""The documentation stays runnable: every `continuum ...` command in the README, `docs/` and
+the decision records parses with the real command line; each decision record is one page with
+its four sections; and no file of the repository points outside it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import pytest
 from engine.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DECISIONS = sorted((REPO / "docs" / "decisions").glob("[0-9][0-9][0-9][0-9]-*.md"))
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+             *sorted((REPO / "docs" / "decisions").glob("*.md"))]
+# The sections of a decision record, in this order, and its length in lines at most.
+RECORD_SECTIONS = ("## Context", "## What was measured", "## Figures", "## Decision")
+MAX_RECORD_LINES = 80
 # Spelled in two parts, so that this file does not mention what it looks for.
 OUTSIDE = "../" + "shared"
 
@@ -64,6 +70,26 @@ def test_each_documented_command_parses(document, command):
         build_parser(argv).parse_args(argv)
     except SystemExit as exit_:
         pytest.fail(f"{document}: `{command}` does not parse (exit {exit_.code})")
+
+
+def test_there_are_decision_records():
+    assert len(DECISIONS) >= 11
+    assert (REPO / "docs" / "decisions" / "README.md").is_file()
+
+
+@pytest.mark.parametrize("record", DECISIONS, ids=lambda path: path.name)
+def test_each_decision_record_is_one_page_with_its_four_sections(record):
+    lines = record.read_text().splitlines()
+    assert len(lines) <= MAX_RECORD_LINES, f"{record.name}: {len(lines)} lines"
+    assert lines[0].startswith("# "), f"{record.name}: no title"
+    headings = [line.strip() for line in lines if line.startswith("## ")]
+    assert headings == list(RECORD_SECTIONS), f"{record.name}: sections {headings}"
+
+
+def test_the_decision_index_names_every_record():
+    index = (REPO / "docs" / "decisions" / "README.md").read_text()
+    missing = [record.name for record in DECISIONS if f"({record.name})" not in index]
+    assert missing == []
 
 
 def test_no_file_points_outside_the_repository():
