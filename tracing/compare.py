@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tracing.reader import read_trace_or_exit
+from tracing.stdout import print_report
 from tracing.summary import TraceSummary, format_table, format_value, summarize, write_json
 
 
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     a = summarize(read_trace_or_exit(args.trace_a))
     b = summarize(read_trace_or_exit(args.trace_b))
-    print(render(a, b))
+    status = print_report(render(a, b))
     if args.json_path is not None:
         write_json({"a": a, "b": b, "figures": compare(a, b)}, args.json_path)
-    return 0
+    return status

@@ -39,6 +39,7 @@ from tracing.records import (
     RequestFinished,
     StepDecision,
 )
+from tracing.stdout import print_report
 
 ABORT_REASON = "abort"  # `RequestFinished.reason` of a request the client or shutdown ended
 
@@ -369,7 +370,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     summary = summarize(read_trace_or_exit(args.trace))
-    print(render(summary, num_slowest_jobs=args.slowest_jobs))
+    status = print_report(render(summary, num_slowest_jobs=args.slowest_jobs))
     if args.json_path is not None:
         write_json(summary, args.json_path)
-    return 0
+    return status

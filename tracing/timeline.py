@@ -4,7 +4,9 @@ Top: one row per job (in order of first arrival), coloured by what the job was d
 turn waiting (arrived or preempted, not admitted), running, in its tool (between a turn's
 finish and the next turn's arrival), and pinned (its KV held on the device), drawn over the
 tool time. Bottom: the KV block pool entering each step, stacked: in use by running requests,
-pinned, free but still caching a prefix, and free.
+pinned, free but still caching a prefix, and free. A pool that is mostly free at its busiest
+step (a few dozen blocks of thousands) is drawn up to just above that step (`pool_axis_top`),
+so that what it holds stays readable; the title gives the pool's size.
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ from tracing.records import (
     StepDecision,
     StepSnapshot,
 )
+from tracing.stdout import print_report
+
+# Below this share of the pool held or caching at the busiest step, the pool's panel ends just
+# above that step (`POOL_HEADROOM` more) rather than at the pool's size.
+FULL_POOL_SHARE = 0.5
+POOL_HEADROOM = 1.25
+# The fewest blocks the panel's axis spans, so that an idle pool still has a scale.
+MIN_POOL_AXIS_BLOCKS = 8
 
 STATE_COLOURS = {
     "waiting": "#d62728",
@@ -117,6 +127,19 @@ def pool_series(trace: Trace) -> dict[str, list[float]]:
     return series
 
 
+def pool_axis_top(series: dict[str, list[float]]) -> tuple[float, int]:
+    """`(axis top, pool size)` in blocks for the pool's panel: the pool's size while its
+    busiest step holds or caches at least `FULL_POOL_SHARE` of it, else that step's blocks
+    with `POOL_HEADROOM` (at least `MIN_POOL_AXIS_BLOCKS`), the free ones above left out."""
+    steps = list(zip(series["in_use"], series["pinned"], series["cached"], series["free"],
+                     strict=True))
+    pool_size = int(max((sum(step) for step in steps), default=0))
+    busiest = max((in_use + pinned + cached for in_use, pinned, cached, _ in steps), default=0)
+    if pool_size == 0 or busiest >= FULL_POOL_SHARE * pool_size:
+        return float(max(pool_size, MIN_POOL_AXIS_BLOCKS)), pool_size
+    return min(float(pool_size), max(busiest * POOL_HEADROOM, MIN_POOL_AXIS_BLOCKS)), pool_size
+
+
 def plot_timeline(trace: Trace, out: str | os.PathLike[str], *, max_jobs: int = 60) -> int:
     """Draws the picture into `out` (PNG); returns how many jobs it shows."""
     import matplotlib
@@ -162,8 +185,14 @@ def _draw_pool(axes, series: dict[str, list[float]]) -> None:
     colours = ["#1f77b4", "#2ca02c", "#ffbb78", "#f0f0f0"]
     axes.stackplot(series["step"], *(series[key] for key in labels),
                    labels=list(labels.values()), colors=colours, step="post")
+    top, pool_size = pool_axis_top(series)
+    axes.set_ylim(0, top)
     axes.set_xlabel("step")
-    axes.set_ylabel("KV blocks")
+    axes.set_ylabel(f"KV blocks (of {pool_size:,})")
+    if top < pool_size:
+        # In the headroom above the busiest step, which no series reaches.
+        axes.text(0.01, 0.97, f"axis up to {top:,.0f} of the pool's {pool_size:,} blocks; "
+                  "the rest is free", transform=axes.transAxes, va="top", fontsize="small")
     axes.set_title("block pool entering each step", loc="left")
     axes.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize="small", ncol=4)
 
@@ -179,5 +208,4 @@ def main(args: argparse.Namespace) -> int:
     if args.max_jobs < 1:
         raise SystemExit("--max-jobs must be at least 1")
     num_jobs = plot_timeline(read_trace_or_exit(args.trace), args.out, max_jobs=args.max_jobs)
-    print(f"wrote {args.out} ({num_jobs} jobs)")
-    return 0
+    return print_report(f"wrote {args.out} ({num_jobs} jobs)")

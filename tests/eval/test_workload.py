@@ -27,6 +27,7 @@ from eval.workload import (
     load_jobs,
     repeat_turns,
 )
+from eval.workloads import TOOL_QUANTILES_PATH, get_workload
 from tests.continuum.workload import TEST_DATA
 
 SLICE = TEST_DATA / "minisweagent_deepseek_slice.jsonl"
@@ -115,12 +116,8 @@ def test_sampler_follows_the_quantiles() -> None:
     assert draws[0] >= 0.5 and draws[-1] <= 8.0
 
 
-def test_the_shared_quantiles_file_loads() -> None:
-    shared = Path(__file__).resolve().parents[3] / "shared"
-    path = shared / "traces/converted/tool_duration_quantiles.json"
-    if not path.exists():
-        pytest.skip("the shared traces are not beside this checkout")
-    sampler = ToolDurationSampler.from_file(path)
+def test_the_shipped_quantiles_file_loads() -> None:
+    sampler = ToolDurationSampler.from_file(TOOL_QUANTILES_PATH)
     assert sampler.sample_s("cat", random.Random(0)) < 61
 
 
@@ -260,11 +257,7 @@ def test_chat_sessions_need_their_turns_timed(tmp_path: Path) -> None:
 
 
 def test_the_mooncake_sessions_load_as_chat() -> None:
-    path = Path(__file__).resolve().parents[3] / (
-        "shared/traces/converted/mooncake_conversation_sessions.jsonl")
-    if not path.exists():
-        pytest.skip("the shared traces are not beside this checkout")
-    sessions = load_chat_sessions(path)
+    sessions = load_chat_sessions(get_workload("mooncake").path)
     assert len(sessions) == 8057
     second = next(s for s in sessions if s.session_id == "mooncake-1")
     assert second.turns == (ChatTurnSpec(7322, 490, 48.0), ChatTurnSpec(21, 374, None))

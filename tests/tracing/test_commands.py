@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,9 @@ from engine.cli import main
 from tests.tracing.builders import write_trace
 from tests.tracing.test_summary import HAND_BUILT
 from tests.tracing.test_timeline import PNG_MAGIC
+from tracing.stdout import PIPE_CLOSED_STATUS
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -61,3 +66,26 @@ def test_a_file_that_is_not_a_trace_exits_with_its_reason(tmp_path) -> None:
         main(["trace", "summarize", str(bad)])
     with pytest.raises(SystemExit, match="No such file"):
         main(["trace", "compare", str(bad) + ".missing", str(bad)])
+
+
+@pytest.mark.parametrize("command", [["summarize"], ["compare", "TRACE"]])
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly(
+        trace_path: Path, command: list[str]) -> None:
+    # `continuum trace summarize FILE | head`: the reader is gone before the table is written.
+    argv = [word if word != "TRACE" else str(trace_path) for word in command]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "trace", argv[0], str(trace_path), *argv[1:]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=60) == PIPE_CLOSED_STATUS
+    assert stderr == ""
+
+
+def test_head_reads_the_summary_s_first_lines(trace_path: Path) -> None:
+    result = subprocess.run(
+        f"{sys.executable} -m engine.cli trace summarize {trace_path} | head -n 2",
+        shell=True, capture_output=True, text=True, timeout=60, check=True, cwd=REPO)
+    assert len(result.stdout.splitlines()) == 2
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
