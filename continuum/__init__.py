@@ -1,26 +1,32 @@
-"""The Continuum scheduling policy and agent baselines (see docs/architecture.md, 'The policies').
+"""The agent scheduling policies: Continuum and the baselines it is compared with, each an
+`AgentPolicy` composed of strategies (see docs/architecture.md, 'Scheduling policies').
 
-Registered in the engine's policy registry as `continuum`, `continuum-fixed`,
-`continuum-oracle`, `job-fcfs`, `infercept` and `autellix`.
+Registered in the engine's policy registry as `continuum`, `continuum-fixed`, `job-fcfs`,
+`infercept` and `autellix` (`continuum.presets`).
 """
 
-from continuum.baselines import AutellixPolicy, InferCeptPolicy
-from continuum.job_aware import JobAwarePolicy
 from continuum.options import ContinuumOptions, InferCeptOptions, JobOptions, ProgramOrderOptions
-from continuum.oracle import ContinuumOraclePolicy
-from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
-from continuum.program_order import JobFCFSPolicy
+from continuum.policy import AgentPolicy, Strategies
+from continuum.presets import (
+    AUTELLIX,
+    CONTINUUM,
+    CONTINUUM_FIXED,
+    INFERCEPT,
+    JOB_FCFS,
+    PolicyPreset,
+)
 
 __all__ = [
-    "AutellixPolicy",
-    "ContinuumFixedPolicy",
+    "AUTELLIX",
+    "CONTINUUM",
+    "CONTINUUM_FIXED",
+    "INFERCEPT",
+    "JOB_FCFS",
+    "AgentPolicy",
     "ContinuumOptions",
-    "ContinuumOraclePolicy",
-    "ContinuumPolicy",
     "InferCeptOptions",
-    "InferCeptPolicy",
-    "JobAwarePolicy",
-    "JobFCFSPolicy",
     "JobOptions",
+    "PolicyPreset",
     "ProgramOrderOptions",
+    "Strategies",
 ]

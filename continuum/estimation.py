@@ -1,58 +1,67 @@
-"""The Continuum policies' TTL estimator: built from the policy's options and what the engine
+"""The Continuum policies' TTL estimator: built from the policy's choice and what the engine
 offers, and guarded so that no estimator failure can fail a scheduler step."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from continuum.options import ContinuumOptions
-from engine.scheduler.policy import PolicyEnvironment, RetentionInputs, SchedulerView
+from engine.scheduler.policy import PolicyEnvironment, SchedulerView
+from engine.scheduler.retention import RetentionInputs
 from estimator.base import ToolCall, TTLDecision, TTLEstimator
-from estimator.cost_model import HostReloadCost, PrefillCostModel, read_prefill_profile
-from estimator.registry import PRICES_REBUILDS, EstimatorSettings, make_estimator
+from estimator.cost_model import HostReloadCost, PrefillCostModel
+from estimator.eq2 import DEFAULT_MAX_TTL_S, RebuildCost
+from estimator.registry import (
+    PRICES_REBUILDS,
+    EstimatorName,
+    EstimatorSettings,
+    make_estimator,
+)
+from estimator.solver import PinCost
 from estimator.state_file import load_state_or_cold_start, save_state
-from estimator.traces import TraceJob, read_trace_jobs
+from estimator.traces import TraceJob
 
 logger = logging.getLogger(__name__)
 
 
-def build_estimator(options: ContinuumOptions, scheduler: SchedulerView) -> TTLEstimator:
-    """The configured estimator: `R` priced by the given or measured prefill profile, or, for
-    a context the engine's host tier can hold, by the load time measured at start-up
-    (`prefill_profile=none`: R = 0 either way), then the saved state if one loads, else
-    warm-started from the traces (a saved state already holds what an earlier warm start
-    taught). ValueError if a trace or the profile file is bad; a corrupt state file only
-    warns."""
-    prices_rebuilds = (options.estimator in PRICES_REBUILDS
-                       and options.prefill_profile != "none")
+@dataclass(frozen=True)
+class EstimatorChoice:
+    """Which estimator a Continuum policy builds (`name`, capped at `max_ttl_s`), and how
+    Eq. 2 prices a pin: R as `rebuild_cost` (docs/decisions/0002-rebuild-cost.md), the pin
+    as `pin_cost` (0001-memory-priced-pins.md), its cold-start prior held while at most
+    `cold_start_samples` tool durations are known (0003-cold-start.md). `state_file`: a
+    saved state to load at start (if present and valid). `prefill_cost` prices rebuilds
+    instead of the prefills timed at start-up (None: timed)."""
+
+    name: EstimatorName
+    max_ttl_s: float = DEFAULT_MAX_TTL_S
+    state_file: str | None = None
+    rebuild_cost: RebuildCost = "prefill-times-running"
+    pin_cost: PinCost = "priced-capped"
+    cold_start_samples: int = 0
+    prefill_cost: PrefillCostModel | None = None
+
+
+def build_estimator(choice: EstimatorChoice, scheduler: SchedulerView) -> TTLEstimator:
+    """The chosen estimator: R priced by the prefills the engine times at start-up, or, for
+    a context the engine's host tier can hold, by the load time measured then; then the
+    saved state if one loads (a corrupt state file only warns). Call from `bind` only."""
+    prices_rebuilds = choice.name in PRICES_REBUILDS
+    prefill_cost = choice.prefill_cost
+    if prefill_cost is None and prices_rebuilds:
+        prefill_cost = measured_prefill_cost(scheduler.environment)
     settings = EstimatorSettings(
-        prefill_cost=_prefill_cost(options, scheduler.environment),
+        prefill_cost=prefill_cost if prices_rebuilds else None,
         reload_cost=measured_reload_cost(scheduler) if prices_rebuilds else None,
-        rebuild_cost=options.rebuild_cost, pin_cost=options.pin_cost,
-        max_ttl_s=options.max_ttl_s, prefill_fit=options.prefill_fit,
-        cold_start_samples=options.cold_start_samples,
+        rebuild_cost=choice.rebuild_cost, pin_cost=choice.pin_cost,
+        max_ttl_s=choice.max_ttl_s, cold_start_samples=choice.cold_start_samples,
     )
-    estimator = make_estimator(options.estimator, settings)
-    loaded = (options.estimator_state is not None
-              and load_state_or_cold_start(estimator, options.estimator_state))
-    if not loaded:
-        for path in options.estimator_warm_start:
-            estimator.warm_start(read_trace_jobs(path))
+    estimator = make_estimator(choice.name, settings)
+    if choice.state_file is not None:
+        load_state_or_cold_start(estimator, choice.state_file)
     return estimator
-
-
-def _prefill_cost(options: ContinuumOptions,
-                  environment: PolicyEnvironment) -> PrefillCostModel | None:
-    source = options.prefill_profile
-    if options.estimator not in PRICES_REBUILDS:
-        return None  # nothing to price: do not time prefills for it
-    if source == "none":
-        return PrefillCostModel()
-    if source != "auto":
-        return PrefillCostModel.fit(read_prefill_profile(source))
-    return measured_prefill_cost(environment)
 
 
 def measured_prefill_cost(environment: PolicyEnvironment) -> PrefillCostModel | None:
@@ -86,15 +95,13 @@ def _fit_profile(profile: Callable[[], list[tuple[int, float]]] | None,
     return PrefillCostModel.fit(points)
 
 
-def save_estimator(estimator: TTLEstimator, options: ContinuumOptions) -> None:
-    """Saves what the estimator learned to the configured state file, if any; an unwritable
-    file is logged, not raised (the engine is stopping)."""
-    if options.estimator_state is None:
-        return
+def save_estimator(estimator: TTLEstimator, state_file: str) -> None:
+    """Saves what the estimator learned to `state_file`; an unwritable file is logged, not
+    raised (the engine is stopping)."""
     try:
-        save_state(estimator, options.estimator_state)
+        save_state(estimator, state_file)
     except (OSError, ValueError, TypeError) as error:
-        logger.error("cannot save the estimator state to %s: %s", options.estimator_state, error)
+        logger.error("cannot save the estimator state to %s: %s", state_file, error)
 
 
 def retention_inputs(call: ToolCall, decision: TTLDecision) -> RetentionInputs:

@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.scheduler.policy import JobBooks
-from estimator.solver import PinValue
 
 
 @dataclass(slots=True)
@@ -18,8 +17,7 @@ class Job:
     `first_arrival_order` ranks jobs by the arrival of their first turn (smaller is older).
     `attained_service_tokens` counts the tokens the job's finished turns computed.
     `last_ttl_s` is the TTL of the job's latest pin; `last_tool_name` the tool its latest
-    finished turn called, as the policy understood it (None: unknown or none); `pin_value`
-    what its latest pin was expected to save (None: not priced).
+    finished turn called, as the policy understood it (None: unknown or none).
     """
 
     job_id: str
@@ -34,7 +32,6 @@ class Job:
     last_ttl_s: float | None = None
     last_tool_name: str | None = None
     attained_service_tokens: int = 0
-    pin_value: PinValue | None = None
 
     def books(self) -> JobBooks:
         """What `GET /v1/jobs/{job_id}` shows of the policy's books, JSON-ready."""

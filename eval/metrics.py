@@ -87,8 +87,7 @@ class RunMetrics:
     cached_token_fraction: float
     preemptions: int | None = None
     recomputed_tokens: int | None = None
-    pins_created: int | None = None  # arrival holds included
-    arrival_holds_created: int | None = None
+    pins_created: int | None = None
     pins_released: dict[str, int] | None = None
     busy_fraction: float | None = None
     leaked_blocks: int | None = None
@@ -173,7 +172,6 @@ def summarize_run(
         preemptions=None if stats is None else stats.num_preemptions,
         recomputed_tokens=None if stats is None else stats.recomputed_tokens,
         pins_created=None if stats is None else stats.num_pins_created,
-        arrival_holds_created=None if stats is None else stats.num_arrival_holds_created,
         pins_released=None if stats is None else dict(stats.pins_released),
         busy_fraction=_busy_fraction(busy_s, [*jobs, *(chat or ())]),
         leaked_blocks=leaked_blocks,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.scheduler.options import option_items_to_dict
 from engine.scheduler.registry import POLICIES, check_policy_options
+from eval.policy_variants import EVAL_POLICIES
 
 DEFAULT_POLICIES = "fcfs,continuum-fixed,infercept,autellix,continuum"
 # The paper's ablation, each rung adding one mechanism; `--policies ladder` runs it.
@@ -32,16 +33,23 @@ class PolicySpec:
     options: tuple[tuple[str, str], ...] = ()
     host_tier: bool = False
 
+    @property
+    def policy(self) -> str:
+        """What the engine's registry builds: the name, or the path of an eval-only policy
+        (`EVAL_POLICIES`)."""
+        return EVAL_POLICIES.get(self.name, self.name)
+
 
 def parse_policy_spec(text: str) -> PolicySpec:
     """`NAME` or `NAME:KEY=VALUE[:KEY=VALUE...]`, optionally followed by `+tier`. NAME is a
-    registry name, or else a `module:Class` path (the segments before the first one holding
+    registry name, an eval-only policy's (`EVAL_POLICIES`), or else a `module:attribute`
+    path (the segments before the first one holding
     `=`). ValueError for an empty name, an option without `=`, a key given twice, or another
     suffix than `+tier`; the options are not checked against the policy."""
     label = text.strip()
     base, host_tier = _split_suffix(label)
     segments = base.split(":")
-    if segments[0].strip() in POLICIES:
+    if segments[0].strip() in POLICIES or segments[0].strip() in EVAL_POLICIES:
         first_option = 1
     else:
         first_option = next((i for i, part in enumerate(segments) if "=" in part),
@@ -88,7 +96,7 @@ def policy_specs(comma_separated: str | None, single: Sequence[str] = ()) -> lis
         if labels.count(spec.label) > 1:
             raise ValueError(f"policy spec {spec.label!r} is given twice")
         try:
-            check_policy_options(spec.name, dict(spec.options))
+            check_policy_options(spec.policy, dict(spec.options))
         except ValueError as error:
             raise ValueError(f"policy spec {spec.label!r}: {error}") from None
     return specs

@@ -226,5 +226,4 @@ def _with_server_counters(
     return replace(metrics,
                    preemptions=delta("continuum:num_preemptions", "vllm:num_preemptions"),
                    recomputed_tokens=delta("continuum:recomputed_tokens"),
-                   pins_created=delta("continuum:pins_created"),
-                   arrival_holds_created=delta("continuum:arrival_holds_created"))
+                   pins_created=delta("continuum:pins_created"))

@@ -56,10 +56,11 @@ from eval.cluster import (
     same_replica_fraction,
 )
 from eval.metrics import JobRecord, RunMetrics, TurnRecord, summarize_run
+from eval.policy_variants import EVAL_POLICIES
 from eval.workload import AgentJobSpec, ChatSessionSpec, ChatTurnSpec, TurnSpec
 
 # The policy that is told each tool's true duration (`tool_duration_s=` when built).
-ORACLE_POLICY = "continuum-oracle"
+ORACLE_POLICY = EVAL_POLICIES["continuum-oracle"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class SimSettings:
                               kv_offload_gib=self.kv_offload_gib),
             scheduler=SchedulerConfig(
                 max_model_len=max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs, policy=self.policy,
+                max_num_seqs=self.max_num_seqs, policy=EVAL_POLICIES.get(self.policy, self.policy),
                 policy_options=dict(self.policy_options), job_inference=self.job_inference,
             ),
             trace=TraceConfig(path=self.trace_path if trace_path is None else trace_path),
@@ -229,6 +230,7 @@ class Simulation:
 
     def _make_policy(self) -> SchedulingPolicy:
         name, options = self.settings.policy, dict(self.settings.policy_options)
+        name = EVAL_POLICIES.get(name, name)
         if name == ORACLE_POLICY:
             return make_policy(name, options, tool_duration_s=self.true_tool_duration_s)
         return make_policy(name, options)

@@ -37,8 +37,10 @@ def test_scheduler_side_does_not_import_torch() -> None:
     code = (
         f"import sys; {imports}; "
         "from engine.scheduler.registry import POLICIES, make_policy; "
-        "[make_policy(name, tool_duration_s=dict().get) if name == 'continuum-oracle' "
-        "else make_policy(name) for name in POLICIES]; "
+        "from eval.policy_variants import EVAL_POLICIES; "
+        "[make_policy(name) for name in POLICIES]; "
+        "[make_policy(path, tool_duration_s=dict().get) if name == 'continuum-oracle' "
+        "else make_policy(path) for name, path in EVAL_POLICIES.items()]; "
         "print('torch' in sys.modules)"
     )
     result = subprocess.run(

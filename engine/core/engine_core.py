@@ -280,13 +280,10 @@ class EngineCore:
         waited for (its tokens dropped) before the executor frees the caches it reads."""
         in_flight, self._in_flight = self._in_flight, None
         try:
-            self.scheduler.policy.on_shutdown()
+            self.structured_outputs.shutdown()
+            self.scheduler.close_subscribers()
         finally:
-            try:
-                self.structured_outputs.shutdown()
-                self.scheduler.close_subscribers()
-            finally:
-                self._stop_executor(in_flight)
+            self._stop_executor(in_flight)
 
     def _stop_executor(self, in_flight: _InFlightStep | None) -> None:
         try:
@@ -375,7 +372,6 @@ class EngineCore:
             execute_time_s=self.execute_time_s,
             submit_time_s=self.submit_time_s,
             num_pins_created=scheduler.pins.num_created,
-            num_arrival_holds_created=scheduler.pins.num_holds_created,
             num_cpu_threads=self.executor.num_cpu_threads,
             async_scheduling=self.async_scheduling,
             pins_released={

@@ -140,8 +140,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     step_time_s: float
     execute_time_s: float
     submit_time_s: float = 0.0
-    num_pins_created: int = 0  # arrival holds included
-    num_arrival_holds_created: int = 0
+    num_pins_created: int = 0
     num_cpu_threads: int | None = None  # torch's intra-op threads of a model on CPU
     pins_released: dict[str, int] = msgspec.field(default_factory=dict)
     num_jobs: int = 0

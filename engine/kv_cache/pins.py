@@ -1,5 +1,4 @@
-"""Pins: the mechanism that keeps a finished turn's KV blocks on the device for its job (or,
-with an arrival hold, a waiting turn's cached prefix until it is admitted).
+"""Pins: the mechanism that keeps a finished turn's KV blocks on the device for its job.
 
 A pin is a block holder, like a running request: it owns one reference on each of its blocks
 until it is released. Policies decide *when* to pin and release; this module only keeps the
@@ -31,11 +30,8 @@ class PinReleaseReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class Pin:
-    """The blocks of one finished turn, held for `job_id` until `deadline_s` (policy time);
-    or, with `holds_waiting_turn`, the cached prefix of the job's turn `request_id` that
-    arrived and waits to be admitted (`SchedulingPolicy.arrival_hold_s`).
-
-    `blocks` are the turn's prefix-cached blocks in sequence order.
+    """The blocks of one finished turn `request_id`, held for `job_id` until `deadline_s`
+    (policy time). `blocks` are the turn's prefix-cached blocks in sequence order.
     """
 
     job_id: str
@@ -45,7 +41,6 @@ class Pin:
     ttl_s: float
     release_reason: PinReleaseReason | None = None
     released_at_s: float | None = None
-    holds_waiting_turn: bool = False
 
     @property
     def deadline_s(self) -> float:
@@ -60,26 +55,22 @@ class PinTable:
     """At most one live pin per job, in pin order (oldest first).
 
     Owns the block references of live pins. Called by the scheduler: `add` when a policy
-    retains a finished turn or holds an arriving turn's prefix, `release` on admission of
-    the job's next turn, under memory pressure, on expiry, job end, explicit release or
-    abort. `on_added` and `on_released` are told of every change (a replaced pin is
-    reported released after its successor is added).
+    retains a finished turn, `release` on admission of the job's next turn, under memory
+    pressure, on expiry, job end, explicit release or abort. `on_released` is told of every
+    release (a replaced pin's after its successor is added).
     """
 
     def __init__(
         self,
         block_pool: BlockPool,
         *,
-        on_added: Callable[[Pin], None] | None = None,
         on_released: Callable[[Pin], None] | None = None,
     ) -> None:
         self._block_pool = block_pool
-        self._on_added = on_added
         self._on_released = on_released
         self._pins: dict[str, Pin] = {}
         self.num_pinned_blocks = 0
-        self.num_created = 0  # holds of arriving turns' prefixes included
-        self.num_holds_created = 0
+        self.num_created = 0
         self.num_released: Counter[PinReleaseReason] = Counter()
 
     def add(
@@ -90,10 +81,8 @@ class PinTable:
         *,
         now_s: float,
         ttl_s: float,
-        holds_waiting_turn: bool = False,
     ) -> Pin:
-        """Creates a pin that takes over the caller's references on `blocks` (with
-        `holds_waiting_turn`: an arriving turn's held prefix, see `Pin`).
+        """Creates a pin that takes over the caller's references on `blocks`.
 
         A live pin of the same job is released with reason REPLACED (after the new one holds its
         blocks, so shared blocks never touch the free queue).
@@ -103,14 +92,10 @@ class PinTable:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         previous = self._pins.pop(job_id, None)
-        pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s,
-                  holds_waiting_turn=holds_waiting_turn)
+        pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s)
         self._pins[job_id] = pin
         self.num_pinned_blocks += pin.num_blocks
         self.num_created += 1
-        self.num_holds_created += holds_waiting_turn
-        if self._on_added is not None:
-            self._on_added(pin)
         if previous is not None:
             self._drop(previous, PinReleaseReason.REPLACED, now_s)
         return pin

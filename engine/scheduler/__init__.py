@@ -5,13 +5,14 @@ from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
 from engine.scheduler.policy import (
     BasePolicy,
     PolicyEnvironment,
-    Retention,
+    Reservation,
     SchedulerView,
     SchedulingPolicy,
     Victim,
 )
-from engine.scheduler.registry import POLICIES, make_policy, resolve_policy_class
+from engine.scheduler.registry import POLICIES, make_policy, resolve_policy
 from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestQueue
+from engine.scheduler.retention import Retention
 from engine.scheduler.scheduler import Scheduler
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "PriorityPolicy",
     "PriorityRequestQueue",
     "RequestQueue",
+    "Reservation",
     "Retention",
     "Scheduler",
     "SchedulerOutput",
@@ -32,5 +34,5 @@ __all__ = [
     "SchedulingPolicy",
     "Victim",
     "make_policy",
-    "resolve_policy_class",
+    "resolve_policy",
 ]

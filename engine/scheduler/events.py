@@ -10,9 +10,8 @@ Order within a step: `StepStarted`, then `Admitted` / `Preempted` as planning go
 `RetentionDecided` for a job's turn), then `StepEnded`: the events between `ApplyingOutput`
 and `StepEnded` are that step's. With async scheduling step N+1 is planned (`StepStarted` to
 `StepPlanned`) before step N's output is applied. `RequestArrived`, `PinReleased` and
-`JobEnded` come whenever they happen (a `RetentionDecided` for a held prefix, source
-"arrival-hold", right after its turn's `RequestArrived`); `Flushed` marks the end of events
-between steps (an idle sweep's).
+`JobEnded` come whenever they happen (`RequestArrived` before the request joins the waiting
+queue); `Flushed` marks the end of events between steps (an idle sweep's).
 """
 
 from __future__ import annotations
@@ -21,18 +20,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from engine.config import SchedulerConfig
+from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import PrefixHit
-from engine.kv_cache.pins import Pin
+from engine.kv_cache.pins import Pin, PinTable
 from engine.kv_cache.transfers import KVTransfers
 from engine.request import Request
-from engine.scheduler.policy import RetentionInputs
+from engine.scheduler.retention import RetentionInputs
 
 PreemptionReason = Literal["out_of_blocks", "tenant_share"]
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStarted:
-    """Sent to each subscriber when it subscribes: the policy (its qualified class name),
+    """Sent to each subscriber when it subscribes: the policy (`SchedulingPolicy.name`),
     the scheduler's clock at that time, the pool and the step limits, and the next step."""
 
     policy_name: str
@@ -69,6 +70,23 @@ class StepStarted:
     pool: PoolState
     token_budget: int
     max_num_seqs: int
+
+    @classmethod
+    def of(cls, step: int, now_s: float, running: Sequence[Request],
+           waiting: Iterable[Request], block_pool: BlockPool, pins: PinTable,
+           config: SchedulerConfig) -> StepStarted:
+        """The state entering step `step`: requests, the block pool and the pins."""
+        return cls(
+            step, now_s, running, waiting,
+            PoolState(
+                num_total_blocks=block_pool.num_blocks,
+                num_free_blocks=block_pool.num_free_blocks,
+                num_cached_free_blocks=block_pool.num_cached_free_blocks,
+                num_pinned_blocks=pins.num_pinned_blocks,
+                pinned_job_ids=[pin.job_id for pin in pins],
+            ),
+            token_budget=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +167,7 @@ class RequestFinished:
 @dataclass(frozen=True, slots=True)
 class RetentionDecided:
     """The scheduler carried out a policy's retention decision on a job's finished turn,
-    explained by `inputs`: it pinned `request`'s blocks (`pin`) or freed them (None); or it
-    held the cached prefix of a job's turn that arrived (`pin`, `inputs.source`
-    "arrival-hold")."""
+    explained by `inputs`: it pinned `request`'s blocks (`pin`) or freed them (None)."""
 
     request: Request
     pin: Pin | None

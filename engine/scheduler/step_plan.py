@@ -1,7 +1,7 @@
 """One scheduler step's plan: built by the step loop, then emitted as a `SchedulerOutput`.
 
 Owned by `Scheduler.schedule()`: it creates a `StepPlan` per call, fills it while scheduling
-running and waiting requests (admissions report an `Admission`), and ends the step with
+running and waiting requests (admissions report an `AdmissionOutcome`), and ends the step with
 `emit`. Nothing outside that call keeps a plan.
 """
 
@@ -11,13 +11,14 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.config import SchedulerConfig
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.transfers import KVTransfers
 from engine.request import Request
 from engine.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
-class Admission(enum.Enum):
+class AdmissionOutcome(enum.Enum):
     """The outcome of trying to admit one waiting request."""
 
     ADMITTED = "admitted"
@@ -27,11 +28,12 @@ class Admission(enum.Enum):
 
 @dataclass(slots=True)
 class StepPlan:
-    """What one `schedule()` call has decided so far; `token_budget` starts at
-    `max_num_batched_tokens` and shrinks with every scheduled token. `held_back` requests
-    must not sample this step (they compute at most up to their last known token)."""
+    """What one `schedule()` call has decided so far, under the scheduler's `config`;
+    `token_budget` starts at its `max_num_batched_tokens` and shrinks with every scheduled
+    token. `held_back` requests must not sample this step (they compute at most up to their
+    last known token)."""
 
-    max_num_batched_tokens: int
+    config: SchedulerConfig
     held_back: frozenset[str] = frozenset()
     token_budget: int = field(init=False)
     admitted: list[Request] = field(default_factory=list)
@@ -42,11 +44,35 @@ class StepPlan:
     stalled: list[Request] = field(default_factory=list)  # running, left waiting for memory
 
     def __post_init__(self) -> None:
-        self.token_budget = self.max_num_batched_tokens
+        self.token_budget = self.config.max_num_batched_tokens
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return self.max_num_batched_tokens - self.token_budget
+        return self.config.max_num_batched_tokens - self.token_budget
+
+    def num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens `request` may compute this step past `num_computed_tokens`: its remainder,
+        placeholders included (but its last token if it is held back), capped by the
+        long-prefill threshold and the budget (0 if it must go whole and does not fit, or if
+        the token it awaits will end it by length)."""
+        if request.num_output_placeholders and self._awaits_last_token(request):
+            return 0
+        num_new_tokens = request.num_tokens + request.num_output_placeholders - num_computed_tokens
+        if request.request_id in self.held_back:
+            num_new_tokens -= 1
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None and num_new_tokens > threshold:
+            num_new_tokens = threshold
+        if num_new_tokens > self.token_budget:
+            return self.token_budget if self.config.enable_chunked_prefill else 0
+        return num_new_tokens
+
+    def _awaits_last_token(self, request: Request) -> bool:
+        """Whether the tokens `request` awaits bring it to `max_model_len` or `max_tokens`."""
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return num_tokens >= self.config.max_model_len or (
+            max_tokens is not None and num_tokens - request.num_prompt_tokens >= max_tokens)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens

@@ -19,7 +19,7 @@ import msgspec
 
 from engine.kv_cache.pins import Pin
 from engine.scheduler import events
-from engine.scheduler.policy import RetentionInputs
+from engine.scheduler.retention import RetentionInputs
 from tracing.records import (
     SCHEMA_VERSION,
     JobEnded,

@@ -133,11 +133,8 @@ def profile_in(runs_dir: Path, profile: str) -> str:
     return str(beside_runs) if Path(profile).name == profile and beside_runs.is_file() else profile
 
 
-# Today's continuum but for the cold start (the paper's K then), the price (not yet capped
-# by the pool's capacity) and the pins a waiting prompt could count on (any other job's), as
-# the 24b013d and d8b9e2f runs measured it.
-CONTINUUM_AS_THE_REPLAYS_RAN = ("continuum:cold_start_samples=100:pin_cost=priced"
-                                ":reservable_pins=other-jobs")
+# Continuum as the 24b013d and d8b9e2f runs measured it (`eval.policy_variants`).
+CONTINUUM_AS_THE_REPLAYS_RAN = "continuum-as-replayed"
 
 
 def _replays_finished_by_the_cut(commit: str, continuum_spec: str) -> GpuRunSet:
@@ -214,7 +211,7 @@ def check_run(run: GpuRun, spec: PolicySpec, profile: str, runs_dir: Path,
     jobs = load_workload(parser.parse_args(setup.agent_flags()))
     sim_trace = work_dir / f"{setup.name}-{run.policy}.jsonl"
     settings = SimSettings(
-        policy=spec.name, policy_options=spec.options, profile=profile,
+        policy=spec.policy, policy_options=spec.options, profile=profile,
         num_kv_blocks=setup.num_kv_blocks, max_num_batched_tokens=setup.max_num_batched_tokens,
         trace_path=str(sim_trace))
     metrics = Simulation(jobs, arrivals_s(len(jobs), setup.jobs_per_s, seed=0), settings).run()

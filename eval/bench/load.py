@@ -36,8 +36,7 @@ from eval.server_process import ServerProcess, add_server_arguments
 # job inference, since the end-state check counts job states and the inferred jobs of the
 # job-less clients would stay for --job-inference-max-age-s.
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
-                      "--policy-option", "estimator=fixed-2s",
-                      "--policy-option", "prefill_profile=none", "--no-job-inference")
+                      "--policy-option", "estimator=fixed-2s", "--no-job-inference")
 _PROBE = {"prompt": "The quick brown fox jumps over the lazy dog. Probe.", "max_tokens": 16,
           "min_tokens": 16, "ignore_eos": True, "temperature": 1.0, "seed": 1234,
           "return_token_ids": True}

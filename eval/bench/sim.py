@@ -218,7 +218,7 @@ def run_comparison(
         chat_load = ChatLoad() if chat is None else chat.load_for(times, settings.seed)
         tasks.extend(
             _SimTask(tuple(jobs), times, chat_load,
-                     replace(settings, policy=spec.name, policy_options=spec.options,
+                     replace(settings, policy=spec.policy, policy_options=spec.options,
                              kv_offload_gib=tier_gib if spec.host_tier else 0.0), spec, load,
                      finished_by_s)
             for spec in specs
@@ -298,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
         source = workload_source(args)
         jobs = load_workload(args)
         settings = SimSettings(
-            policy=specs[0].name, policy_options=specs[0].options, profile=args.profile,
+            policy=specs[0].policy, policy_options=specs[0].options, profile=args.profile,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed, num_replicas=args.replicas, router=args.router, **bound,

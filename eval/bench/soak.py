@@ -43,8 +43,7 @@ from eval.workloads import workload_source
 # A small pool, so that the lanes' jobs preempt one another and pins are broken under
 # pressure; fixed-2s so that the tiny model's turns are pinned at all (see `eval.bench.load`).
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "128", "--max-model-len", "1024",
-                      "--policy-option", "estimator=fixed-2s",
-                      "--policy-option", "prefill_profile=none")
+                      "--policy-option", "estimator=fixed-2s")
 _VIOLATION_MARKER = "AssertionError"
 
 

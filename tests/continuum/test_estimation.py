@@ -7,23 +7,28 @@ import json
 
 import pytest
 
-from continuum.af226d3 import ContinuumAf226d3Policy
 from continuum.estimation import retention_inputs
-from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
+from continuum.policy import AgentPolicy
+from continuum.presets import CONTINUUM, CONTINUUM_FIXED
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.registry import make_policy
 from estimator.base import ToolCall, TTLDecision
 from estimator.eq2 import Eq2Estimator
 from estimator.fixed import FixedTTLEstimator
+from eval.policy_variants import CONTINUUM_AF226D3
 from tests.continuum.harness import Harness
 from tests.continuum.test_policy import TTLByTool
-from tests.engine.helpers import run_step
 
 BASH_TURN = "THOUGHT: look for it.\n\n```bash\ncd /repo && grep -rn needle src/\n```"
 
 
-def continuum(**options: object) -> ContinuumPolicy:
+def continuum(**options: object) -> AgentPolicy:
     return make_policy("continuum", options)  # type: ignore[return-value]
+
+
+def estimator_of(policy: AgentPolicy):
+    """The guarded estimator of a Continuum policy (bound)."""
+    return policy.strategies.retention.estimator  # type: ignore[attr-defined]
 
 
 def test_the_tool_is_parsed_from_the_output_unless_the_client_names_it() -> None:
@@ -34,7 +39,7 @@ def test_the_tool_is_parsed_from_the_output_unless_the_client_names_it() -> None
         return BASH_TURN
 
     estimator = TTLByTool({"grep": 30.0, "ls": 7.0})
-    h = Harness(ContinuumPolicy(estimator=estimator),
+    h = Harness(CONTINUUM.build(estimator=estimator),
                 environment=PolicyEnvironment(decode=decode))
     h.add("parsed", list(range(8)), job="a", tool=None)
     h.add("named", list(range(20, 28)), job="b", tool="ls")
@@ -47,7 +52,7 @@ def test_the_tool_is_parsed_from_the_output_unless_the_client_names_it() -> None
 
 def test_a_turn_that_called_no_tool_is_not_pinned_nor_observed() -> None:
     estimator = TTLByTool({None: 3.0, "bash": 3.0})
-    h = Harness(ContinuumPolicy(estimator=estimator),
+    h = Harness(CONTINUUM.build(estimator=estimator),
                 environment=PolicyEnvironment(decode=lambda ids: "no tool here"))
     h.add("t", list(range(8)), job="a", tool=None)
     h.run_until_finished("t")
@@ -58,7 +63,7 @@ def test_a_turn_that_called_no_tool_is_not_pinned_nor_observed() -> None:
     assert h.pin("a").ttl_s == 3.0
 
 
-def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
+def test_the_estimator_comes_from_the_policy_options() -> None:
     profiled = []
 
     def profile_prefill():
@@ -66,35 +71,27 @@ def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
         return [(16, 0.002), (256, 0.03), (1024, 0.2)]
 
     environment = PolicyEnvironment(profile_prefill=profile_prefill)
-    estimator = Harness(continuum(), environment=environment).policy.estimator.inner
+    estimator = estimator_of(Harness(continuum(), environment=environment).policy).inner
     assert isinstance(estimator, Eq2Estimator) and profiled == [True]
     assert estimator.rebuild_s(1024) == pytest.approx(0.2, rel=0.05)
-    # R times the requests a rebuild's steps would slow, by default; the paper's R an option.
-    assert estimator.rebuild_cost == "prefill-times-running"
-    fixed = Harness(continuum(estimator="fixed-2s"), environment=environment)
-    assert isinstance(fixed.policy.estimator.inner, FixedTTLEstimator)
-    assert isinstance(Harness(ContinuumFixedPolicy()).policy.estimator.inner, FixedTTLEstimator)
-    # A profile file wins over measuring; "none" prices rebuilds at 0.
-    path = tmp_path / "profile.json"
-    path.write_text(json.dumps([[0, 1.0], [100, 1.0]]))
-    from_file = Harness(continuum(prefill_profile=str(path)), environment=environment)
-    assert from_file.policy.estimator.inner.rebuild_s(5000) == pytest.approx(1.0)
-    unpriced = Harness(continuum(prefill_profile="none"), environment=environment)
-    assert unpriced.policy.estimator.inner.rebuild_s(5000) == 0.0
-    assert len(profiled) == 1  # measured only where used: not for fixed-2s, a file or "none"
-    papers = Harness(continuum(rebuild_cost="prefill", max_ttl_s="30"),
-                     environment=environment).policy.estimator.inner
-    assert (papers.rebuild_cost, papers.max_ttl_s) == ("prefill", 30.0)
-    measured = Harness(ContinuumAf226d3Policy(), environment=environment).policy.estimator.inner
-    assert (measured.rebuild_cost, measured.pin_cost) == ("prefill", "ttl")  # as it ran then
-    # The cold-start prior ends at the first observed duration; the paper's K is an option
-    # (and af226d3's rule); a tool's own durations decide after the paper's K either way.
+    # Eq. 2 as docs/decisions/0001-0003 chose it: R times the requests a rebuild's steps
+    # would slow, pins priced by the memory they hold, the cold-start prior only until the
+    # first observed duration (a tool's own durations decide after the paper's K).
+    assert (estimator.rebuild_cost, estimator.pin_cost) == ("prefill-times-running",
+                                                            "priced-capped")
     assert (estimator.cold_start_samples, estimator.min_tool_samples) == (0, 100)
-    assert measured.cold_start_samples == 100
-    papers_k = Harness(continuum(cold_start_samples="100"), environment=environment)
-    assert papers_k.policy.estimator.inner.cold_start_samples == 100
+    fixed = Harness(continuum(estimator="fixed-2s"), environment=environment)
+    assert isinstance(estimator_of(fixed.policy).inner, FixedTTLEstimator)
+    assert isinstance(estimator_of(Harness(CONTINUUM_FIXED.build()).policy).inner,
+                      FixedTTLEstimator)
+    assert len(profiled) == 1  # measured only where used: not for fixed-2s
+    capped = estimator_of(Harness(continuum(max_ttl_s="30"), environment=environment).policy)
+    assert capped.inner.max_ttl_s == 30.0
+    measured = estimator_of(Harness(CONTINUUM_AF226D3.build(), environment=environment).policy)
+    assert (measured.inner.rebuild_cost, measured.inner.pin_cost) == ("prefill", "ttl")
+    assert measured.inner.cold_start_samples == 100  # as af226d3 ran it
     learned = Harness(continuum(estimator="eq2-learned"), environment=environment)
-    assert learned.policy.estimator.inner.cold_start_samples == 0
+    assert estimator_of(learned.policy).inner.cold_start_samples == 0
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -102,39 +99,16 @@ def test_the_estimator_comes_from_the_policy_options(tmp_path) -> None:
     ({"max_wait_s": "-1"}, "max_wait_s"),
     ({"max_pinned_fraction": "1.5"}, "max_pinned_fraction"),
     ({"max_ttl_s": "inf"}, "max_ttl_s"),
-    ({"pin_yield_wait_s": "soon"}, "pin_yield_wait_s"),
     ({"max-job-age-s": "x"}, "max_job_age_s"),
+    ({"max_plain_wait_s": "-2"}, "max_plain_wait_s"),
+    ({"job_idle_timeout_s": "0"}, "job_idle_timeout_s"),
+    ({"estimator_state": ""}, "estimator_state"),
     ({"ttl": "3"}, "unknown option 'ttl'"),
-    ({"prefill_fit": "online"}, "prefill_fit"),
-    ({"admission_headroom_blocks": "-1"}, "admission_headroom_blocks"),
-    ({"cold_start_samples": "-1"}, "cold_start_samples"),
-    ({"cold_start_samples": "1000"}, "cold_start_samples"),
-    ({"prefill_fit": "under-load", "prefill_profile": "none"}, "prefill_fit"),
+    ({"pin_yield_wait_s": "5"}, "unknown option 'pin_yield_wait_s'"),
 ])
 def test_bad_options_are_refused_with_their_name(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         continuum(**options)
-
-
-def test_r_is_refitted_on_the_prefills_the_engine_ran_under_load() -> None:
-    # Start-up prefills say 1 ms; here every step takes 1 s, so a 4-token prompt (one step)
-    # takes 1 s from admission to first token and a 12-token one (three 4-token chunks) 3 s.
-    environment = PolicyEnvironment(profile_prefill=lambda: [(4, 0.001), (12, 0.001)])
-    h = Harness(continuum(prefill_fit="under-load"), environment=environment,
-                max_num_batched_tokens=4, max_model_len=32, num_blocks=64)
-    estimator = h.policy.estimator.inner
-    assert estimator.rebuild_s(12) == pytest.approx(0.001, abs=1e-6)
-    for index in range(estimator.prefill_under_load.min_prefills):
-        length = 4 if index % 2 else 12
-        request = h.add(f"r{index}", [index * 100 + t for t in range(length)], max_tokens=1)
-        while not request.is_finished:
-            run_step(h.scheduler, h.runner, after_schedule=lambda *_: h.clock.advance(1.0))
-        assert request.uninterrupted_prefill == (length, length / 4)
-    assert estimator.rebuild_s(4) == pytest.approx(1.0, rel=1e-3)
-    assert estimator.rebuild_s(12) == pytest.approx(3.0, rel=1e-3)
-    start_up = Harness(continuum(), environment=environment).policy.estimator.inner
-    start_up.observe_prefill(12, 3.0)
-    assert start_up.prefill_under_load is None and start_up.rebuild_s(12) < 0.01
 
 
 def test_what_the_estimator_learned_is_saved_at_shutdown(tmp_path) -> None:
@@ -145,11 +119,11 @@ def test_what_the_estimator_learned_is_saved_at_shutdown(tmp_path) -> None:
     h.step(dt_s=0.5)
     h.next_turn("t2", "t1", [1, 2], last=True)
     h.run_until_finished("t2")
-    h.policy.on_shutdown()
+    h.scheduler.close_subscribers()
     saved = json.loads(path.read_text())
     assert list(saved["tools_s"]) == ["cat"] and saved["job_num_turns"] == [2]
     restarted = Harness(continuum(estimator_state=str(path)))
-    assert restarted.policy.estimator.state() == saved
+    assert estimator_of(restarted.policy).state() == saved
 
 
 def _overflowing_state() -> dict:
@@ -167,8 +141,8 @@ def test_a_bad_state_file_starts_cold_and_the_engine_keeps_serving(tmp_path, kin
     elif kind == "garbage":
         path.write_bytes(b"\x00{not json")
     source = "/dev/zero" if kind == "endless" else str(path)
-    h = Harness(continuum(estimator_state=source, prefill_profile="none"), num_blocks=64)
-    assert h.policy.estimator.inner.state()["pooled_s"] == []  # cold
+    h = Harness(continuum(estimator_state=source), num_blocks=64)
+    assert estimator_of(h.policy).inner.state()["pooled_s"] == []  # cold
     for index in range(3):
         h.add(f"t{index}", list(range(100 * index, 100 * index + 8)), job=f"j{index}",
               tool="ls")
@@ -189,7 +163,7 @@ class FailingEstimator:
 
 
 def test_an_estimator_that_raises_costs_a_pin_never_a_step(caplog) -> None:
-    h = Harness(ContinuumPolicy(estimator=FailingEstimator()))  # type: ignore[arg-type]
+    h = Harness(CONTINUUM.build(estimator=FailingEstimator()))  # type: ignore[arg-type]
     h.add("t1", list(range(8)), job="a", tool="ls")
     h.run_until_finished("t1")
     assert h.pin("a") is None
@@ -197,7 +171,7 @@ def test_an_estimator_that_raises_costs_a_pin_never_a_step(caplog) -> None:
     h.next_turn("t2", "t1", [1, 2], last=True)
     h.run_until_finished("t2")
     assert h.policy.num_jobs == 0 and len(h.scheduler.pins) == 0
-    assert h.policy.estimator.num_failures["decide"] == 1
+    assert estimator_of(h.policy).num_failures["decide"] == 1
     assert "the TTL estimator failed in decide" in caplog.text
 
 
@@ -206,7 +180,7 @@ def test_an_undecodable_output_leaves_the_tool_unknown_and_the_step_running() ->
         raise OverflowError("out of range integral type conversion attempted")
 
     estimator = TTLByTool({None: 4.0})
-    h = Harness(ContinuumPolicy(estimator=estimator), environment=PolicyEnvironment(decode=decode))
+    h = Harness(CONTINUUM.build(estimator=estimator), environment=PolicyEnvironment(decode=decode))
     h.add("t", list(range(8)), job="a", tool="  ")  # a blank client name says nothing
     h.run_until_finished("t")
     assert h.pin("a") is None and h.policy.job_state("a")["last_tool_name"] is None

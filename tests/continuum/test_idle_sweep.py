@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from continuum.options import ContinuumOptions
-from continuum.policy import ContinuumPolicy
+from continuum.presets import CONTINUUM
 from engine.kv_cache.pins import PinReleaseReason
 from engine.scheduler.registry import make_policy
 from estimator.base import ConstantTTLEstimator
@@ -44,7 +44,7 @@ def test_a_finished_job_leaves_the_table_through_the_sweep_with_no_step(policy_n
 
 
 def test_the_policys_sweep_decides_and_the_scheduler_releases() -> None:
-    h = Harness(ContinuumPolicy(ContinuumOptions(job_idle_timeout_s=IDLE_TIMEOUT_S),
+    h = Harness(CONTINUUM.build(ContinuumOptions(job_idle_timeout_s=IDLE_TIMEOUT_S),
                                 estimator=ConstantTTLEstimator(2.0)))
     h.add("t1", tokens(1, 10), job="J")
     h.run_until_finished("t1")

@@ -3,17 +3,18 @@ in the scheduler with a host tier, and Continuum's R with the tier."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from continuum.baselines import InferCeptPolicy
 from continuum.interception import InterceptionModel, InterceptionWaste
-from continuum.options import InferCeptOptions, JobOptions
-from continuum.policy import ContinuumPolicy
+from continuum.options import InferCeptOptions
+from continuum.policy import AgentPolicy
+from continuum.presets import INFERCEPT
+from continuum.retention import InterceptedPins, PinUntilNextTurn
+from engine.scheduler import events
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.registry import check_policy_options, make_policy
 from engine.scheduler.tracer import SchedulerTracer
@@ -124,14 +125,14 @@ def test_the_expected_duration_is_the_tools_mean_else_all_tools_else_the_default
 # Options.
 def test_swap_is_an_option_of_infercept_and_a_bench_spec() -> None:
     policy = make_policy("infercept", {"swap": "on", "default_tool_duration_s": "3"})
-    assert isinstance(policy, InferCeptPolicy)
-    assert policy.options == InferCeptOptions(swap=True, default_tool_duration_s=3.0)
-    assert make_policy("infercept").options.swap is False  # type: ignore[attr-defined]
+    assert isinstance(policy, AgentPolicy)
+    retention = policy.strategies.retention
+    assert isinstance(retention, InterceptedPins) and retention.default_tool_duration_s == 3.0
+    assert isinstance(make_policy("infercept").strategies.retention, PinUntilNextTurn)
     [spec] = policy_specs("infercept:swap=on")
     assert (spec.name, spec.options) == ("infercept", (("swap", "on"),))
-    # Options given as the shared job options keep the rest at their defaults.
-    legacy = InferCeptPolicy(JobOptions(job_idle_timeout_s=30.0))
-    assert legacy.options == InferCeptOptions(job_idle_timeout_s=30.0)
+    kept = INFERCEPT.build(InferCeptOptions(job_idle_timeout_s=30.0)).strategies.retention
+    assert isinstance(kept, PinUntilNextTurn) and kept.ttl_s == 30.0
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -219,7 +220,7 @@ def test_a_preserved_turn_is_pinned_until_its_next_turn(tmp_path: Path) -> None:
     h = infercept_harness(tmp_path, environment(0.05, 0.05), default_tool_duration_s="0.01")
     h.add("t1", tokens(1, 12), job="J", max_tokens=2)
     h.run_until_finished("t1")
-    assert h.pin("J") is not None and h.pin("J").ttl_s == h.policy.jobs.idle_timeout_s
+    assert h.pin("J") is not None and h.pin("J").ttl_s == h.policy.ledger.jobs.idle_timeout_s
     h.clock.advance(2.0)
     h.next_turn("t2", "t1", tokens(50, 3))
     h.run_until_finished("t2")
@@ -228,14 +229,14 @@ def test_a_preserved_turn_is_pinned_until_its_next_turn(tmp_path: Path) -> None:
     [pinned] = [e for e in recorded(h) if isinstance(e, PinPinned)]
     assert pinned.inputs.source == "preserve"
     # The 2 s the tool took is now bash's expected duration.
-    assert h.policy.interception.expected_tool_s("bash") == (2.0, 1)
+    assert h.policy.strategies.retention.model.expected_tool_s("bash") == (2.0, 1)
 
 
 def test_without_a_tier_swap_is_never_chosen(tmp_path: Path) -> None:
     h = infercept_harness(tmp_path, environment(0.05, 0.0001), num_host_kv_blocks=0)
     h.add("t1", tokens(1, 12), job="J", max_tokens=2)
     h.run_until_finished("t1")
-    assert h.policy.interception.reload_cost is None
+    assert h.policy.strategies.retention.model.reload_cost is None
     [declined] = [e for e in recorded(h) if isinstance(e, PinDeclined)]
     assert declined.inputs.source == "discard"  # 0.7 s of recompute beats 1 s of preserve
 
@@ -248,21 +249,21 @@ def test_without_swap_nothing_is_profiled_and_every_tool_call_is_preserved() -> 
     h.add("t1", tokens(1, 12), job="J", max_tokens=2)
     h.run_until_finished("t1")
     assert h.pin("J") is not None and profiled == []
-    assert h.policy.interception is None
+    assert isinstance(h.policy.strategies.retention, PinUntilNextTurn)
 
 
 # Continuum's R with the tier.
 def continuum_estimator(env: PolicyEnvironment, num_host_kv_blocks: int,
                         **options: str) -> Eq2Estimator:
     policy = make_policy("continuum", options)
-    assert isinstance(policy, ContinuumPolicy)
+    assert isinstance(policy, AgentPolicy)
     Harness(policy, environment=env, num_host_kv_blocks=num_host_kv_blocks)
-    inner = policy.estimator.inner
+    inner = policy.strategies.retention.estimator.inner
     assert isinstance(inner, Eq2Estimator)
     return inner
 
 
-def test_continuums_r_is_the_reload_time_for_a_context_the_tier_holds(tmp_path) -> None:
+def test_continuums_r_is_the_reload_time_for_a_context_the_tier_holds() -> None:
     env = environment(0.01, 0.001)
     estimator = continuum_estimator(env, num_host_kv_blocks=8)  # 32 tokens of block size 4
     assert estimator.reload_cost is not None and estimator.reload_cost.max_tokens == 32
@@ -270,13 +271,6 @@ def test_continuums_r_is_the_reload_time_for_a_context_the_tier_holds(tmp_path) 
     assert estimator.rebuild_s(33) == pytest.approx(0.33)  # too large for the tier: prefill
     no_tier = continuum_estimator(env, num_host_kv_blocks=0)
     assert no_tier.reload_cost is None and no_tier.rebuild_s(32) == pytest.approx(0.32)
-    unpriced = continuum_estimator(env, num_host_kv_blocks=8, prefill_profile="none")
-    assert unpriced.reload_cost is None and unpriced.rebuild_s(32) == 0.0
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps([[0, 1.0], [100, 1.0]]))
-    from_file = continuum_estimator(env, num_host_kv_blocks=8, prefill_profile=str(profile))
-    assert from_file.rebuild_s(32) == pytest.approx(0.032)
-    assert from_file.rebuild_s(5000) == pytest.approx(1.0)
 
 
 def test_continuums_trace_shows_the_reload_time_as_r(tmp_path: Path) -> None:
@@ -297,17 +291,22 @@ job_shape = st.tuples(st.floats(0.0, 2.0), st.lists(turn, min_size=1, max_size=4
 seconds_per_token = st.sampled_from([1e-5, 1e-3, 0.02, 0.2])
 
 
-class RecordingInferCept(InferCeptPolicy):
-    """InferCept that keeps the source of every retention it decides."""
+class RecordingSources:
+    """A subscriber that keeps the source of every retention the scheduler carried out."""
 
-    def __init__(self, options: InferCeptOptions) -> None:
-        super().__init__(options)
+    def __init__(self) -> None:
         self.sources: list[str] = []
 
-    def retention(self, request, job, now_s):
-        decision = super().retention(request, job, now_s)
-        self.sources.append(decision.inputs.source)
-        return decision
+    def started(self, event) -> None:
+        pass
+
+    def receive(self, event) -> bool:
+        if isinstance(event, events.RetentionDecided):
+            self.sources.append(event.inputs.source)
+        return True
+
+    def close(self) -> None:
+        pass
 
 
 @settings(max_examples=80, deadline=None)
@@ -332,16 +331,16 @@ def test_random_jobs_under_infercept_swap_finish_without_leaks(
     jobs = [job for job in jobs if job.num_tokens <= num_blocks * 4]
     if not jobs:
         return
-    policy = RecordingInferCept(InferCeptOptions(swap=True,
-                                                 default_tool_duration_s=default_tool_s))
+    policy = INFERCEPT.build(InferCeptOptions(swap=True, default_tool_duration_s=default_tool_s))
+    recorder = RecordingSources()
     # replay() checks both tiers' invariants after every step (the fake runner checks that
     # every load brings back the right tokens), that every job finishes, and that nothing
     # is left behind.
     result = replay(jobs, policy, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=32, seed=seed, max_steps=20_000,
-                    num_host_kv_blocks=num_host_kv_blocks,
+                    num_host_kv_blocks=num_host_kv_blocks, tracer=recorder,  # type: ignore[arg-type]
                     environment=environment(prefill_s, reload_s))
     assert sorted(result.job_completion_s) == sorted(job.job_id for job in jobs)
     assert policy.num_jobs == 0
-    for source in sorted(set(policy.sources)):
+    for source in sorted(set(recorder.sources)):
         event(f"chose {source}")

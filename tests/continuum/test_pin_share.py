@@ -17,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from continuum.options import ContinuumOptions
-from continuum.policy import ContinuumPolicy
+from continuum.policy import AgentPolicy
+from continuum.presets import CONTINUUM, waiting_bounds
+from continuum.waiting_order import WaitingBounds
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
 from estimator.base import ConstantTTLEstimator
@@ -27,8 +29,9 @@ from tests.continuum.workload import AgentJob, Turn, replay
 class PinShareCheck:
     """`after_schedule` for `replay`: asserts the rule on each step's plan."""
 
-    def __init__(self, policy: ContinuumPolicy) -> None:
+    def __init__(self, policy: AgentPolicy, bounds: WaitingBounds) -> None:
         self.policy = policy
+        self.bounds = bounds
         self.num_blocked_heads = 0
 
     def __call__(self, scheduler: Scheduler, output: SchedulerOutput) -> None:
@@ -47,13 +50,8 @@ class PinShareCheck:
         head = scheduler.waiting.peek_request()
         self.num_blocked_heads += 1
         others = [pin.job_id for pin in scheduler.pins if pin.job_id != head.job_id]
-        if self.policy.is_overdue(head, now_s):
+        if self.bounds.is_overdue(head, now_s, self.policy.ledger):
             assert not others, f"pins {others} kept memory from the overdue head {head}"
-        if self.policy.options.pin_yield == "later-jobs":
-            head_rank = self.policy.job_rank(head)
-            later = [job_id for job_id in others
-                     if self.policy.job_arrival_rank(job_id) > head_rank]
-            assert not later, f"pins of later jobs {later} kept memory from the head {head}"
 
 
 turn = st.builds(
@@ -73,10 +71,9 @@ turn = st.builds(
     ttl_s=st.sampled_from([0.2, 1.0, 100.0]),
     num_blocks=st.integers(12, 40),
     max_num_batched_tokens=st.integers(8, 48),
-    pin_yield=st.sampled_from(["overdue", "later-jobs"]),
 )
 def test_pins_hold_only_memory_nobody_needs_first(
-    shapes, plain, ttl_s, num_blocks, max_num_batched_tokens, pin_yield
+    shapes, plain, ttl_s, num_blocks, max_num_batched_tokens
 ) -> None:
     jobs = [AgentJob(f"job{index}", arrival_s, (*turns[:-1], Turn(
         turns[-1].appended_tokens, turns[-1].output_tokens, tool_s=None)))
@@ -88,9 +85,9 @@ def test_pins_hold_only_memory_nobody_needs_first(
     if not jobs:
         return
     # Short bounds, so that heads become overdue within the runs.
-    options = ContinuumOptions(pin_yield=pin_yield, max_wait_s=1.0, max_plain_wait_s=0.5)
-    policy = ContinuumPolicy(options, estimator=ConstantTTLEstimator(ttl_s))
-    check = PinShareCheck(policy)
+    options = ContinuumOptions(max_wait_s=1.0, max_plain_wait_s=0.5)
+    policy = CONTINUUM.build(options, estimator=ConstantTTLEstimator(ttl_s))
+    check = PinShareCheck(policy, waiting_bounds(options))
     result = replay(jobs, policy, num_blocks=num_blocks,
                     max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=6,
                     max_steps=20_000, after_schedule=check)

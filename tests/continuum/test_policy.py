@@ -3,17 +3,16 @@ a real scheduler with a fake clock and a fake runner."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from continuum.af226d3 import ContinuumAf226d3Policy
-from continuum.options import ContinuumAf226d3Options, ContinuumOptions
-from continuum.policy import ContinuumPolicy
+from continuum.options import ContinuumOptions
+from continuum.policy import AgentPolicy
+from continuum.presets import CONTINUUM
 from engine.kv_cache.pins import PinReleaseReason
 from engine.request import RequestStatus
 from engine.scheduler.policies import FCFSPolicy
 from estimator.base import ConstantTTLEstimator, ObservationSink, ToolCall, TTLDecision
+from eval.policy_variants import CONTINUUM_AF226D3
 from tests.continuum.harness import Harness, tokens
 
 
@@ -41,9 +40,9 @@ class TTLByTool(ObservationSink):
         self.log.append(("end", job_id, num_turns))
 
 
-def continuum(ttl_s: float = 5.0, **options) -> ContinuumPolicy:
+def continuum(ttl_s: float = 5.0, **options) -> AgentPolicy:
     """Continuum pinning every tool-calling turn for `ttl_s`, with the given options."""
-    return ContinuumPolicy(ContinuumOptions(**options), estimator=ConstantTTLEstimator(ttl_s))
+    return CONTINUUM.build(ContinuumOptions(**options), estimator=ConstantTTLEstimator(ttl_s))
 
 
 @pytest.mark.parametrize(("job", "last", "ttl_s", "pinned"), [
@@ -80,11 +79,9 @@ def test_a_last_step_ends_the_jobs_state_and_releases_its_pin() -> None:
 @pytest.mark.parametrize(("policy", "expected_hit_tokens"), [
     (FCFSPolicy, 0),  # the other requests evicted the turn's blocks during the tool call
     # Pins held against the blocked head: prompt + output, minus the partial last block.
-    (lambda: continuum(5.0, pin_yield_wait_s=math.inf), 12),
-    # Pins yield to the blocked head within the tool call: evicted as under FCFS...
-    (lambda: continuum(5.0, pin_yield_wait_s=0.0, arrival_hold="none"), 0),
-    # ...unless the prefix left in the free queue is held from the next turn's arrival.
-    (lambda: continuum(5.0, pin_yield_wait_s=0.0, arrival_hold="until-admitted"), 12),
+    (lambda: continuum(5.0), 12),
+    # Pins yield to a blocked head that is overdue at once: evicted as under FCFS.
+    (lambda: continuum(5.0, max_wait_s=0.0, max_plain_wait_s=0.0), 0),
 ])
 def test_a_pinned_turns_next_turn_hits_its_whole_context(policy, expected_hit_tokens) -> None:
     h = Harness(policy(), num_blocks=16)
@@ -113,7 +110,7 @@ def test_a_pinned_turns_next_turn_hits_its_whole_context(policy, expected_hit_to
 ])
 def test_pin_expiry(policy: str, advance_s: float, next_turn_waits: bool,
                     expired: bool) -> None:
-    h = Harness(continuum(5.0) if policy == "continuum" else ContinuumAf226d3Policy(
+    h = Harness(continuum(5.0) if policy == "continuum" else CONTINUUM_AF226D3.build(
         estimator=ConstantTTLEstimator(5.0)), max_num_seqs=1)
     h.add("t1", tokens(1, 10), job="J")
     h.run_until_finished("t1")
@@ -150,8 +147,7 @@ def test_a_jobs_new_pin_replaces_its_old_one() -> None:
 
 def test_waiting_order_is_pinned_jobs_then_first_arrival_of_the_job() -> None:
     estimator = TTLByTool({"search": 30.0})
-    # Without arrival holds, which would put a2 in the pinned tier too.
-    h = Harness(ContinuumPolicy(ContinuumOptions(arrival_hold="none"), estimator=estimator),
+    h = Harness(CONTINUUM.build(estimator=estimator),
                 max_num_seqs=1)
     h.add("a1", tokens(1, 6), job="A", tool="bash")
     h.run_until_finished("a1")
@@ -172,8 +168,7 @@ def test_waiting_order_is_pinned_jobs_then_first_arrival_of_the_job() -> None:
 
 
 def test_a_broken_pin_drops_its_waiting_turn_back_to_first_arrival_order() -> None:
-    h = Harness(ContinuumPolicy(ContinuumOptions(arrival_hold="none"),
-                                estimator=TTLByTool({"search": 30.0})), max_num_seqs=1)
+    h = Harness(CONTINUUM.build(estimator=TTLByTool({"search": 30.0})), max_num_seqs=1)
     h.add("o1", tokens(1, 6), job="O", tool="bash")
     h.run_until_finished("o1")
     h.add("a1", tokens(100, 6), job="A", tool="search")
@@ -183,7 +178,7 @@ def test_a_broken_pin_drops_its_waiting_turn_back_to_first_arrival_order() -> No
     h.next_turn("o2", "o1", tokens(50, 2))
     h.next_turn("a2", "a1", tokens(150, 2))
     assert h.waiting_ids == ["a2", "o2"]
-    h.scheduler.release_pin("A", PinReleaseReason.PRESSURE)
+    h.scheduler.pins.release("A", PinReleaseReason.PRESSURE, now_s=0.0)
     assert h.waiting_ids == ["o2", "a2"]
     h.run_until_finished("o2", "a2")
     assert h.admission_order()[-2:] == ["o2", "a2"]
@@ -191,7 +186,7 @@ def test_a_broken_pin_drops_its_waiting_turn_back_to_first_arrival_order() -> No
 
 def test_under_pressure_pins_are_released_before_any_request_is_preempted() -> None:
     # 16 blocks: J's pin holds 2; x and y (no job) then grow until they need them.
-    h = Harness(continuum(100.0, pin_yield_wait_s=math.inf), num_blocks=16)
+    h = Harness(continuum(100.0), num_blocks=16)
     h.add("t1", tokens(1, 8), job="J", max_tokens=2)
     h.run_until_finished("t1")
     assert h.pin("J").num_blocks == 2
@@ -204,8 +199,7 @@ def test_under_pressure_pins_are_released_before_any_request_is_preempted() -> N
 
 def test_af226d3_preempted_other_requests_before_breaking_pins() -> None:
     # 16 blocks: J's pin holds 2; x and y (no job) then grow until one must give way.
-    h = Harness(ContinuumAf226d3Policy(ContinuumAf226d3Options(pin_yield_wait_s=math.inf),
-                                       estimator=ConstantTTLEstimator(100.0)), num_blocks=16)
+    h = Harness(CONTINUUM_AF226D3.build(estimator=ConstantTTLEstimator(100.0)), num_blocks=16)
     h.add("t1", tokens(1, 8), job="J", max_tokens=2)
     h.run_until_finished("t1")
     assert h.pin("J").num_blocks == 2
@@ -231,7 +225,7 @@ def test_when_the_needy_request_is_alone_pins_are_broken_latest_job_first() -> N
 
 @pytest.mark.parametrize("something_runs", [True, False])
 def test_pins_give_way_to_a_blocked_head_at_once_when_nothing_runs(something_runs: bool) -> None:
-    h = Harness(continuum(100.0, pin_yield_wait_s=math.inf), num_blocks=16)
+    h = Harness(continuum(100.0), num_blocks=16)
     for index, job in enumerate(("J0", "J1")):
         h.add(f"{job}-t1", tokens(100 * (index + 1), 20), job=job, max_tokens=2)
         h.run_until_finished(f"{job}-t1")
@@ -250,7 +244,7 @@ def test_pins_give_way_to_a_blocked_head_at_once_when_nothing_runs(something_run
 
 
 def test_pins_give_way_to_a_head_that_waited_past_the_bound_while_others_run() -> None:
-    h = Harness(continuum(100.0, pin_yield_wait_s=2.0), num_blocks=16)
+    h = Harness(continuum(100.0, max_plain_wait_s=2.0), num_blocks=16)
     for index, job in enumerate(("J0", "J1")):
         h.add(f"{job}-t1", tokens(100 * (index + 1), 20), job=job, max_tokens=2)
         h.run_until_finished(f"{job}-t1")
@@ -316,7 +310,7 @@ def test_job_state_exposes_turns_pins_and_ttls() -> None:
 
 def test_the_estimator_sees_tool_calls_next_turns_delays_and_job_ends() -> None:
     estimator = TTLByTool({"grep": 10.0})
-    h = Harness(ContinuumPolicy(estimator=estimator))
+    h = Harness(CONTINUUM.build(estimator=estimator))
     h.add("t1", tokens(1, 10), job="J", tool="grep", max_tokens=3)
     h.run_until_finished("t1")
     finished_s = h.clock()
@@ -358,7 +352,7 @@ def test_turns_of_an_ended_job_never_touch_a_new_job_with_the_same_id(ttl_s: flo
     h.scheduler.end_job("J")  # a client released the job while its turn runs
     h.add("new1", tokens(300, 6), job="J", max_tokens=2)
     h.run_until_finished("old", "new1")
-    job = h.policy.jobs.get("J")
+    job = h.policy.ledger.jobs.get("J")
     assert (job.num_turns_arrived, job.num_turns_finished, job.num_unfinished_turns) == (1, 1, 0)
     pin = h.pin("J")
     assert (pin is not None and pin.request_id) == (ttl_s > 0 and "new1")
@@ -370,42 +364,10 @@ def test_aborted_turns_do_not_count_as_finished_turns() -> None:
     h.add("t1", tokens(1, 10), job="J", max_tokens=8)
     h.step()
     h.scheduler.finish_requests(["t1"])
-    job = h.policy.jobs.get("J")
+    job = h.policy.ledger.jobs.get("J")
     assert (job.num_turns_finished, job.num_unfinished_turns, job.attained_service_tokens) == (
         0, 0, 0)
     assert h.pin("J") is None
-
-
-class RecordingLossRate(TTLByTool):
-    """`TTLByTool` that also records the pin-loss rate of each call it decides."""
-
-    def __init__(self, ttl_by_tool: dict[str | None, float]) -> None:
-        super().__init__(ttl_by_tool)
-        self.loss_rates: list[float] = []
-
-    def decide(self, call: ToolCall) -> TTLDecision:
-        self.loss_rates.append(call.pin_loss_rate_per_s)
-        return super().decide(call)
-
-
-@pytest.mark.parametrize(("pin_loss", "expected_rate"), [("ignored", 0.0), ("discounted", 1.0)])
-def test_the_estimator_hears_how_often_pressure_took_pins(pin_loss: str,
-                                                          expected_rate: float) -> None:
-    """Job A's pin is taken by a plain request short of blocks after 1 s: with
-    pin_loss=discounted, job B's next decision is told pins go at 1 a second held."""
-    estimator = RecordingLossRate({"bash": 5.0})
-    h = Harness(ContinuumPolicy(ContinuumOptions(pin_loss=pin_loss), estimator=estimator),
-                num_blocks=8, max_model_len=32)
-    h.add("a1", tokens(1, 10), job="A", max_tokens=3)
-    h.run_until_finished("a1")
-    assert h.pin("A") is not None
-    h.clock.advance(1.0)
-    h.add("plain", tokens(100, 20), max_tokens=10)
-    h.run_until_finished("plain")
-    assert h.scheduler.pins.num_released == {PinReleaseReason.PRESSURE: 1}
-    h.add("b1", tokens(200, 6), job="B", max_tokens=2)
-    h.run_until_finished("b1")
-    assert estimator.loss_rates == [0.0, pytest.approx(expected_rate)]
 
 
 class CallRecorder(TTLByTool):
@@ -420,14 +382,9 @@ class CallRecorder(TTLByTool):
         return super().decide(call)
 
 
-def test_continuum_prices_pins_capped_by_the_pool_by_default() -> None:
-    assert ContinuumOptions().pin_cost == "priced-capped"
-    assert ContinuumAf226d3Options().pin_cost == "ttl"  # as it ran
-
-
 def test_a_tool_call_names_the_pool_shares_of_its_context_and_of_the_running_requests() -> None:
     recorder = CallRecorder()
-    h = Harness(ContinuumPolicy(ContinuumOptions(), estimator=recorder))  # 32 blocks of 4
+    h = Harness(CONTINUUM.build(ContinuumOptions(), estimator=recorder))  # 32 blocks of 4
     h.add("long", tokens(100, 20), max_tokens=40)
     h.add("t1", tokens(1, 10), job="J", max_tokens=3)
     h.run_until_finished("t1")

@@ -3,52 +3,43 @@ leaks; and requests without a job are scheduled exactly as by FCFS."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from continuum.af226d3 import ContinuumAf226d3Policy
-from continuum.baselines import AutellixPolicy, InferCeptPolicy
 from continuum.options import ContinuumOptions
-from continuum.oracle import ContinuumOraclePolicy
-from continuum.policy import ContinuumFixedPolicy, ContinuumPolicy
-from continuum.program_order import JobFCFSPolicy
+from continuum.policy import AgentPolicy
+from continuum.presets import AUTELLIX, CONTINUUM, CONTINUUM_FIXED, INFERCEPT, JOB_FCFS
 from engine.scheduler.policies import FCFSPolicy
 from estimator.base import ConstantTTLEstimator
+from eval.policy_variants import CONTINUUM_AF226D3, CONTINUUM_ORACLE
 from tests.continuum.workload import AgentJob, Turn, replay, step_decisions
 from tests.engine.helpers import FakeClock, FakeRunner, make_request, make_scheduler, run_step
 
-TIGHT_BOUNDS = ContinuumOptions(max_job_age_s=0.2, max_wait_s=0.5, pin_yield_wait_s=0.3,
-                                max_pinned_fraction=0.4)
+TIGHT_BOUNDS = ContinuumOptions(max_job_age_s=0.2, max_wait_s=0.3, max_pinned_fraction=0.4)
 
 
-def oracle(jobs: list[AgentJob]) -> ContinuumOraclePolicy:
+def oracle(jobs: list[AgentJob]) -> AgentPolicy:
     """The oracle, told each turn's true tool time (request ids are `job#turn`)."""
     tool_s = {f"{job.job_id}#{k}": turn.tool_s for job in jobs for k, turn in enumerate(job.turns)}
-    return ContinuumOraclePolicy(tool_duration_s=tool_s.get)
+    return CONTINUUM_ORACLE.build(tool_duration_s=tool_s.get)
 
 
 AGENT_POLICIES = {
-    "continuum": lambda jobs: ContinuumPolicy(estimator=ConstantTTLEstimator(1.5)),
-    "continuum-long-ttl": lambda jobs: ContinuumPolicy(
-        ContinuumOptions(pin_yield_wait_s=math.inf), estimator=ConstantTTLEstimator(1e5)),
-    "continuum-tight-bounds": lambda jobs: ContinuumPolicy(
+    "continuum": lambda jobs: CONTINUUM.build(estimator=ConstantTTLEstimator(1.5)),
+    "continuum-long-ttl": lambda jobs: CONTINUUM.build(
+        ContinuumOptions(max_wait_s=math.inf), estimator=ConstantTTLEstimator(1e5)),
+    "continuum-tight-bounds": lambda jobs: CONTINUUM.build(
         TIGHT_BOUNDS, estimator=ConstantTTLEstimator(2.0)),
-    "continuum-arrival-hold": lambda jobs: ContinuumPolicy(
-        ContinuumOptions(arrival_hold="until-admitted"), estimator=ConstantTTLEstimator(0.3)),
-    "continuum-arrival-hold-tight-bounds": lambda jobs: ContinuumPolicy(
-        dataclasses.replace(TIGHT_BOUNDS, arrival_hold="until-admitted"),
-        estimator=ConstantTTLEstimator(0.3)),
-    "continuum-fixed": lambda jobs: ContinuumFixedPolicy(),
-    "continuum-af226d3": lambda jobs: ContinuumAf226d3Policy(
+    "continuum-fixed": lambda jobs: CONTINUUM_FIXED.build(),
+    "continuum-af226d3": lambda jobs: CONTINUUM_AF226D3.build(
         estimator=ConstantTTLEstimator(1.5)),
     "continuum-oracle": oracle,
-    "job-fcfs": lambda jobs: JobFCFSPolicy(),
-    "infercept": lambda jobs: InferCeptPolicy(),
-    "autellix": lambda jobs: AutellixPolicy(),
+    "job-fcfs": lambda jobs: JOB_FCFS.build(),
+    "infercept": lambda jobs: INFERCEPT.build(),
+    "autellix": lambda jobs: AUTELLIX.build(),
 }
 
 turn = st.builds(
@@ -91,7 +82,7 @@ def test_random_jobs_all_finish_with_invariants_and_empty_tables(
     for reason in result.pins_released:
         event(f"pin released: {reason}")
     event(f"preempted: {result.num_preemptions > 0}")
-    assert policy.num_jobs == 0 and not policy._arrivals
+    assert policy.num_jobs == 0 and not policy.ledger._arrivals
 
 
 @settings(max_examples=150, deadline=None)
@@ -117,7 +108,7 @@ def test_requests_without_a_job_are_scheduled_as_by_fcfs(
     the same order, but chooses victims by its own rules (a prefilling request waits rather
     than preempt; repeated victims are spared)."""
     traces = []
-    for policy in (FCFSPolicy(), ContinuumAf226d3Policy(), ContinuumPolicy()):
+    for policy in (FCFSPolicy(), CONTINUUM_AF226D3.build(), CONTINUUM.build()):
         rng = random.Random(seed)
         scheduler = make_scheduler(
             num_blocks=num_blocks, block_size=4, max_num_batched_tokens=max_num_batched_tokens,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from continuum.policy import ContinuumPolicy
+from continuum.presets import CONTINUUM
 from engine.scheduler.policies import FCFSPolicy
 from tests.continuum.workload import TEST_DATA, load_trace_jobs, replay
 
@@ -17,7 +17,7 @@ def test_continuum_recomputes_fewer_prompt_tokens_than_fcfs_on_swe_jobs() -> Non
                            arrival_gap_s=0.1)
     results = {
         name: replay(jobs, policy, num_blocks=600, step_s=lambda n: 0.02 + 1e-3 * n)
-        for name, policy in [("fcfs", FCFSPolicy()), ("continuum", ContinuumPolicy())]
+        for name, policy in [("fcfs", FCFSPolicy()), ("continuum", CONTINUUM.build())]
     }
     fcfs, pinned = results["fcfs"], results["continuum"]
     assert len(fcfs.job_completion_s) == len(pinned.job_completion_s) == 16

@@ -11,12 +11,8 @@ from engine.request import JobInfo, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import (
-    PolicyEnvironment,
-    Retention,
-    RetentionInputs,
-    SchedulingPolicy,
-)
+from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
+from engine.scheduler.retention import Retention, RetentionInputs
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.tracer import SchedulerTracer
 
@@ -325,7 +321,7 @@ class PinningPolicy(FCFSPolicy):
     def __init__(self, ttl_s: float = 10.0) -> None:
         self.ttl_s = ttl_s
 
-    def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
+    def retention(self, request: Request, now_s: float) -> Retention | None:
         if request.job is None or request.status is RequestStatus.FINISHED_ABORTED:
             return None
         return Retention(self.ttl_s, RetentionInputs(ttl_s=self.ttl_s, source="test"))

@@ -12,13 +12,16 @@ from eval.policy_specs import (
     parse_policy_spec,
     policy_specs,
 )
+from eval.policy_variants import EVAL_POLICIES
 
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("fcfs", PolicySpec("fcfs", "fcfs")),
-    (" continuum:rebuild_cost=prefill-times-running ",
-     PolicySpec("continuum:rebuild_cost=prefill-times-running", "continuum",
-                (("rebuild_cost", "prefill-times-running"),))),
+    (" continuum:max_wait_s=5 ",
+     PolicySpec("continuum:max_wait_s=5", "continuum", (("max_wait_s", "5"),))),
+    ("continuum-af226d3:estimator=fixed-2s",
+     PolicySpec("continuum-af226d3:estimator=fixed-2s", "continuum-af226d3",
+                (("estimator", "fixed-2s"),))),
     ("continuum:estimator=fixed-2s:max_ttl_s=5",
      PolicySpec("continuum:estimator=fixed-2s:max_ttl_s=5", "continuum",
                 (("estimator", "fixed-2s"), ("max_ttl_s", "5")))),
@@ -29,9 +32,9 @@ from eval.policy_specs import (
     ("continuum:estimator=fixed-2s+tier",
      PolicySpec("continuum:estimator=fixed-2s+tier", "continuum", (("estimator", "fixed-2s"),),
                 host_tier=True)),
-    ("continuum:estimator_warm_start=a+b.jsonl",
-     PolicySpec("continuum:estimator_warm_start=a+b.jsonl", "continuum",
-                (("estimator_warm_start", "a+b.jsonl"),))),
+    ("continuum:estimator_state=a+b.json",
+     PolicySpec("continuum:estimator_state=a+b.json", "continuum",
+                (("estimator_state", "a+b.json"),))),
 ])
 def test_policy_specs_parse(text: str, expected: PolicySpec) -> None:
     assert parse_policy_spec(text) == expected
@@ -63,8 +66,11 @@ def test_policy_lists() -> None:
     assert [s.label for s in policy_specs(None)] == DEFAULT_POLICIES.split(",")
     assert [s.label for s in policy_specs("ladder")] == ABLATION_LADDER.split(",")
     # A value holding commas goes through --policy, after the comma-separated ones.
-    warm = "continuum:estimator_warm_start=a.jsonl,b.jsonl"
-    specs = policy_specs("fcfs", [warm])
-    assert [s.label for s in specs] == ["fcfs", warm]
-    assert specs[1].options == (("estimator_warm_start", "a.jsonl,b.jsonl"),)
-    assert [s.label for s in policy_specs(None, [warm])] == [warm]
+    state = "continuum:estimator_state=a,b.json"
+    specs = policy_specs("fcfs", [state])
+    assert [s.label for s in specs] == ["fcfs", state]
+    assert specs[1].options == (("estimator_state", "a,b.json"),)
+    assert [s.label for s in policy_specs(None, [state])] == [state]
+    # The eval-only policies go by name too, built from their paths.
+    [oracle] = policy_specs("continuum-oracle:max_wait_s=5")
+    assert (oracle.name, oracle.policy) == ("continuum-oracle", EVAL_POLICIES["continuum-oracle"])

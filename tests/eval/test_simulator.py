@@ -13,6 +13,7 @@ from engine.executor.roofline import SIM_PROFILES
 from engine.scheduler.registry import make_policy
 from eval import simulator
 from eval.arrivals import poisson_arrivals_s
+from eval.policy_variants import EVAL_POLICIES
 from eval.report import markdown_table, speedup
 from eval.simulator import ChatLoad, SimSettings, Simulation, simulate
 from eval.workload import (
@@ -87,8 +88,8 @@ def test_host_tier_brings_back_what_the_small_pool_let_go(policy: str) -> None:
 
 @pytest.mark.parametrize(("policy", "options"), [
     ("fcfs", ()),
-    # Continuum's default headroom leaves this workload no preemption to count.
-    ("continuum", (("admission_headroom_blocks", "0"),)),
+    # Continuum's whole-prompt admission leaves this workload no preemption to count.
+    (EVAL_POLICIES["continuum-af226d3"], ()),
 ])
 def test_recomputed_tokens_are_the_traces(tmp_path: Path, policy: str,
                                          options: tuple[tuple[str, str], ...]) -> None:
@@ -154,14 +155,9 @@ def test_policy_options_reach_the_policy() -> None:
     # hold); the paper's cold start prices these short contexts near zero, and Eq. 2 over
     # the observed durations pins some of them.
     assert fixed.pins_created == sum(len(job.turns) - 1 for job in jobs)
-    papers_k = ("cold_start_samples", "100")
-    assert simulate(jobs, arrivals, pressured("continuum", policy_options=(papers_k,))
-                    ).pins_created == 0
+    papers_k = pressured(EVAL_POLICIES["continuum-as-replayed"])
+    assert simulate(jobs, arrivals, papers_k).pins_created == 0
     assert 0 < simulate(jobs, arrivals, pressured("continuum")).pins_created < fixed.pins_created
-    # With arrival holds, the turns Eq. 2 did not pin have their cached prefixes held.
-    held = simulate(jobs, arrivals, pressured(
-        "continuum", policy_options=(papers_k, ("arrival_hold", "until-admitted"))))
-    assert held.pins_created == held.arrival_holds_created > 0
     with pytest.raises(ValueError, match="bogus"):
         Simulation(jobs, arrivals, pressured("continuum", policy_options=(("bogus", "1"),)))
 
@@ -182,7 +178,7 @@ def test_the_oracle_is_told_each_tools_true_duration(monkeypatch: pytest.MonkeyP
     metrics = run.run()
     assert metrics.num_finished_jobs == len(jobs) and metrics.leaked_blocks == 0
     oracle, = built
-    assert oracle["name"] == "continuum-oracle"
+    assert oracle["name"] == EVAL_POLICIES["continuum-oracle"]
     lookup = oracle["tool_duration_s"]
     for job in jobs:
         assert [lookup(f"{job.job_id}#{k}") for k in range(len(job.turns))] == [

@@ -72,11 +72,7 @@ class _CoreStatsCollector(Collector):
         yield _counter("recomputed_tokens", "Tokens computed again after preemption (dropped by "
                        "a preemption, not found in the prefix cache at readmission).", model,
                        stats.recomputed_tokens)
-        yield _counter("pins_created", "KV pins created (arrival holds included).", model,
-                       stats.num_pins_created)
-        yield _counter("arrival_holds_created", "Pins holding the cached prefix of a job's "
-                       "turn that arrived without a pin, until it was admitted.", model,
-                       stats.num_arrival_holds_created)
+        yield _counter("pins_created", "KV pins created.", model, stats.num_pins_created)
         released = CounterMetricFamily(PREFIX + "pins_released", "KV pins released, by reason.",
                                        labels=["model_name", "reason"])
         for reason, count in sorted(stats.pins_released.items()):

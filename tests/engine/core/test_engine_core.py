@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import msgspec
 import pytest
@@ -18,10 +17,16 @@ from engine.outputs import ModelRunnerOutput, PendingStep
 from engine.request import FinishReason, JobInfo, RequestStatus
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import Retention, RetentionInputs
+from engine.scheduler.retention import Retention, RetentionInputs
 from estimator.eq2 import Eq2Estimator
+from tests.continuum.priced import PRICED_CONTINUUM_PATH
 from tests.engine.core.conftest import SMALL_CONFIG, core_request
 from tests.engine.helpers import FakeClock
+
+
+def estimator_of(core: EngineCore):
+    """The guarded estimator of the core's Continuum policy."""
+    return core.scheduler.policy.strategies.retention.estimator  # type: ignore[attr-defined]
 
 
 def run_to_completion(core: EngineCore) -> dict[str, list[int]]:
@@ -86,7 +91,7 @@ def test_utilities(core: EngineCore) -> None:
 
 
 class RetainEveryTurn(FCFSPolicy):
-    def on_request_finished(self, request, now_s):
+    def retention(self, request, now_s):
         if request.job is None or request.status is RequestStatus.FINISHED_ABORTED:
             return None
         return Retention(10.0, RetentionInputs(ttl_s=10.0, source="test"))
@@ -113,6 +118,8 @@ def test_an_idle_core_sweeps_pins_and_idle_jobs_without_a_step(tmp_path) -> None
     config = dataclasses.replace(
         _with_options(prefill_profile=str(profile), job_idle_timeout_s="5"),
         debug_check_invariants=True)
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, policy=PRICED_CONTINUUM_PATH))
     clock = FakeClock()
     client = InprocClient(config, clock=clock)
     core = client.core
@@ -201,16 +208,14 @@ def _with_options(**options: str) -> EngineConfig:
     return dataclasses.replace(SMALL_CONFIG, scheduler=scheduler)
 
 
-def test_job_state_includes_the_policys_books_until_the_job_ends(tmp_path) -> None:
-    # A profile pricing any rebuild at 4 s: the cold-start TTL is ln(T + R) = ln 4.
-    profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps({"points": [[0, 4.0], [1000, 4.0]]}))
-    core = EngineCore(_with_options(prefill_profile=str(profile)), clock=FakeClock())
+def test_job_state_includes_the_policys_books_until_the_job_ends() -> None:
+    # The release's rule: a tool with no observed duration is pinned for 2 s.
+    core = EngineCore(_with_options(estimator="fixed-2s"), clock=FakeClock())
     request = core_request("turn", list(range(40)), max_tokens=4)
     core.add_request(msgspec.structs.replace(request, job=JobInfo(job_id="job", tool_name="ls")))
     run_to_completion(core)
     state = core.job_state("job")
-    assert state.pin is not None and state.pin.ttl_s == pytest.approx(math.log(4.0))
+    assert state.pin is not None and state.pin.ttl_s == 2.0
     assert (state.policy["num_turns_finished"], state.policy["num_pins_created"]) == (1, 1)
     assert state.policy["last_tool_name"] == "ls"
     assert core.stats().num_jobs == 1
@@ -220,7 +225,7 @@ def test_job_state_includes_the_policys_books_until_the_job_ends(tmp_path) -> No
 
 def test_the_default_estimator_prices_rebuilds_from_a_prefill_profile_measured_at_start() -> None:
     core = EngineCore(SMALL_CONFIG, clock=FakeClock())  # continuum, Eq. 2, profile "auto"
-    estimator = core.scheduler.policy.estimator.inner
+    estimator = estimator_of(core).inner
     assert isinstance(estimator, Eq2Estimator) and estimator.prefill_cost is not None
     assert estimator.rebuild_s(512) > estimator.rebuild_s(16) > 0
     # On this tiny model a rebuild costs milliseconds: the cold-start rule does not pin.
@@ -233,15 +238,15 @@ def test_the_default_estimator_prices_rebuilds_from_a_prefill_profile_measured_a
 
 def test_estimator_state_is_saved_at_shutdown_and_loaded_at_start(tmp_path) -> None:
     state_path = tmp_path / "estimator.json"
-    config = _with_options(prefill_profile="none", estimator_state=str(state_path))
+    config = _with_options(estimator_state=str(state_path))
     core = EngineCore(config, clock=FakeClock())
-    core.scheduler.policy.estimator.observe_queueing_delay(3.0)
+    estimator_of(core).observe_queueing_delay(3.0)
     core.shutdown()
     restarted = EngineCore(config, clock=FakeClock())
-    assert restarted.scheduler.policy.estimator.inner.queueing_delay.mean == 3.0
+    assert estimator_of(restarted).inner.queueing_delay.mean == 3.0
     state_path.write_text("{not json")
     cold = EngineCore(config, clock=FakeClock())  # a corrupt file: a cold start, no crash
-    assert cold.scheduler.policy.estimator.inner.queueing_delay.mean is None
+    assert estimator_of(cold).inner.queueing_delay.mean is None
 
 
 @pytest.mark.parametrize("kind", ["overflowing", "endless"])
@@ -252,9 +257,9 @@ def test_a_hostile_estimator_state_starts_cold_and_the_core_serves(tmp_path, kin
         "version": 1, "cold_start_samples": 100, "pooled_s": huge, "tools_s": {"ls": huge},
         "queueing_delays_s": huge, "job_num_turns": [3], "prefill_cost": None, "records": []}))
     source = "/dev/zero" if kind == "endless" else str(path)
-    core = EngineCore(_with_options(prefill_profile="none", estimator_state=source),
+    core = EngineCore(_with_options(estimator_state=source),
                       clock=FakeClock())
-    assert core.scheduler.policy.estimator.inner.queueing_delay.mean is None  # cold
+    assert estimator_of(core).inner.queueing_delay.mean is None  # cold
     for index in range(2):
         request = core_request(f"turn{index}", list(range(40)), max_tokens=4)
         core.add_request(msgspec.structs.replace(
@@ -266,9 +271,8 @@ def test_a_hostile_estimator_state_starts_cold_and_the_core_serves(tmp_path, kin
 
 @pytest.mark.parametrize("options, message", [
     ({"estimator": "psychic"}, "option estimator .*expected one of"),
-    ({"prefill_profile": "/no/such/profile.json"}, "cannot read prefill profile"),
-    ({"estimator_warm_start": "/no/such/trace.jsonl"}, "cannot read trace"),
     ({"max_wait": "3"}, "unknown option 'max_wait'"),
+    ({"pin_cost": "ttl"}, "unknown option 'pin_cost'"),
 ])
 def test_a_bad_policy_option_fails_at_start(options, message) -> None:
     with pytest.raises(ValueError, match=message):

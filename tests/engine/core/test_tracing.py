@@ -13,6 +13,7 @@ import msgspec
 from engine.config import CacheConfig, EngineConfig, TraceConfig
 from engine.core.engine_core import EngineCore
 from engine.request import JobInfo
+from tests.continuum.priced import PRICED_CONTINUUM_PATH
 from tests.engine.core.conftest import SMALL_CONFIG, core_request
 from tests.engine.core.test_engine_core import run_to_completion
 from tests.engine.helpers import FakeClock
@@ -36,7 +37,7 @@ def _traced_config(tmp_path: Path, **trace: object) -> EngineConfig:
     return dataclasses.replace(
         SMALL_CONFIG,
         cache=CacheConfig(num_kv_blocks=24),
-        scheduler=dataclasses.replace(SMALL_CONFIG.scheduler, policy="continuum",
+        scheduler=dataclasses.replace(SMALL_CONFIG.scheduler, policy=PRICED_CONTINUUM_PATH,
                                       policy_options={"prefill_profile": str(profile)}),
         trace=TraceConfig(path=str(tmp_path / "trace.jsonl"), **trace),  # type: ignore[arg-type]
     )
@@ -76,7 +77,8 @@ def test_a_traced_engine_records_every_record_type_with_shared_step_numbers(tmp_
     core.shutdown()
 
     trace = read_trace(tmp_path / "trace.jsonl")
-    assert trace.header.config["scheduler"]["policy"] == "continuum"
+    assert trace.header.config["scheduler"]["policy"] == PRICED_CONTINUUM_PATH
+    assert trace.header.policy == "continuum"
     assert trace.header.num_kv_blocks == 24 and not trace.incomplete_tail
     kinds = Counter(type(event) for event in trace.events)
     assert set(kinds) | {type(trace.header)} == set(RECORD_TYPES.values()) - {

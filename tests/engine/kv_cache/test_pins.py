@@ -56,7 +56,7 @@ def test_next_turn_hits_the_pin_and_releases_it_after_taking_its_references() ->
 def test_released_pin_leaves_evictable_cache_that_can_still_hit() -> None:
     scheduler, runner, _ = pinned_setup()
     pinned = scheduler.pins.get("job").blocks
-    scheduler.release_pin("job", PinReleaseReason.EXPIRED)
+    scheduler.pins.release("job", PinReleaseReason.EXPIRED, now_s=0.0)
     free = list(scheduler.kv_cache_manager.block_pool.free_block_queue)
     assert free[-3:] == pinned[::-1]  # freed tail-first at the LRU tail
     scheduler.add_request(make_request("other", [*PROMPT, 1, 1, 1, 5], max_tokens=1))
@@ -115,7 +115,7 @@ def test_every_release_reason_is_recorded() -> None:
 
     scheduler.add_request(make_request("j4", PROMPT, max_tokens=1, job_id="j4"))
     run_until_done(scheduler, runner)
-    scheduler.release_pin("j4", PinReleaseReason.EXPIRED)
+    scheduler.pins.release("j4", PinReleaseReason.EXPIRED, now_s=0.0)
     assert counts[PinReleaseReason.EXPIRED] == 1
 
     scheduler.add_request(make_request("j5", PROMPT, max_tokens=1, job_id="j5"))
@@ -171,12 +171,11 @@ def test_admission_releases_other_jobs_pins_before_its_own() -> None:
     assert scheduler.pins.get("job").request_id == "turn1"  # turn1 finished and was pinned
 
 
-def test_pin_table_reports_every_change_to_its_listeners() -> None:
+def test_pin_table_reports_every_release_to_its_listener() -> None:
     pool = BlockPool(8)
     events: list[tuple[str, str, PinReleaseReason | None]] = []
     pins = PinTable(
         pool,
-        on_added=lambda pin: events.append(("added", pin.request_id, pin.release_reason)),
         on_released=lambda pin: events.append(("released", pin.request_id, pin.release_reason)),
     )
     for request_id in ("t1", "t2"):
@@ -186,8 +185,6 @@ def test_pin_table_reports_every_change_to_its_listeners() -> None:
     pins.release("J", PinReleaseReason.EXPIRED, now_s=2.0)
     pins.release("J", PinReleaseReason.EXPIRED, now_s=3.0)  # nothing left: no event
     assert events == [
-        ("added", "t1", None),
-        ("added", "t2", None),
         ("released", "t1", PinReleaseReason.REPLACED),
         ("released", "t2", PinReleaseReason.EXPIRED),
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from continuum.policy import ContinuumPolicy
+from continuum.presets import CONTINUUM
 from engine.scheduler import events
 from estimator.base import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
@@ -43,11 +43,11 @@ def run_two_turns(h: Harness) -> None:
 
 
 def test_a_subscriber_sees_each_step_in_order_and_the_pin_it_made() -> None:
-    h = Harness(ContinuumPolicy(estimator=ConstantTTLEstimator(5.0)))
+    h = Harness(CONTINUUM.build(estimator=ConstantTTLEstimator(5.0)))
     recorder = Recorder()
     h.scheduler.subscribe(recorder)
     assert recorder.state is not None and recorder.state.first_step == h.scheduler.step_id
-    assert recorder.state.policy_name.endswith("ContinuumPolicy")
+    assert recorder.state.policy_name == "continuum"
     run_two_turns(h)
     names = recorder.names
     assert names[:4] == ["RequestArrived", "StepStarted", "Admitted", "StepPlanned"]
@@ -63,9 +63,9 @@ def test_a_subscriber_sees_each_step_in_order_and_the_pin_it_made() -> None:
 
 
 def test_a_subscriber_that_wants_no_more_is_dropped_and_scheduling_is_unchanged() -> None:
-    alone = Harness(ContinuumPolicy(estimator=ConstantTTLEstimator(5.0)))
+    alone = Harness(CONTINUUM.build(estimator=ConstantTTLEstimator(5.0)))
     run_two_turns(alone)
-    h = Harness(ContinuumPolicy(estimator=ConstantTTLEstimator(5.0)))
+    h = Harness(CONTINUUM.build(estimator=ConstantTTLEstimator(5.0)))
     quitter, keeper = Recorder(stop_after=3), Recorder()
     h.scheduler.subscribe(quitter)
     h.scheduler.subscribe(keeper)
@@ -73,7 +73,9 @@ def test_a_subscriber_that_wants_no_more_is_dropped_and_scheduling_is_unchanged(
         h.scheduler.subscribe(Recorder(refuse=True))
     run_two_turns(h)
     assert len(quitter.names) == 3 and quitter.closed and not keeper.closed
-    assert h.scheduler.events.subscribers == (keeper,)
+    learner = alone.scheduler.events.subscribers[0]  # the policy's, subscribed at binding
+    assert h.scheduler.events.subscribers[1:] == (keeper,)
+    assert type(h.scheduler.events.subscribers[0]) is type(learner)
     assert [o.num_scheduled_tokens for o in h.outputs] == [
         o.num_scheduled_tokens for o in alone.outputs]
 
@@ -108,7 +110,7 @@ class TimeRecorder(Recorder):
 def test_what_one_call_finishes_and_releases_shares_its_time() -> None:
     """A turn aborted while its job's pin waits for it, and a job's last turn: the finish,
     the pin's release and the job's end carry the one time of the call that did them."""
-    h = Harness(ContinuumPolicy(estimator=ConstantTTLEstimator(5.0)), clock=TickingClock())
+    h = Harness(CONTINUUM.build(estimator=ConstantTTLEstimator(5.0)), clock=TickingClock())
     recorder = TimeRecorder()
     h.scheduler.subscribe(recorder)
     h.add("t1", tokens(1, 10), job="J", max_tokens=2)

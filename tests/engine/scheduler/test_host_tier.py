@@ -15,7 +15,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.pins import PinReleaseReason
 from engine.request import Request
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import Retention, RetentionInputs
+from engine.scheduler.retention import Retention, RetentionInputs
 from tests.engine.helpers import (
     FakeClock,
     FakeRunner,
@@ -87,7 +87,7 @@ def test_a_block_is_stored_once_when_it_becomes_evictable_and_only_then():
     run_until_done(scheduler, runner)
     host_tier = scheduler.kv_cache_manager.host_tier
     assert host_tier is not None and host_tier.num_used_blocks == 0  # pinned: still held
-    scheduler.release_pin("job", PinReleaseReason.PRESSURE)
+    scheduler.pins.release("job", PinReleaseReason.PRESSURE, now_s=0.0)
     assert host_tier.num_used_blocks == 2  # the pin's 2 full blocks, queued for the host
     output, _ = run_step(scheduler, runner)  # an empty step still carries the copies
     assert output.is_empty and output.kv_transfers.num_stored_blocks == 2
@@ -100,7 +100,7 @@ def test_a_block_is_stored_once_when_it_becomes_evictable_and_only_then():
 
 
 class _Discard(FCFSPolicy):
-    def on_request_finished(self, request, now_s):
+    def retention(self, request, now_s):
         return Retention(0.0, RetentionInputs(ttl_s=0.0, source="discard"), offload=False)
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from continuum.policy import ContinuumPolicy
+from continuum.presets import CONTINUUM
 from engine.config import SchedulerConfig
 from engine.engine_args import EngineArgs
 from engine.kv_cache.pins import PinReleaseReason
@@ -388,7 +388,7 @@ def _tool_call_decoder(token_ids) -> str:
 
 def test_continuum_orders_an_inferred_turn_as_its_job_and_pins_only_tool_calls():
     clock = FakeClock()
-    policy = ContinuumPolicy(estimator=ConstantTTLEstimator(30.0))
+    policy = CONTINUUM.build(estimator=ConstantTTLEstimator(30.0))
     scheduler = make_scheduler(block_size=BLOCK_SIZE, policy=policy, clock=clock,
                                max_num_seqs=1,
                                environment=PolicyEnvironment(decode=_tool_call_decoder))

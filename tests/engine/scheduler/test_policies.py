@@ -1,7 +1,8 @@
 import pytest
 
 from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
-from engine.scheduler.registry import POLICIES, make_policy, resolve_policy_class
+from engine.scheduler.policy import Reservation
+from engine.scheduler.registry import POLICIES, make_policy, resolve_policy
 from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from tests.engine.helpers import FakeRunner, make_request, make_scheduler, run_step, run_until_done
 
@@ -73,8 +74,8 @@ def test_priority_policy_admits_urgent_first_and_preempts_the_least_urgent() -> 
 
 
 def test_registry_resolves_names_and_dotted_paths() -> None:
-    assert resolve_policy_class("fcfs") is FCFSPolicy
-    assert resolve_policy_class("engine.scheduler.policies:PriorityPolicy") is PriorityPolicy
+    assert resolve_policy("fcfs") is FCFSPolicy
+    assert resolve_policy("engine.scheduler.policies:PriorityPolicy") is PriorityPolicy
     assert isinstance(make_policy("priority"), PriorityPolicy)
     assert set(POLICIES) >= {"fcfs", "priority"}
 
@@ -82,7 +83,7 @@ def test_registry_resolves_names_and_dotted_paths() -> None:
 @pytest.mark.parametrize("name", ["nope", "engine.scheduler.policies:Missing", "no.such:Thing"])
 def test_unknown_policies_are_clear_errors(name: str) -> None:
     with pytest.raises(ValueError, match="policy"):
-        resolve_policy_class(name)
+        resolve_policy(name)
 
 
 def test_priority_ties_cannot_preempt_each_other_forever() -> None:
@@ -128,11 +129,8 @@ class _ReservingPolicy(FCFSPolicy):
     def __init__(self, counted) -> None:
         self.counted = counted
 
-    def num_tokens_to_reserve(self, request, num_hit_tokens, num_new_tokens):
-        return request.num_tokens - num_hit_tokens
-
-    def reservable_pins(self, request, now_s):
-        return [self.counted]
+    def reservation(self, request, num_hit_tokens, num_new_tokens, now_s):
+        return Reservation(request.num_tokens - num_hit_tokens, (self.counted,))
 
 
 def test_a_policy_counting_a_pin_that_is_not_live_fails_loudly() -> None:

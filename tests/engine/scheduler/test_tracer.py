@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from continuum.policy import ContinuumPolicy
-from engine.scheduler.policy import RetentionInputs
+from continuum.presets import CONTINUUM
+from engine.scheduler.retention import RetentionInputs
 from engine.scheduler.tracer import SchedulerTracer, ttl_inputs
 from estimator.base import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
@@ -100,7 +100,7 @@ def _check_trace_matches_steps(trace: Trace, steps: list[tuple]) -> None:
 
 def _harness(tmp_path: Path, ttl_s: float, **options) -> Harness:
     tracer = SchedulerTracer(tmp_path / "t.jsonl", config={"test": True})
-    return Harness(ContinuumPolicy(estimator=ConstantTTLEstimator(ttl_s)), tracer=tracer,
+    return Harness(CONTINUUM.build(estimator=ConstantTTLEstimator(ttl_s)), tracer=tracer,
                    **options)
 
 
@@ -203,8 +203,8 @@ def test_a_trace_that_cannot_be_written_is_dropped_and_scheduling_goes_on(caplog
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
     jobs = [AgentJob("j", 0.0, (Turn(6, 3, 0.1), Turn(4, 2, None)))]
-    untraced = replay(jobs, ContinuumPolicy(estimator=ConstantTTLEstimator(1.0)), num_blocks=16)
-    traced = replay(jobs, ContinuumPolicy(estimator=ConstantTTLEstimator(1.0)), num_blocks=16,
+    untraced = replay(jobs, CONTINUUM.build(estimator=ConstantTTLEstimator(1.0)), num_blocks=16)
+    traced = replay(jobs, CONTINUUM.build(estimator=ConstantTTLEstimator(1.0)), num_blocks=16,
                     tracer=SchedulerTracer("/dev/full"))
     assert traced.steps == untraced.steps
     assert "tracing is disabled" in caplog.text

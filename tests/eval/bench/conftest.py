@@ -9,7 +9,7 @@ import pytest
 from eval.server_process import ServerProcess, ServerSpec, read_rss_mib
 
 SERVE_ARGS = ("--num-kv-blocks", "256", "--max-model-len", "1024",
-              "--policy-option", "estimator=fixed-2s", "--policy-option", "prefill_profile=none",
+              "--policy-option", "estimator=fixed-2s",
               "--debug-check-invariants", "--no-job-inference")  # as bench load's defaults
 
 

@@ -17,7 +17,7 @@ class SabotagedPolicy(FCFSPolicy):
     def __init__(self) -> None:
         self.num_finished = 0
 
-    def on_request_finished(self, request: Request, now_s: float) -> None:
+    def retention(self, request: Request, now_s: float) -> None:
         self.num_finished += 1
         running = self.scheduler.running
         if self.num_finished > SABOTAGE_AFTER_FINISHED and running:

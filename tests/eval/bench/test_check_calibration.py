@@ -54,8 +54,7 @@ def test_policy_specs_default_to_the_policies_as_measured() -> None:
     for run_set in ("h100-24b013d", "h100-d8b9e2f"):
         later = _policy_map(RUN_SETS[run_set], [])
         assert (later["continuum"].name, later["continuum"].options) == (
-            "continuum", (("cold_start_samples", "100"), ("pin_cost", "priced"),
-                          ("reservable_pins", "other-jobs")))
+            "continuum-as-replayed", ())
     with pytest.raises(ValueError, match="LABEL one of continuum, fcfs"):
         _policy_map(RUN_SETS["h100-24b013d"], ["continuum-fixed=continuum"])
 

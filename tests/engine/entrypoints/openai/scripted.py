@@ -19,7 +19,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
 from engine.scheduler.output import NewRequestData, SchedulerOutput
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.policy import Retention, RetentionInputs
+from engine.scheduler.retention import Retention, RetentionInputs
 
 SCRIPT = (
     'Let me look.\n<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
@@ -103,7 +103,7 @@ class PinJobTurnsPolicy(FCFSPolicy):
     the client named: the jobs the scheduler infers for requests without one are not pinned,
     so that those requests hold nothing between tests."""
 
-    def on_request_finished(self, request: Request, now_s: float) -> Retention | None:
+    def retention(self, request: Request, now_s: float) -> Retention | None:
         job = request.job
         if (job is None or job.inferred or job.is_last_step
                 or request.status is RequestStatus.FINISHED_ABORTED):

@@ -20,6 +20,7 @@ from engine.entrypoints.openai.protocol import JobFields
 from engine.entrypoints.openai.serving import ServerSettings
 from engine.entrypoints.openai.tenants import Tenants
 from engine.request import JobInfo
+from tests.continuum.priced import PRICED_CONTINUUM_PATH
 from tests.engine.entrypoints.openai.conftest import SCRIPTED, ServerThread, start_server
 from tracing.reader import read_trace
 from tracing.records import PinPinned, PinReleased, PrefixCacheEvent, RequestArrived
@@ -36,7 +37,7 @@ def _start(tmp_path: Path, **overrides) -> ServerThread:
     profile = tmp_path / "prefill.json"  # 100 s per prompt token: every rebuild is costly
     profile.write_text(json.dumps({"points": [[16, 1600.0], [64, 6400.0], [256, 25600.0]]}))
     return start_server(
-        executor=f"{SCRIPTED}:ScriptedExecutor", scheduling_policy="continuum",
+        executor=f"{SCRIPTED}:ScriptedExecutor", scheduling_policy=PRICED_CONTINUUM_PATH,
         policy_options={"prefill_profile": str(profile)},
         trace_path=str(tmp_path / "trace.jsonl"), **overrides,
     )

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from engine.entrypoints.openai.api_server import ServerSettings
+from tests.continuum.priced import PRICED_CONTINUUM_PATH
 from tests.engine.entrypoints.openai.conftest import SCRIPTED, start_server
 from tests.engine.entrypoints.openai.scripted import PIN_TTL_S
 
@@ -125,6 +126,7 @@ def test_the_default_policy_reads_the_tool_and_pins_for_the_eq2_ttl(tmp_path):
     profile, state_path = tmp_path / "profile.json", tmp_path / "estimator.json"
     profile.write_text(json.dumps({"points": [[0, 4.0], [1000, 4.0]]}))
     server = start_server(executor=f"{SCRIPTED}:ScriptedExecutor",
+                          scheduling_policy=PRICED_CONTINUUM_PATH,
                           policy_options={"prefill_profile": str(profile),
                                           "estimator_state": str(state_path)},
                           settings=ServerSettings(served_model_name="scripted"))

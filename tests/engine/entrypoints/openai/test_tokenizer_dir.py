@@ -18,6 +18,7 @@ from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.serving import ServerSettings
 from engine.model.tiny import TINY_MODEL_DIR
 from engine.model.tokenizer import load_decoder, load_tokenizer, tokenizer_dir
+from tests.continuum.priced import PRICED_CONTINUUM_PATH
 from tests.engine.entrypoints.openai.conftest import SCRIPTED, ServerThread, start_server
 
 REPO = Path(__file__).resolve().parents[4]
@@ -41,6 +42,7 @@ def served(weights_only: Path, tmp_path_factory: pytest.TempPathFactory
     profile.write_text(json.dumps({"points": [[0, 4.0], [1000, 4.0]]}))
     server = start_server(model=str(weights_only), tokenizer=str(TINY_MODEL_DIR),
                           load_format="dummy", executor=f"{SCRIPTED}:ScriptedExecutor",
+                          scheduling_policy=PRICED_CONTINUUM_PATH,
                           policy_options={"prefill_profile": str(profile)},
                           settings=ServerSettings(served_model_name="weights-only"))
     yield server

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from continuum.baselines import AutellixPolicy, InferCeptPolicy
-from continuum.options import JobOptions
-from continuum.policy import ContinuumFixedPolicy
+from continuum.options import InferCeptOptions
+from continuum.policy import AgentPolicy
+from continuum.presets import AUTELLIX, CONTINUUM_FIXED, INFERCEPT
 from engine.kv_cache.pins import PinReleaseReason
 from engine.scheduler.registry import make_policy
 from tests.continuum.harness import Harness, tokens
 
 
 def test_registry_names_the_agent_policies() -> None:
-    for name, cls in [("continuum-fixed", ContinuumFixedPolicy), ("infercept", InferCeptPolicy),
-                      ("autellix", AutellixPolicy)]:
-        assert type(make_policy(name)) is cls
+    for name in ("continuum", "continuum-fixed", "job-fcfs", "infercept", "autellix"):
+        policy = make_policy(name)
+        assert isinstance(policy, AgentPolicy) and policy.name == name
 
 
 def test_continuum_fixed_pins_two_seconds_unless_the_tool_is_known_to_be_slower() -> None:
-    h = Harness(ContinuumFixedPolicy())
+    h = Harness(CONTINUUM_FIXED.build())
     h.add("t1", tokens(1, 6), job="J", tool="slow")
     h.run_until_finished("t1")
     assert h.pin("J").ttl_s == 2.0  # unknown tool: pinned
@@ -41,7 +41,7 @@ def test_continuum_fixed_pins_two_seconds_unless_the_tool_is_known_to_be_slower(
 
 
 def test_infercept_preserves_until_the_next_turn_and_gives_pins_up_first() -> None:
-    h = Harness(InferCeptPolicy(JobOptions(job_idle_timeout_s=300.0)), num_blocks=16)
+    h = Harness(INFERCEPT.build(InferCeptOptions(job_idle_timeout_s=300.0)), num_blocks=16)
     h.add("t1", tokens(1, 12), job="J", max_tokens=2)
     h.run_until_finished("t1")
     assert h.pin("J").ttl_s == 300.0
@@ -57,7 +57,7 @@ def test_infercept_preserves_until_the_next_turn_and_gives_pins_up_first() -> No
 
 
 def test_infercept_pins_reach_the_next_turn() -> None:
-    h = Harness(InferCeptPolicy())
+    h = Harness(INFERCEPT.build())
     h.add("t1", tokens(1, 10), job="J", max_tokens=3)
     h.run_until_finished("t1")
     h.clock.advance(60.0)
@@ -68,13 +68,13 @@ def test_infercept_pins_reach_the_next_turn() -> None:
 
 
 def test_autellix_orders_waiting_turns_by_their_jobs_attained_service() -> None:
-    h = Harness(AutellixPolicy(), max_num_seqs=1)
+    h = Harness(AUTELLIX.build(), max_num_seqs=1)
     h.add("heavy1", tokens(1, 20), job="H", max_tokens=8)
     h.run_until_finished("heavy1")
     h.add("light1", tokens(100, 4), job="L", max_tokens=2)
     h.run_until_finished("light1")
-    assert h.policy.jobs.get("H").attained_service_tokens == 28
-    assert h.policy.jobs.get("L").attained_service_tokens == 6
+    assert h.policy.ledger.jobs.get("H").attained_service_tokens == 28
+    assert h.policy.ledger.jobs.get("L").attained_service_tokens == 6
     h.add("busy", tokens(200, 4), max_tokens=3)
     h.step()
     h.next_turn("heavy2", "heavy1", tokens(50, 2))

@@ -7,17 +7,15 @@ import math
 
 import pytest
 
-from continuum.af226d3 import ContinuumAf226d3Policy
-from continuum.options import ContinuumAf226d3Options, ContinuumOptions, ProgramOrderOptions
-from continuum.policy import ContinuumPolicy
-from continuum.program_order import JobFCFSPolicy
+from continuum.options import ContinuumOptions, ProgramOrderOptions
+from continuum.presets import CONTINUUM, JOB_FCFS
 from engine.kv_cache.pins import PinReleaseReason
 from engine.scheduler.policy import SchedulingPolicy
 from estimator.base import ConstantTTLEstimator
+from eval.policy_variants import CONTINUUM_AF226D3, Af226d3Options
 from tests.continuum.harness import Harness, tokens
 
-UNBOUNDED = {"max_job_age_s": math.inf, "max_wait_s": math.inf, "pin_yield_wait_s": math.inf,
-             "max_plain_wait_s": math.inf}
+UNBOUNDED = {"max_job_age_s": math.inf, "max_wait_s": math.inf, "max_plain_wait_s": math.inf}
 STEP_S = 0.05
 
 
@@ -41,26 +39,24 @@ def flood_until_admitted(policy: SchedulingPolicy, *, duration_s: float) -> floa
     return None
 
 
-def af226d3(options: dict) -> ContinuumAf226d3Policy:
-    return ContinuumAf226d3Policy(ContinuumAf226d3Options(
-        **{k: v for k, v in options.items() if k != "max_plain_wait_s"}),
-        estimator=ConstantTTLEstimator(5.0))
+def af226d3(options: dict) -> SchedulingPolicy:
+    return CONTINUUM_AF226D3.build(Af226d3Options(**options),
+                                   estimator=ConstantTTLEstimator(5.0))
 
 
 def test_af226d3_starved_a_plain_request_without_its_bounds() -> None:
     # Without the bounds, the old job's turns always sorted first: the plain request starved.
     assert flood_until_admitted(af226d3(UNBOUNDED), duration_s=20.0) is None
     # With them, it headed the queue once it waited max_wait_s, and pins gave way to it.
-    bounded = {"max_job_age_s": 60.0, "max_wait_s": 2.0, "pin_yield_wait_s": 0.0}
+    bounded = {"max_job_age_s": 60.0, "max_wait_s": 2.0}
     waited_s = flood_until_admitted(af226d3(bounded), duration_s=20.0)
     assert waited_s is not None and waited_s <= 2.0 + 4 * STEP_S
 
 
 @pytest.mark.parametrize("make_policy", [
-    lambda options: ContinuumPolicy(ContinuumOptions(**options),
+    lambda options: CONTINUUM.build(ContinuumOptions(**options),
                                     estimator=ConstantTTLEstimator(5.0)),
-    lambda options: JobFCFSPolicy(ProgramOrderOptions(
-        **{k: v for k, v in options.items() if k != "pin_yield_wait_s"})),
+    lambda options: JOB_FCFS.build(ProgramOrderOptions(**options)),
 ], ids=["continuum", "job-fcfs"])
 def test_a_plain_request_goes_ahead_of_the_turns_that_arrive_after_it(make_policy) -> None:
     # Even with every bound off, the old job's later turns cannot pass it.
@@ -71,13 +67,13 @@ def test_a_plain_request_goes_ahead_of_the_turns_that_arrive_after_it(make_polic
 def test_with_the_default_bounds_a_plain_request_waits_at_most_its_own_bound() -> None:
     # The old job always holds a pin, so its turns are in the pinned tier and its pins would
     # keep memory from a later plain request: both give way once it waited max_plain_wait_s.
-    policy = ContinuumPolicy(estimator=ConstantTTLEstimator(5.0))
+    policy = CONTINUUM.build(estimator=ConstantTTLEstimator(5.0))
     waited_s = flood_until_admitted(policy, duration_s=40.0)
     assert waited_s is not None and waited_s <= 10.0 + 4 * STEP_S
 
 
 def test_aging_caps_how_far_ahead_an_old_jobs_turn_sorts() -> None:
-    policy = JobFCFSPolicy(ProgramOrderOptions(max_job_age_s=3.0, max_wait_s=math.inf))
+    policy = JOB_FCFS.build(ProgramOrderOptions(max_job_age_s=3.0, max_wait_s=math.inf))
     h = Harness(policy, max_num_seqs=1)
     h.add("old#0", tokens(1, 8), job="old", max_tokens=1)
     h.run_until_finished("old#0")
@@ -94,7 +90,7 @@ def test_aging_caps_how_far_ahead_an_old_jobs_turn_sorts() -> None:
 
 def test_pins_hold_at_most_their_share_of_the_pool_later_jobs_first() -> None:
     # 32 blocks, pins capped at half: each job's turn pins 3 blocks.
-    policy = ContinuumPolicy(ContinuumOptions(max_pinned_fraction=0.5),
+    policy = CONTINUUM.build(ContinuumOptions(max_pinned_fraction=0.5),
                              estimator=ConstantTTLEstimator(100.0))
     h = Harness(policy, num_blocks=32)
     for index in range(6):

@@ -1,0 +1,109 @@
+"""The scheduler's hands on pins and jobs: it pins what a policy retains, releases what a
+policy gives up or expires, infers jobs and ends them.
+
+Owned by `Scheduler`, which decides when; every pin change reaches the event stream
+(`RetentionDecided`, `PinReleased`, `JobEnded`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
+from engine.request import Request, RequestStatus
+from engine.scheduler import events
+from engine.scheduler.job_inference import InferredJob, JobInference
+from engine.scheduler.retention import Retention
+
+
+class PinKeeper:
+    """Owns the pin table (over the KV cache manager's block pool) and the job inference
+    table (None: inference is off). Times are seconds on the scheduler's clock."""
+
+    def __init__(self, kv_cache_manager: KVCacheManager, stream: events.SchedulerEvents,
+                 job_inference: JobInference | None) -> None:
+        self._kv_cache_manager = kv_cache_manager
+        self._events = stream
+        self.job_inference = job_inference
+        self.pins = PinTable(kv_cache_manager.block_pool,
+                             on_released=lambda pin: stream.emit(events.PinReleased(pin)))
+
+    def retain(self, request: Request, retention: Retention | None, now_s: float) -> bool:
+        """Carries out a policy's retention decision on a finished turn: releases the pins it
+        makes room with, then pins the turn's cached blocks if it says so; True if the
+        request's blocks went to a pin (or were detached, none being cached)."""
+        if retention is None or request.job is None:
+            return False
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            raise RuntimeError(f"policy retained {request}, which was aborted")
+        for job_id in retention.release_job_ids:
+            self.release(job_id, PinReleaseReason.PRESSURE, now_s)
+        pin = None
+        if retention.pins:
+            blocks = self._kv_cache_manager.detach_cached_blocks(request)
+            if blocks:
+                pin = self.pins.add(request.job.job_id, request.request_id, blocks,
+                                    now_s=now_s, ttl_s=self._ttl_s(request, retention))
+        self._events.emit(events.RetentionDecided(request, pin, retention.inputs, now_s))
+        return retention.pins
+
+    def _ttl_s(self, request: Request, retention: Retention) -> float:
+        """The policy's TTL, capped for an inferred job by how long its turn can be continued."""
+        if self.job_inference is None or request.job is None or not request.job.inferred:
+            return retention.ttl_s
+        return self.job_inference.pin_ttl_s(retention.ttl_s)
+
+    def release(self, job_id: str, reason: PinReleaseReason, now_s: float) -> Pin | None:
+        """Releases the job's pin, if any; returns it."""
+        return self.pins.release(job_id, reason, now_s=now_s)
+
+    def release_chosen(self, pins: Iterable[Pin], reason: PinReleaseReason,
+                       now_s: float) -> None:
+        """Releases pins a policy chose, in order; RuntimeError for one that is not live."""
+        for pin in pins:
+            if self.pins.get(pin.job_id) is not pin:
+                raise RuntimeError(f"policy chose the pin of job {pin.job_id!r} "
+                                   f"({reason.value}), which is not live")
+            self.release(pin.job_id, reason, now_s)
+
+    def end_job(self, job_id: str, reason: PinReleaseReason, now_s: float) -> Pin | None:
+        """Ends a job: releases its pin (if any), forgets it in the job inference table and
+        emits `JobEnded` (the policy learns it there); returns the pin."""
+        pin = self.release(job_id, reason, now_s)
+        if self.job_inference is not None:
+            self.job_inference.forget(job_id)
+        self._events.emit(events.JobEnded(job_id, reason.value, now_s))
+        return pin
+
+    def infer_job(self, request: Request, now_s: float) -> InferredJob | None:
+        """Gives a request without a job its inferred job (None: it has a job, or inference
+        is off); an explicit job is never changed."""
+        if self.job_inference is None or request.job is not None:
+            return None
+        inferred = self.job_inference.infer(request, now_s)
+        request.job = inferred.job
+        return inferred
+
+    def sweep_inferred_jobs(self, now_s: float) -> list[str]:
+        """Ends the inferred jobs whose latest turn aged out; returns their ids."""
+        if self.job_inference is None:
+            return []
+        return self._end_jobs(self.job_inference.sweep(now_s), now_s)
+
+    def turn_finished(self, request: Request, now_s: float) -> None:
+        """After a finished request's blocks were pinned or freed: a job's last turn ends its
+        job; an inferred job's turn is remembered for its continuation (ending the inferred
+        jobs that no longer can be)."""
+        job = request.job
+        if job is None:
+            return
+        if job.is_last_step:
+            self.end_job(job.job_id, PinReleaseReason.JOB_END, now_s)
+        if self.job_inference is not None and job.inferred:
+            self._end_jobs(self.job_inference.turn_finished(request, now_s), now_s)
+
+    def _end_jobs(self, job_ids: list[str], now_s: float) -> list[str]:
+        for job_id in job_ids:
+            self.end_job(job_id, PinReleaseReason.JOB_END, now_s)
+        return job_ids

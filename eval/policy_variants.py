@@ -1,0 +1,177 @@
+"""Policies the simulator and the calibration checks still run but the engine does not offer:
+the oracle bound and Continuum as earlier measured runs ran it. Each is a `PolicyPreset`
+(a composition of `continuum`'s strategies), named in `EVAL_POLICIES` so that `bench sim
+--policies` and `bench check-calibration` take it by name like a registered policy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from continuum.admission import OtherJobsPins, ThisChunk, WholePrompt, YieldWhenOverdue
+from continuum.estimation import EstimatorChoice, EstimatorWrapper, build_estimator
+from continuum.ledger import JobLedger
+from continuum.options import ContinuumOptions, _help
+from continuum.policy import Strategies
+from continuum.presets import PolicyPreset, program_order, waiting_bounds
+from continuum.queues import ProgramOrderQueue, QueueKey
+from continuum.retention import EstimatedPins
+from continuum.waiting_order import WaitingBounds
+from engine.kv_cache.pins import Pin
+from engine.request import Request
+from engine.scheduler.policy import SchedulerView, Victim
+from estimator.base import ToolCall, TTLDecision, TTLEstimator
+from estimator.solver import DurationCDF
+
+# A pin must outlast the next turn's arrival at exactly `finish + duration`.
+ORACLE_SLACK_S = 1e-3
+
+ToolDurationLookup = Callable[[str], float | None]
+
+
+class OracleTTLEstimator(EstimatorWrapper):
+    """Eq. 2 with the call's duration known: pins for exactly that duration when the saving
+    `T * eta + R` exceeds it, else not at all (`tool_duration_s(request_id)`, None when
+    unknown: then `inner` decides); everything observed goes to `inner`, which supplies
+    the saving."""
+
+    def __init__(self, inner: TTLEstimator, tool_duration_s: ToolDurationLookup) -> None:
+        super().__init__(inner)
+        self._tool_duration_s = tool_duration_s
+
+    def decide(self, call: ToolCall) -> TTLDecision:
+        decision = self.inner.decide(call)
+        duration_s = None if call.request_id is None else self._tool_duration_s(call.request_id)
+        if duration_s is None or decision.benefit_s is None:
+            return decision
+        ttl_s = duration_s + ORACLE_SLACK_S if duration_s < decision.benefit_s else 0.0
+        return TTLDecision(ttl_s, "oracle", num_samples=decision.num_samples,
+                           queueing_delay_s=decision.queueing_delay_s, eta=decision.eta,
+                           rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s,
+                           duration_cdf=DurationCDF((duration_s,), (1.0,)))
+
+
+def compose_oracle(options: ContinuumOptions, *,
+                   tool_duration_s: ToolDurationLookup | None = None) -> Strategies:
+    """`continuum` whose TTLs know each tool call's true duration (`tool_duration_s` maps a
+    finished turn's request id to it; only the simulator has them): the upper bound for any
+    TTL rule."""
+    if tool_duration_s is None:
+        raise ValueError("continuum-oracle needs every tool call's true duration "
+                         "(tool_duration_s); only the simulator (bench sim) has them")
+    choice = EstimatorChoice(options.estimator, max_ttl_s=options.max_ttl_s,
+                             state_file=options.estimator_state)
+
+    def make_estimator(scheduler: SchedulerView) -> TTLEstimator:
+        return OracleTTLEstimator(build_estimator(choice, scheduler), tool_duration_s)
+
+    return program_order(options, EstimatedPins(
+        make_estimator, max_pinned_fraction=options.max_pinned_fraction,
+        state_file=options.estimator_state))
+
+
+def compose_as_replayed(options: ContinuumOptions) -> Strategies:
+    """`continuum` as the H100 agent replays of 24b013d and d8b9e2f ran it: the paper's
+    cold start (K = 100), the memory price not yet capped by the pool's capacity, and any
+    other job's pin counted as room for a waiting prompt's later chunks."""
+    choice = EstimatorChoice(options.estimator, max_ttl_s=options.max_ttl_s,
+                             pin_cost="priced", cold_start_samples=100)
+    strategies = program_order(options, EstimatedPins(
+        lambda scheduler: build_estimator(choice, scheduler),
+        max_pinned_fraction=options.max_pinned_fraction))
+    return Strategies(strategies.order, strategies.retention, strategies.victims,
+                      WholePrompt(OtherJobsPins()), strategies.pin_yield)
+
+
+@dataclass(frozen=True)
+class Af226d3Options(ContinuumOptions):
+    """`continuum`'s options with af226d3's defaults: pins capped at 80 % of the pool, no
+    bound of their own for requests without a job."""
+
+    max_plain_wait_s: float = field(default=math.inf, metadata=_help(
+        "seconds (inf: af226d3 ordered requests without a job like turns)"))
+    max_pinned_fraction: float = field(default=0.8, metadata=_help(
+        "in (0, 1]: the share of the KV pool pins may hold (af226d3: 0.8)"))
+
+
+@dataclass(frozen=True)
+class AgedJobOrder:
+    """Program-level order in tiers, requests without a job keyed like turns (no tier of
+    their own)."""
+
+    bounds: WaitingBounds
+
+    def new_queue(self, ledger: JobLedger) -> ProgramOrderQueue:
+        max_job_age_s = self.bounds.max_job_age_s
+        return ProgramOrderQueue(
+            lambda request: ledger.job_order(request, max_job_age_s), ledger.arrival,
+            lambda: [pin.job_id for pin in ledger.scheduler.pins],
+            self.bounds.overdue_cutoffs)
+
+
+@dataclass(frozen=True)
+class LatestJobVictimPinsLast:
+    """af226d3's victims: running requests are preempted before any pin is released (the
+    latest job's request, requests of jobs holding a pin last, prefilling or not, however
+    often preempted); the latest job's pin (its own last) goes only when the requester
+    would preempt itself."""
+
+    def select(self, request: Request, now_s: float, ledger: JobLedger) -> Victim | None:
+        def rank(running: Request) -> QueueKey:
+            return (running.job_id not in ledger.scheduler.pins, ledger.job_rank(running),
+                    ledger.arrival_order(running))
+
+        victim = max(ledger.scheduler.running, key=rank)
+        if victim is request:
+            pin = ledger.latest_job_pin(exclude_job_id=request.job_id)
+            if pin is not None:
+                return pin
+        return victim
+
+
+@dataclass(frozen=True)
+class WhileTurnWaits:
+    """af226d3's expiry: a pin past its deadline lives on while a turn of its job waits
+    (released by the sweep at a step's start otherwise)."""
+
+    def expired_pins(self, now_s: float, ledger: JobLedger) -> Sequence[Pin]:
+        return ()
+
+
+def compose_af226d3(options: Af226d3Options, *,
+                    estimator: TTLEstimator | None = None) -> Strategies:
+    """`continuum` as commit af226d3 ran it on the H100: Eq. 2 with the paper's R (the
+    prefill alone), cold start (K = 100) and pin cost (its TTL); victims before pins
+    (`LatestJobVictimPinsLast`); pins yield to a blocked head only when nothing runs or once
+    it waited `max_wait_s`; a prompt starts once its first chunk fits; a pin outlives its
+    deadline while its job's turn waits; requests without a job ordered like turns
+    (`estimator`, when given, instead of the one the options name)."""
+    choice = EstimatorChoice(options.estimator, max_ttl_s=options.max_ttl_s,
+                             state_file=options.estimator_state, rebuild_cost="prefill",
+                             pin_cost="ttl", cold_start_samples=100)
+    bounds = waiting_bounds(options)
+
+    def make_estimator(scheduler: SchedulerView) -> TTLEstimator:
+        return build_estimator(choice, scheduler) if estimator is None else estimator
+
+    return Strategies(
+        order=AgedJobOrder(bounds),
+        retention=EstimatedPins(make_estimator, max_pinned_fraction=options.max_pinned_fraction,
+                                state_file=options.estimator_state),
+        victims=LatestJobVictimPinsLast(), admission=ThisChunk(),
+        pin_yield=YieldWhenOverdue(bounds), expiry=WhileTurnWaits())
+
+
+CONTINUUM_ORACLE = PolicyPreset("continuum-oracle", ContinuumOptions, compose_oracle)
+CONTINUUM_AS_REPLAYED = PolicyPreset("continuum-as-replayed", ContinuumOptions,
+                                     compose_as_replayed)
+CONTINUUM_AF226D3 = PolicyPreset("continuum-af226d3", Af226d3Options, compose_af226d3)
+
+# The names `bench sim --policies` and `bench check-calibration` take beside the engine's.
+EVAL_POLICIES = {
+    "continuum-oracle": "eval.policy_variants:CONTINUUM_ORACLE",
+    "continuum-af226d3": "eval.policy_variants:CONTINUUM_AF226D3",
+    "continuum-as-replayed": "eval.policy_variants:CONTINUUM_AS_REPLAYED",
+}
