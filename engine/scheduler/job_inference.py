@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
+import unicodedata
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -26,6 +28,19 @@ from engine.kv_cache.hashing import BlockHash, extend_block_hashes
 from engine.request import INFERRED_JOB_ID_PREFIX, JobInfo, Request, RequestStatus
 
 _K = TypeVar("_K")
+
+# A finished turn keeps the text of its first output tokens, up to this many of them; a
+# continuation's text is read over this many tokens after the turn's prompt (room for a
+# client's preamble before the answer it re-sends), and over this many before it.
+OUTPUT_TEXT_TOKENS = 64
+CONTINUATION_TEXT_TOKENS = 256
+PROMPT_TEXT_TOKENS = 64
+# Texts are compared by their runs of this many characters (their n-grams).
+TEXT_GRAM_CHARS = 4
+_WHITESPACE = re.compile(r"\s+")
+# Markup tags, the text of most special tokens (`<|im_end|>`, `<tool_call>`, `</think>`).
+_TAGS = re.compile(r"<\|[^<>|\s]{0,64}\|>|</?[A-Za-z_][\w.-]{0,64}>")
+_REPLACEMENT_CHARS = re.compile("\ufffd+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +55,9 @@ class InferredJob:
 @dataclass(frozen=True, slots=True)
 class _FinishedTurn:
     """What a later prompt is matched against: the turn's tenant, the chained hash of the last
-    full block of its prompt, the prompt's tokens after that block, its length in tokens, and
-    the first tokens of its output (at most a block of them)."""
+    full block of its prompt, the prompt's tokens after that block, its length in tokens, the
+    first tokens of its output (at most a block of them) and, with a decoder, the normalised
+    text of its first `OUTPUT_TEXT_TOKENS` output tokens (`normalized_text`)."""
 
     job_id: str
     request_id: str
@@ -51,6 +67,7 @@ class _FinishedTurn:
     num_prompt_tokens: int
     output_head: tuple[int, ...]
     finished_at_s: float
+    output_text: str | None = None
 
 
 class JobInference:
@@ -70,11 +87,25 @@ class JobInference:
     turn when the rule above holds for it. Otherwise the matching turns with the longest
     prompt are candidates, and the turn's output decides between them: a chat client
     re-renders the output through the chat template (tool calls re-serialised, whitespace
-    moved), so it is not required to come back whole, but the candidate whose first output
-    tokens (up to a block of them) the request repeats furthest wins. A tie between several
-    candidates (parallel rollouts of one first prompt that answered alike) is ambiguous: the
-    request starts a new job rather than joining one of theirs, whose pins and order it might
-    take.
+    moved), so it is not required to come back whole.
+
+    With `decode` (token ids to text) the match is on text, which survives what token ids do
+    not: a byte-level tokenizer's output that is not valid UTF-8 comes back as U+FFFD,
+    special tokens the client never saw are missing from what it sends, and clients that
+    rewrite an answer ("Thought: ... Answer: ...") still send its text. A candidate's output
+    text (what its client received: without the stop token that ended it) and the text the
+    request has after the candidates' prompt are normalised (whitespace runs as one space,
+    runs of U+FFFD as one, NFC, markup tags such as special tokens' left out) and compared by
+    their runs of `TEXT_GRAM_CHARS` characters, less those the end of the candidates' prompt
+    also holds (the chat template's text and words of the question tell no candidate
+    apart). Of the candidates with any run in the request's text, the one with
+    the largest share of its runs there wins, then the one with the most; a candidate whose
+    output was empty wins only when no candidate has any. Without `decode`, the candidate
+    whose first output tokens (up to a block of them) the request repeats furthest wins.
+
+    A tie between several candidates (parallel rollouts of one first prompt that answered
+    alike) is ambiguous: the request starts a new job rather than joining one of theirs,
+    whose pins and order it might take.
 
     **One continuation per turn.** A match takes the turn out of the table, so an inferred job
     has at most one unfinished turn. If that turn is aborted, the turn it continued goes back
@@ -93,7 +124,8 @@ class JobInference:
     pin an explicit job's turn (shipped policies pin only turns that called a tool).
     """
 
-    def __init__(self, block_size: int, *, max_turns: int, max_age_s: float) -> None:
+    def __init__(self, block_size: int, *, max_turns: int, max_age_s: float,
+                 decode: Callable[[Sequence[int]], str] | None = None) -> None:
         if max_turns <= 0:
             raise ValueError(f"max_turns must be positive, got {max_turns!r}")
         if not max_age_s > 0:
@@ -101,6 +133,7 @@ class JobInference:
         self.block_size = block_size
         self.max_turns = max_turns
         self.max_age_s = max_age_s
+        self._decode = decode
         self._turns: OrderedDict[str, _FinishedTurn] = OrderedDict()  # by job id, oldest first
         # The same turns by tenant, each tenant's oldest first (a tenant with none is absent).
         self._turns_by_tenant: dict[str | None, OrderedDict[str, None]] = {}
@@ -113,6 +146,11 @@ class JobInference:
     def __len__(self) -> int:
         """Finished turns in the table."""
         return len(self._turns)
+
+    @property
+    def matches_text(self) -> bool:
+        """Whether candidates are told apart by their output's text (a decoder was given)."""
+        return self._decode is not None
 
     def infer(self, request: Request, now_s: float) -> InferredJob:
         """The job of `request` (which names none): the job of the finished turn it continues,
@@ -149,6 +187,8 @@ class JobInference:
             output_head=tuple(request.all_token_ids[request.num_prompt_tokens:
                                                     request.num_prompt_tokens + self.block_size]),
             finished_at_s=now_s,
+            output_text=self._text(request.all_token_ids, request.num_prompt_tokens,
+                                   min(OUTPUT_TEXT_TOKENS, _num_visible_output_tokens(request))),
         )
         return self._add(turn)
 
@@ -203,16 +243,39 @@ class JobInference:
 
     def _decide(self, request: Request, candidates: list[_FinishedTurn]) -> _FinishedTurn | None:
         """Among turns `request` continues: the one with the longest prompt, then the one
-        whose output it repeats furthest; None when that leaves a tie."""
+        whose output it repeats furthest (by text with a decoder, else by tokens); None when
+        that leaves a tie."""
         longest = max(turn.num_prompt_tokens for turn in candidates)
         candidates = [turn for turn in candidates if turn.num_prompt_tokens == longest]
         if len(candidates) == 1:
             return candidates[0]
-        scores = [_num_repeated(request, turn) for turn in candidates]
+        num_continued = min(CONTINUATION_TEXT_TOKENS, request.num_prompt_tokens - longest)
+        continuation = self._text(request.all_token_ids, longest, num_continued)
+        scores: list[tuple[bool, float, int]] | list[int]
+        prompt_end = self._text(request.all_token_ids, max(0, longest - PROMPT_TEXT_TOKENS),
+                                min(longest, PROMPT_TEXT_TOKENS))
+        if (continuation is not None and prompt_end is not None
+                and all(turn.output_text is not None for turn in candidates)):
+            grams = _grams(continuation)
+            common = _grams(prompt_end)
+            scores = [_text_score(turn.output_text or "", continuation, grams, common)
+                      for turn in candidates]
+        else:
+            scores = [_num_repeated(request, turn) for turn in candidates]
         best = max(scores)
         if scores.count(best) > 1:
             return None
         return candidates[scores.index(best)]
+
+    def _text(self, token_ids: Sequence[int], start: int, max_tokens: int) -> str | None:
+        """The normalised text of up to `max_tokens` of `token_ids` from `start` (None
+        without a decoder, or when it fails: the turn is then told apart by token ids)."""
+        if self._decode is None:
+            return None
+        try:
+            return normalized_text(self._decode(token_ids[start:start + max_tokens]))
+        except Exception:  # a tokenizer that cannot decode these ids leaves them to tokens
+            return None
 
     def _continues(self, request: Request, turn: _FinishedTurn, now_s: float) -> bool:
         """Whether `request`'s prompt, whose full blocks up to `turn`'s key already match,
@@ -302,6 +365,54 @@ class JobInference:
             assert not job_id.startswith(INFERRED_JOB_ID_PREFIX) or job_id in live, (
                 f"the pin of {job_id} outlived its inferred job"
             )
+
+
+def _num_visible_output_tokens(request: Request) -> int:
+    """The output tokens whose text the client received: all but a stop token that ended it
+    (EOS or a stop token id, which the output text leaves out)."""
+    num_tokens = request.num_output_tokens
+    if num_tokens and request.status is RequestStatus.FINISHED_STOPPED:
+        last_token_id = request.all_token_ids[-1]
+        if (last_token_id == request.eos_token_id
+                or last_token_id in request.sampling_params.stop_token_ids):
+            return num_tokens - 1
+    return num_tokens
+
+
+def normalized_text(text: str) -> str:
+    """`text` as turns are matched on it: without markup tags (`<|name|>`, `<name>`,
+    `</name>`: the decoder keeps special tokens, which a client never sees, and a tag the
+    model wrote as text goes from both sides alike), NFC, each run of whitespace one space,
+    each run of U+FFFD (bytes that were not UTF-8, decoded once whole and once in pieces)
+    one, and no whitespace at either end."""
+    text = unicodedata.normalize("NFC", _TAGS.sub("", text))
+    text = _REPLACEMENT_CHARS.sub("\ufffd", text)
+    return _WHITESPACE.sub(" ", text).strip()
+
+
+def _grams(text: str) -> set[str]:
+    """The runs of `TEXT_GRAM_CHARS` characters of `text` (the text itself if shorter)."""
+    if len(text) <= TEXT_GRAM_CHARS:
+        return {text} if text else set()
+    return {text[start:start + TEXT_GRAM_CHARS]
+            for start in range(len(text) - TEXT_GRAM_CHARS + 1)}
+
+
+def _text_score(output_text: str, continuation: str, continuation_grams: set[str],
+                common_grams: set[str]) -> tuple[bool, float, int]:
+    """How well `continuation` (whose runs of characters are `continuation_grams`) holds
+    `output_text`: whether it holds any of its runs less `common_grams`, the share it holds,
+    and their number. A text shorter than a run counts as one, held when it occurs anywhere.
+    An empty text (or one made of common runs only) is held whole, by none of its runs: it
+    wins only where no candidate's text occurs at all."""
+    grams = _grams(output_text) - common_grams
+    if not grams:
+        return False, 1.0, 0
+    if len(output_text) < TEXT_GRAM_CHARS:
+        held = int(output_text in continuation)
+    else:
+        held = len(grams & continuation_grams)
+    return held > 0, held / len(grams), held
 
 
 def _num_repeated(request: Request, turn: _FinishedTurn) -> int:
