@@ -51,16 +51,6 @@ def _continuation(request_id: str, answer_as_sent: str) -> Request:
     return _request(request_id, [*PROMPT, *answer_as_sent.encode(), *END])
 
 
-# Whether the scheduler gives its job inference the engine's decoder: the tests that need it
-# run once it does.
-_inference_of_a_scheduler = make_scheduler(
-    environment=PolicyEnvironment(decode=_decode)).job_inference
-SCHEDULER_MATCHES_TEXT = (_inference_of_a_scheduler is not None
-                          and _inference_of_a_scheduler.matches_text)
-needs_scheduler_decode = pytest.mark.skipif(
-    not SCHEDULER_MATCHES_TEXT, reason="the scheduler does not yet give JobInference the "
-                                       "engine's decoder (PolicyEnvironment.decode)")
-
 # Outputs that are not valid UTF-8: each comes back with U+FFFD where its bytes were.
 ROLLOUTS = {"red": b"\xffRed, like \xc3", "blue": b"\xfe\xfeBlue sky",
             "green": b"\xffGreen\xff", "grey": b"\x80Grey"}
@@ -153,7 +143,6 @@ def test_normalised_text() -> None:
     assert normalized_text("<tool_call>a<|im_end|>b</think> 1 < 2") == "ab 1 < 2"
 
 
-@needs_scheduler_decode
 def test_the_scheduler_matches_turns_by_text_with_the_engines_decoder() -> None:
     scheduler = make_scheduler(environment=PolicyEnvironment(decode=_decode),
                                block_size=BLOCK_SIZE, max_model_len=256)

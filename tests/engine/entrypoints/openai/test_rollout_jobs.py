@@ -17,7 +17,6 @@ from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.serving import ServerSettings
 from tests.compat.jobs import TracedServer
 from tests.engine.entrypoints.openai.conftest import MAX_BODY_BYTES
-from tests.engine.scheduler.test_job_inference_text import needs_scheduler_decode
 
 NUM_RUNS = 10
 NUM_ROLLOUTS = 4
@@ -49,7 +48,6 @@ def _rollout(server: TracedServer, prompt: str, seed: int) -> tuple[str, str]:
     return first.id, second.id
 
 
-@needs_scheduler_decode
 def test_four_rollouts_of_one_prompt_are_four_jobs_in_every_run(server) -> None:
     for run in range(NUM_RUNS):
         prompt = f"Rollout prompt number {run}: tell me something."
