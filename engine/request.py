@@ -7,7 +7,7 @@ import math
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import CacheBreakpoint, SamplingParams
 from engine.tool_calls import ToolCallFormat
 
 MAX_TOKEN_ID = 2**32 - 1
@@ -134,6 +134,11 @@ class Request:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if not isinstance(arrival_time_s, (int, float)) or not math.isfinite(arrival_time_s):
             raise ValueError(f"arrival_time_s must be a finite number, got {arrival_time_s!r}")
+        cache_breakpoint = sampling_params.cache_breakpoint
+        if (cache_breakpoint is not None
+                and cache_breakpoint.num_prompt_tokens > len(prompt_token_ids)):
+            raise ValueError(f"the cache breakpoint at token {cache_breakpoint.num_prompt_tokens} "
+                             f"is past the prompt's {len(prompt_token_ids)} tokens")
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.arrival_time_s = arrival_time_s
@@ -193,6 +198,12 @@ class Request:
         are cached for others as usual.
         """
         return self.sampling_params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
+    def cache_breakpoint(self) -> CacheBreakpoint | None:
+        """The prompt prefix the client asked to keep cached, and for how long (None: no ask;
+        see `CacheBreakpoint`)."""
+        return self.sampling_params.cache_breakpoint
 
     @property
     def job_id(self) -> str | None:

@@ -8,6 +8,7 @@ frontend, never by the scheduler.
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -31,6 +32,25 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+class CacheBreakpoint(msgspec.Struct, frozen=True, kw_only=True):
+    """A client's ask to keep the KV of its prompt's first `num_prompt_tokens` tokens cached
+    for `ttl_s` seconds, renewed by each request that hits it (the last `cache_control`
+    breakpoint of an Anthropic Messages request, its TTL already within the server's cap).
+    Travels to the scheduler with the request's sampling parameters
+    (`engine.request.Request.cache_breakpoint`); the scheduler decides what it keeps."""
+
+    num_prompt_tokens: int
+    ttl_s: float
+
+    def __post_init__(self) -> None:
+        _check_int("cache_breakpoint.num_prompt_tokens", self.num_prompt_tokens, minimum=1,
+                   maximum=MAX_INT32)
+        if (isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float))
+                or not math.isfinite(self.ttl_s) or self.ttl_s <= 0):
+            raise ValueError(f"cache_breakpoint.ttl_s must be a positive finite number of "
+                             f"seconds, got {self.ttl_s!r}")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How one completion is sampled and when it stops.
 
@@ -51,6 +71,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     - `skip_special_tokens`, `output_kind`: how the frontend detokenizes and streams.
     - `structured_output`: a grammar the output must match (EOS is allowed only where the
       grammar is complete, and `min_tokens` does not hold it back).
+    - `cache_breakpoint`: the prompt prefix the client asks to keep cached, and for how long
+      (`CacheBreakpoint`; None: no ask).
     """
 
     n: int = 1
@@ -74,6 +96,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_output: StructuredOutputSpec | None = None
+    cache_breakpoint: CacheBreakpoint | None = None
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -82,6 +105,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         self._check_stops()
         self._check_structured_output()
         self._check_logit_bias()
+        if self.cache_breakpoint is not None and not isinstance(self.cache_breakpoint,
+                                                                CacheBreakpoint):
+            raise ValueError("cache_breakpoint must be a CacheBreakpoint")
 
     def _check_counts(self) -> None:
         _check_int("n", self.n, minimum=1, maximum=MAX_INT32)
