@@ -5,9 +5,9 @@ shares the cores with its frontend's event loop, parsing children and threads, a
 clients; a parallel region of the model then waits for a thread the OS has descheduled (on
 two busy cores, a step of 8 tokens took 137 ms instead of about 2). So the client that starts
 such a process asks its torch executor to take one thread fewer, leaving a core to the
-frontend, as vLLM's CPU backend reserves one (docs/benchmarks.md, "Torch threads of a core
-beside its frontend"). An engine in the caller's process (`LLM`, the offline benches) keeps
-torch's count, which large batches need.
+frontend, as vLLM's CPU backend reserves one (docs/decisions/0016-torch-threads.md). An
+engine in the caller's process (`LLM`, the offline benches) keeps torch's count, which large
+batches need.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ glibc's malloc gives every allocation over its mmap threshold (128 KiB at start)
 their own, and returns free memory at the top of a heap to the kernel once it exceeds the
 trim threshold. Its dynamic rule raises both thresholds as large blocks are freed, but two
 of this project's processes still paid for it, measured on its 2-core machine
-(`docs/benchmarks.md`, "Large buffers kept in the heap"):
+(`docs/decisions/0019-malloc-thresholds.md`):
 - `serve`'s own process, receiving request bodies: each 256 KiB read of a 15 MB body was
   copied into fresh buffers (h11's receive buffer, uvicorn's, the joined body), each mapped,
   faulted in page by page and unmapped again: 19 ms of CPU for each body received, two

@@ -2,7 +2,7 @@
 
 On the H100 a decode step of Llama-3.1-8B replayed about 1,400 kernels, most of them the few
 microseconds of a norm's, rotary's or SiLU's separate elementwise ops, each with its own gap in
-the graph (docs/benchmarks.md, issue 35). These kernels fuse each of them into one:
+the graph (docs/decisions/0024-fused-layer-kernels.md). These kernels fuse each into one:
 - `rms_norm`: a residual add (optional) and the RMS norm of its sum, one row per program;
 - `rotary_`: rotary embedding of a step's query and key heads, in place, one token per program;
 - `silu_and_mul`: `silu(gate) * up`, reading the halves of a fused gate/up product in place;

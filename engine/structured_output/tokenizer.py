@@ -3,10 +3,11 @@
 llguidance's matchers need the model's fast tokenizer serialized as `tokenizers` writes it.
 `llguidance.hf.from_tokenizer` gets it through transformers, whose import and tokenizer
 loading take seconds of CPU in Python, holding the GIL: on the core's compile thread that
-stalled the step loop when the first grammar arrived (docs/benchmarks.md, "The stall attack
-measured again"). Reading `tokenizer.json` with the `tokenizers` library takes milliseconds
-to a fraction of a second. llguidance's `LLTokenizer` constructor holds the GIL too, so a
-served core builds it before taking requests (`EngineCore.prepare_grammars`).
+stalled the step loop when the first grammar arrived
+(docs/decisions/0020-structured-output-limits.md). Reading `tokenizer.json` with the
+`tokenizers` library takes milliseconds to a fraction of a second. llguidance's `LLTokenizer`
+constructor holds the GIL too, so a served core builds it before taking requests
+(`EngineCore.prepare_grammars`).
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ class ParsedBody:
     validated body (None when it did not run, or made nothing). When there is a
     `chat_prompt`, `value`'s conversation field is an empty list: the prompt stands for the
     conversation, which the route never reads then, and loading an 8 MB chat's 2,000
-    messages back held the server's GIL for about 15 ms (`docs/benchmarks.md`, 2026-11-26)."""
+    messages back held the server's GIL for about 15 ms
+    (`docs/decisions/0018-large-body-preparation.md`)."""
 
     value: Any
     chat_prompt: ChatPrompt | None = None

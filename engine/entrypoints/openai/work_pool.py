@@ -11,7 +11,7 @@ wait on the large ones'. At most `num_background_threads` such items run at once
 the usable cores less two (one for the engine core's busy loop, one for the event loop), at
 least one and at most eight. That work is CPU-bound, so threads beyond the idle cores only
 take turns on them and add to what preempts the engine core and the event loop
-(docs/benchmarks.md, "Fewer threads for large bodies").
+(docs/decisions/0018-large-body-preparation.md).
 
 One pool serves the whole server. A tenant runs at most `max_threads_per_tenant` items at
 once, so that a flood from one tenant (say chats of 10,000 messages, each taking seconds to

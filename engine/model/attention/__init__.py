@@ -6,9 +6,7 @@
 - `triton-sdpa`: `triton`, but long prompts with no cached prefix are attended by torch's
   SDPA (its flash kernel on CUDA) over the step's own K/V.
 - `auto`: `triton-sdpa` on CUDA where Triton is installed and its kernels cover the layout
-  (head dim and block size), else `sdpa`. (GPU runs of `scripts/gpu_bench.sh` passed on an
-  H100: triton's CUDA tests and decode 2-4x faster than sdpa; then triton-sdpa's tests, its
-  decode as triton's and its 2,048-token prefill 3.6 % faster; docs/benchmarks.md.)
+  (head dim and block size), else `sdpa` (docs/decisions/0009-triton-sdpa.md).
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ _PROFILED_CHUNK_TOKENS = 256
 # or above the prompt's length where that is more (`sdpa_padded_rows`). On an H100 an offline
 # run whose prompts had every length from 128 to 1,024 took 39.2 ms a step under
 # `triton-sdpa` against 17.6 under `triton`, its admitting steps 330-400 ms each, while a
-# prompt of one repeated length ran faster than the kernel (docs/benchmarks.md): a cost per
-# new shape, not per token.
+# prompt of one repeated length ran faster than the kernel: a cost per new shape, not per
+# token (docs/decisions/0009-triton-sdpa.md).
 _SDPA_ROWS_QUANTUM = 256
 
 # How a prefill is attended: SDPA over the step's own K/V (`triton-sdpa`), the prefill kernel,
@@ -311,7 +311,7 @@ class TritonBackend(AttentionBackend):
 class TritonSdpaBackend(TritonBackend):
     """`triton` with torch's SDPA for the prompts of at least `min_sdpa_prompt_tokens` tokens
     that have no cached prefix: on CUDA SDPA's flash kernel, which the `sdpa` backend ran
-    faster than the prefill kernel on an H100 (docs/benchmarks.md).
+    faster than the prefill kernel on an H100 (docs/decisions/0009-triton-sdpa.md).
 
     SDPA takes no prompt (`sdpa_applies` False) where it would be slow or would read other
     K/V than the kernels: in a sliding window (which SDPA applies through a mask, so with its

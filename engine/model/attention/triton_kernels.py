@@ -707,7 +707,7 @@ class DecodeTile(NamedTuple):
 
 # What every cache dtype runs unless the table below says otherwise.
 _DEFAULT_DECODE_TILE = DecodeTile(_DECODE_BLOCK_N, 4, 2)
-# Chosen by eval/gpu/decode_tiles.py on an H100 (docs/benchmarks.md, "Decode tiles"), where a
+# Chosen by eval/gpu/decode_tiles.py on an H100 (docs/decisions/0022-decode-tiles.md), where a
 # tile beat the old one by 2 % or more (geometric mean over decode batch 128 x 1k and 32 x
 # 8k): over an fp8 cache, 128-key tiles widened to float16 took 0.876x its time (0.86x at 32
 # x 8k); no bf16 tile did (the best, 0.998x, is left out).

@@ -3,7 +3,7 @@
 Run with random weights: `continuum bench forward --config FILE`, or as a model directory
 holding the file as `config.json` with `--load-format dummy --tokenizer tiny`.
 - `llama3.1-8b.json`: Llama-3.1-8B's published shapes (the GPU benchmark, `scripts/gpu_bench.sh`).
-- `qwen2.5-0.5b.json`: Qwen2.5-0.5B's shapes (a CPU benchmark, `docs/benchmarks.md`).
+- `qwen2.5-0.5b.json`: Qwen2.5-0.5B's shapes (a CPU benchmark).
 - `smollm2-135m-instruct.json`: the catalogued real model's shapes (3 query heads per KV head,
   head dim 64), for the GPU benchmark's forward step, where the model cannot be fetched.
 """
