@@ -30,8 +30,9 @@ class PinReleaseReason(str, enum.Enum):
 
 @dataclass(slots=True)
 class Pin:
-    """The blocks of one finished turn `request_id`, held for `job_id` until `deadline_s`
-    (policy time). `blocks` are the turn's prefix-cached blocks in sequence order.
+    """The blocks of one finished turn `request_id` of `tenant` (None without tenants), held
+    for `job_id` until `deadline_s` (policy time). `blocks` are the turn's prefix-cached
+    blocks in sequence order.
     """
 
     job_id: str
@@ -41,6 +42,7 @@ class Pin:
     ttl_s: float
     release_reason: PinReleaseReason | None = None
     released_at_s: float | None = None
+    tenant: str | None = None
 
     @property
     def deadline_s(self) -> float:
@@ -81,8 +83,9 @@ class PinTable:
         *,
         now_s: float,
         ttl_s: float,
+        tenant: str | None = None,
     ) -> Pin:
-        """Creates a pin that takes over the caller's references on `blocks`.
+        """Creates a pin of `tenant`'s that takes over the caller's references on `blocks`.
 
         A live pin of the same job is released with reason REPLACED (after the new one holds its
         blocks, so shared blocks never touch the free queue).
@@ -92,7 +95,7 @@ class PinTable:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         previous = self._pins.pop(job_id, None)
-        pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s)
+        pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s, tenant=tenant)
         self._pins[job_id] = pin
         self.num_pinned_blocks += pin.num_blocks
         self.num_created += 1

@@ -1,25 +1,35 @@
-"""Admission control: what a waiting request must find before the scheduler admits it.
+"""Admission control: what a waiting request must find before the scheduler admits it, and
+what tenants may hold.
 
 Two rules beside the blocks of this step's chunk: tenants' shares of the batch and of the KV
-pool (`tenant_shares`, from the moment requests of two tenants were seen), and the room the
-policy wants reserved for a prompt's later chunks (`SchedulingPolicy.reservation`). Owned
-by `Scheduler`, which asks before each admission attempt and carries out the preemptions
-this module names; it changes nothing itself.
+pool (`tenant_shares`, from the moment requests of two tenants were seen), pins counting
+toward their tenant's blocks, and the room the policy wants reserved for a prompt's later
+chunks (`SchedulingPolicy.reservation`). While tenants compete, a tenant's pins hold at most
+its share of the pool, and a request short of blocks takes the pins of another tenant over
+its share before any the policy would give up. Owned by `Scheduler`, which asks before each
+admission attempt and allocation and carries out the preemptions and releases this module
+names; it changes nothing itself.
 """
 
 from __future__ import annotations
 
 from engine.kv_cache.manager import KVCacheManager, PrefixHit
-from engine.kv_cache.pins import PinTable
+from engine.kv_cache.pins import Pin, PinTable
 from engine.request import Request
 from engine.scheduler.policy import SchedulerView, SchedulingPolicy
 from engine.scheduler.step_plan import StepPlan
 from engine.scheduler.tenant_shares import TenantShares
 
+# How long a tenant that sent a request counts toward the number of tenants sharing the KV
+# pool's pins, seconds: longer than a tool call between an agent's turns.
+TENANT_WINDOW_S = 300.0
+
 
 class Admission:
-    """Reads the scheduler (`view`), its KV cache manager and pins; remembers up to two of
-    the tenants seen (None among them): shares apply from two on."""
+    """Reads the scheduler (`view`), its KV cache manager and pins; remembers when each
+    tenant (None among them) last sent a request, for `TENANT_WINDOW_S` (seconds on the
+    scheduler's clock): shares apply once two tenants were seen, and a tenant's pin cap is
+    its equal share among the tenants seen within the window."""
 
     def __init__(self, view: SchedulerView, kv_cache_manager: KVCacheManager, pins: PinTable,
                  policy: SchedulingPolicy, *, max_num_seqs: int) -> None:
@@ -28,17 +38,24 @@ class Admission:
         self._pins = pins
         self._policy = policy
         self._max_num_seqs = max_num_seqs
-        self._tenants_seen: set[str | None] = set()
+        self._tenants_compete = False
+        self._last_arrival_s: dict[str | None, float] = {}  # by tenant, oldest first
 
-    def note_arrival(self, request: Request) -> None:
-        """Called for every request the scheduler queues."""
-        if len(self._tenants_seen) < 2:
-            self._tenants_seen.add(request.tenant)
+    def note_arrival(self, request: Request, now_s: float) -> None:
+        """Called for every request the scheduler queues, at `now_s`."""
+        arrivals = self._last_arrival_s
+        arrivals.pop(request.tenant, None)
+        arrivals[request.tenant] = now_s
+        for tenant, arrived_s in list(arrivals.items()):
+            if arrived_s >= now_s - TENANT_WINDOW_S:
+                break
+            del arrivals[tenant]
+        self._tenants_compete = self._tenants_compete or len(arrivals) > 1
 
     @property
     def tenants_compete(self) -> bool:
         """Whether requests of two tenants were ever seen: tenants' shares apply then."""
-        return len(self._tenants_seen) > 1
+        return self._tenants_compete
 
     def passes_share(self, request: Request, plan: StepPlan) -> bool:
         """Whether tenants compete and waiting `request` would take its tenant past its
@@ -66,23 +83,54 @@ class Admission:
             victim, requester, self._num_blocks_for(num_new_tokens))
 
     def has_reserved_room(self, request: Request, hit: PrefixHit, num_new_tokens: int,
-                          now_s: float) -> bool:
+                          now_s: float, plan: StepPlan) -> bool:
         """Whether the blocks of the tokens the policy wants reserved beyond this step's chunk
-        are free or held by the pins it names (`SchedulingPolicy.reservation`). Always True
-        while nothing runs: nothing else could free blocks for it then."""
+        are free or held by the pins it names (`SchedulingPolicy.reservation`) or by pins of
+        other tenants over their share. Always True while nothing runs: nothing else could
+        free blocks for it then."""
         reservation = self._policy.reservation(request, hit.num_tokens, num_new_tokens, now_s)
         if reservation.num_tokens <= num_new_tokens or not self._view.running:
             return True
         num_needed = self._kv_cache_manager.num_free_blocks_needed(
             request, reservation.num_tokens, hit)
-        num_reservable_blocks = 0
         for pin in reservation.pins:
             if self._pins.get(pin.job_id) is not pin or pin.job_id == request.job_id:
                 raise RuntimeError(f"policy counted the pin of job {pin.job_id!r} as room for "
                                    f"{request.request_id!r}: not live, or its own job's")
-            num_reservable_blocks += pin.num_blocks
+        reservable = {pin.job_id: pin for pin in (*reservation.pins,
+                                                  *self._pins_over_share(request, plan))}
+        num_reservable_blocks = sum(pin.num_blocks for pin in reservable.values())
         num_free_blocks = self._kv_cache_manager.block_pool.num_free_blocks
         return num_needed <= num_free_blocks + num_reservable_blocks
+
+    def over_share_pin(self, requester: Request, plan: StepPlan) -> Pin | None:
+        """For `requester`, short of blocks: the pin to release before any the policy would
+        give up, the latest of the tenant furthest over its share of the KV pool (its pins
+        counted) among the other tenants; None while tenants do not compete, or with no
+        such pin."""
+        pins = self._pins_over_share(requester, plan)
+        if not pins:
+            return None
+        shares = self._shares(plan)
+        return max(pins, key=lambda pin: (shares.excess(pin.tenant), pin.pinned_at_s))
+
+    def _pins_over_share(self, requester: Request, plan: StepPlan) -> list[Pin]:
+        if not self.tenants_compete or not any(
+                pin.tenant != requester.tenant for pin in self._pins):
+            return []
+        shares = self._shares(plan)
+        return [pin for pin in self._pins
+                if pin.tenant != requester.tenant and shares.excess(pin.tenant) > 0]
+
+    def pin_cap_blocks(self, tenant: str | None) -> float | None:
+        """The most blocks `tenant`'s pins may hold: its equal share of the KV pool among the
+        tenants seen within `TENANT_WINDOW_S` and those holding pins, itself included; None
+        (no cap) while tenants do not compete."""
+        if not self.tenants_compete:
+            return None
+        tenants = set(self._last_arrival_s)
+        tenants.update((pin.tenant for pin in self._pins), (tenant,))
+        return self._view.num_kv_blocks / len(tenants)
 
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._view.block_size)
@@ -98,7 +146,11 @@ class Admission:
             num_held = len(req_to_blocks.get(request.request_id, ()))
             return max(0, num_held - (request.num_cached_tokens or 0) // block_size)
 
+        pinned_blocks: dict[str | None, int] = {}
+        for pin in self._pins:
+            pinned_blocks[pin.tenant] = pinned_blocks.get(pin.tenant, 0) + pin.num_blocks
         return TenantShares.measure(
             self._view.running, self._view.waiting.tenants(), num_blocks_of,
             max_num_seqs=self._max_num_seqs, num_kv_blocks=self._view.num_kv_blocks,
-            admitted_now={request.request_id for request in plan.admitted})
+            admitted_now={request.request_id for request in plan.admitted},
+            pinned_blocks=pinned_blocks)

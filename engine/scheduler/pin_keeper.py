@@ -29,10 +29,13 @@ class PinKeeper:
         self.pins = PinTable(kv_cache_manager.block_pool,
                              on_released=lambda pin: stream.emit(events.PinReleased(pin)))
 
-    def retain(self, request: Request, retention: Retention | None, now_s: float) -> bool:
+    def retain(self, request: Request, retention: Retention | None, now_s: float, *,
+               max_tenant_pinned_blocks: float | None = None) -> bool:
         """Carries out a policy's retention decision on a finished turn: releases the pins it
         makes room with, then pins the turn's cached blocks if it says so; True if the
-        request's blocks went to a pin (or were detached, none being cached)."""
+        request's blocks went to a pin (or were detached, none being cached). Then the
+        request's tenant's pins, oldest first, the new one last, are released (PRESSURE)
+        until they hold at most `max_tenant_pinned_blocks` (None: no cap)."""
         if retention is None or request.job is None:
             return False
         if request.status is RequestStatus.FINISHED_ABORTED:
@@ -44,9 +47,22 @@ class PinKeeper:
             blocks = self._kv_cache_manager.detach_cached_blocks(request)
             if blocks:
                 pin = self.pins.add(request.job.job_id, request.request_id, blocks,
-                                    now_s=now_s, ttl_s=self._ttl_s(request, retention))
+                                    now_s=now_s, ttl_s=self._ttl_s(request, retention),
+                                    tenant=request.tenant)
         self._events.emit(events.RetentionDecided(request, pin, retention.inputs, now_s))
+        if pin is not None and max_tenant_pinned_blocks is not None:
+            self._cap_tenant_pins(request.tenant, max_tenant_pinned_blocks, pin, now_s)
         return retention.pins
+
+    def _cap_tenant_pins(self, tenant: str | None, max_pinned_blocks: float, newest: Pin,
+                         now_s: float) -> None:
+        pins = [pin for pin in self.pins if pin.tenant == tenant and pin is not newest]
+        num_pinned = sum(pin.num_blocks for pin in pins) + newest.num_blocks
+        for pin in (*pins, newest):  # the table keeps pins oldest first
+            if num_pinned <= max_pinned_blocks:
+                return
+            self.release(pin.job_id, PinReleaseReason.PRESSURE, now_s)
+            num_pinned -= pin.num_blocks
 
     def _ttl_s(self, request: Request, retention: Retention) -> float:
         """The policy's TTL, capped for an inferred job by how long its turn can be continued."""

@@ -181,7 +181,7 @@ class Scheduler:
             request, now_s,
             inferred_from=None if inferred is None else inferred.continues_request_id,
         ))
-        self._admission.note_arrival(request)
+        self._admission.note_arrival(request, now_s)
         self._requests[request.request_id] = request
         self._waiting.add_request(request)
 
@@ -350,7 +350,8 @@ class Scheduler:
         itself was preempted, or waits this step (the policy chose no victim: it keeps its
         blocks and computes nothing)."""
         while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-            victim = self.policy.select_victim(request, now_s)
+            victim = (self._admission.over_share_pin(request, plan)
+                      or self.policy.select_victim(request, now_s))
             if victim is None:
                 return None
             if isinstance(victim, Pin):
@@ -441,12 +442,13 @@ class Scheduler:
         num_new_tokens = plan.num_new_tokens(request, hit.num_tokens)
         if num_new_tokens == 0:
             return AdmissionOutcome.OVER_BUDGET
-        if not self._admission.has_reserved_room(request, hit, num_new_tokens, now_s):
+        if not self._admission.has_reserved_room(request, hit, num_new_tokens, now_s, plan):
             while (pin := self.policy.select_pin_to_release(request, now_s)) is not None:
                 self._pin_keeper.release_chosen((pin,), PinReleaseReason.PRESSURE, now_s)
             return AdmissionOutcome.NO_MEMORY
         while kv_cache_manager.allocate_slots(request, num_new_tokens, hit) is None:
-            pin = self.policy.select_pin_to_release(request, now_s)
+            pin = (self._admission.over_share_pin(request, plan)
+                   or self.policy.select_pin_to_release(request, now_s))
             if pin is None:
                 return AdmissionOutcome.NO_MEMORY
             self._pin_keeper.release_chosen((pin,), PinReleaseReason.PRESSURE, now_s)
@@ -485,7 +487,8 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
         retention = self.policy.retention(request, now_s)
         self.events.emit(events.RequestFinished(request, now_s))
-        if not self._pin_keeper.retain(request, retention, now_s):
+        cap = None if retention is None else self._admission.pin_cap_blocks(request.tenant)
+        if not self._pin_keeper.retain(request, retention, now_s, max_tenant_pinned_blocks=cap):
             self.kv_cache_manager.free(request,
                                        offload=retention is None or retention.offload)
         self._pin_keeper.turn_finished(request, now_s)

@@ -38,7 +38,7 @@ waits until they grow or one finishes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.request import Request
@@ -64,13 +64,15 @@ class TenantShares:
     @classmethod
     def measure(cls, running: Sequence[Request], waiting_tenants: Iterable[str | None],
                 num_blocks_of: Callable[[Request], int], *, max_num_seqs: int,
-                num_kv_blocks: int, admitted_now: Collection[str] = ()) -> TenantShares:
+                num_kv_blocks: int, admitted_now: Collection[str] = (),
+                pinned_blocks: Mapping[str | None, int] | None = None) -> TenantShares:
         """The shares of the tenants with requests running (in admission order, as the
-        scheduler keeps them) or waiting; `num_blocks_of` gives the blocks a running request
+        scheduler keeps them) or waiting, or blocks pinned (`pinned_blocks`, by tenant, which
+        count toward their blocks); `num_blocks_of` gives the blocks a running request
         counts for, and `admitted_now` the ids of those admitted in the step being
         planned."""
         num_seqs: dict[str | None, int] = {}
-        num_blocks: dict[str | None, int] = {}
+        num_blocks: dict[str | None, int] = dict(pinned_blocks or {})
         latest: dict[str | None, Request] = {}
         latest_num_blocks: dict[str | None, int] = {}
         for request in running:
@@ -81,7 +83,7 @@ class TenantShares:
             if request.request_id not in admitted_now:
                 latest[tenant] = request
                 latest_num_blocks[tenant] = request_num_blocks
-        num_tenants = len(set(num_seqs).union(waiting_tenants))
+        num_tenants = len(set(num_seqs).union(waiting_tenants, num_blocks))
         divisor = max(1, num_tenants)
         return cls(num_tenants, max_num_seqs / divisor, num_kv_blocks / divisor,
                    num_seqs, num_blocks, latest, latest_num_blocks)

@@ -1,0 +1,215 @@
+"""`continuum bench pins`: one tenant's agent jobs that keep the KV pool pinned, against a
+`continuum serve` subprocess (loopback, two tenants), measured from the other tenant.
+
+The attacker runs `--jobs` agent jobs at once, turn after turn, each a prompt of about
+`--job-tokens` tokens (the previous turn's prompt and a tool result appended, the oldest
+text dropped) answered with `--turn-tokens` tokens, then `--tool-s` of tool time; the victim
+sends plain completions of a fresh `--victim-prompt-tokens`-token prompt one after another
+and times each. First the attacker's turns go without a job (`--baseline-s`: the same load,
+nothing pinned), then as turns of its jobs that each end in a tool call and never a last
+step (`--attack-s`), so that every finished turn is pinned for the estimator's TTL (the
+server runs `estimator=fixed-2s`). The attacker runs in a child process with an event loop
+and HTTP client of its own, as a remote client would. Figures: the victim's latency by
+phase, and the pool's pinned blocks during the attack (sampled from `/metrics` every
+`--sample-s`). Checks: the victim's median and p90 latency in the attack within
+`--max-ratio` of the baseline's; the pinned blocks never above the attacker's share of the
+pool (half of it: the victim and the attacker compete).
+
+Exit status 1 if a check failed or a server did not start, 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from eval.attack_bench import (
+    ATTACKER_KEY,
+    TENANT_ARGS,
+    VICTIM_KEY,
+    add_attack_arguments,
+    attacker_process,
+    auth,
+    counts_text,
+    ms_text,
+    run_attacks,
+    served_model,
+)
+from eval.metrics import percentile
+from eval.server_checks import Check
+from eval.server_process import ServerProcess, parse_prometheus
+
+NUM_KV_BLOCKS = 1024
+DEFAULT_SERVE_ARGS = ("--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", "4096",
+                      "--no-job-inference", "--policy-option", "estimator=fixed-2s",
+                      *TENANT_ARGS)
+ATTACKS = ("pins",)
+PHASES = ("baseline", "attack")
+# The tiny model's tokenizer reads bytes: a character of these texts is about a token.
+_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+
+
+@dataclass(frozen=True)
+class PinsSettings:
+    """The flags of a run (see the module docstring)."""
+
+    jobs: int = 4
+    job_tokens: int = 3_600
+    turn_tokens: int = 4
+    tool_s: float = 0.2
+    victim_prompt_tokens: int = 2_500
+    baseline_s: float = 20.0
+    attack_s: float = 30.0
+    sample_s: float = 0.2
+    max_ratio: float = 1.5
+
+    def __post_init__(self) -> None:
+        if min(self.jobs, self.job_tokens, self.turn_tokens, self.victim_prompt_tokens) < 1:
+            raise ValueError("counts must be >= 1")
+        if min(self.baseline_s, self.attack_s, self.sample_s, self.max_ratio) <= 0 or (
+                self.tool_s < 0):
+            raise ValueError("durations and the ratio must be positive (--tool-s at least 0)")
+
+
+def text_of(num_tokens: int, seed: int) -> str:
+    """About `num_tokens` tokens of text that shares no prefix with another seed's."""
+    words = itertools.cycle(_WORDS)
+    text = f"{seed:08d} "
+    while len(text) < num_tokens:
+        text += f"{next(words)}{len(text) % 97} "
+    return text[:num_tokens]
+
+
+def attackers_ready() -> None:
+    """Run once in the attacker's child process before the baseline, so that it has imported
+    this module when the attack starts."""
+
+
+def run_jobs(base_url: str, model: str, settings: PinsSettings, phase: str,
+             until_s: float) -> Counter[int | str]:
+    """The attacker's jobs until `until_s` (on this machine's monotonic clock): without a job
+    in the baseline, as turns of pinned jobs in the attack; the count of each status. Runs in
+    the attacker's child process."""
+
+    async def job(http: httpx.AsyncClient, index: int, statuses: Counter[int | str]) -> None:
+        context = text_of(settings.job_tokens, seed=1000 * index + (phase == "attack"))
+        for turn in itertools.count():
+            if time.monotonic() >= until_s:
+                return
+            body: dict[str, Any] = {"model": model, "prompt": context,
+                                    "max_tokens": settings.turn_tokens, "ignore_eos": True}
+            if phase == "attack":
+                body.update(job_id=f"attacker-{index}", tool_name="bash")
+            try:
+                response = await http.post("/v1/completions", json=body,
+                                           headers=auth(ATTACKER_KEY))
+                statuses[response.status_code] += 1
+                output = response.json()["choices"][0]["text"] if response.is_success else ""
+            except httpx.HTTPError as error:
+                statuses[type(error).__name__] += 1
+                output = ""
+            await asyncio.sleep(settings.tool_s)
+            context = (context + output + f" result {turn}. ")[-settings.job_tokens:]
+
+    async def jobs() -> Counter[int | str]:
+        statuses: Counter[int | str] = Counter()
+        async with httpx.AsyncClient(base_url=base_url, timeout=600.0) as http:
+            await asyncio.gather(*(job(http, index, statuses)
+                                   for index in range(settings.jobs)))
+        return statuses
+
+    return asyncio.run(jobs())
+
+
+async def _victim(http: httpx.AsyncClient, model: str, settings: PinsSettings,
+                  phase: list[str], latencies_s: dict[str, list[float]],
+                  stop: asyncio.Event) -> None:
+    """Plain completions one after another, each of a fresh prompt; latencies by phase."""
+    for index in itertools.count():
+        if stop.is_set():
+            return
+        current, sent_s = phase[0], time.monotonic()
+        response = await http.post("/v1/completions", headers=auth(VICTIM_KEY), json={
+            "model": model, "prompt": text_of(settings.victim_prompt_tokens, seed=-1 - index),
+            "max_tokens": 4, "ignore_eos": True})
+        if response.is_success:
+            latencies_s[current].append(time.monotonic() - sent_s)
+
+
+async def _pinned_blocks(http: httpx.AsyncClient, settings: PinsSettings,
+                         stop: asyncio.Event) -> list[float]:
+    samples: list[float] = []
+    while not stop.is_set():
+        response = await http.get("/metrics", headers=auth(VICTIM_KEY))
+        samples.append(parse_prometheus(response.text).get("continuum:pinned_blocks", 0.0))
+        await asyncio.sleep(settings.sample_s)
+    return samples
+
+
+async def _attack(server: ServerProcess, attack: str, settings: PinsSettings
+                  ) -> tuple[list[tuple[str, object]], list[Check]]:
+    loop = asyncio.get_running_loop()
+    phase = ["baseline"]
+    latencies_s: dict[str, list[float]] = {name: [] for name in PHASES}
+    stop, sampling = asyncio.Event(), asyncio.Event()
+    async with (attacker_process(attackers_ready) as attacker,
+                httpx.AsyncClient(base_url=server.base_url, timeout=600.0) as http):
+        model = await served_model(http)
+        victim = asyncio.create_task(_victim(http, model, settings, phase, latencies_s, stop))
+        statuses = await loop.run_in_executor(
+            attacker, run_jobs, server.base_url, model, settings, "baseline",
+            time.monotonic() + settings.baseline_s)
+        phase[0] = "attack"
+        sampler = asyncio.create_task(_pinned_blocks(http, settings, sampling))
+        statuses += await loop.run_in_executor(
+            attacker, run_jobs, server.base_url, model, settings, "attack",
+            time.monotonic() + settings.attack_s)
+        sampling.set()
+        stop.set()
+        await victim
+        samples = await sampler
+    figures: list[tuple[str, object]] = [
+        (f"{attack}: attacker's statuses", counts_text(statuses)),
+        (f"{attack}: victim requests baseline / attack",
+         " / ".join(str(len(latencies_s[name])) for name in PHASES)),
+        (f"{attack}: pinned blocks in the attack, median / most (pool {NUM_KV_BLOCKS})",
+         f"{percentile(samples, 50.0) or 0:.0f} / {max(samples, default=0):.0f}")]
+    checks = [Check(f"{attack}: the server survived", server.is_healthy(), ""),
+              Check(f"{attack}: pins never held more than the attacker's share",
+                    max(samples, default=0) <= NUM_KV_BLOCKS / 2,
+                    f"most {max(samples, default=0):.0f} of {NUM_KV_BLOCKS / 2:.0f}")]
+    for name, q in (("median", 50.0), ("p90", 90.0)):
+        before = percentile(latencies_s["baseline"], q)
+        during = percentile(latencies_s["attack"], q)
+        figures.append((f"{attack}: victim latency {name}, ms (baseline / attack)",
+                        f"{ms_text(before)} / {ms_text(during)}"))
+        ratio = None if not before or during is None else during / before
+        checks.append(Check(f"{attack}: victim latency {name} within {settings.max_ratio}x",
+                            ratio is not None and ratio <= settings.max_ratio,
+                            "no requests" if ratio is None else f"{ratio:.2f}x"))
+    return figures, checks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_attack_arguments(parser, ATTACKS, PinsSettings(), (
+        ("jobs", "agent jobs the attacker runs at once"),
+        ("job_tokens", "tokens of each attacker prompt"),
+        ("turn_tokens", "tokens of each attacker turn's answer"),
+        ("tool_s", "seconds of tool time between an attacker job's turns"),
+        ("victim_prompt_tokens", "tokens of each victim prompt"),
+        ("baseline_s", "seconds of the attacker's load without pins"),
+        ("attack_s", "seconds of the attacker's pinned jobs"),
+        ("sample_s", "seconds between samples of the pinned blocks"),
+        ("max_ratio", "most the victim's median and p90 latency may grow in the attack"),
+    ), DEFAULT_SERVE_ARGS)
+
+
+def main(args: argparse.Namespace) -> int:
+    return run_attacks(args, ATTACKS, PinsSettings, _attack)
