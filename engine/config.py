@@ -2,16 +2,39 @@
 
 Configs are never mutated after construction; derive a new one with `dataclasses.replace`.
 Every invalid value raises `ValueError` naming the field, so a bad flag or API argument fails
-before any engine state exists.
+before any engine state exists. A field a user sets carries `setting` metadata (help, group,
+flat name): `EngineArgs`, the flags of `continuum serve` and the keys of its `--config` file
+are made from it (`engine.engine_args.flags`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from tracing.writer import MIN_MAX_BYTES
+
+# The sections of `continuum serve --help`, in its order.
+SettingGroup = Literal["model", "cache", "scheduling", "server", "replicas", "observability"]
+
+
+def setting(help: str, *, group: SettingGroup, flag: bool = True, name: str | None = None,
+            option: str | None = None, metavar: str | None = None,
+            choices: Iterable[str] | None = None,
+            default_text: str | None = None) -> dict[str, Any]:
+    """The metadata of a dataclass field that a user sets. `help` is its line in `--help`
+    (which appends the default unless it is None); `group` its section there; `flag=False`
+    keeps it off the command line, a key of the `--config` file only (settings for
+    experiments); `name` is its flat name (file key, `EngineArgs` keyword, flag) where the
+    field's own would be unclear outside its class; `option` its flag where that is not
+    the name's (a repeatable flag's singular); `metavar` names its value in `--help`;
+    `choices` are the values of a `str` field that a registry checks (a `Literal` field's
+    are its own); `default_text` states a default that depends on the machine."""
+    return {"help": help, "group": group, "flag": flag, "name": name, "option": option,
+            "metavar": metavar, "choices": None if choices is None else tuple(choices),
+            "default_text": default_text}
 
 
 def _require_positive(name: str, value: int | None) -> None:
@@ -43,13 +66,19 @@ class CacheConfig:
     beyond +-448 saturate), which the triton attention backend reads and no host tier takes.
     """
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_space_gib: float = 2.0
-    kv_offload_gib: float = 0.0
-    kv_cache_dtype: KVCacheDtype = "auto"
+    block_size: int = field(default=16, metadata=setting("tokens per KV block", group="cache"))
+    num_kv_blocks: int | None = field(default=None, metadata=setting(
+        "KV pool size in blocks (default: from memory)", group="cache"))
+    enable_prefix_caching: bool = field(default=True, metadata=setting(
+        "reuse cached prompt prefixes", group="cache"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=setting(
+        "share of GPU memory to use", group="cache", metavar="F"))
+    cpu_kv_cache_space_gib: float = field(default=2.0, metadata=setting(
+        "KV pool size on CPU", group="cache", metavar="GIB"))
+    kv_offload_gib: float = field(default=0.0, metadata=setting(
+        "host-memory KV tier; 0: none", group="cache", metavar="GIB"))
+    kv_cache_dtype: KVCacheDtype = field(default="auto", metadata=setting(
+        "fp8: twice the blocks, 3 mantissa bits (triton attention)", group="cache"))
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -104,17 +133,30 @@ class SchedulerConfig:
       off elsewhere.
     """
 
+    # Not a setting of its own: the engine gives it the model's (`ModelConfig.max_model_len`).
     max_model_len: int = 2048
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    long_prefill_token_threshold: int | None = None
-    enable_chunked_prefill: bool = True
-    policy: str = "continuum"
-    policy_options: dict[str, str] = field(default_factory=dict)
-    job_inference: bool = True
-    job_inference_max_turns: int = 16384
-    job_inference_max_age_s: float = 300.0
-    async_scheduling: bool | None = None
+    max_num_batched_tokens: int = field(default=2048, metadata=setting(
+        "token budget of one step", group="scheduling"))
+    max_num_seqs: int = field(default=256, metadata=setting(
+        "most requests running at once", group="scheduling"))
+    long_prefill_token_threshold: int | None = field(default=None, metadata=setting(
+        "tokens per step per request (default: no cap)", group="scheduling"))
+    enable_chunked_prefill: bool = field(default=True, metadata=setting(
+        "split long prompts across steps", group="scheduling"))
+    policy: str = field(default="continuum", metadata=setting(
+        "the scheduling policy", group="scheduling", name="scheduling_policy", metavar="NAME"))
+    policy_options: dict[str, str] = field(default_factory=dict, metadata=setting(
+        "an option of the scheduling policy (repeatable)", group="scheduling",
+        option="--policy-option", metavar="KEY=VALUE"))
+    job_inference: bool = field(default=True, metadata=setting(
+        "infer missing job ids", group="scheduling"))
+    job_inference_max_turns: int = field(default=16384, metadata=setting(
+        "finished turns it remembers", group="scheduling"))
+    job_inference_max_age_s: float = field(default=300.0, metadata=setting(
+        "seconds a turn is remembered", group="scheduling", metavar="S"))
+    async_scheduling: bool | None = field(default=None, metadata=setting(
+        "overlap host and device work (default: on for CUDA without a host KV tier)",
+        group="scheduling"))
 
     def __post_init__(self) -> None:
         _require_positive("max_model_len", self.max_model_len)
@@ -174,19 +216,36 @@ class ModelConfig:
     caller's process does not: `engine.core.cpu_threads`).
     """
 
-    model: str = "tiny"
-    tokenizer: str | None = None
-    dtype: Dtype = "auto"
-    load_format: LoadFormat = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    device: Device = "auto"
-    attention_backend: AttentionBackendName = "auto"
-    layer_kernels: LayerKernelsName = "auto"
-    enforce_eager: bool = False
-    quantization: Quantization = "none"
-    cpu_threads: int | None = None
-    leave_core_to_frontend: bool | None = None
+    model: str = field(default="tiny", metadata=setting(
+        "'tiny', a catalogued model or a Hugging Face directory", group="model",
+        metavar="NAME"))
+    tokenizer: str | None = field(default=None, metadata=setting(
+        "tokenizer directory (default: the model's)", group="model",
+        metavar="DIR"))
+    dtype: Dtype = field(default="auto", metadata=setting(
+        "auto: bfloat16 on CUDA, float32 on CPU", group="model"))
+    load_format: LoadFormat = field(default="auto", metadata=setting(
+        "dummy: random weights", group="model"))
+    max_model_len: int | None = field(default=None, metadata=setting(
+        "longest sequence (default: the model's)", group="model"))
+    seed: int = field(default=0, metadata=setting(
+        "seed of dummy weights and of unseeded sampling", group="model"))
+    device: Device = field(default="auto", metadata=setting(
+        "auto: CUDA if there is one", group="model"))
+    attention_backend: AttentionBackendName = field(default="auto", metadata=setting(
+        "auto: triton-sdpa on CUDA if it covers the model, else sdpa", group="model"))
+    layer_kernels: LayerKernelsName = field(default="auto", metadata=setting(
+        "norms, rotary, SiLU; auto: triton on CUDA, else torch", group="model"))
+    enforce_eager: bool = field(default=False, metadata=setting(
+        "decode without CUDA graphs", group="model"))
+    quantization: Quantization = field(default="none", metadata=setting(
+        "fp8: float8 projections (bfloat16 on a GPU with FP8)", group="model"))
+    cpu_threads: int | None = field(default=None, metadata=setting(
+        "torch threads on CPU (default: torch's; one fewer in serve)", group="model"))
+    leave_core_to_frontend: bool | None = field(default=None, metadata=setting(
+        "without cpu_threads, one thread fewer than torch's count for a model on CPU "
+        "(default: in serve's engine core process unless OMP_NUM_THREADS is set)",
+        group="model", flag=False))
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -211,8 +270,12 @@ class TraceConfig:
     - `max_bytes`: stop writing (with a final `truncated` record) before the file passes it.
     """
 
-    path: str | None = None
-    max_bytes: int | None = None
+    path: str | None = field(default=None, metadata=setting(
+        "JSONL scheduler trace file (default: $CONTINUUM_TRACE_PATH)",
+        group="observability", name="trace_path", metavar="PATH"))
+    max_bytes: int | None = field(default=None, metadata=setting(
+        "stop tracing before the file passes this", group="observability",
+        name="trace_max_bytes", metavar="BYTES"))
 
     def __post_init__(self) -> None:
         if self.path == "":
@@ -237,10 +300,14 @@ class StructuredOutputConfig:
       slow masks fail the request).
     """
 
-    grammar_cache_bytes: int = 512 << 20
-    max_grammar_bytes: int = 64 << 20
-    max_grammar_compile_s: float = 10.0
-    grammar_mask_budget_s: float = 0.01
+    grammar_cache_bytes: int = field(default=512 << 20, metadata=setting(
+        "bytes of compiled grammars kept", group="server"))
+    max_grammar_bytes: int = field(default=64 << 20, metadata=setting(
+        "most memory a grammar may compile in", group="server"))
+    max_grammar_compile_s: float = field(default=10.0, metadata=setting(
+        "seconds a grammar may compile", group="server", metavar="S"))
+    grammar_mask_budget_s: float = field(default=0.01, metadata=setting(
+        "seconds a step awaits a mask", group="server", metavar="S"))
 
     def __post_init__(self) -> None:
         _require_positive("grammar_cache_bytes", self.grammar_cache_bytes)
@@ -267,9 +334,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
-    executor: str = "torch"
-    sim_profile: str | None = None
-    debug_check_invariants: bool = False
+    executor: str = field(default="torch", metadata=setting(
+        "torch (run the model), simulated (a cost model) or a module:Class path",
+        group="model", flag=False))
+    sim_profile: str | None = field(default=None, metadata=setting(
+        "the simulated executor's cost profile: a profile's name or a measured profile's "
+        "JSON file (default: h100-llama3.1-8b)", group="model", flag=False))
+    debug_check_invariants: bool = field(default=False, metadata=setting(
+        "check invariants every step", group="observability"))
 
     def __post_init__(self) -> None:
         if not self.executor:

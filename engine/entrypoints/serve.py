@@ -1,8 +1,9 @@
 """`continuum serve`: the OpenAI-compatible HTTP server on uvicorn.
 
-With no arguments it serves the embedded `tiny` model on 127.0.0.1:8000. Engine flags are
-those of `EngineArgs`; the server's own flags are below. The process exits with status 1 when
-the engine core dies (after answering 503 to what is in flight), for a supervisor to restart.
+With no arguments it serves the embedded `tiny` model on 127.0.0.1:8000. Its flags and
+`--config` file are those of `engine.entrypoints.server_args`. The process exits with status 1
+when the engine core dies (after answering 503 to what is in flight), for a supervisor to
+restart.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import uvicorn
 from engine.core.gc_heap import freeze_startup_heap
 from engine.core.malloc_thresholds import keep_large_buffers_in_heap
 from engine.engine_args import EngineArgs
-from engine.entrypoints.connections import (
-    ConnectionSettings,
-    setup_connection_guards,
-)
+from engine.entrypoints.connections import setup_connection_guards
 from engine.entrypoints.openai.api_server import begin_drain, build_app
 from engine.entrypoints.server_args import add_arguments as add_arguments  # the CLI reads it here
-from engine.entrypoints.server_args import server_settings_from_args
+from engine.entrypoints.server_args import (
+    connection_settings_from_args,
+    server_settings_from_args,
+)
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.stats import RequestStatsObserver
 from engine.replicas.launch import main as serve_replicas
@@ -84,10 +85,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = engine_args.to_engine_config()
         settings = server_settings_from_args(args)
-        connection_settings = ConnectionSettings(
-            header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
-            max_connections=args.max_connections,
-        )
+        connection_settings = connection_settings_from_args(args)
         sock = bind_socket(args.host, args.port)
     except (ValueError, OSError) as error:
         logger.error("cannot start: %s", error)

@@ -1,32 +1,31 @@
-"""The replica flags of `continuum serve` (`--replicas N` and how requests are routed), read
-by `engine.replicas.launch` and `engine.replicas.ray_app`."""
+"""The replica settings of `continuum serve` (`--replicas N` and how requests are routed),
+read from the parsed flags by `engine.replicas.launch` and `engine.replicas.ray_app`."""
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass, field
 
-from engine.replicas.routing import DEFAULT_LOAD_FACTOR, DEFAULT_MIN_MOVE_LOAD, ROUTER_NAMES
+from engine.config import setting
+from engine.replicas.routing import DEFAULT_LOAD_FACTOR, DEFAULT_MIN_MOVE_LOAD, RouterName
 
 
-def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("replicas (Ray Serve; needs the 'ray' extra)")
-    group.add_argument("--replicas", type=int, default=None, metavar="N",
-                       help="serve N engine replicas on Ray Serve behind one endpoint "
-                            "(default: one engine, no Ray)")
-    group.add_argument("--router", default="affinity", choices=ROUTER_NAMES,
-                       help="how requests pick a replica: a job's turns to one replica "
-                            "(affinity), round-robin, or least-loaded (default: %(default)s)")
-    group.add_argument("--address", default=None,
-                       help="the Ray cluster to join, e.g. 'auto' or 'ray://head:10001' "
-                            "(default: start a local Ray)")
-    group.add_argument("--replica-cpus", type=float, default=1.0,
-                       help="CPUs each replica reserves in Ray (default: %(default)s)")
-    group.add_argument("--replica-gpus", type=float, default=None,
-                       help="GPUs each replica reserves in Ray (default: 1 with --device "
-                            "cuda, else 0)")
-    group.add_argument("--route-load-factor", type=float, default=DEFAULT_LOAD_FACTOR,
-                       help="affinity: a job moves off its replica when that replica has more "
-                            "than this times the mean requests in flight (default: "
-                            "%(default)s)")
-    group.add_argument("--route-min-move-load", type=int, default=DEFAULT_MIN_MOVE_LOAD,
-                       help="affinity: ... and more than this many (default: %(default)s)")
+@dataclass(frozen=True)
+class ReplicaFlags:
+    """The declaration of the replica flags (`engine.engine_args.flags`); the application
+    they make is `engine.replicas.ray_app.ReplicaAppSettings`, which checks them."""
+
+    replicas: int | None = field(default=None, metadata=setting(
+        "N replicas on Ray Serve (default: one engine)", group="replicas"))
+    router: RouterName = field(default="affinity", metadata=setting(
+        "affinity: a job's turns to one replica", group="replicas"))
+    address: str | None = field(default=None, metadata=setting(
+        "Ray cluster, e.g. auto (default: a local one)", group="replicas"))
+    replica_cpus: float = field(default=1.0, metadata=setting(
+        "CPUs each replica reserves", group="replicas"))
+    replica_gpus: float | None = field(default=None, metadata=setting(
+        "GPUs per replica (default: 1 on cuda, else 0)", group="replicas"))
+    route_load_factor: float = field(default=DEFAULT_LOAD_FACTOR, metadata=setting(
+        "affinity: a job leaves a replica over this times the mean load", group="replicas",
+        metavar="X"))
+    route_min_move_load: int = field(default=DEFAULT_MIN_MOVE_LOAD, metadata=setting(
+        "affinity: ... and over this many requests", group="replicas"))

@@ -8,12 +8,13 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, get_args
 
 import msgspec
 from starlette.requests import Request as HTTPRequest
 
+from engine.config import setting
 from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.body_budget import (
     DEFAULT_MAX_BODY_BYTES_IN_FLIGHT,
@@ -59,7 +60,7 @@ from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
-from engine.tool_calls import ToolCallFormat
+from engine.tool_calls import TOOL_PARSERS, ToolCallFormat
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_N = 16
@@ -120,26 +121,54 @@ class ServerSettings:
     niceness 10, a tenth of a contended core.
     """
 
-    served_model_name: str
+    served_model_name: str = field(metadata=setting(
+        "the model id requests name (default: --model)", group="model",
+        metavar="NAME"))
     tenants: Tenants | None = None
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    max_body_bytes_in_flight: int = DEFAULT_MAX_BODY_BYTES_IN_FLIGHT
-    max_paced_refusals_per_tenant: int = DEFAULT_MAX_PACED_REFUSALS_PER_TENANT
-    tool_call_parser: str = "auto"
-    max_prompt_tokens: int | None = None
-    max_output_tokens: int | None = None
-    max_n: int = DEFAULT_MAX_N
-    max_prompts: int = DEFAULT_MAX_PROMPTS
-    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
-    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
-    max_waiting_requests: int | None = None
-    retry_after_s: int = 1
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
-    max_stored_response_bytes: int = DEFAULT_MAX_STORED_RESPONSE_BYTES
-    preparation_threads: int = DEFAULT_PREPARATION_THREADS
-    max_waiting_preparations: int = DEFAULT_MAX_WAITING_PREPARATIONS
-    large_body_cpu: ChildCpuClass = "idle"
+    max_request_body_bytes: int = field(default=DEFAULT_MAX_REQUEST_BODY_BYTES, metadata=setting(
+        "larger bodies get 413", group="server"))
+    max_body_bytes_in_flight: int = field(
+        default=DEFAULT_MAX_BODY_BYTES_IN_FLIGHT, metadata=setting(
+            "body bytes held at once", group="server"))
+    max_paced_refusals_per_tenant: int = field(
+        default=DEFAULT_MAX_PACED_REFUSALS_PER_TENANT, metadata=setting(
+            "most of a tenant's requests whose refusal for their body waits up to "
+            "retry_after_s (0: every refusal at once)", group="server", flag=False))
+    tool_call_parser: str = field(default="auto", metadata=setting(
+        "auto: Hermes tags, else Llama-3 JSON",
+        group="model", choices=TOOL_PARSERS))
+    max_prompt_tokens: int | None = field(default=None, metadata=setting(
+        "longer prompts get 400 (default: the context)", group="server"))
+    max_output_tokens: int | None = field(default=None, metadata=setting(
+        "largest max_tokens (default: the context)", group="server"))
+    max_n: int = field(default=DEFAULT_MAX_N, metadata=setting(
+        "most completions per request", group="server"))
+    max_prompts: int = field(default=DEFAULT_MAX_PROMPTS, metadata=setting(
+        "most prompts per request", group="server"))
+    max_stop_strings: int = field(default=DEFAULT_MAX_STOP_STRINGS, metadata=setting(
+        "most stop strings per request", group="server"))
+    max_stop_token_ids: int = field(default=DEFAULT_MAX_STOP_TOKEN_IDS, metadata=setting(
+        "most stop ids per request", group="server"))
+    max_waiting_requests: int | None = field(default=None, metadata=setting(
+        "queue limit, then 429 (default: no limit)", group="server"))
+    retry_after_s: int = field(default=1, metadata=setting(
+        "Retry-After of a 429 or 503", group="server", metavar="S"))
+    shutdown_timeout_s: float = field(default=DEFAULT_SHUTDOWN_TIMEOUT_S, metadata=setting(
+        "seconds to drain on SIGTERM", group="server", metavar="S"))
+    max_stored_responses: int = field(default=DEFAULT_MAX_STORED_RESPONSES, metadata=setting(
+        "most stored responses", group="server"))
+    max_stored_response_bytes: int = field(
+        default=DEFAULT_MAX_STORED_RESPONSE_BYTES, metadata=setting(
+            "most stored bytes", group="server"))
+    preparation_threads: int = field(default=DEFAULT_PREPARATION_THREADS, metadata=setting(
+        "threads that prepare requests", group="server",
+        default_text="the CPUs + 4, at most 32"))
+    max_waiting_preparations: int = field(
+        default=DEFAULT_MAX_WAITING_PREPARATIONS, metadata=setting(
+            "429 for a tenant with this many waiting for them", group="server"))
+    large_body_cpu: ChildCpuClass = field(default="idle", metadata=setting(
+        "the CPU class of the processes parsing bodies over 64 KiB: idle (Linux's idle "
+        "class) or niceness (niceness 10)", group="server", flag=False))
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

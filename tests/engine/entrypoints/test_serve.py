@@ -126,13 +126,15 @@ def _read_stream(server: ServerProcess, max_tokens: int, lines: list[str],
             started.set()
 
 
-def test_sigterm_drains_then_ends_the_streams_left_and_exits_0():
+def test_sigterm_drains_then_ends_the_streams_left_and_exits_0(tmp_path):
     """A stream that can finish within --shutdown-timeout-s does; one that cannot ends with
     a server_shutting_down error event and [DONE]; new connections are refused; exit 0.
-    Simulated 70B steps make the streams last."""
+    Simulated 70B steps (the executor a --config file sets) make the streams last."""
+    config = tmp_path / "simulated.toml"
+    config.write_text('executor = "simulated"\nsim_profile = "4xh100-llama3.1-70b"\n'
+                      "shutdown_timeout_s = 30.0\n")
     server = ServerProcess(ServerSpec(serve_args=(
-        "--shutdown-timeout-s", "2", "--executor", "simulated",
-        "--sim-profile", "4xh100-llama3.1-70b", "--max-model-len", "4096"))).start()
+        "--shutdown-timeout-s", "2", "--config", str(config), "--max-model-len", "4096"))).start()
     try:
         streams = {"short": 20, "long": 3000}
         lines: dict[str, list[str]] = {name: [] for name in streams}

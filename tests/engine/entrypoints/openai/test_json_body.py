@@ -572,14 +572,21 @@ def test_parse_children_that_keep_dying_or_do_not_answer_answer_503(error):
                                        "request")
 
 
-def test_the_cpu_class_of_the_parse_children_is_a_server_flag():
+def test_the_cpu_class_of_the_parse_children_is_a_config_file_setting(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    chosen = [server_settings_from_args(parser.parse_args(flags)).large_body_cpu
-              for flags in ([], ["--large-body-cpu", "niceness"])]
+    config = tmp_path / "serve.toml"
+    chosen = []
+    for line in ("", 'large_body_cpu = "niceness"'):
+        config.write_text(line + "\n")
+        args = parser.parse_args(["--config", str(config)])
+        chosen.append(server_settings_from_args(args).large_body_cpu)
     assert chosen == ["idle", "niceness"]
+    config.write_text('large_body_cpu = "realtime"\n')
     with pytest.raises(SystemExit):
-        parser.parse_args(["--large-body-cpu", "realtime"])
+        parser.parse_args(["--config", str(config)])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--large-body-cpu", "niceness"])
     with pytest.raises(ValueError, match="large_body_cpu"):
         ServerSettings(served_model_name="tiny", large_body_cpu="realtime")  # type: ignore[arg-type]
 
