@@ -79,3 +79,27 @@ def test_operations_lists_every_setting_as_the_code_states_it() -> None:
     document = (REPO / "docs" / "operations.md").read_text()
     tables = settings_tables(serve_settings())
     assert tables in document, f"docs/operations.md should hold these tables:\n{tables}"
+
+
+def _upgrading_rows() -> list[tuple[str, str]]:
+    text = (REPO / "docs" / "upgrading.md").read_text()
+    section = text.split("## Flags", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in section.splitlines()
+            if line.startswith("| `--")]
+    return [(row[0], row[1]) for row in rows]
+
+
+def test_upgrading_names_each_flag_that_left_and_its_key() -> None:
+    rows = _upgrading_rows()
+    assert len(rows) >= 7
+    names = {setting.name: setting for setting in serve_settings()}
+    for old, now in rows:
+        for flag in re.findall(r"--[a-z][a-z-]*", old):
+            with pytest.raises(SystemExit):
+                _parse([flag])
+        for key in re.findall(r"`([a-z_]+)` key", now):
+            assert key in names and not names[key].flag, key
+    listed = " ".join(now for _, now in rows)
+    for setting in names.values():
+        if not setting.flag:
+            assert f"`{setting.name}` key" in listed, setting.name
