@@ -10,7 +10,7 @@ K = 100, this class's default), durations are assumed Exp(mean 1 s) and eta = 1,
 `f` has more than `min_tool_samples` (also the paper's K), else the pooled CDF of all tools.
 The `continuum` policy ends the cold start at the first observed duration
 (`cold_start_samples=0`): with the paper's K the prior decides every pin of a short run on a
-fresh engine (`docs/benchmarks.md`, "The cold start of a fresh engine"). With a fitted
+fresh engine (docs/decisions/0003-cold-start.md). With a fitted
 `predictor`, the CDF is instead the predictor's conditional distribution for the call.
 
 `R` is the paper's with `rebuild_cost="prefill"` (this class's default): the prefill time of
@@ -23,7 +23,7 @@ as an option, that fit refitted on the prefills the engine reports under load
 `rebuild_cost="prefill-times-running"` (the `continuum` policy's default) multiplies it by 1
 + the other requests running when the turn finished (`ToolCall.num_running_requests`), since
 in an engine that batches prefill and decode tokens into one step a rebuild lengthens their
-steps too; `docs/benchmarks.md` compares the two. A pin is charged its TTL, as in the paper
+steps too (docs/decisions/0002-rebuild-cost.md). A pin is charged its TTL, as in the paper
 (`pin_cost="ttl"`), or, as an option, the time it is expected to be held
 (`pin_cost="expected-hold"`, see `estimator.solver`), or that expected hold priced by the
 memory it takes from the requests running and waiting (`pin_cost="priced"`), those requests
