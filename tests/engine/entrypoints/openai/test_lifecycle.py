@@ -76,7 +76,7 @@ def test_metrics_report_requests_latencies_and_the_core(server):
                  "e2e_request_latency_seconds_count", "num_requests_running",
                  "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total",
-                 "recomputed_tokens_total", "pins_created_total", "arrival_holds_created_total",
+                 "recomputed_tokens_total", "pins_created_total",
                  "num_pins", "pinned_blocks", "prompt_tokens_total", "generation_tokens_total",
                  "host_kv_cache_total_blocks", "host_kv_cache_used_blocks",
                  "host_kv_cache_stored_tokens_total", "host_kv_cache_loaded_tokens_total",
