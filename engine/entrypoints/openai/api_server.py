@@ -24,6 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.anthropic_errors import AnthropicErrorsMiddleware
 from engine.entrypoints.openai.body_budget import (
     BodyByteBudget,
     BodyRefused,
@@ -61,6 +62,10 @@ from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from engine.entrypoints.openai.protocol_messages import (
+    MessagesCountTokensRequest,
+    MessagesRequest,
+)
 from engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from engine.entrypoints.openai.refusal_pacing import RefusalPacer, peer_closed_check
 from engine.entrypoints.openai.request_id import RequestIdMiddleware
@@ -73,6 +78,7 @@ from engine.entrypoints.openai.serving import (
 )
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from engine.entrypoints.openai.serving_messages import OpenAIServingMessages
 from engine.entrypoints.openai.serving_responses import OpenAIServingResponses
 from engine.entrypoints.openai.structured_outputs import GrammarChecker
 from engine.entrypoints.openai.tenants import (
@@ -104,8 +110,8 @@ def package_version() -> str:
 
 
 class BearerAuthMiddleware:
-    """Requires `Authorization: Bearer <key>` with a key of `tenants` on every path but
-    `/health`, and records the key's tenant in the request's scope."""
+    """Requires `Authorization: Bearer <key>` (or `x-api-key: <key>`) with a key of `tenants`
+    on every path but `/health`, and records the key's tenant in the request's scope."""
 
     def __init__(self, app: ASGIApp, tenants: Tenants) -> None:
         self.app = app
@@ -205,6 +211,7 @@ def build_app(
         await engine.prepare_grammars()
         app.state.completions = OpenAIServingCompletion(engine, settings, pool, grammar_checker)
         app.state.chat = OpenAIServingChat(engine, settings, pool, grammar_checker)
+        app.state.messages = OpenAIServingMessages(engine, settings, pool, grammar_checker)
         app.state.responses = OpenAIServingResponses(
             engine, settings, pool, grammar_checker, ResponseStore(
             max_responses=settings.max_stored_responses,
@@ -237,10 +244,12 @@ def build_app(
                        budget=app.state.body_budget, pacer=app.state.refusal_pacer)
     if settings.tenants is not None:
         app.add_middleware(BearerAuthMiddleware, tenants=settings.tenants)
+    app.add_middleware(AnthropicErrorsMiddleware)  # its paths' refusals in Anthropic's shape
     app.add_middleware(RequestIdMiddleware)  # outermost: its header is on every response
     _add_info_routes(app)
     _add_generation_routes(app)
     _add_response_routes(app)
+    _add_messages_routes(app)
     _add_job_routes(app)
     return app
 
@@ -406,6 +415,26 @@ def _add_response_routes(app: FastAPI) -> None:
         """Forgets a stored response: later requests can no longer continue it."""
         serving: OpenAIServingResponses = request.app.state.responses
         return serving.delete(response_id, scope_tenant(request.scope))
+
+
+def _add_messages_routes(app: FastAPI) -> None:
+    # Left out of the OpenAPI document, whose error bodies are OpenAI's.
+    @app.post("/v1/messages", operation_id="createMessage", response_class=JSONResponse,
+              include_in_schema=False)
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API: the next assistant message, whole or as its events."""
+        _check_accepting(request)
+        serving: OpenAIServingMessages = request.app.state.messages
+        prepared = await serving.prepare(body, ClientContext.of(request))
+        return await _respond(request, serving, body, prepared, [prepared.request])
+
+    @app.post("/v1/messages/count_tokens", operation_id="countMessageTokens",
+              response_class=JSONResponse, include_in_schema=False)
+    async def count_message_tokens(body: MessagesCountTokensRequest,
+                                   request: Request) -> dict[str, int]:
+        """The input tokens the same Messages request would take."""
+        serving: OpenAIServingMessages = request.app.state.messages
+        return await serving.count_tokens(body, ClientContext.of(request))
 
 
 def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:

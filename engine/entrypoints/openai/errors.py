@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from engine.core.client import EngineDeadError
+from engine.entrypoints.openai.anthropic_errors import anthropic_error_body, is_messages_path
 from engine.entrypoints.openai.request_id import REQUEST_ID_HEADER, request_id_headers
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ def api_error_response(error: APIError) -> JSONResponse:
 def invalid_api_key_response() -> JSONResponse:
     """The 401 for a request without a valid API key; the connection closes rather than
     wait for a body nobody will read."""
-    return error_response(401, "a valid API key is required (Authorization: Bearer <key>)",
+    return error_response(401, "a valid API key is required (Authorization: Bearer <key>, "
+                               "or x-api-key: <key>)",
                           code="invalid_api_key",
                           headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
 
@@ -160,5 +162,9 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = request_id_headers(request.scope)
         logger.exception("unhandled error in %s %s (request id %s)", request.method,
                          request.url.path, headers.get(REQUEST_ID_HEADER))
-        return error_response(500, f"internal server error: {type(error).__name__}",
-                              headers=headers)
+        message = f"internal server error: {type(error).__name__}"
+        if is_messages_path(request.url.path):  # outside the middleware that rewrites errors
+            return JSONResponse(anthropic_error_body(500, message,
+                                                     headers.get(REQUEST_ID_HEADER)),
+                                status_code=500, headers=headers)
+        return error_response(500, message, headers=headers)

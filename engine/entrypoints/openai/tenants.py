@@ -91,12 +91,16 @@ class Tenants:
         return self.tenant_by_key_digest.get(_digest(key))
 
     def tenant_of_request(self, scope: Scope) -> str | None:
-        """The tenant named by an HTTP request's `Authorization: Bearer <key>` header (its
-        ASGI scope), or None without a known key. Needs the headers only, so that a server
+        """The tenant named by an HTTP request's `Authorization: Bearer <key>` header, or
+        else by its `x-api-key: <key>` header (Anthropic's clients send that one), from its
+        ASGI scope; None without a known key. Needs the headers only, so that a server
         checks the key before it reads the body."""
-        authorization = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, key = authorization.partition(b" ")
-        return self.tenant_of(key.strip()) if scheme.lower() == b"bearer" else None
+        headers = dict(scope["headers"])
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        tenant = self.tenant_of(key.strip()) if scheme.lower() == b"bearer" else None
+        if tenant is None and b"x-api-key" in headers:
+            tenant = self.tenant_of(headers[b"x-api-key"].strip())
+        return tenant
 
 
 def parse_tenant_flag(value: str) -> tuple[str, str]:

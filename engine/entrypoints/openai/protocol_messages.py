@@ -1,0 +1,188 @@
+"""The request bodies of the Anthropic Messages API (`POST /v1/messages` and
+`POST /v1/messages/count_tokens`), as pydantic models.
+
+Follows `protocol.py`'s conventions: unknown fields are ignored, types are strict, nulls mean
+"not given". Content blocks are the text subset of Anthropic's: `text`, `tool_use`,
+`tool_result` (its content a string or text blocks) and `thinking` / `redacted_thinking`
+(accepted, not rendered: this server never outputs them); images, documents and other block
+types are refused naming the field. Tools are custom tools (`name`, `description`,
+`input_schema`); Anthropic's server tools are refused. `cache_control` breakpoints
+(`{"type": "ephemeral", "ttl": "5m" | "1h"}`) are taken on system blocks, tools and message
+blocks, and at the top level for the last block of the last message. Beyond Anthropic's
+fields the requests take this server's sampling and job extensions (`SamplingFields`:
+`temperature`, `top_p`, `top_k`, `seed`, `min_p`, `job_id`, `cache_salt`, ...); `stop` is
+refused beside `stop_sequences`, which is this API's name for it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import ConfigDict, Discriminator, Field, Tag
+
+from engine.entrypoints.openai.protocol import (
+    MAX_ID_CHARS,
+    NullMeansDefault,
+    SamplingFields,
+    StopString,
+)
+
+# Anthropic's TTLs of a cache breakpoint, in seconds.
+CACHE_TTL_S = {"5m": 300.0, "1h": 3600.0}
+CacheTTL = Literal["5m", "1h"]
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+ToolName = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+class _Model(NullMeansDefault):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class CacheControl(_Model):
+    """A breakpoint: keep the prompt's KV up to and including this block for `ttl`."""
+
+    type: Literal["ephemeral"]
+    ttl: CacheTTL = "5m"
+
+    @property
+    def ttl_s(self) -> float:
+        return CACHE_TTL_S[self.ttl]
+
+
+class TextBlock(_Model):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+
+
+class ToolUseBlock(_Model):
+    """A tool call the model made, sent back in an assistant message."""
+
+    type: Literal["tool_use"]
+    id: Id
+    name: ToolName
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+def _json_kind(value: Any) -> str:
+    return "str" if isinstance(value, str) else "list"
+
+
+# A string or a list of text blocks, tagged so that a bad value is reported against one
+# alternative, not each.
+TextOrTextBlocks = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[TextBlock], Tag("list")],
+    Discriminator(_json_kind, custom_error_type="invalid_type",
+                  custom_error_message="must be a string or a list of text blocks"),
+]
+
+
+class ToolResultBlock(_Model):
+    """The result of a tool call, answering the `tool_use` block of the same id."""
+
+    type: Literal["tool_result"]
+    tool_use_id: Id
+    content: TextOrTextBlocks = ""
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(block.text for block in self.content)
+
+
+class ThinkingBlock(_Model):
+    """Reasoning a model showed in an earlier turn: accepted, and left out of the prompt."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                         Field(discriminator="type")]
+ContentBlocks = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[ContentBlock], Tag("list")],
+    Discriminator(_json_kind, custom_error_type="invalid_type",
+                  custom_error_message="must be a string or a list of content blocks"),
+]
+
+
+class Message(_Model):
+    role: Literal["user", "assistant"]
+    content: ContentBlocks
+
+    @property
+    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock]:
+        """The content as blocks (a string is one text block)."""
+        if isinstance(self.content, str):
+            return [TextBlock(type="text", text=self.content)]
+        return list(self.content)
+
+
+class Tool(_Model):
+    """A custom tool: the model calls it with an input matching `input_schema`."""
+
+    type: Literal["custom"] | None = None
+    name: ToolName
+    description: str | None = None
+    input_schema: dict[str, Any]
+    strict: bool | None = Field(None, description="The input takes only the schema's named "
+                                                  "properties (a forced call's grammar).")
+    cache_control: CacheControl | None = None
+
+
+class ToolChoiceAuto(_Model):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(_Model):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(_Model):
+    type: Literal["tool"]
+    name: ToolName
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(_Model):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone,
+                       Field(discriminator="type")]
+
+
+class Metadata(_Model):
+    user_id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
+
+
+class MessagesFields(SamplingFields):
+    """What both endpoints read: the model, the conversation, the system prompt and tools."""
+
+    conversation_field: ClassVar[str | None] = "messages"
+
+    model: Annotated[str, Field(min_length=1)]  # type: ignore[assignment]
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: TextOrTextBlocks | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    cache_control: CacheControl | None = Field(
+        None, description="A breakpoint on the last block of the last message.")
+
+
+class MessagesCountTokensRequest(MessagesFields):
+    """POST /v1/messages/count_tokens: how many input tokens the same request would take."""
+
+
+class MessagesRequest(MessagesFields):
+    """POST /v1/messages: the next assistant message of a conversation."""
+
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: list[StopString] | None = None
+    metadata: Metadata | None = None
