@@ -11,9 +11,14 @@ import enum
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.block_pool import BlockPool
+
+# Who asked for a pin: the scheduling policy (a finished turn kept for its job's next one) or
+# the client (a prompt prefix under a cache breakpoint, `Request.cache_breakpoint`).
+PinSource = Literal["policy", "client"]
 
 
 class PinReleaseReason(str, enum.Enum):
@@ -31,8 +36,8 @@ class PinReleaseReason(str, enum.Enum):
 @dataclass(slots=True)
 class Pin:
     """The blocks of one finished turn `request_id` of `tenant` (None without tenants), held
-    for `job_id` until `deadline_s` (policy time). `blocks` are the turn's prefix-cached
-    blocks in sequence order.
+    for `job_id` until `deadline_s` (policy time), as `source` asked. `blocks` are the turn's
+    prefix-cached blocks in sequence order (a client's pin: those of its breakpoint's prefix).
     """
 
     job_id: str
@@ -43,6 +48,7 @@ class Pin:
     release_reason: PinReleaseReason | None = None
     released_at_s: float | None = None
     tenant: str | None = None
+    source: PinSource = "policy"
 
     @property
     def deadline_s(self) -> float:
@@ -84,6 +90,7 @@ class PinTable:
         now_s: float,
         ttl_s: float,
         tenant: str | None = None,
+        source: PinSource = "policy",
     ) -> Pin:
         """Creates a pin of `tenant`'s that takes over the caller's references on `blocks`.
 
@@ -95,7 +102,8 @@ class PinTable:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         previous = self._pins.pop(job_id, None)
-        pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s, tenant=tenant)
+        pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s, tenant=tenant,
+                  source=source)
         self._pins[job_id] = pin
         self.num_pinned_blocks += pin.num_blocks
         self.num_created += 1

@@ -85,9 +85,9 @@ class Admission:
     def has_reserved_room(self, request: Request, hit: PrefixHit, num_new_tokens: int,
                           now_s: float, plan: StepPlan) -> bool:
         """Whether the blocks of the tokens the policy wants reserved beyond this step's chunk
-        are free or held by the pins it names (`SchedulingPolicy.reservation`) or by pins of
-        other tenants over their share. Always True while nothing runs: nothing else could
-        free blocks for it then."""
+        are free or held by the pins it names (`SchedulingPolicy.reservation`), by clients'
+        pins of other jobs or by pins of other tenants over their share. Always True while
+        nothing runs: nothing else could free blocks for it then."""
         reservation = self._policy.reservation(request, hit.num_tokens, num_new_tokens, now_s)
         if reservation.num_tokens <= num_new_tokens or not self._view.running:
             return True
@@ -97,7 +97,9 @@ class Admission:
             if self._pins.get(pin.job_id) is not pin or pin.job_id == request.job_id:
                 raise RuntimeError(f"policy counted the pin of job {pin.job_id!r} as room for "
                                    f"{request.request_id!r}: not live, or its own job's")
-        reservable = {pin.job_id: pin for pin in (*reservation.pins,
+        client_pins = [pin for pin in self._pins
+                       if pin.source == "client" and pin.job_id != request.job_id]
+        reservable = {pin.job_id: pin for pin in (*reservation.pins, *client_pins,
                                                   *self._pins_over_share(request, plan))}
         num_reservable_blocks = sum(pin.num_blocks for pin in reservable.values())
         num_free_blocks = self._kv_cache_manager.block_pool.num_free_blocks

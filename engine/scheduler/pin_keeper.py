@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.pins import Pin, PinReleaseReason, PinTable
 from engine.request import Request, RequestStatus
 from engine.scheduler import events
 from engine.scheduler.job_inference import InferredJob, JobInference
-from engine.scheduler.retention import Retention
+from engine.scheduler.retention import Retention, RetentionInputs
 
 
 class PinKeeper:
@@ -33,26 +34,65 @@ class PinKeeper:
                max_tenant_pinned_blocks: float | None = None) -> bool:
         """Carries out a policy's retention decision on a finished turn: releases the pins it
         makes room with, then pins the turn's cached blocks if it says so; True if the
-        request's blocks went to a pin (or were detached, none being cached). Then the
-        request's tenant's pins, oldest first, the new one last, are released (PRESSURE)
-        until they hold at most `max_tenant_pinned_blocks` (None: no cap)."""
-        if retention is None or request.job is None:
+        request's blocks went to a pin (or were detached, none being cached).
+
+        A client's cache breakpoint (`Request.cache_breakpoint`) on a job's turn that
+        finished normally is kept as the job's pin instead when its deadline is later than
+        the policy's pin's (or the policy pins nothing): the blocks of its prefix, for its
+        TTL (`source` "client", explained as such). Then the request's tenant's pins, oldest
+        first, the new one last, are released (PRESSURE) until they hold at most
+        `max_tenant_pinned_blocks` (None: no cap)."""
+        if request.job is None:
             return False
-        if request.status is RequestStatus.FINISHED_ABORTED:
+        if retention is not None and request.status is RequestStatus.FINISHED_ABORTED:
             raise RuntimeError(f"policy retained {request}, which was aborted")
+        client_ttl_s = self._client_ttl_s(request, retention)
+        if client_ttl_s is not None:
+            retention = Retention(client_ttl_s, RetentionInputs(
+                ttl_s=client_ttl_s, source="client",
+                tool=None if retention is None else retention.inputs.tool),
+                release_job_ids=() if retention is None else retention.release_job_ids)
+        if retention is None:
+            return False
         for job_id in retention.release_job_ids:
             self.release(job_id, PinReleaseReason.PRESSURE, now_s)
         pin = None
         if retention.pins:
             blocks = self._kv_cache_manager.detach_cached_blocks(request)
+            if client_ttl_s is not None:
+                blocks = self._prefix_blocks(request, blocks)
             if blocks:
                 pin = self.pins.add(request.job.job_id, request.request_id, blocks,
                                     now_s=now_s, ttl_s=self._ttl_s(request, retention),
-                                    tenant=request.tenant)
+                                    tenant=request.tenant,
+                                    source="policy" if client_ttl_s is None else "client")
         self._events.emit(events.RetentionDecided(request, pin, retention.inputs, now_s))
         if pin is not None and max_tenant_pinned_blocks is not None:
             self._cap_tenant_pins(request.tenant, max_tenant_pinned_blocks, pin, now_s)
         return retention.pins
+
+    @staticmethod
+    def _client_ttl_s(request: Request, retention: Retention | None) -> float | None:
+        """The TTL of the client's pin of a finished turn, if it wins over the policy's."""
+        breakpoint_ = request.cache_breakpoint
+        if breakpoint_ is None or request.status is RequestStatus.FINISHED_ABORTED:
+            return None
+        if retention is not None and retention.ttl_s >= breakpoint_.ttl_s:
+            return None
+        return breakpoint_.ttl_s
+
+    def _prefix_blocks(self, request: Request, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """The detached `blocks` of the client's cache breakpoint's prefix; frees the rest."""
+        assert request.cache_breakpoint is not None
+        num_kept = request.cache_breakpoint.num_prompt_tokens // self._kv_cache_manager.block_size
+        self._kv_cache_manager.block_pool.free_blocks(reversed(blocks[num_kept:]))
+        return blocks[:num_kept]
+
+    def client_pin_to_release(self) -> Pin | None:
+        """The client's pin to give up first when a request cannot get blocks (before any
+        the policy chose): the one nearest its deadline; None without client pins."""
+        return min((pin for pin in self.pins if pin.source == "client"), default=None,
+                   key=lambda pin: pin.deadline_s)
 
     def _cap_tenant_pins(self, tenant: str | None, max_pinned_blocks: float, newest: Pin,
                          now_s: float) -> None:

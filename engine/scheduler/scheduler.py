@@ -351,6 +351,7 @@ class Scheduler:
         blocks and computes nothing)."""
         while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
             victim = (self._admission.over_share_pin(request, plan)
+                      or self._pin_keeper.client_pin_to_release()
                       or self.policy.select_victim(request, now_s))
             if victim is None:
                 return None
@@ -448,6 +449,7 @@ class Scheduler:
             return AdmissionOutcome.NO_MEMORY
         while kv_cache_manager.allocate_slots(request, num_new_tokens, hit) is None:
             pin = (self._admission.over_share_pin(request, plan)
+                   or self._pin_keeper.client_pin_to_release()
                    or self.policy.select_pin_to_release(request, now_s))
             if pin is None:
                 return AdmissionOutcome.NO_MEMORY
@@ -487,7 +489,7 @@ class Scheduler:
         self._finished_req_ids.add(request.request_id)
         retention = self.policy.retention(request, now_s)
         self.events.emit(events.RequestFinished(request, now_s))
-        cap = None if retention is None else self._admission.pin_cap_blocks(request.tenant)
+        cap = self._admission.pin_cap_blocks(request.tenant)
         if not self._pin_keeper.retain(request, retention, now_s, max_tenant_pinned_blocks=cap):
             self.kv_cache_manager.free(request,
                                        offload=retention is None or retention.offload)
