@@ -2,7 +2,7 @@
 
 The profile is a roofline model (`engine.executor.roofline`) or one measured on a device
 (`engine.executor.measured`), by name or file (`engine.executor.sim_profiles`).
-Used behind the real server (`--executor simulated --sim-profile NAME`, where it sleeps each
+Used behind the real server (`executor = "simulated"` in a `--config` file, where it sleeps each
 step's time) and in the discrete-event simulator (where `sleep` advances a virtual clock).
 It samples a fixed, deterministic token sequence that never contains the request's EOS
 token, so a turn ends at `max_tokens` or a stop condition.
