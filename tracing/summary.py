@@ -13,7 +13,7 @@ Definitions (times on the scheduler clock, seconds):
   back from the prefix cache, either tier (dropped minus hit, at least 0);
 - host-tier copies (`host_tier`) are summed over every step: blocks stored to the host tier
   and loaded back from it (admissions after a preemption included).
-Traces written before the host tier have none of its fields; they read as 0.
+A trace without the host tier's fields reads them as 0.
 """
 
 from __future__ import annotations

@@ -110,8 +110,8 @@ class EngineCore:
 
     def _resolve_async_scheduling(self, config: EngineConfig) -> bool:
         """`SchedulerConfig.async_scheduling`, or where it is None what the executor prefers
-        (not with a host KV tier). An executor from a `module:Class` path written before the
-        protocol had `prefers_async_scheduling` runs its steps in order."""
+        (not with a host KV tier). An executor from a `module:Class` path that does not say
+        (`prefers_async_scheduling` absent) runs its steps in order."""
         if config.scheduler.async_scheduling is not None:
             return config.scheduler.async_scheduling
         prefers = getattr(self.executor, "prefers_async_scheduling", False)
