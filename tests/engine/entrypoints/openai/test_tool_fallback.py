@@ -1,6 +1,7 @@
 """Tools reach a model whose chat template ignores them (SmolLM2's), over Chat Completions
 and the Responses API: the prompt the engine runs holds every offered tool's name and schema,
-and an earlier turn's tool call comes back in the format the parser reads.
+and an earlier turn's tool call comes back in the format the parser reads. The helper that
+measures the tool-call rate `docs/frameworks.md` reports (`tool_call_rate.py`) reads a call.
 
 Without the real model in the cache these tests skip (see `tests/engine/model/real_model.py`).
 """
@@ -17,6 +18,7 @@ from engine.entrypoints.openai.serving import ServerSettings
 from engine.frontend.chat_template import render_chat
 from engine.model.tokenizer import load_tokenizer
 from tests.engine.entrypoints.openai.conftest import MAX_BODY_BYTES, ServerThread, start_server
+from tests.engine.entrypoints.openai.tool_call_rate import PROMPTS, answer
 from tests.engine.model.real_model import REAL_MODEL, require_real_model
 
 WEATHER = {"name": "get_weather", "description": "The current weather in a city.",
@@ -94,3 +96,11 @@ def test_a_responses_turn_renders_its_tools_and_the_calls_it_sends_back(server,
     assert second.usage.input_tokens == len(tokenizer(rendered, add_special_tokens=False)
                                             .input_ids)
     server.wait_idle()
+
+
+def test_the_rate_helper_counts_a_valid_call_of_the_right_tool(server) -> None:
+    question, tool = next((question, tool) for question, tool in PROMPTS
+                          if question.startswith("Convert 100 US dollars"))
+    forced = answer(server.client(), REAL_MODEL, question, tool, tool_choice="required")
+    assert forced.is_valid_call and forced.is_right_tool
+    assert forced.calls[0][1]["amount"] == 100
