@@ -1,8 +1,10 @@
-"""A Messages request as the chat template takes it, and where its cache breakpoint falls in
-the prompt (on the tiny model's tokenizer: one token a byte, so counts are characters)."""
+"""A Messages request as the chat template takes it, where its cache breakpoint falls in the
+prompt (on the tiny model's tokenizer: one token a byte, so counts are characters), and the
+error event of a stream that fails after it started."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,6 +13,8 @@ from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol_messages import MessagesRequest
 from engine.entrypoints.openai.serving_messages import (
     MAX_CACHE_TTL_S,
+    _event,
+    _stream_error,
     check_messages_fields,
     prompt_cache_breakpoint,
     template_conversation,
@@ -193,3 +197,16 @@ def test_a_top_level_breakpoint_is_the_last_blocks(tokenizer) -> None:
                                                    cache_control=EPHEMERAL))
     assert top_level == _breakpoint(tokenizer, _request(on_block, tools=[WEATHER]))[0]
     assert top_level is not None
+
+
+@pytest.mark.parametrize(("error", "error_type"), [
+    (ValueError("the core refused it"), "invalid_request_error"),
+    (RuntimeError("boom"), "api_error"),
+])
+def test_a_failure_after_the_stream_started_is_an_error_event(error, error_type) -> None:
+    chunk = _event("error", **_stream_error(error, "req-1"))
+    name, data = chunk.decode().strip().split("\n")
+    assert name == "event: error"
+    body = json.loads(data.removeprefix("data: "))
+    assert body["type"] == "error" and body["request_id"] == "req-1"
+    assert body["error"]["type"] == error_type and body["error"]["message"]
