@@ -52,6 +52,7 @@ from engine.entrypoints.openai.protocol import (
 )
 from engine.entrypoints.openai.protocol_messages import (
     CacheControl,
+    CacheTTL,
     MessagesCountTokensRequest,
     MessagesFields,
     MessagesRequest,
@@ -129,15 +130,15 @@ class Conversation:
 @dataclass(frozen=True)
 class PreparedMessage:
     """A Messages request queued with the engine: its output stream, how its output is read
-    for tool calls (`parser`, None without tools), its cache breakpoint, and the client's
-    `X-Request-Id`."""
+    for tool calls (`parser`, None without tools), its cache breakpoint with the TTL the
+    client named for it, and the client's `X-Request-Id`."""
 
     message_id: str
     request: ProcessedRequest
     stream: AsyncIterator[RequestOutput]
     parser: ToolParser | None
     cache_breakpoint: CacheBreakpoint | None
-    cache_ttl: str | None
+    cache_ttl: CacheTTL | None
     client_request_id: str | None = None
 
     @property
@@ -211,12 +212,12 @@ class OpenAIServingMessages(OpenAIServing):
             client, self._render_and_process, message_id, body, params, client,
             tool_call_format)
         (stream,) = self.submit([request])
-        conversation_ttl = _last_cache_control(body)
+        last_control = _last_cache_control(body)
         return PreparedMessage(
             message_id=message_id, request=request, stream=stream,
             parser=None if tool_call_format is None else tool_call_format.make_parser(),
             cache_breakpoint=cache_breakpoint,
-            cache_ttl=None if conversation_ttl is None else conversation_ttl.ttl,
+            cache_ttl=None if last_control is None else last_control.ttl,
             client_request_id=client.request_id)
 
     async def count_tokens(self, body: MessagesCountTokensRequest,
