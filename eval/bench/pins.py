@@ -61,12 +61,12 @@ class PinsSettings:
     """The flags of a run (see the module docstring)."""
 
     jobs: int = 4
-    job_tokens: int = 3_600
+    job_tokens: int = 4_000
     turn_tokens: int = 4
-    tool_s: float = 0.2
+    tool_s: float = 1.5
     victim_prompt_tokens: int = 2_500
     baseline_s: float = 20.0
-    attack_s: float = 30.0
+    attack_s: float = 40.0
     sample_s: float = 0.2
     max_ratio: float = 1.5
 
@@ -116,6 +116,9 @@ def run_jobs(base_url: str, model: str, settings: PinsSettings, phase: str,
                 statuses[type(error).__name__] += 1
                 output = ""
             await asyncio.sleep(settings.tool_s)
+            # ASCII only: the tiny model's bytes that are not UTF-8 come back as U+FFFD, which
+            # re-encodes as three tokens and would grow the prompt past its token count.
+            output = output.encode("ascii", "ignore").decode()
             context = (context + output + f" result {turn}. ")[-settings.job_tokens:]
 
     async def jobs() -> Counter[int | str]:
