@@ -33,8 +33,7 @@ class JobOptions:
     """What every job-aware policy takes."""
 
     job_idle_timeout_s: float = field(default=DEFAULT_JOB_IDLE_TIMEOUT_S, metadata=_help(
-        "seconds, > 0: a job with no unfinished turn and no pin is forgotten after this long "
-        "idle"))
+        "seconds > 0: a job with no unfinished turn and no pin is forgotten after this long"))
 
     def __post_init__(self) -> None:
         _require(self.job_idle_timeout_s > 0,
@@ -69,14 +68,13 @@ class ProgramOrderOptions(JobOptions):
     arrival order) whatever its job, and a request without a job after `max_plain_wait_s`."""
 
     max_job_age_s: float = field(default=60.0, metadata=_help(
-        "seconds, >= 0 (inf: pure program order): a turn sorts by its job's first arrival, "
-        "but by no time older than this before its own arrival"))
+        "seconds >= 0 (inf: pure program order): a turn sorts by its job's first arrival, at "
+        "most this much before its own"))
     max_wait_s: float = field(default=30.0, metadata=_help(
-        "seconds, >= 0 (inf: never): a request that has waited this long goes ahead of "
-        "every other, in arrival order, and every pin yields to it"))
+        "seconds >= 0 (inf: never): a request waiting this long goes first, and pins yield "
+        "to it"))
     max_plain_wait_s: float = field(default=10.0, metadata=_help(
-        "seconds, >= 0 (inf: never): the same bound for a request without a job, which "
-        "before that goes ahead of every job's turn that arrived after it"))
+        "seconds >= 0 (inf: never): the same for a request without a job"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,17 +88,14 @@ class ContinuumOptions(ProgramOrderOptions):
     """Continuum's pins and their estimator, on top of program-level order."""
 
     estimator: EstimatorName = field(default="eq2-empirical", metadata=_help(
-        "the TTL rule: eq2-empirical (the paper's Eq. 2 over the observed tool durations) | "
-        "eq2-learned (Eq. 2 over a learned predictor) | fixed-2s (the release's rule)"))
+        "the TTL rule: eq2-empirical (the paper's Eq. 2) | eq2-learned | fixed-2s (the "
+        "release's 2 s rule)"))
     estimator_state: str | None = field(default=None, metadata=_help(
-        "a JSON file: the estimator's state, loaded at start if present and valid, saved "
-        "at shutdown"))
+        "JSON file of the estimator's state: loaded at start, saved at shutdown"))
     max_ttl_s: float = field(default=DEFAULT_MAX_TTL_S, metadata=_help(
-        "seconds, > 0 and finite: no pin lasts longer"))
+        "seconds > 0, finite: no pin lasts longer"))
     max_pinned_fraction: float = field(default=1.0, metadata=_help(
-        "in (0, 1]: the share of the KV pool pins may hold; a new pin first releases later "
-        "jobs' pins, else is declined (1: no cap beyond the rule that pins hold only memory "
-        "no running request and no overdue waiting request needs)"))
+        "in (0, 1]: the share of the KV pool pins may hold (1: no cap)"))
 
     def __post_init__(self) -> None:
         super().__post_init__()

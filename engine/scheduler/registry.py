@@ -67,10 +67,13 @@ def policy_option_lines(name: str) -> list[str]:
 def policy_options_help(default_policy: str) -> str:
     """The options of every registered policy, for `--help`: the default policy's in full
     (with defaults), the others by name."""
-    parts = [f"{default_policy}: " + "; ".join(policy_option_lines(default_policy))]
+    default_lines = policy_option_lines(default_policy)
+    parts = [f"{default_policy}: " + "; ".join(default_lines)]
+    default_keys = [line.split("=", 1)[0] for line in default_lines]
     for name in POLICIES:
         if name != default_policy:
-            lines = policy_option_lines(name)
-            keys = ", ".join(line.split("=", 1)[0] for line in lines) or "none"
-            parts.append(f"{name}: {keys}")
+            keys = [line.split("=", 1)[0] for line in policy_option_lines(name)]
+            described = (f"those of {default_policy}" if keys == default_keys
+                         else ", ".join(keys) or "none")
+            parts.append(f"{name}: {described}")
     return ". ".join(parts)
