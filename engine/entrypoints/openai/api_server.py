@@ -386,7 +386,7 @@ def _add_response_routes(app: FastAPI) -> None:
     async def retrieve_response(response_id: str, request: Request) -> Response:
         """A stored response of the requesting tenant."""
         serving: OpenAIServingResponses = request.app.state.responses
-        return JSONResponse(serving.retrieve(response_id, scope_tenant(request.scope)))
+        return await serving.retrieve(response_id, scope_tenant(request.scope))
 
     @app.get("/v1/responses/{response_id}/input_items", operation_id="listInputItems",
              response_class=JSONResponse, responses={
@@ -445,14 +445,16 @@ def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, A
 
 async def _respond(request: Request, serving: Any, body: Any, prepared: Any,
                    engine_requests: list[Any]) -> Response:
-    """A prepared generation's response: its SSE stream when `body.stream`, else its JSON;
-    either way the engine requests are aborted once the client is gone or served."""
+    """A prepared generation's response: its SSE stream when `body.stream`, else its JSON (as
+    the handler encoded it, or from the object it returned); either way the engine requests
+    are aborted once the client is gone or served."""
     cleanup = BackgroundTask(serving.abort, engine_requests)
     if body.stream:
         return StreamingResponse(
             _aborting_when_done(serving.stream(body, prepared), serving, engine_requests),
             background=cleanup, media_type="text/event-stream", headers=_SSE_HEADERS)
-    return JSONResponse(await _run(request, serving.create(body, prepared), cleanup))
+    created = await _run(request, serving.create(body, prepared), cleanup)
+    return created if isinstance(created, Response) else JSONResponse(created)
 
 
 async def _aborting_when_done(chunks: AsyncIterator[bytes], serving: Any,
@@ -467,7 +469,8 @@ async def _aborting_when_done(chunks: AsyncIterator[bytes], serving: Any,
         serving.abort_nowait(engine_requests)
 
 
-async def _run(request: Request, work: Any, cleanup: BackgroundTask) -> dict[str, Any]:
+async def _run(request: Request, work: Any, cleanup: BackgroundTask
+               ) -> dict[str, Any] | Response:
     """A non-streaming generation: cancelled if the client goes (`cleanup` then aborts what
     the engine still runs of it); a request the core rejects is a 400."""
     try:

@@ -1,14 +1,15 @@
 """Stored responses of the Responses API: what `previous_response_id` continues and
 `GET /v1/responses/{id}` returns. Kept in memory as JSON bytes, so that the bytes counted are
-the bytes held; each tenant has its own quota of the store, and its least recently used
-responses go first when it is full. Lost when the server stops.
+the bytes held, and a retrieval sends the response's bytes as they were first sent; each
+tenant has its own quota of the store, and its least recently used responses go first when it
+is full. Lost when the server stops.
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +39,9 @@ class StoredResponse:
     as items (`instructions` are not kept: OpenAI does not carry them over); the first
     `num_input_items` are its input (what `input_items` lists). A later turn of the chain
     reuses these texts as they are. `job_id` is the chain's job as the client names it (not
-    namespaced by tenant). `body_json` is the response object as it was returned. `num_bytes`
-    is what the store charges for it: its JSON texts and their overheads.
+    namespaced by tenant). `body_json` is the response object's JSON as it was returned, and
+    as retrievals return it. `num_bytes` is what the store charges for it: its JSON texts and
+    their overheads.
     """
 
     response_id: str
@@ -51,9 +53,8 @@ class StoredResponse:
 
     @classmethod
     def of(cls, response_id: str, job_id: str | None, item_jsons: Sequence[bytes],
-           body: Mapping[str, Any], num_input_items: int) -> StoredResponse:
-        """The record of a response: its conversation's item texts and its body."""
-        body_json = json.dumps(body, separators=(",", ":")).encode()
+           body_json: bytes, num_input_items: int) -> StoredResponse:
+        """The record of a response: its conversation's item texts and its body's JSON."""
         num_bytes = (sum(map(len, item_jsons)) + ITEM_OVERHEAD_BYTES * len(item_jsons)
                      + len(body_json) + ENTRY_OVERHEAD_BYTES)
         return cls(response_id=response_id, job_id=job_id, item_jsons=tuple(item_jsons),
@@ -65,7 +66,7 @@ class StoredResponse:
         return [_ITEM.validate_json(text) for text in self.item_jsons[start:stop]]
 
     def body(self) -> dict[str, Any]:
-        """The response object, decoded again."""
+        """The response object, decoded again (work in proportion to its size)."""
         body: dict[str, Any] = json.loads(self.body_json)
         return body
 

@@ -40,6 +40,7 @@ from engine.entrypoints.openai.refusal_pacing import (
     RefusalPacer,
 )
 from engine.entrypoints.openai.request_id import scope_request_id
+from engine.entrypoints.openai.response_body import json_pieces
 from engine.entrypoints.openai.response_store import check_store_room
 from engine.entrypoints.openai.structured_outputs import GrammarChecker
 from engine.entrypoints.openai.tenants import (
@@ -557,10 +558,22 @@ _LINE_BREAKING = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"),
 
 def sse(payload: Mapping[str, Any]) -> bytes:
     """One SSE event holding `payload` as JSON on a single line."""
-    data = _json.encode(payload)
+    return b"data: " + _single_line(_json.encode(payload)) + b"\n\n"
+
+
+def sse_pieces(payload: Mapping[str, Any]) -> list[bytes]:
+    """`sse(payload)` in pieces (`response_body.json_pieces`), for a large payload on a
+    worker thread."""
+    pieces = [_single_line(piece) for piece in json_pieces(payload)]
+    return [b"data: ", *pieces, b"\n\n"]
+
+
+def _single_line(data: bytes) -> bytes:
+    """JSON with the characters that break SSE lines escaped (JSON fragments too: a
+    fragment boundary never splits a character)."""
     for raw, escaped in _LINE_BREAKING:
         data = data.replace(raw, escaped)
-    return b"data: " + data + b"\n\n"
+    return data
 
 
 SSE_DONE = b"data: [DONE]\n\n"

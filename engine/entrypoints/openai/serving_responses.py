@@ -7,7 +7,10 @@ chat template with the function tools; the output is parsed by the chat tool-cal
 a `message` item and `function_call` items. Streams are OpenAI's semantic events.
 
 A response is stored (unless `store` is false) with its whole conversation, so that
-`previous_response_id` continues it. A turn's job is the one its client names (`job_id`, the
+`previous_response_id` continues it; `GET /v1/responses/{id}` sends the stored JSON as it is.
+A response estimated large (`response_body.is_large`: long, or with many logprobs) is
+finished and encoded on the work pool, in pieces, its logprobs encoded once for all the
+events and the stored copy that carry them. A turn's job is the one its client names (`job_id`, the
 job header or `prompt_cache_key`), else that of the stored turn it chains onto, else the
 engine infers it, as for chat: a turn that re-sends the conversation (the default of most agent
 frameworks) or chains onto one continues the job of the turn whose output it carries, found
@@ -24,6 +27,9 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import msgspec
+from starlette.responses import Response
 
 from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_ITEMS
@@ -56,6 +62,13 @@ from engine.entrypoints.openai.protocol_responses import (
     TextFormatJSONSchema,
     content_text,
 )
+from engine.entrypoints.openai.response_body import (
+    LARGE_BODY_BYTES,
+    JSONPiecesResponse,
+    byte_pieces,
+    is_large,
+    json_pieces,
+)
 from engine.entrypoints.openai.response_store import ResponseStore, StoredResponse, item_json
 from engine.entrypoints.openai.serving import (
     ClientContext,
@@ -63,6 +76,7 @@ from engine.entrypoints.openai.serving import (
     ServerSettings,
     merge_streams,
     sse,
+    sse_pieces,
 )
 from engine.entrypoints.openai.structured_outputs import (
     GrammarChecker,
@@ -87,6 +101,7 @@ from engine.tool_calls import (
 )
 
 logger = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
 
 
 def new_item_id(prefix: str) -> str:
@@ -124,6 +139,7 @@ class _Output:
     text: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    encoded_logprobs: msgspec.Raw | None = None  # set by `encode_logprobs`
     num_unsent_logprobs: int = 0
     num_tokens: int = 0
     finish_reason: str | None = None
@@ -166,9 +182,22 @@ class _Output:
     def incomplete(self) -> bool:
         return self.finish_reason == "length"
 
+    def num_logprob_values(self, top_logprobs: int) -> int:
+        """The logprob values of the output so far (each token's and its `top_logprobs`
+        alternatives)."""
+        return len(self.logprobs) * (1 + top_logprobs) if self.with_logprobs else 0
+
+    def encode_logprobs(self) -> None:
+        """Encodes the finished output's logprobs once, for every event and body that
+        carries them (for a worker thread)."""
+        self.encoded_logprobs = msgspec.Raw(b"".join(json_pieces(self.logprobs)))
+
     def text_part(self) -> dict[str, Any]:
+        logprobs: list[dict[str, Any]] | msgspec.Raw = []
+        if self.with_logprobs:
+            logprobs = self.logprobs if self.encoded_logprobs is None else self.encoded_logprobs
         return {"type": "output_text", "text": self.text, "annotations": [],
-                "logprobs": self.logprobs if self.with_logprobs else []}
+                "logprobs": logprobs}
 
     def message_item(self, *, done: bool) -> dict[str, Any]:
         status = "in_progress" if not done else "incomplete" if self.incomplete else "completed"
@@ -251,15 +280,24 @@ def _with_responses_names(error: APIError) -> APIError:
 
 
 class _Events:
-    """SSE events of one streamed response, numbered from 0 (`sequence_number`)."""
+    """SSE events of one streamed response, numbered from 0 (`sequence_number`). With
+    `in_pieces`, each event comes as `sse_pieces` make it (for a large output's closing
+    events, on a worker thread)."""
 
     def __init__(self) -> None:
         self.sequence_number = 0
+        self.in_pieces = False
 
     def __call__(self, kind: str, **fields: Any) -> bytes:
+        return b"".join(self.pieces(kind, **fields))
+
+    def pieces(self, kind: str, **fields: Any) -> list[bytes]:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return b"event: " + kind.encode() + b"\n" + sse(payload)
+        head = b"event: " + kind.encode() + b"\n"
+        if self.in_pieces:
+            return [head, *sse_pieces(payload)]
+        return [head + sse(payload)]
 
 
 class OpenAIServingResponses(OpenAIServing):
@@ -408,21 +446,45 @@ class OpenAIServingResponses(OpenAIServing):
                 error.param = "max_output_tokens"
             raise
 
-    async def create(self, body: ResponsesRequest, prepared: PreparedResponse
-                     ) -> dict[str, Any]:
-        """The whole (non-streaming) response object; stored unless `store` is false."""
+    async def create(self, body: ResponsesRequest, prepared: PreparedResponse) -> Response:
+        """The whole (non-streaming) response; stored unless `store` is false. Finished and
+        encoded on the work pool if it is large."""
         output = self._new_output(body, prepared)
         num_cached_tokens = 0
+        completions: list[CompletionOutput] = []
         async for _, result in merge_streams([prepared.stream]):
             num_cached_tokens = result.num_cached_tokens
-            for completion in result.outputs:
-                output.push(completion, self._logprobs(completion.logprobs))
-        return self._finish(body, prepared, output, num_cached_tokens)
+            completions.extend(result.outputs)
+        num_tokens = sum(len(completion.token_ids) for completion in completions)
+        if is_large(sum(len(completion.text) for completion in completions),
+                    num_tokens * (1 + (body.top_logprobs or 0)) if output.with_logprobs else 0):
+            pieces, stored = await self.pool.run(
+                prepared.tenant, self._large_response, body, prepared, output, completions,
+                num_cached_tokens)
+            self._keep(prepared, stored)
+            return JSONPiecesResponse(pieces)
+        for completion in completions:
+            output.push(completion, self._logprobs(completion.logprobs))
+        body_json = _json.encode(self._finished(body, prepared, output, num_cached_tokens))
+        self._keep(prepared, self._record(prepared, output, body_json))
+        return Response(body_json, media_type="application/json")
+
+    def _large_response(self, body: ResponsesRequest, prepared: PreparedResponse,
+                        output: _Output, completions: Sequence[CompletionOutput],
+                        num_cached_tokens: int) -> tuple[list[bytes], StoredResponse | None]:
+        """The response's JSON in pieces, and its record for the store; for a worker
+        thread."""
+        for completion in completions:
+            output.push(completion, self._logprobs(completion.logprobs))
+        output.encode_logprobs()
+        pieces = json_pieces(self._finished(body, prepared, output, num_cached_tokens))
+        return pieces, self._record(prepared, output, b"".join(pieces))
 
     async def stream(self, body: ResponsesRequest, prepared: PreparedResponse
                      ) -> AsyncIterator[bytes]:
         """The response as SSE events: created, in_progress, the output items with their
-        deltas, then completed, incomplete (max_output_tokens) or failed."""
+        deltas, then completed, incomplete (max_output_tokens) or failed. The closing events
+        of a large output are made on the work pool."""
         event = _Events()
         output = self._new_output(body, prepared)
         snapshot = self._response_object(body, prepared, status="in_progress")
@@ -443,15 +505,37 @@ class OpenAIServingResponses(OpenAIServing):
                         yield event("response.output_text.delta", item_id=output.message_id,
                                     output_index=0, content_index=0, delta=delta,
                                     logprobs=output.unsent_logprobs())
-            for chunk in _output_closing(event, output, message_open=message_open):
+            closing = (body, prepared, output, event, message_open, num_cached_tokens)
+            if is_large(len(output.text), output.num_logprob_values(body.top_logprobs or 0)):
+                chunks, stored = await self.pool.run(
+                    prepared.tenant, self._closing_events, *closing, True)
+            else:
+                chunks, stored = self._closing_events(*closing, False)
+            self._keep(prepared, stored)
+            for chunk in chunks:
                 yield chunk
-            final = self._finish(body, prepared, output, num_cached_tokens)
-            kind = "response.incomplete" if output.incomplete else "response.completed"
-            yield event(kind, response=final)
         except Exception as error:
             failed = self._response_object(body, prepared, status="failed",
                                            error=_response_error(error))
             yield event("response.failed", response=failed)
+
+    def _closing_events(self, body: ResponsesRequest, prepared: PreparedResponse,
+                        output: _Output, event: _Events, message_open: bool,
+                        num_cached_tokens: int, large: bool
+                        ) -> tuple[list[bytes], StoredResponse | None]:
+        """The events that end a streamed response (see `_output_closing`, then completed
+        or incomplete), and its record for the store. A `large` output's are made on a
+        worker thread, in pieces, its logprobs encoded once."""
+        if large:
+            output.encode_logprobs()
+            event.in_pieces = True
+        chunks = _output_closing(event, output, message_open=message_open)
+        final = self._finished(body, prepared, output, num_cached_tokens)
+        body_json = b"".join(json_pieces(final)) if large else _json.encode(final)
+        kind = "response.incomplete" if output.incomplete else "response.completed"
+        chunks += event.pieces(kind, response=msgspec.Raw(body_json))
+        event.in_pieces = False
+        return chunks, self._record(prepared, output, body_json)
 
     def _new_output(self, body: ResponsesRequest, prepared: PreparedResponse) -> _Output:
         return _Output(
@@ -461,11 +545,11 @@ class OpenAIServingResponses(OpenAIServing):
             with_logprobs=LOGPROBS_INCLUDE in (body.include or ()),
             engine_request_id=prepared.request.core_requests[0].request_id)
 
-    def _finish(self, body: ResponsesRequest, prepared: PreparedResponse, output: _Output,
-                num_cached_tokens: int) -> dict[str, Any]:
-        """The finished response object, stored unless `store` is false."""
+    def _finished(self, body: ResponsesRequest, prepared: PreparedResponse, output: _Output,
+                  num_cached_tokens: int) -> dict[str, Any]:
+        """The finished response object."""
         num_prompt_tokens = len(prepared.request.prompt_token_ids)
-        response = self._response_object(
+        return self._response_object(
             body, prepared, status="incomplete" if output.incomplete else "completed",
             output=output.items(),
             usage={"input_tokens": num_prompt_tokens,
@@ -474,17 +558,22 @@ class OpenAIServingResponses(OpenAIServing):
                    "output_tokens": output.num_tokens,
                    "output_tokens_details": {"reasoning_tokens": 0},
                    "total_tokens": num_prompt_tokens + output.num_tokens})
-        if prepared.store:
-            self._store(prepared, output, response)
-        return response
 
-    def _store(self, prepared: PreparedResponse, output: _Output, response: dict[str, Any]
-               ) -> None:
-        stored = StoredResponse.of(
+    @staticmethod
+    def _record(prepared: PreparedResponse, output: _Output, body_json: bytes
+                ) -> StoredResponse | None:
+        """The store's record of a finished response whose JSON is `body_json`; None if it
+        is not stored (`store` false)."""
+        if not prepared.store:
+            return None
+        return StoredResponse.of(
             prepared.response_id, prepared.job_id,
-            (*prepared.item_jsons, *map(item_json, output.conversation_items())), response,
+            (*prepared.item_jsons, *map(item_json, output.conversation_items())), body_json,
             num_input_items=len(prepared.item_jsons))
-        if not self.store.put(prepared.tenant, stored):
+
+    def _keep(self, prepared: PreparedResponse, stored: StoredResponse | None) -> None:
+        """Puts a finished response's record in the store (on the event loop)."""
+        if stored is not None and not self.store.put(prepared.tenant, stored):
             logger.warning("response %s is not stored: its conversation (%d bytes) is over the "
                            "store's limit of %d bytes a tenant", prepared.response_id,
                            stored.num_bytes, self.store.max_bytes_per_tenant)
@@ -516,12 +605,16 @@ class OpenAIServingResponses(OpenAIServing):
             "job_id": prepared.job_id,
         }
 
-    def retrieve(self, response_id: str, tenant: str | None) -> dict[str, Any]:
-        """The stored response object; 404 if the tenant has none of this id."""
+    async def retrieve(self, response_id: str, tenant: str | None) -> Response:
+        """The stored response object, its JSON as it was first sent (a large one sliced
+        into pieces in the tenant's turn of the work pool); 404 if the tenant has none of
+        this id."""
         stored = self.store.get(tenant, response_id)
         if stored is None:
             raise _unknown_response(response_id)
-        return stored.body()
+        if len(stored.body_json) <= LARGE_BODY_BYTES:
+            return Response(stored.body_json, media_type="application/json")
+        return JSONPiecesResponse(await self.pool.run(tenant, byte_pieces, stored.body_json))
 
     async def input_items(self, response_id: str, tenant: str | None, *, limit: int = 20,
                           order: Literal["asc", "desc"] = "desc", after: str | None = None
@@ -684,12 +777,13 @@ def _output_closing(event: _Events, output: _Output, *, message_open: bool) -> l
             chunks.extend(_message_opening(event, output))
         part = output.text_part()
         chunks += [
-            event("response.output_text.done", item_id=output.message_id, output_index=0,
-                  content_index=0, text=output.text, logprobs=part["logprobs"]),
-            event("response.content_part.done", item_id=output.message_id, output_index=0,
-                  content_index=0, part=part),
-            event("response.output_item.done", output_index=0,
-                  item=output.message_item(done=True)),
+            *event.pieces("response.output_text.done", item_id=output.message_id,
+                          output_index=0, content_index=0, text=output.text,
+                          logprobs=part["logprobs"]),
+            *event.pieces("response.content_part.done", item_id=output.message_id,
+                          output_index=0, content_index=0, part=part),
+            *event.pieces("response.output_item.done", output_index=0,
+                          item=output.message_item(done=True)),
         ]
     for index, call in enumerate(output.calls, start=1 if output.has_message else 0):
         chunks += [

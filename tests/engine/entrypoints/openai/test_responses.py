@@ -555,7 +555,9 @@ def _stored(response_id: str, num_text_bytes: int) -> StoredResponse:
     """A response that the store charges `num_text_bytes` plus its overhead."""
     body = {"id": response_id, "pad": ""}
     body["pad"] = "x" * (num_text_bytes - len(json.dumps(body, separators=(",", ":"))))
-    stored = StoredResponse.of(response_id, None, (), body, num_input_items=0)
+    stored = StoredResponse.of(response_id, None, (),
+                               json.dumps(body, separators=(",", ":")).encode(),
+                               num_input_items=0)
     assert stored.num_bytes == num_text_bytes + ENTRY_OVERHEAD_BYTES
     return stored
 
@@ -589,7 +591,7 @@ def test_the_bytes_charged_are_the_bytes_held():
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     stored = StoredResponse.of("resp_1", None, [item_json(item) for item in items],
-                               {"id": "resp_1"}, num_input_items=2000)
+                               b'{"id":"resp_1"}', num_input_items=2000)
     held = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert held <= stored.num_bytes
