@@ -71,6 +71,7 @@ DEFAULT_MAX_PROMPTS = 64
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_STORED_RESPONSES = 10_000
 DEFAULT_MAX_STORED_RESPONSE_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_RESPONSE_LOGPROBS = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class ServerSettings:
     - `max_waiting_requests`: a request whose completions (prompts x n) would take the number
       of engine requests waiting past this gets 429 with `Retry-After: retry_after_s`, and
       nothing of it is queued (`None`: no limit).
+    - `max_response_logprobs`: the most logprob values (each token's and its alternatives')
+      one response may carry, over all its choices and prompts, echoed prompts included,
+      counted before any of it is computed from `max_tokens` (or the context left).
     - `max_stored_responses`, `max_stored_response_bytes`: the Responses API's store keeps at
       most this many responses, of at most this many bytes (their JSON) in all, shared equally
       among the tenants: each tenant's least recently used are evicted first, never another
@@ -152,6 +156,8 @@ class ServerSettings:
         "most stop ids per request", group="server"))
     max_waiting_requests: int | None = field(default=None, metadata=setting(
         "queue limit, then 429 (default: no limit)", group="server"))
+    max_response_logprobs: int = field(default=DEFAULT_MAX_RESPONSE_LOGPROBS, metadata=setting(
+        "logprob values per response", group="server"))
     retry_after_s: int = field(default=1, metadata=setting(
         "Retry-After of a 429 or 503", group="server", metavar="S"))
     shutdown_timeout_s: float = field(default=DEFAULT_SHUTDOWN_TIMEOUT_S, metadata=setting(
@@ -184,6 +190,7 @@ class ServerSettings:
                              f"{self.shutdown_timeout_s!r}")
         for name in ("max_prompt_tokens", "max_output_tokens", "max_n", "max_prompts",
                      "max_stop_strings", "max_stop_token_ids", "max_waiting_requests",
+                     "max_response_logprobs",
                      "retry_after_s", "max_stored_responses", "max_stored_response_bytes",
                      "preparation_threads", "max_waiting_preparations",
                      "max_body_bytes_in_flight"):
@@ -376,6 +383,16 @@ class OpenAIServing:
             except EngineDeadError as error:
                 raise engine_dead_error(error) from error
 
+    def check_response_logprobs(self, num_values: int, counted: str) -> None:
+        """400 if a response would carry more than `max_response_logprobs` logprob values;
+        `counted` says how they were counted, for the message."""
+        limit = self.settings.max_response_logprobs
+        if num_values > limit:
+            raise APIError(400, f"this response would carry {num_values} logprob values "
+                                f"({counted}), over this server's limit of {limit} "
+                                f"(max_response_logprobs); ask for fewer tokens, choices or "
+                                f"logprobs", param="logprobs", code="limit_exceeded")
+
     @contextlib.contextmanager
     def _refusals_as_api_errors(self) -> Iterator[None]:
         """QueueFullError as 429, or 400 for a request that alone needs more room than the
@@ -419,6 +436,8 @@ class OpenAIServing:
         `engine.request.Request`)."""
         logger.debug("request id %s: engine request %s", client.request_id, request_id)
         params = self._check_prompt_length(len(token_ids), params)
+        self.check_response_logprobs(self.num_logprob_values(len(token_ids), params),
+                                     "its tokens x choices x (1 + logprobs)")
         try:
             return self.engine.processor.process(
                 request_id, token_ids, params, job=self._job(body, client),
@@ -443,6 +462,21 @@ class OpenAIServing:
         if job is None or client.tenant is None:
             return job
         return msgspec.structs.replace(job, job_id=engine_job_id(client.tenant, job.job_id))
+
+    def num_logprob_values(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The most logprob values an engine request of `params` with a prompt of
+        `num_prompt_tokens` may return, in all its choices: each generated token's logprob
+        and its alternatives (up to `max_tokens`, or the context left), and with prompt
+        logprobs each prompt token's, in every choice (as `echo` shows them)."""
+        num_values = 0
+        if params.logprobs is not None:
+            num_tokens = params.max_tokens
+            if num_tokens is None:
+                num_tokens = max(0, self.max_model_len - num_prompt_tokens)
+            num_values += num_tokens * (1 + params.logprobs)
+        if params.prompt_logprobs is not None:
+            num_values += num_prompt_tokens * (1 + params.prompt_logprobs)
+        return params.n * num_values
 
     def prompt_too_long(self, error: PromptTooLongError, params: SamplingParams) -> APIError:
         """The error `process` gives a prompt that the processor found too long before

@@ -7,7 +7,13 @@ first chunk and each chunk carries its new token ids).
 With `echo`, a choice's text starts with the prompt (a token-id prompt decoded), and with
 `logprobs` its logprobs start with the prompt's tokens (the first has `null` logprob and top
 logprobs); in streams both come with the choice's first chunk. `max_tokens: 0` is allowed only
-with `echo`: the engine generates one token, which is dropped (finish reason `length`).
+with `echo`: the engine generates one token, which is dropped (finish reason `length`). A
+prompt's echoed logprobs are made and encoded once (`_EchoLogprobs`), however many choices
+carry them.
+
+A response estimated large (`response_body.is_large`) is built and encoded on the work pool,
+in pieces; a smaller one on the event loop. Either way its logprob values are bounded before
+any work by `max_response_logprobs`.
 """
 
 from __future__ import annotations
@@ -17,8 +23,16 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
+from starlette.responses import Response
+
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import CompletionRequest
+from engine.entrypoints.openai.response_body import (
+    JSONPiecesResponse,
+    is_large,
+    json_pieces,
+)
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
     ClientContext,
@@ -48,16 +62,52 @@ class PreparedCompletion:
     streams: list[AsyncIterator[RequestOutput]]
     client_request_id: str | None = None
     echo_texts: list[str] | None = None  # with echo: each prompt as text
+    tenant: str | None = None
+
+
+_LOGPROB_FIELDS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+_json = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class _EchoLogprobs:
+    """An echoed prompt's legacy logprobs (from text offset 0), each field's list encoded
+    once as a JSON array, for every choice of the prompt to share."""
+
+    arrays: tuple[bytes, ...]  # in `_LOGPROB_FIELDS` order
+    alone: msgspec.Raw  # the logprobs object of a choice that generated nothing shown
+
+    @classmethod
+    def of(cls, logprobs: dict[str, Any]) -> _EchoLogprobs:
+        arrays = tuple(_json.encode(logprobs[name]) for name in _LOGPROB_FIELDS)
+        return cls(arrays, cls._object(arrays))
+
+    def joined(self, generated: dict[str, Any] | None) -> msgspec.Raw:
+        """The logprobs object of a choice: the prompt's, then `generated`'s (legacy
+        logprobs of the choice's own tokens, or None)."""
+        if generated is None or not generated["tokens"]:
+            return self.alone
+        arrays = []
+        for name, prompt_array in zip(_LOGPROB_FIELDS, self.arrays, strict=True):
+            own = _json.encode(generated[name])
+            arrays.append(own if prompt_array == b"[]"
+                          else prompt_array[:-1] + b"," + own[1:])
+        return self._object(arrays)
+
+    @staticmethod
+    def _object(arrays: Sequence[bytes]) -> msgspec.Raw:
+        return msgspec.Raw(b"{" + b",".join(
+            b'"' + name.encode() + b'":' + array
+            for name, array in zip(_LOGPROB_FIELDS, arrays, strict=True)) + b"}")
 
 
 @dataclass(frozen=True)
 class _PromptEcho:
     """What `echo` puts before the completion in a choice's first chunk: the prompt's text,
-    its token ids, and (with logprobs) one entry per prompt token, None for the first."""
+    and with logprobs the prompt tokens' (None without)."""
 
     text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None
+    logprobs: _EchoLogprobs | None
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -66,9 +116,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def prepare(
         self, body: CompletionRequest, client: ClientContext
     ) -> PreparedCompletion:
-        """Validates the request and queues it (all prompts or none); APIError on bad input,
-        or 429 if the waiting queue has no room for it. Tokenizing and validating run off the
-        event loop."""
+        """Validates the request and queues it (all prompts or none); APIError on bad input
+        (a response over `max_response_logprobs` among it), or 429 if the waiting queue has
+        no room for it. Tokenizing and validating run off the event
+        loop."""
         self.check_request(body)
         _check_prompt_only(body)
         if body.suffix:
@@ -85,6 +136,11 @@ class OpenAIServingCompletion(OpenAIServing):
             body, max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
             logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
             stream=body.stream, structured_output=structured_output)
+        if body.logprobs is not None and body.max_tokens:
+            self.check_response_logprobs(
+                len(prompts) * body.n * body.max_tokens * (1 + body.logprobs),
+                f"{len(prompts)} prompts x n {body.n} x max_tokens {body.max_tokens} x "
+                f"(1 + logprobs {body.logprobs}), before any echoed prompt")
         self.check_queue_room(len(prompts) * body.n)
         response_id = new_id("cmpl")
         echo_texts = (await self.run_for(client, self._echo_texts, prompts)
@@ -92,7 +148,8 @@ class OpenAIServingCompletion(OpenAIServing):
         requests = await self.run_for(client, self._process_prompts, response_id,
                                        prompts, params, body, client)
         return PreparedCompletion(response_id, requests, self.submit(requests),
-                                  client.request_id, echo_texts=echo_texts)
+                                  client.request_id, echo_texts=echo_texts,
+                                  tenant=client.tenant)
 
     def _echo_texts(self, prompts: list[str | list[int]]) -> list[str]:
         """The text `echo` returns for each prompt: a text prompt as given, a token-id prompt
@@ -121,7 +178,10 @@ class OpenAIServingCompletion(OpenAIServing):
         self, response_id: str, prompts: list[str | list[int]], params: SamplingParams,
         body: CompletionRequest, client: ClientContext,
     ) -> list[ProcessedRequest]:
+        """The engine request of each prompt; 400 (at the first prompt past it) if their
+        logprob values together are over `max_response_logprobs`."""
         requests = []
+        num_logprob_values = 0
         for index, prompt in enumerate(prompts):
             try:
                 token_ids = self.engine.processor.tokenize(prompt)[1]
@@ -130,21 +190,55 @@ class OpenAIServingCompletion(OpenAIServing):
             except ValueError as error:
                 raise APIError(400, str(error), param="prompt") from error
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{index}"
-            requests.append(self.process(request_id, token_ids, params, body, client))
+            request = self.process(request_id, token_ids, params, body, client)
+            num_logprob_values += self.num_logprob_values(len(token_ids),
+                                                          request.sampling_params)
+            self.check_response_logprobs(
+                num_logprob_values, f"the first {index + 1} of {len(prompts)} prompts' tokens "
+                                    f"x choices x (1 + logprobs)")
+            requests.append(request)
         return requests
 
     async def create(self, body: CompletionRequest,
-                     prepared: PreparedCompletion) -> dict[str, Any]:
-        """The whole (non-streaming) response."""
-        response_id, requests = prepared.response_id, prepared.requests
+                     prepared: PreparedCompletion) -> Response:
+        """The whole (non-streaming) response, built and encoded on the work pool if it is
+        large."""
         finals: dict[int, RequestOutput] = {}
         async for prompt_index, output in merge_streams(prepared.streams):
             finals[prompt_index] = output
+        if is_large(*self._body_size(body, prepared, finals)):
+            pieces = await self.pool.run(prepared.tenant, self._encoded_response, body,
+                                         prepared, finals)
+            return JSONPiecesResponse(pieces)
+        return Response(_json.encode(self._response(body, prepared, finals)),
+                        media_type="application/json")
+
+    def _body_size(self, body: CompletionRequest, prepared: PreparedCompletion,
+                   finals: dict[int, RequestOutput]) -> tuple[int, int]:
+        """The characters of text and the logprob values of the response."""
+        num_chars = num_logprobs = 0
+        for prompt_index, output in finals.items():
+            echo_text = "" if prepared.echo_texts is None else prepared.echo_texts[prompt_index]
+            num_echoed = len(prepared.requests[prompt_index].prompt_token_ids) if (
+                echo_text and body.logprobs is not None) else 0
+            for completion in output.outputs:
+                num_chars += len(echo_text) + len(completion.text)
+                num_logprobs += num_echoed + len(completion.logprobs or ())
+        return num_chars, num_logprobs * (1 + (body.logprobs or 0))
+
+    def _encoded_response(self, body: CompletionRequest, prepared: PreparedCompletion,
+                          finals: dict[int, RequestOutput]) -> list[bytes]:
+        """The response's JSON in pieces, for a worker thread."""
+        return json_pieces(self._response(body, prepared, finals))
+
+    def _response(self, body: CompletionRequest, prepared: PreparedCompletion,
+                  finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        response_id, requests = prepared.response_id, prepared.requests
         choices = []
         num_completion_tokens = 0
         for prompt_index, request in enumerate(requests):
             output = finals[prompt_index]
-            echo = _prompt_echo(prepared, prompt_index, output.prompt_logprobs)
+            echo = self._prompt_echo(prepared, prompt_index, output.prompt_logprobs)
             for completion in output.outputs:
                 completion = _shown(body, completion)
                 num_completion_tokens += len(completion.token_ids)
@@ -171,6 +265,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_completion_tokens = 0
         num_cached: dict[int, int] = {}
         prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}  # from a first output
+        echoes: dict[int, _PromptEcho | None] = {}
         try:
             async for prompt_index, output in merge_streams(prepared.streams):
                 num_cached[prompt_index] = output.num_cached_tokens
@@ -181,8 +276,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     completion = _shown(body, completion)
                     index = prompt_index * body.n + completion.index
                     first = index not in text_offsets
-                    echo = _prompt_echo(prepared, prompt_index,
-                                        prompt_logprobs.get(prompt_index)) if first else None
+                    if first and prompt_index not in echoes:
+                        echoes[prompt_index] = await self._prompt_echo_for_stream(
+                            prepared, prompt_index, prompt_logprobs.get(prompt_index))
+                    echo = echoes[prompt_index] if first else None
                     choice = self._choice(body, prompt_index, completion, request,
                                           text_offset=text_offsets.get(index, 0), first=first,
                                           echo=echo)
@@ -199,22 +296,50 @@ class OpenAIServingCompletion(OpenAIServing):
             yield sse_error(error, prepared.client_request_id)
         yield SSE_DONE
 
+    def _prompt_echo(self, prepared: PreparedCompletion, prompt_index: int,
+                     prompt_logprobs: list[TokenLogprobs | None] | None) -> _PromptEcho | None:
+        """What `echo` puts first in each choice of the prompt (None without echo); its
+        logprobs made and encoded here, once."""
+        if prepared.echo_texts is None:
+            return None
+        logprobs = None
+        if prepared.requests[prompt_index].sampling_params.prompt_logprobs is not None:
+            token_ids = prepared.requests[prompt_index].prompt_token_ids
+            entries = prompt_logprobs or [None] * len(token_ids)
+            logprobs = _EchoLogprobs.of(
+                self._logprobs(list(zip(token_ids, entries, strict=True)), 0))
+        return _PromptEcho(text=prepared.echo_texts[prompt_index], logprobs=logprobs)
+
+    async def _prompt_echo_for_stream(
+        self, prepared: PreparedCompletion, prompt_index: int,
+        prompt_logprobs: list[TokenLogprobs | None] | None,
+    ) -> _PromptEcho | None:
+        """`_prompt_echo`, made on the work pool when its logprobs are large."""
+        request = prepared.requests[prompt_index]
+        top = request.sampling_params.prompt_logprobs
+        num_values = 0 if top is None else len(request.prompt_token_ids) * (1 + top)
+        if is_large(0, num_values):
+            return await self.pool.run(prepared.tenant, self._prompt_echo, prepared,
+                                       prompt_index, prompt_logprobs)
+        return self._prompt_echo(prepared, prompt_index, prompt_logprobs)
+
     def _choice(
         self, body: CompletionRequest, prompt_index: int, completion: CompletionOutput,
         request: ProcessedRequest, *, text_offset: int, first: bool,
         echo: _PromptEcho | None = None,
     ) -> dict[str, Any]:
         """One choice (or a chunk of it, starting at `text_offset` of its text); `echo` puts
-        the prompt first."""
-        text, logprobs = completion.text, None
+        the prompt first (in a choice's first chunk, at text offset 0)."""
+        text = completion.text
+        logprobs: dict[str, Any] | msgspec.Raw | None = None
         if completion.logprobs is not None:
             generated_offset = text_offset + (0 if echo is None else len(echo.text))
             logprobs = self._logprobs([(e.token_id, e) for e in completion.logprobs],
                                       generated_offset)
         if echo is not None:
             text = echo.text + text
-            if logprobs is not None:
-                logprobs = _join_logprobs(self._prompt_logprobs(echo, text_offset), logprobs)
+            if echo.logprobs is not None:
+                logprobs = echo.logprobs.joined(logprobs)
         choice: dict[str, Any] = {
             "index": prompt_index * body.n + completion.index,
             "text": text,
@@ -227,10 +352,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice["prompt_token_ids"] = request.prompt_token_ids
             choice["token_ids"] = completion.token_ids
         return choice
-
-    def _prompt_logprobs(self, echo: _PromptEcho, text_offset: int) -> dict[str, Any]:
-        entries = echo.logprobs or [None] * len(echo.token_ids)
-        return self._logprobs(list(zip(echo.token_ids, entries, strict=True)), text_offset)
 
     def _logprobs(self, entries: Sequence[tuple[int, TokenLogprobs | None]], text_offset: int
                   ) -> dict[str, Any]:
@@ -279,16 +400,3 @@ def _shown(body: CompletionRequest, completion: CompletionOutput) -> CompletionO
     return replace(completion, text="", token_ids=[],
                    logprobs=None if completion.logprobs is None else [],
                    finish_reason="length" if finished else None, stop_reason=None)
-
-
-def _prompt_echo(prepared: PreparedCompletion, prompt_index: int,
-                 prompt_logprobs: list[TokenLogprobs | None] | None) -> _PromptEcho | None:
-    if prepared.echo_texts is None:
-        return None
-    return _PromptEcho(text=prepared.echo_texts[prompt_index],
-                       token_ids=prepared.requests[prompt_index].prompt_token_ids,
-                       logprobs=prompt_logprobs)
-
-
-def _join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    return {key: first[key] + second[key] for key in first}
