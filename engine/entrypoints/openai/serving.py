@@ -43,6 +43,7 @@ from engine.entrypoints.openai.request_id import scope_request_id
 from engine.entrypoints.openai.response_body import json_pieces
 from engine.entrypoints.openai.response_store import check_store_room
 from engine.entrypoints.openai.structured_outputs import GrammarChecker
+from engine.entrypoints.openai.tenant_requests import TenantEngineRequests
 from engine.entrypoints.openai.tenants import (
     Tenants,
     engine_cache_salt,
@@ -108,6 +109,11 @@ class ServerSettings:
     - `max_waiting_requests`: a request whose completions (prompts x n) would take the number
       of engine requests waiting past this gets 429 with `Retry-After: retry_after_s`, and
       nothing of it is queued (`None`: no limit).
+    - `max_waiting_requests_per_tenant`: the same for one tenant's engine requests in flight
+      beyond its share of the batch (`max_num_seqs` / the tenants): its cap is that share
+      plus this (`None`: `max_prompts` x `max_n`, so that any request fits when the tenant
+      has none in flight); a request larger than the whole cap gets 400
+      (`tenant_requests.TenantEngineRequests`).
     - `max_response_logprobs`: the most logprob values (each token's and its alternatives')
       one response may carry, over all its choices and prompts, echoed prompts included,
       counted before any of it is computed from `max_tokens` (or the context left).
@@ -156,6 +162,9 @@ class ServerSettings:
         "most stop ids per request", group="server"))
     max_waiting_requests: int | None = field(default=None, metadata=setting(
         "queue limit, then 429 (default: no limit)", group="server"))
+    max_waiting_requests_per_tenant: int | None = field(default=None, metadata=setting(
+        "a tenant's queue past its share of max_num_seqs, then 429", group="server",
+        default_text="max_prompts x max_n"))
     max_response_logprobs: int = field(default=DEFAULT_MAX_RESPONSE_LOGPROBS, metadata=setting(
         "logprob values per response", group="server"))
     retry_after_s: int = field(default=1, metadata=setting(
@@ -190,7 +199,7 @@ class ServerSettings:
                              f"{self.shutdown_timeout_s!r}")
         for name in ("max_prompt_tokens", "max_output_tokens", "max_n", "max_prompts",
                      "max_stop_strings", "max_stop_token_ids", "max_waiting_requests",
-                     "max_response_logprobs",
+                     "max_waiting_requests_per_tenant", "max_response_logprobs",
                      "retry_after_s", "max_stored_responses", "max_stored_response_bytes",
                      "preparation_threads", "max_waiting_preparations",
                      "max_body_bytes_in_flight"):
@@ -214,6 +223,15 @@ class ServerSettings:
     def num_tenants(self) -> int:
         """How many tenants share the server (1 without API keys)."""
         return 1 if self.tenants is None else len(self.tenants.names)
+
+    def tenant_request_cap(self, max_num_seqs: int) -> tuple[int, int]:
+        """What one tenant may have in flight on an engine running at most `max_num_seqs`
+        requests at once, in engine requests: its share of those (rounded up), and
+        `max_waiting_requests_per_tenant` more."""
+        waiting = self.max_waiting_requests_per_tenant
+        if waiting is None:
+            waiting = self.max_prompts * self.max_n
+        return -(-max_num_seqs // self.num_tenants), waiting
 
     def work_pool(self) -> TenantWorkPool:
         """A new pool for the server's blocking work, as these settings size it."""
@@ -276,6 +294,7 @@ class OpenAIServing:
         self.pool = pool
         self._token_texts: dict[int, str] = {}
         self.grammar_checker = grammar_checker
+        self._in_flight = TenantEngineRequests.of(engine)
 
     async def run_for(self, client: ClientContext, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the work pool in `client`'s tenant's turn, in the background for a
@@ -365,23 +384,53 @@ class OpenAIServing:
                                 f"limit of {settings.max_stop_strings}", param="stop",
                            code="limit_exceeded")
 
-    def check_queue_room(self, num_completions: int) -> None:
+    def check_queue_room(self, num_completions: int, tenant: str | None = None) -> None:
         """429 with Retry-After if `num_completions` more would take the waiting queue past
-        `max_waiting_requests`: a cheap early answer before a request is prepared; `submit`
-        decides."""
+        `max_waiting_requests`, or `tenant`'s requests in flight past its cap (on a server with
+        API keys, only when the tenant is given): a cheap early answer before a request is
+        prepared; `submit` decides."""
         with self._refusals_as_api_errors():
             self.engine.check_queue_room(num_completions, self.settings.max_waiting_requests)
+        if tenant is not None or self.settings.tenants is None:
+            self._check_tenant_room(tenant, num_completions)
 
     def submit(self, requests: list[ProcessedRequest]) -> list[AsyncIterator[RequestOutput]]:
         """Queues the requests with the engine, all or none, and returns their output streams;
         429 with Retry-After if their completions would take the waiting queue past
-        `max_waiting_requests` (nothing is queued then)."""
+        `max_waiting_requests` or their tenant's requests in flight past its cap (nothing is
+        queued then). They count toward their tenant until `abort` or `abort_nowait`."""
+        tenant = requests[0].core_requests[0].tenant if requests else None
+        num_new = sum(len(processed.core_requests) for processed in requests)
+        with self._refusals_as_api_errors():
+            self.engine.check_queue_room(num_new, self.settings.max_waiting_requests)
+        self._check_tenant_room(tenant, num_new)
         with self._refusals_as_api_errors():
             try:
-                return self.engine.submit(
+                streams = self.engine.submit(
                     requests, max_waiting_requests=self.settings.max_waiting_requests)
             except EngineDeadError as error:
                 raise engine_dead_error(error) from error
+        self._in_flight.add(tenant, requests)
+        return streams
+
+    def _check_tenant_room(self, tenant: str | None, num_new: int) -> None:
+        """429 with Retry-After if `num_new` more engine requests would take `tenant`'s in
+        flight past its cap; 400 if they alone are over it (retrying could never succeed)."""
+        share, waiting = self.settings.tenant_request_cap(
+            self.engine.config.scheduler.max_num_seqs)
+        limit = share + waiting
+        num_in_flight = self._in_flight.count(tenant)
+        if num_in_flight + num_new <= limit:
+            return
+        why = (f"this client's limit of {limit} engine requests in flight ({share}, its share "
+               f"of max_num_seqs, and {waiting} waiting, max_waiting_requests_per_tenant)")
+        if num_new > limit:
+            raise APIError(400, f"this request needs {num_new} engine requests (prompts x n), "
+                                f"over {why}", param="n", code="limit_exceeded")
+        raise APIError(429, f"this client has {num_in_flight} engine requests in flight and "
+                            f"this request adds {num_new} (prompts x n), over {why}; retry "
+                            f"later", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def check_response_logprobs(self, num_values: int, counted: str) -> None:
         """400 if a response would carry more than `max_response_logprobs` logprob values;
@@ -411,12 +460,15 @@ class OpenAIServing:
             raise shutting_down_error(error) from error
 
     async def abort(self, requests: list[ProcessedRequest]) -> None:
-        """Stops whichever of the requests still run (their response ended early)."""
+        """Stops whichever of the requests still run (their response ended, or ended early);
+        they no longer count toward their tenant."""
+        self._in_flight.release(requests)
         for processed in requests:
             await self.engine.abort(processed.request_id)
 
     def abort_nowait(self, requests: list[ProcessedRequest]) -> None:
         """`abort` without awaiting, for a `finally` that may run in a cancelled task."""
+        self._in_flight.release(requests)
         for processed in requests:
             self.engine.abort_nowait(processed.request_id)
 

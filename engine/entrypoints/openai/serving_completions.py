@@ -117,9 +117,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self, body: CompletionRequest, client: ClientContext
     ) -> PreparedCompletion:
         """Validates the request and queues it (all prompts or none); APIError on bad input
-        (a response over `max_response_logprobs` among it), or 429 if the waiting queue has
-        no room for it. Tokenizing and validating run off the event
-        loop."""
+        (a response over `max_response_logprobs` among it), or 429 if the waiting queue or
+        the tenant's cap has no room for it. Tokenizing and validating run off the event loop.
+        """
         self.check_request(body)
         _check_prompt_only(body)
         if body.suffix:
@@ -141,7 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 len(prompts) * body.n * body.max_tokens * (1 + body.logprobs),
                 f"{len(prompts)} prompts x n {body.n} x max_tokens {body.max_tokens} x "
                 f"(1 + logprobs {body.logprobs}), before any echoed prompt")
-        self.check_queue_room(len(prompts) * body.n)
+        self.check_queue_room(len(prompts) * body.n, client.tenant)
         response_id = new_id("cmpl")
         echo_texts = (await self.run_for(client, self._echo_texts, prompts)
                       if body.echo else None)

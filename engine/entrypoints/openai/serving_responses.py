@@ -338,7 +338,7 @@ class OpenAIServingResponses(OpenAIServing):
         store = body.store is not False
         job_body, job_id = _with_job(body, None if previous is None else previous.job_id,
                                      client)
-        self.check_queue_room(1)
+        self.check_queue_room(1, client.tenant)
         items, item_jsons = await self.run_for(client, _conversation, previous, input_items)
         request = await self.run_for(
             client, self._render_and_process, response_id, job_body, items, params, client,
