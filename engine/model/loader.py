@@ -5,11 +5,15 @@
 Hugging Face directory holding `config.json` and safetensors weights (one file, several, or a
 sharded `model.safetensors.index.json`). `load_format="dummy"` draws random weights from the
 seed instead of reading any, on the target device (drawing billions of values on the CPU takes
-minutes), so they are reproducible per device, not across devices.
+minutes), so they are reproducible per device, not across devices. A dummy model is built
+without storage first and each tensor is drawn in place, a decoder layer at a time: with FP8
+projections each layer is quantized as soon as it is drawn, so the model never exists in 16
+bits (Llama-3.1-70B takes 141 GB in bfloat16, 73 GB with FP8 projections).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +24,13 @@ import torch
 from engine.config import LayerKernelsName, ModelConfig
 from engine.model.directory import TINY_MODEL_NAME, load_arch, resolve_model_dir
 from engine.model.fp8_linear import check_fp8_supported, quantize_projections
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+from engine.model.rope import RotaryEmbedding
 from engine.model.triton_support import check_triton_runs_on, triton_installed
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DUMMY_INIT_STD = 0.02
+_GIB = 2**30
 
 
 def resolve_device(device: str) -> torch.device:
@@ -57,7 +63,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_model(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, max_positions: int
 ) -> LlamaForCausalLM:
-    """The model in eval mode on `device`, weights loaded; RoPE covers `max_positions`."""
+    """The model in eval mode on `device`, weights loaded; RoPE covers `max_positions`.
+    ValueError before anything is allocated on a GPU whose free memory cannot hold a dummy
+    model's weights."""
     arch = load_arch(config.model)
     if max_positions > arch.max_position_embeddings:
         raise ValueError(
@@ -68,26 +76,103 @@ def load_model(
     quantized = config.quantization == "fp8"
     if quantized:
         check_fp8_supported(device, dtype)  # before building or loading anything
-    with torch.device(device):
-        # An FP8 projection multiplies whole: gate and up are then one product on CPU too.
-        model = LlamaForCausalLM(arch, max_positions, use_triton_kernels=use_triton,
-                                 fuse_gate_up=device.type == "cuda" or quantized)
-    if config.model == TINY_MODEL_NAME:
-        init_dummy_weights(model, config.seed, torch.device("cpu"))
-    elif config.load_format == "dummy":
-        # Converted first, so the draw fills the target dtype (half the bytes in bfloat16).
+    # An FP8 projection multiplies whole: gate and up are then one product on CPU too.
+    fuse_gate_up = device.type == "cuda" or quantized
+    if config.model != TINY_MODEL_NAME and config.load_format == "dummy":
+        with torch.device("meta"):
+            model = LlamaForCausalLM(arch, max_positions, use_triton_kernels=use_triton,
+                                     fuse_gate_up=fuse_gate_up)
         model.to(dtype=dtype)
-        init_dummy_weights(model, config.seed, device)
+        if device.type == "cuda":
+            check_weights_fit(weight_bytes(model, quantized), torch.cuda.mem_get_info(device)[0],
+                              str(device))
+        draw_dummy_model(model, config.seed, device, quantized, use_triton)
     else:
-        model.load_weights(iterate_safetensors(resolve_model_dir(config.model)))
-    model = model.to(dtype=dtype).eval()
-    if quantized:
-        quantize_projections(model.model.layers, use_triton)
+        with torch.device(device):
+            model = LlamaForCausalLM(arch, max_positions, use_triton_kernels=use_triton,
+                                     fuse_gate_up=fuse_gate_up)
+        if config.model == TINY_MODEL_NAME:
+            init_dummy_weights(model, config.seed, torch.device("cpu"))
+        else:
+            model.load_weights(iterate_safetensors(resolve_model_dir(config.model)))
+        model = model.to(dtype=dtype)
+        if quantized:
+            quantize_projections(model.model.layers, use_triton)
+    model.eval()
     if device.type == "cuda":
-        # The float32 weights of construction stay cached otherwise, and the KV sizing counts
-        # cached memory as used.
+        # The float32 weights of construction, or the draws' temporaries, stay cached
+        # otherwise, and the KV sizing counts cached memory as used.
         torch.cuda.empty_cache()
     return model
+
+
+def weight_bytes(model: LlamaForCausalLM, quantized: bool) -> int:
+    """Bytes the model's parameters and buffers take (a tied tensor once), its projections
+    counted as `quantize_projections` leaves them when `quantized`. Works on a model without
+    storage (built on the meta device), whose tensors have their final dtypes."""
+    if quantized:
+        model = copy.deepcopy(model)  # without storage: only the shapes are copied
+        quantize_projections(model.model.layers, use_triton=False)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def check_weights_fit(weight_bytes: int, free_bytes: int, device_name: str) -> None:
+    """ValueError when weights of `weight_bytes` cannot fit in the `free_bytes` of the device,
+    so that a model too large fails before its first allocation rather than midway."""
+    if weight_bytes > free_bytes:
+        raise ValueError(
+            f"the model's weights take {weight_bytes / _GIB:.1f} GiB and {device_name} has "
+            f"{free_bytes / _GIB:.1f} GiB free (quantization 'fp8' stores the projections in "
+            "half the bytes)")
+
+
+@torch.no_grad()
+def draw_dummy_model(model: LlamaForCausalLM, seed: int, device: torch.device, quantized: bool,
+                     use_triton: bool) -> None:
+    """Fills a model built on the meta device with `init_dummy_weights`'s values on `device`
+    (the same ones, from the same generator in the same order), in the dtypes its tensors
+    have; with `quantized`, each decoder layer's projections are quantized as soon as the
+    layer is drawn, so the peak is the finished layers plus one layer in 16 bits. RoPE's
+    table is computed anew on `device`."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    _draw_module(model, "", generator, device, quantized, use_triton, {})
+    old_rotary = model.model.rotary
+    with torch.device(device):
+        rotary = RotaryEmbedding(model.arch.head_dim, old_rotary.table.shape[0],
+                                 model.arch.rope_theta, model.arch.rope_scaling,
+                                 old_rotary.use_triton)
+    model.model.rotary = rotary.to(dtype=old_rotary.table.dtype)
+    left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left without storage after the dummy draw: {left[:4]}")
+
+
+def _draw_module(module: torch.nn.Module, prefix: str, generator: torch.Generator,
+                 device: torch.device, quantized: bool, use_triton: bool,
+                 drawn: dict[int, torch.nn.Parameter]) -> None:
+    """`module`'s own parameters, then its children's, depth first: the order of
+    `named_parameters`. A parameter met again (tied) gets the tensor drawn the first time."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        if id(param) not in drawn:
+            value = _dummy_value(prefix + name, param.shape, generator, device)
+            drawn[id(param)] = torch.nn.Parameter(value.to(param.dtype),
+                                                  requires_grad=param.requires_grad)
+        setattr(module, name, drawn[id(param)])
+    for name, child in module.named_children():
+        _draw_module(child, f"{prefix}{name}.", generator, device, quantized, use_triton, drawn)
+    if quantized and isinstance(module, LlamaDecoderLayer):
+        quantize_projections(torch.nn.ModuleList([module]), use_triton)
+
+
+def _dummy_value(name: str, shape: torch.Size, generator: torch.Generator,
+                 device: torch.device) -> torch.Tensor:
+    """A float32 dummy tensor: norms 1, biases 0, any other N(0, 0.02) from `generator`."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device=device)
+    return torch.randn(shape, generator=generator, device=device).mul_(_DUMMY_INIT_STD)
 
 
 @torch.no_grad()
