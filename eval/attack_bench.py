@@ -84,6 +84,7 @@ class Victim:
     gaps_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     first_token_s: dict[str, list[float]] = field(
         default_factory=lambda: {p: [] for p in PHASES})
+    request_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     num_failed: int = 0
 
     async def run(self, http: httpx.AsyncClient, model: str, max_tokens: int,
@@ -121,12 +122,15 @@ class Victim:
                 else:
                     self.gaps_s[phase].append(now_s - last_s)
                 last_s = now_s
+            if last_s is not None:
+                self.request_s[phase].append(last_s - sent_s)
 
-    def figures_and_checks(self, prefix: str, max_ratio: float, *, first_token: bool
+    def figures_and_checks(self, prefix: str, max_ratio: float, *, first_token: bool,
+                           whole_request: bool = False
                            ) -> tuple[list[tuple[str, object]], list[Check]]:
         """Median, p99 and worst of each phase, and checks that the attack phase's median
         and p99 stay within `max_ratio` of the baseline's (also for the first token's time
-        when `first_token`)."""
+        when `first_token`, and for the whole completion's when `whole_request`)."""
         figures: list[tuple[str, object]] = [
             (f"{prefix}: victim tokens baseline / attack",
              " / ".join(str(len(self.gaps_s[p])) for p in PHASES)),
@@ -135,6 +139,8 @@ class Victim:
         measures = [("inter-token", self.gaps_s)]
         if first_token:
             measures.append(("time to first token", self.first_token_s))
+        if whole_request:
+            measures.append(("completion time", self.request_s))
         for measure, by_phase in measures:
             baseline, attack = by_phase["baseline"], by_phase["attack"]
             for name, q in (("median", 50.0), ("p99", 99.0)):

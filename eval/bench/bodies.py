@@ -1,10 +1,10 @@
-"""`continuum bench bodies`: one tenant's huge request bodies against a `continuum serve`
-subprocess (loopback, two tenants), measured from the other tenant.
+"""`continuum bench bodies`: one tenant's huge request and response bodies against a
+`continuum serve` subprocess (loopback, two tenants), measured from the other tenant.
 
 The victim streams chat completions one after another and times each one's first token and
 the gaps between its tokens, first alone for `--baseline-s`, then for `--attack-s` while
-`--attackers` clients of the other tenant each send one body after another
-(`--attack chats|responses|held|all`, each against its own server):
+`--attackers` clients of the other tenant each send one request after another
+(`--attack chats|responses|held|retrievals|logprobs|all`, each against its own server):
 - **chats**: chats of `--chat-messages` messages of `--message-chars` characters (8 MB by
   default), each taking seconds to render and tokenize (in the server's parse children, on
   cores it shares with every tenant); longer than the model's context, so each ends in a 400
@@ -18,6 +18,13 @@ the gaps between its tokens, first alone for `--baseline-s`, then for `--attack-
   second before the attack ends. A server that holds every body it is sent grows by all
   of them. Check: the server process's resident memory at its peak over its level at the
   attack's start is at most `--max-rss-growth-mib`.
+- **retrievals**: before the baseline, the attacker stores one response of
+  `--retrieval-tokens` tokens with 20 top logprobs each (5.5 MB of JSON by default); the
+  attackers then `GET /v1/responses/{id}` it one after another.
+- **logprobs**: completions with `echo`, `logprobs` 20 and `max_tokens` 0 over
+  `--echo-prompts` prompts of `--echo-prompt-tokens` tokens each, `n` `--echo-n`: a 32 KB
+  body whose answer, were the prompts' logprobs copied into every choice, would be 167 MB
+  (the default's).
 The attackers run in a child process with an event loop and HTTP client of their own, as
 remote clients would: sharing the victim's loop, writing their megabytes would delay the
 victim's client itself and count as the server's slowness. The victim's attack phase is the
@@ -60,9 +67,12 @@ from eval.attack_bench import (
 from eval.server_checks import Check, RssSampler
 from eval.server_process import ServerProcess, read_rss_mib
 
-DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "1024",
+# The context holds the retrievals' and logprobs' 4,000-token texts; the pool, one logprobs
+# request's eight prompts at once.
+DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "2560", "--max-model-len", "4096",
                       "--no-job-inference", *TENANT_ARGS)
-ATTACKS = ("chats", "responses", "held")
+ATTACKS = ("chats", "responses", "held", "retrievals", "logprobs")
+TOP_LOGPROBS = 20
 RSS_SAMPLE_INTERVAL_S = 0.2
 HOLDER_LAST_OPEN_S = 1.0
 
@@ -84,10 +94,15 @@ class BodyAttackSettings:
     max_latency_ratio: float = 1.5
     max_rss_growth_mib: float = 512.0
     attackers_nice: int = 0
+    retrieval_tokens: int = 4_000
+    echo_prompts: int = 8
+    echo_prompt_tokens: int = 4_000
+    echo_n: int = 16
 
     def __post_init__(self) -> None:
         if min(self.attackers, self.chat_messages, self.message_chars, self.response_parts,
-               self.held_bodies, self.victim_tokens) < 1 or self.held_body_bytes < 1024:
+               self.held_bodies, self.victim_tokens, self.retrieval_tokens, self.echo_prompts,
+               self.echo_prompt_tokens, self.echo_n) < 1 or self.held_body_bytes < 1024:
             raise ValueError("counts must be >= 1 (--held-body-bytes >= 1024)")
         if min(self.baseline_s, self.attack_s, self.max_latency_ratio,
                self.max_rss_growth_mib) <= 0 or self.reopen_s < 0:
@@ -99,12 +114,26 @@ class BodyAttackSettings:
 def attack_request(attack: str, model: str, settings: BodyAttackSettings
                    ) -> tuple[str, bytes]:
     """The path and JSON body each attacker sends, distinct per attack (for `held`, all of a
-    body of `held_body_bytes` but its last byte, the closing brace)."""
+    body of `held_body_bytes` but its last byte, the closing brace; for `retrievals`, the
+    request that stores the response the attackers then fetch)."""
+    if attack == "retrievals":
+        body: dict[str, object] = {
+            "model": model, "input": "hello", "max_output_tokens": settings.retrieval_tokens,
+            "ignore_eos": True, "include": ["message.output_text.logprobs"],
+            "top_logprobs": TOP_LOGPROBS}
+        return "/v1/responses", json.dumps(body).encode()
+    if attack == "logprobs":
+        # The tiny model's tokenizer reads bytes: each prompt is about its characters' tokens.
+        prompts = [f"{index} " + "a" * (settings.echo_prompt_tokens - len(f"{index} "))
+                   for index in range(settings.echo_prompts)]
+        body = {"model": model, "prompt": prompts, "echo": True, "logprobs": TOP_LOGPROBS,
+                "max_tokens": 0, "n": settings.echo_n}
+        return "/v1/completions", json.dumps(body).encode()
     if attack == "chats":
         text = "lorem ipsum " * (settings.message_chars // 12)
         messages = [{"role": "user" if index % 2 else "assistant", "content": f"{index} {text}"}
                     for index in range(settings.chat_messages)]
-        body: dict[str, object] = {"model": model, "max_tokens": 1, "messages": messages}
+        body = {"model": model, "max_tokens": 1, "messages": messages}
         return "/v1/chat/completions", json.dumps(body).encode()
     if attack == "held":
         prefix = f'{{"model": "{model}", "prompt": "hi", "max_tokens": 1'.encode()
@@ -115,12 +144,17 @@ def attack_request(attack: str, model: str, settings: BodyAttackSettings
     return "/v1/responses", json.dumps(body).encode()
 
 
-async def _attacker(http: httpx.AsyncClient, path: str, body: bytes, until_s: float,
+async def _attacker(http: httpx.AsyncClient, path: str, body: bytes | None, until_s: float,
                     statuses: Counter[int | str]) -> None:
+    """Sends `body` to `path` (a GET when it is None) one request after another until
+    `until_s` (monotonic), counting the answers' statuses."""
     headers = {**auth(ATTACKER_KEY), "Content-Type": "application/json"}
     while time.monotonic() < until_s:
         try:
-            response = await http.post(path, content=body, headers=headers)
+            if body is None:
+                response = await http.get(path, headers=headers)
+            else:
+                response = await http.post(path, content=body, headers=headers)
             statuses[response.status_code] += 1
         except httpx.HTTPError as error:
             statuses[type(error).__name__] += 1
@@ -223,11 +257,24 @@ def attackers_ready() -> None:
     this module when the attack starts."""
 
 
-def run_attackers(base_url: str, path: str, body: bytes, settings: BodyAttackSettings
+def store_response(base_url: str, path: str, body: bytes) -> tuple[str, int]:
+    """Creates the response the `retrievals` attack fetches: its id, and the size of the
+    stored JSON, bytes. Runs in the attackers' child process before the baseline."""
+    with httpx.Client(base_url=base_url, timeout=600.0) as http:
+        headers = {**auth(ATTACKER_KEY), "Content-Type": "application/json"}
+        created = http.post(path, content=body, headers=headers)
+        created.raise_for_status()
+        response_id = str(created.json()["id"])
+        stored = http.get(f"{path}/{response_id}", headers=headers)
+        stored.raise_for_status()
+        return response_id, len(stored.content)
+
+
+def run_attackers(base_url: str, path: str, body: bytes | None, settings: BodyAttackSettings
                   ) -> AttackersRun:
     """`settings.attackers` clients each sending `body` to `path` one after another for
-    `settings.attack_s` seconds (each request let finish). Runs in the attackers' child
-    process."""
+    `settings.attack_s` seconds (each request let finish; a GET of `path` when `body` is
+    None). Runs in the attackers' child process."""
 
     async def attack_all(statuses: Counter[int | str]) -> None:
         until_s = time.monotonic() + settings.attack_s
@@ -246,6 +293,13 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
                 httpx.AsyncClient(base_url=server.base_url, timeout=300.0) as http):
         model = await served_model(http)
         path, body = attack_request(attack, model, settings)
+        attack_path, attack_body, body_figure = path, body, (
+            f"{attack}: attack body, MB", round(len(body) / 1e6, 1))
+        if attack == "retrievals":
+            response_id, num_stored_bytes = await loop.run_in_executor(
+                attackers, store_response, server.base_url, path, body)
+            attack_path, attack_body = f"{path}/{response_id}", None
+            body_figure = (f"{attack}: stored response, MB", round(num_stored_bytes / 1e6, 1))
         victim_task = asyncio.create_task(
             victim.run(http, model, settings.victim_tokens, stop))
         baseline_cpu = _CpuReading.of(server)
@@ -254,7 +308,7 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
         attack_cpu = _CpuReading.of(server)
         attack_done = loop.run_in_executor(
             attackers, run_holders if attack == "held" else run_attackers,
-            server.base_url, path, body, settings)
+            server.base_url, attack_path, attack_body, settings)
         # The victim is measured over the same window whatever the server makes of the
         # attack: the attackers' last requests may take from seconds to minutes more.
         rss_growth_mib = await _peak_rss_growth_mib(server, settings.attack_s)
@@ -263,7 +317,7 @@ async def _attack(server: ServerProcess, attack: str, settings: BodyAttackSettin
         await victim_task
         attackers_run = await attack_done
     figures: list[tuple[str, object]] = [
-        (f"{attack}: attack body, MB", round(len(body) / 1e6, 1)),
+        body_figure,
         (f"{attack}: attackers' statuses", counts_text(attackers_run.statuses)),
         (f"{attack}: attackers' process CPU, % of a core",
          round(100 * attackers_run.cpu_s / attackers_run.wall_s, 1)),
@@ -346,6 +400,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("victim_tokens", "tokens of each victim completion"),
         ("max_latency_ratio", "most victim latency under attack over its baseline"),
         ("max_rss_growth_mib", "held: most growth of the server process's memory"),
+        ("retrieval_tokens", "retrievals: tokens of the stored response"),
+        ("echo_prompts", "logprobs: prompts of each completion"),
+        ("echo_prompt_tokens", "logprobs: tokens of each prompt"),
+        ("echo_n", "logprobs: completions of each prompt"),
     ), DEFAULT_SERVE_ARGS)
 
 

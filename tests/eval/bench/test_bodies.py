@@ -61,3 +61,36 @@ def test_a_short_held_attack_holds_one_body_and_is_refused_the_rest(tmp_path: Pa
     assert isinstance(figures["held: server process RSS peak growth in the attack, MiB"], float)
     assert figures["held: victim failures"] == 0
     assert report["checks"][0]["passed"]
+
+
+def test_a_short_retrievals_attack_fetches_the_stored_response(tmp_path: Path) -> None:
+    out = tmp_path / "retrievals.json"
+    cli_main(["bench", "bodies", "--attack", "retrievals", "--attackers", "2",
+              "--retrieval-tokens", "200", "--baseline-s", "1.5", "--attack-s", "2",
+              "--victim-tokens", "8", "--max-latency-ratio", "1000", "--json", str(out)])
+    figures = json.loads(out.read_text())["figures"]
+    # 200 tokens with 20 alternatives each: about 0.3 MB of JSON.
+    assert 0.1 <= figures["retrievals: stored response, MB"] <= 1.0
+    statuses = dict(item.split(": ")
+                    for item in figures["retrievals: attackers' statuses"].split(", "))
+    assert set(statuses) == {"200"} and int(statuses["200"]) >= 2
+    assert figures["retrievals: victim failures"] == 0
+
+
+def test_a_short_logprobs_attack_is_refused_by_the_bound(tmp_path: Path) -> None:
+    """2 prompts x n 2 x 300 echoed tokens x 21 values, over a bound of 10,000: each
+    attacker's request is a 400."""
+    out = tmp_path / "logprobs.json"
+    serve_args = ("--num-kv-blocks 512 --max-model-len 1024 --no-job-inference "
+                  "--tenant victim:victim-key --tenant attacker:attacker-key "
+                  "--max-response-logprobs 10000")
+    cli_main(["bench", "bodies", "--attack", "logprobs", "--attackers", "2",
+              "--echo-prompts", "2", "--echo-prompt-tokens", "300", "--echo-n", "2",
+              "--baseline-s", "1.5", "--attack-s", "2", "--victim-tokens", "8",
+              "--max-latency-ratio", "1000", "--serve-args", serve_args, "--json", str(out)])
+    report = json.loads(out.read_text())
+    statuses = dict(item.split(": ")
+                    for item in report["figures"]["logprobs: attackers' statuses"].split(", "))
+    assert set(statuses) == {"400"} and int(statuses["400"]) >= 2
+    assert report["figures"]["logprobs: victim failures"] == 0
+    assert report["checks"][0]["passed"]

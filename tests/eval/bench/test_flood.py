@@ -33,3 +33,32 @@ def test_a_short_flood_is_answered_and_measured(tmp_path: Path) -> None:
     assert int(baseline) > 0 and int(attack) > 0
     assert figures["requests: victim failures"] == 0
     assert code == 0 and report["passed"]
+
+
+def test_a_short_fanout_meets_the_tenants_cap(tmp_path: Path) -> None:
+    """Calls of 4 prompts x n 2 against a cap of 8 engine requests in flight (a share of 2
+    of max_num_seqs 4, 6 waiting): one call at a time is taken, the others get 429."""
+    out = tmp_path / "fanout.json"
+    serve_args = ("--num-kv-blocks 512 --max-model-len 1024 --no-job-inference "
+                  "--tenant victim:victim-key --tenant attacker:attacker-key "
+                  "--max-num-seqs 4 --max-waiting-requests-per-tenant 6")
+    code = cli_main(["bench", "flood", "--attack", "fanout", "--fanout-callers", "3",
+                     "--fanout-prompts", "4", "--fanout-n", "2", "--fanout-tokens", "64",
+                     "--baseline-s", "1.5", "--attack-s", "3", "--victim-tokens", "4",
+                     "--max-latency-ratio", "1000", "--serve-args", serve_args,
+                     "--json", str(out)])
+    report = json.loads(out.read_text())
+    figures = report["figures"]
+    baseline = _statuses(figures["fanout: attacker's statuses, baseline"])
+    attack = _statuses(figures["fanout: attacker's statuses, attack"])
+    assert set(baseline) <= {"200"} and attack["429"] >= 1
+    peaks = figures["fanout: engine requests waiting, peak (baseline / attack)"].split(" / ")
+    assert all(int(peak) <= 8 for peak in peaks)
+    assert figures["fanout: victim failures"] == 0
+    assert code == 0 and report["passed"]
+
+
+def _statuses(text: str) -> dict[str, int]:
+    """A figure's counts ("200: 3, 429: 7") by status; an empty text has none."""
+    return {status: int(count) for status, count in
+            (item.split(": ") for item in text.split(", ") if item)}
