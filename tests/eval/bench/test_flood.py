@@ -20,8 +20,9 @@ def test_bad_flags_are_refused(args: list[str], capsys: pytest.CaptureFixture[st
 
 def test_a_short_flood_is_answered_and_measured(tmp_path: Path) -> None:
     out = tmp_path / "flood.json"
-    code = cli_main(["bench", "flood", "--flood-requests", "60", "--flood-tokens", "8",
-                     "--wave", "20", "--wave-interval-s", "0.1", "--baseline-s", "1.5",
+    code = cli_main(["bench", "flood", "--attack", "requests", "--flood-requests", "60",
+                     "--flood-tokens", "8", "--wave", "20", "--wave-interval-s", "0.1",
+                     "--baseline-s", "1.5",
                      "--attack-s", "4", "--victim-tokens", "4", "--max-first-token-s", "1000",
                      "--json", str(out)])
     report = json.loads(out.read_text())
