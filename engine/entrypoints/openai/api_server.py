@@ -209,14 +209,13 @@ def build_app(
             pool.num_background_threads, engine.processor, settings.large_body_cpu)
         grammar_checker = _prepared_grammar_checker(engine)
         await engine.prepare_grammars()
-        app.state.completions = OpenAIServingCompletion(engine, settings, pool, grammar_checker)
-        app.state.chat = OpenAIServingChat(engine, settings, pool, grammar_checker)
-        app.state.messages = OpenAIServingMessages(engine, settings, pool, grammar_checker)
-        app.state.responses = OpenAIServingResponses(
-            engine, settings, pool, grammar_checker, ResponseStore(
+        shared = (engine, settings, pool, grammar_checker, app.state.refusal_pacer)
+        app.state.completions = OpenAIServingCompletion(*shared)
+        app.state.chat = OpenAIServingChat(*shared)
+        app.state.messages = OpenAIServingMessages(*shared)
+        app.state.responses = OpenAIServingResponses(*shared, ResponseStore(
             max_responses=settings.max_stored_responses,
-            max_bytes=settings.max_stored_response_bytes,
-            num_tenants=settings.num_tenants))
+            max_bytes=settings.max_stored_response_bytes, num_tenants=settings.num_tenants))
         app.state.started_at = int(time.time())
         watcher = None if on_engine_dead is None else asyncio.ensure_future(
             _call_when_dead(engine, on_engine_dead))

@@ -2,17 +2,18 @@
 
 A body estimated over `LARGE_BODY_BYTES` (`is_large`) is built and encoded on a thread of the
 work pool, in the tenant's turn (`work_pool.TenantWorkPool`), as JSON in pieces of about
-`PIECE_BYTES` (`json_pieces`): the encoder runs on one short list, or one slice of a long
-list, at a time, so that the thread holds the interpreter for short spells and the event
-loop keeps streaming every other client's tokens meanwhile. The pieces go out as they are,
-one write at a time with the transport's flow control (`JSONPiecesResponse`), never joined on
-the event loop; a stored response's bytes are sent the same way, sliced (`byte_pieces`),
-neither decoded nor encoded again.
+`PIECE_BYTES` (`json_pieces`): the encoder runs on one short list, or one slice of about
+`ENCODED_SLICE_BYTES` of a long list, at a time, so that the thread holds the interpreter for
+short spells and the event loop keeps streaming every other client's tokens meanwhile. The
+pieces go out as they are, one write at a time with the transport's flow control and at the
+tenant's pace (`JSONPiecesResponse`), never joined on the event loop; a stored response's
+bytes are sent the same way, as views of `PIECE_BYTES` (`byte_pieces`), neither copied,
+decoded nor encoded again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -23,10 +24,13 @@ from starlette.types import Receive, Scope, Send
 # Bodies estimated under this are built and encoded on the event loop: a thread's hop would
 # cost them more than it saves.
 LARGE_BODY_BYTES = 256 * 1024
-PIECE_BYTES = 256 * 1024
+# A body's unit of sending: each costs the server's HTTP protocol a pass of its own.
+PIECE_BYTES = 1024 * 1024
 # Lists of at most this many items (choices, output items, content parts) are walked item by
-# item; longer ones (logprobs) are encoded in slices of about `PIECE_BYTES`.
+# item; longer ones (logprobs) are encoded in slices of about `ENCODED_SLICE_BYTES`, each
+# encoder call a spell without a switch of threads (about a millisecond).
 MAX_WALKED_ITEMS = 16
+ENCODED_SLICE_BYTES = 256 * 1024
 # What one logprob value (a token's, or one of its alternatives') adds to a body's JSON at
 # most, with its token's text, bytes and punctuation, bytes: the estimate of `is_large`.
 LOGPROB_VALUE_BYTES = 48
@@ -46,9 +50,10 @@ def json_pieces(value: Any) -> list[bytes]:
     return writer.finish()
 
 
-def byte_pieces(data: bytes) -> list[bytes]:
-    """`data` in slices of `PIECE_BYTES`."""
-    return [data[start:start + PIECE_BYTES] for start in range(0, len(data), PIECE_BYTES)]
+def byte_pieces(data: bytes) -> list[memoryview]:
+    """Views of `data`'s slices of `PIECE_BYTES` (no copy)."""
+    view = memoryview(data)
+    return [view[start:start + PIECE_BYTES] for start in range(0, len(data), PIECE_BYTES)]
 
 
 class _PieceWriter:
@@ -92,7 +97,7 @@ class _PieceWriter:
 
     def _slices(self, items: Sequence[Any]) -> None:
         """A long list, encoded a slice at a time: one item first, then as many as the mean
-        size so far says make `PIECE_BYTES`."""
+        size so far says make `ENCODED_SLICE_BYTES`."""
         self._add(b"[")
         start, size, num_bytes = 0, 1, 0
         while start < len(items):
@@ -100,19 +105,22 @@ class _PieceWriter:
             self._add((b"," if start else b"") + encoded[1:-1])
             start += size
             num_bytes += len(encoded)
-            size = max(1, PIECE_BYTES * start // max(1, num_bytes))
+            size = max(1, ENCODED_SLICE_BYTES * start // max(1, num_bytes))
         self._add(b"]")
 
 
 class JSONPiecesResponse(Response):
     """A JSON response whose body is sent as `pieces`, one ASGI message each, with its
-    length declared up front."""
+    length declared up front; `pace(num_bytes)`, when given, is awaited before each piece
+    (`work_pool.TenantWorkPool.pace_large_body`)."""
 
     media_type = "application/json"
 
-    def __init__(self, pieces: Sequence[bytes], status_code: int = 200,
+    def __init__(self, pieces: Sequence[bytes | memoryview],
+                 pace: Callable[[int], Awaitable[None]] | None = None, status_code: int = 200,
                  background: BackgroundTask | None = None) -> None:
         self.pieces = pieces
+        self.pace = pace
         super().__init__(None, status_code, {"content-length": str(sum(map(len, pieces)))},
                          background=background)
 
@@ -120,6 +128,8 @@ class JSONPiecesResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
         for piece in self.pieces:
+            if self.pace is not None:
+                await self.pace(len(piece))
             await send({"type": "http.response.body", "body": piece, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if self.background is not None:

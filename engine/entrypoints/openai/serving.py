@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, get_args
 
@@ -40,7 +41,7 @@ from engine.entrypoints.openai.refusal_pacing import (
     RefusalPacer,
 )
 from engine.entrypoints.openai.request_id import scope_request_id
-from engine.entrypoints.openai.response_body import json_pieces
+from engine.entrypoints.openai.response_body import JSONPiecesResponse, json_pieces
 from engine.entrypoints.openai.response_store import check_store_room
 from engine.entrypoints.openai.structured_outputs import GrammarChecker
 from engine.entrypoints.openai.tenant_requests import TenantEngineRequests
@@ -72,12 +73,20 @@ DEFAULT_MAX_PROMPTS = 64
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_STORED_RESPONSES = 10_000
 DEFAULT_MAX_STORED_RESPONSE_BYTES = 256 * 1024 * 1024
+# About 16 MB of JSON (docs/decisions/0029-response-weight-and-tenant-queue.md).
 DEFAULT_MAX_RESPONSE_LOGPROBS = 1 << 20
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _json = msgspec.json.Encoder()
+
+
+class PacedRefusal(APIError):
+    """A refusal that a client may repeat at a cost to the server, answered late to a tenant
+    that repeats it (`OpenAIServing.refusals_paced`): a tenant over its cap of engine requests
+    (429), and a response over `max_response_logprobs` once its prompts were tokenized
+    (400)."""
 
 
 @dataclass(frozen=True)
@@ -112,8 +121,8 @@ class ServerSettings:
     - `max_waiting_requests_per_tenant`: the same for one tenant's engine requests in flight
       beyond its share of the batch (`max_num_seqs` / the tenants): its cap is that share
       plus this (`None`: `max_prompts` x `max_n`, so that any request fits when the tenant
-      has none in flight); a request larger than the whole cap gets 400
-      (`tenant_requests.TenantEngineRequests`).
+      has none in flight; docs/decisions/0029-response-weight-and-tenant-queue.md); a request
+      larger than the whole cap gets 400 (`tenant_requests.TenantEngineRequests`).
     - `max_response_logprobs`: the most logprob values (each token's and its alternatives')
       one response may carry, over all its choices and prompts, echoed prompts included,
       counted before any of it is computed from `max_tokens` (or the context left).
@@ -283,23 +292,43 @@ class OpenAIServing:
     """Base of the endpoint handlers: turns validated HTTP bodies into engine requests.
     `prompt_param` names the body field that holds the prompt, as OpenAI's errors name it
     (`param` of a context-length error). Blocking work runs on `pool`, which the server
-    owns and shares among the handlers, and so is `grammar_checker`."""
+    owns and shares among the handlers, and so are `grammar_checker` and `refusal_pacer`."""
 
     prompt_param: ClassVar[str] = "prompt"
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
-                 grammar_checker: GrammarChecker) -> None:
+                 grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer) -> None:
         self.engine = engine
         self.settings = settings
         self.pool = pool
         self._token_texts: dict[int, str] = {}
         self.grammar_checker = grammar_checker
         self._in_flight = TenantEngineRequests.of(engine)
+        self._refusal_pacer = refusal_pacer
+
+    @contextlib.asynccontextmanager
+    async def refusals_paced(self, tenant: str | None) -> AsyncIterator[None]:
+        """Answers a `PacedRefusal` raised inside when the handlers' `RefusalPacer` says:
+        late to a tenant refused again within `retry_after_s` (docs/decisions/0029-response-
+        weight-and-tenant-queue.md), so that a client repeating it at once sends about one a
+        second instead of hundreds, each costing the server its parse and tokenizing."""
+        try:
+            yield
+        except PacedRefusal:
+            await self._refusal_pacer.pace(tenant)
+            raise
 
     async def run_for(self, client: ClientContext, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the work pool in `client`'s tenant's turn, in the background for a
         large body (`TenantWorkPool.run`)."""
         return await self.pool.run(client.tenant, fn, *args, background=client.large_body)
+
+    def large_body_response(self, tenant: str | None,
+                            pieces: Sequence[bytes | memoryview]) -> JSONPiecesResponse:
+        """A large JSON body's response, sent at `tenant`'s pace
+        (`TenantWorkPool.pace_large_body`)."""
+        return JSONPiecesResponse(pieces, pace=functools.partial(self.pool.pace_large_body,
+                                                                 tenant))
 
     @property
     def max_model_len(self) -> int:
@@ -427,17 +456,20 @@ class OpenAIServing:
         if num_new > limit:
             raise APIError(400, f"this request needs {num_new} engine requests (prompts x n), "
                                 f"over {why}", param="n", code="limit_exceeded")
-        raise APIError(429, f"this client has {num_in_flight} engine requests in flight and "
-                            f"this request adds {num_new} (prompts x n), over {why}; retry "
-                            f"later", code="rate_limit_exceeded",
-                       headers={"Retry-After": str(self.settings.retry_after_s)})
+        raise PacedRefusal(429, f"this client has {num_in_flight} engine requests in flight "
+                                f"and this request adds {num_new} (prompts x n), over {why}; "
+                                f"retry later", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
 
-    def check_response_logprobs(self, num_values: int, counted: str) -> None:
-        """400 if a response would carry more than `max_response_logprobs` logprob values;
-        `counted` says how they were counted, for the message."""
+    def check_response_logprobs(self, num_values: int, counted: str, *,
+                                paced: bool = True) -> None:
+        """400 if a response would carry more than `max_response_logprobs` logprob values
+        (a `PacedRefusal` unless not `paced`: one checked before any work); `counted` says how
+        they were counted, for the message."""
         limit = self.settings.max_response_logprobs
         if num_values > limit:
-            raise APIError(400, f"this response would carry {num_values} logprob values "
+            refusal = PacedRefusal if paced else APIError
+            raise refusal(400, f"this response would carry {num_values} logprob values "
                                 f"({counted}), over this server's limit of {limit} "
                                 f"(max_response_logprobs); ask for fewer tokens, choices or "
                                 f"logprobs", param="logprobs", code="limit_exceeded")

@@ -20,6 +20,7 @@ from typing import Any
 from engine.entrypoints.openai.chat_prompt import check_chat_fields, render_chat_prompt
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
+from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
     ClientContext,
@@ -78,8 +79,8 @@ class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
-                 grammar_checker: GrammarChecker) -> None:
-        super().__init__(engine, settings, pool, grammar_checker)
+                 grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer) -> None:
+        super().__init__(engine, settings, pool, grammar_checker, refusal_pacer)
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
         self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
 
@@ -100,8 +101,12 @@ class OpenAIServingChat(OpenAIServing):
         self, body: ChatCompletionRequest, client: ClientContext
     ) -> PreparedChat:
         """Validates the request and queues it; APIError on bad input, or 429 if the waiting
-        queue has no room for its completions. Rendering and validating run off the event
-        loop."""
+        queue or the tenant's cap has no room for its completions, a refusal for a limit
+        paced (`refusals_paced`). Rendering and validating run off the event loop."""
+        async with self.refusals_paced(client.tenant):
+            return await self._prepare(body, client)
+
+    async def _prepare(self, body: ChatCompletionRequest, client: ClientContext) -> PreparedChat:
         self.check_request(body)
         check_chat_fields(body)
         structured_output = None
@@ -117,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
             stream=body.stream,
             structured_output=structured_output,
         )
-        self.check_queue_room(body.n)
+        self.check_queue_room(body.n, client.tenant)
         request = await self.run_for(client, self._render_and_process, body, params, client)
         (stream,) = self.submit([request])
         return PreparedChat(request, stream, client.request_id)

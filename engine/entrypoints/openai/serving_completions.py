@@ -28,11 +28,7 @@ from starlette.responses import Response
 
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import CompletionRequest
-from engine.entrypoints.openai.response_body import (
-    JSONPiecesResponse,
-    is_large,
-    json_pieces,
-)
+from engine.entrypoints.openai.response_body import is_large, json_pieces
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
     ClientContext,
@@ -118,8 +114,13 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> PreparedCompletion:
         """Validates the request and queues it (all prompts or none); APIError on bad input
         (a response over `max_response_logprobs` among it), or 429 if the waiting queue or
-        the tenant's cap has no room for it. Tokenizing and validating run off the event loop.
-        """
+        the tenant's cap has no room for it, a refusal for a limit paced
+        (`refusals_paced`). Tokenizing and validating run off the event loop."""
+        async with self.refusals_paced(client.tenant):
+            return await self._prepare(body, client)
+
+    async def _prepare(self, body: CompletionRequest, client: ClientContext
+                       ) -> PreparedCompletion:
         self.check_request(body)
         _check_prompt_only(body)
         if body.suffix:
@@ -140,7 +141,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_response_logprobs(
                 len(prompts) * body.n * body.max_tokens * (1 + body.logprobs),
                 f"{len(prompts)} prompts x n {body.n} x max_tokens {body.max_tokens} x "
-                f"(1 + logprobs {body.logprobs}), before any echoed prompt")
+                f"(1 + logprobs {body.logprobs}), before any echoed prompt", paced=False)
         self.check_queue_room(len(prompts) * body.n, client.tenant)
         response_id = new_id("cmpl")
         echo_texts = (await self.run_for(client, self._echo_texts, prompts)
@@ -209,7 +210,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if is_large(*self._body_size(body, prepared, finals)):
             pieces = await self.pool.run(prepared.tenant, self._encoded_response, body,
                                          prepared, finals)
-            return JSONPiecesResponse(pieces)
+            return self.large_body_response(prepared.tenant, pieces)
         return Response(_json.encode(self._response(body, prepared, finals)),
                         media_type="application/json")
 

@@ -64,6 +64,7 @@ from engine.entrypoints.openai.protocol_messages import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 from engine.entrypoints.openai.serving import (
     ClientContext,
     OpenAIServing,
@@ -182,8 +183,8 @@ class OpenAIServingMessages(OpenAIServing):
     prompt_param = "messages"
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
-                 grammar_checker: GrammarChecker) -> None:
-        super().__init__(engine, settings, pool, grammar_checker)
+                 grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer) -> None:
+        super().__init__(engine, settings, pool, grammar_checker, refusal_pacer)
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
         self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
 

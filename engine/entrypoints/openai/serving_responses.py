@@ -62,9 +62,9 @@ from engine.entrypoints.openai.protocol_responses import (
     TextFormatJSONSchema,
     content_text,
 )
+from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 from engine.entrypoints.openai.response_body import (
     LARGE_BODY_BYTES,
-    JSONPiecesResponse,
     byte_pieces,
     is_large,
     json_pieces,
@@ -307,15 +307,22 @@ class OpenAIServingResponses(OpenAIServing):
     prompt_param = "input"
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
-                 grammar_checker: GrammarChecker, store: ResponseStore) -> None:
-        super().__init__(engine, settings, pool, grammar_checker)
+                 grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer,
+                 store: ResponseStore) -> None:
+        super().__init__(engine, settings, pool, grammar_checker, refusal_pacer)
         make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
         self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
         self.store = store
 
     async def prepare(self, body: ResponsesRequest, client: ClientContext) -> PreparedResponse:
         """Validates the request, renders its conversation (the stored chain's items first)
-        and queues it; APIError on bad input, or 429 if the waiting queue is full."""
+        and queues it; APIError on bad input, or 429 if the waiting queue or the tenant's cap
+        is full, a refusal for a limit paced (`refusals_paced`)."""
+        async with self.refusals_paced(client.tenant):
+            return await self._prepare(body, client)
+
+    async def _prepare(self, body: ResponsesRequest, client: ClientContext
+                       ) -> PreparedResponse:
         self.check_request(body)
         self._check_fields(body)
         previous = self._previous(body, client)
@@ -462,7 +469,7 @@ class OpenAIServingResponses(OpenAIServing):
                 prepared.tenant, self._large_response, body, prepared, output, completions,
                 num_cached_tokens)
             self._keep(prepared, stored)
-            return JSONPiecesResponse(pieces)
+            return self.large_body_response(prepared.tenant, pieces)
         for completion in completions:
             output.push(completion, self._logprobs(completion.logprobs))
         body_json = _json.encode(self._finished(body, prepared, output, num_cached_tokens))
@@ -606,15 +613,15 @@ class OpenAIServingResponses(OpenAIServing):
         }
 
     async def retrieve(self, response_id: str, tenant: str | None) -> Response:
-        """The stored response object, its JSON as it was first sent (a large one sliced
-        into pieces in the tenant's turn of the work pool); 404 if the tenant has none of
+        """The stored response object, its JSON as it was first sent (a large one in views
+        of its pieces, at the tenant's pace of the work pool); 404 if the tenant has none of
         this id."""
         stored = self.store.get(tenant, response_id)
         if stored is None:
             raise _unknown_response(response_id)
         if len(stored.body_json) <= LARGE_BODY_BYTES:
             return Response(stored.body_json, media_type="application/json")
-        return JSONPiecesResponse(await self.pool.run(tenant, byte_pieces, stored.body_json))
+        return self.large_body_response(tenant, byte_pieces(stored.body_json))
 
     async def input_items(self, response_id: str, tenant: str | None, *, limit: int = 20,
                           order: Literal["asc", "desc"] = "desc", after: str | None = None

@@ -1,5 +1,6 @@
 """The HTTP layer's blocking work (parsing large bodies, checking grammars, rendering chats,
-tokenizing, decoding stored responses), on threads shared fairly among tenants.
+tokenizing, building large response bodies), on threads shared fairly among tenants, and the
+pace at which each tenant's large response bodies are sent.
 
 Work for a request with a large body (`background=True`) runs on threads of lower CPU
 priority (niceness 10, about a tenth of the CPU when others want it): a large body's parse
@@ -19,6 +20,14 @@ render and tokenize) always leaves threads to the others; when a thread frees, t
 is taken from the tenants in turn, so one tenant's backlog delays another's next item by at
 most one item's run. A tenant whose waiting items already number `max_waiting_per_tenant`
 gets 429 for the next one: its queue, and the request bodies it holds, stay bounded.
+
+Sending a large response body (a stored response retrieved, a completion with many logprobs)
+costs the event loop and the kernel about a millisecond a megabyte, which no thread's priority
+can lower, and asking for one costs its client next to nothing: a tenant that loops on
+`GET /v1/responses/{id}` of a 5.5 MB response would otherwise take the cores the other
+tenants' tokens need. Each tenant's large bodies are therefore sent at most
+`large_body_bytes_per_s` (`pace_large_body`), after a burst of `LARGE_BODY_BURST_S` of it
+(docs/decisions/0029-response-weight-and-tenant-queue.md).
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from engine.clock import Clock
 from engine.cpu_cores import usable_cores
 from engine.entrypoints.openai.errors import APIError
 
@@ -41,6 +52,8 @@ _T = TypeVar("_T")
 # As many as asyncio's default executor, which did this work before.
 DEFAULT_PREPARATION_THREADS = min(32, (os.cpu_count() or 1) + 4)
 DEFAULT_MAX_WAITING_PREPARATIONS = 64
+DEFAULT_LARGE_BODY_BYTES_PER_S = 128 * 1024 * 1024
+LARGE_BODY_BURST_S = 0.1
 
 
 BACKGROUND_NICENESS = 10
@@ -76,7 +89,10 @@ class TenantWorkPool:
                  max_threads_per_tenant: int | None = None,
                  num_background_threads: int | None = None,
                  max_waiting_per_tenant: int = DEFAULT_MAX_WAITING_PREPARATIONS,
-                 retry_after_s: int = 1) -> None:
+                 retry_after_s: int = 1,
+                 large_body_bytes_per_s: float = DEFAULT_LARGE_BODY_BYTES_PER_S,
+                 clock: Clock = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if num_threads < 1 or max_waiting_per_tenant < 1:
             raise ValueError("num_threads and max_waiting_per_tenant must be at least 1")
         per_tenant = num_threads if max_threads_per_tenant is None else max_threads_per_tenant
@@ -88,11 +104,20 @@ class TenantWorkPool:
         if not 1 <= background <= num_threads:
             raise ValueError(f"num_background_threads must be in [1, {num_threads}], got "
                              f"{background}")
+        if not large_body_bytes_per_s > 0:
+            raise ValueError(f"large_body_bytes_per_s must be positive, got "
+                             f"{large_body_bytes_per_s}")
         self.num_threads = num_threads
         self.max_threads_per_tenant = per_tenant
         self.num_background_threads = background
         self.max_waiting_per_tenant = max_waiting_per_tenant
         self.retry_after_s = retry_after_s
+        self.large_body_bytes_per_s = large_body_bytes_per_s
+        self._clock = clock
+        self._sleep = sleep
+        # When each tenant's large bodies sent so far are paid for, seconds on `clock`: one
+        # entry a tenant that sent one.
+        self._large_body_paid_until_s: dict[str | None, float] = {}
         self._executor = ThreadPoolExecutor(num_threads, thread_name_prefix="preparation")
         self._background_executor = ThreadPoolExecutor(
             background, thread_name_prefix="preparation-background",
@@ -149,6 +174,19 @@ class TenantWorkPool:
             # stream of large bodies refused by their parse, those outlived the body
             # budget's count by the dozen (88 bodies, 1.3 GB, in 30 s).
             del item
+
+    async def pace_large_body(self, tenant: str | None, num_bytes: int) -> None:
+        """Returns once `tenant` may send `num_bytes` more of its large response bodies: at
+        once within its burst (`LARGE_BODY_BURST_S` at `large_body_bytes_per_s`), else when
+        the bytes it sent before them are paid for at that pace. The tenant's bodies sent at
+        once share its pace in the order their pieces come."""
+        now_s = self._clock()
+        start_s = now_s - LARGE_BODY_BURST_S
+        start_s = max(start_s, self._large_body_paid_until_s.get(tenant, start_s))
+        paid_until_s = start_s + num_bytes / self.large_body_bytes_per_s
+        self._large_body_paid_until_s[tenant] = paid_until_s
+        if paid_until_s > now_s:
+            await self._sleep(paid_until_s - now_s)
 
     def num_waiting(self, tenant: str | None) -> int:
         """How many of `tenant`'s items wait for a thread."""

@@ -53,8 +53,8 @@ def test_chat_logprobs(server):
 
 def test_return_token_ids_in_chat(server):
     response = server.client().chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=4, extra_body={"return_token_ids": True},
-    )
+        model="tiny", messages=MESSAGES, max_tokens=4,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
     assert len(response.model_extra["prompt_token_ids"]) == response.usage.prompt_tokens
     assert len(response.choices[0].model_extra["token_ids"]) == 4
 

@@ -59,6 +59,7 @@ def test_byte_pieces_slice_the_bytes_as_they_are() -> None:
     data = bytes(range(256)) * (3 * PIECE_BYTES // 256 + 7)
     pieces = byte_pieces(data)
     assert b"".join(pieces) == data and {len(p) for p in pieces[:-1]} == {PIECE_BYTES}
+    assert all(piece.obj is data for piece in pieces)  # views, not copies
     assert byte_pieces(b"") == []
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from engine.entrypoints.openai.response_store import StoredResponse
+from tests.engine.entrypoints.openai.conftest import start_server
 
 
 @pytest.fixture
@@ -61,3 +62,20 @@ def test_a_large_streamed_responses_closing_events_match_what_is_stored(server, 
     assert events["response.content_part.done"]["part"]["logprobs"] == logprobs
     numbers = [event["sequence_number"] for event in events.values()]
     assert len(set(numbers)) == len(numbers)
+
+
+def test_serves_own_protocol_sends_a_large_stored_response_whole(no_decoding):
+    """`continuum serve`'s connection protocol (h11) takes the stored bytes' views as they
+    are."""
+    guarded = start_server(guarded=True)
+    try:
+        with guarded.http() as http:
+            created = http.post("/v1/responses", json={
+                "model": "tiny", "input": "hello", "max_output_tokens": 900, "ignore_eos": True,
+                "include": ["message.output_text.logprobs"], "top_logprobs": 20})
+            assert created.status_code == 200 and len(created.content) > 1024 * 1024
+            retrieved = http.get(f"/v1/responses/{created.json()['id']}")
+        assert retrieved.content == created.content
+        assert int(retrieved.headers["content-length"]) == len(created.content)
+    finally:
+        guarded.stop()

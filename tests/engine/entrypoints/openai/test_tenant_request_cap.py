@@ -72,17 +72,22 @@ def test_a_tenant_past_its_cap_gets_429_and_the_other_tenant_is_served(capped):
     try:
         assert held.first_chunk.wait(30)
         with _http(capped, "attacker") as attacker:
+            answered_s = []
             for path, body in (("/v1/completions", {"prompt": "more", "max_tokens": 2}),
+                               ("/v1/responses", {"input": "more", "max_output_tokens": 2}),
                                ("/v1/chat/completions", {"max_tokens": 2, "messages": [
-                                   {"role": "user", "content": "more"}]}),
-                               ("/v1/responses", {"input": "more", "max_output_tokens": 2})):
+                                   {"role": "user", "content": "more"}]})):
+                sent_s = time.monotonic()
                 refused = attacker.post(path, json={"model": "tiny", **body})
+                answered_s.append(time.monotonic() - sent_s)
                 assert refused.status_code == 429, refused.text
                 assert refused.headers["Retry-After"] == "2"
                 error = refused.json()["error"]
                 assert error["code"] == "rate_limit_exceeded"
                 assert "max_waiting_requests_per_tenant" in error["message"]
                 assert "3 engine requests in flight" in error["message"]
+            # A refusal repeated within Retry-After is answered that much later.
+            assert min(answered_s[1:]) >= 1.5
             # One that could never fit is told so, rather than to retry.
             whole = attacker.post("/v1/completions", json={
                 "model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 2})

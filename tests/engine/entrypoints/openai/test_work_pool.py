@@ -251,3 +251,35 @@ def test_the_background_threads_default_to_the_cores_left_to_them(monkeypatch):
     assert TenantWorkPool(6).num_background_threads == 1
     with pytest.raises(ValueError, match="num_background_threads"):
         TenantWorkPool(2, num_background_threads=3)
+
+
+def test_each_tenants_large_bodies_are_sent_at_its_own_pace():
+    """1 MB a second after a burst of 0.1 s of it: a tenant's second and third megabytes wait
+    for the first to be paid for; another tenant's do not wait for them; after a pause the
+    burst is there again."""
+    now_s = [100.0]
+    slept: list[tuple[str, float]] = []
+    current: list[str] = [""]
+
+    async def sleep(delay_s: float) -> None:
+        slept.append((current[0], round(delay_s, 6)))
+
+    async def send(tenant: str, num_bytes: int) -> None:
+        current[0] = tenant
+        await pool.pace_large_body(tenant, num_bytes)
+
+    pool = TenantWorkPool(2, large_body_bytes_per_s=1e6, clock=lambda: now_s[0], sleep=sleep)
+    try:
+        asyncio.run(send("a", 100_000))  # within the burst
+        assert slept == []
+        asyncio.run(send("a", 1_000_000))
+        asyncio.run(send("a", 1_000_000))
+        asyncio.run(send("b", 1_000_000))
+        assert slept == [("a", 1.0), ("a", 2.0), ("b", 0.9)]
+        now_s[0] += 10.0
+        asyncio.run(send("a", 100_000))
+        assert slept[3:] == []
+    finally:
+        pool.shutdown()
+    with pytest.raises(ValueError, match="large_body_bytes_per_s"):
+        TenantWorkPool(2, large_body_bytes_per_s=0)
