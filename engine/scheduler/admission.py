@@ -21,7 +21,8 @@ from engine.scheduler.step_plan import StepPlan
 from engine.scheduler.tenant_shares import TenantShares
 
 # How long a tenant that sent a request counts toward the number of tenants sharing the KV
-# pool's pins, seconds: longer than a tool call between an agent's turns.
+# pool's pins, seconds: longer than a tool call between an agent's turns
+# (docs/decisions/0031-tenant-pin-share.md).
 TENANT_WINDOW_S = 300.0
 
 
