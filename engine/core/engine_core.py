@@ -16,6 +16,7 @@ import msgspec
 
 from engine.clock import Clock
 from engine.config import EngineConfig, SchedulerConfig
+from engine.core.malloc_thresholds import release_free_heap
 from engine.core.wire import EngineCoreRequest, EngineStats, JobState, PinState
 from engine.executor.base import Executor, KVReloadProfiler, PrefillProfiler, make_executor
 from engine.kv_cache.pins import PinReleaseReason
@@ -93,7 +94,7 @@ class EngineCore:
         self.vocab_size = self.executor.vocab_size
         self.structured_outputs = StructuredOutputManager(
             functools.partial(_read_grammar_tokenizer, config.model.model, config.model.tokenizer),
-            self.vocab_size, config=config.structured_output)
+            self.vocab_size, config=config.structured_output, release_heap=release_free_heap)
         self._compiling: dict[str, Request] = {}  # held back until their grammar compiled
         self._in_flight: _InFlightStep | None = None  # submitted, its result not yet taken
         self.step_time_s = 0.0

@@ -25,11 +25,19 @@ Only a process's owner may call it (`serve`'s main process, the engine core proc
 changes malloc for the whole process, for good. Users who tune malloc themselves (any
 `MALLOC_*` variable, malloc tunables in `GLIBC_TUNABLES`, or another allocator preloaded with
 `LD_PRELOAD`: jemalloc, tcmalloc, mimalloc) keep their setting.
+
+The trim threshold has a cost in threads other than the main one: glibc returns the free top
+of a thread's arena only from a `free()` that leaves it over the threshold, and a thread arena
+grows in heaps of 64 MiB at most, so past 64 MiB its top is never returned, nor is it by
+`malloc_trim`, which returns the free pages inside chunks and the main arena's top only. A
+thread that frees a large transient allocation (the engine core's grammar compile thread,
+after a compile it refused) calls `release_free_heap`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 
@@ -39,6 +47,10 @@ TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+# A block whose free() makes glibc look at its arena's top (it does from 64 KiB).
+_TRIM_PROBE_BYTES = 128 * 1024
+# Whether `keep_large_buffers_in_heap` set the thresholds in this process.
+_thresholds_set = False
 
 
 def keep_large_buffers_in_heap(environ: dict[str, str] | None = None) -> bool:
@@ -60,19 +72,53 @@ def keep_large_buffers_in_heap(environ: dict[str, str] | None = None) -> bool:
     # older glibc, over 32 MiB).
     if not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES):
         return False
-    return bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    global _thresholds_set
+    _thresholds_set = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return _thresholds_set
+
+
+def release_free_heap() -> bool:
+    """Hands the C heap's free memory back to the kernel: the free top of the calling
+    thread's arena, then with glibc's `malloc_trim(0)` the free pages inside every arena and
+    the main arena's top. Where `keep_large_buffers_in_heap` set the thresholds, the top of a
+    thread's arena goes only by lowering the trim threshold to 0 for one `free()` of a block
+    of this thread's, then setting it back (other threads that free meanwhile return their
+    tops too). Takes milliseconds; whether any memory was returned (False where malloc is not
+    glibc's). Called by a thread just after it freed a large transient allocation."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    if _thresholds_set:
+        libc.mallopt(_M_TRIM_THRESHOLD, 0)
+        try:
+            libc.free(libc.malloc(_TRIM_PROBE_BYTES))
+        finally:
+            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    return bool(libc.malloc_trim(0))
 
 
 def _glibc_mallopt() -> ctypes._CFuncPtr | None:
     """glibc's `mallopt` on a 64-bit Linux, or None (another C library, such as musl's or
     macOS's; a 32-bit glibc, whose largest mmap threshold is 512 KiB)."""
+    libc = _glibc()
+    return None if libc is None else libc.mallopt
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library with `mallopt`, `malloc`, `free` and `malloc_trim` typed, on a 64-bit
+    Linux with glibc; None elsewhere."""
     if (platform.system() != "Linux" or platform.libc_ver()[0] != "glibc"
             or ctypes.sizeof(ctypes.c_void_p) != 8):
         return None
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        libc = ctypes.CDLL(None)
+        functions = (libc.mallopt, libc.malloc, libc.free, libc.malloc_trim)
     except (OSError, AttributeError):
         return None
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    return mallopt
+    mallopt, malloc, free, malloc_trim = functions
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    malloc.argtypes, malloc.restype = (ctypes.c_size_t,), ctypes.c_void_p
+    free.argtypes, free.restype = (ctypes.c_void_p,), None
+    malloc_trim.argtypes, malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return libc

@@ -10,6 +10,11 @@ Owned by the `EngineCore` (one thread calls it). Grammar work never runs on the 
   from the compile's start), past `max_grammar_compile_s`. Compiled grammars are shared by
   requests with the same (grammar, EOS) through a cache bounded in bytes
   (`grammar_cache_bytes`, least recently used first out); failures are never cached.
+  The byte limit also bounds a compile before it runs: llguidance's lexer gets the fuel
+  (its unit of work building expressions and states) that `max_grammar_bytes` buys at
+  `LEXER_BYTES_PER_FUEL`, and a grammar that runs out fails as too large. A failed compile
+  leaves nothing behind: its error carries no frames (which would hold its matcher), and
+  the compile thread then calls `release_heap`, which hands the heap's free memory back.
 - **Masks** run on worker threads too: a request's first mask is the compile's, and its
   next one is started as soon as it accepts a token. Before every step the core calls
   `await_masks`, which waits until a deadline for the masks started less than
@@ -55,6 +60,9 @@ logger = logging.getLogger(__name__)
 NUM_MASK_THREADS = 4
 MAX_SLOW_MASKS = 3
 WORKER_NICENESS = 10  # a tenth of the step loop's CPU share
+# The most C heap one unit of llguidance's lexer fuel allocated, in bytes, measured over
+# hostile and ordinary grammars (docs/decisions/0030-grammar-compile-memory.md).
+LEXER_BYTES_PER_FUEL = 256
 
 
 @dataclass(frozen=True)
@@ -143,16 +151,21 @@ class StructuredOutputManager:
     `read_tokenizer` returns the model's tokenizer as llguidance reads it; it is called once,
     by `prepare` or else on the compile thread when the first grammar arrives. `vocab_size`
     is the model's (it may exceed the tokenizer's: the extra ids are never allowed). `config`
-    holds the limits; `clock` gives seconds (deadlines). Once compiles started, the compile
-    thread alone touches the tokenizers.
+    holds the limits; `clock` gives seconds (deadlines). `release_heap`, if given, is called
+    on the compile thread after each failed compile, once the compile's memory is freed (the
+    engine core passes `engine.core.malloc_thresholds.release_free_heap`). Once compiles
+    started, the compile thread alone touches the tokenizers.
     """
 
     def __init__(self, read_tokenizer: Callable[[], GrammarTokenizerSource], vocab_size: int, *,
                  config: StructuredOutputConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 release_heap: Callable[[], object] | None = None) -> None:
         self._read_tokenizer = read_tokenizer
+        self._release_heap = release_heap
         self.vocab_size = vocab_size
         self.config = StructuredOutputConfig() if config is None else config
+        self._limits = compile_limits(self.config.max_grammar_bytes)
         self._clock = clock
         self._compile_pool = ThreadPoolExecutor(
             1, thread_name_prefix="grammar-compile", initializer=_lower_thread_priority)
@@ -445,6 +458,11 @@ class StructuredOutputManager:
         return None
 
     @property
+    def _too_large(self) -> str:
+        return (f"the grammar is too large: compiling it takes more than the limit of "
+                f"{self.config.max_grammar_bytes / 2**20:g} MiB")
+
+    @property
     def _too_slow(self) -> str:
         budget_ms = self.config.grammar_mask_budget_s * 1e3
         return (f"the grammar is too slow: computing its allowed tokens took over "
@@ -472,10 +490,20 @@ class StructuredOutputManager:
         else:
             return
         grammar, eos_token_id = entry.key
+        failure = None
         try:
-            entry.future.set_result(self._compile(grammar, eos_token_id, entry))
+            compiled = self._compile(grammar, eos_token_id, entry)
         except BaseException as error:  # the request's failure, reported by `pop_compiled`
-            entry.future.set_exception(error)
+            # A new error, without the traceback whose frames hold the compile's matcher
+            # (and this entry, whose future would hold the traceback: a cycle that only the
+            # collector frees): the matcher is freed when this block ends.
+            failure = GrammarCompileError(short_error(error))
+        if failure is None:
+            entry.future.set_result(compiled)
+            return
+        if self._release_heap is not None:
+            self._release_heap()
+        entry.future.set_exception(failure)
 
     def _compile(self, grammar: str, eos_token_id: int | None,
                  entry: _CacheEntry) -> _Compiled:
@@ -483,7 +511,11 @@ class StructuredOutputManager:
         tokenizer = self._tokenizer(eos_token_id)
         entry.started_s = self._clock()
         heap_before = allocated_bytes()
-        matcher, first_words, first_mask_cpu_s = compile_grammar(tokenizer, grammar)
+        try:
+            matcher, first_words, first_mask_cpu_s = compile_grammar(tokenizer, grammar,
+                                                                     self._limits)
+        except LexerLimitError:
+            raise ValueError(self._too_large) from None
         heap_after = allocated_bytes()
         heap_bytes = 0 if heap_before is None or heap_after is None else heap_after - heap_before
         num_bytes = len(grammar) + max(0, heap_bytes)
@@ -518,9 +550,31 @@ class StructuredOutputManager:
         return tokenizer
 
 
-# llguidance's default limits, but errors without the parser's state and the grammar after
-# their first line (the tokens so far, the request's schema): a client gets the first line.
-_QUIET_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# What llguidance's errors say when the lexer's limits stopped a compile (its fuel, its
+# states), rather than the grammar being wrong.
+_LIMIT_ERRORS = ("too big", "fuel", "too many expressions", "too many states")
+
+
+class GrammarCompileError(ValueError):
+    """A compile that failed, as its request's error: one line, no traceback."""
+
+
+class LexerLimitError(ValueError):
+    """A compile that llguidance's lexer limits stopped (it ran out of fuel or states)."""
+
+
+def compile_limits(max_grammar_bytes: int | None = None) -> llguidance.LLParserLimits:
+    """llguidance's limits for a compile: the lexer fuel that `max_grammar_bytes` buys at
+    `LEXER_BYTES_PER_FUEL` (None: llguidance's default fuel), and errors without the
+    parser's state and the grammar after their first line (the tokens so far, the request's
+    schema), so that a client gets the first line only."""
+    if max_grammar_bytes is None:
+        return llguidance.LLParserLimits(verbose_errors=False)
+    fuel = max(1, max_grammar_bytes // LEXER_BYTES_PER_FUEL)
+    return llguidance.LLParserLimits(initial_lexer_fuel=fuel, verbose_errors=False)
+
+
+_DEFAULT_LIMITS = compile_limits()
 
 
 def _not_started(entry: _CacheEntry) -> bool:
@@ -528,22 +582,46 @@ def _not_started(entry: _CacheEntry) -> bool:
     return not (entry.future.running() or entry.future.done())
 
 
-def compile_grammar(tokenizer: llguidance.LLTokenizer,
-                    grammar: str) -> tuple[llguidance.LLMatcher, np.ndarray, float]:
+def compile_grammar(tokenizer: llguidance.LLTokenizer, grammar: str,
+                    limits: llguidance.LLParserLimits | None = None
+                    ) -> tuple[llguidance.LLMatcher, np.ndarray, float]:
     """A matcher at the grammar's start, its first mask (computed now: the lexer and the
     parser's tables are built then, not in the step that first samples), and the CPU seconds
-    of that first mask."""
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_QUIET_LIMITS)
-    error = matcher.get_error()
-    if error:
-        raise ValueError(f"invalid grammar: {error}")
+    of that first mask. `limits` default to `compile_limits()`. ValueError for a wrong
+    grammar; `LexerLimitError` when the lexer's limits stopped the compile. llguidance
+    reports a lexer that ran out of fuel building the first mask (and a parser over its
+    items) only at the next token: a copy of the matcher takes the first token the mask
+    allows, so that such a grammar fails here rather than in a step."""
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0,
+                                   limits=_DEFAULT_LIMITS if limits is None else limits)
+    _raise_error(matcher.get_error())
     words = llguidance.numpy.allocate_token_bitmask(1, tokenizer.vocab_size)
     started_cpu_s = time.thread_time()
     llguidance.numpy.fill_next_token_bitmask(matcher, words, 0)
     first_mask_cpu_s = time.thread_time() - started_cpu_s
-    if matcher.is_error():
-        raise ValueError(f"invalid grammar: {matcher.get_error()}")
+    _raise_error(matcher.get_error() if matcher.is_error() else "")
+    first_token = _first_allowed_token(words, tokenizer)
+    if first_token is not None:
+        probe = matcher.deep_copy()
+        if not probe.consume_token(first_token):
+            _raise_error(probe.get_error() or "the grammar stopped at its first token")
     return matcher, words, first_mask_cpu_s
+
+
+def _raise_error(error: str) -> None:
+    if not error:
+        return
+    if any(marker in error for marker in _LIMIT_ERRORS):
+        raise LexerLimitError(error)
+    raise ValueError(f"invalid grammar: {error}")
+
+
+def _first_allowed_token(words: np.ndarray, tokenizer: llguidance.LLTokenizer) -> int | None:
+    """The lowest token the mask `words` allows other than an EOS (None: none is)."""
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:tokenizer.vocab_size]
+    bits[[eos for eos in tokenizer.eos_tokens if eos < bits.size]] = 0
+    allowed = np.flatnonzero(bits)
+    return int(allowed[0]) if allowed.size else None
 
 
 class _MallInfo2(ctypes.Structure):

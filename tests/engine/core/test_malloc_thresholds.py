@@ -62,3 +62,44 @@ def test_a_buffer_of_megabytes_comes_from_the_heap_once_the_thresholds_are_set()
 ])
 def test_users_malloc_settings_are_left_alone(environ: dict[str, str]) -> None:
     assert keep_large_buffers_in_heap(environ) is False
+
+
+# Prints the resident MiB over its start of a fresh interpreter with the thresholds set, after
+# a thread allocated 48 MiB in 4 KiB blocks and freed them, then after that thread called
+# `release_free_heap`.
+_RELEASE_PROBE = """
+import json, os, threading
+from engine.core.malloc_thresholds import keep_large_buffers_in_heap, release_free_heap
+
+def rss_mib():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+keep_large_buffers_in_heap()
+figures = {}
+
+def allocate_and_free():
+    start_mib = rss_mib()
+    blocks = [bytes(4096) for _ in range(12 * 1024)]
+    figures["allocated"] = rss_mib() - start_mib
+    del blocks
+    figures["freed"] = rss_mib() - start_mib
+    figures["released"] = release_free_heap()
+    figures["after_release"] = rss_mib() - start_mib
+
+thread = threading.Thread(target=allocate_and_free)
+thread.start()
+thread.join()
+print(json.dumps(figures))
+"""
+
+
+@pytest.mark.skipif(not _ON_GLIBC, reason="the thresholds are glibc's (mallinfo2: 2.33)")
+def test_released_heap_goes_back_to_the_kernel_from_a_thread() -> None:
+    environ = {name: value for name, value in os.environ.items()
+               if not name.startswith("MALLOC_") and name != "GLIBC_TUNABLES"}
+    result = subprocess.run([sys.executable, "-c", _RELEASE_PROBE], capture_output=True,
+                            text=True, check=True, env=environ)
+    figures = json.loads(result.stdout)
+    assert figures["allocated"] > 40 and figures["released"] is True
+    assert figures["after_release"] < 8, figures

@@ -4,6 +4,7 @@ masks computed off the step loop, accepting tokens, forgetting."""
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import threading
 import time
@@ -146,10 +147,53 @@ def test_a_grammar_over_the_byte_limit_fails_and_is_not_cached():
         for request_id in ("a", "b"):
             manager.submit(request_id, _spec(grammar, "structured_outputs.regex"), EOS)
             (outcome,) = _outcomes(manager)
-            assert outcome.failure.error.startswith(
-                "structured_outputs.regex: the grammar is too large: compiling it took")
+            assert outcome.failure.error == (
+                "structured_outputs.regex: the grammar is too large: compiling it takes more "
+                "than the limit of 1 MiB")
         assert manager.num_compiles == 2 and manager.cached_bytes == 0
     finally:
+        manager.shutdown()
+
+
+@pytest.mark.skipif(allocated_bytes() is None, reason="the C library cannot report its heap")
+def test_the_byte_limit_stops_a_compile_before_it_allocates_past_it():
+    """The lexer gets the fuel the limit buys: a grammar whose lexer would take 170 MiB stops
+    at its fuel, within the limit, and fails at compile (llguidance itself reports its lexer
+    out of fuel only at the next token). One that fits compiles under the same limits."""
+    source = LOAD_TINY()
+    tokenizer = llguidance.LLTokenizer(source.tokenizer_json, n_vocab=VOCAB,
+                                       eos_token=source.eos_token_id)
+    limit = 16 << 20
+    limits = manager_module.compile_limits(limit)
+    huge = grammars.json_schema_grammar({"type": "string", "pattern": "^(a{1000}){1950}$"})
+    heap_before = allocated_bytes()
+    with pytest.raises(manager_module.LexerLimitError, match="too many expressions"):
+        manager_module.compile_grammar(tokenizer, huge, limits)
+    assert allocated_bytes() - heap_before < limit
+    matcher, _, _ = manager_module.compile_grammar(
+        tokenizer, grammars.json_schema_grammar({"enum": [f"v{index}" for index in range(1000)]}),
+        limits)
+    assert matcher.consume_token(ord('"'))
+
+
+def test_a_refused_compile_leaves_the_heap_where_it_was():
+    """A failed compile's matcher is freed when the compile ends, not left to the cycle
+    collector (disabled here) through its error's traceback."""
+    manager = _make(StructuredOutputConfig(max_grammar_bytes=16 << 20))
+    gc.disable()
+    try:
+        _compiled(manager, "warm-up", grammars.choice_grammar(["x"]))
+        heap_before, cached_bytes = allocated_bytes(), manager.cached_bytes
+        for repeat in range(1950, 1954):
+            manager.submit(f"r{repeat}", _spec(grammars.regex_grammar(
+                f"(a{{1000}}){{{repeat}}}"), "structured_outputs.regex"), EOS)
+            (outcome,) = _outcomes(manager)
+            assert "the grammar is too large" in outcome.failure.error
+        if heap_before is not None:
+            assert allocated_bytes() - heap_before < 2 << 20
+        assert manager.cached_bytes == cached_bytes and manager.num_compiles == 5
+    finally:
+        gc.enable()
         manager.shutdown()
 
 
@@ -182,10 +226,10 @@ def test_a_compile_past_its_deadline_fails_at_the_deadline_counted_from_its_star
     clock, entered, release = FakeClock(), threading.Event(), threading.Event()
     real_compile = manager_module.compile_grammar
 
-    def blocked_compile(tokenizer: Any, grammar: str) -> Any:
+    def blocked_compile(tokenizer: Any, grammar: str, limits: Any) -> Any:
         entered.set()
         release.wait(30.0)
-        return real_compile(tokenizer, grammar)
+        return real_compile(tokenizer, grammar, limits)
 
     monkeypatch.setattr(manager_module, "compile_grammar", blocked_compile)
     manager = _make(StructuredOutputConfig(max_grammar_compile_s=5.0), clock=clock)
