@@ -3,6 +3,10 @@
 Owns the frontend state of every unfinished request: detokenizers, stop-string matching, and
 what has been reported so far for each output kind. Called by `LLMEngine` / `AsyncLLM` once
 per batch of core outputs.
+
+A streamed (delta) request keeps only the logprobs it has not reported yet: a position's 20
+top logprobs weigh about a kilobyte, and kept for a whole stream they would hold the server's
+memory for as long as its longest stream.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class _Completion:
     detokenizer: IncrementalDetokenizer | None  # None: decoded once, at the end
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    # All of them, or for a delta request those after `num_sent_tokens` only.
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
@@ -366,11 +371,16 @@ class OutputProcessor:
         completion.num_sent_chars = num_chars
         completion.num_sent_tokens = len(completion.token_ids)
         logprobs = completion.logprobs
+        if logprobs is not None:
+            if delta:  # reported now: the completion keeps none of them
+                completion.logprobs = []
+            else:
+                logprobs = list(logprobs)
         return CompletionOutput(
             index=completion.index,
             text=completion.text[first_char:num_chars],
             token_ids=completion.token_ids[first_token:],
-            logprobs=None if logprobs is None else logprobs[first_token:],
+            logprobs=logprobs,
             finish_reason=None if completion.finish_reason is None
             else str(completion.finish_reason),
             stop_reason=completion.stop_reason,

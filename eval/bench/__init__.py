@@ -48,4 +48,6 @@ BENCH_COMMANDS: Mapping[str, str] = MappingProxyType({
     "workloads": "the named workloads that ship with the package",
     "amplification": "memory of a `continuum serve` subprocess before and after one huge "
                      "completion request",
+    "streams": "the API server's memory of a `continuum serve` subprocess around long "
+               "completion streams with logprobs",
 })

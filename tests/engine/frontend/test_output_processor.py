@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -154,6 +155,38 @@ def test_logprobs_follow_their_tokens(processor, tokenizer) -> None:
         request_id="r", new_token_ids=[65], logprobs=[entry], finish_reason=FinishReason.LENGTH,
     )])
     assert result.request_outputs[0].outputs[0].logprobs == [entry]
+
+
+def _logprobs_entry(token_id: int) -> TokenLogprobs:
+    return TokenLogprobs(token_id=token_id, logprob=-0.5, rank=1, top_token_ids=[token_id],
+                         top_logprobs=[-0.5])
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_stream_keeps_only_the_logprobs_it_has_not_reported(processor, tokenizer,
+                                                              kind) -> None:
+    """A delta request's logprobs are the processor's only until reported (a long stream's
+    would otherwise stay for its whole length); a cumulative one reports all of them each
+    time, so it keeps them."""
+    outputs = OutputProcessor(tokenizer)
+    outputs.add_request(processor.process("r", [1], SamplingParams(logprobs=1,
+                                                                    output_kind=kind)))
+    entries = [_logprobs_entry(65 + step) for step in range(3)]
+    reported = []
+    for step, entry in enumerate(entries):
+        finish = FinishReason.LENGTH if step == len(entries) - 1 else None
+        num_refs = sys.getrefcount(entry)
+        result = outputs.process_outputs([EngineCoreOutput(
+            request_id="r", new_token_ids=[entry.token_id], logprobs=[entry],
+            finish_reason=finish)])
+        reported.append([e.token_id for e in result.request_outputs[0].outputs[0].logprobs])
+        del result
+        if finish is None:  # the processor still holds the entry, or let go of it
+            assert (sys.getrefcount(entry) == num_refs) == (kind is RequestOutputKind.DELTA)
+    if kind is RequestOutputKind.DELTA:
+        assert reported == [[65], [66], [67]]
+    else:
+        assert reported == [[65], [65, 66], [65, 66, 67]]
 
 
 def test_core_rejection_finishes_the_request_with_its_error(processor, tokenizer) -> None:
