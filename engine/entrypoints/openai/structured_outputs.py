@@ -8,7 +8,8 @@ Accepted forms, at most one per request (400 naming both otherwise):
   the older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
 - with tools: `tool_choice` "required" (one or more calls, or exactly one with
   `parallel_tool_calls: false`) or a named function (exactly one call of it), in the model's
-  tool-call format (a function with `strict: true` in strict mode). With `tool_choice`
+  tool-call format (a function with `strict: true` in strict mode; Hermes blocks, the
+  markers as text, where the chat template's tools fallback taught them). With `tool_choice`
   "auto" and a JSON response format the output is either tool calls or the JSON value; with
   "auto" and `parallel_tool_calls: false` (Hermes-style models, whose call markers are special
   tokens) text may be followed by at most one call.
@@ -29,6 +30,7 @@ from typing import Any
 import llguidance
 
 from engine.entrypoints.openai.errors import APIError
+from engine.frontend.chat_template import template_tool_support
 from engine.structured_output import grammars
 from engine.structured_output.grammars import ToolCallFormat, ToolSchema
 from engine.structured_output.spec import StructuredOutputKind, StructuredOutputSpec
@@ -36,7 +38,6 @@ from engine.structured_output.strict import strict_schema
 
 MAX_CHECKED_GRAMMARS = 1024
 HERMES_CALL_START = "<tool_call>"
-
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,10 @@ class GrammarChecker:
         return StructuredOutputSpec(kind=kind, grammar=grammar, param=param)
 
     def tool_call_format(self, parser_name: str) -> ToolCallFormat:
-        """The tool-call format matching the server's parser (`auto`: Hermes when the
-        tokenizer knows `<tool_call>`, Llama-3 JSON otherwise); worked out once per parser."""
+        """The tool-call format matching the server's parser; worked out once per parser.
+        `auto` is Hermes when the tokenizer knows `<tool_call>` or when the chat template
+        leaves tool definitions out (the prompt then teaches Hermes blocks,
+        `engine.frontend.chat_template`), Llama-3 JSON otherwise."""
         call_format = self._call_formats.get(parser_name)
         if call_format is None:
             call_format = self._call_formats[parser_name] = self._find_call_format(parser_name)
@@ -99,14 +102,22 @@ class GrammarChecker:
 
     def _find_call_format(self, parser_name: str) -> ToolCallFormat:
         vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
-        if parser_name == "llama3_json" or (parser_name == "auto" and
-                                            HERMES_CALL_START not in vocab):
+        if parser_name == "llama3_json" or (parser_name == "auto"
+                                            and HERMES_CALL_START not in vocab
+                                            and not self._prompt_teaches_hermes()):
             return ToolCallFormat("llama3_json")
         special = set(getattr(self.tokenizer, "all_special_tokens", ()))
         special |= {str(token) for token in getattr(self.tokenizer, "added_tokens_decoder",
                                                     {}).values()
                     if getattr(token, "special", False)}
         return ToolCallFormat("hermes", markers_are_tokens=HERMES_CALL_START in special)
+
+    def _prompt_teaches_hermes(self) -> bool:
+        """Whether tool definitions reach the prompt through the chat template's fallback,
+        which tells the model to answer in Hermes blocks."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            return False
+        return not template_tool_support(self.tokenizer).renders_tools
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self._llg_tokenizer is None:
@@ -166,8 +177,7 @@ def chat_structured_output(body: Any, checker: GrammarChecker,
             tools = [tool for tool in tools if tool.name == choice.function.name]
             parallel = False
         return checker.spec("tool_calls", _tool_grammar(
-            lambda: grammars.tool_calls_grammar(tools, call_format, parallel=parallel)),
-            "tools")
+            lambda: _forced_calls_grammar(tools, call_format, parallel=parallel)), "tools")
     return _auto_tools_spec(checker, constraint, tools, call_format, parallel=parallel)
 
 
@@ -188,6 +198,23 @@ def _auto_tools_spec(checker: GrammarChecker, constraint: Constraint | None,
         return None
     return checker.spec("tool_calls", _tool_grammar(
         lambda: grammars.text_then_one_call_grammar(tools, call_format)), "parallel_tool_calls")
+
+
+def _forced_calls_grammar(tools: Sequence[ToolSchema], call_format: ToolCallFormat, *,
+                          parallel: bool) -> str:
+    """The grammar of `tool_choice` "required" or a named choice: `grammars.tool_calls_grammar`,
+    except that Hermes blocks whose markers are text follow each other with nothing between
+    them."""
+    if not parallel or call_format.style != "hermes" or call_format.markers_are_tokens:
+        return grammars.tool_calls_grammar(tools, call_format, parallel=parallel)
+    # With a newline allowed after `</tool_call>`, a small model taught by the tools
+    # fallback writes one there (its prompt's example has one) and then repeats its call until
+    # max_tokens; with none allowed, ending the turn outscores another block.
+    first_line, rules = grammars.tool_calls_grammar(tools, call_format,
+                                                    parallel=False).split("\n", 1)
+    if first_line != "start: call":
+        raise RuntimeError(f"unexpected start of a one-call grammar: {first_line!r}")
+    return "start: call+\n" + rules
 
 
 def _spec(checker: GrammarChecker, constraint: Constraint | None) -> StructuredOutputSpec | None:

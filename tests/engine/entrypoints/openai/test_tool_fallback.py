@@ -1,6 +1,7 @@
 """Tools reach a model whose chat template ignores them (SmolLM2's), over Chat Completions
 and the Responses API: the prompt the engine runs holds every offered tool's name and schema,
-and an earlier turn's tool call comes back in the format the parser reads. The helper that
+an earlier turn's tool call comes back in the format the parser reads, and a call the grammar
+forces is written in that same format (`<tool_call>` blocks). The helper that
 measures the tool-call rate `docs/frameworks.md` reports (`tool_call_rate.py`) reads a call.
 
 Without the real model in the cache these tests skip (see `tests/engine/model/real_model.py`).
@@ -15,8 +16,10 @@ from typing import Any
 import pytest
 
 from engine.entrypoints.openai.serving import ServerSettings
-from engine.frontend.chat_template import render_chat
+from engine.entrypoints.openai.structured_outputs import GrammarChecker
+from engine.frontend.chat_template import render_chat, template_tool_support
 from engine.model.tokenizer import load_tokenizer
+from engine.structured_output.grammars import ToolCallFormat
 from tests.engine.entrypoints.openai.conftest import MAX_BODY_BYTES, ServerThread, start_server
 from tests.engine.entrypoints.openai.tool_call_rate import PROMPTS, answer
 from tests.engine.model.real_model import REAL_MODEL, require_real_model
@@ -104,3 +107,41 @@ def test_the_rate_helper_counts_a_valid_call_of_the_right_tool(server) -> None:
     forced = answer(server.client(), REAL_MODEL, question, tool, tool_choice="required")
     assert forced.is_valid_call and forced.is_right_tool
     assert forced.calls[0][1]["amount"] == 100
+
+
+def test_the_grammar_writes_calls_as_the_fallback_teaches(tokenizer) -> None:
+    assert not template_tool_support(tokenizer).renders_tools
+    checker = GrammarChecker(tokenizer)
+    # SmolLM2's vocabulary has no `<tool_call>` token: the grammar spells the markers out.
+    assert checker.tool_call_format("auto") == ToolCallFormat("hermes", markers_are_tokens=False)
+    assert checker.tool_call_format("hermes") == ToolCallFormat("hermes",
+                                                                markers_are_tokens=False)
+    assert checker.tool_call_format("llama3_json") == ToolCallFormat("llama3_json")
+    assert GrammarChecker(load_tokenizer("tiny")).tool_call_format("auto") == ToolCallFormat(
+        "hermes", markers_are_tokens=True)
+
+
+@pytest.mark.parametrize(("tool_choice", "parallel"), [
+    ("required", False), ("required", True),
+    ({"type": "function", "function": {"name": "get_time"}}, False),
+    ({"type": "function", "function": {"name": "get_time"}}, True)])
+def test_a_forced_call_is_a_tool_call_block_the_parser_reads(server, tokenizer, tool_choice,
+                                                             parallel) -> None:
+    # With parallel calls allowed the grammar puts nothing between blocks: with a newline
+    # there this model repeated its call until max_tokens.
+    reply = server.client().chat.completions.create(
+        model=REAL_MODEL, messages=[{"role": "user", "content": QUESTION}], tools=CHAT_TOOLS,
+        tool_choice=tool_choice, parallel_tool_calls=parallel, max_tokens=96, temperature=0,
+        extra_body={"return_token_ids": True})
+    choice = reply.choices[0]
+    text = tokenizer.decode(choice.model_extra["token_ids"], skip_special_tokens=True)
+    assert text.startswith('<tool_call>\n{"name": "') and text.endswith("\n</tool_call>")
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    expected = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_time"
+    arguments = json.loads(call.function.arguments)
+    assert set(expected["parameters"]["required"]) <= set(arguments)
+    assert json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>")) == {
+        "name": call.function.name, "arguments": arguments}
