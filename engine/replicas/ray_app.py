@@ -95,7 +95,8 @@ MAX_REMEMBERED_RESPONSES = 100_000
 MAX_ONGOING_REQUESTS_PER_REPLICA = 4096
 ENGINE_STOP_MARGIN_S = 5.0
 _REPLICA_FAILURES = (RayActorError, ActorUnavailableError)
-_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+_GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                               "/v1/messages"})
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ headers, in this order:
 
 1. an explicit job: `X-Job-Id`, the body's `job_id`, else its `prompt_cache_key` (the engine
    takes that as the job id too);
-2. a conversation's opening: the messages (or Responses input items, a string input being one
-   user message) up to and including the first user message, with the system prompt or
-   instructions, each message's content reduced to its text; every later turn of an agent
+2. a conversation's opening: the messages (of Chat Completions or Anthropic's Messages API,
+   or Responses input items, a string input being one user message) up to and including the
+   first user message, with the system prompt or instructions (the Messages API's `system`),
+   each message's content reduced to its text; every later turn of an agent
    re-sends them, so its turns share the key that the engine's job inference joins into one
    job;
 3. a completion's prompt opening: its first `PROMPT_PREFIX_CHARS` characters, or first
@@ -17,9 +18,10 @@ headers, in this order:
 
 Anything else (a batch of prompts, a malformed body, which the replica will refuse) has no key
 and is load-balanced. (A Responses API follow-up is routed by the response it continues; the
-ingress does that.) Every key is scoped by the request's `Authorization` header, so that one
-API key's requests never share, or reveal, another's routing; keys are hashes, so no prompt
-text is kept.
+ingress does that.) Every key is scoped by the request's API key (its `Authorization` header,
+or, without one, its `x-api-key` header read as the same key sent as a bearer token), so that
+one API key's requests never share, or reveal, another's routing; keys are hashes, so no
+prompt text is kept.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def routing_key(path: str, body: Any, headers: Mapping[str, str]) -> str | None:
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         return _conversation_key(scope, messages, None) if isinstance(messages, list) else None
+    if path.endswith("/messages"):
+        messages = body.get("messages")
+        system = _message_text({"content": body.get("system")})["content"]
+        return _conversation_key(scope, messages, system) if isinstance(messages, list) else None
     if path.endswith("/responses"):
         items = body.get("input")
         if isinstance(items, str):
@@ -93,6 +99,8 @@ def job_key(job_id: str, headers: Mapping[str, str]) -> str:
 
 def _scope(headers: Mapping[str, str]) -> str:
     authorization = headers.get("authorization", "")
+    if not authorization and (api_key := headers.get("x-api-key", "").strip()):
+        authorization = f"Bearer {api_key}"
     return hashlib.blake2b(authorization.encode(), digest_size=6).hexdigest() + "/"
 
 

@@ -72,7 +72,8 @@ OFF_LOOP_JOIN_BYTES = 1 << 20
 # while a body is submitted) ends in `ChildAnswerTimeout`, not a work-pool thread held forever.
 CHILD_ANSWER_TIMEOUT_S = 120.0
 # The body field that holds the conversation, by path (see `body_limits.check_counts`).
-CONVERSATION_FIELDS = {"/v1/chat/completions": "messages", "/v1/responses": "input"}
+CONVERSATION_FIELDS = {"/v1/chat/completions": "messages", "/v1/responses": "input",
+                       "/v1/messages": "messages", "/v1/messages/count_tokens": "messages"}
 
 
 class ChildAnswerTimeout(TimeoutError):

@@ -18,6 +18,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -304,6 +305,46 @@ def test_responses_follow_ups_reach_the_replica_holding_the_conversation(
     assert unknown.json()["error"]["param"] == "previous_response_id"
     assert httpx.get(ray_server.base_url + "/v1/responses/resp_never", timeout=60
                      ).status_code == 404
+
+
+def test_a_messages_conversation_stays_on_its_replica(ray_server: RayServer) -> None:
+    ray_server.deploy("affinity")
+    client = anthropic.Anthropic(base_url=ray_server.base_url, api_key="x", max_retries=0)
+    system = [{"type": "text", "text": "You answer in one word.",
+               "cache_control": {"type": "ephemeral"}}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello there"}]
+    first = client.messages.with_raw_response.create(model="tiny", max_tokens=4,
+                                                     system=system, messages=messages)
+    replica = first.headers["x-continuum-replica"]
+    assert first.headers["x-continuum-route"] == "placed"  # by its conversation's key
+    for _ in range(2):  # later turns re-send the opening: the same key, the same replica
+        reply = [block.model_dump(exclude_none=True) for block in first.parse().content]
+        messages = [*messages, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "go on"}]
+        later = client.messages.with_raw_response.create(model="tiny", max_tokens=4,
+                                                         system=system, messages=messages)
+        assert later.headers["x-continuum-replica"] == replica
+        assert later.headers["x-continuum-route"] == "affinity"
+        assert later.parse().usage.cache_read_input_tokens > 0
+    # Over INLINE_PARSE_BYTES: its route read in the ingress's parsing child.
+    padded = json.dumps({"model": "tiny", "max_tokens": 2, "system": system,
+                         "messages": messages})
+    padded = padded[:-1] + " " * INLINE_PARSE_BYTES + "}"
+    large = httpx.post(ray_server.base_url + "/v1/messages", content=padded, timeout=60,
+                       headers={"Content-Type": "application/json", "x-api-key": "x"})
+    assert large.status_code == 200, large.text
+    assert large.json()["type"] == "message"
+    assert large.headers["x-continuum-replica"] == replica
+    assert large.headers["x-continuum-route"] == "affinity"
+    counted = client.messages.count_tokens(model="tiny", system=system, messages=messages)
+    assert counted.input_tokens == large.json()["usage"]["input_tokens"] + sum(
+        large.json()["usage"][field] for field in ("cache_read_input_tokens",
+                                                    "cache_creation_input_tokens"))
+    refused = httpx.post(ray_server.base_url + "/v1/messages", timeout=30,
+                         json={"model": "tiny", "messages": messages})  # no max_tokens
+    assert refused.status_code == 400
+    assert refused.json()["type"] == "error"
+    assert refused.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_bad_input_gets_the_single_servers_error(ray_server: RayServer) -> None:

@@ -14,6 +14,7 @@ from engine.replicas.routing_key import (
 )
 
 CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
 
 
 def key(path: str, body: object, headers: dict[str, str] | None = None) -> str | None:
@@ -44,6 +45,34 @@ def test_a_conversations_turns_share_the_key_of_its_opening() -> None:
     assert key(CHAT, {"messages": opening}) == key(CHAT, {"messages": later})
     assert key(CHAT, {"messages": opening}) != key(CHAT, {"messages": other})
     assert key(CHAT, {"messages": "not a list"}) is None
+
+
+def test_a_messages_conversation_is_keyed_like_a_chat_with_its_system_prompt() -> None:
+    opening = [{"role": "user", "content": [{"type": "text", "text": "Fix the bug."}]}]
+    later = [*opening,
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "sh",
+                                                "input": {"cmd": "ls"}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                           "content": "a.py"}]}]
+    system = [{"type": "text", "text": "You are a coding agent.",
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    first = key(MESSAGES, {"system": system, "messages": opening})
+    assert first is not None
+    assert first == key(MESSAGES, {"system": system, "messages": later})
+    assert first == key(MESSAGES, {"system": "You are a coding agent.", "messages": later})
+    assert first != key(MESSAGES, {"system": "You review code.", "messages": opening})
+    assert key(MESSAGES, {"messages": opening}) == key(CHAT, {"messages": [
+        {"role": "user", "content": "Fix the bug."}]})
+    assert key(MESSAGES, {"messages": "not a list"}) is None
+    assert key(MESSAGES + "/count_tokens", {"messages": opening}) is None
+
+
+def test_an_x_api_key_scopes_keys_as_the_same_bearer_token_does() -> None:
+    opening = {"messages": [{"role": "user", "content": "hi"}]}
+    bearer, anthropic = {"authorization": "Bearer alice"}, {"x-api-key": "alice"}
+    assert key(MESSAGES, opening, anthropic) == key(MESSAGES, opening, bearer)
+    assert job_key("j1", anthropic) == job_key("j1", bearer)
+    assert key(MESSAGES, opening, anthropic) != key(MESSAGES, opening, {"x-api-key": "bob"})
 
 
 def test_completions_are_keyed_by_their_prompts_opening() -> None:

@@ -16,6 +16,8 @@ from typing import Any
 import anthropic
 import pytest
 
+from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_ITEMS
+from engine.entrypoints.openai.json_body import INLINE_PARSE_BYTES
 from engine.entrypoints.openai.serving import ServerSettings
 from engine.entrypoints.openai.tenants import Tenants
 from engine.frontend.chat_template import render_chat
@@ -341,3 +343,19 @@ def test_a_large_body_is_parsed_aside_and_refused_in_anthropics_shape(agent) -> 
 def test_either_header_names_the_tenant(headers, tenant) -> None:
     tenants = Tenants.from_pairs([(KEY_A, "a"), (KEY_B, "b")])
     assert tenants.tenant_of_request({"headers": list(headers.items())}) == tenant
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_large_conversation_over_the_item_limit_is_refused(
+        server, path) -> None:
+    # Padded past 64 KiB: parsed, and its messages counted, in a body-parsing child.
+    num_messages = MAX_CONVERSATION_ITEMS + 1
+    body = json.dumps({"model": "tiny", "max_tokens": 4, "messages": [{}] * num_messages})
+    body = body[:-1] + " " * INLINE_PARSE_BYTES + "}"
+    with server.http() as http:
+        response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    refusal = response.json()
+    assert refusal["type"] == "error"
+    assert refusal["error"]["type"] == "invalid_request_error"
+    assert f"messages has {num_messages} items" in refusal["error"]["message"]
