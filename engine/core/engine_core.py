@@ -426,7 +426,7 @@ class EngineCore:
             return None
         pin_state = None if pin is None else PinState(
             request_id=pin.request_id, num_blocks=pin.num_blocks, ttl_s=pin.ttl_s,
-            remaining_ttl_s=max(0.0, pin.deadline_s - self.clock()),
+            remaining_ttl_s=max(0.0, pin.deadline_s - self.clock()), source=pin.source,
         )
         return JobState(job_id=job_id, num_unfinished_requests=num_requests, pin=pin_state,
                         policy=policy_state)

@@ -8,7 +8,7 @@ nothing is pickled.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -159,12 +159,14 @@ class EngineStats(msgspec.Struct, kw_only=True):
 
 
 class PinState(msgspec.Struct, kw_only=True):
-    """A live pin as clients see it: the turn it holds, its blocks, and its TTL (seconds)."""
+    """A live pin as clients see it: the turn it holds, its blocks, its TTL (seconds), and
+    who asked for it (the policy, or the client's `cache_control` breakpoint)."""
 
     request_id: str
     num_blocks: int
     ttl_s: float
     remaining_ttl_s: float
+    source: Literal["policy", "client"] = "policy"
 
 
 class JobState(msgspec.Struct, kw_only=True):

@@ -141,8 +141,16 @@ def _call_schema(tool: ToolSchema, arguments_key: str) -> dict[str, Any]:
 
 
 def _tool_calls_expression(call_format: ToolCallFormat, *, parallel: bool) -> str:
+    if not parallel:
+        return "call"
+    if call_format.style == "hermes" and not call_format.markers_are_tokens:
+        # Markers as text are what the chat template's tools fallback teaches a small model;
+        # with a newline allowed after `</tool_call>` it writes one (its prompt's example has
+        # one) and then repeats its call until max_tokens, while with none ending the turn
+        # outscores another block.
+        return "call+"
     separator = '"\\n"' if call_format.style == "hermes" else '"; "'
-    return f"call ({separator} call)*" if parallel else "call"
+    return f"call ({separator} call)*"
 
 
 def _call_rules(tools: Sequence[ToolSchema], call_format: ToolCallFormat) -> str:

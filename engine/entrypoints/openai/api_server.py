@@ -495,7 +495,8 @@ def _add_job_routes(app: FastAPI) -> None:
                 "num_unfinished_requests": state.num_unfinished_requests,
                 "pin": None if state.pin is None else {
                     "request_id": state.pin.request_id, "num_blocks": state.pin.num_blocks,
-                    "ttl_s": state.pin.ttl_s, "remaining_ttl_s": state.pin.remaining_ttl_s},
+                    "ttl_s": state.pin.ttl_s, "remaining_ttl_s": state.pin.remaining_ttl_s,
+                    "source": state.pin.source},
                 "policy": None if state.policy is None else msgspec.to_builtins(state.policy)}
 
     @app.delete("/v1/jobs/{job_id:path}", operation_id="deleteJob", response_model=JobDeleted,

@@ -156,6 +156,9 @@ class PinInfo(_Documented):
     num_blocks: int
     ttl_s: float
     remaining_ttl_s: float
+    source: Literal["policy", "client"] = Field(
+        description="Who asked for the pin: the scheduling policy, or the client's "
+                    "`cache_control` breakpoint (`/v1/messages`).")
 
 
 class JobInfo(_Documented):

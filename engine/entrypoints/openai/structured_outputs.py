@@ -177,7 +177,7 @@ def chat_structured_output(body: Any, checker: GrammarChecker,
             tools = [tool for tool in tools if tool.name == choice.function.name]
             parallel = False
         return checker.spec("tool_calls", _tool_grammar(
-            lambda: _forced_calls_grammar(tools, call_format, parallel=parallel)), "tools")
+            lambda: grammars.tool_calls_grammar(tools, call_format, parallel=parallel)), "tools")
     return _auto_tools_spec(checker, constraint, tools, call_format, parallel=parallel)
 
 
@@ -198,23 +198,6 @@ def _auto_tools_spec(checker: GrammarChecker, constraint: Constraint | None,
         return None
     return checker.spec("tool_calls", _tool_grammar(
         lambda: grammars.text_then_one_call_grammar(tools, call_format)), "parallel_tool_calls")
-
-
-def _forced_calls_grammar(tools: Sequence[ToolSchema], call_format: ToolCallFormat, *,
-                          parallel: bool) -> str:
-    """The grammar of `tool_choice` "required" or a named choice: `grammars.tool_calls_grammar`,
-    except that Hermes blocks whose markers are text follow each other with nothing between
-    them."""
-    if not parallel or call_format.style != "hermes" or call_format.markers_are_tokens:
-        return grammars.tool_calls_grammar(tools, call_format, parallel=parallel)
-    # With a newline allowed after `</tool_call>`, a small model taught by the tools
-    # fallback writes one there (its prompt's example has one) and then repeats its call until
-    # max_tokens; with none allowed, ending the turn outscores another block.
-    first_line, rules = grammars.tool_calls_grammar(tools, call_format,
-                                                    parallel=False).split("\n", 1)
-    if first_line != "start: call":
-        raise RuntimeError(f"unexpected start of a one-call grammar: {first_line!r}")
-    return "start: call+\n" + rules
 
 
 def _spec(checker: GrammarChecker, constraint: Constraint | None) -> StructuredOutputSpec | None:

@@ -53,7 +53,7 @@ def _two_turns(server: ServerThread, job_id: str, ttl: str | None, pinned_ttl_s:
     assert usage.input_tokens + usage.cache_creation_input_tokens == counted
     pin = _job(server, job_id)["pin"]
     assert pin is not None and pin["request_id"] == first.id
-    assert pin["ttl_s"] == pinned_ttl_s
+    assert pin["ttl_s"] == pinned_ttl_s and pin["source"] == "client"
     assert pin["num_blocks"] == usage.cache_creation_input_tokens // BLOCK_SIZE
 
     messages = [*messages, {"role": "assistant", "content": first.content}, FOLLOW_UP]
@@ -68,7 +68,7 @@ def _two_turns(server: ServerThread, job_id: str, ttl: str | None, pinned_ttl_s:
     job = _job(server, job_id)
     refreshed = job["pin"]
     assert refreshed is not None and refreshed["request_id"] == second.id
-    assert refreshed["ttl_s"] == pinned_ttl_s
+    assert refreshed["ttl_s"] == pinned_ttl_s and refreshed["source"] == "client"
     assert refreshed["remaining_ttl_s"] > pinned_ttl_s - 60
     assert job["policy"]["pins_released"] == {"reused": 1}
 
