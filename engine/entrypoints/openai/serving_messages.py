@@ -190,7 +190,12 @@ class OpenAIServingMessages(OpenAIServing):
 
     async def prepare(self, body: MessagesRequest, client: ClientContext) -> PreparedMessage:
         """Validates the request, renders its conversation and queues it; APIError on bad
-        input, or 429 if the waiting queue has no room. Rendering runs off the event loop."""
+        input, or 429 if the waiting queue or the tenant's cap has no room, a refusal for a
+        limit paced (`refusals_paced`). Rendering runs off the event loop."""
+        async with self.refusals_paced(client.tenant):
+            return await self._prepare(body, client)
+
+    async def _prepare(self, body: MessagesRequest, client: ClientContext) -> PreparedMessage:
         self.check_request(body)
         check_messages_fields(body)
         if body.n != 1:
@@ -206,7 +211,7 @@ class OpenAIServingMessages(OpenAIServing):
             update={"stop": body.stop_sequences})
         params = self.sampling_params(sampled, max_tokens=body.max_tokens, logprobs=None,
                                       stream=body.stream, structured_output=structured_output)
-        self.check_queue_room(1)
+        self.check_queue_room(1, client.tenant)
         message_id = new_id("msg").replace("-", "_")
         tool_call_format = _tool_call_format(body, self.settings.tool_call_parser)
         request, cache_breakpoint = await self.run_for(

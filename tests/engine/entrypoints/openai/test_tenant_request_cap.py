@@ -86,6 +86,14 @@ def test_a_tenant_past_its_cap_gets_429_and_the_other_tenant_is_served(capped):
                 assert error["code"] == "rate_limit_exceeded"
                 assert "max_waiting_requests_per_tenant" in error["message"]
                 assert "3 engine requests in flight" in error["message"]
+            sent_s = time.monotonic()
+            message = attacker.post("/v1/messages", json={
+                "model": "tiny", "max_tokens": 2, "messages": [
+                    {"role": "user", "content": "more"}]})
+            answered_s.append(time.monotonic() - sent_s)
+            assert message.status_code == 429, message.text
+            assert message.json()["error"]["type"] == "rate_limit_error"
+            assert "max_waiting_requests_per_tenant" in message.json()["error"]["message"]
             # A refusal repeated within Retry-After is answered that much later.
             assert min(answered_s[1:]) >= 1.5
             # One that could never fit is told so, rather than to retry.
