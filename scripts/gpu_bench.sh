@@ -53,6 +53,23 @@
 #               run their steps in order (--no-async-scheduling), so that their traces can
 #               calibrate the simulator (`bench calibrate` refuses async traces), unless
 #               --agent-async (the engine's default on CUDA)
+#   70b         (only when asked for: --part 70b) Llama-3.1-70B's shapes with FP8 projections
+#               (engine/model/configs/llama3.1-70b.json, --quantization fp8; the weights drawn
+#               on the device in FP8): `bench forward` at decode batch 1 and 32 over 1k and a
+#               2,048-token prefill, also with an fp8 KV cache, and `bench throughput`'s 256
+#               requests with both fp8 options
+#   paper       (only when asked for: --part paper) the paper's comparison: SWE and BFCL jobs of
+#               the shipped workloads replayed at three loads under fcfs, continuum-fixed and
+#               continuum, on Llama-3.1-8B (bf16) and Llama-3.1-70B (FP8 projections and KV
+#               cache), one fresh server a run (eval/gpu/paper_setups.py holds the runs; its
+#               `estimate` prices them and packs them into device calls; --paper-models,
+#               --paper-workloads and --paper-loads choose a call's share); steps in order
+#               (--no-async-scheduling, unless --agent-async), each run's trace kept; then
+#               eval/gpu/paper_report.py (the targets of issue 92 and the JCT-against-load
+#               figure, into OUT_DIR/paper.md, paper.json, paper-jct.png), `bench calibrate`
+#               on the 8B runs but those of the middle load, and `bench check-calibration` of
+#               that profile against the held-out runs (their manifest written by
+#               paper_setups.py)
 # Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
 # device, torch and triton) and OUT_DIR/results.json merge them, also when the script is
 # stopped (SIGTERM, or the device tool's time limit). OUT_DIR is $OUT when set (the device
@@ -62,9 +79,10 @@
 # The exit code is 1 if any step failed or was skipped.
 #
 # Usage: bash scripts/gpu_bench.sh [--quick] [--device cuda|cpu] [--part smoke|kernels|forward|
-#        throughput|agent ...] [--budget-s S] [--agent-setup swe24|swe40] [--agent-backend
-#        sdpa|triton|triton-sdpa|auto (default: triton on cuda, sdpa on cpu)] [--agent-async]
-#        [--baseline DIR] [--dry-run]
+#        throughput|agent|70b|paper ...] [--budget-s S] [--agent-setup swe24|swe40]
+#        [--agent-backend sdpa|triton|triton-sdpa|auto (default: triton on cuda, sdpa on cpu)]
+#        [--agent-async] [--paper-models 8b,70b] [--paper-workloads swe,bfcl]
+#        [--paper-loads 1,2,3] [--engine-commit SHA] [--baseline DIR] [--dry-run]
 #   --quick    forward + throughput (triton's 256 requests, sdpa's 64), no agent replay, the
 #              triton runs first (the targets' runs, the same with triton-sdpa, an agent's
 #              next turns, fp8 projections, both fp8 options, the sampling kinds, an fp8 KV
@@ -77,6 +95,11 @@
 #              a first call on a new GPU is best `--part smoke` (a couple of minutes)
 #   --budget-s no step starts, and a running one is stopped, this many seconds after the
 #              script started (default: none; 540 with --quick)
+#   --paper-models, --paper-workloads, --paper-loads  the paper part's runs: comma-separated
+#              models (8b, 70b), workloads (swe, bfcl) and loads (1, 2, 3: each setup's
+#              lowest to highest; a setup runs its highest first) (default: all)
+#   --engine-commit SHA  the commit the calibrated profile names (default: git's HEAD, where
+#              the checkout has git; the device tool's copy has none)
 #   --device cpu  a dry run of the same steps on this CPU machine with the tiny model and tiny
 #              shapes (triton under TRITON_INTERPRET=1), in a couple of minutes
 #   --baseline DIR  another checkout of the repository (say `git archive COMMIT engine eval
@@ -111,6 +134,10 @@ baseline=""
 budget_s=""
 dry_run=0
 parts=()
+paper_models=8b,70b
+paper_workloads=swe,bfcl
+paper_loads=1,2,3
+engine_commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) quick=1 ;;
@@ -120,6 +147,10 @@ while [ $# -gt 0 ]; do
     --agent-backend) agent_backend=$2; shift ;;
     --agent-setup) agent_setup=$2; shift ;;
     --agent-async) agent_serve[0]=--async-scheduling ;;
+    --paper-models) paper_models=$2; shift ;;
+    --paper-workloads) paper_workloads=$2; shift ;;
+    --paper-loads) paper_loads=$2; shift ;;
+    --engine-commit) engine_commit=$2; shift ;;
     --baseline) baseline=$(cd -- "$2" > /dev/null && pwd -P) || exit 2; shift ;;
     --dry-run) dry_run=1 ;;
     -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
@@ -133,8 +164,9 @@ if [ ${#parts[@]} -eq 0 ]; then
 fi
 for part in "${parts[@]}"; do
   case $part in
-    smoke|kernels|forward|throughput|agent) ;;
-    *) echo "--part must be smoke, kernels, forward, throughput or agent, got $part" >&2
+    smoke|kernels|forward|throughput|agent|70b|paper) ;;
+    *) echo "--part must be smoke, kernels, forward, throughput, agent, 70b or paper, got" \
+            "$part" >&2
        exit 2 ;;
   esac
 done
@@ -161,9 +193,14 @@ if [ -d .whl ] && ! "$python" -c "import msgspec" 2>/dev/null; then
     --target "$site" .whl/*.whl || exit 1
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
+paper_runs=""
+if wants paper; then
+  paper_runs=$("$python" eval/gpu/paper_setups.py runs --device "$device" \
+    --models "$paper_models" --workloads "$paper_workloads" --loads "$paper_loads") || exit 2
+fi
 # Every engine command imports these; serve and bench agent need the HTTP stack too.
 needed="msgspec, zmq, llguidance"
-wants agent && needed="$needed, fastapi, uvicorn, pydantic, openai"
+{ wants agent || wants paper; } && needed="$needed, fastapi, uvicorn, pydantic, openai"
 if ! "$python" -c "import $needed" 2>/dev/null; then
   echo "missing Python packages (need $needed): run eval/gpu/fetch_wheels.sh here and" \
        "carry .whl to the GPU machine (see the top of this script)" >&2
@@ -509,34 +546,66 @@ else
   fi
 fi
 
-# agent_replay POLICY: a server on the policy, the swe replay against it, the server stopped.
-agent_replay() {
-  local policy=$1 port
+# Llama-3.1-70B with FP8 projections on the one card (its CPU stand-in on cpu): the forward
+# shapes of its targets, with and without an fp8 KV cache, and the offline run with both.
+if wants 70b; then
+  if [ "$device" = cuda ]; then
+    config_70b=$PWD/engine/model/configs/llama3.1-70b.json
+    shapes_70b=(--decode 1x1024 32x1024 --prefill 1x2048)
+  else
+    config_70b=$PWD/eval/gpu/llama3.1-70b-shrunk.json
+    shapes_70b=("${forward_shapes[@]}")
+  fi
+  for kv in auto fp8; do
+    run_70b=70b-fp8w
+    [ "$kv" = fp8 ] && run_70b=70b-fp8-all
+    step "forward-$run_70b" "${engine[@]}" bench forward --config "$config_70b" \
+      --device "$device" --attention-backend triton --quantization fp8 --kv-cache-dtype "$kv" \
+      "${shapes_70b[@]}" --json "$raw/forward-$run_70b.json"
+  done
+  model_dir_70b=$scratch/$(basename "$config_70b" .json)
+  mkdir -p "$model_dir_70b"
+  cp "$config_70b" "$model_dir_70b/config.json"
+  step "throughput-70b-fp8-all-$target_requests" "${engine[@]}" bench throughput --impl engine \
+    --model "$model_dir_70b" --load-format dummy --tokenizer "$PWD/engine/model/tiny" \
+    --device "$device" --num-requests "$target_requests" "${workload[@]}" \
+    --attention-backend triton --kv-cache-dtype fp8 --quantization fp8 --slow-steps 8 \
+    --json "$raw/throughput-70b-fp8-all-$target_requests.json"
+fi
+
+# serve_and_replay NAME: the server `replay_serve` (a command, less its --port and
+# --trace-path) on a free port, then the replay `replay_client` (less --base-url and --json)
+# against it, then the server stopped: the replay's report is raw/NAME.json, the server's trace
+# raw/NAME.trace.jsonl.gz. Within --budget-s, the wait for the server and the replay end at the
+# budget (the replay's exit 124: stopped).
+serve_and_replay() {
+  local name=$1 port limit=()
   port=$("$python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); \
 print(s.getsockname()[1])")
-  local serve=("$python" -m engine.cli serve "${engine_flags[@]}" "${serve_flags[@]}"
-               --attention-backend "$agent_backend" --scheduling-policy "$policy"
-               --port "$port" "${agent_serve[@]}" --log-level warning
-               --trace-path "$raw/agent-$agent_setup-$policy.trace.jsonl")
-  local replay=("${engine[@]}" bench agent --base-url "http://127.0.0.1:$port" --workload swe
-                "${agent_flags[@]}" --label "$policy" --no-progress
-                --json "$raw/agent-$agent_setup-$policy.json")
+  local serve=("${replay_serve[@]}" --port "$port" --trace-path "$raw/$name.trace.jsonl")
+  local replay=("${replay_client[@]}" --base-url "http://127.0.0.1:$port"
+                --json "$raw/$name.json")
   if [ $dry_run -eq 1 ]; then
-    dry_run_print "agent-$agent_setup-$policy-serve" "${serve[@]}"
-    dry_run_print "agent-$agent_setup-$policy" "${replay[@]}"
+    dry_run_print "$name-serve" "${serve[@]}"
+    dry_run_print "$name" "${replay[@]}"
     return 0
   fi
+  # This runs as a step in the background: stopped, it stops its server first.
+  trap 'stop_server; exit 143' TERM
   # In a session of its own, so that stop_server reaches the engine core too.
   setsid "${serve[@]}" &
   server=$!
-  "$python" - "$port" "$server" <<'EOF'
+  local wait_s=900
+  [ -z "$budget_s" ] || wait_s=$((budget_s - SECONDS))
+  "$python" - "$port" "$server" "$wait_s" <<'EOF'
 import os
 import sys
 import time
 import urllib.request
 
-port, server = sys.argv[1], int(sys.argv[2])
-deadline = time.monotonic() + 900  # loading and capturing graphs for 8B takes minutes at worst
+port, server, wait_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+# Loading and capturing graphs for 8B takes minutes at worst; no later than the budget.
+deadline = time.monotonic() + min(900.0, wait_s)
 while time.monotonic() < deadline:
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
@@ -548,19 +617,112 @@ sys.exit("the server did not become healthy")
 EOF
   local code=$?
   if [ $code -eq 0 ]; then
-    "${replay[@]}"
+    [ -z "$budget_s" ] || limit=(timeout --kill-after 10 "$((budget_s - SECONDS))")
+    "${limit[@]}" "${replay[@]}"
     code=$?
   fi
   stop_server
-  local trace=$raw/agent-$agent_setup-$policy.trace.jsonl
+  local trace=$raw/$name.trace.jsonl
   [ -f "$trace" ] && gzip -f "$trace"
   return $code
+}
+
+# agent_replay POLICY: a server on the policy, the swe replay against it, the server stopped.
+agent_replay() {
+  local policy=$1
+  replay_serve=("$python" -m engine.cli serve "${engine_flags[@]}" "${serve_flags[@]}"
+                --attention-backend "$agent_backend" --scheduling-policy "$policy"
+                "${agent_serve[@]}" --log-level warning)
+  replay_client=("${engine[@]}" bench agent --workload swe "${agent_flags[@]}" --label "$policy"
+                 --no-progress)
+  serve_and_replay "agent-$agent_setup-$policy"
 }
 
 if wants agent; then
   for policy in fcfs continuum; do
     step "agent-$agent_setup-$policy" agent_replay "$policy"
   done
+fi
+
+# paper_replay NAME POLICY CONFIG SERVE_WORDS CLIENT_WORDS: one run of
+# eval/gpu/paper_setups.py (its flags as shell-quoted words), on a model directory holding
+# CONFIG as its config.json, named after CONFIG (a config.json: after its folder).
+paper_replay() {
+  local name=$1 policy=$2 config=$3 serve_extra client_extra model_dir
+  eval "serve_extra=($4)"
+  eval "client_extra=($5)"
+  model_dir=$scratch/$(basename "$config" .json)
+  [ "$(basename "$config")" != config.json ] || \
+    model_dir=$scratch/$(basename "$(dirname "$config")")
+  mkdir -p "$model_dir"
+  cp "$config" "$model_dir/config.json"
+  replay_serve=("$python" -m engine.cli serve --model "$model_dir" --load-format dummy
+                --tokenizer "$PWD/engine/model/tiny" --device "$device" "${serve_extra[@]}"
+                --attention-backend "$agent_backend" "${agent_serve[@]}" --log-level warning)
+  replay_client=("${engine[@]}" bench agent "${client_extra[@]}" --label "$policy"
+                 --no-progress)
+  serve_and_replay "$name"
+}
+
+# paper_step NAME COMMAND...: a step of the paper part's analysis. A dry run prints it, then
+# runs it on the stand-in of the device's files (the runs simulated), so that the report, the
+# targets and the calibration are checked end to end without a device.
+paper_step() {
+  if [ $dry_run -eq 0 ]; then
+    step "$@"
+    return
+  fi
+  dry_run_print "$@"
+  dry_run=0
+  step "$@"
+  dry_run=1
+}
+
+if wants paper; then
+  # The replays' reports and traces; in a dry run, the stand-in's.
+  paper_dir=$raw
+  [ $dry_run -eq 0 ] || paper_dir=$raw/paper-stand-in
+  fit_traces=()
+  check_traces=()
+  while IFS=$'\t' read -r -u 3 name model _ load policy config serve_words client_words; do
+    step "$name" paper_replay "$name" "$policy" "$config" "$serve_words" "$client_words"
+    trace=$paper_dir/$name.trace.jsonl.gz
+    # The 8B's traces calibrate the simulator, the middle load's held out.
+    if [ "$model" = 8b ] && { [ $dry_run -eq 1 ] || [ -f "$trace" ]; }; then
+      if [ "$load" = 2 ]; then check_traces+=("$trace"); else fit_traces+=("$trace"); fi
+    fi
+  done 3<<< "$paper_runs"
+  if [ $dry_run -eq 1 ]; then
+    dry_run=0
+    step paper-stand-in "$python" eval/gpu/paper_setups.py stand-in "$paper_dir" \
+      --models "$paper_models" --workloads "$paper_workloads" --loads "$paper_loads"
+    dry_run=1
+  fi
+  paper_step paper-report "$python" eval/gpu/paper_report.py "$paper_dir" --out "$out"
+  card=$("$python" -c "import json, sys
+name = json.load(open(sys.argv[1]))['device'].lower()
+print(next((card for card in ('h200', 'h100', 'cpu') if card in name), 'gpu'))" \
+    "$raw/environment.json")
+  # The first steps of a trace launch kernels for the first time (the command drops 20 by
+  # default); the CPU's runs are a few steps each, the stand-in's simulated.
+  warmup_steps=20
+  { [ "$device" = cpu ] || [ $dry_run -eq 1 ]; } && warmup_steps=0
+  if [ ${#fit_traces[@]} -gt 0 ]; then
+    # The roofline base profile gives the 8B's shape; the step costs are the fit's.
+    paper_step paper-calibrate "${engine[@]}" bench calibrate --trace "${fit_traces[@]}" \
+      ${check_traces[@]:+--check "${check_traces[@]}"} --base-profile h100-llama3.1-8b \
+      --name "$card-llama3.1-8b-$engine_commit" --engine-commit "$engine_commit" \
+      --warmup-steps "$warmup_steps" --out "$raw/paper-profile.json"
+  fi
+  if [ ${#fit_traces[@]} -gt 0 ] && [ ${#check_traces[@]} -gt 0 ]; then
+    paper_step paper-check-manifest "$python" eval/gpu/paper_setups.py manifest "$paper_dir" \
+      --device "$([ $dry_run -eq 1 ] && echo cuda || echo "$device")" \
+      --profile paper-profile --out "$raw/paper-check.json"
+    # check-calibration names the runs' files relative to the manifest's folder.
+    paper_step paper-check-calibration "${engine[@]}" bench check-calibration \
+      --manifest "$raw/paper-check.json" --runs-dir "$paper_dir" \
+      --profile "$raw/paper-profile.json" --json "$raw/paper-check-calibration.json"
+  fi
 fi
 
 failed=$(awk -F'\t' '$2 != 0 { failed = 1 } END { print failed + 0 }' "$raw/status.tsv")

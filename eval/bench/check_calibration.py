@@ -5,10 +5,13 @@ The runs are one set of agent replays in the repository (`--runs`):
 `eval/gpu_runs/h100-af226d3`, `h100-24b013d` or `h100-d8b9e2f`, each an engine commit
 measured on an H100 (their READMEs say how they ran). The package does not ship them: the
 command reads them from a checkout (this module's own, else the working directory's), or
-from `--runs-dir`. Each run is simulated with the same jobs, arrivals and engine limits as
-`bench agent` and `continuum serve` had (the setup's `bench agent` flags, parsed as `bench
-agent` parses them), under the policy spec given for its measured policy (`--policy
-LABEL=SPEC`; by default the spec that behaves as the policy did at the set's commit).
+from `--runs-dir`. Or the runs are those a manifest names (`--manifest FILE`, a run set as
+JSON beside its runs' files, `GpuRunSet.from_manifest`): `eval/gpu/paper_setups.py` writes
+one for the held-out runs of the paper's comparison. Each run is simulated with the same
+jobs, arrivals and engine limits as `bench agent` and `continuum serve` had (the setup's
+`bench agent` flags, parsed as `bench agent` parses them), under the policy spec given for
+its measured policy (`--policy LABEL=SPEC`; by default the spec that behaves as the policy
+did at the set's commit).
 
 Compared on the same definitions for both sides:
 - a finished run: its mean JCT, measured by the client (`bench agent --json`); the target
@@ -29,7 +32,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import combinations
 from pathlib import Path
-from typing import Literal
 
 from engine.executor.sim_profiles import get_sim_profile
 from eval.arrivals import arrivals_s
@@ -43,24 +45,27 @@ from tracing.reader import read_trace
 CHECKOUT_GPU_RUNS = Path(__file__).resolve().parents[1] / "gpu_runs"
 JCT_TOLERANCE = 0.15
 
-SetupName = Literal["swe24", "swe40"]
-
-
 @dataclass(frozen=True)
 class GpuSetup:
     """The workload and engine limits of a set of GPU runs, as `bench agent` and `continuum
-    serve` were given them."""
+    serve` were given them: `num_jobs` of the shipped `workload` drawn with seed 0, each cut
+    to `max_turns`, token counts scaled by `token_scale`."""
 
-    name: SetupName
+    name: str
     num_jobs: int
     jobs_per_s: float
     max_turns: int
     num_kv_blocks: int
     max_num_batched_tokens: int = 2048
+    workload: str = "swe"
+    token_scale: float = 1.0
 
     def agent_flags(self) -> list[str]:
-        return ["--workload", "swe", "--max-turns", str(self.max_turns),
-                "--num-jobs", str(self.num_jobs), "--seed", "0"]
+        flags = ["--workload", self.workload, "--max-turns", str(self.max_turns),
+                 "--num-jobs", str(self.num_jobs), "--seed", "0"]
+        if self.token_scale != 1.0:
+            flags += ["--token-scale", repr(self.token_scale)]
+        return flags
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,30 @@ class GpuRunSet:
         """The set's folder in the repository (`gpu_runs_root`'s ValueError without one)."""
         return gpu_runs_root() / self.name
 
+    @classmethod
+    def from_manifest(cls, path: Path) -> GpuRunSet:
+        """The run set a manifest file describes, its runs' files named relative to the file's
+        folder: `{"name", "profile", "measured_specs": {LABEL: SPEC}, "runs": [{"setup":
+        {GpuSetup's fields}, "policy", "trace_file", "agent_file", "cut_s"}]}` (`agent_file`
+        and `cut_s` may be null). ValueError naming the file and what is wrong with it."""
+        try:
+            document = json.loads(path.read_text())
+            runs = tuple(
+                GpuRun(GpuSetup(**run["setup"]), str(run["policy"]), str(run["trace_file"]),
+                       run.get("agent_file"), run.get("cut_s"))
+                for run in document["runs"])
+            run_set = cls(str(document["name"]), runs, dict(document["measured_specs"]),
+                          str(document["profile"]))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            reason = f"missing field {error}" if isinstance(error, KeyError) else str(error)
+            raise ValueError(f"manifest {path}: {reason}") from None
+        if not runs:
+            raise ValueError(f"manifest {path} names no run")
+        missing = sorted({run.policy for run in runs} - set(run_set.measured_specs))
+        if missing:
+            raise ValueError(f"manifest {path}: no measured spec for {', '.join(missing)}")
+        return run_set
+
 
 def profile_in(runs_dir: Path, profile: str) -> str:
     """`profile` as `get_sim_profile` takes it: the file `runs_dir/PROFILE.json` when there
@@ -171,7 +200,7 @@ class RunCheck:
     """One run measured and simulated: the mean JCT of a finished run, the progress of a
     stopped one (the other None), and the policy spec simulated."""
 
-    setup: SetupName
+    setup: str
     policy: str
     spec: str
     measured_jct_s: float | None = None
@@ -191,7 +220,7 @@ class OrderCheck:
     """Two stopped runs of one setup ordered by jobs finished, measured and simulated (+1:
     the first finished more, -1: fewer, 0: as many)."""
 
-    setup: SetupName
+    setup: str
     first: str
     second: str
     measured: int
@@ -289,9 +318,13 @@ def _policy_map(run_set: GpuRunSet, items: Sequence[str]) -> dict[str, PolicySpe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runs", choices=sorted(RUN_SETS), default=DEFAULT_RUN_SET,
-                        help="the GPU runs to check against, in the repository's "
-                             "eval/gpu_runs/ (default: %(default)s)")
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument("--runs", choices=sorted(RUN_SETS), default=None,
+                      help="the GPU runs to check against, in the repository's "
+                           f"eval/gpu_runs/ (default: {DEFAULT_RUN_SET})")
+    runs.add_argument("--manifest", type=Path, default=None, metavar="FILE",
+                      help="the GPU runs a manifest names (JSON beside their files, as "
+                           "eval/gpu/paper_setups.py writes it)")
     parser.add_argument("--profile", default=None, metavar="NAME|FILE",
                         help="the cost profile to check (default: the one fitted on --runs: "
                              + ", ".join(f"{s.profile} for {s.name}" for s in RUN_SETS.values())
@@ -303,14 +336,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "af226d3)")
     parser.add_argument("--runs-dir", type=Path, default=None,
                         help="where the measured traces and agent JSONs are "
-                             "(default: eval/gpu_runs/RUNS of the repository checkout)")
+                             "(default: eval/gpu_runs/RUNS of the repository checkout, or the "
+                             "manifest's folder)")
     parser.add_argument("--json", default=None, help="write the figures here")
 
 
 def main(args: argparse.Namespace) -> int:
-    run_set = RUN_SETS[args.runs]
     try:
-        runs_dir = args.runs_dir or run_set.runs_dir
+        if args.manifest is not None:
+            run_set = GpuRunSet.from_manifest(args.manifest)
+            runs_dir = args.runs_dir or args.manifest.parent
+        else:
+            run_set = RUN_SETS[args.runs or DEFAULT_RUN_SET]
+            runs_dir = args.runs_dir or run_set.runs_dir
         profile = profile_in(runs_dir, args.profile or run_set.profile)
         specs = _policy_map(run_set, args.policy)
         get_sim_profile(profile)

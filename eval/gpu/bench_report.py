@@ -3,9 +3,11 @@
 Usage: python eval/gpu/bench_report.py RAW_DIR OUT_DIR. RAW_DIR holds `environment.json`,
 `status.tsv` (name, exit code, seconds of each step) and each step's JSON: `forward-*.json`
 (`bench forward`), `throughput-*.json` (`bench throughput --impl engine`), `agent-*.json`
-(`bench agent`). On a card `eval.gpu_floors` knows, each figure is also set against that
-card's own floor, when the repository's root is on `PYTHONPATH` (as `gpu_bench.sh` runs
-it); the rest needs the standard library only, so it runs wherever the script does.
+and `paper-*.json` (`bench agent`: the agent part's replays and the paper part's, whose
+targets `eval/gpu/paper_report.py` judges; the paper part's other JSONs are left out). On a
+card `eval.gpu_floors` knows, each figure is also set against that card's own floor, when
+the repository's root is on `PYTHONPATH` (as `gpu_bench.sh` runs it); the rest needs the
+standard library only, so it runs wherever the script does.
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ def main(raw_dir: Path, out_dir: Path) -> int:
         "environment": json.loads((raw_dir / "environment.json").read_text()),
         "steps": _steps(raw_dir / "status.tsv"),
     }
-    for kind in ("forward", "throughput", "agent"):
+    for kind in ("forward", "throughput", "agent", "paper"):
         results[kind] = {}
         for step in results["steps"]:  # in the order they ran
             path = raw_dir / f"{step['name']}.json"
             if step["name"].startswith(f"{kind}-") and path.is_file():
-                results[kind][step["name"].removeprefix(f"{kind}-")] = json.loads(path.read_text())
+                report = json.loads(path.read_text())
+                # The paper part's calibration check writes a JSON of its own.
+                if kind == "paper" and "base_url" not in report:
+                    continue
+                results[kind][step["name"].removeprefix(f"{kind}-")] = report
     (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     summary = summary_markdown(results)
     (out_dir / "summary.md").write_text(summary)
@@ -67,7 +73,9 @@ def summary_markdown(results: dict[str, Any]) -> str:
     # that a stopped run relies on is still written.
     except Exception as error:
         lines += [f"(No floors: {type(error).__name__}: {error}.)", ""]
-    lines += _agent_table(results["agent"])
+    lines += _agent_table(results["agent"], "Agent replay (`serve` + `bench agent`)")
+    lines += _agent_table(results.get("paper", {}),
+                          "The paper's comparison (`serve` + `bench agent`; paper.md judges it)")
     lines += ["## Steps", ""]
     for step in results["steps"]:
         lines.append(f"- {step['name']}: {_outcome(step)}, {step['wall_s']:.0f} s")
@@ -273,10 +281,10 @@ def _model_shape(model_name: str, config: str) -> ModelShape | None:
     return None
 
 
-def _agent_table(runs: dict[str, Any]) -> list[str]:
+def _agent_table(runs: dict[str, Any], title: str) -> list[str]:
     if not runs:
         return []
-    lines = ["## Agent replay (`serve` + `bench agent`)", "",
+    lines = [f"## {title}", "",
              "| run | jobs done | mean / p90 / p99 JCT (s) | cached tokens | preemptions | "
              "recomputed tokens |",
              "|---|---:|---|---:|---:|---:|"]
