@@ -143,3 +143,28 @@ def test_orders_compare_the_stopped_runs_of_a_setup() -> None:
     table = render(checks, orders)
     assert "| swe24 | fcfs (fcfs) | 99.9 | 102.2 | +2.3% | met |" in table
     assert "| swe40 | fcfs < continuum | fcfs > continuum | missed |" in table
+
+
+def test_a_manifest_names_its_runs_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    from eval.bench.check_calibration import GpuRunSet
+
+    run = {"setup": {"name": "8b-swe-2jps", "num_jobs": 2, "jobs_per_s": 2.0, "max_turns": 2,
+                     "num_kv_blocks": 256, "workload": "bfcl", "token_scale": 0.5},
+           "policy": "continuum", "trace_file": "run.trace.jsonl.gz",
+           "agent_file": "run.json", "cut_s": None}
+    document = {"name": "paper", "profile": "p", "measured_specs": {"continuum": "continuum"},
+                "runs": [run]}
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps(document))
+    run_set = GpuRunSet.from_manifest(manifest)
+    (loaded,) = run_set.runs
+    assert loaded.policy == "continuum" and loaded.agent_file == "run.json"
+    assert loaded.setup.agent_flags() == ["--workload", "bfcl", "--max-turns", "2",
+                                          "--num-jobs", "2", "--seed", "0",
+                                          "--token-scale", "0.5"]
+    manifest.write_text(json.dumps({**document, "measured_specs": {}}))
+    with pytest.raises(ValueError, match="no measured spec for continuum"):
+        GpuRunSet.from_manifest(manifest)
+    manifest.write_text(json.dumps({**document, "runs": [{"policy": "fcfs"}]}))
+    with pytest.raises(ValueError, match=r"manifest .*manifest\.json: missing field 'setup'"):
+        GpuRunSet.from_manifest(manifest)
