@@ -65,11 +65,12 @@
 #               `estimate` prices them and packs them into device calls; --paper-models,
 #               --paper-workloads and --paper-loads choose a call's share); steps in order
 #               (--no-async-scheduling, unless --agent-async), each run's trace kept; then
-#               eval/gpu/paper_report.py (the targets of issue 92 and the JCT-against-load
+#               eval/gpu/paper_report.py (the comparison's targets and the JCT-against-load
 #               figure, into OUT_DIR/paper.md, paper.json, paper-jct.png), `bench calibrate`
 #               on the 8B runs but those of the middle load, and `bench check-calibration` of
 #               that profile against the held-out runs (their manifest written by
-#               paper_setups.py)
+#               paper_setups.py); with --dry-run, that analysis runs here on a stand-in of
+#               the runs' files, simulated (`paper_setups.py stand-in`)
 # Each step's JSON and log go to OUT_DIR/raw; OUT_DIR/summary.md (markdown tables naming the
 # device, torch and triton) and OUT_DIR/results.json merge them, also when the script is
 # stopped (SIGTERM, or the device tool's time limit). OUT_DIR is $OUT when set (the device
