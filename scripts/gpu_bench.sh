@@ -715,7 +715,9 @@ print(next((card for card in ('h200', 'h100', 'cpu') if card in name), 'gpu'))" 
       --name "$card-llama3.1-8b-$engine_commit" --engine-commit "$engine_commit" \
       --warmup-steps "$warmup_steps" --out "$raw/paper-profile.json"
   fi
-  if [ ${#fit_traces[@]} -gt 0 ] && [ ${#check_traces[@]} -gt 0 ]; then
+  # Held-out runs, and a profile fitted (in a dry run, it is fitted on the stand-in).
+  if [ ${#check_traces[@]} -gt 0 ] && { [ $dry_run -eq 1 ] || [ -f "$raw/paper-profile.json" ]; }
+  then
     paper_step paper-check-manifest "$python" eval/gpu/paper_setups.py manifest "$paper_dir" \
       --device "$([ $dry_run -eq 1 ] && echo cuda || echo "$device")" \
       --profile paper-profile --out "$raw/paper-check.json"

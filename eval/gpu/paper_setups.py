@@ -11,8 +11,8 @@ drawn with seed 0; three loads each; the policies `fcfs` (vLLM's order), `contin
 (the release's rule) and `continuum`. A load is a setup's `L1`, `L2` or `L3` (`--loads`).
 
 On `--device cpu` the same runs are shrunk to check the pipeline: the `tiny` model for the
-8B and `eval/gpu/llama3.1-70b-shrunk.json` (FP8 projections) for the 70B, two jobs of two
-turns with token counts scaled by 0.02.
+8B and `eval/gpu/llama3.1-70b-shrunk.json` (FP8 projections) for the 70B, three jobs of
+three turns with token counts scaled by 0.1 (enough decode steps for `bench calibrate`).
 
 `estimate` prices each CUDA run before any device time is spent: the server's start (an
 allowance per model) plus the replay, simulated (`eval.simulator`) with the cost profile
@@ -141,8 +141,8 @@ _CUDA_SETUPS = (
                loads=(0.25, 0.5, 1), stop_after_s=240),
 )
 _CPU_SETUPS = tuple(
-    PaperSetup(model, workload, num_jobs=2, max_turns=2, num_kv_blocks=256, loads=(1, 2, 4),
-               stop_after_s=60, token_scale=0.02)
+    PaperSetup(model, workload, num_jobs=3, max_turns=3, num_kv_blocks=256, loads=(1, 2, 4),
+               stop_after_s=60, token_scale=0.1)
     for model in MODELS for workload in WORKLOADS)
 SETUPS: dict[Device, tuple[PaperSetup, ...]] = {"cuda": _CUDA_SETUPS, "cpu": _CPU_SETUPS}
 
