@@ -186,13 +186,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, draw_device: torch.dev
     """
     generator = torch.Generator(device=draw_device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            values = torch.randn(param.shape, generator=generator, device=draw_device)
-            param.copy_(values.mul_(_DUMMY_INIT_STD))
+        param.copy_(_dummy_value(name, param.shape, generator, draw_device))
 
 
 def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
