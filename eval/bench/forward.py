@@ -92,6 +92,13 @@ _T = TypeVar("_T")
 # Steps (at least) whose host Python `--profile` samples, in runs of their own after the
 # profiled one: a one-step shape's single step gives too few samples.
 _SAMPLED_STEPS = 4
+# More sampled runs follow while the sampler holds fewer samples than this: on a loaded CPU
+# its thread may not run at all during a few milliseconds' steps. Decode runs grow their
+# sequences, so at most `_MAX_SAMPLED_DECODE_RUNS` are sampled (their blocks are given up
+# front); prefill runs are fresh and stop after `_MAX_SAMPLING_S` seconds.
+_MIN_HOST_SAMPLES = 20
+_MAX_SAMPLED_DECODE_RUNS = 4
+_MAX_SAMPLING_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -383,10 +390,10 @@ def _max_num_seqs(shape: Shape) -> int:
 def _max_seq_len(shape: Shape, args: argparse.Namespace) -> int:
     """Tokens a sequence of `shape` reaches: its prompt (an extend's context and chunk) and
     the token sampled after it; for decode the prompt, the warm-up, timed, profiled and
-    sampled runs' steps and the token sampled by the last one."""
+    (at most) sampled runs' steps and the token sampled by the last one."""
     if shape.kind != "decode":
         return shape.context_len + shape.seq_len + 1
-    num_runs = 1 + args.repeats + 2 * int(args.profile)  # profiled, then sampled
+    num_runs = 1 + args.repeats + (1 + _MAX_SAMPLED_DECODE_RUNS) * int(args.profile)
     return shape.seq_len + num_runs * args.decode_steps + 1
 
 
@@ -473,10 +480,12 @@ def _decode_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
         run_s = statistics.median(decode() for _ in range(args.repeats))
         step_profile = None
         if args.profile:
-            stacks = HostStacks()
-            _sample(stacks, decode)
-            step_profile = replace(profile_steps(decode, args.decode_steps, runner.device),
-                                   host_stacks=stacks.table(num_steps=args.decode_steps))
+            step_profile = profile_steps(decode, args.decode_steps, runner.device)
+            with HostStacks() as stacks:  # nothing to prepare between decode runs
+                num_runs = _sample_runs(stacks, lambda _: decode(), min_runs=1,
+                                        max_runs=_MAX_SAMPLED_DECODE_RUNS)
+            step_profile = replace(step_profile, host_stacks=stacks.table(
+                num_steps=num_runs * args.decode_steps))
         return run_s, step_profile
     finally:
         sequences.finish()
@@ -559,12 +568,12 @@ def _prefill_run_s(runner: ModelRunner, shape: Shape, args: argparse.Namespace,
         step_profile = measured(1 + args.repeats, lambda prefill_run: profile_steps(
             functools.partial(prefill_run.run, pipelined), shape.num_steps, runner.device))
         stacks = HostStacks()
-        num_sampled_runs = -(-_SAMPLED_STEPS // shape.num_steps)
-        for index in range(num_sampled_runs):
-            measured(2 + args.repeats + index, lambda prefill_run: _sample(
-                stacks, functools.partial(prefill_run.run, pipelined)))
+        num_runs = _sample_runs(stacks, lambda index: measured(
+            2 + args.repeats + index, lambda prefill_run: _sample(
+                stacks, functools.partial(prefill_run.run, pipelined))),
+            min_runs=-(-_SAMPLED_STEPS // shape.num_steps), max_runs=None)
         step_profile = replace(step_profile, host_stacks=stacks.table(
-            num_steps=num_sampled_runs * shape.num_steps))
+            num_steps=num_runs * shape.num_steps))
     return statistics.median(run_s[1:]), step_profile
 
 
@@ -572,6 +581,22 @@ def _sample(stacks: HostStacks, run: Callable[[], object]) -> None:
     """Adds `run`'s host Python to `stacks`: the run alone, not what prepares it."""
     with stacks:
         run()
+
+
+def _sample_runs(stacks: HostStacks, sampled_run: Callable[[int], object], min_runs: int,
+                 max_runs: int | None) -> int:
+    """Calls `sampled_run(index)` (which samples into `stacks`) `min_runs` times, then
+    again while `stacks` holds fewer than `_MIN_HOST_SAMPLES` samples, up to `max_runs`
+    runs or, without one, `_MAX_SAMPLING_S` seconds; returns the number of runs."""
+    started_s = time.perf_counter()
+    num_runs = 0
+    while num_runs < min_runs or (
+            stacks.num_samples < _MIN_HOST_SAMPLES
+            and (num_runs < max_runs if max_runs is not None
+                 else time.perf_counter() - started_s < _MAX_SAMPLING_S)):
+        sampled_run(num_runs)
+        num_runs += 1
+    return num_runs
 
 
 class _PrefillRun:
