@@ -1,6 +1,6 @@
-"""What the attack benchmarks (`bench grammars`, `bench bodies`, `bench flood`) share: their
-flags, the run of each attack against its own `continuum serve` subprocess, the report, and
-the victim, the well-behaved tenant. The victim streams completions one after another and
+"""What the attack benchmarks (`bench bodies`, `flood`, `grammars`, `pins`, `streams`) share:
+their flags, the run of each attack against its own `continuum serve` subprocess, the report,
+and the victim, the well-behaved tenant. The victim streams completions one after another and
 times each one's first token and the gaps between its tokens, by phase (alone, then under
 attack)."""
 
@@ -176,10 +176,12 @@ def counts_text(counter: Counter[Any]) -> str:
 def add_attack_arguments(parser: argparse.ArgumentParser, attacks: Sequence[str],
                          defaults: object, helps: Sequence[tuple[str, str]],
                          serve_args: Sequence[str]) -> None:
-    """`--attack` (one of `attacks`, or all of them), a flag for each (settings field, help) of
-    `helps` with its default from `defaults`, the server flags and `--json`."""
-    parser.add_argument("--attack", choices=(*attacks, "all"), default="all",
-                        help="which attack to run (default: %(default)s)")
+    """`--attack` (one of `attacks`, or all of them; none if there is one), a flag for each
+    (settings field, help) of `helps` with its default from `defaults`, the server flags and
+    `--json`."""
+    if len(attacks) > 1:
+        parser.add_argument("--attack", choices=(*attacks, "all"), default="all",
+                            help="which attack to run (default: %(default)s)")
     for name, help_text in helps:
         default = getattr(defaults, name)
         parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
@@ -202,7 +204,8 @@ def run_attacks(args: argparse.Namespace, attacks: Sequence[str],
         return 2
     figures: Figures = []
     checks: list[Check] = []
-    for name in attacks if args.attack == "all" else (args.attack,):
+    chosen = getattr(args, "attack", "all")
+    for name in attacks if chosen == "all" else (chosen,):
         try:
             with server_from_args(args, check_invariants=False) as server:
                 attack_figures, attack_checks = asyncio.run(attack(server, name, settings))

@@ -18,20 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from eval.server_process import (
-    ServerProcess,
-    add_server_arguments,
-    read_rss_mib,
-    server_from_args,
-)
+from eval.attack_bench import Figures, add_attack_arguments, run_attacks
+from eval.server_checks import Check
+from eval.server_process import ServerProcess, read_rss_mib
 
+ATTACKS = ("streams",)
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512", "--max-model-len", "2048")
 _SAMPLE_INTERVAL_S = 0.2
 
@@ -74,54 +71,31 @@ def stream_body(settings: StreamSettings, index: int) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = StreamSettings()
-    for name, help_text in (
-            ("streams", "streamed completions sent at once"),
-            ("tokens", "tokens of each stream"),
-            ("logprobs", "top logprobs of each token"),
-            ("late_readers", "streams read only once the others ended"),
-            ("settle_s", "seconds after the streams when the server's memory is read again"),
-            ("max_settled_ratio", "most API server RSS --settle-s after the streams over its "
-                                  "start"),
-            ("model", "the served model")):
-        default = getattr(defaults, name)
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                            help=f"{help_text} (default: %(default)s)")
-    parser.add_argument("--json", default=None, help="also write the figures here as JSON")
-    add_server_arguments(parser, DEFAULT_SERVE_ARGS)
+    add_attack_arguments(parser, ATTACKS, StreamSettings(), (
+        ("streams", "streamed completions sent at once"),
+        ("tokens", "tokens of each stream"),
+        ("logprobs", "top logprobs of each token"),
+        ("late_readers", "streams read only once the others ended"),
+        ("settle_s", "seconds after the streams when the server's memory is read again"),
+        ("max_settled_ratio", "most API server RSS --settle-s after the streams over its "
+                              "start"),
+        ("model", "the served model"),
+    ), DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        settings = StreamSettings(
-            streams=args.streams, tokens=args.tokens, logprobs=args.logprobs,
-            late_readers=args.late_readers, settle_s=args.settle_s,
-            max_settled_ratio=args.max_settled_ratio, model=args.model)
-        server = server_from_args(args, check_invariants=False)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        with server:
-            figures, checks = asyncio.run(measure_streams(server, settings))
-    except RuntimeError as error:  # the server did not start
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    for name, value in figures:
-        print(f"{name}: {value}")
-    for name, passed, detail in checks:
-        print(f"{'PASS' if passed else 'FAIL'} {name}" + (f" ({detail})" if detail else ""))
-    if args.json is not None:
-        with open(args.json, "w") as out:
-            json.dump({"figures": dict(figures),
-                       "checks": {name: passed for name, passed, _ in checks}}, out, indent=1)
-    return 0 if all(passed for _, passed, _ in checks) else 1
+    return run_attacks(args, ATTACKS, StreamSettings, _attack)
+
+
+async def _attack(server: ServerProcess, name: str, settings: StreamSettings
+                  ) -> tuple[Figures, list[Check]]:
+    return await measure_streams(server, settings)
 
 
 async def measure_streams(server: ServerProcess, settings: StreamSettings
-                          ) -> tuple[list[tuple[str, object]], list[tuple[str, bool, str]]]:
+                          ) -> tuple[Figures, list[Check]]:
     """Runs the streams against the started `server`: the figures (name, value) and the
-    checks (name, passed, detail)."""
+    checks."""
     def server_rss_mib() -> float:
         return read_rss_mib(server.pid) or 0.0
 
@@ -148,7 +122,7 @@ async def measure_streams(server: ServerProcess, settings: StreamSettings
     await asyncio.sleep(settings.settle_s)
     settled_mib = server_rss_mib()
     settled_bound_mib = start_mib * settings.max_settled_ratio
-    figures: list[tuple[str, object]] = [
+    figures: Figures = [
         ("streams: statuses", ", ".join(str(result.status) for result in results)),
         ("streams: tokens", ", ".join(str(result.num_tokens) for result in results)),
         ("streams: seconds", round(duration_s, 1)),
@@ -157,12 +131,12 @@ async def measure_streams(server: ServerProcess, settings: StreamSettings
         (f"API server RSS {settings.settle_s:g} s after the streams, MiB", round(settled_mib)),
     ]
     checks = [
-        ("every stream ended with [DONE] after its tokens",
-         all(result.status == 200 and result.done and result.num_tokens == settings.tokens
-             for result in results), ""),
-        (f"API server RSS {settings.settle_s:g} s later within "
-         f"{settings.max_settled_ratio:g}x of its start", settled_mib <= settled_bound_mib,
-         f"{settled_mib:.0f} MiB (bound {settled_bound_mib:.0f})"),
+        Check("every stream ended with [DONE] after its tokens",
+              all(result.status == 200 and result.done and result.num_tokens == settings.tokens
+                  for result in results), ""),
+        Check(f"API server RSS {settings.settle_s:g} s later within "
+              f"{settings.max_settled_ratio:g}x of its start", settled_mib <= settled_bound_mib,
+              f"{settled_mib:.0f} MiB (bound {settled_bound_mib:.0f})"),
     ]
     return figures, checks
 

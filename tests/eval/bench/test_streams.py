@@ -36,7 +36,8 @@ def test_a_reduced_run_reads_every_stream_and_reports_the_servers_memory(
                      "--json", str(report),
                      "--serve-args", "--num-kv-blocks 256 --max-model-len 1024"]) == 0
     out = capsys.readouterr().out
-    assert "streams: tokens: 64, 64" in out and "PASS every stream ended" in out
+    assert "| streams: tokens | 64, 64 |" in out
+    assert "| every stream ended with [DONE] after its tokens | PASS |" in out
     figures = json.loads(report.read_text())["figures"]
     start, peak, ended = (float(value) for value in figures[
         "API server RSS start / peak / streams ended, MiB"].split(" / "))
