@@ -71,6 +71,16 @@ def _two_turns(server: ServerThread, job_id: str, ttl: str | None, pinned_ttl_s:
     assert refreshed["ttl_s"] == pinned_ttl_s and refreshed["source"] == "client"
     assert refreshed["remaining_ttl_s"] > pinned_ttl_s - 60
     assert job["policy"]["pins_released"] == {"reused": 1}
+    _release(server, job_id)
+
+
+def _release(server: ServerThread, job_id: str) -> None:
+    """Ends the job and its pin: the server is shared with tests that expect every block free
+    once the engine is idle, and a client pin would hold its blocks for minutes."""
+    with server.http() as http:
+        response = http.delete(f"/v1/jobs/{job_id}")
+    assert response.status_code == 200, response.text
+    assert response.json()["released_pin"] is True
 
 
 def test_five_minutes_is_a_pin_of_300_s_refreshed_on_a_hit(server) -> None:
