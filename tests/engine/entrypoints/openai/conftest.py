@@ -134,15 +134,21 @@ def server() -> Iterator[ServerThread]:
     running.stop()
 
 
-@pytest.fixture(scope="package")
-def scripted_server() -> Iterator[ServerThread]:
+def start_scripted_server() -> ServerThread:
     """Every request outputs a scripted tool call; job turns are pinned; an API key is set."""
-    running = start_server(
+    return start_server(
         executor=f"{SCRIPTED}:ScriptedExecutor",
         scheduling_policy=f"{SCRIPTED}:PinJobTurnsPolicy",
         settings=ServerSettings(served_model_name="scripted",
                                 tenants=Tenants.from_pairs([("secret-key", "default")])),
         api_key="secret-key",
     )
+
+
+@pytest.fixture(scope="package")
+def scripted_server() -> Iterator[ServerThread]:
+    """`start_scripted_server`'s server, shared by the package's tests (their pinned jobs
+    stay pinned for the next test file that uses it)."""
+    running = start_scripted_server()
     yield running
     running.stop()

@@ -11,16 +11,32 @@ import json
 import math
 import threading
 import time
+from collections.abc import Iterator
 
 import openai
 import pytest
 
 from engine.entrypoints.openai.api_server import ServerSettings
 from tests.continuum.priced import PRICED_CONTINUUM_PATH
-from tests.engine.entrypoints.openai.conftest import SCRIPTED, start_server
+from tests.engine.entrypoints.openai.conftest import (
+    SCRIPTED,
+    ServerThread,
+    start_scripted_server,
+    start_server,
+)
 from tests.engine.entrypoints.openai.scripted import PIN_TTL_S
 
 MESSAGES = [{"role": "user", "content": "go"}]
+
+
+@pytest.fixture(scope="module")
+def scripted_server() -> Iterator[ServerThread]:
+    """This module's own scripted server: its last test checks that releasing every job it
+    made leaves the pool free, which the package's shared one, pinned by other files' jobs,
+    cannot show."""
+    running = start_scripted_server()
+    yield running
+    running.stop()
 
 
 def _turn(server, **kwargs):
