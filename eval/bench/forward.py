@@ -92,10 +92,10 @@ _T = TypeVar("_T")
 # Steps (at least) whose host Python `--profile` samples, in runs of their own after the
 # profiled one: a one-step shape's single step gives too few samples.
 _SAMPLED_STEPS = 4
-# More sampled runs follow while the sampler holds fewer samples than this: on a loaded CPU
-# its thread may not run at all during a few milliseconds' steps. Decode runs grow their
-# sequences, so at most `_MAX_SAMPLED_DECODE_RUNS` are sampled (their blocks are given up
-# front); prefill runs are fresh and stop after `_MAX_SAMPLING_S` seconds.
+# More sampled runs follow while the sampler holds fewer samples than this, for at most
+# `_MAX_SAMPLING_S` seconds: on a loaded CPU its thread may not run at all during a few
+# milliseconds' steps. Decode runs grow their sequences, so at most `_MAX_SAMPLED_DECODE_RUNS`
+# are sampled (their blocks are given up front); prefill runs are fresh.
 _MIN_HOST_SAMPLES = 20
 _MAX_SAMPLED_DECODE_RUNS = 4
 _MAX_SAMPLING_S = 2.0
@@ -586,14 +586,14 @@ def _sample(stacks: HostStacks, run: Callable[[], object]) -> None:
 def _sample_runs(stacks: HostStacks, sampled_run: Callable[[int], object], min_runs: int,
                  max_runs: int | None) -> int:
     """Calls `sampled_run(index)` (which samples into `stacks`) `min_runs` times, then
-    again while `stacks` holds fewer than `_MIN_HOST_SAMPLES` samples, up to `max_runs`
-    runs or, without one, `_MAX_SAMPLING_S` seconds; returns the number of runs."""
-    started_s = time.perf_counter()
+    again while `stacks` holds fewer than `_MIN_HOST_SAMPLES` samples, for at most
+    `max_runs` runs (None: no bound) and `_MAX_SAMPLING_S` seconds; returns the number of
+    runs."""
+    deadline_s = time.perf_counter() + _MAX_SAMPLING_S
     num_runs = 0
-    while num_runs < min_runs or (
-            stacks.num_samples < _MIN_HOST_SAMPLES
-            and (num_runs < max_runs if max_runs is not None
-                 else time.perf_counter() - started_s < _MAX_SAMPLING_S)):
+    while num_runs < min_runs or (stacks.num_samples < _MIN_HOST_SAMPLES
+                                  and num_runs != max_runs
+                                  and time.perf_counter() < deadline_s):
         sampled_run(num_runs)
         num_runs += 1
     return num_runs

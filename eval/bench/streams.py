@@ -84,18 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    return run_attacks(args, ATTACKS, StreamSettings, _attack)
+    return run_attacks(args, ATTACKS, StreamSettings, measure_streams)
 
 
-async def _attack(server: ServerProcess, name: str, settings: StreamSettings
-                  ) -> tuple[Figures, list[Check]]:
-    return await measure_streams(server, settings)
-
-
-async def measure_streams(server: ServerProcess, settings: StreamSettings
+async def measure_streams(server: ServerProcess, attack: str, settings: StreamSettings
                           ) -> tuple[Figures, list[Check]]:
-    """Runs the streams against the started `server`: the figures (name, value) and the
-    checks."""
+    """Runs the streams (`attack`, this bench's one) against the started `server`: the
+    figures (name, value) and the checks."""
     def server_rss_mib() -> float:
         return read_rss_mib(server.pid) or 0.0
 
