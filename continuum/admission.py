@@ -104,7 +104,7 @@ class YieldWhenIdle:
         scheduler = ledger.scheduler
         if scheduler.running:
             return None
-        return max(scheduler.pins, default=None,
+        return max(ledger.policy_pins(), default=None,
                    key=lambda pin: (pin.job_id != request.job_id, pin.pinned_at_s))
 
 

@@ -15,7 +15,9 @@ class Job:
     """What a policy knows of one agent job. Times are seconds on the scheduler's clock.
 
     `first_arrival_order` ranks jobs by the arrival of their first turn (smaller is older).
-    `attained_service_tokens` counts the tokens the job's finished turns computed.
+    `attained_service_tokens` counts the tokens the job's finished turns computed, and
+    `attained_service_s` the engine seconds they took as the ledger's `ServiceCost` prices
+    them.
     `last_ttl_s` is the TTL of the job's latest pin; `last_tool_name` the tool its latest
     finished turn called, as the policy understood it (None: unknown or none).
     """
@@ -32,6 +34,7 @@ class Job:
     last_ttl_s: float | None = None
     last_tool_name: str | None = None
     attained_service_tokens: int = 0
+    attained_service_s: float = 0.0
 
     def books(self) -> JobBooks:
         """What `GET /v1/jobs/{job_id}` shows of the policy's books, JSON-ready."""

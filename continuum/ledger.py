@@ -15,6 +15,22 @@ from engine.kv_cache.pins import Pin
 from engine.request import Request, RequestStatus
 from engine.scheduler import events
 from engine.scheduler.policy import SchedulerView
+from estimator.cost_model import H100_LLAMA_8B_PREFILL, PrefillCostModel
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceCost:
+    """Prices the engine time a finished turn took: the prefill seconds of the tokens it
+    computed beyond its cached prefix, by `prefill` (the fit of the prefills the engine
+    timed at start-up), or, where the engine could not time them (None), by the nominal
+    H100 Llama-3.1-8B roofline, so that service still orders jobs by tokens computed."""
+
+    prefill: PrefillCostModel | None = None
+
+    def turn_s(self, request: Request) -> float:
+        model = H100_LLAMA_8B_PREFILL if self.prefill is None else self.prefill
+        num_cached_tokens = request.num_cached_tokens or 0
+        return max(0.0, model.cost_s(request.num_tokens) - model.cost_s(num_cached_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +48,13 @@ class JobLedger:
     """Jobs by id (forgotten after `job_idle_timeout_s` idle) and each unfinished request's
     arrival. Arrival order, not arrival time, ranks requests and jobs, so that requests
     without a job are ordered exactly as by FCFS whatever timestamps clients send.
-    `scheduler` is set when the policy is bound."""
+    `scheduler` is set when the policy is bound, and `service_cost` (which prices each
+    finished turn's engine time) with it."""
 
     def __init__(self, job_idle_timeout_s: float) -> None:
         self.jobs = JobTable(job_idle_timeout_s)
         self.scheduler: SchedulerView
+        self.service_cost = ServiceCost()
         self._num_arrivals = 0
         self._arrivals: dict[str, _Arrival] = {}  # by request id, until it finishes
 
@@ -89,6 +107,7 @@ class JobLedger:
         if request.status is not RequestStatus.FINISHED_ABORTED:
             job.num_turns_finished += 1
             job.attained_service_tokens += request.num_tokens - (request.num_cached_tokens or 0)
+            job.attained_service_s += self.service_cost.turn_s(request)
 
     # Time-driven upkeep.
     def expired_unless_waiting(self, now_s: float) -> tuple[Pin, ...]:
@@ -120,18 +139,22 @@ class JobLedger:
         arrival = self._arrivals[request.request_id]
         return arrival.order if arrival.job is None else arrival.job.first_arrival_order
 
-    def job_order(self, request: Request, max_job_age_s: float = float("inf")) -> QueueKey:
+    def job_order(self, request: Request) -> QueueKey:
         """Program-level order: (the first arrival of the request's job, then its rank, then
-        the request's rank), except that no turn sorts by a time more than `max_job_age_s`
-        before its own arrival (then it sorts by that time and its own rank)."""
+        the request's rank); a request without a job is its own one-turn job."""
+        return self.service_aged_order(request, 0.0)
+
+    def service_aged_order(self, request: Request, service_weight: float) -> QueueKey:
+        """Program-level order aged by service: as `job_order`, but the job's first arrival
+        is moved later by `service_weight` times the engine seconds its finished turns took
+        (`Job.attained_service_s`), so that a job yields to younger ones at a rate set by
+        the service it consumes, whatever the load."""
         arrival = self._arrivals[request.request_id]
         job = arrival.job
         if job is None:
             return (arrival.time_s, arrival.order, arrival.order)
-        floor_s = arrival.time_s - max_job_age_s
-        if job.first_arrival_s >= floor_s:
-            return (job.first_arrival_s, job.first_arrival_order, arrival.order)
-        return (floor_s, arrival.order, arrival.order)
+        aged_s = job.first_arrival_s + service_weight * job.attained_service_s
+        return (aged_s, job.first_arrival_order, arrival.order)
 
     def job_of(self, request: Request) -> Job | None:
         """The live job an unfinished request belongs to; None without a job, or if its job
@@ -159,10 +182,15 @@ class JobLedger:
         job = self.jobs.get(job_id)
         return float("inf") if job is None else job.first_arrival_order
 
+    def policy_pins(self) -> list[Pin]:
+        """The live pins the policy made (the scheduler gives clients' pins up itself)."""
+        return [pin for pin in self.scheduler.pins if pin.source == "policy"]
+
     def latest_job_pin(self, exclude_job_id: str | None = None) -> Pin | None:
-        """The pin of the job that arrived last, the job `exclude_job_id`'s last of all."""
+        """The policy's pin of the job that arrived last, the job `exclude_job_id`'s last of
+        all."""
         return max(
-            self.scheduler.pins,
+            self.policy_pins(),
             key=lambda pin: (pin.job_id != exclude_job_id, self.job_arrival_rank(pin.job_id)),
             default=None,
         )

@@ -17,6 +17,10 @@ DEFAULT_JOB_IDLE_TIMEOUT_S = 600.0
 # InferCept's expected tool duration before any is observed: the mean that Eq. 2's cold start
 # assumes too (durations ~ Exp(mean 1 s)).
 DEFAULT_TOOL_DURATION_S = 1.0
+# Program-level order's aging and the lead of pinned turns (docs/decisions/
+# 0004-waiting-bounds.md).
+DEFAULT_SERVICE_WEIGHT = 2.0
+DEFAULT_PIN_LEAD_S = 60.0
 
 
 def _help(text: str) -> dict[str, str]:
@@ -62,23 +66,26 @@ class InferCeptOptions(JobOptions):
 
 @dataclass(frozen=True)
 class ProgramOrderOptions(JobOptions):
-    """Program-level order with its bounds (docs/decisions/0004-waiting-bounds.md): waiting
-    turns sort by their job's first arrival, but never by a time more than `max_job_age_s`
-    before their own arrival; a request that has waited `max_wait_s` heads the queue (in
-    arrival order) whatever its job, and a request without a job after `max_plain_wait_s`."""
+    """Program-level order aged by service (docs/decisions/0004-waiting-bounds.md): waiting
+    turns sort by their job's first arrival moved later by `service_weight` times the engine
+    seconds the job consumed; a request without a job that has waited `max_plain_wait_s`
+    heads the queue."""
 
-    max_job_age_s: float = field(default=60.0, metadata=_help(
-        "seconds >= 0 (inf: pure program order): a turn sorts by its job's first arrival, at "
-        "most this much before its own"))
-    max_wait_s: float = field(default=30.0, metadata=_help(
-        "seconds >= 0 (inf: never): a request waiting this long goes first, and pins yield "
-        "to it"))
+    service_weight: float = field(default=DEFAULT_SERVICE_WEIGHT, metadata=_help(
+        "finite >= 0 (0: pure program order): a job's turns sort as if it arrived this many "
+        "seconds later per second of engine time its turns took"))
+    pin_lead_s: float = field(default=DEFAULT_PIN_LEAD_S, metadata=_help(
+        "seconds >= 0 (inf: ahead of all): a turn whose job holds a live pin sorts as if its "
+        "job arrived this much earlier"))
     max_plain_wait_s: float = field(default=10.0, metadata=_help(
-        "seconds >= 0 (inf: never): the same for a request without a job"))
+        "seconds >= 0 (inf: never): a request without a job that waited this long goes "
+        "first, and pins yield to it"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("max_job_age_s", "max_wait_s", "max_plain_wait_s"):
+        _require(0 <= self.service_weight < math.inf,
+                 f"service_weight must be a finite number >= 0, got {self.service_weight!r}")
+        for name in ("pin_lead_s", "max_plain_wait_s"):
             value = getattr(self, name)
             _require(value >= 0, f"{name} must be >= 0, got {value!r}")
 

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from continuum.admission import AdmissionRule, PinYield
-from continuum.ledger import JobLedger
+from continuum.estimation import measured_prefill_cost
+from continuum.ledger import JobLedger, ServiceCost
 from continuum.retention import HardDeadline, PinExpiry, RetentionRule
 from continuum.victims import VictimRule
 from continuum.waiting_order import WaitingOrder
@@ -58,6 +59,8 @@ class AgentPolicy:
 
     def bind(self, scheduler: SchedulerView) -> _Learner:
         self.ledger.scheduler = scheduler
+        if self.strategies.order.ages_by_service:
+            self.ledger.service_cost = ServiceCost(measured_prefill_cost(scheduler.environment))
         self.strategies.retention.bind(scheduler)
         return _Learner(self.ledger, self.strategies.retention)
 

@@ -5,6 +5,7 @@ user options (`PolicyPreset`): `continuum`, `continuum-fixed`, `job-fcfs`, `infe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -74,16 +75,19 @@ class PolicyPreset:
 
 
 def waiting_bounds(options: ProgramOrderOptions) -> WaitingBounds:
-    return WaitingBounds(options.max_job_age_s, options.max_wait_s, options.max_plain_wait_s)
+    """Agent turns are never overdue (service aging bounds their waits); plain requests are
+    after `max_plain_wait_s`."""
+    return WaitingBounds(math.inf, options.max_plain_wait_s)
 
 
 def program_order(options: ProgramOrderOptions, retention: RetentionRule) -> Strategies:
-    """Program-level order with its bounds, whole-prompt admission, and the latest admitted
+    """Program-level order aged by service, whole-prompt admission, and the latest admitted
     request preempted first; pins (if `retention` makes any) released before any running
     request is preempted, yielding to a blocked waiting head once it is overdue."""
     bounds = waiting_bounds(options)
+    order = ProgramOrder(bounds, options.service_weight, options.pin_lead_s)
     return Strategies(
-        order=ProgramOrder(bounds), retention=retention,
+        order=order, retention=retention,
         victims=PinsFirst(LatestIdleJobPin(), LatestAdmitted()),
         admission=WholePrompt(LaterJobsPins(bounds)), pin_yield=YieldWhenOverdue(bounds))
 
@@ -104,8 +108,9 @@ def compose_continuum(options: ContinuumOptions, *, estimator: TTLEstimator | No
 
 def compose_job_fcfs(options: ProgramOrderOptions) -> Strategies:
     """Program-level FCFS without pins (the first rung of the paper's ablation)."""
+    order = ProgramOrder(waiting_bounds(options), options.service_weight, options.pin_lead_s)
     return Strategies(
-        order=ProgramOrder(waiting_bounds(options)), retention=NoPins(),
+        order=order, retention=NoPins(),
         victims=LatestAdmitted(), admission=WholePrompt(OtherJobsPins()),
         pin_yield=YieldWhenIdle())
 

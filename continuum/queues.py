@@ -108,14 +108,15 @@ class KeyedRequestQueue(PolicyQueue):
 class ProgramOrderQueue(PolicyQueue):
     """The order of the program-level policies, in tiers: requests that have waited past the
     bound (by arrival), plain requests that have waited past theirs (by arrival),
-    preempted requests, requests of jobs that hold a live pin, then the rest; by key within
-    each tier.
+    preempted requests, then the rest; by key within each tier, except that a request of a
+    job that holds a live pin sorts `pin_lead_s` seconds earlier than its key's time (its
+    first element; inf: ahead of every request without one).
 
     `arrival(request)` gives the request's (arrival time, arrival rank) on the policy's
     clock; a request whose arrival time is at or before the overdue cutoff is overdue, and a
     plain request at or before the plain one. `overdue_cutoffs(now_s)` gives both cutoffs
     at a time; the scheduler tells the queue the time at each step start (`advance_to`).
-    The pinned tier is read at peek time
+    Pinned jobs are read at peek time
     from `pinned_job_ids`, so a pin that is created, expires or is broken while its job's
     turn waits moves that turn without re-keying.
 
@@ -133,9 +134,11 @@ class ProgramOrderQueue(PolicyQueue):
         overdue_cutoffs: Callable[[float], tuple[float, float]],
         *,
         is_plain: Callable[[Request], bool] | None = None,
+        pin_lead_s: float = math.inf,
     ) -> None:
         super().__init__()
         self._key = key
+        self._pin_lead_s = pin_lead_s
         self._arrival = arrival
         self._overdue_cutoffs = overdue_cutoffs
         self._pinned_job_ids = pinned_job_ids
@@ -167,7 +170,7 @@ class ProgramOrderQueue(PolicyQueue):
 
     def peek_request(self) -> Request:
         head = (self._overdue_head() or self._plain_overdue_head() or self._preempted.peek()
-                or self._pinned_head() or self._merged_head())
+                or self._pinned_or_merged_head())
         if head is None:
             raise IndexError("peek from an empty queue")
         return head[2]
@@ -186,6 +189,17 @@ class ProgramOrderQueue(PolicyQueue):
             if (heap := self._by_job.get(job_id)) is not None and (head := heap.peek())
         ]
         return min(heads, key=lambda head: head[:2], default=None)
+
+    def _pinned_or_merged_head(self) -> _Entry | None:
+        pinned, merged = self._pinned_head(), self._merged_head()
+        if pinned is None or merged is None:
+            return pinned or merged
+        return pinned if self._pinned_goes_first(pinned, merged) else merged
+
+    def _pinned_goes_first(self, pinned: _Entry, other: _Entry) -> bool:
+        """Whether the pinned job's `pinned` entry sorts before `other` (keyed, or a plain
+        request's arrival): by their times, the pinned one `pin_lead_s` earlier."""
+        return pinned[0][0] - self._pin_lead_s <= other[0][0]
 
     def _merged_head(self) -> _Entry | None:
         """The first of the keyed rest and the requests without a job: the plain head goes
@@ -222,15 +236,26 @@ class ProgramOrderQueue(PolicyQueue):
         plain = _sorted_entries(self._plain, taken)
         plain_overdue = [entry for entry in plain if entry[0][0] <= self._plain_overdue_cutoff_s]
         taken |= {id(entry[2]) for entry in plain_overdue}
-        pinned = set(self._pinned_job_ids())
+        pinned_job_ids = set(self._pinned_job_ids())
         rest = _sorted_entries(self._rest, taken)
-        tiers = [
-            overdue, plain_overdue, _sorted_entries(self._preempted, taken),
-            [entry for entry in rest if entry[2].job_id in pinned],
-            self._merge([entry for entry in plain if id(entry[2]) not in taken],
-                        [entry for entry in rest if entry[2].job_id not in pinned]),
-        ]
+        pinned = [entry for entry in rest if entry[2].job_id in pinned_job_ids]
+        merged = self._merge([entry for entry in plain if id(entry[2]) not in taken],
+                             [entry for entry in rest if entry[2].job_id not in pinned_job_ids])
+        tiers = [overdue, plain_overdue, _sorted_entries(self._preempted, taken),
+                 self._merge_pinned(pinned, merged)]
         return (entry[2] for tier in tiers for entry in tier)
+
+    def _merge_pinned(self, pinned: list[_Entry], rest: list[_Entry]) -> list[_Entry]:
+        merged: list[_Entry] = []
+        pinned_index = rest_index = 0
+        while pinned_index < len(pinned) and rest_index < len(rest):
+            if self._pinned_goes_first(pinned[pinned_index], rest[rest_index]):
+                merged.append(pinned[pinned_index])
+                pinned_index += 1
+            else:
+                merged.append(rest[rest_index])
+                rest_index += 1
+        return merged + pinned[pinned_index:] + rest[rest_index:]
 
     def _merge(self, plain: list[_Entry], rest: list[_Entry]) -> list[_Entry]:
         merged: list[_Entry] = []

@@ -177,10 +177,9 @@ class EstimatedPins:
             return ()
         scheduler = ledger.scheduler
         cap_blocks = self.max_pinned_fraction * scheduler.num_kv_blocks
-        pins = scheduler.pins
-        own = pins.get(job_id)
+        pins = ledger.policy_pins()
         needed = request.num_computed_tokens // scheduler.block_size
-        held = pins.num_pinned_blocks - (0 if own is None else own.num_blocks)
+        held = sum(pin.num_blocks for pin in pins if pin.job_id != job_id)
         rank = ledger.job_arrival_rank(job_id)
         later = sorted((pin for pin in pins if ledger.job_arrival_rank(pin.job_id) > rank),
                        key=lambda pin: ledger.job_arrival_rank(pin.job_id), reverse=True)

@@ -30,8 +30,8 @@ class VictimRule(Protocol):
 
 class PinOrder(Protocol):
     def first(self, exclude_job_id: str | None, now_s: float, ledger: JobLedger) -> Pin | None:
-        """The live pin to release first (the job `exclude_job_id`'s last of all), or None
-        when no pin lives."""
+        """The policy's live pin to release first (the job `exclude_job_id`'s last of all),
+        or None when it holds none."""
         ...
 
 
@@ -104,7 +104,7 @@ class LatestIdleJobPin:
     job's last of all; among the others the pin of the job that arrived last first."""
 
     def first(self, exclude_job_id: str | None, now_s: float, ledger: JobLedger) -> Pin | None:
-        return max(ledger.scheduler.pins, default=None, key=lambda pin: (
+        return max(ledger.policy_pins(), default=None, key=lambda pin: (
             ledger.num_waiting(pin.job_id) == 0, pin.job_id != exclude_job_id,
             ledger.job_arrival_rank(pin.job_id)))
 
@@ -115,5 +115,5 @@ class LeastWastePin:
     oldest; the excluded job's last."""
 
     def first(self, exclude_job_id: str | None, now_s: float, ledger: JobLedger) -> Pin | None:
-        return min(ledger.scheduler.pins, default=None, key=lambda pin: (
+        return min(ledger.policy_pins(), default=None, key=lambda pin: (
             pin.job_id == exclude_job_id, pin.num_blocks, pin.pinned_at_s))

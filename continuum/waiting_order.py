@@ -17,6 +17,12 @@ from engine.scheduler.request_queue import RequestQueue
 
 
 class WaitingOrder(Protocol):
+    @property
+    def ages_by_service(self) -> bool:
+        """Whether the order reads the engine seconds jobs consumed (`Job.attained_service_s`),
+        which the policy then prices by the prefills the engine times at start-up."""
+        ...
+
     def new_queue(self, ledger: JobLedger) -> RequestQueue:
         """A queue for one tenant's waiting requests, in this order."""
         ...
@@ -24,13 +30,10 @@ class WaitingOrder(Protocol):
 
 @dataclass(frozen=True)
 class WaitingBounds:
-    """How long a waiting request may be passed over (seconds; docs/decisions/
-    0004-waiting-bounds.md): a turn sorts by its job's first arrival but by no time more
-    than `max_job_age_s` before its own; a request that waited `max_wait_s`, or one
-    without a job that waited `max_plain_wait_s`, is overdue (it heads the queue, and
-    pins yield to it)."""
+    """How long a waiting request may be passed over (seconds): a request that waited
+    `max_wait_s`, or one without a job that waited `max_plain_wait_s`, is overdue (it heads
+    the queue, and pins yield to it; docs/decisions/0004-waiting-bounds.md)."""
 
-    max_job_age_s: float
     max_wait_s: float
     max_plain_wait_s: float
 
@@ -48,29 +51,41 @@ class WaitingBounds:
         return waited_s >= bound_s
 
 
-UNBOUNDED = WaitingBounds(math.inf, math.inf, math.inf)
+UNBOUNDED = WaitingBounds(math.inf, math.inf)
 
 
 @dataclass(frozen=True)
 class ProgramOrder:
-    """Program-level order in tiers (`ProgramOrderQueue`): overdue requests (by arrival),
-    overdue plain requests (`JobLedger.is_plain`; by arrival), preempted requests, turns of
-    jobs holding a pin, then the rest: turns by their job's first arrival (aged by
-    `max_job_age_s`), each plain request ahead of every turn that arrived after it."""
+    """Program-level order aged by service, in tiers (`ProgramOrderQueue`): overdue requests
+    (by arrival), overdue plain requests (`JobLedger.is_plain`; by arrival), preempted
+    requests, then turns by their job's first arrival moved later by `service_weight`
+    times the engine seconds the job consumed (`JobLedger.service_aged_order`), a turn of a
+    job holding a live pin placed `pin_lead_s` earlier than that, and each plain request
+    ahead of every turn that arrived after it. A job's turns thus pass a younger job's
+    only until it has consumed (the younger job's later arrival + `pin_lead_s`) /
+    `service_weight` engine seconds more than it, however long the queue."""
 
     bounds: WaitingBounds
+    service_weight: float
+    pin_lead_s: float
+
+    @property
+    def ages_by_service(self) -> bool:
+        return self.service_weight > 0
 
     def new_queue(self, ledger: JobLedger) -> ProgramOrderQueue:
-        max_job_age_s = self.bounds.max_job_age_s
+        service_weight = self.service_weight
         return ProgramOrderQueue(
-            lambda request: ledger.job_order(request, max_job_age_s), ledger.arrival,
+            lambda request: ledger.service_aged_order(request, service_weight), ledger.arrival,
             lambda: [pin.job_id for pin in ledger.scheduler.pins],
-            self.bounds.overdue_cutoffs, is_plain=ledger.is_plain)
+            self.bounds.overdue_cutoffs, is_plain=ledger.is_plain, pin_lead_s=self.pin_lead_s)
 
 
 @dataclass(frozen=True)
 class ArrivalOrder:
     """FCFS: preempted requests first, then by arrival."""
+
+    ages_by_service = False
 
     def new_queue(self, ledger: JobLedger) -> KeyedRequestQueue:
         def key(request: Request) -> QueueKey:
@@ -82,6 +97,8 @@ class ArrivalOrder:
 class LeastAttainedService:
     """Program-level least attained service (Autellix's PLAS): by the tokens the request's
     job computed so far, then program-level order; keyed when a request enters the queue."""
+
+    ages_by_service = False
 
     def new_queue(self, ledger: JobLedger) -> KeyedRequestQueue:
         def key(request: Request) -> QueueKey:

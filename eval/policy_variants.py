@@ -6,16 +6,24 @@ the oracle bound and Continuum as earlier measured runs ran it. Each is a `Polic
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
-from continuum.admission import OtherJobsPins, ThisChunk, WholePrompt, YieldWhenOverdue
+from continuum.admission import (
+    LaterJobsPins,
+    OtherJobsPins,
+    ThisChunk,
+    WholePrompt,
+    YieldWhenOverdue,
+)
 from continuum.estimation import EstimatorChoice, EstimatorWrapper, build_estimator
 from continuum.ledger import JobLedger
 from continuum.options import ContinuumOptions, _help
 from continuum.policy import Strategies
-from continuum.presets import PolicyPreset, program_order, waiting_bounds
+from continuum.presets import PolicyPreset, program_order
 from continuum.queues import ProgramOrderQueue, QueueKey
 from continuum.retention import EstimatedPins
 from continuum.waiting_order import WaitingBounds
@@ -72,21 +80,56 @@ def compose_oracle(options: ContinuumOptions, *,
         state_file=options.estimator_state))
 
 
-def compose_as_replayed(options: ContinuumOptions) -> Strategies:
-    """`continuum` as the H100 agent replays of 24b013d and d8b9e2f ran it: the paper's
-    cold start (K = 100), the memory price not yet capped by the pool's capacity, and any
-    other job's pin counted as room for a waiting prompt's later chunks."""
+def compose_as_replayed(options: WaitBoundOptions) -> Strategies:
+    """`continuum` as the H100 agent replays of 24b013d and d8b9e2f ran it: the wait
+    bounds, the paper's cold start (K = 100), the memory price not yet capped by the pool's
+    capacity, and any other job's pin counted as room for a waiting prompt's later
+    chunks."""
     choice = EstimatorChoice(options.estimator, max_ttl_s=options.max_ttl_s,
                              pin_cost="priced", cold_start_samples=100)
-    strategies = program_order(options, EstimatedPins(
+    strategies = wait_bounded_order(options, EstimatedPins(
         lambda scheduler: build_estimator(choice, scheduler),
         max_pinned_fraction=options.max_pinned_fraction))
-    return Strategies(strategies.order, strategies.retention, strategies.victims,
-                      WholePrompt(OtherJobsPins()), strategies.pin_yield)
+    return dataclasses.replace(strategies, admission=WholePrompt(OtherJobsPins()))
+
+
+def compose_wait_bounded(options: WaitBoundOptions) -> Strategies:
+    """`continuum` as of 9c07ba7, the last engine with the wait bounds."""
+    choice = EstimatorChoice(options.estimator, max_ttl_s=options.max_ttl_s,
+                             state_file=options.estimator_state)
+    return wait_bounded_order(options, EstimatedPins(
+        partial(build_estimator, choice), max_pinned_fraction=options.max_pinned_fraction,
+        state_file=options.estimator_state))
 
 
 @dataclass(frozen=True)
-class Af226d3Options(ContinuumOptions):
+class WaitBoundOptions(ContinuumOptions):
+    """`continuum`'s options as engines before service aging ran them (up to 9c07ba7): a
+    turn sorts by its job's first arrival but by no time more than `max_job_age_s` before
+    its own, and a request that waited `max_wait_s` heads the queue in arrival order."""
+
+    max_job_age_s: float = field(default=60.0, metadata=_help(
+        "seconds >= 0: a turn sorts by its job's first arrival, at most this much before "
+        "its own"))
+    max_wait_s: float = field(default=30.0, metadata=_help(
+        "seconds >= 0: a request waiting this long goes first, and pins yield to it"))
+
+
+def wait_bounds(options: WaitBoundOptions) -> WaitingBounds:
+    return WaitingBounds(options.max_wait_s, options.max_plain_wait_s)
+
+
+def wait_bounded_order(options: WaitBoundOptions, retention: EstimatedPins) -> Strategies:
+    """`continuum`'s strategies with the order, admission and pin yield of the wait bounds."""
+    bounds = wait_bounds(options)
+    strategies = program_order(options, retention)
+    return dataclasses.replace(
+        strategies, order=AgedJobOrder(bounds, options.max_job_age_s, plain_tier=True),
+        admission=WholePrompt(LaterJobsPins(bounds)), pin_yield=YieldWhenOverdue(bounds))
+
+
+@dataclass(frozen=True)
+class Af226d3Options(WaitBoundOptions):
     """`continuum`'s options with af226d3's defaults: pins capped at 80 % of the pool, no
     bound of their own for requests without a job."""
 
@@ -98,17 +141,25 @@ class Af226d3Options(ContinuumOptions):
 
 @dataclass(frozen=True)
 class AgedJobOrder:
-    """Program-level order in tiers, requests without a job keyed like turns (no tier of
-    their own)."""
+    """Program-level order in tiers with the wait bounds, a turn sorting by its job's first
+    arrival but by no time more than `max_job_age_s` before its own; with `plain_tier`,
+    requests without a job in a tier of their own, else keyed like turns."""
 
     bounds: WaitingBounds
+    max_job_age_s: float
+    plain_tier: bool = False
+    ages_by_service = False
 
     def new_queue(self, ledger: JobLedger) -> ProgramOrderQueue:
-        max_job_age_s = self.bounds.max_job_age_s
+        def key(request: Request) -> QueueKey:
+            first_arrival_s, job_rank, rank = ledger.job_order(request)
+            floor_s = ledger.arrival(request)[0] - self.max_job_age_s
+            return ((first_arrival_s, job_rank, rank) if first_arrival_s >= floor_s
+                    else (floor_s, rank, rank))
+
         return ProgramOrderQueue(
-            lambda request: ledger.job_order(request, max_job_age_s), ledger.arrival,
-            lambda: [pin.job_id for pin in ledger.scheduler.pins],
-            self.bounds.overdue_cutoffs)
+            key, ledger.arrival, lambda: [pin.job_id for pin in ledger.scheduler.pins],
+            self.bounds.overdue_cutoffs, is_plain=ledger.is_plain if self.plain_tier else None)
 
 
 @dataclass(frozen=True)
@@ -151,13 +202,13 @@ def compose_af226d3(options: Af226d3Options, *,
     choice = EstimatorChoice(options.estimator, max_ttl_s=options.max_ttl_s,
                              state_file=options.estimator_state, rebuild_cost="prefill",
                              pin_cost="ttl", cold_start_samples=100)
-    bounds = waiting_bounds(options)
+    bounds = wait_bounds(options)
 
     def make_estimator(scheduler: SchedulerView) -> TTLEstimator:
         return build_estimator(choice, scheduler) if estimator is None else estimator
 
     return Strategies(
-        order=AgedJobOrder(bounds),
+        order=AgedJobOrder(bounds, options.max_job_age_s),
         retention=EstimatedPins(make_estimator, max_pinned_fraction=options.max_pinned_fraction,
                                 state_file=options.estimator_state),
         victims=LatestJobVictimPinsLast(), admission=ThisChunk(),
@@ -165,13 +216,15 @@ def compose_af226d3(options: Af226d3Options, *,
 
 
 CONTINUUM_ORACLE = PolicyPreset("continuum-oracle", ContinuumOptions, compose_oracle)
-CONTINUUM_AS_REPLAYED = PolicyPreset("continuum-as-replayed", ContinuumOptions,
+CONTINUUM_AS_REPLAYED = PolicyPreset("continuum-as-replayed", WaitBoundOptions,
                                      compose_as_replayed)
 CONTINUUM_AF226D3 = PolicyPreset("continuum-af226d3", Af226d3Options, compose_af226d3)
+CONTINUUM_9C07BA7 = PolicyPreset("continuum-9c07ba7", WaitBoundOptions, compose_wait_bounded)
 
 # The names `bench sim --policies` and `bench check-calibration` take beside the engine's.
 EVAL_POLICIES = {
     "continuum-oracle": "eval.policy_variants:CONTINUUM_ORACLE",
     "continuum-af226d3": "eval.policy_variants:CONTINUUM_AF226D3",
     "continuum-as-replayed": "eval.policy_variants:CONTINUUM_AS_REPLAYED",
+    "continuum-9c07ba7": "eval.policy_variants:CONTINUUM_9C07BA7",
 }

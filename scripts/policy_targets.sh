@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Issue 36's policy targets, as a grid of `continuum bench sim --policies ladder` runs (fcfs,
-# job-fcfs, continuum-fixed, continuum, continuum-oracle, plus any --policy SPEC), each with
-# --max-num-batched-tokens 2048 (the GPU runs' chunk) and --workers 2; then
-# scripts/policy_targets_report.py judges every cell (one workload, seed, load and profile)
-# and writes OUT/report.md: default `continuum` within 10% of continuum-oracle's mean JCT, at
-# most 2% worse than continuum-fixed, not worse than fcfs (1% noise), and recomputing at most
-# max(1.2 x fcfs, fcfs + 1,000) tokens after preemptions.
+# The policy targets of issues 36 and 96, as a grid of `continuum bench sim` runs of the
+# ladder (fcfs, job-fcfs, continuum-fixed, continuum, continuum-oracle), infercept and
+# autellix, plus any --policy SPEC, each with --max-num-batched-tokens 2048 (the GPU runs'
+# chunk) and --workers 2; then scripts/policy_targets_report.py judges every cell (one
+# workload, seed, load and profile) and writes OUT/report.md: default `continuum` within 10%
+# of continuum-oracle's mean JCT, at most 2% worse than continuum-fixed, not worse than fcfs
+# (1% noise), recomputing at most max(1.2 x fcfs, fcfs + 1,000) tokens after preemptions, at
+# most 2% worse than the best of fcfs, job-fcfs, continuum-fixed, infercept and autellix, and
+# its p99 JCT set against that best baseline's p99.
 #
 # Two sets of runs, reported apart:
 #   held-out  the shipped swe (at most 12 turns a job), web-search and bfcl workloads, N jobs
@@ -23,9 +25,9 @@
 #   continuum bench sim --workload swe --max-turns 12 --num-jobs N \
 #     --max-num-batched-tokens 2048 --policies fcfs --jobs-per-s 1,1.25,1.5,2 --workers 2
 #
-# Time: the default grid (held-out set, 2 seeds x 3 workloads x 3 loads x 5 policies = 90
-# simulations of 300 jobs, one profile) took 15-20 minutes on this 2-core machine (2-5
-# minutes a file; twice that with a second grid beside it); --tuning adds a third of that.
+# Time: the default grid (held-out set, 2 seeds x 3 workloads x 3 loads x 7 policies = 126
+# simulations of 300 jobs, one profile) takes 25-40 minutes on this 2-core machine (3-7
+# minutes a file; twice that with a second grid beside it); --tuning adds a sixth of that.
 # --quick (30 jobs, the first seed) checks the pipeline in a few minutes; 30 jobs never
 # saturate the pool, so its verdicts say nothing about the policy.
 #
@@ -124,7 +126,8 @@ run_one() {
   local name=$1 json=$2
   shift 2
   local command=("$python" -m engine.cli bench sim "$@" --num-jobs "$num_jobs"
-                 --max-num-batched-tokens 2048 --policies ladder "${extra_policies[@]}"
+                 --max-num-batched-tokens 2048 --policies fcfs,job-fcfs,continuum-fixed,continuum,continuum-oracle,infercept,autellix
+                 "${extra_policies[@]}"
                  --workers "$workers" --json "$json")
   if [ $dry_run -eq 1 ]; then
     echo "${command[*]}"

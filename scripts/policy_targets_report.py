@@ -12,7 +12,10 @@ against the ladder's runs:
 - oracle: mean JCT at most 1.10 x continuum-oracle's;
 - fixed: mean JCT at most 1.02 x continuum-fixed's;
 - fcfs: mean JCT at most 1.01 x fcfs's (never worse, 1 % of noise);
-- recompute: recomputed tokens at most max(1.2 x fcfs's, fcfs's + 1,000).
+- recompute: recomputed tokens at most max(1.2 x fcfs's, fcfs's + 1,000);
+- baselines: mean JCT at most 1.02 x the best mean JCT of fcfs, job-fcfs, continuum-fixed,
+  infercept and autellix (issue 96; the cell needs every one of their runs);
+- baselines-p99: p99 JCT no worse than the best p99 JCT of those baselines.
 
 With `--variant OPTIONS` (such as `prefill_fit=under-load`), the ladder is judged as it would
 run with those options as its defaults: in every cell, a run labelled `NAME:OPTIONS` for a
@@ -39,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 LADDER = ("fcfs", "job-fcfs", "continuum-fixed", "continuum", "continuum-oracle")
+# The baselines issue 96's targets set `continuum` against: the best of them in each cell.
+BASELINES = ("fcfs", "job-fcfs", "continuum-fixed", "infercept", "autellix")
+BEST_BASELINE = "best baseline"
 DEFAULT_CANDIDATE = "continuum"
 TUNING_FOLDER = "tuning"
 SETS = ("held-out", "tuning")
@@ -108,6 +114,18 @@ def _jct_within(factor: float) -> Callable[[dict[str, Any], dict[str, Any]], Ver
     return judge
 
 
+def _p99_within(factor: float) -> Callable[[dict[str, Any], dict[str, Any]], Verdict]:
+    """Candidate's p99 JCT at most `factor` x the reference's."""
+    def judge(candidate: dict[str, Any], reference: dict[str, Any]) -> Verdict:
+        mine, theirs = candidate.get("p99_jct_s"), reference.get("p99_jct_s")
+        if mine is None or theirs is None or theirs <= 0:
+            return Verdict(None, _seconds(mine), _seconds(theirs), "n/a")
+        ratio = mine / theirs
+        return Verdict(ratio <= factor, _seconds(mine), _seconds(theirs),
+                       f"{ratio:.3f}x (bound {factor:g}x)")
+    return judge
+
+
 def _recompute_bound(candidate: dict[str, Any], reference: dict[str, Any]) -> Verdict:
     mine, theirs = candidate.get("recomputed_tokens"), reference.get("recomputed_tokens")
     if mine is None or theirs is None:
@@ -126,7 +144,21 @@ TARGETS = (
            "fcfs mean JCT (s)", _jct_within(1.01)),
     Target("recompute", "recomputed tokens at most max(1.2 x fcfs's, fcfs's + 1,000)", "fcfs",
            "fcfs recomputed tokens", _recompute_bound),
+    Target("baselines", "mean JCT at most 1.02 x the best baseline's", BEST_BASELINE,
+           "best baseline's mean JCT (s)", _jct_within(1.02)),
+    Target("baselines-p99", "p99 JCT no worse than the best baseline's p99", BEST_BASELINE,
+           "best baseline's p99 JCT (s)", _p99_within(1.0)),
 )
+
+
+def best_baseline(cell: Cell, metric: str) -> dict[str, Any] | None:
+    """A run standing for the best of `BASELINES` in the cell on `metric` (its figure, named
+    by the baseline it came from); None unless every baseline ran there."""
+    runs = [(label, cell.runs.get(label)) for label in BASELINES]
+    if any(run is None or run.get(metric) is None for _, run in runs):
+        return None
+    label, run = min(runs, key=lambda item: item[1][metric])  # type: ignore[index]
+    return {metric: run[metric], "label": label}  # type: ignore[index]
 
 
 def json_files(paths: Iterable[Path]) -> list[tuple[Path, str]]:
@@ -200,15 +232,24 @@ def apply_variant(cells: Sequence[Cell], options: str | None,
 
 
 def default_candidates(cells: Sequence[Cell]) -> list[str]:
-    """`continuum`, then every label beyond the ladder in first-seen order."""
+    """`continuum`, then every label beyond the ladder and the baselines in first-seen
+    order."""
     labels = dict.fromkeys(label for cell in cells for label in cell.runs)
-    return [DEFAULT_CANDIDATE] + [label for label in labels if label not in LADDER]
+    return [DEFAULT_CANDIDATE] + [label for label in labels
+                                  if label not in LADDER and label not in BASELINES]
 
 
 def judge(cell: Cell, target: Target, candidate: str) -> Verdict:
     mine = cell.runs.get(candidate)
-    theirs = cell.runs.get(target.reference_label)
+    if target.reference_label == BEST_BASELINE:
+        metric = "p99_jct_s" if target.name == "baselines-p99" else "mean_jct_s"
+        theirs = best_baseline(cell, metric)
+    else:
+        theirs = cell.runs.get(target.reference_label)
     verdict = target.judge(mine or {}, theirs or {})
+    if theirs is not None and "label" in theirs:
+        verdict = Verdict(verdict.met, verdict.candidate,
+                          f"{verdict.reference} ({theirs['label']})", verdict.comparison)
     missing = [label for label, run in ((candidate, mine), (target.reference_label, theirs))
                if run is None]
     if missing:
@@ -277,7 +318,7 @@ def runs_lines(cells: Sequence[Cell]) -> list[str]:
 
 def report(cells: Sequence[Cell], candidates: Sequence[str], notes: Sequence[str],
            variant: str | None = None, stand_ins: Mapping[str, str] | None = None) -> str:
-    lines = ["# Issue 36's policy targets", ""]
+    lines = ["# The policy targets (issues 36 and 96)", ""]
     if variant is not None:
         lines += [f"The ladder with `{variant}`: runs labelled `NAME:{variant}` stand for NAME.",
                   ""]

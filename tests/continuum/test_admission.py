@@ -22,12 +22,12 @@ from tests.engine.helpers import make_request
     ("", "J0 J2 J1", None, 0.0, "pin:J2"),  # nothing runs: latest job first
     ("", "J0 J2 J1", "J2", 0.0, "pin:J1"),  # the head's own job's pin last
     ("", "J2", "J2", 0.0, "pin:J2"),
-    # While others run, pins yield once the head is overdue (max_wait_s 30 s; a request
-    # without a job: max_plain_wait_s 10 s), latest job first; its own job's pin is kept.
+    # While others run, pins yield only to a request without a job once it is overdue
+    # (max_plain_wait_s 10 s), latest job first; a job's turn is never overdue.
     ("a", "J1 J2", "J0", 0.0, None),
     ("a", "J0 J1", "J1", 29.9, None),
-    ("a", "J0 J1", "J1", 30.0, "pin:J0"),
-    ("a", "J0 J2", "J1", 30.0, "pin:J2"),
+    ("a", "J0 J1", "J1", 300.0, None),
+    ("a", "J0 J2", "J1", 300.0, None),
     ("a", "J0 J1", None, 9.9, None),
     ("a", "J0 J1", None, 10.0, "pin:J1"),
     ("a", "J1", "J1", 60.0, None),
@@ -146,8 +146,9 @@ def test_a_waiting_prompt_counts_only_the_pins_it_may_take(
     ("", 0.0, ["J2", "J3"]),
     # ...and the pin of a job whose turn waits behind it...
     ("J0", 0.0, ["J0", "J2", "J3"]),
-    # ...and every other job's once it is overdue; never its own job's.
-    ("", 30.0, ["J0", "J2", "J3"]),
+    # ...never its own job's, and a job's turn is never overdue: however long it waits,
+    # an earlier job's pin is not counted.
+    ("", 300.0, ["J2", "J3"]),
 ])
 def test_the_pins_a_waiting_prompt_may_count(waiting: str, waited_s: float,
                                              expected: list[str]) -> None:

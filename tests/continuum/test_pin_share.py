@@ -84,8 +84,8 @@ def test_pins_hold_only_memory_nobody_needs_first(
     jobs = [job for job in jobs if job.num_tokens <= num_blocks * 4]
     if not jobs:
         return
-    # Short bounds, so that heads become overdue within the runs.
-    options = ContinuumOptions(max_wait_s=1.0, max_plain_wait_s=0.5)
+    # A short bound, so that plain heads become overdue within the runs.
+    options = ContinuumOptions(max_plain_wait_s=0.5)
     policy = CONTINUUM.build(options, estimator=ConstantTTLEstimator(ttl_s))
     check = PinShareCheck(policy, waiting_bounds(options))
     result = replay(jobs, policy, num_blocks=num_blocks,

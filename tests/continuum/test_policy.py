@@ -80,8 +80,6 @@ def test_a_last_step_ends_the_jobs_state_and_releases_its_pin() -> None:
     (FCFSPolicy, 0),  # the other requests evicted the turn's blocks during the tool call
     # Pins held against the blocked head: prompt + output, minus the partial last block.
     (lambda: continuum(5.0), 12),
-    # Pins yield to a blocked head that is overdue at once: evicted as under FCFS.
-    (lambda: continuum(5.0, max_wait_s=0.0, max_plain_wait_s=0.0), 0),
 ])
 def test_a_pinned_turns_next_turn_hits_its_whole_context(policy, expected_hit_tokens) -> None:
     h = Harness(policy(), num_blocks=16)
@@ -159,6 +157,7 @@ def test_waiting_order_is_pinned_jobs_then_first_arrival_of_the_job() -> None:
     h.add("p", tokens(300, 4))
     h.next_turn("a2", "a1", tokens(50, 2))
     h.next_turn("b2", "b1", tokens(150, 2))
+    h.clock.advance(1.0)
     h.add("c1", tokens(400, 4), job="C")
     # B holds a pin; then by first arrival: A, then the new job C; the plain request p goes
     # ahead of the turns that arrived after it (a2 among them), though A's job is older.

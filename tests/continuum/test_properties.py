@@ -18,7 +18,8 @@ from eval.policy_variants import CONTINUUM_AF226D3, CONTINUUM_ORACLE
 from tests.continuum.workload import AgentJob, Turn, replay, step_decisions
 from tests.engine.helpers import FakeClock, FakeRunner, make_request, make_scheduler, run_step
 
-TIGHT_BOUNDS = ContinuumOptions(max_job_age_s=0.2, max_wait_s=0.3, max_pinned_fraction=0.4)
+TIGHT_BOUNDS = ContinuumOptions(service_weight=50.0, pin_lead_s=0.1, max_plain_wait_s=0.3,
+                                max_pinned_fraction=0.4)
 
 
 def oracle(jobs: list[AgentJob]) -> AgentPolicy:
@@ -30,7 +31,7 @@ def oracle(jobs: list[AgentJob]) -> AgentPolicy:
 AGENT_POLICIES = {
     "continuum": lambda jobs: CONTINUUM.build(estimator=ConstantTTLEstimator(1.5)),
     "continuum-long-ttl": lambda jobs: CONTINUUM.build(
-        ContinuumOptions(max_wait_s=math.inf), estimator=ConstantTTLEstimator(1e5)),
+        ContinuumOptions(max_plain_wait_s=math.inf), estimator=ConstantTTLEstimator(1e5)),
     "continuum-tight-bounds": lambda jobs: CONTINUUM.build(
         TIGHT_BOUNDS, estimator=ConstantTTLEstimator(2.0)),
     "continuum-fixed": lambda jobs: CONTINUUM_FIXED.build(),

@@ -71,12 +71,12 @@ def test_tracing_is_enabled_by_the_flag_or_else_the_environment() -> None:
 def test_policy_options_reach_the_scheduler_config_from_flags_or_a_mapping() -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    args = parser.parse_args(["--policy-option", "max_wait_s=5",
+    args = parser.parse_args(["--policy-option", "max_plain_wait_s=5",
                               "--policy-option", "estimator=fixed-2s"])
     config = EngineArgs.from_cli_args(args).to_engine_config()
-    assert config.scheduler.policy_options == {"max_wait_s": "5", "estimator": "fixed-2s"}
-    mapped = EngineArgs(policy_options={"max_wait_s": 5, "max_ttl_s": 30.0}).to_engine_config()
-    assert mapped.scheduler.policy_options == {"max_wait_s": "5", "max_ttl_s": "30.0"}
+    assert config.scheduler.policy_options == {"max_plain_wait_s": "5", "estimator": "fixed-2s"}
+    mapped = EngineArgs(policy_options={"max_plain_wait_s": 5, "max_ttl_s": 30.0}).to_engine_config()
+    assert mapped.scheduler.policy_options == {"max_plain_wait_s": "5", "max_ttl_s": "30.0"}
     flags = EngineArgs.cli_flags(args)
     assert EngineArgs.from_cli_args(parser.parse_args(flags)) == EngineArgs.from_cli_args(args)
     assert " ".join(flags).count("--policy-option") == 2
@@ -84,10 +84,10 @@ def test_policy_options_reach_the_scheduler_config_from_flags_or_a_mapping() -> 
 
 @pytest.mark.parametrize(("policy", "options", "message"), [
     ("continuum", ("bogus=1",), "unknown option 'bogus' for scheduling policy 'continuum'"),
-    ("continuum", ("max_wait_s=soon",), "option max_wait_s .*expected a number"),
-    ("continuum", ("max_wait_s",), "KEY=VALUE"),
-    ("continuum", ("max_wait_s=1", "max_wait_s=2"), "given twice"),
-    ("fcfs", ("max_wait_s=1",), "'fcfs' takes no options"),
+    ("continuum", ("max_plain_wait_s=soon",), "option max_plain_wait_s .*expected a number"),
+    ("continuum", ("max_plain_wait_s",), "KEY=VALUE"),
+    ("continuum", ("max_plain_wait_s=1", "max_plain_wait_s=2"), "given twice"),
+    ("fcfs", ("max_plain_wait_s=1",), "'fcfs' takes no options"),
 ])
 def test_bad_policy_options_are_refused_with_their_name(policy, options, message) -> None:
     with pytest.raises(ValueError, match=message):

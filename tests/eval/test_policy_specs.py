@@ -17,8 +17,8 @@ from eval.policy_variants import EVAL_POLICIES
 
 @pytest.mark.parametrize(("text", "expected"), [
     ("fcfs", PolicySpec("fcfs", "fcfs")),
-    (" continuum:max_wait_s=5 ",
-     PolicySpec("continuum:max_wait_s=5", "continuum", (("max_wait_s", "5"),))),
+    (" continuum:max_plain_wait_s=5 ",
+     PolicySpec("continuum:max_plain_wait_s=5", "continuum", (("max_plain_wait_s", "5"),))),
     ("continuum-af226d3:estimator=fixed-2s",
      PolicySpec("continuum-af226d3:estimator=fixed-2s", "continuum-af226d3",
                 (("estimator", "fixed-2s"),))),
@@ -72,5 +72,5 @@ def test_policy_lists() -> None:
     assert specs[1].options == (("estimator_state", "a,b.json"),)
     assert [s.label for s in policy_specs(None, [state])] == [state]
     # The eval-only policies go by name too, built from their paths.
-    [oracle] = policy_specs("continuum-oracle:max_wait_s=5")
+    [oracle] = policy_specs("continuum-oracle:max_plain_wait_s=5")
     assert (oracle.name, oracle.policy) == ("continuum-oracle", EVAL_POLICIES["continuum-oracle"])

@@ -53,25 +53,25 @@ def test_the_file_reaches_the_engine_and_the_server_settings(tmp_path: Path) -> 
 @pytest.mark.parametrize("flags_first", [True, False])
 def test_flags_override_the_file_wherever_they_stand(tmp_path: Path, flags_first: bool) -> None:
     path = _write(tmp_path, "max_num_seqs = 8", "port = 9000", "enable_prefix_caching = false",
-                  'api_key = ["from-file"]', "[policy_options]", "max_wait_s = 5",
-                  "max_job_age_s = 7.5")
+                  'api_key = ["from-file"]', "[policy_options]", "max_plain_wait_s = 5",
+                  "service_weight = 7.5")
     flags = ["--max-num-seqs", "16", "--enable-prefix-caching", "--policy-option",
-             "max_wait_s=1"]
+             "max_plain_wait_s=1"]
     config = ["--config", str(path)]
     args = _parse(flags + config if flags_first else config + flags)
     assert (args.max_num_seqs, args.enable_prefix_caching) == (16, True)
-    assert args.policy_options == ["max_wait_s=1"]  # the flags replace the file's table
+    assert args.policy_options == ["max_plain_wait_s=1"]  # the flags replace the file's table
     assert (args.port, args.api_key) == (9000, ["from-file"])
-    assert _parse(config).policy_options == ["max_wait_s=5", "max_job_age_s=7.5"]
+    assert _parse(config).policy_options == ["max_plain_wait_s=5", "service_weight=7.5"]
 
 
 def test_a_number_setting_takes_an_integer_and_a_mapping_its_values_as_text(
         tmp_path: Path) -> None:
     path = _write(tmp_path, "gpu_memory_utilization = 1", "[policy_options]",
-                  "max_wait_s = 30", "estimator_warm_start = ['a.jsonl', 'b.jsonl']")
+                  "max_plain_wait_s = 30", "estimator_warm_start = ['a.jsonl', 'b.jsonl']")
     args = _parse(["--config", str(path)])
     assert args.gpu_memory_utilization == 1.0 and isinstance(args.gpu_memory_utilization, float)
-    assert args.policy_options == ["max_wait_s=30", "estimator_warm_start=a.jsonl,b.jsonl"]
+    assert args.policy_options == ["max_plain_wait_s=30", "estimator_warm_start=a.jsonl,b.jsonl"]
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -51,7 +51,7 @@ def test_bad_spec_is_refused_before_the_trace_is_read(capsys: pytest.CaptureFixt
 def test_specs_label_the_rows_and_record_the_policy_and_options(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "sim.json"
-    fixed = "continuum:estimator=fixed-2s:max_wait_s=20"
+    fixed = "continuum:estimator=fixed-2s:max_plain_wait_s=20"
     code = cli_main(["bench", "sim", *SMALL, "--first-jobs", "3", "--jobs-per-s", "5",
                      "--policies", f"fcfs,{fixed}", "--json", str(out),
                      "--plot", str(tmp_path / "sim.png")])
@@ -60,7 +60,7 @@ def test_specs_label_the_rows_and_record_the_policy_and_options(
     fcfs, continuum = report["runs"]
     assert report["policies"] == ["fcfs", fixed]
     assert (continuum["label"], continuum["policy"]) == (fixed, "continuum")
-    assert continuum["policy_options"] == {"estimator": "fixed-2s", "max_wait_s": "20"}
+    assert continuum["policy_options"] == {"estimator": "fixed-2s", "max_plain_wait_s": "20"}
     assert (fcfs["label"], fcfs["policy"], fcfs["policy_options"]) == ("fcfs", "fcfs", {})
     assert continuum["pins_created"] > 0 and fcfs["pins_created"] == 0
     assert {"p50_queue_s", "p99_queue_s"} <= set(continuum)

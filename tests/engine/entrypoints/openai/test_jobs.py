@@ -173,9 +173,9 @@ def test_the_default_policy_reads_the_tool_and_pins_for_the_eq2_ttl(tmp_path):
 def test_a_plain_request_is_served_within_the_bound_behind_a_flood_of_one_jobs_turns():
     """The issue's starvation case in reduced form: client loops keep sending non-final,
     tool-calling turns of one job (each pinned for 2 s) into a small pool; a plain request
-    sent meanwhile heads the queue once it has waited `max_wait_s` and is served."""
+    sent meanwhile heads the queue once it has waited `max_plain_wait_s` and is served."""
     server = start_server(num_kv_blocks=40, max_model_len=640,
-                          policy_options={"estimator": "fixed-2s", "max_wait_s": "1.0"})
+                          policy_options={"estimator": "fixed-2s", "max_plain_wait_s": "1.0"})
     stop = threading.Event()
 
     def flood(loop: int) -> None:
