@@ -7,7 +7,9 @@ Two output styles are understood:
 - Llama-3 JSON: the whole answer is `{"name": ..., "parameters": {...}}` (or `"arguments"`),
   optionally after `<|python_tag|>`, several calls separated by `;`.
 
-Text that does not parse completely is returned, unchanged, as content with no tool calls.
+Text that does not parse completely is returned, unchanged, as content with no tool calls:
+parsing is total, whatever the text (JSON the decoder refuses, nesting deeper than it
+recurses, integers longer than Python converts), since model output can hold anything.
 Content before Hermes calls loses its trailing whitespace. `ToolCallFormat`, carried by an
 engine request that offered tools, names the parser and the tools, so that the engine core
 reads a finished turn's calls exactly as the frontend returns them to the client.
@@ -64,6 +66,12 @@ class ToolParser(Protocol):
     def may_start_call(self, text: str) -> int | None: ...
 
 
+# What the JSON decoder and encoder raise on text they refuse: a `ValueError` (a
+# `JSONDecodeError`, or an integer of more digits than `sys.get_int_max_str_digits()`), a
+# `RecursionError` on deep nesting.
+JSON_ERRORS = (ValueError, RecursionError)
+
+
 def _call_from_json(value: Any, argument_keys: tuple[str, ...]) -> ParsedToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -74,14 +82,14 @@ def _call_from_json(value: Any, argument_keys: tuple[str, ...]) -> ParsedToolCal
         if key in value:
             arguments = value[key]
             break
-    if isinstance(arguments, str):
-        try:
+    try:
+        if isinstance(arguments, str):
             arguments = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
+        if not isinstance(arguments, dict):
             return None
-    if not isinstance(arguments, dict):
+        return ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    except JSON_ERRORS:
         return None
-    return ParsedToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 class HermesToolParser:
@@ -96,7 +104,7 @@ class HermesToolParser:
         for match in _HERMES_CALL.finditer(text, start):
             try:
                 call = _call_from_json(json.loads(match.group(1)), ("arguments", "parameters"))
-            except (json.JSONDecodeError, RecursionError):  # deep nesting overflows the decoder
+            except JSON_ERRORS:
                 call = None
             if call is None:
                 return ParsedOutput(text)
@@ -125,7 +133,7 @@ class Llama3JsonToolParser:
         while position < len(body):
             try:
                 value, end = decoder.raw_decode(body, position)
-            except (json.JSONDecodeError, RecursionError):  # deep nesting overflows the decoder
+            except JSON_ERRORS:
                 return ParsedOutput(text)
             call = _call_from_json(value, ("parameters", "arguments"))
             if call is None:

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.tool_calls import JSON_ERRORS
+
 logger = logging.getLogger(__name__)
 
 TOOLS_START = "<tools>"
@@ -193,7 +195,7 @@ def tool_call_block(call: dict[str, Any]) -> str:
     function = call.get("function", call)
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
-        with contextlib.suppress(json.JSONDecodeError, RecursionError):  # else kept as text
+        with contextlib.suppress(*JSON_ERRORS):  # else kept as text
             arguments = json.loads(arguments)
     payload = json.dumps({"name": function.get("name"), "arguments": arguments},
                          ensure_ascii=False)

@@ -88,12 +88,6 @@ class PinKeeper:
         self._kv_cache_manager.block_pool.free_blocks(reversed(blocks[num_kept:]))
         return blocks[:num_kept]
 
-    def client_pin_to_release(self) -> Pin | None:
-        """The client's pin to give up first when a request cannot get blocks (before any
-        the policy chose): the one nearest its deadline; None without client pins."""
-        return min((pin for pin in self.pins if pin.source == "client"), default=None,
-                   key=lambda pin: pin.deadline_s)
-
     def _cap_tenant_pins(self, tenant: str | None, max_pinned_blocks: float, newest: Pin,
                          now_s: float) -> None:
         pins = [pin for pin in self.pins if pin.tenant == tenant and pin is not newest]

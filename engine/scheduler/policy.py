@@ -151,7 +151,8 @@ class SchedulingPolicy(Protocol):
 
     def select_victim(self, request: Request, now_s: float) -> Victim | None:
         """`request` (RUNNING) cannot get blocks: a running request to preempt (possibly
-        `request` itself), a live pin to release, or None: `request` waits this step,
+        `request` itself), a live pin of the policy's own (`source` "policy": clients' pins
+        are the scheduler's to give up, before it asks), or None: `request` waits this step,
         keeping its blocks (the step then admits nobody). None only while another running
         request can finish or free blocks, so that the engine keeps moving."""
         ...
@@ -164,9 +165,9 @@ class SchedulingPolicy(Protocol):
         ...
 
     def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
-        """The waiting head `request` cannot get blocks: a live pin to release for it, or None
-        to leave it waiting. Must not return None forever while pins alone block an otherwise
-        idle engine."""
+        """The waiting head `request` cannot get blocks: a live pin of the policy's own to
+        release for it, or None to leave it waiting. Must not return None forever while its
+        pins alone block an otherwise idle engine."""
         ...
 
     def job_state(self, job_id: str) -> JobBooks | None:
@@ -183,7 +184,8 @@ class BasePolicy:
     """Defaults for policies without jobs (FCFS, priority, plugins): no options, no retention,
     nothing learned, vLLM's admission (this step's chunk), and pins released for admission
     only when nothing is running: other jobs' pins first (most recently pinned first), the
-    request's own job's pin last (its prefix hit usually needs those blocks).
+    request's own job's pin last (its prefix hit usually needs those blocks); only the
+    policy's own pins (a plugin's that retains).
 
     A policy with options sets `options_type` to a frozen dataclass (see
     `engine.scheduler.options`) and takes the parsed value as its `options` argument.
@@ -225,7 +227,7 @@ class BasePolicy:
         if self.scheduler.running:
             return None
         return max(
-            self.scheduler.pins,
+            (pin for pin in self.scheduler.pins if pin.source == "policy"),
             key=lambda pin: (pin.job_id != request.job_id, pin.pinned_at_s),
             default=None,
         )

@@ -9,6 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The `RetentionInputs.source` of a turn the policy failed to decide on (its output broke a
+# parser, say): the scheduler frees its blocks and goes on.
+POLICY_ERROR = "policy-error"
+
 
 @dataclass(frozen=True, slots=True)
 class RetentionInputs:
@@ -18,7 +22,8 @@ class RetentionInputs:
 
     `source` names the rule: for Eq. 2 the distribution that decided (`cold-start`, `tool`,
     `pooled`, `learned`), else the policy's rule (`fixed`, `constant`, `until-next-turn`,
-    `no-tool-call`; InferCept with swap: `preserve`, `discard` or `swap`). Eq. 2's inputs,
+    `no-tool-call`; InferCept with swap: `preserve`, `discard` or `swap`; `policy-error`
+    when the policy raised and the scheduler decided for it). Eq. 2's inputs,
     when it decided: `num_samples` of the distribution, `queueing_delay_s` (T), `eta`,
     `rebuild_s` (R), `benefit_s` (T * eta + R) and `memory_price` (seconds of the others'
     delay a second of the pin costs, with a priced `pin_cost`). `declined_by` names what

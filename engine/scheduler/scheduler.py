@@ -7,6 +7,7 @@ and jobs are kept by `PinKeeper`. This module never asks which policy it runs.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -23,12 +24,14 @@ from engine.scheduler.job_inference import JobInference
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.pin_keeper import PinKeeper
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
+from engine.scheduler.retention import POLICY_ERROR, Retention, RetentionInputs
 from engine.scheduler.runner_output import apply_runner_output
 from engine.scheduler.step_plan import AdmissionOutcome, StepPlan, emit
 from engine.scheduler.sweep import Sweep
 from engine.scheduler.tenant_queue import TenantFairQueue
 from engine.scheduler.tracer import SchedulerTracer
 
+logger = logging.getLogger(__name__)
 
 class Scheduler:
     """Owns every unfinished request and the KV cache manager (with its pins, `PinKeeper`).
@@ -351,7 +354,7 @@ class Scheduler:
         blocks and computes nothing)."""
         while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
             victim = (self._admission.over_share_pin(request, plan)
-                      or self._pin_keeper.client_pin_to_release()
+                      or self._admission.client_pin_for(request, plan)
                       or self.policy.select_victim(request, now_s))
             if victim is None:
                 return None
@@ -449,7 +452,7 @@ class Scheduler:
             return AdmissionOutcome.NO_MEMORY
         while kv_cache_manager.allocate_slots(request, num_new_tokens, hit) is None:
             pin = (self._admission.over_share_pin(request, plan)
-                   or self._pin_keeper.client_pin_to_release()
+                   or self._admission.client_pin_for(request, plan)
                    or self.policy.select_pin_to_release(request, now_s))
             if pin is None:
                 return AdmissionOutcome.NO_MEMORY
@@ -487,13 +490,32 @@ class Scheduler:
         del self._requests[request.request_id]
         self._dropped_tokens.pop(request.request_id, None)
         self._finished_req_ids.add(request.request_id)
-        retention = self.policy.retention(request, now_s)
+        retention = self._retention(request, now_s)
         self.events.emit(events.RequestFinished(request, now_s))
         cap = self._admission.pin_cap_blocks(request.tenant)
         if not self._pin_keeper.retain(request, retention, now_s, max_tenant_pinned_blocks=cap):
             self.kv_cache_manager.free(request,
                                        offload=retention is None or retention.offload)
-        self._pin_keeper.turn_finished(request, now_s)
+        try:
+            self._pin_keeper.turn_finished(request, now_s)
+        except Exception:  # one turn's output must not end the engine: its job ends instead
+            logger.exception("remembering the finished turn %s failed; its job ends",
+                             request.request_id)
+            if request.job is not None:
+                self._pin_keeper.end_job(request.job.job_id, PinReleaseReason.JOB_END, now_s)
+
+    def _retention(self, request: Request, now_s: float) -> Retention | None:
+        """The policy's retention decision for finished `request`; where the policy fails on
+        it (its output, say), the turn is not pinned, with the reason `policy-error` in the
+        trace, and the engine goes on."""
+        try:
+            return self.policy.retention(request, now_s)
+        except Exception:
+            logger.exception("the policy's retention decision failed on %s; it is not pinned",
+                             request.request_id)
+            if request.status is RequestStatus.FINISHED_ABORTED:
+                return None
+            return Retention(0.0, RetentionInputs(ttl_s=0.0, source=POLICY_ERROR))
 
     def check_invariants(self) -> None:
         """Asserts the scheduler's and the KV cache's invariants (`invariants.check_invariants`);

@@ -18,6 +18,7 @@ from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from engine.entrypoints.openai.tool_call_ids import continued_request_id
 from engine.frontend.processor import InputProcessor, PromptTooLongError
+from engine.tool_calls import JSON_ERRORS
 
 
 @dataclass(frozen=True)
@@ -122,5 +123,5 @@ def _arguments_object(arguments: str | dict[str, Any]) -> Any:
         return arguments
     try:
         return json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError):
+    except JSON_ERRORS:
         return arguments

@@ -35,6 +35,7 @@ from engine.structured_output import grammars
 from engine.structured_output.grammars import ToolCallFormat, ToolSchema
 from engine.structured_output.spec import StructuredOutputKind, StructuredOutputSpec
 from engine.structured_output.strict import strict_schema
+from engine.tool_calls import JSON_ERRORS
 
 MAX_CHECKED_GRAMMARS = 1024
 HERMES_CALL_START = "<tool_call>"
@@ -293,7 +294,7 @@ def _schema_value(field: str, value: Any) -> Mapping[str, Any]:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as error:
+        except JSON_ERRORS as error:
             raise APIError(400, f"{field} is not valid JSON: {error}", param=field) from error
     if not isinstance(value, Mapping):
         raise APIError(400, f"{field} must be a JSON schema object", param=field)

@@ -1,6 +1,9 @@
 import pytest
 
 from engine.request import FinishReason, RequestStatus
+from engine.scheduler import events
+from engine.scheduler.policies import FCFSPolicy
+from engine.scheduler.retention import POLICY_ERROR
 from tests.engine.helpers import (
     FakeClock,
     FakeRunner,
@@ -365,3 +368,42 @@ def test_a_held_back_request_computes_up_to_its_last_token_and_keeps_its_place()
     assert free_blocks(scheduler) <= blocks
     assert [r.request_id for r in scheduler.running] == ["held", "free"]
     run_until_done(scheduler, runner)
+
+
+class _FailingRetention(FCFSPolicy):
+    """Raises on every retention decision, as a policy whose output parser broke would."""
+
+    def retention(self, request, now_s):
+        raise ValueError("Exceeds the limit (4300 digits) for integer string conversion")
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def started(self, event) -> None:
+        pass
+
+    def receive(self, event) -> bool:
+        self.events.append(event)
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_policy_failing_on_a_finished_turn_costs_the_turn_its_pin_not_the_engine() -> None:
+    scheduler = make_scheduler(block_size=4, policy=_FailingRetention())
+    recorder = _Recorder()
+    scheduler.subscribe(recorder)
+    runner = FakeRunner(4)
+    scheduler.add_request(make_request("turn", list(range(9)), max_tokens=2, job_id="J"))
+    scheduler.add_request(make_request("plain", list(range(20, 29)), max_tokens=2))
+    run_until_done(scheduler, runner)
+    decided = [e for e in recorder.events if isinstance(e, events.RetentionDecided)]
+    assert {e.request.request_id for e in decided} == {"turn", "plain"}  # plain's is inferred
+    assert all(e.pin is None and e.inputs.source == POLICY_ERROR for e in decided)
+    assert len(scheduler.pins) == 0 and free_blocks(scheduler) == scheduler.num_kv_blocks
+    scheduler.add_request(make_request("after", list(range(40, 49)), max_tokens=2))
+    run_until_done(scheduler, runner)  # the engine goes on
+    assert not scheduler.has_unfinished_requests()

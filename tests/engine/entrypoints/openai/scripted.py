@@ -98,6 +98,18 @@ class ScriptedExecutor(SynchronousExecutor):
                 self._tokenizer.eos_token_id]
 
 
+# A tool call whose argument is an integer of more digits than Python converts.
+HUGE_INTEGER_CALL = '<tool_call>{"name": "t", "arguments": {"x": ' + "9" * 5_000 + "}}</tool_call>"
+
+
+class HugeIntegerExecutor(ScriptedExecutor):
+    """Replays `HUGE_INTEGER_CALL` for every request."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._script = self._encode(HUGE_INTEGER_CALL)
+
+
 class PinJobTurnsPolicy(FCFSPolicy):
     """FCFS that pins every finished non-final turn of a job (see the module docstring) that
     the client named: the jobs the scheduler infers for requests without one are not pinned,

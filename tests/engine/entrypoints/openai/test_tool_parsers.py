@@ -129,3 +129,42 @@ def test_streaming_sends_content_before_the_call_and_never_the_tags():
     assert streamed == "Checking now."
     assert "".join(pieces[:14]) == "Checking now."  # sent as it came, before the call ended
     assert calls == (LS,)
+
+
+HUGE_INTEGER = "9" * 5_000  # more digits than Python converts (sys.get_int_max_str_digits)
+DEEP = "[" * 100_000
+HOSTILE_OUTPUTS = [
+    f'<tool_call>{{"name": "t", "arguments": {{"x": {HUGE_INTEGER}}}}}</tool_call>',
+    f'<tool_call>{{"name": "t", "arguments": {{"x": {HUGE_INTEGER}',
+    f'<tool_call>{{"name": "t", "arguments": "{{\\"x\\": {HUGE_INTEGER}}}"}}</tool_call>',
+    f'{{"name": "t", "parameters": {{"x": {HUGE_INTEGER}}}}}',
+    f'<|python_tag|>{{"name": "t", "parameters": {{"x": -{HUGE_INTEGER}}}}}',
+    f'<tool_call>{{"name": "t", "arguments": {DEEP}',
+    f'{{"name": "t", "parameters": {DEEP}',
+    '<tool_call>{"name": "t", "arguments": {"x": 1e999999}}</tool_call>',
+    '<tool_call>{"name": "t", "arguments": {"x": "\udc80"}}</tool_call>',
+]
+
+
+@pytest.mark.parametrize("parser_name", ["auto", "hermes", "llama3_json"])
+@pytest.mark.parametrize("text", HOSTILE_OUTPUTS, ids=range(len(HOSTILE_OUTPUTS)))
+def test_hostile_output_parses_to_content_or_calls_never_raises(parser_name, text) -> None:
+    for parser in (make_tool_parser(parser_name),
+                   OfferedToolsParser(make_tool_parser(parser_name), frozenset({"t"}))):
+        parsed = parser.parse(text)
+        assert parsed.content == text or parsed.tool_calls
+        for call in parsed.tool_calls:
+            json.loads(call.arguments)  # what the server returns is JSON it can read back
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.sampled_from(['<tool_call>', '</tool_call>', '{"name": "t", "arguments": ', '{', '}',
+                     '[', ']', '"', ':', ',', HUGE_INTEGER, "1e999", "-", "\\u", "\udc80",
+                     '<|python_tag|>', ';']),
+    st.text(max_size=6)), max_size=30).map("".join))
+def test_any_text_parses_without_raising(text: str) -> None:
+    for name in ("auto", "hermes", "llama3_json"):
+        parsed = make_tool_parser(name).parse(text)
+        for call in parsed.tool_calls:
+            json.loads(call.arguments)
