@@ -37,6 +37,10 @@ CONTINUATION_TEXT_TOKENS = 256
 PROMPT_TEXT_TOKENS = 64
 # Texts are compared by their runs of this many characters (their n-grams).
 TEXT_GRAM_CHARS = 4
+# At most this many finished turns share a prompt (its last full block's hash) or a request
+# id, the oldest dropped first, so that a lookup costs the same however many requests sent one
+# prompt (docs/decisions/0014-job-inference-limits.md).
+MAX_TURNS_PER_KEY = 16
 _WHITESPACE = re.compile(r"\s+")
 # Markup tags, the text of most special tokens (`<|im_end|>`, `<tool_call>`, `</think>`).
 _TAGS = re.compile(r"<\|[^<>|\s]{0,64}\|>|</?[A-Za-z_][\w.-]{0,64}>")
@@ -103,16 +107,22 @@ class JobInference:
     output was empty wins only when no candidate has any. Without `decode`, the candidate
     whose first output tokens (up to a block of them) the request repeats furthest wins.
 
-    A tie between several candidates (parallel rollouts of one first prompt that answered
-    alike) is ambiguous: the request starts a new job rather than joining one of theirs,
-    whose pins and order it might take.
+    A tie between candidates with the same output (runs of one conversation that answered
+    alike) goes to the one that finished last, since a run that goes on sends its next turn
+    soon after its own turn finished while a finished run's last turn stays in the table;
+    of turns that finished in one step, to the first filed (they are filed, and their
+    clients answered, in the order they were admitted). A tie between candidates whose outputs
+    differ (rollouts the request's text cannot tell apart) is ambiguous: the request starts
+    a new job rather than join one of theirs, whose pins and order it might take.
 
     **One continuation per turn.** A match takes the turn out of the table, so an inferred job
     has at most one unfinished turn. If that turn is aborted, the turn it continued goes back
     in (as of the abort) so that a retry joins the job again.
 
     **Bounds.** At most `max_turns` turns, each for at most `max_age_s`: a sweep drops older
-    ones (and a lookup skips them); a full table drops the oldest turn of the tenant that holds
+    ones (and a lookup skips them); at most `MAX_TURNS_PER_KEY` of them under one prompt or
+    one request id (the oldest dropped), so that a lookup checks a bounded number of
+    candidates; a full table drops the oldest turn of the tenant that holds
     the most, so that one tenant's flood of requests never pushes another tenant's turns out
     while it holds more of the table (with one tenant: the oldest). The job of a dropped turn has no
     unfinished turn and can never be continued, so it ends (its pin, if any, is released and
@@ -242,9 +252,10 @@ class JobInference:
         return None
 
     def _decide(self, request: Request, candidates: list[_FinishedTurn]) -> _FinishedTurn | None:
-        """Among turns `request` continues: the one with the longest prompt, then the one
-        whose output it repeats furthest (by text with a decoder, else by tokens); None when
-        that leaves a tie."""
+        """Among turns `request` continues (in the order they were filed): the one with the
+        longest prompt, then the one whose output it repeats furthest (by text with a
+        decoder, else by tokens); of turns that tie with the same output, the one finished
+        last (the first filed of those); None when turns with different outputs tie."""
         longest = max(turn.num_prompt_tokens for turn in candidates)
         candidates = [turn for turn in candidates if turn.num_prompt_tokens == longest]
         if len(candidates) == 1:
@@ -263,9 +274,11 @@ class JobInference:
         else:
             scores = [_num_repeated(request, turn) for turn in candidates]
         best = max(scores)
-        if scores.count(best) > 1:
-            return None
-        return candidates[scores.index(best)]
+        tied = [turn for turn, score in zip(candidates, scores, strict=True) if score == best]
+        by_text = all(turn.output_text is not None for turn in tied)
+        if len({turn.output_text if by_text else turn.output_head for turn in tied}) > 1:
+            return None  # rollouts that answered differently, told apart by nothing
+        return max(tied, key=lambda turn: turn.finished_at_s)  # the first filed of the latest
 
     def _text(self, token_ids: Sequence[int], start: int, max_tokens: int) -> str | None:
         """The normalised text of up to `max_tokens` of `token_ids` from `start` (None
@@ -292,16 +305,23 @@ class JobInference:
         return now_s - turn.finished_at_s > self.max_age_s
 
     def _add(self, turn: _FinishedTurn) -> list[str]:
-        """Files `turn`, dropping the oldest turns of the tenant holding the most while the
+        """Files `turn`, dropping the oldest turn filed under its prompt or its request id past
+        `MAX_TURNS_PER_KEY`, and the oldest turns of the tenant holding the most while the
         table is over its size; returns the dropped turns' jobs."""
         previous = self._turns.get(turn.job_id)
         if previous is not None:
             self._remove(previous)
         self._turns[turn.job_id] = turn
         self._turns_by_tenant.setdefault(turn.tenant, OrderedDict())[turn.job_id] = None
-        self._job_ids_by_key.setdefault(turn.key_hash, []).append(turn.job_id)
-        self._job_ids_by_request_id.setdefault(turn.request_id, []).append(turn.job_id)
         ended = []
+        for index, key in ((self._job_ids_by_key, turn.key_hash),
+                           (self._job_ids_by_request_id, turn.request_id)):
+            filed = index.setdefault(key, [])  # type: ignore[attr-defined]
+            filed.append(turn.job_id)
+            if len(filed) > MAX_TURNS_PER_KEY:
+                oldest = self._turns[filed[0]]
+                self._remove(oldest)
+                ended.append(oldest.job_id)
         while len(self._turns) > self.max_turns:
             # The tenant holding the most; between tenants holding as many, the oldest turn.
             largest = max(self._turns_by_tenant.values(), key=lambda turns: (

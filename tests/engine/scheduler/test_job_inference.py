@@ -139,14 +139,18 @@ def test_tenants_that_share_the_prefix_cache_still_never_join_each_others_jobs()
     run_until_done(scheduler, runner)
 
 
-def test_rollouts_that_answered_alike_are_ambiguous_and_their_continuations_start_new_jobs():
+def test_runs_that_answered_alike_are_continued_latest_first():
+    # Identical turns: the continuation joins the one that finished last, then the next one
+    # the other; neither starts a job of its own.
     scheduler, runner, _ = _setup()
     twin_a = _turn(scheduler, runner, "twin-a", FIRST_PROMPT)
     twin_b = _turn(scheduler, runner, "twin-b", FIRST_PROMPT)
     assert twin_a.job_id != twin_b.job_id
+    next_b = make_request("next-b", _next_prompt(FIRST_PROMPT), max_tokens=3)
+    scheduler.add_request(next_b)
     next_a = make_request("next-a", _next_prompt(FIRST_PROMPT), max_tokens=3)
     scheduler.add_request(next_a)
-    assert next_a.job.inferred and next_a.job_id not in (twin_a.job_id, twin_b.job_id)
+    assert (next_b.job_id, next_a.job_id) == (twin_b.job_id, twin_a.job_id)
     run_until_done(scheduler, runner)
 
 

@@ -1,6 +1,6 @@
 """Job inference on text: rollouts of one prompt are told apart by the text their output
 came back as, which survives byte-level outputs that were not UTF-8 and answers a client
-rewrote; a tie still starts a new job.
+rewrote; a tie between different outputs still starts a new job.
 
 The token ids here are bytes (a byte-level vocabulary, as the tiny model's), decoded as
 UTF-8 with U+FFFD for what is not.
@@ -12,7 +12,7 @@ import pytest
 
 from engine.request import JobInfo, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler.job_inference import JobInference, normalized_text
+from engine.scheduler.job_inference import MAX_TURNS_PER_KEY, JobInference, normalized_text
 from engine.scheduler.policy import PolicyEnvironment
 from tests.engine.helpers import make_scheduler
 
@@ -87,13 +87,12 @@ def test_an_answer_the_client_rewrote_continues_its_rollout() -> None:
     assert inferred.job == firsts["a"].job
 
 
-def test_rollouts_whose_text_came_out_alike_are_a_tie_and_start_a_new_job() -> None:
+def test_rollouts_whose_text_came_out_alike_tie_and_the_latest_is_continued() -> None:
     inference = _inference()
-    twins = [_finished_turn(inference, name, output)
-             for name, output in (("one", b"\xffok"), ("two", b"\xfeok"))]
+    _, two = [_finished_turn(inference, name, output)
+              for name, output in (("one", b"\xffok"), ("two", b"\xfeok"))]
     inferred = inference.infer(_continuation("next", "\ufffdok"), 2.0)
-    assert inferred.continues_request_id is None
-    assert inferred.job.job_id not in {twin.job_id for twin in twins}
+    assert inferred.continues_request_id == "two" and inferred.job == two.job
 
 
 def test_a_whole_output_wins_over_a_longer_one_it_begins() -> None:
@@ -152,3 +151,34 @@ def test_the_scheduler_matches_turns_by_text_with_the_engines_decoder() -> None:
     next_green = _continuation("next-green", _decode(ROLLOUTS["green"]))
     scheduler.add_request(next_green)
     assert next_green.job == JobInfo(job_id=firsts["green"].job_id, inferred=True)
+
+
+def test_a_flood_of_one_prompt_keeps_at_most_a_bounded_number_of_its_turns() -> None:
+    # 2,000 requests of one prompt: the table keeps the latest MAX_TURNS_PER_KEY under its
+    # key (the older ones' jobs end), so that a lookup checks that many candidates at most.
+    inference = JobInference(BLOCK_SIZE, max_turns=4_096, max_age_s=600.0, decode=_decode)
+    ended: list[str] = []
+    jobs = []
+    for index in range(2_000):
+        request = _request(f"flood-{index}", PROMPT)
+        request.job = inference.infer(request, 0.0).job
+        jobs.append(request.job.job_id)
+        for token in b"ok":
+            request.append_output_token_id(token)
+        request.status = RequestStatus.FINISHED_STOPPED
+        ended += inference.turn_finished(request, float(index))
+    assert len(inference) == MAX_TURNS_PER_KEY
+    assert ended == jobs[:-MAX_TURNS_PER_KEY]  # the oldest first
+    # The flood's turns are alike: a continuation joins the latest of them.
+    inferred = inference.infer(_continuation("next", "ok"), 2_000.0)
+    assert inferred.job.job_id == jobs[-1]
+
+
+def test_turns_under_one_request_id_are_bounded_too() -> None:
+    inference = JobInference(BLOCK_SIZE, max_turns=4_096, max_age_s=600.0, decode=_decode)
+    for index in range(100):
+        request = _request("same-id", [*PROMPT, *str(index).encode()])
+        request.job = inference.infer(request, 0.0).job
+        request.status = RequestStatus.FINISHED_STOPPED
+        inference.turn_finished(request, float(index))
+    assert len(inference) == MAX_TURNS_PER_KEY

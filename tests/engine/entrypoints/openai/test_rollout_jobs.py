@@ -65,3 +65,34 @@ def test_four_rollouts_of_one_prompt_are_four_jobs_in_every_run(server) -> None:
             assert job_of[second] == job_of[first], f"run {run}"
             assert inferred_from[second] == first, f"run {run}"
         assert len(set(job_of.values())) == NUM_ROLLOUTS, f"run {run}"
+
+
+def _identical_run(server: TracedServer, prompt: str, num_turns: int = 3) -> list[str]:
+    """A chat of `num_turns` greedy turns, each re-sending the conversation: the chat
+    completion ids of its turns (every run of `prompt` answers alike)."""
+    client = server.client()
+    messages: list[Any] = [{"role": "user", "content": prompt}]
+    ids = []
+    for _ in range(num_turns):
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                               temperature=0)
+        ids.append(reply.id)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "Go on."}]
+    return ids
+
+
+def test_identical_runs_each_keep_one_job_after_two_ran_together(server) -> None:
+    # Two runs at once, then four one after the other. The pair's turns are alike and
+    # finish together, so nothing tells whose is whose: their six turns stay in their two
+    # jobs (a turn may continue the other run's job, whose KV is the same), no third job.
+    # Each later run keeps one job of its own, though the pair's last turns, alike, stay in
+    # the table.
+    prompt = "Identical runs: say something."
+    with ThreadPoolExecutor(2) as pool:
+        pair, pair_turns = server.turns(
+            lambda: list(pool.map(lambda _: _identical_run(server, prompt), range(2))))
+    assert len({turn.job_id for turn in pair_turns}) == 2
+    for _ in range(4):
+        ids, turns = server.turns(lambda: _identical_run(server, prompt))
+        assert len({turn.job_id for turn in turns}) == 1 and len(turns) == len(ids)
