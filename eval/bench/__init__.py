@@ -39,6 +39,8 @@ BENCH_COMMANDS: Mapping[str, str] = MappingProxyType({
               "subprocess: the other tenant's latency",
     "flood": "one tenant's flood of completions against a `continuum serve` subprocess: the "
              "other tenant's wait for its first token",
+    "inference": "one tenant's requests of one prompt, filed by job inference, against a "
+                 "`continuum serve` subprocess: the other tenant's latency, a lookup's cost",
     "pins": "one tenant's agent jobs pinning the KV pool against a `continuum serve` "
             "subprocess: the other tenant's latency, the pins' share",
     "drain": "SIGTERM to a `continuum serve` subprocess (one server or --replicas) with "
