@@ -27,6 +27,7 @@ class PinReleaseReason(str, enum.Enum):
     REUSED = "reused"  # the job's next turn was admitted and took the blocks itself
     EXPIRED = "expired"  # the TTL ran out with no turn of the job waiting
     PRESSURE = "pressure"  # memory was needed for running or waiting requests
+    TENANT_SHARE = "tenant_share"  # its tenant held more than its share of the pool
     JOB_END = "job_end"  # the job's last turn finished or the job timed out
     REPLACED = "replaced"  # a newer turn of the same job was pinned
     RELEASE = "release"  # a client released the job explicitly

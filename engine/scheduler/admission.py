@@ -98,7 +98,7 @@ class Admission:
             if self._pins.get(pin.job_id) is not pin or pin.job_id == request.job_id:
                 raise RuntimeError(f"policy counted the pin of job {pin.job_id!r} as room for "
                                    f"{request.request_id!r}: not live, or its own job's")
-        client_pins = [pin for pin in self._client_pins_for(request, plan)
+        client_pins = [pin for pin in self._client_pins_for(request, reservation.num_tokens, plan)
                        if pin.job_id != request.job_id]
         reservable = {pin.job_id: pin for pin in (*reservation.pins, *client_pins,
                                                   *self._pins_over_share(request, plan))}
@@ -117,26 +117,39 @@ class Admission:
         shares = self._shares(plan)
         return max(pins, key=lambda pin: (shares.excess(pin.tenant), pin.pinned_at_s))
 
-    def client_pin_for(self, requester: Request, plan: StepPlan) -> Pin | None:
-        """For `requester`, short of blocks once no tenant over its share has a pin to give
-        (`over_share_pin`): the clients' pin to release before any the policy would give up,
-        the one nearest its deadline of those `requester` may take (`_client_pins_for`)."""
-        return next(iter(self._client_pins_for(requester, plan)), None)
+    def client_pin_for(self, requester: Request, num_new_tokens: int,
+                       plan: StepPlan) -> Pin | None:
+        """For `requester`, short of blocks for `num_new_tokens` more tokens once no tenant
+        over its share has a pin to give (`over_share_pin`): the clients' pin to release
+        before any the policy would give up, the one nearest its deadline of those it may
+        take (`_client_pins_for`)."""
+        return next(iter(self._client_pins_for(requester, num_new_tokens, plan)), None)
 
-    def _client_pins_for(self, requester: Request, plan: StepPlan) -> list[Pin]:
-        """The clients' pins `requester` may take, in the order it takes them: its own
-        tenant's first, then, unless its tenant is over its share while others run, every
-        other tenant's; each group nearest its deadline first (docs/decisions/
-        0031-tenant-pin-share.md). A tenant within its share never loses a client pin to a
-        tenant over its own."""
+    def _client_pins_for(self, requester: Request, num_new_tokens: int,
+                         plan: StepPlan) -> list[Pin]:
+        """The clients' pins `requester` may take for `num_new_tokens` more tokens, in the
+        order it takes them: its own tenant's first, then, if its tenant stays within its
+        share with those tokens' blocks (or nothing runs), every other tenant's; each group
+        nearest its deadline first (docs/decisions/0031-tenant-pin-share.md). So a tenant
+        within its share never loses a client pin to a tenant that would go over its own."""
         client_pins = sorted((pin for pin in self._pins if pin.source == "client"),
                              key=lambda pin: pin.deadline_s)
         own = [pin for pin in client_pins if pin.tenant == requester.tenant]
         if len(own) == len(client_pins) or (
                 self.tenants_compete and self._view.running
-                and self._shares(plan).excess(requester.tenant) > 0):
+                and not self._stays_within_share(requester, num_new_tokens, plan)):
             return own
         return own + [pin for pin in client_pins if pin.tenant != requester.tenant]
+
+    def _stays_within_share(self, requester: Request, num_new_tokens: int,
+                            plan: StepPlan) -> bool:
+        """Whether `requester`'s tenant holds at most its share of the pool with the blocks
+        of `num_new_tokens` more tokens (a waiting request's whole prompt, from the start)."""
+        shares = self._shares(plan)
+        num_tokens = (num_new_tokens if requester in self._view.running
+                      else max(num_new_tokens, requester.num_tokens))
+        num_held = shares.num_blocks.get(requester.tenant, 0)
+        return num_held + self._num_blocks_for(num_tokens) <= shares.share_blocks
 
     def _pins_over_share(self, requester: Request, plan: StepPlan) -> list[Pin]:
         if not self.tenants_compete or not any(

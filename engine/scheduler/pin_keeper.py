@@ -95,7 +95,7 @@ class PinKeeper:
         for pin in (*pins, newest):  # the table keeps pins oldest first
             if num_pinned <= max_pinned_blocks:
                 return
-            self.release(pin.job_id, PinReleaseReason.PRESSURE, now_s)
+            self.release(pin.job_id, PinReleaseReason.TENANT_SHARE, now_s)
             num_pinned -= pin.num_blocks
 
     def _ttl_s(self, request: Request, retention: Retention) -> float:

@@ -353,9 +353,9 @@ class Scheduler:
         itself was preempted, or waits this step (the policy chose no victim: it keeps its
         blocks and computes nothing)."""
         while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-            victim = (self._admission.over_share_pin(request, plan)
-                      or self._admission.client_pin_for(request, plan)
-                      or self.policy.select_victim(request, now_s))
+            if self._release_tenants_pin(request, num_new_tokens, plan, now_s):
+                continue
+            victim = self.policy.select_victim(request, now_s)
             if victim is None:
                 return None
             if isinstance(victim, Pin):
@@ -368,6 +368,21 @@ class Scheduler:
             if victim is request:
                 return None
         return new_blocks
+
+    def _release_tenants_pin(self, request: Request, num_new_tokens: int, plan: StepPlan,
+                             now_s: float) -> bool:
+        """Before the policy is asked: releases the pin of another tenant over its share
+        (TENANT_SHARE), else a client's pin `request` may take (PRESSURE), if any; whether
+        it released one."""
+        pin = self._admission.over_share_pin(request, plan)
+        reason = PinReleaseReason.TENANT_SHARE
+        if pin is None:
+            pin = self._admission.client_pin_for(request, num_new_tokens, plan)
+            reason = PinReleaseReason.PRESSURE
+        if pin is None:
+            return False
+        self._pin_keeper.release_chosen((pin,), reason, now_s)
+        return True
 
     def _preempt(self, request: Request, plan: StepPlan, *, needed_by: Request,
                  reason: events.PreemptionReason = "out_of_blocks") -> None:
@@ -451,12 +466,11 @@ class Scheduler:
                 self._pin_keeper.release_chosen((pin,), PinReleaseReason.PRESSURE, now_s)
             return AdmissionOutcome.NO_MEMORY
         while kv_cache_manager.allocate_slots(request, num_new_tokens, hit) is None:
-            pin = (self._admission.over_share_pin(request, plan)
-                   or self._admission.client_pin_for(request, plan)
-                   or self.policy.select_pin_to_release(request, now_s))
-            if pin is None:
-                return AdmissionOutcome.NO_MEMORY
-            self._pin_keeper.release_chosen((pin,), PinReleaseReason.PRESSURE, now_s)
+            if not self._release_tenants_pin(request, num_new_tokens, plan, now_s):
+                pin = self.policy.select_pin_to_release(request, now_s)
+                if pin is None:
+                    return AdmissionOutcome.NO_MEMORY
+                self._pin_keeper.release_chosen((pin,), PinReleaseReason.PRESSURE, now_s)
             # Storing the released blocks may have evicted host blocks of the hit.
             hit = kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = plan.num_new_tokens(request, hit.num_tokens)

@@ -15,6 +15,14 @@ phase, and the pool's pinned blocks during the attack (sampled from `/metrics` e
 `--max-ratio` of the baseline's; the pinned blocks never above the attacker's share of the
 pool (half of it: the victim and the attacker compete).
 
+Another (`--attack breakpoint`), `--runs` times on one server: the victim sends a Messages
+API turn whose system prompt of about `--breakpoint-tokens` tokens carries a `cache_control`
+breakpoint of an hour (a client pin of its own tenant); then the attacker grows
+`--grow-requests` completions of `--grow-tokens` tokens each at once, past its share of the
+pool (half of it), until they end; then the victim's next turn continues the first. Check:
+in every run the victim's pin is still there (`GET /v1/jobs/...`) and its next turn reads
+the whole breakpoint prefix from the cache (`cache_read_input_tokens`).
+
 Exit status 1 if a check failed or a server did not start, 2 for bad flags.
 """
 
@@ -35,6 +43,7 @@ from eval.attack_bench import (
     TENANT_ARGS,
     VICTIM_KEY,
     add_attack_arguments,
+    attacker_completion,
     attacker_process,
     auth,
     counts_text,
@@ -50,7 +59,8 @@ NUM_KV_BLOCKS = 1024
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-model-len", "4096",
                       "--no-job-inference", "--policy-option", "estimator=fixed-2s",
                       *TENANT_ARGS)
-ATTACKS = ("pins",)
+ATTACKS = ("pins", "breakpoint")
+BLOCK_SIZE = 16
 PHASES = ("baseline", "attack")
 # The tiny model's tokenizer reads bytes: a character of these texts is about a token.
 _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
@@ -69,9 +79,14 @@ class PinsSettings:
     attack_s: float = 40.0
     sample_s: float = 0.2
     max_ratio: float = 1.5
+    runs: int = 10
+    breakpoint_tokens: int = 1_648
+    grow_requests: int = 4
+    grow_tokens: int = 4_000
 
     def __post_init__(self) -> None:
-        if min(self.jobs, self.job_tokens, self.turn_tokens, self.victim_prompt_tokens) < 1:
+        if min(self.jobs, self.job_tokens, self.turn_tokens, self.victim_prompt_tokens,
+               self.runs, self.breakpoint_tokens, self.grow_requests, self.grow_tokens) < 1:
             raise ValueError("counts must be >= 1")
         if min(self.baseline_s, self.attack_s, self.sample_s, self.max_ratio) <= 0 or (
                 self.tool_s < 0):
@@ -158,6 +173,8 @@ async def _pinned_blocks(http: httpx.AsyncClient, settings: PinsSettings,
 
 async def _attack(server: ServerProcess, attack: str, settings: PinsSettings
                   ) -> tuple[list[tuple[str, object]], list[Check]]:
+    if attack == "breakpoint":
+        return await _breakpoint_attack(server, settings)
     loop = asyncio.get_running_loop()
     phase = ["baseline"]
     latencies_s: dict[str, list[float]] = {name: [] for name in PHASES}
@@ -200,6 +217,51 @@ async def _attack(server: ServerProcess, attack: str, settings: PinsSettings
     return figures, checks
 
 
+async def _breakpoint_attack(server: ServerProcess, settings: PinsSettings
+                             ) -> tuple[list[tuple[str, object]], list[Check]]:
+    """The breakpoint attack (see the module docstring)."""
+    kept, read_tokens, grown = 0, [], Counter[int | str]()
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=600.0) as http:
+        model = await served_model(http)
+        for run in range(settings.runs):
+            job_id, system = f"victim-{run}", [{
+                "type": "text", "text": text_of(settings.breakpoint_tokens, seed=10_000 + run),
+                "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+            first = [{"role": "user", "content": "Hello."}]
+            await _victim_turn(http, model, job_id, system, first)
+            grown += Counter(await asyncio.gather(*(
+                attacker_completion(http, {
+                    "model": model, "prompt": text_of(16, seed=run * 100 + index),
+                    "max_tokens": settings.grow_tokens, "ignore_eos": True})
+                for index in range(settings.grow_requests))))
+            pin = (await http.get(f"/v1/jobs/{job_id}", headers=auth(VICTIM_KEY))).json()
+            kept += pin.get("pin") is not None
+            usage = await _victim_turn(http, model, job_id, system, [
+                *first, {"role": "assistant", "content": "Hi."},
+                {"role": "user", "content": "Once more?"}])
+            read_tokens.append(int(usage.get("cache_read_input_tokens", 0)))
+    prefix = settings.breakpoint_tokens // BLOCK_SIZE * BLOCK_SIZE
+    return [("breakpoint: attacker's growing completions", counts_text(grown)),
+            ("breakpoint: runs whose pin survived", f"{kept} of {settings.runs}"),
+            ("breakpoint: cached tokens the next turn read, least / most",
+             f"{min(read_tokens)} / {max(read_tokens)}")], [
+        Check("breakpoint: the server survived", server.is_healthy(), ""),
+        Check("breakpoint: the victim's pin survived every run", kept == settings.runs,
+              f"{kept} of {settings.runs}"),
+        Check(f"breakpoint: every next turn read at least {prefix} cached tokens",
+              min(read_tokens) >= prefix, f"least {min(read_tokens)}")]
+
+
+async def _victim_turn(http: httpx.AsyncClient, model: str, job_id: str, system: list,
+                       messages: list) -> dict[str, Any]:
+    """One Messages API turn of the victim's job; its usage."""
+    response = await http.post("/v1/messages", headers=auth(VICTIM_KEY), json={
+        "model": model, "max_tokens": 4, "system": system, "messages": messages,
+        "job_id": job_id})
+    response.raise_for_status()
+    return dict(response.json()["usage"])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_attack_arguments(parser, ATTACKS, PinsSettings(), (
         ("jobs", "agent jobs the attacker runs at once"),
@@ -211,6 +273,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("attack_s", "seconds of the attacker's pinned jobs"),
         ("sample_s", "seconds between samples of the pinned blocks"),
         ("max_ratio", "most the victim's median and p90 latency may grow in the attack"),
+        ("runs", "breakpoint: runs of victim pin, attacker growth, victim turn"),
+        ("breakpoint_tokens", "breakpoint: tokens of the victim's system prompt"),
+        ("grow_requests", "breakpoint: the attacker's completions grown at once"),
+        ("grow_tokens", "breakpoint: tokens each of them generates"),
     ), DEFAULT_SERVE_ARGS)
 
 

@@ -4,6 +4,8 @@ is the first to go when any request cannot get blocks."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.kv_cache.pins import PinReleaseReason
 from engine.request import Request
 from engine.sampling_params import CacheBreakpoint
@@ -104,3 +106,50 @@ def test_a_clients_pin_is_the_first_to_go_when_a_request_cannot_get_blocks() -> 
     assert "J" not in scheduler.pins
     assert scheduler.pins.num_released[PinReleaseReason.PRESSURE] == 1
     assert big in scheduler.running and scheduler.num_preemptions == 0
+
+
+def _two_tenants(num_blocks: int = 128) -> Scheduler:
+    return make_scheduler(num_blocks=num_blocks, block_size=4,
+                          max_model_len=min(512, 4 * num_blocks),
+                          max_num_batched_tokens=512, policy=FCFSPolicy(), job_inference=False)
+
+
+VICTIM_PROMPT = list(range(1000, 1100))  # 25 blocks
+
+
+def test_a_tenant_over_its_share_never_takes_a_within_share_tenants_client_pin() -> None:
+    # 128 blocks, two tenants (64 each). The victim pins 25 blocks for an hour; the attacker
+    # grows two requests to 124 blocks: they preempt each other, the victim's pin stays, and
+    # the victim's next turn reads its whole breakpoint prefix back.
+    scheduler, runner = _two_tenants(), FakeRunner(4)
+    _finish(scheduler, runner, _turn("v1", VICTIM_PROMPT, breakpoint_tokens=100, ttl_s=3600.0,
+                                     tenant="victim", max_tokens=1))
+    pin = scheduler.pins.get("J")
+    assert pin is not None and pin.num_blocks == 25
+    _finish(scheduler, runner,
+            *(make_request(f"a{index}", [2000 + 10 * index + t for t in range(8)],
+                           max_tokens=240, tenant="attacker") for index in range(2)))
+    assert scheduler.pins.get("J") is pin and pin.release_reason is None
+    assert scheduler.num_preemptions > 0  # the attacker's requests gave way to each other
+    second = _turn("v2", [*VICTIM_PROMPT, 7, 8], tenant="victim", max_tokens=1)
+    _finish(scheduler, runner, second)
+    assert second.num_cached_tokens == 100
+
+
+@pytest.mark.parametrize(("prompt_tokens", "released"), [(180, {"M"}), (220, {"M", "T"})])
+def test_a_tenant_takes_its_own_client_pins_first_then_a_within_share_tenants(
+        prompt_tokens: int, released: set[str]) -> None:
+    # 64 blocks: tenant a's pin M and tenant b's pin T hold 10 each, 44 are free. A request
+    # of tenant a (nothing else running: within its share) takes its own pin first, and
+    # the other tenant's only when that is not enough.
+    scheduler, runner = _two_tenants(64), FakeRunner(4)
+    _finish(scheduler, runner,
+            _turn("mine", VICTIM_PROMPT[:40], job="M", breakpoint_tokens=40, tenant="a",
+                  max_tokens=1),
+            _turn("theirs", VICTIM_PROMPT[40:80], job="T", breakpoint_tokens=40, tenant="b",
+                  max_tokens=1))
+    assert {pin.job_id for pin in scheduler.pins} == {"M", "T"}
+    _finish(scheduler, runner, make_request("big", [5] * prompt_tokens, max_tokens=1,
+                                            tenant="a"))
+    assert {pin.job_id for pin in scheduler.pins} == {"M", "T"} - released
+    assert scheduler.pins.num_released[PinReleaseReason.PRESSURE] == len(released)

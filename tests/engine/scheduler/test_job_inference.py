@@ -142,8 +142,9 @@ def test_tenants_that_share_the_prefix_cache_still_never_join_each_others_jobs()
 def test_runs_that_answered_alike_are_continued_latest_first():
     # Identical turns: the continuation joins the one that finished last, then the next one
     # the other; neither starts a job of its own.
-    scheduler, runner, _ = _setup()
+    scheduler, runner, clock = _setup()
     twin_a = _turn(scheduler, runner, "twin-a", FIRST_PROMPT)
+    clock.advance(1.0)
     twin_b = _turn(scheduler, runner, "twin-b", FIRST_PROMPT)
     assert twin_a.job_id != twin_b.job_id
     next_b = make_request("next-b", _next_prompt(FIRST_PROMPT), max_tokens=3)

@@ -87,12 +87,13 @@ def test_an_answer_the_client_rewrote_continues_its_rollout() -> None:
     assert inferred.job == firsts["a"].job
 
 
-def test_rollouts_whose_text_came_out_alike_tie_and_the_latest_is_continued() -> None:
+def test_rollouts_whose_text_came_out_alike_tie_and_the_first_filed_is_continued() -> None:
+    # Both finished at 1 s (in one step): the first filed, whose client was answered first.
     inference = _inference()
-    _, two = [_finished_turn(inference, name, output)
+    one, _ = [_finished_turn(inference, name, output)
               for name, output in (("one", b"\xffok"), ("two", b"\xfeok"))]
     inferred = inference.infer(_continuation("next", "\ufffdok"), 2.0)
-    assert inferred.continues_request_id == "two" and inferred.job == two.job
+    assert inferred.continues_request_id == "one" and inferred.job == one.job
 
 
 def test_a_whole_output_wins_over_a_longer_one_it_begins() -> None:

@@ -11,7 +11,8 @@ import pytest
 from engine.cli import main as cli_main
 
 
-@pytest.mark.parametrize("args", [["--jobs", "0"], ["--attack-s", "0"], ["--tool-s", "-1"]])
+@pytest.mark.parametrize("args", [["--jobs", "0"], ["--attack-s", "0"], ["--tool-s", "-1"],
+                                  ["--runs", "0"], ["--grow-tokens", "0"]])
 def test_bad_flags_are_refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "pins", *args]) == 2
     assert capsys.readouterr().err.startswith("error:")
@@ -19,7 +20,7 @@ def test_bad_flags_are_refused(args: list[str], capsys: pytest.CaptureFixture[st
 
 def test_a_short_pinning_attack_is_measured_and_capped(tmp_path: Path) -> None:
     out = tmp_path / "pins.json"
-    cli_main(["bench", "pins", "--jobs", "3", "--job-tokens", "800", "--tool-s", "0.5",
+    cli_main(["bench", "pins", "--attack", "pins", "--jobs", "3", "--job-tokens", "800", "--tool-s", "0.5",
               "--victim-prompt-tokens", "300", "--baseline-s", "3", "--attack-s", "5",
               "--max-ratio", "1000", "--json", str(out)])
     report = json.loads(out.read_text())
