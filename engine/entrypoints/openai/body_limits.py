@@ -33,7 +33,10 @@ class BodyLimitError(ValueError):
 
 def check_counts(data: Any, conversation_field: str | None) -> None:
     """BodyLimitError if the body's `tools`, or its conversation (the list in
-    `conversation_field`, if any) and the parts of its items, are over the limits."""
+    `conversation_field`, if any), are over the limits: the conversation's items, and every
+    block list in them and in a top-level `system` list (content parts, tool calls, output
+    parts, and the blocks nested in those, such as a `tool_result`'s content), counted
+    together. Linear in the body."""
     if not isinstance(data, dict):
         return
     tools = data.get("tools")
@@ -46,13 +49,29 @@ def check_counts(data: Any, conversation_field: str | None) -> None:
     if len(items) > MAX_CONVERSATION_ITEMS:
         raise BodyLimitError(f"{conversation_field} has {len(items)} items, over the limit of "
                              f"{MAX_CONVERSATION_ITEMS}", conversation_field)
-    num_parts = sum(len(value) for item in items if isinstance(item, dict)
-                    for value in (item.get(name) for name in _ITEM_PART_FIELDS)
-                    if isinstance(value, list))
+    system = data.get("system")
+    system_blocks = system if isinstance(system, list) else []
+    num_parts = len(system_blocks) + _num_nested_parts([*items, *system_blocks])
     if num_parts > MAX_CONVERSATION_PARTS:
         raise BodyLimitError(f"the items of {conversation_field} hold {num_parts} content "
                              f"parts and tool calls, over the limit of "
                              f"{MAX_CONVERSATION_PARTS}", conversation_field)
+
+
+def _num_nested_parts(values: list[Any]) -> int:
+    """The items of every list held, at any depth, in a part field of `values`' objects."""
+    num_parts = 0
+    stack = [values]
+    while stack:
+        for value in stack.pop():
+            if not isinstance(value, dict):
+                continue
+            for name in _ITEM_PART_FIELDS:
+                nested = value.get(name)
+                if isinstance(nested, list):
+                    num_parts += len(nested)
+                    stack.append(nested)
+    return num_parts
 
 
 def parse_checked(body: bytes, conversation_field: str | None) -> Any:

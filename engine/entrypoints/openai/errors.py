@@ -4,6 +4,8 @@ matching HTTP status, for every failure the server reports (its own and the fram
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -41,6 +43,15 @@ class APIError(HTTPException):
         self.message = message
         self.param = param
         self.code = code
+
+
+def check_unique_names(names: Iterable[str], param: str) -> None:
+    """APIError(400) naming every name of `names` given more than once (in linear time: a
+    body may list thousands)."""
+    duplicates = sorted(name for name, count in Counter(names).items() if count > 1)
+    if duplicates:
+        raise APIError(400, f"{param} name {', '.join(map(repr, duplicates))} more than once",
+                       param=param)
 
 
 def error_body(

@@ -43,7 +43,7 @@ import msgspec
 from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.anthropic_errors import anthropic_error_body
 from engine.entrypoints.openai.drain import ServerShuttingDownError
-from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.errors import APIError, check_unique_names
 from engine.entrypoints.openai.protocol import (
     ChatTool,
     FunctionDefinition,
@@ -397,10 +397,7 @@ def check_messages_fields(body: MessagesFields) -> None:
     without tools or naming none of them, too many cache breakpoints, a `tool_use` or
     `tool_result` in the wrong role's message, a last message that calls a tool."""
     names = [tool.name for tool in body.tools or ()]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise APIError(400, f"tools name {', '.join(map(repr, duplicates))} more than once",
-                       param="tools")
+    check_unique_names(names, "tools")
     choice = body.tool_choice
     if isinstance(choice, ToolChoiceAny | ToolChoiceTool) and not names:
         raise APIError(400, f"tool_choice {choice.type!r} needs tools", param="tool_choice")

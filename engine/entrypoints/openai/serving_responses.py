@@ -35,7 +35,12 @@ from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_ITEMS
 from engine.entrypoints.openai.chat_prompt import template_message
 from engine.entrypoints.openai.drain import ServerShuttingDownError
-from engine.entrypoints.openai.errors import APIError, engine_dead_error, shutting_down_error
+from engine.entrypoints.openai.errors import (
+    APIError,
+    check_unique_names,
+    engine_dead_error,
+    shutting_down_error,
+)
 from engine.entrypoints.openai.job_extension import JOB_ID_HEADER, job_info
 from engine.entrypoints.openai.protocol import (
     ChatMessage,
@@ -704,10 +709,7 @@ def _listed_item(item: ConversationItem, response_id: str, index: int) -> dict[s
 
 def _check_tools(body: ResponsesRequest) -> None:
     names = [tool.name for tool in body.tools or ()]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise APIError(400, f"tools name {', '.join(map(repr, duplicates))} more than once",
-                       param="tools")
+    check_unique_names(names, "tools")
     choice = body.tool_choice
     if (choice == "required" or isinstance(choice, FunctionToolChoice)) and not names:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")

@@ -252,6 +252,32 @@ def test_a_conversation_over_the_part_limit_is_refused_before_it_is_validated(
     _assert_still_serving(server)
 
 
+_BLOCK: dict = {}  # the count is checked before any block is validated
+_OVER = MAX_CONVERSATION_PARTS + 1
+
+
+@pytest.mark.parametrize(("path", "field", "body"), [
+    # Blocks the limit once missed: a system prompt's, a tool result's.
+    ("/v1/messages", "messages", {"max_tokens": 4, "system": [_BLOCK] * _OVER,
+                                  "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/messages", "messages", {"max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                      "content": [_BLOCK] * _OVER}]}]}),
+    ("/v1/chat/completions", "messages", {"messages": [
+        {"role": "tool", "tool_call_id": "t", "content": [_BLOCK] * _OVER}]}),
+    ("/v1/responses", "input", {"input": [
+        {"type": "function_call_output", "call_id": "t", "output": [_BLOCK] * _OVER}]}),
+])
+def test_blocks_over_the_part_limit_anywhere_in_a_conversation_are_refused(
+        server, path, field, body):
+    with server.http() as http:
+        response = http.post(path, json={"model": "tiny", **body})
+    assert response.status_code == 400, response.text
+    error = response.json().get("error", {})
+    assert "over the limit of" in str(error.get("message")), response.text
+    _assert_still_serving(server)
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/responses", {"input": "hi"})])
