@@ -4,7 +4,8 @@
 The victim streams chat completions one after another and times each one's first token and
 the gaps between its tokens, first alone for `--baseline-s`, then for `--attack-s` while
 `--attackers` clients of the other tenant each send one request after another
-(`--attack chats|responses|held|retrievals|logprobs|all`, each against its own server):
+(`--attack chats|responses|held|retrievals|logprobs|tools|blocks|all`, each against its own
+server):
 - **chats**: chats of `--chat-messages` messages of `--message-chars` characters (8 MB by
   default), each taking seconds to render and tokenize (in the server's parse children, on
   cores it shares with every tenant); longer than the model's context, so each ends in a 400
@@ -25,6 +26,10 @@ the gaps between its tokens, first alone for `--baseline-s`, then for `--attack-
   `--echo-prompts` prompts of `--echo-prompt-tokens` tokens each, `n` `--echo-n`: a 32 KB
   body whose answer, were the prompts' logprobs copied into every choice, would be 167 MB
   (the default's).
+- **tools**: Messages API `count_tokens` requests offering `--tools` tools (40 KB by
+  default), each name checked against the others.
+- **blocks**: Messages API requests whose system prompt holds `--system-blocks` one-letter
+  text blocks (12 MB by default), past the limit on a conversation's blocks.
 The attackers run in a child process with an event loop and HTTP client of their own, as
 remote clients would: sharing the victim's loop, writing their megabytes would delay the
 victim's client itself and count as the server's slowness. The victim's attack phase is the
@@ -71,7 +76,7 @@ from eval.server_process import ServerProcess, read_rss_mib
 # request's eight prompts at once.
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "2560", "--max-model-len", "4096",
                       "--no-job-inference", *TENANT_ARGS)
-ATTACKS = ("chats", "responses", "held", "retrievals", "logprobs")
+ATTACKS = ("chats", "responses", "held", "retrievals", "logprobs", "tools", "blocks")
 TOP_LOGPROBS = 20
 RSS_SAMPLE_INTERVAL_S = 0.2
 HOLDER_LAST_OPEN_S = 1.0
@@ -98,11 +103,14 @@ class BodyAttackSettings:
     echo_prompts: int = 8
     echo_prompt_tokens: int = 4_000
     echo_n: int = 16
+    tools: int = 1_024
+    system_blocks: int = 480_000
 
     def __post_init__(self) -> None:
         if min(self.attackers, self.chat_messages, self.message_chars, self.response_parts,
                self.held_bodies, self.victim_tokens, self.retrieval_tokens, self.echo_prompts,
-               self.echo_prompt_tokens, self.echo_n) < 1 or self.held_body_bytes < 1024:
+               self.echo_prompt_tokens, self.echo_n, self.tools,
+               self.system_blocks) < 1 or self.held_body_bytes < 1024:
             raise ValueError("counts must be >= 1 (--held-body-bytes >= 1024)")
         if min(self.baseline_s, self.attack_s, self.max_latency_ratio,
                self.max_rss_growth_mib) <= 0 or self.reopen_s < 0:
@@ -135,6 +143,16 @@ def attack_request(attack: str, model: str, settings: BodyAttackSettings
                     for index in range(settings.chat_messages)]
         body = {"model": model, "max_tokens": 1, "messages": messages}
         return "/v1/chat/completions", json.dumps(body).encode()
+    if attack == "tools":
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"name": f"tool_{index}", "input_schema": {"type": "object"}}
+                          for index in range(settings.tools)]}
+        return "/v1/messages/count_tokens", json.dumps(body).encode()
+    if attack == "blocks":
+        body = {"model": model, "max_tokens": 1,
+                "system": [{"type": "text", "text": "a"}] * settings.system_blocks,
+                "messages": [{"role": "user", "content": "hi"}]}
+        return "/v1/messages", json.dumps(body).encode()
     if attack == "held":
         prefix = f'{{"model": "{model}", "prompt": "hi", "max_tokens": 1'.encode()
         return "/v1/completions", prefix + b" " * (settings.held_body_bytes - len(prefix) - 1)
@@ -398,6 +416,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("baseline_s", "seconds the victim runs alone first"),
         ("attack_s", "seconds of attack"),
         ("victim_tokens", "tokens of each victim completion"),
+        ("tools", "tools: tools each count_tokens request offers"),
+        ("system_blocks", "blocks: text blocks of each request's system prompt"),
         ("max_latency_ratio", "most victim latency under attack over its baseline"),
         ("max_rss_growth_mib", "held: most growth of the server process's memory"),
         ("retrieval_tokens", "retrievals: tokens of the stored response"),
