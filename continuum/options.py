@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from estimator.eq2 import DEFAULT_MAX_TTL_S
 from estimator.registry import EstimatorName
+from estimator.state_file import check_state_path
 
 DEFAULT_JOB_IDLE_TIMEOUT_S = 600.0
 # InferCept's expected tool duration before any is observed: the mean that Eq. 2's cold start
@@ -107,6 +108,8 @@ class ContinuumOptions(ProgramOrderOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(self.estimator_state != "", "estimator_state must be a file path")
+        if self.estimator_state is not None:
+            check_state_path(self.estimator_state)
         _require(self.max_ttl_s > 0 and math.isfinite(self.max_ttl_s),
                  f"max_ttl_s must be a positive finite number, got {self.max_ttl_s!r}")
         _require(0 < self.max_pinned_fraction <= 1,

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from tracing.writer import MIN_MAX_BYTES
+from tracing.files import check_replaceable
+from tracing.writer import MIN_MAX_BYTES, TRACE_FILE_PREFIX
 
 # The sections of `continuum serve --help`, in its order.
 SettingGroup = Literal["model", "cache", "scheduling", "server", "replicas", "observability"]
@@ -280,6 +281,9 @@ class TraceConfig:
     def __post_init__(self) -> None:
         if self.path == "":
             raise ValueError("trace_path must be a file path")
+        if self.path is not None:
+            check_replaceable(self.path, setting="trace_path",
+                              own_prefixes=(TRACE_FILE_PREFIX,), devices=True)
         _require_positive("trace_max_bytes", self.max_bytes)
         if self.max_bytes is not None and self.max_bytes < MIN_MAX_BYTES:
             raise ValueError(

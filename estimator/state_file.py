@@ -1,4 +1,9 @@
-"""An estimator's learned state in a JSON file: saved atomically, read with a size limit."""
+"""An estimator's learned state in a JSON file: saved atomically, read with a size limit.
+
+The file is the state's JSON object with `"format": STATE_FORMAT` first, by which a later
+save recognises it: a save replaces only such a file (or one saved before the marker, or an
+empty one), so that a setting pointed by mistake at another file never destroys it
+(`check_state_path`, also run when the policy's options are read)."""
 
 from __future__ import annotations
 
@@ -10,22 +15,35 @@ import tempfile
 from pathlib import Path
 
 from estimator.base import TTLEstimator
+from tracing.files import check_replaceable
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_STATE_BYTES = 64 * 1024 * 1024
 _READ_CHUNK_BYTES = 1 << 20
+STATE_FORMAT = "continuum-estimator-state"
+# How a state file begins: with the marker, or, saved before it, with Eq. 2's version.
+STATE_FILE_PREFIXES = (b'{"format": "' + STATE_FORMAT.encode() + b'"',
+                       b'{"version": 1, "cold_start_samples": ')
+
+
+def check_state_path(path: str | Path) -> None:
+    """ValueError unless a state may be saved at `path`: it does not exist (its folder
+    does), is empty, or holds a saved state (`tracing.files.check_replaceable`)."""
+    check_replaceable(path, setting="estimator_state", own_prefixes=STATE_FILE_PREFIXES)
 
 
 def save_state(estimator: TTLEstimator, path: str | Path) -> bool:
-    """Writes `estimator.state()` as JSON, atomically (a synced temporary file, then a
-    rename); False, writing nothing, if the estimator keeps no state. OSError if the file
-    cannot be written."""
+    """Writes `estimator.state()` as JSON marked with `STATE_FORMAT`, atomically (a synced
+    temporary file, then a rename); False, writing nothing, if the estimator keeps no state.
+    ValueError, writing nothing, if `path` holds a file that is not a saved state
+    (`check_state_path`); OSError if the file cannot be written."""
     state = estimator.state()
     if state is None:
         return False
     path = Path(path)
-    text = json.dumps(state)
+    check_state_path(path)
+    text = json.dumps({"format": STATE_FORMAT, **state})
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(descriptor, "w") as file:
@@ -40,18 +58,21 @@ def save_state(estimator: TTLEstimator, path: str | Path) -> bool:
 
 
 def read_state(path: str | Path, max_bytes: int = DEFAULT_MAX_STATE_BYTES) -> object:
-    """The JSON data of a state file; ValueError if it is not a regular file (a device, a
-    FIFO, a directory: refused without reading), is larger than `max_bytes`, or is not
-    JSON. At most `max_bytes` + 1 bytes are ever read."""
+    """The JSON data of a state file (without its `format` marker); ValueError if it is not
+    a regular file (a device, a FIFO, a directory: refused without reading), is larger than
+    `max_bytes`, or is not JSON. At most `max_bytes` + 1 bytes are ever read."""
     path = Path(path)
     try:
         data = _read_regular_file(path, max_bytes)
     except OSError as error:
         raise ValueError(f"cannot read {path}: {error}") from error
     try:
-        return json.loads(data)
+        state = json.loads(data)
     except (ValueError, RecursionError) as error:
         raise ValueError(f"{path} is not JSON: {error}") from error
+    if isinstance(state, dict) and state.get("format") == STATE_FORMAT:
+        del state["format"]
+    return state
 
 
 def _read_regular_file(path: Path, max_bytes: int) -> bytes:

@@ -13,17 +13,21 @@ from pathlib import Path
 
 import msgspec
 
+from tracing.files import check_replaceable
 from tracing.records import Record, TraceHeader, TraceTruncated
 
 logger = logging.getLogger(__name__)
 
 _TRUNCATION_RESERVE_BYTES = 128  # room kept for the `truncated` record
 MIN_MAX_BYTES = 1024
+# How every trace file begins (its header record): the only file a trace replaces.
+TRACE_FILE_PREFIX = b'{"type":"header"'
 
 
 class TraceWriter:
     """Owns one trace file, opened (truncated) at construction with `header` as its first
-    line; ValueError if it cannot be created.
+    line; ValueError if it cannot be created, or if it would replace a file that is not a
+    trace (`tracing.files.check_replaceable`).
 
     Single-threaded: the scheduler calls `write` for each record and `flush` at the end of
     every step; `close` once at shutdown. `active` is False after a write error, the size cap
@@ -40,6 +44,8 @@ class TraceWriter:
         self._buffer = bytearray()
         self._num_bytes_written = 0
         self._last_event: tuple[int, float] = (0, header.clock_origin_s)
+        check_replaceable(self.path, setting="trace_path", own_prefixes=(TRACE_FILE_PREFIX,),
+                          devices=True)
         try:
             self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
                                            0o644)

@@ -48,6 +48,10 @@ def pull(model: CatalogModel, cache_dir: Path, *, wheel: Path | None = None,
         if not force and read_manifest(target) is not None:
             report(f"{model.name} is already in {target}")
             return target
+        if target.exists() and read_manifest(target) is None:
+            raise FetchError(f"{target} exists and is not a checkout `continuum models pull` "
+                             "made (it has no manifest); move it away, or set "
+                             "CONTINUUM_MODEL_CACHE to another folder")
         check_converter()
         _remove_stale_work(cache_dir, model.name)
         prefix = _work_prefix(model.name)
@@ -205,9 +209,9 @@ def _write_manifest(checkout: Path, model: CatalogModel, answer: str,
 
 
 def _replace(staging: Path, target: Path, work: Path) -> None:
-    """Moves `staging` to `target`; a previous checkout there goes into `work` (deleted with
-    it), or back into place if the move fails, so `target` is never a half-written
-    directory."""
+    """Moves `staging` to `target`; a previous checkout there (one this command made: `pull`
+    checks) goes into `work` (deleted with it), or back into place if the move fails, so
+    `target` is never a half-written directory."""
     previous = work / "previous"
     if target.exists():
         target.rename(previous)
@@ -238,7 +242,7 @@ def _remove_stale_work(cache_dir: Path, name: str) -> None:
 def _lock(path: Path) -> Iterator[None]:
     """Holds an exclusive advisory `flock` on `path` (the kernel releases it when the process
     dies, so a killed pull leaves no stale lock)."""
-    with path.open("w") as handle:
+    with path.open("a") as handle:  # never truncates: the path may be another's file
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

@@ -15,6 +15,7 @@ from engine.scheduler.registry import make_policy
 from estimator.base import ToolCall, TTLDecision
 from estimator.eq2 import Eq2Estimator
 from estimator.fixed import FixedTTLEstimator
+from estimator.state_file import STATE_FORMAT, read_state
 from eval.policy_variants import CONTINUUM_AF226D3
 from tests.continuum.harness import Harness
 from tests.continuum.test_policy import TTLByTool
@@ -126,7 +127,8 @@ def test_what_the_estimator_learned_is_saved_at_shutdown(tmp_path) -> None:
     h.next_turn("t2", "t1", [1, 2], last=True)
     h.run_until_finished("t2")
     h.scheduler.close_subscribers()
-    saved = json.loads(path.read_text())
+    saved = read_state(path)
+    assert json.loads(path.read_text())["format"] == STATE_FORMAT
     assert list(saved["tools_s"]) == ["cat"] and saved["job_num_turns"] == [2]
     restarted = Harness(continuum(estimator_state=str(path)))
     assert estimator_of(restarted.policy).state() == saved
@@ -139,15 +141,28 @@ def _overflowing_state() -> dict:
             "records": []}
 
 
-@pytest.mark.parametrize("kind", ["overflowing", "endless", "garbage"])
-def test_a_bad_state_file_starts_cold_and_the_engine_keeps_serving(tmp_path, kind) -> None:
+@pytest.mark.parametrize("content", [
+    b"\x00{not json", b"[server]\napi_key = 'not a state'\n", b'{"some": "json"}'])
+def test_a_state_file_that_is_not_a_state_is_refused_and_kept(tmp_path, content) -> None:
     path = tmp_path / "state.json"
-    if kind == "overflowing":
-        path.write_text(json.dumps(_overflowing_state()))
-    elif kind == "garbage":
-        path.write_bytes(b"\x00{not json")
-    source = "/dev/zero" if kind == "endless" else str(path)
-    h = Harness(continuum(estimator_state=source), num_blocks=64)
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"estimator_state: .* not a file the engine wrote"):
+        continuum(estimator_state=str(path))
+    assert path.read_bytes() == content
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "/dev/null"])
+def test_a_state_path_that_is_a_device_is_refused(source) -> None:
+    # A save renames a file over the path: a device node would be replaced.
+    with pytest.raises(ValueError, match=r"estimator_state: .* is not a regular file"):
+        continuum(estimator_state=source)
+
+
+def test_a_state_file_that_does_not_load_starts_cold_and_the_engine_keeps_serving(
+        tmp_path) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(_overflowing_state()))  # a state, but an unsound one
+    h = Harness(continuum(estimator_state=str(path)), num_blocks=64)
     assert estimator_of(h.policy).inner.state()["pooled_s"] == []  # cold
     for index in range(3):
         h.add(f"t{index}", list(range(100 * index, 100 * index + 8)), job=f"j{index}",

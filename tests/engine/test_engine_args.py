@@ -75,7 +75,8 @@ def test_policy_options_reach_the_scheduler_config_from_flags_or_a_mapping() -> 
                               "--policy-option", "estimator=fixed-2s"])
     config = EngineArgs.from_cli_args(args).to_engine_config()
     assert config.scheduler.policy_options == {"max_plain_wait_s": "5", "estimator": "fixed-2s"}
-    mapped = EngineArgs(policy_options={"max_plain_wait_s": 5, "max_ttl_s": 30.0}).to_engine_config()
+    mapped = EngineArgs(policy_options={"max_plain_wait_s": 5,
+                                        "max_ttl_s": 30.0}).to_engine_config()
     assert mapped.scheduler.policy_options == {"max_plain_wait_s": "5", "max_ttl_s": "30.0"}
     flags = EngineArgs.cli_flags(args)
     assert EngineArgs.from_cli_args(parser.parse_args(flags)) == EngineArgs.from_cli_args(args)

@@ -43,7 +43,7 @@ def test_an_estimator_without_state_writes_nothing(tmp_path) -> None:
     path = tmp_path / "state.json"
     assert save_state(ConstantTTLEstimator(1.0), path) is False
     assert not path.exists()
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="does not exist"):
         save_state(learned_estimator(), tmp_path / "missing-dir" / "state.json")
 
 

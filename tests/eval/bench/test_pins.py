@@ -20,9 +20,9 @@ def test_bad_flags_are_refused(args: list[str], capsys: pytest.CaptureFixture[st
 
 def test_a_short_pinning_attack_is_measured_and_capped(tmp_path: Path) -> None:
     out = tmp_path / "pins.json"
-    cli_main(["bench", "pins", "--attack", "pins", "--jobs", "3", "--job-tokens", "800", "--tool-s", "0.5",
-              "--victim-prompt-tokens", "300", "--baseline-s", "3", "--attack-s", "5",
-              "--max-ratio", "1000", "--json", str(out)])
+    cli_main(["bench", "pins", "--attack", "pins", "--jobs", "3", "--job-tokens", "800",
+              "--tool-s", "0.5", "--victim-prompt-tokens", "300", "--baseline-s", "3",
+              "--attack-s", "5", "--max-ratio", "1000", "--json", str(out)])
     report = json.loads(out.read_text())
     figures = report["figures"]
     statuses = dict(item.split(": ") for item in figures["pins: attacker's statuses"].split(", "))

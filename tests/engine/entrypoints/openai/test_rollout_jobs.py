@@ -90,7 +90,7 @@ def test_identical_runs_each_keep_one_job_after_two_ran_together(server) -> None
     # the table.
     prompt = "Identical runs: say something."
     with ThreadPoolExecutor(2) as pool:
-        pair, pair_turns = server.turns(
+        _, pair_turns = server.turns(
             lambda: list(pool.map(lambda _: _identical_run(server, prompt), range(2))))
     assert len({turn.job_id for turn in pair_turns}) == 2
     for _ in range(4):
