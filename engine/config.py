@@ -38,9 +38,19 @@ def setting(help: str, *, group: SettingGroup, flag: bool = True, name: str | No
             "default_text": default_text}
 
 
-def _require_positive(name: str, value: int | None) -> None:
+# Bounds on sizes no machine reaches, so that a mistyped one is refused with its name at start
+# rather than failing an allocation (or a numpy shape) deep in the engine core.
+MAX_MODEL_LEN = 1 << 24  # tokens
+MAX_NUM_SEQS = 1 << 16
+MAX_NUM_KV_BLOCKS = 1 << 28
+MAX_MEMORY_GIB = 1 << 20  # a pebibyte
+
+
+def _require_positive(name: str, value: int | None, at_most: int | None = None) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value is not None and at_most is not None and value > at_most:
+        raise ValueError(f"{name} must be at most {at_most:,}, got {value:,}")
 
 
 def _require_choice(name: str, value: object, allowed: object) -> None:
@@ -84,18 +94,17 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
         _require_choice("kv_cache_dtype", self.kv_cache_dtype, KVCacheDtype)
-        _require_positive("num_kv_blocks", self.num_kv_blocks)
+        _require_positive("num_kv_blocks", self.num_kv_blocks, MAX_NUM_KV_BLOCKS)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if not self.cpu_kv_cache_space_gib > 0:
-            raise ValueError(
-                f"cpu_kv_cache_space_gib must be positive, got {self.cpu_kv_cache_space_gib!r}"
-            )
-        if not 0 <= self.kv_offload_gib < math.inf:
-            raise ValueError(
-                f"kv_offload_gib must be a finite number >= 0, got {self.kv_offload_gib!r}")
+        if not 0 < self.cpu_kv_cache_space_gib <= MAX_MEMORY_GIB:
+            raise ValueError(f"cpu_kv_cache_space_gib must be in (0, {MAX_MEMORY_GIB:,}] GiB, "
+                             f"got {self.cpu_kv_cache_space_gib!r}")
+        if not 0 <= self.kv_offload_gib <= MAX_MEMORY_GIB:
+            raise ValueError(f"kv_offload_gib must be in [0, {MAX_MEMORY_GIB:,}] GiB, got "
+                             f"{self.kv_offload_gib!r}")
         if self.kv_offload_gib and not self.enable_prefix_caching:
             raise ValueError("kv_offload_gib needs prefix caching (the host tier is keyed by "
                              "block hashes)")
@@ -160,9 +169,9 @@ class SchedulerConfig:
         group="scheduling"))
 
     def __post_init__(self) -> None:
-        _require_positive("max_model_len", self.max_model_len)
+        _require_positive("max_model_len", self.max_model_len, MAX_MODEL_LEN)
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("max_num_seqs", self.max_num_seqs, MAX_NUM_SEQS)
         _require_positive("long_prefill_token_threshold", self.long_prefill_token_threshold)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -255,7 +264,7 @@ class ModelConfig:
             raise ValueError("tokenizer must be a directory (or None for the model's)")
         _require_choice("dtype", self.dtype, Dtype)
         _require_choice("load_format", self.load_format, LoadFormat)
-        _require_positive("max_model_len", self.max_model_len)
+        _require_positive("max_model_len", self.max_model_len, MAX_MODEL_LEN)
         _require_choice("device", self.device, Device)
         _require_choice("attention_backend", self.attention_backend, AttentionBackendName)
         _require_choice("layer_kernels", self.layer_kernels, LayerKernelsName)

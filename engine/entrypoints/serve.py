@@ -95,8 +95,10 @@ def main(args: argparse.Namespace) -> int:
     # glibc would otherwise map and unmap one by one.
     keep_large_buffers_in_heap()
 
+    engine: AsyncLLM | None = None
+
     def make_engine(observer: RequestStatsObserver) -> AsyncLLM:
-        engine = AsyncLLM(config, stats_observer=observer)
+        assert engine is not None  # started below, before uvicorn runs the app
         logger.info("serving %s on http://%s:%d (policy %s, %d KV blocks)",
                     settings.served_model_name, host, port, config.scheduler.policy,
                     engine.client.num_kv_blocks)
@@ -116,6 +118,15 @@ def main(args: argparse.Namespace) -> int:
         http=setup_connection_guards(connection_settings),
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s + DRAIN_MARGIN_S),
     ), on_shutdown=lambda: begin_drain(app))
+    # The engine starts before the app, so that a setting the engine core refuses (a model
+    # too short for max_model_len, memory that cannot be had) ends with "cannot start"
+    # rather than a traceback from the app's start-up.
+    try:
+        engine = AsyncLLM(config, stats_observer=app.state.metrics)
+    except (RuntimeError, ValueError, OSError) as error:
+        sock.close()
+        logger.error("cannot start: %s", error)
+        return 2
     with contextlib.suppress(KeyboardInterrupt):  # re-raised by uvicorn after it shut down
         server.run(sockets=[sock])
     return 0 if server.started and not engine_died else 1

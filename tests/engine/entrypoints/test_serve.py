@@ -71,6 +71,38 @@ def test_serve_refuses_a_bad_flag_value():
     assert "max_num_seqs" in result.stderr
 
 
+@pytest.mark.parametrize(("flags", "named"), [
+    # Bounded in the config classes: refused before the engine core starts.
+    (["--max-num-seqs", str(2**63 - 1)], "max_num_seqs"),
+    (["--num-kv-blocks", str(2**63 - 1)], "num_kv_blocks"),
+    (["--cpu-kv-cache-space-gib", "1e30"], "cpu_kv_cache_space_gib"),
+    (["--max-model-len", "100000000000"], "max_model_len"),
+    (["--trace-path", "/"], "trace_path"),
+    # Refused by the engine core as it starts: still a clean exit.
+    (["--max-model-len", "8192"], "max_position_embeddings"),
+])
+def test_serve_refuses_a_hostile_setting_without_a_traceback(flags, named):
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", *flags, "--port", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "cannot start" in result.stderr and named in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_refuses_a_state_file_it_did_not_write(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text("[server]\napi_key = ['secret']\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", "--policy-option",
+         f"estimator_state={config}", "--port", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "estimator_state" in result.stderr, result.stderr
+    assert config.read_text() == "[server]\napi_key = ['secret']\n"
+
+
 def test_serve_binds_loopback_by_default():
     args = build_parser(["serve"]).parse_args(["serve"])
     assert (args.host, args.port) == ("127.0.0.1", 8000)
