@@ -16,6 +16,11 @@ import msgspec
 from engine.config import EngineConfig
 from engine.core.wire import EngineCoreRequest
 from engine.frontend.chat_template import render_chat
+from engine.frontend.content_text import (
+    client_texts,
+    special_content_spans,
+    special_text_pattern,
+)
 from engine.frontend.detokenizer import special_token_ids
 from engine.frontend.text_encoder import TextEncoder
 from engine.model.directory import load_arch
@@ -76,6 +81,9 @@ class InputProcessor:
     ) -> None:
         self.tokenizer = tokenizer
         self._text_encoder = TextEncoder(tokenizer)
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self._special_text_pattern = special_text_pattern(
+            str(token.content) for token in added.values() if getattr(token, "special", False))
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
@@ -160,25 +168,48 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The token ids of a conversation rendered by the chat template; ValueError if they
-        cannot be built, `PromptTooLongError` if they leave no room for output."""
+        """The token ids of a conversation rendered by the chat template, the client's texts in
+        it encoded as text (`engine.frontend.content_text`); ValueError if they cannot be
+        built, `PromptTooLongError` if they leave no room for output."""
         text = render_chat(self.tokenizer, messages, tools=tools,
                            add_generation_prompt=add_generation_prompt,
                            chat_template_kwargs=chat_template_kwargs)
-        return self._encode(text, add_special_tokens=False, what="the conversation")
+        spans = special_content_spans(text, client_texts(messages), self._special_text_pattern)
+        if not spans:
+            return self._encode(text, add_special_tokens=False, what="the conversation")
+        return self._encode_pieces(text, spans)
 
-    def _encode(self, text: str, *, add_special_tokens: bool, what: str) -> list[int]:
-        """`text`'s token ids; ValueError if it cannot be tokenized or leaves no room for
-        output (`PromptTooLongError`, before the ids of a text too long are built: see
-        `TextEncoder`)."""
+    def _encode_pieces(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """`text`'s token ids, the client's texts at `spans` encoded as text (special
+        tokens' texts in them split: `engine.frontend.content_text`), the rest as usual."""
+        token_ids: list[int] = []
+        cursor = 0
+        for start, end in [*spans, (len(text), len(text))]:
+            for piece, split in ((text[cursor:start], False), (text[start:end], True)):
+                if piece:
+                    token_ids += self._encode(piece, add_special_tokens=False,
+                                              what="the conversation", split=split,
+                                              max_tokens=self.max_model_len - 1 - len(token_ids))
+            cursor = end
+        return token_ids
+
+    def _encode(self, text: str, *, add_special_tokens: bool, what: str, split: bool = False,
+                max_tokens: int | None = None) -> list[int]:
+        """`text`'s token ids (special tokens' texts encoded as text with `split`), at most
+        `max_tokens` of them (default: what leaves room for output); ValueError if it cannot
+        be tokenized or leaves no room for output (`PromptTooLongError`, before the ids of a
+        text too long are built: see `TextEncoder`)."""
+        limit = self.max_model_len - 1 if max_tokens is None else max_tokens
         try:
             encoded = self._text_encoder.encode(text, add_special_tokens=add_special_tokens,
-                                                max_tokens=self.max_model_len - 1)
+                                                max_tokens=max(0, limit),
+                                                split_special_tokens=split)
         except (TypeError, UnicodeError) as error:  # for example a lone surrogate
             raise ValueError(f"{what} cannot be tokenized: {error}") from error
         if encoded.token_ids is None:
-            raise PromptTooLongError(encoded.num_tokens, self.max_model_len,
-                                     at_least=encoded.num_tokens_is_lower_bound)
+            num_tokens = encoded.num_tokens + self.max_model_len - 1 - limit
+            raise PromptTooLongError(num_tokens, self.max_model_len, at_least=(
+                encoded.num_tokens_is_lower_bound or max_tokens is not None))
         return encoded.token_ids
 
     def special_token_ids(self, texts: Iterable[str]) -> frozenset[int]:

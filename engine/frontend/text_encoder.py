@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 # The methods between a fast tokenizer's `__call__` and its Rust tokenizer (transformers 4.x
 # and 5.x). A class that overrides one of them changes the text or the ids on the way (Code
@@ -57,17 +57,21 @@ class TextEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._backend = _bypassable_backend(tokenizer)
+        self._splitting_backend: Any = None
         # (the vocabulary's size and added tokens, the `_TokenBound` for them).
         self._bound: tuple[object, _TokenBound | None] | None = None
 
-    def encode(self, text: str, *, add_special_tokens: bool, max_tokens: int) -> EncodedText:
+    def encode(self, text: str, *, add_special_tokens: bool, max_tokens: int,
+               split_special_tokens: bool = False) -> EncodedText:
         """`text` tokenized; `token_ids` is None when it has more than `max_tokens` tokens.
-        Called on the frontend's preparation threads or in its body-parsing children, never
-        on the event loop."""
-        encode_batch = self._rust_encode_batch()
+        With `split_special_tokens`, a special token's text in `text` is encoded as text
+        (the tokenizers' option of that name). Called on the frontend's preparation threads
+        or in its body-parsing children, never on the event loop."""
+        encode_batch = self._rust_encode_batch(split_special_tokens)
         if encode_batch is None:
-            token_ids = list(self._tokenizer(text, add_special_tokens=add_special_tokens)
-                             .input_ids)
+            token_ids = list(self._tokenizer(
+                text, add_special_tokens=add_special_tokens,
+                **({"split_special_tokens": True} if split_special_tokens else {})).input_ids)
             return EncodedText(len(token_ids),
                                token_ids if len(token_ids) <= max_tokens else None)
         # A text of at most `max_tokens` characters can never be shown too long by its
@@ -92,16 +96,25 @@ class TextEncoder:
             self._bound = (key, _TokenBound.of(backend))
         return self._bound[1]
 
-    def _rust_encode_batch(self) -> Any:
+    def _rust_encode_batch(self, split_special_tokens: bool = False) -> Any:
         """The backend's `encode_batch_fast` (`encode_batch` before tokenizers 0.21: both
         release the GIL; the first skips character offsets) while its settings are those
-        `__call__` encodes with; else None."""
+        `__call__` encodes with; else None. With `split_special_tokens`, that of a copy of
+        the backend set to encode special tokens' texts as text (made once: the backend is
+        shared by every thread, so its own setting is never changed)."""
         backend = self._backend
         if backend is None or backend.truncation is not None or backend.padding is not None:
             return None
-        split_special_tokens = bool(getattr(self._tokenizer, "split_special_tokens", False))
-        if backend.encode_special_tokens != split_special_tokens:
+        if bool(getattr(self._tokenizer, "split_special_tokens", False)):
+            return None  # a tokenizer set so by its files: left to its own `__call__`
+        if backend.encode_special_tokens:
             return None
+        if split_special_tokens:
+            if self._splitting_backend is None:
+                copy = Tokenizer.from_str(backend.to_str())
+                copy.encode_special_tokens = True
+                self._splitting_backend = copy
+            backend = self._splitting_backend
         return getattr(backend, "encode_batch_fast", backend.encode_batch)
 
 

@@ -101,24 +101,23 @@ logger = logging.getLogger(__name__)
 MAX_CACHE_TTL_S = 3600.0
 # Anthropic's limit on the blocks with `cache_control` in one request.
 MAX_CACHE_BREAKPOINTS = 4
-# Marks where the last breakpoint falls in a rendering of the conversation (a noncharacter,
-# which no text a client means to send holds).
-_BREAKPOINT_MARK = "\U0010fffe"
 
 
 @dataclass(frozen=True)
 class Conversation:
     """A Messages request as the chat template takes it: its messages and tools, whether the
     last message is an assistant's text to continue (`continues_final`), and the last cache
-    breakpoint: its `cache_control`, and the same messages with `_BREAKPOINT_MARK` where it
-    falls (`marked_messages`; `marked_at_end`: it covers the whole prompt)."""
+    breakpoint: its `cache_control`, and the conversation cut where it falls
+    (`breakpoint_messages`: the messages up to the block that carries it, that block's
+    message ending with it; `breakpoint_at_end`: it covers the whole prompt). Nothing is
+    marked in the text, so no client text can move or hide a breakpoint."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     continues_final: bool
     cache_control: CacheControl | None = None
-    marked_messages: list[dict[str, Any]] | None = None
-    marked_at_end: bool = False
+    breakpoint_messages: list[dict[str, Any]] | None = None
+    breakpoint_at_end: bool = False
 
     def render_options(self) -> dict[str, Any]:
         """How the template renders it: a generation prompt, or the last message continued."""
@@ -454,19 +453,18 @@ def template_conversation(body: MessagesFields) -> Conversation:
     `tool_use` before it."""
     found = _cache_controls(body)
     place, control = found[-1] if found else (None, None)
-    builder = _MessageBuilder(mark_place=place)
+    builder = _MessageBuilder(cut_place=place)
     system = body.system
     if system:
         text = system if isinstance(system, str) else "\n".join(b.text for b in system)
         builder.messages.append({"role": "system", "content": text})
-    builder.mark_next = place == (-1, 0)
+    builder.cut_next = place == (-1, 0)
     for index, message in enumerate(body.messages):
         builder.add(index, message.role, message.blocks)
-    marked = builder.messages
-    messages = [_without_mark(message) for message in marked]
+    messages = builder.messages
     continues_final = body.messages[-1].role == "assistant" and bool(messages[-1]["content"])
     if body.messages[-1].role == "assistant" and not continues_final:
-        marked, messages = marked[:-1], messages[:-1]  # empty: a plain generation prompt
+        messages = messages[:-1]  # empty: a plain generation prompt
     tools = None if not body.tools else [
         {"type": "function", "function": {
             "name": tool.name, **({} if tool.description is None
@@ -475,96 +473,92 @@ def template_conversation(body: MessagesFields) -> Conversation:
         for tool in body.tools]
     return Conversation(
         messages=messages, tools=tools, continues_final=continues_final,
-        cache_control=control, marked_messages=marked if control is not None else None,
-        marked_at_end=control is not None and builder.mark_next)
+        cache_control=control,
+        breakpoint_messages=builder.cut if control is not None else None,
+        breakpoint_at_end=control is not None and builder.cut_next)
 
 
 class _MessageBuilder:
-    """Builds the template messages one Anthropic message at a time, putting
-    `_BREAKPOINT_MARK` after the block at `mark_place`: after a text or a tool result's
-    text, or (`mark_next`) before the content of the message that follows a `tool_use` or
-    thinking block's message, or the tools and system prompt."""
+    """Builds the template messages one Anthropic message at a time, and the conversation
+    cut at the block at `cut_place` (`cut`): after a text or a tool result, or (`cut_next`)
+    at the start of the content of the message that follows a `tool_use` or thinking
+    block's message, or the tools and system prompt."""
 
-    def __init__(self, mark_place: tuple[int, int] | None) -> None:
-        self.mark_place = mark_place
-        self.mark_next = False
+    def __init__(self, cut_place: tuple[int, int] | None) -> None:
+        self.cut_place = cut_place
+        self.cut_next = False
+        self.cut: list[dict[str, Any]] | None = None
         self.messages: list[dict[str, Any]] = []
         self._names_by_call_id: dict[str, str] = {}
 
     def _append(self, message: dict[str, Any]) -> None:
-        if self.mark_next:
-            message["content"] = _BREAKPOINT_MARK + message["content"]
-            self.mark_next = False
+        if self.cut_next:
+            self.cut = [*self.messages, {**message, "content": ""}]
+            self.cut_next = False
         self.messages.append(message)
 
     def add(self, index: int, role: str, blocks: Sequence[Any]) -> None:
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
-        mark_after = False
+        cut_after = False
         for block_index, block in enumerate(blocks):
-            marked = self.mark_place == (index, block_index)
+            cut_here = self.cut_place == (index, block_index)
             if isinstance(block, TextBlock):
-                texts.append(block.text + (_BREAKPOINT_MARK if marked else ""))
+                texts.append(block.text)
+                if cut_here:
+                    self.cut = [*self.messages, {"role": role, "content": "\n".join(texts)}]
             elif isinstance(block, ToolUseBlock):
                 self._names_by_call_id[block.id] = block.name
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": block.input}})
-                mark_after = mark_after or marked
+                cut_after = cut_after or cut_here
             elif isinstance(block, ToolResultBlock):
                 if texts:  # text before a result stays before it
                     self._append({"role": role, "content": "\n".join(texts)})
                     texts = []
-                self._append(self._tool_message(index, block, marked))
+                self._append(self._tool_message(index, block))
+                if cut_here:
+                    self.cut = list(self.messages)
             else:  # a thinking block, left out
-                mark_after = mark_after or marked
+                cut_after = cut_after or cut_here
         if texts or calls or role == "assistant":
             message: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
             if calls:
                 message["tool_calls"] = calls
             self._append(message)
-        self.mark_next = self.mark_next or mark_after
+        self.cut_next = self.cut_next or cut_after
 
-    def _tool_message(self, index: int, block: ToolResultBlock, marked: bool
-                      ) -> dict[str, Any]:
+    def _tool_message(self, index: int, block: ToolResultBlock) -> dict[str, Any]:
         name = self._names_by_call_id.get(block.tool_use_id)
         if name is None:
             raise APIError(400, f"messages.{index}: tool_result {block.tool_use_id!r} answers "
                                 "no tool_use before it", param=f"messages.{index}.content")
         text = f"Error: {block.text}" if block.is_error else block.text
         return {"role": "tool", "tool_call_id": block.tool_use_id, "name": name,
-                "content": text + (_BREAKPOINT_MARK if marked else "")}
-
-
-def _without_mark(message: dict[str, Any]) -> dict[str, Any]:
-    content = message.get("content")
-    if isinstance(content, str) and _BREAKPOINT_MARK in content:
-        return {**message, "content": content.replace(_BREAKPOINT_MARK, "")}
-    return message
+                "content": text}
 
 
 def prompt_cache_breakpoint(tokenizer: Any, conversation: Conversation, token_ids: list[int],
                             *, max_ttl_s: float | None = None) -> CacheBreakpoint | None:
-    """The breakpoint of a conversation whose prompt is `token_ids`: the prompt's tokens up
-    to the mark (as many as the rendering up to it shares with the prompt), for the
-    breakpoint's TTL capped at `max_ttl_s` (default `MAX_CACHE_TTL_S`). None: no breakpoint,
-    or none of the prompt before it."""
+    """The breakpoint of a conversation whose prompt is `token_ids`: as many of the prompt's
+    tokens as the rendering of the conversation cut at the breakpoint shares with it (the cut
+    rendering ends its last message there, so the two part where the breakpoint falls), for
+    the breakpoint's TTL capped at `max_ttl_s` (default `MAX_CACHE_TTL_S`). None: no
+    breakpoint, or none of the prompt before it."""
     control = conversation.cache_control
     if control is None:
         return None
     ttl_s = min(control.ttl_s, MAX_CACHE_TTL_S if max_ttl_s is None else max_ttl_s)
-    if conversation.marked_at_end:
+    if conversation.breakpoint_at_end:
         return CacheBreakpoint(num_prompt_tokens=len(token_ids), ttl_s=ttl_s)
-    assert conversation.marked_messages is not None
+    if not conversation.breakpoint_messages:
+        return None
     try:
-        marked = render_chat(tokenizer, conversation.marked_messages, tools=conversation.tools,
-                             **conversation.render_options())
+        cut = render_chat(tokenizer, conversation.breakpoint_messages, tools=conversation.tools,
+                          add_generation_prompt=False)
     except ValueError:
         return None
-    end = marked.find(_BREAKPOINT_MARK)
-    if end <= 0:
-        return None
-    num_tokens = _num_common(tokenizer.encode(marked[:end], add_special_tokens=False),
-                             token_ids)
+    num_tokens = _num_common(tokenizer.encode(cut, add_special_tokens=False), token_ids)
     return None if num_tokens == 0 else CacheBreakpoint(num_prompt_tokens=num_tokens,
                                                         ttl_s=ttl_s)
 

@@ -74,8 +74,8 @@ def test_a_text_whose_length_proves_it_too_long_is_not_encoded(bpe_tokenizer,
     encoded: list[str] = []
     real_encode = encoder._rust_encode_batch
 
-    def recording() -> object:
-        encode_batch = real_encode()
+    def recording(split_special_tokens: bool = False) -> object:
+        encode_batch = real_encode(split_special_tokens)
         return lambda texts, **kwargs: encoded.extend(texts) or encode_batch(texts, **kwargs)
 
     monkeypatch.setattr(encoder, "_rust_encode_batch", recording)

@@ -139,7 +139,9 @@ def test_a_breakpoint_on_a_message_block_covers_the_prompt_up_to_its_text(tokeni
          "cache_control": {"type": "ephemeral", "ttl": "1h"}},
         {"type": "text", "text": "And tomorrow?"}]}]
     found, text = _breakpoint(tokenizer, _request(messages, tools=[WEATHER]))
-    end = text.index("sunny") + len("sunny")
+    # The tool message whole, its closing tags and end of turn included: the conversation
+    # cut there renders them too.
+    end = text.index("<|im_start|>user", text.index("sunny"))
     assert found == CacheBreakpoint(num_prompt_tokens=_num_tokens(tokenizer, text[:end]),
                                     ttl_s=3600.0)
 
@@ -210,3 +212,18 @@ def test_a_failure_after_the_stream_started_is_an_error_event(error, error_type)
     body = json.loads(data.removeprefix("data: "))
     assert body["type"] == "error" and body["request_id"] == "req-1"
     assert body["error"]["type"] == error_type and body["error"]["message"]
+
+
+def test_client_text_cannot_move_a_breakpoint_nor_lose_a_character(tokenizer) -> None:
+    # U+10FFFE once marked breakpoints in the rendered text: a client's was stripped and, set
+    # early, moved the breakpoint. Nothing is marked in the text now.
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "\U0010fffeFirst."},
+        {"type": "text", "text": "Second.", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Third."}]}]
+    conversation = template_conversation(_request(messages))
+    assert conversation.messages[-1]["content"] == "\U0010fffeFirst.\nSecond.\nThird."
+    found, text = _breakpoint(tokenizer, _request(messages))
+    end = text.index("Second.") + len("Second.")
+    assert found is not None
+    assert found.num_prompt_tokens == _num_tokens(tokenizer, text[:end])
