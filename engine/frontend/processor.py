@@ -30,6 +30,8 @@ from engine.sampling_params import MAX_SEED, SamplingParams
 from engine.tool_calls import ToolCallFormat
 
 Prompt = str | list[int]
+# A `max_tokens` for counting a conversation's tokens however many there are.
+COUNT_ANY_LENGTH = 1 << 40
 
 
 class PromptTooLongError(ValueError):
@@ -167,29 +169,39 @@ class InputProcessor:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """The token ids of a conversation rendered by the chat template, the client's texts in
         it encoded as text (`engine.frontend.content_text`); ValueError if they cannot be
-        built, `PromptTooLongError` if they leave no room for output."""
+        built, `PromptTooLongError` if they are more than `max_tokens` (default: more than
+        leave room for output)."""
         text = render_chat(self.tokenizer, messages, tools=tools,
                            add_generation_prompt=add_generation_prompt,
                            chat_template_kwargs=chat_template_kwargs)
+        limit = self.max_model_len - 1 if max_tokens is None else max_tokens
         spans = special_content_spans(text, client_texts(messages), self._special_text_pattern)
         if not spans:
-            return self._encode(text, add_special_tokens=False, what="the conversation")
-        return self._encode_pieces(text, spans)
+            return self._encode(text, add_special_tokens=False, what="the conversation",
+                                max_tokens=limit)
+        return self._encode_pieces(text, spans, limit)
 
-    def _encode_pieces(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+    def _encode_pieces(self, text: str, spans: list[tuple[int, int]],
+                       max_tokens: int) -> list[int]:
         """`text`'s token ids, the client's texts at `spans` encoded as text (special
         tokens' texts in them split: `engine.frontend.content_text`), the rest as usual."""
         token_ids: list[int] = []
         cursor = 0
         for start, end in [*spans, (len(text), len(text))]:
             for piece, split in ((text[cursor:start], False), (text[start:end], True)):
-                if piece:
+                if not piece:
+                    continue
+                try:
                     token_ids += self._encode(piece, add_special_tokens=False,
                                               what="the conversation", split=split,
-                                              max_tokens=self.max_model_len - 1 - len(token_ids))
+                                              max_tokens=max_tokens - len(token_ids))
+                except PromptTooLongError as error:  # the pieces after it are not counted
+                    raise PromptTooLongError(error.num_tokens + len(token_ids),
+                                             self.max_model_len, at_least=True) from error
             cursor = end
         return token_ids
 
@@ -207,9 +219,8 @@ class InputProcessor:
         except (TypeError, UnicodeError) as error:  # for example a lone surrogate
             raise ValueError(f"{what} cannot be tokenized: {error}") from error
         if encoded.token_ids is None:
-            num_tokens = encoded.num_tokens + self.max_model_len - 1 - limit
-            raise PromptTooLongError(num_tokens, self.max_model_len, at_least=(
-                encoded.num_tokens_is_lower_bound or max_tokens is not None))
+            raise PromptTooLongError(encoded.num_tokens, self.max_model_len,
+                                     at_least=encoded.num_tokens_is_lower_bound)
         return encoded.token_ids
 
     def special_token_ids(self, texts: Iterable[str]) -> frozenset[int]:

@@ -24,7 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.core.client import EngineDeadError
-from engine.entrypoints.openai.anthropic_errors import AnthropicErrorsMiddleware
+from engine.entrypoints.openai.anthropic_errors import AnthropicErrorsMiddleware, is_messages_path
 from engine.entrypoints.openai.body_budget import (
     BodyByteBudget,
     BodyRefused,
@@ -244,7 +244,8 @@ def build_app(
     if settings.tenants is not None:
         app.add_middleware(BearerAuthMiddleware, tenants=settings.tenants)
     app.add_middleware(AnthropicErrorsMiddleware)  # its paths' refusals in Anthropic's shape
-    app.add_middleware(RequestIdMiddleware)  # outermost: its header is on every response
+    # Outermost: its header is on every response.
+    app.add_middleware(RequestIdMiddleware, anthropic_paths=is_messages_path)
     _add_info_routes(app)
     _add_generation_routes(app)
     _add_response_routes(app)

@@ -18,6 +18,8 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = "x-request-id"
+# Anthropic's name for it, which its SDK reads (`_request_id`).
+ANTHROPIC_REQUEST_ID_HEADER = "request-id"
 MAX_REQUEST_ID_CHARS = 128
 REQUEST_ID_SCOPE_KEY = "continuum.request_id"
 
@@ -42,12 +44,15 @@ def request_id_headers(scope: MutableMapping[str, Any]) -> dict[str, str]:
 
 class RequestIdMiddleware:
     """Picks each HTTP request's id (the client's valid `X-Request-Id`, else a new one from
-    `make_id`), records it in the scope, and adds it to the response's headers. Installed
-    outermost, so that every response carries it, errors of the other middleware included."""
+    `make_id`), records it in the scope, and adds it to the response's headers, also as
+    `request-id` on the paths `anthropic_paths` names. Installed outermost, so that every
+    response carries it, errors of the other middleware included."""
 
-    def __init__(self, app: ASGIApp, make_id: Callable[[], str] = new_request_id) -> None:
+    def __init__(self, app: ASGIApp, make_id: Callable[[], str] = new_request_id,
+                 anthropic_paths: Callable[[str], bool] = lambda path: False) -> None:
         self.app = app
         self.make_id = make_id
+        self.anthropic_paths = anthropic_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,11 +60,13 @@ class RequestIdMiddleware:
             return
         request_id = self._request_id(scope)
         scope[REQUEST_ID_SCOPE_KEY] = request_id
-        header = (REQUEST_ID_HEADER.encode(), request_id.encode("ascii"))
+        headers = [(REQUEST_ID_HEADER.encode(), request_id.encode("ascii"))]
+        if self.anthropic_paths(scope.get("path", "")):
+            headers.append((ANTHROPIC_REQUEST_ID_HEADER.encode(), request_id.encode("ascii")))
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), header]}
+                message = {**message, "headers": [*message.get("headers", ()), *headers]}
             await send(message)
 
         await self.app(scope, receive, send_with_id)

@@ -291,10 +291,13 @@ class ClientContext:
 class OpenAIServing:
     """Base of the endpoint handlers: turns validated HTTP bodies into engine requests.
     `prompt_param` names the body field that holds the prompt, as OpenAI's errors name it
-    (`param` of a context-length error). Blocking work runs on `pool`, which the server
+    (`param` of a context-length error); with `clamps_max_tokens`, a `max_tokens` beyond the
+    room the prompt leaves is cut to that room instead of refused (docs/decisions/
+    0032-max-tokens-beyond-the-context.md). Blocking work runs on `pool`, which the server
     owns and shares among the handlers, and so are `grammar_checker` and `refusal_pacer`."""
 
     prompt_param: ClassVar[str] = "prompt"
+    clamps_max_tokens: ClassVar[bool] = False
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
                  grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer) -> None:
@@ -585,24 +588,32 @@ class OpenAIServing:
                                 f"server's limit of {max_prompt_tokens}", param="prompt",
                            code="limit_exceeded")
         params = self._default_max_tokens(params, num_prompt_tokens)
-        self._check_context(num_prompt_tokens, params, count)
-        return params
+        return self._fit_context(num_prompt_tokens, params, count)
 
-    def _check_context(self, num_prompt_tokens: int, params: SamplingParams,
-                       count: str) -> None:
-        """OpenAI's `context_length_exceeded` for a prompt that leaves no room for output
-        (naming the prompt's field, as OpenAI does) or not `max_tokens` of it (naming
-        `max_tokens`: the prompt fits, the completion asked for does not). `count` is the
-        prompt's length as the client is told it ("at least N" for a lower bound)."""
+    def context_overflow(self, count: str) -> APIError:
+        """The error for a prompt of `count` tokens that leaves no room for output: OpenAI's
+        `context_length_exceeded`, naming the prompt's field as OpenAI does."""
+        return APIError(
+            400,
+            f"this model's maximum context length is {self.max_model_len} tokens, but the "
+            f"prompt has {count}, which leaves no room for output; "
+            f"reduce the length of the {self.prompt_param}",
+            param=self.prompt_param, code="context_length_exceeded",
+        )
+
+    def _fit_context(self, num_prompt_tokens: int, params: SamplingParams,
+                     count: str) -> SamplingParams:
+        """`params`, `max_tokens` cut to the room left with `clamps_max_tokens`; else
+        OpenAI's `context_length_exceeded` for a prompt that leaves no room for output
+        (`context_overflow`) or not `max_tokens` of it (naming `max_tokens`: the prompt
+        fits, the completion asked for does not). `count` is the prompt's length as the
+        client is told it ("at least N" for a lower bound)."""
         room = self.max_model_len - num_prompt_tokens
         if room <= 0:
-            raise APIError(
-                400,
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"prompt has {count}, which leaves no room for output; "
-                f"reduce the length of the {self.prompt_param}",
-                param=self.prompt_param, code="context_length_exceeded",
-            )
+            raise self.context_overflow(count)
+        if (self.clamps_max_tokens and params.max_tokens is not None
+                and params.max_tokens > room and not params.min_tokens > room):
+            return msgspec.structs.replace(params, max_tokens=room)
         if params.max_tokens is not None and params.max_tokens > room:
             raise APIError(
                 400,
@@ -620,6 +631,7 @@ class OpenAIServing:
                 f"{num_prompt_tokens}-token prompt",
                 param="min_tokens", code="context_length_exceeded",
             )
+        return params
 
     def _default_max_tokens(self, params: SamplingParams, num_prompt_tokens: int
                             ) -> SamplingParams:

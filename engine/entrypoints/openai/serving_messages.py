@@ -84,7 +84,7 @@ from engine.entrypoints.openai.work_pool import TenantWorkPool
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.chat_template import render_chat
 from engine.frontend.outputs import CompletionOutput, RequestOutput
-from engine.frontend.processor import ProcessedRequest, PromptTooLongError
+from engine.frontend.processor import COUNT_ANY_LENGTH, ProcessedRequest, PromptTooLongError
 from engine.sampling_params import CacheBreakpoint, SamplingParams
 from engine.tool_calls import (
     TOOL_CALL_MARKERS,
@@ -180,6 +180,7 @@ class OpenAIServingMessages(OpenAIServing):
     events); counts a request's input tokens."""
 
     prompt_param = "messages"
+    clamps_max_tokens = True  # clients' defaults (litellm's 128,000) exceed small contexts
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
                  grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer) -> None:
@@ -233,14 +234,16 @@ class OpenAIServingMessages(OpenAIServing):
         check_messages_fields(body)
         return {"input_tokens": await self.run_for(client, self._count, body)}
 
+    def context_overflow(self, count: str) -> APIError:
+        """Anthropic's text for a prompt that leaves no room for output, which its clients
+        (and coding agents deciding to compact) recognise."""
+        return APIError(400, f"prompt is too long: {count} tokens > {self.max_model_len - 1} "
+                             "maximum", param="messages", code="context_length_exceeded")
+
     def _count(self, body: MessagesCountTokensRequest) -> int:
-        conversation = template_conversation(body)
-        try:
-            return len(self._prompt_token_ids(conversation))
-        except PromptTooLongError as error:
-            raise APIError(400, f"the prompt has {error.num_tokens} tokens or more, over this "
-                                f"model's context of {self.max_model_len} tokens",
-                           param="messages", code="context_length_exceeded") from error
+        """The prompt's tokens, however many: counting a conversation past the context is
+        how a client learns how far to trim it."""
+        return len(self._prompt_token_ids(template_conversation(body), count_only=True))
 
     def _structured_output(self, fields: _ChatToolFields) -> Any:
         try:
@@ -253,11 +256,14 @@ class OpenAIServingMessages(OpenAIServing):
                                param=name, code=error.code) from error
             raise
 
-    def _prompt_token_ids(self, conversation: Conversation) -> list[int]:
+    def _prompt_token_ids(self, conversation: Conversation, *,
+                          count_only: bool = False) -> list[int]:
+        """The conversation's prompt; with `count_only`, however long (no room is kept)."""
         try:
-            return self.engine.processor.chat_prompt(conversation.messages,
-                                                     tools=conversation.tools,
-                                                     **conversation.render_options())
+            return self.engine.processor.chat_prompt(
+                conversation.messages, tools=conversation.tools,
+                max_tokens=COUNT_ANY_LENGTH if count_only else None,
+                **conversation.render_options())
         except PromptTooLongError:
             raise
         except ValueError as error:
