@@ -63,6 +63,7 @@ class JobTable:
             raise ValueError(f"idle_timeout_s must be positive, got {idle_timeout_s!r}")
         self.idle_timeout_s = idle_timeout_s
         self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self.num_created = 0  # jobs added since the table was made
 
     def get(self, job_id: str | None) -> Job | None:
         return None if job_id is None else self._jobs.get(job_id)
@@ -72,6 +73,7 @@ class JobTable:
         if job is None:
             job = Job(job_id, arrival_order, first_arrival_s=now_s, last_active_s=now_s)
             self._jobs[job_id] = job
+            self.num_created += 1
         return job
 
     def touch(self, job: Job, now_s: float) -> None:

@@ -103,6 +103,10 @@ class AgentPolicy:
     def num_jobs(self) -> int:
         return len(self.ledger.jobs)
 
+    @property
+    def num_jobs_created(self) -> int:
+        return self.ledger.jobs.num_created
+
 
 class _Learner:
     """The policy's subscriber to the scheduler's events: the books first, then the

@@ -86,7 +86,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt positions computed in the step for a request that asked for them (an output of a
     partial prefill then has no new tokens). `error` is set (with `finish_reason` ABORT and no
     tokens) when the core rejected the request; `error_param` then names the request field
-    at fault, when the core knows it (a grammar's).
+    at fault, when the core knows it (a grammar's). `job_id` names the request's job (its
+    client's, or the one the scheduler inferred) on its first output with a token.
     """
 
     request_id: str
@@ -98,3 +99,4 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None
     error_param: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    job_id: str | None = None

@@ -52,13 +52,22 @@ _FINISH_REASONS = {
 INFERRED_JOB_ID_PREFIX = "~inferred/"
 
 
+def is_inferred_job_id(job_id: str) -> bool:
+    """Whether `job_id` is an inferred job's: it starts with `INFERRED_JOB_ID_PREFIX`, or, a
+    tenant's, does after the tenant's name and `/`."""
+    _, slash, rest = job_id.partition("/")
+    return job_id.startswith(INFERRED_JOB_ID_PREFIX) or (
+        bool(slash) and rest.startswith(INFERRED_JOB_ID_PREFIX))
+
+
 class JobInfo(msgspec.Struct, frozen=True, kw_only=True):
     """The agent-job a request belongs to (one turn of one agent program).
 
     `tool_name` is the tool this turn is known to call, when the client says so. `inferred`:
     the client named no job and the scheduler inferred this one from the prompt
     (`engine.scheduler.job_inference`); only inferred jobs have ids that start with
-    `INFERRED_JOB_ID_PREFIX`, so a client's job id never meets an inferred one.
+    `INFERRED_JOB_ID_PREFIX`, after their tenant's name and `/` for a tenant's
+    (`is_inferred_job_id`), so a client's job id never meets an inferred one.
     """
 
     job_id: str
@@ -71,7 +80,7 @@ class JobInfo(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"job_id must be a non-empty string, got {self.job_id!r}")
         if self.tool_name is not None and not self.tool_name:
             raise ValueError("tool_name must be non-empty when given")
-        if self.job_id.startswith(INFERRED_JOB_ID_PREFIX) != self.inferred:
+        if is_inferred_job_id(self.job_id) != self.inferred:
             raise ValueError(f"job ids starting with {INFERRED_JOB_ID_PREFIX!r} are reserved "
                              f"for inferred jobs, got job_id={self.job_id!r} with "
                              f"inferred={self.inferred}")

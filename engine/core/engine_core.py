@@ -379,6 +379,10 @@ class EngineCore:
                 reason.value: count for reason, count in scheduler.pins.num_released.items()
             },
             num_jobs=scheduler.policy.num_jobs,
+            num_jobs_created=scheduler.policy.num_jobs_created,
+            num_jobs_inferred=scheduler.num_jobs_inferred,
+            jobs_ended=scheduler.num_jobs_ended,
+            pins_created=dict(scheduler.pins.num_created_by_source),
             num_invariant_checks=self.num_invariant_checks,
             num_grammar_compiles=self.structured_outputs.num_compiles,
             num_grammar_cache_hits=self.structured_outputs.num_cache_hits,

@@ -109,7 +109,9 @@ CoreEvent = EngineCoreOutputs | UtilityResult | CoreFailed
 class EngineStats(msgspec.Struct, kw_only=True):
     """A snapshot of the core: queue lengths, KV pool use, prefix cache, pins, step timings.
 
-    Counters are cumulative since the core started (`pins_released` by release reason); times
+    Counters are cumulative since the core started (`pins_created` by source, `pins_released`
+    and `jobs_ended` by reason; `num_jobs_created`: the jobs the policy started books for,
+    `num_jobs_inferred`: those the scheduler inferred for requests that named none); times
     are seconds of wall time (`execute_time_s` inside the executor, of which `submit_time_s`
     submitting steps, on CUDA their launch, on a CPU their whole forward, and the rest
     taking their results; `step_time_s` in whole steps; `grammar_compile_time_s` is spent
@@ -144,6 +146,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_cpu_threads: int | None = None  # torch's intra-op threads of a model on CPU
     pins_released: dict[str, int] = msgspec.field(default_factory=dict)
     num_jobs: int = 0
+    num_jobs_created: int = 0
+    num_jobs_inferred: int = 0
+    jobs_ended: dict[str, int] = msgspec.field(default_factory=dict)
+    pins_created: dict[str, int] = msgspec.field(default_factory=dict)
     num_invariant_checks: int = 0
     num_grammar_compiles: int = 0
     num_grammar_cache_hits: int = 0

@@ -66,6 +66,8 @@ class AsyncLLM:
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer, stats_observer=stats_observer)
         self._output_handler: asyncio.Task[None] | None = None
+        # Each unfinished request's job, resolved at its first output (None: it ended first).
+        self._jobs: dict[str, asyncio.Future[str | None]] = {}
         self._request_counter = itertools.count()
         self._background_aborts: set[asyncio.Task[None]] = set()
         self._refusal: Exception | None = None  # set by fail_requests
@@ -164,6 +166,7 @@ class AsyncLLM:
                 queue: _OutputQueue = asyncio.Queue()
                 self.output_processor.add_request(processed, queue)
                 queues.append(queue)
+                self._jobs[processed.request_id] = asyncio.get_running_loop().create_future()
         except ValueError:
             self.output_processor.abort_requests(
                 [processed.request_id for processed in requests[:len(queues)]])
@@ -183,22 +186,45 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
+            self._settle_job(request_id, None)
             if not finished:
                 # No await here: a cancelled caller (a client that disconnected) may not be
                 # able to await again, and the core must still hear of the abort.
                 self.abort_nowait(request_id)
+
+    def job_of(self, request_id: str) -> asyncio.Future[str | None]:
+        """The engine's id of the job of submitted request `request_id`, once its first
+        output names it (the client's job, or the one the scheduler inferred); None if it
+        ends first, or names none. Take it before the request's stream ends."""
+        future = self._jobs.get(request_id)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(None)
+        return future
+
+    def _propagate(self, error: BaseException) -> None:
+        """Hands `error` to every request in flight; none of them will name its job now."""
+        self.output_processor.propagate_error(error)
+        for request_id in list(self._jobs):
+            self._settle_job(request_id, None)
+
+    def _settle_job(self, request_id: str, job_id: str | None) -> None:
+        future = self._jobs.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(job_id)
 
     def fail_requests(self, error: Exception) -> None:
         """Ends every request in flight, and refuses every later one, with `error`: a stream
         raises it, and the core stops the request (the server's drain, once its time is
         up)."""
         self._refusal = error
-        self.output_processor.propagate_error(error)
+        self._propagate(error)
 
     async def abort(self, request_id: str) -> None:
         """Stops the request (if unfinished) and frees its KV blocks in the core; its stream
         ends with a finished output whose completions have reason "abort"."""
         core_ids = self.output_processor.abort_requests([request_id])
+        self._settle_job(request_id, None)
         if core_ids and not self.client.is_dead:
             await self._abort_core_requests(core_ids)
 
@@ -206,6 +232,7 @@ class AsyncLLM:
         """`abort` without awaiting: the request ends at once here, and a background task
         tells the core. For code that may not await (a `finally` of a cancelled task)."""
         core_ids = self.output_processor.abort_requests([request_id])
+        self._settle_job(request_id, None)
         if not core_ids or self.client.is_dead:
             return
         task = asyncio.get_running_loop().create_task(self._abort_core_requests(core_ids))
@@ -246,7 +273,7 @@ class AsyncLLM:
 
     def shutdown(self) -> None:
         """Stops the core process; every request in flight fails with EngineDeadError."""
-        self.output_processor.propagate_error(EngineDeadError("the engine was shut down"))
+        self._propagate(EngineDeadError("the engine was shut down"))
         if self._output_handler is not None and not self._output_handler.done():
             self._output_handler.cancel()
         self.client.shutdown()
@@ -262,11 +289,15 @@ class AsyncLLM:
             while True:
                 core_outputs = await self.client.get_output_async()
                 processed = self.output_processor.process_outputs(core_outputs)
+                for request_id, job_id in processed.job_ids.items():
+                    self._settle_job(request_id, job_id)
+                for request_id in processed.finished:
+                    self._settle_job(request_id, None)
                 if processed.core_requests_to_abort:
                     await self.client.abort_requests_async(processed.core_requests_to_abort)
         except EngineDeadError as error:
-            self.output_processor.propagate_error(error)
+            self._propagate(error)
         except Exception as error:
             logger.exception("output processing failed; failing every request in flight")
-            self.output_processor.propagate_error(error)
+            self._propagate(error)
             self.client.shutdown()

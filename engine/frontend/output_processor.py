@@ -84,6 +84,7 @@ class _RequestState:
     error: str | None = None
     error_param: str | None = None
     prompt_logprobs: _PromptLogprobBook | None = None
+    job_id: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -93,10 +94,14 @@ class _RequestState:
 @dataclass
 class ProcessedOutputs:
     """`request_outputs` for requests without a queue; `core_requests_to_abort`: completions
-    that a stop string finished while the core is still generating them."""
+    that a stop string finished while the core is still generating them; `job_ids`: the
+    jobs the core named in this batch, by request id (first outputs); `finished`: the ids of
+    the requests this batch finished."""
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     core_requests_to_abort: list[str] = field(default_factory=list)
+    job_ids: dict[str, str] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -194,6 +199,9 @@ class OutputProcessor:
                 continue  # a stop string ended it; the core had not heard yet
             if self._apply(state, completion, core_output, now_s):
                 result.core_requests_to_abort.append(completion.core_request_id)
+            if core_output.job_id is not None and state.job_id is None:
+                state.job_id = core_output.job_id
+                result.job_ids[state.processed.request_id] = core_output.job_id
             touched.setdefault(state.processed.request_id, (state, []))[1].append(completion)
         for state, completions in touched.values():
             self._report_finished(state, completions, now_s)
@@ -318,6 +326,7 @@ class OutputProcessor:
         if finished:
             state.metrics.finished_time_s = now_s
             self._forget(state)
+            result.finished.append(state.processed.request_id)
         output = self._request_output(state, completions, finished)
         if output is None:
             return
@@ -356,6 +365,7 @@ class OutputProcessor:
             prompt_token_ids=processed.prompt_token_ids, outputs=reported, finished=finished,
             num_cached_tokens=state.num_cached_tokens, metrics=dataclasses.replace(state.metrics),
             error=state.error, error_param=state.error_param, prompt_logprobs=prompt_logprobs,
+            job_id=state.job_id,
         )
 
     def _completion_output(

@@ -52,7 +52,8 @@ class RequestOutput:
     `prompt_logprobs`, for a request that asked for them, has one entry per prompt token: that
     token's logprobs given the tokens before it, `None` for the first token. Outputs wait until
     it is complete (only a request that ends early reports `None` for positions never
-    computed). Delta outputs carry it in the request's first output only.
+    computed). Delta outputs carry it in the request's first output only. `job_id` is the
+    engine's id of the request's job (None: no job, or not known before its first token).
     """
 
     request_id: str
@@ -65,6 +66,7 @@ class RequestOutput:
     error: str | None = None
     error_param: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    job_id: str | None = None
 
 
 class RequestRejected(ValueError):

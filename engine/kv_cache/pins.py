@@ -80,6 +80,7 @@ class PinTable:
         self._pins: dict[str, Pin] = {}
         self.num_pinned_blocks = 0
         self.num_created = 0
+        self.num_created_by_source: Counter[str] = Counter()  # "policy", "client"
         self.num_released: Counter[PinReleaseReason] = Counter()
 
     def add(
@@ -108,6 +109,7 @@ class PinTable:
         self._pins[job_id] = pin
         self.num_pinned_blocks += pin.num_blocks
         self.num_created += 1
+        self.num_created_by_source[source] += 1
         if previous is not None:
             self._drop(previous, PinReleaseReason.REPLACED, now_s)
         return pin

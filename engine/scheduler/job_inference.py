@@ -16,6 +16,7 @@ scheduler's clock.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import re
 import unicodedata
@@ -25,7 +26,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.kv_cache.hashing import BlockHash, extend_block_hashes
-from engine.request import INFERRED_JOB_ID_PREFIX, JobInfo, Request, RequestStatus
+from engine.request import (
+    INFERRED_JOB_ID_PREFIX,
+    JobInfo,
+    Request,
+    RequestStatus,
+    is_inferred_job_id,
+)
 
 _K = TypeVar("_K")
 
@@ -72,6 +79,10 @@ class _FinishedTurn:
     output_head: tuple[int, ...]
     finished_at_s: float
     output_text: str | None = None
+    kept_s: float = 0.0  # how long it is remembered, beyond `max_age_s` (its client's pin)
+
+    def expires_at_s(self, max_age_s: float) -> float:
+        return self.finished_at_s + max(max_age_s, self.kept_s)
 
 
 class JobInference:
@@ -119,19 +130,21 @@ class JobInference:
     has at most one unfinished turn. If that turn is aborted, the turn it continued goes back
     in (as of the abort) so that a retry joins the job again.
 
-    **Bounds.** At most `max_turns` turns, each for at most `max_age_s`: a sweep drops older
-    ones (and a lookup skips them); at most `MAX_TURNS_PER_KEY` of them under one prompt or
-    one request id (the oldest dropped), so that a lookup checks a bounded number of
-    candidates; a full table drops the oldest turn of the tenant that holds
-    the most, so that one tenant's flood of requests never pushes another tenant's turns out
-    while it holds more of the table (with one tenant: the oldest). The job of a dropped turn has no
-    unfinished turn and can never be continued, so it ends (its pin, if any, is released and
-    the policy forgets it), as does a job left with nothing to continue (its first turn was
-    aborted, or its finished prompt filled no block). The scheduler caps an inferred job's pin
-    at `max_age_s` (`pin_ttl_s`), since no later turn could take it over. A request that
-    continues nothing therefore costs a table entry of about two blocks' worth of token ids
-    and policy books until its turn leaves the table, and holds KV only where the policy would
-    pin an explicit job's turn (shipped policies pin only turns that called a tool).
+    **Bounds.** At most `max_turns` turns, each for at most `max_age_s`, or as long as the
+    client's pin of it lasts (a cache breakpoint of an hour on an inferred job:
+    `turn_finished`'s `kept_s`): a sweep drops older ones (and a lookup skips them); at most
+    `MAX_TURNS_PER_KEY` of them under one prompt or one request id (the oldest dropped), so
+    that a lookup checks a bounded number of candidates; a full table drops the oldest turn
+    of the tenant that holds the most, so that one tenant's flood of requests never pushes
+    another tenant's turns out while it holds more of the table (with one tenant: the
+    oldest). The job of a dropped turn has no unfinished turn and can never be continued, so
+    it ends (its pin, if any, is released and the policy forgets it), as does a job left with
+    nothing to continue (its first turn was aborted, or its finished prompt filled no block).
+    The scheduler caps a policy's pin of an inferred job's turn at `max_age_s` (`pin_ttl_s`),
+    since no later turn could take it over. A request that continues nothing therefore costs
+    a table entry of about two blocks' worth of token ids and policy books until its turn
+    leaves the table, and holds KV only where the policy would pin an explicit job's turn
+    (shipped policies pin only turns that called a tool) or its client asked to.
     """
 
     def __init__(self, block_size: int, *, max_turns: int, max_age_s: float,
@@ -151,6 +164,10 @@ class JobInference:
         # Clients may reuse a request id: the jobs of the turns filed under it, oldest first.
         self._job_ids_by_request_id: dict[str, list[str]] = {}
         self._continued: dict[str, _FinishedTurn] = {}  # by the unfinished continuing request
+        # (expiry, filing rank, job id, turn) of the turns filed, soonest first; entries of
+        # turns gone stay until popped (or the heap is rebuilt).
+        self._expiries: list[tuple[float, int, str, _FinishedTurn]] = []
+        self._num_filed = itertools.count()
         self._new_job_ids = itertools.count()
 
     def __len__(self) -> int:
@@ -164,19 +181,24 @@ class JobInference:
 
     def infer(self, request: Request, now_s: float) -> InferredJob:
         """The job of `request` (which names none): the job of the finished turn it continues,
-        taken out of the table, else a new inferred job with an id no client can send."""
+        taken out of the table, else a new inferred job with an id no client can send (its
+        tenant's name and `/` first, as the server names a tenant's jobs)."""
         hashes = extend_block_hashes(request, self.block_size)
         turn = self._named_turn(request, hashes, now_s) or self._match(request, hashes, now_s)
         if turn is None:
-            job_id = f"{INFERRED_JOB_ID_PREFIX}{next(self._new_job_ids)}/{request.request_id}"
+            tenant = "" if request.tenant is None else f"{request.tenant}/"
+            job_id = (f"{tenant}{INFERRED_JOB_ID_PREFIX}{next(self._new_job_ids)}/"
+                      f"{request.request_id}")
             return InferredJob(JobInfo(job_id=job_id, inferred=True), None)
         self._remove(turn)
         self._continued[request.request_id] = turn
         return InferredJob(JobInfo(job_id=turn.job_id, inferred=True), turn.request_id)
 
-    def turn_finished(self, request: Request, now_s: float) -> list[str]:
-        """`request`, a turn of an inferred job, finished: remembers it (or, aborted, puts
-        back the turn it continued). Returns the ids of the jobs that ended, oldest first."""
+    def turn_finished(self, request: Request, now_s: float, *, kept_s: float = 0.0
+                      ) -> list[str]:
+        """`request`, a turn of an inferred job, finished: remembers it, for `max_age_s` or
+        `kept_s` if longer (or, aborted, puts back the turn it continued). Returns the ids of
+        the jobs that ended, oldest first."""
         if request.job is None or not request.job.inferred:
             raise ValueError(f"{request} is not a turn of an inferred job")
         continued = self._continued.pop(request.request_id, None)
@@ -199,18 +221,20 @@ class JobInference:
             finished_at_s=now_s,
             output_text=self._text(request.all_token_ids, request.num_prompt_tokens,
                                    min(OUTPUT_TEXT_TOKENS, _num_visible_output_tokens(request))),
+            kept_s=kept_s,
         )
         return self._add(turn)
 
     def sweep(self, now_s: float) -> list[str]:
-        """Drops the turns older than `max_age_s`; returns their jobs' ids, which ended."""
+        """Drops the turns past their time (`max_age_s`, or their `kept_s`); returns their
+        jobs' ids, which ended."""
         ended = []
-        while self._turns:
-            oldest = next(iter(self._turns.values()))
-            if not self._is_stale(oldest, now_s):
-                break
-            self._remove(oldest)
-            ended.append(oldest.job_id)
+        expiries = self._expiries
+        while expiries and expiries[0][0] < now_s:
+            _, _, job_id, turn = heapq.heappop(expiries)
+            if self._turns.get(job_id) is turn and self._is_stale(turn, now_s):
+                self._remove(turn)
+                ended.append(job_id)
         return ended
 
     def forget(self, job_id: str) -> None:
@@ -221,8 +245,9 @@ class JobInference:
             self._remove(turn)
 
     def pin_ttl_s(self, ttl_s: float) -> float:
-        """The TTL of a pin of an inferred job's turn, given the policy's: at most
-        `max_age_s`, after which the turn can no longer be continued."""
+        """The TTL of a policy's pin of an inferred job's turn: at most `max_age_s`, after
+        which the turn can no longer be continued (a client's pin keeps its turn as long as
+        itself instead: `turn_finished`'s `kept_s`)."""
         return min(ttl_s, self.max_age_s)
 
     # The table.
@@ -302,7 +327,7 @@ class JobInference:
         return tuple(request.all_token_ids[start:turn.num_prompt_tokens]) == turn.prompt_tail
 
     def _is_stale(self, turn: _FinishedTurn, now_s: float) -> bool:
-        return now_s - turn.finished_at_s > self.max_age_s
+        return now_s > turn.expires_at_s(self.max_age_s)
 
     def _add(self, turn: _FinishedTurn) -> list[str]:
         """Files `turn`, dropping the oldest turn filed under its prompt or its request id past
@@ -313,6 +338,12 @@ class JobInference:
             self._remove(previous)
         self._turns[turn.job_id] = turn
         self._turns_by_tenant.setdefault(turn.tenant, OrderedDict())[turn.job_id] = None
+        heapq.heappush(self._expiries, (turn.expires_at_s(self.max_age_s),
+                                        next(self._num_filed), turn.job_id, turn))
+        if len(self._expiries) > 2 * len(self._turns) + 64:  # drop the entries of turns gone
+            self._expiries = [entry for entry in self._expiries
+                              if self._turns.get(entry[2]) is entry[3]]
+            heapq.heapify(self._expiries)
         ended = []
         for index, key in ((self._job_ids_by_key, turn.key_hash),
                            (self._job_ids_by_request_id, turn.request_id)):
@@ -382,7 +413,7 @@ class JobInference:
             assert request.job_id == turn.job_id, f"{request_id} left the job it continued"
         live = self._turns.keys() | set(unfinished_job_ids)
         for job_id in pinned_job_ids:
-            assert not job_id.startswith(INFERRED_JOB_ID_PREFIX) or job_id in live, (
+            assert not is_inferred_job_id(job_id) or job_id in live, (
                 f"the pin of {job_id} outlived its inferred job"
             )
 

@@ -7,6 +7,7 @@ Owned by `Scheduler`, which decides when; every pin change reaches the event str
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from engine.kv_cache.block import KVCacheBlock
@@ -20,7 +21,8 @@ from engine.scheduler.retention import Retention, RetentionInputs
 
 class PinKeeper:
     """Owns the pin table (over the KV cache manager's block pool) and the job inference
-    table (None: inference is off). Times are seconds on the scheduler's clock."""
+    table (None: inference is off); counts the jobs it inferred (`num_jobs_inferred`) and
+    ended (`num_jobs_ended`, by reason). Times are seconds on the scheduler's clock."""
 
     def __init__(self, kv_cache_manager: KVCacheManager, stream: events.SchedulerEvents,
                  job_inference: JobInference | None) -> None:
@@ -29,6 +31,8 @@ class PinKeeper:
         self.job_inference = job_inference
         self.pins = PinTable(kv_cache_manager.block_pool,
                              on_released=lambda pin: stream.emit(events.PinReleased(pin)))
+        self.num_jobs_inferred = 0
+        self.num_jobs_ended: Counter[str] = Counter()
 
     def retain(self, request: Request, retention: Retention | None, now_s: float, *,
                max_tenant_pinned_blocks: float | None = None) -> bool:
@@ -99,8 +103,10 @@ class PinKeeper:
             num_pinned -= pin.num_blocks
 
     def _ttl_s(self, request: Request, retention: Retention) -> float:
-        """The policy's TTL, capped for an inferred job by how long its turn can be continued."""
-        if self.job_inference is None or request.job is None or not request.job.inferred:
+        """The policy's TTL, capped for an inferred job by how long its turn can be continued;
+        a client's, as it asked (the turn is then remembered as long: `turn_finished`)."""
+        if (self.job_inference is None or request.job is None or not request.job.inferred
+                or retention.inputs.source == "client"):
             return retention.ttl_s
         return self.job_inference.pin_ttl_s(retention.ttl_s)
 
@@ -123,6 +129,7 @@ class PinKeeper:
         pin = self.release(job_id, reason, now_s)
         if self.job_inference is not None:
             self.job_inference.forget(job_id)
+        self.num_jobs_ended[reason.value] += 1
         self._events.emit(events.JobEnded(job_id, reason.value, now_s))
         return pin
 
@@ -133,6 +140,8 @@ class PinKeeper:
             return None
         inferred = self.job_inference.infer(request, now_s)
         request.job = inferred.job
+        if inferred.continues_request_id is None:
+            self.num_jobs_inferred += 1
         return inferred
 
     def sweep_inferred_jobs(self, now_s: float) -> list[str]:
@@ -143,15 +152,19 @@ class PinKeeper:
 
     def turn_finished(self, request: Request, now_s: float) -> None:
         """After a finished request's blocks were pinned or freed: a job's last turn ends its
-        job; an inferred job's turn is remembered for its continuation (ending the inferred
-        jobs that no longer can be)."""
+        job; an inferred job's turn is remembered for its continuation, as long as its
+        client's pin if it has one (ending the inferred jobs that no longer can be)."""
         job = request.job
         if job is None:
             return
         if job.is_last_step:
             self.end_job(job.job_id, PinReleaseReason.JOB_END, now_s)
         if self.job_inference is not None and job.inferred:
-            self._end_jobs(self.job_inference.turn_finished(request, now_s), now_s)
+            pin = self.pins.get(job.job_id)
+            kept_s = (pin.ttl_s if pin is not None and pin.request_id == request.request_id
+                      and pin.source == "client" else 0.0)
+            self._end_jobs(self.job_inference.turn_finished(request, now_s, kept_s=kept_s),
+                           now_s)
 
     def _end_jobs(self, job_ids: list[str], now_s: float) -> list[str]:
         for job_id in job_ids:

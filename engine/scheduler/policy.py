@@ -179,6 +179,11 @@ class SchedulingPolicy(Protocol):
         """How many jobs the policy keeps state for (bounded by its idle timeout)."""
         ...
 
+    @property
+    def num_jobs_created(self) -> int:
+        """How many jobs the policy has started books for, since it was built."""
+        ...
+
 
 class BasePolicy:
     """Defaults for policies without jobs (FCFS, priority, plugins): no options, no retention,
@@ -237,4 +242,8 @@ class BasePolicy:
 
     @property
     def num_jobs(self) -> int:
+        return 0
+
+    @property
+    def num_jobs_created(self) -> int:
         return 0

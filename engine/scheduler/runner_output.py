@@ -58,7 +58,8 @@ def apply_runner_output(
             raise RuntimeError(f"the runner sampled for {request}, which this step did not "
                                "schedule to sample")
         request.num_output_placeholders -= 1
-        if request.first_token_at_s is None:
+        first_token = request.first_token_at_s is None
+        if first_token:
             request.first_token_at_s = now_s
         new_token_ids = _append_output(request, token_ids, max_model_len)
         if request.status.is_finished:
@@ -72,6 +73,7 @@ def apply_runner_output(
             num_cached_tokens=request.num_cached_tokens or 0,
             logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
             prompt_logprobs=prompt_logprobs or None,
+            job_id=request.job_id if first_token else None,
         ))
     return outputs, stopped
 

@@ -159,6 +159,17 @@ class Scheduler:
         return self._requests
 
     @property
+    def num_jobs_inferred(self) -> int:
+        """Jobs the scheduler inferred for requests that named none."""
+        return self._pin_keeper.num_jobs_inferred
+
+    @property
+    def num_jobs_ended(self) -> dict[str, int]:
+        """Jobs ended (their last turn, a client's release, an inferred job that can no
+        longer go on), by reason."""
+        return dict(self._pin_keeper.num_jobs_ended)
+
+    @property
     def job_inference(self) -> JobInference | None:
         """The table of recently finished turns of inferred jobs (None: inference is off)."""
         return self._pin_keeper.job_inference

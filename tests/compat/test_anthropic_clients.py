@@ -3,7 +3,8 @@ the `anthropic` SDK, litellm's `anthropic/` provider, langchain-anthropic's `Cha
 and pydantic-ai's Anthropic model. A context overflow is each library's own overflow error
 (they recognise Anthropic's "prompt is too long" text); a default `max_tokens` larger than
 the room left (litellm sends 128,000 for a model it does not know) is served, cut to the
-room, with `stop_reason` "max_tokens"; the SDK reads its request id from `request-id`."""
+room, with `stop_reason` "max_tokens"; the SDK reads its request id from `request-id`; an
+hour-long cache breakpoint on the SDK's default path (an inferred job) is an hour's pin."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from typing import Any
 import anthropic
 import pytest
 
+from engine.entrypoints.openai.serving import ServerSettings
+from engine.entrypoints.openai.tenants import Tenants
 from tests.compat.shared import MAX_MODEL_LEN, OVERSIZED_PROMPT, PROMPT, TINY_MODEL
-from tests.engine.entrypoints.openai.conftest import ServerThread
+from tests.engine.entrypoints.openai.conftest import ServerThread, start_server
 
 
 def _sdk(server: ServerThread) -> anthropic.Anthropic:
@@ -90,3 +93,29 @@ def test_pydantic_ai_raises_its_context_window_error(tiny_server):
     assert agent.run_sync(PROMPT).output is not None
     with pytest.raises(ModelContextWindowExceededError):
         agent.run_sync(OVERSIZED_PROMPT * 2)
+
+
+def test_an_hour_long_breakpoint_on_an_inferred_job_is_an_hours_pin_under_api_keys():
+    # The SDK's default path names no job: the engine infers one, names it in the response's
+    # header, and keeps the breakpoint's prefix for the hour asked (its turn remembered as
+    # long); `GET /v1/jobs/{id}` finds it with the tenant's key.
+    server = start_server(api_key="key-a", settings=ServerSettings(
+        served_model_name=TINY_MODEL, tenants=Tenants.from_pairs([("key-a", "a")])))
+    try:
+        client = anthropic.Anthropic(base_url=server.base_url, api_key="key-a", max_retries=0)
+        system = [{"type": "text", "text": "You answer in one word. " * 8,
+                   "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+        raw = client.messages.with_raw_response.create(
+            model=TINY_MODEL, max_tokens=4, system=system,
+            messages=[{"role": "user", "content": PROMPT}])
+        message = raw.parse()
+        assert message.usage.cache_creation.ephemeral_1h_input_tokens > 0
+        job_id = raw.headers["x-continuum-job-id"]
+        server.wait_idle()
+        with server.http(headers={"x-api-key": "key-a"}) as http:
+            job = http.get(f"/v1/jobs/{job_id}")
+        assert job.status_code == 200, job.text
+        pin = job.json()["pin"]
+        assert (pin["ttl_s"], pin["source"]) == (3600.0, "client")
+    finally:
+        server.stop()

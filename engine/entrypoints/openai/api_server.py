@@ -94,6 +94,8 @@ from engine.frontend.stats import RequestStatsObserver
 EngineFactory = Callable[[RequestStatsObserver], AsyncLLM]
 
 ENGINE_WATCH_INTERVAL_S = 0.25
+# Names the job a generation ran in (`_respond`).
+JOB_ID_HEADER = "x-continuum-job-id"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On answers sent before the body was read: the connection closes rather than wait for a
 # body nobody will read.
@@ -447,14 +449,31 @@ async def _respond(request: Request, serving: Any, body: Any, prepared: Any,
                    engine_requests: list[Any]) -> Response:
     """A prepared generation's response: its SSE stream when `body.stream`, else its JSON (as
     the handler encoded it, or from the object it returned); either way the engine requests
-    are aborted once the client is gone or served."""
+    are aborted once the client is gone or served. Its `x-continuum-job-id` header names
+    the job the engine ran it in (the client's, or the one it inferred), known at its first
+    token: a stream starts then."""
     cleanup = BackgroundTask(serving.abort, engine_requests)
+    job = _engine(request).job_of(engine_requests[0].request_id)
     if body.stream:
+        headers = {**_SSE_HEADERS, **_job_header(request, await asyncio.shield(job))}
         return StreamingResponse(
             _aborting_when_done(serving.stream(body, prepared), serving, engine_requests),
-            background=cleanup, media_type="text/event-stream", headers=_SSE_HEADERS)
+            background=cleanup, media_type="text/event-stream", headers=headers)
     created = await _run(request, serving.create(body, prepared), cleanup)
-    return created if isinstance(created, Response) else JSONResponse(created)
+    response = created if isinstance(created, Response) else JSONResponse(created)
+    response.headers.update(_job_header(request, job.result() if job.done() else None))
+    return response
+
+
+def _job_header(request: Request, job_id: str | None) -> dict[str, str]:
+    """The header naming a response's job, as its client names it (without its tenant's
+    name: `GET /v1/jobs/{id}` takes it as it is); none without a job."""
+    if job_id is None:
+        return {}
+    tenant = scope_tenant(request.scope)
+    if tenant is not None:
+        job_id = job_id.removeprefix(f"{tenant}/")
+    return {JOB_ID_HEADER: job_id}
 
 
 async def _aborting_when_done(chunks: AsyncIterator[bytes], serving: Any,

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from engine.entrypoints.openai.errors import APIError
 from engine.entrypoints.openai.protocol import MAX_ID_CHARS, JobFields
-from engine.request import INFERRED_JOB_ID_PREFIX, JobInfo
+from engine.request import INFERRED_JOB_ID_PREFIX, JobInfo, is_inferred_job_id
 
 JOB_ID_HEADER = "x-job-id"
 LAST_STEP_HEADER = "x-job-last-step"
@@ -42,9 +42,10 @@ def job_info(body: JobFields, headers: Mapping[str, str]) -> JobInfo | None:
         if is_last_step or tool_name is not None:
             raise APIError(400, "is_last_step and tool_name need a job_id", param="job_id")
         return None
-    if job_id.startswith(INFERRED_JOB_ID_PREFIX):
-        raise APIError(400, f"{job_param} must not start with {INFERRED_JOB_ID_PREFIX!r} "
-                            "(reserved for the jobs the engine infers)", param=job_param)
+    if is_inferred_job_id(job_id):
+        raise APIError(400, f"{job_param} must not start with {INFERRED_JOB_ID_PREFIX!r}, "
+                            "alone or after a '/' (reserved for the jobs the engine infers)",
+                       param=job_param)
     return JobInfo(job_id=job_id, is_last_step=bool(is_last_step), tool_name=tool_name)
 
 

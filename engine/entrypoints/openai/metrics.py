@@ -73,6 +73,15 @@ class _CoreStatsCollector(Collector):
                        "a preemption, not found in the prefix cache at readmission).", model,
                        stats.recomputed_tokens)
         yield _counter("pins_created", "KV pins created.", model, stats.num_pins_created)
+        yield _labelled_counter("pins_created_by_source", "KV pins created, by who asked: the "
+                                "policy, or a client's cache breakpoint.", model, "source",
+                                stats.pins_created)
+        yield _counter("jobs_created", "Agent jobs the scheduling policy started books for.",
+                       model, stats.num_jobs_created)
+        yield _counter("jobs_inferred", "Jobs the scheduler inferred for requests that named "
+                       "none.", model, stats.num_jobs_inferred)
+        yield _labelled_counter("jobs_ended", "Jobs ended, by reason.", model, "reason",
+                                stats.jobs_ended)
         released = CounterMetricFamily(PREFIX + "pins_released", "KV pins released, by reason.",
                                        labels=["model_name", "reason"])
         for reason, count in sorted(stats.pins_released.items()):
@@ -83,6 +92,14 @@ class _CoreStatsCollector(Collector):
                        "async scheduling's last step out, whose scheduler and KV invariants "
                        "were checked (--debug-check-invariants).", model,
                        stats.num_invariant_checks)
+
+
+def _labelled_counter(name: str, documentation: str, model: str, label: str,
+                      counts: dict[str, int]) -> Metric:
+    family = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name", label])
+    for value, count in sorted(counts.items()):
+        family.add_metric([model, value], count)
+    return family
 
 
 def _host_tier_metrics(stats: EngineStats, model: str) -> Iterator[Metric]:

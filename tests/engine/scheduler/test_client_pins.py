@@ -153,3 +153,27 @@ def test_a_tenant_takes_its_own_client_pins_first_then_a_within_share_tenants(
                                             tenant="a"))
     assert {pin.job_id for pin in scheduler.pins} == {"M", "T"} - released
     assert scheduler.pins.num_released[PinReleaseReason.PRESSURE] == len(released)
+
+
+def test_an_inferred_jobs_hour_long_breakpoint_is_kept_and_continued_for_the_hour() -> None:
+    # The turn of an inferred job whose client asked for an hour is remembered as long as its
+    # pin (not the inference table's 300 s), so that its next turn continues it and hits it.
+    clock = FakeClock(0.0)
+    scheduler = make_scheduler(num_blocks=64, block_size=4, max_model_len=128,
+                               policy=FCFSPolicy(), clock=clock, job_inference=True,
+                               job_inference_max_age_s=300.0)
+    runner = FakeRunner(4)
+    first = _turn("first", PROMPT, job=None, ttl_s=3600.0, max_tokens=2)
+    _finish(scheduler, runner, first)
+    pin = scheduler.pins.get(first.job_id)
+    assert pin is not None and pin.ttl_s == 3600.0 and pin.source == "client"
+    clock.advance(1800.0)
+    scheduler.sweep()
+    assert scheduler.pins.get(first.job_id) is pin
+    second = _turn("second", [*first.all_token_ids, 70, 71], job=None, ttl_s=3600.0,
+                   max_tokens=1)
+    _finish(scheduler, runner, second)
+    assert second.job_id == first.job_id and second.num_cached_tokens >= 32  # the breakpoint
+    clock.advance(3601.0)
+    scheduler.sweep()  # the hour is up: the pin and the job end
+    assert len(scheduler.pins) == 0

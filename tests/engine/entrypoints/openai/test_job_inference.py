@@ -93,11 +93,12 @@ def test_a_client_without_job_fields_reuses_its_first_turns_pin(tmp_path: Path) 
     events = read_trace(tmp_path / "trace.jsonl").events
     first_turn, second_turn, other_tenant = [e for e in events if isinstance(e, RequestArrived)]
     assert first_turn.job_inferred and first_turn.inferred_from is None
-    assert first_turn.job_id.startswith("~inferred/")
+    assert first_turn.job_id.startswith("a/~inferred/")  # tenant a's, as its named jobs
     assert (second_turn.job_id, second_turn.job_inferred, second_turn.inferred_from) == (
         first_turn.job_id, True, first_turn.request_id)
     assert other_tenant.job_inferred and other_tenant.inferred_from is None
     assert other_tenant.job_id != first_turn.job_id
+    assert other_tenant.job_id.startswith("b/~inferred/")
     pinned = next(e for e in events if isinstance(e, PinPinned))
     assert (pinned.request_id, pinned.inputs.tool) == (first_turn.request_id, "bash")
     assert pinned.ttl_s > 0

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from engine.entrypoints.openai.api_server import ServerSettings
+from engine.entrypoints.openai.tenants import Tenants
 from tests.continuum.priced import PRICED_CONTINUUM_PATH
 from tests.engine.entrypoints.openai.conftest import (
     SCRIPTED,
@@ -204,4 +205,52 @@ def test_a_plain_request_is_served_within_the_bound_behind_a_flood_of_one_jobs_t
         stop.set()
         for thread in loops:
             thread.join(timeout=60)
+        server.stop()
+
+
+def test_every_api_names_its_job_in_a_header_and_jobs_finds_an_inferred_one() -> None:
+    """Each generation's `x-continuum-job-id` names its job (the client's, or the one the
+    engine inferred, as the tenant names it), streamed or not, on the four APIs; under
+    `--api-key` and tenants, `GET /v1/jobs/{that id}` finds an inferred job."""
+    server = start_server(settings=ServerSettings(
+        served_model_name="tiny", tenants=Tenants.from_pairs([("key-a", "a")])),
+        api_key="key-a")
+    bodies = {
+        "/v1/completions": {"prompt": "hello there, a long enough prompt"},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello there"}]},
+        "/v1/responses": {"input": "hello there", "max_output_tokens": 4},
+        "/v1/messages": {"messages": [{"role": "user", "content": "hello there"}]},
+    }
+    try:
+        with server.http(headers={"Authorization": "Bearer key-a"}) as http:
+            for path, body in bodies.items():
+                for stream in (False, True):
+                    named = http.post(path, headers={"x-job-id": "mine"}, json={
+                        "model": "tiny", "max_tokens": 4, "stream": stream, **body})
+                    assert named.status_code == 200, (path, named.text)
+                    assert named.headers["x-continuum-job-id"] == "mine", (path, stream)
+                    inferred = http.post(path, json={
+                        "model": "tiny", "max_tokens": 4, "stream": stream, **body})
+                    job_id = inferred.headers["x-continuum-job-id"]
+                    assert job_id.startswith("~inferred/"), (path, stream, job_id)
+            assert http.get(f"/v1/jobs/{job_id}").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_metrics_count_jobs_created_inferred_ended_and_pins_by_source() -> None:
+    server = start_server()
+    try:
+        with server.http() as http:
+            for body in ({"job_id": "j", "is_last_step": True}, {}):
+                assert http.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "count these jobs please", "max_tokens": 2,
+                    **body}).status_code == 200
+            server.wait_idle()
+            text = http.get("/metrics").text
+        assert 'continuum:jobs_created_total{model_name="tiny"} 2.0' in text
+        assert 'continuum:jobs_inferred_total{model_name="tiny"} 1.0' in text
+        assert 'continuum:jobs_ended_total{model_name="tiny",reason="job_end"} 1.0' in text
+        assert "continuum:pins_created_by_source_total" in text
+    finally:
         server.stop()
