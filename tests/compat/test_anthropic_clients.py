@@ -8,9 +8,11 @@ hour-long cache breakpoint on the SDK's default path (an inferred job) is an hou
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
+import jsonschema
 import pytest
 
 from engine.entrypoints.openai.serving import ServerSettings
@@ -119,3 +121,33 @@ def test_an_hour_long_breakpoint_on_an_inferred_job_is_an_hours_pin_under_api_ke
         assert (pin["ttl_s"], pin["source"]) == (3600.0, "client")
     finally:
         server.stop()
+
+
+# What Anthropic documents, on the SDK's default paths.
+def test_output_config_format_gives_json_of_the_schema(tiny_server):
+    schema = {"type": "object", "properties": {"sky": {"enum": ["sunny", "rainy"]}},
+              "required": ["sky"], "additionalProperties": False}
+    message = _sdk(tiny_server).messages.create(
+        model=TINY_MODEL, max_tokens=64, messages=[{"role": "user", "content": PROMPT}],
+        output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"extra_body": {"temperature": 2.0}}, "temperature"),  # the SDK no longer names it
+    ({"messages": [{"role": "assistant", "content": "Hi."},
+                   {"role": "user", "content": PROMPT}]}, "first message"),
+    ({"messages": [
+        {"role": "user", "content": PROMPT},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f",
+                                           "input": {}}]},
+        {"role": "user", "content": "No result."}],
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tool_result"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
+])
+def test_what_anthropic_refuses_is_refused_with_what_is_wrong(tiny_server, fields, named):
+    request = {"model": TINY_MODEL, "max_tokens": 8,
+               "messages": [{"role": "user", "content": PROMPT}], **fields}
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        _sdk(tiny_server).messages.create(**request)
+    assert named in raised.value.body["error"]["message"]

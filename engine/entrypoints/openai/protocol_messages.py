@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from engine.entrypoints.openai.protocol import (
     MAX_ID_CHARS,
@@ -123,9 +123,21 @@ class Message(_Model):
 
 
 class Tool(_Model):
-    """A custom tool: the model calls it with an input matching `input_schema`."""
+    """A custom tool: the model calls it with an input matching `input_schema`. Anthropic's
+    own tool types (its server tools, `web_search_*`, and its schema-less client tools,
+    `bash_*`, `text_editor_*`) are refused with a message saying so."""
 
     type: Literal["custom"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_anthropic_tool_types(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "custom":
+            raise ValueError(
+                f"tools of type {kind!r} are Anthropic's own, which this server does not "
+                "run; define the tool as a custom tool (name, description, input_schema)")
+        return data
     name: ToolName
     description: str | None = None
     input_schema: dict[str, Any]
@@ -180,9 +192,26 @@ class MessagesCountTokensRequest(MessagesFields):
     """POST /v1/messages/count_tokens: how many input tokens the same request would take."""
 
 
+class JSONOutputFormat(_Model):
+    """Structured output: the answer is JSON that validates against `schema`."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    """`format` constrains the answer; `effort` is accepted and has no effect here."""
+
+    format: JSONOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class MessagesRequest(MessagesFields):
-    """POST /v1/messages: the next assistant message of a conversation."""
+    """POST /v1/messages: the next assistant message of a conversation. `thinking` (extended
+    thinking) is accepted and has no effect: the served models answer without it."""
 
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: list[StopString] | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # Anthropic's range

