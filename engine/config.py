@@ -292,7 +292,8 @@ class TraceConfig:
             raise ValueError("trace_path must be a file path")
         if self.path is not None:
             check_replaceable(self.path, setting="trace_path",
-                              own_prefixes=(TRACE_FILE_PREFIX,), devices=True)
+                              own_prefixes=(TRACE_FILE_PREFIX,), devices=True,
+                              folder_may_be_made=True)
         _require_positive("trace_max_bytes", self.max_bytes)
         if self.max_bytes is not None and self.max_bytes < MIN_MAX_BYTES:
             raise ValueError(

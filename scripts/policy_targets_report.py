@@ -247,7 +247,7 @@ def judge(cell: Cell, target: Target, candidate: str) -> Verdict:
     else:
         theirs = cell.runs.get(target.reference_label)
     verdict = target.judge(mine or {}, theirs or {})
-    if theirs is not None and "label" in theirs:
+    if target.reference_label == BEST_BASELINE and theirs is not None:
         verdict = Verdict(verdict.met, verdict.candidate,
                           f"{verdict.reference} ({theirs['label']})", verdict.comparison)
     missing = [label for label, run in ((candidate, mine), (target.reference_label, theirs))

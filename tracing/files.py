@@ -17,16 +17,18 @@ _HEAD_BYTES = 256
 
 
 def check_replaceable(path: str | os.PathLike[str], *, setting: str,
-                      own_prefixes: Sequence[bytes], devices: bool = False) -> None:
+                      own_prefixes: Sequence[bytes], devices: bool = False,
+                      folder_may_be_made: bool = False) -> None:
     """ValueError, naming `setting`, unless the engine may write `path` by replacing it:
     it does not exist and its folder does, or it is an empty regular file, or a regular file
     that begins with one of `own_prefixes` (what the engine's own files of this kind begin
     with), or, with `devices` (for a file written in place, never renamed over), a
     character device such as `/dev/null`. Anything else (a folder, a FIFO, a device) is
-    refused without being opened for reading."""
+    refused without being opened for reading. With `folder_may_be_made` (a setting checked
+    before the run that makes its folder), a missing folder passes."""
     path = Path(path)
     if not os.path.lexists(path):
-        if not path.parent.is_dir():
+        if not folder_may_be_made and not path.parent.is_dir():
             raise ValueError(f"{setting}: the folder of {str(path)!r} does not exist")
         return
     try:

@@ -382,7 +382,7 @@ class Scheduler:
 
     def _release_tenants_pin(self, request: Request, num_new_tokens: int, plan: StepPlan,
                              now_s: float) -> bool:
-        """Before the policy is asked: releases the pin of another tenant over its share
+        """Before asking the policy: releases the pin of another tenant over its share
         (TENANT_SHARE), else a client's pin `request` may take (PRESSURE), if any; whether
         it released one."""
         pin = self._admission.over_share_pin(request, plan)

@@ -162,8 +162,10 @@ def test_the_grid_script_runs_the_ladder_per_profile_workload_and_seed() -> None
     first = commands[0]
     assert first.startswith("python3 -m engine.cli bench sim --workload swe --max-turns 12 "
                             "--seed 0 --jobs-per-s 1,2 --profile h100-llama3.1-8b ")
-    assert (f"--num-jobs 30 --max-num-batched-tokens 2048 --policies ladder --policy {EXTRA} "
-            "--workers 2 --json OUT/heldout/h100-llama3.1-8b/swe-seed0.json") in first
+    assert ("--num-jobs 30 --max-num-batched-tokens 2048 --policies fcfs,job-fcfs,"
+            "continuum-fixed,continuum,continuum-oracle,infercept,autellix "
+            f"--policy {EXTRA} --workers 2 --json OUT/heldout/h100-llama3.1-8b/swe-seed0.json"
+            ) in first
     assert "--jobs-per-s 2,2.5,3 --profile calibrated.json" in commands[4]
     assert commands[5].endswith("--json OUT/tuning/calibrated/swe-seed1.json")
     assert "--first-jobs 99 --seed 1" in commands[5]

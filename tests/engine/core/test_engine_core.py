@@ -244,21 +244,22 @@ def test_estimator_state_is_saved_at_shutdown_and_loaded_at_start(tmp_path) -> N
     core.shutdown()
     restarted = EngineCore(config, clock=FakeClock())
     assert estimator_of(restarted).inner.queueing_delay.mean == 3.0
-    state_path.write_text("{not json")
-    cold = EngineCore(config, clock=FakeClock())  # a corrupt file: a cold start, no crash
+    state_path.write_text('{"format": "continuum-estimator-state", "version": 1, "broken')
+    cold = EngineCore(config, clock=FakeClock())  # its own file, corrupt: a cold start
     assert estimator_of(cold).inner.queueing_delay.mean is None
+    state_path.write_text("{not json")
+    with pytest.raises(ValueError, match="estimator_state"):  # not its file: kept, refused
+        EngineCore(config, clock=FakeClock())
+    assert state_path.read_text() == "{not json"
 
 
-@pytest.mark.parametrize("kind", ["overflowing", "endless"])
-def test_a_hostile_estimator_state_starts_cold_and_the_core_serves(tmp_path, kind) -> None:
+def test_a_hostile_estimator_state_starts_cold_and_the_core_serves(tmp_path) -> None:
     path = tmp_path / "estimator.json"
     huge = [1.7e308] * 4  # finite values whose sum overflows
     path.write_text(json.dumps({
         "version": 1, "cold_start_samples": 100, "pooled_s": huge, "tools_s": {"ls": huge},
         "queueing_delays_s": huge, "job_num_turns": [3], "prefill_cost": None, "records": []}))
-    source = "/dev/zero" if kind == "endless" else str(path)
-    core = EngineCore(_with_options(estimator_state=source),
-                      clock=FakeClock())
+    core = EngineCore(_with_options(estimator_state=str(path)), clock=FakeClock())
     assert estimator_of(core).inner.queueing_delay.mean is None  # cold
     for index in range(2):
         request = core_request(f"turn{index}", list(range(40)), max_tokens=4)
