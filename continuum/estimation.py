@@ -12,7 +12,13 @@ from engine.scheduler.policy import PolicyEnvironment, SchedulerView
 from engine.scheduler.retention import RetentionInputs
 from estimator.base import ToolCall, TTLDecision, TTLEstimator
 from estimator.cost_model import HostReloadCost, PrefillCostModel
-from estimator.eq2 import DEFAULT_MAX_TTL_S, RebuildCost
+from estimator.eq2 import (
+    DEFAULT_COLD_START_SAMPLES,
+    DEFAULT_MAX_TTL_S,
+    DEFAULT_PIN_COST,
+    DEFAULT_REBUILD_COST,
+    RebuildCost,
+)
 from estimator.registry import (
     PRICES_REBUILDS,
     EstimatorName,
@@ -38,9 +44,9 @@ class EstimatorChoice:
     name: EstimatorName
     max_ttl_s: float = DEFAULT_MAX_TTL_S
     state_file: str | None = None
-    rebuild_cost: RebuildCost = "prefill-times-running"
-    pin_cost: PinCost = "priced-capped"
-    cold_start_samples: int = 0
+    rebuild_cost: RebuildCost = DEFAULT_REBUILD_COST
+    pin_cost: PinCost = DEFAULT_PIN_COST
+    cold_start_samples: int = DEFAULT_COLD_START_SAMPLES
     prefill_cost: PrefillCostModel | None = None
 
 
@@ -135,9 +141,6 @@ class EstimatorWrapper:
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
         self.inner.observe_job_end(job_id, num_turns)
 
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        self.inner.observe_prefill(num_tokens, seconds)
-
     def warm_start(self, jobs: Iterable[TraceJob]) -> None:
         self.inner.warm_start(jobs)
 
@@ -173,9 +176,6 @@ class GuardedEstimator(EstimatorWrapper):
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
         self._guard("observe_job_end", super().observe_job_end, job_id, num_turns)
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        self._guard("observe_prefill", super().observe_prefill, num_tokens, seconds)
 
     def _guard(self, method: str, function: Callable[..., Any], *args: Any) -> Any:
         try:

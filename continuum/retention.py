@@ -142,8 +142,8 @@ class EstimatedPins:
     is positive (Eq. 2 by default). With `max_pinned_fraction` < 1, a new pin first has the
     pins of jobs that arrived later released (latest first), else it is declined. The
     estimator comes from `make_estimator` at `bind` (guarded: its failures cost a pin, never
-    a step), learns tool durations, next-turn arrivals, queueing delays, prefills and job
-    ends from the events, and is saved to `state_file` (if any) when the engine stops."""
+    a step), learns tool durations, next-turn arrivals, queueing delays and job ends from
+    the events, and is saved to `state_file` (if any) when the engine stops."""
 
     def __init__(self, make_estimator: Callable[[SchedulerView], TTLEstimator], *,
                  max_pinned_fraction: float = 1.0, state_file: str | None = None) -> None:
@@ -202,10 +202,6 @@ class EstimatedPins:
                 if (job is not None and job.num_turns_finished > 0 and job_pin is None
                         and request.num_preemptions == 0):
                     self.estimator.observe_queueing_delay(now_s - ledger.arrival(request)[0])
-            case events.RequestFinished(request=request):
-                prefill = request.uninterrupted_prefill
-                if prefill is not None:
-                    self.estimator.observe_prefill(*prefill)
 
     def forget(self, job: Job) -> None:
         self.estimator.observe_job_end(job.job_id, job.num_turns_finished)

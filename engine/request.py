@@ -187,17 +187,6 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
-    def uninterrupted_prefill(self) -> tuple[int, float] | None:
-        """(tokens computed, seconds) of the prompt's prefill, from its first admission to the
-        end of the step that sampled its first output token, for a request that has one and
-        was never preempted (whose prefill ran once); None otherwise."""
-        if (self.first_token_at_s is None or self.first_scheduled_at_s is None
-                or self.num_cached_tokens is None or self.num_preemptions):
-            return None
-        return (self.num_prompt_tokens - self.num_cached_tokens,
-                self.first_token_at_s - self.first_scheduled_at_s)
-
-    @property
     def skips_prefix_cache(self) -> bool:
         """Whether admission must compute the whole prompt instead of reusing cached KV.
 

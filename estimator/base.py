@@ -22,9 +22,6 @@ from estimator.traces import TraceJob
 
 # The longest tool duration or queueing delay an estimator records, in seconds (one day).
 MAX_OBSERVED_S = 86_400.0
-# The shortest time an estimator tells apart from none (a microsecond): rates are at most its
-# inverse.
-MIN_OBSERVED_S = 1e-6
 # The longest context, in tokens, that features and rebuild costs are computed for.
 MAX_CONTEXT_TOKENS = 1 << 32
 # The most turns a job, and the most requests running beside a turn, that are counted.
@@ -38,13 +35,6 @@ def clamp_seconds(value: float) -> float | None:
     if isinstance(value, float) and math.isnan(value):
         return None
     return float(min(max(value, 0.0), MAX_OBSERVED_S))
-
-
-def clamp_rate(value: float) -> float:
-    """A rate per second clamped into [0, 1 / `MIN_OBSERVED_S`]; 0 for NaN."""
-    if isinstance(value, float) and math.isnan(value):
-        return 0.0
-    return float(min(max(value, 0.0), 1.0 / MIN_OBSERVED_S))
 
 
 def clamp_count(value: int, maximum: int) -> int:
@@ -65,9 +55,7 @@ class ToolCall:
     `running_pool_share` the other running requests' computed tokens over the pool's tokens
     (a prefix they share counts once for each; 0 when unknown);
     `request_id` names the finished turn (None when the caller has no such name, as in trace
-    replays); `pin_loss_rate_per_s` how often memory pressure now takes a live pin, per
-    second held (0: never, or not counted), the chance that a pin is gone before the next
-    turn comes.
+    replays).
     """
 
     job_id: str
@@ -79,7 +67,6 @@ class ToolCall:
     request_id: str | None = None
     num_waiting_requests: int = 0
     pool_share: float = 0.0
-    pin_loss_rate_per_s: float = 0.0
     running_pool_share: float = 0.0
 
 
@@ -118,8 +105,7 @@ class TTLEstimator(Protocol):
     Owned by one scheduling policy and called only from its thread, in this order for a job:
     `observe_tool_call` and `decide` when a turn finishes, `observe_next_turn` when the next
     turn arrives, `observe_queueing_delay` when a turn that found no pin is admitted, and
-    `observe_job_end` once when the job ends; `observe_prefill` whenever any request (of a
-    job or not) finished with a prefill timed. `warm_start` and `load_state` come before any
+    `observe_job_end` once when the job ends. `warm_start` and `load_state` come before any
     of these; `state` at any time (the policy saves it at shutdown).
     """
 
@@ -143,11 +129,6 @@ class TTLEstimator(Protocol):
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
         """The job ended after `num_turns` turns."""
-        ...
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """The engine prefilled `num_tokens` tokens of a prompt in `seconds`, from admission
-        to first token, under whatever load it had: what rebuilding a context costs now."""
         ...
 
     def warm_start(self, jobs: Iterable[TraceJob]) -> None:
@@ -178,9 +159,6 @@ class ObservationSink:
         pass
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
-        pass
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         pass
 
     def warm_start(self, jobs: Iterable[TraceJob]) -> None:

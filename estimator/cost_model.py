@@ -2,10 +2,9 @@
 
 Prefill cost grows linearly with the context (weights, MLPs) plus quadratically (attention).
 The engine measures a few prefills at start-up, or a profile file supplies them; the fit is a
-non-negative least-squares regression (SciPy's `nnls`) of seconds on `[n, n^2]`. Prefills timed
-alone say what a rebuild costs an idle engine; under load a rebuild shares its steps with
-other requests and takes longer, so `PrefillCostUnderLoad` refits the same form on the
-prefills the engine ran lately. With a host KV tier, a context held there is reloaded instead
+non-negative least-squares regression (SciPy's `nnls`) of seconds on `[n, n^2]`: what a
+rebuild costs an idle engine (Eq. 2 scales it by the requests running, see `estimator.eq2`).
+With a host KV tier, a context held there is reloaded instead
 (`HostReloadCost`, the same fit of timed loads).
 """
 
@@ -13,12 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from estimator.base import MAX_CONTEXT_TOKENS, clamp_count, clamp_seconds
+from estimator.base import MAX_CONTEXT_TOKENS, clamp_count
 
 # Feature scale: contexts are thousands of tokens, and n^2 in raw tokens makes the
 # least-squares problem badly conditioned.
@@ -106,49 +104,6 @@ class PrefillCostModel:
                           for key in ("intercept_s", "linear_s", "quadratic_s")})
         except (KeyError, TypeError, OverflowError) as error:
             raise ValueError(f"bad prefill cost model: {error}") from error
-
-
-class PrefillCostUnderLoad:
-    """Prefill seconds as the engine observes them under load: the fit of `PrefillCostModel`
-    over the latest `window` prefills reported to `observe` (tokens computed, seconds from
-    admission to first token), refitted after every `refit_every` new ones once at least
-    `min_prefills` of at least two lengths are in the window; `model` is None until then.
-    Owned by one estimator (single-threaded). A fit that fails or is implausible leaves the
-    previous one in place."""
-
-    def __init__(self, *, window: int = 256, min_prefills: int = 32,
-                 refit_every: int = 16) -> None:
-        if not 2 <= min_prefills <= window:
-            raise ValueError(f"min_prefills must be in [2, window={window}], got {min_prefills}")
-        if refit_every < 1:
-            raise ValueError(f"refit_every must be >= 1, got {refit_every}")
-        self.min_prefills = min_prefills
-        self.refit_every = refit_every
-        self.points: deque[tuple[int, float]] = deque(maxlen=window)
-        self.model: PrefillCostModel | None = None
-        self._num_new_points = 0
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A prefill of `num_tokens` tokens (0 or fewer: ignored; counted up to
-        `MAX_CONTEXT_TOKENS`) took `seconds` (clamped as observations are; NaN ignored)."""
-        bounded_s = clamp_seconds(seconds)
-        if num_tokens <= 0 or bounded_s is None:
-            return
-        self.points.append((clamp_count(num_tokens, MAX_CONTEXT_TOKENS), bounded_s))
-        self._num_new_points += 1
-        if self._num_new_points >= self.refit_every and len(self.points) >= self.min_prefills:
-            self._refit()
-
-    def _refit(self) -> None:
-        if len({n for n, _ in self.points}) < 2:
-            return
-        self._num_new_points = 0  # a failed fit waits for `refit_every` more points too
-        try:
-            model = PrefillCostModel.fit(list(self.points))
-            model.check_plausible()
-        except ValueError:
-            return
-        self.model = model
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,31 +5,28 @@ For a finished turn that called tool `f` with a context of `r` tokens:
 empirical CDF of `f`'s durations, `T` the recent mean queueing delay of turns that came back
 without their KV, `eta` the anti-correlation of jobs' done and remaining turns, and `R` the
 cost of rebuilding `r` tokens. With at most `cold_start_samples` samples overall (the paper's
-K = 100, this class's default), durations are assumed Exp(mean 1 s) and eta = 1, giving
-`ttl = ln(T + R)` when `T + R > 1`; beyond that, the empirical CDF of `f`'s durations once
-`f` has more than `min_tool_samples` (also the paper's K), else the pooled CDF of all tools.
-The `continuum` policy ends the cold start at the first observed duration
-(`cold_start_samples=0`): with the paper's K the prior decides every pin of a short run on a
-fresh engine (docs/decisions/0003-cold-start.md). With a fitted
+K = 100; 0 by default: the first observed duration ends it, since with the paper's K the
+prior decides every pin of a short run on a fresh engine, docs/decisions/0003-cold-start.md),
+durations are assumed Exp(mean 1 s) and eta = 1, giving `ttl = ln(T + R)` when `T + R > 1`;
+beyond that, the empirical CDF of `f`'s durations once `f` has more than `min_tool_samples`
+(the paper's K), else the pooled CDF of all tools. With a fitted
 `predictor`, the CDF is instead the predictor's conditional distribution for the call.
 
-`R` is the paper's with `rebuild_cost="prefill"` (this class's default): the prefill time of
-`r` tokens, or, when the engine has a host KV tier that can hold `r` tokens (`reload_cost`),
-the time to load them back from it (a pin that expires or is released leaves its blocks
-there). The prefill
-time is the start-up fit (`prefill_fit="start-up"`: prefills timed alone, or a profile), or,
-as an option, that fit refitted on the prefills the engine reports under load
-(`prefill_fit="under-load"`, `observe_prefill`; see `estimator.cost_model`).
-`rebuild_cost="prefill-times-running"` (the `continuum` policy's default) multiplies it by 1
-+ the other requests running when the turn finished (`ToolCall.num_running_requests`), since
-in an engine that batches prefill and decode tokens into one step a rebuild lengthens their
-steps too (docs/decisions/0002-rebuild-cost.md). A pin is charged its TTL, as in the paper
-(`pin_cost="ttl"`), or, as an option, the time it is expected to be held
-(`pin_cost="expected-hold"`, see `estimator.solver`), or that expected hold priced by the
-memory it takes from the requests running and waiting (`pin_cost="priced"`), those requests
-counted up to as many as the pool holds at the running ones' mean size
-(`pin_cost="priced-capped"`); the cold start is the paper's whichever. Every TTL is capped at
-`max_ttl_s`.
+`R` is the paper's with `rebuild_cost="prefill"`: the prefill time of `r` tokens (the fit of
+the prefills the engine timed at start-up, or a profile), or, when the engine has a host KV
+tier that can hold `r` tokens (`reload_cost`), the time to load them back from it (a pin that
+expires or is released leaves its blocks there). `rebuild_cost="prefill-times-running"` (the
+default, as `continuum` runs) multiplies it by 1 + the other requests running when the turn
+finished (`ToolCall.num_running_requests`), since in an engine that batches prefill and decode
+tokens into one step a rebuild lengthens their steps too (docs/decisions/0002-rebuild-cost.md).
+A pin is charged its TTL, as in the paper (`pin_cost="ttl"`), or the time it is expected to
+be held (`pin_cost="expected-hold"`, see `estimator.solver`), or that expected hold priced by
+the memory it takes from the requests running and waiting (`pin_cost="priced"`), those
+requests counted up to as many as the pool holds at the running ones' mean size
+(`pin_cost="priced-capped"`, the default: docs/decisions/0001-memory-priced-pins.md); the
+cold start is the paper's whichever. The defaults are those `continuum` runs, stated once
+here (`DEFAULT_*`); the paper's (`prefill`, `ttl`, K = 100) run in `eval/policy_variants.py`.
+Every TTL is capped at `max_ttl_s`.
 
 Nothing observed can make a decision raise or pin forever: durations and delays are clamped
 to `MAX_OBSERVED_S` and counts to their bounds (`estimator.base`), and a saved state is
@@ -51,14 +48,12 @@ from estimator.base import (
     ToolCall,
     TTLDecision,
     clamp_count,
-    clamp_rate,
     clamp_seconds,
 )
 from estimator.cost_model import (
     PLAUSIBILITY_CONTEXT_TOKENS,
     HostReloadCost,
     PrefillCostModel,
-    PrefillCostUnderLoad,
 )
 from estimator.history import ToolDurationHistory
 from estimator.predictor import (
@@ -83,23 +78,23 @@ from estimator.traces import TraceJob
 
 logger = logging.getLogger(__name__)
 
-COLD_START_SAMPLES = 100
+COLD_START_SAMPLES = 100  # the paper's K: its cold start, and a tool's own CDF after it
 STATE_VERSION = 1
 DEFAULT_MAX_TTL_S = 600.0
 
 RebuildCost = Literal["prefill", "prefill-times-running"]
 REBUILD_COSTS: tuple[RebuildCost, ...] = ("prefill", "prefill-times-running")
-PrefillFit = Literal["start-up", "under-load"]
-PREFILL_FITS: tuple[PrefillFit, ...] = ("start-up", "under-load")
+# The decided defaults (docs/decisions/0001-0003), which `continuum` runs.
+DEFAULT_REBUILD_COST: RebuildCost = "prefill-times-running"
+DEFAULT_PIN_COST: PinCost = "priced-capped"
+DEFAULT_COLD_START_SAMPLES = 0
 
 
 class Eq2Estimator:
     """Owned by one policy (single-threaded); see the module docstring for the rule.
 
     `prefill_cost` prices `R` (None: R = 0), as `rebuild_cost` says, except for contexts the
-    host tier holds, which `reload_cost` prices (None: no tier); with
-    `prefill_fit="under-load"` (and a `prefill_cost`), the fit of the prefills observed under
-    load replaces `prefill_cost` once there is one; `pin_cost` says what a
+    host tier holds, which `reload_cost` prices (None: no tier); `pin_cost` says what a
     pin is charged (see the module docstring); the cold start holds while at most
     `cold_start_samples` durations are observed, and a tool's own CDF decides once it has more
     than `min_tool_samples`; `max_ttl_s` caps every TTL; `predictor`, once
@@ -114,18 +109,17 @@ class Eq2Estimator:
         *,
         prefill_cost: PrefillCostModel | None = None,
         reload_cost: HostReloadCost | None = None,
-        rebuild_cost: RebuildCost = "prefill",
-        pin_cost: PinCost = "ttl",
+        rebuild_cost: RebuildCost = DEFAULT_REBUILD_COST,
+        pin_cost: PinCost = DEFAULT_PIN_COST,
         max_ttl_s: float = DEFAULT_MAX_TTL_S,
         predictor: DurationPredictor | None = None,
-        cold_start_samples: int = COLD_START_SAMPLES,
+        cold_start_samples: int = DEFAULT_COLD_START_SAMPLES,
         min_tool_samples: int = COLD_START_SAMPLES,
         history: ToolDurationHistory | None = None,
         queueing_window: int = 256,
         max_records: int = 20_000,
         refit_every: int | None = None,
         refit_in_background: bool = True,
-        prefill_fit: PrefillFit = "start-up",
     ) -> None:
         self.history = ToolDurationHistory() if history is None else history
         for name, value in (("cold_start_samples", cold_start_samples),
@@ -137,8 +131,6 @@ class Eq2Estimator:
             raise ValueError(f"rebuild_cost must be one of {REBUILD_COSTS}, got {rebuild_cost!r}")
         if pin_cost not in PIN_COSTS:
             raise ValueError(f"pin_cost must be one of {PIN_COSTS}, got {pin_cost!r}")
-        if prefill_fit not in PREFILL_FITS:
-            raise ValueError(f"prefill_fit must be one of {PREFILL_FITS}, got {prefill_fit!r}")
         if not (max_ttl_s > 0 and math.isfinite(max_ttl_s)):
             raise ValueError(f"max_ttl_s must be a positive finite number, got {max_ttl_s!r}")
         self.cold_start_samples = cold_start_samples
@@ -147,9 +139,6 @@ class Eq2Estimator:
         self.reload_cost = reload_cost
         self.rebuild_cost = rebuild_cost
         self.pin_cost = pin_cost
-        self.prefill_fit = prefill_fit
-        self.prefill_under_load = (PrefillCostUnderLoad() if prefill_fit == "under-load"
-                                   else None)
         self.max_ttl_s = float(max_ttl_s)
         self.predictor = predictor
         self.queueing_delay = SlidingMean(queueing_window)
@@ -183,8 +172,7 @@ class Eq2Estimator:
             cdf, basis, num_samples = self._cdf(call)
             price = self.memory_price(call) if self.pin_cost in PRICED_PIN_COSTS else None
             ttl_s = solve_ttl(cdf, benefit_s, self.pin_cost,
-                              price=1.0 if price is None else price,
-                              loss_rate_per_s=clamp_rate(call.pin_loss_rate_per_s))
+                              price=1.0 if price is None else price)
         ttl_s = min(ttl_s, self.max_ttl_s) if ttl_s >= 0 else 0.0
         return TTLDecision(ttl_s, basis, num_samples=num_samples,
                            queueing_delay_s=queueing_delay_s, eta=eta, rebuild_s=rebuild_s,
@@ -212,8 +200,7 @@ class Eq2Estimator:
             return reload_s
         if self.prefill_cost is None:
             return 0.0
-        observed = None if self.prefill_under_load is None else self.prefill_under_load.model
-        return (self.prefill_cost if observed is None else observed).cost_s(num_context_tokens)
+        return self.prefill_cost.cost_s(num_context_tokens)
 
     def _cdf(self, call: ToolCall) -> tuple[DurationCDF, str, int]:
         if self.predictor is not None and self.predictor.is_fitted:
@@ -252,11 +239,6 @@ class Eq2Estimator:
         """A turn that came back without its KV waited `delay_s` seconds (clamped into [0,
         `MAX_OBSERVED_S`]; NaN is ignored)."""
         self.queueing_delay.add(delay_s)
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """Refits R on it with `prefill_fit="under-load"`; ignored otherwise."""
-        if self.prefill_under_load is not None:
-            self.prefill_under_load.observe(num_tokens, seconds)
 
     def observe_job_end(self, job_id: str, num_turns: int) -> None:
         """The job ended after `num_turns` turns (counted up to `MAX_JOB_TURNS`)."""
@@ -374,7 +356,6 @@ class Eq2Estimator:
                                         max_pending=self.history.max_pending),
             queueing_window=self.queueing_delay.window, max_records=self.records.maxlen or 1,
             refit_every=self.refit_every, refit_in_background=self.refit_in_background,
-            prefill_fit=self.prefill_fit,
         )
 
     def _apply_state(self, state: Any) -> None:

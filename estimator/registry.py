@@ -10,10 +10,11 @@ from engine.registry import Registry
 from estimator.base import TTLEstimator
 from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.eq2 import (
-    COLD_START_SAMPLES,
+    DEFAULT_COLD_START_SAMPLES,
     DEFAULT_MAX_TTL_S,
+    DEFAULT_PIN_COST,
+    DEFAULT_REBUILD_COST,
     Eq2Estimator,
-    PrefillFit,
     RebuildCost,
 )
 from estimator.fixed import FixedTTLEstimator
@@ -32,17 +33,15 @@ class EstimatorSettings:
     """What every estimator may be built with: `prefill_cost` prices rebuilding a context
     (None: R = 0) as `rebuild_cost` says, `reload_cost` reloading one the host tier holds
     (None: no tier); `pin_cost` is what Eq. 2 charges a pin; `max_ttl_s` caps Eq. 2's
-    TTLs; `prefill_fit` says whether `prefill_cost` is refitted on the prefills observed
-    under load; Eq. 2 leaves its cold-start prior once more than `cold_start_samples` tool
-    durations are observed (the paper's K = 100 by default)."""
+    TTLs; Eq. 2 leaves its cold-start prior once more than `cold_start_samples` tool
+    durations are observed. The defaults are Eq. 2's, those `continuum` runs."""
 
     prefill_cost: PrefillCostModel | None = None
     reload_cost: HostReloadCost | None = None
-    rebuild_cost: RebuildCost = "prefill"
-    pin_cost: PinCost = "ttl"
+    rebuild_cost: RebuildCost = DEFAULT_REBUILD_COST
+    pin_cost: PinCost = DEFAULT_PIN_COST
     max_ttl_s: float = DEFAULT_MAX_TTL_S
-    prefill_fit: PrefillFit = "start-up"
-    cold_start_samples: int = COLD_START_SAMPLES
+    cold_start_samples: int = DEFAULT_COLD_START_SAMPLES
 
 
 def _fixed(settings: EstimatorSettings) -> TTLEstimator:

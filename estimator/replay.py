@@ -43,7 +43,7 @@ import numpy as np
 
 from estimator.base import ToolCall, TTLDecision, TTLEstimator
 from estimator.cost_model import PrefillCostModel
-from estimator.eq2 import Eq2Estimator
+from estimator.eq2 import COLD_START_SAMPLES, Eq2Estimator
 from estimator.learned import QuantileBoostingPredictor, pinball_loss
 from estimator.predictor import CallFeatures, DurationRecord, RecentCalls
 from estimator.registry import ESTIMATORS, EstimatorSettings, make_estimator
@@ -262,7 +262,10 @@ def compare_estimators(
     records = test_records(test)
     results: dict[str, dict[str, Any]] = {}
     for row, (name, pin_cost) in _rows().items():
-        settings = EstimatorSettings(prefill_cost=prefill_cost, pin_cost=pin_cost)
+        # The paper's Eq. 2 (R the prefill alone, its cold start), whose pin cost the row names.
+        settings = EstimatorSettings(prefill_cost=prefill_cost, pin_cost=pin_cost,
+                                     rebuild_cost="prefill",
+                                     cold_start_samples=COLD_START_SAMPLES)
         estimator, extra = _prepared_estimator(name, settings, train, records)
         handed = replay(test, copy.deepcopy(estimator), scorer, learn_queueing_delay=False)
         learned = replay(test, estimator, scorer)

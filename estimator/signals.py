@@ -1,6 +1,6 @@
 """The load signals of Eq. 2: the queueing delay `T` that turns returning without their KV
 suffered, `eta`, how strongly a job's progress predicts the turns it has left (the benefit
-`T * eta + R`), and the rate at which memory pressure takes live pins (`PinLossRate`)."""
+`T * eta + R`)."""
 
 from __future__ import annotations
 
@@ -113,35 +113,3 @@ class RemainingTurnsCorrelation:
 
     def __len__(self) -> int:
         return len(self._num_turns)
-
-
-class PinLossRate:
-    """How often memory pressure takes a live pin: the pins taken, per second that pins were
-    held, over the latest `window` pins released for any reason (0 before any is). A pin
-    held `held_s` seconds before pressure took it counts once in the numerator and its
-    `held_s` in the denominator; a pin reused, expired or released otherwise adds its time
-    only. Pins still live are not counted (their time is added when they go)."""
-
-    def __init__(self, window: int = 256) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self._releases: deque[tuple[float, bool]] = deque(maxlen=window)
-
-    def add(self, held_s: float, taken: bool) -> None:
-        """A pin was released after `held_s` seconds; `taken`: by memory pressure."""
-        clamped = clamp_seconds(held_s)
-        if clamped is not None:
-            self._releases.append((clamped, taken))
-
-    @property
-    def rate_per_s(self) -> float:
-        held_s = math.fsum(held for held, _ in self._releases)
-        taken = sum(1 for _, was_taken in self._releases if was_taken)
-        if taken == 0:
-            return 0.0
-        # A pin taken at once says pressure is high, not that the rate is infinite: a held
-        # time of at least a millisecond a pin bounds it.
-        return taken / max(held_s, 1e-3 * len(self._releases))
-
-    def __len__(self) -> int:
-        return len(self._releases)

@@ -128,43 +128,27 @@ def pool_capacity_requests(num_running_requests: int, running_pool_share: float)
 
 
 def solve_ttl(cdf: DurationCDF, benefit_s: float, pin_cost: PinCost = "ttl",
-              price: float = 1.0, loss_rate_per_s: float = 0.0) -> float:
+              price: float = 1.0) -> float:
     """Eq. 2's TTL: the candidate duration with the highest expected saving, 0 (no pin) unless
     one is strictly positive; the shortest of equal maxima (less memory held). `pin_cost`
     says how a pin is charged and `price` what a second of it costs with `priced` or
-    `priced-capped` (see the module docstring). With `loss_rate_per_s` > 0, memory pressure
-    takes a live pin at that rate (after a time X ~ Exp(rate)): a pin saves only if the next
-    turn comes before X, and is held, and charged, until whichever of the TTL, the next turn
-    and X comes first."""
+    `priced-capped` (see the module docstring)."""
     if pin_cost not in PIN_COSTS:
         raise ValueError(f"pin_cost must be one of {PIN_COSTS}, got {pin_cost!r}")
-    if not loss_rate_per_s >= 0:
-        raise ValueError(f"loss_rate_per_s must be >= 0, got {loss_rate_per_s!r}")
     best_ttl_s, best_utility = 0.0, 0.0
     held_s, hit, previous_s, previous_probability = 0.0, 0.0, 0.0, 0.0
     for duration_s, probability in zip(cdf.durations_s, cdf.probabilities, strict=True):
-        # E[min(D, t, X)] = integral from 0 to t of P(D > s) P(X > s) ds, over the step CDF;
-        # P(D <= t < X... ) sums each duration's probability by its chance to come before X.
-        held_s += (1.0 - previous_probability) * _survived_s(previous_s, duration_s,
-                                                             loss_rate_per_s)
-        hit += (probability - previous_probability) * math.exp(-loss_rate_per_s * duration_s)
+        # E[min(D, t)] = the integral from 0 to t of P(D > s) ds, over the step CDF.
+        held_s += (1.0 - previous_probability) * (duration_s - previous_s)
+        hit += probability - previous_probability
         previous_s, previous_probability = duration_s, probability
-        cost_s = _survived_s(0.0, duration_s, loss_rate_per_s) if pin_cost == "ttl" else held_s
+        cost_s = duration_s if pin_cost == "ttl" else held_s
         if pin_cost in PRICED_PIN_COSTS:
             cost_s *= price
         gain = hit * benefit_s - cost_s
         if duration_s > 0 and gain > best_utility:
             best_ttl_s, best_utility = duration_s, gain
     return best_ttl_s
-
-
-def _survived_s(start_s: float, end_s: float, loss_rate_per_s: float) -> float:
-    """The integral of P(X > s) ds from `start_s` to `end_s`, X ~ Exp(`loss_rate_per_s`)
-    (the length of the interval when the rate is 0)."""
-    if loss_rate_per_s == 0:
-        return end_s - start_s
-    return (math.exp(-loss_rate_per_s * start_s)
-            - math.exp(-loss_rate_per_s * end_s)) / loss_rate_per_s
 
 
 def cold_start_ttl(benefit_s: float) -> float:

@@ -17,7 +17,7 @@ against the ladder's runs:
   infercept and autellix (issue 96; the cell needs every one of their runs);
 - baselines-p99: p99 JCT no worse than the best p99 JCT of those baselines.
 
-With `--variant OPTIONS` (such as `prefill_fit=under-load`), the ladder is judged as it would
+With `--variant OPTIONS` (such as `service_weight=1`), the ladder is judged as it would
 run with those options as its defaults: in every cell, a run labelled `NAME:OPTIONS` for a
 ladder policy NAME stands for NAME, and NAME's own run is dropped where there is none (the
 cell is then not judged against it); fcfs, which takes no options, stays as it is. With

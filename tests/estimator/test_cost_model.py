@@ -13,7 +13,6 @@ from estimator.base import MAX_CONTEXT_TOKENS
 from estimator.cost_model import (
     H100_LLAMA_8B_PREFILL,
     PrefillCostModel,
-    PrefillCostUnderLoad,
     read_prefill_profile,
 )
 
@@ -117,44 +116,3 @@ def test_a_cost_model_from_data_rejects_numbers_beyond_floats() -> None:
         PrefillCostModel.from_dict({"intercept_s": 10**400, "linear_s": 0, "quadratic_s": 0})
     with pytest.raises(ValueError):
         PrefillCostModel.from_dict({"intercept_s": 1e400, "linear_s": 0, "quadratic_s": 0})
-
-
-def test_under_load_fit_waits_for_enough_prefills_of_two_lengths_then_refits() -> None:
-    truth = PrefillCostModel(intercept_s=0.05, linear_s=0.2, quadratic_s=0.01)
-    fit = PrefillCostUnderLoad(window=8, min_prefills=4, refit_every=2)
-    for _ in range(5):
-        fit.observe(1000, truth.cost_s(1000))
-    assert fit.model is None  # one length says nothing about the slope
-    for n in (4000, 16000, 2000):
-        fit.observe(n, truth.cost_s(n))
-    assert fit.model is not None and fit.model.cost_s(8000) == pytest.approx(truth.cost_s(8000))
-    # Load doubles every cost: the window forgets the old points and the refit follows.
-    slower = PrefillCostModel(intercept_s=0.1, linear_s=0.4, quadratic_s=0.02)
-    for n in (1000, 4000, 16000, 2000) * 2:
-        fit.observe(n, slower.cost_s(n))
-    assert len(fit.points) == 8
-    assert fit.model.cost_s(8000) == pytest.approx(slower.cost_s(8000))
-
-
-@pytest.mark.parametrize(("num_tokens", "seconds"), [
-    (0, 1.0), (-5, 1.0), (100, math.nan),
-])
-def test_under_load_fit_ignores_what_says_nothing(num_tokens, seconds) -> None:
-    fit = PrefillCostUnderLoad(min_prefills=2)
-    fit.observe(num_tokens, seconds)
-    assert not fit.points
-
-
-def test_under_load_fit_bounds_hostile_observations() -> None:
-    fit = PrefillCostUnderLoad(min_prefills=2, refit_every=1)
-    fit.observe(10**30, 1e300)
-    fit.observe(1, math.inf)
-    assert fit.model is not None and math.isfinite(fit.model.cost_s(MAX_CONTEXT_TOKENS))
-
-
-@pytest.mark.parametrize("settings", [
-    {"window": 4, "min_prefills": 5}, {"min_prefills": 1}, {"refit_every": 0},
-])
-def test_under_load_fit_rejects_bad_settings(settings) -> None:
-    with pytest.raises(ValueError):
-        PrefillCostUnderLoad(**settings)

@@ -33,9 +33,11 @@ def record(estimator: Eq2Estimator, tool: str | None, duration_s: float, job_id:
 
 
 def estimator_with(k: int = 3, rebuild_s: float = 0.0, **settings) -> Eq2Estimator:
-    """An estimator whose cold start and per-tool CDFs both need more than `k` samples (the
-    paper's one K), unless `settings` part them."""
-    settings = {"cold_start_samples": k, "min_tool_samples": k, **settings}
+    """The paper's Eq. 2 (R its prefill time, a pin charged its TTL), whose cold start and
+    per-tool CDFs both need more than `k` samples (the paper's one K), unless `settings`
+    say otherwise."""
+    settings = {"cold_start_samples": k, "min_tool_samples": k, "rebuild_cost": "prefill",
+                "pin_cost": "ttl", **settings}
     return Eq2Estimator(prefill_cost=PrefillCostModel(intercept_s=rebuild_s),
                         history=ToolDurationHistory(max_samples=10), **settings)
 
@@ -86,7 +88,7 @@ def test_cold_start_does_not_pin_when_the_saving_is_below_one_second() -> None:
     assert estimator.decide(call("j", "ls")).ttl_s == 0.0
 
 
-def test_the_default_rebuild_cost_is_the_papers_prefill_time() -> None:
+def test_the_papers_rebuild_cost_is_the_prefill_time_alone() -> None:
     estimator = estimator_with(rebuild_s=0.4)
     assert estimator.rebuild_cost == "prefill"
     for running in (0, 4):
@@ -94,17 +96,10 @@ def test_the_default_rebuild_cost_is_the_papers_prefill_time() -> None:
         assert decision.rebuild_s == 0.4 and decision.ttl_s == 0.0  # not worth a pin
 
 
-def test_under_load_r_replaces_the_start_up_fit_once_fitted_and_is_not_saved() -> None:
-    estimator = estimator_with(rebuild_s=0.4, prefill_fit="under-load")
-    observed = estimator.prefill_under_load
-    for index in range(observed.min_prefills):
-        estimator.observe_prefill(1000 * (1 + index % 2), 2.0 * (1 + index % 2))
-    assert estimator.rebuild_s(1000) == pytest.approx(2.0, rel=1e-3)
-    assert estimator.decide(call("j", "ls")).rebuild_s == pytest.approx(2.0, rel=1e-3)
-    reloaded = estimator_with(rebuild_s=0.4, prefill_fit="under-load")
-    reloaded.load_state(json.loads(json.dumps(estimator.state())))
-    assert reloaded.rebuild_s(1000) == 0.4  # the load it measured need not be today's
-    assert reloaded.prefill_fit == "under-load"
+def test_the_defaults_are_those_continuum_runs() -> None:
+    estimator = Eq2Estimator()
+    assert (estimator.rebuild_cost, estimator.pin_cost, estimator.cold_start_samples) == (
+        "prefill-times-running", "priced-capped", 0)
 
 
 def test_the_stalled_rebuild_cost_counts_every_request_running_beside_it() -> None:
@@ -189,8 +184,8 @@ def test_state_round_trips_through_a_json_file(tmp_path) -> None:
     estimator.observe_job_end("x", 7)
     path = tmp_path / "state.json"
     assert save_state(estimator, path) is True
-    restored = Eq2Estimator(cold_start_samples=2, min_tool_samples=2,
-                            history=ToolDurationHistory(max_samples=10))
+    restored = Eq2Estimator(cold_start_samples=2, min_tool_samples=2, rebuild_cost="prefill",
+                            pin_cost="ttl", history=ToolDurationHistory(max_samples=10))
     assert load_state_or_cold_start(restored, path) is True
     assert restored.state() == estimator.state()
     assert restored.prefill_cost == estimator.prefill_cost  # it had none: the state's

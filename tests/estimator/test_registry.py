@@ -19,8 +19,10 @@ def test_the_names_and_their_defaults() -> None:
     assert isinstance(make_estimator("fixed-2s"), FixedTTLEstimator)
     empirical = make_estimator("eq2-empirical")
     assert isinstance(empirical, Eq2Estimator) and empirical.predictor is None
-    assert (empirical.prefill_cost, empirical.rebuild_cost, empirical.max_ttl_s) == (
-        None, "prefill", DEFAULT_MAX_TTL_S)
+    # What `continuum` runs (docs/decisions/0001-0003), stated once in estimator/eq2.py.
+    assert (empirical.prefill_cost, empirical.rebuild_cost, empirical.pin_cost,
+            empirical.cold_start_samples, empirical.max_ttl_s) == (
+        None, "prefill-times-running", "priced-capped", 0, DEFAULT_MAX_TTL_S)
     learned = make_estimator("eq2-learned")
     assert isinstance(learned, Eq2Estimator)
     assert isinstance(learned.predictor, QuantileBoostingPredictor)

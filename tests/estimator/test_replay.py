@@ -85,11 +85,14 @@ def test_an_eq2_estimator_learns_t_from_its_first_miss() -> None:
     # which teaches T = 3), then pins ln 3 = 1.0986 s for the next two, which hit.
     scorer = Scorer(queueing_delay_s=3.0, eta=1.0, prefill_cost=PrefillCostModel())
     jobs = [job("a", 0.0, 0.5, 0.5, 0.5)]
-    learned = replay(jobs, Eq2Estimator(), scorer).report()
+    def papers() -> Eq2Estimator:
+        return Eq2Estimator(rebuild_cost="prefill", pin_cost="ttl", cold_start_samples=100)
+
+    learned = replay(jobs, papers(), scorer).report()
     assert (learned["pin_rate"], learned["hit_rate"]) == (pytest.approx(2 / 3), 1.0)
     assert learned["mean_T_s"] == pytest.approx((0 + 3 + 3) / 3)
     assert learned["mean_utility"] == pytest.approx((0 + 2.5 + 2.5) / 3)
-    handed = replay(jobs, Eq2Estimator(), scorer, learn_queueing_delay=False).report()
+    handed = replay(jobs, papers(), scorer, learn_queueing_delay=False).report()
     assert (handed["pin_rate"], handed["mean_T_s"]) == (1.0, 3.0)
     assert handed["mean_utility"] == pytest.approx(2.5)
     assert handed["mean_utility_ttl_cost"] == pytest.approx(3.0 - math.log(3.0))

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from estimator.base import MAX_JOB_TURNS, MAX_OBSERVED_S
-from estimator.signals import PinLossRate, RemainingTurnsCorrelation, SlidingMean
+from estimator.signals import RemainingTurnsCorrelation, SlidingMean
 
 
 def test_sliding_mean_keeps_the_latest_window() -> None:
@@ -112,19 +112,3 @@ def test_eta_is_the_clipped_negative_correlation(num_turns) -> None:
     done = [k for n in num_turns for k in range(1, n)]
     if len(set(done)) > 1:
         assert eta == pytest.approx(_numpy_eta(num_turns), abs=1e-9)
-
-
-def test_pin_loss_rate_counts_pins_taken_per_second_held_over_its_window() -> None:
-    rate = PinLossRate(window=3)
-    assert rate.rate_per_s == 0.0
-    rate.add(1.0, taken=False)
-    assert rate.rate_per_s == 0.0  # nothing taken yet
-    rate.add(0.5, taken=True)
-    rate.add(0.5, taken=True)
-    assert rate.rate_per_s == pytest.approx(2 / 2.0)
-    rate.add(3.0, taken=False)  # the first pin leaves the window
-    assert rate.rate_per_s == pytest.approx(2 / 4.0) and len(rate) == 3
-    instant = PinLossRate()
-    instant.add(0.0, taken=True)
-    instant.add(float("nan"), taken=True)  # says nothing
-    assert instant.rate_per_s == pytest.approx(1 / 1e-3)

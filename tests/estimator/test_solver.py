@@ -170,15 +170,3 @@ def test_a_new_pins_saving_rate_is_eq2s_saving_over_its_expected_hold(
     expected_hold_s = sum(min(sample, ttl_s) for sample in samples) / len(samples)
     assert value.saving_rate(0.0) == pytest.approx(
         cdf.probability(ttl_s) * 5.0 / expected_hold_s)
-
-
-def test_memory_pressure_that_takes_pins_shortens_or_declines_them() -> None:
-    # Half the calls return in 0.2 s, half in 20 s: without pressure the long TTL pays (it
-    # catches both); with pins taken at 0.5 a second the long calls' turns mostly find their
-    # pin gone, and the short TTL pays best; at 50 a second no pin pays.
-    cdf = DurationCDF((0.2, 20.0), (0.5, 1.0))
-    assert solve_ttl(cdf, 5.0, "priced", price=0.1) == 20.0
-    assert solve_ttl(cdf, 5.0, "priced", price=0.1, loss_rate_per_s=0.5) == 0.2
-    assert solve_ttl(cdf, 5.0, "priced", price=1.0, loss_rate_per_s=50.0) == 0.0
-    with pytest.raises(ValueError, match="loss_rate_per_s"):
-        solve_ttl(cdf, 5.0, loss_rate_per_s=-1.0)
