@@ -155,6 +155,35 @@ def test_runs_that_answered_alike_are_continued_latest_first():
     run_until_done(scheduler, runner)
 
 
+def test_runs_after_two_concurrent_identical_runs_are_one_job_each():
+    # Two runs of one script, turn by turn together, then four more one after the other:
+    # every turn of a later run joins that run's own first turn, none starts a job.
+    scheduler, runner, clock = _setup()
+
+    def run_turns(run: str, prompts: list[list[int]]) -> list[Request]:
+        return [make_request(f"{run}-{index}", prompt, max_tokens=3)
+                for index, prompt in enumerate(prompts)]
+
+    prompts = [FIRST_PROMPT]
+    for _ in range(2):
+        prompts.append(_next_prompt(prompts[-1]))
+    pair = [run_turns(run, prompts) for run in ("a", "b")]
+    for index in range(len(prompts)):
+        for turns in pair:
+            scheduler.add_request(turns[index])
+        run_until_done(scheduler, runner)
+        clock.advance(1.0)
+    assert len({turn.job_id for turns in pair for turn in turns}) == 2
+    for run in ("c", "d", "e", "f"):
+        turns = run_turns(run, prompts)
+        for turn in turns:
+            scheduler.add_request(turn)
+            run_until_done(scheduler, runner)
+            clock.advance(1.0)
+        assert len({turn.job_id for turn in turns}) == 1, run
+        assert turns[0].job_id not in {turn.job_id for turns in pair for turn in turns}
+
+
 def _sampling_by_request(outputs: dict[str, list[int]]):
     """A runner's `sample` giving each named request its own output tokens (else 1)."""
     def sample(request_id: str, position: int) -> int:
