@@ -3,22 +3,23 @@
 CPython's JSON parser holds the GIL for the whole parse (0.2 s for 15 MB of small items), and
 a parse in pure Python on a thread is worse: its threads take the GIL from the event loop
 every few milliseconds, each time the loop wakes up (one victim's inter-token p99 went from
-17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES` is parsed in a child process
-(`BodyParser`), which also checks the counts of `body_limits`: a body over them never comes
-back into the server's process. One within them is validated there as the route's body model
-and comes back as the model's instance, which the route's validation then takes as it is:
-FastAPI's validation holds the GIL in one piece on the event loop (an 8 MB chat of 2,000
-messages: 20-36 ms; 10,000 Responses items: about 110 ms), while loading the instance's
-pickle runs on the parser's result thread in Python that yields the GIL (5 ms; 10,000 items:
-about 90 ms, several times slower than loading the parsed JSON). A body that does not
-validate comes back as its error, which the route answers as its own validation would have,
-without validating it again on the event loop. A chat request's conversation is also rendered
-and tokenized there (`chat_prompt`), when the parser has the engine's input processor, for
-the same reason. The child is asked from the server's `TenantWorkPool`, in the tenant's turn,
-and runs in Linux's idle scheduling class (or at niceness 10: `ChildCpuClass`); the rest of
-such a request's preparation runs at low CPU priority too (`ClientContext.large_body`). A
-body of a mebibyte or more is joined from its chunks on the parser's thread
-(`BodyParser.join`), not on the event loop.
+17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES`, or one offering many tools
+(`INLINE_PARSE_NAMES`), is parsed in a child process (`BodyParser`), which also checks the
+counts of `body_limits`: a body over them never comes back into the server's process. One
+within them is validated there as the route's body model and comes back as the model's
+instance, which the route's validation then takes as it is: FastAPI's validation holds the
+GIL in one piece on the event loop (an 8 MB chat of 2,000 messages: 20-36 ms; 10,000
+Responses items: about 110 ms), while loading the instance's pickle runs on the parser's
+result thread in Python that yields the GIL (5 ms; 10,000 items: about 90 ms, several times
+slower than loading the parsed JSON). A body that does not validate comes back as its error,
+which the route answers as its own validation would have, without validating it again on the
+event loop. A chat request's conversation, and a `count_tokens` request's, is also rendered
+and tokenized there (`CHILD_PROMPTS`), when the parser has the engine's input processor, for
+the same reason. The child is asked from the server's `TenantWorkPool`, in the tenant's
+turn, and runs in Linux's idle scheduling class (or at niceness 10: `ChildCpuClass`); the
+rest of such a request's preparation runs at low CPU priority too
+(`ClientContext.large_body`). A body of a mebibyte or more is joined from its chunks on the
+parser's thread (`BodyParser.join`), not on the event loop.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from starlette.types import Receive, Scope
 from engine.entrypoints.openai.body_limits import BodyLimitError, parse_checked
 from engine.entrypoints.openai.chat_prompt import ChatPrompt, chat_prompt_unless_refused
 from engine.entrypoints.openai.errors import APIError, validation_message
+from engine.entrypoints.openai.messages_prompt import count_prompt_unless_refused
 from engine.entrypoints.openai.tenants import scope_tenant
 from engine.entrypoints.openai.work_pool import BACKGROUND_NICENESS, TenantWorkPool
 from engine.frontend.processor import InputProcessor
@@ -55,13 +57,18 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 INLINE_PARSE_BYTES = 64 * 1024
-# The request scope's state key that says the body was over `INLINE_PARSE_BYTES`: the rest of
+# A body with more `"name"` keys than this is parsed in the child whatever its size: it offers
+# that many tools (or names that many messages or calls), and rendering 1,024 tools (a 60 KB
+# `count_tokens` body) holds the GIL for 40-70 ms, which on the server's threads delayed
+# another tenant's first token 8-17x at 8 such requests at a time (`bench bodies --attack
+# tools`). Counting them is one linear pass in C (about 10 us for 64 KiB).
+INLINE_PARSE_NAMES = 64
+# The request scope's state key that says the body was parsed off the loop: the rest of
 # its preparation runs in the work pool's background (`ClientContext.large_body`).
 LARGE_BODY_STATE = "continuum_large_body"
-# The scope's state key of a large chat body's `ChatPrompt`, made with the body in the child
-# (`ClientContext.chat_prompt`), on the routes of `CHAT_PROMPT_PATHS`.
+# The scope's state key of a large body's `ChatPrompt`, made with the body in the child
+# (`ClientContext.chat_prompt`), on the routes of `CHILD_PROMPTS`.
 CHAT_PROMPT_STATE = "continuum_chat_prompt"
-CHAT_PROMPT_PATHS = frozenset({"/v1/chat/completions"})
 DEFAULT_PARSER_PROCESSES = 2
 # Bodies of at least this many bytes in more than one chunk are joined on the parser's joining
 # thread (`BodyParser.join`), not the event loop: CPython's `bytes.join` releases the GIL
@@ -108,9 +115,28 @@ class ParsedBody:
     refusal: BodyRefusal | None = None
 
 
-# Makes a validated chat request's prompt with the child's input processor, or None to leave
-# it to the route (see `chat_prompt.chat_prompt_unless_refused`).
+# Makes a validated request's prompt with the child's input processor, or None to leave it to
+# the route (see `chat_prompt.chat_prompt_unless_refused`).
 MakeChatPrompt = Callable[[InputProcessor, Any], ChatPrompt | None]
+
+
+@dataclass(frozen=True)
+class ChildPrompt:
+    """What the child makes of a route's validated body (`make`), and the body's fields the
+    prompt stands for, with the empty values they take in the instance that comes back
+    (`emptied`: the route never reads them then, and loading them back costs the server's
+    GIL)."""
+
+    make: MakeChatPrompt
+    emptied: tuple[tuple[str, Any], ...]
+
+
+# The routes whose large bodies' prompts are made in the child, by path.
+CHILD_PROMPTS = {
+    "/v1/chat/completions": ChildPrompt(chat_prompt_unless_refused, (("messages", []),)),
+    "/v1/messages/count_tokens": ChildPrompt(
+        count_prompt_unless_refused, (("messages", []), ("tools", None), ("system", None))),
+}
 # How the parse children share the CPU: Linux's idle scheduling class, or niceness 10.
 ChildCpuClass = Literal["idle", "niceness"]
 
@@ -177,13 +203,12 @@ class BodyParser:
 
     def parse(self, body: bytes, conversation_field: str | None,
               model: type[BaseModel] | None = None,
-              make_chat_prompt: MakeChatPrompt | None = None) -> ParsedBody:
+              prompt: ChildPrompt | None = None) -> ParsedBody:
         """`body` parsed as JSON and checked by `body_limits.parse_checked`, then validated
         as `model` (if given), in a child; when it validates and the parser has a processor,
-        `make_chat_prompt(processor, instance)` there too. JSONDecodeError or BodyLimitError
-        for a body that does not parse or is over a limit."""
-        return self._in_child(_parse_in_child, body, conversation_field, model,
-                              make_chat_prompt)
+        `prompt.make(processor, instance)` there too. JSONDecodeError or BodyLimitError for a
+        body that does not parse or is over a limit."""
+        return self._in_child(_parse_in_child, body, conversation_field, model, prompt)
 
     def summary(self, body: bytes, summarize: Callable[[bytes], _T]) -> _T:
         """`summarize(body)` in a child: only what it returns comes back into this process
@@ -319,7 +344,7 @@ def _enter_idle_class(thread_id: int) -> bool:
 
 def _parse_in_child(body: bytes, conversation_field: str | None,
                     model: type[BaseModel] | None,
-                    make_chat_prompt: MakeChatPrompt | None) -> ParsedBody:
+                    prompt: ChildPrompt | None) -> ParsedBody:
     data = parse_checked(body, conversation_field)
     if model is None:
         return ParsedBody(data)
@@ -334,17 +359,23 @@ def _parse_in_child(body: bytes, conversation_field: str | None,
     except Exception:
         # Anything else the route's own validation reports, in the route's error format.
         return ParsedBody(data)
-    if make_chat_prompt is None or _child_processor is None:
+    if prompt is None or _child_processor is None:
         return ParsedBody(instance)
     try:
-        chat_prompt = make_chat_prompt(_child_processor, instance)
+        chat_prompt = prompt.make(_child_processor, instance)
     except Exception:
         # The route makes the prompt itself, and reports what fails as it does for any body.
-        logger.exception("a body-parsing process could not make a chat's prompt")
+        logger.exception("a body-parsing process could not make a request's prompt")
         return ParsedBody(instance)
-    if chat_prompt is None or conversation_field is None:
+    if chat_prompt is None:
         return ParsedBody(instance)
-    return ParsedBody(instance.model_copy(update={conversation_field: []}), chat_prompt)
+    return ParsedBody(instance.model_copy(update=dict(prompt.emptied)), chat_prompt)
+
+
+def parsed_off_loop(body: bytes) -> bool:
+    """Whether `body` is parsed (and its preparation run) off the event loop: one over
+    `INLINE_PARSE_BYTES`, or with more than `INLINE_PARSE_NAMES` names."""
+    return len(body) > INLINE_PARSE_BYTES or body.count(b'"name"') > INLINE_PARSE_NAMES
 
 
 class PoolParsedRequest(Request):
@@ -377,8 +408,8 @@ class PoolParsedRequest(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             state = self.scope.setdefault("state", {})
-            state[LARGE_BODY_STATE] = len(body) > INLINE_PARSE_BYTES
-            if len(body) <= INLINE_PARSE_BYTES:
+            state[LARGE_BODY_STATE] = parsed_off_loop(body)
+            if not state[LARGE_BODY_STATE]:
                 self._json = json.loads(body)
             else:
                 parsed = await self._parse_off_loop(body)
@@ -394,11 +425,10 @@ class PoolParsedRequest(Request):
         pool: TenantWorkPool = self.app.state.work_pool
         parser: BodyParser = self.app.state.body_parser
         path = self.url.path
-        make_chat_prompt = chat_prompt_unless_refused if path in CHAT_PROMPT_PATHS else None
         try:
             return await pool.run(scope_tenant(self.scope), parser.parse, body,
                                   CONVERSATION_FIELDS.get(path), self.body_model,
-                                  make_chat_prompt, background=True)
+                                  CHILD_PROMPTS.get(path), background=True)
         except BodyLimitError as error:
             raise APIError(400, error.message, param=error.param,
                            code="limit_exceeded") from error

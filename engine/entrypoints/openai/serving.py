@@ -134,8 +134,8 @@ class ServerSettings:
     `shutdown_timeout_s` is how long requests in flight may finish once the server is told to
     stop (SIGTERM); those still running then end with an error.
 
-    `large_body_cpu`: how the child processes that parse bodies over 64 KiB (and render and
-    tokenize chats among them) share the CPU. "idle": Linux's idle scheduling class, only
+    `large_body_cpu`: how the child processes that parse bodies over 64 KiB or offering many
+    tools (and render and tokenize chats among them) share the CPU. "idle": Linux's idle scheduling class, only
     CPU no other task wants, so that they never delay the engine's steps or other requests
     (a large body may then wait long on a machine whose every core stays busy); "niceness":
     niceness 10, a tenth of a contended core.
@@ -192,7 +192,7 @@ class ServerSettings:
         default=DEFAULT_MAX_WAITING_PREPARATIONS, metadata=setting(
             "429 for a tenant with this many waiting for them", group="server"))
     large_body_cpu: ChildCpuClass = field(default="idle", metadata=setting(
-        "the CPU class of the processes parsing bodies over 64 KiB: idle (Linux's idle "
+        "the CPU class of the processes parsing large bodies: idle (Linux's idle "
         "class) or niceness (niceness 10)", group="server", flag=False))
 
     def __post_init__(self) -> None:

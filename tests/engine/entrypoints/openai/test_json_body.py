@@ -21,23 +21,25 @@ from fastapi import Body, Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, model_validator
 
-from engine.entrypoints.openai import serving_chat
+from engine.entrypoints.openai import serving_chat, serving_messages
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_PARTS, BodyLimitError
-from engine.entrypoints.openai.chat_prompt import (
-    ChatPrompt,
-    chat_prompt_unless_refused,
-    render_chat_prompt,
-)
+from engine.entrypoints.openai.chat_prompt import ChatPrompt, render_chat_prompt
 from engine.entrypoints.openai.json_body import (
+    CHILD_PROMPTS,
     INLINE_PARSE_BYTES,
+    INLINE_PARSE_NAMES,
     OFF_LOOP_JOIN_BYTES,
     BodyParser,
     ChildAnswerTimeout,
+    ChildPrompt,
     ParsedBody,
     PoolParsedRequest,
     PoolParsedRoute,
+    parsed_off_loop,
 )
+from engine.entrypoints.openai.messages_prompt import count_prompt
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engine.entrypoints.openai.protocol_messages import MessagesCountTokensRequest
 from engine.entrypoints.openai.protocol_responses import ResponsesRequest
 from engine.entrypoints.openai.serving import ClientContext, ServerSettings
 from engine.entrypoints.openai.tool_call_ids import issued_call_id
@@ -49,6 +51,9 @@ from engine.entrypoints.openai.work_pool import (
 from engine.entrypoints.server_args import add_arguments, server_settings_from_args
 from engine.frontend.processor import InputProcessor
 from engine.model.tokenizer import load_tokenizer
+
+CHAT_PROMPT = CHILD_PROMPTS["/v1/chat/completions"]
+COUNT_PROMPT = CHILD_PROMPTS["/v1/messages/count_tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -395,7 +400,7 @@ def test_the_child_makes_a_chats_prompt_as_the_server_would(preparing_parser, pr
                                                            fields):
     body = _chat(**fields)
     parsed = preparing_parser.parse(json.dumps(body).encode(), "messages",
-                                    ChatCompletionRequest, chat_prompt_unless_refused)
+                                    ChatCompletionRequest, CHAT_PROMPT)
     validated = ChatCompletionRequest.model_validate(body)
     assert parsed.value.messages == []
     assert parsed.value.model_copy(update={"messages": validated.messages}) == validated
@@ -410,7 +415,7 @@ def test_the_childs_prompt_names_the_request_whose_tool_call_it_answers(preparin
     body["messages"][1]["tool_calls"][0]["id"] = issued_call_id("chatcmpl-earlier", 0)
     body["messages"][2]["tool_call_id"] = issued_call_id("chatcmpl-earlier", 0)
     parsed = preparing_parser.parse(json.dumps(body).encode(), "messages",
-                                    ChatCompletionRequest, chat_prompt_unless_refused)
+                                    ChatCompletionRequest, CHAT_PROMPT)
     assert parsed.chat_prompt.continues_request_id == "chatcmpl-earlier"
 
 
@@ -423,7 +428,7 @@ def test_the_child_does_not_render_what_the_server_refuses(preparing_parser, par
     for parsing, body in ((preparing_parser, replacing), (preparing_parser, invalid),
                           (parser, _chat())):
         parsed = parsing.parse(json.dumps(body).encode(), "messages", ChatCompletionRequest,
-                               chat_prompt_unless_refused)
+                               CHAT_PROMPT)
         assert parsed.chat_prompt is None
 
 
@@ -476,7 +481,7 @@ def _parse_from_a_background_thread(parser: BodyParser) -> object:
     them, from a work-pool thread at niceness 10."""
     return _call_from_a_niced_thread(lambda: parser.parse(
         json.dumps(_chat()).encode(), "messages", ChatCompletionRequest,
-        _cpu_classes_of_every_thread).chat_prompt)
+        ChildPrompt(_cpu_classes_of_every_thread, ())).chat_prompt)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class")
@@ -534,13 +539,70 @@ def _call_from_a_niced_thread(call: Callable[[], object]) -> object:
     return results[0]
 
 
+def _tools_count(num_tools: int, **fields: object) -> dict:
+    return {"model": "tiny", "system": "be brief",
+            "messages": [{"role": "user", "content": "which tool?"}],
+            "tools": [{"name": f"tool_{index}", "input_schema": {"type": "object"}}
+                      for index in range(num_tools)], **fields}
+
+
+def test_a_body_offering_many_tools_is_parsed_off_the_loop_whatever_its_size() -> None:
+    many, few = (json.dumps(_tools_count(n)).encode() for n in (INLINE_PARSE_NAMES + 1, 8))
+    assert len(many) < INLINE_PARSE_BYTES
+    assert parsed_off_loop(many) and not parsed_off_loop(few)
+    assert parsed_off_loop(b" " * (INLINE_PARSE_BYTES + 1) + b"{}")
+
+
+def test_the_child_counts_a_count_tokens_prompt_as_the_route_would(preparing_parser,
+                                                                   processor):
+    """However long: 100 tools are far past the 64-token context. What the prompt stands
+    for (messages, tools, system) does not come back."""
+    body = _tools_count(100)
+    parsed = preparing_parser.parse(json.dumps(body).encode(), "messages",
+                                    MessagesCountTokensRequest, COUNT_PROMPT)
+    validated = MessagesCountTokensRequest.model_validate(body)
+    assert parsed.chat_prompt == count_prompt(processor, validated)
+    assert len(parsed.chat_prompt.token_ids) > 100 * 8
+    assert (parsed.value.messages, parsed.value.tools, parsed.value.system) == ([], None, None)
+    refused = _tools_count(2, messages=[{"role": "assistant", "content": "hi"}])
+    assert preparing_parser.parse(json.dumps(refused).encode(), "messages",
+                                  MessagesCountTokensRequest, COUNT_PROMPT).chat_prompt is None
+
+
+def test_a_tool_heavy_count_is_made_in_the_child_and_answered_as_inline(server, monkeypatch):
+    """A `count_tokens` body with more tools than `INLINE_PARSE_NAMES` is counted in the
+    parsing child, not on the server's threads, to the count the route makes of it; the same
+    body's refusals are the route's."""
+    counted_by_the_route: list[int] = []
+
+    def counted(processor: InputProcessor, body: MessagesCountTokensRequest) -> ChatPrompt:
+        counted_by_the_route.append(len(body.tools or ()))
+        return count_prompt(processor, body)
+
+    monkeypatch.setattr(serving_messages, "count_prompt", counted)
+    body = _tools_count(INLINE_PARSE_NAMES + 1)
+    duplicate = _tools_count(INLINE_PARSE_NAMES + 1)
+    duplicate["tools"][1]["name"] = "tool_0"
+    with server.http() as http:
+        many = http.post("/v1/messages/count_tokens", json=body)
+        few = http.post("/v1/messages/count_tokens", json=_tools_count(2))
+        refused = http.post("/v1/messages/count_tokens", json=duplicate)
+    assert many.status_code == few.status_code == 200, (many.text, few.text)
+    assert counted_by_the_route == [2]
+    processor = server.engine.processor
+    expected = count_prompt(processor, MessagesCountTokensRequest.model_validate(body))
+    assert many.json() == {"input_tokens": len(expected.token_ids)}
+    assert refused.status_code == 400 and "tool_0" in refused.text
+
+
 def _failing_chat_prompt(processor: InputProcessor, body: object) -> ChatPrompt | None:
     raise RuntimeError("a bug")
 
 
 def test_a_failure_to_make_the_prompt_leaves_it_to_the_route(preparing_parser):
     parsed = preparing_parser.parse(json.dumps(_chat()).encode(), "messages",
-                                    ChatCompletionRequest, _failing_chat_prompt)
+                                    ChatCompletionRequest,
+                                    ChildPrompt(_failing_chat_prompt, (("messages", []),)))
     assert parsed.value == ChatCompletionRequest.model_validate(_chat())
     assert parsed.chat_prompt is None
 
@@ -597,7 +659,7 @@ def test_a_processor_that_cannot_be_copied_leaves_the_prompts_to_the_routes(proc
     parser = BodyParser(num_processes=1, processor=unpicklable)
     try:
         parsed = parser.parse(json.dumps(_chat()).encode(), "messages",
-                              ChatCompletionRequest, chat_prompt_unless_refused)
+                              ChatCompletionRequest, CHAT_PROMPT)
     finally:
         parser.shutdown()
     assert parsed.value == ChatCompletionRequest.model_validate(_chat())

@@ -10,7 +10,7 @@ from typing import Any
 
 import anthropic
 
-from engine.entrypoints.openai import serving_messages
+from engine.entrypoints.openai import messages_prompt
 from tests.engine.entrypoints.openai.conftest import ServerThread
 
 BLOCK_SIZE = 16  # the test server's KV block size, in tokens
@@ -93,6 +93,6 @@ def test_one_hour_is_a_pin_of_3600_s_refreshed_on_a_hit(server) -> None:
 
 
 def test_a_ttl_past_the_cap_is_clamped(server, monkeypatch) -> None:
-    monkeypatch.setattr(serving_messages, "MAX_CACHE_TTL_S", 600.0)
+    monkeypatch.setattr(messages_prompt, "MAX_CACHE_TTL_S", 600.0)
     _two_turns(server, "breakpoint-clamped", "1h", 600.0)
     _two_turns(server, "breakpoint-under-the-cap", "5m", 300.0)

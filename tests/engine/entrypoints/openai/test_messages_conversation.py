@@ -10,15 +10,14 @@ from typing import Any
 import pytest
 
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.protocol_messages import MessagesRequest
-from engine.entrypoints.openai.serving_messages import (
+from engine.entrypoints.openai.messages_prompt import (
     MAX_CACHE_TTL_S,
-    _event,
-    _stream_error,
     check_messages_fields,
     prompt_cache_breakpoint,
     template_conversation,
 )
+from engine.entrypoints.openai.protocol_messages import MessagesRequest
+from engine.entrypoints.openai.serving_messages import _event, _stream_error
 from engine.frontend.chat_template import render_chat
 from engine.model.tokenizer import load_tokenizer
 from engine.sampling_params import CacheBreakpoint
