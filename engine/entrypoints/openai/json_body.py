@@ -60,7 +60,7 @@ INLINE_PARSE_BYTES = 64 * 1024
 # A body with more `"name"` keys than this is parsed in the child whatever its size: it offers
 # that many tools (or names that many messages or calls), and rendering 1,024 tools (a 60 KB
 # `count_tokens` body) holds the GIL for 40-70 ms, which on the server's threads delayed
-# another tenant's first token 8-17x at 8 such requests at a time (`bench bodies --attack
+# another tenant's first token 8-17x at 8 such requests at a time (`python -m lab bodies --attack
 # tools`). Counting them is one linear pass in C (about 10 us for 64 KiB).
 INLINE_PARSE_NAMES = 64
 # The request scope's state key that says the body was parsed off the loop: the rest of
@@ -158,7 +158,7 @@ class BodyParser:
     GIL for each write) run at the priority of the thread that built the parser: started
     from a background thread, they would run at its niceness 10, and one that the kernel
     preempts while it holds the GIL stalls the event loop until it runs again (the victim's
-    first-token p99 under `bench bodies --attack responses` was about 2 ms higher)."""
+    first-token p99 under `python -m lab bodies --attack responses` was about 2 ms higher)."""
 
     def __init__(self, num_processes: int = DEFAULT_PARSER_PROCESSES,
                  processor: InputProcessor | None = None,
@@ -185,7 +185,7 @@ class BodyParser:
         """`b"".join(chunks)` on the parser's one joining thread, which the event loop's first
         call starts (so it runs at the loop's priority), for the loop to await
         (`PoolParsedRequest.body`): joining an 8 MB body's chunks on the loop held it about
-        8 ms under `bench bodies --attack chats` (2026-11-26). Not in the tenants' turns of
+        8 ms under `python -m lab bodies --attack chats` (2026-11-26). Not in the tenants' turns of
         the work pool, where it would wait behind another tenant's parse: each join takes
         milliseconds, and the body budget bounds the bytes waiting for one."""
         return self._joiner.submit(b"".join, chunks)
