@@ -262,3 +262,21 @@ def test_metrics_count_jobs_created_inferred_ended_and_pins_by_source() -> None:
         assert "continuum:pins_created_by_source_total" in text
     finally:
         server.stop()
+
+
+def test_a_stream_without_a_job_starts_at_its_first_token() -> None:
+    """With no job to name (inference off, none sent), the stream still starts at its first
+    token, not once the request has finished: its first text arrives while it runs."""
+    server = start_server(job_inference=False)
+    try:
+        with server.http() as http, http.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True,
+                "stream": True}) as response:
+            assert response.status_code == 200
+            assert "x-continuum-job-id" not in response.headers
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    break
+            assert server.stats().num_running == 1
+    finally:
+        server.stop()
