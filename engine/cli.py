@@ -4,7 +4,8 @@ The top layer (docs/architecture.md, 'Layers'). Subcommands are named here as `m
 and imported only when run, so `continuum --help` stays fast and heavy dependencies load only
 for the command that needs them; the benchmarks are the commands `eval.bench` lists (it
 imports only the standard library). Each command module provides `add_arguments(parser)` and
-`main(args) -> int`.
+`main(args) -> int`. The lab's benches (`python -m lab`, from a checkout) run through `main`
+with their own commands.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def _bench_commands() -> dict[str, tuple[str, str]]:
             for name, help_text in BENCH_COMMANDS.items()}
 
 
-COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
+# A command by its name: (its module, its help), or a group of such commands.
+Commands = dict[str, tuple[str, str] | dict[str, tuple[str, str]]]
+
+COMMANDS: Commands = {
     "serve": ("engine.entrypoints.serve", "the OpenAI-compatible HTTP server"),
     "models": {
         "pull": ("engine.entrypoints.models.pull", "fetch a catalogued model into the cache"),
@@ -40,17 +44,21 @@ COMMANDS: dict[str, tuple[str, str] | dict[str, tuple[str, str]]] = {
 }
 
 
-def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    """The parser; only the subcommand named in `argv` has its module imported."""
-    parser = argparse.ArgumentParser(prog="continuum", description=__doc__.splitlines()[0])
+def build_parser(argv: Sequence[str], commands: Commands | None = None, *,
+                 prog: str = "continuum", description: str | None = None,
+                 ) -> argparse.ArgumentParser:
+    """The parser of `commands` (default `COMMANDS`); only the subcommand named in `argv` has
+    its module imported."""
+    parser = argparse.ArgumentParser(prog=prog,
+                                     description=description or __doc__.splitlines()[0])
     groups = parser.add_subparsers(dest="group", required=True, metavar="COMMAND")
-    for group, commands in COMMANDS.items():
-        if isinstance(commands, tuple):
-            _add_command(groups, group, commands, selected=list(argv[:1]) == [group])
+    for group, members in (COMMANDS if commands is None else commands).items():
+        if isinstance(members, tuple):
+            _add_command(groups, group, members, selected=list(argv[:1]) == [group])
             continue
         group_parser = groups.add_parser(group, help=f"{group} commands")
         subparsers = group_parser.add_subparsers(dest="command", required=True, metavar="NAME")
-        for name, command in commands.items():
+        for name, command in members.items():
             _add_command(subparsers, name, command, selected=list(argv[:2]) == [group, name])
     return parser
 
@@ -67,9 +75,11 @@ def _add_command(
         sub.set_defaults(run=module.main)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, commands: Commands | None = None, *,
+         prog: str = "continuum", description: str | None = None) -> int:
+    """Runs the command of `argv` (default: the process's arguments) among `commands`."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    args = build_parser(argv, commands, prog=prog, description=description).parse_args(argv)
     return args.run(args)
 
 

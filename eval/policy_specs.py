@@ -1,4 +1,4 @@
-"""Policy specs, as `bench sim --policies` and `bench check-calibration --policy` take them:
+"""Policy specs, as `bench sim --policies` and `python -m lab check-calibration --policy` take them:
 a policy with its options, `NAME` or `NAME:KEY=VALUE[:KEY=VALUE...]`, optionally ending in
 `+tier` (the same policy on an engine with a host KV tier). The spec as written labels a
 run's rows.

@@ -1,7 +1,7 @@
 """Policies the simulator and the calibration checks still run but the engine does not offer:
 the oracle bound and Continuum as earlier measured runs ran it. Each is a `PolicyPreset`
 (a composition of `continuum`'s strategies), named in `EVAL_POLICIES` so that `bench sim
---policies` and `bench check-calibration` take it by name like a registered policy.
+--policies` and `python -m lab check-calibration` take it by name like a registered policy.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ CONTINUUM_AS_REPLAYED = PolicyPreset("continuum-as-replayed", WaitBoundOptions,
 CONTINUUM_AF226D3 = PolicyPreset("continuum-af226d3", Af226d3Options, compose_af226d3)
 CONTINUUM_9C07BA7 = PolicyPreset("continuum-9c07ba7", WaitBoundOptions, compose_wait_bounded)
 
-# The names `bench sim --policies` and `bench check-calibration` take beside the engine's.
+# The names `bench sim --policies` and `python -m lab check-calibration` take beside the engine's.
 EVAL_POLICIES = {
     "continuum-oracle": "eval.policy_variants:CONTINUUM_ORACLE",
     "continuum-af226d3": "eval.policy_variants:CONTINUUM_AF226D3",

@@ -2,7 +2,7 @@
 launches (the CPU's calls that start work on the device: kernels, and whole CUDA graphs,
 each counting one), the device's busy time (the sum of its kernels' and copies' durations),
 the host's time a step, and where the device sat idle inside the profiled steps (before its
-first activity, between activities, after its last: `DeviceIdle`). `bench forward --profile`
+first activity, between activities, after its last: `DeviceIdle`). `python -m lab forward --profile`
 adds these to each shape.
 `profile_run` profiles a whole run instead (`bench throughput --profile`): its wall time, the
 device's busy time, and that time split by kind of kernel (`KERNEL_GROUPS`).
@@ -72,7 +72,7 @@ class StepProfile:
     exceeds its device time spends it); `idle` is the device's idle time inside the run, a
     step (a run of one step: where the host held the device up). `host_stacks`, empty
     here, is for a caller that samples the host's Python in a run of its own
-    (`eval.host_stacks`: sampling slows the host, so not in this run)."""
+    (`lab.host_stacks`: sampling slows the host, so not in this run)."""
 
     launches_per_step: float
     graph_launches_per_step: float

@@ -5,7 +5,7 @@
 #               the sdpa reference on the device, float32/bf16 parity with transformers, the
 #               loader, the layer kernels, fp8 projections, async scheduling against steps in
 #               order on the device, steps launched with synchronizing CUDA calls made
-#               errors) and, unless --quick's forward part runs, one small `bench forward`
+#               errors) and, unless --quick's forward part runs, one small `python -m lab forward`
 #               of the 8B shapes with triton: a couple of minutes that show whether the rest
 #               can run
 #   kernels     (only when asked for: --part kernels) the kernels' own timings at Llama-3.1-8B's
@@ -14,7 +14,7 @@
 #               in bf16 and in fp8, with exact and with fast accumulation: device and host
 #               time a call) and, without --quick, eval/gpu/mlp_gemms.py (the MLP's gate and
 #               up projections as one GEMM or two); seconds, not minutes
-#   forward     `bench forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
+#   forward     `python -m lab forward` at the issue's shapes (decode batch 1/32/128 at 1k context,
 #               batch 32 at 8k, prefill 2,048 tokens; and 8 steps of 2,048 prompt tokens
 #               back to back, as the engine core runs them) with the sdpa backend, torch's layer
 #               ops and steps in order (the first run's code), the triton backend and fused
@@ -55,7 +55,7 @@
 #               --agent-async (the engine's default on CUDA)
 #   70b         (only when asked for: --part 70b) Llama-3.1-70B's shapes with FP8 projections
 #               (engine/model/configs/llama3.1-70b.json, --quantization fp8; the weights drawn
-#               on the device in FP8): `bench forward` at decode batch 1 and 32 over 1k and a
+#               on the device in FP8): `python -m lab forward` at decode batch 1 and 32 over 1k and a
 #               2,048-token prefill, also with an fp8 KV cache, and `bench throughput`'s 256
 #               requests with both fp8 options
 #   paper       (only when asked for: --part paper) the paper's comparison: SWE and BFCL jobs of
@@ -67,7 +67,7 @@
 #               (--no-async-scheduling, unless --agent-async), each run's trace kept; then
 #               eval/gpu/paper_report.py (the comparison's targets and the JCT-against-load
 #               figure, into OUT_DIR/paper.md, paper.json, paper-jct.png), `bench calibrate`
-#               on the 8B runs but those of the middle load, and `bench check-calibration` of
+#               on the 8B runs but those of the middle load, and `python -m lab check-calibration` of
 #               that profile against the held-out runs (their manifest written by
 #               paper_setups.py); with --dry-run, that analysis runs here on a stand-in of
 #               the runs' files, simulated (`paper_setups.py stand-in`)
@@ -215,10 +215,17 @@ if [ -n "$baseline" ] && ! env -C "$baseline" "PYTHONPATH=$baseline${PYTHONPATH:
 import os
 import sys
 
-import eval.bench.forward  # noqa: F401
+import importlib.util
+
 import eval.bench.throughput  # noqa: F401
 
-ours = ("engine", "eval", "tracing", "estimator", "continuum")
+# A baseline from before the lab left the wheel has its forward bench in eval.
+if importlib.util.find_spec("lab") is not None:
+    import lab.bench.forward  # noqa: F401
+else:
+    import eval.bench.forward  # noqa: F401
+
+ours = ("engine", "eval", "tracing", "estimator", "continuum", "lab")
 root = os.path.realpath(sys.argv[1]) + os.sep
 elsewhere = sorted(name for name, module in list(sys.modules.items())
                    if name.split(".")[0] in ours and getattr(module, "__file__", None)
@@ -395,6 +402,11 @@ step() {
 }
 
 engine=("$python" -m engine.cli)
+# The lab's benches (forward, check-calibration) run from the checkout; a baseline from
+# before the lab left the wheel has them as `continuum bench` commands.
+lab=("$python" -m lab)
+base_lab=("${lab[@]}")
+[ -z "$baseline" ] || [ -d "$baseline/lab" ] || base_lab=("${engine[@]}" bench)
 
 if wants smoke; then
   tests=(tests/engine/model/attention/test_triton_kernels.py
@@ -405,8 +417,8 @@ if wants smoke; then
          tests/engine/worker/test_step_syncs.py)
   step smoke-tests "$python" -m pytest -x -q -p no:cacheprovider "${tests[@]}"
   # --quick's forward part runs triton's forward at full size first.
-  { [ $quick -eq 1 ] && wants forward; } || step forward-smoke-triton "${engine[@]}" \
-    bench forward --config "$config" --device "$device" --attention-backend triton \
+  { [ $quick -eq 1 ] && wants forward; } || step forward-smoke-triton "${lab[@]}" \
+    forward --config "$config" --device "$device" --attention-backend triton \
     "${smoke_shapes[@]}" --json "$raw/forward-smoke-triton.json"
 fi
 
@@ -449,25 +461,25 @@ forward_run() {
     triton-torch-layers) flags=(--attention-backend triton --layer-kernels torch) ;;
   esac
   [ "$run" = sdpa ] || flags+=(--profile)  # launches, device and host time a decode step
-  local command=(bench forward --config "$config" --device "$device" "${flags[@]}"
+  local command=(forward --config "$config" --device "$device" "${flags[@]}"
                  "${forward_shapes[@]}")
-  step "forward-$run" "${engine[@]}" "${command[@]}" --json "$raw/forward-$run.json"
+  step "forward-$run" "${lab[@]}" "${command[@]}" --json "$raw/forward-$run.json"
   if [ -n "$baseline" ] && [ "$run" = triton ]; then
-    step "forward-$run-base" "${on_baseline[@]}" "${engine[@]}" "${command[@]}" \
+    step "forward-$run-base" "${on_baseline[@]}" "${base_lab[@]}" "${command[@]}" \
       --json "$raw/forward-$run-base.json"
   fi
 }
 forward_extend() {
   # In a run of its own: a 30,000-token context raises the runner's max_model_len, which
   # sizes the decode graphs' splits and would change the decode targets' steps.
-  step forward-extend-triton "${engine[@]}" bench forward --config "$config" \
+  step forward-extend-triton "${lab[@]}" forward --config "$config" \
     --device "$device" --attention-backend triton --layer-kernels triton --decode --prefill \
     "${extend_shapes[@]}" --profile --json "$raw/forward-extend-triton.json"
 }
 forward_sampling() {
   # What each kind of sampling adds to a decode step: penalties and grammar masks are
   # applied on the device from inputs copied without waiting for it.
-  step forward-sampling-triton "${engine[@]}" bench forward --config "$config" \
+  step forward-sampling-triton "${lab[@]}" forward --config "$config" \
     --device "$device" --attention-backend triton --layer-kernels triton \
     "${sampling_shapes[@]}" --sampling greedy random nucleus seeded penalties grammar \
     --json "$raw/forward-sampling-triton.json"
@@ -477,7 +489,7 @@ forward_smollm2() {
   # its shapes: the GPU machine cannot fetch it. Its 8,192 positions hold no 8k context plus
   # the timed steps, so its long shape is 8,000 tokens.
   [ "$device" = cuda ] || return 0
-  step forward-smollm2-triton "${engine[@]}" bench forward \
+  step forward-smollm2-triton "${lab[@]}" forward \
     --config engine/model/configs/smollm2-135m-instruct.json --device "$device" \
     --attention-backend triton --decode 1x1024 32x1024 128x1024 32x8000 \
     --json "$raw/forward-smollm2-triton.json"
@@ -560,7 +572,7 @@ if wants 70b; then
   for kv in auto fp8; do
     run_70b=70b-fp8w
     [ "$kv" = fp8 ] && run_70b=70b-fp8-all
-    step "forward-$run_70b" "${engine[@]}" bench forward --config "$config_70b" \
+    step "forward-$run_70b" "${lab[@]}" forward --config "$config_70b" \
       --device "$device" --attention-backend triton --quantization fp8 --kv-cache-dtype "$kv" \
       "${shapes_70b[@]}" --json "$raw/forward-$run_70b.json"
   done
@@ -722,7 +734,7 @@ print(next((card for card in ('h200', 'h100', 'cpu') if card in name), 'gpu'))" 
       --device "$([ $dry_run -eq 1 ] && echo cuda || echo "$device")" \
       --profile paper-profile --out "$raw/paper-check.json"
     # check-calibration names the runs' files relative to the manifest's folder.
-    paper_step paper-check-calibration "${engine[@]}" bench check-calibration \
+    paper_step paper-check-calibration "${lab[@]}" check-calibration \
       --manifest "$raw/paper-check.json" --runs-dir "$paper_dir" \
       --profile "$raw/paper-profile.json" --json "$raw/paper-check-calibration.json"
   fi

@@ -61,7 +61,7 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 # Below the 4,096 soft limit common on servers and far below container hard limits
 # (1,048,576); each connection held costs one descriptor and about 5 KiB of server memory
-# (`continuum bench connections`: +17 MiB RSS while 3,500 were held).
+# (`python -m lab connections`: +17 MiB RSS while 3,500 were held).
 DEFAULT_MAX_CONNECTIONS = 1024
 # Descriptors kept for everything but client connections (the listening socket, the engine
 # core's sockets and pipes, log files, imports), when the cap is fitted to the limit.

@@ -85,6 +85,7 @@ class _RequestState:
     error_param: str | None = None
     prompt_logprobs: _PromptLogprobBook | None = None
     job_id: str | None = None
+    job_reported: bool = False  # its first token came, naming its job or none
 
     @property
     def finished(self) -> bool:
@@ -95,12 +96,12 @@ class _RequestState:
 class ProcessedOutputs:
     """`request_outputs` for requests without a queue; `core_requests_to_abort`: completions
     that a stop string finished while the core is still generating them; `job_ids`: the
-    jobs the core named in this batch, by request id (first outputs); `finished`: the ids of
-    the requests this batch finished."""
+    jobs of the requests whose first token came in this batch, by request id (None: the
+    request has no job); `finished`: the ids of the requests this batch finished."""
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     core_requests_to_abort: list[str] = field(default_factory=list)
-    job_ids: dict[str, str] = field(default_factory=dict)
+    job_ids: dict[str, str | None] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
 
 
@@ -199,7 +200,9 @@ class OutputProcessor:
                 continue  # a stop string ended it; the core had not heard yet
             if self._apply(state, completion, core_output, now_s):
                 result.core_requests_to_abort.append(completion.core_request_id)
-            if core_output.job_id is not None and state.job_id is None:
+            if core_output.new_token_ids and not state.job_reported:
+                # The core names the job with the first token, or names none then.
+                state.job_reported = True
                 state.job_id = core_output.job_id
                 result.job_ids[state.processed.request_id] = core_output.job_id
             touched.setdefault(state.processed.request_id, (state, []))[1].append(completion)

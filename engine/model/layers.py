@@ -51,7 +51,7 @@ class SwiGLUMLP(nn.Module):
     `fuse_gate_up` picks how it multiplies: one matmul over the whole matrix (on CUDA, where
     one GEMM of twice the width took 0.96-1.01x the time of two on an H100,
     `eval/gpu/mlp_gemms.py`), or one over each half, as views (on CPU one fused matmul
-    measured about 4% slower at these shapes, `continuum bench forward`).
+    measured about 4% slower at these shapes, `python -m lab forward`).
     Both compute the same values.
     """
 

@@ -445,7 +445,7 @@ class Ingress:
             more_body = bool(message.get("more_body"))
             reservation.cover(num_bytes, complete=not more_body)
         # Appending each chunk to one buffer here, then copying it out, held this loop for
-        # about a quarter of its busy time under `bench bodies --attack chats` (2026-11-26).
+        # about a quarter of its busy time under `python -m lab bodies --attack chats` (2026-11-26).
         return await self._body_parser.joined(chunks)
 
     async def _generation_route(self, request: ProxiedRequest, tenant: str | None

@@ -2,7 +2,7 @@
 tenants taking turns.
 
 With one queue for all, a tenant that sends many requests puts every other tenant's behind
-them: in `continuum bench flood`, another tenant's next request waited up to 16.8 s for its
+them: in `python -m lab flood`, another tenant's next request waited up to 16.8 s for its
 first token in a 30 s flood of 1,000 completions, and 40.2 s in a 60 s flood of 2,000 (0.02 s
 alone). Here each tenant with waiting requests has a queue of its own, built by the policy
 (`SchedulingPolicy.new_waiting_queue`), and the next request to admit is the head of the

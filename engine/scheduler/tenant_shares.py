@@ -1,7 +1,7 @@
 """Each tenant's share of the running batch and of the KV pool, kept by preemption.
 
 The waiting queue takes turns among tenants (`tenant_queue`), but a turn comes only when a
-sequence slot and blocks are free. In `continuum bench flood` one tenant's completions
+sequence slot and blocks are free. In `python -m lab flood` one tenant's completions
 filled the batch and the KV pool, and another tenant's request, first in line, waited up to
 9 s for one of them to finish. So, with requests of several tenants running or waiting, each
 tenant's share is an equal part of `max_num_seqs` and of the KV pool; what a tenant holds is

@@ -2,7 +2,7 @@
 
 Usage: python eval/gpu/bench_report.py RAW_DIR OUT_DIR. RAW_DIR holds `environment.json`,
 `status.tsv` (name, exit code, seconds of each step) and each step's JSON: `forward-*.json`
-(`bench forward`), `throughput-*.json` (`bench throughput --impl engine`), `agent-*.json`
+(`python -m lab forward`), `throughput-*.json` (`bench throughput --impl engine`), `agent-*.json`
 and `paper-*.json` (`bench agent`: the agent part's replays and the paper part's, whose
 targets `eval/gpu/paper_report.py` judges; the paper part's other JSONs are left out). On a
 card `eval.gpu_floors` knows, each figure is also set against that card's own floor, when
@@ -103,8 +103,8 @@ def _forward_table(runs: dict[str, Any]) -> list[str]:
         return []
     names = list(runs)
     header = "| shape | " + " | ".join(f"{name}: ms a step | {name}: tokens/s" for name in names)
-    lines = ["## Forward steps through the model runner (`bench forward`)", "", header + " |",
-             "|---|" + "---:|---:|" * len(names)]
+    lines = ["## Forward steps through the model runner (`python -m lab forward`)", "",
+             header + " |", "|---|" + "---:|---:|" * len(names)]
     by_label = {name: {r["label"]: r for r in run["results"]} for name, run in runs.items()}
     labels = dict.fromkeys(label for results in by_label.values() for label in results)
     for label in labels:
@@ -120,7 +120,7 @@ def _forward_table(runs: dict[str, Any]) -> list[str]:
 
 
 def _profile_table(runs: dict[str, Any]) -> list[str]:
-    """The profiled shapes (`bench forward --profile`): launches and times a step."""
+    """The profiled shapes (`python -m lab forward --profile`): launches and times a step."""
     rows = [(name, result) for name, run in runs.items() for result in run["results"]
             if result.get("profile")]
     if not rows:

@@ -3,7 +3,7 @@
 # 3.12 on manylinux x86_64 (glibc up to 2.35; the image's Python 3.12.3 is Ubuntu 24.04's, glibc
 # 2.39), at the versions installed in this checkout's .venv (the ones the
 # test suite passes with). The engine imports msgspec, llguidance and pyzmq for every command
-# (`bench forward` and `bench throughput` included); `serve` and `bench agent` need the rest.
+# (`python -m lab forward` and `bench throughput` included); `serve` and `bench agent` need the rest.
 #
 # Usage, here (network needed): bash eval/gpu/fetch_wheels.sh
 # Then on the GPU machine (the device tool's `run`, with ".whl" in `carry`):

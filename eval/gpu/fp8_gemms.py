@@ -11,7 +11,7 @@ gate/up 4,096 -> 28,672, down 14,336 -> 4,096) and each token count, these calls
   kernel on CUDA);
 - `layer`: `Fp8Linear.forward` whole, as the engine runs it (quantize, then the fast
   product).
-Each has two times a call (`eval.kernel_timing`): the device's from a replayed CUDA graph and
+Each has two times a call (`eval.gpu.kernel_timing`): the device's from a replayed CUDA graph and
 the host's for an eager call; the products also have the weight bytes a second the device's
 time reads. The relative error of `fp8 fast` is its largest difference from the exact
 product over that product's largest magnitude (bf16 outputs; random weights and inputs). The
@@ -41,7 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.model.fp8_linear import Fp8Linear, quantize_rows
-from eval import kernel_timing
+from eval.gpu import kernel_timing
 
 # (name, input features, output features) of Llama-3.1-8B's projections.
 PROJECTIONS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672),

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from eval import kernel_timing
+from eval.gpu import kernel_timing
 
 HIDDEN, INTERMEDIATE = 4096, 14336
 DEFAULT_TOKENS = (1, 8, 32, 64, 128, 192, 256, 2048, 2304, 4096)

@@ -28,7 +28,7 @@ Usage: python eval/gpu/paper_setups.py runs --device cuda|cpu [--models 8b,70b]
 `runs` prints a line a run, in the order they run (a setup's highest load first: the
 targets are judged there), tab-separated: name, model, workload, load index, policy, config
 file, the server's flags and the client's flags (each shell-quoted words). `manifest` writes
-the run set that `continuum bench check-calibration --manifest` checks: the 8B runs of the
+the run set that `python -m lab check-calibration --manifest` checks: the 8B runs of the
 held-out load found in a folder (report and trace). Standard library only, but for
 `estimate`.
 """
@@ -197,7 +197,7 @@ def _print_runs(runs: list[PaperRun]) -> None:
 
 
 def check_manifest(runs_dir: Path, device: Device, profile: str) -> dict:
-    """The `bench check-calibration --manifest` run set of the 8B runs of the held-out load
+    """The `python -m lab check-calibration --manifest` run set of the 8B runs of the held-out load
     whose report and trace are in `runs_dir` (files named relative to it): each run's setup
     as its server and client had it, and, for a run that did not finish every job, its cut
     (where `--stop-after-s` stopped it). Each policy is simulated as itself."""
@@ -253,11 +253,11 @@ def simulate_runs(runs: list[PaperRun], trace_dir: Path | None = None) -> list[t
     run's `RunMetrics`. With `trace_dir`, each run writes its scheduler trace there as
     `NAME.trace.jsonl`."""
     from eval.arrivals import arrivals_s
-    from eval.bench.check_calibration import CHECKOUT_GPU_RUNS
     from eval.simulator import SimSettings, Simulation
     from eval.workload_flags import add_workload_arguments, load_workload
 
-    base_profile = CHECKOUT_GPU_RUNS / "h100-d8b9e2f" / "h100-llama3.1-8b-d8b9e2f.json"
+    gpu_runs = Path(__file__).resolve().parents[1] / "gpu_runs"
+    base_profile = gpu_runs / "h100-d8b9e2f" / "h100-llama3.1-8b-d8b9e2f.json"
     simulated = []
     with tempfile.TemporaryDirectory() as folder:
         profiles = {name: _scaled_profile(base_profile, model, Path(folder))

@@ -69,7 +69,7 @@ CPU_STEPS = (("1 x 40", (0,), (40,)), ("2 x 8", (0, 0), (8, 8)),
 
 def _device_times_us(fn: Callable[[], object]) -> dict[str, float | None]:
     """`fn`'s microseconds a call on CUDA: the device's from a graph's replay (None if its
-    capture fails), the eager calls' in device events, and the host's (`eval.kernel_timing`)."""
+    capture fails), the eager calls' in device events, and the host's (`eval.gpu.kernel_timing`)."""
     return {"us": kernel_timing.graph_us(fn), "eager_us": kernel_timing.eager_us(fn),
             "host_us": kernel_timing.host_us(fn, torch.cuda.synchronize)}
 

@@ -16,7 +16,8 @@ import pytest
 
 from engine.cli import build_parser
 from engine.engine_args import EngineArgs
-from eval.bench import forward
+from lab.bench import forward
+from lab.cli import COMMANDS as LAB_COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "engine/model/configs"
@@ -62,12 +63,18 @@ def _check_engine_command(argv: list[str], model_dirs: dict[str, Path]) -> None:
     args = build_parser(argv).parse_args(argv)
     if argv[:2] == ["bench", "throughput"] or argv[:1] == ["serve"]:
         EngineArgs.from_cli_args(args).to_engine_config()
-    elif argv[:2] == ["bench", "forward"]:
-        _check_forward(args, model_dirs["llama3.1-8b"].parent)
     # A client, or a command over the run's own files: its flags parsed is all there is.
-    elif argv[:2] not in (["bench", "agent"], ["bench", "calibrate"],
-                          ["bench", "check-calibration"]):
+    elif argv[:2] not in (["bench", "agent"], ["bench", "calibrate"]):
         pytest.fail(f"a step runs an engine command this test does not check: {argv[:2]}")
+
+
+def _check_lab_command(argv: list[str], model_dirs: dict[str, Path]) -> None:
+    """Parses `python -m lab ARGV`; for `forward`, builds the config it would run with."""
+    args = build_parser(argv, LAB_COMMANDS).parse_args(argv)
+    if argv[:1] == ["forward"]:
+        _check_forward(args, model_dirs["llama3.1-8b"].parent)
+    elif argv[:1] != ["check-calibration"]:  # over the run's own files: its flags parsed
+        pytest.fail(f"a step runs a lab command this test does not check: {argv[:1]}")
 
 
 def _check_forward(args: argparse.Namespace, scratch: Path) -> None:
@@ -87,6 +94,8 @@ def _check_commands(commands: list[tuple[str, list[str]]], model_dirs: dict[str,
     for name, command in commands:
         if "engine.cli" in command:
             _check_engine_command(command[command.index("engine.cli") + 1:], model_dirs)
+        elif "lab" in command and command[command.index("lab") - 1] == "-m":
+            _check_lab_command(command[command.index("lab") + 1:], model_dirs)
         elif "pytest" in command:
             tests = [word for word in command if word.startswith("tests/")]
             assert tests and all((REPO / test).is_file() for test in tests), name

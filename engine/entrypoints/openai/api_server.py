@@ -11,6 +11,7 @@ import contextlib
 import importlib.metadata
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
@@ -96,6 +97,8 @@ EngineFactory = Callable[[RequestStatsObserver], AsyncLLM]
 ENGINE_WATCH_INTERVAL_S = 0.25
 # Names the job a generation ran in (`_respond`).
 JOB_ID_HEADER = "x-continuum-job-id"
+# What a job id keeps as it is in `JOB_ID_HEADER`: printable ASCII but the space and `%`.
+_HEADER_SAFE = "".join(chr(code) for code in range(0x21, 0x7F) if chr(code) != "%")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # On answers sent before the body was read: the connection closes rather than wait for a
 # body nobody will read.
@@ -467,13 +470,15 @@ async def _respond(request: Request, serving: Any, body: Any, prepared: Any,
 
 def _job_header(request: Request, job_id: str | None) -> dict[str, str]:
     """The header naming a response's job, as its client names it (without its tenant's
-    name: `GET /v1/jobs/{id}` takes it as it is); none without a job."""
+    name: `GET /v1/jobs/{id}` takes it as it is), percent-encoded (UTF-8) where it is not
+    printable ASCII, since a header carries no other text; none without a job."""
     if job_id is None:
         return {}
     tenant = scope_tenant(request.scope)
     if tenant is not None:
         job_id = job_id.removeprefix(f"{tenant}/")
-    return {JOB_ID_HEADER: job_id}
+    return {JOB_ID_HEADER: urllib.parse.quote(job_id, safe=_HEADER_SAFE,
+                                              errors="surrogatepass")}
 
 
 async def _aborting_when_done(chunks: AsyncIterator[bytes], serving: Any,

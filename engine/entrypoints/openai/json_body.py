@@ -3,23 +3,23 @@
 CPython's JSON parser holds the GIL for the whole parse (0.2 s for 15 MB of small items), and
 a parse in pure Python on a thread is worse: its threads take the GIL from the event loop
 every few milliseconds, each time the loop wakes up (one victim's inter-token p99 went from
-17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES`, or one offering many tools
-(`INLINE_PARSE_NAMES`), is parsed in a child process (`BodyParser`), which also checks the
-counts of `body_limits`: a body over them never comes back into the server's process. One
-within them is validated there as the route's body model and comes back as the model's
-instance, which the route's validation then takes as it is: FastAPI's validation holds the
-GIL in one piece on the event loop (an 8 MB chat of 2,000 messages: 20-36 ms; 10,000
-Responses items: about 110 ms), while loading the instance's pickle runs on the parser's
-result thread in Python that yields the GIL (5 ms; 10,000 items: about 90 ms, several times
-slower than loading the parsed JSON). A body that does not validate comes back as its error,
-which the route answers as its own validation would have, without validating it again on the
-event loop. A chat request's conversation, and a `count_tokens` request's, is also rendered
-and tokenized there (`CHILD_PROMPTS`), when the parser has the engine's input processor, for
-the same reason. The child is asked from the server's `TenantWorkPool`, in the tenant's
-turn, and runs in Linux's idle scheduling class (or at niceness 10: `ChildCpuClass`); the
-rest of such a request's preparation runs at low CPU priority too
-(`ClientContext.large_body`). A body of a mebibyte or more is joined from its chunks on the
-parser's thread (`BodyParser.join`), not on the event loop.
+17 ms to 2.9 s). So a body over `INLINE_PARSE_BYTES`, one offering many tools
+(`INLINE_PARSE_TOOLS`), or a `count_tokens` one, is parsed in a child process (`BodyParser`),
+which also checks the counts of `body_limits`: a body over them never comes back into the
+server's process. One within them is validated there as the route's body model and comes back
+as the model's instance, which the route's validation then takes as it is: FastAPI's validation
+holds the GIL in one piece on the event loop (an 8 MB chat of 2,000 messages: 20-36 ms; 10,000
+Responses items: about 110 ms), while loading the instance's pickle runs on the parser's result
+thread in Python that yields the GIL (5 ms; 10,000 items: about 90 ms, several times slower
+than loading the parsed JSON). A body that does not validate comes back as its error, which the
+route answers as its own validation would have, without validating it again on the event loop.
+A chat request's conversation, and a `count_tokens` request's, is also rendered and tokenized
+there (`CHILD_PROMPTS`), when the parser has the engine's input processor, for the same reason.
+The child is asked from the server's `TenantWorkPool`, in the tenant's turn, and runs in
+Linux's idle scheduling class (or at niceness 10: `ChildCpuClass`); the rest of such a
+request's preparation runs at low CPU priority too (`ClientContext.large_body`). A body of a
+mebibyte or more is joined from its chunks on the parser's thread (`BodyParser.join`), not on
+the event loop.
 """
 
 from __future__ import annotations
@@ -57,12 +57,15 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 INLINE_PARSE_BYTES = 64 * 1024
-# A body with more `"name"` keys than this is parsed in the child whatever its size: it offers
-# that many tools (or names that many messages or calls), and rendering 1,024 tools (a 60 KB
-# `count_tokens` body) holds the GIL for 40-70 ms, which on the server's threads delayed
-# another tenant's first token 8-17x at 8 such requests at a time (`bench bodies --attack
-# tools`). Counting them is one linear pass in C (about 10 us for 64 KiB).
-INLINE_PARSE_NAMES = 64
+# A body offering more tools than this (counted by their schemas' keys, `"parameters"` and
+# `"input_schema"`, in one linear pass in C: about 10 us for 64 KiB) is parsed in the child
+# whatever its size: rendering 1,024 tools holds the GIL for 40-70 ms, which on the server's
+# threads delayed another tenant's first token 8-17x at 8 such requests at a time
+# (`python -m lab bodies --attack tools`). So is every `count_tokens` body
+# (`ALWAYS_OFF_LOOP_PATHS`): it renders a whole prompt and never waits for the engine, so
+# nothing else paces a client that sends it in a loop.
+INLINE_PARSE_TOOLS = 64
+ALWAYS_OFF_LOOP_PATHS = frozenset({"/v1/messages/count_tokens"})
 # The request scope's state key that says the body was parsed off the loop: the rest of
 # its preparation runs in the work pool's background (`ClientContext.large_body`).
 LARGE_BODY_STATE = "continuum_large_body"
@@ -158,7 +161,7 @@ class BodyParser:
     GIL for each write) run at the priority of the thread that built the parser: started
     from a background thread, they would run at its niceness 10, and one that the kernel
     preempts while it holds the GIL stalls the event loop until it runs again (the victim's
-    first-token p99 under `bench bodies --attack responses` was about 2 ms higher)."""
+    first-token p99 under `python -m lab bodies --attack responses` was about 2 ms higher)."""
 
     def __init__(self, num_processes: int = DEFAULT_PARSER_PROCESSES,
                  processor: InputProcessor | None = None,
@@ -185,7 +188,7 @@ class BodyParser:
         """`b"".join(chunks)` on the parser's one joining thread, which the event loop's first
         call starts (so it runs at the loop's priority), for the loop to await
         (`PoolParsedRequest.body`): joining an 8 MB body's chunks on the loop held it about
-        8 ms under `bench bodies --attack chats` (2026-11-26). Not in the tenants' turns of
+        8 ms under `python -m lab bodies --attack chats` (2026-11-26). Not in the tenants' turns of
         the work pool, where it would wait behind another tenant's parse: each join takes
         milliseconds, and the body budget bounds the bytes waiting for one."""
         return self._joiner.submit(b"".join, chunks)
@@ -372,10 +375,12 @@ def _parse_in_child(body: bytes, conversation_field: str | None,
     return ParsedBody(instance.model_copy(update=dict(prompt.emptied)), chat_prompt)
 
 
-def parsed_off_loop(body: bytes) -> bool:
-    """Whether `body` is parsed (and its preparation run) off the event loop: one over
-    `INLINE_PARSE_BYTES`, or with more than `INLINE_PARSE_NAMES` names."""
-    return len(body) > INLINE_PARSE_BYTES or body.count(b'"name"') > INLINE_PARSE_NAMES
+def parsed_off_loop(path: str, body: bytes) -> bool:
+    """Whether `body`, sent to `path`, is parsed (and its preparation run) off the event
+    loop: one over `INLINE_PARSE_BYTES`, one offering more than `INLINE_PARSE_TOOLS` tools,
+    and every one to `ALWAYS_OFF_LOOP_PATHS`."""
+    return (len(body) > INLINE_PARSE_BYTES or path in ALWAYS_OFF_LOOP_PATHS
+            or body.count(b'"parameters"') + body.count(b'"input_schema"') > INLINE_PARSE_TOOLS)
 
 
 class PoolParsedRequest(Request):
@@ -408,7 +413,7 @@ class PoolParsedRequest(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             state = self.scope.setdefault("state", {})
-            state[LARGE_BODY_STATE] = parsed_off_loop(body)
+            state[LARGE_BODY_STATE] = parsed_off_loop(self.url.path, body)
             if not state[LARGE_BODY_STATE]:
                 self._json = json.loads(body)
             else:

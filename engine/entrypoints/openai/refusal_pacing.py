@@ -1,8 +1,8 @@
 """Refusals answered late to a tenant that sends again before its `Retry-After` has passed.
 
 A refused request costs its client little: it may send again at once, ignoring the
-`Retry-After` it was given. The Responses attack of `bench bodies` does exactly that, about 90
-times a second from 12 clients; each attempt opens a connection and writes megabytes into a
+`Retry-After` it was given. The Responses attack of `python -m lab bodies` does exactly that,
+about 90 times a second from 12 clients; each attempt opens a connection and writes megabytes into a
 socket that the server then closes, and that churn, not the server's work, took the CPU the
 other tenant's requests wanted.
 

@@ -135,10 +135,10 @@ class ServerSettings:
     stop (SIGTERM); those still running then end with an error.
 
     `large_body_cpu`: how the child processes that parse bodies over 64 KiB or offering many
-    tools (and render and tokenize chats among them) share the CPU. "idle": Linux's idle scheduling class, only
-    CPU no other task wants, so that they never delay the engine's steps or other requests
-    (a large body may then wait long on a machine whose every core stays busy); "niceness":
-    niceness 10, a tenth of a contended core.
+    tools (and render and tokenize chats among them) share the CPU. "idle": Linux's idle
+    scheduling class, only CPU no other task wants, so that they never delay the engine's
+    steps or other requests (a large body may then wait long on a machine whose every core
+    stays busy); "niceness": niceness 10, a tenth of a contended core.
     """
 
     served_model_name: str = field(metadata=setting(

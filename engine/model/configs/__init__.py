@@ -1,6 +1,6 @@
 """Hugging Face `config.json` files of models the engine is benchmarked at, without weights.
 
-Run with random weights: `continuum bench forward --config FILE`, or as a model directory
+Run with random weights: `python -m lab forward --config FILE`, or as a model directory
 holding the file as `config.json` with `--load-format dummy --tokenizer tiny`.
 - `llama3.1-8b.json`: Llama-3.1-8B's published shapes (the GPU benchmark, `scripts/gpu_bench.sh`).
 - `llama3.1-70b.json`: Llama-3.1-70B's published shapes, served on one GPU with FP8

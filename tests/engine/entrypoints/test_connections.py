@@ -27,9 +27,9 @@ from engine.entrypoints.connections import (
     fit_to_open_file_limit,
     is_resource_exhaustion,
 )
-from eval.bench.connections import SILENT, TRICKLING, SlowClientSettings, run_slow_clients
-from eval.server_checks import markdown_figures, wait_idle
-from eval.server_process import ServerProcess, ServerSpec
+from lab.bench.connections import SILENT, TRICKLING, SlowClientSettings, run_slow_clients
+from lab.server_checks import markdown_figures, wait_idle
+from lab.server_process import ServerProcess, ServerSpec
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 5.0

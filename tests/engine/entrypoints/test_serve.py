@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from engine.cli import build_parser
-from eval.server_process import ServerProcess, ServerSpec, descendant_pids
+from lab.server_process import ServerProcess, ServerSpec, descendant_pids
 from tests.engine.model.real_model import REAL_MODEL, require_real_model
 
 REPO = Path(__file__).resolve().parents[3]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from eval.server_process import ServerProcess, ServerSpec
+from lab.server_process import ServerProcess, ServerSpec
 
 pytest.importorskip("triton")
 

@@ -1,6 +1,6 @@
 """Grammars that would cost the engine core too much memory or CPU fail alone, over HTTP: a
 400 naming the request field, a short message, nothing left running, and other requests
-served meanwhile. (`continuum bench grammars` measures the memory and the other tenant's
+served meanwhile. (`python -m lab grammars` measures the memory and the other tenant's
 latency under such grammars.)"""
 
 from __future__ import annotations

@@ -234,6 +234,14 @@ def test_every_api_names_its_job_in_a_header_and_jobs_finds_an_inferred_one() ->
                     job_id = inferred.headers["x-continuum-job-id"]
                     assert job_id.startswith("~inferred/"), (path, stream, job_id)
             assert http.get(f"/v1/jobs/{job_id}").status_code == 200
+            # A header carries printable ASCII only: the rest is percent-encoded.
+            for job, named_as in (("café\nlist", "caf%C3%A9%0Alist"),
+                                  ("\ud808 x", "%ED%A0%88%20x"), ("50%", "50%25")):
+                answer = http.post("/v1/completions", json={
+                    "model": "tiny", "max_tokens": 2, "job_id": job, **bodies[
+                        "/v1/completions"]})
+                assert answer.status_code == 200, answer.text
+                assert answer.headers["x-continuum-job-id"] == named_as
     finally:
         server.stop()
 
@@ -252,5 +260,23 @@ def test_metrics_count_jobs_created_inferred_ended_and_pins_by_source() -> None:
         assert 'continuum:jobs_inferred_total{model_name="tiny"} 1.0' in text
         assert 'continuum:jobs_ended_total{model_name="tiny",reason="job_end"} 1.0' in text
         assert "continuum:pins_created_by_source_total" in text
+    finally:
+        server.stop()
+
+
+def test_a_stream_without_a_job_starts_at_its_first_token() -> None:
+    """With no job to name (inference off, none sent), the stream still starts at its first
+    token, not once the request has finished: its first text arrives while it runs."""
+    server = start_server(job_inference=False)
+    try:
+        with server.http() as http, http.stream("POST", "/v1/completions", json={
+                "model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True,
+                "stream": True}) as response:
+            assert response.status_code == 200
+            assert "x-continuum-job-id" not in response.headers
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    break
+            assert server.stats().num_running == 1
     finally:
         server.stop()

@@ -27,7 +27,7 @@ from engine.entrypoints.openai.chat_prompt import ChatPrompt, render_chat_prompt
 from engine.entrypoints.openai.json_body import (
     CHILD_PROMPTS,
     INLINE_PARSE_BYTES,
-    INLINE_PARSE_NAMES,
+    INLINE_PARSE_TOOLS,
     OFF_LOOP_JOIN_BYTES,
     BodyParser,
     ChildAnswerTimeout,
@@ -547,10 +547,19 @@ def _tools_count(num_tools: int, **fields: object) -> dict:
 
 
 def test_a_body_offering_many_tools_is_parsed_off_the_loop_whatever_its_size() -> None:
-    many, few = (json.dumps(_tools_count(n)).encode() for n in (INLINE_PARSE_NAMES + 1, 8))
-    assert len(many) < INLINE_PARSE_BYTES
-    assert parsed_off_loop(many) and not parsed_off_loop(few)
-    assert parsed_off_loop(b" " * (INLINE_PARSE_BYTES + 1) + b"{}")
+    """So is every count of tokens, and no small body offering few tools, however many tool
+    calls its conversation holds."""
+    many, few = (json.dumps(_tools_count(n)).encode() for n in (INLINE_PARSE_TOOLS + 1, 8))
+    chat_tools = json.dumps({"tools": [{"type": "function", "function": {
+        "name": f"t{index}", "parameters": {}}} for index in range(INLINE_PARSE_TOOLS + 1)]})
+    calls = json.dumps({"messages": [_chat()["messages"][1]] * 200})
+    assert len(many) < INLINE_PARSE_BYTES and len(calls) < INLINE_PARSE_BYTES
+    assert parsed_off_loop("/v1/messages", many)
+    assert parsed_off_loop("/v1/chat/completions", chat_tools.encode())
+    assert not parsed_off_loop("/v1/messages", few)
+    assert not parsed_off_loop("/v1/chat/completions", calls.encode())
+    assert parsed_off_loop("/v1/messages/count_tokens", few)
+    assert parsed_off_loop("/v1/completions", b" " * (INLINE_PARSE_BYTES + 1) + b"{}")
 
 
 def test_the_child_counts_a_count_tokens_prompt_as_the_route_would(preparing_parser,
@@ -569,10 +578,10 @@ def test_the_child_counts_a_count_tokens_prompt_as_the_route_would(preparing_par
                                   MessagesCountTokensRequest, COUNT_PROMPT).chat_prompt is None
 
 
-def test_a_tool_heavy_count_is_made_in_the_child_and_answered_as_inline(server, monkeypatch):
-    """A `count_tokens` body with more tools than `INLINE_PARSE_NAMES` is counted in the
-    parsing child, not on the server's threads, to the count the route makes of it; the same
-    body's refusals are the route's."""
+def test_a_count_is_made_in_the_child_as_the_route_would_make_it(server, monkeypatch):
+    """A `count_tokens` body is counted in the parsing child, not on the server's threads,
+    to the count the route makes of it; a body the child does not count (here, because it
+    names a tool twice) gets the route's refusal."""
     counted_by_the_route: list[int] = []
 
     def counted(processor: InputProcessor, body: MessagesCountTokensRequest) -> ChatPrompt:
@@ -580,18 +589,18 @@ def test_a_tool_heavy_count_is_made_in_the_child_and_answered_as_inline(server, 
         return count_prompt(processor, body)
 
     monkeypatch.setattr(serving_messages, "count_prompt", counted)
-    body = _tools_count(INLINE_PARSE_NAMES + 1)
-    duplicate = _tools_count(INLINE_PARSE_NAMES + 1)
+    bodies = [_tools_count(INLINE_PARSE_TOOLS + 1), _tools_count(2)]
+    duplicate = _tools_count(3)
     duplicate["tools"][1]["name"] = "tool_0"
     with server.http() as http:
-        many = http.post("/v1/messages/count_tokens", json=body)
-        few = http.post("/v1/messages/count_tokens", json=_tools_count(2))
+        counts = [http.post("/v1/messages/count_tokens", json=body) for body in bodies]
         refused = http.post("/v1/messages/count_tokens", json=duplicate)
-    assert many.status_code == few.status_code == 200, (many.text, few.text)
-    assert counted_by_the_route == [2]
     processor = server.engine.processor
-    expected = count_prompt(processor, MessagesCountTokensRequest.model_validate(body))
-    assert many.json() == {"input_tokens": len(expected.token_ids)}
+    for body, count in zip(bodies, counts, strict=True):
+        assert count.status_code == 200, count.text
+        expected = count_prompt(processor, MessagesCountTokensRequest.model_validate(body))
+        assert count.json() == {"input_tokens": len(expected.token_ids)}
+    assert counted_by_the_route == []
     assert refused.status_code == 400 and "tool_0" in refused.text
 
 

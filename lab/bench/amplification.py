@@ -1,0 +1,102 @@
+"""`python -m lab amplification`: the resident memory of a `continuum serve` subprocess's
+processes (frontend, resource tracker, engine core) before and after one huge completion
+request.
+
+By default the request is the 13.6 MB body of the memory-amplification reproduction: 4
+prompts, `n` 16, 16 stop strings of 850,000 characters each. Before the hardening, such a
+body grew the core by about 1 GB, as every one of the 64 engine requests carried its own copy
+of the stop strings. Prints the response's status and the body's size, then each process's
+memory before and after; exit status 1 if the request was not answered 200 or the server did
+not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from lab.server_process import (
+    ServerProcess,
+    add_server_arguments,
+    read_rss_mib,
+    server_from_args,
+)
+
+DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512")
+_MAX_DISTINCT = len(string.ascii_lowercase)  # one letter per prompt and per stop string
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int, default=4,
+                        help="prompts of the request, 'a', 'b', ... (default: %(default)s)")
+    parser.add_argument("-n", type=int, default=16,
+                        help="completions of each prompt (default: %(default)s)")
+    parser.add_argument("--stop-strings", type=int, default=16,
+                        help="stop strings, 'AAA...', 'BBB...', ... (default: %(default)s)")
+    parser.add_argument("--stop-chars", type=int, default=850_000,
+                        help="characters of each stop string (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=4,
+                        help="tokens of each completion (default: %(default)s)")
+    parser.add_argument("--model", default="tiny", help="the served model (default: tiny)")
+    add_server_arguments(parser, DEFAULT_SERVE_ARGS)
+
+
+def request_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The completion request the flags describe; ValueError for counts out of range."""
+    for flag, count in (("--prompts", args.prompts), ("--stop-strings", args.stop_strings)):
+        if not 1 <= count <= _MAX_DISTINCT:
+            raise ValueError(f"{flag} must be in [1, {_MAX_DISTINCT}], got {count}")
+    if min(args.n, args.stop_chars, args.max_tokens) < 1:
+        raise ValueError("-n, --stop-chars and --max-tokens must be >= 1")
+    return {"model": args.model, "prompt": list(string.ascii_lowercase[:args.prompts]),
+            "n": args.n, "max_tokens": args.max_tokens,
+            "stop": [letter * args.stop_chars
+                     for letter in string.ascii_uppercase[:args.stop_strings]]}
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        body = request_body(args)
+        server = server_from_args(args, check_invariants=False)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        with server:
+            status = send_and_measure(server, body)
+    except RuntimeError as error:  # the server did not start
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0 if status == 200 else 1
+
+
+def send_and_measure(server: ServerProcess, body: dict[str, Any]) -> int:
+    """Sends `body` to the started `server` and prints its processes' memory before and
+    after; the response's status."""
+    pids = server.process_ids()
+    before = {pid: read_rss_mib(pid) for pid in pids}
+    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=300)
+    print("status", response.status_code, "body MB", round(len(str(body)) / 1e6, 1))
+    after = {pid: read_rss_mib(pid) for pid in pids}
+    for pid in pids:
+        print(pid, _command_line(pid), f"{_mib(before[pid])} -> {_mib(after[pid])} MiB")
+    return response.status_code
+
+
+def _command_line(pid: int) -> str:
+    """The first 60 characters of the process's command line, its program by name only (a
+    long path to the interpreter would hide its arguments); empty once it is gone."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except FileNotFoundError:
+        return ""
+    return " ".join([Path(words[0]).name, *words[1:]]).strip()[:60]
+
+
+def _mib(rss_mib: float | None) -> str:
+    return "gone" if rss_mib is None else f"{rss_mib:.1f}"
