@@ -477,8 +477,7 @@ def _job_header(request: Request, job_id: str | None) -> dict[str, str]:
     tenant = scope_tenant(request.scope)
     if tenant is not None:
         job_id = job_id.removeprefix(f"{tenant}/")
-    return {JOB_ID_HEADER: urllib.parse.quote(job_id, safe=_HEADER_SAFE,
-                                              errors="surrogatepass")}
+    return {JOB_ID_HEADER: urllib.parse.quote(job_id, safe=_HEADER_SAFE)}
 
 
 async def _aborting_when_done(chunks: AsyncIterator[bytes], serving: Any,

@@ -236,10 +236,11 @@ def test_every_api_names_its_job_in_a_header_and_jobs_finds_an_inferred_one() ->
             assert http.get(f"/v1/jobs/{job_id}").status_code == 200
             # A header carries printable ASCII only: the rest is percent-encoded.
             for job, named_as in (("café\nlist", "caf%C3%A9%0Alist"),
-                                  ("\ud808 x", "%ED%A0%88%20x"), ("50%", "50%25")):
-                answer = http.post("/v1/completions", json={
-                    "model": "tiny", "max_tokens": 2, "job_id": job, **bodies[
-                        "/v1/completions"]})
+                                  ("\U000ee821 x", "%F3%AE%A0%A1%20x"), ("50%", "50%25")):
+                body = {"model": "tiny", "max_tokens": 2, "job_id": job,
+                        **bodies["/v1/completions"]}
+                answer = http.post("/v1/completions", content=json.dumps(body),
+                                   headers={"Content-Type": "application/json"})
                 assert answer.status_code == 200, answer.text
                 assert answer.headers["x-continuum-job-id"] == named_as
     finally:
