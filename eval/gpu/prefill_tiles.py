@@ -53,7 +53,7 @@ if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1:][:1] == [
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.model.attention import triton_kernels
 from engine.model.attention.triton_backend import causal_sdpa
-from eval import kernel_timing
+from eval.gpu import kernel_timing
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # (name, context tokens of each sequence, query tokens of each sequence)

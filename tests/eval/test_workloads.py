@@ -3,6 +3,7 @@ the bench commands (`continuum bench workloads` itself: `tests/eval/bench/test_w
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import hashlib
 import json
@@ -15,6 +16,7 @@ from engine.cli import build_parser
 from engine.cli import main as cli_main
 from eval.workload import ToolDurationSampler, load_chat_sessions, load_jobs
 from eval.workloads import TOOL_QUANTILES_PATH, WORKLOAD_DIR, WORKLOADS, get_workload
+from lab import cli as lab_cli
 from tests.continuum.workload import TEST_DATA
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +42,7 @@ COUNTS = {"swe": (198, 15_881), "web-search": (101, 574), "bfcl": (200, 1_876),
 TRACE_COMMANDS = [
     ["bench", "sim", "--jobs-per-s", "1"],
     ["bench", "agent", "--base-url", "http://127.0.0.1:1"],
-    ["bench", "soak"],
+    ["lab", "soak"],  # the lab's: `python -m lab soak`
     ["bench", "estimator"],
 ]
 
@@ -82,7 +84,7 @@ def test_an_unknown_workload_names_the_known_ones(capsys: pytest.CaptureFixture[
     with pytest.raises(ValueError, match="unknown workload 'nope'; known: swe, web-search"):
         get_workload("nope")
     for command in TRACE_COMMANDS:
-        assert cli_main([*command, "--workload", "nope"]) == 2
+        assert _main([*command, "--workload", "nope"]) == 2
         assert "known: swe, web-search, bfcl, swesmith, mooncake" in capsys.readouterr().err
     assert cli_main(["bench", "sim", "--workload", "swesmith", "--jobs-per-s", "1",
                      "--chat-workload", "nope", "--chat-sessions-per-s", "1"]) == 2
@@ -96,13 +98,25 @@ def test_workload_and_trace_are_exclusive_and_one_is_needed(
     for extra in (["--workload", "swe", "--trace", str(SLICE)], []):
         argv = [*command, *extra]
         with pytest.raises(SystemExit) as exit_:
-            build_parser(argv).parse_args(argv)
+            _parse(argv)
         assert exit_.value.code == 2
     errors = capsys.readouterr().err
     assert "not allowed with argument" in errors
     assert "one of the arguments --workload --trace is required" in errors
     argv = [*command, "--workload", "swe"]
-    assert build_parser(argv).parse_args(argv).workload == "swe"
+    assert _parse(argv).workload == "swe"
+
+
+def _main(argv: list[str]) -> int:
+    """`continuum ARGV`, or `python -m lab ARGV[1:]` for an `argv` that starts with "lab"."""
+    return lab_cli.main(argv[1:]) if argv[0] == "lab" else cli_main(argv)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed as `_main` would run it."""
+    if argv[0] == "lab":
+        return build_parser(argv[1:], lab_cli.COMMANDS).parse_args(argv[1:])
+    return build_parser(argv).parse_args(argv)
 
 
 def test_chat_workload_and_chat_trace_are_exclusive() -> None:
