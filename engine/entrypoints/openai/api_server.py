@@ -454,11 +454,16 @@ async def _respond(request: Request, serving: Any, body: Any, prepared: Any,
     the handler encoded it, or from the object it returned); either way the engine requests
     are aborted once the client is gone or served. Its `x-continuum-job-id` header names
     the job the engine ran it in (the client's, or the one it inferred), known at its first
-    token: a stream starts then."""
+    token: a stream starts then (aborted if its client leaves before)."""
     cleanup = BackgroundTask(serving.abort, engine_requests)
     job = _engine(request).job_of(engine_requests[0].request_id)
     if body.stream:
-        headers = {**_SSE_HEADERS, **_job_header(request, await asyncio.shield(job))}
+        try:  # a client gone before the first token leaves nothing running
+            job_id = await cancel_on_disconnect(request, asyncio.shield(job))
+        except APIError:
+            await cleanup()
+            raise
+        headers = {**_SSE_HEADERS, **_job_header(request, job_id)}
         return StreamingResponse(
             _aborting_when_done(serving.stream(body, prepared), serving, engine_requests),
             background=cleanup, media_type="text/event-stream", headers=headers)

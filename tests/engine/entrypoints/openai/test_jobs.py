@@ -7,11 +7,13 @@ step (which is never pinned and ends the job) shows that `is_last_step` arrived.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import openai
 import pytest
@@ -267,17 +269,63 @@ def test_metrics_count_jobs_created_inferred_ended_and_pins_by_source() -> None:
 
 def test_a_stream_without_a_job_starts_at_its_first_token() -> None:
     """With no job to name (inference off, none sent), the stream still starts at its first
-    token, not once the request has finished: its first text arrives while it runs."""
-    server = start_server(job_inference=False)
+    token, not once the request has finished: its first chunk arrives while it runs
+    (simulated 70B steps keep it running)."""
+    server = start_server(job_inference=False, executor="simulated",
+                          sim_profile="4xh100-llama3.1-70b")
     try:
         with server.http() as http, http.stream("POST", "/v1/completions", json={
                 "model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True,
                 "stream": True}) as response:
             assert response.status_code == 200
             assert "x-continuum-job-id" not in response.headers
-            for line in response.iter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                    break
+            lines = response.iter_lines()  # kept: a dropped iterator closes the response
+            first_chunk = next(line for line in lines if line.startswith("data: {"))
+            assert len(json.loads(first_chunk[6:])["choices"]) == 1
             assert server.stats().num_running == 1
     finally:
         server.stop()
+
+
+def test_a_stream_whose_client_leaves_before_its_first_token_is_aborted() -> None:
+    """A streamed request waiting for the one seat (max_num_seqs=1, simulated 70B steps keep
+    the first running) is aborted when its client closes the connection, though its stream
+    has sent nothing yet: no engine request outlives its client."""
+    server = start_server(max_num_seqs=1, executor="simulated",
+                          sim_profile="4xh100-llama3.1-70b")
+    port = int(server.base_url.rsplit(":", 1)[1])
+
+    def streamed(max_tokens: int) -> bytes:
+        body = json.dumps({"model": "tiny", "prompt": "long", "max_tokens": max_tokens,
+                           "ignore_eos": True, "stream": True})
+        return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
+
+    running = socket.create_connection(("127.0.0.1", port))
+    # Read as a client does: a stream nobody reads is ended by the server after a while.
+    reader = threading.Thread(target=_read_until_closed, args=(running,), daemon=True)
+    try:
+        running.sendall(streamed(1000))  # about 20 s of steps
+        reader.start()
+        _wait_until(lambda: server.stats().num_running == 1)
+        with socket.create_connection(("127.0.0.1", port)) as waiting:
+            waiting.sendall(streamed(8))
+            _wait_until(lambda: server.stats().num_waiting == 1)
+        _wait_until(lambda: server.stats().num_waiting == 0)
+        assert server.stats().num_running == 1
+    finally:
+        running.close()
+        server.stop()
+
+
+def _read_until_closed(connection: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while connection.recv(65536):
+            pass
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline_s, "timed out"
+        time.sleep(0.05)
