@@ -5,8 +5,13 @@ Registered in the engine's policy registry as `continuum`, `continuum-fixed`, `j
 `infercept` and `autellix` (`continuum.presets`).
 """
 
-from continuum.options import ContinuumOptions, InferCeptOptions, JobOptions, ProgramOrderOptions
-from continuum.policy import AgentPolicy, Strategies
+from continuum.agent_policy import AgentPolicy, Strategies
+from continuum.policy_options import (
+    ContinuumOptions,
+    InferCeptOptions,
+    JobOptions,
+    ProgramOrderOptions,
+)
 from continuum.presets import (
     AUTELLIX,
     CONTINUUM,

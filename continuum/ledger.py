@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from continuum.jobs import Job, JobTable
-from continuum.queues import QueueKey
 from engine.kv_cache.pins import Pin
 from engine.request import Request, RequestStatus
 from engine.scheduler import events
 from engine.scheduler.policy import SchedulerView
+from engine.scheduler.request_queue import QueueKey
 from estimator.cost_model import H100_LLAMA_8B_PREFILL, PrefillCostModel
 
 
@@ -110,18 +110,9 @@ class JobLedger:
             job.attained_service_s += self.service_cost.turn_s(request)
 
     # Time-driven upkeep.
-    def expired_unless_waiting(self, now_s: float) -> tuple[Pin, ...]:
-        """Live pins past their deadline, but those whose job has a turn waiting to reuse
-        them."""
-        return tuple(pin for pin in self.scheduler.pins
-                     if now_s > pin.deadline_s and self.num_waiting(pin.job_id) == 0)
-
-    def pop_idle_jobs(self, now_s: float, expiring: tuple[Pin, ...]) -> list[Job]:
-        """Removes the jobs idle past the timeout with no unfinished turn and no pin (the
-        `expiring` pins count as released)."""
-        expiring_job_ids = {pin.job_id for pin in expiring}
-        return self.jobs.pop_idle(now_s, is_busy=lambda job: (
-            job.job_id not in expiring_job_ids and job.job_id in self.scheduler.pins))
+    def pop_idle_jobs(self, now_s: float) -> list[Job]:
+        """Removes the jobs idle past the timeout with no unfinished turn and no pin."""
+        return self.jobs.pop_idle(now_s, is_busy=lambda job: job.job_id in self.scheduler.pins)
 
     # Reading the books.
     def arrival(self, request: Request) -> tuple[float, int]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from continuum.admission import (
+from continuum.admission_rules import (
     LaterJobsPins,
     OtherJobsPins,
     ThisChunk,
@@ -20,16 +20,16 @@ from continuum.admission import (
     YieldWhenIdle,
     YieldWhenOverdue,
 )
+from continuum.agent_policy import AgentPolicy, Strategies
 from continuum.estimation import EstimatorChoice, build_estimator
-from continuum.options import (
+from continuum.policy_options import (
     ContinuumFixedOptions,
     ContinuumOptions,
     InferCeptOptions,
     JobOptions,
     ProgramOrderOptions,
 )
-from continuum.policy import AgentPolicy, Strategies
-from continuum.retention import (
+from continuum.retention_rules import (
     EstimatedPins,
     InterceptedPins,
     NoPins,

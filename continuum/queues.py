@@ -1,111 +1,21 @@
-"""Waiting queues of the job-aware policies: ordered by keys the policy computes.
+"""The program-level waiting queue of the job-aware policies: tiers, each ordered by keys
+the policy computes (`engine.scheduler.request_queue.KeyedHeap`; the plain keyed queue is
+`KeyedRequestQueue` there).
 
 Keys are computed when a request enters the queue (`add_request`, or `prepend_request` after
 a preemption or when the scheduler passes a request over); equal keys keep insertion order.
-Every queue counts waiting requests per job (`JobCountingQueue`).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 from engine.request import Request, RequestStatus
-from engine.scheduler.request_queue import JobCountingQueue
-
-QueueKey = tuple[Any, ...]
-KeyFunction = Callable[[Request], QueueKey]
+from engine.scheduler.request_queue import KeyedEntry, KeyedHeap, KeyFunction, RekeyingQueue
 
 
-_Entry = tuple[QueueKey, int, Request]
-
-
-class _LazyHeap:
-    """Requests by (key, insertion): O(log n) push and peek; removal marks the entry stale."""
-
-    def __init__(self) -> None:
-        self._heap: list[_Entry] = []
-        self._live: dict[int, _Entry] = {}
-        self._num_pushed = 0
-
-    def push(self, key: QueueKey, request: Request) -> None:
-        entry = (key, self._num_pushed, request)
-        self._num_pushed += 1
-        self._live[id(request)] = entry
-        heapq.heappush(self._heap, entry)
-
-    def discard(self, request: Request) -> bool:
-        if self._live.pop(id(request), None) is None:
-            return False
-        if len(self._heap) > 2 * len(self._live) + 64:
-            # Stale entries keep removed requests alive: drop them once they dominate.
-            self._heap = list(self._live.values())
-            heapq.heapify(self._heap)
-        return True
-
-    def peek(self) -> _Entry | None:
-        heap = self._heap
-        while heap and self._live.get(id(heap[0][2])) is not heap[0]:
-            heapq.heappop(heap)
-        return heap[0] if heap else None
-
-    def entries(self) -> Iterable[_Entry]:
-        return self._live.values()
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-
-class PolicyQueue(JobCountingQueue):
-    """What both queues share: re-entry (`prepend_request`) is a fresh entry, keyed anew."""
-
-    def add_request(self, request: Request) -> None:
-        raise NotImplementedError
-
-    def remove_request(self, request: Request) -> None:
-        raise NotImplementedError
-
-    def prepend_request(self, request: Request) -> None:
-        self.add_request(request)
-
-    def remove_requests(self, requests: Collection[Request]) -> None:
-        for request in requests:
-            self.remove_request(request)
-
-
-class KeyedRequestQueue(PolicyQueue):
-    """Smallest key first; a re-entering request is keyed anew."""
-
-    def __init__(self, key: KeyFunction) -> None:
-        super().__init__()
-        self._key = key
-        self._heap = _LazyHeap()
-
-    def add_request(self, request: Request) -> None:
-        self._heap.push(self._key(request), request)
-        self._count(request)
-
-    def peek_request(self) -> Request:
-        head = self._heap.peek()
-        if head is None:
-            raise IndexError("peek from an empty queue")
-        return head[2]
-
-    def remove_request(self, request: Request) -> None:
-        if not self._heap.discard(request):
-            raise ValueError(f"{request} is not waiting")
-        self._uncount(request)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[2] for entry in sorted(self._heap.entries(), key=lambda e: e[:2]))
-
-
-class ProgramOrderQueue(PolicyQueue):
+class ProgramOrderQueue(RekeyingQueue):
     """The order of the program-level policies, in tiers: requests that have waited past the
     bound (by arrival), plain requests that have waited past theirs (by arrival),
     preempted requests, then the rest; by key within each tier, except that a request of a
@@ -145,11 +55,11 @@ class ProgramOrderQueue(PolicyQueue):
         self._is_plain = is_plain
         self._overdue_cutoff_s = -math.inf
         self._plain_overdue_cutoff_s = -math.inf
-        self._by_arrival = _LazyHeap()
-        self._preempted = _LazyHeap()
-        self._rest = _LazyHeap()
-        self._plain = _LazyHeap()  # by arrival; only with is_plain
-        self._by_job: dict[str, _LazyHeap] = {}
+        self._by_arrival = KeyedHeap()
+        self._preempted = KeyedHeap()
+        self._rest = KeyedHeap()
+        self._plain = KeyedHeap()  # by arrival; only with is_plain
+        self._by_job: dict[str, KeyedHeap] = {}
 
     def advance_to(self, now_s: float) -> None:
         self._overdue_cutoff_s, self._plain_overdue_cutoff_s = self._overdue_cutoffs(now_s)
@@ -165,7 +75,7 @@ class ProgramOrderQueue(PolicyQueue):
             key = self._key(request)
             self._rest.push(key, request)
             if request.job_id is not None:
-                self._by_job.setdefault(request.job_id, _LazyHeap()).push(key, request)
+                self._by_job.setdefault(request.job_id, KeyedHeap()).push(key, request)
         self._count(request)
 
     def peek_request(self) -> Request:
@@ -175,33 +85,33 @@ class ProgramOrderQueue(PolicyQueue):
             raise IndexError("peek from an empty queue")
         return head[2]
 
-    def _overdue_head(self) -> _Entry | None:
+    def _overdue_head(self) -> KeyedEntry | None:
         head = self._by_arrival.peek()
         return head if head is not None and head[0][0] <= self._overdue_cutoff_s else None
 
-    def _plain_overdue_head(self) -> _Entry | None:
+    def _plain_overdue_head(self) -> KeyedEntry | None:
         head = self._plain.peek()
         return head if head is not None and head[0][0] <= self._plain_overdue_cutoff_s else None
 
-    def _pinned_head(self) -> _Entry | None:
+    def _pinned_head(self) -> KeyedEntry | None:
         heads = [
             head for job_id in self._pinned_job_ids()
             if (heap := self._by_job.get(job_id)) is not None and (head := heap.peek())
         ]
         return min(heads, key=lambda head: head[:2], default=None)
 
-    def _pinned_or_merged_head(self) -> _Entry | None:
+    def _pinned_or_merged_head(self) -> KeyedEntry | None:
         pinned, merged = self._pinned_head(), self._merged_head()
         if pinned is None or merged is None:
             return pinned or merged
         return pinned if self._pinned_goes_first(pinned, merged) else merged
 
-    def _pinned_goes_first(self, pinned: _Entry, other: _Entry) -> bool:
+    def _pinned_goes_first(self, pinned: KeyedEntry, other: KeyedEntry) -> bool:
         """Whether the pinned job's `pinned` entry sorts before `other` (keyed, or a plain
         request's arrival): by their times, the pinned one `pin_lead_s` earlier."""
         return pinned[0][0] - self._pin_lead_s <= other[0][0]
 
-    def _merged_head(self) -> _Entry | None:
+    def _merged_head(self) -> KeyedEntry | None:
         """The first of the keyed rest and the requests without a job: the plain head goes
         first if it arrived before the keyed head did."""
         plain, rest = self._plain.peek(), self._rest.peek()
@@ -233,20 +143,20 @@ class ProgramOrderQueue(PolicyQueue):
         overdue = sorted((arrival, order, request) for arrival, order, request
                          in self._by_arrival.entries() if arrival[0] <= self._overdue_cutoff_s)
         taken = {id(entry[2]) for entry in overdue}
-        plain = _sorted_entries(self._plain, taken)
+        plain = self._plain.sorted_entries(taken)
         plain_overdue = [entry for entry in plain if entry[0][0] <= self._plain_overdue_cutoff_s]
         taken |= {id(entry[2]) for entry in plain_overdue}
         pinned_job_ids = set(self._pinned_job_ids())
-        rest = _sorted_entries(self._rest, taken)
+        rest = self._rest.sorted_entries(taken)
         pinned = [entry for entry in rest if entry[2].job_id in pinned_job_ids]
         merged = self._merge([entry for entry in plain if id(entry[2]) not in taken],
                              [entry for entry in rest if entry[2].job_id not in pinned_job_ids])
-        tiers = [overdue, plain_overdue, _sorted_entries(self._preempted, taken),
+        tiers = [overdue, plain_overdue, self._preempted.sorted_entries(taken),
                  self._merge_pinned(pinned, merged)]
         return (entry[2] for tier in tiers for entry in tier)
 
-    def _merge_pinned(self, pinned: list[_Entry], rest: list[_Entry]) -> list[_Entry]:
-        merged: list[_Entry] = []
+    def _merge_pinned(self, pinned: list[KeyedEntry], rest: list[KeyedEntry]) -> list[KeyedEntry]:
+        merged: list[KeyedEntry] = []
         pinned_index = rest_index = 0
         while pinned_index < len(pinned) and rest_index < len(rest):
             if self._pinned_goes_first(pinned[pinned_index], rest[rest_index]):
@@ -257,8 +167,8 @@ class ProgramOrderQueue(PolicyQueue):
                 rest_index += 1
         return merged + pinned[pinned_index:] + rest[rest_index:]
 
-    def _merge(self, plain: list[_Entry], rest: list[_Entry]) -> list[_Entry]:
-        merged: list[_Entry] = []
+    def _merge(self, plain: list[KeyedEntry], rest: list[KeyedEntry]) -> list[KeyedEntry]:
+        merged: list[KeyedEntry] = []
         plain_index = rest_index = 0
         while plain_index < len(plain) and rest_index < len(rest):
             if plain[plain_index][0] <= self._arrival(rest[rest_index][2]):
@@ -268,9 +178,3 @@ class ProgramOrderQueue(PolicyQueue):
                 merged.append(rest[rest_index])
                 rest_index += 1
         return merged + plain[plain_index:] + rest[rest_index:]
-
-
-def _sorted_entries(heap: _LazyHeap, excluded: set[int]) -> list[_Entry]:
-    """The heap's live entries in pop order, without the requests whose ids are excluded."""
-    return sorted((entry for entry in heap.entries() if id(entry[2]) not in excluded),
-                  key=lambda entry: entry[:2])

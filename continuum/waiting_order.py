@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from continuum.ledger import JobLedger
-from continuum.queues import KeyedRequestQueue, ProgramOrderQueue, QueueKey
+from continuum.queues import ProgramOrderQueue
 from engine.request import Request, RequestStatus
-from engine.scheduler.request_queue import RequestQueue
+from engine.scheduler.request_queue import KeyedRequestQueue, QueueKey, RequestQueue
 
 
 class WaitingOrder(Protocol):

@@ -8,28 +8,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from continuum.admission import (
+from continuum.admission_rules import (
     LaterJobsPins,
     OtherJobsPins,
     ThisChunk,
     WholePrompt,
     YieldWhenOverdue,
 )
+from continuum.agent_policy import Strategies
 from continuum.estimation import EstimatorChoice, EstimatorWrapper, build_estimator
 from continuum.ledger import JobLedger
-from continuum.options import ContinuumOptions, _help
-from continuum.policy import Strategies
+from continuum.policy_options import ContinuumOptions, _help
 from continuum.presets import PolicyPreset, program_order
-from continuum.queues import ProgramOrderQueue, QueueKey
-from continuum.retention import EstimatedPins
+from continuum.queues import ProgramOrderQueue
+from continuum.retention_rules import EstimatedPins
 from continuum.waiting_order import WaitingBounds
-from engine.kv_cache.pins import Pin
 from engine.request import Request
 from engine.scheduler.policy import SchedulerView, Victim
+from engine.scheduler.request_queue import QueueKey
 from estimator.base import ToolCall, TTLDecision, TTLEstimator
 from estimator.solver import DurationCDF
 
@@ -182,23 +182,15 @@ class LatestJobVictimPinsLast:
         return victim
 
 
-@dataclass(frozen=True)
-class WhileTurnWaits:
-    """af226d3's expiry: a pin past its deadline lives on while a turn of its job waits
-    (released by the sweep at a step's start otherwise)."""
-
-    def expired_pins(self, now_s: float, ledger: JobLedger) -> Sequence[Pin]:
-        return ()
-
-
 def compose_af226d3(options: Af226d3Options, *,
                     estimator: TTLEstimator | None = None) -> Strategies:
     """`continuum` as commit af226d3 ran it on the H100: Eq. 2 with the paper's R (the
     prefill alone), cold start (K = 100) and pin cost (its TTL); victims before pins
     (`LatestJobVictimPinsLast`); pins yield to a blocked head only when nothing runs or once
-    it waited `max_wait_s`; a prompt starts once its first chunk fits; a pin outlives its
-    deadline while its job's turn waits; requests without a job ordered like turns
-    (`estimator`, when given, instead of the one the options name)."""
+    it waited `max_wait_s`; a prompt starts once its first chunk fits; requests without a
+    job ordered like turns (`estimator`, when given, instead of the one the options name).
+    Pins expire by the scheduler's rule: af226d3 also kept a pin past its deadline while its
+    job's turn waited, which is not modelled."""
     choice = EstimatorChoice(options.estimator, max_ttl_s=options.max_ttl_s,
                              state_file=options.estimator_state, rebuild_cost="prefill",
                              pin_cost="ttl", cold_start_samples=100)
@@ -212,7 +204,7 @@ def compose_af226d3(options: Af226d3Options, *,
         retention=EstimatedPins(make_estimator, max_pinned_fraction=options.max_pinned_fraction,
                                 state_file=options.estimator_state),
         victims=LatestJobVictimPinsLast(), admission=ThisChunk(),
-        pin_yield=YieldWhenOverdue(bounds), expiry=WhileTurnWaits())
+        pin_yield=YieldWhenOverdue(bounds))
 
 
 CONTINUUM_ORACLE = PolicyPreset("continuum-oracle", ContinuumOptions, compose_oracle)

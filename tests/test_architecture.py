@@ -104,8 +104,8 @@ def _copy_packages(destination: Path) -> None:
 
 @pytest.mark.parametrize(("importer", "imported", "contract"), [
     ("engine/kv_cache/block.py", "engine.scheduler.scheduler", "Layers only point down"),
-    ("estimator/eq2.py", "continuum.policy", "Layers only point down"),
-    ("engine/core/engine_core.py", "continuum.policy", "without importing them"),
+    ("estimator/eq2.py", "continuum.agent_policy", "Layers only point down"),
+    ("engine/core/engine_core.py", "continuum.agent_policy", "without importing them"),
     ("engine/scheduler/sweep.py", "torch", "never import torch"),
 ])
 def test_an_upward_import_breaks_a_contract(

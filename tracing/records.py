@@ -85,9 +85,10 @@ class StepSnapshot(Event, tag="step_snapshot", kw_only=True):
 
 class Preemption(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A running request sent back to waiting, its `num_computed_tokens` of KV dropped:
-    because `needed_by` (possibly itself) could not get blocks ("out_of_blocks"), or for
-    `needed_by`, waiting, of a tenant within its share of the batch and KV pool while this
-    request's tenant is over its own ("tenant_share")."""
+    because `needed_by` (possibly itself) could not get blocks ("out_of_blocks"), or because
+    this request's tenant is over its share of the batch and KV pool while `needed_by`'s is
+    within its own ("tenant_share": for `needed_by` waiting, or in place of the policy's
+    victim)."""
 
     request_id: str
     job_id: str | None = None
@@ -187,7 +188,7 @@ class PinDeclined(Event, tag="pin_declined", kw_only=True):
 
 class PinReleased(Event, tag="pin_released", kw_only=True):
     """A pin stopped holding its blocks after `held_s`, for `reason`: reused, expired,
-    pressure, job_end, replaced, release or abort."""
+    pressure, client_pressure, tenant_share, job_end, replaced, release or abort."""
 
     job_id: str
     request_id: str

@@ -26,7 +26,8 @@ class PinReleaseReason(str, enum.Enum):
 
     REUSED = "reused"  # the job's next turn was admitted and took the blocks itself
     EXPIRED = "expired"  # the TTL ran out with no turn of the job waiting
-    PRESSURE = "pressure"  # memory was needed for running or waiting requests
+    PRESSURE = "pressure"  # the policy gave it up: memory was needed, or room for a new pin
+    CLIENT_PRESSURE = "client_pressure"  # a client's pin went for a request short of blocks
     TENANT_SHARE = "tenant_share"  # its tenant held more than its share of the pool
     JOB_END = "job_end"  # the job's last turn finished or the job timed out
     REPLACED = "replaced"  # a newer turn of the same job was pinned

@@ -11,7 +11,7 @@ from engine.scheduler.policy import (
     Victim,
 )
 from engine.scheduler.registry import POLICIES, make_policy, resolve_policy
-from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue, RequestQueue
+from engine.scheduler.request_queue import FCFSRequestQueue, KeyedRequestQueue, RequestQueue
 from engine.scheduler.retention import Retention
 from engine.scheduler.scheduler import Scheduler
 
@@ -21,10 +21,10 @@ __all__ = [
     "CachedRequestData",
     "FCFSPolicy",
     "FCFSRequestQueue",
+    "KeyedRequestQueue",
     "NewRequestData",
     "PolicyEnvironment",
     "PriorityPolicy",
-    "PriorityRequestQueue",
     "RequestQueue",
     "Reservation",
     "Retention",

@@ -73,6 +73,11 @@ class Admission:
         return self._shares(plan).victim_for_waiting(
             request, self._num_blocks_for(request.num_tokens))
 
+    def takes_share_back(self, request: Request, plan: StepPlan) -> bool:
+        """Whether admitting waiting `request` would take its tenant's share back from a
+        tenant over its own (there is a `share_victim` for it)."""
+        return self.share_victim(request, plan) is not None
+
     def victim_instead_of(self, victim: Request, requester: Request, num_new_tokens: int,
                           plan: StepPlan) -> Request:
         """The running request to preempt in place of the policy's `victim` for running

@@ -114,9 +114,10 @@ class Admitted:
 @dataclass(frozen=True, slots=True)
 class Preempted:
     """`request` is about to lose its `num_computed_tokens` for `needed_by`: a running
-    request that could not get blocks ("out_of_blocks"), or a waiting one of a tenant within
-    its share of the batch and KV pool while `request`'s tenant is over its own
-    ("tenant_share", `engine.scheduler.tenant_shares`)."""
+    request that could not get blocks ("out_of_blocks"), or because `request`'s tenant is
+    over its share of the batch and KV pool while `needed_by`'s is within its own
+    ("tenant_share", `engine.scheduler.tenant_shares`: for a waiting `needed_by`, or in place
+    of the policy's victim)."""
 
     request: Request
     needed_by: Request

@@ -8,7 +8,7 @@ Owned by `Scheduler`, which decides when; every pin change reaches the event str
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from engine.kv_cache.block import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
@@ -122,6 +122,15 @@ class PinKeeper:
                 raise RuntimeError(f"policy chose the pin of job {pin.job_id!r} "
                                    f"({reason.value}), which is not live")
             self.release(pin.job_id, reason, now_s)
+
+    def release_expired(self, now_s: float,
+                        spare: Callable[[str], object] | None = None) -> None:
+        """Releases (EXPIRED) the pins past their deadline at `now_s`, oldest first, but those
+        of the jobs `spare` is true for (None: none)."""
+        expired = [pin for pin in self.pins if now_s > pin.deadline_s
+                   and (spare is None or not spare(pin.job_id))]
+        for pin in expired:
+            self.release(pin.job_id, PinReleaseReason.EXPIRED, now_s)
 
     def end_job(self, job_id: str, reason: PinReleaseReason, now_s: float) -> Pin | None:
         """Ends a job: releases its pin (if any), forgets it in the job inference table and

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler.policy import BasePolicy, Victim
-from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from engine.scheduler.request_queue import FCFSRequestQueue, KeyedRequestQueue, priority_order
 
 
 class FCFSPolicy(BasePolicy):
@@ -13,9 +13,6 @@ class FCFSPolicy(BasePolicy):
 
     def new_waiting_queue(self) -> FCFSRequestQueue:
         return FCFSRequestQueue()
-
-    def select_victim(self, request: Request, now_s: float) -> Victim:
-        return self.scheduler.running[-1]
 
 
 class PriorityPolicy(BasePolicy):
@@ -26,10 +23,12 @@ class PriorityPolicy(BasePolicy):
     lets two equal requests preempt each other forever as each re-admission reorders them).
     """
 
-    def new_waiting_queue(self) -> PriorityRequestQueue:
-        return PriorityRequestQueue()
+    def new_waiting_queue(self) -> KeyedRequestQueue:
+        return KeyedRequestQueue(priority_order)
 
-    def select_victim(self, request: Request, now_s: float) -> Victim:
+    def select_victim(self, request: Request, now_s: float) -> Victim | None:
+        if request.status is not RequestStatus.RUNNING:
+            return super().select_victim(request, now_s)
         running = self.scheduler.running
         index = max(
             range(len(running)),

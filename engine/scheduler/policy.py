@@ -1,11 +1,11 @@
 """The scheduling policy interface: the scheduler is mechanism, a policy object decides.
 
 A policy decides the order of waiting requests, whether a finished turn's blocks are retained
-(pinned, with a TTL), which running request or pin gives way under memory pressure, what a
-waiting prompt must find free before it starts, which pins to release for it, and which pins
-have run out. The scheduler calls it and carries out what its methods return; the policy
-reads the scheduler (`SchedulerView`) and learns what happened from the scheduler's event
-stream (`bind` returns its subscriber), acting on nothing but its own books.
+(pinned, with a TTL), which running request or pin of its own gives way under memory pressure
+(for a running request or the waiting head), what a waiting prompt must find free before it
+starts, and which jobs it forgets. The scheduler calls it and carries out what its methods
+return; the policy reads the scheduler (`SchedulerView`) and learns what happened from the
+scheduler's event stream (`bind` returns its subscriber), acting on nothing but its own books.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from engine.kv_cache.pins import Pin, PinTable
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler.events import SchedulerSubscriber
 from engine.scheduler.options import parse_policy_options
 from engine.scheduler.request_queue import RequestQueue, WaitingRequests
@@ -27,12 +27,10 @@ JobBooks = dict[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class SweepDecision:
-    """A policy's time-driven upkeep (`SchedulingPolicy.sweep`): `expired_pins`, live pins
-    whose TTL ran out, which the scheduler releases (EXPIRED) in this order; and
-    `forgotten_job_ids`, the jobs the policy dropped from its books (idle past its timeout,
-    counting those pins as released), in the order it did so."""
+    """A policy's time-driven upkeep (`SchedulingPolicy.sweep`): `forgotten_job_ids`, the
+    jobs the policy dropped from its books (idle past its timeout), in the order it did
+    so."""
 
-    expired_pins: tuple[Pin, ...] = ()
     forgotten_job_ids: tuple[str, ...] = ()
 
 
@@ -131,15 +129,10 @@ class SchedulingPolicy(Protocol):
         ...
 
     def sweep(self, now_s: float) -> SweepDecision:
-        """Time-driven upkeep: which pins past their deadline the scheduler releases, and
-        which jobs idle beyond the policy's timeout the policy forgot (from its own books).
-        Called at the start of every step and, while no request is unfinished, between steps
-        at most once per sweep interval. A sweep with nothing due changes nothing."""
-        ...
-
-    def expired_pins(self, now_s: float) -> Sequence[Pin]:
-        """Live pins to release (EXPIRED) at the end of planning a step, after its admissions
-        had the chance to reuse them."""
+        """Time-driven upkeep: which jobs idle beyond the policy's timeout the policy forgot
+        (from its own books). Called at the start of every step and, while no request is
+        unfinished, between steps at most once per sweep interval, after the scheduler
+        released the pins past their deadline. A sweep with nothing due changes nothing."""
         ...
 
     def retention(self, request: Request, now_s: float) -> Retention | None:
@@ -150,11 +143,15 @@ class SchedulingPolicy(Protocol):
         ...
 
     def select_victim(self, request: Request, now_s: float) -> Victim | None:
-        """`request` (RUNNING) cannot get blocks: a running request to preempt (possibly
-        `request` itself), a live pin of the policy's own (`source` "policy": clients' pins
-        are the scheduler's to give up, before it asks), or None: `request` waits this step,
-        keeping its blocks (the step then admits nobody). None only while another running
-        request can finish or free blocks, so that the engine keeps moving."""
+        """`request` cannot get blocks, and no pin of another tenant over its share or of a
+        client it may take is left (`engine.scheduler.victim_chain`). Running: a running
+        request to preempt (possibly `request` itself), a live pin of the policy's own, or
+        None: `request` waits this step, keeping its blocks (the step then admits nobody);
+        None only while another running request can finish or free blocks, so that the
+        engine keeps moving. Waiting (the head, for its admission or the room its
+        `reservation` asks): a live pin of the policy's own to release for it, or None to
+        leave it waiting; not None forever while the policy's pins alone block an otherwise
+        idle engine."""
         ...
 
     def reservation(self, request: Request, num_hit_tokens: int, num_new_tokens: int,
@@ -162,12 +159,6 @@ class SchedulingPolicy(Protocol):
         """What the waiting head `request` (its prefix hit `num_hit_tokens`) must find before
         it is admitted to compute `num_new_tokens` this step: at least those tokens' blocks.
         Called before every admission attempt; the scheduler allocates only this step's."""
-        ...
-
-    def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
-        """The waiting head `request` cannot get blocks: a live pin of the policy's own to
-        release for it, or None to leave it waiting. Must not return None forever while its
-        pins alone block an otherwise idle engine."""
         ...
 
     def job_state(self, job_id: str) -> JobBooks | None:
@@ -187,10 +178,11 @@ class SchedulingPolicy(Protocol):
 
 class BasePolicy:
     """Defaults for policies without jobs (FCFS, priority, plugins): no options, no retention,
-    nothing learned, vLLM's admission (this step's chunk), and pins released for admission
-    only when nothing is running: other jobs' pins first (most recently pinned first), the
-    request's own job's pin last (its prefix hit usually needs those blocks); only the
-    policy's own pins (a plugin's that retains).
+    nothing learned, vLLM's admission (this step's chunk), stock V1's victim (the running
+    request admitted last), and pins released for a waiting head only when nothing is
+    running: other jobs' pins first (most recently pinned first), the request's own job's
+    pin last (its prefix hit usually needs those blocks); only the policy's own pins (a
+    plugin's that retains).
 
     A policy with options sets `options_type` to a frozen dataclass (see
     `engine.scheduler.options`) and takes the parsed value as its `options` argument.
@@ -218,9 +210,6 @@ class BasePolicy:
     def sweep(self, now_s: float) -> SweepDecision:
         return SweepDecision()
 
-    def expired_pins(self, now_s: float) -> Sequence[Pin]:
-        return ()
-
     def retention(self, request: Request, now_s: float) -> Retention | None:
         return None
 
@@ -228,8 +217,11 @@ class BasePolicy:
                     now_s: float) -> Reservation:
         return Reservation(num_new_tokens)
 
-    def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
-        if self.scheduler.running:
+    def select_victim(self, request: Request, now_s: float) -> Victim | None:
+        running = self.scheduler.running
+        if request.status is RequestStatus.RUNNING:
+            return running[-1]
+        if running:
             return None
         return max(
             (pin for pin in self.scheduler.pins if pin.source == "policy"),

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from collections.abc import Collection, Iterator
-from typing import Protocol
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import Any, Protocol
 
 from engine.request import Request
 
@@ -125,49 +125,103 @@ class FCFSRequestQueue(JobCountingQueue):
         return iter(self._queue)
 
 
-class PriorityRequestQueue(JobCountingQueue):
-    """Lowest `priority` value first, then earliest arrival (vLLM's priority order).
+QueueKey = tuple[Any, ...]
+KeyFunction = Callable[[Request], QueueKey]
+KeyedEntry = tuple[QueueKey, int, Request]
 
-    Preempted requests re-enter by their key like any other.
-    """
+
+class KeyedHeap:
+    """Requests by (key, insertion): O(log n) push and peek; removal marks the entry stale.
+    Equal keys keep insertion order."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._heap: list[tuple[int, float, str, Request]] = []
+        self._heap: list[KeyedEntry] = []
+        self._live: dict[int, KeyedEntry] = {}
+        self._num_pushed = 0
 
-    @staticmethod
-    def _entry(request: Request) -> tuple[int, float, str, Request]:
-        return (request.priority, request.arrival_time_s, request.request_id, request)
+    def push(self, key: QueueKey, request: Request) -> None:
+        entry = (key, self._num_pushed, request)
+        self._num_pushed += 1
+        self._live[id(request)] = entry
+        heapq.heappush(self._heap, entry)
+
+    def discard(self, request: Request) -> bool:
+        """Removes `request`; whether it was there."""
+        if self._live.pop(id(request), None) is None:
+            return False
+        if len(self._heap) > 2 * len(self._live) + 64:
+            # Stale entries keep removed requests alive: drop them once they dominate.
+            self._heap = list(self._live.values())
+            heapq.heapify(self._heap)
+        return True
+
+    def peek(self) -> KeyedEntry | None:
+        heap = self._heap
+        while heap and self._live.get(id(heap[0][2])) is not heap[0]:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def entries(self) -> Iterable[KeyedEntry]:
+        """The live entries, in no order."""
+        return self._live.values()
+
+    def sorted_entries(self, excluded: Collection[int] = ()) -> list[KeyedEntry]:
+        """The live entries in pop order, without the requests whose `id`s are `excluded`."""
+        return sorted((entry for entry in self._live.values() if id(entry[2]) not in excluded),
+                      key=lambda entry: entry[:2])
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+class RekeyingQueue(JobCountingQueue):
+    """A queue ordered by keys: a request that re-enters (`prepend_request`, after a
+    preemption or when the scheduler passes it over) is a fresh entry, keyed anew."""
 
     def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, self._entry(request))
-        self._count(request)
+        raise NotImplementedError
+
+    def remove_request(self, request: Request) -> None:
+        raise NotImplementedError
 
     def prepend_request(self, request: Request) -> None:
         self.add_request(request)
 
+    def remove_requests(self, requests: Collection[Request]) -> None:
+        for request in requests:
+            self.remove_request(request)
+
+
+class KeyedRequestQueue(RekeyingQueue):
+    """Smallest `key` first (computed as a request enters), equal keys in insertion order."""
+
+    def __init__(self, key: KeyFunction) -> None:
+        super().__init__()
+        self._key = key
+        self._heap = KeyedHeap()
+
+    def add_request(self, request: Request) -> None:
+        self._heap.push(self._key(request), request)
+        self._count(request)
+
     def peek_request(self) -> Request:
-        if not self._heap:
+        head = self._heap.peek()
+        if head is None:
             raise IndexError("peek from an empty queue")
-        return self._heap[0][3]
+        return head[2]
 
     def remove_request(self, request: Request) -> None:
-        if self._heap and self._heap[0][3] is request:
-            heapq.heappop(self._heap)
-            self._uncount(request)
-            return
-        self.remove_requests([request])
-
-    def remove_requests(self, requests: Collection[Request]) -> None:
-        doomed = {id(request) for request in requests}
-        for entry in self._heap:
-            if id(entry[3]) in doomed:
-                self._uncount(entry[3])
-        self._heap = [entry for entry in self._heap if id(entry[3]) not in doomed]
-        heapq.heapify(self._heap)
+        if not self._heap.discard(request):
+            raise ValueError(f"{request} is not waiting")
+        self._uncount(request)
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[3] for entry in sorted(self._heap, key=lambda e: e[:3]))
+        return (entry[2] for entry in self._heap.sorted_entries())
+
+
+def priority_order(request: Request) -> QueueKey:
+    """vLLM's priority order: lowest `priority` value first, then earliest arrival."""
+    return (request.priority, request.arrival_time_s, request.request_id)

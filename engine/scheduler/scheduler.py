@@ -1,8 +1,9 @@
 """The V1-style scheduler: a unified token budget over running and waiting requests.
 
 Mechanism only. Order, retention, victims and what a waiting prompt must find free are
-delegated to a `SchedulingPolicy`; tenants' shares and reserved room to `Admission`; pins
-and jobs are kept by `PinKeeper`. This module never asks which policy it runs.
+delegated to a `SchedulingPolicy`; tenants' shares and reserved room to `Admission`; who
+gives way under memory pressure, in which order, to `VictimChain`; pins and jobs are kept
+by `PinKeeper`. This module never asks which policy it runs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.scheduler.step_plan import AdmissionOutcome, StepPlan, emit
 from engine.scheduler.sweep import Sweep
 from engine.scheduler.tenant_queue import TenantFairQueue
 from engine.scheduler.tracer import SchedulerTracer
+from engine.scheduler.victim_chain import GiveWay, Preempt, ReleasePin, Shortage, VictimChain
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class Scheduler:
         self._waiting = TenantFairQueue(policy.new_waiting_queue)
         self._admission = Admission(self, self.kv_cache_manager, self._pin_keeper.pins, policy,
                                     max_num_seqs=scheduler_config.max_num_seqs)
+        self._victim_chain = VictimChain(self._admission, policy)
         self._finished_req_ids: set[str] = set()
         # The requests each step scheduled, by step id, until it is updated from its output.
         self._unfinished_steps: dict[int, dict[str, Request]] = {}
@@ -219,8 +222,8 @@ class Scheduler:
     def schedule(self, held_back: frozenset[str] = frozenset()) -> SchedulerOutput:
         """Plans one step: running requests first, then waiting ones if no running request
         was preempted or left waiting for memory (with several tenants, then only those that
-        take their tenant's share back, `tenant_shares`); then pins past their end are
-        released.
+        take their tenant's share back, `tenant_shares`); then every pin past its deadline is
+        released, whoever waits for it (its job's waiting turn had the step to reuse it).
         `held_back` names requests that must not sample this step (the engine core's
         constrained requests whose grammar mask is not ready): they compute at most the
         tokens before their last one, and keep their blocks and their place."""
@@ -235,8 +238,7 @@ class Scheduler:
         self._schedule_running(plan, now_s)
         self._schedule_waiting(plan, now_s,
                                memory_short=bool(plan.preempted) or bool(plan.stalled))
-        self._pin_keeper.release_chosen(self.policy.expired_pins(now_s),
-                                        PinReleaseReason.EXPIRED, now_s)
+        self._pin_keeper.release_expired(now_s)
         transfers = self.kv_cache_manager.take_transfers()
         self.events.emit(events.StepPlanned(plan.admitted, plan.num_scheduled_tokens,
                                             plan.total_num_scheduled_tokens, transfers, now_s))
@@ -249,10 +251,11 @@ class Scheduler:
         return output
 
     def sweep(self, now_s: float | None = None) -> Sweep:
-        """Time-driven upkeep: releases the pins the policy's `SweepDecision` says ran out,
-        records the jobs it forgot (idle past its timeout), and ends the inferred jobs whose
-        latest turn aged out of the job inference table (counted as forgotten); returns
-        what it released and forgot. Called at every step start, and by the engine core
+        """Time-driven upkeep: releases the pins past their deadline (EXPIRED) but those whose
+        job has a turn waiting to reuse them, records the jobs the policy forgot (idle past
+        its timeout, `SweepDecision`), and ends the inferred jobs whose latest turn aged out
+        of the job inference table (counted as forgotten); returns what it released and
+        forgot. Called at every step start, and by the engine core
         while no request is unfinished, at most once per sweep interval (`now_s` None: the
         clock's now), so that pins and idle jobs expire when no request arrives.
 
@@ -263,8 +266,8 @@ class Scheduler:
         between_steps = now_s is None
         now_s = self.clock() if now_s is None else now_s
         pins_before = list(self.pins)
+        self._pin_keeper.release_expired(now_s, spare=self._waiting.num_waiting)
         decision = self.policy.sweep(now_s)
-        self._pin_keeper.release_chosen(decision.expired_pins, PinReleaseReason.EXPIRED, now_s)
         forgotten_job_ids = (*decision.forgotten_job_ids,
                              *self._pin_keeper.sweep_inferred_jobs(now_s))
         if between_steps:
@@ -361,42 +364,29 @@ class Scheduler:
         self, request: Request, num_new_tokens: int, plan: StepPlan, now_s: float
     ) -> list[KVCacheBlock] | None:
         """Blocks for a running request, freeing victims until they fit; None if `request`
-        itself was preempted, or waits this step (the policy chose no victim: it keeps its
-        blocks and computes nothing)."""
+        itself was preempted, or waits this step (nothing gives way: it keeps its blocks and
+        computes nothing)."""
         while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
-            if self._release_tenants_pin(request, num_new_tokens, plan, now_s):
-                continue
-            victim = self.policy.select_victim(request, now_s)
-            if victim is None:
-                return None
-            if isinstance(victim, Pin):
-                self._pin_keeper.release_chosen((victim,), PinReleaseReason.PRESSURE, now_s)
-                continue
-            if victim.status is not RequestStatus.RUNNING:
-                raise RuntimeError(f"policy chose {victim} as a victim, which is not running")
-            victim = self._admission.victim_instead_of(victim, request, num_new_tokens, plan)
-            self._preempt(victim, plan, needed_by=request)
-            if victim is request:
+            if (self._give_way(request, num_new_tokens, plan, now_s) is None
+                    or request.status is not RequestStatus.RUNNING):
                 return None
         return new_blocks
 
-    def _release_tenants_pin(self, request: Request, num_new_tokens: int, plan: StepPlan,
-                             now_s: float) -> bool:
-        """Before asking the policy: releases the pin of another tenant over its share
-        (TENANT_SHARE), else a client's pin `request` may take (PRESSURE), if any; whether
-        it released one."""
-        pin = self._admission.over_share_pin(request, plan)
-        reason = PinReleaseReason.TENANT_SHARE
-        if pin is None:
-            pin = self._admission.client_pin_for(request, num_new_tokens, plan)
-            reason = PinReleaseReason.PRESSURE
-        if pin is None:
-            return False
-        self._pin_keeper.release_chosen((pin,), reason, now_s)
-        return True
+    def _give_way(self, request: Request, num_new_tokens: int, plan: StepPlan, now_s: float,
+                  shortage: Shortage = "blocks") -> GiveWay | None:
+        """Carries out the victim chain's next answer for `request` (`VictimChain.next`):
+        releases the pin or preempts the request it names, for its reason; returns it (None:
+        nothing gave way)."""
+        give_way = self._victim_chain.next(request, num_new_tokens, plan, now_s, shortage)
+        match give_way:
+            case ReleasePin(pin=pin, reason=reason):
+                self._pin_keeper.release_chosen((pin,), reason, now_s)
+            case Preempt(request=victim, reason=reason):
+                self._preempt(victim, plan, needed_by=request, reason=reason)
+        return give_way
 
     def _preempt(self, request: Request, plan: StepPlan, *, needed_by: Request,
-                 reason: events.PreemptionReason = "out_of_blocks") -> None:
+                 reason: events.PreemptionReason) -> None:
         self.events.emit(events.Preempted(request, needed_by, reason))
         self._running.remove(request)
         if request.request_id in plan.num_scheduled_tokens:
@@ -450,15 +440,13 @@ class Scheduler:
         is full, and no share can be taken back."""
         full = len(self._running) >= self.config.max_num_seqs
         if memory_short or full:
-            victim = self._admission.share_victim(request, plan)
-            if victim is None:
+            if not self._admission.takes_share_back(request, plan):
                 return AdmissionOutcome.NO_MEMORY
             if full:
-                self._preempt(victim, plan, needed_by=request, reason="tenant_share")
+                self._give_way(request, 0, plan, now_s, "share")
         outcome = self._admit(request, plan, now_s)
         while (outcome is AdmissionOutcome.NO_MEMORY
-               and (victim := self._admission.share_victim(request, plan)) is not None):
-            self._preempt(victim, plan, needed_by=request, reason="tenant_share")
+               and self._give_way(request, 0, plan, now_s, "share") is not None):
             outcome = self._admit(request, plan, now_s)
         return outcome
 
@@ -473,15 +461,12 @@ class Scheduler:
         if num_new_tokens == 0:
             return AdmissionOutcome.OVER_BUDGET
         if not self._admission.has_reserved_room(request, hit, num_new_tokens, now_s, plan):
-            while (pin := self.policy.select_pin_to_release(request, now_s)) is not None:
-                self._pin_keeper.release_chosen((pin,), PinReleaseReason.PRESSURE, now_s)
+            while self._give_way(request, num_new_tokens, plan, now_s, "reserved_room"):
+                pass
             return AdmissionOutcome.NO_MEMORY
         while kv_cache_manager.allocate_slots(request, num_new_tokens, hit) is None:
-            if not self._release_tenants_pin(request, num_new_tokens, plan, now_s):
-                pin = self.policy.select_pin_to_release(request, now_s)
-                if pin is None:
-                    return AdmissionOutcome.NO_MEMORY
-                self._pin_keeper.release_chosen((pin,), PinReleaseReason.PRESSURE, now_s)
+            if self._give_way(request, num_new_tokens, plan, now_s) is None:
+                return AdmissionOutcome.NO_MEMORY
             # Storing the released blocks may have evicted host blocks of the hit.
             hit = kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = plan.num_new_tokens(request, hit.num_tokens)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from continuum.options import ContinuumOptions
-from continuum.policy import Strategies
+from continuum.agent_policy import Strategies
+from continuum.policy_options import ContinuumOptions
 from continuum.presets import PolicyPreset, compose_continuum
 from estimator.cost_model import PrefillCostModel, read_prefill_profile
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from continuum.agent_policy import AgentPolicy
 from continuum.estimation import retention_inputs
-from continuum.policy import AgentPolicy
 from continuum.presets import CONTINUUM, CONTINUUM_FIXED
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.registry import make_policy
@@ -18,7 +18,7 @@ from estimator.fixed import FixedTTLEstimator
 from estimator.state_file import STATE_FORMAT, read_state
 from eval.policy_variants import CONTINUUM_AF226D3
 from tests.continuum.harness import Harness
-from tests.continuum.test_policy import TTLByTool
+from tests.continuum.test_agent_policy import TTLByTool
 
 BASH_TURN = "THOUGHT: look for it.\n\n```bash\ncd /repo && grep -rn needle src/\n```"
 

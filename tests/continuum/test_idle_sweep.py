@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from continuum.options import ContinuumOptions
+from continuum.policy_options import ContinuumOptions
 from continuum.presets import CONTINUUM
 from engine.kv_cache.pins import PinReleaseReason
 from engine.scheduler.registry import make_policy
@@ -43,7 +43,7 @@ def test_a_finished_job_leaves_the_table_through_the_sweep_with_no_step(policy_n
     assert not h.scheduler.sweep()  # and nothing is left to sweep
 
 
-def test_the_policys_sweep_decides_and_the_scheduler_releases() -> None:
+def test_the_scheduler_expires_pins_and_then_the_policy_forgets_idle_jobs() -> None:
     h = Harness(CONTINUUM.build(ContinuumOptions(job_idle_timeout_s=IDLE_TIMEOUT_S),
                                 estimator=ConstantTTLEstimator(2.0)))
     h.add("t1", tokens(1, 10), job="J")
@@ -51,12 +51,11 @@ def test_the_policys_sweep_decides_and_the_scheduler_releases() -> None:
     pin = h.pin("J")
     assert pin is not None
     now_s = max(IDLE_TIMEOUT_S, pin.deadline_s) + 1.0
-    decision = h.policy.sweep(now_s)
-    assert decision.expired_pins == (pin,) and decision.forgotten_job_ids == ("J",)
-    assert h.pin("J") is pin  # the policy only decided
+    assert h.policy.sweep(now_s).forgotten_job_ids == ()  # its live pin keeps the job
     h.clock.now_s = now_s
     sweep = h.scheduler.sweep()
     assert sweep.released_pins == (pin,) and h.pin("J") is None
+    assert sweep.forgotten_job_ids == ("J",) and h.policy.job_state("J") is None
     h.scheduler.check_invariants()
 
 

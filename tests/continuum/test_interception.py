@@ -9,11 +9,11 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from continuum.agent_policy import AgentPolicy
 from continuum.interception import InterceptionModel, InterceptionWaste
-from continuum.options import InferCeptOptions
-from continuum.policy import AgentPolicy
+from continuum.policy_options import InferCeptOptions
 from continuum.presets import INFERCEPT
-from continuum.retention import InterceptedPins, PinUntilNextTurn
+from continuum.retention_rules import InterceptedPins, PinUntilNextTurn
 from engine.scheduler import events
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.registry import check_policy_options, make_policy

@@ -49,6 +49,6 @@ def test_idle_jobs_leave_the_books_but_not_while_pinned() -> None:
     ledger.record(events.RequestArrived(turn, 0.0))
     turn.status = RequestStatus.FINISHED_STOPPED
     ledger.record(events.RequestFinished(turn, 1.0))
-    assert ledger.pop_idle_jobs(10.5, expiring=()) == []
-    [job] = ledger.pop_idle_jobs(11.5, expiring=())
+    assert ledger.pop_idle_jobs(10.5) == []
+    [job] = ledger.pop_idle_jobs(11.5)
     assert job.job_id == "J" and len(ledger.jobs) == 0

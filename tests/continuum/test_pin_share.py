@@ -16,8 +16,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from continuum.options import ContinuumOptions
-from continuum.policy import AgentPolicy
+from continuum.agent_policy import AgentPolicy
+from continuum.policy_options import ContinuumOptions
 from continuum.presets import CONTINUUM, waiting_bounds
 from continuum.waiting_order import WaitingBounds
 from engine.scheduler.output import SchedulerOutput

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from continuum.options import InferCeptOptions
-from continuum.policy import AgentPolicy
+from continuum.agent_policy import AgentPolicy
+from continuum.policy_options import InferCeptOptions
 from continuum.presets import AUTELLIX, CONTINUUM_FIXED, INFERCEPT
 from engine.kv_cache.pins import PinReleaseReason
 from engine.scheduler.registry import make_policy

@@ -9,8 +9,8 @@ import random
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from continuum.options import ContinuumOptions
-from continuum.policy import AgentPolicy
+from continuum.agent_policy import AgentPolicy
+from continuum.policy_options import ContinuumOptions
 from continuum.presets import AUTELLIX, CONTINUUM, CONTINUUM_FIXED, INFERCEPT, JOB_FCFS
 from engine.scheduler.policies import FCFSPolicy
 from estimator.base import ConstantTTLEstimator

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from continuum.queues import KeyedRequestQueue, ProgramOrderQueue
+from continuum.queues import ProgramOrderQueue
 from engine.request import Request, RequestStatus
+from engine.scheduler.request_queue import KeyedRequestQueue
 from tests.engine.helpers import make_request
 
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from continuum.policy import AgentPolicy
+from continuum.agent_policy import AgentPolicy
 from continuum.presets import AUTELLIX, CONTINUUM, INFERCEPT
 from engine.kv_cache.pins import Pin
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler import events
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.request_queue import FCFSRequestQueue, RequestQueue
@@ -86,6 +86,7 @@ def bind(
         request = make_request(request_id.rstrip("~!"), [1, 2, 3], job_id=job_id or None)
         request.num_computed_tokens = 0 if request_id.endswith("~") else 2
         request.num_preemptions = 3 if request_id.endswith("!") else 0
+        request.status = RequestStatus.RUNNING
         arrive(policy, request, now_s=10.0)
         view.running.append(request)
         requests[request.request_id] = request

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from continuum.options import ContinuumOptions, ProgramOrderOptions
+from continuum.policy_options import ContinuumOptions, ProgramOrderOptions
 from continuum.presets import CONTINUUM, JOB_FCFS
 from engine.kv_cache.pins import PinReleaseReason
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy

@@ -328,4 +328,6 @@ class PinningPolicy(FCFSPolicy):
 
     def select_victim(self, request: Request, now_s: float):
         pins = list(self.scheduler.pins)
-        return pins[0] if pins else super().select_victim(request, now_s)
+        if pins and request.status is RequestStatus.RUNNING:
+            return pins[0]
+        return super().select_victim(request, now_s)

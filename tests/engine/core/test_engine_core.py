@@ -13,6 +13,7 @@ from engine.core.client import EngineDeadError, InprocClient
 from engine.core.engine_core import EngineCore
 from engine.core.wire import EngineStats
 from engine.executor.base import make_executor
+from engine.kv_cache.pins import PinReleaseReason
 from engine.outputs import ModelRunnerOutput, PendingStep
 from engine.request import FinishReason, JobInfo, RequestStatus
 from engine.scheduler.output import SchedulerOutput
@@ -105,10 +106,15 @@ def test_release_job_frees_a_pin_and_a_pin_alone_is_no_work_for_a_step() -> None
     run_to_completion(core)
     assert core.stats().num_pins == 1
     assert not core.has_work()  # a live pin expires through `sweep`, not an empty step
-    clock.advance(60.0)
-    assert not core.sweep()  # this policy never expires pins
     assert core.release_job("job") is True
     assert core.stats().num_pins == 0 and not core.has_work()
+    core.add_request(msgspec.structs.replace(request, request_id="again",
+                                             job=JobInfo(job_id="job")))
+    run_to_completion(core)
+    clock.advance(60.0)  # past the pin's 10 s, whatever the policy
+    assert [pin.release_reason for pin in core.sweep().released_pins] == [
+        PinReleaseReason.EXPIRED]
+    assert core.stats().num_pins == 0
 
 
 def test_an_idle_core_sweeps_pins_and_idle_jobs_without_a_step(tmp_path) -> None:

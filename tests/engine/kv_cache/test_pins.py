@@ -121,6 +121,10 @@ def test_every_release_reason_is_recorded() -> None:
     run_until_done(scheduler, runner)
     scheduler.pins.release("j6", PinReleaseReason.TENANT_SHARE, now_s=0.0)  # see admission
     assert counts[PinReleaseReason.TENANT_SHARE] == 1
+    scheduler.add_request(make_request("j7", PROMPT, max_tokens=1, job_id="j7"))
+    run_until_done(scheduler, runner)
+    scheduler.pins.release("j7", PinReleaseReason.CLIENT_PRESSURE, now_s=0.0)  # client pins
+    assert counts[PinReleaseReason.CLIENT_PRESSURE] == 1
 
     scheduler.add_request(make_request("j5", PROMPT, max_tokens=1, job_id="j5"))
     run_until_done(scheduler, runner)

@@ -104,7 +104,7 @@ def test_a_clients_pin_is_the_first_to_go_when_a_request_cannot_get_blocks() -> 
     scheduler.add_request(big)
     run_step(scheduler, runner)
     assert "J" not in scheduler.pins
-    assert scheduler.pins.num_released[PinReleaseReason.PRESSURE] == 1
+    assert scheduler.pins.num_released[PinReleaseReason.CLIENT_PRESSURE] == 1
     assert big in scheduler.running and scheduler.num_preemptions == 0
 
 
@@ -152,7 +152,7 @@ def test_a_tenant_takes_its_own_client_pins_first_then_a_within_share_tenants(
     _finish(scheduler, runner, make_request("big", [5] * prompt_tokens, max_tokens=1,
                                             tenant="a"))
     assert {pin.job_id for pin in scheduler.pins} == {"M", "T"} - released
-    assert scheduler.pins.num_released[PinReleaseReason.PRESSURE] == len(released)
+    assert scheduler.pins.num_released[PinReleaseReason.CLIENT_PRESSURE] == len(released)
 
 
 def test_an_inferred_jobs_hour_long_breakpoint_is_kept_and_continued_for_the_hour() -> None:

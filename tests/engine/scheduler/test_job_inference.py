@@ -383,7 +383,7 @@ def test_a_turn_too_old_is_not_continued_and_the_sweep_ends_its_job():
     scheduler.add_request(stale)  # before any sweep: the lookup skips the old turn
     assert stale.job_id != first.job_id
     run_until_done(scheduler, runner)
-    assert pin.release_reason is PinReleaseReason.JOB_END
+    assert pin.release_reason is PinReleaseReason.EXPIRED  # then its job ended
     assert len(scheduler.job_inference) == 1  # only "stale" is left
 
     clock.advance(6.0)
@@ -475,8 +475,8 @@ def test_the_trace_records_the_inference_and_the_jobs_it_ends(tmp_path: Path):
     ended = [(e.job_id, e.reason) for e in events if isinstance(e, JobEnded)]
     assert ended == [("mine", "job_end"), (first.job_id, "job_end")]
     released = [(e.request_id, e.reason) for e in events if isinstance(e, PinReleased)]
-    # PinningPolicy never expires pins: the job's end released the last one.
-    assert released == [("first", "reused"), ("explicit", "job_end"), ("second", "job_end")]
+    # The last pin's TTL was capped at the table's age: it ran out before its job ended.
+    assert released == [("first", "reused"), ("explicit", "job_end"), ("second", "expired")]
 
 
 def test_the_config_bounds_and_the_serve_flags():

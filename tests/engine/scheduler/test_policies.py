@@ -3,7 +3,7 @@ import pytest
 from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
 from engine.scheduler.policy import Reservation
 from engine.scheduler.registry import POLICIES, make_policy, resolve_policy
-from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from engine.scheduler.request_queue import FCFSRequestQueue, KeyedRequestQueue, priority_order
 from tests.engine.helpers import FakeRunner, make_request, make_scheduler, run_step, run_until_done
 
 
@@ -28,7 +28,7 @@ def test_fcfs_queue_orders_by_arrival_and_prepends_preempted() -> None:
 
 
 def test_priority_queue_orders_by_priority_then_arrival() -> None:
-    queue = PriorityRequestQueue()
+    queue = KeyedRequestQueue(priority_order)
     requests = [
         make_request("late-urgent", [1], priority=0, arrival_time_s=5.0),
         make_request("early-lazy", [1], priority=3, arrival_time_s=0.0),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.request import Request, RequestStatus
 from engine.scheduler.policies import PriorityPolicy
-from engine.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from engine.scheduler.request_queue import FCFSRequestQueue, KeyedRequestQueue, priority_order
 from engine.scheduler.tenant_queue import TenantFairQueue
 from tests.engine.helpers import FakeClock, FakeRunner, make_request, make_scheduler
 
@@ -96,8 +96,8 @@ def test_leaving_without_admission_is_not_a_turn_and_empty_tenants_are_dropped()
 
 
 def test_without_tenants_the_policys_order_is_kept_exactly():
-    fair = TenantFairQueue(PriorityRequestQueue)
-    plain = PriorityRequestQueue()
+    fair = TenantFairQueue(lambda: KeyedRequestQueue(priority_order))
+    plain = KeyedRequestQueue(priority_order)
     requests = [_request(f"r{index}", priority=index % 3, arrival_time_s=index)
                 for index in range(9)]
     for request in requests:
@@ -114,7 +114,7 @@ def test_without_tenants_the_policys_order_is_kept_exactly():
 
 
 def test_each_tenant_keeps_its_policys_order_and_its_jobs_are_counted():
-    queue = TenantFairQueue(PriorityRequestQueue)
+    queue = TenantFairQueue(lambda: KeyedRequestQueue(priority_order))
     for request_id, tenant, priority in (("a-low", "a", 5), ("a-high", "a", 0),
                                          ("b-low", "b", 9), ("b-high", "b", 1)):
         queue.add_request(_request(request_id, tenant, priority=priority, job_id=tenant))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from continuum.retention import _returned_tool_key
+from continuum.retention_rules import _returned_tool_key
 from engine.tool_calls import ToolCallFormat
 from estimator.parsing import tool_key
 

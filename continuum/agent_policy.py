@@ -8,16 +8,14 @@ scheduler's questions by asking the strategy in charge.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from continuum.admission import AdmissionRule, PinYield
+from continuum.admission_rules import AdmissionRule, PinYield
 from continuum.estimation import measured_prefill_cost
 from continuum.ledger import JobLedger, ServiceCost
-from continuum.retention import HardDeadline, PinExpiry, RetentionRule
+from continuum.retention_rules import RetentionRule
 from continuum.victims import VictimRule
 from continuum.waiting_order import WaitingOrder
-from engine.kv_cache.pins import Pin
 from engine.request import Request, RequestStatus
 from engine.scheduler import events
 from engine.scheduler.policy import (
@@ -35,15 +33,14 @@ from engine.scheduler.retention import Retention
 class Strategies:
     """The objects an agent policy is made of, one job each: the waiting `order`, the
     `retention` rule (TTLs, the estimator and its price), the `victims` of memory pressure
-    (pin release order and preemption), `admission` (what a waiting prompt reserves), the
-    `pin_yield` to a blocked waiting head, and pin `expiry`."""
+    (pin release order and preemption), `admission` (what a waiting prompt reserves), and
+    the `pin_yield` to a blocked waiting head."""
 
     order: WaitingOrder
     retention: RetentionRule
     victims: VictimRule
     admission: AdmissionRule
     pin_yield: PinYield
-    expiry: PinExpiry = field(default_factory=HardDeadline)
 
 
 class AgentPolicy:
@@ -68,14 +65,10 @@ class AgentPolicy:
         return self.strategies.order.new_queue(self.ledger)
 
     def sweep(self, now_s: float) -> SweepDecision:
-        expired = self.ledger.expired_unless_waiting(now_s)
-        idle = self.ledger.pop_idle_jobs(now_s, expired)
+        idle = self.ledger.pop_idle_jobs(now_s)
         for job in idle:
             self.strategies.retention.forget(job)
-        return SweepDecision(expired, tuple(job.job_id for job in idle))
-
-    def expired_pins(self, now_s: float) -> Sequence[Pin]:
-        return self.strategies.expiry.expired_pins(now_s, self.ledger)
+        return SweepDecision(tuple(job.job_id for job in idle))
 
     def retention(self, request: Request, now_s: float) -> Retention | None:
         job = self.ledger.job_of(request)
@@ -85,15 +78,14 @@ class AgentPolicy:
         return self.strategies.retention.decide(request, job, now_s, self.ledger)
 
     def select_victim(self, request: Request, now_s: float) -> Victim | None:
-        return self.strategies.victims.select(request, now_s, self.ledger)
+        if request.status is RequestStatus.RUNNING:
+            return self.strategies.victims.select(request, now_s, self.ledger)
+        return self.strategies.pin_yield.pin_to_release(request, now_s, self.ledger)
 
     def reservation(self, request: Request, num_hit_tokens: int, num_new_tokens: int,
                     now_s: float) -> Reservation:
         return self.strategies.admission.reservation(request, num_hit_tokens, num_new_tokens,
                                                      now_s, self.ledger)
-
-    def select_pin_to_release(self, request: Request, now_s: float) -> Pin | None:
-        return self.strategies.pin_yield.pin_to_release(request, now_s, self.ledger)
 
     def job_state(self, job_id: str) -> JobBooks | None:
         job = self.ledger.jobs.get(job_id)

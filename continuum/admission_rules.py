@@ -1,7 +1,8 @@
 """What a waiting prompt must find before it starts, and which pins yield to it.
 
 An `AdmissionRule` answers `SchedulingPolicy.reservation`, a `PinYield`
-`SchedulingPolicy.select_pin_to_release`. Strategy objects an `AgentPolicy` composes.
+`SchedulingPolicy.select_victim` for a waiting head. Strategy objects an `AgentPolicy`
+composes.
 """
 
 from __future__ import annotations

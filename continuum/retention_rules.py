@@ -1,17 +1,15 @@
 """Retention rules: whether a finished, non-final turn of a job keeps its KV pinned, and for
-how long; and when a pin's deadline ends it.
+how long.
 
 A `RetentionRule` answers `SchedulingPolicy.retention` for an `AgentPolicy` and learns from
-the events the policy receives; a `PinExpiry` answers `expired_pins`. Strategy objects an
-`AgentPolicy` composes.
+the events the policy receives. Strategy objects an `AgentPolicy` composes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 from continuum.estimation import (
@@ -24,7 +22,6 @@ from continuum.estimation import (
 from continuum.interception import InterceptionModel
 from continuum.jobs import Job
 from continuum.ledger import JobLedger
-from engine.kv_cache.pins import Pin
 from engine.request import Request
 from engine.scheduler import events
 from engine.scheduler.policy import SchedulerView
@@ -209,22 +206,6 @@ class EstimatedPins:
     def close(self) -> None:
         if self.state_file is not None:
             save_estimator(self.estimator, self.state_file)
-
-
-class PinExpiry(Protocol):
-    def expired_pins(self, now_s: float, ledger: JobLedger) -> Sequence[Pin]:
-        """Live pins to release at the end of planning a step."""
-        ...
-
-
-@dataclass(frozen=True)
-class HardDeadline:
-    """A pin past its deadline is released at the end of the step, whoever waits for it
-    (a turn of its job waiting spares it only at the step's start, so that an admission in
-    the step may reuse it)."""
-
-    def expired_pins(self, now_s: float, ledger: JobLedger) -> list[Pin]:
-        return [pin for pin in ledger.scheduler.pins if now_s > pin.deadline_s]
 
 
 def read_tool_call(request: Request, job: Job, now_s: float, ledger: JobLedger) -> ToolCall | None:

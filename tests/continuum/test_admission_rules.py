@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from continuum.admission import OtherJobsPins, ThisChunk, WholePrompt
-from continuum.policy import AgentPolicy
+from continuum.admission_rules import OtherJobsPins, ThisChunk, WholePrompt
+from continuum.agent_policy import AgentPolicy
 from continuum.presets import CONTINUUM, INFERCEPT, JOB_FCFS
 from estimator.base import ConstantTTLEstimator
 from eval.policy_variants import CONTINUUM_AF226D3
@@ -39,7 +39,7 @@ def test_continuum_pins_for_admission(
     bind(policy, running, pins)
     head = make_request("head", [1, 2, 3], job_id=head_job)
     arrive(policy, head, now_s=20.0)
-    assert describe(policy.select_pin_to_release(head, 20.0 + waited_s)) == expected
+    assert describe(policy.select_victim(head, 20.0 + waited_s)) == expected
 
 
 @pytest.mark.parametrize(("running", "pins", "head_job", "waited_s", "expected"), [
@@ -61,7 +61,7 @@ def test_continuum_af226d3_pins_for_admission(
     bind(policy, running, pins)
     head = make_request("head", [1, 2, 3], job_id=head_job)
     arrive(policy, head, now_s=20.0)
-    assert describe(policy.select_pin_to_release(head, 20.0 + waited_s)) == expected
+    assert describe(policy.select_victim(head, 20.0 + waited_s)) == expected
 
 
 @pytest.mark.parametrize(("pins", "blocks", "head_job", "expected"), [
@@ -75,7 +75,7 @@ def test_infercept_releases_pins_for_admission_even_while_others_run(
     policy = INFERCEPT.build()
     bind(policy, "a b", pins, blocks)
     head = make_request("head", [1, 2, 3], job_id=head_job)
-    assert describe(policy.select_pin_to_release(head, 10.0)) == expected
+    assert describe(policy.select_victim(head, 10.0)) == expected
 
 
 @pytest.mark.parametrize(("admission", "prompt_len", "num_preemptions"), [
