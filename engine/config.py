@@ -18,7 +18,8 @@ from tracing.files import check_replaceable
 from tracing.writer import MIN_MAX_BYTES, TRACE_FILE_PREFIX
 
 # The sections of `continuum serve --help`, in its order.
-SettingGroup = Literal["model", "cache", "scheduling", "server", "replicas", "observability"]
+SettingGroup = Literal["model", "cache", "scheduling", "server", "replicas", "observability",
+                       "bench"]
 
 
 def setting(help: str, *, group: SettingGroup, flag: bool = True, name: str | None = None,

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import httpx
 
 from eval.metrics import percentile
+from lab.flags import add_settings_flags, settings_from_args
 from lab.load_clients import sse_lines
 from lab.server_checks import Check, markdown_figures, passed
 from lab.server_process import ServerProcess, add_server_arguments, server_from_args
@@ -174,18 +175,13 @@ def counts_text(counter: Counter[Any]) -> str:
 
 
 def add_attack_arguments(parser: argparse.ArgumentParser, attacks: Sequence[str],
-                         defaults: object, helps: Sequence[tuple[str, str]],
-                         serve_args: Sequence[str]) -> None:
+                         settings_type: type, serve_args: Sequence[str]) -> None:
     """`--attack` (one of `attacks`, or all of them; none if there is one), a flag for each
-    (settings field, help) of `helps` with its default from `defaults`, the server flags and
-    `--json`."""
+    setting of `settings_type` (`lab.flags`), the server flags and `--json`."""
     if len(attacks) > 1:
         parser.add_argument("--attack", choices=(*attacks, "all"), default="all",
                             help="which attack to run (default: %(default)s)")
-    for name, help_text in helps:
-        default = getattr(defaults, name)
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
-                            help=f"{help_text} (default: %(default)s)")
+    add_settings_flags(parser, settings_type)
     add_server_arguments(parser, serve_args)
     parser.add_argument("--json", default=None, help="write the figures and checks here")
 
@@ -196,8 +192,7 @@ def run_attacks(args: argparse.Namespace, attacks: Sequence[str],
     checks (and writes them to `--json`); the command's exit status: 0 if every check
     passed, 1 if one failed or a server did not start, 2 for bad flags."""
     try:
-        settings = settings_type(**{spec.name: getattr(args, spec.name)
-                                    for spec in dataclasses.fields(settings_type)})
+        settings = settings_from_args(settings_type, args)
         server_from_args(args, check_invariants=False)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -34,6 +34,8 @@ from typing import Any
 
 import httpx
 
+from lab.flags import bench_setting
+
 OK, DISCONNECTED, GAVE_UP, REJECTED, ERROR = "ok", "disconnected", "gave_up", "rejected", "error"
 SCENARIOS = ("stream_completion", "completion", "stream_chat", "chat", "stream_disconnect",
              "give_up", "agent_job")
@@ -211,11 +213,12 @@ class LoadSettings:
     `model=None` asks the server for its model.
     """
 
-    num_clients: int = 400
-    num_requests: int = 2000
-    time_limit_s: float = 600.0
+    num_clients: int = bench_setting(400, "concurrent clients", name="clients")
+    num_requests: int = bench_setting(
+        2000, "generation requests of the measured phase", name="requests")
+    time_limit_s: float = bench_setting(600.0, "no new request after this many seconds")
     request_timeout_s: float = 120.0
-    max_tokens: int = 8
+    max_tokens: int = bench_setting(8, "tokens of each completed request")
     long_max_tokens: int = 64
     prompt_chars: tuple[int, int] = (8, 96)
     job_turns: tuple[int, int] = (2, 5)
@@ -226,7 +229,7 @@ class LoadSettings:
     give_up_after_s: tuple[float, float] = (0.02, 0.3)
     mix: LoadMix = field(default_factory=LoadMix)
     model: str | None = None
-    seed: int = 0
+    seed: int = bench_setting(0, "seed of the clients' choices")
 
     def __post_init__(self) -> None:
         if self.num_clients < 1 or self.num_requests < 0:

@@ -23,6 +23,7 @@ from engine.config import (
 from engine.engine_args.flags import (
     Setting,
     add_flags,
+    config_of,
     flags_of,
     flat_settings,
     settings_of,
@@ -65,12 +66,12 @@ class EngineArgs:
             get_sim_profile(self.sim_profile)
         values["policy_options"] = self._checked_policy_options()
         values["trace_path"] = self._trace_path(environ)
-        config = _config_of(
-            EngineConfig, values, model=_config_of(ModelConfig, values),
-            cache=_config_of(CacheConfig, values),
-            scheduler=_config_of(SchedulerConfig, values),
-            trace=_config_of(TraceConfig, values),
-            structured_output=_config_of(StructuredOutputConfig, values))
+        config = config_of(
+            EngineConfig, values, model=config_of(ModelConfig, values),
+            cache=config_of(CacheConfig, values),
+            scheduler=config_of(SchedulerConfig, values),
+            trace=config_of(TraceConfig, values),
+            structured_output=config_of(StructuredOutputConfig, values))
         assert isinstance(config, EngineConfig)
         return config
 
@@ -119,14 +120,3 @@ class EngineArgs:
         values = {spec.name: getattr(args, spec.name) for spec in fields(cls)}
         values["policy_options"] = tuple(values["policy_options"])
         return cls(**values)
-
-
-def _config_of(config: type, values: Mapping[str, object], **nested: object) -> object:
-    """`config` of `nested` (its configs) and of the flat `values`: each other field's value
-    is the one under its flat name (its setting's, else its own name)."""
-    kwargs = dict(nested)
-    for spec in fields(config):
-        name = spec.metadata.get("name") or spec.name
-        if spec.name not in nested and name in values:
-            kwargs[spec.name] = values[name]
-    return config(**kwargs)

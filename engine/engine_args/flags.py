@@ -29,6 +29,7 @@ GROUP_TITLES: dict[SettingGroup, str] = {
     "server": "server and tenants",
     "replicas": "replicas (Ray Serve; needs the 'ray' extra)",
     "observability": "observability",
+    "bench": "benchmark",
 }
 
 # The namespace attribute holding the names of the settings whose flags were given.
@@ -118,6 +119,18 @@ def settings_of(cls: type) -> list[Setting]:
             default_text=spec.metadata["default_text"],
         ))
     return found
+
+
+def config_of(config: type[T], values: Mapping[str, object], **nested: object) -> T:
+    """`config` of `nested` (its configs) and of the flat `values` (a parsed namespace's, by
+    setting name): each other field's value is the one under its flat name (its setting's,
+    else its own name); a field without one keeps its default."""
+    kwargs = dict(nested)
+    for spec in dataclasses.fields(config):  # type: ignore[arg-type]
+        name = spec.metadata.get("name") or spec.name
+        if spec.name not in nested and name in values:
+            kwargs[spec.name] = values[name]
+    return config(**kwargs)
 
 
 def flat_settings(*configs: type) -> Callable[[type[T]], type[T]]:

@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import string
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from lab.flags import add_settings_flags, bench_setting, settings_from_args
 from lab.server_process import (
     ServerProcess,
     add_server_arguments,
@@ -31,37 +33,41 @@ DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512")
 _MAX_DISTINCT = len(string.ascii_lowercase)  # one letter per prompt and per stop string
 
 
+@dataclass(frozen=True)
+class AmplificationSettings:
+    """The one completion request: its prompts, completions and stop strings."""
+
+    prompts: int = bench_setting(4, "prompts of the request, 'a', 'b', ...")
+    n: int = bench_setting(16, "completions of each prompt", option="-n")
+    stop_strings: int = bench_setting(16, "stop strings, 'AAA...', 'BBB...', ...")
+    stop_chars: int = bench_setting(850_000, "characters of each stop string")
+    max_tokens: int = bench_setting(4, "tokens of each completion")
+    model: str = bench_setting("tiny", "the served model")
+
+    def __post_init__(self) -> None:
+        for flag, count in (("--prompts", self.prompts), ("--stop-strings", self.stop_strings)):
+            if not 1 <= count <= _MAX_DISTINCT:
+                raise ValueError(f"{flag} must be in [1, {_MAX_DISTINCT}], got {count}")
+        if min(self.n, self.stop_chars, self.max_tokens) < 1:
+            raise ValueError("-n, --stop-chars and --max-tokens must be >= 1")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", type=int, default=4,
-                        help="prompts of the request, 'a', 'b', ... (default: %(default)s)")
-    parser.add_argument("-n", type=int, default=16,
-                        help="completions of each prompt (default: %(default)s)")
-    parser.add_argument("--stop-strings", type=int, default=16,
-                        help="stop strings, 'AAA...', 'BBB...', ... (default: %(default)s)")
-    parser.add_argument("--stop-chars", type=int, default=850_000,
-                        help="characters of each stop string (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=4,
-                        help="tokens of each completion (default: %(default)s)")
-    parser.add_argument("--model", default="tiny", help="the served model (default: tiny)")
+    add_settings_flags(parser, AmplificationSettings)
     add_server_arguments(parser, DEFAULT_SERVE_ARGS)
 
 
-def request_body(args: argparse.Namespace) -> dict[str, Any]:
-    """The completion request the flags describe; ValueError for counts out of range."""
-    for flag, count in (("--prompts", args.prompts), ("--stop-strings", args.stop_strings)):
-        if not 1 <= count <= _MAX_DISTINCT:
-            raise ValueError(f"{flag} must be in [1, {_MAX_DISTINCT}], got {count}")
-    if min(args.n, args.stop_chars, args.max_tokens) < 1:
-        raise ValueError("-n, --stop-chars and --max-tokens must be >= 1")
-    return {"model": args.model, "prompt": list(string.ascii_lowercase[:args.prompts]),
-            "n": args.n, "max_tokens": args.max_tokens,
-            "stop": [letter * args.stop_chars
-                     for letter in string.ascii_uppercase[:args.stop_strings]]}
+def request_body(settings: AmplificationSettings) -> dict[str, Any]:
+    """The completion request `settings` describe."""
+    return {"model": settings.model, "prompt": list(string.ascii_lowercase[:settings.prompts]),
+            "n": settings.n, "max_tokens": settings.max_tokens,
+            "stop": [letter * settings.stop_chars
+                     for letter in string.ascii_uppercase[:settings.stop_strings]]}
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        body = request_body(args)
+        body = request_body(settings_from_args(AmplificationSettings, args))
         server = server_from_args(args, check_invariants=False)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -69,6 +69,7 @@ from lab.attack_bench import (
     run_attacks,
     served_model,
 )
+from lab.flags import bench_setting
 from lab.server_checks import Check, RssSampler
 from lab.server_process import ServerProcess, read_rss_mib
 
@@ -86,25 +87,31 @@ HOLDER_LAST_OPEN_S = 1.0
 class BodyAttackSettings:
     """The flags of a run (see the module docstring)."""
 
-    attackers: int = 12
-    chat_messages: int = 2_000
-    message_chars: int = 4_000
-    response_parts: int = 400_000
-    baseline_s: float = 8.0
-    attack_s: float = 30.0
-    held_bodies: int = 64
-    held_body_bytes: int = 16_000_000
-    reopen_s: float = 1.0
-    victim_tokens: int = 32
-    max_latency_ratio: float = 1.5
-    max_rss_growth_mib: float = 512.0
-    attackers_nice: int = 0
-    retrieval_tokens: int = 4_000
-    echo_prompts: int = 8
-    echo_prompt_tokens: int = 4_000
-    echo_n: int = 16
-    tools: int = 1_024
-    system_blocks: int = 480_000
+    attackers: int = bench_setting(12, "attacking clients, each sending one body after another")
+    chat_messages: int = bench_setting(2_000, "chats: messages of each chat")
+    message_chars: int = bench_setting(4_000, "chats: characters of each message")
+    response_parts: int = bench_setting(400_000, "responses: content parts of the input message")
+    baseline_s: float = bench_setting(8.0, "seconds the victim runs alone first")
+    attack_s: float = bench_setting(30.0, "seconds of attack")
+    held_bodies: int = bench_setting(64, "held: connections each holding a body one byte short")
+    held_body_bytes: int = bench_setting(16_000_000, "held: the declared length of each held body")
+    reopen_s: float = bench_setting(1.0,
+        "held: seconds before a connection, once answered, opens again")
+    victim_tokens: int = bench_setting(32, "tokens of each victim completion")
+    max_latency_ratio: float = bench_setting(1.5,
+        "most victim latency under attack over its baseline")
+    max_rss_growth_mib: float = bench_setting(512.0,
+        "held: most growth of the server process's memory")
+    attackers_nice: int = bench_setting(0,
+        "the attackers' process's niceness: 19 gives it little of the CPU that the server's "
+        "processes and the victim want, as if it ran on another machine")
+    retrieval_tokens: int = bench_setting(4_000, "retrievals: tokens of the stored response")
+    echo_prompts: int = bench_setting(8, "logprobs: prompts of each completion")
+    echo_prompt_tokens: int = bench_setting(4_000, "logprobs: tokens of each prompt")
+    echo_n: int = bench_setting(16, "logprobs: completions of each prompt")
+    tools: int = bench_setting(1_024, "tools: tools each count_tokens request offers")
+    system_blocks: int = bench_setting(480_000,
+        "blocks: text blocks of each request's system prompt")
 
     def __post_init__(self) -> None:
         if min(self.attackers, self.chat_messages, self.message_chars, self.response_parts,
@@ -402,29 +409,7 @@ def _server_cpu_figures(attack: str, baseline: _CpuReading, attack_start: _CpuRe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_attack_arguments(parser, ATTACKS, BodyAttackSettings(), (
-        ("attackers", "attacking clients, each sending one body after another"),
-        ("chat_messages", "chats: messages of each chat"),
-        ("message_chars", "chats: characters of each message"),
-        ("response_parts", "responses: content parts of the input message"),
-        ("attackers_nice", "the attackers' process's niceness: 19 gives it little of "
-                           "the CPU that the server's processes and the victim want, as if "
-                           "it ran on another machine"),
-        ("held_bodies", "held: connections each holding a body one byte short"),
-        ("held_body_bytes", "held: the declared length of each held body"),
-        ("reopen_s", "held: seconds before a connection, once answered, opens again"),
-        ("baseline_s", "seconds the victim runs alone first"),
-        ("attack_s", "seconds of attack"),
-        ("victim_tokens", "tokens of each victim completion"),
-        ("tools", "tools: tools each count_tokens request offers"),
-        ("system_blocks", "blocks: text blocks of each request's system prompt"),
-        ("max_latency_ratio", "most victim latency under attack over its baseline"),
-        ("max_rss_growth_mib", "held: most growth of the server process's memory"),
-        ("retrieval_tokens", "retrievals: tokens of the stored response"),
-        ("echo_prompts", "logprobs: prompts of each completion"),
-        ("echo_prompt_tokens", "logprobs: tokens of each prompt"),
-        ("echo_n", "logprobs: completions of each prompt"),
-    ), DEFAULT_SERVE_ARGS)
+    add_attack_arguments(parser, ATTACKS, BodyAttackSettings, DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ import httpx
 
 from engine.entrypoints.connections import raise_open_file_limit
 from eval.metrics import percentile
+from lab.flags import add_settings_flags, bench_setting, settings_from_args
 from lab.server_checks import (
     Check,
     EngineEndState,
@@ -64,12 +65,14 @@ class SlowClientSettings:
     """The slow clients (counts of connections; seconds), the probes, and how long to wait
     for the server to close the slow connections."""
 
-    num_silent: int = 3000
-    num_trickling: int = 500
-    trickle_interval_s: float = 1.0
-    wait_s: float = 60.0
+    num_silent: int = bench_setting(3000, "connections that send nothing", name="silent")
+    num_trickling: int = bench_setting(
+        500, "connections that send a request one byte at a time", name="trickling")
+    trickle_interval_s: float = bench_setting(1.0, "seconds between a trickling connection's bytes")
+    wait_s: float = bench_setting(
+        60.0, "most seconds to wait for the server to close the slow connections")
     probe_interval_s: float = 0.1
-    max_tokens: int = 16
+    max_tokens: int = bench_setting(16, "tokens of each probe completion")
     max_concurrent_connects: int = 200
     model: str = "tiny"
 
@@ -417,30 +420,14 @@ def _checks(report: ConnectionsReport) -> list[Check]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = SlowClientSettings()
-    parser.add_argument("--silent", type=int, default=defaults.num_silent,
-                        help="connections that send nothing (default: %(default)s)")
-    parser.add_argument("--trickling", type=int, default=defaults.num_trickling,
-                        help="connections that send a request one byte at a time "
-                             "(default: %(default)s)")
-    parser.add_argument("--trickle-interval-s", type=float,
-                        default=defaults.trickle_interval_s,
-                        help="seconds between a trickling connection's bytes "
-                             "(default: %(default)s)")
-    parser.add_argument("--wait-s", type=float, default=defaults.wait_s,
-                        help="most seconds to wait for the server to close the slow "
-                             "connections (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
-                        help="tokens of each probe completion (default: %(default)s)")
+    add_settings_flags(parser, SlowClientSettings)
     add_server_arguments(parser, DEFAULT_SERVE_ARGS)
     parser.add_argument("--json", default=None, help="write the figures and checks here")
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        settings = SlowClientSettings(num_silent=args.silent, num_trickling=args.trickling,
-                                      trickle_interval_s=args.trickle_interval_s,
-                                      wait_s=args.wait_s, max_tokens=args.max_tokens)
+        settings = settings_from_args(SlowClientSettings, args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from engine.entrypoints.openai.serving import DEFAULT_SHUTDOWN_TIMEOUT_S
+from lab.flags import add_settings_flags, bench_setting, parse_serve_args, settings_from_args
 from lab.server_checks import Check, checks_to_dicts, passed, run_against_server
 from lab.server_process import ServerProcess, add_server_arguments
 
@@ -84,43 +84,49 @@ class DrainReport:
                 "checks": checks_to_dicts(self.checks)}
 
 
+@dataclass(frozen=True)
+class DrainSettings:
+    """The streams in flight at SIGTERM and the late probe."""
+
+    streams: int = bench_setting(4, "streamed completions in flight at SIGTERM")
+    max_tokens: int = bench_setting(1900, "tokens each stream asks for, EOS ignored")
+    model: str = bench_setting("tiny", "the served model")
+    probe_after_s: float = bench_setting(0.5, "one more completion this long after SIGTERM")
+
+    def __post_init__(self) -> None:
+        if self.streams < 1 or self.max_tokens < 1 or self.probe_after_s < 0:
+            raise ValueError("--streams and --max-tokens must be >= 1, --probe-after-s >= 0")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--streams", type=int, default=4,
-                        help="streamed completions in flight at SIGTERM (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=1900,
-                        help="tokens each stream asks for, EOS ignored (default: %(default)s)")
-    parser.add_argument("--model", default="tiny", help="the served model (default: tiny)")
-    parser.add_argument("--probe-after-s", type=float, default=0.5,
-                        help="one more completion this long after SIGTERM (default: "
-                             "%(default)s)")
+    add_settings_flags(parser, DrainSettings)
     parser.add_argument("--json", default=None, help="write the figures here")
     add_server_arguments(parser, DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.streams < 1 or args.max_tokens < 1 or args.probe_after_s < 0:
-        print("error: --streams and --max-tokens must be >= 1, --probe-after-s >= 0",
-              file=sys.stderr)
+    try:
+        settings = settings_from_args(DrainSettings, args)
+        timeout_s = shutdown_timeout_s(shlex.split(args.serve_args))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    timeout_s = shutdown_timeout_s(shlex.split(args.serve_args))
     return run_against_server(
-        args, lambda server: run_drain(server, args, timeout_s), check_invariants=False,
-        context={"streams": args.streams, "max_tokens": args.max_tokens})
+        args, lambda server: run_drain(server, settings, timeout_s), check_invariants=False,
+        context={"streams": settings.streams, "max_tokens": settings.max_tokens})
 
 
 def shutdown_timeout_s(serve_args: list[str]) -> float:
-    """The drain's timeout the server flags set (the last `--shutdown-timeout-s`)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--shutdown-timeout-s", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S)
-    return float(parser.parse_known_args(serve_args)[0].shutdown_timeout_s)
+    """The drain's timeout the server flags set, read by the server's own parser."""
+    return float(parse_serve_args(serve_args).shutdown_timeout_s)
 
 
-def run_drain(server: ServerProcess, args: argparse.Namespace,
+def run_drain(server: ServerProcess, settings: DrainSettings,
               timeout_s: float) -> DrainReport:
     """Streams, SIGTERM, a late completion, the exit; the report."""
-    body = {"model": args.model, "prompt": "hello", "max_tokens": args.max_tokens,
+    body = {"model": settings.model, "prompt": "hello", "max_tokens": settings.max_tokens,
             "ignore_eos": True, "stream": True}
-    ends = [StreamEnd() for _ in range(args.streams)]
+    ends = [StreamEnd() for _ in range(settings.streams)]
     started = threading.Semaphore(0)
     signalled_at: list[float] = []
     threads = [threading.Thread(target=_stream, daemon=True,
@@ -135,13 +141,13 @@ def run_drain(server: ServerProcess, args: argparse.Namespace,
     waiter = threading.Thread(target=lambda: server_exit.append(server.signal_and_wait(
         signal.SIGTERM, timeout_s + STOP_MARGIN_S + 60)))
     waiter.start()
-    time.sleep(args.probe_after_s)
-    late = _late_request(server.base_url, args.model)
+    time.sleep(settings.probe_after_s)
+    late = _late_request(server.base_url, settings.model)
     waiter.join()
     stop_s = time.monotonic() - signalled_at[0] if server_exit[0] is not None else None
     for thread in threads:
         thread.join(timeout=30)
-    report = DrainReport(args.streams, timeout_s, server_exit[0], stop_s, ends, late)
+    report = DrainReport(settings.streams, timeout_s, server_exit[0], stop_s, ends, late)
     report.checks = _checks(report)
     return report
 

@@ -51,6 +51,7 @@ from lab.attack_bench import (
     run_attacks,
     served_model,
 )
+from lab.flags import bench_setting
 from lab.server_checks import Check
 from lab.server_process import ServerProcess, parse_prometheus
 
@@ -64,19 +65,23 @@ QUEUE_SAMPLE_S = 0.5
 class FloodSettings:
     """The flags of a run (see the module docstring)."""
 
-    flood_requests: int = 1_000
-    flood_tokens: int = 128
-    wave: int = 40
-    wave_interval_s: float = 0.3
-    baseline_s: float = 8.0
-    attack_s: float = 30.0
-    victim_tokens: int = 16
-    max_first_token_s: float = 2.0
-    fanout_callers: int = 20
-    fanout_prompts: int = 64
-    fanout_n: int = 16
-    fanout_tokens: int = 16
-    max_latency_ratio: float = 1.5
+    flood_requests: int = bench_setting(1_000, "completions the attacker submits")
+    flood_tokens: int = bench_setting(128, "tokens of each of the attacker's completions")
+    wave: int = bench_setting(40, "completions the attacker submits at once")
+    wave_interval_s: float = bench_setting(0.3, "seconds between the attacker's waves")
+    baseline_s: float = bench_setting(8.0,
+        "seconds of baseline first: the victim alone (fanout: beside the attacker's one "
+        "client)")
+    attack_s: float = bench_setting(30.0, "seconds of attack")
+    victim_tokens: int = bench_setting(16, "tokens of each victim completion")
+    max_first_token_s: float = bench_setting(2.0,
+        "requests: most seconds to the victim's first token in the attack")
+    fanout_callers: int = bench_setting(20, "fanout: clients each sending one call after another")
+    fanout_prompts: int = bench_setting(64, "fanout: prompts of each call")
+    fanout_n: int = bench_setting(16, "fanout: completions of each prompt")
+    fanout_tokens: int = bench_setting(16, "fanout: tokens of each completion")
+    max_latency_ratio: float = bench_setting(1.5,
+        "fanout: most victim latency under attack over its baseline")
 
     def __post_init__(self) -> None:
         if min(self.flood_requests, self.flood_tokens, self.wave, self.victim_tokens,
@@ -222,23 +227,7 @@ async def _sample_waiting(http: httpx.AsyncClient, victim: Victim, peaks: dict[s
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_attack_arguments(parser, ATTACKS, FloodSettings(), (
-        ("flood_requests", "completions the attacker submits"),
-        ("flood_tokens", "tokens of each of the attacker's completions"),
-        ("wave", "completions the attacker submits at once"),
-        ("wave_interval_s", "seconds between the attacker's waves"),
-        ("baseline_s", "seconds of baseline first: the victim alone (fanout: beside the "
-                       "attacker's one client)"),
-        ("attack_s", "seconds of attack"),
-        ("victim_tokens", "tokens of each victim completion"),
-        ("max_first_token_s", "requests: most seconds to the victim's first token in the "
-                              "attack"),
-        ("fanout_callers", "fanout: clients each sending one call after another"),
-        ("fanout_prompts", "fanout: prompts of each call"),
-        ("fanout_n", "fanout: completions of each prompt"),
-        ("fanout_tokens", "fanout: tokens of each completion"),
-        ("max_latency_ratio", "fanout: most victim latency under attack over its baseline"),
-    ), DEFAULT_SERVE_ARGS)
+    add_attack_arguments(parser, ATTACKS, FloodSettings, DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -63,17 +63,13 @@ import numpy as np
 import torch
 
 from engine.config import (
-    AttentionBackendName,
     CacheConfig,
-    Device,
-    Dtype,
     EngineConfig,
-    KVCacheDtype,
-    LayerKernelsName,
     ModelConfig,
-    Quantization,
     SchedulerConfig,
 )
+from engine.engine_args import EngineArgs
+from engine.engine_args.flags import add_flags
 from engine.model.directory import load_arch
 from engine.outputs import PendingStep
 from engine.sampling_params import SamplingParams
@@ -182,6 +178,10 @@ class ShapeResult:
 
 # The issue's table: decode at 1k context for three batch sizes and at 8k, one 2k prefill;
 # and 2k prefills back to back, as the engine core runs them.
+# The engine settings this bench takes as the engine's own flags (`continuum serve --help`).
+ENGINE_SETTINGS = ("dtype", "device", "attention_backend", "layer_kernels", "kv_cache_dtype",
+                   "quantization", "enforce_eager", "async_scheduling",
+                   "max_num_batched_tokens", "block_size")
 DEFAULT_DECODE_SHAPES = [Shape("decode", 1, 1024), Shape("decode", 32, 1024),
                          Shape("decode", 128, 1024), Shape("decode", 32, 8192)]
 DEFAULT_PREFILL_SHAPES = [Shape("prefill", 1, 2048), Shape("prefill", 1, 2048, num_steps=8)]
@@ -206,24 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", default="tiny", help="'tiny' or a local HF directory")
     source.add_argument("--config", default=None, metavar="FILE",
                         help="a Hugging Face config.json: that model's shapes, random weights")
-    parser.add_argument("--dtype", choices=get_args(Dtype), default="auto")
-    parser.add_argument("--device", choices=get_args(Device), default="auto")
-    parser.add_argument("--attention-backend", choices=get_args(AttentionBackendName),
-                        default="auto")
-    parser.add_argument("--layer-kernels", choices=get_args(LayerKernelsName), default="auto",
-                        help="the layers' norms, rotary and SiLU as torch ops or fused triton "
-                             "kernels (auto: triton on CUDA)")
-    parser.add_argument("--kv-cache-dtype", choices=get_args(KVCacheDtype), default="auto",
-                        help="what the KV cache stores: auto (the model's dtype) or fp8 "
-                             "(float8 e4m3; the triton attention backend)")
-    parser.add_argument("--quantization", choices=get_args(Quantization), default="none",
-                        help="fp8: the layers' projection weights in float8 e4m3, their "
-                             "inputs quantized per token (CUDA: bfloat16 on an FP8 GPU)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="run decode steps eagerly instead of replaying CUDA graphs")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                        help="launch each decode step before reading the previous one's "
-                             "tokens (default: on CUDA, as the engine core)")
+    add_flags(parser, [setting for setting in EngineArgs.settings()
+                       if setting.name in ENGINE_SETTINGS])
     parser.add_argument("--decode", nargs="*", type=functools.partial(Shape.parse, "decode"),
                         default=DEFAULT_DECODE_SHAPES, metavar="BATCHxCONTEXT",
                         help="decode shapes (none: skip decode)")
@@ -246,12 +230,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=int, default=16, help="steps of one timed run")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per shape after one warm-up run; the median is kept")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="token budget of the (untimed) steps that fill decode contexts")
     parser.add_argument("--profile", action="store_true",
                         help="profile one more run of each shape: kernel launches, "
                              "device and host time a step, and the costliest kernels")
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
     parser.add_argument("--markdown", dest="markdown_path", default=None,

@@ -56,6 +56,7 @@ from lab.attack_bench import (
     run_attacks,
     served_model,
 )
+from lab.flags import bench_setting
 from lab.server_checks import Check, RssSampler
 from lab.server_process import (
     ServerProcess,
@@ -71,24 +72,35 @@ ATTACKS = ("memory", "stall", "rejected")
 class GrammarAttackSettings:
     """The flags of a run (see the module docstring)."""
 
-    distinct: int = 96
-    enum_values: int = 10_000
-    memory_bound_mib: float = 1024.0
-    attackers: int = 30
-    stall_repeat_base: int = 120
-    attack_tokens: int = 16
-    baseline_s: float = 8.0
-    attack_s: float = 60.0
-    victim_tokens: int = 32
-    max_latency_ratio: float = 1.5
-    control: bool = False
-    victim_grammar: bool = False
-    rejected_grammars: int = 30
-    rejected_repeat_base: int = 500
-    rejected_repeat_step: int = 50
-    settle_s: float = 60.0
-    max_rejected_growth_mib: float = 512.0
-    max_settled_ratio: float = 1.1
+    distinct: int = bench_setting(96, "memory: distinct grammars sent")
+    enum_values: int = bench_setting(10_000, "memory: strings in each grammar's enum")
+    memory_bound_mib: float = bench_setting(1024.0, "memory: most growth of the server's RSS, MiB")
+    attackers: int = bench_setting(30, "stall: grammars sent at once")
+    stall_repeat_base: int = bench_setting(120, "stall: K of the first attacker's grammar")
+    attack_tokens: int = bench_setting(16, "stall: tokens each attacker asks for")
+    baseline_s: float = bench_setting(8.0, "stall: seconds the victim runs alone first")
+    attack_s: float = bench_setting(60.0, "stall: most seconds to wait for the attackers")
+    victim_tokens: int = bench_setting(32, "stall: tokens of each victim completion")
+    max_latency_ratio: float = bench_setting(1.5,
+        "stall: most victim latency under attack over its baseline")
+    control: bool = bench_setting(False,
+        "stall: the attackers send the same completions without a grammar (what as many plain "
+        "requests cost the victim)")
+    victim_grammar: bool = bench_setting(False,
+        "stall: each victim completion has a grammar of its own, compiled for it (its first "
+        "token waits for that compile)")
+    rejected_grammars: int = bench_setting(30,
+        "rejected: hostile grammars sent (and ordinary ones before)")
+    rejected_repeat_base: int = bench_setting(500,
+        "rejected: N of the first hostile pattern ^(a{1000}){N}$")
+    rejected_repeat_step: int = bench_setting(50,
+        "rejected: N's step from one hostile pattern to the next")
+    settle_s: float = bench_setting(60.0,
+        "rejected: seconds after the attack when the core's memory is read again")
+    max_rejected_growth_mib: float = bench_setting(512.0,
+        "rejected: most growth of the core's RSS over the attack, MiB")
+    max_settled_ratio: float = bench_setting(1.1,
+        "rejected: most core RSS --settle-s after the attack over its start")
 
     def __post_init__(self) -> None:
         if min(self.distinct, self.enum_values, self.attackers, self.stall_repeat_base,
@@ -289,35 +301,10 @@ async def _run_attack(server: ServerProcess, attack: str, settings: GrammarAttac
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--control", action="store_true",
-                        help="stall: the attackers send the same completions without a "
-                             "grammar (what as many plain requests cost the victim)")
-    parser.add_argument("--victim-grammar", action="store_true",
-                        help="stall: each victim completion has a grammar of its own, "
-                             "compiled for it (its first token waits for that compile)")
     parser.add_argument("--quick", action="store_true",
                         help="every attack in seconds: " + ", ".join(
                             f"{name} {value}" for name, value in QUICK_SETTINGS.items()))
-    add_attack_arguments(parser, ATTACKS, GrammarAttackSettings(), (
-        ("distinct", "memory: distinct grammars sent"),
-        ("enum_values", "memory: strings in each grammar's enum"),
-        ("memory_bound_mib", "memory: most growth of the server's RSS, MiB"),
-        ("attackers", "stall: grammars sent at once"),
-        ("stall_repeat_base", "stall: K of the first attacker's grammar"),
-        ("attack_tokens", "stall: tokens each attacker asks for"),
-        ("baseline_s", "stall: seconds the victim runs alone first"),
-        ("attack_s", "stall: most seconds to wait for the attackers"),
-        ("victim_tokens", "stall: tokens of each victim completion"),
-        ("max_latency_ratio", "stall: most victim latency under attack over its baseline"),
-        ("rejected_grammars", "rejected: hostile grammars sent (and ordinary ones before)"),
-        ("rejected_repeat_base", "rejected: N of the first hostile pattern ^(a{1000}){N}$"),
-        ("rejected_repeat_step", "rejected: N's step from one hostile pattern to the next"),
-        ("settle_s", "rejected: seconds after the attack when the core's memory is read again"),
-        ("max_rejected_growth_mib",
-         "rejected: most growth of the core's RSS over the attack, MiB"),
-        ("max_settled_ratio",
-         "rejected: most core RSS --settle-s after the attack over its start"),
-    ), DEFAULT_SERVE_ARGS)
+    add_attack_arguments(parser, ATTACKS, GrammarAttackSettings, DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:

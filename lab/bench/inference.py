@@ -46,6 +46,7 @@ from lab.attack_bench import (
     run_attacks,
     served_model,
 )
+from lab.flags import bench_setting
 from lab.server_checks import Check
 from lab.server_process import ServerProcess
 
@@ -63,13 +64,15 @@ _BLOCK_SIZE = 16
 class InferenceSettings:
     """The flags of a run (see the module docstring)."""
 
-    turns: int = 4_096
-    concurrency: int = 16
-    baseline_s: float = 15.0
-    attack_s: float = 15.0
-    victim_tokens: int = 16
-    max_ratio: float = 1.5
-    max_lookup_ms: float = 1.0
+    turns: int = bench_setting(4_096, "requests of one prompt the attacker files first")
+    concurrency: int = bench_setting(16, "the attacker's requests in flight")
+    baseline_s: float = bench_setting(15.0,
+        "seconds of the attacker's fresh prompts beside the victim")
+    attack_s: float = bench_setting(15.0,
+        "seconds of the attacker's continuations of the filed prompt")
+    victim_tokens: int = bench_setting(16, "tokens of each victim completion")
+    max_ratio: float = bench_setting(1.5, "most the victim's latencies may grow in the attack")
+    max_lookup_ms: float = bench_setting(1.0, "most milliseconds one lookup may take")
 
     def __post_init__(self) -> None:
         if min(self.turns, self.concurrency, self.victim_tokens) < 1:
@@ -176,15 +179,7 @@ async def _attack(server: ServerProcess, attack: str, settings: InferenceSetting
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_attack_arguments(parser, ATTACKS, InferenceSettings(), (
-        ("turns", "requests of one prompt the attacker files first"),
-        ("concurrency", "the attacker's requests in flight"),
-        ("baseline_s", "seconds of the attacker's fresh prompts beside the victim"),
-        ("attack_s", "seconds of the attacker's continuations of the filed prompt"),
-        ("victim_tokens", "tokens of each victim completion"),
-        ("max_ratio", "most the victim's latencies may grow in the attack"),
-        ("max_lookup_ms", "most milliseconds one lookup may take"),
-    ), DEFAULT_SERVE_ARGS)
+    add_attack_arguments(parser, ATTACKS, InferenceSettings, DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:

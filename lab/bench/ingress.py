@@ -31,11 +31,12 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
+from lab.flags import add_settings_flags, bench_setting, parse_serve_args, settings_from_args
 from lab.server_checks import Check, checks_to_dicts, passed, run_against_server
 from lab.server_process import ServerProcess, add_server_arguments
 
@@ -90,48 +91,50 @@ class IngressReport:
         return {"figures": dict(self.figures()), "checks": checks_to_dicts(self.checks)}
 
 
+@dataclass(frozen=True)
+class IngressSettings:
+    """The clients and the bodies each sends without a key."""
+
+    clients: int = bench_setting(16, "clients sending at once")
+    bodies: int = bench_setting(2, "requests each client sends, one after another")
+    body_mib: float = bench_setting(15.0, "MiB of each body")
+
+    def __post_init__(self) -> None:
+        if self.clients < 1 or self.bodies < 1 or self.body_mib <= 0:
+            raise ValueError("--clients and --bodies must be >= 1, --body-mib > 0")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--clients", type=int, default=16,
-                        help="clients sending at once (default: %(default)s)")
-    parser.add_argument("--bodies", type=int, default=2,
-                        help="requests each client sends, one after another (default: "
-                             "%(default)s)")
-    parser.add_argument("--body-mib", type=float, default=15.0,
-                        help="MiB of each body (default: %(default)s)")
+    add_settings_flags(parser, IngressSettings)
     parser.add_argument("--json", default=None, help="write the figures here")
     add_server_arguments(parser, DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.clients < 1 or args.bodies < 1 or args.body_mib <= 0:
-        print("error: --clients and --bodies must be >= 1, --body-mib > 0", file=sys.stderr)
+    try:
+        settings = settings_from_args(IngressSettings, args)
+        keys = parse_serve_args(shlex.split(args.serve_args)).api_key
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    api_key = _api_key(shlex.split(args.serve_args))
-    if api_key is None:
+    if not keys:
         print("error: --serve-args must give the server an --api-key", file=sys.stderr)
         return 2
     return run_against_server(
-        args, lambda server: run_ingress(server, args, api_key), check_invariants=False,
-        context={"clients": args.clients, "bodies": args.bodies, "body_mib": args.body_mib})
+        args, lambda server: run_ingress(server, settings, keys[-1]), check_invariants=False,
+        context=asdict(settings))
 
 
-def _api_key(serve_args: list[str]) -> str | None:
-    """The (last) `--api-key` of the server flags."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--api-key", action="append", default=[])
-    keys = parser.parse_known_args(serve_args)[0].api_key
-    return keys[-1] if keys else None
-
-
-def run_ingress(server: ServerProcess, args: argparse.Namespace, api_key: str) -> IngressReport:
+def run_ingress(server: ServerProcess, settings: IngressSettings,
+                api_key: str) -> IngressReport:
     """The attack, with the server's RSS sampled throughout; then a completion with the key."""
     rss_before = server.rss_mib()
     peak = [rss_before]
     done = threading.Event()
     sampler = threading.Thread(target=_sample_rss, args=(server, peak, done), daemon=True)
     sampler.start()
-    body = _body(int(args.body_mib * 2**20))
-    answers = [[Answer() for _ in range(args.bodies)] for _ in range(args.clients)]
+    body = _body(int(settings.body_mib * 2**20))
+    answers = [[Answer() for _ in range(settings.bodies)] for _ in range(settings.clients)]
     clients = [threading.Thread(target=_send_all, args=(server.address, body, own))
                for own in answers]
     for client in clients:

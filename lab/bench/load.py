@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from lab.flags import add_settings_flags, bench_setting, settings_from_args
 from lab.load_clients import LoadGenerator, LoadSettings, LoadTally, served_model
 from lab.server_checks import (
     DEFAULT_MEMORY_BOUND_MIB,
@@ -53,8 +54,10 @@ class LoadTestSettings:
     clients, +6 MiB after 800)."""
 
     load: LoadSettings = field(default_factory=LoadSettings)
-    warmup_requests: int | None = None
-    memory_bound_mib: float = DEFAULT_MEMORY_BOUND_MIB
+    warmup_requests: int | None = bench_setting(
+        None, "requests before the memory baseline", default_text="twice the clients")
+    memory_bound_mib: float = bench_setting(
+        DEFAULT_MEMORY_BOUND_MIB, "most the server's RSS may grow after warm-up")
     idle_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -189,37 +192,18 @@ def _probe_check(before: tuple[int, ...] | None, after: tuple[int, ...] | None) 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = LoadTestSettings()
-    parser.add_argument("--clients", type=int, default=defaults.load.num_clients,
-                        help="concurrent clients (default: %(default)s)")
-    parser.add_argument("--requests", type=int, default=defaults.load.num_requests,
-                        help="generation requests of the measured phase (default: %(default)s)")
-    parser.add_argument("--warmup-requests", type=int, default=None,
-                        help="requests before the memory baseline (default: twice the "
-                             "clients)")
-    parser.add_argument("--time-limit-s", type=float, default=defaults.load.time_limit_s,
-                        help="no new request after this many seconds (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=defaults.load.max_tokens,
-                        help="tokens of each completed request (default: %(default)s)")
-    parser.add_argument("--memory-bound-mib", type=float, default=defaults.memory_bound_mib,
-                        help="most the server's RSS may grow after warm-up "
-                             "(default: %(default)s)")
+    add_settings_flags(parser, LoadSettings, LoadTestSettings)
     add_server_arguments(parser, DEFAULT_SERVE_ARGS)
     parser.add_argument("--check-invariants", action="store_true",
                         help="add --debug-check-invariants to the server's flags")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the figures and checks here")
 
 
 def main(args: argparse.Namespace) -> int:
-    defaults = LoadSettings()
     try:
-        load = LoadSettings(num_clients=args.clients, num_requests=args.requests,
-                            time_limit_s=args.time_limit_s, max_tokens=args.max_tokens,
-                            long_max_tokens=max(args.max_tokens, defaults.long_max_tokens),
-                            seed=args.seed)
-        settings = LoadTestSettings(load=load, warmup_requests=args.warmup_requests,
-                                    memory_bound_mib=args.memory_bound_mib)
+        load = settings_from_args(LoadSettings, args, long_max_tokens=max(
+            args.max_tokens, LoadSettings.long_max_tokens))
+        settings = settings_from_args(LoadTestSettings, args, load=load)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -52,6 +52,7 @@ from lab.attack_bench import (
     run_attacks,
     served_model,
 )
+from lab.flags import bench_setting
 from lab.server_checks import Check
 from lab.server_process import ServerProcess, parse_prometheus
 
@@ -70,19 +71,21 @@ _WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hote
 class PinsSettings:
     """The flags of a run (see the module docstring)."""
 
-    jobs: int = 4
-    job_tokens: int = 4_000
-    turn_tokens: int = 4
-    tool_s: float = 1.5
-    victim_prompt_tokens: int = 2_500
-    baseline_s: float = 20.0
-    attack_s: float = 40.0
-    sample_s: float = 0.2
-    max_ratio: float = 1.5
-    runs: int = 10
-    breakpoint_tokens: int = 1_648
-    grow_requests: int = 4
-    grow_tokens: int = 4_000
+    jobs: int = bench_setting(4, "agent jobs the attacker runs at once")
+    job_tokens: int = bench_setting(4_000, "tokens of each attacker prompt")
+    turn_tokens: int = bench_setting(4, "tokens of each attacker turn's answer")
+    tool_s: float = bench_setting(1.5, "seconds of tool time between an attacker job's turns")
+    victim_prompt_tokens: int = bench_setting(2_500, "tokens of each victim prompt")
+    baseline_s: float = bench_setting(20.0, "seconds of the attacker's load without pins")
+    attack_s: float = bench_setting(40.0, "seconds of the attacker's pinned jobs")
+    sample_s: float = bench_setting(0.2, "seconds between samples of the pinned blocks")
+    max_ratio: float = bench_setting(1.5,
+        "most the victim's median and p90 latency may grow in the attack")
+    runs: int = bench_setting(10, "breakpoint: runs of victim pin, attacker growth, victim turn")
+    breakpoint_tokens: int = bench_setting(1_648,
+        "breakpoint: tokens of the victim's system prompt")
+    grow_requests: int = bench_setting(4, "breakpoint: the attacker's completions grown at once")
+    grow_tokens: int = bench_setting(4_000, "breakpoint: tokens each of them generates")
 
     def __post_init__(self) -> None:
         if min(self.jobs, self.job_tokens, self.turn_tokens, self.victim_prompt_tokens,
@@ -263,21 +266,7 @@ async def _victim_turn(http: httpx.AsyncClient, model: str, job_id: str, system:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_attack_arguments(parser, ATTACKS, PinsSettings(), (
-        ("jobs", "agent jobs the attacker runs at once"),
-        ("job_tokens", "tokens of each attacker prompt"),
-        ("turn_tokens", "tokens of each attacker turn's answer"),
-        ("tool_s", "seconds of tool time between an attacker job's turns"),
-        ("victim_prompt_tokens", "tokens of each victim prompt"),
-        ("baseline_s", "seconds of the attacker's load without pins"),
-        ("attack_s", "seconds of the attacker's pinned jobs"),
-        ("sample_s", "seconds between samples of the pinned blocks"),
-        ("max_ratio", "most the victim's median and p90 latency may grow in the attack"),
-        ("runs", "breakpoint: runs of victim pin, attacker growth, victim turn"),
-        ("breakpoint_tokens", "breakpoint: tokens of the victim's system prompt"),
-        ("grow_requests", "breakpoint: the attacker's completions grown at once"),
-        ("grow_tokens", "breakpoint: tokens each of them generates"),
-    ), DEFAULT_SERVE_ARGS)
+    add_attack_arguments(parser, ATTACKS, PinsSettings, DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:

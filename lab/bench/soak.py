@@ -27,6 +27,7 @@ from eval.replay_client import AgentReplay, ReplaySettings
 from eval.workload import AgentJobSpec
 from eval.workload_flags import add_workload_arguments, load_workload
 from eval.workloads import workload_source
+from lab.flags import add_settings_flags, bench_setting, settings_from_args
 from lab.load_clients import delete_job, served_model
 from lab.server_checks import (
     DEFAULT_MEMORY_BOUND_MIB,
@@ -54,13 +55,15 @@ class SoakSettings:
     memory baseline and the invariant-check count are taken `warmup_s` into the run; the
     monitor samples every `sample_interval_s`."""
 
-    duration_s: float = 300.0
-    warmup_s: float = 30.0
-    num_lanes: int = 16
-    max_tool_s: float | None = 5.0
+    duration_s: float = bench_setting(300.0, "start jobs for this long")
+    warmup_s: float = bench_setting(30.0, "memory baseline after this long")
+    num_lanes: int = bench_setting(
+        16, "jobs replayed at once, one after another per lane", name="lanes")
+    max_tool_s: float | None = bench_setting(5.0, "cap on a tool's duration, seconds")
     request_timeout_s: float = 120.0
     sample_interval_s: float = 1.0
-    memory_bound_mib: float = DEFAULT_MEMORY_BOUND_MIB
+    memory_bound_mib: float = bench_setting(
+        DEFAULT_MEMORY_BOUND_MIB, "most the server's RSS may grow after warm-up")
     idle_timeout_s: float = 60.0
     seed: int = 0
 
@@ -277,20 +280,8 @@ def _invariant_checks_ran(tally: SoakTally, end_count: float, run_count: int) ->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = SoakSettings()
     add_workload_arguments(parser)
-    parser.add_argument("--duration-s", type=float, default=defaults.duration_s,
-                        help="start jobs for this long (default: %(default)s)")
-    parser.add_argument("--warmup-s", type=float, default=defaults.warmup_s,
-                        help="memory baseline after this long (default: %(default)s)")
-    parser.add_argument("--lanes", type=int, default=defaults.num_lanes,
-                        help="jobs replayed at once, one after another per lane "
-                             "(default: %(default)s)")
-    parser.add_argument("--max-tool-s", type=float, default=defaults.max_tool_s,
-                        help="cap on a tool's duration, seconds (default: %(default)s)")
-    parser.add_argument("--memory-bound-mib", type=float, default=defaults.memory_bound_mib,
-                        help="most the server's RSS may grow after warm-up "
-                             "(default: %(default)s)")
+    add_settings_flags(parser, SoakSettings)
     add_server_arguments(parser, DEFAULT_SERVE_ARGS)
     parser.add_argument("--json", default=None, help="write the figures and checks here")
 
@@ -298,9 +289,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         jobs = load_workload(args)
-        settings = SoakSettings(duration_s=args.duration_s, warmup_s=args.warmup_s,
-                                num_lanes=args.lanes, max_tool_s=args.max_tool_s,
-                                memory_bound_mib=args.memory_bound_mib, seed=args.seed)
+        settings = settings_from_args(SoakSettings, args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from lab.attack_bench import Figures, add_attack_arguments, run_attacks
+from lab.flags import bench_setting
 from lab.server_checks import Check
 from lab.server_process import ServerProcess, read_rss_mib
 
@@ -37,13 +38,15 @@ _SAMPLE_INTERVAL_S = 0.2
 class StreamSettings:
     """The flags of a run (see the module docstring)."""
 
-    streams: int = 2
-    tokens: int = 1024
-    logprobs: int = 20
-    late_readers: int = 1
-    settle_s: float = 10.0
-    max_settled_ratio: float = 1.1
-    model: str = "tiny"
+    streams: int = bench_setting(2, "streamed completions sent at once")
+    tokens: int = bench_setting(1024, "tokens of each stream")
+    logprobs: int = bench_setting(20, "top logprobs of each token")
+    late_readers: int = bench_setting(1, "streams read only once the others ended")
+    settle_s: float = bench_setting(10.0,
+        "seconds after the streams when the server's memory is read again")
+    max_settled_ratio: float = bench_setting(1.1,
+        "most API server RSS --settle-s after the streams over its start")
+    model: str = bench_setting("tiny", "the served model")
 
     def __post_init__(self) -> None:
         if min(self.streams, self.tokens) < 1 or self.logprobs < 0:
@@ -71,16 +74,7 @@ def stream_body(settings: StreamSettings, index: int) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_attack_arguments(parser, ATTACKS, StreamSettings(), (
-        ("streams", "streamed completions sent at once"),
-        ("tokens", "tokens of each stream"),
-        ("logprobs", "top logprobs of each token"),
-        ("late_readers", "streams read only once the others ended"),
-        ("settle_s", "seconds after the streams when the server's memory is read again"),
-        ("max_settled_ratio", "most API server RSS --settle-s after the streams over its "
-                              "start"),
-        ("model", "the served model"),
-    ), DEFAULT_SERVE_ARGS)
+    add_attack_arguments(parser, ATTACKS, StreamSettings, DEFAULT_SERVE_ARGS)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -21,10 +21,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_args import EngineArgs
 from eval.report import emit
+from lab.flags import add_settings_flags, bench_setting
 
 STRING_SCHEMA = {"type": "object", "properties": {"notes": {"type": "string", "minLength": 4096}},
                  "required": ["notes"]}
@@ -42,14 +44,22 @@ AGENT_TOOLS = [
 ]
 
 
+@dataclass(frozen=True)
+class StructuredSettings:
+    """The batch the step costs are measured on, and the compile times' tokenizer; read from
+    the parsed flags by name."""
+
+    batch_size: int = bench_setting(32, "requests of the measured batch")
+    output_len: int = bench_setting(64, "tokens each request generates")
+    prompt_len: int = bench_setting(64, "tokens of each prompt")
+    repeats: int = bench_setting(5, "timed runs after one warm-up run")
+    bpe_vocab_size: int = bench_setting(
+        32000, "vocabulary asked of the trained tokenizer for compile times (it stops "
+        "earlier when the text runs out; 0: skip)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bpe-vocab-size", type=int, default=32000,
-                        help="vocabulary asked of the trained tokenizer for compile times "
-                             "(it stops earlier when the text runs out; 0: skip)")
+    add_settings_flags(parser, StructuredSettings)
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
     EngineArgs.add_cli_args(parser)
 

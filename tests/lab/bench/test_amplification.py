@@ -8,8 +8,9 @@ import re
 
 import pytest
 
-from lab.bench.amplification import add_arguments, request_body
+from lab.bench.amplification import AmplificationSettings, add_arguments, request_body
 from lab.cli import main as cli_main
+from lab.flags import settings_from_args
 
 
 def parse(args: list[str]) -> argparse.Namespace:
@@ -19,7 +20,8 @@ def parse(args: list[str]) -> argparse.Namespace:
 
 
 def test_the_default_request_is_the_reproductions_13_6_mb_body() -> None:
-    body = request_body(parse([]))
+    body = request_body(settings_from_args(AmplificationSettings, parse([])))
+    assert body == request_body(AmplificationSettings())
     assert body["prompt"] == ["a", "b", "c", "d"] and body["n"] == 16
     assert body["max_tokens"] == 4 and body["model"] == "tiny"
     assert [stop[0] for stop in body["stop"]] == list("ABCDEFGHIJKLMNOP")
