@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.config import setting
 from estimator.eq2 import DEFAULT_MAX_TTL_S
 from estimator.registry import EstimatorName
 from estimator.state_file import check_state_path
@@ -24,8 +25,10 @@ DEFAULT_SERVICE_WEIGHT = 2.0
 DEFAULT_PIN_LEAD_S = 60.0
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def option_setting(text: str) -> dict[str, object]:
+    """The metadata of a policy option: the engine's `setting`, its help `text`; never a flag
+    of its own (it is given as `--policy-option KEY=VALUE` or a `[policy_options]` key)."""
+    return setting(text, group="policy", flag=False)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -37,7 +40,7 @@ def _require(condition: bool, message: str) -> None:
 class JobOptions:
     """What every job-aware policy takes."""
 
-    job_idle_timeout_s: float = field(default=DEFAULT_JOB_IDLE_TIMEOUT_S, metadata=_help(
+    job_idle_timeout_s: float = field(default=DEFAULT_JOB_IDLE_TIMEOUT_S, metadata=option_setting(
         "seconds > 0: a job with no unfinished turn and no pin is forgotten after this long"))
 
     def __post_init__(self) -> None:
@@ -50,11 +53,11 @@ class InferCeptOptions(JobOptions):
     """InferCept's handling of a turn paused on a tool: always preserve its KV (the default),
     or choose by its waste model between preserving, discarding and swapping it out."""
 
-    swap: bool = field(default=False, metadata=_help(
+    swap: bool = field(default=False, metadata=option_setting(
         "on: for each turn that called a tool, preserve its KV (pinned until the next turn), "
         "discard it (recomputed) or swap it to the host tier (--kv-offload-gib; reloaded), "
         "whichever wastes the least memory-time; off: always preserve"))
-    default_tool_duration_s: float = field(default=DEFAULT_TOOL_DURATION_S, metadata=_help(
+    default_tool_duration_s: float = field(default=DEFAULT_TOOL_DURATION_S, metadata=option_setting(
         "seconds, >= 0, with swap: a tool call's expected duration before any call was "
         "observed (then the mean of the tool's observed calls, else of all tools')"))
 
@@ -72,13 +75,13 @@ class ProgramOrderOptions(JobOptions):
     seconds the job consumed; a request without a job that has waited `max_plain_wait_s`
     heads the queue."""
 
-    service_weight: float = field(default=DEFAULT_SERVICE_WEIGHT, metadata=_help(
+    service_weight: float = field(default=DEFAULT_SERVICE_WEIGHT, metadata=option_setting(
         "finite >= 0 (0: pure program order): a job's turns sort as if it arrived this many "
         "seconds later per second of engine time its turns took"))
-    pin_lead_s: float = field(default=DEFAULT_PIN_LEAD_S, metadata=_help(
+    pin_lead_s: float = field(default=DEFAULT_PIN_LEAD_S, metadata=option_setting(
         "seconds >= 0 (inf: ahead of all): a turn whose job holds a live pin sorts as if its "
         "job arrived this much earlier"))
-    max_plain_wait_s: float = field(default=10.0, metadata=_help(
+    max_plain_wait_s: float = field(default=10.0, metadata=option_setting(
         "seconds >= 0 (inf: never): a request without a job that waited this long goes "
         "first, and pins yield to it"))
 
@@ -95,14 +98,14 @@ class ProgramOrderOptions(JobOptions):
 class ContinuumOptions(ProgramOrderOptions):
     """Continuum's pins and their estimator, on top of program-level order."""
 
-    estimator: EstimatorName = field(default="eq2-empirical", metadata=_help(
+    estimator: EstimatorName = field(default="eq2-empirical", metadata=option_setting(
         "the TTL rule: eq2-empirical (the paper's Eq. 2) | eq2-learned | fixed-2s (the "
         "release's 2 s rule)"))
-    estimator_state: str | None = field(default=None, metadata=_help(
+    estimator_state: str | None = field(default=None, metadata=option_setting(
         "JSON file of the estimator's state: loaded at start, saved at shutdown"))
-    max_ttl_s: float = field(default=DEFAULT_MAX_TTL_S, metadata=_help(
+    max_ttl_s: float = field(default=DEFAULT_MAX_TTL_S, metadata=option_setting(
         "seconds > 0, finite: no pin lasts longer"))
-    max_pinned_fraction: float = field(default=1.0, metadata=_help(
+    max_pinned_fraction: float = field(default=1.0, metadata=option_setting(
         "in (0, 1]: the share of the KV pool pins may hold (1: no cap)"))
 
     def __post_init__(self) -> None:
@@ -120,5 +123,5 @@ class ContinuumOptions(ProgramOrderOptions):
 class ContinuumFixedOptions(ContinuumOptions):
     """Continuum with the preview release's 2 s rule as its estimator."""
 
-    estimator: EstimatorName = field(default="fixed-2s", metadata=_help(
+    estimator: EstimatorName = field(default="fixed-2s", metadata=option_setting(
         "the TTL rule: fixed-2s (the release's rule) | eq2-empirical | eq2-learned"))

@@ -19,7 +19,10 @@ from tracing.writer import MIN_MAX_BYTES, TRACE_FILE_PREFIX
 
 # The sections of `continuum serve --help`, in its order.
 SettingGroup = Literal["model", "cache", "scheduling", "server", "replicas", "observability",
-                       "bench"]
+                       "bench", "policy"]
+# A policy option's value: text as a flag gives it, or typed as a config file or `LLM(...)`
+# gives it; the policy converts either (`engine.scheduler.options`).
+PolicyOptionValue = str | bool | int | float | tuple[str, ...]
 
 
 def setting(help: str, *, group: SettingGroup, flag: bool = True, name: str | None = None,
@@ -52,6 +55,12 @@ def _require_positive(name: str, value: int | None, at_most: int | None = None) 
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if value is not None and at_most is not None and value > at_most:
         raise ValueError(f"{name} must be at most {at_most:,}, got {value:,}")
+
+
+def _is_policy_option_value(value: object) -> bool:
+    if isinstance(value, tuple):
+        return all(isinstance(item, str) for item in value)
+    return isinstance(value, (str, bool, int, float))
 
 
 def _require_choice(name: str, value: object, allowed: object) -> None:
@@ -127,8 +136,9 @@ class SchedulerConfig:
     - `enable_chunked_prefill`: a prompt may be split across steps; when off, a prompt must fit
       the budget whole.
     - `policy`: the scheduling policy, a registry name or a `module:Class` path.
-    - `policy_options`: the policy's own settings as `KEY: VALUE` strings, carried without
-      interpretation; the policy validates them when it is built (`engine.scheduler.options`).
+    - `policy_options`: the policy's own settings as `KEY: VALUE` (`PolicyOptionValue`: text
+      from flags, typed from a config file), carried without interpretation; the policy
+      converts and validates them when it is built (`engine.scheduler.options`).
     - `job_inference`: a request without a job joins the job of the recently finished turn
       its prompt continues, or starts a new inferred job (`engine.scheduler.job_inference`).
     - `job_inference_max_turns`, `job_inference_max_age_s`: bounds of the table of recently
@@ -156,7 +166,7 @@ class SchedulerConfig:
         "split long prompts across steps", group="scheduling"))
     policy: str = field(default="continuum", metadata=setting(
         "the scheduling policy", group="scheduling", name="scheduling_policy", metavar="NAME"))
-    policy_options: dict[str, str] = field(default_factory=dict, metadata=setting(
+    policy_options: dict[str, PolicyOptionValue] = field(default_factory=dict, metadata=setting(
         "an option of the scheduling policy (repeatable)", group="scheduling",
         option="--policy-option", metavar="KEY=VALUE"))
     job_inference: bool = field(default=True, metadata=setting(
@@ -183,10 +193,10 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold requires enable_chunked_prefill")
         if not self.policy:
             raise ValueError("policy must be a non-empty name")
-        if not all(isinstance(k, str) and k and isinstance(v, str)
+        if not all(isinstance(k, str) and k and _is_policy_option_value(v)
                    for k, v in self.policy_options.items()):
-            raise ValueError(f"policy_options must map names to strings, got "
-                             f"{self.policy_options!r}")
+            raise ValueError(f"policy_options must map names to strings, booleans, numbers "
+                             f"or arrays of strings, got {self.policy_options!r}")
         _require_positive("job_inference_max_turns", self.job_inference_max_turns)
         if not 0 < self.job_inference_max_age_s < math.inf:
             raise ValueError("job_inference_max_age_s must be a positive finite number, got "

@@ -22,7 +22,7 @@ from continuum.admission_rules import (
 from continuum.agent_policy import Strategies
 from continuum.estimation import EstimatorChoice, EstimatorWrapper, build_estimator
 from continuum.ledger import JobLedger
-from continuum.policy_options import ContinuumOptions, _help
+from continuum.policy_options import ContinuumOptions, option_setting
 from continuum.presets import PolicyPreset, program_order
 from continuum.queues import ProgramOrderQueue
 from continuum.retention_rules import EstimatedPins
@@ -108,10 +108,10 @@ class WaitBoundOptions(ContinuumOptions):
     turn sorts by its job's first arrival but by no time more than `max_job_age_s` before
     its own, and a request that waited `max_wait_s` heads the queue in arrival order."""
 
-    max_job_age_s: float = field(default=60.0, metadata=_help(
+    max_job_age_s: float = field(default=60.0, metadata=option_setting(
         "seconds >= 0: a turn sorts by its job's first arrival, at most this much before "
         "its own"))
-    max_wait_s: float = field(default=30.0, metadata=_help(
+    max_wait_s: float = field(default=30.0, metadata=option_setting(
         "seconds >= 0: a request waiting this long goes first, and pins yield to it"))
 
 
@@ -133,9 +133,9 @@ class Af226d3Options(WaitBoundOptions):
     """`continuum`'s options with af226d3's defaults: pins capped at 80 % of the pool, no
     bound of their own for requests without a job."""
 
-    max_plain_wait_s: float = field(default=math.inf, metadata=_help(
+    max_plain_wait_s: float = field(default=math.inf, metadata=option_setting(
         "seconds (inf: af226d3 ordered requests without a job like turns)"))
-    max_pinned_fraction: float = field(default=0.8, metadata=_help(
+    max_pinned_fraction: float = field(default=0.8, metadata=option_setting(
         "in (0, 1]: the share of the KV pool pins may hold (af226d3: 0.8)"))
 
 

@@ -16,6 +16,7 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    PolicyOptionValue,
     SchedulerConfig,
     StructuredOutputConfig,
     TraceConfig,
@@ -27,7 +28,6 @@ from engine.engine_args.flags import (
     flags_of,
     flat_settings,
     settings_of,
-    value_text,
 )
 from engine.executor.sim_profiles import get_sim_profile
 from engine.model.directory import load_arch
@@ -50,9 +50,9 @@ class EngineArgs:
     configs' settings). `max_model_len` is the model's (None: its own context length, which
     `to_engine_config` gives the scheduler too)."""
 
-    # KEY=VALUE items (as the flags give them) or a mapping: SchedulerConfig's str -> str
-    # dict once checked.
-    policy_options: tuple[str, ...] | Mapping[str, object] = ()
+    # KEY=VALUE items (as the flags give them) or a mapping of typed values (as a config
+    # file gives them): SchedulerConfig's dict once checked.
+    policy_options: tuple[str, ...] | Mapping[str, PolicyOptionValue] = ()
 
     def to_engine_config(self, environ: Mapping[str, str] = os.environ) -> EngineConfig:
         """The validated config; ValueError naming the bad field (or a model without tokenizer
@@ -75,14 +75,15 @@ class EngineArgs:
         assert isinstance(config, EngineConfig)
         return config
 
-    def _checked_policy_options(self) -> dict[str, str]:
+    def _checked_policy_options(self) -> dict[str, PolicyOptionValue]:
         options = self._policy_options()
         check_policy_options(self.scheduling_policy, options)
         return options
 
-    def _policy_options(self) -> dict[str, str]:
+    def _policy_options(self) -> dict[str, PolicyOptionValue]:
         if isinstance(self.policy_options, Mapping):
-            return {str(key): value_text(value) for key, value in self.policy_options.items()}
+            return {str(key): tuple(value) if isinstance(value, list) else value
+                    for key, value in self.policy_options.items()}
         if isinstance(self.policy_options, str):
             raise ValueError("policy_options must be KEY=VALUE items or a mapping, not a string")
         return option_items_to_dict(self.policy_options)
@@ -118,5 +119,6 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         values = {spec.name: getattr(args, spec.name) for spec in fields(cls)}
-        values["policy_options"] = tuple(values["policy_options"])
+        if not isinstance(values["policy_options"], Mapping):
+            values["policy_options"] = tuple(values["policy_options"])
         return cls(**values)

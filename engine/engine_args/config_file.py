@@ -2,7 +2,8 @@
 
 The file's keys are the settings' flat names (`max_num_seqs = 128`), each a value of the
 setting's type: a boolean, an integer, a number, a string, an array of strings for a
-repeatable flag, or a table for `policy_options`. It is read while the command line is
+repeatable flag, or a table for `policy_options` (its values typed: the policy converts
+them as it converts a flag's text). It is read while the command line is
 parsed and sets every setting whose flag the command line does not give, before or after
 `--config`; an unknown key or a value of the wrong type is a usage error naming the key.
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.engine_args.flags import Setting, given_flags, value_text
+from engine.engine_args.flags import Setting, given_flags
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -51,12 +52,12 @@ def read_config_file(path: str | Path, settings: Iterable[Setting]) -> dict[str,
 
 
 def namespace_value(setting: Setting, raw: object) -> Any:
-    """A TOML value of `setting` as its flag would have put it in the namespace;
-    ValueError saying what the setting takes."""
+    """A TOML value of `setting` as its flag would have put it in the namespace (a table as
+    a dict of typed values, arrays as tuples); ValueError saying what the setting takes."""
     kind = setting.kind
     if kind == "items":
         if setting.takes_mapping and isinstance(raw, Mapping):
-            return [f"{key}={value_text(value)}" for key, value in raw.items()]
+            return {str(key): _table_value(key, value) for key, value in raw.items()}
         if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
             return list(raw)
         table = " or a table" if setting.takes_mapping else ""
@@ -76,6 +77,15 @@ def namespace_value(setting: Setting, raw: object) -> Any:
     if setting.allowed is not None and raw not in setting.allowed:
         raise ValueError(f"must be one of {', '.join(setting.allowed)}; got {raw!r}")
     return raw
+
+
+def _table_value(key: object, value: object) -> object:
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    if isinstance(value, (str, bool, int, float)):
+        return value
+    raise ValueError(f"value of {key!r} must be a string, boolean, number or array of "
+                     f"strings, got {value!r}")
 
 
 class ConfigFileAction(argparse.Action):

@@ -30,6 +30,7 @@ GROUP_TITLES: dict[SettingGroup, str] = {
     "replicas": "replicas (Ray Serve; needs the 'ray' extra)",
     "observability": "observability",
     "bench": "benchmark",
+    "policy": "policy options (--policy-option KEY=VALUE)",
 }
 
 # The namespace attribute holding the names of the settings whose flags were given.
@@ -307,21 +308,27 @@ def flags_of(values: Mapping[str, Any], settings: Iterable[Setting]) -> list[str
         if setting.kind == "bool":
             flags.append(setting.option if value else "--no-" + setting.option[2:])
         elif setting.kind == "items":
-            flags += [part for item in value for part in (setting.option, item)]
+            items = ([f"{key}={value_text(item)}" for key, item in value.items()]
+                     if isinstance(value, Mapping) else value)
+            flags += [part for item in items for part in (setting.option, item)]
         else:
             flags += [setting.option, str(value)]
     return flags
 
 
 def settings_tables(settings: Iterable[Setting]) -> str:
-    """`settings` as Markdown, a table per group in `--help`'s order: each setting's file
-    key, flag, default (a TOML value; blank for none) and help, for docs/operations.md."""
+    """`settings` as Markdown, a table per group in `--help`'s order (none for a group
+    without settings): each setting's file key, flag, default (a TOML value; blank for none)
+    and help, for docs/operations.md."""
     settings = list(settings)
     parts = []
     for group, title in GROUP_TITLES.items():
+        members = [setting for setting in settings if setting.group == group]
+        if not members:
+            continue
         rows = [f"**{title[0].upper()}{title[1:]}**", "", "| Key | Flag | Default | What |",
                 "| --- | --- | --- | --- |"]
-        for setting in (setting for setting in settings if setting.group == group):
+        for setting in members:
             flag = f"`{setting.option}`" if setting.flag else "file only"
             values = "" if setting.allowed is None else (
                 " One of " + ", ".join(f"`{value}`" for value in setting.allowed) + ".")

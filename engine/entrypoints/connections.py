@@ -44,7 +44,7 @@ import resource
 import select
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import h11
@@ -52,6 +52,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from engine.config import setting
 from engine.entrypoints.openai.errors import error_body
 from engine.entrypoints.openai.refusal_pacing import PEER_CLOSED_EXTENSION
 
@@ -80,9 +81,12 @@ _RESOURCE_MARKERS = ("out of system resource", "Too many open files")
 class ConnectionSettings:
     """Limits on client connections: timeouts in seconds, the cap in connections."""
 
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_timeout_s: float = field(default=DEFAULT_HEADER_TIMEOUT_S, metadata=setting(
+        "seconds for request headers", group="server", metavar="S"))
+    body_timeout_s: float = field(default=DEFAULT_BODY_TIMEOUT_S, metadata=setting(
+        "seconds for a request body", group="server", metavar="S"))
+    max_connections: int = field(default=DEFAULT_MAX_CONNECTIONS, metadata=setting(
+        "most open client connections", group="server"))
 
     def __post_init__(self) -> None:
         if not self.header_timeout_s > 0:

@@ -12,13 +12,15 @@ from typing import Literal
 from engine.config import setting
 from engine.engine_args import EngineArgs
 from engine.engine_args.config_file import add_config_flag
-from engine.engine_args.flags import Setting, SettingsHelpFormatter, add_flags, settings_of
-from engine.entrypoints.connections import (
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_MAX_CONNECTIONS,
-    ConnectionSettings,
+from engine.engine_args.flags import (
+    Setting,
+    SettingsHelpFormatter,
+    add_flags,
+    config_of,
+    flat_settings,
+    settings_of,
 )
+from engine.entrypoints.connections import ConnectionSettings
 from engine.entrypoints.openai.serving import ServerSettings
 from engine.entrypoints.openai.tenants import (
     DEFAULT_TENANT,
@@ -36,12 +38,7 @@ FILE_ONLY_NOTE = ("Settings without a flag (for experiments) are keys of the --c
 
 
 @dataclass(frozen=True)
-class ProcessSettings:
-    """The `continuum serve` process's own settings, beside the app's (`ServerSettings`)
-    and the engine's (`EngineArgs`): the socket it binds, the API keys (`tenants_from_args`
-    makes the tenants), the connection guards (`connection_settings_from_args`) and its
-    log level."""
-
+class _ProcessOwnSettings:
     host: str = field(default="127.0.0.1", metadata=setting(
         "address to bind", group="server"))
     port: int = field(default=8000, metadata=setting(
@@ -56,14 +53,17 @@ class ProcessSettings:
         metavar="PATH"))
     share_prefix_cache: bool = field(default=False, metadata=setting(
         "tenants share cached prefixes", group="server"))
-    header_timeout_s: float = field(default=DEFAULT_HEADER_TIMEOUT_S, metadata=setting(
-        "seconds for request headers", group="server", metavar="S"))
-    body_timeout_s: float = field(default=DEFAULT_BODY_TIMEOUT_S, metadata=setting(
-        "seconds for a request body", group="server", metavar="S"))
-    max_connections: int = field(default=DEFAULT_MAX_CONNECTIONS, metadata=setting(
-        "most open client connections", group="server"))
     log_level: LogLevel = field(default="info", metadata=setting(
         "what is logged", group="observability"))
+
+
+@dataclass(frozen=True)
+@flat_settings(_ProcessOwnSettings, ConnectionSettings)
+class ProcessSettings:
+    """The `continuum serve` process's own settings, beside the app's (`ServerSettings`)
+    and the engine's (`EngineArgs`): the socket it binds, the API keys (`tenants_from_args`
+    makes the tenants), its log level and the connection guards (`ConnectionSettings`,
+    `connection_settings_from_args`)."""
 
 
 def serve_settings() -> list[Setting]:
@@ -111,6 +111,4 @@ def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 def connection_settings_from_args(args: argparse.Namespace) -> ConnectionSettings:
     """The connection guards from `continuum serve`'s flags; ValueError naming a bad one."""
-    return ConnectionSettings(header_timeout_s=args.header_timeout_s,
-                              body_timeout_s=args.body_timeout_s,
-                              max_connections=args.max_connections)
+    return config_of(ConnectionSettings, vars(args))

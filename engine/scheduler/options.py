@@ -1,9 +1,10 @@
 """Policy options: `KEY=VALUE` settings the engine carries without interpreting them.
 
 A policy owns its options: it declares them as a frozen dataclass whose fields have defaults
-and a `help` entry in their metadata, and `parse_options` builds that dataclass from the
-strings the engine carries (command-line flags, `LLM(...)` keywords), rejecting unknown keys
-and bad values with an error naming them.
+and the engine's `setting` metadata (group "policy", no flag of their own), and
+`parse_options` builds that dataclass from what the engine carries (text from
+`--policy-option KEY=VALUE` flags, typed values from a config file's `[policy_options]` table
+or `LLM(...)` keywords), rejecting unknown keys and bad values with an error naming them.
 """
 
 from __future__ import annotations

@@ -77,10 +77,15 @@ def test_policy_options_reach_the_scheduler_config_from_flags_or_a_mapping() -> 
     assert config.scheduler.policy_options == {"max_plain_wait_s": "5", "estimator": "fixed-2s"}
     mapped = EngineArgs(policy_options={"max_plain_wait_s": 5,
                                         "max_ttl_s": 30.0}).to_engine_config()
-    assert mapped.scheduler.policy_options == {"max_plain_wait_s": "5", "max_ttl_s": "30.0"}
+    assert mapped.scheduler.policy_options == {"max_plain_wait_s": 5, "max_ttl_s": 30.0}
     flags = EngineArgs.cli_flags(args)
     assert EngineArgs.from_cli_args(parser.parse_args(flags)) == EngineArgs.from_cli_args(args)
     assert " ".join(flags).count("--policy-option") == 2
+    # A typed mapping (a config file's table) goes on a command line as KEY=VALUE text.
+    mapped_flags = EngineArgs.cli_flags(argparse.Namespace(**{
+        **vars(args), "policy_options": {"max_plain_wait_s": 5, "swap": True}}))
+    assert parser.parse_args(mapped_flags).policy_options == ["max_plain_wait_s=5",
+                                                              "swap=true"]
 
 
 @pytest.mark.parametrize(("policy", "options", "message"), [

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from continuum.policy_options import InferCeptOptions
 from engine.cli import main as cli_main
 from engine.engine_args import EngineArgs
 from engine.engine_args.config_file import read_config_file
@@ -12,7 +13,8 @@ from engine.entrypoints.server_args import (
     serve_settings,
     server_settings_from_args,
 )
-from tests.engine.engine_args.values import other_value, toml_line
+from engine.scheduler.options import parse_policy_options
+from tests.engine.engine_args.values import as_the_file_gives, other_value, toml_line
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +33,8 @@ def test_the_file_sets_every_setting_flags_and_file_only_alike(tmp_path: Path) -
     values = {item.name: other_value(item) for item in serve_settings()}
     path = _write(tmp_path, *(toml_line(item, values[item.name]) for item in serve_settings()))
     args = vars(_parse(["--config", str(path)]))
-    assert {name: args[name] for name in values} == values
+    assert {name: args[name] for name in values} == {
+        item.name: as_the_file_gives(item, values[item.name]) for item in serve_settings()}
     assert args["config"] == str(path)
 
 
@@ -50,6 +53,19 @@ def test_the_file_reaches_the_engine_and_the_server_settings(tmp_path: Path) -> 
     assert (settings.max_n, settings.served_model_name) == (2, "agents")
 
 
+def test_a_policy_options_table_reaches_the_policy_typed(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'scheduling_policy = "infercept"', "[policy_options]",
+                  "swap = true", "default_tool_duration_s = 3")
+    config = EngineArgs.from_cli_args(_parse(["--config", str(path)])).to_engine_config({})
+    assert config.scheduler.policy_options == {"swap": True, "default_tool_duration_s": 3}
+    options = parse_policy_options(InferCeptOptions, config.scheduler.policy_options,
+                                   owner="infercept")
+    assert options == InferCeptOptions(swap=True, default_tool_duration_s=3.0)
+    bad = _write(tmp_path, 'scheduling_policy = "infercept"', "[policy_options]", "swap = 3")
+    with pytest.raises(ValueError, match="option swap of scheduling policy 'infercept'"):
+        EngineArgs.from_cli_args(_parse(["--config", str(bad)])).to_engine_config({})
+
+
 @pytest.mark.parametrize("flags_first", [True, False])
 def test_flags_override_the_file_wherever_they_stand(tmp_path: Path, flags_first: bool) -> None:
     path = _write(tmp_path, "max_num_seqs = 8", "port = 9000", "enable_prefix_caching = false",
@@ -62,16 +78,18 @@ def test_flags_override_the_file_wherever_they_stand(tmp_path: Path, flags_first
     assert (args.max_num_seqs, args.enable_prefix_caching) == (16, True)
     assert args.policy_options == ["max_plain_wait_s=1"]  # the flags replace the file's table
     assert (args.port, args.api_key) == (9000, ["from-file"])
-    assert _parse(config).policy_options == ["max_plain_wait_s=5", "service_weight=7.5"]
+    assert _parse(config).policy_options == {"max_plain_wait_s": 5, "service_weight": 7.5}
 
 
-def test_a_number_setting_takes_an_integer_and_a_mapping_its_values_as_text(
+def test_a_number_setting_takes_an_integer_and_a_table_keeps_its_values_typed(
         tmp_path: Path) -> None:
     path = _write(tmp_path, "gpu_memory_utilization = 1", "[policy_options]",
-                  "max_plain_wait_s = 30", "estimator_warm_start = ['a.jsonl', 'b.jsonl']")
+                  "max_plain_wait_s = 30", "swap = true",
+                  "estimator_warm_start = ['a.jsonl', 'b.jsonl']")
     args = _parse(["--config", str(path)])
     assert args.gpu_memory_utilization == 1.0 and isinstance(args.gpu_memory_utilization, float)
-    assert args.policy_options == ["max_plain_wait_s=30", "estimator_warm_start=a.jsonl,b.jsonl"]
+    assert args.policy_options == {"max_plain_wait_s": 30, "swap": True,
+                                   "estimator_warm_start": ("a.jsonl", "b.jsonl")}
 
 
 @pytest.mark.parametrize(("line", "message"), [

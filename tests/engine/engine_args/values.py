@@ -39,3 +39,11 @@ def toml_line(setting: Setting, value: Any) -> str:
     else:
         text = f'"{value}"'
     return f"{setting.name} = {text}"
+
+
+def as_the_file_gives(setting: Setting, value: Any) -> Any:
+    """`value` as the namespace holds it once `toml_line` read it back: a mapping's items as
+    a dict of the strings it wrote."""
+    if setting.takes_mapping and isinstance(value, list):
+        return dict(item.split("=", 1) for item in value)
+    return value
