@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tracing.pyplot import load_pyplot
+
 BASELINE_POLICY = "fcfs"
 
 
@@ -146,11 +148,9 @@ def markdown_table(runs: Sequence[dict]) -> str:
 
 
 def plot_jct_vs_load(runs: Sequence[dict], path: str | Path, *, title: str) -> None:
-    """A PNG: mean and p90 job completion time against load, one line per policy spec."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
+    """A PNG: mean and p90 job completion time against load, one line per policy spec;
+    ValueError where matplotlib is missing."""
+    pyplot = load_pyplot()
 
     labels = list(dict.fromkeys(run_label(run) for run in runs))
     figure, axes = pyplot.subplots(1, 2, figsize=(11, 4), sharex=True)

@@ -15,6 +15,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from tracing.pyplot import load_pyplot
 from tracing.reader import Trace, read_trace_or_exit
 from tracing.records import (
     JobEnded,
@@ -141,11 +142,9 @@ def pool_axis_top(series: dict[str, list[float]]) -> tuple[float, int]:
 
 
 def plot_timeline(trace: Trace, out: str | os.PathLike[str], *, max_jobs: int = 60) -> int:
-    """Draws the picture into `out` (PNG); returns how many jobs it shows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    """Draws the picture into `out` (PNG); returns how many jobs it shows. ValueError where
+    matplotlib is missing."""
+    plt = load_pyplot()
     from matplotlib.patches import Patch
 
     jobs = list(job_intervals(trace).items())[:max_jobs]
@@ -207,5 +206,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.max_jobs < 1:
         raise SystemExit("--max-jobs must be at least 1")
-    num_jobs = plot_timeline(read_trace_or_exit(args.trace), args.out, max_jobs=args.max_jobs)
+    try:
+        num_jobs = plot_timeline(read_trace_or_exit(args.trace), args.out,
+                                 max_jobs=args.max_jobs)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     return print_report(f"wrote {args.out} ({num_jobs} jobs)")

@@ -55,6 +55,7 @@ from eval.workload_flags import (
     workload_summary,
 )
 from eval.workloads import add_trace_arguments, trace_source, workload_source
+from tracing.pyplot import load_pyplot
 
 VLLM_DEFAULT_CHUNK = 2048
 
@@ -289,6 +290,8 @@ def _route_load_bound(args: argparse.Namespace) -> dict[str, float | int]:
 
 def main(args: argparse.Namespace) -> int:
     try:
+        if args.plot:
+            load_pyplot()  # before the runs, so that a missing matplotlib is said at once
         specs = policy_specs(args.policies, args.policy)
         if args.kv_offload_gib is not None and not any(spec.host_tier for spec in specs):
             raise ValueError(f"--kv-offload-gib sizes the host tier of the policy specs "

@@ -95,3 +95,14 @@ def test_the_timeline_renders_a_pool_of_2912_blocks(tmp_path: Path, held: list[i
     out = tmp_path / "timeline.png"
     assert plot_timeline(trace, out) == 4
     assert out.read_bytes()[:8] == PNG_MAGIC and out.stat().st_size > 5000
+
+
+def test_without_matplotlib_the_command_says_how_to_install_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.cli import main as cli_main
+
+    trace = write_trace(tmp_path / "t.jsonl", HAND_BUILT)
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit, match=r"continuum-engine\[plot\]"):
+        cli_main(["trace", "timeline", str(trace), "--out", str(tmp_path / "t.png")])
+    assert not (tmp_path / "t.png").exists()
