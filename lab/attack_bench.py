@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import sys
@@ -19,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
-from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -27,8 +27,8 @@ import httpx
 from eval.metrics import percentile
 from lab.flags import add_settings_flags, settings_from_args
 from lab.load_clients import sse_lines
-from lab.server_checks import Check, markdown_figures, passed
-from lab.server_process import ServerProcess, add_server_arguments, server_from_args
+from lab.server_checks import Check, FiguresReport, run_against_server
+from lab.server_process import ServerProcess, add_server_arguments
 
 _Settings = TypeVar("_Settings")
 Figures = list[tuple[str, object]]
@@ -188,32 +188,22 @@ def add_attack_arguments(parser: argparse.ArgumentParser, attacks: Sequence[str]
 
 def run_attacks(args: argparse.Namespace, attacks: Sequence[str],
                 settings_type: Callable[..., _Settings], attack: Attack[_Settings]) -> int:
-    """Runs the chosen attacks, each against a server of its own, prints the figures and
-    checks (and writes them to `--json`); the command's exit status: 0 if every check
-    passed, 1 if one failed or a server did not start, 2 for bad flags."""
+    """Runs the chosen attacks, each against a server of its own (`run_against_server`),
+    prints the figures and checks (and writes them to `--json`); the command's exit status:
+    0 if every check passed, 1 if one failed or a server did not start, 2 for bad flags."""
     try:
         settings = settings_from_args(settings_type, args)
-        server_from_args(args, check_invariants=False)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    figures: Figures = []
-    checks: list[Check] = []
     chosen = getattr(args, "attack", "all")
-    for name in attacks if chosen == "all" else (chosen,):
-        try:
-            with server_from_args(args, check_invariants=False) as server:
-                attack_figures, attack_checks = asyncio.run(attack(server, name, settings))
-        except RuntimeError as error:  # the server did not start
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-        figures += attack_figures
-        checks += attack_checks
-    print(markdown_figures(figures, checks))
-    if args.json:
-        document = {"serve_args": args.serve_args, "settings": dataclasses.asdict(settings),
-                    "figures": {name: value for name, value in figures},
-                    "checks": [dataclasses.asdict(check) for check in checks],
-                    "passed": passed(checks)}
-        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
-    return 0 if passed(checks) else 1
+    runs = [functools.partial(_attack_report, attack, name, settings)
+            for name in (attacks if chosen == "all" else (chosen,))]
+    return run_against_server(args, runs, check_invariants=False,
+                              context={"settings": dataclasses.asdict(settings)})
+
+
+def _attack_report(attack: Attack[_Settings], name: str, settings: _Settings,
+                   server: ServerProcess) -> FiguresReport:
+    figures, checks = asyncio.run(attack(server, name, settings))
+    return FiguresReport(tuple(figures), tuple(checks))

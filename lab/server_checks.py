@@ -1,7 +1,8 @@
 """The checks run on a `continuum serve` subprocess once a load's clients are done (`bench
 load`, `soak`, `connections`): the engine's end state (idle, every KV block free, no pins, no
 job state), the server's memory growth, and a pass/fail list of checks with a short markdown
-rendering; `run_against_server` starts the server for such a run and reports it.
+rendering; `run_against_server`, the harness of every bench that drives a server, starts a
+server for each run and reports them.
 
 The runs own their `ServerProcess`; the checks only read it (`/metrics`, `/proc`).
 """
@@ -278,33 +279,63 @@ class CheckedReport(Protocol):
     def to_dict(self) -> dict[str, Any]: ...
 
 
+Run = Callable[[ServerProcess], CheckedReport]
+
+
+@dataclass(frozen=True)
+class FiguresReport:
+    """A run's figures and checks as rows (a `CheckedReport`); also several runs' together."""
+
+    rows: tuple[tuple[str, object], ...]
+    checks: tuple[Check, ...]
+
+    @property
+    def passed(self) -> bool:
+        return passed(self.checks)
+
+    def figures(self) -> list[tuple[str, object]]:
+        return list(self.rows)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"figures": dict(self.rows), "checks": checks_to_dicts(self.checks),
+                "passed": self.passed}
+
+
 def run_against_server(
-    args: argparse.Namespace, run: Callable[[ServerProcess], CheckedReport], *,
+    args: argparse.Namespace, runs: Run | Sequence[Run], *,
     check_invariants: bool, context: dict[str, Any],
 ) -> int:
-    """Starts a server for `run` with the command's `--serve-args` (`add_server_arguments`;
-    `--debug-check-invariants` added if `check_invariants`), stops it, prints the report (and
-    the server log's tail if a check failed), writes `context` and the report to `--json`;
-    the command's exit status: 2 if the server flags are refused, 0 if every check passed, 1
-    otherwise or if the server did not start."""
+    """The harness of every bench that drives a server: starts a server for each of `runs`
+    (one after another, each its own) with the command's `--serve-args`
+    (`add_server_arguments`; `--debug-check-invariants` added if `check_invariants`), stops
+    it, prints the report (several runs' together, `FiguresReport`; a failed one's server log
+    tail), writes `context` and the report to `--json`; the command's exit status: 2 if the
+    server flags are refused, 0 if every check passed, 1 otherwise or if a server did not
+    start."""
     try:
-        server = server_from_args(args, check_invariants=check_invariants)
+        server_from_args(args, check_invariants=check_invariants)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    try:
-        server.start()
-    except RuntimeError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    try:
-        report = run(server)
-        log_tail = "" if report.passed else server.log_tail()
-    finally:
-        server.stop()
+    reports = []
+    for run in [runs] if callable(runs) else runs:
+        server = server_from_args(args, check_invariants=check_invariants)
+        try:
+            server.start()
+        except RuntimeError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        try:
+            reports.append(run(server))
+            log_tail = "" if reports[-1].passed else server.log_tail()
+        finally:
+            server.stop()
+        if log_tail:
+            print(f"server log (last lines):\n{log_tail}\n", file=sys.stderr)
+    report = reports[0] if len(reports) == 1 else FiguresReport(
+        tuple(row for each in reports for row in each.figures()),
+        tuple(check for each in reports for check in each.checks))
     print(markdown_figures(report.figures(), report.checks))
-    if log_tail:
-        print(f"\nserver log (last lines):\n{log_tail}", file=sys.stderr)
     if args.json:
         document = {"serve_args": list(server.spec.serve_args), **context, **report.to_dict()}
         Path(args.json).write_text(json.dumps(document, indent=1) + "\n")

@@ -5,9 +5,9 @@ request.
 By default the request is the 13.6 MB body of the memory-amplification reproduction: 4
 prompts, `n` 16, 16 stop strings of 850,000 characters each. Before the hardening, such a
 body grew the core by about 1 GB, as every one of the 64 engine requests carried its own copy
-of the stop strings. Prints the response's status and the body's size, then each process's
-memory before and after; exit status 1 if the request was not answered 200 or the server did
-not start.
+of the stop strings. Reports the response's status and the body's size, then each process's
+memory before and after (`run_against_server`, the lab's harness); exit status 1 if the
+request was not answered 200 or the server did not start.
 """
 
 from __future__ import annotations
@@ -15,19 +15,15 @@ from __future__ import annotations
 import argparse
 import string
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from lab.flags import add_settings_flags, bench_setting, settings_from_args
-from lab.server_process import (
-    ServerProcess,
-    add_server_arguments,
-    read_rss_mib,
-    server_from_args,
-)
+from lab.server_checks import Check, FiguresReport, run_against_server
+from lab.server_process import ServerProcess, add_server_arguments, read_rss_mib
 
 DEFAULT_SERVE_ARGS = ("--num-kv-blocks", "512")
 _MAX_DISTINCT = len(string.ascii_lowercase)  # one letter per prompt and per stop string
@@ -55,6 +51,7 @@ class AmplificationSettings:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_flags(parser, AmplificationSettings)
     add_server_arguments(parser, DEFAULT_SERVE_ARGS)
+    parser.add_argument("--json", default=None, help="write the figures and checks here")
 
 
 def request_body(settings: AmplificationSettings) -> dict[str, Any]:
@@ -67,31 +64,27 @@ def request_body(settings: AmplificationSettings) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        body = request_body(settings_from_args(AmplificationSettings, args))
-        server = server_from_args(args, check_invariants=False)
+        settings = settings_from_args(AmplificationSettings, args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    try:
-        with server:
-            status = send_and_measure(server, body)
-    except RuntimeError as error:  # the server did not start
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0 if status == 200 else 1
+    return run_against_server(args, lambda server: send_and_measure(server, request_body(
+        settings)), check_invariants=False, context={"settings": asdict(settings)})
 
 
-def send_and_measure(server: ServerProcess, body: dict[str, Any]) -> int:
-    """Sends `body` to the started `server` and prints its processes' memory before and
-    after; the response's status."""
+def send_and_measure(server: ServerProcess, body: dict[str, Any]) -> FiguresReport:
+    """Sends `body` to the started `server`; the response's status, the body's size and its
+    processes' memory before and after, checked for a 200."""
     pids = server.process_ids()
     before = {pid: read_rss_mib(pid) for pid in pids}
     response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=300)
-    print("status", response.status_code, "body MB", round(len(str(body)) / 1e6, 1))
     after = {pid: read_rss_mib(pid) for pid in pids}
-    for pid in pids:
-        print(pid, _command_line(pid), f"{_mib(before[pid])} -> {_mib(after[pid])} MiB")
-    return response.status_code
+    rows: list[tuple[str, object]] = [("status", response.status_code),
+                                      ("body MB", round(len(str(body)) / 1e6, 1))]
+    rows += [(f"{pid} {_command_line(pid)}", f"{_mib(before[pid])} -> {_mib(after[pid])} MiB")
+             for pid in pids]
+    return FiguresReport(tuple(rows), (Check("answered 200", response.status_code == 200,
+                                             f"status {response.status_code}"),))
 
 
 def _command_line(pid: int) -> str:

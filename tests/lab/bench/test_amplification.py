@@ -43,6 +43,7 @@ def test_a_reduced_request_reports_each_process_before_and_after(
     assert cli_main(["amplification", "--stop-chars", "1000",
                      "--serve-args", "--num-kv-blocks 256 --max-model-len 1024"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "status 200 body MB 0.0"
-    processes = [line for line in lines[1:] if re.search(r" [\d.]+ -> [\d.]+ MiB$", line)]
+    assert "| status | 200 |" in lines and "| body MB | 0.0 |" in lines
+    assert "| answered 200 | PASS | status 200 |" in lines
+    processes = [line for line in lines if re.search(r" [\d.]+ -> [\d.]+ MiB \|$", line)]
     assert len(processes) >= 2 and any("engine.cli serve" in line for line in processes)
