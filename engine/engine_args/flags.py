@@ -19,6 +19,7 @@ from types import NoneType, UnionType
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from engine.config import SettingGroup
+from engine.setting_values import setting_value
 
 T = TypeVar("T")
 
@@ -192,6 +193,20 @@ def given_flags(namespace: argparse.Namespace) -> frozenset[str]:
     return frozenset(getattr(namespace, _GIVEN, ()))
 
 
+class _FlagValue:
+    """A flag's text as its setting's value, by the one converter of setting values
+    (`engine.setting_values`); argparse reports its message as the flag's error."""
+
+    def __init__(self, hint: Any) -> None:
+        self.hint = hint
+
+    def __call__(self, text: str) -> Any:
+        try:
+            return setting_value(self.hint, text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+
 class _Store(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
@@ -287,8 +302,7 @@ def add_flags(parser: argparse.ArgumentParser, settings: Iterable[Setting], *,
             group.add_argument(setting.option, action=_Append, metavar=_metavar(setting),
                                **common)
         else:
-            kind = {"int": int, "float": float}.get(setting.kind, str)
-            group.add_argument(setting.option, action=_Store, type=kind,
+            group.add_argument(setting.option, action=_Store, type=_FlagValue(setting.hint),
                                choices=setting.allowed, metavar=_metavar(setting), **common)
 
 

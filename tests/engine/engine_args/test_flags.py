@@ -134,6 +134,20 @@ def test_a_flag_takes_its_literal_choices_and_its_type() -> None:
             parser.parse_args(bad)
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--max-num-seqs", "abc"], "--max-num-seqs: expected an integer, got 'abc'"),
+    (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization: expected a number"),
+])
+def test_a_flag_is_converted_as_a_policy_option_is(argv: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # One converter (engine.setting_values): a flag's text and a policy option's alike.
+    with pytest.raises(SystemExit):
+        _serve_parser().parse_args(argv)
+    assert message in capsys.readouterr().err
+    parsed = _serve_parser().parse_args(["--long-prefill-token-threshold", "none"])
+    assert parsed.long_prefill_token_threshold is None
+
+
 def test_the_tables_list_every_setting_by_group() -> None:
     tables = settings_tables(serve_settings())
     for item in serve_settings():
