@@ -106,3 +106,15 @@ def test_a_waiting_head_within_its_share_preempts_for_it_only_when_short_of_its_
 def test_a_policy_victim_that_is_not_running_fails_loudly() -> None:
     with pytest.raises(RuntimeError, match="not running"):
         _next(StubShares(), StubPolicy(make_request("waiting", [1])), R)
+
+
+def test_the_scheduler_asks_for_victims_in_one_place() -> None:
+    import inspect
+
+    from engine.scheduler import scheduler
+
+    source = inspect.getsource(scheduler)
+    assert source.count("_victim_chain.next(") == 1  # in Scheduler._give_way
+    for bypass in ("select_victim", "over_share_pin", "client_pin_for", "share_victim(",
+                   "victim_instead_of"):
+        assert bypass not in source, f"the scheduler asks {bypass} outside the chain"
