@@ -10,7 +10,6 @@ from typing import Any
 
 from engine.scheduler.policy import PolicyEnvironment, SchedulerView
 from engine.scheduler.retention import RetentionInputs
-from estimator.base import ToolCall, TTLDecision, TTLEstimator
 from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.eq2 import (
     DEFAULT_COLD_START_SAMPLES,
@@ -19,7 +18,7 @@ from estimator.eq2 import (
     DEFAULT_REBUILD_COST,
     RebuildCost,
 )
-from estimator.registry import (
+from estimator.estimator_registry import (
     PRICES_REBUILDS,
     EstimatorName,
     EstimatorSettings,
@@ -28,6 +27,7 @@ from estimator.registry import (
 from estimator.solver import PinCost
 from estimator.state_file import load_state_or_cold_start, save_state
 from estimator.traces import TraceJob
+from estimator.ttl_estimator import ToolCall, TTLDecision, TTLEstimator
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from estimator.base import ToolCall
 from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.history import ToolDurationHistory
+from estimator.ttl_estimator import ToolCall
 
 InterceptionChoice = Literal["preserve", "discard", "swap"]
 

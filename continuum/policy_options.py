@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.config import setting
 from estimator.eq2 import DEFAULT_MAX_TTL_S
-from estimator.registry import EstimatorName
+from estimator.estimator_registry import EstimatorName
 from estimator.state_file import check_state_path
 
 DEFAULT_JOB_IDLE_TIMEOUT_S = 600.0

@@ -47,8 +47,8 @@ from continuum.victims import (
 from continuum.waiting_order import ArrivalOrder, LeastAttainedService, ProgramOrder, WaitingBounds
 from engine.scheduler.options import parse_policy_options
 from engine.scheduler.policy import SchedulerView
-from estimator.base import TTLEstimator
 from estimator.cost_model import PrefillCostModel
+from estimator.ttl_estimator import TTLEstimator
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from engine.scheduler import events
 from engine.scheduler.policy import SchedulerView
 from engine.scheduler.retention import Retention, RetentionInputs
 from engine.tool_calls import ToolCallFormat
-from estimator.base import ToolCall, TTLEstimator
 from estimator.parsing import ParsedToolCalls, tool_key, without_control_tokens
+from estimator.ttl_estimator import ToolCall, TTLEstimator
 
 logger = logging.getLogger(__name__)
 

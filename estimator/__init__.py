@@ -1,6 +1,14 @@
 """Tool-call latency estimation and TTL computation (never imports engine)."""
 
-from estimator.base import (
+from estimator.cost_model import HostReloadCost, PrefillCostModel
+from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, RebuildCost
+from estimator.estimator_registry import ESTIMATORS, EstimatorSettings, make_estimator
+from estimator.fixed import FixedTTLEstimator
+from estimator.history import ToolDurationHistory
+from estimator.parsing import ParsedToolCalls, parse_tool_calls, tool_key
+from estimator.solver import DurationCDF, cold_start_ttl, solve_ttl
+from estimator.state_file import load_state_or_cold_start, read_state, save_state
+from estimator.ttl_estimator import (
     MAX_OBSERVED_S,
     ConstantTTLEstimator,
     ObservationSink,
@@ -8,14 +16,6 @@ from estimator.base import (
     TTLDecision,
     TTLEstimator,
 )
-from estimator.cost_model import HostReloadCost, PrefillCostModel
-from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator, RebuildCost
-from estimator.fixed import FixedTTLEstimator
-from estimator.history import ToolDurationHistory
-from estimator.parsing import ParsedToolCalls, parse_tool_calls, tool_key
-from estimator.registry import ESTIMATORS, EstimatorSettings, make_estimator
-from estimator.solver import DurationCDF, cold_start_ttl, solve_ttl
-from estimator.state_file import load_state_or_cold_start, read_state, save_state
 
 __all__ = [
     "DEFAULT_MAX_TTL_S",

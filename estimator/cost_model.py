@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from estimator.base import MAX_CONTEXT_TOKENS, clamp_count
+from estimator.ttl_estimator import MAX_CONTEXT_TOKENS, clamp_count
 
 # Feature scale: contexts are thousands of tokens, and n^2 in raw tokens makes the
 # least-squares problem badly conditioned.

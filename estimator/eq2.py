@@ -29,7 +29,7 @@ here (`DEFAULT_*`); the paper's (`prefill`, `ttl`, K = 100) run in `eval/policy_
 Every TTL is capped at `max_ttl_s`.
 
 Nothing observed can make a decision raise or pin forever: durations and delays are clamped
-to `MAX_OBSERVED_S` and counts to their bounds (`estimator.base`), and a saved state is
+to `MAX_OBSERVED_S` and counts to their bounds (`estimator.ttl_estimator`), and a saved state is
 loaded only if every sum, mean and cost it implies is finite and plausible.
 """
 
@@ -42,14 +42,6 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from estimator.base import (
-    MAX_JOB_TURNS,
-    MAX_RUNNING_REQUESTS,
-    ToolCall,
-    TTLDecision,
-    clamp_count,
-    clamp_seconds,
-)
 from estimator.cost_model import (
     PLAUSIBILITY_CONTEXT_TOKENS,
     HostReloadCost,
@@ -75,6 +67,14 @@ from estimator.solver import (
     solve_ttl,
 )
 from estimator.traces import TraceJob
+from estimator.ttl_estimator import (
+    MAX_JOB_TURNS,
+    MAX_RUNNING_REQUESTS,
+    ToolCall,
+    TTLDecision,
+    clamp_count,
+    clamp_seconds,
+)
 
 logger = logging.getLogger(__name__)
 

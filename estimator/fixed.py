@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from estimator.base import ObservationSink, ToolCall, TTLDecision
 from estimator.history import ToolDurationHistory
 from estimator.traces import TraceJob
+from estimator.ttl_estimator import ObservationSink, ToolCall, TTLDecision
 
 
 class FixedTTLEstimator(ObservationSink):

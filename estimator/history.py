@@ -10,7 +10,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from estimator.base import ToolCall, clamp_seconds
+from estimator.ttl_estimator import ToolCall, clamp_seconds
 
 # The latest durations kept per tool and pooled, by default.
 DEFAULT_MAX_SAMPLES = 1000

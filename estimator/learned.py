@@ -18,15 +18,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from estimator.base import (
+from estimator.predictor import CallFeatures, DurationRecord
+from estimator.solver import DurationCDF
+from estimator.ttl_estimator import (
     MAX_CONTEXT_TOKENS,
     MAX_JOB_TURNS,
     MAX_OBSERVED_S,
     clamp_count,
     clamp_seconds,
 )
-from estimator.predictor import CallFeatures, DurationRecord
-from estimator.solver import DurationCDF
 
 QUANTILE_LEVELS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.975, 0.99)
 _LOG_OFFSET_S = 1e-3  # durations of 0 s exist (in-process editors)

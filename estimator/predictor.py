@@ -7,14 +7,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from estimator.base import (
+from estimator.solver import DurationCDF
+from estimator.ttl_estimator import (
     MAX_CONTEXT_TOKENS,
     MAX_JOB_TURNS,
     MAX_OBSERVED_S,
     clamp_count,
     clamp_seconds,
 )
-from estimator.solver import DurationCDF
 
 Number = TypeVar("Number", int, float)
 
@@ -26,8 +26,8 @@ class CallFeatures:
     """A tool call as a predictor sees it: the tool, where the job is, and the job's latest
     tool calls (`recent`: (tool name, duration in seconds), oldest first).
 
-    `bounded` builds one with every number within the estimator's bounds (`estimator.base`);
-    `from_list` refuses one outside them.
+    `bounded` builds one with every number within the estimator's bounds
+    (`estimator.ttl_estimator`); `from_list` refuses one outside them.
     """
 
     tool_name: str | None

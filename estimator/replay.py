@@ -41,15 +41,15 @@ from typing import Any
 
 import numpy as np
 
-from estimator.base import ToolCall, TTLDecision, TTLEstimator
 from estimator.cost_model import PrefillCostModel
 from estimator.eq2 import COLD_START_SAMPLES, Eq2Estimator
+from estimator.estimator_registry import ESTIMATORS, EstimatorSettings, make_estimator
 from estimator.learned import QuantileBoostingPredictor, pinball_loss
 from estimator.predictor import CallFeatures, DurationRecord, RecentCalls
-from estimator.registry import ESTIMATORS, EstimatorSettings, make_estimator
 from estimator.signals import RemainingTurnsCorrelation
 from estimator.solver import DurationCDF, PinCost
 from estimator.traces import TraceJob
+from estimator.ttl_estimator import ToolCall, TTLDecision, TTLEstimator
 
 
 @dataclass

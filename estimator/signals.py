@@ -8,7 +8,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
-from estimator.base import MAX_JOB_TURNS, MAX_OBSERVED_S, clamp_seconds
+from estimator.ttl_estimator import MAX_JOB_TURNS, MAX_OBSERVED_S, clamp_seconds
 
 
 class SlidingMean:

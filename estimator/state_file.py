@@ -14,7 +14,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from estimator.base import TTLEstimator
+from estimator.ttl_estimator import TTLEstimator
 from tracing.files import check_replaceable
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.scheduler.options import option_items_to_dict
-from engine.scheduler.registry import POLICIES, check_policy_options
+from engine.scheduler.policy_registry import POLICIES, check_policy_options
 from eval.policy_variants import EVAL_POLICIES
 
 DEFAULT_POLICIES = "fcfs,continuum-fixed,infercept,autellix,continuum"

@@ -30,8 +30,8 @@ from continuum.waiting_order import WaitingBounds
 from engine.request import Request
 from engine.scheduler.policy import SchedulerView, Victim
 from engine.scheduler.request_queue import QueueKey
-from estimator.base import ToolCall, TTLDecision, TTLEstimator
 from estimator.solver import DurationCDF
+from estimator.ttl_estimator import ToolCall, TTLDecision, TTLEstimator
 
 # A pin must outlast the next turn's arrival at exactly `finish + duration`.
 ORACLE_SLACK_S = 1e-3

@@ -46,7 +46,7 @@ from engine.replicas.routing import (
 from engine.request import JobInfo, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler.policy import SchedulingPolicy
-from engine.scheduler.registry import make_policy
+from engine.scheduler.policy_registry import make_policy
 from eval.cluster import (
     RoutingSummary,
     SimReplica,

@@ -24,7 +24,7 @@ SCHEDULER_SIDE = [
     "engine.scheduler",
     "engine.core.engine_core",
     "engine.core.wire",
-    "engine.structured_output.manager",
+    "engine.structured_output.output_manager",
     "engine.executor.base",
     "engine.model.directory",
     "eval.bench.scheduler",
@@ -36,7 +36,7 @@ def test_scheduler_side_does_not_import_torch() -> None:
     imports = "; ".join(f"import {module}" for module in SCHEDULER_SIDE)
     code = (
         f"import sys; {imports}; "
-        "from engine.scheduler.registry import POLICIES, make_policy; "
+        "from engine.scheduler.policy_registry import POLICIES, make_policy; "
         "from eval.policy_variants import EVAL_POLICIES; "
         "[make_policy(name) for name in POLICIES]; "
         "[make_policy(path, tool_duration_s=dict().get) if name == 'continuum-oracle' "

@@ -25,10 +25,10 @@ from engine.outputs import EngineCoreOutput, PendingStep
 from engine.request import FinishReason, Request
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
-from engine.scheduler.registry import make_policy
+from engine.scheduler.policy_registry import make_policy
 from engine.scheduler.scheduler import Scheduler, Sweep
 from engine.scheduler.tracer import SchedulerTracer
-from engine.structured_output.manager import GrammarFailure, StructuredOutputManager
+from engine.structured_output.output_manager import GrammarFailure, StructuredOutputManager
 from engine.structured_output.tokenizer import GrammarTokenizerSource, read_grammar_tokenizer
 
 logger = logging.getLogger(__name__)

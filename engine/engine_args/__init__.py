@@ -33,7 +33,7 @@ from engine.executor.sim_profiles import get_sim_profile
 from engine.model.directory import load_arch
 from engine.model.tokenizer import tokenizer_dir
 from engine.scheduler.options import option_items_to_dict
-from engine.scheduler.registry import (
+from engine.scheduler.policy_registry import (
     POLICIES,
     check_policy_options,
     policy_options_help,

@@ -28,7 +28,7 @@ from engine.entrypoints.openai.tenants import (
     parse_tenant_flag,
     read_keys_file,
 )
-from engine.replicas.flags import ReplicaFlags
+from engine.replicas.replica_flags import ReplicaFlags
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 

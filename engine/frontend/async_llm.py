@@ -23,8 +23,8 @@ from engine.core.client import AsyncMPClient, EngineDeadError
 from engine.core.wire import EngineStats, JobState
 from engine.engine_args import EngineArgs
 from engine.frontend.output_processor import OutputProcessor
-from engine.frontend.outputs import RequestOutput, RequestRejected
 from engine.frontend.processor import ProcessedRequest, Prompt
+from engine.frontend.request_outputs import RequestOutput, RequestRejected
 from engine.frontend.startup import start_with_processor
 from engine.frontend.stats import RequestStatsObserver
 from engine.request import JobInfo

@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from engine.engine_args import EngineArgs
 from engine.frontend.llm_engine import LLMEngine
-from engine.frontend.outputs import RequestOutput
 from engine.frontend.processor import Prompt
+from engine.frontend.request_outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]

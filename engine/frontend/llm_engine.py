@@ -11,8 +11,8 @@ from engine.core.client import InprocClient, SyncMPClient
 from engine.core.wire import EngineStats
 from engine.engine_args import EngineArgs
 from engine.frontend.output_processor import OutputProcessor
-from engine.frontend.outputs import RequestOutput
 from engine.frontend.processor import InputProcessor, ProcessedRequest, Prompt
+from engine.frontend.request_outputs import RequestOutput
 from engine.frontend.startup import start_with_processor
 from engine.request import JobInfo
 from engine.sampling_params import SamplingParams

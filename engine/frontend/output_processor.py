@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.frontend.detokenizer import IncrementalDetokenizer, detokenize_once, make_decode_fn
-from engine.frontend.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.frontend.processor import ProcessedRequest
+from engine.frontend.request_outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.frontend.stats import FinishedCompletionStats, RequestStatsObserver
 from engine.frontend.stop_strings import find_stop_string, num_held_back_chars
 from engine.outputs import EngineCoreOutput, PromptLogprobs, TokenLogprobs

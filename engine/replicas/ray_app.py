@@ -73,8 +73,8 @@ from engine.entrypoints.server_args import add_arguments, server_settings_from_a
 from engine.frontend.async_llm import AsyncLLM
 from engine.frontend.stats import RequestStatsObserver
 from engine.replicas.asgi import ProxiedRequest, ResponseHead, call_asgi
-from engine.replicas.metrics import merge_replicas, render, routing_decisions
 from engine.replicas.ray_router import ReplicaRequestRouter
+from engine.replicas.replica_metrics import merge_replicas, render, routing_decisions
 from engine.replicas.routing import (
     DEFAULT_LOAD_FACTOR,
     DEFAULT_MIN_MOVE_LOAD,

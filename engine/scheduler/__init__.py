@@ -10,7 +10,7 @@ from engine.scheduler.policy import (
     SchedulingPolicy,
     Victim,
 )
-from engine.scheduler.registry import POLICIES, make_policy, resolve_policy
+from engine.scheduler.policy_registry import POLICIES, make_policy, resolve_policy
 from engine.scheduler.request_queue import FCFSRequestQueue, KeyedRequestQueue, RequestQueue
 from engine.scheduler.retention import Retention
 from engine.scheduler.scheduler import Scheduler

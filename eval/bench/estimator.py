@@ -14,10 +14,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from estimator.base import MAX_OBSERVED_S
 from estimator.cost_model import H100_LLAMA_8B_PREFILL, PrefillCostModel, read_prefill_profile
 from estimator.replay import compare_estimators
 from estimator.traces import read_trace_jobs
+from estimator.ttl_estimator import MAX_OBSERVED_S
 from eval.report import write_json_report
 from eval.workloads import add_trace_arguments, workload_source
 

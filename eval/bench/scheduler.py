@@ -21,7 +21,7 @@ from engine.outputs import ModelRunnerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
-from engine.scheduler.registry import make_policy
+from engine.scheduler.policy_registry import make_policy
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.tracer import SchedulerTracer
 from eval.report import emit

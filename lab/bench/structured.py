@@ -132,7 +132,7 @@ def _compile_times(label: str, hf_tokenizer: Any, repeats: int) -> dict[str, Any
 
     from engine.structured_output import grammars
     from engine.structured_output.grammars import ToolCallFormat, ToolSchema
-    from engine.structured_output.manager import compile_grammar
+    from engine.structured_output.output_manager import compile_grammar
 
     tools = [ToolSchema(name, parameters) for name, parameters in AGENT_TOOLS]
     grammar = grammars.tool_calls_grammar(tools, ToolCallFormat("hermes", False),

@@ -10,7 +10,7 @@ import pytest
 from continuum.admission_rules import OtherJobsPins, ThisChunk, WholePrompt
 from continuum.agent_policy import AgentPolicy
 from continuum.presets import CONTINUUM, INFERCEPT, JOB_FCFS
-from estimator.base import ConstantTTLEstimator
+from estimator.ttl_estimator import ConstantTTLEstimator
 from eval.policy_variants import CONTINUUM_AF226D3
 from tests.continuum.harness import Harness, tokens
 from tests.continuum.test_victims import arrive, bind, describe

@@ -11,7 +11,7 @@ from continuum.presets import CONTINUUM
 from engine.kv_cache.pins import PinReleaseReason
 from engine.request import RequestStatus
 from engine.scheduler.policies import FCFSPolicy
-from estimator.base import ConstantTTLEstimator, ObservationSink, ToolCall, TTLDecision
+from estimator.ttl_estimator import ConstantTTLEstimator, ObservationSink, ToolCall, TTLDecision
 from eval.policy_variants import CONTINUUM_AF226D3
 from tests.continuum.harness import Harness, tokens
 

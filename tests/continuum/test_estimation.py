@@ -11,11 +11,11 @@ from continuum.agent_policy import AgentPolicy
 from continuum.estimation import retention_inputs
 from continuum.presets import CONTINUUM, CONTINUUM_FIXED
 from engine.scheduler.policy import PolicyEnvironment
-from engine.scheduler.registry import make_policy
-from estimator.base import ToolCall, TTLDecision
+from engine.scheduler.policy_registry import make_policy
 from estimator.eq2 import Eq2Estimator
 from estimator.fixed import FixedTTLEstimator
 from estimator.state_file import STATE_FORMAT, read_state
+from estimator.ttl_estimator import ToolCall, TTLDecision
 from eval.policy_variants import CONTINUUM_AF226D3
 from tests.continuum.harness import Harness
 from tests.continuum.test_agent_policy import TTLByTool

@@ -8,8 +8,8 @@ import pytest
 from continuum.policy_options import ContinuumOptions
 from continuum.presets import CONTINUUM
 from engine.kv_cache.pins import PinReleaseReason
-from engine.scheduler.registry import make_policy
-from estimator.base import ConstantTTLEstimator
+from engine.scheduler.policy_registry import make_policy
+from estimator.ttl_estimator import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
 
 JOB_AWARE_POLICIES = ["job-fcfs", "continuum", "continuum-fixed", "infercept", "autellix"]

@@ -16,11 +16,11 @@ from continuum.presets import INFERCEPT
 from continuum.retention_rules import InterceptedPins, PinUntilNextTurn
 from engine.scheduler import events
 from engine.scheduler.policy import PolicyEnvironment
-from engine.scheduler.registry import check_policy_options, make_policy
+from engine.scheduler.policy_registry import check_policy_options, make_policy
 from engine.scheduler.tracer import SchedulerTracer
-from estimator.base import ToolCall
 from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.eq2 import Eq2Estimator
+from estimator.ttl_estimator import ToolCall
 from eval.policy_specs import policy_specs
 from tests.continuum.harness import Harness, tokens
 from tests.continuum.workload import AgentJob, Turn, replay

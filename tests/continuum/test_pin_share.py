@@ -22,7 +22,7 @@ from continuum.presets import CONTINUUM, waiting_bounds
 from continuum.waiting_order import WaitingBounds
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.scheduler import Scheduler
-from estimator.base import ConstantTTLEstimator
+from estimator.ttl_estimator import ConstantTTLEstimator
 from tests.continuum.workload import AgentJob, Turn, replay
 
 

@@ -6,7 +6,7 @@ from continuum.agent_policy import AgentPolicy
 from continuum.policy_options import InferCeptOptions
 from continuum.presets import AUTELLIX, CONTINUUM_FIXED, INFERCEPT
 from engine.kv_cache.pins import PinReleaseReason
-from engine.scheduler.registry import make_policy
+from engine.scheduler.policy_registry import make_policy
 from tests.continuum.harness import Harness, tokens
 
 

@@ -13,7 +13,7 @@ from continuum.agent_policy import AgentPolicy
 from continuum.policy_options import ContinuumOptions
 from continuum.presets import AUTELLIX, CONTINUUM, CONTINUUM_FIXED, INFERCEPT, JOB_FCFS
 from engine.scheduler.policies import FCFSPolicy
-from estimator.base import ConstantTTLEstimator
+from estimator.ttl_estimator import ConstantTTLEstimator
 from eval.policy_variants import CONTINUUM_AF226D3, CONTINUUM_ORACLE
 from tests.continuum.workload import AgentJob, Turn, replay, step_decisions
 from tests.engine.helpers import FakeClock, FakeRunner, make_request, make_scheduler, run_step

@@ -12,7 +12,7 @@ from continuum.policy_options import ContinuumOptions, ProgramOrderOptions
 from continuum.presets import CONTINUUM, JOB_FCFS
 from engine.kv_cache.pins import PinReleaseReason
 from engine.scheduler.policy import PolicyEnvironment, SchedulingPolicy
-from estimator.base import ConstantTTLEstimator
+from estimator.ttl_estimator import ConstantTTLEstimator
 from eval.policy_variants import CONTINUUM_AF226D3, Af226d3Options
 from tests.continuum.harness import Harness, tokens
 

@@ -21,7 +21,7 @@ from engine.config import (
     TraceConfig,
 )
 from engine.engine_args import EngineArgs
-from engine.scheduler.registry import POLICIES, policy_options_help
+from engine.scheduler.policy_registry import POLICIES, policy_options_help
 
 
 def test_defaults_take_the_models_context_length() -> None:

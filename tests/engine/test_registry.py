@@ -8,9 +8,9 @@ from engine.model.attention import ATTENTION_BACKENDS
 from engine.registry import Registry
 from engine.replicas.routing import ROUTER_NAMES, ROUTERS, RouterName, make_router
 from engine.scheduler.policies import FCFSPolicy
-from engine.scheduler.registry import POLICIES
+from engine.scheduler.policy_registry import POLICIES
 from engine.tool_calls import TOOL_PARSERS
-from estimator.registry import ESTIMATORS
+from estimator.estimator_registry import ESTIMATORS
 
 EVERY_REGISTRY = [POLICIES, EXECUTORS, ATTENTION_BACKENDS, TOOL_PARSERS, ESTIMATORS, ROUTERS]
 

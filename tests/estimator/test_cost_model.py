@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from sklearn.linear_model import LinearRegression
 
-from estimator.base import MAX_CONTEXT_TOKENS
 from estimator.cost_model import (
     H100_LLAMA_8B_PREFILL,
     PrefillCostModel,
     read_prefill_profile,
 )
+from estimator.ttl_estimator import MAX_CONTEXT_TOKENS
 
 
 def test_fit_recovers_a_quadratic() -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from estimator.base import MAX_OBSERVED_S, ToolCall
 from estimator.cost_model import PrefillCostModel
 from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator
 from estimator.history import ToolDurationHistory
 from estimator.learned import QuantileBoostingPredictor
 from estimator.state_file import load_state_or_cold_start, read_state, save_state
 from estimator.traces import read_trace_jobs
+from estimator.ttl_estimator import MAX_OBSERVED_S, ToolCall
 
 SLICE = Path(__file__).parents[1] / "data" / "minisweagent_deepseek_slice.jsonl"
 

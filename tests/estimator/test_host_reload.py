@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from estimator.base import ToolCall
 from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.eq2 import Eq2Estimator
-from estimator.registry import EstimatorSettings, make_estimator
+from estimator.estimator_registry import EstimatorSettings, make_estimator
 from estimator.state_file import load_state_or_cold_start, save_state
+from estimator.ttl_estimator import ToolCall
 
 PREFILL = PrefillCostModel(intercept_s=0.5, linear_s=2.0)  # 0.5 s + 2 s per 1000 tokens
 RELOAD = HostReloadCost(PrefillCostModel(linear_s=0.1), max_tokens=4096)  # 0.1 s per 1000

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from estimator.base import MAX_CONTEXT_TOKENS, MAX_JOB_TURNS, MAX_OBSERVED_S
 from estimator.learned import QuantileBoostingPredictor, pinball_loss
 from estimator.predictor import CallFeatures, DurationRecord
+from estimator.ttl_estimator import MAX_CONTEXT_TOKENS, MAX_JOB_TURNS, MAX_OBSERVED_S
 
 
 def test_pinball_loss_hand_computed() -> None:

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from estimator.base import ConstantTTLEstimator
 from estimator.cost_model import PrefillCostModel
 from estimator.eq2 import Eq2Estimator
 from estimator.replay import Scorer, oracle, replay, split_by_arrival
 from estimator.traces import TraceJob, TraceToolCall
+from estimator.ttl_estimator import ConstantTTLEstimator
 
 
 def job(job_id: str, arrival_s: float, *durations_s: float) -> TraceJob:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from estimator.base import MAX_JOB_TURNS, MAX_OBSERVED_S
 from estimator.signals import RemainingTurnsCorrelation, SlidingMean
+from estimator.ttl_estimator import MAX_JOB_TURNS, MAX_OBSERVED_S
 
 
 def test_sliding_mean_keeps_the_latest_window() -> None:

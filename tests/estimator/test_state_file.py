@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from estimator.base import ConstantTTLEstimator, ToolCall
 from estimator.eq2 import Eq2Estimator
 from estimator.state_file import (
     DEFAULT_MAX_STATE_BYTES,
@@ -18,6 +17,7 @@ from estimator.state_file import (
     read_state,
     save_state,
 )
+from estimator.ttl_estimator import ConstantTTLEstimator, ToolCall
 
 
 def learned_estimator() -> Eq2Estimator:

@@ -10,7 +10,7 @@ import pytest
 
 from engine.cli import main as cli_main
 from engine.executor.roofline import SIM_PROFILES
-from engine.scheduler.registry import make_policy
+from engine.scheduler.policy_registry import make_policy
 from eval import simulator
 from eval.arrivals import poisson_arrivals_s
 from eval.policy_variants import EVAL_POLICIES

@@ -57,8 +57,8 @@ from engine.entrypoints.openai.work_pool import (
     TenantWorkPool,
 )
 from engine.frontend.async_llm import AsyncLLM, QueueFullError
-from engine.frontend.outputs import RequestOutput, RequestRejected
 from engine.frontend.processor import ProcessedRequest, PromptTooLongError, token_count_text
+from engine.frontend.request_outputs import RequestOutput, RequestRejected
 from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams

@@ -40,8 +40,8 @@ from engine.entrypoints.openai.tool_call_ids import issued_call_id
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.entrypoints.openai.work_pool import TenantWorkPool
 from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.processor import ProcessedRequest, PromptTooLongError, core_request_id
+from engine.frontend.request_outputs import CompletionOutput, RequestOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tool_calls import (

@@ -42,8 +42,8 @@ from engine.entrypoints.openai.structured_outputs import (
     completion_structured_output,
     may_constrain,
 )
-from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.processor import ProcessedRequest, PromptTooLongError
+from engine.frontend.request_outputs import CompletionOutput, RequestOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 

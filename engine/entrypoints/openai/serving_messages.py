@@ -86,8 +86,8 @@ from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.entrypoints.openai.work_pool import TenantWorkPool
 from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.outputs import CompletionOutput, RequestOutput
 from engine.frontend.processor import ProcessedRequest, PromptTooLongError
+from engine.frontend.request_outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import CacheBreakpoint, SamplingParams
 from engine.tool_calls import (
     TOOL_CALL_MARKERS,

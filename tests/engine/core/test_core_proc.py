@@ -25,7 +25,7 @@ from engine.core.wire import CoreEvent, EngineCoreRequest, Shutdown, UtilityCall
 from engine.request import FinishReason, JobInfo
 from engine.sampling_params import SamplingParams
 from engine.structured_output import grammars
-from engine.structured_output.manager import StructuredOutputManager
+from engine.structured_output.output_manager import StructuredOutputManager
 from engine.structured_output.spec import StructuredOutputSpec
 from tests.engine.core.conftest import SMALL_CONFIG, core_request
 

@@ -23,7 +23,7 @@ from engine.entrypoints.server_args import (
     serve_settings,
     server_settings_from_args,
 )
-from engine.scheduler.registry import policy_options_help
+from engine.scheduler.policy_registry import policy_options_help
 
 REPO = Path(__file__).resolve().parents[3]
 SECTIONS = ["options:", "model:", "memory and KV cache:", "scheduling:", "server and tenants:",

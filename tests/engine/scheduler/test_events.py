@@ -7,7 +7,7 @@ import pytest
 
 from continuum.presets import CONTINUUM
 from engine.scheduler import events
-from estimator.base import ConstantTTLEstimator
+from estimator.ttl_estimator import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
 from tests.engine.helpers import FakeClock
 

@@ -17,7 +17,7 @@ from engine.request import JobInfo, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler.policy import PolicyEnvironment
 from engine.scheduler.tracer import SchedulerTracer
-from estimator.base import ConstantTTLEstimator
+from estimator.ttl_estimator import ConstantTTLEstimator
 from tests.engine.helpers import (
     FakeClock,
     FakeRunner,

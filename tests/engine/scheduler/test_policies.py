@@ -2,7 +2,7 @@ import pytest
 
 from engine.scheduler.policies import FCFSPolicy, PriorityPolicy
 from engine.scheduler.policy import Reservation
-from engine.scheduler.registry import POLICIES, make_policy, resolve_policy
+from engine.scheduler.policy_registry import POLICIES, make_policy, resolve_policy
 from engine.scheduler.request_queue import FCFSRequestQueue, KeyedRequestQueue, priority_order
 from tests.engine.helpers import FakeRunner, make_request, make_scheduler, run_step, run_until_done
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from continuum.presets import CONTINUUM
 from engine.scheduler.retention import RetentionInputs
 from engine.scheduler.tracer import SchedulerTracer, ttl_inputs
-from estimator.base import ConstantTTLEstimator
+from estimator.ttl_estimator import ConstantTTLEstimator
 from tests.continuum.harness import Harness, tokens
 from tests.continuum.test_properties import AGENT_POLICIES
 from tests.continuum.workload import AgentJob, Turn, replay

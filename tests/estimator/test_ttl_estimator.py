@@ -7,7 +7,10 @@ import math
 
 import pytest
 
-from estimator.base import (
+from estimator.fixed import FixedTTLEstimator
+from estimator.history import ToolDurationHistory
+from estimator.traces import TraceJob, TraceToolCall
+from estimator.ttl_estimator import (
     MAX_OBSERVED_S,
     ConstantTTLEstimator,
     ToolCall,
@@ -15,9 +18,6 @@ from estimator.base import (
     clamp_count,
     clamp_seconds,
 )
-from estimator.fixed import FixedTTLEstimator
-from estimator.history import ToolDurationHistory
-from estimator.traces import TraceJob, TraceToolCall
 
 
 def call(job_id: str, tool: str | None, finished_at_s: float) -> ToolCall:

@@ -18,9 +18,9 @@ import pytest
 from engine.config import StructuredOutputConfig
 from engine.model.tiny import TINY_MODEL_DIR
 from engine.structured_output import grammars
-from engine.structured_output import manager as manager_module
+from engine.structured_output import output_manager as manager_module
 from engine.structured_output.grammars import MAX_ERROR_CHARS
-from engine.structured_output.manager import (
+from engine.structured_output.output_manager import (
     StructuredOutputManager,
     allocated_bytes,
 )

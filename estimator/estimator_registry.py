@@ -7,7 +7,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from engine.registry import Registry
-from estimator.base import TTLEstimator
 from estimator.cost_model import HostReloadCost, PrefillCostModel
 from estimator.eq2 import (
     DEFAULT_COLD_START_SAMPLES,
@@ -20,6 +19,7 @@ from estimator.eq2 import (
 from estimator.fixed import FixedTTLEstimator
 from estimator.learned import QuantileBoostingPredictor
 from estimator.solver import PinCost
+from estimator.ttl_estimator import TTLEstimator
 
 # New finished tool calls between background retrainings of the learned predictor.
 LEARNED_REFIT_EVERY = 1000

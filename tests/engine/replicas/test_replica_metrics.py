@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.metrics_core import CounterMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.replicas.metrics import merge_replicas, render, routing_decisions
+from engine.replicas.replica_metrics import merge_replicas, render, routing_decisions
 
 REPLICA_TEXT = """# HELP continuum:num_preemptions_total Requests preempted.
 # TYPE continuum:num_preemptions_total counter

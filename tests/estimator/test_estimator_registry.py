@@ -9,9 +9,14 @@ import pytest
 
 from estimator.cost_model import PrefillCostModel
 from estimator.eq2 import DEFAULT_MAX_TTL_S, Eq2Estimator
+from estimator.estimator_registry import (
+    ESTIMATORS,
+    EstimatorName,
+    EstimatorSettings,
+    make_estimator,
+)
 from estimator.fixed import FixedTTLEstimator
 from estimator.learned import QuantileBoostingPredictor
-from estimator.registry import ESTIMATORS, EstimatorName, EstimatorSettings, make_estimator
 
 
 def test_the_names_and_their_defaults() -> None:
