@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 import openai
 
-from eval.metrics import JobRecord, RunMetrics, TurnRecord, summarize_run
+from eval.replay_metrics import JobRecord, RunMetrics, TurnRecord, summarize_run
 from eval.workload import AgentJobSpec
 
 PROMPT_FORMATS = ("ids", "text")

@@ -55,8 +55,8 @@ from eval.cluster import (
     replica_ids,
     same_replica_fraction,
 )
-from eval.metrics import JobRecord, RunMetrics, TurnRecord, summarize_run
 from eval.policy_variants import EVAL_POLICIES
+from eval.replay_metrics import JobRecord, RunMetrics, TurnRecord, summarize_run
 from eval.workload import AgentJobSpec, ChatSessionSpec, ChatTurnSpec, TurnSpec
 
 # The policy that is told each tool's true duration (`tool_duration_s=` when built).

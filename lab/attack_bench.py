@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from eval.metrics import percentile
+from eval.replay_metrics import percentile
 from lab.flags import add_settings_flags, settings_from_args
 from lab.load_clients import sse_lines
 from lab.server_checks import Check, FiguresReport, run_against_server

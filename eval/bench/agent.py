@@ -16,8 +16,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eval.arrivals import arrivals_s
-from eval.metrics import JobRecord, RunMetrics
 from eval.replay_client import PROMPT_FORMATS, AgentReplay, ReplaySettings
+from eval.replay_metrics import JobRecord, RunMetrics
 from eval.report import markdown_table
 from eval.workload import AgentJobSpec
 from eval.workload_flags import add_workload_arguments, load_workload, workload_summary

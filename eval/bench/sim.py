@@ -35,7 +35,6 @@ from engine.executor.roofline import DEFAULT_SIM_PROFILE, GIB
 from engine.executor.sim_profiles import get_sim_profile, sim_profile_names
 from engine.replicas.routing import DEFAULT_LOAD_FACTOR, DEFAULT_MIN_MOVE_LOAD, ROUTER_NAMES
 from eval.arrivals import arrivals_s, poisson_arrivals_s, poisson_arrivals_within_s
-from eval.metrics import num_finished_by
 from eval.policy_specs import (
     ABLATION_LADDER,
     DEFAULT_POLICIES,
@@ -43,6 +42,7 @@ from eval.policy_specs import (
     PolicySpec,
     policy_specs,
 )
+from eval.replay_metrics import num_finished_by
 from eval.report import markdown_table, plot_jct_vs_load
 from eval.simulator import ChatLoad, SimSettings, Simulation
 from eval.workload import AgentJobSpec, ChatSessionSpec, draw_sessions, load_chat_sessions

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from engine.entrypoints.connections import raise_open_file_limit
-from eval.metrics import percentile
+from eval.replay_metrics import percentile
 from lab.flags import add_settings_flags, bench_setting, settings_from_args
 from lab.server_checks import (
     Check,

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from eval.metrics import percentile
+from eval.replay_metrics import percentile
 from lab.attack_bench import (
     ATTACKER_KEY,
     TENANT_ARGS,

@@ -43,8 +43,8 @@ from engine.replicas.ray_app import (  # noqa: E402
 )
 from engine.replicas.routing import Route, RouterName, rendezvous_rank  # noqa: E402
 from engine.replicas.routing_key import job_key  # noqa: E402
-from eval.metrics import RunMetrics  # noqa: E402
 from eval.replay_client import AgentReplay, ReplaySettings  # noqa: E402
+from eval.replay_metrics import RunMetrics  # noqa: E402
 from eval.workload import AgentJobSpec, TurnSpec  # noqa: E402
 from tests.continuum.workload import TEST_DATA  # noqa: E402
 from tests.engine.entrypoints.openai.conftest import start_server  # noqa: E402
