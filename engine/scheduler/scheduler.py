@@ -451,10 +451,10 @@ class Scheduler:
         return outcome
 
     def _admit(self, request: Request, plan: StepPlan, now_s: float) -> AdmissionOutcome:
-        """Moves a waiting request to running if its blocks fit (releasing pins the policy
-        offers; while the room the policy reserves is short, the pins it gives up go at
-        once, the request still waiting); its job's pin is released only after it took its
-        own references."""
+        """Moves a waiting request to running if its blocks fit (taking the victim chain's
+        pins; while the room the policy reserves is short, the pins the policy gives up go
+        at once, the request still waiting); its job's pin is released only after it took
+        its own references."""
         kv_cache_manager = self.kv_cache_manager
         hit = kv_cache_manager.get_computed_blocks(request)
         num_new_tokens = plan.num_new_tokens(request, hit.num_tokens)
