@@ -57,10 +57,15 @@ def _require_positive(name: str, value: int | None, at_most: int | None = None) 
         raise ValueError(f"{name} must be at most {at_most:,}, got {value:,}")
 
 
-def _is_policy_option_value(value: object) -> bool:
-    if isinstance(value, tuple):
-        return all(isinstance(item, str) for item in value)
-    return isinstance(value, (str, bool, int, float))
+def policy_option_value(key: object, value: object) -> PolicyOptionValue:
+    """`value` of policy option `key` as the engine carries it (strings of a list as a
+    tuple); ValueError for anything else."""
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    if isinstance(value, (str, bool, int, float)):
+        return value
+    raise ValueError(f"policy option {key!r} must be a string, boolean, number or array of "
+                     f"strings, got {value!r}")
 
 
 def _require_choice(name: str, value: object, allowed: object) -> None:
@@ -193,10 +198,10 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold requires enable_chunked_prefill")
         if not self.policy:
             raise ValueError("policy must be a non-empty name")
-        if not all(isinstance(k, str) and k and _is_policy_option_value(v)
-                   for k, v in self.policy_options.items()):
-            raise ValueError(f"policy_options must map names to strings, booleans, numbers "
-                             f"or arrays of strings, got {self.policy_options!r}")
+        for key, value in self.policy_options.items():
+            if not (isinstance(key, str) and key) or policy_option_value(key, value) != value:
+                raise ValueError(f"policy_options must map names to strings, booleans, "
+                                 f"numbers or tuples of strings, got {self.policy_options!r}")
         _require_positive("job_inference_max_turns", self.job_inference_max_turns)
         if not 0 < self.job_inference_max_age_s < math.inf:
             raise ValueError("job_inference_max_age_s must be a positive finite number, got "

@@ -20,6 +20,7 @@ from engine.config import (
     SchedulerConfig,
     StructuredOutputConfig,
     TraceConfig,
+    policy_option_value,
 )
 from engine.engine_args.flags import (
     Setting,
@@ -82,7 +83,7 @@ class EngineArgs:
 
     def _policy_options(self) -> dict[str, PolicyOptionValue]:
         if isinstance(self.policy_options, Mapping):
-            return {str(key): tuple(value) if isinstance(value, list) else value
+            return {str(key): policy_option_value(key, value)
                     for key, value in self.policy_options.items()}
         if isinstance(self.policy_options, str):
             raise ValueError("policy_options must be KEY=VALUE items or a mapping, not a string")

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.config import policy_option_value
 from engine.engine_args.flags import Setting, given_flags
 
 if sys.version_info >= (3, 11):
@@ -57,7 +58,7 @@ def namespace_value(setting: Setting, raw: object) -> Any:
     kind = setting.kind
     if kind == "items":
         if setting.takes_mapping and isinstance(raw, Mapping):
-            return {str(key): _table_value(key, value) for key, value in raw.items()}
+            return {str(key): policy_option_value(key, value) for key, value in raw.items()}
         if isinstance(raw, list) and all(isinstance(item, str) for item in raw):
             return list(raw)
         table = " or a table" if setting.takes_mapping else ""
@@ -77,15 +78,6 @@ def namespace_value(setting: Setting, raw: object) -> Any:
     if setting.allowed is not None and raw not in setting.allowed:
         raise ValueError(f"must be one of {', '.join(setting.allowed)}; got {raw!r}")
     return raw
-
-
-def _table_value(key: object, value: object) -> object:
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return tuple(value)
-    if isinstance(value, (str, bool, int, float)):
-        return value
-    raise ValueError(f"value of {key!r} must be a string, boolean, number or array of "
-                     f"strings, got {value!r}")
 
 
 class ConfigFileAction(argparse.Action):

@@ -104,6 +104,8 @@ def test_a_number_setting_takes_an_integer_and_a_table_keeps_its_values_typed(
     ("tool_call_parser = 'xml'", "tool_call_parser must be one of auto, hermes, llama3_json"),
     ("api_key = 'secret'", "api_key must be an array of strings, got 'secret'"),
     ("policy_options = 3", "policy_options must be an array of strings or a table"),
+    ("policy_options = { swap = { on = true } }",
+     "policy option 'swap' must be a string, boolean, number or array of strings"),
     ("model = 3", "model must be a string, got 3"),
     ("max_num_seqs = ", "is not valid TOML"),
 ])
