@@ -12,7 +12,7 @@ import importlib.metadata
 import logging
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
@@ -72,7 +72,10 @@ from engine.entrypoints.openai.refusal_pacing import RefusalPacer, peer_closed_c
 from engine.entrypoints.openai.request_id import RequestIdMiddleware
 from engine.entrypoints.openai.response_store import ResponseStore
 from engine.entrypoints.openai.serving import (
+    BodyT,
     ClientContext,
+    OpenAIServing,
+    PreparedT,
     ServerSettings,
     cancel_on_disconnect,
     rejected_param,
@@ -90,12 +93,13 @@ from engine.entrypoints.openai.tenants import (
     scope_tenant,
 )
 from engine.frontend.async_llm import AsyncLLM
+from engine.frontend.processor import ProcessedRequest
 from engine.frontend.stats import RequestStatsObserver
 
 EngineFactory = Callable[[RequestStatsObserver], AsyncLLM]
 
 ENGINE_WATCH_INTERVAL_S = 0.25
-# Names the job a generation ran in (`_respond`).
+# Names the job a generation ran in (`_generate`).
 JOB_ID_HEADER = "x-continuum-job-id"
 # What a job id keeps as it is in `JOB_ID_HEADER`: printable ASCII but the space and `%`.
 _HEADER_SAFE = "".join(chr(code) for code in range(0x21, 0x7F) if chr(code) != "%")
@@ -355,19 +359,15 @@ def _add_generation_routes(app: FastAPI) -> None:
     @app.post("/v1/completions", operation_id="createCompletion", response_class=JSONResponse,
               responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _check_accepting(request)
         serving: OpenAIServingCompletion = request.app.state.completions
-        prepared = await serving.prepare(body, ClientContext.of(request))
-        return await _respond(request, serving, body, prepared, prepared.requests)
+        return await _generate(request, serving, body)
 
     @app.post("/v1/chat/completions", operation_id="createChatCompletion",
               response_class=JSONResponse,
               responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_accepting(request)
         serving: OpenAIServingChat = request.app.state.chat
-        prepared = await serving.prepare(body, ClientContext.of(request))
-        return await _respond(request, serving, body, prepared, [prepared.request])
+        return await _generate(request, serving, body)
 
 
 def _add_response_routes(app: FastAPI) -> None:
@@ -379,10 +379,8 @@ def _add_response_routes(app: FastAPI) -> None:
         """OpenAI's Responses API: input items (or a string), function tools, streaming as
         semantic events; stored responses are continued with previous_response_id, as turns
         of one job."""
-        _check_accepting(request)
         serving: OpenAIServingResponses = request.app.state.responses
-        prepared = await serving.prepare(body, ClientContext.of(request))
-        return await _respond(request, serving, body, prepared, [prepared.request])
+        return await _generate(request, serving, body)
 
     @app.get("/v1/responses/{response_id}", operation_id="retrieveResponse",
              response_class=JSONResponse,
@@ -428,10 +426,8 @@ def _add_messages_routes(app: FastAPI) -> None:
               include_in_schema=False)
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         """Anthropic's Messages API: the next assistant message, whole or as its events."""
-        _check_accepting(request)
         serving: OpenAIServingMessages = request.app.state.messages
-        prepared = await serving.prepare(body, ClientContext.of(request))
-        return await _respond(request, serving, body, prepared, [prepared.request])
+        return await _generate(request, serving, body)
 
     @app.post("/v1/messages/count_tokens", operation_id="countMessageTokens",
               response_class=JSONResponse, include_in_schema=False)
@@ -448,13 +444,16 @@ def _generation_responses(model: type[BaseModel]) -> dict[int | str, dict[str, A
             **error_responses(400, 404, 413, 429, 503)}
 
 
-async def _respond(request: Request, serving: Any, body: Any, prepared: Any,
-                   engine_requests: list[Any]) -> Response:
-    """A prepared generation's response: its SSE stream when `body.stream`, else its JSON (as
-    the handler encoded it, or from the object it returned); either way the engine requests
-    are aborted once the client is gone or served. Its `x-continuum-job-id` header names
-    the job the engine ran it in (the client's, or the one it inferred), known at its first
-    token: a stream starts then (aborted if its client leaves before)."""
+async def _generate(request: Request, serving: OpenAIServing[BodyT, PreparedT], body: BodyT
+                    ) -> Response:
+    """A generation's response, by the API's handler: its SSE stream when `body.stream`, else
+    its JSON (as the handler encoded it, or from the object it returned); either way the
+    engine requests are aborted once the client is gone or served. Its `x-continuum-job-id`
+    header names the job the engine ran it in (the client's, or the one it inferred), known at
+    its first token: a stream starts then (aborted if its client leaves before)."""
+    _check_accepting(request)
+    prepared = await serving.prepare(body, ClientContext.of(request))
+    engine_requests = prepared.requests
     cleanup = BackgroundTask(serving.abort, engine_requests)
     job = _engine(request).job_of(engine_requests[0].request_id)
     if body.stream:
@@ -485,8 +484,8 @@ def _job_header(request: Request, job_id: str | None) -> dict[str, str]:
     return {JOB_ID_HEADER: urllib.parse.quote(job_id, safe=_HEADER_SAFE)}
 
 
-async def _aborting_when_done(chunks: AsyncIterator[bytes], serving: Any,
-                              engine_requests: list[Any]) -> AsyncIterator[bytes]:
+async def _aborting_when_done(chunks: AsyncIterator[bytes], serving: OpenAIServing[Any, Any],
+                              engine_requests: list[ProcessedRequest]) -> AsyncIterator[bytes]:
     """The stream's chunks; however it ends (an error, a client gone), its engine requests
     are aborted. The background cleanup alone misses a stream that raises, which a stream
     that had not yet read its engine output would not abort either."""
@@ -497,8 +496,8 @@ async def _aborting_when_done(chunks: AsyncIterator[bytes], serving: Any,
         serving.abort_nowait(engine_requests)
 
 
-async def _run(request: Request, work: Any, cleanup: BackgroundTask
-               ) -> dict[str, Any] | Response:
+async def _run(request: Request, work: Awaitable[dict[str, Any] | Response],
+               cleanup: BackgroundTask) -> dict[str, Any] | Response:
     """A non-streaming generation: cancelled if the client goes (`cleanup` then aborts what
     the engine still runs of it); a request the core rejects is a 400."""
     try:

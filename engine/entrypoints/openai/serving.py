@@ -10,10 +10,11 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar, get_args
+from typing import Any, ClassVar, Generic, TypeVar, get_args
 
 import msgspec
 from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
 
 from engine.config import setting
 from engine.core.client import EngineDeadError
@@ -63,7 +64,7 @@ from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
-from engine.tool_calls import TOOL_PARSERS, ToolCallFormat
+from engine.tool_calls import TOOL_CALL_MARKERS, TOOL_PARSERS, ToolCallFormat, make_tool_parser
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_N = 16
@@ -79,6 +80,8 @@ DEFAULT_MAX_RESPONSE_LOGPROBS = 1 << 20
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+BodyT = TypeVar("BodyT", bound=SamplingFields)
+PreparedT = TypeVar("PreparedT", bound="Prepared")
 _json = msgspec.json.Encoder()
 
 
@@ -288,19 +291,42 @@ class ClientContext:
                    chat_prompt=state.get(CHAT_PROMPT_STATE))
 
 
-class OpenAIServing:
-    """Base of the endpoint handlers: turns validated HTTP bodies into engine requests.
-    `prompt_param` names the body field that holds the prompt, as OpenAI's errors name it
-    (`param` of a context-length error); with `clamps_max_tokens`, a `max_tokens` beyond the
-    room the prompt leaves is cut to that room instead of refused (docs/decisions/
-    0032-max-tokens-beyond-the-context.md). Blocking work runs on `pool`, which the server
-    owns and shares among the handlers, and so are `grammar_checker` and `refusal_pacer`."""
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """A generation queued with the engine: its engine requests (one per prompt), their
+    output streams, its client's tenant and `X-Request-Id` (for log lines). Each API's
+    handler adds what its rendering needs."""
+
+    requests: list[ProcessedRequest]
+    streams: list[AsyncIterator[RequestOutput]]
+    tenant: str | None
+    client_request_id: str | None
+
+    @property
+    def request(self) -> ProcessedRequest:
+        """The engine request of a one-prompt generation."""
+        return self.requests[0]
+
+
+class OpenAIServing(Generic[BodyT, PreparedT]):
+    """Base of the generation handlers, one per API: validates a body of type `BodyT` into
+    engine requests and queues them (`prepare`, which each API's `_prepare` fills in), then
+    renders their outputs whole (`create`) or as a stream (`stream`).
+
+    `prompt_param` names the body field that holds the prompt, and `max_tokens_param` the one
+    that bounds the output, as the API's errors name them; with `clamps_max_tokens`, a
+    `max_tokens` beyond the room the prompt leaves is cut to that room instead of refused
+    (docs/decisions/0032-max-tokens-beyond-the-context.md). Blocking work runs on `pool`,
+    which the server owns and shares among the handlers, and so are `grammar_checker` and
+    `refusal_pacer`."""
 
     prompt_param: ClassVar[str] = "prompt"
+    max_tokens_param: ClassVar[str] = "max_tokens"
     clamps_max_tokens: ClassVar[bool] = False
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
                  grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer) -> None:
+        make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
         self.engine = engine
         self.settings = settings
         self.pool = pool
@@ -308,6 +334,38 @@ class OpenAIServing:
         self.grammar_checker = grammar_checker
         self._in_flight = TenantEngineRequests.of(engine)
         self._refusal_pacer = refusal_pacer
+        self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
+
+    async def prepare(self, body: BodyT, client: ClientContext) -> PreparedT:
+        """Validates the request and queues it (all its engine requests or none); APIError on
+        bad input, or 429 if the waiting queue or the tenant's cap has no room for its
+        completions, a refusal for a limit paced (`refusals_paced`). Rendering, tokenizing
+        and grammar checks run off the event loop."""
+        async with self.refusals_paced(client.tenant):
+            return await self._prepare(body, client)
+
+    async def _prepare(self, body: BodyT, client: ClientContext) -> PreparedT:
+        raise NotImplementedError
+
+    async def create(self, body: BodyT, prepared: PreparedT) -> dict[str, Any] | Response:
+        """The whole (non-streaming) response, from the engine's final outputs."""
+        raise NotImplementedError
+
+    def stream(self, body: BodyT, prepared: PreparedT) -> AsyncIterator[bytes]:
+        """The response as SSE events, as the engine's outputs arrive; a failure after the
+        stream started is its last event (`stream_failure`)."""
+        raise NotImplementedError
+
+    def prompt_token_ids(self, params: SamplingParams, tokenize: Callable[..., list[int]],
+                         *args: Any) -> list[int]:
+        """`tokenize(*args)`, the prompt's token ids; a prompt too long for this server or
+        the model, or one the processor refuses, as APIError(400) naming `prompt_param`."""
+        try:
+            return tokenize(*args)
+        except PromptTooLongError as error:
+            raise self.prompt_too_long(error, params) from error
+        except ValueError as error:
+            raise APIError(400, str(error), param=self.prompt_param) from error
 
     @contextlib.asynccontextmanager
     async def refusals_paced(self, tenant: str | None) -> AsyncIterator[None]:
@@ -409,8 +467,9 @@ class OpenAIServing:
                            param="n", code="limit_exceeded")
         limit = settings.max_output_tokens
         if max_tokens is not None and limit is not None and max_tokens > limit:
-            raise APIError(400, f"max_tokens is {max_tokens}, over this server's limit of "
-                                f"{limit}", param="max_tokens", code="limit_exceeded")
+            raise APIError(400, f"{self.max_tokens_param} is {max_tokens}, over this server's "
+                                f"limit of {limit}", param=self.max_tokens_param,
+                           code="limit_exceeded")
         if num_stop_strings > settings.max_stop_strings:
             raise APIError(400, f"{num_stop_strings} stop strings given, over this server's "
                                 f"limit of {settings.max_stop_strings}", param="stop",
@@ -510,17 +569,17 @@ class OpenAIServing:
     def process(
         self, request_id: str, token_ids: list[int], params: SamplingParams,
         body: SamplingFields, client: ClientContext,
-        kept_special_token_ids: frozenset[int] = frozenset(),
         continues_request_id: str | None = None,
         tool_call_format: ToolCallFormat | None = None,
     ) -> ProcessedRequest:
         """The validated engine request; APIError(400) naming what is wrong (including a
         prompt plus `max_tokens`, or `min_tokens`, beyond the model's context). The request's
-        job and cache salt are its tenant's. `kept_special_token_ids`: special tokens that
-        stay in the output text (see `ProcessedRequest`); `continues_request_id`: the
-        finished engine request whose turn this one continues, if known, and
-        `tool_call_format`: how its output is read for tool calls, if it offers tools (see
-        `engine.request.Request`)."""
+        job and cache salt are its tenant's. `continues_request_id`: the finished engine
+        request whose turn this one continues, if known, and `tool_call_format`: how its
+        output is read for tool calls, if it offers tools (see `engine.request.Request`);
+        then the tool-call markers stay in the output text even where they are special
+        tokens, for the parser to read."""
+        kept = frozenset() if tool_call_format is None else self._tool_call_marker_ids
         logger.debug("request id %s: engine request %s", client.request_id, request_id)
         params = self._check_prompt_length(len(token_ids), params)
         self.check_response_logprobs(self.num_logprob_values(len(token_ids), params),
@@ -530,7 +589,7 @@ class OpenAIServing:
                 request_id, token_ids, params, job=self._job(body, client),
                 priority=body.priority, cache_salt=engine_cache_salt(
                     client.tenant, body.cache_salt, share_prefix_cache=self._shares_cache),
-                tenant=client.tenant, kept_special_token_ids=kept_special_token_ids,
+                tenant=client.tenant, kept_special_token_ids=kept,
                 continues_request_id=continues_request_id, tool_call_format=tool_call_format,
             )
         except ValueError as error:
@@ -621,7 +680,7 @@ class OpenAIServing:
                 f"{num_prompt_tokens + params.max_tokens} were requested ({num_prompt_tokens} "
                 f"in the {self.prompt_param}, {params.max_tokens} for the completion); reduce "
                 f"the length of the {self.prompt_param} or the completion",
-                param="max_tokens", code="context_length_exceeded",
+                param=self.max_tokens_param, code="context_length_exceeded",
             )
         if params.min_tokens and params.min_tokens > room:
             raise APIError(
@@ -714,19 +773,26 @@ def rejected_param(error: ValueError) -> str | None:
     return error.param if isinstance(error, RequestRejected) else None
 
 
-def sse_error(error: BaseException, client_request_id: str | None = None) -> bytes:
-    """The SSE event that reports a failure after the stream started (the status is sent);
-    an unexpected one is logged with the request's `X-Request-Id`."""
+def stream_failure(error: BaseException, client_request_id: str | None) -> APIError:
+    """What ends a response whose stream started (its status sent), for each API to render
+    as its last event: the engine gone, the server's drain, the core's rejection of the
+    request (400), or an unexpected failure (500, logged with the request's
+    `X-Request-Id`)."""
     if isinstance(error, EngineDeadError):
-        dead = engine_dead_error(error)
-        return sse(error_body(dead.status_code, dead.message, code=dead.code))
-    if isinstance(error, ValueError):  # the core rejected the request
-        return sse(error_body(400, str(error), param=rejected_param(error)))
+        return engine_dead_error(error)
     if isinstance(error, ServerShuttingDownError):
-        refused = shutting_down_error(error)
-        return sse(error_body(refused.status_code, refused.message, code=refused.code))
+        return shutting_down_error(error)
+    if isinstance(error, ValueError):  # the core rejected the request
+        return APIError(400, str(error), param=rejected_param(error))
     logger.exception("a response stream failed (request id %s)", client_request_id)
-    return sse(error_body(500, f"internal server error: {type(error).__name__}"))
+    return APIError(500, f"internal server error: {type(error).__name__}")
+
+
+def sse_error(error: BaseException, client_request_id: str | None) -> bytes:
+    """OpenAI's SSE event for a failure after the stream started (`stream_failure`)."""
+    failure = stream_failure(error, client_request_id)
+    return sse(error_body(failure.status_code, failure.message, param=failure.param,
+                          code=failure.code))
 
 
 async def merge_streams(

@@ -18,102 +18,68 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.entrypoints.openai.chat_prompt import check_chat_fields, render_chat_prompt
-from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.generation import ChoiceOutput, ForcedTool, OfferedTool, ToolOffer
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
-from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
     ClientContext,
     OpenAIServing,
-    ServerSettings,
+    Prepared,
     merge_streams,
     new_id,
     sse,
     sse_error,
 )
 from engine.entrypoints.openai.structured_outputs import (
-    GrammarChecker,
-    chat_structured_output,
     may_constrain,
+    offer_structured_output,
+    output_constraint,
 )
 from engine.entrypoints.openai.tool_call_ids import issued_call_id
-from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
-from engine.entrypoints.openai.work_pool import TenantWorkPool
-from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.processor import ProcessedRequest, PromptTooLongError, core_request_id
-from engine.frontend.request_outputs import CompletionOutput, RequestOutput
+from engine.frontend.processor import ProcessedRequest, core_request_id
+from engine.frontend.request_outputs import CompletionOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.tool_calls import (
-    TOOL_CALL_MARKERS,
-    ParsedToolCall,
-    ToolCallFormat,
-    ToolParser,
-    make_tool_parser,
-)
+from engine.structured_output.spec import StructuredOutputSpec
+from engine.tool_calls import ParsedToolCall, ToolParser
 
 
-@dataclass(frozen=True)
-class PreparedChat:
-    """A chat request queued with the engine, its output stream, and the client's
-    `X-Request-Id` (for log lines)."""
+@dataclass(kw_only=True)
+class _ChoiceStream(ChoiceOutput):
+    """Streaming state of one choice: its output, and whether its role was sent."""
 
-    request: ProcessedRequest
-    stream: AsyncIterator[RequestOutput]
-    client_request_id: str | None = None
-
-
-@dataclass
-class _ChoiceStream:
-    """Streaming state of one choice."""
-
-    splitter: StreamingToolCallSplitter | None
     role_sent: bool = False
-    num_tokens: int = 0
-    tool_calls: tuple[ParsedToolCall, ...] = ()
 
 
-class OpenAIServingChat(OpenAIServing):
+def chat_offer(body: ChatCompletionRequest) -> ToolOffer:
+    """The tools a chat request offers, as chat names its fields."""
+    choice = body.tool_choice
+    return ToolOffer(
+        tools=tuple(OfferedTool(tool.function.name, tool.function.parameters,
+                                bool(tool.function.strict),
+                                f"tools[{index}].function.parameters")
+                    for index, tool in enumerate(body.tools or ())),
+        choice=ForcedTool(choice.function.name) if choice is not None and not isinstance(
+            choice, str) else choice or "auto",
+        parallel=body.parallel_tool_calls is not False)
+
+
+class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
     """Validates a chat request, runs it, and formats OpenAI's `chat.completion`."""
 
     prompt_param = "messages"
 
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
-                 grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer) -> None:
-        super().__init__(engine, settings, pool, grammar_checker, refusal_pacer)
-        make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
-        self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
-
-    def _tool_call_format(self, body: ChatCompletionRequest) -> ToolCallFormat | None:
-        """How this request's output is read for tool calls, or None when tools are off."""
-        if not body.tools or body.tool_choice == "none":
-            return None
-        return ToolCallFormat(parser=self.settings.tool_call_parser,
-                              tool_names=tuple(tool.function.name for tool in body.tools),
-                              parallel=body.parallel_tool_calls is not False)
-
     def _parser(self, body: ChatCompletionRequest) -> ToolParser | None:
         """The tool-call parser for this request, or None when tools are off."""
-        tool_call_format = self._tool_call_format(body)
-        return None if tool_call_format is None else tool_call_format.make_parser()
+        call_format = chat_offer(body).call_format(self.settings.tool_call_parser)
+        return None if call_format is None else call_format.make_parser()
 
-    async def prepare(
-        self, body: ChatCompletionRequest, client: ClientContext
-    ) -> PreparedChat:
-        """Validates the request and queues it; APIError on bad input, or 429 if the waiting
-        queue or the tenant's cap has no room for its completions, a refusal for a limit
-        paced (`refusals_paced`). Rendering and validating run off the event loop."""
-        async with self.refusals_paced(client.tenant):
-            return await self._prepare(body, client)
-
-    async def _prepare(self, body: ChatCompletionRequest, client: ClientContext) -> PreparedChat:
+    async def _prepare(self, body: ChatCompletionRequest, client: ClientContext) -> Prepared:
         self.check_request(body)
         check_chat_fields(body)
         structured_output = None
-        if may_constrain(body):
-            structured_output = await self.run_for(
-                client, chat_structured_output, body, self.grammar_checker,
-                self.settings.tool_call_parser)
+        if may_constrain(body) or chat_offer(body).may_constrain:
+            structured_output = await self.run_for(client, self._structured_output, body)
         params = self.sampling_params(
             body,
             max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None
@@ -124,31 +90,26 @@ class OpenAIServingChat(OpenAIServing):
         )
         self.check_queue_room(body.n, client.tenant)
         request = await self.run_for(client, self._render_and_process, body, params, client)
-        (stream,) = self.submit([request])
-        return PreparedChat(request, stream, client.request_id)
+        return Prepared(requests=[request], streams=self.submit([request]),
+                        tenant=client.tenant, client_request_id=client.request_id)
+
+    def _structured_output(self, body: ChatCompletionRequest) -> StructuredOutputSpec | None:
+        return offer_structured_output(chat_offer(body), output_constraint(body),
+                                       self.grammar_checker, self.settings.tool_call_parser)
 
     def _render_and_process(self, body: ChatCompletionRequest, params: SamplingParams,
                             client: ClientContext) -> ProcessedRequest:
-        tool_call_format = self._tool_call_format(body)
-        kept = self._tool_call_marker_ids if tool_call_format is not None else frozenset()
         prompt = client.chat_prompt or render_chat_prompt(self.engine.processor, body)
-        try:
-            token_ids = prompt.checked_token_ids(self.max_model_len)
-        except PromptTooLongError as error:
-            raise self.prompt_too_long(error, params) from error
-        except ValueError as error:
-            raise APIError(400, str(error), param="messages") from error
+        token_ids = self.prompt_token_ids(params, prompt.checked_token_ids, self.max_model_len)
         return self.process(new_id("chatcmpl"), token_ids, params, body, client,
-                            kept_special_token_ids=kept,
                             continues_request_id=prompt.continues_request_id,
-                            tool_call_format=tool_call_format)
+                            tool_call_format=chat_offer(body).call_format(
+                                self.settings.tool_call_parser))
 
-    async def create(self, body: ChatCompletionRequest,
-                     prepared: PreparedChat) -> dict[str, Any]:
-        """The whole (non-streaming) response."""
+    async def create(self, body: ChatCompletionRequest, prepared: Prepared) -> dict[str, Any]:
         request = prepared.request
         final = None
-        async for _, output in merge_streams([prepared.stream]):
+        async for _, output in merge_streams(prepared.streams):
             final = output
         assert final is not None and final.finished
         parser = self._parser(body)
@@ -171,19 +132,17 @@ class OpenAIServingChat(OpenAIServing):
         self, body: ChatCompletionRequest, completion: CompletionOutput,
         parser: ToolParser | None, engine_request_id: str,
     ) -> dict[str, Any]:
-        content: str | None = completion.text
-        tool_calls: tuple[ParsedToolCall, ...] = ()
-        if parser is not None:
-            parsed = parser.parse(completion.text)
-            content, tool_calls = parsed.content, parsed.tool_calls
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["tool_calls"] = [_tool_call(call, issued_call_id(engine_request_id, index))
-                                     for index, call in enumerate(tool_calls)]
+        output = ChoiceOutput(parser=parser)
+        output.push(completion)
+        calls = output.tool_calls
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": output.text if output.text or not calls else None}
+        if calls:
+            message["tool_calls"] = _tool_calls(calls, engine_request_id)
         choice: dict[str, Any] = {
             "index": completion.index, "message": message,
             "logprobs": self._logprobs(completion.logprobs),
-            "finish_reason": _finish_reason(completion.finish_reason, tool_calls),
+            "finish_reason": _finish_reason(completion.finish_reason, calls),
             "stop_reason": completion.stop_reason,
         }
         if body.return_token_ids:
@@ -191,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         return choice
 
     async def stream(
-        self, body: ChatCompletionRequest, prepared: PreparedChat
+        self, body: ChatCompletionRequest, prepared: Prepared
     ) -> AsyncIterator[bytes]:
         """SSE chunks: per choice, a first chunk with the role once the choice has a token,
         content deltas, tool calls and the finish reason at its end; then usage (if asked) and
@@ -200,12 +159,11 @@ class OpenAIServingChat(OpenAIServing):
         header = {"id": request.request_id, "object": "chat.completion.chunk",
                   "created": int(time.time()), "model": self.settings.served_model_name}
         parser = self._parser(body)
-        choices = [_ChoiceStream(None if parser is None else StreamingToolCallSplitter(parser))
-                   for _ in range(body.n)]
+        choices = [_ChoiceStream(parser=parser) for _ in range(body.n)]
         num_cached_tokens = 0
         prompt_token_ids_sent = not body.return_token_ids
         try:
-            async for _, output in merge_streams([prepared.stream]):
+            async for _, output in merge_streams(prepared.streams):
                 num_cached_tokens = output.num_cached_tokens
                 for completion in output.outputs:
                     choice = self._delta_choice(
@@ -230,23 +188,16 @@ class OpenAIServingChat(OpenAIServing):
         self, body: ChatCompletionRequest, completion: CompletionOutput, state: _ChoiceStream,
         engine_request_id: str,
     ) -> dict[str, Any] | None:
-        state.num_tokens += len(completion.token_ids)
-        text = completion.text
+        text = state.push(completion)
         delta: dict[str, Any] = {}
         if not state.role_sent:  # the choice's first output: it has a token, or it ended
             delta = {"role": "assistant", "content": ""}
             state.role_sent = True
-        if state.splitter is not None:
-            text = state.splitter.push(text)
-            if completion.finished:
-                rest, state.tool_calls = state.splitter.finish()
-                text += rest
         if text:
             delta["content"] = text
         if state.tool_calls:
-            delta["tool_calls"] = [
-                {"index": i, **_tool_call(call, issued_call_id(engine_request_id, i))}
-                for i, call in enumerate(state.tool_calls)]
+            delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(
+                _tool_calls(state.tool_calls, engine_request_id))]
         carries_tokens = completion.token_ids and (body.return_token_ids or completion.logprobs)
         if not delta and not completion.finished and not carries_tokens:
             return None  # text held back (a partial character, stop string or tool call)
@@ -269,6 +220,8 @@ def _finish_reason(reason: str | None, tool_calls: tuple[ParsedToolCall, ...]) -
     return "tool_calls" if tool_calls and reason == "stop" else reason
 
 
-def _tool_call(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
-    return {"id": call_id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+def _tool_calls(calls: tuple[ParsedToolCall, ...], engine_request_id: str
+                ) -> list[dict[str, Any]]:
+    return [{"id": issued_call_id(engine_request_id, index), "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}
+            for index, call in enumerate(calls)]

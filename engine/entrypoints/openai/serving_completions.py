@@ -33,6 +33,7 @@ from engine.entrypoints.openai.serving import (
     SSE_DONE,
     ClientContext,
     OpenAIServing,
+    Prepared,
     merge_streams,
     new_id,
     sse,
@@ -42,23 +43,19 @@ from engine.entrypoints.openai.structured_outputs import (
     completion_structured_output,
     may_constrain,
 )
-from engine.frontend.processor import ProcessedRequest, PromptTooLongError
+from engine.frontend.processor import ProcessedRequest
 from engine.frontend.request_outputs import CompletionOutput, RequestOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
-class PreparedCompletion:
-    """A completion request queued with the engine: its response id, one engine request per
-    prompt, their output streams, and the client's `X-Request-Id` (for log lines)."""
+@dataclass(frozen=True, kw_only=True)
+class PreparedCompletion(Prepared):
+    """A completion request queued with the engine, one engine request per prompt; its
+    response id, and with echo each prompt as text."""
 
     response_id: str
-    requests: list[ProcessedRequest]
-    streams: list[AsyncIterator[RequestOutput]]
-    client_request_id: str | None = None
-    echo_texts: list[str] | None = None  # with echo: each prompt as text
-    tenant: str | None = None
+    echo_texts: list[str] | None = None
 
 
 _LOGPROB_FIELDS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
@@ -106,18 +103,9 @@ class _PromptEcho:
     logprobs: _EchoLogprobs | None
 
 
-class OpenAIServingCompletion(OpenAIServing):
-    """Validates a completion request, runs it, and formats OpenAI's `text_completion`."""
-
-    async def prepare(
-        self, body: CompletionRequest, client: ClientContext
-    ) -> PreparedCompletion:
-        """Validates the request and queues it (all prompts or none); APIError on bad input
-        (a response over `max_response_logprobs` among it), or 429 if the waiting queue or
-        the tenant's cap has no room for it, a refusal for a limit paced
-        (`refusals_paced`). Tokenizing and validating run off the event loop."""
-        async with self.refusals_paced(client.tenant):
-            return await self._prepare(body, client)
+class OpenAIServingCompletion(OpenAIServing[CompletionRequest, PreparedCompletion]):
+    """Validates a completion request, runs it, and formats OpenAI's `text_completion`; a
+    response over `max_response_logprobs` is refused before any work."""
 
     async def _prepare(self, body: CompletionRequest, client: ClientContext
                        ) -> PreparedCompletion:
@@ -148,9 +136,9 @@ class OpenAIServingCompletion(OpenAIServing):
                       if body.echo else None)
         requests = await self.run_for(client, self._process_prompts, response_id,
                                        prompts, params, body, client)
-        return PreparedCompletion(response_id, requests, self.submit(requests),
-                                  client.request_id, echo_texts=echo_texts,
-                                  tenant=client.tenant)
+        return PreparedCompletion(response_id=response_id, requests=requests,
+                                  streams=self.submit(requests), tenant=client.tenant,
+                                  client_request_id=client.request_id, echo_texts=echo_texts)
 
     def _echo_texts(self, prompts: list[str | list[int]]) -> list[str]:
         """The text `echo` returns for each prompt: a text prompt as given, a token-id prompt
@@ -175,6 +163,9 @@ class OpenAIServingCompletion(OpenAIServing):
                            code="limit_exceeded")
         return prompts
 
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.processor.tokenize(prompt)[1]
+
     def _process_prompts(
         self, response_id: str, prompts: list[str | list[int]], params: SamplingParams,
         body: CompletionRequest, client: ClientContext,
@@ -184,12 +175,7 @@ class OpenAIServingCompletion(OpenAIServing):
         requests = []
         num_logprob_values = 0
         for index, prompt in enumerate(prompts):
-            try:
-                token_ids = self.engine.processor.tokenize(prompt)[1]
-            except PromptTooLongError as error:
-                raise self.prompt_too_long(error, params) from error
-            except ValueError as error:
-                raise APIError(400, str(error), param="prompt") from error
+            token_ids = self.prompt_token_ids(params, self._tokenize, prompt)
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{index}"
             request = self.process(request_id, token_ids, params, body, client)
             num_logprob_values += self.num_logprob_values(len(token_ids),

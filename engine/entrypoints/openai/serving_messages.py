@@ -33,17 +33,15 @@ started is an `error` event.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.anthropic_errors import anthropic_error_body
-from engine.entrypoints.openai.drain import ServerShuttingDownError
 from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.generation import ChoiceOutput, ForcedTool, OfferedTool, ToolOffer
 from engine.entrypoints.openai.messages_prompt import (
     check_messages_fields,
     count_prompt,
@@ -52,124 +50,70 @@ from engine.entrypoints.openai.messages_prompt import (
     prompt_token_ids,
     template_conversation,
 )
-from engine.entrypoints.openai.protocol import (
-    ChatTool,
-    FunctionDefinition,
-    NamedFunction,
-    NamedToolChoice,
-)
 from engine.entrypoints.openai.protocol_messages import (
     CacheTTL,
     MessagesCountTokensRequest,
-    MessagesFields,
     MessagesRequest,
     ToolChoiceAny,
-    ToolChoiceAuto,
     ToolChoiceNone,
     ToolChoiceTool,
 )
-from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 from engine.entrypoints.openai.serving import (
     ClientContext,
     OpenAIServing,
-    ServerSettings,
+    Prepared,
     merge_streams,
     new_id,
     sse,
+    stream_failure,
 )
 from engine.entrypoints.openai.structured_outputs import (
-    GrammarChecker,
-    chat_structured_output,
-    may_constrain,
+    json_schema_constraint,
+    offer_structured_output,
 )
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
-from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
-from engine.entrypoints.openai.work_pool import TenantWorkPool
-from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.processor import ProcessedRequest, PromptTooLongError
-from engine.frontend.request_outputs import CompletionOutput, RequestOutput
+from engine.frontend.processor import ProcessedRequest
 from engine.sampling_params import CacheBreakpoint, SamplingParams
-from engine.tool_calls import (
-    TOOL_CALL_MARKERS,
-    ParsedToolCall,
-    ToolCallFormat,
-    ToolParser,
-    make_tool_parser,
-)
+from engine.structured_output.spec import StructuredOutputSpec
+from engine.tool_calls import ToolCallFormat, ToolParser
 
-logger = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class PreparedMessage:
-    """A Messages request queued with the engine: its output stream, how its output is read
-    for tool calls (`parser`, None without tools), its cache breakpoint with the TTL the
-    client named for it, and the client's `X-Request-Id`."""
+@dataclass(frozen=True, kw_only=True)
+class PreparedMessage(Prepared):
+    """A Messages request queued with the engine: how its output is read for tool calls
+    (`parser`, None without tools), its cache breakpoint with the TTL the client named for
+    it."""
 
     message_id: str
-    request: ProcessedRequest
-    stream: AsyncIterator[RequestOutput]
     parser: ToolParser | None
     cache_breakpoint: CacheBreakpoint | None
     cache_ttl: CacheTTL | None
-    client_request_id: str | None = None
 
     @property
     def engine_request_id(self) -> str:
         return self.request.core_requests[0].request_id
 
 
-@dataclass(frozen=True)
-class _ChatToolFields:
-    """A Messages request's tools, `tool_choice` and `output_config.format` in the chat shape
-    that `structured_outputs.py` reads (the format as `guided_json`)."""
-
-    tools: list[ChatTool]
-    tool_choice: str | NamedToolChoice | None
-    parallel_tool_calls: bool | None
-    guided_json: dict[str, Any] | None = None
-
-    @classmethod
-    def of(cls, body: MessagesFields) -> _ChatToolFields:
-        choice = body.tool_choice
-        chat_choice: str | NamedToolChoice | None = None
-        if isinstance(choice, ToolChoiceAuto):
-            chat_choice = "auto"
-        elif isinstance(choice, ToolChoiceAny):
-            chat_choice = "required"
-        elif isinstance(choice, ToolChoiceTool):
-            chat_choice = NamedToolChoice(function=NamedFunction(name=choice.name))
-        elif isinstance(choice, ToolChoiceNone):
-            chat_choice = "none"
-        disable_parallel = getattr(choice, "disable_parallel_tool_use", False)
-        output_config = getattr(body, "output_config", None)
-        output_format = None if output_config is None else output_config.format
-        return cls(
-            tools=[ChatTool(function=FunctionDefinition(
-                name=tool.name, description=tool.description, parameters=tool.input_schema,
-                strict=tool.strict)) for tool in body.tools or ()],
-            tool_choice=chat_choice, parallel_tool_calls=False if disable_parallel else None,
-            guided_json=None if output_format is None else output_format.schema_)
+def messages_offer(body: MessagesRequest) -> ToolOffer:
+    """The tools a Messages request offers, as this API names its fields (`any` is chat's
+    "required", `disable_parallel_tool_use` its `parallel_tool_calls: false`)."""
+    choice = body.tool_choice
+    return ToolOffer(
+        tools=tuple(OfferedTool(tool.name, tool.input_schema, bool(tool.strict),
+                                f"tools[{index}].input_schema")
+                    for index, tool in enumerate(body.tools or ())),
+        choice="required" if isinstance(choice, ToolChoiceAny) else
+        ForcedTool(choice.name) if isinstance(choice, ToolChoiceTool) else
+        "none" if isinstance(choice, ToolChoiceNone) else "auto",
+        parallel=not getattr(choice, "disable_parallel_tool_use", False))
 
 
-class OpenAIServingMessages(OpenAIServing):
+class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
     """Validates a Messages request, runs it, and formats Anthropic's `message` (whole or as
     events); counts a request's input tokens."""
 
     prompt_param = "messages"
     clamps_max_tokens = True  # clients' defaults (litellm's 128,000) exceed small contexts
-
-    def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
-                 grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer) -> None:
-        super().__init__(engine, settings, pool, grammar_checker, refusal_pacer)
-        make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
-        self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
-
-    async def prepare(self, body: MessagesRequest, client: ClientContext) -> PreparedMessage:
-        """Validates the request, renders its conversation and queues it; APIError on bad
-        input, or 429 if the waiting queue or the tenant's cap has no room, a refusal for a
-        limit paced (`refusals_paced`). Rendering runs off the event loop."""
-        async with self.refusals_paced(client.tenant):
-            return await self._prepare(body, client)
 
     async def _prepare(self, body: MessagesRequest, client: ClientContext) -> PreparedMessage:
         self.check_request(body)
@@ -179,28 +123,26 @@ class OpenAIServingMessages(OpenAIServing):
         if body.stop is not None:
             raise APIError(400, "stop is this API's stop_sequences: send stop_sequences",
                            param="stop")
-        fields = _ChatToolFields.of(body)
+        offer = messages_offer(body)
         structured_output = None
-        if may_constrain(fields):
-            structured_output = await self.run_for(client, self._structured_output, fields)
+        if offer.may_constrain or body.output_config is not None:
+            structured_output = await self.run_for(client, self._structured_output, body)
         sampled = body if body.stop_sequences is None else body.model_copy(
             update={"stop": body.stop_sequences})
         params = self.sampling_params(sampled, max_tokens=body.max_tokens, logprobs=None,
                                       stream=body.stream, structured_output=structured_output)
         self.check_queue_room(1, client.tenant)
         message_id = new_id("msg").replace("-", "_")
-        tool_call_format = _tool_call_format(body, self.settings.tool_call_parser)
+        call_format = offer.call_format(self.settings.tool_call_parser)
         request, cache_breakpoint = await self.run_for(
-            client, self._render_and_process, message_id, body, params, client,
-            tool_call_format)
-        (stream,) = self.submit([request])
+            client, self._render_and_process, message_id, body, params, client, call_format)
         last_control = last_cache_control(body)
         return PreparedMessage(
-            message_id=message_id, request=request, stream=stream,
-            parser=None if tool_call_format is None else tool_call_format.make_parser(),
+            message_id=message_id, requests=[request], streams=self.submit([request]),
+            tenant=client.tenant, client_request_id=client.request_id,
+            parser=None if call_format is None else call_format.make_parser(),
             cache_breakpoint=cache_breakpoint,
-            cache_ttl=None if last_control is None else last_control.ttl,
-            client_request_id=client.request_id)
+            cache_ttl=None if last_control is None else last_control.ttl)
 
     async def count_tokens(self, body: MessagesCountTokensRequest,
                            client: ClientContext) -> dict[str, int]:
@@ -223,119 +165,108 @@ class OpenAIServingMessages(OpenAIServing):
         return APIError(400, f"prompt is too long: {count} tokens > {self.max_model_len - 1} "
                              "maximum", param="messages", code="context_length_exceeded")
 
-    def _structured_output(self, fields: _ChatToolFields) -> Any:
-        try:
-            return chat_structured_output(fields, self.grammar_checker,
-                                          self.settings.tool_call_parser)
-        except APIError as error:
-            param = error.param or ""
-            name = (param.replace(".function.parameters", ".input_schema")
-                    .replace("guided_json", "output_config.format.schema"))
-            if name != param:
-                raise APIError(error.status_code, error.message.replace(param, name),
-                               param=name, code=error.code) from error
-            raise
+    def _structured_output(self, body: MessagesRequest) -> StructuredOutputSpec | None:
+        output_format = None if body.output_config is None else body.output_config.format
+        constraint = None if output_format is None else json_schema_constraint(
+            "output_config.format.schema", output_format.schema_, strict=False)
+        return offer_structured_output(messages_offer(body), constraint, self.grammar_checker,
+                                       self.settings.tool_call_parser)
 
     def _render_and_process(
         self, message_id: str, body: MessagesRequest, params: SamplingParams,
         client: ClientContext, tool_call_format: ToolCallFormat | None,
     ) -> tuple[ProcessedRequest, CacheBreakpoint | None]:
         conversation = template_conversation(body)
-        try:
-            token_ids = prompt_token_ids(self.engine.processor, conversation)
-        except PromptTooLongError as error:
-            raise self.prompt_too_long(error, params) from error
-        except ValueError as error:
-            raise APIError(400, str(error), param="messages") from error
+        token_ids = self.prompt_token_ids(params, prompt_token_ids, self.engine.processor,
+                                          conversation)
         cache_breakpoint = prompt_cache_breakpoint(self.engine.processor.tokenizer,
                                                    conversation, token_ids)
         if cache_breakpoint is not None:
             params = msgspec.structs.replace(params, cache_breakpoint=cache_breakpoint)
-        kept = self._tool_call_marker_ids if tool_call_format is not None else frozenset()
         request = self.process(message_id, token_ids, params, body, client,
-                               kept_special_token_ids=kept,
                                continues_request_id=continued_request_id(conversation.messages),
                                tool_call_format=tool_call_format)
         return request, cache_breakpoint
 
     async def create(self, body: MessagesRequest, prepared: PreparedMessage
                      ) -> dict[str, Any]:
-        """The whole (non-streaming) message."""
-        final: RequestOutput | None = None
-        async for _, output in merge_streams([prepared.stream]):
-            final = output
-        assert final is not None and final.finished
-        (completion,) = final.outputs
-        text, calls = _split(prepared.parser, completion.text)
-        content = [*([{"type": "text", "text": text}] if text else []),
-                   *(_tool_use_block(call, issued_call_id(prepared.engine_request_id, index))
-                     for index, call in enumerate(calls))]
-        stop_reason, stop_sequence = _stop_reason(completion, calls)
+        output = ChoiceOutput(parser=prepared.parser)
+        num_cached_tokens = 0
+        async for _, final in merge_streams(prepared.streams):
+            num_cached_tokens = final.num_cached_tokens
+            for completion in final.outputs:
+                output.push(completion)
+        stop_reason, stop_sequence = _stop_reason(output)
         return {
             "id": prepared.message_id, "type": "message", "role": "assistant",
             "model": self.settings.served_model_name,
-            "content": content or [{"type": "text", "text": ""}],
+            "content": [*([{"type": "text", "text": output.text}] if output.text else []),
+                        *self._tool_use_blocks(prepared, output)]
+            or [{"type": "text", "text": ""}],
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": self._usage(prepared, final.num_cached_tokens, len(completion.token_ids)),
+            "usage": self._usage(prepared, num_cached_tokens, output.num_tokens),
         }
 
     async def stream(self, body: MessagesRequest, prepared: PreparedMessage
                      ) -> AsyncIterator[bytes]:
         """The message as Anthropic's SSE events (see the module's docstring)."""
-        splitter = None if prepared.parser is None else StreamingToolCallSplitter(
-            prepared.parser)
+        output = ChoiceOutput(parser=prepared.parser)
         started = text_open = False
-        num_output_tokens = num_cached_tokens = 0
-        calls: tuple[ParsedToolCall, ...] = ()
-        last: CompletionOutput | None = None
+        num_cached_tokens = 0
         try:
-            async for _, output in merge_streams([prepared.stream]):
-                num_cached_tokens = output.num_cached_tokens
+            async for _, result in merge_streams(prepared.streams):
+                num_cached_tokens = result.num_cached_tokens
                 if not started:
                     started = True
                     yield _event("message_start", message=self._message_opening(
                         prepared, num_cached_tokens))
                     yield _event("ping")
-                for completion in output.outputs:
-                    num_output_tokens += len(completion.token_ids)
-                    delta = completion.text
-                    if splitter is not None:
-                        delta = splitter.push(delta)
-                        if completion.finished:
-                            rest, calls = splitter.finish()
-                            delta += rest
+                for completion in result.outputs:
+                    delta = output.push(completion)
+                    if delta and not text_open:
+                        text_open = True
+                        yield _event("content_block_start", index=0,
+                                     content_block={"type": "text", "text": ""})
                     if delta:
-                        if not text_open:
-                            text_open = True
-                            yield _event("content_block_start", index=0,
-                                         content_block={"type": "text", "text": ""})
                         yield _event("content_block_delta", index=0,
                                      delta={"type": "text_delta", "text": delta})
-                    if completion.finished:
-                        last = completion
-            assert last is not None
-            if text_open or not calls:
-                if not text_open:  # nothing at all: one empty text block, as `create` has
-                    yield _event("content_block_start", index=0,
-                                 content_block={"type": "text", "text": ""})
-                yield _event("content_block_stop", index=0)
-            first_call_index = 1 if text_open or not calls else 0
-            for offset, call in enumerate(calls):
-                index = first_call_index + offset
-                block = _tool_use_block(call, issued_call_id(prepared.engine_request_id,
-                                                             offset))
-                yield _event("content_block_start", index=index,
-                             content_block={**block, "input": {}})
-                yield _event("content_block_delta", index=index, delta={
-                    "type": "input_json_delta", "partial_json": call.arguments})
-                yield _event("content_block_stop", index=index)
-            stop_reason, stop_sequence = _stop_reason(last, calls)
-            yield _event("message_delta",
-                         delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                         usage=self._usage(prepared, num_cached_tokens, num_output_tokens))
-            yield _event("message_stop")
+            for chunk in self._closing_events(prepared, output, num_cached_tokens,
+                                              text_open=text_open):
+                yield chunk
         except Exception as error:
             yield _event("error", **_stream_error(error, prepared.client_request_id))
+
+    def _closing_events(self, prepared: PreparedMessage, output: ChoiceOutput,
+                        num_cached_tokens: int, *, text_open: bool) -> list[bytes]:
+        """The events that end the text block (one empty block if there is nothing at all,
+        as `create` has it), give each `tool_use` block, then the stop reason and usage."""
+        events = []
+        calls = self._tool_use_blocks(prepared, output)
+        if text_open or not calls:
+            if not text_open:
+                events.append(_event("content_block_start", index=0,
+                                     content_block={"type": "text", "text": ""}))
+            events.append(_event("content_block_stop", index=0))
+        first_index = 1 if text_open or not calls else 0
+        for index, block, call in zip(range(first_index, first_index + len(calls)), calls,
+                                      output.tool_calls, strict=True):
+            events += [
+                _event("content_block_start", index=index, content_block={**block, "input": {}}),
+                _event("content_block_delta", index=index, delta={
+                    "type": "input_json_delta", "partial_json": call.arguments}),
+                _event("content_block_stop", index=index)]
+        stop_reason, stop_sequence = _stop_reason(output)
+        return [*events, _event(
+            "message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            usage=self._usage(prepared, num_cached_tokens, output.num_tokens)),
+            _event("message_stop")]
+
+    @staticmethod
+    def _tool_use_blocks(prepared: PreparedMessage, output: ChoiceOutput
+                         ) -> list[dict[str, Any]]:
+        return [{"type": "tool_use", "id": issued_call_id(prepared.engine_request_id, index),
+                 "name": call.name, "input": json.loads(call.arguments)}
+                for index, call in enumerate(output.tool_calls)]
 
     def _message_opening(self, prepared: PreparedMessage, num_cached_tokens: int
                          ) -> dict[str, Any]:
@@ -366,37 +297,15 @@ class OpenAIServingMessages(OpenAIServing):
         }
 
 
-def _tool_call_format(body: MessagesRequest, parser: str) -> ToolCallFormat | None:
-    """How this request's output is read for tool calls, or None when tools are off."""
-    if not body.tools or isinstance(body.tool_choice, ToolChoiceNone):
-        return None
-    disable_parallel = getattr(body.tool_choice, "disable_parallel_tool_use", False)
-    return ToolCallFormat(parser=parser, tool_names=tuple(tool.name for tool in body.tools),
-                          parallel=not disable_parallel)
-
-
-def _split(parser: ToolParser | None, text: str) -> tuple[str, tuple[ParsedToolCall, ...]]:
-    """The output's text and its tool calls."""
-    if parser is None:
-        return text, ()
-    parsed = parser.parse(text)
-    return parsed.content or "", parsed.tool_calls
-
-
-def _tool_use_block(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
-    return {"type": "tool_use", "id": call_id, "name": call.name,
-            "input": json.loads(call.arguments)}
-
-
-def _stop_reason(completion: CompletionOutput, calls: tuple[ParsedToolCall, ...]
-                 ) -> tuple[str, str | None]:
+def _stop_reason(output: ChoiceOutput) -> tuple[str, str | None]:
     """Anthropic's stop reason and the stop sequence that ended the output, if one did."""
-    if completion.finish_reason == "length":
+    assert output.last is not None
+    if output.finish_reason == "length":
         return "max_tokens", None
-    if calls:
+    if output.tool_calls:
         return "tool_use", None
-    if isinstance(completion.stop_reason, str):
-        return "stop_sequence", completion.stop_reason
+    if isinstance(output.last.stop_reason, str):
+        return "stop_sequence", output.last.stop_reason
     return "end_turn", None
 
 
@@ -407,16 +316,7 @@ def _event(kind: str, **fields: Any) -> bytes:
 
 def _stream_error(error: Exception, client_request_id: str | None) -> dict[str, Any]:
     """The `error` event's fields for a failure after the stream started."""
-    if isinstance(error, EngineDeadError):
-        status, message = 503, f"the engine is not running: {str(error).partition(chr(10))[0]}"
-    elif isinstance(error, ServerShuttingDownError):
-        status, message = 503, str(error) or "the server is shutting down"
-    elif isinstance(error, ValueError):  # the core rejected the request
-        status, message = 400, str(error)
-    else:
-        logger.exception("a message stream failed (request id %s)", client_request_id)
-        status, message = 500, f"internal server error: {type(error).__name__}"
-    body = anthropic_error_body(status, message, client_request_id)
+    failure = stream_failure(error, client_request_id)
+    body = anthropic_error_body(failure.status_code, failure.message, client_request_id)
     return {"error": body["error"], **({"request_id": client_request_id}
                                        if client_request_id is not None else {})}
-

@@ -21,7 +21,6 @@ prompt. So the engine's job order and KV pins apply to every agent's turns.
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -31,28 +30,12 @@ from typing import Any, Literal
 import msgspec
 from starlette.responses import Response
 
-from engine.core.client import EngineDeadError
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_ITEMS
 from engine.entrypoints.openai.chat_prompt import template_message
-from engine.entrypoints.openai.drain import ServerShuttingDownError
-from engine.entrypoints.openai.errors import (
-    APIError,
-    check_unique_names,
-    engine_dead_error,
-    shutting_down_error,
-)
+from engine.entrypoints.openai.errors import APIError, check_unique_names
+from engine.entrypoints.openai.generation import ChoiceOutput, ForcedTool, OfferedTool, ToolOffer
 from engine.entrypoints.openai.job_extension import JOB_ID_HEADER, job_info
-from engine.entrypoints.openai.protocol import (
-    ChatMessage,
-    ChatTool,
-    FunctionCallIn,
-    FunctionDefinition,
-    JsonSchemaFormat,
-    NamedFunction,
-    NamedToolChoice,
-    ResponseFormat,
-    ToolCallIn,
-)
+from engine.entrypoints.openai.protocol import ChatMessage, FunctionCallIn, ToolCallIn
 from engine.entrypoints.openai.protocol_responses import (
     LOGPROBS_INCLUDE,
     SUPPORTED_INCLUDES,
@@ -78,32 +61,29 @@ from engine.entrypoints.openai.response_store import ResponseStore, StoredRespon
 from engine.entrypoints.openai.serving import (
     ClientContext,
     OpenAIServing,
+    Prepared,
     ServerSettings,
     merge_streams,
     sse,
     sse_pieces,
+    stream_failure,
 )
 from engine.entrypoints.openai.structured_outputs import (
+    Constraint,
     GrammarChecker,
-    chat_structured_output,
-    may_constrain,
+    json_object_constraint,
+    json_schema_constraint,
+    offer_structured_output,
 )
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
-from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.entrypoints.openai.work_pool import TenantWorkPool
 from engine.frontend.async_llm import AsyncLLM
-from engine.frontend.processor import ProcessedRequest, PromptTooLongError
-from engine.frontend.request_outputs import CompletionOutput, RequestOutput
+from engine.frontend.processor import ProcessedRequest
+from engine.frontend.request_outputs import CompletionOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
-from engine.tool_calls import (
-    TOOL_CALL_MARKERS,
-    ParsedToolCall,
-    ToolCallFormat,
-    ToolParser,
-    make_tool_parser,
-)
+from engine.tool_calls import ParsedToolCall, ToolCallFormat, ToolParser
 
 logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -114,53 +94,42 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-@dataclass(frozen=True)
-class PreparedResponse:
-    """A response request queued with the engine: its output stream, and what the response
-    object and the store need (`item_jsons`: the conversation the prompt was rendered from, as
-    the store keeps it; `job_id` the job as the client names it)."""
+@dataclass(frozen=True, kw_only=True)
+class PreparedResponse(Prepared):
+    """A response request queued with the engine, and what the response object and the store
+    need (`item_jsons`: the conversation the prompt was rendered from, as the store keeps it;
+    `job_id` the job as the client names it)."""
 
     response_id: str
     created_at: int
-    request: ProcessedRequest
-    stream: AsyncIterator[RequestOutput]
     item_jsons: tuple[bytes, ...]
     job_id: str | None
-    tenant: str | None
     parser: ToolParser | None
     store: bool
 
 
-@dataclass
-class _Output:
-    """One response's output as it arrives, split into the message text and function calls
-    (the same for streamed and whole responses, so both give the same items)."""
+@dataclass(kw_only=True)
+class _Output(ChoiceOutput):
+    """One response's output as it arrives (the same for streamed and whole responses, so
+    both give the same items): its function calls as items, and its logprobs."""
 
-    splitter: StreamingToolCallSplitter | None
-    keep_one_call: bool
     with_logprobs: bool
     engine_request_id: str
     message_id: str = field(default_factory=lambda: new_item_id("msg"))
-    text: str = ""
     calls: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     encoded_logprobs: msgspec.Raw | None = None  # set by `encode_logprobs`
     num_unsent_logprobs: int = 0
-    num_tokens: int = 0
-    finish_reason: str | None = None
 
-    def push(self, completion: CompletionOutput, logprobs: list[dict[str, Any]]) -> str:
-        """Takes a delta of the completion; returns the message text that can be sent now."""
-        self.num_tokens += len(completion.token_ids)
+    def push_with(self, completion: CompletionOutput, logprobs: list[dict[str, Any]]) -> str:
+        """Takes a delta of the completion and its logprob entries; returns the message text
+        that can be sent now."""
         self.logprobs.extend(logprobs)
         self.num_unsent_logprobs += len(logprobs)
-        delta = completion.text
-        if self.splitter is not None:
-            delta = self.splitter.push(delta)
+        delta = self.push(completion)
         if completion.finished:
-            self.finish_reason = completion.finish_reason
-            delta += self._finish()
-        self.text += delta
+            self.calls = [_function_call_item(call, issued_call_id(self.engine_request_id, i))
+                          for i, call in enumerate(self.tool_calls)]
         return delta
 
     def unsent_logprobs(self) -> list[dict[str, Any]]:
@@ -168,15 +137,6 @@ class _Output:
         start = len(self.logprobs) - self.num_unsent_logprobs
         self.num_unsent_logprobs = 0
         return self.logprobs[start:]
-
-    def _finish(self) -> str:
-        if self.splitter is None:
-            return ""
-        rest, calls = self.splitter.finish()
-        for index, call in enumerate(calls[:1] if self.keep_one_call else calls):
-            self.calls.append(_function_call_item(
-                call, issued_call_id(self.engine_request_id, index)))
-        return rest
 
     @property
     def has_message(self) -> bool:
@@ -232,56 +192,28 @@ def _function_call_item(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
             "call_id": call_id, "name": call.name, "arguments": call.arguments}
 
 
-@dataclass(frozen=True)
-class _ConstraintFields:
-    """The fields of a Responses request that constrain its output, in the chat shape that
-    `structured_outputs.py` reads (`text.format` as `response_format`)."""
-
-    response_format: ResponseFormat | None
-    tools: list[ChatTool]
-    tool_choice: str | NamedToolChoice | None
-    parallel_tool_calls: bool | None
-
-    @classmethod
-    def of(cls, body: ResponsesRequest) -> _ConstraintFields:
-        text_format = None if body.text is None else body.text.format
-        response_format = None
-        if isinstance(text_format, TextFormatJSONSchema):
-            response_format = ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
-                name=text_format.name, description=text_format.description,
-                schema=text_format.schema_, strict=text_format.strict))
-        elif text_format is not None:
-            response_format = ResponseFormat(type=text_format.type)
-        choice = body.tool_choice
-        return cls(
-            response_format=response_format,
-            # A Responses function is strict unless it says otherwise, as OpenAI has it.
-            tools=[ChatTool(function=FunctionDefinition(
-                name=tool.name, description=tool.description, parameters=tool.parameters,
-                strict=tool.strict is not False))
-                for tool in body.tools or ()],
-            tool_choice=NamedToolChoice(function=NamedFunction(name=choice.name))
-            if isinstance(choice, FunctionToolChoice) else choice,
-            parallel_tool_calls=body.parallel_tool_calls)
+def responses_offer(body: ResponsesRequest) -> ToolOffer:
+    """The function tools a Responses request offers, as this API names its fields; a
+    function is strict unless it says otherwise, as OpenAI has it."""
+    choice = body.tool_choice
+    return ToolOffer(
+        tools=tuple(OfferedTool(tool.name, tool.parameters, tool.strict is not False,
+                                f"tools[{index}].parameters")
+                    for index, tool in enumerate(body.tools or ())),
+        choice=ForcedTool(choice.name) if isinstance(choice, FunctionToolChoice)
+        else choice or "auto",
+        parallel=body.parallel_tool_calls is not False)
 
 
-_CHAT_TOOL_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
-# Chat's names of the constraint fields, and this API's.
-_FIELD_NAMES = (("response_format.json_schema.schema", "text.format.schema"),
-                ("response_format", "text.format"))
-
-
-def _with_responses_names(error: APIError) -> APIError:
-    """`error` naming this API's field where it names chat's."""
-    if error.param is not None and _CHAT_TOOL_PARAMETERS.match(error.param):
-        name = _CHAT_TOOL_PARAMETERS.sub(r"tools[\1].parameters", error.param)
-        return APIError(error.status_code, error.message.replace(error.param, name),
-                        param=name, code=error.code)
-    for chat_name, name in _FIELD_NAMES:
-        if error.param is not None and error.param.startswith(chat_name):
-            return APIError(error.status_code, error.message.replace(chat_name, name),
-                            param=name + error.param[len(chat_name):], code=error.code)
-    return error
+def _format_constraint(body: ResponsesRequest) -> Constraint | None:
+    """The constraint `text.format` asks for (None: plain text)."""
+    text_format = None if body.text is None else body.text.format
+    if isinstance(text_format, TextFormatJSONSchema):
+        return json_schema_constraint("text.format.schema", text_format.schema_,
+                                      strict=bool(text_format.strict))
+    if text_format is not None and text_format.type == "json_object":
+        return json_object_constraint("text.format")
+    return None
 
 
 class _Events:
@@ -305,26 +237,18 @@ class _Events:
         return [head + sse(payload)]
 
 
-class OpenAIServingResponses(OpenAIServing):
+class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
     """Validates a Responses request, runs it, formats OpenAI's `response` object (whole or
     as events), and keeps finished responses in `store` for later turns and GET."""
 
     prompt_param = "input"
+    max_tokens_param = "max_output_tokens"
 
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, pool: TenantWorkPool,
                  grammar_checker: GrammarChecker, refusal_pacer: RefusalPacer,
                  store: ResponseStore) -> None:
         super().__init__(engine, settings, pool, grammar_checker, refusal_pacer)
-        make_tool_parser(settings.tool_call_parser)  # fail at start-up on an unknown name
-        self._tool_call_marker_ids = engine.processor.special_token_ids(TOOL_CALL_MARKERS)
         self.store = store
-
-    async def prepare(self, body: ResponsesRequest, client: ClientContext) -> PreparedResponse:
-        """Validates the request, renders its conversation (the stored chain's items first)
-        and queues it; APIError on bad input, or 429 if the waiting queue or the tenant's cap
-        is full, a refusal for a limit paced (`refusals_paced`)."""
-        async with self.refusals_paced(client.tenant):
-            return await self._prepare(body, client)
 
     async def _prepare(self, body: ResponsesRequest, client: ClientContext
                        ) -> PreparedResponse:
@@ -339,12 +263,11 @@ class OpenAIServingResponses(OpenAIServing):
                                 f"its input) has {num_items} items, over the limit of "
                                 f"{MAX_CONVERSATION_ITEMS}", param="input",
                            code="limit_exceeded")
-        parser = self._parser(body)
-        constraint_fields = _ConstraintFields.of(body)
+        call_format = responses_offer(body).call_format(self.settings.tool_call_parser)
         structured_output = None
-        if may_constrain(constraint_fields):
-            structured_output = await self.run_for(client, self._structured_output,
-                                                    constraint_fields)
+        if responses_offer(body).may_constrain or (body.text is not None
+                                                   and body.text.format is not None):
+            structured_output = await self.run_for(client, self._structured_output, body)
         params = self._sampling_params(body, structured_output)
         response_id = new_item_id("resp")
         store = body.store is not False
@@ -354,12 +277,12 @@ class OpenAIServingResponses(OpenAIServing):
         items, item_jsons = await self.run_for(client, _conversation, previous, input_items)
         request = await self.run_for(
             client, self._render_and_process, response_id, job_body, items, params, client,
-            None if previous is None else previous.response_id)
-        (stream,) = self.submit([request])
+            None if previous is None else previous.response_id, call_format)
         return PreparedResponse(
-            response_id=response_id, created_at=int(time.time()), request=request,
-            stream=stream, item_jsons=item_jsons, job_id=job_id, tenant=client.tenant,
-            parser=parser, store=store)
+            requests=[request], streams=self.submit([request]), tenant=client.tenant,
+            client_request_id=client.request_id, response_id=response_id,
+            created_at=int(time.time()), item_jsons=item_jsons, job_id=job_id,
+            parser=None if call_format is None else call_format.make_parser(), store=store)
 
     def _check_fields(self, body: ResponsesRequest) -> None:
         if body.n != 1:
@@ -379,12 +302,6 @@ class OpenAIServingResponses(OpenAIServing):
                 raise APIError(400, f"include {value!r} is not supported (supported: "
                                     f"{', '.join(sorted(SUPPORTED_INCLUDES))})",
                                param="include")
-        limit = self.settings.max_output_tokens
-        if body.max_output_tokens is not None and limit is not None and \
-                body.max_output_tokens > limit:
-            raise APIError(400, f"max_output_tokens is {body.max_output_tokens}, over this "
-                                f"server's limit of {limit}", param="max_output_tokens",
-                           code="limit_exceeded")
         _check_tools(body)
 
     def _previous(self, body: ResponsesRequest, client: ClientContext) -> StoredResponse | None:
@@ -397,19 +314,6 @@ class OpenAIServingResponses(OpenAIServing):
                            code="previous_response_not_found")
         return previous
 
-    def _tool_call_format(self, body: ResponsesRequest) -> ToolCallFormat | None:
-        """How this request's output is read for function calls, or None when tools are off."""
-        if not body.tools or body.tool_choice == "none":
-            return None
-        return ToolCallFormat(parser=self.settings.tool_call_parser,
-                              tool_names=tuple(tool.name for tool in body.tools),
-                              parallel=body.parallel_tool_calls is not False)
-
-    def _parser(self, body: ResponsesRequest) -> ToolParser | None:
-        """The tool-call parser for this request, or None when tools are off."""
-        tool_call_format = self._tool_call_format(body)
-        return None if tool_call_format is None else tool_call_format.make_parser()
-
     def _sampling_params(self, body: ResponsesRequest,
                          structured_output: StructuredOutputSpec | None) -> SamplingParams:
         with_logprobs = LOGPROBS_INCLUDE in (body.include or ())
@@ -418,18 +322,16 @@ class OpenAIServingResponses(OpenAIServing):
             logprobs=(body.top_logprobs or 0) if with_logprobs else None, stream=body.stream,
             structured_output=structured_output)
 
-    def _structured_output(self, fields: _ConstraintFields) -> StructuredOutputSpec | None:
-        """The constraint of `text.format` and of the tools with `tool_choice` (as for chat);
-        APIError(400) naming this API's field. Runs off the event loop."""
-        try:
-            return chat_structured_output(fields, self.grammar_checker,
-                                          self.settings.tool_call_parser)
-        except APIError as error:
-            raise _with_responses_names(error) from error
+    def _structured_output(self, body: ResponsesRequest) -> StructuredOutputSpec | None:
+        """The constraint of `text.format` and of the tools with `tool_choice` (as for
+        chat). Runs off the event loop."""
+        return offer_structured_output(responses_offer(body), _format_constraint(body),
+                                       self.grammar_checker, self.settings.tool_call_parser)
 
     def _render_and_process(
         self, response_id: str, body: ResponsesRequest, items: Sequence[ConversationItem],
         params: SamplingParams, client: ClientContext, previous_request_id: str | None,
+        call_format: ToolCallFormat | None,
     ) -> ProcessedRequest:
         """The engine request of a turn (its id is the response's); it continues the turn of
         `previous_request_id` (the response it chains onto), else the turn whose function
@@ -439,24 +341,14 @@ class OpenAIServingResponses(OpenAIServing):
             {"type": "function", "function": tool.model_dump(
                 include={"name", "description", "parameters"}, exclude_none=True)}
             for tool in body.tools]
-        try:
-            token_ids = self.engine.processor.chat_prompt(messages, tools=tools)
-        except PromptTooLongError as error:
-            raise self.prompt_too_long(error, params) from error
-        except ValueError as error:
-            raise APIError(400, str(error), param="input") from error
-        tool_call_format = self._tool_call_format(body)
-        kept = self._tool_call_marker_ids if tool_call_format is not None else frozenset()
-        try:
-            return self.process(response_id, token_ids, params, body, client,
-                                kept_special_token_ids=kept,
-                                continues_request_id=previous_request_id
-                                or continued_request_id(messages),
-                                tool_call_format=tool_call_format)
-        except APIError as error:
-            if error.param == "max_tokens":  # this API's name for it
-                error.param = "max_output_tokens"
-            raise
+        token_ids = self.prompt_token_ids(params, self._chat_prompt, messages, tools)
+        return self.process(response_id, token_ids, params, body, client,
+                            continues_request_id=previous_request_id
+                            or continued_request_id(messages), tool_call_format=call_format)
+
+    def _chat_prompt(self, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None) -> list[int]:
+        return self.engine.processor.chat_prompt(messages, tools=tools)
 
     async def create(self, body: ResponsesRequest, prepared: PreparedResponse) -> Response:
         """The whole (non-streaming) response; stored unless `store` is false. Finished and
@@ -464,7 +356,7 @@ class OpenAIServingResponses(OpenAIServing):
         output = self._new_output(body, prepared)
         num_cached_tokens = 0
         completions: list[CompletionOutput] = []
-        async for _, result in merge_streams([prepared.stream]):
+        async for _, result in merge_streams(prepared.streams):
             num_cached_tokens = result.num_cached_tokens
             completions.extend(result.outputs)
         num_tokens = sum(len(completion.token_ids) for completion in completions)
@@ -476,7 +368,7 @@ class OpenAIServingResponses(OpenAIServing):
             self._keep(prepared, stored)
             return self.large_body_response(prepared.tenant, pieces)
         for completion in completions:
-            output.push(completion, self._logprobs(completion.logprobs))
+            output.push_with(completion, self._logprobs(completion.logprobs))
         body_json = _json.encode(self._finished(body, prepared, output, num_cached_tokens))
         self._keep(prepared, self._record(prepared, output, body_json))
         return Response(body_json, media_type="application/json")
@@ -487,7 +379,7 @@ class OpenAIServingResponses(OpenAIServing):
         """The response's JSON in pieces, and its record for the store; for a worker
         thread."""
         for completion in completions:
-            output.push(completion, self._logprobs(completion.logprobs))
+            output.push_with(completion, self._logprobs(completion.logprobs))
         output.encode_logprobs()
         pieces = json_pieces(self._finished(body, prepared, output, num_cached_tokens))
         return pieces, self._record(prepared, output, b"".join(pieces))
@@ -505,10 +397,10 @@ class OpenAIServingResponses(OpenAIServing):
         try:
             num_cached_tokens = 0
             message_open = False
-            async for _, result in merge_streams([prepared.stream]):
+            async for _, result in merge_streams(prepared.streams):
                 num_cached_tokens = result.num_cached_tokens
                 for completion in result.outputs:
-                    delta = output.push(completion, self._logprobs(completion.logprobs))
+                    delta = output.push_with(completion, self._logprobs(completion.logprobs))
                     if delta:
                         if not message_open:
                             message_open = True
@@ -527,8 +419,10 @@ class OpenAIServingResponses(OpenAIServing):
             for chunk in chunks:
                 yield chunk
         except Exception as error:
-            failed = self._response_object(body, prepared, status="failed",
-                                           error=_response_error(error))
+            failure = stream_failure(error, prepared.client_request_id)
+            failed = self._response_object(body, prepared, status="failed", error={
+                "code": "invalid_prompt" if failure.status_code < 500 else "server_error",
+                "message": failure.message})
             yield event("response.failed", response=failed)
 
     def _closing_events(self, body: ResponsesRequest, prepared: PreparedResponse,
@@ -551,9 +445,7 @@ class OpenAIServingResponses(OpenAIServing):
 
     def _new_output(self, body: ResponsesRequest, prepared: PreparedResponse) -> _Output:
         return _Output(
-            splitter=None if prepared.parser is None else StreamingToolCallSplitter(
-                prepared.parser),
-            keep_one_call=body.parallel_tool_calls is False,
+            parser=prepared.parser,
             with_logprobs=LOGPROBS_INCLUDE in (body.include or ()),
             engine_request_id=prepared.request.core_requests[0].request_id)
 
@@ -805,18 +697,6 @@ def _output_closing(event: _Events, output: _Output, *, message_open: bool) -> l
             event("response.output_item.done", output_index=index, item=call),
         ]
     return chunks
-
-
-def _response_error(error: Exception) -> dict[str, str]:
-    """The `error` of a response that failed after its stream started."""
-    if isinstance(error, EngineDeadError):
-        return {"code": "server_error", "message": engine_dead_error(error).message}
-    if isinstance(error, ServerShuttingDownError):
-        return {"code": "server_error", "message": shutting_down_error(error).message}
-    if isinstance(error, ValueError):  # the core rejected the request
-        return {"code": "invalid_prompt", "message": str(error)}
-    logger.exception("a response stream failed")
-    return {"code": "server_error", "message": f"internal server error: {type(error).__name__}"}
 
 
 def _text_config(body: ResponsesRequest) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any
 import llguidance
 
 from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.generation import ForcedTool, OfferedTool, ToolOffer
 from engine.frontend.chat_template import template_tool_support
 from engine.structured_output import grammars
 from engine.structured_output.grammars import ToolCallFormat, ToolSchema
@@ -133,13 +134,9 @@ CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 
 
 def may_constrain(body: Any) -> bool:
-    """Whether the request has fields that may constrain its output (the grammar is then
-    built and checked off the event loop)."""
-    if any(getattr(body, field, None) is not None for field in CONSTRAINT_FIELDS):
-        return True
-    return bool(getattr(body, "tools", None)) and (
-        getattr(body, "tool_choice", None) not in (None, "auto", "none")
-        or getattr(body, "parallel_tool_calls", None) is False)
+    """Whether a completion or chat request has fields that may constrain its output (the
+    grammar is then built and checked off the event loop)."""
+    return any(getattr(body, field, None) is not None for field in CONSTRAINT_FIELDS)
 
 
 def completion_structured_output(body: Any,
@@ -159,23 +156,23 @@ def output_constraint(body: Any) -> Constraint | None:
     return found[0] if found else None
 
 
-def chat_structured_output(body: Any, checker: GrammarChecker,
-                           parser_name: str) -> StructuredOutputSpec | None:
-    """The constraint of a chat request, tools and `tool_choice` included."""
-    constraint = output_constraint(body)
-    tools = [_tool_schema(tool.function, index) for index, tool in enumerate(body.tools or ())]
-    choice = body.tool_choice
-    if not tools or choice == "none":
+def offer_structured_output(offer: ToolOffer, constraint: Constraint | None,
+                            checker: GrammarChecker, parser_name: str
+                            ) -> StructuredOutputSpec | None:
+    """The constraint of a request offering tools (`offer`) with at most one output
+    `constraint`, for every API that offers tools; errors name the request's own fields."""
+    tools = [_tool_schema(tool) for tool in offer.tools]
+    if not offer.enabled:
         return _spec(checker, constraint)
     call_format = checker.tool_call_format(parser_name)
-    parallel = body.parallel_tool_calls is not False
-    if choice == "required" or (choice is not None and not isinstance(choice, str)):
+    parallel = offer.parallel
+    if offer.choice != "auto":
         if constraint is not None:
             raise APIError(400, f"{constraint.field} cannot be combined with tool_choice "
-                                f"{_choice_name(choice)}: the output is a tool call",
+                                f"{offer.choice_text}: the output is a tool call",
                            param=constraint.field)
-        if not isinstance(choice, str):
-            tools = [tool for tool in tools if tool.name == choice.function.name]
+        if isinstance(offer.choice, ForcedTool):
+            tools = [tool for tool in tools if tool.name == offer.choice.name]
             parallel = False
         return checker.spec("tool_calls", _tool_grammar(
             lambda: grammars.tool_calls_grammar(tools, call_format, parallel=parallel)), "tools")
@@ -207,20 +204,16 @@ def _spec(checker: GrammarChecker, constraint: Constraint | None) -> StructuredO
     return checker.spec(constraint.kind, constraint.grammar, constraint.field)
 
 
-def _tool_schema(function: Any, index: int) -> ToolSchema:
+def _tool_schema(tool: OfferedTool) -> ToolSchema:
     """The tool's name and parameters, in OpenAI's strict mode when it says `strict: true`."""
-    parameters = function.parameters
-    if function.strict and parameters is not None:
+    parameters = tool.parameters
+    if tool.strict and parameters is not None:
         try:
             parameters = strict_schema(parameters)
         except ValueError as error:
-            param = f"tools[{index}].function.parameters"
+            param = tool.parameters_field
             raise APIError(400, f"{param}: {error}", param=param) from error
-    return ToolSchema(function.name, parameters)
-
-
-def _choice_name(choice: Any) -> str:
-    return repr(choice) if isinstance(choice, str) else f"{{function: {choice.function.name!r}}}"
+    return ToolSchema(tool.name, parameters)
 
 
 def _tool_grammar(build: Callable[[], str]) -> str:
@@ -247,19 +240,31 @@ def _response_format(response_format: Any) -> Constraint | None:
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return _json("response_format", "json_object", {"type": "object"})
+        return json_object_constraint("response_format")
     json_schema = response_format.json_schema
     if json_schema is None:
         raise APIError(400, "response_format of type 'json_schema' needs json_schema",
                        param="response_format.json_schema")
-    field = "response_format.json_schema.schema"
-    schema = json_schema.schema_ if json_schema.schema_ is not None else {}
-    if json_schema.strict:
+    return json_schema_constraint("response_format.json_schema.schema",
+                                  json_schema.schema_, strict=bool(json_schema.strict))
+
+
+def json_schema_constraint(field: str, schema: Mapping[str, Any] | None, *,
+                           strict: bool) -> Constraint:
+    """The output as JSON valid against `schema` (None: any object), in OpenAI's strict mode
+    with `strict`; `field` names the schema in errors."""
+    schema = schema if schema is not None else {}
+    if strict:
         try:
             schema = strict_schema(schema)
         except ValueError as error:
             raise APIError(400, f"{field}: {error}", param=field) from error
     return _json(field, "json_schema", schema)
+
+
+def json_object_constraint(field: str) -> Constraint:
+    """The output as any JSON object; `field` names the request's field in errors."""
+    return _json(field, "json_object", {"type": "object"})
 
 
 def _structured_outputs(structured: Any) -> Constraint | None:
@@ -276,7 +281,7 @@ def _guided(field: str, kind: str, value: Any) -> Constraint:
     if kind == "json":
         return _json(field, "json_schema", _schema_value(field, value))
     if kind == "json_object":
-        return _json(field, "json_object", {"type": "object"})
+        return json_object_constraint(field)
     if kind == "regex":
         return Constraint(field, "regex", _build(field, lambda: grammars.regex_grammar(value)))
     if kind == "choice":
