@@ -32,7 +32,10 @@ def test_the_sdk_reads_the_request_id_and_a_max_tokens_past_the_context_is_cut(t
         extra_body={"ignore_eos": True})
     assert message._request_id  # from the `request-id` header, as Anthropic sends it
     assert message.stop_reason == "max_tokens"
-    assert message.usage.input_tokens + message.usage.output_tokens == MAX_MODEL_LEN
+    usage = message.usage  # the prompt is input, cache reads and cache writes together
+    num_prompt_tokens = (usage.input_tokens + (usage.cache_read_input_tokens or 0)
+                         + (usage.cache_creation_input_tokens or 0))
+    assert num_prompt_tokens + usage.output_tokens == MAX_MODEL_LEN
 
 
 def test_the_sdk_gets_a_prompt_too_long_bad_request(tiny_server):

@@ -84,6 +84,7 @@ from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from engine.entrypoints.openai.serving_messages import OpenAIServingMessages
 from engine.entrypoints.openai.serving_responses import OpenAIServingResponses
+from engine.entrypoints.openai.stored_responses import StoredResponses
 from engine.entrypoints.openai.structured_outputs import GrammarChecker
 from engine.entrypoints.openai.tenants import (
     TENANT_SCOPE_KEY,
@@ -222,9 +223,11 @@ def build_app(
         app.state.completions = OpenAIServingCompletion(*shared)
         app.state.chat = OpenAIServingChat(*shared)
         app.state.messages = OpenAIServingMessages(*shared)
-        app.state.responses = OpenAIServingResponses(*shared, ResponseStore(
+        store = ResponseStore(
             max_responses=settings.max_stored_responses,
-            max_bytes=settings.max_stored_response_bytes, num_tenants=settings.num_tenants))
+            max_bytes=settings.max_stored_response_bytes, num_tenants=settings.num_tenants)
+        app.state.responses = OpenAIServingResponses(*shared, store)
+        app.state.stored_responses = StoredResponses(store, pool)
         app.state.started_at = int(time.time())
         watcher = None if on_engine_dead is None else asyncio.ensure_future(
             _call_when_dead(engine, on_engine_dead))
@@ -388,8 +391,8 @@ def _add_response_routes(app: FastAPI) -> None:
                         **error_responses(404)})
     async def retrieve_response(response_id: str, request: Request) -> Response:
         """A stored response of the requesting tenant."""
-        serving: OpenAIServingResponses = request.app.state.responses
-        return await serving.retrieve(response_id, scope_tenant(request.scope))
+        stored: StoredResponses = request.app.state.stored_responses
+        return await stored.retrieve(response_id, scope_tenant(request.scope))
 
     @app.get("/v1/responses/{response_id}/input_items", operation_id="listInputItems",
              response_class=JSONResponse, responses={
@@ -400,8 +403,8 @@ def _add_response_routes(app: FastAPI) -> None:
             limit: Annotated[int, Query(ge=1, le=100)] = 20,
             order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Response:
         """The input items of a stored response of the requesting tenant."""
-        serving: OpenAIServingResponses = request.app.state.responses
-        page = await serving.input_items(response_id, scope_tenant(request.scope),
+        stored: StoredResponses = request.app.state.stored_responses
+        page = await stored.input_items(response_id, scope_tenant(request.scope),
                                          limit=limit, order=order, after=after)
         return JSONResponse(page)
 
@@ -409,15 +412,15 @@ def _add_response_routes(app: FastAPI) -> None:
               response_class=JSONResponse, responses=error_responses(400, 404))
     async def cancel_response(response_id: str, request: Request) -> Response:
         """Refused: only background responses can be cancelled, and none runs here."""
-        serving: OpenAIServingResponses = request.app.state.responses
-        return JSONResponse(serving.cancel(response_id, scope_tenant(request.scope)))
+        stored: StoredResponses = request.app.state.stored_responses
+        return JSONResponse(stored.cancel(response_id, scope_tenant(request.scope)))
 
     @app.delete("/v1/responses/{response_id}", operation_id="deleteResponse",
                 response_model=ResponseDeleted, responses=error_responses(404))
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
         """Forgets a stored response: later requests can no longer continue it."""
-        serving: OpenAIServingResponses = request.app.state.responses
-        return serving.delete(response_id, scope_tenant(request.scope))
+        stored: StoredResponses = request.app.state.stored_responses
+        return stored.delete(response_id, scope_tenant(request.scope))
 
 
 def _add_messages_routes(app: FastAPI) -> None:

@@ -30,6 +30,7 @@ from engine.entrypoints.openai.errors import (
     error_body,
     shutting_down_error,
 )
+from engine.entrypoints.openai.generation import ChoiceOutput
 from engine.entrypoints.openai.job_extension import job_info
 from engine.entrypoints.openai.json_body import (
     CHAT_PROMPT_STATE,
@@ -59,7 +60,7 @@ from engine.entrypoints.openai.work_pool import (
 )
 from engine.frontend.async_llm import AsyncLLM, QueueFullError
 from engine.frontend.processor import ProcessedRequest, PromptTooLongError, token_count_text
-from engine.frontend.request_outputs import RequestOutput, RequestRejected
+from engine.frontend.request_outputs import CompletionOutput, RequestOutput, RequestRejected
 from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -829,6 +830,30 @@ async def merge_streams(
     finally:
         for task in tasks:
             task.cancel()
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """One engine delta of one choice, as the pipeline hands it to an API's renderer: the
+    choice's output so far (`ChoiceOutput`: its tool calls once it finished), the engine's
+    delta, the text of it that can be sent now, and the prompt's tokens read from the cache."""
+
+    choice: ChoiceOutput
+    completion: CompletionOutput
+    text: str
+    num_cached_tokens: int
+
+
+async def choice_deltas(streams: list[AsyncIterator[RequestOutput]],
+                        choices: Sequence[ChoiceOutput]) -> AsyncIterator[OutputDelta]:
+    """The engine's outputs of a one-prompt generation as they come, pushed to their choices
+    (`choices[i]` takes choice `i`'s deltas; a whole output is one delta)."""
+    async with contextlib.aclosing(merge_streams(streams)) as outputs:
+        async for _, output in outputs:
+            for completion in output.outputs:
+                choice = choices[completion.index]
+                yield OutputDelta(choice, completion, choice.push(completion),
+                                  output.num_cached_tokens)
 
 
 async def cancel_on_disconnect(request: HTTPRequest, work: Awaitable[_T]) -> _T:

@@ -24,8 +24,9 @@ from engine.entrypoints.openai.serving import (
     SSE_DONE,
     ClientContext,
     OpenAIServing,
+    OutputDelta,
     Prepared,
-    merge_streams,
+    choice_deltas,
     new_id,
     sse,
     sse_error,
@@ -37,7 +38,6 @@ from engine.entrypoints.openai.structured_outputs import (
 )
 from engine.entrypoints.openai.tool_call_ids import issued_call_id
 from engine.frontend.processor import ProcessedRequest, core_request_id
-from engine.frontend.request_outputs import CompletionOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
@@ -108,46 +108,40 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
 
     async def create(self, body: ChatCompletionRequest, prepared: Prepared) -> dict[str, Any]:
         request = prepared.request
-        final = None
-        async for _, output in merge_streams(prepared.streams):
-            final = output
-        assert final is not None and final.finished
-        parser = self._parser(body)
-        choices = [self._message_choice(body, completion, parser,
-                                        core_request_id(request.request_id, completion.index,
-                                                        body.n))
-                   for completion in final.outputs]
+        choices = [ChoiceOutput(parser=self._parser(body)) for _ in range(body.n)]
+        num_cached_tokens = 0
+        async for delta in choice_deltas(prepared.streams, choices):
+            num_cached_tokens = delta.num_cached_tokens
         response: dict[str, Any] = {
             "id": request.request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": self.settings.served_model_name, "choices": choices,
+            "model": self.settings.served_model_name,
+            "choices": [self._message_choice(body, choice,
+                                             core_request_id(request.request_id, index, body.n))
+                        for index, choice in enumerate(choices)],
             "usage": self.usage(len(request.prompt_token_ids),
-                                sum(len(c.token_ids) for c in final.outputs),
-                                final.num_cached_tokens),
+                                sum(choice.num_tokens for choice in choices), num_cached_tokens),
         }
         if body.return_token_ids:
             response["prompt_token_ids"] = request.prompt_token_ids
         return response
 
-    def _message_choice(
-        self, body: ChatCompletionRequest, completion: CompletionOutput,
-        parser: ToolParser | None, engine_request_id: str,
-    ) -> dict[str, Any]:
-        output = ChoiceOutput(parser=parser)
-        output.push(completion)
-        calls = output.tool_calls
+    def _message_choice(self, body: ChatCompletionRequest, choice: ChoiceOutput,
+                        engine_request_id: str) -> dict[str, Any]:
+        completion, calls = choice.last, choice.tool_calls
+        assert completion is not None
         message: dict[str, Any] = {"role": "assistant",
-                                   "content": output.text if output.text or not calls else None}
+                                   "content": choice.text if choice.text or not calls else None}
         if calls:
             message["tool_calls"] = _tool_calls(calls, engine_request_id)
-        choice: dict[str, Any] = {
+        result: dict[str, Any] = {
             "index": completion.index, "message": message,
             "logprobs": self._logprobs(completion.logprobs),
             "finish_reason": _finish_reason(completion.finish_reason, calls),
             "stop_reason": completion.stop_reason,
         }
         if body.return_token_ids:
-            choice["token_ids"] = completion.token_ids
-        return choice
+            result["token_ids"] = completion.token_ids
+        return result
 
     async def stream(
         self, body: ChatCompletionRequest, prepared: Prepared
@@ -158,24 +152,22 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
         request = prepared.request
         header = {"id": request.request_id, "object": "chat.completion.chunk",
                   "created": int(time.time()), "model": self.settings.served_model_name}
-        parser = self._parser(body)
-        choices = [_ChoiceStream(parser=parser) for _ in range(body.n)]
+        choices = [_ChoiceStream(parser=self._parser(body)) for _ in range(body.n)]
         num_cached_tokens = 0
         prompt_token_ids_sent = not body.return_token_ids
         try:
-            async for _, output in merge_streams(prepared.streams):
-                num_cached_tokens = output.num_cached_tokens
-                for completion in output.outputs:
-                    choice = self._delta_choice(
-                        body, completion, choices[completion.index],
-                        core_request_id(request.request_id, completion.index, body.n))
-                    if choice is None:
-                        continue
-                    chunk = {**header, "choices": [choice]}
-                    if not prompt_token_ids_sent:
-                        chunk["prompt_token_ids"] = request.prompt_token_ids
-                        prompt_token_ids_sent = True
-                    yield sse(chunk)
+            async for delta in choice_deltas(prepared.streams, choices):
+                num_cached_tokens = delta.num_cached_tokens
+                index = delta.completion.index
+                choice = self._delta_choice(body, delta, choices[index], core_request_id(
+                    request.request_id, index, body.n))
+                if choice is None:
+                    continue
+                chunk = {**header, "choices": [choice]}
+                if not prompt_token_ids_sent:
+                    chunk["prompt_token_ids"] = request.prompt_token_ids
+                    prompt_token_ids_sent = True
+                yield sse(chunk)
             if body.stream_options is not None and body.stream_options.include_usage:
                 usage = self.usage(len(request.prompt_token_ids),
                                    sum(c.num_tokens for c in choices), num_cached_tokens)
@@ -184,17 +176,17 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
             yield sse_error(error, prepared.client_request_id)
         yield SSE_DONE
 
-    def _delta_choice(
-        self, body: ChatCompletionRequest, completion: CompletionOutput, state: _ChoiceStream,
-        engine_request_id: str,
-    ) -> dict[str, Any] | None:
-        text = state.push(completion)
+    def _delta_choice(self, body: ChatCompletionRequest, output: OutputDelta,
+                      state: _ChoiceStream, engine_request_id: str) -> dict[str, Any] | None:
+        """The chunk of one choice's delta (its tool call ids name `engine_request_id`);
+        None while the choice's text is held back."""
+        completion = output.completion
         delta: dict[str, Any] = {}
         if not state.role_sent:  # the choice's first output: it has a token, or it ended
             delta = {"role": "assistant", "content": ""}
             state.role_sent = True
-        if text:
-            delta["content"] = text
+        if output.text:
+            delta["content"] = output.text
         if state.tool_calls:
             delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(
                 _tool_calls(state.tool_calls, engine_request_id))]

@@ -62,7 +62,7 @@ from engine.entrypoints.openai.serving import (
     ClientContext,
     OpenAIServing,
     Prepared,
-    merge_streams,
+    choice_deltas,
     new_id,
     sse,
     stream_failure,
@@ -192,10 +192,8 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
                      ) -> dict[str, Any]:
         output = ChoiceOutput(parser=prepared.parser)
         num_cached_tokens = 0
-        async for _, final in merge_streams(prepared.streams):
-            num_cached_tokens = final.num_cached_tokens
-            for completion in final.outputs:
-                output.push(completion)
+        async for delta in choice_deltas(prepared.streams, [output]):
+            num_cached_tokens = delta.num_cached_tokens
         stop_reason, stop_sequence = _stop_reason(output)
         return {
             "id": prepared.message_id, "type": "message", "role": "assistant",
@@ -214,22 +212,20 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
         started = text_open = False
         num_cached_tokens = 0
         try:
-            async for _, result in merge_streams(prepared.streams):
-                num_cached_tokens = result.num_cached_tokens
+            async for delta in choice_deltas(prepared.streams, [output]):
+                num_cached_tokens = delta.num_cached_tokens
                 if not started:
                     started = True
                     yield _event("message_start", message=self._message_opening(
                         prepared, num_cached_tokens))
                     yield _event("ping")
-                for completion in result.outputs:
-                    delta = output.push(completion)
-                    if delta and not text_open:
-                        text_open = True
-                        yield _event("content_block_start", index=0,
-                                     content_block={"type": "text", "text": ""})
-                    if delta:
-                        yield _event("content_block_delta", index=0,
-                                     delta={"type": "text_delta", "text": delta})
+                if delta.text and not text_open:
+                    text_open = True
+                    yield _event("content_block_start", index=0,
+                                 content_block={"type": "text", "text": ""})
+                if delta.text:
+                    yield _event("content_block_delta", index=0,
+                                 delta={"type": "text_delta", "text": delta.text})
             for chunk in self._closing_events(prepared, output, num_cached_tokens,
                                               text_open=text_open):
                 yield chunk

@@ -25,44 +25,44 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from starlette.responses import Response
 
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_ITEMS
-from engine.entrypoints.openai.chat_prompt import template_message
 from engine.entrypoints.openai.errors import APIError, check_unique_names
 from engine.entrypoints.openai.generation import ChoiceOutput, ForcedTool, OfferedTool, ToolOffer
 from engine.entrypoints.openai.job_extension import JOB_ID_HEADER, job_info
-from engine.entrypoints.openai.protocol import ChatMessage, FunctionCallIn, ToolCallIn
 from engine.entrypoints.openai.protocol_responses import (
     LOGPROBS_INCLUDE,
     SUPPORTED_INCLUDES,
     ConversationItem,
     FunctionCallItem,
-    FunctionCallOutputItem,
     FunctionToolChoice,
-    InputTextPart,
     MessageItem,
     OutputTextPart,
     ResponsesRequest,
     TextFormatJSONSchema,
-    content_text,
 )
 from engine.entrypoints.openai.refusal_pacing import RefusalPacer
 from engine.entrypoints.openai.response_body import (
-    LARGE_BODY_BYTES,
-    byte_pieces,
     is_large,
     json_pieces,
 )
 from engine.entrypoints.openai.response_store import ResponseStore, StoredResponse, item_json
+from engine.entrypoints.openai.responses_prompt import (
+    conversation,
+    input_items,
+    template_messages,
+    template_tools,
+)
 from engine.entrypoints.openai.serving import (
     ClientContext,
     OpenAIServing,
     Prepared,
     ServerSettings,
+    choice_deltas,
     merge_streams,
     sse,
     sse_pieces,
@@ -121,16 +121,17 @@ class _Output(ChoiceOutput):
     encoded_logprobs: msgspec.Raw | None = None  # set by `encode_logprobs`
     num_unsent_logprobs: int = 0
 
-    def push_with(self, completion: CompletionOutput, logprobs: list[dict[str, Any]]) -> str:
-        """Takes a delta of the completion and its logprob entries; returns the message text
-        that can be sent now."""
-        self.logprobs.extend(logprobs)
-        self.num_unsent_logprobs += len(logprobs)
-        delta = self.push(completion)
+    def push(self, completion: CompletionOutput) -> str:
+        delta = super().push(completion)
         if completion.finished:
             self.calls = [_function_call_item(call, issued_call_id(self.engine_request_id, i))
                           for i, call in enumerate(self.tool_calls)]
         return delta
+
+    def add_logprobs(self, logprobs: list[dict[str, Any]]) -> None:
+        """Takes the logprob entries of the latest delta's tokens."""
+        self.logprobs.extend(logprobs)
+        self.num_unsent_logprobs += len(logprobs)
 
     def unsent_logprobs(self) -> list[dict[str, Any]]:
         """The logprobs of the tokens since the last call (sent with a text delta)."""
@@ -255,9 +256,8 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
         self.check_request(body)
         self._check_fields(body)
         previous = self._previous(body, client)
-        input_items = _input_items(body)
-        previous_jsons = () if previous is None else previous.item_jsons
-        num_items = len(previous_jsons) + len(input_items)
+        items = input_items(body)
+        num_items = len(items) + (0 if previous is None else len(previous.item_jsons))
         if num_items > MAX_CONVERSATION_ITEMS:
             raise APIError(400, f"the conversation (the stored responses this one continues and "
                                 f"its input) has {num_items} items, over the limit of "
@@ -274,7 +274,7 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
         job_body, job_id = _with_job(body, None if previous is None else previous.job_id,
                                      client)
         self.check_queue_room(1, client.tenant)
-        items, item_jsons = await self.run_for(client, _conversation, previous, input_items)
+        items, item_jsons = await self.run_for(client, conversation, previous, items)
         request = await self.run_for(
             client, self._render_and_process, response_id, job_body, items, params, client,
             None if previous is None else previous.response_id, call_format)
@@ -337,10 +337,7 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
         `previous_request_id` (the response it chains onto), else the turn whose function
         calls its input sends back."""
         messages = template_messages(body.instructions, items)
-        tools = None if not body.tools else [
-            {"type": "function", "function": tool.model_dump(
-                include={"name", "description", "parameters"}, exclude_none=True)}
-            for tool in body.tools]
+        tools = template_tools(body)
         token_ids = self.prompt_token_ids(params, self._chat_prompt, messages, tools)
         return self.process(response_id, token_ids, params, body, client,
                             continues_request_id=previous_request_id
@@ -368,7 +365,8 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
             self._keep(prepared, stored)
             return self.large_body_response(prepared.tenant, pieces)
         for completion in completions:
-            output.push_with(completion, self._logprobs(completion.logprobs))
+            output.add_logprobs(self._logprobs(completion.logprobs))
+            output.push(completion)
         body_json = _json.encode(self._finished(body, prepared, output, num_cached_tokens))
         self._keep(prepared, self._record(prepared, output, body_json))
         return Response(body_json, media_type="application/json")
@@ -379,7 +377,8 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
         """The response's JSON in pieces, and its record for the store; for a worker
         thread."""
         for completion in completions:
-            output.push_with(completion, self._logprobs(completion.logprobs))
+            output.add_logprobs(self._logprobs(completion.logprobs))
+            output.push(completion)
         output.encode_logprobs()
         pieces = json_pieces(self._finished(body, prepared, output, num_cached_tokens))
         return pieces, self._record(prepared, output, b"".join(pieces))
@@ -397,18 +396,17 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
         try:
             num_cached_tokens = 0
             message_open = False
-            async for _, result in merge_streams(prepared.streams):
-                num_cached_tokens = result.num_cached_tokens
-                for completion in result.outputs:
-                    delta = output.push_with(completion, self._logprobs(completion.logprobs))
-                    if delta:
-                        if not message_open:
-                            message_open = True
-                            for chunk in _message_opening(event, output):
-                                yield chunk
-                        yield event("response.output_text.delta", item_id=output.message_id,
-                                    output_index=0, content_index=0, delta=delta,
-                                    logprobs=output.unsent_logprobs())
+            async for delta in choice_deltas(prepared.streams, [output]):
+                num_cached_tokens = delta.num_cached_tokens
+                output.add_logprobs(self._logprobs(delta.completion.logprobs))
+                if delta.text:
+                    if not message_open:
+                        message_open = True
+                        for chunk in _message_opening(event, output):
+                            yield chunk
+                    yield event("response.output_text.delta", item_id=output.message_id,
+                                output_index=0, content_index=0, delta=delta.text,
+                                logprobs=output.unsent_logprobs())
             closing = (body, prepared, output, event, message_open, num_cached_tokens)
             if is_large(len(output.text), output.num_logprob_values(body.top_logprobs or 0)):
                 chunks, stored = await self.pool.run(
@@ -509,94 +507,8 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
             "job_id": prepared.job_id,
         }
 
-    async def retrieve(self, response_id: str, tenant: str | None) -> Response:
-        """The stored response object, its JSON as it was first sent (a large one in views
-        of its pieces, at the tenant's pace of the work pool); 404 if the tenant has none of
-        this id."""
-        stored = self.store.get(tenant, response_id)
-        if stored is None:
-            raise _unknown_response(response_id)
-        if len(stored.body_json) <= LARGE_BODY_BYTES:
-            return Response(stored.body_json, media_type="application/json")
-        return self.large_body_response(tenant, byte_pieces(stored.body_json))
-
-    async def input_items(self, response_id: str, tenant: str | None, *, limit: int = 20,
-                          order: Literal["asc", "desc"] = "desc", after: str | None = None
-                          ) -> dict[str, Any]:
-        """OpenAI's list of a stored response's input items (the conversation it continued,
-        then its own input), `order` by position (`desc`: newest first), at most `limit`
-        (1-100, checked by the route) after the item `after`; an item sent without an id gets
-        one from its response and position. 404 if the tenant has no such response, 400 if
-        `after` names none of its items. The items are decoded on a worker thread."""
-        stored = self.store.get(tenant, response_id)
-        if stored is None:
-            raise _unknown_response(response_id)
-        return await self.pool.run(tenant, _input_item_page, stored, limit, order, after)
-
-    def cancel(self, response_id: str, tenant: str | None) -> dict[str, Any]:
-        """OpenAI cancels only responses run in the background, which this server does not
-        run: 400 for a stored response, 404 if the tenant has none of this id."""
-        if self.store.get(tenant, response_id) is None:
-            raise _unknown_response(response_id)
-        raise APIError(400, "only responses created with background: true can be cancelled, "
-                            "and this server runs none in the background (this one finished "
-                            "before it was stored)", param="response_id")
-
-    def delete(self, response_id: str, tenant: str | None) -> dict[str, Any]:
-        """Forgets a stored response (later turns can no longer continue it); 404 if the
-        tenant has none of this id."""
-        if not self.store.delete(tenant, response_id):
-            raise _unknown_response(response_id)
-        return {"id": response_id, "object": "response", "deleted": True}
-
     def _logprobs(self, entries: list[TokenLogprobs] | None) -> list[dict[str, Any]]:
         return self.token_logprobs(entries or [])
-
-
-def _conversation(previous: StoredResponse | None, input_items: Sequence[ConversationItem]
-                  ) -> tuple[list[ConversationItem], tuple[bytes, ...]]:
-    """The conversation a turn renders (the stored chain's items, decoded, then its input) and
-    the same as the store keeps it (the chain's texts as they are, the input's serialised).
-    Work in proportion to the conversation, for a worker thread."""
-    items = [*(() if previous is None else previous.items()), *input_items]
-    jsons = (*(() if previous is None else previous.item_jsons), *map(item_json, input_items))
-    return items, jsons
-
-
-def _input_item_page(stored: StoredResponse, limit: int, order: Literal["asc", "desc"],
-                     after: str | None) -> dict[str, Any]:
-    """A page of `input_items` (see `OpenAIServingResponses.input_items`)."""
-    response_id = stored.response_id
-    items = [_listed_item(item, response_id, index)
-             for index, item in enumerate(stored.items(0, stored.num_input_items))]
-    if order == "desc":
-        items.reverse()
-    if after is not None:
-        ids = [item["id"] for item in items]
-        if after not in ids:
-            raise APIError(400, f"after names no input item of {response_id!r}", param="after")
-        items = items[ids.index(after) + 1:]
-    page = items[:limit]
-    return {"object": "list", "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
-
-
-def _input_items(body: ResponsesRequest) -> tuple[ConversationItem, ...]:
-    if isinstance(body.input, str):
-        return (MessageItem(role="user", content=body.input),)
-    return tuple(body.input)
-
-
-def _listed_item(item: ConversationItem, response_id: str, index: int) -> dict[str, Any]:
-    """An input item as OpenAI lists it: an id, and a message's text as content parts."""
-    listed = item.model_dump(exclude_none=True)
-    listed.setdefault("id", f"item_{response_id.removeprefix('resp_')}_{index}")
-    if isinstance(item, MessageItem) and isinstance(item.content, str):
-        part = (OutputTextPart(type="output_text", text=item.content) if item.role == "assistant"
-                else InputTextPart(type="input_text", text=item.content))
-        listed["content"] = [part.model_dump()]
-    return listed
 
 
 def _check_tools(body: ResponsesRequest) -> None:
@@ -625,38 +537,6 @@ def _with_job(body: ResponsesRequest, chain_job_id: str | None, client: ClientCo
     if isinstance(body.tool_choice, FunctionToolChoice) and job.tool_name is None:
         body = body.model_copy(update={"tool_name": body.tool_choice.name})
     return body, job.job_id
-
-
-def template_messages(instructions: str | None, items: Sequence[ConversationItem]
-                      ) -> list[dict[str, Any]]:
-    """The conversation as chat-template messages: `instructions` as a system message first,
-    `function_call` items as `tool_calls` of the assistant message before them (or of a new
-    one), `function_call_output` items as `tool` messages naming their function; reasoning
-    items are left out. APIError(400) for an output that answers no call of the
-    conversation."""
-    messages: list[ChatMessage] = []
-    if instructions is not None:
-        messages.append(ChatMessage(role="system", content=instructions))
-    names_by_call_id: dict[str, str] = {}
-    for item in items:
-        if isinstance(item, MessageItem):
-            messages.append(ChatMessage(role=item.role, content=content_text(item.content)))
-        elif isinstance(item, FunctionCallItem):
-            names_by_call_id[item.call_id] = item.name
-            call = ToolCallIn(id=item.call_id, function=FunctionCallIn(
-                name=item.name, arguments=item.arguments))
-            if messages and messages[-1].role == "assistant":
-                messages[-1].tool_calls = [*(messages[-1].tool_calls or ()), call]
-            else:
-                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
-        elif isinstance(item, FunctionCallOutputItem):
-            name = names_by_call_id.get(item.call_id)
-            if name is None:
-                raise APIError(400, f"no function_call with call_id {item.call_id!r} precedes "
-                                    "its function_call_output", param="input")
-            messages.append(ChatMessage(role="tool", content=content_text(item.output),
-                                        tool_call_id=item.call_id, name=name))
-    return [template_message(message) for message in messages]
 
 
 def _message_opening(event: _Events, output: _Output) -> list[bytes]:
@@ -713,8 +593,3 @@ def _tool_choice(body: ResponsesRequest) -> str | dict[str, Any]:
     if choice is None:
         return "auto"
     return choice if isinstance(choice, str) else {"type": "function", "name": choice.name}
-
-
-def _unknown_response(response_id: str) -> APIError:
-    return APIError(404, f"No response found with id {response_id!r}.", param="response_id",
-                    code="response_not_found")
