@@ -45,11 +45,13 @@ ToolChoice = Literal["auto", "none", "required"] | ForcedTool
 @dataclass(frozen=True)
 class ToolOffer:
     """The tools a request offers and how it lets the model call them: `choice` ("auto"
-    when the request says nothing) and `parallel` (False: one call at most)."""
+    when the request says nothing; `choice_name`, how the request's API names it in errors,
+    if not as chat does) and `parallel` (False: one call at most)."""
 
     tools: tuple[OfferedTool, ...] = ()
     choice: ToolChoice = "auto"
     parallel: bool = True
+    choice_name: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +65,9 @@ class ToolOffer:
 
     @property
     def choice_text(self) -> str:
-        """The choice as errors name it (in chat's terms)."""
+        """The choice as errors name it."""
+        if self.choice_name is not None:
+            return self.choice_name
         if isinstance(self.choice, ForcedTool):
             return f"{{function: {self.choice.name!r}}}"
         return repr(self.choice)

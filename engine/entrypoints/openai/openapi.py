@@ -387,15 +387,14 @@ def _add_limits(schemas: dict[str, Any], settings: ServerSettings, *, max_model_
                 vocab_size: int) -> None:
     max_prompt_tokens = min(settings.max_prompt_tokens or max_model_len, max_model_len - 1)
     max_output_tokens = min(settings.max_output_tokens or max_model_len, max_model_len - 1)
-    max_n_by_request = {"CompletionRequest": settings.max_n,
-                        "ChatCompletionRequest": settings.max_n, "ResponsesRequest": 1}
-    for name, max_n in max_n_by_request.items():
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
         properties = schemas[name]["properties"]
-        _set_in_variants(properties["n"], "integer", maximum=max_n)
         for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if field in properties:
                 _set_in_variants(properties[field], "integer", maximum=max_output_tokens)
-        _set_in_variants(properties["stop"], "array", maxItems=settings.max_stop_strings)
+        if "n" in properties:  # OpenAI's sampling fields (`SamplingFields`)
+            _set_in_variants(properties["n"], "integer", maximum=settings.max_n)
+            _set_in_variants(properties["stop"], "array", maxItems=settings.max_stop_strings)
         _set_in_items(properties["stop_token_ids"], maximum=vocab_size - 1)
         _set_in_variants(properties["stop_token_ids"], "array",
                          maxItems=settings.max_stop_token_ids)

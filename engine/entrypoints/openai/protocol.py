@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, GetJsonSchemaHandler, model_validator
@@ -179,24 +181,30 @@ class StructuredOutputFields(BaseModel):
                                                          "structured_outputs.grammar.")
 
 
-class SamplingFields(JobFields):
-    """Fields shared by completions and chat completions. Types are strict (no strings for
-    numbers); this server's limits on `n`, `max_tokens` and `stop` are in its OpenAPI
-    document."""
+class GenerationFields(JobFields):
+    """What every generation API's request takes beside its own fields: the model, streaming,
+    and this server's sampling, scheduling and cache extensions (vLLM's names). Each API's
+    request declares its own sampling fields and says them in `sampling()`. Types are strict
+    (no strings for numbers); this server's limits are in its OpenAPI document.
+
+    `refused_fields`: fields of other APIs that a client may send by mistake and that would
+    change the output (`n`, `stop`), refused naming the field, with why, before any field is
+    validated."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     # The field holding the conversation (chat messages, Responses input items), if any.
     conversation_field: ClassVar[str | None] = None
+    refused_fields: ClassVar[Mapping[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _check_raw_body(cls, data: Any) -> Any:
         """Refuses, before any field is validated, a body over the counts of `body_limits`
-        (400 `limit_exceeded`; a large body was checked as it was parsed) and a body with a
-        lone surrogate anywhere (`unicode_text`), naming the field. An `APIError`, which
-        passes through pydantic and FastAPI's body parsing unchanged, so that `param` names
-        the field."""
+        (400 `limit_exceeded`; a large body was checked as it was parsed), a body with a
+        lone surrogate anywhere (`unicode_text`), and a refused field, naming the field. An
+        `APIError`, which passes through pydantic and FastAPI's body parsing unchanged, so
+        that `param` names the field."""
         if not isinstance(data, dict):
             return data
         try:
@@ -205,20 +213,20 @@ class SamplingFields(JobFields):
             raise APIError(400, error.message, param=error.param,
                            code="limit_exceeded") from error
         path = lone_surrogate_path(data)
-        if path is None:
-            return data
-        param = ".".join(path) or None
-        raise APIError(400, f"{param or 'the body'}: the text holds a lone UTF-16 surrogate, "
-                            "which is not Unicode", param=param)
+        if path is not None:
+            param = ".".join(path) or None
+            raise APIError(400, f"{param or 'the body'}: the text holds a lone UTF-16 "
+                                "surrogate, which is not Unicode", param=param)
+        for name, why in cls.refused_fields.items():
+            if data.get(name) is not None:
+                raise APIError(400, why, param=name)
+        return data
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1)] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stream: bool = False
     top_k: Count | None = Field(None, description="0 disables top-k.")
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Int64 | None = None
-    stop: StopString | list[StopString] | None = None
     stop_token_ids: list[TokenId] | None = None
     min_tokens: Count = 0
     ignore_eos: bool = False
@@ -232,18 +240,52 @@ class SamplingFields(JobFields):
                                        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], added to "
                                        f"the logits before sampling; at most "
                                        f"{MAX_LOGIT_BIAS_ENTRIES} entries.")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    return_token_ids: bool = Field(
-        False, description="Also return the prompt's and each choice's token ids."
-    )
     priority: Int64 = Field(0, description="Used by the priority policy: lower runs first.")
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = (
         Field(None, description="Prompts reuse cached KV only from requests with the same "
                                 "salt (and, on a server with API keys, the same tenant)."))
+
+    def sampling(self) -> Sampling:
+        """The request's own sampling fields, as the engine takes them."""
+        return Sampling()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling fields each API names in its own way: how many outputs (`n`), the
+    temperature and nucleus, and the stop strings."""
+
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+
+
+class SamplingFields(GenerationFields):
+    """OpenAI's sampling fields of completions and chat completions."""
+
+    n: Annotated[int, Field(ge=1)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stop: StopString | list[StopString] | None = None
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = Field(
+        False, description="Also return the prompt's and each choice's token ids."
+    )
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           param="stream_options")
+        return self
+
+    def sampling(self) -> Sampling:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return Sampling(n=self.n, temperature=self.temperature, top_p=self.top_p, stop=stop)
 
 
 MaxTokens = Annotated[int, Field(ge=1)]

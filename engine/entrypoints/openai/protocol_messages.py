@@ -9,21 +9,23 @@ types are refused naming the field. Tools are custom tools (`name`, `description
 `input_schema`); Anthropic's server tools are refused. `cache_control` breakpoints
 (`{"type": "ephemeral", "ttl": "5m" | "1h"}`) are taken on system blocks, tools and message
 blocks, and at the top level for the last block of the last message. Beyond Anthropic's
-fields the requests take this server's sampling and job extensions (`SamplingFields`:
-`temperature`, `top_p`, `top_k`, `seed`, `min_p`, `job_id`, `cache_salt`, ...); `stop` is
-refused beside `stop_sequences`, which is this API's name for it.
+fields the requests take this server's sampling and job extensions (`GenerationFields`:
+`top_k`, `seed`, `min_p`, `job_id`, `cache_salt`, ...); OpenAI's `n` and `stop` are refused
+(`stop_sequences` is this API's name for `stop`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from engine.entrypoints.openai.protocol import (
     MAX_ID_CHARS,
+    GenerationFields,
     NullMeansDefault,
-    SamplingFields,
+    Sampling,
     StopString,
 )
 
@@ -174,10 +176,13 @@ class Metadata(_Model):
     user_id: Annotated[str, Field(max_length=MAX_ID_CHARS)] | None = None
 
 
-class MessagesFields(SamplingFields):
+class MessagesFields(GenerationFields):
     """What both endpoints read: the model, the conversation, the system prompt and tools."""
 
     conversation_field: ClassVar[str | None] = "messages"
+    refused_fields: ClassVar[Mapping[str, str]] = {
+        "n": "a message has one output: n is not a field of the Messages API",
+        "stop": "stop is this API's stop_sequences: send stop_sequences"}
 
     model: Annotated[str, Field(min_length=1)]  # type: ignore[assignment]
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -215,3 +220,8 @@ class MessagesRequest(MessagesFields):
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # Anthropic's range
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=self.temperature, top_p=self.top_p,
+                        stop=tuple(self.stop_sequences or ()))

@@ -1,8 +1,9 @@
 """The request body of the OpenAI Responses API (`POST /v1/responses`), as pydantic models.
 
 Follows `protocol.py`'s conventions: unknown fields are ignored, types are strict, nulls mean
-"not given". The request inherits the sampling extensions and the job extension of
-`SamplingFields` (`top_k`, `seed`, `stop`, `cache_salt`, `job_id`, ...). Input items are the
+"not given". Beside its own fields the request takes this server's sampling and job
+extensions (`GenerationFields`: `top_k`, `seed`, `cache_salt`, `job_id`, ...); chat's `n` and
+`stop` are refused. Input items are the
 text subset of OpenAI's: messages (text parts only), `function_call`, `function_call_output`
 and `reasoning` (accepted, not rendered); other item, content-part and tool types are
 rejected naming the field.
@@ -10,16 +11,18 @@ rejected naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
 from engine.entrypoints.openai.protocol import (
     MAX_ID_CHARS,
+    GenerationFields,
     Logprobs,
     MaxTokens,
     NullMeansDefault,
-    SamplingFields,
+    Sampling,
 )
 
 # OpenAI's limits on `metadata`: pairs, key and value lengths.
@@ -207,11 +210,18 @@ ToolChoice = Annotated[
 ]
 
 
-class ResponsesRequest(SamplingFields):
+class ResponsesRequest(GenerationFields):
     """POST /v1/responses: a conversation as input items, optionally continuing a stored
     response (`previous_response_id`); see the module docstring for what is supported."""
 
     conversation_field: ClassVar[str | None] = "input"
+    refused_fields: ClassVar[Mapping[str, str]] = {
+        "n": "a response has one output: n is not a field of the Responses API",
+        "stop": "stop is not a field of the Responses API (it is chat's)"}
+
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    user: str | None = None
 
     input: Input
     instructions: str | None = Field(None, description="A system message before the input "
@@ -244,3 +254,6 @@ class ResponsesRequest(SamplingFields):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_retention: str | None = None
+
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=self.temperature, top_p=self.top_p)

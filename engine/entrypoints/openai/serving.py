@@ -37,7 +37,7 @@ from engine.entrypoints.openai.json_body import (
     LARGE_BODY_STATE,
     ChildCpuClass,
 )
-from engine.entrypoints.openai.protocol import SamplingFields
+from engine.entrypoints.openai.protocol import GenerationFields, Sampling
 from engine.entrypoints.openai.refusal_pacing import (
     DEFAULT_MAX_PACED_REFUSALS_PER_TENANT,
     RefusalPacer,
@@ -81,7 +81,7 @@ DEFAULT_MAX_RESPONSE_LOGPROBS = 1 << 20
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-BodyT = TypeVar("BodyT", bound=SamplingFields)
+BodyT = TypeVar("BodyT", bound=GenerationFields)
 PreparedT = TypeVar("PreparedT", bound="Prepared")
 _json = msgspec.json.Encoder()
 
@@ -396,29 +396,26 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
     def max_model_len(self) -> int:
         return self.engine.config.scheduler.max_model_len
 
-    def check_request(self, body: SamplingFields) -> None:
+    def check_request(self, body: GenerationFields) -> None:
         """Errors common to every generation request: unknown model, unsupported fields,
         a dead engine."""
         if body.model is not None and body.model != self.settings.served_model_name:
             raise APIError(404, f"the model {body.model!r} does not exist", param="model",
                            code="model_not_found")
-        if body.stream_options is not None and not body.stream:
-            raise APIError(400, "stream_options is only allowed when stream is true",
-                           param="stream_options")
         if self.engine.is_dead:
             raise engine_dead_error()
 
     def sampling_params(
-        self, body: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+        self, body: GenerationFields, *, max_tokens: int | None, logprobs: int | None,
         stream: bool,
         structured_output: StructuredOutputSpec | None = None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The engine's parameters for the body; APIError(400) naming what is wrong."""
-        stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-        self._check_limits(body, max_tokens=max_tokens, num_stop_strings=len(stop))
+        sampling = body.sampling()
+        self._check_limits(body, sampling, max_tokens=max_tokens)
         fields: dict[str, Any] = {
-            "n": body.n, "temperature": body.temperature, "top_p": body.top_p,
+            "n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
             "top_k": body.top_k, "min_p": body.min_p,
             "presence_penalty": body.presence_penalty,
             "frequency_penalty": body.frequency_penalty,
@@ -428,7 +425,7 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
         try:
             return SamplingParams(
                 **fields, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens,
-                stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()),
+                stop=sampling.stop, stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 logit_bias=self._logit_bias(body),
                 include_stop_str_in_output=body.include_stop_str_in_output,
@@ -439,7 +436,7 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
         except ValueError as error:
             raise APIError(400, str(error)) from error
 
-    def _logit_bias(self, body: SamplingFields) -> tuple[tuple[int, float], ...]:
+    def _logit_bias(self, body: GenerationFields) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs; 400 for a key that is not the decimal id of
         a token of the vocabulary (the request model checks the biases and their count)."""
         vocab_size = self.engine.processor.vocab_size
@@ -454,25 +451,24 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
             biases[int(key)] = bias
         return tuple(biases.items())
 
-    def _check_limits(
-        self, body: SamplingFields, *, max_tokens: int | None, num_stop_strings: int
-    ) -> None:
+    def _check_limits(self, body: GenerationFields, sampling: Sampling, *,
+                      max_tokens: int | None) -> None:
         settings = self.settings
         num_stop_token_ids = len(body.stop_token_ids or ())
         if num_stop_token_ids > settings.max_stop_token_ids:
             raise APIError(400, f"{num_stop_token_ids} stop_token_ids given, over this server's "
                                 f"limit of {settings.max_stop_token_ids}",
                            param="stop_token_ids", code="limit_exceeded")
-        if body.n > settings.max_n:
-            raise APIError(400, f"n is {body.n}, over this server's limit of {settings.max_n}",
-                           param="n", code="limit_exceeded")
+        if sampling.n > settings.max_n:
+            raise APIError(400, f"n is {sampling.n}, over this server's limit of "
+                                f"{settings.max_n}", param="n", code="limit_exceeded")
         limit = settings.max_output_tokens
         if max_tokens is not None and limit is not None and max_tokens > limit:
             raise APIError(400, f"{self.max_tokens_param} is {max_tokens}, over this server's "
                                 f"limit of {limit}", param=self.max_tokens_param,
                            code="limit_exceeded")
-        if num_stop_strings > settings.max_stop_strings:
-            raise APIError(400, f"{num_stop_strings} stop strings given, over this server's "
+        if len(sampling.stop) > settings.max_stop_strings:
+            raise APIError(400, f"{len(sampling.stop)} stop strings given, over this server's "
                                 f"limit of {settings.max_stop_strings}", param="stop",
                            code="limit_exceeded")
 
@@ -569,7 +565,7 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
 
     def process(
         self, request_id: str, token_ids: list[int], params: SamplingParams,
-        body: SamplingFields, client: ClientContext,
+        body: GenerationFields, client: ClientContext,
         continues_request_id: str | None = None,
         tool_call_format: ToolCallFormat | None = None,
     ) -> ProcessedRequest:
@@ -601,7 +597,7 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
         return self.settings.tenants is not None and self.settings.tenants.share_prefix_cache
 
     @staticmethod
-    def _job(body: SamplingFields, client: ClientContext) -> JobInfo | None:
+    def _job(body: GenerationFields, client: ClientContext) -> JobInfo | None:
         """The request's job, its id in its tenant's namespace. Tool names stay shared: the
         estimator learns a tool's durations from every tenant, and a warm start from a
         trace names tools without tenants."""

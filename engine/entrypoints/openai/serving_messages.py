@@ -105,7 +105,8 @@ def messages_offer(body: MessagesRequest) -> ToolOffer:
         choice="required" if isinstance(choice, ToolChoiceAny) else
         ForcedTool(choice.name) if isinstance(choice, ToolChoiceTool) else
         "none" if isinstance(choice, ToolChoiceNone) else "auto",
-        parallel=not getattr(choice, "disable_parallel_tool_use", False))
+        parallel=not getattr(choice, "disable_parallel_tool_use", False),
+        choice_name=None if choice is None else repr(choice.model_dump(exclude_defaults=True)))
 
 
 class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
@@ -118,18 +119,11 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
     async def _prepare(self, body: MessagesRequest, client: ClientContext) -> PreparedMessage:
         self.check_request(body)
         check_messages_fields(body)
-        if body.n != 1:
-            raise APIError(400, "a message has one output: n must be 1", param="n")
-        if body.stop is not None:
-            raise APIError(400, "stop is this API's stop_sequences: send stop_sequences",
-                           param="stop")
         offer = messages_offer(body)
         structured_output = None
         if offer.may_constrain or body.output_config is not None:
             structured_output = await self.run_for(client, self._structured_output, body)
-        sampled = body if body.stop_sequences is None else body.model_copy(
-            update={"stop": body.stop_sequences})
-        params = self.sampling_params(sampled, max_tokens=body.max_tokens, logprobs=None,
+        params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=None,
                                       stream=body.stream, structured_output=structured_output)
         self.check_queue_room(1, client.tenant)
         message_id = new_id("msg").replace("-", "_")

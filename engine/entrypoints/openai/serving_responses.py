@@ -285,8 +285,6 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
             parser=None if call_format is None else call_format.make_parser(), store=store)
 
     def _check_fields(self, body: ResponsesRequest) -> None:
-        if body.n != 1:
-            raise APIError(400, "a response has one output: n must be 1", param="n")
         unsupported = [(name, why) for name, value, why in (
             ("background", body.background, "background responses are not supported"),
             ("conversation", body.conversation, "conversations are not supported; use "

@@ -279,6 +279,23 @@ def test_errors_have_anthropics_shape_and_status(agent, tiny) -> None:
             "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     assert "tools" in refused(tiny, anthropic.BadRequestError, 400, "invalid_request_error",
                               tool_choice={"type": "any"})
+    # OpenAI's fields are not this API's: refused, naming this API's own where it has one.
+    assert "n is not a field" in refused(tiny, anthropic.BadRequestError, 400,
+                                         "invalid_request_error", extra_body={"n": 1})
+    assert "stop_sequences" in refused(tiny, anthropic.BadRequestError, 400,
+                                       "invalid_request_error", extra_body={"stop": ["x"]})
+    # Errors of the tools and the output format name this API's fields.
+    strict_open = {"type": "object", "properties": {}, "additionalProperties": True}
+    assert "tools[0].input_schema" in refused(
+        tiny, anthropic.BadRequestError, 400, "invalid_request_error",
+        tools=[{"name": "t", "input_schema": strict_open, "strict": True}],
+        tool_choice={"type": "any"})
+    combined = "output_config.format.schema cannot be combined with tool_choice {'type': 'any'}"
+    assert combined in refused(
+        tiny, anthropic.BadRequestError, 400, "invalid_request_error",
+        tools=[{"name": "t", "input_schema": {"type": "object"}}], tool_choice={"type": "any"},
+        extra_body={"output_config": {"format": {"type": "json_schema",
+                                                 "schema": {"type": "object"}}}})
     # Anthropic's text for a prompt past the context, which its clients recognise (a
     # max_tokens past it is cut to the room left: decision 0032).
     assert refused(tiny, anthropic.BadRequestError, 400, "invalid_request_error",

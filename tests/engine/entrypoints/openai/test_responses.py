@@ -505,6 +505,7 @@ BAD_BODIES = [
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "hi", "n": 2}, "n"),
+    ({"input": "hi", "stop": ["x"]}, "stop"),  # chat's fields are not the Responses API's
     ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
     ({"input": "hi", "metadata": {"k": "v" * 600}}, "metadata.k"),
     ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
