@@ -11,13 +11,16 @@ text adds up to the whole response's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.frontend.request_outputs import CompletionOutput
 from engine.tool_calls import ParsedToolCall, ToolCallFormat, ToolParser
+
+if TYPE_CHECKING:
+    from engine.entrypoints.openai.structured_outputs import Constraint
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,27 @@ class ToolOffer:
             return None
         return ToolCallFormat(parser=parser, tool_names=tuple(tool.name for tool in self.tools),
                               parallel=self.parallel)
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """What an API's adapter makes of a validated body for the shared pipeline
+    (`OpenAIServing.params_for`): the engine requests it will queue (`num_completions`:
+    prompts x n), the most tokens each may generate and the logprobs it asks for, as the
+    engine takes them, the tools it offers, and its output constraint (`constraint`, called
+    off the event loop: it builds a grammar; None when the body names none)."""
+
+    num_completions: int
+    max_tokens: int | None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    offer: ToolOffer = ToolOffer()
+    constraint: Callable[[], Constraint | None] | None = None
+
+    @property
+    def may_constrain(self) -> bool:
+        """Whether the output may be constrained (its grammar is then built off the loop)."""
+        return self.constraint is not None or self.offer.may_constrain
 
 
 @dataclass(kw_only=True)

@@ -30,7 +30,7 @@ from engine.entrypoints.openai.errors import (
     error_body,
     shutting_down_error,
 )
-from engine.entrypoints.openai.generation import ChoiceOutput
+from engine.entrypoints.openai.generation import ChoiceOutput, GenerationPlan
 from engine.entrypoints.openai.job_extension import job_info
 from engine.entrypoints.openai.json_body import (
     CHAT_PROMPT_STATE,
@@ -45,7 +45,7 @@ from engine.entrypoints.openai.refusal_pacing import (
 from engine.entrypoints.openai.request_id import scope_request_id
 from engine.entrypoints.openai.response_body import JSONPiecesResponse, json_pieces
 from engine.entrypoints.openai.response_store import check_store_room
-from engine.entrypoints.openai.structured_outputs import GrammarChecker
+from engine.entrypoints.openai.structured_outputs import GrammarChecker, offer_structured_output
 from engine.entrypoints.openai.tenant_requests import TenantEngineRequests
 from engine.entrypoints.openai.tenants import (
     Tenants,
@@ -343,10 +343,33 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
         completions, a refusal for a limit paced (`refusals_paced`). Rendering, tokenizing
         and grammar checks run off the event loop."""
         async with self.refusals_paced(client.tenant):
+            self.check_request(body)
             return await self._prepare(body, client)
 
     async def _prepare(self, body: BodyT, client: ClientContext) -> PreparedT:
+        """The API's own validation and rendering of a body `check_request` passed, around
+        `params_for`, up to `submit`."""
         raise NotImplementedError
+
+    async def params_for(self, body: BodyT, plan: GenerationPlan, client: ClientContext
+                         ) -> SamplingParams:
+        """The engine's parameters for a generation its adapter planned: its constraint (the
+        grammar built and checked off the event loop), then the sampling parameters; then a
+        429 if its completions would find no room in the queue or the tenant's cap."""
+        structured_output = None
+        if plan.may_constrain:
+            structured_output = await self.run_for(client, self._structured_output, plan)
+        params = self.sampling_params(
+            body, max_tokens=plan.max_tokens, logprobs=plan.logprobs,
+            prompt_logprobs=plan.prompt_logprobs, stream=body.stream,
+            structured_output=structured_output)
+        self.check_queue_room(plan.num_completions, client.tenant)
+        return params
+
+    def _structured_output(self, plan: GenerationPlan) -> StructuredOutputSpec | None:
+        constraint = None if plan.constraint is None else plan.constraint()
+        return offer_structured_output(plan.offer, constraint, self.grammar_checker,
+                                       self.settings.tool_call_parser)
 
     async def create(self, body: BodyT, prepared: PreparedT) -> dict[str, Any] | Response:
         """The whole (non-streaming) response, from the engine's final outputs."""

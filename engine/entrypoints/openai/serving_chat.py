@@ -12,13 +12,20 @@ has its first token (clients time the first token by it).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from engine.entrypoints.openai.chat_prompt import check_chat_fields, render_chat_prompt
-from engine.entrypoints.openai.generation import ChoiceOutput, ForcedTool, OfferedTool, ToolOffer
+from engine.entrypoints.openai.generation import (
+    ChoiceOutput,
+    ForcedTool,
+    GenerationPlan,
+    OfferedTool,
+    ToolOffer,
+)
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.entrypoints.openai.serving import (
     SSE_DONE,
@@ -31,16 +38,11 @@ from engine.entrypoints.openai.serving import (
     sse,
     sse_error,
 )
-from engine.entrypoints.openai.structured_outputs import (
-    may_constrain,
-    offer_structured_output,
-    output_constraint,
-)
+from engine.entrypoints.openai.structured_outputs import may_constrain, output_constraint
 from engine.entrypoints.openai.tool_call_ids import issued_call_id
 from engine.frontend.processor import ProcessedRequest, core_request_id
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.structured_output.spec import StructuredOutputSpec
 from engine.tool_calls import ParsedToolCall, ToolParser
 
 
@@ -75,27 +77,18 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
         return None if call_format is None else call_format.make_parser()
 
     async def _prepare(self, body: ChatCompletionRequest, client: ClientContext) -> Prepared:
-        self.check_request(body)
         check_chat_fields(body)
-        structured_output = None
-        if may_constrain(body) or chat_offer(body).may_constrain:
-            structured_output = await self.run_for(client, self._structured_output, body)
-        params = self.sampling_params(
-            body,
+        params = await self.params_for(body, GenerationPlan(
+            num_completions=body.n,
             max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            stream=body.stream,
-            structured_output=structured_output,
-        )
-        self.check_queue_room(body.n, client.tenant)
+            offer=chat_offer(body),
+            constraint=functools.partial(output_constraint, body) if may_constrain(body)
+            else None), client)
         request = await self.run_for(client, self._render_and_process, body, params, client)
         return Prepared(requests=[request], streams=self.submit([request]),
                         tenant=client.tenant, client_request_id=client.request_id)
-
-    def _structured_output(self, body: ChatCompletionRequest) -> StructuredOutputSpec | None:
-        return offer_structured_output(chat_offer(body), output_constraint(body),
-                                       self.grammar_checker, self.settings.tool_call_parser)
 
     def _render_and_process(self, body: ChatCompletionRequest, params: SamplingParams,
                             client: ClientContext) -> ProcessedRequest:

@@ -18,6 +18,7 @@ any work by `max_response_logprobs`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
@@ -27,6 +28,7 @@ import msgspec
 from starlette.responses import Response
 
 from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.openai.generation import GenerationPlan
 from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.entrypoints.openai.response_body import is_large, json_pieces
 from engine.entrypoints.openai.serving import (
@@ -39,10 +41,7 @@ from engine.entrypoints.openai.serving import (
     sse,
     sse_error,
 )
-from engine.entrypoints.openai.structured_outputs import (
-    completion_structured_output,
-    may_constrain,
-)
+from engine.entrypoints.openai.structured_outputs import may_constrain, output_constraint
 from engine.frontend.processor import ProcessedRequest
 from engine.frontend.request_outputs import CompletionOutput, RequestOutput
 from engine.outputs import TokenLogprobs
@@ -109,28 +108,24 @@ class OpenAIServingCompletion(OpenAIServing[CompletionRequest, PreparedCompletio
 
     async def _prepare(self, body: CompletionRequest, client: ClientContext
                        ) -> PreparedCompletion:
-        self.check_request(body)
         _check_prompt_only(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         prompts = self._prompts(body.prompt)
-        structured_output = None
-        if may_constrain(body):
-            structured_output = await self.run_for(client, completion_structured_output, body,
-                                                   self.grammar_checker)
-        # Prompt only (max_tokens 0): one token is generated, and dropped from the response.
-        params = self.sampling_params(
-            body, max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
-            logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
-            stream=body.stream, structured_output=structured_output)
         if body.logprobs is not None and body.max_tokens:
             self.check_response_logprobs(
                 len(prompts) * body.n * body.max_tokens * (1 + body.logprobs),
                 f"{len(prompts)} prompts x n {body.n} x max_tokens {body.max_tokens} x "
                 f"(1 + logprobs {body.logprobs}), before any echoed prompt", paced=False)
-        self.check_queue_room(len(prompts) * body.n, client.tenant)
+        # Prompt only (max_tokens 0): one token is generated, and dropped from the response.
+        params = await self.params_for(body, GenerationPlan(
+            num_completions=len(prompts) * body.n,
+            max_tokens=1 if body.max_tokens == 0 else body.max_tokens,
+            logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
+            constraint=functools.partial(output_constraint, body) if may_constrain(body)
+            else None), client)
         response_id = new_id("cmpl")
         echo_texts = (await self.run_for(client, self._echo_texts, prompts)
                       if body.echo else None)

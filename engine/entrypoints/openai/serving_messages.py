@@ -32,6 +32,7 @@ started is an `error` event.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,7 +42,13 @@ import msgspec
 
 from engine.entrypoints.openai.anthropic_errors import anthropic_error_body
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.generation import ChoiceOutput, ForcedTool, OfferedTool, ToolOffer
+from engine.entrypoints.openai.generation import (
+    ChoiceOutput,
+    ForcedTool,
+    GenerationPlan,
+    OfferedTool,
+    ToolOffer,
+)
 from engine.entrypoints.openai.messages_prompt import (
     check_messages_fields,
     count_prompt,
@@ -67,14 +74,10 @@ from engine.entrypoints.openai.serving import (
     sse,
     stream_failure,
 )
-from engine.entrypoints.openai.structured_outputs import (
-    json_schema_constraint,
-    offer_structured_output,
-)
+from engine.entrypoints.openai.structured_outputs import json_schema_constraint
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
 from engine.frontend.processor import ProcessedRequest
 from engine.sampling_params import CacheBreakpoint, SamplingParams
-from engine.structured_output.spec import StructuredOutputSpec
 from engine.tool_calls import ToolCallFormat, ToolParser
 
 
@@ -117,15 +120,14 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
     clamps_max_tokens = True  # clients' defaults (litellm's 128,000) exceed small contexts
 
     async def _prepare(self, body: MessagesRequest, client: ClientContext) -> PreparedMessage:
-        self.check_request(body)
         check_messages_fields(body)
         offer = messages_offer(body)
-        structured_output = None
-        if offer.may_constrain or body.output_config is not None:
-            structured_output = await self.run_for(client, self._structured_output, body)
-        params = self.sampling_params(body, max_tokens=body.max_tokens, logprobs=None,
-                                      stream=body.stream, structured_output=structured_output)
-        self.check_queue_room(1, client.tenant)
+        output_format = None if body.output_config is None else body.output_config.format
+        params = await self.params_for(body, GenerationPlan(
+            num_completions=1, max_tokens=body.max_tokens, offer=offer,
+            constraint=None if output_format is None else functools.partial(
+                json_schema_constraint, "output_config.format.schema", output_format.schema_,
+                strict=False)), client)
         message_id = new_id("msg").replace("-", "_")
         call_format = offer.call_format(self.settings.tool_call_parser)
         request, cache_breakpoint = await self.run_for(
@@ -158,13 +160,6 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
         (and coding agents deciding to compact) recognise."""
         return APIError(400, f"prompt is too long: {count} tokens > {self.max_model_len - 1} "
                              "maximum", param="messages", code="context_length_exceeded")
-
-    def _structured_output(self, body: MessagesRequest) -> StructuredOutputSpec | None:
-        output_format = None if body.output_config is None else body.output_config.format
-        constraint = None if output_format is None else json_schema_constraint(
-            "output_config.format.schema", output_format.schema_, strict=False)
-        return offer_structured_output(messages_offer(body), constraint, self.grammar_checker,
-                                       self.settings.tool_call_parser)
 
     def _render_and_process(
         self, message_id: str, body: MessagesRequest, params: SamplingParams,

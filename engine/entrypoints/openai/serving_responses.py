@@ -20,10 +20,11 @@ prompt. So the engine's job order and KV pins apply to every agent's turns.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,13 @@ from starlette.responses import Response
 
 from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_ITEMS
 from engine.entrypoints.openai.errors import APIError, check_unique_names
-from engine.entrypoints.openai.generation import ChoiceOutput, ForcedTool, OfferedTool, ToolOffer
+from engine.entrypoints.openai.generation import (
+    ChoiceOutput,
+    ForcedTool,
+    GenerationPlan,
+    OfferedTool,
+    ToolOffer,
+)
 from engine.entrypoints.openai.job_extension import JOB_ID_HEADER, job_info
 from engine.entrypoints.openai.protocol_responses import (
     LOGPROBS_INCLUDE,
@@ -73,7 +80,6 @@ from engine.entrypoints.openai.structured_outputs import (
     GrammarChecker,
     json_object_constraint,
     json_schema_constraint,
-    offer_structured_output,
 )
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
 from engine.entrypoints.openai.work_pool import TenantWorkPool
@@ -82,7 +88,6 @@ from engine.frontend.processor import ProcessedRequest
 from engine.frontend.request_outputs import CompletionOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.structured_output.spec import StructuredOutputSpec
 from engine.tool_calls import ParsedToolCall, ToolCallFormat, ToolParser
 
 logger = logging.getLogger(__name__)
@@ -206,14 +211,15 @@ def responses_offer(body: ResponsesRequest) -> ToolOffer:
         parallel=body.parallel_tool_calls is not False)
 
 
-def _format_constraint(body: ResponsesRequest) -> Constraint | None:
-    """The constraint `text.format` asks for (None: plain text)."""
+def _format_constraint(body: ResponsesRequest) -> Callable[[], Constraint | None] | None:
+    """The constraint `text.format` asks for, to build off the event loop (None: no
+    format)."""
     text_format = None if body.text is None else body.text.format
     if isinstance(text_format, TextFormatJSONSchema):
-        return json_schema_constraint("text.format.schema", text_format.schema_,
-                                      strict=bool(text_format.strict))
+        return functools.partial(json_schema_constraint, "text.format.schema",
+                                 text_format.schema_, strict=bool(text_format.strict))
     if text_format is not None and text_format.type == "json_object":
-        return json_object_constraint("text.format")
+        return functools.partial(json_object_constraint, "text.format")
     return None
 
 
@@ -253,7 +259,6 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
 
     async def _prepare(self, body: ResponsesRequest, client: ClientContext
                        ) -> PreparedResponse:
-        self.check_request(body)
         self._check_fields(body)
         previous = self._previous(body, client)
         items = input_items(body)
@@ -263,17 +268,16 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
                                 f"its input) has {num_items} items, over the limit of "
                                 f"{MAX_CONVERSATION_ITEMS}", param="input",
                            code="limit_exceeded")
-        call_format = responses_offer(body).call_format(self.settings.tool_call_parser)
-        structured_output = None
-        if responses_offer(body).may_constrain or (body.text is not None
-                                                   and body.text.format is not None):
-            structured_output = await self.run_for(client, self._structured_output, body)
-        params = self._sampling_params(body, structured_output)
+        offer = responses_offer(body)
+        call_format = offer.call_format(self.settings.tool_call_parser)
+        params = await self.params_for(body, GenerationPlan(
+            num_completions=1, max_tokens=body.max_output_tokens,
+            logprobs=(body.top_logprobs or 0) if LOGPROBS_INCLUDE in (body.include or ())
+            else None, offer=offer, constraint=_format_constraint(body)), client)
         response_id = new_item_id("resp")
         store = body.store is not False
         job_body, job_id = _with_job(body, None if previous is None else previous.job_id,
                                      client)
-        self.check_queue_room(1, client.tenant)
         items, item_jsons = await self.run_for(client, conversation, previous, items)
         request = await self.run_for(
             client, self._render_and_process, response_id, job_body, items, params, client,
@@ -311,20 +315,6 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
                                 "found.", param="previous_response_id",
                            code="previous_response_not_found")
         return previous
-
-    def _sampling_params(self, body: ResponsesRequest,
-                         structured_output: StructuredOutputSpec | None) -> SamplingParams:
-        with_logprobs = LOGPROBS_INCLUDE in (body.include or ())
-        return self.sampling_params(
-            body, max_tokens=body.max_output_tokens,
-            logprobs=(body.top_logprobs or 0) if with_logprobs else None, stream=body.stream,
-            structured_output=structured_output)
-
-    def _structured_output(self, body: ResponsesRequest) -> StructuredOutputSpec | None:
-        """The constraint of `text.format` and of the tools with `tool_choice` (as for
-        chat). Runs off the event loop."""
-        return offer_structured_output(responses_offer(body), _format_constraint(body),
-                                       self.grammar_checker, self.settings.tool_call_parser)
 
     def _render_and_process(
         self, response_id: str, body: ResponsesRequest, items: Sequence[ConversationItem],

@@ -139,12 +139,6 @@ def may_constrain(body: Any) -> bool:
     return any(getattr(body, field, None) is not None for field in CONSTRAINT_FIELDS)
 
 
-def completion_structured_output(body: Any,
-                                 checker: GrammarChecker) -> StructuredOutputSpec | None:
-    """The constraint of a completions request."""
-    return _spec(checker, output_constraint(body))
-
-
 def output_constraint(body: Any) -> Constraint | None:
     """The one output constraint among the request's fields (None: unconstrained); APIError
     naming the fields if there are several or one is malformed."""
