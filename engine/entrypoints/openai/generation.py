@@ -63,8 +63,9 @@ class ToolOffer:
 
     @property
     def may_constrain(self) -> bool:
-        """Whether the offer alone may constrain the output (built off the event loop)."""
-        return self.enabled and (self.choice != "auto" or not self.parallel)
+        """Whether the offer alone may constrain the output (built off the event loop, where
+        a strict tool's schema is checked)."""
+        return bool(self.tools) and (self.choice not in ("auto", "none") or not self.parallel)
 
     @property
     def choice_text(self) -> str:

@@ -180,9 +180,6 @@ class MessagesFields(GenerationFields):
     """What both endpoints read: the model, the conversation, the system prompt and tools."""
 
     conversation_field: ClassVar[str | None] = "messages"
-    refused_fields: ClassVar[Mapping[str, str]] = {
-        "n": "a message has one output: n is not a field of the Messages API",
-        "stop": "stop is this API's stop_sequences: send stop_sequences"}
 
     model: Annotated[str, Field(min_length=1)]  # type: ignore[assignment]
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -214,6 +211,10 @@ class OutputConfig(_Model):
 class MessagesRequest(MessagesFields):
     """POST /v1/messages: the next assistant message of a conversation. `thinking` (extended
     thinking) is accepted and has no effect: the served models answer without it."""
+
+    refused_fields: ClassVar[Mapping[str, str]] = {
+        "n": "a message has one output: n is not a field of the Messages API",
+        "stop": "stop is this API's stop_sequences: send stop_sequences"}
 
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: list[StopString] | None = None

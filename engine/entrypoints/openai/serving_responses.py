@@ -220,7 +220,11 @@ def _format_constraint(body: ResponsesRequest) -> Callable[[], Constraint | None
                                  text_format.schema_, strict=bool(text_format.strict))
     if text_format is not None and text_format.type == "json_object":
         return functools.partial(json_object_constraint, "text.format")
-    return None
+    return None if text_format is None else _no_constraint
+
+
+def _no_constraint() -> None:
+    """A plain-text format: nothing to constrain, but the tools' schemas are checked."""
 
 
 class _Events:
@@ -270,14 +274,14 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
                            code="limit_exceeded")
         offer = responses_offer(body)
         call_format = offer.call_format(self.settings.tool_call_parser)
+        job_body, job_id = _with_job(body, None if previous is None else previous.job_id,
+                                     client)
         params = await self.params_for(body, GenerationPlan(
             num_completions=1, max_tokens=body.max_output_tokens,
             logprobs=(body.top_logprobs or 0) if LOGPROBS_INCLUDE in (body.include or ())
             else None, offer=offer, constraint=_format_constraint(body)), client)
         response_id = new_item_id("resp")
         store = body.store is not False
-        job_body, job_id = _with_job(body, None if previous is None else previous.job_id,
-                                     client)
         items, item_jsons = await self.run_for(client, conversation, previous, items)
         request = await self.run_for(
             client, self._render_and_process, response_id, job_body, items, params, client,

@@ -506,6 +506,10 @@ BAD_BODIES = [
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "hi", "n": 2}, "n"),
     ({"input": "hi", "stop": ["x"]}, "stop"),  # chat's fields are not the Responses API's
+    ({"input": "hi", "text": {"format": {"type": "text"}}, "tools": [  # strict by default
+        {"type": "function", "name": "f",
+         "parameters": {"type": "object", "additionalProperties": True}}]},
+     "tools[0].parameters"),
     ({"input": "hi", "max_output_tokens": 5000}, "max_output_tokens"),
     ({"input": "hi", "metadata": {"k": "v" * 600}}, "metadata.k"),
     ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
