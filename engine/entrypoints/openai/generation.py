@@ -1,6 +1,7 @@
-"""What every generation API hands the shared pipeline and gets back from it: the tools a
-request offers (`ToolOffer`, each API's names for its fields kept for its errors), and one
-choice's output as it arrives (`ChoiceOutput`), split into text and, at its end, tool calls.
+"""What every generation API hands the shared pipeline and gets back from it: its plan of a
+generation (`GenerationPlan`), the tools it offers (`ToolOffer`, each API's names for its
+fields kept for its errors) and its output constraint (`Constraint`), and one choice's
+output as it arrives (`ChoiceOutput`), split into text and, at its end, tool calls.
 
 Chat, the Responses API and the Messages API each build a `ToolOffer` from their own request
 model; the offer decides how the output is read for tool calls (`call_format`) and how the
@@ -13,14 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from engine.entrypoints.openai.tool_call_stream import StreamingToolCallSplitter
 from engine.frontend.request_outputs import CompletionOutput
+from engine.structured_output.spec import StructuredOutputKind
 from engine.tool_calls import ParsedToolCall, ToolCallFormat, ToolParser
-
-if TYPE_CHECKING:
-    from engine.entrypoints.openai.structured_outputs import Constraint
 
 
 @dataclass(frozen=True)
@@ -83,6 +82,17 @@ class ToolOffer:
             return None
         return ToolCallFormat(parser=parser, tool_names=tuple(tool.name for tool in self.tools),
                               parallel=self.parallel)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One constraint field of a request: its name, what it asks for, its grammar, and the
+    JSON schema when it asks for JSON (a JSON constraint combines with tools)."""
+
+    field: str
+    kind: StructuredOutputKind
+    grammar: str
+    schema: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

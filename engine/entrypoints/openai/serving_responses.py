@@ -35,6 +35,7 @@ from engine.entrypoints.openai.body_limits import MAX_CONVERSATION_ITEMS
 from engine.entrypoints.openai.errors import APIError, check_unique_names
 from engine.entrypoints.openai.generation import (
     ChoiceOutput,
+    Constraint,
     ForcedTool,
     GenerationPlan,
     OfferedTool,
@@ -76,7 +77,6 @@ from engine.entrypoints.openai.serving import (
     stream_failure,
 )
 from engine.entrypoints.openai.structured_outputs import (
-    Constraint,
     GrammarChecker,
     json_object_constraint,
     json_schema_constraint,

@@ -24,13 +24,12 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 
 from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.generation import ForcedTool, OfferedTool, ToolOffer
+from engine.entrypoints.openai.generation import Constraint, ForcedTool, OfferedTool, ToolOffer
 from engine.frontend.chat_template import template_tool_support
 from engine.structured_output import grammars
 from engine.structured_output.grammars import ToolCallFormat, ToolSchema
@@ -40,17 +39,6 @@ from engine.tool_calls import JSON_ERRORS
 
 MAX_CHECKED_GRAMMARS = 1024
 HERMES_CALL_START = "<tool_call>"
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """One constraint field of a request: its name, what it asks for, its grammar, and the
-    JSON schema when it asks for JSON (a JSON constraint combines with tools)."""
-
-    field: str
-    kind: StructuredOutputKind
-    grammar: str
-    schema: Mapping[str, Any] | None = None
 
 
 class GrammarChecker:
