@@ -754,8 +754,10 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
         }
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, separator: str = "-") -> str:
+    """A new unique id: OpenAI's chat and completion ids (`chatcmpl-...`), or with "_" the
+    Responses API's and Anthropic's (`resp_...`, `msg_...`, `fc_...`)."""
+    return f"{prefix}{separator}{uuid.uuid4().hex}"
 
 
 # Line separators that JSON allows raw in strings but line-splitting SSE clients (httpx's

@@ -128,7 +128,7 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
             constraint=None if output_format is None else functools.partial(
                 json_schema_constraint, "output_config.format.schema", output_format.schema_,
                 strict=False)), client)
-        message_id = new_id("msg").replace("-", "_")
+        message_id = new_id("msg", "_")
         call_format = offer.call_format(self.settings.tool_call_parser)
         request, cache_breakpoint = await self.run_for(
             client, self._render_and_process, message_id, body, params, client, call_format)

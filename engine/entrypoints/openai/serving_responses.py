@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +71,7 @@ from engine.entrypoints.openai.serving import (
     ServerSettings,
     choice_deltas,
     merge_streams,
+    new_id,
     sse,
     sse_pieces,
     stream_failure,
@@ -92,11 +92,6 @@ from engine.tool_calls import ParsedToolCall, ToolCallFormat, ToolParser
 
 logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
-
-
-def new_item_id(prefix: str) -> str:
-    """An OpenAI-style id: `resp_...`, `msg_...`, `fc_...`, `call_...`."""
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +115,7 @@ class _Output(ChoiceOutput):
 
     with_logprobs: bool
     engine_request_id: str
-    message_id: str = field(default_factory=lambda: new_item_id("msg"))
+    message_id: str = field(default_factory=lambda: new_id("msg", "_"))
     calls: list[dict[str, Any]] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     encoded_logprobs: msgspec.Raw | None = None  # set by `encode_logprobs`
@@ -194,7 +189,7 @@ class _Output(ChoiceOutput):
 
 
 def _function_call_item(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
-    return {"id": new_item_id("fc"), "type": "function_call", "status": "completed",
+    return {"id": new_id("fc", "_"), "type": "function_call", "status": "completed",
             "call_id": call_id, "name": call.name, "arguments": call.arguments}
 
 
@@ -280,7 +275,7 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
             num_completions=1, max_tokens=body.max_output_tokens,
             logprobs=(body.top_logprobs or 0) if LOGPROBS_INCLUDE in (body.include or ())
             else None, offer=offer, constraint=_format_constraint(body)), client)
-        response_id = new_item_id("resp")
+        response_id = new_id("resp", "_")
         store = body.store is not False
         items, item_jsons = await self.run_for(client, conversation, previous, items)
         request = await self.run_for(
@@ -349,30 +344,30 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
             num_cached_tokens = result.num_cached_tokens
             completions.extend(result.outputs)
         num_tokens = sum(len(completion.token_ids) for completion in completions)
-        if is_large(sum(len(completion.text) for completion in completions),
-                    num_tokens * (1 + (body.top_logprobs or 0)) if output.with_logprobs else 0):
-            pieces, stored = await self.pool.run(
-                prepared.tenant, self._large_response, body, prepared, output, completions,
-                num_cached_tokens)
-            self._keep(prepared, stored)
+        large = is_large(sum(len(completion.text) for completion in completions),
+                         num_tokens * (1 + (body.top_logprobs or 0)) if output.with_logprobs
+                         else 0)
+        whole = (body, prepared, output, completions, num_cached_tokens, large)
+        pieces, stored = (await self.pool.run(prepared.tenant, self._whole_response, *whole)
+                          if large else self._whole_response(*whole))
+        self._keep(prepared, stored)
+        if large:
             return self.large_body_response(prepared.tenant, pieces)
-        for completion in completions:
-            output.add_logprobs(self._logprobs(completion.logprobs))
-            output.push(completion)
-        body_json = _json.encode(self._finished(body, prepared, output, num_cached_tokens))
-        self._keep(prepared, self._record(prepared, output, body_json))
-        return Response(body_json, media_type="application/json")
+        return Response(b"".join(pieces), media_type="application/json")
 
-    def _large_response(self, body: ResponsesRequest, prepared: PreparedResponse,
+    def _whole_response(self, body: ResponsesRequest, prepared: PreparedResponse,
                         output: _Output, completions: Sequence[CompletionOutput],
-                        num_cached_tokens: int) -> tuple[list[bytes], StoredResponse | None]:
-        """The response's JSON in pieces, and its record for the store; for a worker
-        thread."""
+                        num_cached_tokens: int, large: bool
+                        ) -> tuple[list[bytes], StoredResponse | None]:
+        """The response's JSON, and its record for the store; a `large` one's in pieces, its
+        logprobs encoded once, on a worker thread."""
         for completion in completions:
             output.add_logprobs(self._logprobs(completion.logprobs))
             output.push(completion)
-        output.encode_logprobs()
-        pieces = json_pieces(self._finished(body, prepared, output, num_cached_tokens))
+        if large:
+            output.encode_logprobs()
+        final = self._finished(body, prepared, output, num_cached_tokens)
+        pieces = json_pieces(final) if large else [_json.encode(final)]
         return pieces, self._record(prepared, output, b"".join(pieces))
 
     async def stream(self, body: ResponsesRequest, prepared: PreparedResponse
