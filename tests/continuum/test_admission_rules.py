@@ -35,11 +35,7 @@ from tests.engine.helpers import make_request
 def test_continuum_pins_for_admission(
     running: str, pins: str, head_job: str | None, waited_s: float, expected: str | None
 ) -> None:
-    policy = CONTINUUM.build()
-    bind(policy, running, pins)
-    head = make_request("head", [1, 2, 3], job_id=head_job)
-    arrive(policy, head, now_s=20.0)
-    assert describe(policy.select_victim(head, 20.0 + waited_s)) == expected
+    assert _pin_for_head(CONTINUUM.build(), running, pins, head_job, waited_s) == expected
 
 
 @pytest.mark.parametrize(("running", "pins", "head_job", "waited_s", "expected"), [
@@ -57,11 +53,18 @@ def test_continuum_pins_for_admission(
 def test_continuum_af226d3_pins_for_admission(
     running: str, pins: str, head_job: str | None, waited_s: float, expected: str | None
 ) -> None:
-    policy = CONTINUUM_AF226D3.build()
+    assert _pin_for_head(CONTINUUM_AF226D3.build(), running, pins, head_job,
+                         waited_s) == expected
+
+
+def _pin_for_head(policy: AgentPolicy, running: str, pins: str, head_job: str | None,
+                  waited_s: float) -> str | None:
+    """What `policy`, with `running` requests and `pins` (see `bind`), gives way to a head
+    of `head_job` that has waited `waited_s`."""
     bind(policy, running, pins)
     head = make_request("head", [1, 2, 3], job_id=head_job)
     arrive(policy, head, now_s=20.0)
-    assert describe(policy.select_victim(head, 20.0 + waited_s)) == expected
+    return describe(policy.select_victim(head, 20.0 + waited_s))
 
 
 @pytest.mark.parametrize(("pins", "blocks", "head_job", "expected"), [
