@@ -65,7 +65,13 @@ from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
-from engine.tool_calls import TOOL_CALL_MARKERS, TOOL_PARSERS, ToolCallFormat, make_tool_parser
+from engine.tool_calls import (
+    TOOL_CALL_MARKERS,
+    TOOL_PARSERS,
+    ToolCallFormat,
+    ToolParser,
+    make_tool_parser,
+)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_N = 16
@@ -295,13 +301,15 @@ class ClientContext:
 @dataclass(frozen=True, kw_only=True)
 class Prepared:
     """A generation queued with the engine: its engine requests (one per prompt), their
-    output streams, its client's tenant and `X-Request-Id` (for log lines). Each API's
-    handler adds what its rendering needs."""
+    output streams, its client's tenant and `X-Request-Id` (for log lines), and how its
+    output is read for tool calls (`parser`, None without tools). Each API's handler adds
+    what its rendering needs."""
 
     requests: list[ProcessedRequest]
     streams: list[AsyncIterator[RequestOutput]]
     tenant: str | None
     client_request_id: str | None
+    parser: ToolParser | None = None
 
     @property
     def request(self) -> ProcessedRequest:

@@ -43,7 +43,7 @@ from engine.entrypoints.openai.tool_call_ids import issued_call_id
 from engine.frontend.processor import ProcessedRequest, core_request_id
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.tool_calls import ParsedToolCall, ToolParser
+from engine.tool_calls import ParsedToolCall, ToolCallFormat
 
 
 @dataclass(kw_only=True)
@@ -71,37 +71,36 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
 
     prompt_param = "messages"
 
-    def _parser(self, body: ChatCompletionRequest) -> ToolParser | None:
-        """The tool-call parser for this request, or None when tools are off."""
-        call_format = chat_offer(body).call_format(self.settings.tool_call_parser)
-        return None if call_format is None else call_format.make_parser()
-
     async def _prepare(self, body: ChatCompletionRequest, client: ClientContext) -> Prepared:
         check_chat_fields(body)
+        offer = chat_offer(body)
         params = await self.params_for(body, GenerationPlan(
             num_completions=body.n,
             max_tokens=body.max_completion_tokens if body.max_completion_tokens is not None
             else body.max_tokens,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            offer=chat_offer(body),
+            offer=offer,
             constraint=functools.partial(output_constraint, body) if may_constrain(body)
             else None), client)
-        request = await self.run_for(client, self._render_and_process, body, params, client)
+        call_format = offer.call_format(self.settings.tool_call_parser)
+        request = await self.run_for(client, self._render_and_process, body, params, client,
+                                     call_format)
         return Prepared(requests=[request], streams=self.submit([request]),
-                        tenant=client.tenant, client_request_id=client.request_id)
+                        tenant=client.tenant, client_request_id=client.request_id,
+                        parser=None if call_format is None else call_format.make_parser())
 
     def _render_and_process(self, body: ChatCompletionRequest, params: SamplingParams,
-                            client: ClientContext) -> ProcessedRequest:
+                            client: ClientContext, call_format: ToolCallFormat | None
+                            ) -> ProcessedRequest:
         prompt = client.chat_prompt or render_chat_prompt(self.engine.processor, body)
         token_ids = self.prompt_token_ids(params, prompt.checked_token_ids, self.max_model_len)
         return self.process(new_id("chatcmpl"), token_ids, params, body, client,
                             continues_request_id=prompt.continues_request_id,
-                            tool_call_format=chat_offer(body).call_format(
-                                self.settings.tool_call_parser))
+                            tool_call_format=call_format)
 
     async def create(self, body: ChatCompletionRequest, prepared: Prepared) -> dict[str, Any]:
         request = prepared.request
-        choices = [ChoiceOutput(parser=self._parser(body)) for _ in range(body.n)]
+        choices = [ChoiceOutput(parser=prepared.parser) for _ in range(body.n)]
         num_cached_tokens = 0
         async for delta in choice_deltas(prepared.streams, choices):
             num_cached_tokens = delta.num_cached_tokens
@@ -145,7 +144,7 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
         request = prepared.request
         header = {"id": request.request_id, "object": "chat.completion.chunk",
                   "created": int(time.time()), "model": self.settings.served_model_name}
-        choices = [_ChoiceStream(parser=self._parser(body)) for _ in range(body.n)]
+        choices = [_ChoiceStream(parser=prepared.parser) for _ in range(body.n)]
         num_cached_tokens = 0
         prompt_token_ids_sent = not body.return_token_ids
         try:

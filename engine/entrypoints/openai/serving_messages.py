@@ -78,17 +78,15 @@ from engine.entrypoints.openai.structured_outputs import json_schema_constraint
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
 from engine.frontend.processor import ProcessedRequest
 from engine.sampling_params import CacheBreakpoint, SamplingParams
-from engine.tool_calls import ToolCallFormat, ToolParser
+from engine.tool_calls import ToolCallFormat
 
 
 @dataclass(frozen=True, kw_only=True)
 class PreparedMessage(Prepared):
-    """A Messages request queued with the engine: how its output is read for tool calls
-    (`parser`, None without tools), its cache breakpoint with the TTL the client named for
-    it."""
+    """A Messages request queued with the engine: its cache breakpoint with the TTL the
+    client named for it."""
 
     message_id: str
-    parser: ToolParser | None
     cache_breakpoint: CacheBreakpoint | None
     cache_ttl: CacheTTL | None
 

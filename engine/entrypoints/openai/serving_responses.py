@@ -88,7 +88,7 @@ from engine.frontend.processor import ProcessedRequest
 from engine.frontend.request_outputs import CompletionOutput
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.tool_calls import ParsedToolCall, ToolCallFormat, ToolParser
+from engine.tool_calls import ParsedToolCall, ToolCallFormat
 
 logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -104,7 +104,6 @@ class PreparedResponse(Prepared):
     created_at: int
     item_jsons: tuple[bytes, ...]
     job_id: str | None
-    parser: ToolParser | None
     store: bool
 
 
