@@ -23,7 +23,8 @@ A pin is charged its TTL, as in the paper (`pin_cost="ttl"`), or the time it is 
 be held (`pin_cost="expected-hold"`, see `estimator.solver`), or that expected hold priced by
 the memory it takes from the requests running and waiting (`pin_cost="priced"`), those
 requests counted up to as many as the pool holds at the running ones' mean size
-(`pin_cost="priced-capped"`, the default: docs/decisions/0001-memory-priced-pins.md); the
+(`pin_cost="priced-capped"`, the default, free while no request waits:
+docs/decisions/0001-memory-priced-pins.md); the
 cold start is the paper's whichever. The defaults are those `continuum` runs, stated once
 here (`DEFAULT_*`); the paper's (`prefill`, `ttl`, K = 100) run in `eval/policy_variants.py`.
 Every TTL is capped at `max_ttl_s`.
@@ -181,8 +182,12 @@ class Eq2Estimator:
     def memory_price(self, call: ToolCall) -> float:
         """Seconds of delay the call's pin causes the requests running and waiting per second
         it is held (`pin_cost="priced"`), their count bounded by what the pool holds
-        (`"priced-capped"`); called by `decide` for each decision past the cold start with
-        one of those pin costs."""
+        (`"priced-capped"`), and 0 with `"priced-capped"` while no request waits: every
+        request runs, and one short of blocks takes pins before it preempts (docs/decisions/
+        0005-pins-before-preemption.md). Called by `decide` for each decision past the cold
+        start with one of those pin costs."""
+        if self.pin_cost == "priced-capped" and call.num_waiting_requests == 0:
+            return 0.0
         num_active = clamp_count(call.num_running_requests + call.num_waiting_requests,
                                  MAX_RUNNING_REQUESTS)
         capacity = (pool_capacity_requests(clamp_count(call.num_running_requests,

@@ -13,7 +13,8 @@ that expected hold at a price (`memory_price`): the share of the pool the pin ho
 requests running and waiting; `"priced-capped"` counts those requests up to as many as the
 whole pool holds at the running requests' mean size (`pool_capacity_requests`): the price is
 then at most the number of such requests the pin's own blocks could hold, which is as many as
-the memory it keeps from others could run.
+the memory it keeps from others could run (and nothing while no request waits:
+`Eq2Estimator.memory_price`).
 """
 
 from __future__ import annotations

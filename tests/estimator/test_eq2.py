@@ -384,6 +384,11 @@ def test_a_capped_price_counts_no_more_requests_than_the_pool_holds(pin_cost, ex
                        pool_share=0.2, running_pool_share=share)
         assert estimator.memory_price(odd) >= 0.2 * 4
         assert math.isfinite(estimator.decide(odd).ttl_s)
+    # While no request waits, every request runs: a capped pin is free, a priced one is not.
+    idle = ToolCall("j", "ls", 0.0, 1000, 0, num_running_requests=4, pool_share=0.2,
+                    running_pool_share=0.8)
+    assert estimator.memory_price(idle) == pytest.approx(
+        {"priced": 0.2 * 4, "priced-capped": 0.0}[pin_cost])
     # Unpriced pin costs, and the cold start, report no price.
     unpriced = estimator_with(k=0, rebuild_s=2.0, pin_cost="expected-hold")
     record(unpriced, "ls", 1.0)
