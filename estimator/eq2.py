@@ -162,7 +162,7 @@ class Eq2Estimator:
         if self.rebuild_cost == "prefill-times-running":
             rebuild_s *= 1 + clamp_count(call.num_running_requests, MAX_RUNNING_REQUESTS)
         num_samples = len(self.history.samples(None))
-        cdf, price = None, None
+        price = None
         if num_samples <= self.cold_start_samples:
             eta, basis = 1.0, "cold-start"
             benefit_s = queueing_delay_s + rebuild_s
@@ -177,7 +177,7 @@ class Eq2Estimator:
         ttl_s = min(ttl_s, self.max_ttl_s) if ttl_s >= 0 else 0.0
         return TTLDecision(ttl_s, basis, num_samples=num_samples,
                            queueing_delay_s=queueing_delay_s, eta=eta, rebuild_s=rebuild_s,
-                           benefit_s=benefit_s, duration_cdf=cdf, memory_price=price)
+                           benefit_s=benefit_s, memory_price=price)
 
     def memory_price(self, call: ToolCall) -> float:
         """Seconds of delay the call's pin causes the requests running and waiting per second

@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from estimator.solver import DurationCDF
 from estimator.traces import TraceJob
 
 # The longest tool duration or queueing delay an estimator records, in seconds (one day).
@@ -79,9 +78,7 @@ class TTLDecision:
     estimator does not use them: `num_samples` (durations behind the distribution),
     `queueing_delay_s` (T), `eta`, `rebuild_s` (R), `benefit_s` (T * eta + R) and
     `memory_price` (seconds of the others' delay a second of the pin costs, with a priced
-    `pin_cost`). `ttl_s` is finite and >= 0; 0 means do not pin. `duration_cdf` is the
-    distribution of the tool's duration the decision weighed (None: none, or the cold-start
-    prior), which prices the pin while it lives (`estimator.solver.PinValue`).
+    `pin_cost`). `ttl_s` is finite and >= 0; 0 means do not pin.
     """
 
     ttl_s: float
@@ -91,7 +88,6 @@ class TTLDecision:
     eta: float | None = None
     rebuild_s: float | None = None
     benefit_s: float | None = None
-    duration_cdf: DurationCDF | None = None
     memory_price: float | None = None
 
     def __post_init__(self) -> None:

@@ -30,7 +30,6 @@ from continuum.waiting_order import WaitingBounds
 from engine.request import Request
 from engine.scheduler.policy import SchedulerView, Victim
 from engine.scheduler.request_queue import QueueKey
-from estimator.solver import DurationCDF
 from estimator.ttl_estimator import ToolCall, TTLDecision, TTLEstimator
 
 # A pin must outlast the next turn's arrival at exactly `finish + duration`.
@@ -57,8 +56,7 @@ class OracleTTLEstimator(EstimatorWrapper):
         ttl_s = duration_s + ORACLE_SLACK_S if duration_s < decision.benefit_s else 0.0
         return TTLDecision(ttl_s, "oracle", num_samples=decision.num_samples,
                            queueing_delay_s=decision.queueing_delay_s, eta=decision.eta,
-                           rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s,
-                           duration_cdf=DurationCDF((duration_s,), (1.0,)))
+                           rebuild_s=decision.rebuild_s, benefit_s=decision.benefit_s)
 
 
 def compose_oracle(options: ContinuumOptions, *,

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from estimator.solver import (
     DurationCDF,
-    PinValue,
     cold_start_ttl,
     memory_price,
     pool_capacity_requests,
@@ -140,33 +139,3 @@ def test_priced_capped_counts_the_requests_up_to_what_the_pool_holds() -> None:
     cdf = DurationCDF.from_samples([1.0, 2.0, 10.0])
     assert solve_ttl(cdf, 5.0, "priced-capped", price=0.2) == solve_ttl(cdf, 5.0, "priced",
                                                                         price=0.2)
-
-
-@pytest.mark.parametrize(("cdf", "ttl_s", "age_s", "expected_rate"), [
-    # Unknown distribution: the memoryless prior saves `benefit` a second at every age.
-    (None, 3.0, 0.0, 6.0), (None, 3.0, 2.9, 6.0), (None, 3.0, 3.0, 0.0),
-    # Durations 1 s and 3 s: at age 0 a 3 s pin always saves 6 s over an expected hold of
-    # 1 x 1 + 0.5 x 2 = 2 s; at age 2 the 1 s call is ruled out: half a chance over 0.5 s.
-    (DurationCDF((1.0, 3.0), (0.5, 1.0)), 3.0, 0.0, 3.0),
-    (DurationCDF((1.0, 3.0), (0.5, 1.0)), 3.0, 2.0, 6.0),
-    (DurationCDF((1.0, 3.0), (0.5, 1.0)), 1.0, 0.0, 3.0),
-    # Every observed duration is shorter than the pin's age: nothing left to expect.
-    (DurationCDF((1.0, 3.0), (0.5, 1.0)), 10.0, 4.0, 0.0),
-    # A known duration (the oracle's point mass): benefit over the time left until it.
-    (DurationCDF((2.0,), (1.0,)), 2.001, 0.5, 6.0 / 1.5),
-])
-def test_a_pins_saving_rate_by_age(cdf: DurationCDF | None, ttl_s: float, age_s: float,
-                                   expected_rate: float) -> None:
-    value = PinValue(benefit_s=6.0, ttl_s=ttl_s, cdf=cdf)
-    assert value.saving_rate(age_s) == pytest.approx(expected_rate)
-
-
-@given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=20),
-       st.floats(0.01, 200.0))
-def test_a_new_pins_saving_rate_is_eq2s_saving_over_its_expected_hold(
-        samples: list[float], ttl_s: float) -> None:
-    cdf = DurationCDF.from_samples(samples)
-    value = PinValue(benefit_s=5.0, ttl_s=ttl_s, cdf=cdf)
-    expected_hold_s = sum(min(sample, ttl_s) for sample in samples) / len(samples)
-    assert value.saving_rate(0.0) == pytest.approx(
-        cdf.probability(ttl_s) * 5.0 / expected_hold_s)
