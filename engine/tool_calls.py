@@ -7,7 +7,10 @@ Two output styles are understood:
 - Llama-3 JSON: the whole answer is `{"name": ..., "parameters": {...}}` (or `"arguments"`),
   optionally after `<|python_tag|>`, several calls separated by `;`.
 
-Text that does not parse completely is returned, unchanged, as content with no tool calls:
+A text cut off (by its token limit or a stop string) inside its last call (`parse(text,
+cut=True)`) gives the calls before it, and that call as `cut_call` when its name was written
+whole (its arguments as far as they go); the cut call's markup is not content. Other text
+that does not parse completely is returned, unchanged, as content with no tool calls:
 parsing is total, whatever the text (JSON the decoder refuses, nesting deeper than it
 recurses, integers longer than Python converts), since model output can hold anything.
 Content before Hermes calls loses its trailing whitespace. `ToolCallFormat`, carried by an
@@ -37,6 +40,9 @@ TOOL_CALL_MARKERS = (HERMES_START, HERMES_END, PYTHON_TAG)
 _HERMES_CALL = re.compile(
     re.escape(HERMES_START) + r"(.*?)(?:" + re.escape(HERMES_END) + r"|\Z)", re.DOTALL
 )
+# The head of a call object cut off before its end: its name, then its arguments' key.
+_CUT_CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_CUT_CALL_ARGUMENTS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +56,21 @@ class ParsedToolCall:
 @dataclass(frozen=True, slots=True)
 class ParsedOutput:
     """Model output split into content and tool calls: without calls the content is the
-    whole text; with calls it is None when nothing but whitespace precedes them."""
+    whole text; with calls it is None when nothing but whitespace precedes them. `cut_call`:
+    the call a cut-off text ended inside, its `arguments` the unfinished JSON text written."""
 
     content: str | None
     tool_calls: tuple[ParsedToolCall, ...] = ()
+    cut_call: ParsedToolCall | None = None
 
 
 class ToolParser(Protocol):
-    """Parses one completion's text. `may_start_call(text)` says, for a streamed prefix of the
-    text, from which character a tool call may begin (None: not yet), so that streaming holds
-    that part back until the completion ends."""
+    """Parses one completion's text (`cut`: the text was cut off, see the module docstring).
+    `may_start_call(text)` says, for a streamed prefix of the text, from which character a
+    tool call may begin (None: not yet), so that streaming holds that part back until the
+    completion ends."""
 
-    def parse(self, text: str) -> ParsedOutput: ...
+    def parse(self, text: str, *, cut: bool = False) -> ParsedOutput: ...
 
     def may_start_call(self, text: str) -> int | None: ...
 
@@ -92,20 +101,43 @@ def _call_from_json(value: Any, argument_keys: tuple[str, ...]) -> ParsedToolCal
         return None
 
 
+def _cut_call(text: str) -> ParsedToolCall | None:
+    """The call a call object cut off before its end was writing, if its name is whole: its
+    arguments are the text written after their key ("" if not yet reached)."""
+    head = _CUT_CALL_NAME.match(text)
+    if head is None:
+        return None
+    try:
+        name = json.loads(head.group(1))
+    except JSON_ERRORS:
+        return None
+    if not name:
+        return None
+    arguments = _CUT_CALL_ARGUMENTS.match(text, head.end())
+    return ParsedToolCall(name, "" if arguments is None else text[arguments.end():].rstrip())
+
+
 class HermesToolParser:
     """`<tool_call>` blocks holding JSON objects; text before the first block is content. An
     unterminated last block (the model stopped at its end token) is accepted."""
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
         start = text.find(HERMES_START)
         if start < 0:
             return ParsedOutput(text)
+        if cut:
+            last = text.rfind(HERMES_START)
+            block = text[last + len(HERMES_START):]
+            if HERMES_END not in block and _block_call(block) is None:
+                head = text[:last]
+                parsed = self.parse(head)
+                if HERMES_START in head and not parsed.tool_calls:
+                    return ParsedOutput(text)
+                content = parsed.content if parsed.tool_calls else head.rstrip() or None
+                return ParsedOutput(content, parsed.tool_calls, _cut_call(block))
         calls = []
         for match in _HERMES_CALL.finditer(text, start):
-            try:
-                call = _call_from_json(json.loads(match.group(1)), ("arguments", "parameters"))
-            except JSON_ERRORS:
-                call = None
+            call = _block_call(match.group(1))
             if call is None:
                 return ParsedOutput(text)
             calls.append(call)
@@ -118,11 +150,18 @@ class HermesToolParser:
         return _partial_marker_start(text, HERMES_START)
 
 
+def _block_call(block: str) -> ParsedToolCall | None:
+    try:
+        return _call_from_json(json.loads(block), ("arguments", "parameters"))
+    except JSON_ERRORS:
+        return None
+
+
 class Llama3JsonToolParser:
     """The whole output is one or more JSON call objects (`;`-separated), optionally after
     `<|python_tag|>`."""
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
         body = text.strip()
         body = body.removeprefix(PYTHON_TAG).lstrip()
         if not body.startswith("{"):
@@ -134,7 +173,10 @@ class Llama3JsonToolParser:
             try:
                 value, end = decoder.raw_decode(body, position)
             except JSON_ERRORS:
-                return ParsedOutput(text)
+                cut_call = _cut_call(body[position:]) if cut else None
+                if cut_call is None:
+                    return ParsedOutput(text)
+                return ParsedOutput(None, tuple(calls), cut_call)
             call = _call_from_json(value, ("parameters", "arguments"))
             if call is None:
                 return ParsedOutput(text)
@@ -158,10 +200,10 @@ class AutoToolParser:
         self._hermes = HermesToolParser()
         self._llama3 = Llama3JsonToolParser()
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
         if HERMES_START in text:
-            return self._hermes.parse(text)
-        return self._llama3.parse(text)
+            return self._hermes.parse(text, cut=cut)
+        return self._llama3.parse(text, cut=cut)
 
     def may_start_call(self, text: str) -> int | None:
         starts = [start for start in (self._llama3.may_start_call(text),
@@ -171,7 +213,8 @@ class AutoToolParser:
 
 class OfferedToolsParser:
     """Another parser restricted to the tools a request offered: output that names any other
-    function is content, not a call (a JSON answer with a "name" field is not a tool call).
+    function is content, not a call (a JSON answer with a "name" field is not a tool call),
+    and a cut call of any other function is read as if the text were whole.
     With `parallel=False` only the first call is returned (`parallel_tool_calls: false`, for
     formats whose grammar cannot stop a second call)."""
 
@@ -181,11 +224,14 @@ class OfferedToolsParser:
         self._tool_names = tool_names
         self._parallel = parallel
 
-    def parse(self, text: str) -> ParsedOutput:
-        parsed = self._parser.parse(text)
+    def parse(self, text: str, *, cut: bool = False) -> ParsedOutput:
+        parsed = self._parser.parse(text, cut=cut)
+        if parsed.cut_call is not None and parsed.cut_call.name not in self._tool_names:
+            return self.parse(text)
         if any(call.name not in self._tool_names for call in parsed.tool_calls):
             return ParsedOutput(text)
-        if not self._parallel and len(parsed.tool_calls) > 1:
+        if not self._parallel and parsed.tool_calls and (
+                len(parsed.tool_calls) > 1 or parsed.cut_call is not None):
             return ParsedOutput(parsed.content, parsed.tool_calls[:1])
         return parsed
 

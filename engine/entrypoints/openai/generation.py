@@ -120,13 +120,16 @@ class GenerationPlan:
 class ChoiceOutput:
     """One choice's output, pushed delta by delta (a whole output is one push): the text that
     can be sent now is returned, text where a tool call may begin held back until the output
-    ends; then `tool_calls` holds its calls and `text` the content the parser left (all of
-    `text` was returned by the pushes). Owned by one response being rendered."""
+    ends; then `tool_calls` holds its calls, `cut_call` the call it was cut off in (by its
+    token limit or a stop string; its arguments unfinished JSON text) and `text` the content
+    the parser left (all of `text` was returned by the pushes). Owned by one response being
+    rendered."""
 
     parser: ToolParser | None
     text: str = ""
     num_tokens: int = 0
     tool_calls: tuple[ParsedToolCall, ...] = ()
+    cut_call: ParsedToolCall | None = None
     last: CompletionOutput | None = None  # the output's last delta, once it finished
     _splitter: StreamingToolCallSplitter | None = field(init=False, default=None)
 
@@ -141,12 +144,20 @@ class ChoiceOutput:
         if self._splitter is not None:
             delta = self._splitter.push(delta)
             if completion.finished:
-                rest, self.tool_calls = self._splitter.finish()
+                cut = completion.finish_reason == "length" or isinstance(
+                    completion.stop_reason, str)
+                rest, parsed = self._splitter.finish(cut=cut)
+                self.tool_calls, self.cut_call = parsed.tool_calls, parsed.cut_call
                 delta += rest
         if completion.finished:
             self.last = completion
         self.text += delta
         return delta
+
+    @property
+    def calls_shown(self) -> tuple[ParsedToolCall, ...]:
+        """The calls the output shows: its tool calls, then the one it was cut off in."""
+        return self.tool_calls if self.cut_call is None else (*self.tool_calls, self.cut_call)
 
     @property
     def finish_reason(self) -> str | None:

@@ -5,9 +5,11 @@ with tool calls in the output parsed into `tool_calls` when the request offers `
 formats are enforced by constrained decoding (`structured_outputs.py`). When tools are offered,
 the tool-call markers stay in the text the parser reads even where they are special tokens (the
 Hermes `<tool_call>` tags are in many vocabularies); other special tokens are left out as
-`skip_special_tokens` says. Streamed content adds up to the content of the same completion
-unstreamed. A stream's first chunk for a choice, which carries its role, is sent once the choice
-has its first token (clients time the first token by it).
+`skip_special_tokens` says. A call the output was cut off in (by `max_tokens` or a stop
+string) is its last tool call, its arguments as far as written; the finish reason says why it
+ended. Streamed content adds up to the content of the same completion unstreamed. A stream's
+first chunk for a choice, which carries its role, is sent once the choice has its first token
+(clients time the first token by it).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
 
     def _message_choice(self, body: ChatCompletionRequest, choice: ChoiceOutput,
                         engine_request_id: str) -> dict[str, Any]:
-        completion, calls = choice.last, choice.tool_calls
+        completion, calls = choice.last, choice.calls_shown
         assert completion is not None
         message: dict[str, Any] = {"role": "assistant",
                                    "content": choice.text if choice.text or not calls else None}
@@ -128,7 +130,7 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
         result: dict[str, Any] = {
             "index": completion.index, "message": message,
             "logprobs": self._logprobs(completion.logprobs),
-            "finish_reason": _finish_reason(completion.finish_reason, calls),
+            "finish_reason": _finish_reason(completion.finish_reason, choice.tool_calls),
             "stop_reason": completion.stop_reason,
         }
         if body.return_token_ids:
@@ -179,9 +181,9 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
             state.role_sent = True
         if output.text:
             delta["content"] = output.text
-        if state.tool_calls:
+        if state.calls_shown:
             delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(
-                _tool_calls(state.tool_calls, engine_request_id))]
+                _tool_calls(state.calls_shown, engine_request_id))]
         carries_tokens = completion.token_ids and (body.return_token_ids or completion.logprobs)
         if not delta and not completion.finished and not carries_tokens:
             return None  # text held back (a partial character, stop string or tool call)

@@ -27,7 +27,8 @@ the usage then known) and a `ping`; `content_block_start` / `content_block_delta
 `content_block_stop` for the text block (its text as it comes, held back where a tool call may
 begin) and then for each `tool_use` block (its input as one `input_json_delta`);
 `message_delta` with the stop reason and the usage; `message_stop`. A failure after the stream
-started is an `error` event.
+started is an `error` event. A call the output was cut off in (by `max_tokens` or a stop
+sequence) is its last `tool_use` block, its input as far as written, as Anthropic returns one.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import pydantic_core
 
 from engine.entrypoints.openai.anthropic_errors import anthropic_error_body
 from engine.entrypoints.openai.errors import APIError
@@ -78,7 +80,7 @@ from engine.entrypoints.openai.structured_outputs import json_schema_constraint
 from engine.entrypoints.openai.tool_call_ids import continued_request_id, issued_call_id
 from engine.frontend.processor import ProcessedRequest
 from engine.sampling_params import CacheBreakpoint, SamplingParams
-from engine.tool_calls import ToolCallFormat
+from engine.tool_calls import JSON_ERRORS, ToolCallFormat
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +234,7 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
             events.append(_event("content_block_stop", index=0))
         first_index = 1 if text_open or not calls else 0
         for index, block, call in zip(range(first_index, first_index + len(calls)), calls,
-                                      output.tool_calls, strict=True):
+                                      output.calls_shown, strict=True):
             events += [
                 _event("content_block_start", index=index, content_block={**block, "input": {}}),
                 _event("content_block_delta", index=index, delta={
@@ -248,8 +250,9 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
     def _tool_use_blocks(prepared: PreparedMessage, output: ChoiceOutput
                          ) -> list[dict[str, Any]]:
         return [{"type": "tool_use", "id": issued_call_id(prepared.engine_request_id, index),
-                 "name": call.name, "input": json.loads(call.arguments)}
-                for index, call in enumerate(output.tool_calls)]
+                 "name": call.name, "input": json.loads(call.arguments)
+                 if call is not output.cut_call else _cut_input(call.arguments)}
+                for index, call in enumerate(output.calls_shown)]
 
     def _message_opening(self, prepared: PreparedMessage, num_cached_tokens: int
                          ) -> dict[str, Any]:
@@ -290,6 +293,17 @@ def _stop_reason(output: ChoiceOutput) -> tuple[str, str | None]:
     if isinstance(output.last.stop_reason, str):
         return "stop_sequence", output.last.stop_reason
     return "end_turn", None
+
+
+def _cut_input(arguments: str) -> dict[str, Any]:
+    """The input of a call cut off in its arguments, as far as they were written (pydantic's
+    partial JSON parse); {} where they give no object."""
+    try:
+        value = pydantic_core.from_json(arguments, allow_partial=True)
+        json.dumps(value, allow_nan=False)  # no non-finite number in the response
+    except JSON_ERRORS:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _event(kind: str, **fields: Any) -> bytes:

@@ -4,7 +4,8 @@ of stored responses.
 Input items become chat messages (`function_call` items join the assistant message before
 them as `tool_calls`, `function_call_output` items become `tool` messages), rendered by the
 chat template with the function tools; the output is parsed by the chat tool-call parser into
-a `message` item and `function_call` items. Streams are OpenAI's semantic events.
+a `message` item and `function_call` items (an `incomplete` one for the call the output was
+cut off in, its arguments as far as written). Streams are OpenAI's semantic events.
 
 A response is stored (unless `store` is false) with its whole conversation, so that
 `previous_response_id` continues it; `GET /v1/responses/{id}` sends the stored JSON as it is.
@@ -123,8 +124,9 @@ class _Output(ChoiceOutput):
     def push(self, completion: CompletionOutput) -> str:
         delta = super().push(completion)
         if completion.finished:
-            self.calls = [_function_call_item(call, issued_call_id(self.engine_request_id, i))
-                          for i, call in enumerate(self.tool_calls)]
+            self.calls = [_function_call_item(call, issued_call_id(self.engine_request_id, i),
+                                              complete=call is not self.cut_call)
+                          for i, call in enumerate(self.calls_shown)]
         return delta
 
     def add_logprobs(self, logprobs: list[dict[str, Any]]) -> None:
@@ -187,8 +189,10 @@ class _Output(ChoiceOutput):
         return items
 
 
-def _function_call_item(call: ParsedToolCall, call_id: str) -> dict[str, Any]:
-    return {"id": new_id("fc", "_"), "type": "function_call", "status": "completed",
+def _function_call_item(call: ParsedToolCall, call_id: str, *, complete: bool
+                        ) -> dict[str, Any]:
+    return {"id": new_id("fc", "_"), "type": "function_call",
+            "status": "completed" if complete else "incomplete",
             "call_id": call_id, "name": call.name, "arguments": call.arguments}
 
 

@@ -3,7 +3,7 @@ completion ends (parsed by `engine.tool_calls`)."""
 
 from __future__ import annotations
 
-from engine.tool_calls import HERMES_START, PYTHON_TAG, ParsedToolCall, ToolParser
+from engine.tool_calls import HERMES_START, PYTHON_TAG, ParsedOutput, ToolParser
 
 
 class StreamingToolCallSplitter:
@@ -11,9 +11,10 @@ class StreamingToolCallSplitter:
 
     `push(delta)` returns the content that can be sent now: everything before the point where
     a tool call may begin, except trailing whitespace (parsing drops it before a call), is sent;
-    the rest is held back. `finish()` parses the whole text: it returns the content still to
-    send and the tool calls (held-back text that turns out not to be a call is sent as
-    content), so that the content sent adds up to the parsed content.
+    the rest is held back. `finish(cut=...)` parses the whole text (`cut`: it was cut off by
+    its token limit or a stop string): it returns the content still to send and the parsed
+    output (held-back text that turns out not to be a call is sent as content), so that the
+    content sent adds up to the parsed content.
     """
 
     def __init__(self, parser: ToolParser) -> None:
@@ -33,14 +34,11 @@ class StreamingToolCallSplitter:
             limit = self._call_start
         return self._send_until(self._before_trailing_space(limit))
 
-    def finish(self) -> tuple[str, tuple[ParsedToolCall, ...]]:
-        parsed = self._parser.parse(self._text)
-        if not parsed.tool_calls:
-            return self._send_until(len(self._text)), ()
-        content = parsed.content or ""
-        remaining = content[self._num_sent_chars:]
+    def finish(self, *, cut: bool = False) -> tuple[str, ParsedOutput]:
+        parsed = self._parser.parse(self._text, cut=cut)
+        remaining = (parsed.content or "")[self._num_sent_chars:]
         self._num_sent_chars = len(self._text)
-        return remaining, parsed.tool_calls
+        return remaining, parsed
 
     def _is_definite(self, start: int) -> bool:
         """Whether the text from `start` certainly begins a call (not just a partial marker)."""

@@ -14,6 +14,7 @@ from engine.tool_calls import (
     HermesToolParser,
     Llama3JsonToolParser,
     OfferedToolsParser,
+    ParsedOutput,
     ParsedToolCall,
     make_tool_parser,
 )
@@ -99,14 +100,14 @@ def test_unknown_parser_name():
         make_tool_parser("xml")
 
 
-def _stream(parser_name: str, text: str, cut_points: list[int]):
+def _stream(parser_name: str, text: str, cut_points: list[int], *, cut: bool = False):
     splitter = StreamingToolCallSplitter(make_tool_parser(parser_name))
     pieces, start = [], 0
-    for cut in [*sorted(cut_points), len(text)]:
-        pieces.append(splitter.push(text[start:cut]))
-        start = cut
-    rest, calls = splitter.finish()
-    return "".join(pieces) + rest, pieces, calls
+    for point in [*sorted(cut_points), len(text)]:
+        pieces.append(splitter.push(text[start:point]))
+        start = point
+    rest, parsed = splitter.finish(cut=cut)
+    return "".join(pieces) + rest, pieces, parsed.tool_calls
 
 
 @pytest.mark.parametrize("parser_name", ["auto", "hermes", "llama3_json"])
@@ -129,6 +130,60 @@ def test_streaming_sends_content_before_the_call_and_never_the_tags():
     assert streamed == "Checking now."
     assert "".join(pieces[:14]) == "Checking now."  # sent as it came, before the call ended
     assert calls == (LS,)
+
+
+CALL_HEAD = '<tool_call>\n{"name": "bash", "arguments": '
+CUT_CASES = [
+    # Cut inside the arguments, before them, before the name is whole, or at the marker.
+    (f'Let me check.\n{CALL_HEAD}{{"command": "l', "Let me check.", [],
+     ParsedToolCall("bash", '{"command": "l')),
+    ('<tool_call>\n{"name": "bash"', None, [], ParsedToolCall("bash", "")),
+    ('Let me check. <tool_call>\n{"name": "ba', "Let me check.", [], None),
+    ("<tool_call>\n", None, [], None),
+    # A whole call, then one cut off; and a cut text whose last call is whole.
+    (f'{CALL_HEAD}{{"command": "ls"}}}}</tool_call>{CALL_HEAD}{{"comm', None, [LS],
+     ParsedToolCall("bash", '{"comm')),
+    (f'{CALL_HEAD}{{"command": "ls"}}}}', None, [LS], None),
+    ('{"name": "bash", "parameters": {"command": "l', None, [],
+     ParsedToolCall("bash", '{"command": "l')),
+    # A cut JSON answer that names no function is content, as is a broken call before the
+    # cut one.
+    ('{"answer": 4', '{"answer": 4', [], None),
+    ('{"name": "Alice", "age": 3', '{"name": "Alice", "age": 3', [], None),
+    (f'<tool_call>{{"oops"}}</tool_call>{CALL_HEAD}{{"comm',
+     f'<tool_call>{{"oops"}}</tool_call>{CALL_HEAD}{{"comm', [], None),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls", "cut_call"), CUT_CASES)
+def test_a_cut_text_gives_its_calls_and_the_one_it_was_cut_in(text, content, calls, cut_call):
+    offered = OfferedToolsParser(make_tool_parser("auto"), frozenset({"bash"}))
+    parsed = offered.parse(text, cut=True)
+    assert (parsed.content, list(parsed.tool_calls), parsed.cut_call) == (
+        content, calls, cut_call)
+    assert offered.parse(text).cut_call is None  # a whole text has no cut call
+
+
+def test_a_cut_call_of_a_tool_not_offered_reads_as_whole_text():
+    text = f'{CALL_HEAD.replace("bash", "python")}{{"code": "1'
+    parsed = OfferedToolsParser(make_tool_parser("hermes"), frozenset({"bash"})).parse(
+        text, cut=True)
+    assert (parsed.content, parsed.tool_calls, parsed.cut_call) == (text, (), None)
+    single = OfferedToolsParser(make_tool_parser("hermes"), frozenset({"bash"}),
+                                parallel=False)
+    two = f'{CALL_HEAD}{{"command": "ls"}}}}</tool_call>{CALL_HEAD}{{"comm'
+    assert single.parse(two, cut=True) == ParsedOutput(None, (LS,))  # the first call only
+
+
+@pytest.mark.parametrize(("text", "content", "calls", "cut_call"), CUT_CASES)
+@settings(max_examples=20)
+@given(data=st.data())
+def test_a_cut_stream_sends_the_cut_parses_content(text, content, calls, cut_call, data):
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=6))
+    streamed, _, streamed_calls = _stream("auto", text, cuts, cut=True)
+    parsed = AutoToolParser().parse(text, cut=True)
+    assert streamed == (parsed.content or "")
+    assert streamed_calls == parsed.tool_calls
 
 
 HUGE_INTEGER = "9" * 5_000  # more digits than Python converts (sys.get_int_max_str_digits)
@@ -155,6 +210,8 @@ def test_hostile_output_parses_to_content_or_calls_never_raises(parser_name, tex
         assert parsed.content == text or parsed.tool_calls
         for call in parsed.tool_calls:
             json.loads(call.arguments)  # what the server returns is JSON it can read back
+        cut = parser.parse(text, cut=True)
+        assert cut.cut_call is None or cut.cut_call.name == "t"
 
 
 @settings(max_examples=300, deadline=None)
@@ -165,6 +222,7 @@ def test_hostile_output_parses_to_content_or_calls_never_raises(parser_name, tex
     st.text(max_size=6)), max_size=30).map("".join))
 def test_any_text_parses_without_raising(text: str) -> None:
     for name in ("auto", "hermes", "llama3_json"):
-        parsed = make_tool_parser(name).parse(text)
-        for call in parsed.tool_calls:
-            json.loads(call.arguments)
+        for cut in (False, True):
+            parsed = make_tool_parser(name).parse(text, cut=cut)
+            for call in parsed.tool_calls:
+                json.loads(call.arguments)
