@@ -69,8 +69,8 @@ def check_messages_fields(body: MessagesFields) -> None:
     """APIError(400) for what the models cannot say, as Anthropic refuses it: tools named
     twice, a `tool_choice` without tools or naming none of them, too many cache
     breakpoints, a first message not the user's, a `tool_use` or `tool_result` in the wrong
-    role's message, a `tool_use` not answered by a `tool_result` in the next message, a last
-    message that calls a tool."""
+    role's message, a message without content (but a last assistant's), a `tool_use` not
+    answered by a `tool_result` in the next message, a last message that calls a tool."""
     names = [tool.name for tool in body.tools or ()]
     check_unique_names(names, "tools")
     choice = body.tool_choice
@@ -87,6 +87,11 @@ def check_messages_fields(body: MessagesFields) -> None:
         raise APIError(400, "messages.0: the first message must be the user's",
                        param="messages.0.role")
     for index, message in enumerate(body.messages):
+        if not message.content and (message.role, index + 1) != ("assistant",
+                                                                len(body.messages)):
+            raise APIError(400, f"messages.{index}: all messages must have non-empty content "
+                                "except for the optional final assistant message",
+                           param=f"messages.{index}.content")
         wrong, name = ((ToolResultBlock, "tool_result") if message.role == "assistant"
                        else (ToolUseBlock, "tool_use"))
         if any(isinstance(block, wrong) for block in message.blocks):

@@ -265,6 +265,8 @@ class OpenAIServingResponses(OpenAIServing[ResponsesRequest, PreparedResponse]):
         previous = self._previous(body, client)
         items = input_items(body)
         num_items = len(items) + (0 if previous is None else len(previous.item_jsons))
+        if num_items == 0:
+            raise APIError(400, "input must not be empty", param="input")
         if num_items > MAX_CONVERSATION_ITEMS:
             raise APIError(400, f"the conversation (the stored responses this one continues and "
                                 f"its input) has {num_items} items, over the limit of "

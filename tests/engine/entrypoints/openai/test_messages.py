@@ -279,6 +279,13 @@ def test_errors_have_anthropics_shape_and_status(agent, tiny) -> None:
             "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     assert "tools" in refused(tiny, anthropic.BadRequestError, 400, "invalid_request_error",
                               tool_choice={"type": "any"})
+    # Empty content, as Anthropic words it: only a last assistant message may have none.
+    for empty in ("", []):
+        assert refused(tiny, anthropic.BadRequestError, 400, "invalid_request_error",
+                       messages=[{"role": "user", "content": empty}]).startswith(
+            "messages.0: all messages must have non-empty content")
+    assert _client(tiny).messages.create(
+        model="tiny", max_tokens=2, messages=[*QUESTION, {"role": "assistant", "content": []}])
     # OpenAI's fields are not this API's: refused, naming this API's own where it has one.
     assert "n is not a field" in refused(tiny, anthropic.BadRequestError, 400,
                                          "invalid_request_error", extra_body={"n": 1})

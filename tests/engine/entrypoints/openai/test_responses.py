@@ -516,6 +516,7 @@ BAD_BODIES = [
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "x"}]},
      "input"),
     ({"input": "hi", "model": "gpt-4o"}, "model"),
+    ({"input": []}, "input"),
 ]
 
 
@@ -528,6 +529,7 @@ def test_bad_input_is_a_400_naming_the_field(server, fields, param):
     expected_status = 404 if param == "model" else 400
     assert response.status_code == expected_status, response.text
     assert response.json()["error"]["param"] == param
+    assert "messages" not in response.json()["error"]["message"]  # chat's name for it
     after = server.stats()
     assert after.num_waiting == before.num_waiting == 0
 
