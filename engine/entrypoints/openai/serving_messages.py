@@ -26,8 +26,9 @@ A stream is Anthropic's events: `message_start` (once the engine's first output 
 the usage then known) and a `ping`; `content_block_start` / `content_block_delta` /
 `content_block_stop` for the text block (its text as it comes, held back where a tool call may
 begin) and then for each `tool_use` block (its input as one `input_json_delta`);
-`message_delta` with the stop reason and the usage; `message_stop`. A failure after the stream
-started is an `error` event. A call the output was cut off in (by `max_tokens` or a stop
+`message_delta` with the stop reason and the usage; `message_stop`. An output of nothing has
+no block (`content` is empty), as Anthropic's. A failure after the stream started is an `error`
+event. A call the output was cut off in (by `max_tokens` or a stop
 sequence) is its last `tool_use` block, its input as far as written, as Anthropic returns one.
 """
 
@@ -188,8 +189,7 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
             "id": prepared.message_id, "type": "message", "role": "assistant",
             "model": self.settings.served_model_name,
             "content": [*([{"type": "text", "text": output.text}] if output.text else []),
-                        *self._tool_use_blocks(prepared, output)]
-            or [{"type": "text", "text": ""}],
+                        *self._tool_use_blocks(prepared, output)],
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": self._usage(prepared, num_cached_tokens, output.num_tokens),
         }
@@ -223,16 +223,11 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
 
     def _closing_events(self, prepared: PreparedMessage, output: ChoiceOutput,
                         num_cached_tokens: int, *, text_open: bool) -> list[bytes]:
-        """The events that end the text block (one empty block if there is nothing at all,
-        as `create` has it), give each `tool_use` block, then the stop reason and usage."""
-        events = []
+        """The events that end the text block (if one was open), give each `tool_use` block,
+        then the stop reason and usage."""
+        events = [_event("content_block_stop", index=0)] if text_open else []
         calls = self._tool_use_blocks(prepared, output)
-        if text_open or not calls:
-            if not text_open:
-                events.append(_event("content_block_start", index=0,
-                                     content_block={"type": "text", "text": ""}))
-            events.append(_event("content_block_stop", index=0))
-        first_index = 1 if text_open or not calls else 0
+        first_index = 1 if text_open else 0
         for index, block, call in zip(range(first_index, first_index + len(calls)), calls,
                                       output.calls_shown, strict=True):
             events += [

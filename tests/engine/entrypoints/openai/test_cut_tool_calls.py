@@ -1,7 +1,8 @@
 """A tool call cut off by the token limit or a stop string, on every API that parses calls:
 the scripted executor writes `SCRIPT` (text, then a Hermes call of `bash`), and a small
 `max_tokens` ends it inside the call. The call's markup is never text; the call shows as the
-last call, its arguments as far as written, and the stop reason says why the output ended."""
+last call, its arguments as far as written, and the stop reason says why the output ended.
+A stop string at the start leaves an output of nothing."""
 
 from __future__ import annotations
 
@@ -113,3 +114,17 @@ def test_a_stop_sequence_in_a_call_ends_it_without_its_markup(scripted_server):
     assert text.text == "Let me look."
     assert tool_use.name == "bash" and tool_use.input == {}
     assert "<tool_call>" not in json.dumps(message.model_dump())
+
+
+def test_an_empty_output_has_no_content_block(scripted_server):
+    """As Anthropic's: `content` is empty, and a stream opens no block."""
+    client = _anthropic(scripted_server)
+    kwargs = {"model": "scripted", "messages": MESSAGES, "max_tokens": 200,
+              "stop_sequences": ["Let"]}
+    message = client.messages.create(**kwargs)
+    assert (message.content, message.stop_reason) == ([], "stop_sequence")
+    with client.messages.stream(**kwargs) as stream:
+        names = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert final.content == [] and final.stop_reason == "stop_sequence"
+    assert names == ["message_start", "message_delta", "message_stop"]
