@@ -388,9 +388,15 @@ def _add_response_routes(app: FastAPI) -> None:
     @app.get("/v1/responses/{response_id}", operation_id="retrieveResponse",
              response_class=JSONResponse,
              responses={200: {"model": ResponseObject, "description": "The stored response."},
-                        **error_responses(404)})
-    async def retrieve_response(response_id: str, request: Request) -> Response:
-        """A stored response of the requesting tenant."""
+                        **error_responses(400, 404)})
+    async def retrieve_response(response_id: str, request: Request,
+                                stream: bool = False) -> Response:
+        """A stored response of the requesting tenant; `stream` (a background response's
+        events) is refused, as no response runs in the background here."""
+        if stream:
+            raise APIError(400, "stream replays a background response's events, and this "
+                                "server runs none in the background; retrieve the response "
+                                "without it", param="stream")
         stored: StoredResponses = request.app.state.stored_responses
         return await stored.retrieve(response_id, scope_tenant(request.scope))
 

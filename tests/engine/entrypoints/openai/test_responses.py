@@ -361,6 +361,11 @@ def test_retrieve_and_delete_a_stored_response(server):
                                       extra_body=NO_EOS)
     retrieved = client.responses.retrieve(created.id)
     assert retrieved.model_dump() == created.model_dump()
+    # Streaming is for background responses, which none is: refused, not sent as JSON that
+    # the SDK's stream would read as no events.
+    with pytest.raises(openai.BadRequestError) as refused:
+        list(client.responses.retrieve(created.id, stream=True))
+    assert refused.value.body["param"] == "stream"
     with server.http() as http:
         deleted = http.delete(f"/v1/responses/{created.id}")
         assert deleted.json() == {"id": created.id, "object": "response", "deleted": True}
