@@ -168,7 +168,12 @@ def _call_bodies(tools: Sequence[ToolSchema], arguments_key: str) -> str:
 
 def short_error(error: BaseException | str) -> str:
     """The first line of an error, at most `MAX_ERROR_CHARS` long: llguidance's messages can
-    carry its parser's state after their first line, and echo a whole rule in it."""
+    carry its parser's state after their first line, and echo a whole rule in it. A first
+    line that ends in a colon (a regex's error, which draws the regex before saying what is
+    wrong) gets the line that says it."""
     lines = str(error).strip().splitlines()
     line = lines[0] if lines else type(error).__name__
+    if line.endswith(":"):
+        line += next((" " + later.removeprefix("error: ") for later in lines[1:]
+                      if later.startswith("error: ")), "")
     return line if len(line) <= MAX_ERROR_CHARS else line[:MAX_ERROR_CHARS - 3] + "..."

@@ -89,6 +89,14 @@ def test_bad_inputs_raise_value_error(build, message):
         build()
 
 
+def test_a_regex_error_says_what_is_wrong():
+    """Its first line ends in a colon; what is wrong is on its last."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}
+    with pytest.raises(ValueError) as refused:
+        grammars.check_grammar(grammars.json_schema_grammar(schema))
+    assert str(refused.value).endswith(": regex parse error: unclosed group")
+
+
 @pytest.mark.parametrize("grammar", ["start: /" + "a" * 2000 + "[/", "start: " + "b" * 2000])
 def test_a_grammar_error_is_one_short_line(grammar):
     """llguidance echoes the rule it rejects: 2,000 characters of it here, before the cap."""
