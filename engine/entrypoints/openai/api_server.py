@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import importlib.metadata
 import logging
 import time
@@ -328,7 +329,9 @@ def _add_info_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models", operation_id="listModels", response_model=ModelList)
     async def list_models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(request)]}
+        name = request.app.state.settings.served_model_name
+        return {"object": "list", "data": [_model_card(request)], "has_more": False,
+                "first_id": name, "last_id": name}
 
     @app.get("/v1/models/{model:path}", operation_id="retrieveModel",
              response_model=ModelCard, responses=error_responses(404))
@@ -353,9 +356,12 @@ def _add_info_routes(app: FastAPI) -> None:
 def _model_card(request: Request) -> dict[str, Any]:
     state = request.app.state
     config = state.engine.config
-    return {"id": state.settings.served_model_name, "object": "model",
-            "created": state.started_at, "owned_by": "continuum",
-            "root": config.model.model, "max_model_len": config.scheduler.max_model_len}
+    name = state.settings.served_model_name
+    created_at = datetime.datetime.fromtimestamp(state.started_at, datetime.UTC)
+    return {"id": name, "object": "model", "created": state.started_at, "owned_by": "continuum",
+            "root": config.model.model, "max_model_len": config.scheduler.max_model_len,
+            "type": "model", "display_name": name,
+            "created_at": created_at.isoformat().replace("+00:00", "Z")}
 
 
 def _add_generation_routes(app: FastAPI) -> None:

@@ -134,17 +134,28 @@ class ChatCompletionResponse(_Documented):
 
 
 class ModelCard(_Documented):
+    """OpenAI's model object, with Anthropic's fields (`type`, `display_name`, `created_at`)
+    for its clients."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     root: str = Field(description="The model directory (or tiny) the engine loaded.")
     max_model_len: int
+    type: Literal["model"]
+    display_name: str
+    created_at: str = Field(description="`created` as an RFC 3339 time.")
 
 
 class ModelList(_Documented):
+    """OpenAI's list, with Anthropic's page fields."""
+
     object: Literal["list"]
     data: list[ModelCard]
+    has_more: bool
+    first_id: str
+    last_id: str
 
 
 class VersionInfo(_Documented):

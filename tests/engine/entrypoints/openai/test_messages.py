@@ -123,6 +123,17 @@ def test_a_message_and_its_usage(tiny) -> None:
     assert usage.cache_creation_input_tokens == 0  # no breakpoint
 
 
+def test_the_sdk_lists_and_retrieves_the_model(tiny) -> None:
+    client = _client(tiny)
+    (listed,) = client.models.list().data
+    retrieved = client.models.retrieve("tiny")
+    assert listed == retrieved
+    assert (listed.type, listed.id, listed.display_name) == ("model", "tiny", "tiny")
+    assert listed.created_at.tzinfo is not None
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("claude-x")
+
+
 def test_a_stream_adds_up_to_the_same_message(tiny) -> None:
     body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "messages": QUESTION}
     events = _raw_events(tiny, body, headers={"anthropic-version": "2023-06-01"})
