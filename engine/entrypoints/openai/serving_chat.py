@@ -141,11 +141,14 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
         self, body: ChatCompletionRequest, prepared: Prepared
     ) -> AsyncIterator[bytes]:
         """SSE chunks: per choice, a first chunk with the role once the choice has a token,
-        content deltas, tool calls and the finish reason at its end; then usage (if asked) and
-        `[DONE]`. With `return_token_ids`, the first chunk carries the prompt's token ids."""
+        content deltas, tool calls and the finish reason at its end; then usage (if asked: the
+        other chunks then carry a null one, as OpenAI's) and `[DONE]`. With
+        `return_token_ids`, the first chunk carries the prompt's token ids."""
         request = prepared.request
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         header = {"id": request.request_id, "object": "chat.completion.chunk",
-                  "created": int(time.time()), "model": self.settings.served_model_name}
+                  "created": int(time.time()), "model": self.settings.served_model_name,
+                  **({"usage": None} if include_usage else {})}
         choices = [_ChoiceStream(parser=prepared.parser) for _ in range(body.n)]
         num_cached_tokens = 0
         prompt_token_ids_sent = not body.return_token_ids
@@ -162,7 +165,7 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
                     chunk["prompt_token_ids"] = request.prompt_token_ids
                     prompt_token_ids_sent = True
                 yield sse(chunk)
-            if body.stream_options is not None and body.stream_options.include_usage:
+            if include_usage:
                 usage = self.usage(len(request.prompt_token_ids),
                                    sum(c.num_tokens for c in choices), num_cached_tokens)
                 yield sse({**header, "choices": [], "usage": usage})

@@ -239,10 +239,13 @@ class OpenAIServingCompletion(OpenAIServing[CompletionRequest, PreparedCompletio
     async def stream(
         self, body: CompletionRequest, prepared: PreparedCompletion
     ) -> AsyncIterator[bytes]:
-        """SSE chunks, ending with usage (if asked) and `[DONE]`."""
+        """SSE chunks, ending with usage (if asked: the other chunks then carry a null one, as
+        OpenAI's) and `[DONE]`."""
         response_id, requests = prepared.response_id, prepared.requests
-        created = int(time.time())
-        model = self.settings.served_model_name
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        header = {"id": response_id, "object": "text_completion", "created": int(time.time()),
+                  "model": self.settings.served_model_name,
+                  **({"usage": None} if include_usage else {})}
         text_offsets: dict[int, int] = {}
         num_completion_tokens = 0
         num_cached: dict[int, int] = {}
@@ -267,13 +270,11 @@ class OpenAIServingCompletion(OpenAIServing[CompletionRequest, PreparedCompletio
                                           echo=echo)
                     text_offsets[index] = text_offsets.get(index, 0) + len(choice["text"])
                     num_completion_tokens += len(completion.token_ids)
-                    yield sse({"id": response_id, "object": "text_completion",
-                               "created": created, "model": model, "choices": [choice]})
-            if body.stream_options is not None and body.stream_options.include_usage:
+                    yield sse({**header, "choices": [choice]})
+            if include_usage:
                 usage = self.usage(sum(len(r.prompt_token_ids) for r in requests),
                                    num_completion_tokens, sum(num_cached.values()))
-                yield sse({"id": response_id, "object": "text_completion", "created": created,
-                           "model": model, "choices": [], "usage": usage})
+                yield sse({**header, "choices": [], "usage": usage})
         except Exception as error:
             yield sse_error(error, prepared.client_request_id)
         yield SSE_DONE

@@ -29,6 +29,8 @@ def test_chat_stream_matches_the_whole_response(server):
     assert text == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 10
+    # As OpenAI documents: every other chunk carries a null usage.
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
 
 
 def test_chat_n_streams_every_choice(server):

@@ -93,6 +93,7 @@ def test_stream_matches_the_whole_response_and_ends_with_usage(server):
     assert chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
 
 
 def test_repeated_prompt_reports_cached_tokens(server):
