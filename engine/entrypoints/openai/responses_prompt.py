@@ -45,11 +45,12 @@ def template_messages(instructions: str | None, items: Sequence[ConversationItem
     `function_call` items as `tool_calls` of the assistant message before them (or of a new
     one), `function_call_output` items as `tool` messages naming their function; reasoning
     items are left out. APIError(400) for an output that answers no call of the
-    conversation."""
+    conversation, and, as OpenAI has it, for a call no output answers."""
     messages: list[ChatMessage] = []
     if instructions is not None:
         messages.append(ChatMessage(role="system", content=instructions))
     names_by_call_id: dict[str, str] = {}
+    answered: set[str] = set()
     for item in items:
         if isinstance(item, MessageItem):
             messages.append(ChatMessage(role=item.role, content=content_text(item.content)))
@@ -68,6 +69,11 @@ def template_messages(instructions: str | None, items: Sequence[ConversationItem
                                     "its function_call_output", param="input")
             messages.append(ChatMessage(role="tool", content=content_text(item.output),
                                         tool_call_id=item.call_id, name=name))
+            answered.add(item.call_id)
+    unanswered = [call_id for call_id in names_by_call_id if call_id not in answered]
+    if unanswered:
+        raise APIError(400, f"No tool output found for function call {unanswered[0]}.",
+                       param="input")
     return [template_message(message) for message in messages]
 
 

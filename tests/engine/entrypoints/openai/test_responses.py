@@ -265,6 +265,17 @@ def test_function_call_output_continues_the_chain_as_one_job(scripted_server):
     assert pin["request_id"] == second.id  # the second turn's KV, pinned for the same job
 
 
+def test_a_chain_whose_call_is_not_answered_is_refused(scripted_server):
+    client = scripted_server.client()
+    first = client.responses.create(model="scripted", input="what is here?", tools=TOOLS,
+                                    max_output_tokens=200)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model="scripted", previous_response_id=first.id, tools=TOOLS,
+                                input="never mind, say hi", max_output_tokens=200)
+    assert refused.value.body["param"] == "input"
+    assert first.output[-1].call_id in refused.value.body["message"]
+
+
 def test_the_whole_history_can_be_sent_instead(scripted_server):
     client = scripted_server.client()
     first = client.responses.create(model="scripted", input="what is here?", tools=TOOLS,
@@ -637,9 +648,10 @@ def test_items_become_chat_messages_with_tool_calls():
          "output": [{"type": "input_text", "text": "/"}]},
         {"type": "reasoning", "id": "rs_1", "summary": []},
         {"type": "function_call", "call_id": "c3", "name": "ls", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c3", "output": "y"},
     ], instructions="Be brief.")
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool",
-                                             "assistant"]
+                                             "assistant", "tool"]
     assert messages[0]["content"] == "Be brief."
     assert messages[1]["content"] == "list files"
     assistant = messages[2]
@@ -649,6 +661,16 @@ def test_items_become_chat_messages_with_tool_calls():
     assert [(m["tool_call_id"], m["name"], m["content"]) for m in messages[3:5]] == [
         ("c1", "ls", "x"), ("c2", "pwd", "/")]
     assert messages[5]["content"] == "" and messages[5]["tool_calls"][0]["id"] == "c3"
+
+
+def test_a_call_without_its_output_is_rejected():
+    """As OpenAI refuses it, whether the call is in the input or the stored chain's."""
+    with pytest.raises(APIError) as error:
+        _messages([{"role": "user", "content": "list"},
+                   {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+                   {"role": "user", "content": "never mind"}])
+    assert (error.value.param, str(error.value.message)) == (
+        "input", "No tool output found for function call c1.")
 
 
 def test_an_output_without_its_call_is_rejected():
