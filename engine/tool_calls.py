@@ -8,14 +8,17 @@ Two output styles are understood:
   optionally after `<|python_tag|>`, several calls separated by `;`.
 
 A text cut off (by its token limit or a stop string) inside its last call (`parse(text,
-cut=True)`) gives the calls before it, and that call as `cut_call` when its name was written
-whole (its arguments as far as they go); the cut call's markup is not content. Other text
-that does not parse completely is returned, unchanged, as content with no tool calls:
+cut=True)`; a call begun, a `<tool_call>` followed by nothing or a JSON object) gives the
+calls before it, and that call as `cut_call` when its name was written whole (its arguments
+as far as they go, or whole if only the call's end is missing); the cut call's markup is not
+content. Other text that does not parse completely is returned, unchanged, as content with no
+tool calls:
 parsing is total, whatever the text (JSON the decoder refuses, nesting deeper than it
 recurses, integers longer than Python converts), since model output can hold anything.
 Content before Hermes calls loses its trailing whitespace. `ToolCallFormat`, carried by an
 engine request that offered tools, names the parser and the tools, so that the engine core
-reads a finished turn's calls exactly as the frontend returns them to the client.
+reads a finished turn's calls exactly as the frontend returns them to the client (a cut call
+is not among them: no tool runs on it).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ _HERMES_CALL = re.compile(
 # The head of a call object cut off before its end: its name, then its arguments' key.
 _CUT_CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
 _CUT_CALL_ARGUMENTS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_ARGUMENTS_KEYS = (',"arguments":', ',"parameters":')
+_WHITESPACE = re.compile(r"\s+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +107,9 @@ def _call_from_json(value: Any, argument_keys: tuple[str, ...]) -> ParsedToolCal
 
 
 def _cut_call(text: str) -> ParsedToolCall | None:
-    """The call a call object cut off before its end was writing, if its name is whole: its
-    arguments are the text written after their key ("" if not yet reached)."""
+    """The call a call object cut off before its end was writing, if its name is whole and
+    nothing but its arguments' key follows it: its arguments are the JSON value after that
+    key, or as much of it as was written ("" if not yet reached)."""
     head = _CUT_CALL_NAME.match(text)
     if head is None:
         return None
@@ -113,8 +119,17 @@ def _cut_call(text: str) -> ParsedToolCall | None:
         return None
     if not name:
         return None
-    arguments = _CUT_CALL_ARGUMENTS.match(text, head.end())
-    return ParsedToolCall(name, "" if arguments is None else text[arguments.end():].rstrip())
+    key = _CUT_CALL_ARGUMENTS.match(text, head.end())
+    if key is None:
+        written = _WHITESPACE.sub("", text[head.end():])
+        return ParsedToolCall(name, "") if any(
+            whole.startswith(written) for whole in _ARGUMENTS_KEYS) else None
+    arguments = text[key.end():]
+    try:
+        end = json.JSONDecoder().raw_decode(arguments)[1]
+    except JSON_ERRORS:
+        return ParsedToolCall(name, arguments.rstrip())
+    return ParsedToolCall(name, arguments[:end])
 
 
 class HermesToolParser:
@@ -128,7 +143,11 @@ class HermesToolParser:
         if cut:
             last = text.rfind(HERMES_START)
             block = text[last + len(HERMES_START):]
-            if HERMES_END not in block and _block_call(block) is None:
+            end = _partial_marker_start(block, HERMES_END)
+            if end is not None and _block_call(block[:end]) is not None:
+                return self.parse(text[:last + len(HERMES_START) + end])  # only `</` cut
+            if (HERMES_END not in block and block.lstrip()[:1] in ("", "{")
+                    and _block_call(block) is None):
                 head = text[:last]
                 parsed = self.parse(head)
                 if HERMES_START in head and not parsed.tool_calls:
@@ -174,7 +193,8 @@ class Llama3JsonToolParser:
                 value, end = decoder.raw_decode(body, position)
             except JSON_ERRORS:
                 cut_call = _cut_call(body[position:]) if cut else None
-                if cut_call is None:
+                begun = cut and calls and body.startswith("{", position)
+                if cut_call is None and not begun:
                     return ParsedOutput(text)
                 return ParsedOutput(None, tuple(calls), cut_call)
             call = _call_from_json(value, ("parameters", "arguments"))

@@ -160,6 +160,11 @@ class ChoiceOutput:
         return self.tool_calls if self.cut_call is None else (*self.tool_calls, self.cut_call)
 
     @property
+    def ends_in_calls(self) -> bool:
+        """Whether the output ended by calling tools (it has calls, none of them cut off)."""
+        return bool(self.tool_calls) and self.cut_call is None
+
+    @property
     def finish_reason(self) -> str | None:
         """The engine's finish reason (None while running)."""
         return None if self.last is None else self.last.finish_reason

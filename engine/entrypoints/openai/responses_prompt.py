@@ -45,17 +45,20 @@ def template_messages(instructions: str | None, items: Sequence[ConversationItem
     `function_call` items as `tool_calls` of the assistant message before them (or of a new
     one), `function_call_output` items as `tool` messages naming their function; reasoning
     items are left out. APIError(400) for an output that answers no call of the
-    conversation, and, as OpenAI has it, for a call no output answers."""
+    conversation, and, as OpenAI has it, for a call no output answers (but one the output
+    was cut off in: `incomplete`)."""
     messages: list[ChatMessage] = []
     if instructions is not None:
         messages.append(ChatMessage(role="system", content=instructions))
     names_by_call_id: dict[str, str] = {}
-    answered: set[str] = set()
+    settled: set[str] = set()
     for item in items:
         if isinstance(item, MessageItem):
             messages.append(ChatMessage(role=item.role, content=content_text(item.content)))
         elif isinstance(item, FunctionCallItem):
             names_by_call_id[item.call_id] = item.name
+            if item.status == "incomplete":
+                settled.add(item.call_id)
             call = ToolCallIn(id=item.call_id, function=FunctionCallIn(
                 name=item.name, arguments=item.arguments))
             if messages and messages[-1].role == "assistant":
@@ -69,8 +72,8 @@ def template_messages(instructions: str | None, items: Sequence[ConversationItem
                                     "its function_call_output", param="input")
             messages.append(ChatMessage(role="tool", content=content_text(item.output),
                                         tool_call_id=item.call_id, name=name))
-            answered.add(item.call_id)
-    unanswered = [call_id for call_id in names_by_call_id if call_id not in answered]
+            settled.add(item.call_id)
+    unanswered = [call_id for call_id in names_by_call_id if call_id not in settled]
     if unanswered:
         raise APIError(400, f"No tool output found for function call {unanswered[0]}.",
                        param="input")

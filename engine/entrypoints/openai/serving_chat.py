@@ -130,7 +130,7 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
         result: dict[str, Any] = {
             "index": completion.index, "message": message,
             "logprobs": self._logprobs(completion.logprobs),
-            "finish_reason": _finish_reason(completion.finish_reason, choice.tool_calls),
+            "finish_reason": _finish_reason(completion.finish_reason, choice.ends_in_calls),
             "stop_reason": completion.stop_reason,
         }
         if body.return_token_ids:
@@ -193,7 +193,7 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
         choice: dict[str, Any] = {
             "index": completion.index, "delta": delta,
             "logprobs": self._logprobs(completion.logprobs),
-            "finish_reason": _finish_reason(completion.finish_reason, state.tool_calls),
+            "finish_reason": _finish_reason(completion.finish_reason, state.ends_in_calls),
         }
         if completion.finished:
             choice["stop_reason"] = completion.stop_reason
@@ -205,8 +205,8 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
         return None if entries is None else {"content": self.token_logprobs(entries)}
 
 
-def _finish_reason(reason: str | None, tool_calls: tuple[ParsedToolCall, ...]) -> str | None:
-    return "tool_calls" if tool_calls and reason == "stop" else reason
+def _finish_reason(reason: str | None, ends_in_calls: bool) -> str | None:
+    return "tool_calls" if ends_in_calls and reason == "stop" else reason
 
 
 def _tool_calls(calls: tuple[ParsedToolCall, ...], engine_request_id: str

@@ -283,7 +283,7 @@ def _stop_reason(output: ChoiceOutput) -> tuple[str, str | None]:
     assert output.last is not None
     if output.finish_reason == "length":
         return "max_tokens", None
-    if output.tool_calls:
+    if output.ends_in_calls:
         return "tool_use", None
     if isinstance(output.last.stop_reason, str):
         return "stop_sequence", output.last.stop_reason
@@ -292,11 +292,12 @@ def _stop_reason(output: ChoiceOutput) -> tuple[str, str | None]:
 
 def _cut_input(arguments: str) -> dict[str, Any]:
     """The input of a call cut off in its arguments, as far as they were written (pydantic's
-    partial JSON parse); {} where they give no object."""
+    partial JSON parse, which leaves out an unfinished string as the SDK's stream reader
+    does); {} where they give no object."""
     try:
         value = pydantic_core.from_json(arguments, allow_partial=True)
         json.dumps(value, allow_nan=False)  # no non-finite number in the response
-    except JSON_ERRORS:
+    except (*JSON_ERRORS, TypeError):  # TypeError: a lone surrogate
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -185,7 +185,8 @@ class _Output(ChoiceOutput):
                                                              text=self.text)]))
         items.extend(FunctionCallItem(type="function_call", call_id=call["call_id"],
                                       name=call["name"], arguments=call["arguments"],
-                                      id=call["id"]) for call in self.calls)
+                                      id=call["id"], status=call["status"])
+                     for call in self.calls)
         return items
 
 

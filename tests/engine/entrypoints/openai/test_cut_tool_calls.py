@@ -79,6 +79,11 @@ def test_a_cut_call_is_an_incomplete_function_call_item(scripted_server, cut_max
     assert [(item.type, item.status) for item in streamed.output] == [
         ("message", "incomplete"), ("function_call", "incomplete")]
     assert streamed.output[1].arguments == call.arguments
+    # A cut call needs no output: the chain goes on without one.
+    again = client.responses.create(model="scripted", previous_response_id=whole.id,
+                                    input="try again", tools=RESPONSES_TOOLS,
+                                    max_output_tokens=200)
+    assert again.status == "completed" and again.output[-1].status == "completed"
 
 
 def _anthropic(server: ServerThread) -> anthropic.Anthropic:

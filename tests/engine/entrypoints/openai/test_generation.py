@@ -111,3 +111,23 @@ def test_a_parser_restricted_to_the_offer_reads_another_name_as_text() -> None:
     output.push(_delta(CALL, finished=True))
     assert output.tool_calls == () and output.text == CALL
     assert make_tool_parser("hermes").parse(CALL).tool_calls  # a call of another tool
+
+
+@pytest.mark.parametrize(("finish_reason", "stop_reason", "ends_in_calls"), [
+    ("stop", None, True),  # the model ended after its call
+    ("stop", "Par", False),  # a stop string ended it inside a second call
+    ("length", None, False),  # so did the token limit
+])
+def test_an_output_cut_in_a_call_does_not_end_in_calls(finish_reason, stop_reason,
+                                                       ends_in_calls) -> None:
+    """What the finish and stop reasons say: chat's "tool_calls", Anthropic's "tool_use"."""
+    second = '<tool_call>{"name": "locate", "arguments": {"city": "Par'
+    text = CALL if stop_reason is None and finish_reason == "stop" else CALL + second
+    output = ChoiceOutput(parser=ToolOffer((TOOL,)).call_format("hermes").make_parser())
+    output.push(CompletionOutput(index=0, text=text, token_ids=[1],
+                                 finish_reason=finish_reason, stop_reason=stop_reason))
+    assert output.ends_in_calls is ends_in_calls
+    assert [call.name for call in output.calls_shown] == ["locate"] * (1 if ends_in_calls
+                                                                       else 2)
+    assert output.text == ""
+

@@ -152,6 +152,17 @@ CUT_CASES = [
     ('{"name": "Alice", "age": 3', '{"name": "Alice", "age": 3', [], None),
     (f'<tool_call>{{"oops"}}</tool_call>{CALL_HEAD}{{"comm',
      f'<tool_call>{{"oops"}}</tool_call>{CALL_HEAD}{{"comm', [], None),
+    # A marker in prose begins no call; a call cut in its end tag is whole; arguments whole
+    # before the cut are exactly their JSON; calls before a cut whose name is not whole.
+    ("Wrap it in a <tool_call> tag, then", "Wrap it in a <tool_call> tag, then", [], None),
+    (f'{CALL_HEAD}{{"command": "ls"}}}}\n</tool_call', None, [LS], None),
+    (f'{CALL_HEAD}{{"command": "ls"}}, "id": "x', None, [],
+     ParsedToolCall("bash", '{"command": "ls"}')),
+    ('{"name": "bash", "parameters": {"command": "ls"}}; {"na', None, [LS], None),
+    ('{"name": "bash", "parameters": {"command": "ls"}} and',
+     '{"name": "bash", "parameters": {"command": "ls"}} and', [], None),
+    # A JSON answer naming an offered tool, then another field: not a call.
+    ('{"name": "bash", "age": 3', '{"name": "bash", "age": 3', [], None),
 ]
 
 
