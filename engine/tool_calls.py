@@ -141,19 +141,9 @@ class HermesToolParser:
         if start < 0:
             return ParsedOutput(text)
         if cut:
-            last = text.rfind(HERMES_START)
-            block = text[last + len(HERMES_START):]
-            end = _partial_marker_start(block, HERMES_END)
-            if end is not None and _block_call(block[:end]) is not None:
-                return self.parse(text[:last + len(HERMES_START) + end])  # only `</` cut
-            if (HERMES_END not in block and block.lstrip()[:1] in ("", "{")
-                    and _block_call(block) is None):
-                head = text[:last]
-                parsed = self.parse(head)
-                if HERMES_START in head and not parsed.tool_calls:
-                    return ParsedOutput(text)
-                content = parsed.content if parsed.tool_calls else head.rstrip() or None
-                return ParsedOutput(content, parsed.tool_calls, _cut_call(block))
+            parsed = self._parse_cut(text)
+            if parsed is not None:
+                return parsed
         calls = []
         for match in _HERMES_CALL.finditer(text, start):
             call = _block_call(match.group(1))
@@ -161,6 +151,24 @@ class HermesToolParser:
                 return ParsedOutput(text)
             calls.append(call)
         return ParsedOutput(text[:start].rstrip() or None, tuple(calls))
+
+    def _parse_cut(self, text: str) -> ParsedOutput | None:
+        """A cut-off text whose last block is a call begun and unfinished (None: the text
+        reads as if whole)."""
+        last = text.rfind(HERMES_START)
+        block = text[last + len(HERMES_START):]
+        end = _partial_marker_start(block, HERMES_END)
+        if end is not None and _block_call(block[:end]) is not None:
+            return self.parse(text[:last + len(HERMES_START) + end])  # only `</...` was cut
+        if (HERMES_END in block or block.lstrip()[:1] not in ("", "{")
+                or _block_call(block) is not None):
+            return None
+        head = text[:last]
+        parsed = self.parse(head)
+        if HERMES_START in head and not parsed.tool_calls:
+            return ParsedOutput(text)
+        content = parsed.content if parsed.tool_calls else head.rstrip() or None
+        return ParsedOutput(content, parsed.tool_calls, _cut_call(block))
 
     def may_start_call(self, text: str) -> int | None:
         start = text.find(HERMES_START)

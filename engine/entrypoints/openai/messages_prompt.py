@@ -87,8 +87,8 @@ def check_messages_fields(body: MessagesFields) -> None:
         raise APIError(400, "messages.0: the first message must be the user's",
                        param="messages.0.role")
     for index, message in enumerate(body.messages):
-        if not message.content and (message.role, index + 1) != ("assistant",
-                                                                len(body.messages)):
+        is_final_assistant = message.role == "assistant" and index == len(body.messages) - 1
+        if not message.content and not is_final_assistant:
             raise APIError(400, f"messages.{index}: all messages must have non-empty content "
                                 "except for the optional final assistant message",
                            param=f"messages.{index}.content")

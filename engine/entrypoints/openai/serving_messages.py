@@ -27,9 +27,9 @@ the usage then known) and a `ping`; `content_block_start` / `content_block_delta
 `content_block_stop` for the text block (its text as it comes, held back where a tool call may
 begin) and then for each `tool_use` block (its input as one `input_json_delta`);
 `message_delta` with the stop reason and the usage; `message_stop`. An output of nothing has
-no block (`content` is empty), as Anthropic's. A failure after the stream started is an `error`
-event. A call the output was cut off in (by `max_tokens` or a stop
-sequence) is its last `tool_use` block, its input as far as written, as Anthropic returns one.
+no block (`content` is empty), as Anthropic's. A call the output was cut off in (by
+`max_tokens` or a stop sequence) is its last `tool_use` block, its input as far as written, as
+Anthropic returns one. A failure after the stream started is an `error` event.
 """
 
 from __future__ import annotations
