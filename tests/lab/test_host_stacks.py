@@ -41,14 +41,17 @@ def _by_function(stacks: HostStacks) -> dict[str, float]:
 def test_the_sampled_time_goes_to_the_functions_the_thread_was_in() -> None:
     switch_interval_s = sys.getswitchinterval()
     with HostStacks(interval_s=0.001) as stacks:
-        _busy_python(0.15)
-        time.sleep(0.1)
+        _busy_python(0.3)
+        time.sleep(0.2)
     assert sys.getswitchinterval() == switch_interval_s
     by_function = _by_function(stacks)
-    assert by_function.get(f"{THIS_FILE} _busy_python", 0.0) == pytest.approx(0.15, abs=0.06)
+    # A sample is charged the time since the last one, so a sampler starved by a busy host
+    # moves time from one function to the next; the total stays the time sampled.
+    assert 0.35 <= sum(by_function.values()) <= 0.6
+    assert by_function.get(f"{THIS_FILE} _busy_python", 0.0) >= 0.15
     # Asleep in C: the sampled line is this test's own, the line that called.
     here = f"{THIS_FILE} test_the_sampled_time_goes_to_the_functions_the_thread_was_in"
-    assert by_function.get(here, 0.0) == pytest.approx(0.1, abs=0.05)
+    assert by_function.get(here, 0.0) >= 0.1
     assert stacks.num_samples > 50
     # The repository's line above `_busy_python` is this test's call of it.
     callers = {above for (leaf, above) in stacks.seconds if leaf.endswith(" _busy_python")}
