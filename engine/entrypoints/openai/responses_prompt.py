@@ -19,6 +19,7 @@ from engine.entrypoints.openai.protocol_responses import (
     content_text,
 )
 from engine.entrypoints.openai.response_store import StoredResponse, item_json
+from engine.entrypoints.openai.serving import new_id
 
 
 def input_items(body: ResponsesRequest) -> tuple[ConversationItem, ...]:
@@ -32,11 +33,23 @@ def input_items(body: ResponsesRequest) -> tuple[ConversationItem, ...]:
 def conversation(previous: StoredResponse | None, input_items: Sequence[ConversationItem]
                   ) -> tuple[list[ConversationItem], tuple[bytes, ...]]:
     """The conversation a turn renders (the stored chain's items, decoded, then its input) and
-    the same as the store keeps it (the chain's texts as they are, the input's serialised).
-    Work in proportion to the conversation, for a worker thread."""
+    the same as the store keeps it (the chain's texts as they are, the input's serialised, an
+    input item without an id given one, so that it keeps its id under every response that
+    lists it). Work in proportion to the conversation, for a worker thread."""
     items = [*(() if previous is None else previous.items()), *input_items]
-    jsons = (*(() if previous is None else previous.item_jsons), *map(item_json, input_items))
+    jsons = (*(() if previous is None else previous.item_jsons),
+             *(item_json(_with_id(item)) for item in input_items))
     return items, jsons
+
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
+
+
+def _with_id(item: ConversationItem) -> ConversationItem:
+    if item.id is not None:
+        return item
+    return item.model_copy(update={"id": new_id(_ID_PREFIXES[item.type], "_")})
 
 
 def template_messages(instructions: str | None, items: Sequence[ConversationItem]

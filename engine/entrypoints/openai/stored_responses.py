@@ -78,8 +78,7 @@ def _input_item_page(stored: StoredResponse, limit: int, order: Literal["asc", "
                      after: str | None) -> dict[str, Any]:
     """A page of `input_items` (see `StoredResponses.input_items`)."""
     response_id = stored.response_id
-    items = [_listed_item(item, response_id, index)
-             for index, item in enumerate(stored.items(0, stored.num_input_items))]
+    items = [_listed_item(item) for item in stored.items(0, stored.num_input_items)]
     if order == "desc":
         items.reverse()
     if after is not None:
@@ -93,10 +92,10 @@ def _input_item_page(stored: StoredResponse, limit: int, order: Literal["asc", "
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
-def _listed_item(item: ConversationItem, response_id: str, index: int) -> dict[str, Any]:
-    """An input item as OpenAI lists it: an id, and a message's text as content parts."""
+def _listed_item(item: ConversationItem) -> dict[str, Any]:
+    """An input item as OpenAI lists it (with the id it was stored with), a message's text as
+    content parts."""
     listed = item.model_dump(exclude_none=True)
-    listed.setdefault("id", f"item_{response_id.removeprefix('resp_')}_{index}")
     if isinstance(item, MessageItem) and isinstance(item.content, str):
         part = (OutputTextPart(type="output_text", text=item.content) if item.role == "assistant"
                 else InputTextPart(type="input_text", text=item.content))

@@ -406,8 +406,10 @@ def test_input_items_list_what_a_response_continued_and_was_sent(server):
     assert newest_first.has_more and newest_first.last_id == listed.data[1].id
     rest = client.responses.input_items.list(second.id, after=newest_first.last_id)
     assert [item.id for item in rest.data] == [listed.data[0].id] and not rest.has_more
-    assert client.responses.input_items.list(first.id).data[0].content[0].text == (
-        "first question")
+    first_listed = client.responses.input_items.list(first.id).data
+    assert first_listed[0].content[0].text == "first question"
+    # An item keeps its id under every response of the chain that lists it.
+    assert first_listed[0].id == listed.data[0].id and first_listed[0].id.startswith("msg_")
     with server.http() as http:
         for query, param in (("limit=0", "limit"), ("order=sideways", "order"),
                              ("after=msg_nowhere", "after")):
