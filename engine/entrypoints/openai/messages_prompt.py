@@ -68,9 +68,11 @@ class Conversation:
 def check_messages_fields(body: MessagesFields) -> None:
     """APIError(400) for what the models cannot say, as Anthropic refuses it: tools named
     twice, a `tool_choice` without tools or naming none of them, too many cache
-    breakpoints, a first message not the user's, a `tool_use` or `tool_result` in the wrong
-    role's message, a message without content (but a last assistant's), a `tool_use` not
-    answered by a `tool_result` in the next message, a last message that calls a tool."""
+    breakpoints or a 1h one after a 5m one, a first message not the user's, a `tool_use` or
+    `tool_result` in the wrong role's message or without tools, `tool_use` ids used twice, a
+    message without content (but a last assistant's), an empty or blank text block, a
+    `tool_result` after other content, a `tool_use` not answered by a `tool_result` in the
+    next message, a last message that calls a tool or ends in whitespace."""
     names = [tool.name for tool in body.tools or ()]
     check_unique_names(names, "tools")
     choice = body.tool_choice
@@ -79,32 +81,85 @@ def check_messages_fields(body: MessagesFields) -> None:
     if isinstance(choice, ToolChoiceTool) and choice.name not in names:
         raise APIError(400, f"tool_choice names {choice.name!r}, which is not among the tools",
                        param="tool_choice.name")
-    num_breakpoints = len(_cache_controls(body))
-    if num_breakpoints > MAX_CACHE_BREAKPOINTS:
-        raise APIError(400, f"{num_breakpoints} blocks have cache_control, over the limit of "
-                            f"{MAX_CACHE_BREAKPOINTS}", param="cache_control")
+    _check_cache_controls(body)
+    if isinstance(body.system, list):
+        _check_texts("system", body.system)
     if body.messages[0].role != "user":
         raise APIError(400, "messages.0: the first message must be the user's",
                        param="messages.0.role")
+    tool_use_ids: set[str] = set()
     for index, message in enumerate(body.messages):
-        is_final_assistant = message.role == "assistant" and index == len(body.messages) - 1
-        if not message.content and not is_final_assistant:
-            raise APIError(400, f"messages.{index}: all messages must have non-empty content "
-                                "except for the optional final assistant message",
-                           param=f"messages.{index}.content")
-        wrong, name = ((ToolResultBlock, "tool_result") if message.role == "assistant"
-                       else (ToolUseBlock, "tool_use"))
-        if any(isinstance(block, wrong) for block in message.blocks):
-            raise APIError(400, f"messages.{index}: a {message.role} message cannot hold "
-                                f"{name} blocks", param=f"messages.{index}.content")
+        _check_message(index, message, is_last=index == len(body.messages) - 1,
+                       has_tools=bool(names), tool_use_ids=tool_use_ids)
         if index + 1 < len(body.messages):
             _check_answered(index, message, body.messages[index + 1])
-    last = body.messages[-1]
-    if last.role == "assistant" and any(isinstance(block, ToolUseBlock)
-                                        for block in last.blocks):
+    _check_last(len(body.messages) - 1, body.messages[-1])
+
+
+def _check_cache_controls(body: MessagesFields) -> None:
+    found = _cache_controls(body)
+    if len(found) > MAX_CACHE_BREAKPOINTS:
+        raise APIError(400, f"{len(found)} blocks have cache_control, over the limit of "
+                            f"{MAX_CACHE_BREAKPOINTS}", param="cache_control")
+    ttls = [control.ttl for _, control in found]
+    if "5m" in ttls and "1h" in ttls[ttls.index("5m"):]:
+        raise APIError(400, "a cache_control with ttl '1h' must come before every one with "
+                            "ttl '5m' (in the order tools, system, messages)",
+                       param="cache_control")
+
+
+def _check_message(index: int, message: Message, *, is_last: bool, has_tools: bool,
+                   tool_use_ids: set[str]) -> None:
+    """The checks of one message (`tool_use_ids`: those of the messages before it, to
+    which it adds its own)."""
+    where = f"messages.{index}"
+    if not message.content and not (is_last and message.role == "assistant"):
+        raise APIError(400, f"{where}: all messages must have non-empty content except for "
+                            "the optional final assistant message", param=f"{where}.content")
+    blocks = message.blocks
+    wrong, name = ((ToolResultBlock, "tool_result") if message.role == "assistant"
+                   else (ToolUseBlock, "tool_use"))
+    if any(isinstance(block, wrong) for block in blocks):
+        raise APIError(400, f"{where}: a {message.role} message cannot hold {name} blocks",
+                       param=f"{where}.content")
+    if any(isinstance(block, ToolUseBlock | ToolResultBlock) for block in blocks) and \
+            not has_tools:
+        raise APIError(400, "Requests which include `tool_use` or `tool_result` blocks must "
+                            "define tools.", param=f"{where}.content")
+    if message.content:
+        _check_texts(f"{where}.content", blocks)
+    is_result = [isinstance(block, ToolResultBlock) for block in blocks]
+    if any(is_result) and not all(is_result[:is_result.count(True)]):
+        raise APIError(400, f"{where}: tool_result blocks must come first in a message's "
+                            "content, before any other block", param=f"{where}.content")
+    for block_index, block in enumerate(blocks):
+        if isinstance(block, ToolUseBlock):
+            if block.id in tool_use_ids:
+                raise APIError(400, f"{where}.content.{block_index}: `tool_use` ids must be "
+                                    "unique", param=f"{where}.content.{block_index}.id")
+            tool_use_ids.add(block.id)
+
+
+def _check_texts(where: str, blocks: Sequence[Any]) -> None:
+    """APIError(400) for an empty or blank text block among `blocks` (at `where`)."""
+    for block_index, block in enumerate(blocks):
+        if isinstance(block, TextBlock) and not block.text.strip():
+            why = "must be non-empty" if not block.text else "must contain non-whitespace text"
+            raise APIError(400, f"{where}.{block_index}: text content blocks {why}",
+                           param=f"{where}.{block_index}.text")
+
+
+def _check_last(index: int, last: Message) -> None:
+    if last.role != "assistant":
+        return
+    if any(isinstance(block, ToolUseBlock) for block in last.blocks):
         raise APIError(400, "the last message may be an assistant's only to be continued "
                             "(text); a tool_use must be answered by a tool_result",
-                       param=f"messages.{len(body.messages) - 1}.content")
+                       param=f"messages.{index}.content")
+    texts = [block for block in last.blocks if isinstance(block, TextBlock)]
+    if texts and texts[-1].text != texts[-1].text.rstrip():
+        raise APIError(400, "final assistant content cannot end with trailing whitespace",
+                       param=f"messages.{index}.content")
 
 
 def _is_user_text(message: dict[str, Any]) -> bool:

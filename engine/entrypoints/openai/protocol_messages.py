@@ -11,7 +11,8 @@ types are refused naming the field. Tools are custom tools (`name`, `description
 blocks, and at the top level for the last block of the last message. Beyond Anthropic's
 fields the requests take this server's sampling and job extensions (`GenerationFields`:
 `top_k`, `seed`, `min_p`, `job_id`, `cache_salt`, ...); OpenAI's `n` and `stop` are refused
-(`stop_sequences` is this API's name for `stop`).
+(`stop_sequences` is this API's name for `stop`), and so is `mcp_servers` (this server runs
+no tools). `service_tier` is checked and has one tier here.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from engine.entrypoints.openai.protocol import (
     MAX_ID_CHARS,
@@ -34,6 +35,8 @@ CACHE_TTL_S = {"5m": 300.0, "1h": 3600.0}
 CacheTTL = Literal["5m", "1h"]
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
 ToolName = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]
+# A tool's name as Anthropic takes it where the tool is defined or chosen.
+DefinedToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")]
 
 
 class _Model(NullMeansDefault):
@@ -140,12 +143,19 @@ class Tool(_Model):
                 f"tools of type {kind!r} are Anthropic's own, which this server does not "
                 "run; define the tool as a custom tool (name, description, input_schema)")
         return data
-    name: ToolName
+    name: DefinedToolName
     description: str | None = None
     input_schema: dict[str, Any]
     strict: bool | None = Field(None, description="The input takes only the schema's named "
                                                   "properties (a forced call's grammar).")
     cache_control: CacheControl | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _schema_of_an_object(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        if schema.get("type") != "object":
+            raise ValueError("the input_schema of a tool must have type 'object'")
+        return schema
 
 
 class ToolChoiceAuto(_Model):
@@ -160,7 +170,7 @@ class ToolChoiceAny(_Model):
 
 class ToolChoiceTool(_Model):
     type: Literal["tool"]
-    name: ToolName
+    name: DefinedToolName
     disable_parallel_tool_use: bool = False
 
 
@@ -214,11 +224,14 @@ class MessagesRequest(MessagesFields):
 
     refused_fields: ClassVar[Mapping[str, str]] = {
         "n": "a message has one output: n is not a field of the Messages API",
-        "stop": "stop is this API's stop_sequences: send stop_sequences"}
+        "stop": "stop is this API's stop_sequences: send stop_sequences",
+        "mcp_servers": "MCP servers are not supported by this server: define their tools "
+                       "as custom tools and run them in the client"}
 
     max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: list[StopString] | None = None
     metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
     output_config: OutputConfig | None = None
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # Anthropic's range
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

@@ -275,6 +275,7 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
                 "ephemeral_1h_input_tokens": cache_creation if prepared.cache_ttl == "1h" else 0,
             },
             "output_tokens": num_output_tokens,
+            "service_tier": "standard",
         }
 
 

@@ -115,7 +115,7 @@ def test_a_message_and_its_usage(tiny) -> None:
     assert block.type == "text"
     assert message.stop_reason in ("end_turn", "max_tokens")
     usage = message.usage
-    assert 0 < usage.output_tokens <= 12
+    assert 0 < usage.output_tokens <= 12 and usage.service_tier == "standard"
     counted = client.messages.count_tokens(model="tiny", messages=QUESTION,
                                            system="Answer in one word.")
     assert counted.input_tokens == (usage.input_tokens + usage.cache_read_input_tokens
@@ -302,6 +302,18 @@ def test_errors_have_anthropics_shape_and_status(agent, tiny) -> None:
                                          "invalid_request_error", extra_body={"n": 1})
     assert "stop_sequences" in refused(tiny, anthropic.BadRequestError, 400,
                                        "invalid_request_error", extra_body={"stop": ["x"]})
+    # Tools as Anthropic defines them: a name of its pattern, an object's schema.
+    assert "tools.0.name: String should match pattern" in refused(
+        tiny, anthropic.BadRequestError, 400, "invalid_request_error",
+        tools=[{"name": "get weather", "input_schema": {"type": "object"}}])
+    assert "must have type 'object'" in refused(
+        tiny, anthropic.BadRequestError, 400, "invalid_request_error",
+        tools=[{"name": "t", "input_schema": {"type": "string"}}])
+    assert "MCP servers are not supported" in refused(
+        tiny, anthropic.BadRequestError, 400, "invalid_request_error",
+        extra_body={"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]})
+    assert "service_tier" in refused(tiny, anthropic.BadRequestError, 400,
+                                     "invalid_request_error", service_tier="bogus")
     # Errors of the tools and the output format name this API's fields.
     strict_open = {"type": "object", "properties": {}, "additionalProperties": True}
     assert "tools[0].input_schema" in refused(

@@ -99,8 +99,26 @@ def test_a_prefill_is_continued(tokenizer) -> None:
 
 
 @pytest.mark.parametrize(("messages", "fields", "match"), [
-    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]}], {},
-     "answers no tool_use"),
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "x"}]}],
+     {"tools": [WEATHER]}, "answers no tool_use"),
+    (TOOL_LOOP, {}, "blocks must define tools"),
+    ([TOOL_LOOP[0], {**TOOL_LOOP[1], "content": [*TOOL_LOOP[1]["content"],
+                                                 TOOL_LOOP[1]["content"][1]]}, TOOL_LOOP[2]],
+     {"tools": [WEATHER]}, "messages.1.content.2: `tool_use` ids must be unique"),
+    ([*TOOL_LOOP[:2], {"role": "user", "content": TOOL_LOOP[2]["content"][::-1]}],
+     {"tools": [WEATHER]}, "messages.2: tool_result blocks must come first"),
+    ([{"role": "user", "content": [{"type": "text", "text": ""}]}], {},
+     "messages.0.content.0: text content blocks must be non-empty"),
+    ([{"role": "user", "content": " \n"}], {},
+     "messages.0.content.0: text content blocks must contain non-whitespace text"),
+    ([{"role": "user", "content": "Hi"}], {"system": [{"type": "text", "text": ""}]},
+     "system.0: text content blocks must be non-empty"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "My answer: "}], {},
+     "final assistant content cannot end with trailing whitespace"),
+    ([{"role": "user", "content": [
+        {"type": "text", "text": "a", "cache_control": EPHEMERAL},
+        {"type": "text", "text": "b", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}],
+     {}, "ttl '1h' must come before"),
     ([{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "get_weather",
                                     "input": {}}]}], {}, "a user message cannot hold tool_use"),
     (TOOL_LOOP[:2], {"tools": [WEATHER]}, "the last message may be an assistant's only"),
