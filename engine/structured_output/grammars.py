@@ -28,6 +28,13 @@ JSON_OPTIONS: Mapping[str, Any] = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
 }
 MAX_GRAMMAR_CHARS = 1 << 20
+# The magnitude past which no JSON schema may start an integer range (a lower bound above
+# it, an upper bound below its negative). llguidance 1.9 builds integer ranges in 64-bit
+# integers: a range wholly below them crashes the process, and one wholly above them yields
+# numbers outside the range.
+MAX_RANGE_START = 2**63 - 2**10
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
 MAX_ERROR_CHARS = 300  # of a grammar's error message, as a client gets it
 
 ToolCallStyle = Literal["hermes", "llama3_json"]
@@ -112,10 +119,47 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None)
     special-token names are checked too)."""
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"the grammar is longer than {MAX_GRAMMAR_CHARS} characters")
+    check_schema_ranges(grammar)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if failed:
         raise ValueError(short_error(messages[0]) if messages and messages[0].strip()
                          else "invalid grammar")
+
+
+def check_schema_ranges(grammar: str) -> None:
+    """ValueError for a JSON schema of `grammar` (a `%json` rule) with a range that starts
+    past `MAX_RANGE_START`; a rule that is not JSON is left to llguidance to refuse."""
+    decoder = json.JSONDecoder()
+    start = grammar.find("%json")
+    while start != -1:
+        end = start + len("%json")
+        while end < len(grammar) and grammar[end].isspace():
+            end += 1
+        try:
+            schema, end = decoder.raw_decode(grammar, end)
+        except ValueError:
+            schema = None
+        _check_ranges(schema)
+        start = grammar.find("%json", end)
+
+
+def _check_ranges(schema: Any) -> None:
+    pending = [schema]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, list):
+            pending.extend(value)
+        if not isinstance(value, dict):
+            continue
+        pending.extend(value.values())
+        for key in (*_LOWER_BOUNDS, *_UPPER_BOUNDS):
+            bound = value.get(key)
+            if isinstance(bound, bool) or not isinstance(bound, int | float):
+                continue
+            if (bound > MAX_RANGE_START) if key in _LOWER_BOUNDS else (
+                    bound < -MAX_RANGE_START):
+                raise ValueError(f"{key} {bound} leaves no number within the range this "
+                                 f"server constrains output to (+/-{MAX_RANGE_START})")
 
 
 def checked_spec(kind: Any, grammar: str,

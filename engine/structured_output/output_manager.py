@@ -51,7 +51,7 @@ import numpy as np
 from engine.config import StructuredOutputConfig
 from engine.structured_output.bitmask import GrammarBitmask
 from engine.structured_output.compile_queue import CompileQueue
-from engine.structured_output.grammars import short_error
+from engine.structured_output.grammars import check_schema_ranges, short_error
 from engine.structured_output.spec import StructuredOutputSpec
 from engine.structured_output.tokenizer import GrammarTokenizerSource
 
@@ -592,6 +592,7 @@ def compile_grammar(tokenizer: llguidance.LLTokenizer, grammar: str,
     reports a lexer that ran out of fuel building the first mask (and a parser over its
     items) only at the next token: a copy of the matcher takes the first token the mask
     allows, so that such a grammar fails here rather than in a step."""
+    check_schema_ranges(grammar)  # one llguidance would crash on: a request's error here
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0,
                                    limits=_DEFAULT_LIMITS if limits is None else limits)
     _raise_error(matcher.get_error())

@@ -89,6 +89,38 @@ def test_bad_inputs_raise_value_error(build, message):
         build()
 
 
+# Integer ranges llguidance 1.9 cannot build: wholly below 64-bit integers (it crashes the
+# process), wholly above them (it yields numbers outside the range); nested, or in a Lark rule.
+OUT_OF_RANGE = [
+    {"type": "integer", "minimum": -9223372036854775807, "maximum": -9223372036854775807},
+    {"anyOf": [{"type": "integer"}], "minimum": -1e19, "exclusiveMaximum": -1e19},
+    {"type": "object", "properties": {"n": {"type": ["integer", "null"], "minimum": -1e300,
+                                            "maximum": -1e19}}},
+    {"type": "integer", "minimum": 1e19, "maximum": 2e19},
+]
+
+
+@pytest.mark.parametrize("grammar", [
+    *(grammars.json_schema_grammar(schema) for schema in OUT_OF_RANGE),
+    'start: "n=" %json {"type": "integer", "minimum": -1e19, "maximum": -1e19}\n',
+])
+def test_a_range_past_64_bit_integers_is_refused_before_llguidance_reads_it(grammar,
+                                                                             monkeypatch):
+    def never(*_args):
+        raise AssertionError("llguidance read the grammar")
+
+    monkeypatch.setattr(grammars.llguidance.LLMatcher, "validate_grammar_with_warnings", never)
+    with pytest.raises(ValueError, match="leaves no number within the range"):
+        grammars.check_grammar(grammar)
+
+
+def test_ranges_within_64_bit_integers_pass():
+    for schema in ({"type": "integer", "minimum": -1e300, "maximum": 5},
+                   {"type": "integer", "maximum": -9223372036854774784},
+                   {"type": "number", "minimum": -1e19}):
+        grammars.check_schema_ranges(grammars.json_schema_grammar(schema))
+
+
 def test_a_regex_error_says_what_is_wrong():
     """Its first line ends in a colon; what is wrong is on its last."""
     schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}

@@ -189,6 +189,29 @@ def test_a_schema_the_grammar_engine_rejects_names_the_field(server):
     server.wait_idle()
 
 
+CRASHING_SCHEMA = {"type": "integer", "minimum": -9223372036854775807,
+                   "maximum": -9223372036854775807}  # crashes llguidance 1.9 if it reads it
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": CRASHING_SCHEMA}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"n": CRASHING_SCHEMA}}}}]}, "tools"),
+    ("/v1/completions", {"prompt": "n=", "structured_outputs": {
+        "grammar": f'start: %json {json.dumps(CRASHING_SCHEMA)}'}}, "structured_outputs"),
+])
+def test_a_schema_that_would_crash_the_grammar_engine_is_refused(server, path, body, param):
+    with server.http() as http:
+        response = http.post(path, json={"model": "tiny", "max_tokens": 4, **body})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"].startswith(param)
+        assert "leaves no number within the range" in response.json()["error"]["message"]
+        assert http.get("/health").status_code == 200
+
+
 # A schema that names one key and says nothing of others: JSON Schema allows any other key.
 OPEN_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}}
 
