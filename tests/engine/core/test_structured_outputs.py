@@ -149,6 +149,7 @@ def test_min_tokens_does_not_hold_a_finished_grammar_open(core):
                               min_tokens=10))
     token_ids, reason, _ = _run(core)["short"]
     assert _text(token_ids[:-1]) == "ok" and reason is FinishReason.STOP
+    assert token_ids[-1] == EOS and EOS not in token_ids[:-1]  # one EOS, not one a step
 
 
 def test_the_serving_core_prepares_the_grammars_tokenizer_before_it_serves(monkeypatch):
