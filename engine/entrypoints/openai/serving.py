@@ -63,7 +63,7 @@ from engine.frontend.processor import ProcessedRequest, PromptTooLongError, toke
 from engine.frontend.request_outputs import CompletionOutput, RequestOutput, RequestRejected
 from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import MAX_INT32, RequestOutputKind, SamplingParams
 from engine.structured_output.spec import StructuredOutputSpec
 from engine.tool_calls import (
     TOOL_CALL_MARKERS,
@@ -493,6 +493,9 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
         if sampling.n > settings.max_n:
             raise APIError(400, f"n is {sampling.n}, over this server's limit of "
                                 f"{settings.max_n}", param="n", code="limit_exceeded")
+        if max_tokens is not None and max_tokens > MAX_INT32:
+            raise APIError(400, f"{self.max_tokens_param} must be at most {MAX_INT32}, got "
+                                f"{max_tokens}", param=self.max_tokens_param)
         limit = settings.max_output_tokens
         if max_tokens is not None and limit is not None and max_tokens > limit:
             raise APIError(400, f"{self.max_tokens_param} is {max_tokens}, over this server's "

@@ -85,6 +85,9 @@ BAD_BODIES = [
     ("/v1/completions", {**COMPLETION, "guided_grammar": "start: missing_rule"},
      "guided_grammar"),
     ("/v1/completions", {**COMPLETION, "guided_choice": ["a"], "ignore_eos": True}, None),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10**12}, "max_tokens"),
+    ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 10**12},
+     "max_output_tokens"),
 ]
 
 
