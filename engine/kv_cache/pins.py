@@ -79,7 +79,10 @@ class PinTable:
         self._block_pool = block_pool
         self._on_released = on_released
         self._pins: dict[str, Pin] = {}
-        self.num_pinned_blocks = 0
+        # How many live pins hold each block (by id), over all pins and by tenant: pins of
+        # turns that share a prefix share its blocks, which are counted once.
+        self._num_holders: Counter[int] = Counter()
+        self._num_holders_by_tenant: dict[str | None, Counter[int]] = {}
         self.num_created = 0
         self.num_created_by_source: Counter[str] = Counter()  # "policy", "client"
         self.num_released: Counter[PinReleaseReason] = Counter()
@@ -108,7 +111,7 @@ class PinTable:
         pin = Pin(job_id, request_id, blocks, pinned_at_s=now_s, ttl_s=ttl_s, tenant=tenant,
                   source=source)
         self._pins[job_id] = pin
-        self.num_pinned_blocks += pin.num_blocks
+        self._count_holders(pin, +1)
         self.num_created += 1
         self.num_created_by_source[source] += 1
         if previous is not None:
@@ -122,6 +125,16 @@ class PinTable:
             self._drop(pin, reason, now_s)
         return pin
 
+    @property
+    def num_pinned_blocks(self) -> int:
+        """The blocks live pins hold, each counted once however many pins share it."""
+        return len(self._num_holders)
+
+    def num_tenant_blocks(self, tenant: str | None) -> int:
+        """The blocks `tenant`'s live pins hold, each counted once."""
+        holders = self._num_holders_by_tenant.get(tenant)
+        return 0 if holders is None else len(holders)
+
     def get(self, job_id: str) -> Pin | None:
         return self._pins.get(job_id)
 
@@ -134,8 +147,18 @@ class PinTable:
     def __iter__(self) -> Iterator[Pin]:
         return iter(list(self._pins.values()))
 
+    def _count_holders(self, pin: Pin, change: Literal[1, -1]) -> None:
+        tenant_holders = self._num_holders_by_tenant.setdefault(pin.tenant, Counter())
+        for holders in (self._num_holders, tenant_holders):
+            for block in pin.blocks:
+                holders[block.block_id] += change
+                if not holders[block.block_id]:
+                    del holders[block.block_id]
+        if not tenant_holders:
+            del self._num_holders_by_tenant[pin.tenant]
+
     def _drop(self, pin: Pin, reason: PinReleaseReason, now_s: float) -> None:
-        self.num_pinned_blocks -= pin.num_blocks
+        self._count_holders(pin, -1)
         self.num_released[reason] += 1
         pin.release_reason = reason
         pin.released_at_s = now_s
@@ -144,15 +167,20 @@ class PinTable:
             self._on_released(pin)
 
     def check_invariants(self) -> None:
-        """Pins are keyed by their job, hold cached blocks, and the block count is exact."""
-        total = 0
+        """Pins are keyed by their job, hold cached blocks, and the block counts are exact."""
+        holders: Counter[int] = Counter()
+        by_tenant: dict[str | None, Counter[int]] = {}
         for job_id, pin in self._pins.items():
             assert pin.job_id == job_id, f"pin of {pin.job_id} filed under {job_id}"
             assert pin.release_reason is None, f"released pin of {job_id} still live"
             for block in pin.blocks:
                 assert block.ref_cnt > 0, f"pin of {job_id} holds unreferenced {block}"
                 assert block.block_hash is not None, f"pin of {job_id} holds uncached {block}"
-            total += pin.num_blocks
-        assert total == self.num_pinned_blocks, "pinned block count drifted"
+            ids = [block.block_id for block in pin.blocks]
+            assert len(set(ids)) == len(ids), f"pin of {job_id} holds a block twice"
+            holders.update(ids)
+            by_tenant.setdefault(pin.tenant, Counter()).update(ids)
+        assert holders == self._num_holders, "pinned block counts drifted"
+        assert by_tenant == self._num_holders_by_tenant, "tenants' pinned block counts drifted"
         released = sum(self.num_released.values())
         assert self.num_created == released + len(self._pins), "pins created != released + live"

@@ -48,7 +48,8 @@ class SchedulerStarted:
 @dataclass(frozen=True, slots=True)
 class PoolState:
     """The block pool entering a step: totals, free blocks (those still caching a prefix
-    among them), blocks held by pins (summed over pins), and the jobs holding pins."""
+    among them), blocks held by pins (each once, however many pins share it), and the jobs
+    holding pins."""
 
     num_total_blocks: int
     num_free_blocks: int

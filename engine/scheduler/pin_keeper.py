@@ -94,13 +94,13 @@ class PinKeeper:
 
     def _cap_tenant_pins(self, tenant: str | None, max_pinned_blocks: float, newest: Pin,
                          now_s: float) -> None:
+        """Releases the tenant's oldest pins (the newest last) until the blocks they hold
+        (each once) are within `max_pinned_blocks`."""
         pins = [pin for pin in self.pins if pin.tenant == tenant and pin is not newest]
-        num_pinned = sum(pin.num_blocks for pin in pins) + newest.num_blocks
         for pin in (*pins, newest):  # the table keeps pins oldest first
-            if num_pinned <= max_pinned_blocks:
+            if self.pins.num_tenant_blocks(tenant) <= max_pinned_blocks:
                 return
             self.release(pin.job_id, PinReleaseReason.TENANT_SHARE, now_s)
-            num_pinned -= pin.num_blocks
 
     def _ttl_s(self, request: Request, retention: Retention) -> float:
         """The policy's TTL, capped for an inferred job by how long its turn can be continued;

@@ -44,6 +44,26 @@ def test_a_tenants_pins_hold_at_most_its_share_while_tenants_compete() -> None:
     assert set(scheduler.pins.num_released) == {PinReleaseReason.TENANT_SHARE}
 
 
+def test_pins_that_share_a_prefix_count_its_blocks_once() -> None:
+    scheduler = make_scheduler(num_blocks=48, block_size=4, max_model_len=64,
+                               policy=PinningPolicy(ttl_s=1000.0))
+    runner = FakeRunner(4)
+    scheduler.add_request(make_request("victim", [7] * 8, max_tokens=60, tenant="victim"))
+    _step(scheduler, runner)
+    # Nine jobs with one 12-token system prompt: pins of 4 blocks each, 3 of them shared.
+    for index in range(9):
+        own = 1000 * (index + 1)
+        scheduler.add_request(make_request(
+            f"agent-job{index}", [*range(500, 512), *range(own, own + 4)],
+            max_tokens=2, job_id=f"agent-j{index}", tenant="agents"))
+    while any(request.tenant == "agents" for request in scheduler.requests.values()):
+        _step(scheduler, runner)
+    assert _pinned_blocks(scheduler, "agents") == 9 * 4  # over the share of 24, if summed
+    assert scheduler.pins.num_tenant_blocks("agents") == 3 + 9
+    assert not scheduler.pins.num_released  # within the share: no pin was released
+    assert scheduler.pins.num_pinned_blocks == 3 + 9
+
+
 def test_one_tenant_alone_pins_as_its_policy_says() -> None:
     scheduler = make_scheduler(num_blocks=48, block_size=4, max_model_len=64,
                                policy=PinningPolicy(ttl_s=1000.0))
