@@ -323,6 +323,9 @@ def _add_info_routes(app: FastAPI) -> None:
             raise engine_dead_error()
         return Response(status_code=200)
 
+    # The same for load balancers' HEAD probes.
+    app.head("/health", include_in_schema=False)(health)
+
     @app.get("/version", operation_id="version", response_model=VersionInfo)
     async def version() -> dict[str, str]:
         return {"version": package_version()}

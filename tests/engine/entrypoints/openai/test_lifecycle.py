@@ -92,6 +92,7 @@ def test_metrics_report_requests_latencies_and_the_core(server):
 def test_health_version_and_models(server):
     with server.http() as http:
         assert http.get("/health").status_code == 200
+        assert http.head("/health").status_code == 200  # load balancers' probe
         assert http.get("/version").json()["version"]
     (model,) = server.client().models.list().data
     assert model.id == "tiny"
@@ -108,6 +109,7 @@ def test_dead_engine_answers_503_promptly():
             while http.get("/health").status_code != 503:
                 assert time.monotonic() < deadline_s, "/health did not notice the dead core"
                 time.sleep(0.05)
+            assert http.head("/health").status_code == 503
             response = http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "engine_dead"
