@@ -135,6 +135,11 @@ class PinTable:
         holders = self._num_holders_by_tenant.get(tenant)
         return 0 if holders is None else len(holders)
 
+    def num_sole_blocks(self, pin: Pin) -> int:
+        """The blocks of the live `pin` that no other pin of its tenant holds."""
+        holders = self._num_holders_by_tenant[pin.tenant]
+        return sum(holders[block.block_id] == 1 for block in pin.blocks)
+
     def get(self, job_id: str) -> Pin | None:
         return self._pins.get(job_id)
 

@@ -188,9 +188,8 @@ class Admission:
             num_held = len(req_to_blocks.get(request.request_id, ()))
             return max(0, num_held - (request.num_cached_tokens or 0) // block_size)
 
-        pinned_blocks: dict[str | None, int] = {}
-        for pin in self._pins:
-            pinned_blocks[pin.tenant] = pinned_blocks.get(pin.tenant, 0) + pin.num_blocks
+        pinned_blocks = {tenant: self._pins.num_tenant_blocks(tenant)
+                         for tenant in {pin.tenant for pin in self._pins}}
         return TenantShares.measure(
             self._view.running, self._view.waiting.tenants(), num_blocks_of,
             max_num_seqs=self._max_num_seqs, num_kv_blocks=self._view.num_kv_blocks,

@@ -44,7 +44,7 @@ class PinKeeper:
         finished normally is kept as the job's pin instead when its deadline is later than
         the policy's pin's (or the policy pins nothing): the blocks of its prefix, for its
         TTL (`source` "client", explained as such). Then the request's tenant's pins, oldest
-        first, the new one last, are released (PRESSURE) until they hold at most
+        first, the new one last, are released (TENANT_SHARE) until they hold at most
         `max_tenant_pinned_blocks` (None: no cap)."""
         if request.job is None:
             return False
@@ -95,12 +95,14 @@ class PinKeeper:
     def _cap_tenant_pins(self, tenant: str | None, max_pinned_blocks: float, newest: Pin,
                          now_s: float) -> None:
         """Releases the tenant's oldest pins (the newest last) until the blocks they hold
-        (each once) are within `max_pinned_blocks`."""
+        (each once) are within `max_pinned_blocks`; a pin whose blocks its tenant's other
+        pins all hold too is kept, as releasing it would free none."""
         pins = [pin for pin in self.pins if pin.tenant == tenant and pin is not newest]
         for pin in (*pins, newest):  # the table keeps pins oldest first
             if self.pins.num_tenant_blocks(tenant) <= max_pinned_blocks:
                 return
-            self.release(pin.job_id, PinReleaseReason.TENANT_SHARE, now_s)
+            if self.pins.num_sole_blocks(pin):
+                self.release(pin.job_id, PinReleaseReason.TENANT_SHARE, now_s)
 
     def _ttl_s(self, request: Request, retention: Retention) -> float:
         """The policy's TTL, capped for an inferred job by how long its turn can be continued;

@@ -16,15 +16,13 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     params = request.sampling_params
     num_output_tokens = request.num_output_tokens
     last_token_id = request.all_token_ids[-1]
+    past_min_tokens = num_output_tokens >= params.min_tokens
     if last_token_id == request.eos_token_id and not params.ignore_eos and (
-            params.structured_output is not None):
+            past_min_tokens or params.structured_output is not None):
         return RequestStatus.FINISHED_STOPPED
-    if num_output_tokens >= params.min_tokens:
-        if last_token_id == request.eos_token_id and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if last_token_id in params.stop_token_ids:
-            request.stop_reason = last_token_id
-            return RequestStatus.FINISHED_STOPPED
+    if past_min_tokens and last_token_id in params.stop_token_ids:
+        request.stop_reason = last_token_id
+        return RequestStatus.FINISHED_STOPPED
     if request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     if params.max_tokens is not None and num_output_tokens >= params.max_tokens:

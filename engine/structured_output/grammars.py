@@ -127,8 +127,12 @@ def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None)
 
 
 def check_schema_ranges(grammar: str) -> None:
-    """ValueError for a JSON schema of `grammar` (a `%json` rule) with a range that starts
-    past `MAX_RANGE_START`; a rule that is not JSON is left to llguidance to refuse."""
+    """ValueError for a JSON schema of the Lark grammar `grammar` (a `%json` rule) with a
+    range that starts past `MAX_RANGE_START`, and for a grammar in llguidance's JSON form
+    (whose schemas this does not read; the frontend writes only Lark). A rule that is not
+    JSON is left to llguidance to refuse."""
+    if grammar.lstrip().startswith("{"):
+        raise ValueError("a grammar must be written in Lark")
     decoder = json.JSONDecoder()
     start = grammar.find("%json")
     while start != -1:
@@ -137,7 +141,7 @@ def check_schema_ranges(grammar: str) -> None:
             end += 1
         try:
             schema, end = decoder.raw_decode(grammar, end)
-        except ValueError:
+        except (ValueError, RecursionError):  # llguidance refuses it (nested past its limit)
             schema = None
         _check_ranges(schema)
         start = grammar.find("%json", end)

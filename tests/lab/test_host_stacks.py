@@ -40,14 +40,16 @@ def _by_function(stacks: HostStacks) -> dict[str, float]:
 
 def test_the_sampled_time_goes_to_the_functions_the_thread_was_in() -> None:
     switch_interval_s = sys.getswitchinterval()
+    started_s = time.perf_counter()
     with HostStacks(interval_s=0.001) as stacks:
         _busy_python(0.3)
         time.sleep(0.2)
+    wall_s = time.perf_counter() - started_s
     assert sys.getswitchinterval() == switch_interval_s
     by_function = _by_function(stacks)
     # A sample is charged the time since the last one, so a sampler starved by a busy host
     # moves time from one function to the next; the total stays the time sampled.
-    assert 0.35 <= sum(by_function.values()) <= 0.6
+    assert 0.35 <= sum(by_function.values()) <= wall_s
     assert by_function.get(f"{THIS_FILE} _busy_python", 0.0) >= 0.15
     # Asleep in C: the sampled line is this test's own, the line that called.
     here = f"{THIS_FILE} test_the_sampled_time_goes_to_the_functions_the_thread_was_in"

@@ -141,10 +141,14 @@ def _check_message(index: int, message: Message, *, is_last: bool, has_tools: bo
 
 
 def _check_texts(where: str, blocks: Sequence[Any]) -> None:
-    """APIError(400) for an empty or blank text block among `blocks` (at `where`)."""
-    for block_index, block in enumerate(blocks):
-        if isinstance(block, TextBlock) and not block.text.strip():
-            why = "must be non-empty" if not block.text else "must contain non-whitespace text"
+    """APIError(400) for an empty text block among `blocks` (at `where`), or a blank one
+    when none of them has other text (as Anthropic refuses them)."""
+    texts = [(index, block.text) for index, block in enumerate(blocks)
+             if isinstance(block, TextBlock)]
+    all_blank = not any(text.strip() for _, text in texts)
+    for block_index, text in texts:
+        if not text or (all_blank and not text.strip()):
+            why = "must be non-empty" if not text else "must contain non-whitespace text"
             raise APIError(400, f"{where}.{block_index}: text content blocks {why}",
                            param=f"{where}.{block_index}.text")
 

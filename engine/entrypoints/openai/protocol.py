@@ -218,7 +218,7 @@ class GenerationFields(JobFields):
             raise APIError(400, f"{param or 'the body'}: the text holds a lone UTF-16 "
                                 "surrogate, which is not Unicode", param=param)
         for name, why in cls.refused_fields.items():
-            if data.get(name) is not None:
+            if data.get(name) not in (None, []):  # an empty list asks for nothing
                 raise APIError(400, why, param=name)
         return data
 

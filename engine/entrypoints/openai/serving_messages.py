@@ -26,8 +26,9 @@ A stream is Anthropic's events: `message_start` (once the engine's first output 
 the usage then known) and a `ping`; `content_block_start` / `content_block_delta` /
 `content_block_stop` for the text block (its text as it comes, held back where a tool call may
 begin) and then for each `tool_use` block (its input as one `input_json_delta`);
-`message_delta` with the stop reason and the usage; `message_stop`. An output of nothing has
-no block (`content` is empty), as Anthropic's. A call the output was cut off in (by
+`message_delta` with the stop reason and the usage; `message_stop`. An output of nothing, or
+of whitespace, has no text block (a blank one, sent back, Anthropic refuses): a text block
+opens with the text's first other character. A call the output was cut off in (by
 `max_tokens` or a stop sequence) is its last `tool_use` block, its input as far as written, as
 Anthropic returns one. A failure after the stream started is an `error` event.
 """
@@ -188,7 +189,8 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
         return {
             "id": prepared.message_id, "type": "message", "role": "assistant",
             "model": self.settings.served_model_name,
-            "content": [*([{"type": "text", "text": output.text}] if output.text else []),
+            "content": [*([{"type": "text", "text": output.text}] if output.text.strip()
+                          else []),
                         *self._tool_use_blocks(prepared, output)],
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": self._usage(prepared, num_cached_tokens, output.num_tokens),
@@ -208,11 +210,13 @@ class OpenAIServingMessages(OpenAIServing[MessagesRequest, PreparedMessage]):
                     yield _event("message_start", message=self._message_opening(
                         prepared, num_cached_tokens))
                     yield _event("ping")
-                if delta.text and not text_open:
-                    text_open = True
+                if not text_open and output.text.strip():
+                    text_open = True  # with the blank text before it, held till now
                     yield _event("content_block_start", index=0,
                                  content_block={"type": "text", "text": ""})
-                if delta.text:
+                    yield _event("content_block_delta", index=0,
+                                 delta={"type": "text_delta", "text": output.text})
+                elif text_open and delta.text:
                     yield _event("content_block_delta", index=0,
                                  delta={"type": "text_delta", "text": delta.text})
             for chunk in self._closing_events(prepared, output, num_cached_tokens,

@@ -110,6 +110,18 @@ class HugeIntegerExecutor(ScriptedExecutor):
         self._script = self._encode(HUGE_INTEGER_CALL)
 
 
+# Whitespace, then a Hermes call of `bash`.
+BLANK_THEN_CALL = " \n\n" + SCRIPT.removeprefix("Let me look.\n")
+
+
+class BlankThenCallExecutor(ScriptedExecutor):
+    """Replays `BLANK_THEN_CALL` for every request."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._script = self._encode(BLANK_THEN_CALL)
+
+
 class PinJobTurnsPolicy(FCFSPolicy):
     """FCFS that pins every finished non-final turn of a job (see the module docstring) that
     the client named: the jobs the scheduler infers for requests without one are not pinned,

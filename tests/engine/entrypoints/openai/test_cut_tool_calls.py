@@ -2,16 +2,20 @@
 the scripted executor writes `SCRIPT` (text, then a Hermes call of `bash`), and a small
 `max_tokens` ends it inside the call. The call's markup is never text; the call shows as the
 last call, its arguments as far as written, and the stop reason says why the output ended.
-A stop string at the start leaves an output of nothing."""
+A stop string at the start leaves an output of nothing; an output of whitespace has no text
+block either, as Anthropic refuses a blank one sent back."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import anthropic
 import pytest
 
-from tests.engine.entrypoints.openai.conftest import ServerThread
+from engine.entrypoints.openai.serving import ServerSettings
+from engine.entrypoints.openai.tenants import Tenants
+from tests.engine.entrypoints.openai.conftest import SCRIPTED, ServerThread, start_server
 
 ARGUMENTS = '{"command": "ls -la"}'
 CHAT_TOOLS = [{"type": "function", "function": {
@@ -133,3 +137,34 @@ def test_an_empty_output_has_no_content_block(scripted_server):
         final = stream.get_final_message()
     assert final.content == [] and final.stop_reason == "stop_sequence"
     assert names == ["message_start", "message_delta", "message_stop"]
+
+
+@pytest.fixture(scope="module")
+def blank_server() -> Iterator[ServerThread]:
+    running = start_server(
+        executor=f"{SCRIPTED}:BlankThenCallExecutor", api_key="secret-key",
+        settings=ServerSettings(served_model_name="scripted",
+                                tenants=Tenants.from_pairs([("secret-key", "default")])))
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize(("fields", "content_types"), [
+    ({"tools": MESSAGES_TOOLS}, ["tool_use"]),  # the blank before the call
+    ({"stop_sequences": ["{"]}, []),  # the blank alone (the markup a special token)
+])
+def test_an_output_of_whitespace_has_no_text_block(blank_server, fields, content_types):
+    client = _anthropic(blank_server)
+    kwargs = {"model": "scripted", "messages": MESSAGES, "max_tokens": 200, **fields}
+    message = client.messages.create(**kwargs)
+    assert [block.type for block in message.content] == content_types
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [block.type for block in final.content] == content_types
+    # Sent back, the answer is a conversation Anthropic (and this server) takes.
+    if content_types:
+        (call,) = message.content
+        client.messages.create(model="scripted", max_tokens=4, tools=MESSAGES_TOOLS, messages=[
+            *MESSAGES, {"role": "assistant", "content": [call.model_dump()]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                          "content": "."}]}])

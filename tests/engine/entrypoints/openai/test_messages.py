@@ -135,7 +135,9 @@ def test_the_sdk_lists_and_retrieves_the_model(tiny) -> None:
 
 
 def test_a_stream_adds_up_to_the_same_message(tiny) -> None:
-    body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "messages": QUESTION}
+    # Seeded: the same output twice, one with text (the tiny model's greedy one is blank).
+    body = {"model": "tiny", "max_tokens": 24, "temperature": 1, "seed": 1,
+            "messages": QUESTION}
     events = _raw_events(tiny, body, headers={"anthropic-version": "2023-06-01"})
     names = [name for name, _ in events]
     assert names[:3] == ["message_start", "ping", "content_block_start"]
@@ -143,8 +145,8 @@ def test_a_stream_adds_up_to_the_same_message(tiny) -> None:
     assert set(names[3:-3]) == {"content_block_delta"}
     text = "".join(data["delta"]["text"] for name, data in events
                    if name == "content_block_delta")
-    sdk_body = {**body, "extra_body": {"temperature": 0}}
-    del sdk_body["temperature"]
+    sdk_body = {key: value for key, value in body.items() if key not in ("temperature", "seed")}
+    sdk_body["extra_body"] = {"temperature": 1, "seed": 1}
     whole = _client(tiny).messages.create(**sdk_body)
     assert text == whole.content[0].text
     message_delta = events[-2][1]
@@ -312,6 +314,8 @@ def test_errors_have_anthropics_shape_and_status(agent, tiny) -> None:
     assert "MCP servers are not supported" in refused(
         tiny, anthropic.BadRequestError, 400, "invalid_request_error",
         extra_body={"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]})
+    assert _client(tiny).messages.create(model="tiny", max_tokens=2, messages=QUESTION,
+                                         extra_body={"mcp_servers": []})  # asks for nothing
     assert "service_tier" in refused(tiny, anthropic.BadRequestError, 400,
                                      "invalid_request_error", service_tier="bogus")
     # Errors of the tools and the output format name this API's fields.

@@ -137,6 +137,11 @@ def test_requests_the_api_refuses(messages, fields, match) -> None:
     assert raised.value.status_code == 400
 
 
+def test_a_blank_text_block_beside_other_text_is_taken() -> None:
+    check_messages_fields(_request([{"role": "user", "content": [
+        {"type": "text", "text": " "}, {"type": "text", "text": "Hi"}]}]))
+
+
 def _breakpoint(tokenizer: Any, body: MessagesRequest, **options: Any
                 ) -> tuple[CacheBreakpoint | None, str]:
     conversation = template_conversation(body)
