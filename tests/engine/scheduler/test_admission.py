@@ -32,12 +32,18 @@ def _pin_jobs(scheduler: Scheduler, runner: FakeRunner, tenant: str, count: int)
         _step(scheduler, runner)
 
 
-def test_a_tenants_pins_hold_at_most_its_share_while_tenants_compete() -> None:
+def _competing() -> tuple[Scheduler, FakeRunner]:
+    """A 48-block pool whose tenant "victim" is decoding a long request."""
     scheduler = make_scheduler(num_blocks=48, block_size=4, max_model_len=64,
                                policy=PinningPolicy(ttl_s=1000.0))
     runner = FakeRunner(4)
     scheduler.add_request(make_request("victim", [7] * 8, max_tokens=60, tenant="victim"))
     _step(scheduler, runner)
+    return scheduler, runner
+
+
+def test_a_tenants_pins_hold_at_most_its_share_while_tenants_compete() -> None:
+    scheduler, runner = _competing()
     _pin_jobs(scheduler, runner, "attacker", 9)  # 9 x 4 blocks wanted, 24 the share
     assert 0 < _pinned_blocks(scheduler, "attacker") <= 48 / 2
     # The oldest went to make room for the newest, as the trace names it.
@@ -45,11 +51,7 @@ def test_a_tenants_pins_hold_at_most_its_share_while_tenants_compete() -> None:
 
 
 def test_pins_that_share_a_prefix_count_its_blocks_once() -> None:
-    scheduler = make_scheduler(num_blocks=48, block_size=4, max_model_len=64,
-                               policy=PinningPolicy(ttl_s=1000.0))
-    runner = FakeRunner(4)
-    scheduler.add_request(make_request("victim", [7] * 8, max_tokens=60, tenant="victim"))
-    _step(scheduler, runner)
+    scheduler, runner = _competing()
     # Nine jobs with one 12-token system prompt: pins of 4 blocks each, 3 of them shared.
     for index in range(9):
         own = 1000 * (index + 1)
