@@ -61,6 +61,7 @@ from engine.entrypoints.openai.work_pool import (
 from engine.frontend.async_llm import AsyncLLM, QueueFullError
 from engine.frontend.processor import ProcessedRequest, PromptTooLongError, token_count_text
 from engine.frontend.request_outputs import CompletionOutput, RequestOutput, RequestRejected
+from engine.frontend.token_bytes import TokenBytes
 from engine.outputs import TokenLogprobs
 from engine.request import JobInfo
 from engine.sampling_params import MAX_INT32, RequestOutputKind, SamplingParams
@@ -340,6 +341,7 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
         self.settings = settings
         self.pool = pool
         self._token_texts: dict[int, str] = {}
+        self._token_bytes = TokenBytes(engine.tokenizer)
         self.grammar_checker = grammar_checker
         self._in_flight = TenantEngineRequests.of(engine)
         self._refusal_pacer = refusal_pacer
@@ -737,15 +739,16 @@ class OpenAIServing(Generic[BodyT, PreparedT]):
 
     def token_logprobs(self, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
         """Chat's and the Responses API's logprob entries: each token with its text, logprob,
-        UTF-8 bytes and top alternatives."""
+        bytes (its own, also where it holds part of a character: `TokenBytes`) and top
+        alternatives."""
         return [{**self._token_logprob(entry.token_id, entry.logprob),
                  "top_logprobs": [self._token_logprob(token_id, logprob) for token_id, logprob
                                   in zip(entry.top_token_ids, entry.top_logprobs, strict=True)]}
                 for entry in entries]
 
     def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": self.token_text(token_id), "logprob": logprob,
+                "bytes": list(self._token_bytes(token_id))}
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
