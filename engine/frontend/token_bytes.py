@@ -53,15 +53,12 @@ class TokenBytes:
         return found
 
     def _read(self, token_id: int) -> bytes:
-        text = self._tokenizer.decode([token_id])
-        if token_id in self._added_ids:
-            return text.encode()
-        piece = self._tokenizer.convert_ids_to_tokens(token_id)
-        if not isinstance(piece, str):
-            return text.encode()
-        if self._alphabet is not None and all(char in self._alphabet for char in piece):
-            return bytes(self._alphabet[char] for char in piece)
-        byte_piece = _BYTE_PIECE.fullmatch(piece)
-        if byte_piece is not None:
-            return bytes([int(byte_piece.group(1), 16)])
-        return text.encode()
+        piece = (None if token_id in self._added_ids
+                 else self._tokenizer.convert_ids_to_tokens(token_id))
+        if isinstance(piece, str):
+            if self._alphabet is not None and all(char in self._alphabet for char in piece):
+                return bytes(self._alphabet[char] for char in piece)
+            byte_piece = _BYTE_PIECE.fullmatch(piece)
+            if byte_piece is not None:
+                return bytes([int(byte_piece.group(1), 16)])
+        return self._tokenizer.decode([token_id]).encode()  # an added token, or a piece

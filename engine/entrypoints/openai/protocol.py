@@ -283,6 +283,11 @@ class SamplingFields(GenerationFields):
                            param="stream_options")
         return self
 
+    @property
+    def includes_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (`stream_options.include_usage`)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
     def sampling(self) -> Sampling:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return Sampling(n=self.n, temperature=self.temperature, top_p=self.top_p, stop=stop)

@@ -145,7 +145,7 @@ class OpenAIServingChat(OpenAIServing[ChatCompletionRequest, Prepared]):
         other chunks then carry a null one, as OpenAI's) and `[DONE]`. With
         `return_token_ids`, the first chunk carries the prompt's token ids."""
         request = prepared.request
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        include_usage = body.includes_usage
         header = {"id": request.request_id, "object": "chat.completion.chunk",
                   "created": int(time.time()), "model": self.settings.served_model_name,
                   **({"usage": None} if include_usage else {})}

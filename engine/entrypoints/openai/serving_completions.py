@@ -242,7 +242,7 @@ class OpenAIServingCompletion(OpenAIServing[CompletionRequest, PreparedCompletio
         """SSE chunks, ending with usage (if asked: the other chunks then carry a null one, as
         OpenAI's) and `[DONE]`."""
         response_id, requests = prepared.response_id, prepared.requests
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        include_usage = body.includes_usage
         header = {"id": response_id, "object": "text_completion", "created": int(time.time()),
                   "model": self.settings.served_model_name,
                   **({"usage": None} if include_usage else {})}
